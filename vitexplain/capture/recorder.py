@@ -1,0 +1,429 @@
+"""``vx.capture``: a scoped recorder of attention calls that keeps fused attention on.
+
+How it works (see references.md, "Attention from fused kernels"):
+
+- A :class:`torch.overrides.TorchFunctionMode` observes every
+  ``F.scaled_dot_product_attention`` call (q, k, v, mask, scale, causal flag) and lets the
+  fused kernel run unchanged. It also observes 4-D ``softmax`` calls made inside modules
+  (models that compute attention in Python, e.g. timm with ``fused_attn=False`` or
+  Hugging Face "eager"), and ``nn.MultiheadAttention``'s functional forward, whose inner
+  SDPA / softmax call it makes visible for the duration of that call only.
+- Each call is attributed to the module that issued it by walking the Python stack to the
+  nearest frame whose ``self`` is a submodule of the captured model. No hook is put on
+  the model for this, and calls from other models are ignored.
+- Gradients: a tensor hook on the SDPA output captures dO; ``dy/dA = dO @ V^T``.
+
+Everything the capture changes is restored on exit, also when the block raises: hooks
+(only the root's input hook and the optional activation hooks), the MHA fast-path flag.
+The model's ``training`` flags, ``fused_attn`` flags, ``requires_grad`` and ``.grad`` are
+never touched.
+"""
+
+from __future__ import annotations
+
+import sys
+from types import FrameType
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils.hooks import RemovableHandle
+
+from ..errors import CaptureError, NoAttentionError
+from .records import ActivationRecord, AttentionRecord
+
+__all__ = ["capture", "Recorder"]
+
+_SDPA = F.scaled_dot_product_attention
+_MHA_FORWARD = F.multi_head_attention_forward
+_SOFTMAX = (torch.softmax, torch.Tensor.softmax, F.softmax, torch.special.softmax)
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+# Argument names that, when a tensor is passed, mean the keys come from another sequence.
+CROSS_ARGUMENT_NAMES = (
+    "encoder_hidden_states",
+    "key_value_states",
+    "memory",
+    "context",
+    "cross_attn_states",
+    "encoder_out",
+)
+
+SUPPORTED = (
+    "torch.nn.functional.scaled_dot_product_attention (timm ViT/DeiT/EVA/BEiT/Swin, "
+    "torchvision, Hugging Face attn_implementation='sdpa'), attention modules that compute "
+    "softmax(q k^T) in Python (timm fused_attn=False, Hugging Face 'eager') and "
+    "nn.MultiheadAttention / nn.Transformer* layers"
+)
+
+
+def _bind_sdpa(args: tuple, kwargs: dict) -> dict[str, Any]:
+    """Map SDPA's positional and keyword arguments to names."""
+    bound = dict(zip(_SDPA_ARGS, args))
+    bound.update(kwargs)
+    return bound
+
+
+class _AttentionMode(TorchFunctionMode):
+    """Routes attention-related torch calls to the recorder; everything else runs as is."""
+
+    def __init__(self, recorder: "Recorder") -> None:
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        if kwargs is None:
+            kwargs = {}
+        if func is _SDPA:
+            return self.recorder._on_sdpa(func, args, kwargs)
+        if func in _SOFTMAX:
+            return self.recorder._on_softmax(func, args, kwargs)
+        if func is _MHA_FORWARD:
+            return self.recorder._on_mha(func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+class Recorder:
+    """Records the attention calls (and optionally activations) of one model.
+
+    Use through :func:`capture`. After the forward, ``rec.records`` lists one
+    :class:`AttentionRecord` per attention call in call order; ``rec.layout`` gives the
+    token layout of the image input; ``rec.activations[name]`` the recorded module calls.
+
+    Attributes:
+        model: the captured model.
+        grads: whether gradients w.r.t. attention (and activations) are captured.
+        input_size: (H, W) of the last image tensor the model received, if any.
+        forward_count: how many times the model's own forward ran inside the scope.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        grads: bool = False,
+        activations: Sequence[str] = (),
+        attention: bool = True,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"vx.capture expects an nn.Module, got {type(model).__name__}")
+        self.model = model
+        self.grads = bool(grads)
+        self.attention = bool(attention)
+        self.activation_names = tuple(activations)
+        self.input_size: Optional[tuple[int, int]] = None
+        self.forward_count = 0
+        self._records: list[AttentionRecord] = []
+        self._steps: dict[str, int] = {}
+        self.activations: dict[str, list[ActivationRecord]] = {n: [] for n in self.activation_names}
+        self._names: dict[int, str] = {}
+        self._handles: list[RemovableHandle] = []
+        self._mode: Optional[_AttentionMode] = None
+        self._fastpath: Optional[bool] = None
+        self._active = False
+
+    # -- context manager --------------------------------------------------------------
+    def __enter__(self) -> "Recorder":
+        if self._active:
+            raise CaptureError("this recorder is already active; create a new vx.capture(...)")
+        modules = dict(self.model.named_modules())
+        missing = [n for n in self.activation_names if n not in modules]
+        if missing:
+            raise CaptureError(
+                f"no module named {missing} in {type(self.model).__name__}; module names "
+                f"look like {list(modules)[1:6]} (see model.named_modules())"
+            )
+        self._names = {id(m): n for n, m in modules.items()}
+        try:
+            self._handles.append(
+                self.model.register_forward_pre_hook(self._on_model_input, with_kwargs=True)
+            )
+            for name in self.activation_names:
+                self._handles.append(modules[name].register_forward_hook(self._activation_hook(name)))
+            if self.attention:
+                if hasattr(torch.backends, "mha") and hasattr(torch.backends.mha, "get_fastpath_enabled"):
+                    self._fastpath = torch.backends.mha.get_fastpath_enabled()
+                    torch.backends.mha.set_fastpath_enabled(False)
+                self._mode = _AttentionMode(self)
+                self._mode.__enter__()
+        except BaseException:
+            self._restore()
+            raise
+        self._active = True
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self._restore()
+        return None  # never swallow exceptions
+
+    def _restore(self) -> None:
+        try:
+            if self._mode is not None:
+                self._mode.__exit__(None, None, None)
+        finally:
+            self._mode = None
+            for handle in self._handles:
+                handle.remove()
+            self._handles.clear()
+            if self._fastpath is not None:
+                torch.backends.mha.set_fastpath_enabled(self._fastpath)
+                self._fastpath = None
+            self._active = False
+
+    # -- results ----------------------------------------------------------------------
+    @property
+    def records(self) -> list[AttentionRecord]:
+        """All attention records, in call order.
+
+        Raises:
+            NoAttentionError: no attention call was seen (no forward ran, or the model
+                has no attention this capture can observe).
+        """
+        if not self._records:
+            cls = type(self.model).__name__
+            if self.forward_count == 0:
+                raise NoAttentionError(
+                    f"no forward of {cls} ran inside vx.capture(...): call the model inside "
+                    "the `with` block, e.g. `with vx.capture(model) as rec: model(x)`"
+                )
+            raise NoAttentionError(
+                f"no attention call was seen during the forward of {cls}. vitexplain "
+                f"captures {SUPPORTED}. If {cls} is a CNN, use the CNN methods "
+                "('gradcam', 'spatial', 'channel'); if it is compiled (torch.compile, "
+                "TorchScript), capture the original nn.Module."
+            )
+        return list(self._records)
+
+    def select(
+        self, *, kind: Optional[str] = None, prefix: Optional[str] = None, step: Optional[int] = None
+    ) -> list[AttentionRecord]:
+        """Records filtered by kind (``"self"``/``"cross"``), module-name prefix and step."""
+        return [
+            r
+            for r in self.records
+            if (kind is None or r.kind == kind)
+            and (prefix is None or r.name == prefix or r.name.startswith(prefix + "."))
+            and (step is None or r.step == step)
+        ]
+
+    @property
+    def layout(self) -> "Any":
+        """Token layout (prefix tokens, patch grid) of the model for the recorded input size.
+
+        Returns:
+            a :class:`vitexplain.layout.TokenLayout`.
+        """
+        from ..layout import token_layout
+
+        if self.input_size is None:
+            raise CaptureError(
+                "no image tensor (B, C, H, W) reached the model's forward inside the capture, "
+                "so the patch grid is unknown; call vx.token_layout(model, (H, W)) directly"
+            )
+        return token_layout(self.model, self.input_size)
+
+    def activation(self, name: str, step: int = -1) -> ActivationRecord:
+        """The recorded call ``step`` (default: last) of the activation module ``name``."""
+        if name not in self.activations:
+            raise CaptureError(
+                f"{name!r} was not captured; pass it in vx.capture(model, activations=[...])"
+            )
+        calls = self.activations[name]
+        if not calls:
+            raise CaptureError(f"module {name!r} did not run during the captured forward")
+        return calls[step]
+
+    def clear(self) -> None:
+        """Forget all records (e.g. between two forwards in one scope)."""
+        self._records.clear()
+        self._steps.clear()
+        for calls in self.activations.values():
+            calls.clear()
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __repr__(self) -> str:
+        return (
+            f"Recorder(model={type(self.model).__name__}, records={len(self._records)}, "
+            f"grads={self.grads}, active={self._active})"
+        )
+
+    # -- hooks ------------------------------------------------------------------------
+    def _on_model_input(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.forward_count += 1
+        candidates: Iterable[Any] = (*args, kwargs.get("pixel_values"), kwargs.get("x"), kwargs.get("images"))
+        for value in candidates:
+            if isinstance(value, Tensor) and value.dim() == 4 and value.is_floating_point():
+                self.input_size = (int(value.shape[-2]), int(value.shape[-1]))
+                return
+
+    def _activation_hook(self, name: str) -> Callable:
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            out = output[0] if isinstance(output, (tuple, list)) else output
+            if not isinstance(out, Tensor):
+                return
+            inp = next((a for a in args if isinstance(a, Tensor)), None)
+            record = ActivationRecord(name=name, step=len(self.activations[name]), input=inp, output=out)
+            if self.grads and out.requires_grad:
+
+                def grad_hook(grad: Tensor) -> None:
+                    record.grad = grad.detach() if record.grad is None else record.grad + grad.detach()
+
+                out.register_hook(grad_hook)
+            self.activations[name].append(record)
+
+        return hook
+
+    # -- attribution --------------------------------------------------------------------
+    def _issuer(self) -> Optional[tuple[str, nn.Module, FrameType]]:
+        """The innermost captured module on the Python stack, with its frame."""
+        frame: Optional[FrameType] = sys._getframe(2)
+        names = self._names
+        while frame is not None:
+            obj = frame.f_locals.get("self")
+            if obj is not None:
+                name = names.get(id(obj))
+                if name is not None and isinstance(obj, nn.Module):
+                    return name, obj, frame
+            frame = frame.f_back
+        return None
+
+    @staticmethod
+    def _kind(module: nn.Module, frame: FrameType) -> str:
+        flag = getattr(module, "is_cross_attention", None)
+        if isinstance(flag, bool):
+            return "cross" if flag else "self"
+        local = frame.f_locals
+        if isinstance(module, nn.MultiheadAttention):
+            query, key = local.get("query"), local.get("key")
+            return "cross" if isinstance(key, Tensor) and key is not query else "self"
+        for arg in CROSS_ARGUMENT_NAMES:
+            if isinstance(local.get(arg), Tensor):
+                return "cross"
+        return "self"
+
+    def _new_record(self, name: str, module: nn.Module, frame: FrameType, **fields: Any) -> AttentionRecord:
+        step = self._steps.get(name, 0)
+        self._steps[name] = step + 1
+        record = AttentionRecord(
+            name=name, kind=self._kind(module, frame), index=len(self._records), step=step, **fields
+        )
+        self._records.append(record)
+        return record
+
+    # -- interception -------------------------------------------------------------------
+    def _on_sdpa(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+        out = func(*args, **kwargs)
+        issuer = self._issuer()
+        if issuer is None:
+            return out
+        bound = _bind_sdpa(args, kwargs)
+        q, k, v = bound["query"], bound["key"], bound["value"]
+        mask = bound.get("attn_mask")
+        record = self._new_record(
+            *issuer,
+            source="sdpa",
+            q_shape=q.shape,
+            k_shape=k.shape,
+            dropout_p=float(bound.get("dropout_p", 0.0) or 0.0),
+            _q=q.detach(),
+            _k=k.detach(),
+            _mask=mask.detach() if isinstance(mask, Tensor) else None,
+            _scale=bound.get("scale"),
+            _causal=bool(bound.get("is_causal", False)),
+        )
+        if self.grads:
+            record._v = v.detach()
+            record._attach_grad_hook(out, on_probs=False)
+        return out
+
+    def _on_softmax(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+        out = func(*args, **kwargs)
+        if not isinstance(out, Tensor) or out.dim() not in (3, 4):
+            return out
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+        if dim not in (-1, out.dim() - 1):
+            return out
+        issuer = self._issuer()
+        if issuer is None:
+            return out
+        name, module, frame = issuer
+        probs = out
+        if out.dim() == 3:
+            # nn.MultiheadAttention with need_weights=True: (B * H, N_q, N_k)
+            if not isinstance(module, nn.MultiheadAttention):
+                return out
+            heads = module.num_heads
+            probs = out.view(out.shape[0] // heads, heads, *out.shape[1:])
+        b, h, n_q, n_k = probs.shape
+        record = self._new_record(
+            name,
+            module,
+            frame,
+            source="eager",
+            q_shape=torch.Size((b, h, n_q, 0)),
+            k_shape=torch.Size((b, h, n_k, 0)),
+            _probs=probs.detach(),
+        )
+        if self.grads:
+            record._attach_grad_hook(probs, on_probs=True)
+        return out
+
+    def _on_mha(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+        """Run MHA's functional forward with its inner SDPA/softmax calls visible."""
+        original_sdpa, original_softmax = F.scaled_dot_product_attention, F.softmax
+
+        def sdpa(*a: Any, **kw: Any) -> Any:
+            return self._on_sdpa(original_sdpa, a, kw)
+
+        def softmax(*a: Any, **kw: Any) -> Any:
+            return self._on_softmax(original_softmax, a, kw)
+
+        F.scaled_dot_product_attention, F.softmax = sdpa, softmax
+        try:
+            return func(*args, **kwargs)
+        finally:
+            F.scaled_dot_product_attention, F.softmax = original_sdpa, original_softmax
+
+
+def capture(
+    model: nn.Module,
+    *,
+    grads: bool = False,
+    activations: Sequence[str] = (),
+    attention: bool = True,
+) -> Recorder:
+    """Record every attention call of ``model`` while it runs its fused attention.
+
+    Example::
+
+        with vx.capture(model) as rec:
+            logits = model(x)                 # x: (B, 3, H, W)
+        rec.records[-1].probs()               # (B, heads, N_q, N_k) float32
+
+    Attention is observed at ``F.scaled_dot_product_attention`` (the fused kernel keeps
+    running), at softmax calls of modules that compute attention in Python, and inside
+    ``nn.MultiheadAttention`` (whose C++ fast path is switched off inside the scope only,
+    so its SDPA call is visible). A record's ``kind`` is ``"cross"`` when the issuing
+    module has ``is_cross_attention=True``, is an ``nn.MultiheadAttention`` called with a
+    key that is not its query, or received a tensor argument named one of
+    ``encoder_hidden_states``, ``key_value_states``, ``memory``, ``context``,
+    ``cross_attn_states``, ``encoder_out``; otherwise ``"self"``.
+
+    Args:
+        model: the model whose attention is recorded (only calls issued by its own
+            submodules are recorded).
+        grads: also capture gradients: after ``backward()`` each record gives
+            ``grad_probs()`` (dy/dA) and each activation record its ``grad``.
+        activations: module names (as in ``model.named_modules()``) whose inputs and
+            outputs are recorded, e.g. ``["blocks.11.norm1"]``.
+        attention: set False to record activations only (no attention interception).
+
+    Returns:
+        A :class:`Recorder`, to be used as a context manager. Records stay readable
+        after the block ends.
+    """
+    return Recorder(model, grads=grads, activations=activations, attention=attention)

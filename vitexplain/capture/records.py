@@ -1,0 +1,326 @@
+"""What a capture records: one :class:`AttentionRecord` per attention call.
+
+A record keeps the tensors the model already computed (references, no copies) and
+recomputes attention probabilities from them on demand, in float32:
+
+- an SDPA record keeps ``q``, ``k`` (and ``v`` and the output gradient when gradients are
+  captured), the mask, scale and causal flag, never the N x N probabilities;
+- an eager record (a model that computes ``softmax(q k^T)`` in Python) keeps the
+  probabilities the model itself materialised, and the gradient that reaches them.
+
+Probabilities and their gradients can be requested for a subset of query rows
+(``queries=``), which is how methods stay in O(block x N) memory per layer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal, Optional, Union
+
+import torch
+from torch import Tensor
+
+from ..errors import CaptureError
+
+__all__ = ["AttentionRecord", "ActivationRecord", "QuerySelect", "attention_probs"]
+
+QuerySelect = Union[None, int, slice, Tensor]
+"""Which query rows to compute: all (None), one index, a slice, or an index tensor."""
+
+Fusion = Literal["mean", "max", "min"]
+
+
+def _rows(selector: QuerySelect, n: int) -> Tensor | slice:
+    """Normalise a query selector into something usable for indexing dim -2."""
+    if selector is None:
+        return slice(None)
+    if isinstance(selector, int):
+        if not -n <= selector < n:
+            raise IndexError(f"query index {selector} is out of range for {n} queries")
+        return slice(selector % n, selector % n + 1)
+    return selector
+
+
+def _select_mask_rows(mask: Tensor, rows: Tensor | slice, n_q: int) -> Tensor:
+    """Select query rows of a mask broadcastable to (..., N_q, N_k)."""
+    if mask.dim() >= 2 and mask.shape[-2] == n_q and n_q > 1:
+        return mask[..., rows, :]
+    return mask
+
+
+def attention_probs(
+    q: Tensor,
+    k: Tensor,
+    *,
+    attn_mask: Optional[Tensor] = None,
+    scale: Optional[float] = None,
+    is_causal: bool = False,
+    queries: QuerySelect = None,
+) -> Tensor:
+    """Recompute ``softmax(q k^T * scale + mask)`` exactly as SDPA defines it, in float32.
+
+    Follows ``torch.nn.functional.scaled_dot_product_attention``: default scale
+    ``1 / sqrt(E)``; a boolean mask marks positions that take part (True) and a float
+    mask is added to the scores; ``is_causal`` uses a top-left aligned lower-triangular
+    mask of shape (N_q, N_k). Grouped-query attention (fewer key heads) repeats key heads.
+    Rows in which every key is masked come out as zeros instead of NaN.
+
+    Args:
+        q: (..., H, N_q, E) queries, any float dtype.
+        k: (..., H_kv, N_k, E) keys; H must be a multiple of H_kv.
+        attn_mask: bool or float mask broadcastable to (..., H, N_q, N_k).
+        scale: score scale; None means ``1 / sqrt(E)``.
+        is_causal: apply SDPA's causal mask.
+        queries: which query rows to compute (None = all).
+
+    Returns:
+        (..., H, n, N_k) float32 probabilities for the selected n query rows.
+    """
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    rows = _rows(queries, n_q)
+    qf = q[..., rows, :].float()
+    kf = k.float()
+    if kf.shape[-3] != qf.shape[-3]:
+        if qf.shape[-3] % kf.shape[-3]:
+            raise CaptureError(
+                f"cannot recompute attention: {qf.shape[-3]} query heads are not a multiple "
+                f"of {kf.shape[-3]} key heads"
+            )
+        kf = kf.repeat_interleave(qf.shape[-3] // kf.shape[-3], dim=-3)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scores = torch.matmul(qf, kf.transpose(-2, -1)) * scale
+    if is_causal:
+        causal = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~causal[rows], float("-inf"))
+    if attn_mask is not None:
+        mask = _select_mask_rows(attn_mask, rows, n_q)
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        else:
+            scores = scores + mask.float()
+    probs = torch.softmax(scores, dim=-1)
+    return torch.nan_to_num(probs, nan=0.0)
+
+
+def _fuse(x: Tensor, fusion: Fusion) -> Tensor:
+    """Fuse the head dimension (dim 1) of a (B, H, n, N) tensor."""
+    if fusion == "mean":
+        return x.mean(dim=1)
+    if fusion == "max":
+        return x.amax(dim=1)
+    if fusion == "min":
+        return x.amin(dim=1)
+    raise ValueError(f"unknown head fusion {fusion!r}; use 'mean', 'max' or 'min'")
+
+
+@dataclass(eq=False)
+class AttentionRecord:
+    """One attention call seen during a captured forward.
+
+    Attributes:
+        name: module path of the issuing module, e.g. ``"blocks.3.attn"``.
+        kind: ``"self"`` when queries and keys come from the same sequence, ``"cross"``
+            otherwise (decided from the issuing module's arguments, see ``vx.capture``).
+        index: position of this call among all records of the capture.
+        step: how many times this module had issued attention before in this capture
+            (0 for the first call; decoding steps with a KV cache count up).
+        source: ``"sdpa"`` (fused kernel observed) or ``"eager"`` (softmax computed by the
+            model in Python).
+        q_shape: (B, H, N_q, E) shape of the queries.
+        k_shape: (B, H_kv, N_k, E) shape of the keys (for eager records: (B, H, N_k, -1)).
+        dropout_p: attention dropout used by the call (0 in eval mode).
+    """
+
+    name: str
+    kind: Literal["self", "cross"]
+    index: int
+    step: int
+    source: Literal["sdpa", "eager"]
+    q_shape: torch.Size
+    k_shape: torch.Size
+    dropout_p: float = 0.0
+    _q: Optional[Tensor] = field(default=None, repr=False)
+    _k: Optional[Tensor] = field(default=None, repr=False)
+    _v: Optional[Tensor] = field(default=None, repr=False)
+    _mask: Optional[Tensor] = field(default=None, repr=False)
+    _scale: Optional[float] = field(default=None, repr=False)
+    _causal: bool = field(default=False, repr=False)
+    _probs: Optional[Tensor] = field(default=None, repr=False)
+    _out: Optional[Tensor] = field(default=None, repr=False)
+    _grad_out: Optional[Tensor] = field(default=None, repr=False)
+    _grad_probs: Optional[Tensor] = field(default=None, repr=False)
+    _grad_state: str = field(default="off", repr=False)
+
+    @property
+    def batch_size(self) -> int:
+        """B, the batch size of the call."""
+        return int(self.q_shape[0])
+
+    @property
+    def num_heads(self) -> int:
+        """H, the number of query heads."""
+        return int(self.q_shape[1])
+
+    @property
+    def num_queries(self) -> int:
+        """N_q, the number of query tokens."""
+        return int(self.q_shape[-2])
+
+    @property
+    def num_keys(self) -> int:
+        """N_k, the number of key tokens."""
+        return int(self.k_shape[-2])
+
+    @property
+    def device(self) -> torch.device:
+        """The device the attention ran on."""
+        tensor = self._q if self._q is not None else self._probs
+        assert tensor is not None
+        return tensor.device
+
+    def probs(self, queries: QuerySelect = None) -> Tensor:
+        """Attention probabilities of this call, recomputed in float32.
+
+        Args:
+            queries: which query rows (None = all; an int, a slice or an index tensor).
+
+        Returns:
+            (B, H, n, N_k) float32 probabilities, n the number of selected rows.
+        """
+        if self._probs is not None:
+            rows = _rows(queries, self.num_queries)
+            return self._probs[..., rows, :].float()
+        if self._q is None or self._k is None:
+            raise CaptureError(f"record {self.name!r} holds no queries/keys (it was released)")
+        return attention_probs(
+            self._q,
+            self._k,
+            attn_mask=self._mask,
+            scale=self._scale,
+            is_causal=self._causal,
+            queries=queries,
+        )
+
+    def fused_probs(self, fusion: Fusion = "mean", queries: QuerySelect = None) -> Tensor:
+        """Head-fused probabilities.
+
+        Args:
+            fusion: ``"mean"``, ``"max"`` or ``"min"`` over heads.
+            queries: which query rows (None = all).
+
+        Returns:
+            (B, n, N_k) float32.
+        """
+        return _fuse(self.probs(queries), fusion)
+
+    def _check_grads(self, need_backward: bool = True) -> None:
+        if self._grad_state == "off":
+            raise CaptureError(
+                f"no gradients were captured for {self.name!r}: use "
+                "vx.capture(model, grads=True) and call backward() on a score before "
+                "asking for grad_probs()"
+            )
+        if self._grad_state == "no_graph":
+            raise CaptureError(
+                f"the attention output of {self.name!r} was not part of an autograd graph "
+                "(the forward ran under torch.no_grad(), or neither the input nor any "
+                "parameter requires grad), so dy/dA cannot be computed; run the forward "
+                "with gradients enabled, e.g. x.requires_grad_(True)"
+            )
+        if need_backward and self._grad_out is None and self._grad_probs is None:
+            raise CaptureError(
+                f"no gradient has reached {self.name!r} yet: call backward() on a scalar "
+                "score that depends on this attention before asking for grad_probs()"
+            )
+
+    @property
+    def output(self) -> Tensor:
+        """The attention output tensor, still in the autograd graph (grads=True only).
+
+        For an SDPA record this is O = A V, shape (B, H, N_q, E_v); for an eager record it
+        is the probability tensor A itself. Use it with ``torch.autograd.grad`` to take the
+        gradient of any other score (e.g. one score per layer, as LeGrad does) and pass
+        that to ``grad_probs(d_out=...)``.
+        """
+        self._check_grads(need_backward=False)
+        assert self._out is not None
+        return self._out
+
+    def grad_probs(self, queries: QuerySelect = None, *, d_out: Optional[Tensor] = None) -> Tensor:
+        """Gradient of the backpropagated score w.r.t. this call's attention probabilities.
+
+        For an SDPA call, with O = A V, ``dy/dA = dO @ V^T`` where dO was captured by a
+        tensor hook on the SDPA output: no eager attention is ever materialised. With
+        attention dropout active (training mode) this is the gradient w.r.t. the
+        post-dropout probabilities; explain models in eval mode.
+
+        Args:
+            queries: which query rows (None = all).
+            d_out: use this gradient w.r.t. :attr:`output` instead of the one captured by
+                the last backward (e.g. from ``torch.autograd.grad``).
+
+        Returns:
+            (B, H, n, N_k) float32.
+
+        Raises:
+            CaptureError: gradients were not captured, the forward had no autograd graph,
+                or no backward has reached this call yet.
+        """
+        self._check_grads(need_backward=d_out is None)
+        rows = _rows(queries, self.num_queries)
+        if self.source == "eager":
+            grad = d_out if d_out is not None else self._grad_probs
+            assert grad is not None
+            return grad[..., rows, :].float()
+        d_out = d_out if d_out is not None else self._grad_out
+        assert d_out is not None and self._v is not None
+        d_out = d_out[..., rows, :].float()
+        v = self._v.float()
+        if v.shape[-3] != d_out.shape[-3]:
+            v = v.repeat_interleave(d_out.shape[-3] // v.shape[-3], dim=-3)
+        return torch.matmul(d_out, v.transpose(-2, -1))
+
+    def release(self) -> None:
+        """Drop every tensor this record holds (frees memory; the record becomes empty)."""
+        self._q = self._k = self._v = self._mask = self._out = None
+        self._probs = self._grad_out = self._grad_probs = None
+
+    # -- called by the recorder -------------------------------------------------------
+    def _attach_grad_hook(self, output: Tensor, *, on_probs: bool) -> None:
+        """Capture the gradient reaching ``output`` (SDPA output or eager probs)."""
+        if not output.requires_grad:
+            self._grad_state = "no_graph"
+            return
+        self._grad_state = "waiting"
+        self._out = output
+
+        def hook(grad: Tensor) -> None:
+            # A second backward through the same graph accumulates, like .grad does.
+            if on_probs:
+                prev = self._grad_probs
+                self._grad_probs = grad.detach() if prev is None else prev + grad.detach()
+            else:
+                prev = self._grad_out
+                self._grad_out = grad.detach() if prev is None else prev + grad.detach()
+
+        output.register_hook(hook)
+
+
+@dataclass(eq=False)
+class ActivationRecord:
+    """Input and output of one module call, with the output's gradient when captured.
+
+    Attributes:
+        name: module path.
+        step: call count of this module within the capture (0 first).
+        input: the first tensor argument the module received (a reference).
+        output: the module's output tensor (a reference, still in the autograd graph).
+        grad: gradient of the backpropagated score w.r.t. ``output``, once a backward ran.
+    """
+
+    name: str
+    step: int
+    input: Optional[Tensor]
+    output: Tensor
+    grad: Optional[Tensor] = None

@@ -1,0 +1,197 @@
+"""Token layout of Vision Transformers: prefix tokens and the patch grid for any input size.
+
+A ViT sequence is ``[prefix tokens] + [patch tokens]``: the class token, a distillation token
+(DeiT-distilled) and register tokens, then the patches in row-major order over a grid
+(gh, gw) that depends on the actual input size (not always square, not always 14 x 14).
+Swin-style models attend inside windows; their layout reports ``windowed=True`` and no grid.
+
+Supported: timm VisionTransformer family (incl. ``reg_tokens``, ``class_token=False`` with
+``global_pool='avg'``, ``dynamic_img_size``), DeiT distilled, EVA, BEiT, timm Swin;
+torchvision ``VisionTransformer``; Hugging Face ViT / DeiT / DINOv2 / BEiT / Swin; and any
+model that contains one of those (e.g. a captioner's image encoder) or defines
+``vx_token_layout(input_size) -> TokenLayout`` itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from torch import Tensor, nn
+
+from .errors import UnsupportedModelError
+
+__all__ = ["TokenLayout", "token_layout", "find_layout_module"]
+
+
+@dataclass(frozen=True)
+class TokenLayout:
+    """Where the patch tokens are in a ViT sequence.
+
+    Attributes:
+        num_prefix_tokens: tokens before the patches (class + distillation + registers).
+        grid: (gh, gw) patch grid for the input size, or None for windowed attention.
+        has_class_token: whether token 0 is a class token.
+        readout: which query row(s) the classifier reads: ``"class"`` (the class token) or
+            ``"mean"`` (average pooling over the patch tokens).
+        windowed: attention runs inside local windows (Swin); rollout does not apply.
+        patch_size: (ph, pw) in pixels, when known.
+    """
+
+    num_prefix_tokens: int
+    grid: Optional[tuple[int, int]]
+    has_class_token: bool
+    readout: Literal["class", "mean"] = "class"
+    windowed: bool = False
+    patch_size: Optional[tuple[int, int]] = None
+
+    @property
+    def class_index(self) -> Optional[int]:
+        """Index of the class token, or None when there is none."""
+        return 0 if self.has_class_token else None
+
+    @property
+    def num_patches(self) -> int:
+        """gh * gw."""
+        if self.grid is None:
+            raise UnsupportedModelError(
+                "this model uses windowed attention (Swin-style): there is no single patch "
+                "grid over the whole sequence; use gradient-on-token methods instead"
+            )
+        return self.grid[0] * self.grid[1]
+
+    @property
+    def num_tokens(self) -> int:
+        """Sequence length N = prefix tokens + patches."""
+        return self.num_prefix_tokens + self.num_patches
+
+    @property
+    def patch_slice(self) -> slice:
+        """Slice selecting the patch tokens of a sequence."""
+        return slice(self.num_prefix_tokens, self.num_prefix_tokens + self.num_patches)
+
+    def to_grid(self, tokens: Tensor) -> Tensor:
+        """Reshape per-patch values to the grid.
+
+        Args:
+            tokens: (..., N) values over the whole sequence, or (..., gh * gw) over patches.
+
+        Returns:
+            (..., gh, gw).
+        """
+        n = tokens.shape[-1]
+        if n == self.num_tokens:
+            tokens = tokens[..., self.patch_slice]
+        elif n != self.num_patches:
+            raise ValueError(
+                f"expected {self.num_tokens} tokens ({self.num_prefix_tokens} prefix + "
+                f"{self.grid[0]}x{self.grid[1]} patches) or {self.num_patches} patches, got {n}"
+            )
+        assert self.grid is not None
+        return tokens.reshape(*tokens.shape[:-1], *self.grid)
+
+    def check(self, num_tokens: int) -> None:
+        """Raise a clear error if a recorded sequence length does not fit this layout."""
+        if num_tokens != self.num_tokens:
+            raise UnsupportedModelError(
+                f"attention over {num_tokens} tokens does not match the token layout "
+                f"({self.num_prefix_tokens} prefix tokens + grid {self.grid} = "
+                f"{self.num_tokens}); the model may pool or merge tokens between blocks"
+            )
+
+
+def _pair(value: object) -> tuple[int, int]:
+    if isinstance(value, (tuple, list)):
+        return int(value[0]), int(value[1])
+    return int(value), int(value)  # type: ignore[arg-type]
+
+
+def _timm_layout(model: nn.Module, size: tuple[int, int]) -> Optional[TokenLayout]:
+    name = type(model).__name__.lower()
+    embed = getattr(model, "patch_embed", None)
+    if "swin" in name and embed is not None:
+        return TokenLayout(0, None, False, "mean", windowed=True, patch_size=_pair(embed.patch_size))
+    if embed is None or not hasattr(model, "num_prefix_tokens") or not hasattr(embed, "patch_size"):
+        return None
+    patch = _pair(embed.patch_size)
+    if hasattr(embed, "dynamic_feat_size"):
+        grid = tuple(embed.dynamic_feat_size(size))
+    else:
+        grid = (size[0] // patch[0], size[1] // patch[1])
+    has_cls = getattr(model, "cls_token", None) is not None
+    pool = getattr(model, "global_pool", "token")
+    readout = "class" if has_cls and pool in ("token", "") else "mean"
+    return TokenLayout(int(model.num_prefix_tokens), (int(grid[0]), int(grid[1])), has_cls, readout, patch_size=patch)
+
+
+def _torchvision_layout(model: nn.Module, size: tuple[int, int]) -> Optional[TokenLayout]:
+    if not (hasattr(model, "class_token") and hasattr(model, "conv_proj") and hasattr(model, "patch_size")):
+        return None
+    p = int(model.patch_size)
+    return TokenLayout(1, (size[0] // p, size[1] // p), True, "class", patch_size=(p, p))
+
+
+def _hf_layout(model: nn.Module, size: tuple[int, int]) -> Optional[TokenLayout]:
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type is None or not hasattr(config, "patch_size"):
+        return None
+    patch = _pair(config.patch_size)
+    if model_type in ("swin", "swinv2", "donut-swin"):
+        return TokenLayout(0, None, False, "mean", windowed=True, patch_size=patch)
+    prefixes = {"vit": 1, "deit": 2, "dinov2": 1, "dinov2_with_registers": 1, "beit": 1, "data2vec-vision": 1}
+    if model_type not in prefixes:
+        return None
+    prefix = prefixes[model_type] + int(getattr(config, "num_register_tokens", 0) or 0)
+    readout = "mean" if getattr(config, "use_mean_pooling", False) else "class"
+    grid = (size[0] // patch[0], size[1] // patch[1])
+    return TokenLayout(prefix, grid, True, readout, patch_size=patch)
+
+
+_DETECTORS = (_timm_layout, _torchvision_layout, _hf_layout)
+
+
+def _own_layout(model: nn.Module, size: tuple[int, int]) -> Optional[TokenLayout]:
+    custom = getattr(model, "vx_token_layout", None)
+    if callable(custom):
+        return custom(size)
+    for detect in _DETECTORS:
+        layout = detect(model, size)
+        if layout is not None:
+            return layout
+    return None
+
+
+def find_layout_module(model: nn.Module, input_size: tuple[int, int]) -> tuple[str, nn.Module, TokenLayout]:
+    """The model itself or its first submodule with a known token layout.
+
+    Returns:
+        (module name, module, layout); the name is ``""`` for the model itself.
+    """
+    size = _pair(input_size)
+    for name, module in model.named_modules():
+        layout = _own_layout(module, size)
+        if layout is not None:
+            return name, module, layout
+    raise UnsupportedModelError(
+        f"cannot find the token layout of {type(model).__name__}: supported are timm "
+        "VisionTransformer/DeiT/EVA/BEiT/Swin, torchvision VisionTransformer and Hugging Face "
+        "ViT/DeiT/DINOv2/BEiT/Swin (or any model containing one); for another model define "
+        "`vx_token_layout(self, input_size) -> vx.TokenLayout` on it"
+    )
+
+
+def token_layout(model: nn.Module, input_size: tuple[int, int] | int) -> TokenLayout:
+    """Token layout of ``model`` for an input of ``input_size`` pixels.
+
+    Args:
+        model: a ViT (or a model containing one, e.g. an encoder-decoder captioner).
+        input_size: (H, W) of the preprocessed input, or one int for square inputs.
+
+    Returns:
+        The :class:`TokenLayout`.
+
+    Raises:
+        UnsupportedModelError: the model family is not recognised.
+    """
+    return find_layout_module(model, _pair(input_size))[2]
