@@ -1,0 +1,77 @@
+"""Small shared helpers for viz (and data I/O): array checks and callable submodules."""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any, Callable
+
+import numpy as np
+
+__all__ = ["map_to_numpy", "check_rgb", "make_module_callable"]
+
+
+def map_to_numpy(map: Any) -> np.ndarray:  # noqa: A002 - the public argument is called map
+    """Convert a 2-D map (numpy, torch tensor on any device/dtype, nested lists) to float32.
+
+    Leading singleton dimensions are squeezed, so ``(1, gh, gw)`` is accepted.
+
+    Args:
+        map: The map.
+
+    Returns:
+        C-contiguous ``(h, w)`` float32 array.
+
+    Raises:
+        ValueError: The map is not 2-D, is empty, or contains NaN/inf.
+    """
+    if hasattr(map, "detach") and hasattr(map, "cpu"):  # torch.Tensor, without importing torch
+        map = map.detach().cpu().float().numpy()
+    m = np.asarray(map, dtype=np.float32)
+    while m.ndim > 2 and m.shape[0] == 1:
+        m = m[0]
+    if m.ndim != 2 or m.size == 0:
+        raise ValueError(f"expected a non-empty 2-D map (h, w), got shape {m.shape}")
+    bad = ~np.isfinite(m)
+    if bad.any():
+        raise ValueError(
+            f"map contains {int(bad.sum())} NaN/inf value(s) out of {m.size}; the method that "
+            "produced it failed numerically (check the model output / gradients), or clean it "
+            "with torch.nan_to_num first"
+        )
+    return np.ascontiguousarray(m)
+
+
+def check_rgb(image: Any, what: str = "image") -> np.ndarray:
+    """Return ``image`` as an ``(H, W, 3)`` uint8 array or raise a helpful error."""
+    arr = np.asarray(image)
+    if arr.dtype != np.uint8 or arr.ndim != 3 or arr.shape[2] != 3:
+        hint = ""
+        if arr.dtype.kind == "f":
+            hint = " (float image? convert with np.clip(x * 255, 0, 255).round().astype(np.uint8))"
+        elif arr.ndim == 2:
+            hint = " (grayscale? use np.repeat(x[..., None], 3, axis=2))"
+        elif arr.ndim == 3 and arr.shape[0] == 3:
+            hint = " (channels first? use x.transpose(1, 2, 0))"
+        raise ValueError(
+            f"{what} must be an (H, W, 3) uint8 RGB array, got shape {arr.shape} dtype {arr.dtype}{hint}"
+        )
+    return arr
+
+
+def make_module_callable(module_name: str, func: Callable[..., Any]) -> None:
+    """Make the module ``module_name`` callable as ``func``.
+
+    ``vitexplain.viz.overlay`` is both a submodule and a function. Python's import system
+    binds the *submodule* as the package attribute whenever the submodule is first imported
+    by someone else (e.g. ``from vitexplain.viz.overlay import overlay``), so
+    ``vx.viz.overlay(img, m)`` could hit the module. Making the module callable keeps that
+    call working whichever object the attribute holds.
+    """
+    module = sys.modules[module_name]
+
+    class _CallableModule(types.ModuleType):
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            return func(*args, **kwargs)
+
+    module.__class__ = _CallableModule

@@ -1,0 +1,178 @@
+"""Figure grids (rows = images, columns = methods) and atomic PNG writing, all RGB."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import cv2
+import numpy as np
+
+from ._util import check_rgb, make_module_callable
+
+__all__ = ["grid", "save_png"]
+
+_FONT = cv2.FONT_HERSHEY_SIMPLEX
+
+
+def _as_tile(tile: Any, where: str) -> Optional[np.ndarray]:
+    if tile is None:
+        return None
+    arr = np.asarray(tile)
+    if arr.ndim == 2 and arr.dtype == np.uint8:
+        arr = np.repeat(arr[..., None], 3, axis=2)
+    return check_rgb(arr, where)
+
+
+def _fit(tile: np.ndarray, size: tuple[int, int], background: int) -> np.ndarray:
+    """Resize keeping the aspect ratio and center on a background tile of ``size``."""
+    th, tw = size
+    h, w = tile.shape[:2]
+    if (h, w) == (th, tw):
+        return tile
+    s = min(th / h, tw / w)
+    nh, nw = max(1, min(th, round(h * s))), max(1, min(tw, round(w * s)))
+    flag = cv2.INTER_AREA if s < 1 else cv2.INTER_LINEAR
+    small = cv2.resize(tile, (nw, nh), interpolation=flag)
+    out = np.full((th, tw, 3), background, np.uint8)
+    y, x = (th - nh) // 2, (tw - nw) // 2
+    out[y : y + nh, x : x + nw] = small
+    return out
+
+
+def _ascii(text: str) -> str:
+    # OpenCV's Hershey fonts draw ASCII only
+    return "".join(c if 32 <= ord(c) < 127 else "?" for c in str(text))
+
+
+def _fit_text(text: str, max_w: int, scale: float, thick: int) -> str:
+    text = _ascii(text)
+    if cv2.getTextSize(text, _FONT, scale, thick)[0][0] <= max_w:
+        return text
+    while text and cv2.getTextSize(text + "...", _FONT, scale, thick)[0][0] > max_w:
+        text = text[:-1]
+    return text + "..." if text else ""
+
+
+def grid(
+    images: Sequence[Any],
+    *,
+    row_labels: Optional[Sequence[str]] = None,
+    col_labels: Optional[Sequence[str]] = None,
+    pad: int = 4,
+    tile_size: Optional[tuple[int, int]] = None,
+    background: int = 255,
+    text_color: tuple[int, int, int] = (0, 0, 0),
+    font_scale: Optional[float] = None,
+) -> np.ndarray:
+    """Lay images out in a labelled grid, e.g. rows = images, columns = methods.
+
+    Args:
+        images: Rows of tiles: ``images[r][c]`` is an ``(H, W, 3)`` uint8 RGB array (a
+            2-D uint8 array is taken as gray), or ``None`` for an empty cell. Rows may
+            have different lengths. A flat sequence of arrays is one row.
+        row_labels: One label per row, drawn left of the row.
+        col_labels: One label per column, drawn above it.
+        pad: Gap in pixels between tiles and around the figure.
+        tile_size: ``(H, W)`` of every cell. Default: the size of the first tile. Tiles
+            of another size are resized keeping their aspect ratio and centred.
+        background: Gray level of the background and padding.
+        text_color: RGB colour of the labels.
+        font_scale: OpenCV font scale; default scales with the tile height. Labels are
+            ASCII (other characters show as ``?``) and shortened with ``...`` to fit.
+
+    Returns:
+        ``(H, W, 3)`` uint8 RGB figure.
+
+    Raises:
+        ValueError: No tiles, a tile that is not uint8 RGB, or label counts that do not
+            match the grid.
+    """
+    if isinstance(images, np.ndarray) and images.ndim == 3:
+        images = [images]
+    rows_in = list(images)
+    if rows_in and (rows_in[0] is None or (isinstance(rows_in[0], np.ndarray) and rows_in[0].ndim in (2, 3))):
+        rows_in = [rows_in]  # a flat sequence of tiles is one row
+    rows = [[_as_tile(t, f"images[{r}][{c}]") for c, t in enumerate(row)] for r, row in enumerate(rows_in)]
+    n_rows = len(rows)
+    n_cols = max((len(r) for r in rows), default=0)
+    first = next((t for row in rows for t in row if t is not None), None)
+    if first is None:
+        raise ValueError("grid needs at least one image")
+    if row_labels is not None and len(row_labels) != n_rows:
+        raise ValueError(f"{len(row_labels)} row labels for {n_rows} rows")
+    if col_labels is not None and len(col_labels) != n_cols:
+        raise ValueError(f"{len(col_labels)} column labels for {n_cols} columns")
+    th, tw = (int(tile_size[0]), int(tile_size[1])) if tile_size else first.shape[:2]
+    pad = max(0, int(pad))
+    scale = float(font_scale) if font_scale else max(0.35, th / 448)
+    thick = max(1, round(scale * 1.5))
+    (_, text_h), base = cv2.getTextSize("Ag", _FONT, scale, thick)
+    line_h = text_h + base
+
+    header = line_h + pad if col_labels is not None else 0
+    left = 0
+    if row_labels is not None:
+        widest = max((cv2.getTextSize(_ascii(s), _FONT, scale, thick)[0][0] for s in row_labels), default=0)
+        left = min(widest, 2 * tw) + pad
+    H = pad + header + n_rows * (th + pad)
+    W = pad + left + n_cols * (tw + pad)
+    fig = np.full((H, W, 3), background, np.uint8)
+    color = tuple(int(v) for v in text_color)
+
+    for c in range(n_cols):
+        x = pad + left + c * (tw + pad)
+        if col_labels is not None:
+            label = _fit_text(col_labels[c], tw, scale, thick)
+            lw = cv2.getTextSize(label, _FONT, scale, thick)[0][0]
+            cv2.putText(fig, label, (x + (tw - lw) // 2, pad + text_h), _FONT, scale, color, thick, cv2.LINE_AA)
+    for r, row in enumerate(rows):
+        y = pad + header + r * (th + pad)
+        if row_labels is not None:
+            label = _fit_text(row_labels[r], left - pad, scale, thick)
+            cv2.putText(fig, label, (pad, y + (th + text_h) // 2), _FONT, scale, color, thick, cv2.LINE_AA)
+        for c, tile in enumerate(row):
+            if tile is not None:
+                x = pad + left + c * (tw + pad)
+                fig[y : y + th, x : x + tw] = _fit(tile, (th, tw), background)
+    return fig
+
+
+def save_png(path: "str | os.PathLike[str]", rgb: Any) -> Path:
+    """Write an RGB (or gray) uint8 array as a PNG, atomically.
+
+    The PNG is encoded in memory, written to a temporary file in the destination
+    directory and moved into place with ``os.replace``, so an interrupted run never
+    leaves a half-written file under ``path``. Parent directories are created.
+
+    Args:
+        path: Destination file (normally ending in ``.png``).
+        rgb: ``(H, W, 3)`` uint8 **RGB** array (converted to OpenCV's BGR for
+            encoding), or ``(H, W)`` uint8 gray.
+
+    Returns:
+        The destination path.
+    """
+    arr = np.asarray(rgb)
+    if not (arr.ndim == 2 and arr.dtype == np.uint8):
+        arr = check_rgb(arr, "rgb")[..., ::-1]
+    ok, buf = cv2.imencode(".png", np.ascontiguousarray(arr))
+    if not ok:  # pragma: no cover - OpenCV failure
+        raise OSError(f"could not encode a PNG for {path}")
+    dest = Path(path)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+        with os.fdopen(fd, "wb") as f:
+            f.write(buf.tobytes())
+        os.replace(tmp, dest)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return dest
+
+
+make_module_callable(__name__, grid)

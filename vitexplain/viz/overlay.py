@@ -1,0 +1,179 @@
+"""Saliency overlays: a map (any size, numpy or torch) blended over an RGB image.
+
+Colour order is **RGB** everywhere, in and out -- not OpenCV's BGR. Images from
+:func:`vitexplain.load_image` (or PIL / matplotlib) can be passed as they are; for an
+image read with ``cv2.imread`` use ``img[..., ::-1]`` first.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence, Union
+
+import cv2
+import numpy as np
+
+from ._util import check_rgb, make_module_callable, map_to_numpy
+from .colormaps import apply_colormap, colormap_lut
+
+__all__ = ["overlay", "normalize_map", "NORMALIZE_MODES", "INTERPOLATIONS"]
+
+#: Normalisation modes of :func:`normalize_map` / :func:`overlay`.
+NORMALIZE_MODES: tuple[str, ...] = ("minmax", "percentile", "signed", "none")
+
+#: Map resizing modes (OpenCV flags).
+INTERPOLATIONS: dict[str, int] = {
+    "nearest": getattr(cv2, "INTER_NEAREST_EXACT", cv2.INTER_NEAREST),  # pixel-centre exact
+    "bilinear": cv2.INTER_LINEAR,
+    "bicubic": cv2.INTER_CUBIC,
+}
+
+_EPS = 1e-12
+
+ContourSpec = Union[bool, float, Sequence[float]]
+
+
+def normalize_map(map: Any, mode: str = "minmax") -> np.ndarray:  # noqa: A002
+    """Scale a 2-D map to ``[0, 1]`` for colouring.
+
+    Args:
+        map: 2-D array or tensor (any device/dtype); leading singleton dims are squeezed.
+        mode: ``"minmax"``: ``(m - min) / (max - min)``. ``"percentile"``: clip to the
+            1st..99th percentile, then scale (robust to a few hot pixels; falls back to
+            ``minmax`` when those percentiles coincide). ``"signed"``: ``0.5 + 0.5 * m /
+            max|m|``, so 0 lands on the centre of a diverging colormap, positive values
+            above it and negative below, with a symmetric scale. ``"none"``: the values
+            are already in ``[0, 1]`` and are used as they are.
+
+    Returns:
+        ``(h, w)`` float32 array in ``[0, 1]``. A constant map gives all zeros (``signed``:
+        0.5 for an all-zero map, 0 or 1 for a constant negative or positive one).
+
+    Raises:
+        ValueError: Unknown mode, a map that is not 2-D, NaN/inf values, or values outside
+            ``[0, 1]`` with ``mode="none"``.
+    """
+    m = map_to_numpy(map).astype(np.float64)
+    key = str(mode).lower()
+    if key == "percentile":
+        lo, hi = np.percentile(m, [1.0, 99.0])
+        if hi - lo > _EPS * max(1.0, abs(hi)):
+            return ((np.clip(m, lo, hi) - lo) / (hi - lo)).astype(np.float32)
+        key = "minmax"
+    if key == "minmax":
+        lo, hi = float(m.min()), float(m.max())
+        if hi - lo <= _EPS * max(1.0, abs(hi), abs(lo)):
+            return np.zeros(m.shape, np.float32)
+        return ((m - lo) / (hi - lo)).astype(np.float32)
+    if key == "signed":
+        s = float(np.abs(m).max())
+        if s <= 0.0:
+            return np.full(m.shape, 0.5, np.float32)
+        return np.clip(0.5 + 0.5 * (m / s), 0.0, 1.0).astype(np.float32)
+    if key == "none":
+        lo, hi = float(m.min()), float(m.max())
+        if lo < -1e-6 or hi > 1 + 1e-6:
+            raise ValueError(
+                f"normalize='none' needs map values in [0, 1], got [{lo:.4g}, {hi:.4g}]; "
+                "use 'minmax', 'percentile' or 'signed'"
+            )
+        return np.clip(m, 0.0, 1.0).astype(np.float32)
+    raise ValueError(f"unknown normalize mode {mode!r}; choose from {', '.join(NORMALIZE_MODES)}")
+
+
+def _resize(m: np.ndarray, size: tuple[int, int], interpolation: str) -> np.ndarray:
+    try:
+        flag = INTERPOLATIONS[str(interpolation).lower()]
+    except KeyError:
+        raise ValueError(
+            f"unknown interpolation {interpolation!r}; choose from {', '.join(INTERPOLATIONS)}"
+        ) from None
+    h, w = size
+    if m.shape == (h, w):
+        return m
+    if flag != INTERPOLATIONS["nearest"] and m.shape[0] >= h and m.shape[1] >= w:
+        flag = cv2.INTER_AREA  # shrinking: average instead of aliasing
+    return cv2.resize(m, (w, h), interpolation=flag)
+
+
+def _contour_levels(contour: ContourSpec) -> list[float]:
+    if contour is False or contour is None:
+        return []
+    if contour is True:
+        return [0.5]
+    if isinstance(contour, (int, float)):
+        return [float(contour)]
+    return [float(c) for c in contour]
+
+
+def overlay(
+    image: Any,
+    map: Any,  # noqa: A002 - public name
+    *,
+    alpha: float = 0.5,
+    colormap: str | None = None,
+    normalize: str = "minmax",
+    interpolation: str = "bilinear",
+    contour: ContourSpec = False,
+) -> np.ndarray:
+    """Blend a coloured saliency map over an RGB image.
+
+    The map is normalised to ``[0, 1]`` at its own resolution (:func:`normalize_map`),
+    resized to the image (any aspect ratio; shrinking uses area averaging), coloured, and
+    blended: ``out = (1 - alpha) * image + alpha * colour``.
+
+    Args:
+        image: ``(H, W, 3)`` uint8 **RGB** image (not BGR: flip ``cv2.imread`` output
+            with ``img[..., ::-1]``). To overlay on the region a model saw, pass
+            ``crop_region(image, box)``; for the full image pass a map from ``paste_map``.
+        map: 2-D map of any size: numpy array or torch tensor on any device (e.g.
+            ``explanation.maps[i]``). NaN/inf is an error.
+        alpha: Opacity of the colour layer, 0 (image only) to 1 (colour only).
+        colormap: Colormap name, case-insensitive: any OpenCV one (``"jet"``,
+            ``"viridis"``, ``"inferno"``, ``"turbo"``, ...) or the diverging ``"bwr"`` /
+            ``"coolwarm"``; ``"_r"`` reverses. ``None``: ``"bwr"`` for
+            ``normalize="signed"``, else ``"jet"``.
+        normalize: ``"minmax"``, ``"percentile"``, ``"signed"`` or ``"none"``.
+        interpolation: Map resizing: ``"nearest"`` (see the patches), ``"bilinear"`` or
+            ``"bicubic"``.
+        contour: ``True`` draws the iso-contour of the normalised map at 0.5 (white
+            with a dark edge, visible on any colour); a float or a sequence of floats
+            gives other levels in ``[0, 1]``.
+
+    Returns:
+        New ``(H, W, 3)`` uint8 RGB array; the input image is not modified.
+
+    Raises:
+        ValueError: Bad image, map, alpha, mode, colormap or interpolation name.
+    """
+    img = check_rgb(image)
+    a = float(alpha)
+    if not 0.0 <= a <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
+    if colormap is None:
+        colormap = "bwr" if str(normalize).lower() == "signed" else "jet"
+    colormap_lut(colormap)  # validate the name before any work
+    h, w = img.shape[:2]
+    norm = np.clip(_resize(normalize_map(map, normalize), (h, w), interpolation), 0.0, 1.0)
+    colour = apply_colormap(norm, colormap)
+    if a == 0.0:
+        out = img.copy()
+    elif a == 1.0:
+        out = colour
+    else:
+        blend = img.astype(np.float32) * (1.0 - a) + colour.astype(np.float32) * a
+        out = np.clip(np.rint(blend), 0, 255).astype(np.uint8)
+    levels = _contour_levels(contour)
+    if levels:
+        thickness = max(1, round(min(h, w) / 256))
+        # Replicate-pad the mask so the traced outline of a region touching the image
+        # edge runs outside the image: only true iso-lines are drawn, never the frame.
+        m = thickness + 4
+        for level in levels:
+            mask = cv2.copyMakeBorder((norm >= level).astype(np.uint8), m, m, m, m, cv2.BORDER_REPLICATE)
+            contours, _ = cv2.findContours(mask, cv2.RETR_LIST, cv2.CHAIN_APPROX_NONE)
+            cv2.drawContours(out, contours, -1, (0, 0, 0), thickness + 2, cv2.LINE_8, offset=(-m, -m))
+            cv2.drawContours(out, contours, -1, (255, 255, 255), thickness, cv2.LINE_8, offset=(-m, -m))
+    return np.ascontiguousarray(out)
+
+
+make_module_callable(__name__, overlay)
