@@ -235,6 +235,14 @@ class Recorder:
             raise CaptureError(f"module {name!r} did not run during the captured forward")
         return calls[step]
 
+    def zero_grad(self) -> None:
+        """Forget captured gradients (each backward through the graph accumulates into them)."""
+        for record in self._records:
+            record._grad_out = record._grad_probs = None
+        for calls in self.activations.values():
+            for call in calls:
+                call.grad = None
+
     def clear(self) -> None:
         """Forget all records (e.g. between two forwards in one scope)."""
         self._records.clear()
@@ -286,7 +294,8 @@ class Recorder:
             obj = frame.f_locals.get("self")
             if obj is not None:
                 name = names.get(id(obj))
-                if name is not None and isinstance(obj, nn.Module):
+                # an nn.Softmax submodule is a tool of the attention module, not the issuer
+                if name is not None and isinstance(obj, nn.Module) and not isinstance(obj, nn.Softmax):
                     return name, obj, frame
             frame = frame.f_back
         return None
