@@ -470,7 +470,7 @@ def deletion_insertion(
     order = torch.sort(scores, dim=1, descending=True, stable=True).indices
     rank = torch.empty_like(order).scatter_(1, order, torch.arange(K, device=order.device).expand(B, K))
     counts = torch.arange(steps + 1, device=images.device) * K // steps  # (S+1,)
-    fractions = counts.double() / K
+    fractions = counts.cpu().double() / K  # exact on CPU (float64 is unavailable on some devices)
     base = _baseline_images(images, baseline, blur_sigma)
     S1 = steps + 1
 
@@ -507,7 +507,9 @@ def deletion_insertion(
     return DeletionInsertionResult(curves=curves, auc=auc, fractions=fractions.to(curves.dtype), targets=tgt)
 
 
-def deletion_auc(model: Callable[[Tensor], Any], images: ArrayLike, maps: ArrayLike, target: Any = None, **kwargs: Any) -> Tensor:
+def deletion_auc(
+    model: Callable[[Tensor], Any], images: ArrayLike, maps: ArrayLike, target: Any = None, **kwargs: Any
+) -> Tensor:
     """Deletion AUC (lower is better): ``deletion_insertion(..., mode="deletion").auc``, shape ``(B,)``.
 
     Keyword arguments are those of :func:`deletion_insertion`.
@@ -515,7 +517,9 @@ def deletion_auc(model: Callable[[Tensor], Any], images: ArrayLike, maps: ArrayL
     return deletion_insertion(model, images, maps, target, mode="deletion", **kwargs).auc
 
 
-def insertion_auc(model: Callable[[Tensor], Any], images: ArrayLike, maps: ArrayLike, target: Any = None, **kwargs: Any) -> Tensor:
+def insertion_auc(
+    model: Callable[[Tensor], Any], images: ArrayLike, maps: ArrayLike, target: Any = None, **kwargs: Any
+) -> Tensor:
     """Insertion AUC (higher is better): ``deletion_insertion(..., mode="insertion").auc``, shape ``(B,)``.
 
     Keyword arguments are those of :func:`deletion_insertion`.
