@@ -14,6 +14,11 @@ _LAZY: dict[str, str] = {
     "ShapesBatch": ".shapes",
     "SHAPES": ".shapes",
     "COLORS": ".shapes",
+    "COLOR_RGB": ".shapes",
+    "MEAN": ".shapes",
+    "STD": ".shapes",
+    "normalize": ".shapes",
+    "denormalize": ".shapes",
     "load_image": ".images",
     "ImageLoadError": ".images",
 }
@@ -24,6 +29,10 @@ __all__ = sorted(_LAZY)
 def __getattr__(name: str) -> Any:
     if name not in _LAZY:
         raise AttributeError(f"module 'vitexplain.data' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-    globals()[name] = value
-    return value
+    module = importlib.import_module(_LAZY[name], __name__)
+    # Importing a submodule binds its name here (the module ``shapes`` would shadow the function
+    # ``shapes``), so bind every public name that submodule defines, not only the one asked for.
+    for other, source in _LAZY.items():
+        if source == _LAZY[name] and hasattr(module, other):
+            globals()[other] = getattr(module, other)
+    return globals()[name]
