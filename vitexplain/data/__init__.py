@@ -21,6 +21,11 @@ _LAZY: dict[str, str] = {
     "denormalize": ".shapes",
     "load_image": ".images",
     "ImageLoadError": ".images",
+    "preprocess": ".images",
+    "preprocess_kwargs": ".images",
+    "CropBox": ".images",
+    "crop_region": ".images",
+    "paste_map": ".images",
 }
 
 __all__ = sorted(_LAZY)
