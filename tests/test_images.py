@@ -327,3 +327,9 @@ def test_preprocess_bad_arguments():
     with pytest.raises(ValueError, match="crop_pct"):
         preprocess(img, crop_pct=0, **kw)
     assert math.isclose(preprocess(img, crop_pct=None, **kw)[1][0].width, 10.0)
+
+
+def test_pil_inputs_use_the_same_conversion():
+    rgba = Image.new("RGBA", (6, 4), (255, 0, 0, 0))  # fully transparent red -> white
+    x, _ = preprocess(rgba, input_size=(4, 6), mean=(0, 0, 0), std=(1, 1, 1), crop=False)
+    assert torch.allclose(x, torch.ones_like(x))

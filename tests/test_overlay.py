@@ -247,3 +247,12 @@ def test_save_png_roundtrip_rgb_atomic(tmp_path):
     gray = np.arange(12, dtype=np.uint8).reshape(3, 4)
     save_png(tmp_path / "g.png", gray)
     np.testing.assert_array_equal(np.asarray(Image.open(tmp_path / "g.png")), gray)
+
+
+def test_tiny_magnitude_maps_are_not_flattened():
+    image = np.zeros((8, 8, 3), np.uint8)
+    m = np.random.default_rng(3).random((4, 4))
+    for mode in ("minmax", "percentile", "signed"):
+        np.testing.assert_array_equal(overlay(image, m * 1e-20, normalize=mode), overlay(image, m, normalize=mode))
+    noisy = np.float32(1.0) + np.float32(1e-7) * np.random.default_rng(4).random((4, 4)).astype(np.float32)
+    assert (normalize_map(noisy) == 0).all()  # float32 rounding noise around a constant: flat

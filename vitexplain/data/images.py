@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Sequence, Union
 
 import numpy as np
-from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from ..errors import ImageLoadError
 
@@ -89,44 +89,28 @@ def _source_name(source: Any) -> str:
     return str(name) if isinstance(name, (str, os.PathLike)) else f"<{type(source).__name__}>"
 
 
-def _open_source(source: Any, name: str) -> tuple[Any, bool]:
-    """Return (something Image.open accepts, whether it is a path) or raise ImageLoadError."""
-    if isinstance(source, (str, os.PathLike)):
-        path = Path(os.fspath(source))
-        try:
-            st = path.stat()
-        except FileNotFoundError:
-            raise _fail(name, "no such file", "Check the path.") from None
-        except PermissionError:
-            raise _fail(name, "permission denied", "Check the file's permissions.") from None
-        except OSError as e:
-            raise _fail(name, f"cannot access the path ({e.strerror or e})") from None
-        if path.is_dir():
-            raise _fail(
-                name,
-                "it is a directory, not an image file",
-                "Pass the image files inside it (the export CLI walks directories for you).",
-            )
-        if not path.is_file():
-            raise _fail(name, "not a regular file", "Pass a regular image file.")
-        if st.st_size == 0:
-            raise _fail(name, "the file is empty (0 bytes)")
-        return path, True
-    if isinstance(source, (bytes, bytearray, memoryview)):
-        data = bytes(source)
-        if not data:
-            raise _fail(name, "no data (0 bytes)")
-        return io.BytesIO(data), False
-    if hasattr(source, "read"):
-        fp = source
-        seekable = getattr(fp, "seekable", None)
-        if not (callable(seekable) and seekable()):
-            fp = io.BytesIO(fp.read())
-        return fp, False
-    raise TypeError(
-        f"load_image expects a path (str or os.PathLike), bytes or a binary file object, "
-        f"got {type(source).__name__}"
-    )
+def _check_path(source: Any, name: str) -> Path:
+    """Turn a path into an existing, non-empty regular file or raise ImageLoadError."""
+    path = Path(os.fspath(source))
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise _fail(name, "no such file", "Check the path.") from None
+    except PermissionError:
+        raise _fail(name, "permission denied", "Check the file's permissions.") from None
+    except OSError as e:
+        raise _fail(name, f"cannot access the path ({e.strerror or e})") from None
+    if path.is_dir():
+        raise _fail(
+            name,
+            "it is a directory, not an image file",
+            "Pass the image files inside it (the export CLI walks directories for you).",
+        )
+    if not path.is_file():
+        raise _fail(name, "not a regular file", "Pass a regular image file.")
+    if st.st_size == 0:
+        raise _fail(name, "the file is empty (0 bytes)")
+    return path
 
 
 def load_image(source: ImageSource, *, max_pixels: int | None = DEFAULT_MAX_PIXELS) -> np.ndarray:
@@ -153,7 +137,32 @@ def load_image(source: ImageSource, *, max_pixels: int | None = DEFAULT_MAX_PIXE
         TypeError: ``source`` is none of the accepted kinds.
     """
     name = _source_name(source)
-    fp, _ = _open_source(source, name)
+    if isinstance(source, (str, os.PathLike)):
+        path = _check_path(source, name)
+        try:
+            with open(path, "rb") as f:  # read-only; closed on every path out
+                return _decode(f, name, max_pixels)
+        except ImageLoadError:
+            raise
+        except PermissionError:
+            raise _fail(name, "permission denied", "Check the file's permissions.") from None
+        except OSError as e:
+            raise _fail(name, f"cannot read the file ({e.strerror or e})") from None
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        if len(source) == 0:
+            raise _fail(name, "no data (0 bytes)")
+        return _decode(io.BytesIO(bytes(source)), name, max_pixels)
+    if hasattr(source, "read"):
+        seekable = getattr(source, "seekable", None)
+        fp = source if callable(seekable) and seekable() else io.BytesIO(source.read())
+        return _decode(fp, name, max_pixels)
+    raise TypeError(
+        f"load_image expects a path (str or os.PathLike), bytes or a binary file object, "
+        f"got {type(source).__name__}"
+    )
+
+
+def _decode(fp: IO[bytes], name: str, max_pixels: int | None) -> np.ndarray:
     try:
         with warnings.catch_warnings():
             # Our own max_pixels check below is the authority between Pillow's warning
@@ -309,8 +318,8 @@ class CropBox:
 
 
 def _as_pil(image: Any) -> Image.Image:
-    if isinstance(image, Image.Image):
-        return image if image.mode == "RGB" else image.convert("RGB")
+    if isinstance(image, Image.Image):  # same mode conversion as load_image (alpha on white, ...)
+        return image if image.mode == "RGB" else Image.fromarray(_to_rgb(image, "<PIL image>"), "RGB")
     arr = np.asarray(image)
     if arr.dtype != np.uint8 or arr.ndim != 3 or arr.shape[2] != 3:
         raise ValueError(

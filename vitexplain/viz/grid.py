@@ -127,7 +127,8 @@ def grid(
         if col_labels is not None:
             label = _fit_text(col_labels[c], tw, scale, thick)
             lw = cv2.getTextSize(label, _FONT, scale, thick)[0][0]
-            cv2.putText(fig, label, (x + (tw - lw) // 2, pad + text_h), _FONT, scale, color, thick, cv2.LINE_AA)
+            org = (x + (tw - lw) // 2, pad + text_h)
+            cv2.putText(fig, label, org, _FONT, scale, color, thick, cv2.LINE_AA)
     for r, row in enumerate(rows):
         y = pad + header + r * (th + pad)
         if row_labels is not None:

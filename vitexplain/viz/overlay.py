@@ -27,7 +27,12 @@ INTERPOLATIONS: dict[str, int] = {
     "bicubic": cv2.INTER_CUBIC,
 }
 
-_EPS = 1e-12
+# Ranges within a few float32 ULPs of the values are noise around a constant.
+_REL_TOL = 4 * float(np.finfo(np.float32).eps)
+
+
+def _flat(lo: float, hi: float) -> bool:
+    return hi - lo <= _REL_TOL * max(abs(lo), abs(hi))
 
 ContourSpec = Union[bool, float, Sequence[float]]
 
@@ -56,12 +61,12 @@ def normalize_map(map: Any, mode: str = "minmax") -> np.ndarray:  # noqa: A002
     key = str(mode).lower()
     if key == "percentile":
         lo, hi = np.percentile(m, [1.0, 99.0])
-        if hi - lo > _EPS * max(1.0, abs(hi)):
+        if not _flat(lo, hi):
             return ((np.clip(m, lo, hi) - lo) / (hi - lo)).astype(np.float32)
         key = "minmax"
     if key == "minmax":
         lo, hi = float(m.min()), float(m.max())
-        if hi - lo <= _EPS * max(1.0, abs(hi), abs(lo)):
+        if _flat(lo, hi):
             return np.zeros(m.shape, np.float32)
         return ((m - lo) / (hi - lo)).astype(np.float32)
     if key == "signed":
