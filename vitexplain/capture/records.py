@@ -23,7 +23,7 @@ from torch import Tensor
 
 from ..errors import CaptureError
 
-__all__ = ["AttentionRecord", "ActivationRecord", "QuerySelect", "attention_probs"]
+__all__ = ["AttentionRecord", "ActivationRecord", "QuerySelect", "attention_probs", "fuse_heads"]
 
 QuerySelect = Union[None, int, slice, Tensor]
 """Which query rows to compute: all (None), one index, a slice, or an index tensor."""
@@ -103,7 +103,7 @@ def attention_probs(
     return torch.nan_to_num(probs, nan=0.0)
 
 
-def _fuse(x: Tensor, fusion: Fusion) -> Tensor:
+def fuse_heads(x: Tensor, fusion: Fusion) -> Tensor:
     """Fuse the head dimension (dim 1) of a (B, H, n, N) tensor."""
     if fusion == "mean":
         return x.mean(dim=1)
@@ -212,7 +212,7 @@ class AttentionRecord:
         Returns:
             (B, n, N_k) float32.
         """
-        return _fuse(self.probs(queries), fusion)
+        return fuse_heads(self.probs(queries), fusion)
 
     def _check_grads(self, need_backward: bool = True) -> None:
         if self._grad_state == "off":

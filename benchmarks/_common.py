@@ -1,0 +1,69 @@
+"""Helpers shared by the benchmark scripts: interleaved timing and the report file."""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+REPORT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+
+
+def sync(device: str | torch.device = "cpu") -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def median_times(fns: dict[str, Callable[[], object]], *, reps: int = 10, warmup: int = 2, device="cpu") -> dict[str, float]:
+    """Median wall time (s) of each function; runs are interleaved so drift hits all alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            sync(device)
+            start = time.perf_counter()
+            fn()
+            sync(device)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def machine() -> str:
+    threads = torch.get_num_threads()
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return f"{platform.processor() or platform.machine()}, {threads} torch threads, {gpu}, torch {torch.__version__}"
+
+
+def table(header: list[str], rows: list[list[object]]) -> str:
+    """A GitHub-markdown table."""
+    def fmt(v: object) -> str:
+        return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def report(section: str, body: str) -> None:
+    """Print ``body`` and store it in docs/benchmarks.md under ``## section``.
+
+    The section records the command and date; rerunning a script replaces its section.
+    """
+    command = "python " + " ".join([Path(sys.argv[0]).as_posix().split("/vitexplain/")[-1], *sys.argv[1:]])
+    stamp = datetime.date.today().isoformat()
+    text = f"## {section}\n\n`{command}` — {stamp}, {machine()}\n\n{body}\n"
+    print(text)
+    REPORT.parent.mkdir(parents=True, exist_ok=True)
+    old = REPORT.read_text() if REPORT.exists() else "# Benchmarks\n\nEvery table here is written by a script in `benchmarks/`; rerun it to refresh.\n\n"
+    pattern = re.compile(rf"^## {re.escape(section)}\n.*?(?=^## |\Z)", re.S | re.M)
+    new = pattern.sub(lambda _: text + "\n", old) if pattern.search(old) else old.rstrip() + "\n\n" + text
+    REPORT.write_text(new)

@@ -1,0 +1,304 @@
+"""The front door: model -> adapter -> capture -> method -> :class:`Explanation`.
+
+Example::
+
+    ex = vx.Explainer(model)
+    e = ex.explain(x, method="cdam")                   # x: (B, 3, H, W) preprocessed
+    e.maps                                             # (B, gh, gw) float32
+    es = ex.explain(["a.jpg", "b.png"], method=["rollout", "generic"])   # images: preprocessed for you
+
+Several methods in one call share one forward and (when any needs it) one backward pass.
+The model is never modified: no eval()/train() switch, no eager attention, no hooks left.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .capture import capture
+from .errors import UnsupportedMethodError
+from .layout import TokenLayout
+from .methods import registry
+from .methods.context import Context
+from .models import Adapter, adapter_for
+from .targets import Target, TargetSpec, logits_of, resolve
+
+__all__ = ["Explainer", "Explanation"]
+
+
+@dataclass
+class Explanation:
+    """The maps of one method for one batch.
+
+    Attributes:
+        maps: (B, gh, gw) float32 on the model's device; signed for signed methods.
+        targets: (B,) long, the explained classes (-1 for a custom score).
+        method: method name.
+        options: the method options used.
+        logits: the model outputs of the explained forward (detached logits when found).
+        signed: whether maps are signed (overlay with ``normalize="signed"``).
+        input_size: (H, W) of the model input.
+        layout: token layout (ViTs) or None.
+        images: when images (not tensors) were explained: the (H, W, 3) uint8 RGB regions
+            the model saw (after resize and crop), one per image.
+        sources: the inputs as given (paths, or None), when images were explained.
+        label_names: the model's class names, if known.
+    """
+
+    maps: Tensor
+    targets: Tensor
+    method: str
+    options: dict[str, Any]
+    logits: Any
+    signed: bool
+    input_size: tuple[int, int]
+    layout: Optional[TokenLayout] = None
+    images: Optional[list[Any]] = None
+    sources: Optional[list[Any]] = None
+    label_names: Optional[list[str]] = None
+    boxes: Optional[list[Any]] = field(default=None, repr=False)
+
+    def __len__(self) -> int:
+        return int(self.maps.shape[0])
+
+    def upsample(self, size: Optional[tuple[int, int]] = None, mode: str = "bilinear") -> Tensor:
+        """Maps resized to ``size`` (default: the model input size).
+
+        Returns:
+            (B, H, W) float32.
+        """
+        size = tuple(size) if size is not None else self.input_size
+        kwargs = {"align_corners": False} if mode in ("bilinear", "bicubic") else {}
+        return F.interpolate(self.maps[:, None], size=size, mode=mode, **kwargs)[:, 0]
+
+    def target_names(self) -> list[str]:
+        """Per image, the target's label name (or its index as text)."""
+        names = self.label_names or []
+        return [names[t] if 0 <= t < len(names) else str(t) for t in self.targets.tolist()]
+
+    def overlay(self, index: int = 0, image: Any = None, **kwargs: Any) -> Any:
+        """Overlay map ``index`` on its image (the region the model saw), uint8 RGB.
+
+        Args:
+            index: which image of the batch.
+            image: (H, W, 3) uint8 RGB to draw on; default: the stored image.
+            **kwargs: passed to :func:`vitexplain.viz.overlay` (``normalize`` defaults to
+                ``"signed"`` for signed methods).
+        """
+        from .viz.overlay import overlay
+
+        if image is None:
+            if self.images is None:
+                raise ValueError(
+                    "this explanation was computed from a tensor, so it has no image to draw on; "
+                    "pass image=(H, W, 3) uint8 RGB, or explain images/paths instead of a tensor"
+                )
+            image = self.images[index]
+        kwargs.setdefault("normalize", "signed" if self.signed else "minmax")
+        return overlay(image, self.maps[index], **kwargs)
+
+    def save(self, directory: Union[str, Path]) -> Path:
+        """Write ``maps.npy`` and ``manifest.json`` (method, options, targets, sizes) to a folder."""
+        import numpy as np
+
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        np.save(out / "maps.npy", self.maps.detach().cpu().numpy())
+        manifest = {
+            "method": self.method,
+            "options": {k: repr(v) if not isinstance(v, (int, float, str, bool, type(None))) else v for k, v in self.options.items()},
+            "signed": self.signed,
+            "targets": self.targets.tolist(),
+            "target_names": self.target_names(),
+            "input_size": list(self.input_size),
+            "grid": list(self.maps.shape[-2:]),
+            "sources": [str(s) if s is not None else None for s in self.sources] if self.sources else None,
+        }
+        (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
+        return out
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for tensor in (*model.parameters(), *model.buffers()):
+        return tensor.device
+    return torch.device("cpu")
+
+
+class Explainer:
+    """Explains a model's decisions with any registered method.
+
+    Args:
+        model: a ViT (timm, torchvision, Hugging Face), a CNN, a zoo model, or a captioner.
+        adapter: override the automatically chosen adapter.
+    """
+
+    def __init__(self, model: nn.Module, *, adapter: Optional[Adapter] = None) -> None:
+        self.model = model
+        self.adapter = adapter or adapter_for(model)
+
+    @property
+    def family(self) -> str:
+        """``"vit"``, ``"cnn"`` or ``"caption"``."""
+        return self.adapter.family
+
+    def methods(self) -> list[str]:
+        """Names of the methods that apply to this model's family."""
+        return registry.names(self.family)
+
+    def __repr__(self) -> str:
+        return f"Explainer({type(self.model).__name__}, family={self.family!r})"
+
+    # -- inputs -----------------------------------------------------------------------
+    def preprocess(self, images: Any, *, crop: bool = True) -> tuple[Tensor, list[Any], list[Any], list[Any]]:
+        """Load and preprocess images with the model's own preprocessing.
+
+        Args:
+            images: a path, PIL image, (H, W, 3) uint8 array, or a list of those.
+            crop: resize and center-crop as the model's eval transform does (True), or
+                resize the whole image to the input size (False).
+
+        Returns:
+            (x (B, 3, H, W) on the model's device, the uint8 RGB regions the model saw,
+            crop boxes in original pixel coordinates, the sources as given).
+        """
+        from .data.images import crop_region, load_image, preprocess
+
+        items = list(images) if isinstance(images, (list, tuple)) else [images]
+        sources, arrays = [], []
+        for item in items:
+            is_path = isinstance(item, (str, Path))
+            sources.append(item if is_path else None)
+            arrays.append(load_image(item) if is_path else _as_rgb(item))
+        x, boxes = preprocess(arrays, crop=crop, **self.adapter.preprocess_kwargs())
+        size = tuple(x.shape[-2:])
+        regions = [_resize_rgb(crop_region(a, b), size) for a, b in zip(arrays, boxes)]
+        return x.to(_model_device(self.model)), regions, boxes, sources
+
+    # -- explaining ---------------------------------------------------------------------
+    def explain(
+        self,
+        x: Any,
+        method: Union[str, Sequence[str]] = "cdam",
+        target: TargetSpec = None,
+        **options: Any,
+    ) -> Union[Explanation, list[Explanation]]:
+        """Explain a batch with one or several methods (one shared forward/backward).
+
+        Args:
+            x: (B, 3, H, W) preprocessed tensor, or images (paths, PIL, uint8 arrays, or a
+                list of them), which are loaded and preprocessed with the model's settings.
+            method: a method name or a list of names (see :meth:`methods`).
+            target: None (top prediction per image), an int, a label name, one per image
+                (list/tensor), or a callable ``score(outputs) -> (B,)``.
+            **options: method options for a single method (e.g. ``discard_ratio=0.9``); for
+                several methods, ``name={...}`` per method (e.g. ``rollout={"head_fusion": "max"}``).
+
+        Returns:
+            An :class:`Explanation` for a single method name, a list for a list of names.
+        """
+        single = isinstance(method, str)
+        names = [method] if single else list(method)
+        if not names:
+            raise UnsupportedMethodError(f"no method given; choose from {self.methods()}")
+        specs = [registry.get(name, self.family) for name in names]
+        per_method = self._split_options(names, options, single)
+
+        images = boxes = sources = None
+        if not (isinstance(x, Tensor) and x.dim() == 4 and x.is_floating_point()):
+            if isinstance(x, Tensor):
+                raise TypeError(
+                    f"expected a preprocessed (B, 3, H, W) float tensor, got a {x.dtype} tensor of "
+                    f"shape {tuple(x.shape)}; pass images as uint8 (H, W, 3) arrays or paths instead"
+                )
+            x, images, boxes, sources = self.preprocess(x)
+        if self.model.training:
+            warnings.warn(
+                "the model is in training mode: dropout makes explanations random; call model.eval() first",
+                stacklevel=2,
+            )
+        device = _model_device(self.model)
+        grads = any(s.grads for s in specs)
+        x_in = x.detach().to(device)
+        if grads:
+            x_in.requires_grad_(True)
+        activations = list(dict.fromkeys(a for s in specs for a in s.activations(self.adapter)))
+        attention = any(s.attention for s in specs) and self.family != "cnn"
+        with torch.set_grad_enabled(grads), capture(
+            self.model, grads=grads, activations=activations, attention=attention
+        ) as rec:
+            outputs = self.adapter.forward(x_in)
+        resolved = resolve(target, outputs, self.adapter.label_names)
+        if grads:
+            score = resolved.score(outputs)
+            torch.autograd.grad(score.sum(), x_in, retain_graph=any(s.retain_graph for s in specs))
+        layout = self.adapter.layout(tuple(x.shape[-2:])) if hasattr(self.adapter, "layout") else None
+        try:
+            logits = logits_of(outputs).detach()
+        except Exception:
+            logits = outputs
+        results = []
+        for name, spec in zip(names, specs):
+            ctx = Context(self.adapter, x_in, outputs, resolved, rec, layout, method=name)
+            maps = spec.fn(ctx, **per_method[name])
+            results.append(
+                Explanation(
+                    maps=maps.detach().float(),
+                    targets=resolved.classes.detach(),
+                    method=name,
+                    options=dict(per_method[name]),
+                    logits=logits,
+                    signed=spec.signed,
+                    input_size=(int(x.shape[-2]), int(x.shape[-1])),
+                    layout=layout,
+                    images=images,
+                    sources=sources,
+                    label_names=self.adapter.label_names,
+                    boxes=boxes,
+                )
+            )
+        return results[0] if single else results
+
+    @staticmethod
+    def _split_options(names: list[str], options: dict[str, Any], single: bool) -> dict[str, dict[str, Any]]:
+        if single:
+            return {names[0]: options}
+        unknown = [k for k in options if k not in names or not isinstance(options[k], dict)]
+        if unknown:
+            raise TypeError(
+                f"with several methods, pass options per method as name={{...}} "
+                f"(e.g. rollout={{'discard_ratio': 0.9}}); got {unknown}"
+            )
+        return {name: dict(options.get(name, {})) for name in names}
+
+
+def _as_rgb(image: Any) -> Any:
+    """A PIL image or array as (H, W, 3) uint8 RGB (validated like the loader does)."""
+    import numpy as np
+
+    if hasattr(image, "convert") and hasattr(image, "size"):
+        return np.asarray(image.convert("RGB"))
+    array = np.asarray(image)
+    if array.dtype != np.uint8 or array.ndim != 3 or array.shape[2] != 3:
+        raise TypeError(
+            f"expected an (H, W, 3) uint8 RGB image, a PIL image or a path; got an array of "
+            f"dtype {array.dtype} and shape {array.shape}"
+        )
+    return array
+
+
+def _resize_rgb(image: Any, size: tuple[int, int]) -> Any:
+    """Resize a uint8 RGB region to (H, W) (the exact pixels the model saw)."""
+    if tuple(image.shape[:2]) == tuple(size):
+        return image
+    from PIL import Image
+    import numpy as np
+
+    return np.asarray(Image.fromarray(image).resize((size[1], size[0]), Image.BICUBIC))

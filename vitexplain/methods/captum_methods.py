@@ -1,0 +1,135 @@
+"""Captum-backed attributions, pooled to the patch grid: Integrated Gradients, occlusion, SmoothGrad.
+
+These call captum (they are not re-implemented) and sum pixel attributions over each patch,
+so their maps share the (B, gh, gw) grid of the attention methods.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..targets import logits_of
+from .context import Context
+from .registry import register
+
+__all__ = ["integrated_gradients", "occlusion", "smoothgrad"]
+
+
+def _forward_and_target(ctx: Context) -> tuple[Callable[[Tensor], Tensor], Optional[list[int]]]:
+    """captum's forward function and target: logits + class indices, or a custom score."""
+    adapter = ctx.adapter
+    if ctx.target.custom:
+        return (lambda inp: ctx.score(adapter.forward(inp))), None
+    return (lambda inp: logits_of(adapter.forward(inp))), ctx.target.classes.tolist()
+
+
+def _to_grid(ctx: Context, attributions: Tensor) -> Tensor:
+    """Sum (B, 3, H, W) pixel attributions over channels and over each patch: (B, gh, gw)."""
+    layout = ctx.require_grid()
+    per_pixel = attributions.float().sum(dim=1, keepdim=True)
+    h, w = per_pixel.shape[-2:]
+    pooled = F.adaptive_avg_pool2d(per_pixel, layout.grid) * (h * w / layout.num_patches)
+    return pooled[:, 0]
+
+
+def _patch_mask(ctx: Context) -> Tensor:
+    """(1, 1, H, W) long: the index of the patch each pixel belongs to."""
+    layout = ctx.require_grid()
+    h, w = ctx.x.shape[-2:]
+    gh, gw = layout.grid
+    rows = torch.div(torch.arange(h, device=ctx.x.device) * gh, h, rounding_mode="floor")
+    cols = torch.div(torch.arange(w, device=ctx.x.device) * gw, w, rounding_mode="floor")
+    return (rows[:, None] * gw + cols[None, :]).view(1, 1, h, w)
+
+
+@register(
+    "integrated_gradients",
+    attention=False,
+    signed=True,
+    summary="captum IntegratedGradients from a zero (mean-colour) baseline, summed per patch",
+    reference="Sundararajan et al. 2017 (captum.attr.IntegratedGradients)",
+)
+def integrated_gradients(ctx: Context, *, steps: int = 32, batch_size: int = 64, baseline: float = 0.0) -> Tensor:
+    """Integrated Gradients (captum) on the input pixels, summed over channels and patches.
+
+    Args:
+        ctx: the explained batch.
+        steps: integration steps.
+        batch_size: captum's ``internal_batch_size``.
+        baseline: constant baseline in the model's input space (0 = the mean colour for
+            normalised inputs).
+
+    Returns:
+        (B, gh, gw) float32, signed; sums to about y(x) - y(baseline).
+    """
+    from captum.attr import IntegratedGradients
+
+    forward, target = _forward_and_target(ctx)
+    attr = IntegratedGradients(forward).attribute(
+        ctx.x.detach(), baselines=baseline, target=target, n_steps=steps, internal_batch_size=batch_size
+    )
+    return _to_grid(ctx, attr)
+
+
+@register(
+    "occlusion",
+    attention=False,
+    signed=True,
+    summary="captum FeatureAblation over the patch grid: score drop when a patch is replaced",
+    reference="Zeiler & Fergus 2014 (captum.attr.FeatureAblation with a patch feature mask)",
+)
+def occlusion(ctx: Context, *, baseline: float = 0.0, batch_size: int = 16) -> Tensor:
+    """Occlusion on the patch grid (captum FeatureAblation): for each patch, the drop of the
+    target score when the patch is replaced by ``baseline``.
+
+    Args:
+        ctx: the explained batch.
+        baseline: replacement value in the model's input space (0 = mean colour).
+        batch_size: ablated copies per forward (captum's ``perturbations_per_eval``).
+
+    Returns:
+        (B, gh, gw) float32, signed (positive: the patch supports the target).
+    """
+    from captum.attr import FeatureAblation
+
+    forward, target = _forward_and_target(ctx)
+    mask = _patch_mask(ctx)
+    attr = FeatureAblation(forward).attribute(
+        ctx.x.detach(), baselines=baseline, target=target, feature_mask=mask, perturbations_per_eval=batch_size
+    )
+    layout = ctx.require_grid()
+    # every pixel of a patch carries that patch's value: read one per patch
+    return F.adaptive_avg_pool2d(attr[:, :1].float(), layout.grid)[:, 0]
+
+
+@register(
+    "smoothgrad",
+    attention=False,
+    summary="captum NoiseTunnel(Saliency) SmoothGrad, |gradient| summed per patch",
+    reference="Smilkov et al. 2017 (captum.attr.NoiseTunnel + Saliency)",
+)
+def smoothgrad(ctx: Context, *, samples: int = 16, noise: float = 0.15, batch_size: int = 32) -> Tensor:
+    """SmoothGrad (captum): mean absolute input gradient over noisy copies, per patch.
+
+    Args:
+        ctx: the explained batch.
+        samples: noisy samples per image.
+        noise: noise standard deviation relative to the input's value range.
+        batch_size: captum's ``nt_samples_batch_size``.
+
+    Returns:
+        (B, gh, gw) float32, non-negative.
+    """
+    from captum.attr import NoiseTunnel, Saliency
+
+    forward, target = _forward_and_target(ctx)
+    x = ctx.x.detach()
+    stdev = float(noise * (x.max() - x.min()))
+    attr = NoiseTunnel(Saliency(forward)).attribute(
+        x, nt_type="smoothgrad", nt_samples=samples, stdevs=stdev, target=target, nt_samples_batch_size=batch_size
+    )
+    return _to_grid(ctx, attr)

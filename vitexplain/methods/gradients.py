@@ -1,0 +1,119 @@
+"""Gradient-weighted attention maps: gradient rollout, Chefer's generic rule, attention Grad-CAM.
+
+``grad(y, A)`` comes from the capture as ``dO @ V^T`` (no eager attention), recomputed in
+query blocks together with A, so these keep the fused kernel forward and backward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..capture import AttentionRecord
+from .attention import propagate
+from .context import Context, query_blocks, readout_vector
+from .registry import register
+
+__all__ = ["grad_rollout", "generic", "attn_gradcam"]
+
+
+def _grad_rollout_rows(record: AttentionRecord, block: slice) -> Tensor:
+    return (record.probs(block) * record.grad_probs(block)).mean(dim=1).clamp(min=0)
+
+
+def _generic_rows(record: AttentionRecord, block: slice) -> Tensor:
+    return (record.grad_probs(block) * record.probs(block)).clamp(min=0).mean(dim=1)
+
+
+@register(
+    "grad_rollout",
+    grads=True,
+    summary="gradient rollout: rollout of clamp(mean_h(A * dy/dA), 0)",
+    reference="vit-explain (Gildenblat 2020), forward-ordered gradients; references.md item 3",
+)
+def grad_rollout(ctx: Context, *, discard_ratio: float = 0.0, start_layer: int = 0) -> Tensor:
+    """Gradient attention rollout.
+
+    As rollout, with ``fused = clamp(mean_h(A * grad(y, A)), min=0)`` per layer. Each
+    layer's gradient is paired with that same layer's attention (vit-explain pairs
+    backward-ordered gradients with forward-ordered attentions: not reproduced).
+
+    Args:
+        ctx: the captured forward and backward.
+        discard_ratio: fraction of smallest fused entries zeroed per layer and image.
+        start_layer: first layer included.
+
+    Returns:
+        (B, gh, gw) float32.
+    """
+    layers = ctx.layers()[start_layer:]
+    layout = ctx.require_grid(rollout=True)
+    vector = readout_vector(layout, ctx.batch_size, layers[0].device)
+    keep = 0 if layout.readout == "class" and layout.has_class_token else None
+    out = propagate(vector, layers, _grad_rollout_rows, mode="rollout", discard_ratio=discard_ratio, keep=keep)
+    return layout.to_grid(out)
+
+
+@register(
+    "generic",
+    grads=True,
+    summary="Chefer generic attention explainability: R += mean_h(clamp(dy/dA * A, 0)) @ R",
+    reference="Chefer, Gur & Wolf, ICCV 2021; references.md item 4",
+)
+def generic(ctx: Context, *, start_layer: int = 0) -> Tensor:
+    """Chefer et al. (2021) generic relevance for self-attention.
+
+    ``Abar[l] = mean_h(clamp(grad(y, A[l]) * A[l], min=0))``; ``R = I``;
+    ``R = R + Abar[l] @ R`` for l = 1..L; the map is the readout row of R over the patch
+    keys (no normalisation, as in the paper's self-attention case). Computed as a row
+    vector pushed through the layers last to first, so no N x N product is formed.
+
+    Args:
+        ctx: the captured forward and backward.
+        start_layer: first layer included.
+
+    Returns:
+        (B, gh, gw) float32.
+    """
+    layers = ctx.layers()[start_layer:]
+    layout = ctx.require_grid(rollout=True)
+    vector = readout_vector(layout, ctx.batch_size, layers[0].device)
+    return layout.to_grid(propagate(vector, layers, _generic_rows, mode="generic"))
+
+
+@register(
+    "attn_gradcam",
+    grads=True,
+    summary="attention Grad-CAM on the last layer: clamp(mean_h(w_h A_h[readout]), 0)",
+    reference="Chefer et al. 2021 baseline (their implementation); references.md item 5",
+)
+def attn_gradcam(ctx: Context, *, layer: int = -1) -> Tensor:
+    """Grad-CAM on the last layer's attention.
+
+    Per head h the readout row of A (patch keys) is the "feature map" and
+    ``w_h = mean(grad(y, A)_h)`` over the same entries (as in Chefer et al.'s code);
+    the map is ``clamp(mean_h(w_h * A_h[readout, patches]), min=0)``.
+
+    Args:
+        ctx: the captured forward and backward.
+        layer: which layer (default: the last).
+
+    Returns:
+        (B, gh, gw) float32.
+    """
+    record = ctx.layers()[layer]
+    layout = ctx.require_grid()
+    vector = readout_vector(layout, record.batch_size, record.device)
+    attn = torch.zeros(record.batch_size, record.num_heads, record.num_keys, device=record.device)
+    grad = torch.zeros_like(attn)
+    for block in query_blocks(record):
+        weights = vector[:, block]
+        if not torch.any(weights):
+            continue
+        w = weights[:, None, :, None]
+        attn += (w * record.probs(block)).sum(dim=2)
+        grad += (w * record.grad_probs(block)).sum(dim=2)
+    attn, grad = attn[..., layout.patch_slice], grad[..., layout.patch_slice]
+    head_weights = grad.mean(dim=-1, keepdim=True)
+    cam = (head_weights * attn).mean(dim=1).clamp(min=0)
+    return layout.to_grid(cam)

@@ -1,0 +1,148 @@
+"""What a gradient is taken of: a class index, a label name, a per-image list, or any score.
+
+``resolve(target, logits, label_names)`` turns what the user passed into a :class:`Target`:
+the per-image class indices (``-1`` when a callable defines the score) and a function from
+the model's outputs to a (B,) score. The score of a class is its pre-softmax logit
+(references.md): for multi-label models too, the default target is the top-scoring label.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+from .errors import TargetError
+
+__all__ = ["Target", "TargetSpec", "resolve", "class_score", "logits_of"]
+
+TargetSpec = Union[None, int, str, Sequence[Union[int, str]], Tensor, Callable[[Any], Tensor]]
+
+
+def logits_of(outputs: Any) -> Tensor:
+    """The (B, C) logits inside a model's outputs (a tensor, ``.logits``, or a tuple's first item)."""
+    if isinstance(outputs, Tensor):
+        return outputs
+    logits = getattr(outputs, "logits", None)
+    if isinstance(logits, Tensor):
+        return logits
+    if isinstance(outputs, (tuple, list)) and outputs and isinstance(outputs[0], Tensor):
+        return outputs[0]
+    raise TargetError(
+        f"cannot find logits in the model output of type {type(outputs).__name__}; pass a "
+        "callable target that maps the outputs to a (B,) score"
+    )
+
+
+def class_score(classes: Tensor) -> Callable[[Any], Tensor]:
+    """Score function returning, per image, the logit of ``classes`` (B,)."""
+
+    def score(outputs: Any) -> Tensor:
+        logits = logits_of(outputs)
+        return logits.gather(1, classes.to(logits.device).view(-1, 1)).squeeze(1)
+
+    return score
+
+
+@dataclass
+class Target:
+    """A resolved target.
+
+    Attributes:
+        classes: (B,) long class indices; -1 where a callable defines the score.
+        score: maps the model outputs to the (B,) scalar scores that are explained.
+        description: human-readable, for manifests.
+    """
+
+    classes: Tensor
+    score: Callable[[Any], Tensor]
+    description: str
+    custom: bool = False
+
+    def repeat(self, n: int) -> "Target":
+        """The same target for a batch in which every image is repeated ``n`` times in a row.
+
+        Used by methods that score several perturbed copies of each image at once
+        (image i's copies are rows ``i * n .. i * n + n - 1``).
+        """
+        if self.custom:
+            return self
+        classes = self.classes.repeat_interleave(n)
+        return Target(classes, class_score(classes), self.description)
+
+
+def _index(value: Union[int, str], num_classes: int, label_names: Optional[Sequence[str]]) -> int:
+    if isinstance(value, str):
+        if not label_names:
+            raise TargetError(
+                f"target {value!r} is a label name, but this model has no label names; pass a class index"
+            )
+        if value not in label_names:
+            raise TargetError(f"unknown label {value!r}; this model's labels are {list(label_names)}")
+        return list(label_names).index(value)
+    index = int(value)
+    if not 0 <= index < num_classes:
+        raise TargetError(f"target class {index} is out of range for a model with {num_classes} classes (0..{num_classes - 1})")
+    return index
+
+
+def resolve(target: TargetSpec, outputs: Any, label_names: Optional[Sequence[str]] = None) -> Target:
+    """Resolve a user target against the model outputs.
+
+    Args:
+        target: None (each image's top prediction), an int or label name (same for all
+            images), a sequence or tensor with one int/label per image, or a callable
+            ``score(outputs) -> (B,)`` tensor.
+        outputs: the model outputs of the explained forward (logits (B, C) or an object
+            with ``.logits``).
+        label_names: class names, for label-name targets.
+
+    Returns:
+        The :class:`Target`.
+
+    Raises:
+        TargetError: out-of-range index, unknown label, wrong number of targets, or a
+            callable returning something other than a (B,) tensor.
+    """
+    if callable(target) and not isinstance(target, Tensor):
+        def score(out: Any) -> Tensor:
+            value = target(out)
+            if not isinstance(value, Tensor) or value.dim() != 1:
+                raise TargetError(
+                    "a callable target must return a (B,) tensor with one score per image, got "
+                    f"{getattr(value, 'shape', type(value).__name__)}"
+                )
+            return value
+
+        batch = _batch_size(outputs)
+        classes = torch.full((batch,), -1, dtype=torch.long)
+        return Target(classes, score, getattr(target, "__name__", "callable"), custom=True)
+
+    logits = logits_of(outputs)
+    if logits.dim() != 2:
+        raise TargetError(f"expected (B, C) logits, got shape {tuple(logits.shape)}; pass a callable target")
+    batch, num_classes = logits.shape
+    if target is None:
+        classes = logits.detach().argmax(dim=1)
+        description = "predicted"
+    elif isinstance(target, (int, str)) and not isinstance(target, bool):
+        classes = torch.full((batch,), _index(target, num_classes, label_names), dtype=torch.long)
+        description = str(target)
+    else:
+        values = target.tolist() if isinstance(target, Tensor) else list(target)  # type: ignore[arg-type]
+        if len(values) != batch:
+            raise TargetError(f"got {len(values)} targets for a batch of {batch} images; pass one per image")
+        classes = torch.tensor([_index(v, num_classes, label_names) for v in values], dtype=torch.long)
+        description = "per-image"
+    classes = classes.to(logits.device)
+    return Target(classes, class_score(classes), description)
+
+
+def _batch_size(outputs: Any) -> int:
+    try:
+        return int(logits_of(outputs).shape[0])
+    except TargetError:
+        first = outputs[0] if isinstance(outputs, (tuple, list)) else outputs
+        return int(first.shape[0])
