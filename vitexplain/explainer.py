@@ -51,6 +51,8 @@ class Explanation:
             the model saw (after resize and crop), one per image.
         sources: the inputs as given (paths, or None), when images were explained.
         label_names: the model's class names, if known.
+        extras: method-specific results besides the maps (e.g. the ``channel`` method's
+            top-k channels and gate values); empty for most methods.
     """
 
     maps: Tensor
@@ -65,6 +67,7 @@ class Explanation:
     sources: Optional[list[Any]] = None
     label_names: Optional[list[str]] = None
     boxes: Optional[list[Any]] = field(default=None, repr=False)
+    extras: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __len__(self) -> int:
         return int(self.maps.shape[0])
@@ -248,6 +251,9 @@ class Explainer:
         for name, spec in zip(names, specs):
             ctx = Context(self.adapter, x_in, outputs, resolved, rec, layout, method=name)
             maps = spec.fn(ctx, **per_method[name])
+            extras: dict[str, Any] = {}
+            if isinstance(maps, tuple):  # a method may return (maps, extras)
+                maps, extras = maps
             results.append(
                 Explanation(
                     maps=maps.detach().float(),
@@ -262,6 +268,7 @@ class Explainer:
                     sources=sources,
                     label_names=self.adapter.label_names,
                     boxes=boxes,
+                    extras=extras,
                 )
             )
         return results[0] if single else results

@@ -19,7 +19,8 @@ class MethodSpec:
     Attributes:
         name: the public method name (``"cdam"``, ``"rollout"``, ...).
         family: ``"vit"``, ``"cnn"`` or ``"caption"``.
-        fn: ``fn(ctx, **options) -> maps`` (B, gh, gw), a pure function of a context.
+        fn: ``fn(ctx, **options) -> maps`` (B, gh, gw), a pure function of a context; it may
+            return ``(maps, extras)`` with a dict of method-specific results.
         grads: needs gradients of the target score (one backward pass).
         activations: given the model adapter, the module names whose inputs/outputs the
             capture must record.
