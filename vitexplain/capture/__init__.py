@@ -1,6 +1,17 @@
-"""Scoped capture of attention (fused SDPA kept on), activations and their gradients."""
+"""Scoped capture of attention (fused SDPA kept on), activations, CNN gates and their gradients."""
 
+from .gates import GateRecord, GateSpec, register_gate, supported_gates
 from .records import ActivationRecord, AttentionRecord, attention_probs
 from .recorder import Recorder, capture
 
-__all__ = ["capture", "Recorder", "AttentionRecord", "ActivationRecord", "attention_probs"]
+__all__ = [
+    "capture",
+    "Recorder",
+    "AttentionRecord",
+    "ActivationRecord",
+    "GateRecord",
+    "GateSpec",
+    "register_gate",
+    "supported_gates",
+    "attention_probs",
+]

@@ -14,7 +14,8 @@ How it works (see references.md, "Attention from fused kernels"):
 - Gradients: a tensor hook on the SDPA output captures dO; ``dy/dA = dO @ V^T``.
 
 Everything the capture changes is restored on exit, also when the block raises: hooks
-(only the root's input hook and the optional activation hooks), the MHA fast-path flag.
+(only the root's input hook and the optional activation and CNN gate hooks), the MHA
+fast-path flag.
 The model's ``training`` flags, ``fused_attn`` flags, ``requires_grad`` and ``.grad`` are
 never touched.
 """
@@ -32,6 +33,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from ..errors import CaptureError, NoAttentionError
+from .gates import GateHooks, GateRecord, checked_gates
 from .records import ActivationRecord, AttentionRecord
 
 __all__ = ["capture", "Recorder"]
@@ -106,6 +108,7 @@ class Recorder:
         grads: bool = False,
         activations: Sequence[str] = (),
         attention: bool = True,
+        gates: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"vx.capture expects an nn.Module, got {type(model).__name__}")
@@ -113,11 +116,14 @@ class Recorder:
         self.grads = bool(grads)
         self.attention = bool(attention)
         self.activation_names = tuple(activations)
+        self.capture_gates = bool(gates)
         self.input_size: Optional[tuple[int, int]] = None
         self.forward_count = 0
         self._records: list[AttentionRecord] = []
         self._steps: dict[str, int] = {}
         self.activations: dict[str, list[ActivationRecord]] = {n: [] for n in self.activation_names}
+        self._gates: list[GateRecord] = []
+        self._gate_hooks: Optional[GateHooks] = None
         self._names: dict[int, str] = {}
         self._handles: list[RemovableHandle] = []
         self._mode: Optional[_AttentionMode] = None
@@ -142,6 +148,9 @@ class Recorder:
             )
             for name in self.activation_names:
                 self._handles.append(modules[name].register_forward_hook(self._activation_hook(name)))
+            if self.capture_gates:
+                self._gate_hooks = GateHooks(self.model, self._gates)
+                self._handles.extend(self._gate_hooks.register())
             if self.attention:
                 if hasattr(torch.backends, "mha") and hasattr(torch.backends.mha, "get_fastpath_enabled"):
                     self._fastpath = torch.backends.mha.get_fastpath_enabled()
@@ -235,6 +244,22 @@ class Recorder:
             raise CaptureError(f"module {name!r} did not run during the captured forward")
         return calls[step]
 
+    @property
+    def gates(self) -> list[GateRecord]:
+        """CNN attention gates (SE, ECA, CBAM, ...), one :class:`GateRecord` per module call, in call order.
+
+        Each record holds the channel gate (B, C) and/or spatial gate (B, h, w) the module
+        multiplied its input by, and that input (B, C, h, w); see ``vitexplain.capture.gates``.
+
+        Raises:
+            CaptureError: gates were not captured (``vx.capture(model, gates=True)``), no
+                forward ran, or the model has none of the supported gate modules (the
+                message lists them).
+        """
+        if not self.capture_gates:
+            raise CaptureError("gates were not captured; use vx.capture(model, gates=True)")
+        return checked_gates(self.model, self._gates, self.forward_count)
+
     def zero_grad(self) -> None:
         """Forget captured gradients (each backward through the graph accumulates into them)."""
         for record in self._records:
@@ -249,6 +274,9 @@ class Recorder:
         self._steps.clear()
         for calls in self.activations.values():
             calls.clear()
+        self._gates.clear()
+        if self._gate_hooks is not None:
+            self._gate_hooks.clear()
 
     def __len__(self) -> int:
         return len(self._records)
@@ -404,6 +432,7 @@ def capture(
     grads: bool = False,
     activations: Sequence[str] = (),
     attention: bool = True,
+    gates: bool = False,
 ) -> Recorder:
     """Record every attention call of ``model`` while it runs its fused attention.
 
@@ -430,9 +459,11 @@ def capture(
         activations: module names (as in ``model.named_modules()``) whose inputs and
             outputs are recorded, e.g. ``["blocks.11.norm1"]``.
         attention: set False to record activations only (no attention interception).
+        gates: record the gates of CNN attention modules (SE, ECA, CBAM, ...) in
+            ``rec.gates``, see ``vitexplain.capture.gates``.
 
     Returns:
         A :class:`Recorder`, to be used as a context manager. Records stay readable
         after the block ends.
     """
-    return Recorder(model, grads=grads, activations=activations, attention=attention)
+    return Recorder(model, grads=grads, activations=activations, attention=attention, gates=gates)
