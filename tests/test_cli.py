@@ -1,0 +1,368 @@
+"""The ``vitexplain`` command line: export end to end, resume, gallery, usage errors, torchrun.
+
+Offline and small: a 2-block ViT of the zoo architecture (random weights) saved as a zoo-format
+checkpoint, 64 px images. Most runs call ``cli.main`` in-process; one runs ``python -m
+vitexplain`` and one ``torchrun`` (two CPU processes, gloo) as subprocesses.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from urllib.parse import unquote
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import vitexplain as vx
+from vitexplain import cli
+from vitexplain.export import discover_inputs, UsageError
+
+METHODS = ("rollout", "cdam")
+GOOD = (
+    "a.png",
+    "nested/deep/b c.png",
+    "nested/ünïcode ✓.png",
+    "-leading dash.png",
+    "x#?%.jpg",
+    "a<b>&'.png",
+)
+BAD = ("zero.png", "text.png", "corrupt.png", "nested/trunc.png", "dangling.png")
+
+
+# ---------------------------------------------------------------------------------------------
+# fixtures
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from vitexplain.zoo.models import DEFAULT_CONFIGS, build
+
+    cfg = copy.deepcopy(DEFAULT_CONFIGS["shapes-vit"])
+    cfg["name"] = "tiny-vit"
+    cfg["model_args"].update(depth=2, embed_dim=48, num_heads=2)
+    torch.manual_seed(0)
+    return str(vx.zoo.save_checkpoint(build(cfg), cfg, tmp_path_factory.mktemp("ckpt")))
+
+
+def _make_tree(root: Path, good=GOOD, bad=BAD) -> Path:
+    batch = vx.data.shapes(len(good) + 1, seed=7)
+    for i, rel in enumerate(good):
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(np.ascontiguousarray(batch.images[i])).save(path, quality=95)
+    png = (root / good[0]).read_bytes()
+    writers = {
+        "zero.png": lambda p: p.write_bytes(b""),
+        "text.png": lambda p: p.write_text("this is not an image\n"),
+        "corrupt.png": lambda p: p.write_bytes(png[:16] + bytes(range(256)) * 4),
+        "nested/trunc.png": lambda p: p.write_bytes(png[: len(png) // 2]),
+        "dangling.png": lambda p: os.symlink(root / "missing-target.png", p),
+    }
+    for rel in bad:
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        writers[rel](path)
+    (root / "notes.txt").write_text("ignored: not an image extension")
+    (root / ".hidden.png").write_bytes(png)  # hidden entries are skipped while walking
+    return root
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _make_tree(tmp_path_factory.mktemp("inputs") / "in")
+
+
+def _snapshot(root: Path) -> dict[str, str]:
+    """Relative path -> sha1 (or link target) of everything under root."""
+    out = {}
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            p = Path(dirpath) / name
+            rel = str(p.relative_to(root))
+            out[rel] = "link:" + os.readlink(p) if p.is_symlink() else hashlib.sha1(p.read_bytes()).hexdigest()
+    return out
+
+
+def _manifest(out: Path) -> dict[str, dict]:
+    lines = (out / "manifest.jsonl").read_text(encoding="utf-8").splitlines()
+    records = [json.loads(line) for line in lines]
+    return {r["key"]: r for r in records}
+
+
+def _summary(out: Path) -> dict:
+    return json.loads((out / "summary.json").read_text(encoding="utf-8"))
+
+
+def _outputs(out: Path) -> set[str]:
+    return {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()}
+
+
+def _run(*args: str) -> int:
+    return cli.main([str(a) for a in args])
+
+
+# ---------------------------------------------------------------------------------------------
+# end to end
+# ---------------------------------------------------------------------------------------------
+def test_export_end_to_end_resume_overwrite(tree: Path, ckpt: str, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    before = _snapshot(tree)
+    common = ("export", tree, "--out", out, "--model", ckpt, "--method", "rollout,cdam", "-q", "-b", "3")
+
+    # workers=2: bad files are decoded (and fail) inside DataLoader worker processes
+    assert _run(*common, "--workers", "2", "--save-maps", "--html") == 1
+    manifest = _manifest(out)
+    assert set(manifest) == set(GOOD) | set(BAD)
+    for rel in GOOD:
+        rec = manifest[rel]
+        assert rec["status"] == "ok", rec
+        assert (rec["width"], rec["height"]) == (64, 64)
+        assert len(rec["predictions"]) == 5 and rec["predictions"][0]["label"] in vx.data.SHAPES
+        assert rec["target"]["index"] == rec["predictions"][0]["index"]
+        assert set(rec["files"]) == set(METHODS)
+        for method in METHODS:
+            png = out / f"{rel}.{method}.png"
+            assert rec["files"][method] == {"overlay": f"{rel}.{method}.png", "map": f"{rel}.{method}.npy"}
+            assert vx.load_image(png).shape == (64, 64, 3)
+            assert np.load(out / f"{rel}.{method}.npy").shape == (8, 8)
+    for rel in BAD:
+        rec = manifest[rel]
+        assert rec["status"] == "failed" and rec["files"] == {}
+        assert os.path.basename(rel) in rec["error"]
+    summary = _summary(out)
+    assert summary["counts"] == {"images": len(GOOD) + len(BAD), "ok": len(GOOD), "failed": len(BAD), "skipped": 0}
+    assert summary["versions"]["vitexplain"] == vx.__version__ and "timm" in summary["versions"]
+    assert summary["timings"]["images_per_s"] > 0 and summary["arguments"]["methods"] == list(METHODS)
+    assert not list(out.glob("manifest.rank*.jsonl")) and not list(out.rglob(".*.tmp"))
+    # inputs untouched, nothing written next to them
+    assert _snapshot(tree) == before
+
+    # a second run skips every good image (bad ones are retried and fail again)
+    inodes = {p: p.stat().st_ino for p in out.rglob("*.png")}
+    assert _run(*common, "--save-maps") == 1
+    assert _summary(out)["counts"] == {"images": len(GOOD) + len(BAD), "ok": 0, "failed": len(BAD), "skipped": len(GOOD)}
+    assert {p: p.stat().st_ino for p in out.rglob("*.png")} == inodes
+    assert set(_manifest(out)) == set(GOOD) | set(BAD)
+
+    # --overwrite redoes everything (files are replaced: new inodes)
+    assert _run(*common, "--save-maps", "--overwrite") == 1
+    assert _summary(out)["counts"]["ok"] == len(GOOD)
+    assert all(p.stat().st_ino != ino for p, ino in inodes.items())
+
+    # a changed setting makes the outputs stale: everything is redone
+    assert _run(*common, "--alpha", "0.3") == 1
+    assert _summary(out)["counts"]["ok"] == len(GOOD)
+    assert _snapshot(tree) == before
+
+
+def test_resume_redoes_changed_inputs(ckpt: str, tmp_path: Path) -> None:
+    src = _make_tree(tmp_path / "in", good=GOOD[:3], bad=())
+    out = tmp_path / "out"
+    args = ("export", src, "--out", out, "--model", ckpt, "-q", "-j", "0")
+    assert _run(*args) == 0
+    # a modified input and a deleted output are redone; the rest is skipped
+    target = src / GOOD[0]
+    Image.fromarray(np.full((64, 64, 3), 200, np.uint8)).save(target)
+    os.utime(target, ns=(1, 1))
+    (out / f"{GOOD[1]}.cdam.png").unlink()
+    assert _run(*args) == 0
+    assert _summary(out)["counts"] == {"images": 3, "ok": 2, "failed": 0, "skipped": 1}
+
+
+def test_save_maps_equal_explainer(tree: Path, ckpt: str, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert _run("export", tree / "nested", "--out", out, "--model", ckpt, "--save-maps", "-q", "-j", "0") == 1
+    model = vx.zoo.load_checkpoint(ckpt)
+    paths = [tree / "nested/deep/b c.png", tree / "nested/ünïcode ✓.png"]
+    explanations = vx.Explainer(model).explain([str(p) for p in paths], method=list(METHODS))
+    for e in explanations:
+        for i, key in enumerate(["deep/b c.png", "ünïcode ✓.png"]):
+            saved = np.load(out / f"{key}.{e.method}.npy")
+            np.testing.assert_allclose(saved, e.maps[i].numpy(), rtol=1e-4, atol=1e-6)
+    rec = _manifest(out)["deep/b c.png"]
+    assert rec["target"]["index"] == int(explanations[0].targets[0])
+
+
+def test_html_gallery(tree: Path, ckpt: str, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert _run("export", tree, "--out", out, "--model", ckpt, "--html", "-q", "-j", "0", "--target", "square") == 1
+    page = (out / "index.html").read_text(encoding="utf-8")
+    assert "a&lt;b&gt;&amp;&#x27;.png" in page and "<b>" not in page
+    links = re.findall(r'(?:src|href)="([^"]*)"', page)
+    assert links
+    for link in links:
+        assert not link.startswith(("/", "file:", "http")), link
+        target = out / unquote(link)  # relative to the page, percent-encoded
+        assert target.is_file() or target.name == "dangling.png", link
+    for rel in GOOD:
+        assert f'src="{_quote(rel)}.rollout.png"' in page
+    assert "square" in page  # the target label
+    assert page.count('class="failed"') == len(BAD)
+    assert all(r["target"]["label"] == "square" for r in _manifest(out).values() if r["status"] == "ok")
+
+
+def _quote(rel: str) -> str:
+    from urllib.parse import quote
+
+    return quote(rel, safe="/")
+
+
+def test_interrupt_leaves_no_partial_files_and_resumes(ckpt: str, tmp_path: Path, monkeypatch) -> None:
+    from vitexplain import export as export_mod
+
+    src = _make_tree(tmp_path / "in", good=GOOD[:5], bad=())
+    out = tmp_path / "out"
+    args = ("export", src, "--out", out, "--model", ckpt, "-q", "-j", "0", "-b", "2")
+    original = export_mod._ImageDataset.__getitem__
+
+    def interrupting(self, i):
+        if i == 3:
+            raise KeyboardInterrupt
+        return original(self, i)
+
+    monkeypatch.setattr(export_mod._ImageDataset, "__getitem__", interrupting)
+    assert _run(*args) == 130
+    assert not list(out.rglob(".*.tmp"))
+    done = _manifest(out)
+    assert len(done) == 2 and all(r["status"] == "ok" for r in done.values())
+    monkeypatch.setattr(export_mod._ImageDataset, "__getitem__", original)
+    assert _run(*args) == 0
+    assert _summary(out)["counts"] == {"images": 5, "ok": 3, "failed": 0, "skipped": 2}
+
+
+# ---------------------------------------------------------------------------------------------
+# input discovery
+# ---------------------------------------------------------------------------------------------
+def test_discover_inputs_keys_globs_and_safety(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    for rel in ("a/x.png", "a/sub/y.JPG", "b/x.png", "a/[odd].png", "a/skip.txt", "out/old.png"):
+        p = tmp_path / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(b"x")
+    keys = [it.key for it in discover_inputs(["a", "b"], "out")]
+    assert keys == ["[odd].png", "b/x.png", "sub/y.JPG", "x.png"]  # collision -> input folder name
+    # globs: the fixed prefix is the root; .. never escapes; out is skipped
+    items = discover_inputs(["*/../a/**/*.png", "a/[odd].png"], "out")  # same files: listed once
+    assert [it.key for it in items] == ["a/[odd].png", "a/x.png"]
+    items = discover_inputs(["a/../b/x.png", "**/*.png"], "out")
+    assert [it.key for it in items] == ["a/[odd].png", "a/x.png", "x.png"]
+    for it in items:
+        assert ".." not in it.key.split("/") and not it.path.startswith("out")
+    assert {it.key for it in discover_inputs(["."], "out")} == {"a/x.png", "a/sub/y.JPG", "b/x.png", "a/[odd].png"}
+    with pytest.raises(UsageError, match="next to the"):
+        discover_inputs(["a"], "a")
+    with pytest.raises(UsageError, match="no such file"):
+        discover_inputs(["nope"], "out")
+    with pytest.raises(UsageError, match="no file matches"):
+        discover_inputs(["nope/*.png"], "out")
+
+
+# ---------------------------------------------------------------------------------------------
+# usage errors and help
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (("--method", "rollout,nope"), "method 'nope' is not available"),
+        (("--model", "no_such_model_xyz"), "unknown model 'no_such_model_xyz'"),
+        (("--amp", "bf16", "--device", "cpu"), "needs a CUDA device"),
+        (("--target", "hexagon"), "unknown label"),
+        (("--batch-size", "0"), "positive integer"),
+        (("--checkpoint", "missing.safetensors"), "no such file"),
+    ],
+)
+def test_usage_errors_exit_2(extra, message, tree: Path, ckpt: str, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "out"
+    args = ["export", tree, "--out", out, "-q"]
+    if "--model" not in extra:
+        args += ["--model", ckpt]
+    assert _run(*args, *extra) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()  # nothing written before the arguments are known to be good
+
+
+def test_out_inside_inputs(tree: Path, ckpt: str, capsys) -> None:
+    assert _run("export", tree, "--out", tree, "--model", ckpt, "-q") == 2
+    assert "next to the inputs" in capsys.readouterr().err
+
+
+def test_help_methods_models(capsys, ckpt: str) -> None:
+    assert _run("--help") == 0
+    assert "export" in capsys.readouterr().out
+    assert _run("export", "--help") == 0
+    text = capsys.readouterr().out
+    assert "--out" in text and "--save-maps" in text and "manifest.jsonl" in text
+    assert _run("methods") == 0
+    text = capsys.readouterr().out
+    assert "vit methods:" in text and re.search(r"^\s+cdam\s+.*\[signed\]", text, re.M)
+    assert _run("methods", "--model", ckpt) == 0
+    assert "is a vit model" in capsys.readouterr().out
+    assert _run("models") == 0
+    assert "shapes-vit" in capsys.readouterr().out
+    assert _run() == 2  # no command
+
+
+def test_help_is_light() -> None:
+    code = "import sys, vitexplain.cli as c; c.build_parser(); print(sorted(m for m in ('torch','timm','cv2') if m in sys.modules))"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert res.stdout.strip() == "[]"
+
+
+# ---------------------------------------------------------------------------------------------
+# subprocesses: python -m vitexplain, torchrun
+# ---------------------------------------------------------------------------------------------
+def _env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONIOENCODING="utf-8")
+    root = str(Path(vx.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def test_python_m_vitexplain_exit_codes(tmp_path: Path) -> None:
+    # Quick: neither --help nor an argparse error imports torch. The torchrun test below runs
+    # a whole export through ``-m vitexplain`` in subprocesses (exit status 1: bad files).
+    ok = subprocess.run([sys.executable, "-m", "vitexplain", "export", "--help"],
+                        capture_output=True, text=True, env=_env(), timeout=120)
+    assert ok.returncode == 0 and "--out" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "vitexplain", "export", str(tmp_path)],
+                         capture_output=True, text=True, env=_env(), timeout=120)
+    assert bad.returncode == 2 and "--out" in bad.stderr and "vitexplain --help" not in bad.stdout
+
+
+def test_torchrun_two_processes_match_one(tree: Path, ckpt: str, tmp_path: Path) -> None:
+    one, two = tmp_path / "one", tmp_path / "two"
+    args = ["export", str(tree), "--model", ckpt, "--save-maps", "--html", "-q", "-j", "0", "-b", "2"]
+    assert _run(*args, "--out", one) == 1
+    res = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         "-m", "vitexplain", *args, "--out", str(two)],
+        capture_output=True, text=True, env=_env(), timeout=300,
+    )
+    assert (two / "summary.json").is_file(), res.stderr[-3000:]
+    assert res.returncode == 1  # bad files: every rank exits 1, after rank 0 has merged
+    assert "failed: cannot load image" in res.stderr and "text.png" in res.stderr
+    assert _outputs(one) == _outputs(two)
+    assert not list(two.glob("manifest.rank*.jsonl"))
+    m1, m2 = _manifest(one), _manifest(two)
+    assert set(m1) == set(m2)
+    assert {r["rank"] for r in m2.values()} == {0, 1}
+    for key in m1:
+        a, b = m1[key], m2[key]
+        for field in ("status", "files", "input", "source", "width", "height", "box", "config_hash"):
+            assert a.get(field) == b.get(field), (key, field)
+        if a["status"] == "ok":
+            assert a["target"] == b["target"]
+            assert [p["index"] for p in a["predictions"]] == [p["index"] for p in b["predictions"]]
+            for m in METHODS:
+                np.testing.assert_allclose(np.load(one / a["files"][m]["map"]), np.load(two / b["files"][m]["map"]),
+                                           rtol=1e-4, atol=1e-6)
+    s1, s2 = _summary(one), _summary(two)
+    assert s1["counts"] == s2["counts"] and s2["world_size"] == 2
