@@ -17,6 +17,7 @@ _LAZY: dict[str, str] = {
     "colormap_names": ".colormaps",
     "grid": ".grid",
     "save_png": ".grid",
+    "channel_tiles": ".channels",
 }
 
 __all__ = sorted(_LAZY)
