@@ -72,6 +72,18 @@ def _model_arg(text: str) -> tuple[str, Any]:
     return key.strip(), parsed
 
 
+def _option_arg(text: str) -> tuple[str, str, Any]:
+    head, sep, value = text.partition("=")
+    method, dot, key = head.partition(".")
+    if not (sep and dot and method.strip() and key.strip()):
+        raise argparse.ArgumentTypeError(f"expected METHOD.KEY=VALUE (e.g. rollout.discard_ratio=0.9), got {text!r}")
+    try:
+        parsed: Any = ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        parsed = value
+    return method.strip(), key.strip(), parsed
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -141,6 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--method", type=_methods_arg, action="append", metavar="M1,M2",
                    help="methods, comma separated or repeated (default: rollout,cdam for ViTs, gradcam "
                         "for CNNs; list them with `vitexplain methods --model NAME`)")
+    g.add_argument("--option", type=_option_arg, action="append", default=[], metavar="METHOD.KEY=VALUE",
+                   help="a method option, e.g. rollout.discard_ratio=0.9 or rollout.head_fusion=max (repeatable)")
     g.add_argument("--target", default="pred", metavar="pred|INDEX|LABEL",
                    help="class to explain: each image's top prediction (default), an index or a label name")
     g.add_argument("--no-crop", dest="crop", action="store_false",
@@ -186,10 +200,13 @@ def _cmd_export(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from .export import ExportOptions, export
 
     methods = [m for group in args.method for m in group] if args.method else None
+    method_options: dict[str, dict[str, Any]] = {}
+    for method, key, value in args.option:
+        method_options.setdefault(method, {})[key] = value
     opts = ExportOptions(
         inputs=list(args.inputs), out=args.out, model=args.model, checkpoint=args.checkpoint,
         num_classes=args.num_classes, model_args=dict(args.model_arg), labels=args.labels,
-        methods=methods, target=args.target, batch_size=args.batch_size,
+        methods=methods, method_options=method_options, target=args.target, batch_size=args.batch_size,
         workers=_default_workers() if args.workers is None else args.workers, device=args.device,
         amp=args.amp, crop=args.crop, alpha=args.alpha, colormap=args.colormap,
         signed_colormap=args.signed_colormap, max_side=args.max_side, topk=args.topk,
@@ -217,6 +234,20 @@ def _family_of_model(name: str) -> str:
     return adapter_for(model).family
 
 
+def _options_of(fn: Any) -> str:
+    """``name=default, ...`` of a method function's keyword options (for --option)."""
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # pragma: no cover
+        return ""
+    return ", ".join(
+        f"{p.name}={p.default!r}" for p in params
+        if p.kind is p.KEYWORD_ONLY and p.default is not p.empty
+    )
+
+
 def _cmd_methods(args: argparse.Namespace) -> int:
     from .methods import registry
 
@@ -234,8 +265,11 @@ def _cmd_methods(args: argparse.Namespace) -> int:
         out.append(f"{family} methods:" if specs else f"{family} methods: (none registered)")
         width = max((len(s.name) for s in specs), default=0)
         for s in specs:
-            tag = " [signed]" if s.signed else ""
+            tag = " [signed]" if s.signed and "signed" not in s.summary else ""
             out.append(f"  {s.name.ljust(width)}  {s.summary}{tag}")
+            options = _options_of(s.fn)
+            if options:
+                out.append(f"  {''.ljust(width)}  options: {options}")
         out.append("")
     print("\n".join(out).rstrip())
     return 0

@@ -114,6 +114,7 @@ class ExportOptions:
         model_args: extra ``timm.create_model`` keyword arguments (e.g. ``img_size=64``).
         labels: text file with one class name per line (for timm models without names).
         methods: method names; None uses :data:`DEFAULT_METHODS` of the model's family.
+        method_options: per method, keyword options (e.g. ``{"rollout": {"discard_ratio": 0.9}}``).
         target: ``"pred"`` (each image's top prediction), a class index, or a label name.
         batch_size: images per forward pass.
         workers: DataLoader worker processes decoding and preprocessing (0: in the main process).
@@ -140,6 +141,7 @@ class ExportOptions:
     model_args: dict[str, Any] = field(default_factory=dict)
     labels: Optional[str] = None
     methods: Optional[list[str]] = None
+    method_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     target: str = "pred"
     batch_size: int = 32
     workers: int = 0
@@ -787,6 +789,51 @@ def _parse_target(spec: Any, label_names: Optional[list[str]], num_classes: Opti
     raise UsageError(f"--target {text!r}: unknown label; choose pred, an index or one of: {shown}")
 
 
+def _check_method_options(options: dict[str, dict[str, Any]], specs: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Validate ``{method: {option: value}}`` against each method function's keyword arguments."""
+    import inspect
+
+    checked: dict[str, dict[str, Any]] = {}
+    for method, values in (options or {}).items():
+        if method not in specs:
+            raise UsageError(f"--option {method}.*: {method!r} is not among the exported methods {list(specs)}")
+        params = inspect.signature(specs[method].fn).parameters
+        accepts_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+        allowed = [n for n, p in params.items() if p.kind is p.KEYWORD_ONLY or
+                   (p.kind is p.POSITIONAL_OR_KEYWORD and n != "ctx")]
+        for key in values:
+            if not accepts_any and key not in allowed:
+                raise UsageError(
+                    f"--option {method}.{key}: {method} has no option {key!r}; its options: "
+                    + (", ".join(allowed) or "none")
+                )
+        checked[method] = dict(values)
+    return checked
+
+
+def _probe(ex: Any, methods: list[str], method_options: dict[str, dict[str, Any]], target: Any,
+           pre_kwargs: dict[str, Any], device: "torch.device", autocast_dtype: Any) -> None:
+    """Explain one blank image before writing anything, so that a method that cannot work on
+    this model (no attention gates, no attention found, bad options) is a usage error (exit 2)
+    instead of the same failure repeated for every image."""
+    import contextlib
+
+    import torch
+
+    h, w = pre_kwargs["input_size"]
+    amp = (torch.autocast(device_type="cuda", dtype=autocast_dtype) if autocast_dtype is not None
+           else contextlib.nullcontext())
+    x = torch.zeros(1, 3, int(h), int(w), device=device)
+    try:
+        with amp:
+            ex.explain(x, method=methods, target=target, **method_options)
+    except Exception as e:
+        raise UsageError(
+            f"cannot explain this model with {', '.join(methods)} (tried on a blank {h}x{w} image): "
+            f"{type(e).__name__}: {e}"
+        ) from None
+
+
 def _versions() -> dict[str, str]:
     import numpy
     import torch
@@ -921,6 +968,7 @@ def export(opts: ExportOptions, *, argv: Optional[Sequence[str]] = None) -> Expo
     if not specs:
         raise UsageError(f"no method given; choose from {registry.names(family)}")
     signed = {m: s.signed for m, s in specs.items()}
+    method_options = _check_method_options(opts.method_options, specs)
     label_names = ex.adapter.label_names
     num_classes = getattr(model, "num_classes", None)
     target = _parse_target(opts.target, label_names, num_classes if isinstance(num_classes, int) else None)
@@ -930,10 +978,12 @@ def export(opts: ExportOptions, *, argv: Optional[Sequence[str]] = None) -> Expo
     if model_info.get("random_weights") and dist.rank == 0 and not opts.quiet:
         _say(f"vitexplain: warning: {opts.model} has random weights (no --checkpoint); the maps show plumbing, not meaning")
 
+    _probe(ex, methods, method_options, target, pre_kwargs, device, autocast_dtype)
+
     config = {
         "model": _model_id(opts.model), "checkpoint": _checkpoint_id(opts.checkpoint),
         "num_classes": opts.num_classes, "model_args": opts.model_args, "labels": opts.labels,
-        "methods": methods, "target": target, "crop": opts.crop, "alpha": opts.alpha,
+        "methods": methods, "method_options": method_options, "target": target, "crop": opts.crop, "alpha": opts.alpha,
         "colormap": opts.colormap, "signed_colormap": opts.signed_colormap, "max_side": opts.max_side,
         "topk": opts.topk, "save_maps": opts.save_maps, "amp": opts.amp,
     }
@@ -959,7 +1009,8 @@ def export(opts: ExportOptions, *, argv: Optional[Sequence[str]] = None) -> Expo
         crash: Optional[BaseException] = None
         try:
             stats = _run_shard(
-                todo, out=out, opts=opts, ex=ex, methods=methods, signed=signed, target=target,
+                todo, out=out, opts=opts, ex=ex, methods=methods, method_options=method_options,
+                signed=signed, target=target,
                 label_names=label_names, multi_label=multi_label, pre_kwargs=pre_kwargs, device=device,
                 autocast_dtype=autocast_dtype, config_hash=config_hash, dist=dist, skipped=skipped,
             )
@@ -1003,6 +1054,7 @@ def _run_shard(
     opts: ExportOptions,
     ex: Any,
     methods: list[str],
+    method_options: dict[str, dict[str, Any]],
     signed: dict[str, bool],
     target: Any,
     label_names: Optional[list[str]],
@@ -1096,7 +1148,8 @@ def _run_shard(
             te = time.perf_counter()
             try:
                 with amp:
-                    explanations = ex.explain(x.to(device, non_blocking=True), method=methods, target=target)
+                    explanations = ex.explain(x.to(device, non_blocking=True), method=methods, target=target,
+                                              **method_options)
                 maps = {e.method: e.maps.float().cpu().numpy() for e in explanations}
                 targets = explanations[0].targets.cpu().tolist()
                 top = _scores(explanations[0].logits, multi_label, opts.topk)
@@ -1123,16 +1176,11 @@ def _run_shard(
         drain(0)
     except KeyboardInterrupt:
         stats["interrupted"] = True
-        for f in pending:
-            f.cancel()
-        for f in pending:  # the ones already running finish their atomic writes
-            if not f.cancelled():
-                try:
-                    rec, _ = f.result()
-                    emit(rec)
-                except Exception:  # pragma: no cover
-                    pass
-        pending.clear()
+        # Finish the images already explained (at most max_pending quick writes) so their
+        # work is kept; a second Ctrl-C stops this too, and every write is atomic anyway.
+        while pending:
+            rec, _ = pending.popleft().result()
+            emit(rec)
         _say("vitexplain: interrupted; finished files are kept, rerun the same command to resume", bar)
     finally:
         pool.shutdown(wait=True)
