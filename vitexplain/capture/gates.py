@@ -44,6 +44,7 @@ submodules of a matched module are not searched again.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
@@ -131,7 +132,6 @@ class GatePlan:
 
 # -- registry -------------------------------------------------------------------------------
 _REGISTRY: dict[type, Callable[[nn.Module], Optional[GateSpec]]] = {}
-_BUILTINS_LOADED = False
 
 
 def register_gate(*classes: type) -> Callable[[Callable[[nn.Module], Optional[GateSpec]]], Callable]:
@@ -163,41 +163,62 @@ def _light_cbam_channel(module: nn.Module, x: Tensor) -> Tensor:
     return torch.sigmoid(c.fc2(c.act(c.fc1(pooled))))
 
 
+def _register_timm() -> None:
+    from timm.layers import cbam, eca, gather_excite, global_context, squeeze_excite
+    from timm.models import _efficientnet_blocks as effnet
+
+    register_gate(
+        squeeze_excite.SEModule,
+        squeeze_excite.EffectiveSEModule,
+        eca.EcaModule,
+        eca.CecaModule,
+        effnet.SqueezeExcite,
+    )(lambda m: GateSpec(channel="gate"))
+    register_gate(cbam.CbamModule)(lambda m: GateSpec(channel="channel.gate", spatial="spatial.gate"))
+    register_gate(cbam.LightCbamModule)(lambda m: GateSpec(channel=_light_cbam_channel, spatial="spatial.gate"))
+    register_gate(gather_excite.GatherExcite)(lambda m: GateSpec(full="gate"))
+    register_gate(global_context.GlobalContext)(lambda m: GateSpec(channel="gate") if m.mlp_scale is not None else None)
+
+
+def _register_torchvision() -> None:
+    from torchvision.ops.misc import SqueezeExcitation
+
+    register_gate(SqueezeExcitation)(lambda m: GateSpec(channel="scale_activation"))
+
+
+#: Built-in registrations per library; each runs once that library has been imported (a model
+#: cannot hold a module of a library that is not imported, and importing one costs seconds).
+_BUILTINS: dict[str, Callable[[], None]] = {"timm": _register_timm, "torchvision": _register_torchvision}
+_LOADED: set[str] = set()
+
+#: Names of the built-in gate modules, for messages.
+BUILTIN_GATES: tuple[str, ...] = (
+    "timm SEModule",
+    "EffectiveSEModule",
+    "EcaModule",
+    "CecaModule",
+    "CbamModule",
+    "LightCbamModule",
+    "GatherExcite",
+    "GlobalContext",
+    "timm EfficientNet/MobileNet SqueezeExcite",
+    "torchvision ops.SqueezeExcitation (MobileNetV3, EfficientNet, RegNetY)",
+)
+
+
 def _load_builtins() -> None:
-    """Register the timm and torchvision modules (imported on first use, when installed)."""
-    global _BUILTINS_LOADED
-    if _BUILTINS_LOADED:
-        return
-    _BUILTINS_LOADED = True
-    try:
-        from timm.layers import cbam, eca, gather_excite, global_context, squeeze_excite
-        from timm.models import _efficientnet_blocks as effnet
-    except ImportError:  # pragma: no cover - timm is optional here
-        pass
-    else:
-        register_gate(
-            squeeze_excite.SEModule,
-            squeeze_excite.EffectiveSEModule,
-            eca.EcaModule,
-            eca.CecaModule,
-            effnet.SqueezeExcite,
-        )(lambda m: GateSpec(channel="gate"))
-        register_gate(cbam.CbamModule)(lambda m: GateSpec(channel="channel.gate", spatial="spatial.gate"))
-        register_gate(cbam.LightCbamModule)(lambda m: GateSpec(channel=_light_cbam_channel, spatial="spatial.gate"))
-        register_gate(gather_excite.GatherExcite)(lambda m: GateSpec(full="gate"))
-        register_gate(global_context.GlobalContext)(
-            lambda m: GateSpec(channel="gate") if m.mlp_scale is not None else None
-        )
-    try:
-        from torchvision.ops import SqueezeExcitation
-    except ImportError:  # pragma: no cover
-        pass
-    else:
-        register_gate(SqueezeExcitation)(lambda m: GateSpec(channel="scale_activation"))
+    """Register the built-in modules of timm and torchvision, if those are imported."""
+    for library, register in _BUILTINS.items():
+        if library in sys.modules and library not in _LOADED:
+            _LOADED.add(library)
+            register()
 
 
 def supported_gates() -> list[str]:
-    """Qualified names of the registered attention-gate module classes."""
+    """Qualified names of the registered attention-gate module classes.
+
+    The timm and torchvision modules are registered once those libraries are imported.
+    """
     _load_builtins()
     return [f"{c.__module__}.{c.__qualname__}" for c in _REGISTRY]
 
@@ -230,14 +251,13 @@ def find_gates(model: nn.Module) -> list[GatePlan]:
 
 def no_gates_message(model: nn.Module) -> str:
     """The error text for a model without any supported attention-gate module."""
-    names = ", ".join(c.rsplit(".", 1)[-1] for c in supported_gates())
+    _load_builtins()
+    custom = [c.__qualname__ for c in _REGISTRY if not c.__module__.startswith(("timm.", "torchvision."))]
+    names = ", ".join([*BUILTIN_GATES, *custom])
     return (
         f"{type(model).__name__} has no channel/spatial attention-gate module vitexplain can read. "
-        f"Supported: {names} (timm SE/ECA/CBAM/gather-excite/global-context variants, timm "
-        f"EfficientNet/MobileNet SqueezeExcite, torchvision SqueezeExcitation in MobileNetV3, "
-        f"EfficientNet, RegNetY). Register your own with "
-        f"vitexplain.capture.register_gate(YourModule), or use 'gradcam', 'gradcam++' or "
-        f"'layercam', which work on any CNN."
+        f"Supported: {names}. Register your own with vitexplain.capture.register_gate(YourModule), "
+        f"or use 'gradcam', 'gradcam++' or 'layercam', which work on any CNN."
     )
 
 

@@ -89,18 +89,20 @@ def attention_probs(
             )
         kf = kf.repeat_interleave(qf.shape[-3] // kf.shape[-3], dim=-3)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    scores = torch.matmul(qf, kf.transpose(-2, -1)) * scale
+    scores = torch.matmul(qf * scale, kf.transpose(-2, -1))
     if is_causal:
         causal = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~causal[rows], float("-inf"))
+        scores.masked_fill_(~causal[rows], float("-inf"))
     if attn_mask is not None:
         mask = _select_mask_rows(attn_mask, rows, n_q)
         if mask.dtype == torch.bool:
-            scores = scores.masked_fill(~mask, float("-inf"))
+            scores.masked_fill_(~mask, float("-inf"))
         else:
-            scores = scores + mask.float()
+            scores += mask.float()
     probs = torch.softmax(scores, dim=-1)
-    return torch.nan_to_num(probs, nan=0.0)
+    if is_causal or attn_mask is not None:
+        probs = torch.nan_to_num_(probs, nan=0.0)  # rows with every key masked
+    return probs
 
 
 def fuse_heads(x: Tensor, fusion: Fusion) -> Tensor:

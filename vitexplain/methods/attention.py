@@ -47,59 +47,87 @@ def discard_smallest(fused: Tensor, ratio: float, keep: Optional[int]) -> Tensor
     return flat.view_as(fused)
 
 
-def _mix_identity(rows: Tensor, block: slice, mode: str) -> Tensor:
-    """Rollout's ``rownorm(0.5 * M + 0.5 * I)`` for a block of rows (B, n, N)."""
-    if mode != "rollout":
-        return rows
-    n = rows.shape[1]
-    index = torch.arange(block.start, block.start + n, device=rows.device)
-    mixed = 0.5 * rows
-    mixed[:, torch.arange(n, device=rows.device), index] += 0.5
-    return mixed / mixed.sum(dim=-1, keepdim=True)
+Weights = Callable[[Tensor], Tensor]
+"""Maps the row sums (B, n) of a block of M to the weights (B, n) that multiply its rows."""
+Contract = Callable[[AttentionRecord, slice, Weights], tuple[Tensor, Tensor]]
+"""``(record, rows, weights_fn) -> (w @ M[rows] (B, N), w (B, n))`` with ``w = weights_fn(row sums)``."""
+
+
+def contract_rows(rows_fn: RowFn) -> Contract:
+    """A :data:`Contract` that materialises the fused rows (B, n, N) of M."""
+
+    def contract(record: AttentionRecord, block: slice, weights: Weights) -> tuple[Tensor, Tensor]:
+        rows = rows_fn(record, block)
+        w = weights(rows.sum(dim=-1))
+        return torch.bmm(w.unsqueeze(1), rows).squeeze(1), w
+
+    return contract
+
+
+def contract_mean_probs(record: AttentionRecord, block: slice, weights: Weights) -> tuple[Tensor, Tensor]:
+    """``w @ mean_h(A)[rows]`` without materialising the head mean."""
+    probs = record.probs(block)  # (B, H, n, N)
+    w = weights(probs.sum(dim=-1).mean(dim=1))
+    return torch.einsum("bn,bhnk->bk", w, probs) / probs.shape[1], w
 
 
 def propagate(
     vector: Tensor,
     layers: Sequence[AttentionRecord],
-    rows_fn: RowFn,
+    contract: Contract,
     *,
     mode: str,
     discard_ratio: float = 0.0,
     keep: Optional[int] = None,
+    rows_fn: Optional[RowFn] = None,
 ) -> Tensor:
-    """Multiply a row vector through per-layer matrices, last layer first.
+    """Multiply a row vector through per-layer matrices M_l, last layer first.
 
     ``mode="rollout"``: ``r <- r @ rownorm(0.5 * M_l + 0.5 * I)``, which yields the row of
-    ``A_hat[L] @ ... @ A_hat[1]``. ``mode="generic"`` (Chefer): ``r <- r + r @ M_l``, the
-    row of ``R`` after ``R = R + M_l @ R`` for l = 1..L. Each M_l is produced block by block
-    by ``rows_fn``; blocks whose entries of ``r`` are all zero are skipped.
+    ``A_hat[L] @ ... @ A_hat[1]``; computed as ``w = r / d`` with d the row sums of
+    ``0.5 M + 0.5 I``, then ``0.5 w @ M + 0.5 w``, so ``0.5 M + 0.5 I`` is never formed.
+    ``mode="generic"`` (Chefer): ``r <- r + r @ M_l``, the row of ``R`` after
+    ``R = R + M_l @ R`` for l = 1..L. M_l is visited in query blocks; blocks whose entries
+    of ``r`` are all zero are skipped.
 
     Args:
         vector: (B, N) readout row.
         layers: the attention records, input side first.
-        rows_fn: ``(record, rows) -> (B, n, N)`` fused rows of M_l.
+        contract: computes ``w @ M_l[rows]`` for a block of rows (see :data:`Contract`).
         mode: ``"rollout"`` or ``"generic"``.
-        discard_ratio: rollout's discard (needs one full fused N x N matrix per image).
+        discard_ratio: rollout's discard (needs one full fused N x N matrix per layer,
+            built with ``rows_fn``).
         keep: flat index exempt from discarding (class->class), or None.
+        rows_fn: fused rows of M_l, required when ``discard_ratio`` > 0.
 
     Returns:
         (B, N) the propagated row.
     """
+    if mode not in ("rollout", "generic"):
+        raise ValueError(f"unknown propagation mode {mode!r}")
     r = vector
     for record in reversed(list(layers)):
-        out = r.clone() if mode == "generic" else torch.zeros_like(r)
         if discard_ratio > 0:
+            if rows_fn is None:
+                raise ValueError("discard_ratio needs rows_fn")
             full = torch.cat([rows_fn(record, b) for b in query_blocks(record)], dim=1)
             full = discard_smallest(full, discard_ratio, keep)
-            whole = slice(0, full.shape[1])
-            out = out + torch.bmm(r.unsqueeze(1), _mix_identity(full, whole, mode)).squeeze(1)
+            blocks, layer_contract = [slice(0, full.shape[1])], contract_rows(lambda rec, b: full)
         else:
-            for block in query_blocks(record):
-                weights = r[:, block]
-                if not torch.any(weights):
-                    continue
-                rows = _mix_identity(rows_fn(record, block), block, mode)
-                out = out + torch.bmm(weights.unsqueeze(1), rows).squeeze(1)
+            blocks, layer_contract = list(query_blocks(record)), contract
+        out = r.clone() if mode == "generic" else torch.zeros_like(r)
+        for block in blocks:
+            r_block = r[:, block]
+            if not torch.any(r_block):
+                continue
+            if mode == "generic":
+                product, _ = layer_contract(record, block, lambda sums: r_block)
+                out += product
+            else:
+                # row i of 0.5 M + 0.5 I sums to 0.5 * sum_k M_ik + 0.5
+                product, w = layer_contract(record, block, lambda sums: r_block / (0.5 * sums + 0.5))
+                out += 0.5 * product
+                out[:, block] += 0.5 * w
         r = out
     return r
 
@@ -177,5 +205,7 @@ def rollout(ctx: Context, *, head_fusion: str = "mean", discard_ratio: float = 0
     layout = ctx.require_grid(rollout=True)
     vector = readout_vector(layout, ctx.batch_size, layers[0].device)
     keep = 0 if layout.readout == "class" and layout.has_class_token else None
-    out = propagate(vector, layers, fused_rows(head_fusion), mode="rollout", discard_ratio=discard_ratio, keep=keep)
+    rows = fused_rows(head_fusion)
+    contract = contract_mean_probs if head_fusion == "mean" else contract_rows(rows)
+    out = propagate(vector, layers, contract, mode="rollout", discard_ratio=discard_ratio, keep=keep, rows_fn=rows)
     return layout.to_grid(out)

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from ..capture import AttentionRecord
-from .attention import propagate
+from .attention import contract_rows, propagate
 from .context import Context, query_blocks, readout_vector
 from .registry import register
 
@@ -21,8 +21,11 @@ def _grad_rollout_rows(record: AttentionRecord, block: slice) -> Tensor:
     return (record.probs(block) * record.grad_probs(block)).mean(dim=1).clamp(min=0)
 
 
-def _generic_rows(record: AttentionRecord, block: slice) -> Tensor:
-    return (record.grad_probs(block) * record.probs(block)).clamp(min=0).mean(dim=1)
+def _generic_contract(record: AttentionRecord, block: slice, weights) -> tuple[Tensor, Tensor]:
+    """``w @ mean_h(clamp(dy/dA * A, 0))[rows]`` without materialising the head mean."""
+    m = (record.grad_probs(block) * record.probs(block)).clamp_(min=0)  # (B, H, n, N)
+    w = weights(None)  # Chefer's rule needs no row sums
+    return torch.einsum("bn,bhnk->bk", w, m) / m.shape[1], w
 
 
 @register(
@@ -50,7 +53,10 @@ def grad_rollout(ctx: Context, *, discard_ratio: float = 0.0, start_layer: int =
     layout = ctx.require_grid(rollout=True)
     vector = readout_vector(layout, ctx.batch_size, layers[0].device)
     keep = 0 if layout.readout == "class" and layout.has_class_token else None
-    out = propagate(vector, layers, _grad_rollout_rows, mode="rollout", discard_ratio=discard_ratio, keep=keep)
+    out = propagate(
+        vector, layers, contract_rows(_grad_rollout_rows), mode="rollout",
+        discard_ratio=discard_ratio, keep=keep, rows_fn=_grad_rollout_rows,
+    )
     return layout.to_grid(out)
 
 
@@ -78,7 +84,7 @@ def generic(ctx: Context, *, start_layer: int = 0) -> Tensor:
     layers = ctx.layers()[start_layer:]
     layout = ctx.require_grid(rollout=True)
     vector = readout_vector(layout, ctx.batch_size, layers[0].device)
-    return layout.to_grid(propagate(vector, layers, _generic_rows, mode="generic"))
+    return layout.to_grid(propagate(vector, layers, _generic_contract, mode="generic"))
 
 
 @register(
