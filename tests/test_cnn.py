@@ -25,6 +25,15 @@ torchvision = pytest.importorskip("torchvision")
 CNN_METHODS = ["gradcam", "gradcam++", "layercam", "spatial", "channel"]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny tensors: one intra-op thread is as fast and does not fight over shared CI cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 # -- helpers -----------------------------------------------------------------------------------
 def _randomize_norms(model: nn.Module, seed: int = 0) -> nn.Module:
     gen = torch.Generator().manual_seed(seed)
