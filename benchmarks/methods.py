@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import resource
 import subprocess
 import sys
 
@@ -76,26 +75,50 @@ def eager_generic(eager, kept, x: torch.Tensor) -> torch.Tensor:
     return torch.stack(maps)
 
 
-def peak_rss_mb(mode: str, model_name: str, size: int) -> float:
-    """Peak RSS (MB) of a fresh process that builds the model and runs ``mode`` once."""
-    code = f"""
-import resource, torch, timm, vitexplain as vx, json
+PEAK_CODE = """
+import json, os, threading, time, torch, timm, vitexplain as vx
 torch.manual_seed(0)
-m = timm.create_model({model_name!r}, pretrained=False, img_size={size}).eval()
+m = timm.create_model({model!r}, pretrained=False, img_size={size}).eval()
 x = torch.randn(1, 3, {size}, {size})
+ex = vx.Explainer(m)
 with torch.no_grad():
-    m(x)  # warm-up allocations of the plain forward
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-if {mode!r} == "rollout":
-    vx.Explainer(m).explain(x, method="rollout")
-else:
+    m(x)  # warm-up: allocator caches, thread pools
+page = os.sysconf("SC_PAGE_SIZE")
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * page
+
+def measure(fn):
+    peak, done = [0], threading.Event()
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], rss())
+            time.sleep(0.0002)
+    before = rss()
+    thread = threading.Thread(target=sample)
+    thread.start()
+    fn()
+    done.set()
+    thread.join()
+    return (max(peak[0], rss()) - before) / 2**20
+
+def plain():
     with torch.no_grad():
         m(x)
-print(json.dumps([base, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss]))
+
+print(json.dumps({{"plain": measure(plain), "{mode}": measure(lambda: ex.explain(x, method="{mode}"))}}))
 """
+
+
+def peak_extra_mb(mode: str, model_name: str, size: int) -> dict[str, float]:
+    """Peak RSS growth (MB) during a plain forward and during ``mode``, in a fresh process.
+
+    A sampling thread reads /proc/self/statm every 0.2 ms while the operation runs.
+    """
+    code = PEAK_CODE.format(model=model_name, size=size, mode=mode)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    base, peak = json.loads(out.stdout.strip().splitlines()[-1])
-    return base / 1024, peak / 1024
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -157,18 +180,17 @@ def main() -> None:
         n = (s // m.patch_embed.patch_size[0]) ** 2 + m.num_prefix_tokens
         heads, depth = m.blocks[0].attn.num_heads, len(m.blocks)
         stored = depth * heads * n * n * 4 / 2**20
-        base_p, peak_p = peak_rss_mb("plain", args.model, s)
-        base_r, peak_r = peak_rss_mb("rollout", args.model, s)
-        extra = max(0.0, (peak_r - base_r) - (peak_p - base_p))
+        peak = peak_extra_mb("rollout", args.model, s)
+        extra = max(0.0, peak["rollout"] - peak["plain"])
         body += (
-            f"\n\nPeak extra memory of class-row rollout at {s}x{s} ({n} tokens, batch 1), peak RSS in fresh processes:\n\n"
+            f"\n\nPeak extra memory of class-row rollout at {s}x{s} ({n} tokens, batch 1), RSS sampled in a fresh process:\n\n"
             + table(
                 ["what", "MB"],
                 [
                     ["all layers' probabilities stored (L x H x N^2 x 4 B)", stored],
-                    ["plain forward: peak RSS growth over the warm-up forward", peak_p - base_p],
-                    ["rollout (vx.Explainer): peak RSS growth over the warm-up forward", peak_r - base_r],
-                    ["rollout extra over plain", extra],
+                    ["plain forward: peak RSS growth", peak["plain"]],
+                    ["rollout (vx.Explainer, forward + recompute): peak RSS growth", peak["rollout"]],
+                    ["rollout extra over plain forward", extra],
                     ["rollout extra / stored probabilities", f"{100 * extra / stored:.1f} %"],
                 ],
             )
