@@ -31,7 +31,7 @@ from .methods.context import Context
 from .models import Adapter, adapter_for
 from .targets import Target, TargetSpec, logits_of, resolve
 
-__all__ = ["Explainer", "Explanation"]
+__all__ = ["Explainer", "Explanation", "CaptionExplanation"]
 
 
 @dataclass
@@ -129,6 +129,56 @@ class Explanation:
         return out
 
 
+@dataclass
+class CaptionExplanation:
+    """Per-word maps of a batch of captions.
+
+    Attributes:
+        maps: (B, T, gh, gw) float32; rows past an image's caption length are zero.
+        tokens: per image, its words (generated or given), at most T.
+        ids: (B, T) long token ids of the explained words.
+        captions: per image, the caption string.
+        method: method name.
+        options: method options used.
+        input_size: (H, W) of the model input.
+        layout: token layout of the image encoder.
+        images: (H, W, 3) uint8 RGB regions the model saw, when images were explained.
+        sources: the inputs as given (paths or None), when images were explained.
+    """
+
+    maps: Tensor
+    tokens: list[list[str]]
+    ids: Tensor
+    captions: list[str]
+    method: str
+    options: dict[str, Any]
+    input_size: tuple[int, int]
+    layout: Optional[TokenLayout] = None
+    images: Optional[list[Any]] = None
+    sources: Optional[list[Any]] = None
+
+    def __len__(self) -> int:
+        return int(self.maps.shape[0])
+
+    def upsample(self, size: Optional[tuple[int, int]] = None) -> Tensor:
+        """Maps resized to ``size`` (default: the model input size): (B, T, H, W)."""
+        size = tuple(size) if size is not None else self.input_size
+        b, t = self.maps.shape[:2]
+        flat = F.interpolate(self.maps.flatten(0, 1)[:, None], size=size, mode="bilinear", align_corners=False)
+        return flat.view(b, t, *size)
+
+    def figure(self, index: int = 0, image: Any = None, **kwargs: Any) -> Any:
+        """One RGB figure: each word of caption ``index`` under its overlay (uint8 RGB)."""
+        from .viz.caption import caption_figure
+
+        if image is None:
+            if self.images is None:
+                raise ValueError("pass image=(H, W, 3) uint8 RGB: this explanation was computed from a tensor")
+            image = self.images[index]
+        words = self.tokens[index]
+        return caption_figure(image, words, self.maps[index, : len(words)], **kwargs)
+
+
 def _model_device(model: nn.Module) -> torch.device:
     for tensor in (*model.parameters(), *model.buffers()):
         return tensor.device
@@ -207,6 +257,11 @@ class Explainer:
         Returns:
             An :class:`Explanation` for a single method name, a list for a list of names.
         """
+        if self.family == "caption":
+            raise UnsupportedMethodError(
+                f"{type(self.model).__name__} is an image captioner: use explain_caption(images, "
+                f"method=...) with one of {self.methods()}"
+            )
         single = isinstance(method, str)
         names = [method] if single else list(method)
         if not names:
@@ -240,8 +295,7 @@ class Explainer:
             outputs = self.adapter.forward(x_in)
         resolved = resolve(target, outputs, self.adapter.label_names)
         if grads:
-            score = resolved.score(outputs)
-            torch.autograd.grad(score.sum(), x_in, retain_graph=any(s.retain_graph for s in specs))
+            rec.backward(resolved.score(outputs), retain_graph=any(s.retain_graph for s in specs))
         layout = self.adapter.layout(tuple(x.shape[-2:])) if hasattr(self.adapter, "layout") else None
         try:
             logits = logits_of(outputs).detach()
@@ -272,6 +326,105 @@ class Explainer:
                 )
             )
         return results[0] if single else results
+
+    def explain_caption(
+        self,
+        images: Any,
+        method: Union[str, Sequence[str]] = "cross",
+        caption: Union[None, str, Sequence[Any]] = None,
+        *,
+        max_len: int = 16,
+        **options: Any,
+    ) -> Union[CaptionExplanation, list[CaptionExplanation]]:
+        """Per-word maps of a captioner: what in the image made it say each word.
+
+        Args:
+            images: (B, 3, H, W) preprocessed tensor, or images/paths (preprocessed for you).
+            method: ``"cross"`` (cross-attention per word) or ``"cross_generic"`` (Chefer's
+                encoder-decoder relevance, gradient of each word's log-probability); or a list.
+            caption: None to generate greedily (with the model's KV cache; the steps are
+                stitched into one map per word), or the caption(s) to explain teacher-forced:
+                one string for all images, one per image, or token-id lists.
+            max_len: most tokens to generate.
+            **options: method options (single method), or ``name={...}`` per method.
+                ``cross`` takes ``layers`` (None = mean over all decoder layers, an index or
+                a list) and ``head_fusion``.
+
+        Returns:
+            A :class:`CaptionExplanation` (or a list, one per method).
+        """
+        from .methods.caption import CaptionContext
+
+        if self.family != "caption":
+            raise UnsupportedMethodError(
+                f"explain_caption needs an image captioner; {type(self.model).__name__} is a {self.family} model (use explain)"
+            )
+        single = isinstance(method, str)
+        names = [method] if single else list(method)
+        specs = [registry.get(name, "caption") for name in names]
+        per_method = self._split_options(names, options, single)
+        sources = regions = None
+        if isinstance(images, Tensor) and images.dim() == 4 and images.is_floating_point():
+            x = images.detach().to(_model_device(self.model))
+        else:
+            x, regions, _, sources = self.preprocess(images)
+        adapter = self.adapter
+        generated = None
+        if caption is None:
+            with torch.no_grad(), capture(self.model) as generated:
+                ids = adapter.generate(x, max_len)
+        else:
+            ids = self._caption_ids(caption, x.shape[0], x.device)
+        lengths = [len(w) for w in adapter.words(ids)]
+        t = max(max(lengths), 1)
+        ids = ids[:, :t]
+        if ids.shape[1] < t:
+            ids = F.pad(ids, (0, t - ids.shape[1]), value=adapter.end_id)
+        tokens = [words[:t] for words in adapter.words(ids)]
+        layout = adapter.layout(tuple(x.shape[-2:]))
+        results = []
+        for name, spec in zip(names, specs):
+            if spec.grads:
+                x_in = x.detach().clone().requires_grad_(True)
+                with torch.enable_grad(), capture(self.model, grads=True) as rec:
+                    logits = adapter.teacher_forced(x_in, ids)
+                ctx = CaptionContext(adapter, x_in, ids, rec, layout, True, logits, name)
+            elif generated is not None:
+                ctx = CaptionContext(adapter, x, ids, generated, layout, False, None, name)
+            else:
+                with torch.no_grad(), capture(self.model) as rec:
+                    adapter.teacher_forced(x, ids)
+                ctx = CaptionContext(adapter, x, ids, rec, layout, True, None, name)
+            maps = spec.fn(ctx, **per_method[name]).detach().float()
+            for i, n in enumerate(lengths):
+                maps[i, n:] = 0.0
+            results.append(
+                CaptionExplanation(
+                    maps=maps,
+                    tokens=tokens,
+                    ids=ids,
+                    captions=[" ".join(w) for w in tokens],
+                    method=name,
+                    options=dict(per_method[name]),
+                    input_size=(int(x.shape[-2]), int(x.shape[-1])),
+                    layout=layout,
+                    images=regions,
+                    sources=sources,
+                )
+            )
+        return results[0] if single else results
+
+    def _caption_ids(self, caption: Any, batch: int, device: torch.device) -> Tensor:
+        """(B, T) ids of given captions, each followed by the end token."""
+        items = [caption] * batch if isinstance(caption, str) else list(caption)
+        if items and isinstance(items[0], int):
+            items = [items] * batch
+        if len(items) != batch:
+            raise ValueError(f"got {len(items)} captions for {batch} images; pass one caption or one per image")
+        seqs = [list(c) if not isinstance(c, str) else self.adapter.encode_caption(c) for c in items]
+        length = max(len(s) for s in seqs) + 1
+        end = self.adapter.end_id
+        return torch.tensor([s + [end] * (length - len(s)) for s in seqs], dtype=torch.long, device=device)
 
     @staticmethod
     def _split_options(names: list[str], options: dict[str, Any], single: bool) -> dict[str, dict[str, Any]]:

@@ -139,7 +139,10 @@ def _hf_layout(model: nn.Module, size: tuple[int, int]) -> Optional[TokenLayout]
     patch = _pair(config.patch_size)
     if model_type in ("swin", "swinv2", "donut-swin"):
         return TokenLayout(0, None, False, "mean", windowed=True, patch_size=patch)
-    prefixes = {"vit": 1, "deit": 2, "dinov2": 1, "dinov2_with_registers": 1, "beit": 1, "data2vec-vision": 1}
+    prefixes = {
+        "vit": 1, "deit": 2, "dinov2": 1, "dinov2_with_registers": 1, "beit": 1,
+        "data2vec-vision": 1, "blip_vision_model": 1,
+    }
     if model_type not in prefixes:
         return None
     prefix = prefixes[model_type] + int(getattr(config, "num_register_tokens", 0) or 0)

@@ -129,6 +129,7 @@ class Recorder:
         self._mode: Optional[_AttentionMode] = None
         self._fastpath: Optional[bool] = None
         self._active = False
+        self._in_backward = False
 
     # -- context manager --------------------------------------------------------------
     def __enter__(self) -> "Recorder":
@@ -260,6 +261,40 @@ class Recorder:
             raise CaptureError("gates were not captured; use vx.capture(model, gates=True)")
         return checked_gates(self.model, self._gates, self.forward_count)
 
+    def _hooks_collect(self) -> bool:
+        return not self._in_backward
+
+    def backward(self, score: Tensor, *, retain_graph: bool = False) -> None:
+        """Backpropagate ``score`` to every captured attention output and activation.
+
+        Unlike ``score.backward()`` this reaches every record, also attention whose inputs do
+        not depend on the model input (e.g. a decoder's first self-attention over text
+        tokens), and it never writes ``.grad`` of parameters or inputs. Gradients accumulate
+        like ``.grad`` does (see :meth:`zero_grad`).
+
+        Args:
+            score: a scalar (or a tensor, which is summed) computed from the model outputs.
+            retain_graph: keep the graph for another backward.
+        """
+        if not self.grads:
+            raise CaptureError("gradients were not captured: use vx.capture(model, grads=True)")
+        targets: list[tuple[Any, Tensor]] = [(r, r._out) for r in self._records if r._out is not None]
+        targets += [(a, a.output) for calls in self.activations.values() for a in calls if a.output.requires_grad]
+        if not targets:
+            raise CaptureError(
+                "nothing captured is part of an autograd graph (the forward ran under torch.no_grad(), or "
+                "neither the input nor any parameter requires grad)"
+            )
+        self._in_backward = True
+        try:
+            grads = torch.autograd.grad(
+                score.sum(), [t for _, t in targets], retain_graph=retain_graph, allow_unused=True
+            )
+        finally:
+            self._in_backward = False
+        for (obj, tensor), grad in zip(targets, grads):
+            obj._add_grad(grad if grad is not None else torch.zeros_like(tensor))
+
     def zero_grad(self) -> None:
         """Forget captured gradients (each backward through the graph accumulates into them)."""
         for record in self._records:
@@ -306,7 +341,8 @@ class Recorder:
             if self.grads and out.requires_grad:
 
                 def grad_hook(grad: Tensor) -> None:
-                    record.grad = grad.detach() if record.grad is None else record.grad + grad.detach()
+                    if self._hooks_collect():
+                        record._add_grad(grad)
 
                 out.register_hook(grad_hook)
             self.activations[name].append(record)
@@ -374,7 +410,7 @@ class Recorder:
         )
         if self.grads:
             record._v = v.detach()
-            record._attach_grad_hook(out, on_probs=False)
+            record._attach_grad_hook(out, self._hooks_collect)
         return out
 
     def _on_softmax(self, func: Callable, args: tuple, kwargs: dict) -> Any:
@@ -406,7 +442,7 @@ class Recorder:
             _probs=probs.detach(),
         )
         if self.grads:
-            record._attach_grad_hook(probs, on_probs=True)
+            record._attach_grad_hook(probs, self._hooks_collect)
         return out
 
     def _on_mha(self, func: Callable, args: tuple, kwargs: dict) -> Any:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal, Optional, Union
+from typing import Callable, Literal, Optional, Union
 
 import torch
 from torch import Tensor
@@ -289,8 +289,16 @@ class AttentionRecord:
         self._probs = self._grad_out = self._grad_probs = None
 
     # -- called by the recorder -------------------------------------------------------
-    def _attach_grad_hook(self, output: Tensor, *, on_probs: bool) -> None:
-        """Capture the gradient reaching ``output`` (SDPA output or eager probs)."""
+    def _add_grad(self, grad: Tensor) -> None:
+        """Accumulate a gradient w.r.t. :attr:`output` (like ``.grad`` does)."""
+        grad = grad.detach()
+        if self.source == "eager":
+            self._grad_probs = grad if self._grad_probs is None else self._grad_probs + grad
+        else:
+            self._grad_out = grad if self._grad_out is None else self._grad_out + grad
+
+    def _attach_grad_hook(self, output: Tensor, enabled: Callable[[], bool]) -> None:
+        """Capture the gradient reaching ``output`` (SDPA output or eager probs) in any backward."""
         if not output.requires_grad:
             self._grad_state = "no_graph"
             return
@@ -298,13 +306,8 @@ class AttentionRecord:
         self._out = output
 
         def hook(grad: Tensor) -> None:
-            # A second backward through the same graph accumulates, like .grad does.
-            if on_probs:
-                prev = self._grad_probs
-                self._grad_probs = grad.detach() if prev is None else prev + grad.detach()
-            else:
-                prev = self._grad_out
-                self._grad_out = grad.detach() if prev is None else prev + grad.detach()
+            if enabled():
+                self._add_grad(grad)
 
         output.register_hook(hook)
 
@@ -326,3 +329,7 @@ class ActivationRecord:
     input: Optional[Tensor]
     output: Tensor
     grad: Optional[Tensor] = None
+
+    def _add_grad(self, grad: Tensor) -> None:
+        grad = grad.detach()
+        self.grad = grad if self.grad is None else self.grad + grad

@@ -18,6 +18,7 @@ _LAZY: dict[str, str] = {
     "grid": ".grid",
     "save_png": ".grid",
     "channel_tiles": ".channels",
+    "caption_figure": ".caption",
 }
 
 __all__ = sorted(_LAZY)

@@ -1,0 +1,205 @@
+"""Per-word maps of captioners: cross-attention and Chefer's encoder-decoder relevance.
+
+``cross``: for generated word t, the cross-attention of text query t over the image keys,
+fused over heads and over decoder layers (or per layer), as in Show, Attend and Tell. With a
+KV cache each decoding step issues one query; the steps are stitched into a (T, N_image) map.
+
+``cross_generic``: Chefer, Gur & Wolf (ICCV 2021) rules for encoder-decoder attention, with the
+gradient of each word's log-probability in turn (references.md item 4).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+from ..capture import AttentionRecord, Recorder
+from ..capture.records import fuse_heads
+from ..errors import UnsupportedMethodError
+from ..layout import TokenLayout
+from .registry import register
+
+__all__ = ["CaptionContext", "cross", "cross_generic", "stitch_cross", "normbar"]
+
+
+@dataclass
+class CaptionContext:
+    """One explained batch of captions.
+
+    Attributes:
+        adapter: the caption adapter.
+        x: (B, 3, H, W) model input.
+        ids: (B, T) explained token ids (row t is word t; padded after each caption's end).
+        recorder: capture of the forward that produced ``ids`` (generation) or of a
+            teacher-forced forward on ``ids``.
+        layout: token layout of the image encoder.
+        teacher_forced: whether ``recorder`` holds a teacher-forced forward.
+        logits: (B, T, V) teacher-forced logits (grads enabled), for gradient methods.
+        method: the method name.
+    """
+
+    adapter: Any
+    x: Tensor
+    ids: Tensor
+    recorder: Recorder
+    layout: TokenLayout
+    teacher_forced: bool
+    logits: Optional[Tensor] = None
+    method: str = ""
+
+
+def _layers(cross: list[AttentionRecord], layers: Union[None, int, Sequence[int]]) -> list[str]:
+    names = list(dict.fromkeys(r.name for r in cross))
+    if layers is None:
+        return names
+    chosen = [layers] if isinstance(layers, int) else list(layers)
+    try:
+        return [names[i] for i in chosen]
+    except IndexError:
+        raise ValueError(f"layer index out of range: the decoder has {len(names)} cross-attention layers") from None
+
+
+def stitch_cross(
+    records: Sequence[AttentionRecord], num_words: int, head_fusion: str = "mean", *, teacher_forced: bool = False
+) -> Tensor:
+    """Cross-attention rows of one layer, one row per explained word.
+
+    Teacher-forced: one call whose query row t predicts word t. Generation: one call per
+    decoding step (one query with a KV cache, the whole prefix without); the last query row
+    of step s predicts word s (the first step may hold a longer prompt).
+
+    Args:
+        records: one layer's cross-attention records in call order.
+        num_words: T, the number of explained words.
+        head_fusion: ``"mean"``, ``"max"`` or ``"min"`` over heads.
+        teacher_forced: the records come from one teacher-forced forward.
+
+    Returns:
+        (B, T, N_image) float32.
+    """
+    if teacher_forced:
+        stitched = fuse_heads(records[-1].probs(), head_fusion)
+    else:
+        stitched = torch.cat([fuse_heads(r.probs(queries=-1), head_fusion) for r in records], dim=1)  # type: ignore[arg-type]
+    if stitched.shape[1] < num_words:
+        raise UnsupportedMethodError(
+            f"the cross-attention calls cover {stitched.shape[1]} query positions, but {num_words} words "
+            "are explained; the decoder must issue one cross-attention call per step"
+        )
+    return stitched[:, :num_words]
+
+
+def _check_cross(ctx: CaptionContext) -> list[AttentionRecord]:
+    cross = [r for r in ctx.adapter.decoder_records(ctx.recorder.records) if r.kind == "cross"]
+    if not cross:
+        raise UnsupportedMethodError(
+            f"no cross-attention was seen in {type(ctx.adapter.model).__name__}'s decoder; a cross-attention "
+            "module must have is_cross_attention=True or receive the image tokens as "
+            "encoder_hidden_states / memory / key_value_states"
+        )
+    for record in cross:
+        ctx.layout.check(record.num_keys)
+    return cross
+
+
+@register(
+    "cross",
+    family="caption",
+    class_sensitive=False,
+    summary="per-word cross-attention of the decoder over the image patches (heads and layers fused)",
+    reference="Xu et al. 2015 (Show, Attend and Tell); references.md 'Captioning'",
+)
+def cross(ctx: CaptionContext, *, layers: Union[None, int, Sequence[int]] = None, head_fusion: str = "mean") -> Tensor:
+    """Cross-attention maps per word.
+
+    Args:
+        ctx: the captured generation or teacher-forced forward.
+        layers: decoder cross-attention layer(s) to average (indices), None = all.
+        head_fusion: ``"mean"``, ``"max"`` or ``"min"`` over heads.
+
+    Returns:
+        (B, T, gh, gw) float32.
+    """
+    records = _check_cross(ctx)
+    t = ctx.ids.shape[1]
+    maps = []
+    for name in _layers(records, layers):
+        layer = [r for r in records if r.name == name]
+        maps.append(stitch_cross(layer, t, head_fusion, teacher_forced=ctx.teacher_forced))
+    fused = torch.stack(maps).mean(dim=0)
+    return ctx.layout.to_grid(fused)
+
+
+def normbar(r: Tensor) -> Tensor:
+    """Chefer's normalisation ``rownorm(R - I) + I``; rows of R - I that are all zero stay zero.
+
+    Args:
+        r: (B, n, n) relevance.
+
+    Returns:
+        (B, n, n).
+    """
+    eye = torch.eye(r.shape[-1], device=r.device, dtype=r.dtype)
+    off = r - eye
+    sums = off.sum(dim=-1, keepdim=True)
+    safe = torch.where(sums == 0, torch.ones_like(sums), sums)
+    return torch.where(sums == 0, torch.zeros_like(off), off / safe) + eye
+
+
+def _abar(record: AttentionRecord) -> Tensor:
+    """``mean_h(clamp(dy/dA * A, 0))`` of one call: (B, N_q, N_k)."""
+    return (record.grad_probs() * record.probs()).clamp(min=0).mean(dim=1)
+
+
+@register(
+    "cross_generic",
+    family="caption",
+    grads=True,
+    summary="Chefer encoder-decoder relevance per word (gradient of each word's log-probability)",
+    reference="Chefer, Gur & Wolf, ICCV 2021 (encoder-decoder rules); references.md item 4",
+)
+def cross_generic(ctx: CaptionContext) -> Tensor:
+    """Chefer et al. (2021) relevance of the image patches for each word.
+
+    For word t the score is its log-probability under teacher forcing. Image tokens i,
+    text tokens t: ``R_ii`` from the encoder's self-attention (``R = I``,
+    ``R += Abar @ R``); ``R_tt = I``, ``R_ti = 0``; decoder self-attention:
+    ``R_tt += Abar_tt @ R_tt``, ``R_ti += Abar_tt @ R_ti``; decoder cross-attention:
+    ``R_ti += normbar(R_tt)^T @ Abar_ti @ normbar(R_ii)``. The map of word t is
+    ``R_ti[t, patches]``. One backward pass per word position, batched over images.
+
+    Returns:
+        (B, T, gh, gw) float32.
+    """
+    if ctx.logits is None:
+        raise UnsupportedMethodError("cross_generic needs a teacher-forced forward with gradients")
+    records = ctx.recorder.records
+    encoder = ctx.adapter.encoder_records(records)
+    decoder = ctx.adapter.decoder_records(records)
+    _check_cross(ctx)
+    b, t = ctx.ids.shape
+    n_img = ctx.layout.num_tokens
+    device = ctx.logits.device
+    log_probs = torch.log_softmax(ctx.logits.float(), dim=-1)
+    out = torch.zeros(b, t, n_img, device=device)
+    for word in range(t):
+        ctx.recorder.zero_grad()
+        score = log_probs[:, word].gather(1, ctx.ids[:, word : word + 1])
+        ctx.recorder.backward(score, retain_graph=True)
+        r_ii = torch.eye(n_img, device=device).expand(b, n_img, n_img).clone()
+        for record in encoder:
+            r_ii = r_ii + _abar(record) @ r_ii
+        r_tt = torch.eye(t, device=device).expand(b, t, t).clone()
+        r_ti = torch.zeros(b, t, n_img, device=device)
+        for record in decoder:
+            abar = _abar(record)
+            if record.kind == "self":
+                r_tt, r_ti = r_tt + abar @ r_tt, r_ti + abar @ r_ti
+            else:
+                r_ti = r_ti + normbar(r_tt).transpose(1, 2) @ abar @ normbar(r_ii)
+        out[:, word] = r_ti[:, word]
+    ctx.recorder.zero_grad()
+    return ctx.layout.to_grid(out)

@@ -1,0 +1,285 @@
+"""Adapters for image captioners (encoder-decoder models with cross-attention).
+
+A caption adapter knows where the image encoder is (its self-attention records and token
+layout), how to generate greedily (with the model's own KV cache), and how to run the model
+teacher-forced on given tokens so that logits row t predicts token t.
+
+Supported: the zoo captioner (:class:`vitexplain.models.captioner.Captioner`), a model built
+from ``nn.TransformerDecoder`` over a timm ViT (:class:`TransformerDecoderCaptioner`, or any
+module with the same attributes), and Hugging Face ``VisionEncoderDecoderModel`` (e.g. ViT +
+GPT-2) and ``BlipForConditionalGeneration``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from ..layout import TokenLayout, find_layout_module
+from .base import Adapter, register_adapter
+
+__all__ = [
+    "CaptionAdapter",
+    "ZooCaptionAdapter",
+    "TransformerDecoderCaptioner",
+    "TorchDecoderCaptionAdapter",
+    "HFCaptionAdapter",
+]
+
+
+class CaptionAdapter(Adapter):
+    """An encoder-decoder image captioner.
+
+    Attributes:
+        encoder_prefix: module-name prefix of the image encoder (its self-attention
+            records are the encoder's; every other record belongs to the decoder).
+        tokenizer: optional object with ``decode(ids)`` for word strings (Hugging Face).
+    """
+
+    family = "caption"
+    encoder_prefix: str = "encoder"
+
+    def __init__(self, model: nn.Module, tokenizer: Any = None) -> None:
+        super().__init__(model)
+        self.tokenizer = tokenizer
+
+    def layout(self, input_size: tuple[int, int]) -> TokenLayout:
+        """Token layout of the image encoder for a (H, W) input."""
+        encoder = self.model.get_submodule(self.encoder_prefix)
+        return find_layout_module(encoder, input_size)[2]
+
+    @property
+    def end_id(self) -> int:
+        """Token id that ends a caption."""
+        raise NotImplementedError
+
+    @property
+    def start_id(self) -> int:
+        """Token id fed at the first decoding step."""
+        raise NotImplementedError
+
+    def generate(self, x: Tensor, max_len: int) -> Tensor:
+        """Greedy generation; returns (B, T) generated ids (no start token)."""
+        raise NotImplementedError
+
+    def teacher_forced(self, x: Tensor, ids: Tensor) -> Tensor:
+        """Logits (B, T, V) where row t predicts ``ids[:, t]`` (inputs: start + ids[:, :-1])."""
+        raise NotImplementedError
+
+    def encode_caption(self, caption: str) -> list[int]:
+        """Token ids of a caption (no start/end tokens)."""
+        if self.tokenizer is None:
+            raise ValueError(
+                "this captioner has no tokenizer: pass the caption as a list of token ids, or "
+                "give vx.Explainer(model, tokenizer=...)"
+            )
+        return list(self.tokenizer(caption, add_special_tokens=False)["input_ids"])
+
+    def word(self, token_id: int) -> str:
+        """The text of one token."""
+        if self.tokenizer is not None:
+            return self.tokenizer.decode([token_id]).strip()
+        return str(token_id)
+
+    def words(self, ids: Tensor) -> list[list[str]]:
+        """Per image, the words of a (B, T) id tensor up to (excluding) the end token."""
+        out = []
+        for row in ids.tolist():
+            words = []
+            for token in row:
+                if token == self.end_id:
+                    break
+                words.append(self.word(token))
+            out.append(words)
+        return out
+
+    def decoder_records(self, records: Sequence[Any]) -> list[Any]:
+        """The records issued outside the image encoder, in call order."""
+        prefix = self.encoder_prefix
+        return [r for r in records if not (r.name == prefix or r.name.startswith(prefix + "."))]
+
+    def encoder_records(self, records: Sequence[Any]) -> list[Any]:
+        """Self-attention records of the image encoder, in call order."""
+        prefix = self.encoder_prefix
+        return [r for r in records if r.kind == "self" and (r.name == prefix or r.name.startswith(prefix + "."))]
+
+
+class ZooCaptionAdapter(CaptionAdapter):
+    """The zoo's :class:`~vitexplain.models.captioner.Captioner`."""
+
+    encoder_prefix = "encoder"
+
+    @property
+    def end_id(self) -> int:
+        return self.model.vocab.eos_id
+
+    @property
+    def start_id(self) -> int:
+        return self.model.vocab.bos_id
+
+    def generate(self, x: Tensor, max_len: int) -> Tensor:
+        return self.model.generate(x, max_len=max_len)[0]
+
+    def teacher_forced(self, x: Tensor, ids: Tensor) -> Tensor:
+        start = torch.full_like(ids[:, :1], self.start_id)
+        return self.model(x, torch.cat([start, ids[:, :-1]], dim=1))
+
+    def encode_caption(self, caption: str) -> list[int]:
+        return self.model.vocab.encode(caption)
+
+    def word(self, token_id: int) -> str:
+        return self.model.vocab.itos[token_id]
+
+
+class TransformerDecoderCaptioner(nn.Module):
+    """A captioner built from ``nn.TransformerDecoder`` over a timm ViT encoder.
+
+    A reference for models assembled from PyTorch's own layers: the decoder layers use
+    ``nn.MultiheadAttention`` (self- and cross-attention); there is no KV cache, so each
+    generation step re-runs the prefix. Any module with the attributes ``encoder`` (a ViT),
+    ``decoder`` (``nn.TransformerDecoder``), ``embed``, ``pos``, ``head``, ``start_id`` and
+    ``end_id`` is explained the same way.
+
+    Args:
+        encoder: a timm ViT with ``num_classes=0`` (its ``forward_features`` is the memory).
+        vocab_size: number of tokens.
+        dim: decoder width (must equal the encoder width).
+        depth: decoder layers.
+        heads: attention heads.
+        max_len: longest decoder input.
+        start_id: token fed first.
+        end_id: token that ends a caption.
+    """
+
+    def __init__(self, encoder: nn.Module, vocab_size: int, dim: int, depth: int = 2, heads: int = 2, max_len: int = 16, start_id: int = 1, end_id: int = 2) -> None:
+        super().__init__()
+        self.encoder = encoder
+        layer = nn.TransformerDecoderLayer(dim, heads, dim_feedforward=2 * dim, dropout=0.0, batch_first=True, norm_first=True)
+        self.decoder = nn.TransformerDecoder(layer, depth)
+        self.embed = nn.Embedding(vocab_size, dim)
+        self.pos = nn.Parameter(torch.zeros(1, max_len, dim))
+        self.head = nn.Linear(dim, vocab_size)
+        self.start_id, self.end_id = start_id, end_id
+
+    def forward(self, images: Tensor, tokens: Tensor) -> Tensor:
+        """Teacher-forced logits (B, T, V) for input tokens (B, T) starting with ``start_id``."""
+        memory = self.encoder.forward_features(images)
+        t = tokens.shape[1]
+        causal = nn.Transformer.generate_square_subsequent_mask(t, device=tokens.device)
+        x = self.embed(tokens) + self.pos[:, :t]
+        return self.head(self.decoder(x, memory, tgt_mask=causal, tgt_is_causal=True))
+
+    def generate(self, images: Tensor, max_len: int = 12) -> Tensor:
+        """Greedy ids (B, T) without the start token (the prefix is re-run each step)."""
+        tokens = torch.full((images.shape[0], 1), self.start_id, dtype=torch.long, device=images.device)
+        done = torch.zeros(images.shape[0], dtype=torch.bool, device=images.device)
+        for _ in range(min(max_len, self.pos.shape[1])):
+            nxt = self(images, tokens)[:, -1].argmax(-1)
+            nxt = torch.where(done, torch.full_like(nxt, self.end_id), nxt)
+            tokens = torch.cat([tokens, nxt[:, None]], dim=1)
+            done |= nxt == self.end_id
+            if bool(done.all()):
+                break
+        return tokens[:, 1:]
+
+
+class TorchDecoderCaptionAdapter(CaptionAdapter):
+    """Models shaped like :class:`TransformerDecoderCaptioner`."""
+
+    encoder_prefix = "encoder"
+
+    @property
+    def end_id(self) -> int:
+        return int(self.model.end_id)
+
+    @property
+    def start_id(self) -> int:
+        return int(self.model.start_id)
+
+    def generate(self, x: Tensor, max_len: int) -> Tensor:
+        return self.model.generate(x, max_len=max_len)
+
+    def teacher_forced(self, x: Tensor, ids: Tensor) -> Tensor:
+        start = torch.full_like(ids[:, :1], self.start_id)
+        return self.model(x, torch.cat([start, ids[:, :-1]], dim=1))
+
+
+class HFCaptionAdapter(CaptionAdapter):
+    """Hugging Face ``VisionEncoderDecoderModel`` and ``BlipForConditionalGeneration``."""
+
+    def __init__(self, model: nn.Module, kind: str, tokenizer: Any = None) -> None:
+        super().__init__(model, tokenizer)
+        self.kind = kind
+        self.encoder_prefix = "encoder" if kind == "vision-encoder-decoder" else "vision_model"
+
+    @property
+    def _text_config(self) -> Any:
+        config = self.model.config
+        return config.decoder if self.kind == "vision-encoder-decoder" else config.text_config
+
+    @property
+    def end_id(self) -> int:
+        cfg = self._text_config
+        if self.kind == "blip":
+            return int(cfg.sep_token_id)
+        end = self.model.generation_config.eos_token_id
+        end = end if end is not None else cfg.eos_token_id
+        return int(end[0] if isinstance(end, (list, tuple)) else end)
+
+    @property
+    def start_id(self) -> int:
+        if self.kind == "blip":
+            return int(self._text_config.bos_token_id)
+        start = self.model.config.decoder_start_token_id
+        return int(start if start is not None else self._text_config.bos_token_id)
+
+    def generate(self, x: Tensor, max_len: int) -> Tensor:
+        kwargs = dict(max_new_tokens=max_len, do_sample=False, num_beams=1)
+        if self.kind == "vision-encoder-decoder":
+            kwargs.update(decoder_start_token_id=self.start_id, eos_token_id=self.end_id, pad_token_id=self.end_id)
+        return self.model.generate(pixel_values=x, **kwargs)[:, 1:]
+
+    def teacher_forced(self, x: Tensor, ids: Tensor) -> Tensor:
+        start = torch.full_like(ids[:, :1], self.start_id)
+        inputs = torch.cat([start, ids[:, :-1]], dim=1)
+        if self.kind == "vision-encoder-decoder":
+            return self.model(pixel_values=x, decoder_input_ids=inputs).logits
+        return self.model(pixel_values=x, input_ids=inputs).logits
+
+    def preprocess_kwargs(self) -> dict[str, Any]:
+        vision = self.model.config.encoder if self.kind == "vision-encoder-decoder" else self.model.config.vision_config
+        size = vision.image_size
+        size = (size, size) if isinstance(size, int) else tuple(size)
+        if self.kind == "blip":  # BLIP's processor uses the CLIP statistics
+            mean, std = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
+        else:
+            mean, std = (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)
+        return dict(input_size=size, mean=mean, std=std, crop_pct=1.0, interpolation="bicubic")
+
+
+@register_adapter(priority=20)
+def _detect_zoo_captioner(model: nn.Module) -> Optional[Adapter]:
+    from .captioner import Captioner
+
+    if isinstance(model, Captioner):
+        return ZooCaptionAdapter(model)
+    return None
+
+
+@register_adapter(priority=20)
+def _detect_torch_decoder(model: nn.Module) -> Optional[Adapter]:
+    if isinstance(getattr(model, "decoder", None), nn.TransformerDecoder) and hasattr(model, "encoder") and hasattr(model, "start_id"):
+        return TorchDecoderCaptionAdapter(model)
+    return None
+
+
+@register_adapter(priority=20)
+def _detect_hf_captioner(model: nn.Module) -> Optional[Adapter]:
+    name = type(model).__name__
+    if name == "VisionEncoderDecoderModel":
+        return HFCaptionAdapter(model, "vision-encoder-decoder")
+    if name == "BlipForConditionalGeneration":
+        return HFCaptionAdapter(model, "blip")
+    return None
