@@ -133,13 +133,13 @@ def _workload(name: str, paths_dir: Path, paths: list[str], model_spec: str, mod
     }
     times = median_times(fns, reps=args.reps, warmup=1, device=args.device)
     plain_ips = n / times["plain"]
-    rows: list[list[object]] = [[name, "plain inference", n, round(plain_ips, 1), "1.00", "-", "-"]]
+    rows: list[list[object]] = [[name, "plain inference", n, f"{plain_ips:.1f}", "1.00", "-", "-"]]
     for label in ("rollout", "rollout+cdam"):
         ips = n / times[label]
         loop = sorted(loops[label][1:])[len(loops[label][1:]) // 2]  # median, warm-up dropped
         loop_ips = n / loop
-        rows.append([name, f"export {label}", n, round(ips, 1), f"{ips / plain_ips:.2f}",
-                     round(loop_ips, 1), f"{loop_ips / plain_ips:.2f}"])
+        rows.append([name, f"export {label}", n, f"{ips:.1f}", f"{ips / plain_ips:.2f}",
+                     f"{loop_ips:.1f}", f"{loop_ips / plain_ips:.2f}"])
     return rows
 
 

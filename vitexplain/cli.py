@@ -175,8 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="DataLoader processes decoding images (default: min(4, CPUs - 1))")
     g.add_argument("--device", default="auto", help="auto (default), cpu, cuda or cuda:N")
     g.add_argument("--amp", choices=("bf16", "fp16"), help="CUDA autocast precision")
-    g.add_argument("--write-threads", type=_positive, default=2, metavar="N",
-                   help="threads drawing and writing overlays while the model runs (default 2)")
+    g.add_argument("--write-threads", type=_positive, default=None, metavar="N",
+                   help="threads drawing and writing overlays while the model runs (default: CPUs / 2, 2 to 8)")
     g.add_argument("--overwrite", action="store_true", help="redo images whose outputs are already current")
     g.add_argument("--quiet", "-q", action="store_true", help="no progress bar or final summary line")
 
@@ -211,8 +211,9 @@ def _cmd_export(args: argparse.Namespace, argv: Sequence[str]) -> int:
         amp=args.amp, crop=args.crop, alpha=args.alpha, colormap=args.colormap,
         signed_colormap=args.signed_colormap, max_side=args.max_side, topk=args.topk,
         save_maps=args.save_maps, html=args.html, overwrite=args.overwrite, quiet=args.quiet,
-        write_threads=args.write_threads,
     )
+    if args.write_threads is not None:
+        opts.write_threads = args.write_threads
     result = export(opts, argv=list(argv))
     s = result.summary
     if not args.quiet and "counts" in s:

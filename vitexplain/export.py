@@ -157,7 +157,7 @@ class ExportOptions:
     html: bool = False
     overwrite: bool = False
     quiet: bool = False
-    write_threads: int = 2
+    write_threads: int = field(default_factory=lambda: max(2, min(8, (os.cpu_count() or 2) // 2)))
 
 
 @dataclass
@@ -555,7 +555,7 @@ def _encode_png(rgb: "np.ndarray") -> bytes:
     import cv2
     import numpy as np
 
-    ok, buf = cv2.imencode(".png", np.ascontiguousarray(rgb[..., ::-1]))
+    ok, buf = cv2.imencode(".png", np.ascontiguousarray(rgb[..., ::-1]), [cv2.IMWRITE_PNG_COMPRESSION, 1])
     if not ok:  # pragma: no cover - OpenCV failure
         raise OSError("OpenCV could not encode the PNG")
     return buf.tobytes()

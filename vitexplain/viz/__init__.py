@@ -19,6 +19,8 @@ _LAZY: dict[str, str] = {
     "save_png": ".grid",
     "channel_tiles": ".channels",
     "caption_figure": ".caption",
+    "write_gallery": ".gallery",
+    "render_gallery": ".gallery",
 }
 
 __all__ = sorted(_LAZY)
