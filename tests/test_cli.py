@@ -238,6 +238,45 @@ def test_interrupt_leaves_no_partial_files_and_resumes(ckpt: str, tmp_path: Path
     assert _summary(out)["counts"] == {"images": 5, "ok": 3, "failed": 0, "skipped": 2}
 
 
+@pytest.mark.parametrize("fmt", ["safetensors", "pt"])
+def test_timm_model_with_checkpoint(fmt: str, tree: Path, tmp_path: Path, capsys) -> None:
+    import timm
+
+    kwargs = dict(img_size=64, patch_size=16, num_classes=3, depth=2)
+    torch.manual_seed(1)
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, **kwargs).eval()
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    path = tmp_path / f"weights.{fmt}"
+    if fmt == "safetensors":
+        from safetensors.torch import save_file
+
+        save_file(state, str(path))
+    else:  # a training checkpoint: the weights under "model", DDP prefix, extra entries
+        torch.save({"model": {f"module.{k}": v for k, v in state.items()}, "epoch": 3}, path)
+    out = tmp_path / "out"
+    args = ["export", tree / "a.png", "--out", out, "--model", "vit_tiny_patch16_224", "--checkpoint", path,
+            "--model-arg", "img_size=64", "--model-arg", "depth=2", "--method", "rollout", "--save-maps", "-q", "-j", "0"]
+    assert _run(*args) == 0  # num_classes (3) comes from the checkpoint's head
+    # timm keeps the 224 px pretrained_cfg for img_size=64 (the CLI corrects it the same way)
+    model.pretrained_cfg = {**model.pretrained_cfg, "input_size": (3, 64, 64)}
+    expected = vx.Explainer(model).explain([str(tree / "a.png")], method="rollout").maps[0].numpy()
+    np.testing.assert_allclose(np.load(out / "a.png.rollout.npy"), expected, rtol=1e-4, atol=1e-6)
+    assert _run(*args, "--num-classes", "7") == 2  # the head does not fit
+    assert "does not fit the model" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not (Path(vx.__file__).parent / "zoo/weights/shapes-vit.safetensors").is_file(),
+                    reason="zoo weights not installed")
+def test_readme_first_command_default_model(tmp_path: Path) -> None:
+    samples = Path(vx.__file__).resolve().parent.parent / "assets" / "samples"
+    if not samples.is_dir():
+        pytest.skip("assets/samples not present")
+    out = tmp_path / "maps"
+    assert _run("export", samples, "--out", out, "--html", "-q", "-j", "0") == 0
+    records = _manifest(out)
+    assert records and all(r["status"] == "ok" and set(r["files"]) == set(METHODS) for r in records.values())
+
+
 # ---------------------------------------------------------------------------------------------
 # input discovery
 # ---------------------------------------------------------------------------------------------

@@ -439,6 +439,7 @@ def load_model(
         except Exception as e:
             raise UsageError(f"cannot create timm model {spec!r} with {model_args}: {e}") from None
         info["source"] = "timm"
+        _fix_input_size(model)
         if state is not None:
             _load_state(model, state, checkpoint)
         else:
@@ -452,6 +453,21 @@ def load_model(
         cfg["label_names"] = names
         model.pretrained_cfg = cfg
     return model.eval().to(device), info
+
+
+def _fix_input_size(model: "nn.Module") -> None:
+    """Make ``pretrained_cfg["input_size"]`` agree with a ViT built for another ``img_size``.
+
+    ``timm.create_model("vit_..._224", img_size=64)`` keeps the 224 px ``pretrained_cfg``, so
+    preprocessing (which reads it) would feed 224 px images to a 64 px model.
+    """
+    size = getattr(getattr(model, "patch_embed", None), "img_size", None)
+    cfg = getattr(model, "pretrained_cfg", None)
+    if size is None or not isinstance(cfg, dict) or getattr(model.patch_embed, "dynamic_img_size", False):
+        return
+    size = (int(size), int(size)) if isinstance(size, int) else tuple(int(v) for v in size)
+    if len(size) == 2 and tuple(cfg.get("input_size", (3, *size))[-2:]) != size:
+        model.pretrained_cfg = {**cfg, "input_size": (3, *size)}
 
 
 def _load_state(model: "nn.Module", state: dict[str, Any], path: Optional[str]) -> None:
@@ -858,6 +874,28 @@ def _checkpoint_id(path: Optional[str]) -> Optional[dict[str, Any]]:
     return {"path": os.path.abspath(path), "bytes": int(st.st_size), "mtime_ns": int(st.st_mtime_ns)}
 
 
+def _zoo_weights_id(spec: str, info: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """Size and mtime of a zoo model's weights file (so updated weights make outputs stale)."""
+    if info.get("source") == "zoo":
+        from .zoo import WEIGHTS_DIR
+
+        path = WEIGHTS_DIR / f"{spec}.safetensors"
+    elif info.get("source") == "file":
+        path = Path(spec).with_suffix(".safetensors")
+    else:
+        return None
+    try:
+        return _checkpoint_id(str(path))
+    except OSError:
+        return None
+
+
+def _digest(value: Any) -> Optional[str]:
+    if value is None:
+        return None
+    return hashlib.sha1(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
 def _model_id(spec: str) -> str:
     return os.path.abspath(spec) if spec.endswith(".json") and os.path.exists(spec) else spec
 
@@ -982,7 +1020,8 @@ def export(opts: ExportOptions, *, argv: Optional[Sequence[str]] = None) -> Expo
 
     config = {
         "model": _model_id(opts.model), "checkpoint": _checkpoint_id(opts.checkpoint),
-        "num_classes": opts.num_classes, "model_args": opts.model_args, "labels": opts.labels,
+        "weights": _zoo_weights_id(opts.model, model_info), "num_classes": opts.num_classes,
+        "model_args": opts.model_args, "labels": _digest(label_names),
         "methods": methods, "method_options": method_options, "target": target, "crop": opts.crop, "alpha": opts.alpha,
         "colormap": opts.colormap, "signed_colormap": opts.signed_colormap, "max_side": opts.max_side,
         "topk": opts.topk, "save_maps": opts.save_maps, "amp": opts.amp,
