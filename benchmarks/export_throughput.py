@@ -15,7 +15,7 @@ Runs are interleaved (``median_times``) so machine drift hits all alike. Two wor
 
 Usage::
 
-    python benchmarks/export_throughput.py [--images 256] [--big-images 32] [--reps 3]
+    python benchmarks/export_throughput.py [--images 256] [--big-images 64] [--reps 3]
         [--batch-size 32] [--workers N] [--device cpu|cuda]
 
 Issue floor: export >= 0.5x plain-inference throughput with rollout alone.
@@ -146,7 +146,7 @@ def _workload(name: str, paths_dir: Path, paths: list[str], model_spec: str, mod
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--images", type=int, default=256, help="64 px shapes images (default 256)")
-    parser.add_argument("--big-images", type=int, default=32, help="224 px images for vit_small (default 32; 0 skips)")
+    parser.add_argument("--big-images", type=int, default=64, help="256 px images for vit_small at 224 (default 64; 0 skips)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--workers", type=int, default=max(0, min(4, (os.cpu_count() or 1) - 1)))
