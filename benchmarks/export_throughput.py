@@ -104,7 +104,8 @@ def _plain(model: torch.nn.Module, paths: list[str], batch_size: int, workers: i
 
 
 def _export(paths_dir: Path, out: Path, model: str, methods: list[str], batch_size: int, workers: int,
-            device: str, extra: dict[str, Any], loop_times: list[float]) -> Callable[[], None]:
+            device: str, extra: dict[str, Any], loop_times: list[float],
+            timings: list[dict[str, float]]) -> Callable[[], None]:
     from vitexplain.export import ExportOptions, export
 
     def run() -> None:
@@ -115,23 +116,33 @@ def _export(paths_dir: Path, out: Path, model: str, methods: list[str], batch_si
         result = export(opts)
         assert result.exit_code == 0, result.summary.get("failures")
         loop_times.append(result.summary["timings"]["process_s"])
+        timings.append(result.summary["timings"])
 
     return run
 
 
 def _workload(name: str, paths_dir: Path, paths: list[str], model_spec: str, model: torch.nn.Module,
-              extra: dict[str, Any], args: argparse.Namespace, tmp: Path) -> list[list[object]]:
+              extra: dict[str, Any], args: argparse.Namespace, tmp: Path,
+              breakdown: list[list[object]]) -> list[list[object]]:
     n = len(paths)
     model = model.to(args.device).eval()
     loops: dict[str, list[float]] = {"rollout": [], "rollout+cdam": []}
+    parts: dict[str, list[dict[str, float]]] = {"rollout": [], "rollout+cdam": []}
     fns = {
         "plain": _plain(model, paths, args.batch_size, args.workers, args.device),
         "rollout": _export(paths_dir, tmp / f"out_{name}_r", model_spec, ["rollout"], args.batch_size,
-                           args.workers, args.device, extra, loops["rollout"]),
+                           args.workers, args.device, extra, loops["rollout"], parts["rollout"]),
         "rollout+cdam": _export(paths_dir, tmp / f"out_{name}_rc", model_spec, ["rollout", "cdam"],
-                                args.batch_size, args.workers, args.device, extra, loops["rollout+cdam"]),
+                                args.batch_size, args.workers, args.device, extra, loops["rollout+cdam"],
+                                parts["rollout+cdam"]),
     }
     times = median_times(fns, reps=args.reps, warmup=1, device=args.device)
+    for label, runs in parts.items():
+        runs = runs[1:]  # drop the warm-up
+        med = {k: sorted(r[k] for r in runs)[len(runs) // 2] for k in ("process_s", "explain_s", "load_wait_s", "write_s")}
+        breakdown.append([name, f"export {label}", f"{med['process_s']:.2f}", f"{med['explain_s']:.2f}",
+                          f"{med['load_wait_s']:.2f}", f"{med['write_s']:.2f}",
+                          f"{times['plain']:.2f}"])
     plain_ips = n / times["plain"]
     rows: list[list[object]] = [[name, "plain inference", n, f"{plain_ips:.1f}", "1.00", "-", "-"]]
     for label in ("rollout", "rollout+cdam"):
@@ -158,6 +169,7 @@ def main() -> None:
     import vitexplain as vx
 
     rows: list[list[object]] = []
+    breakdown: list[list[object]] = []
     with tempfile.TemporaryDirectory(prefix="vx_export_bench_") as d:
         tmp = Path(d)
         small_dir = tmp / "shapes64"
@@ -165,7 +177,7 @@ def main() -> None:
         spec = _shapes_model_spec(tmp)
         model = vx.zoo.load(spec) if spec == "shapes-vit" else vx.zoo.load_checkpoint(spec)
         t = time.perf_counter()
-        rows += _workload("shapes-vit 64px", small_dir, paths, spec, model, {}, args, tmp)
+        rows += _workload("shapes-vit 64px", small_dir, paths, spec, model, {}, args, tmp, breakdown)
         print(f"small workload done in {time.perf_counter() - t:.1f}s", file=sys.stderr)
         if args.big_images > 0:
             big_dir = tmp / "shapes224"
@@ -173,7 +185,8 @@ def main() -> None:
             big = timm.create_model("vit_small_patch16_224", pretrained=False, num_classes=5)
             torch.save(big.state_dict(), tmp / "vit_small.pt")
             extra = {"checkpoint": str(tmp / "vit_small.pt")}
-            rows += _workload("vit_small 224px", big_dir, big_paths, "vit_small_patch16_224", big, extra, args, tmp)
+            rows += _workload("vit_small 224px", big_dir, big_paths, "vit_small_patch16_224", big, extra, args, tmp,
+                              breakdown)
 
     ratios = [float(r[4]) for r in rows if r[1] == "export rollout"]
     verdict = "meets" if min(ratios) >= FLOOR else "MISSES"
@@ -187,6 +200,11 @@ def main() -> None:
         "(discovery, model load, manifest, summary); 'loop' the processing loop alone. "
         f"Export with rollout alone {verdict} the issue floor of {FLOOR}x plain inference "
         f"(lowest ratio {min(ratios):.2f}); the rollout+cdam rows add a backward pass for CDAM."
+    )
+    body += "\n\nWhere the export loop's time goes (median run, seconds; plain = the whole plain-inference run):\n\n"
+    body += table(
+        ["workload", "pipeline", "loop", "explain (main thread)", "waiting for decode", "overlay + PNG (writer threads, overlapped)", "plain"],
+        breakdown,
     )
     report("Export throughput (vitexplain export vs plain inference)", body)
 
