@@ -1,0 +1,76 @@
+"""Accuracy of zoo models on fresh synthetic shapes images.
+
+Seed convention: training uses seeds ``< 9_000``, validation during training seed ``9_000``,
+evaluation (tests, benchmarks, the numbers in the configs) seeds ``>= 10_000``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..data.shapes import shapes
+
+__all__ = ["EVAL_SEED", "VAL_SEED", "evaluate", "is_captioner"]
+
+#: First seed reserved for evaluation; training never uses seeds >= 9_000.
+EVAL_SEED = 10_000
+#: Seed of the validation images printed during training.
+VAL_SEED = 9_000
+
+
+def is_captioner(model: nn.Module) -> bool:
+    """True for the zoo captioner (it has ``generate`` and a ``vocab``)."""
+    return hasattr(model, "generate") and hasattr(model, "vocab")
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    n: int = 1000,
+    seed: int = EVAL_SEED,
+    batch_size: int = 250,
+    device: str | torch.device | None = None,
+) -> dict[str, Any]:
+    """Score a zoo model on ``n`` fresh shapes images.
+
+    Args:
+        model: a zoo classifier ((B, 3, 64, 64) -> (B, 5) logits) or the captioner.
+        n: number of images.
+        seed: image stream (use ``>= EVAL_SEED`` for numbers you report).
+        batch_size: images per forward pass.
+        device: defaults to the model's device.
+
+    Returns:
+        Classifiers: ``{"n", "label_acc", "exact_acc"}`` (a label is predicted when its logit > 0;
+        ``exact_acc`` needs the whole label set right). Captioner: ``{"n", "caption_acc",
+        "word_acc"}`` (exact caption match; fraction of reference words reproduced in place).
+    """
+    was_training = model.training
+    model.eval()
+    device = device or next(model.parameters()).device
+    try:
+        correct_labels = correct_sets = correct_caps = words_ok = words_all = 0
+        for s in range(0, n, batch_size):
+            batch = shapes(min(batch_size, n - s), seed=seed, start=s)
+            x = batch.tensor.to(device)
+            if is_captioner(model):
+                _, caps = model.generate(x)
+                for ref, hyp in zip(batch.captions, caps):
+                    correct_caps += int(ref == hyp)
+                    r, h = ref.split(), hyp.split()
+                    words_ok += sum(int(a == b) for a, b in zip(r, h))
+                    words_all += len(r)
+            else:
+                pred = (model(x) > 0).float().cpu()
+                ok = pred == batch.labels
+                correct_labels += int(ok.sum())
+                correct_sets += int(ok.all(dim=1).sum())
+        if is_captioner(model):
+            return {"n": n, "caption_acc": correct_caps / n, "word_acc": words_ok / max(words_all, 1)}
+        num_labels = batch.labels.shape[1]
+        return {"n": n, "label_acc": correct_labels / (n * num_labels), "exact_acc": correct_sets / n}
+    finally:
+        model.train(was_training)

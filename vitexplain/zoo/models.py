@@ -1,0 +1,165 @@
+"""Architectures of the bundled zoo models and their default configurations.
+
+Each zoo model is described by a JSON-serialisable config ``{"arch": ..., "model_args": ...}``;
+:func:`build` turns a config into an (untrained) ``nn.Module``. The same function builds the
+model for training (:mod:`vitexplain.zoo.train`) and for loading (:func:`vitexplain.zoo.load`).
+
+* ``shapes-vit``: a plain timm ``VisionTransformer`` (64 px, patch 8 -> 8 x 8 grid, class token,
+  ``global_pool="token"``, default fused attention), multi-label head over ``SHAPES``.
+* ``shapes-cnn``: a timm ``ResNet`` of ``BasicBlock`` s whose blocks carry timm attention
+  modules (``block.se``), one type per stage (ECA, SE, CBAM, CBAM by default). The stem
+  max-pool is removed and the last stage is dilated (``output_stride=16``), so at 64 px input
+  the stages run at 32, 16, 8 and 8 px: the CBAM spatial gates of the two deepest stages are
+  8 x 8 maps.
+* ``shapes-captioner``: :class:`vitexplain.models.captioner.Captioner`.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch.nn as nn
+
+from ..data.shapes import COLORS, MEAN, SHAPES, STD
+
+__all__ = ["DEFAULT_CONFIGS", "ARCHS", "build", "caption_words", "pretrained_cfg"]
+
+
+def caption_words() -> list[str]:
+    """Content words of the captioner vocabulary: colors, shapes, "and"."""
+    return [*COLORS, *SHAPES, "and"]
+
+
+DEFAULT_CONFIGS: dict[str, dict[str, Any]] = {
+    "shapes-vit": {
+        "arch": "vit",
+        "model_args": {
+            "img_size": 64,
+            "patch_size": 8,
+            "embed_dim": 96,
+            "depth": 4,
+            "num_heads": 4,
+            "mlp_ratio": 2.0,
+            "num_classes": len(SHAPES),
+            "global_pool": "token",
+            "class_token": True,
+        },
+    },
+    "shapes-cnn": {
+        "arch": "cnn",
+        "model_args": {
+            "layers": [1, 1, 1, 1],
+            "channels": [32, 64, 128, 128],
+            "stem_type": "deep",
+            "stem_width": 16,
+            "stem_pool": False,
+            "output_stride": 16,
+            "stage_attn": ["eca", "se", "cbam", "cbam"],
+            "num_classes": len(SHAPES),
+        },
+    },
+    "shapes-captioner": {
+        "arch": "captioner",
+        "model_args": {
+            "words": caption_words(),
+            "img_size": 64,
+            "patch_size": 8,
+            "enc_dim": 96,
+            "enc_depth": 4,
+            "enc_heads": 4,
+            "enc_mlp_ratio": 2.0,
+            "dec_dim": 96,
+            "dec_depth": 2,
+            "dec_heads": 2,
+            "dec_mlp_ratio": 2.0,
+            "max_len": 12,
+        },
+    },
+}
+
+
+def _build_vit(args: dict[str, Any]) -> nn.Module:
+    from timm.models.vision_transformer import VisionTransformer
+
+    return VisionTransformer(**args)
+
+
+def _build_cnn(args: dict[str, Any]) -> nn.Module:
+    from timm.layers import create_attn
+    from timm.models.resnet import BasicBlock, ResNet
+
+    args = dict(args)
+    stage_attn = list(args.pop("stage_attn"))
+    stem_pool = bool(args.pop("stem_pool", True))
+    if len(stage_attn) != len(args["layers"]):
+        raise ValueError("stage_attn needs one attention type (or None) per stage")
+    model = ResNet(
+        BasicBlock,
+        layers=tuple(args.pop("layers")),
+        channels=tuple(args.pop("channels")),
+        **args,
+    )
+    for s, attn in enumerate(stage_attn):
+        stage = getattr(model, f"layer{s + 1}")
+        for block in stage:
+            # timm's own modules (EcaModule, SEModule, CbamModule), as attn_layer would create them
+            block.se = create_attn(attn, block.conv2.out_channels) if attn else None
+    if not stem_pool:
+        model.maxpool = nn.Identity()
+        for info in model.feature_info:
+            if info["reduction"] > 2:
+                info["reduction"] //= 2
+    return model
+
+
+def _build_captioner(args: dict[str, Any]) -> nn.Module:
+    from ..models.captioner import Captioner
+
+    return Captioner(**args)
+
+
+ARCHS = {"vit": _build_vit, "cnn": _build_cnn, "captioner": _build_captioner}
+
+
+def build(config: dict[str, Any]) -> nn.Module:
+    """Build an untrained model from a zoo config.
+
+    Args:
+        config: ``{"arch": "vit" | "cnn" | "captioner", "model_args": {...}}``.
+
+    Returns:
+        The model (train mode, random init).
+    """
+    arch = config.get("arch")
+    if arch not in ARCHS:
+        raise ValueError(f"unknown zoo architecture {arch!r}; expected one of {sorted(ARCHS)}")
+    return ARCHS[arch](copy.deepcopy(config["model_args"]))
+
+
+def pretrained_cfg(config: dict[str, Any]) -> dict[str, Any]:
+    """The timm-style preprocessing config of a zoo model.
+
+    Returns:
+        ``{"input_size": (3, H, W), "mean", "std", "interpolation", "crop_pct", "label_names",
+        "num_classes", ...}``; ``timm.data.resolve_data_config(model=model)`` reads it.
+    """
+    args = config["model_args"]
+    size = int(args.get("img_size", 64))
+    if config["arch"] == "captioner":
+        from ..models.captioner import BOS, EOS, PAD
+
+        labels = [PAD, BOS, EOS, *args["words"]]
+    else:
+        labels = list(SHAPES)
+    return {
+        "input_size": (3, size, size),
+        "mean": tuple(MEAN),
+        "std": tuple(STD),
+        "interpolation": "bilinear",
+        "crop_pct": 1.0,
+        "crop_mode": "center",
+        "label_names": labels,
+        "num_classes": len(labels),
+        "multi_label": config["arch"] != "captioner",
+    }
