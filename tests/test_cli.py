@@ -24,7 +24,7 @@ from PIL import Image
 
 import vitexplain as vx
 from vitexplain import cli
-from vitexplain.export import discover_inputs, UsageError
+from vitexplain.export import UsageError, discover_inputs
 
 METHODS = ("rollout", "cdam")
 GOOD = (

@@ -38,6 +38,8 @@ resume: rerunning the same command skips images whose outputs are complete and c
 
 exit status: 0 ok, 1 some images failed (reported and skipped), 2 usage error, 130 interrupted.
 
+A file name starting with '-' is read as an option: write ./-name.png, or put inputs after --.
+
 examples:
   vitexplain export assets/samples --out maps --html
   vitexplain export 'photos/**/*.jpg' --out maps --model vit_small_patch16_224 \\
@@ -160,20 +162,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-crop", dest="crop", action="store_false",
                    help="resize whole images to the input size instead of resize + center crop")
     g = ex.add_argument_group("overlays")
-    g.add_argument("--alpha", type=_unit, default=0.5, help="overlay opacity in [0, 1] (default 0.5)")
-    g.add_argument("--colormap", default="jet", help="colormap of unsigned maps (default jet; any OpenCV name)")
-    g.add_argument("--signed-colormap", default="bwr",
+    g.add_argument("--alpha", type=_unit, default=0.5, metavar="A", help="overlay opacity in [0, 1] (default 0.5)")
+    g.add_argument("--colormap", default="jet", metavar="NAME", help="colormap of unsigned maps (default jet; any OpenCV name)")
+    g.add_argument("--signed-colormap", default="bwr", metavar="NAME",
                    help="diverging colormap of signed maps such as cdam (default bwr, centred at zero)")
     g.add_argument("--max-side", type=_non_negative, default=512, metavar="PX",
                    help="draw overlays at most this many pixels on the longer side (default 512; 0: original size)")
     g.add_argument("--save-maps", action="store_true", help="also write each raw map as .npy")
-    g.add_argument("--topk", type=_non_negative, default=5, help="predictions recorded per image (default 5)")
+    g.add_argument("--topk", type=_non_negative, default=5, metavar="K", help="predictions recorded per image (default 5)")
     g.add_argument("--html", action="store_true", help="write an index.html gallery")
     g = ex.add_argument_group("running")
-    g.add_argument("--batch-size", "-b", type=_positive, default=32, help="images per forward pass (default 32)")
-    g.add_argument("--workers", "-j", type=_non_negative, default=None,
+    g.add_argument("--batch-size", "-b", type=_positive, default=32, metavar="N", help="images per forward pass (default 32)")
+    g.add_argument("--workers", "-j", type=_non_negative, default=None, metavar="N",
                    help="DataLoader processes decoding images (default: min(4, CPUs - 1))")
-    g.add_argument("--device", default="auto", help="auto (default), cpu, cuda or cuda:N")
+    g.add_argument("--device", default="auto", metavar="DEV", help="auto (default), cpu, cuda or cuda:N")
     g.add_argument("--amp", choices=("bf16", "fp16"), help="CUDA autocast precision")
     g.add_argument("--write-threads", type=_positive, default=None, metavar="N",
                    help="threads drawing and writing overlays while the model runs (default: CPUs / 2, 2 to 8)")
