@@ -289,8 +289,9 @@ class Explainer:
             x_in.requires_grad_(True)
         activations = list(dict.fromkeys(a for s in specs for a in s.activations(self.adapter)))
         attention = any(s.attention for s in specs) and self.family != "cnn"
+        gates = any(s.gates for s in specs)
         with torch.set_grad_enabled(grads), capture(
-            self.model, grads=grads, activations=activations, attention=attention
+            self.model, grads=grads, activations=activations, attention=attention, gates=gates
         ) as rec:
             outputs = self.adapter.forward(x_in)
         resolved = resolve(target, outputs, self.adapter.label_names)

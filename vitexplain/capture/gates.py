@@ -62,8 +62,6 @@ __all__ = [
     "register_gate",
     "supported_gates",
     "find_gates",
-    "gate_activation_names",
-    "gates_from_activations",
     "checked_gates",
 ]
 
@@ -367,48 +365,6 @@ class GateHooks:
 
 
 # -- reading gates from activation records (for captures made with activations=) --------------
-def gate_activation_names(model: nn.Module) -> list[str]:
-    """Module names to record as activations so :func:`gates_from_activations` can read the gates.
-
-    The gate modules (their inputs) and their tap submodules (their outputs are the gates).
-    """
-    names: list[str] = []
-    for plan in find_gates(model):
-        names.append(plan.name)
-        names.extend(plan.taps().values())
-    return names
-
-
-def gates_from_activations(recorder: Any, model: nn.Module) -> list[GateRecord]:
-    """Gate records rebuilt from a capture that recorded :func:`gate_activation_names`.
-
-    Same values as ``vx.capture(model, gates=True)`` (the taps' outputs are the gates);
-    records are ordered by call index, then by module order in ``named_modules()``.
-
-    Raises:
-        CaptureError: the model has no supported gate module, or no gate module ran.
-    """
-    plans = find_gates(model)
-    if not plans:
-        raise CaptureError(no_gates_message(model))
-    records: list[GateRecord] = []
-    for plan in plans:
-        calls = recorder.activations.get(plan.name, [])
-        taps = {k: recorder.activations.get(t, []) for k, t in plan.taps().items()}
-        for step, call in enumerate(calls):
-            if call.input is None:
-                continue
-            raw = {k: t[step].output for k, t in taps.items() if step < len(t)}
-            records.append(_build(plan, step, call.input, raw))
-    records.sort(key=lambda r: r.step)  # stable: module order within a step
-    if not records:
-        raise CaptureError(
-            f"none of the {len(plans)} attention-gate modules of {type(model).__name__} ran during the "
-            "captured forward (were their names passed in activations=gate_activation_names(model)?)"
-        )
-    return records
-
-
 def checked_gates(model: nn.Module, records: list[GateRecord], forward_count: int) -> list[GateRecord]:
     """``records``, or a clear error saying why there are none."""
     if records:

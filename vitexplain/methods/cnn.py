@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from ..capture import capture
-from ..capture.gates import GateRecord, gate_activation_names, gates_from_activations
+from ..capture.gates import GateRecord
 from ..errors import CaptureError, UnsupportedMethodError
 from .captum_methods import _forward_and_target
 from .context import Context
@@ -32,12 +32,9 @@ __all__ = ["spatial", "channel", "gradcam", "gradcam_plus_plus", "layercam", "gr
 
 # -- gates -------------------------------------------------------------------------------------
 def _gate_records(ctx: Context) -> list[GateRecord]:
-    """The gate records of the explained forward (from ``gates=True`` or from activations)."""
-    rec = ctx.recorder
+    """The gate records of the explained forward (captured with ``gates=True``)."""
     try:
-        if getattr(rec, "capture_gates", False):
-            return rec.gates
-        return gates_from_activations(rec, ctx.adapter.model)
+        return ctx.recorder.gates
     except CaptureError as err:
         raise UnsupportedMethodError(f"method {ctx.method!r}: {err}") from None
 
@@ -62,14 +59,10 @@ def _select_gate(ctx: Context, layer: Optional[str], kind: str) -> GateRecord:
     return records[-1]
 
 
-def _gate_activations(adapter: Any) -> list[str]:
-    return gate_activation_names(adapter.model)
-
-
 @register(
     "spatial",
     family="cnn",
-    activations=_gate_activations,
+    gates=True,
     attention=False,
     signed=False,
     class_sensitive=False,
@@ -96,7 +89,7 @@ def spatial(ctx: Context, *, layer: Optional[str] = None) -> tuple[Tensor, dict[
 @register(
     "channel",
     family="cnn",
-    activations=_gate_activations,
+    gates=True,
     attention=False,
     signed=False,
     class_sensitive=False,

@@ -25,6 +25,7 @@ class MethodSpec:
         activations: given the model adapter, the module names whose inputs/outputs the
             capture must record.
         attention: needs attention records.
+        gates: needs the CNN attention gates (``vx.capture(..., gates=True)``).
         signed: maps are signed (positive = evidence for the target); overlay with a
             diverging colormap centred at zero.
         class_sensitive: maps depend on the target class.
@@ -39,6 +40,7 @@ class MethodSpec:
     grads: bool = False
     activations: Callable[[Any], list[str]] = field(default=lambda adapter: [])
     attention: bool = True
+    gates: bool = False
     signed: bool = False
     class_sensitive: bool = True
     retain_graph: bool = False
