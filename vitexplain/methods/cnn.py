@@ -8,8 +8,9 @@
   explained forward's single backward (captum has neither).
 
 The Grad-CAM family reads the last feature stage by default (``adapter.target_layer``); pass
-``layer="layer3"`` (any module name) to choose another. The gate methods read the deepest
-gate module by default; ``layer=`` selects a stage or module by name (the last gate inside it).
+``layer="layer3"`` (any module name) to choose another. ``channel`` reads the deepest gate
+module by default, ``spatial`` the mean of all spatial gates; ``layer=`` selects a stage or
+module by name (the last gate inside it).
 Definitions: references.md, "Methods for CNNs".
 """
 
@@ -66,24 +67,36 @@ def _select_gate(ctx: Context, layer: Optional[str], kind: str) -> GateRecord:
     attention=False,
     signed=False,
     class_sensitive=False,
-    summary="spatial attention gate (CBAM-style) of the deepest gate module, or of layer=",
+    summary="spatial attention gates (CBAM-style): their mean over the network, or one module's with layer=",
     reference="Woo et al. 2018 (CBAM); the gate the module multiplies its input by",
 )
 def spatial(ctx: Context, *, layer: Optional[str] = None) -> tuple[Tensor, dict[str, Any]]:
-    """The spatial gate of one attention module, as recorded.
+    """Spatial attention: the spatial gates the model's CBAM-style modules multiplied by.
 
     Args:
         ctx: the explained batch.
-        layer: a stage or module name (e.g. ``"layer3"``); the last module inside it with a
-            spatial gate is read. Default: the last one of the model (the deepest).
+        layer: None (default) for the mean of every spatial gate of the forward, each
+            bilinearly resized to the finest gate resolution: the network's average spatial
+            re-weighting; ``"deepest"`` for the last gate; or a stage / module name (e.g.
+            ``"layer3"``) for the last gate inside it.
 
     Returns:
-        (B, h, w) float32 gate values in (0, 1) at the module's resolution (upsample with
-        ``Explanation.upsample``), and extras ``{"layer": module name}``.
+        (B, h, w) float32 gate values in (0, 1) (upsample with ``Explanation.upsample``), and
+        extras ``{"layer": the module name(s) read}``.
     """
-    record = _select_gate(ctx, layer, "spatial")
-    assert record.spatial is not None
-    return record.spatial.float(), {"layer": record.name}
+    if layer is not None:
+        record = _select_gate(ctx, None if layer == "deepest" else layer, "spatial")
+        assert record.spatial is not None
+        return record.spatial.float(), {"layer": record.name}
+    records = [r for r in _gate_records(ctx) if r.spatial is not None]
+    if not records:
+        _select_gate(ctx, None, "spatial")  # raises the explanatory error
+    size = max((r.spatial.shape[-2:] for r in records), key=lambda s: s[0] * s[1])  # type: ignore[union-attr]
+    resized = [
+        torch.nn.functional.interpolate(r.spatial.float()[:, None], size=tuple(size), mode="bilinear", align_corners=False)[:, 0]  # type: ignore[union-attr]
+        for r in records
+    ]
+    return torch.stack(resized).mean(dim=0), {"layer": [r.name for r in records]}
 
 
 @register(
