@@ -85,9 +85,10 @@ class TimmViTAdapter(ViTAdapter):
     def preprocess_kwargs(self) -> dict[str, Any]:
         kwargs = super().preprocess_kwargs()
         embed = self.model.patch_embed
-        cfg = getattr(self.model, "pretrained_cfg", None) or {}
-        if "input_size" not in cfg and getattr(embed, "img_size", None):
-            kwargs["input_size"] = tuple(embed.img_size)  # a model built without a config
+        fixed = getattr(embed, "img_size", None) and not getattr(self.model, "dynamic_img_size", False)
+        if fixed and tuple(embed.img_size) != tuple(kwargs["input_size"]):
+            # built without a config, or with another img_size than its config's
+            kwargs["input_size"] = tuple(embed.img_size)
         return kwargs
 
 
