@@ -41,6 +41,7 @@ barrier (``gloo`` on CPU, ``nccl`` on CUDA) rank 0 merges the manifest parts and
 from __future__ import annotations
 
 import glob
+import functools
 import hashlib
 import io
 import json
@@ -52,7 +53,7 @@ import uuid
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
 
 if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
@@ -585,40 +586,53 @@ def _encode_npy(array: "np.ndarray") -> bytes:
     return buf.getvalue()
 
 
-@dataclass
-class _Job:
-    record: dict[str, Any]
-    region: "np.ndarray"
-    maps: dict[str, "np.ndarray"]
+#: ``write(writer, files)``: writes one image's output files, adding each finished one to
+#: ``files`` (``{group: {kind: path relative to OUT}}``, e.g. ``{"cdam": {"overlay": ...}}``).
+WriteFn = Callable[["_Writer", dict[str, dict[str, str]]], None]
 
 
-def _render(job: _Job, writer: _Writer, opts: ExportOptions, signed: dict[str, bool]) -> tuple[dict[str, Any], float]:
-    """Draw, encode and write one image's outputs; returns (record, seconds)."""
-    from .viz.overlay import overlay
+def _write_outputs(rec: dict[str, Any], write: WriteFn, writer: _Writer) -> tuple[dict[str, Any], float]:
+    """Run one image's write job (in a writer thread); returns (record, seconds).
 
+    The record becomes ``ok`` with its ``files``, or ``failed`` with an error and the files
+    finished before it.
+    """
     t = time.perf_counter()
-    rec = job.record
-    key = rec["key"]
     files: dict[str, dict[str, str]] = {}
     try:
-        for name, m in job.maps.items():
-            normalize = "signed" if signed[name] else "minmax"
-            cmap = opts.signed_colormap if signed[name] else opts.colormap
-            rgb = overlay(job.region, m, alpha=opts.alpha, colormap=cmap, normalize=normalize)
-            entry = {"overlay": f"{key}.{name}.png"}
-            writer.write(entry["overlay"], _encode_png(rgb))
-            if opts.save_maps:
-                entry["map"] = f"{key}.{name}.npy"
-                writer.write(entry["map"], _encode_npy(m))
-            files[name] = entry
+        write(writer, files)
         rec["status"] = "ok"
-        rec["files"] = files
     except Exception as e:
         rec["status"] = "failed"
         rec["error"] = f"writing the outputs of {rec['input']} failed: {type(e).__name__}: {e}"
-        rec["files"] = files
+    rec["files"] = files
     rec["time"] = time.time()
     return rec, time.perf_counter() - t
+
+
+def _write_overlays(
+    writer: _Writer,
+    files: dict[str, dict[str, str]],
+    *,
+    key: str,
+    region: "np.ndarray",
+    maps: dict[str, "np.ndarray"],
+    opts: ExportOptions,
+    signed: dict[str, bool],
+) -> None:
+    """``export``'s write job: per method, the overlay PNG (and the raw map with save_maps)."""
+    from .viz.overlay import overlay
+
+    for name, m in maps.items():
+        normalize = "signed" if signed[name] else "minmax"
+        cmap = opts.signed_colormap if signed[name] else opts.colormap
+        rgb = overlay(region, m, alpha=opts.alpha, colormap=cmap, normalize=normalize)
+        entry = {"overlay": f"{key}.{name}.png"}
+        writer.write(entry["overlay"], _encode_png(rgb))
+        if opts.save_maps:
+            entry["map"] = f"{key}.{name}.npy"
+            writer.write(entry["map"], _encode_npy(m))
+        files[name] = entry
 
 
 # ---------------------------------------------------------------------------------------------
@@ -832,16 +846,12 @@ def _probe(ex: Any, methods: list[str], method_options: dict[str, dict[str, Any]
     """Explain one blank image before writing anything, so that a method that cannot work on
     this model (no attention gates, no attention found, bad options) is a usage error (exit 2)
     instead of the same failure repeated for every image."""
-    import contextlib
-
     import torch
 
     h, w = pre_kwargs["input_size"]
-    amp = (torch.autocast(device_type="cuda", dtype=autocast_dtype) if autocast_dtype is not None
-           else contextlib.nullcontext())
     x = torch.zeros(1, 3, int(h), int(w), device=device)
     try:
-        with amp:
+        with _autocast(autocast_dtype):
             ex.explain(x, method=methods, target=target, **method_options)
     except Exception as e:
         raise UsageError(
@@ -953,39 +963,15 @@ def export(opts: ExportOptions, *, argv: Optional[Sequence[str]] = None) -> Expo
         UsageError: bad options or inputs, found before any output is written.
     """
     t_start = time.perf_counter()
-    import torch
-
     from .explainer import Explainer
     from .errors import UnsupportedMethodError
     from .methods import registry
 
     dist = _Dist.from_env()
-    if opts.batch_size < 1:
-        raise UsageError("--batch-size must be >= 1")
-    if opts.workers < 0:
-        raise UsageError("--workers must be >= 0")
-    if not 0.0 <= opts.alpha <= 1.0:
-        raise UsageError("--alpha must be in [0, 1]")
-    from .viz.colormaps import colormap_lut
-
-    for cmap in (opts.colormap, opts.signed_colormap):
-        try:
-            colormap_lut(cmap)
-        except ValueError as e:
-            raise UsageError(f"colormap {cmap!r}: {e}") from None
-    device = _resolve_device(opts.device, dist)
-    autocast_dtype = None
-    if opts.amp:
-        if opts.amp not in ("bf16", "fp16"):
-            raise UsageError(f"--amp {opts.amp!r}: choose bf16 or fp16")
-        if device.type != "cuda":
-            raise UsageError(f"--amp {opts.amp} needs a CUDA device (--device cuda); on {device.type} run without --amp")
-        autocast_dtype = torch.bfloat16 if opts.amp == "bf16" else torch.float16
-
-    out = Path(opts.out)
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {opts.out!r} exists and is not a folder")
-    items = discover_inputs(opts.inputs, out)
+    _check_batching(opts.batch_size, opts.workers)
+    _check_overlay_style(opts.alpha, opts.colormap, opts.signed_colormap)
+    device, autocast_dtype = _device_and_amp(opts.device, opts.amp, dist)
+    out, items = _out_and_items(opts.out, opts.inputs)
 
     model, model_info = load_model(
         opts.model, checkpoint=opts.checkpoint, num_classes=opts.num_classes,
@@ -996,7 +982,8 @@ def export(opts: ExportOptions, *, argv: Optional[Sequence[str]] = None) -> Expo
     if family not in DEFAULT_METHODS:
         raise UsageError(
             f"--model {opts.model!r} is a {family} model; export explains classifiers (vit, cnn). "
-            "Explain captions per word with vx.Explainer(model).explain_caption(...)"
+            + ("Explain its captions word by word with `vitexplain caption` (or "
+               "vx.Explainer(model).explain_caption(...))" if family == "caption" else "")
         )
     methods = list(dict.fromkeys(opts.methods or DEFAULT_METHODS[family]))
     try:
@@ -1026,13 +1013,187 @@ def export(opts: ExportOptions, *, argv: Optional[Sequence[str]] = None) -> Expo
         "colormap": opts.colormap, "signed_colormap": opts.signed_colormap, "max_side": opts.max_side,
         "topk": opts.topk, "save_maps": opts.save_maps, "amp": opts.amp,
     }
-    config_hash = hashlib.sha1(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    run = _Run(
+        command="export", out=out, items=items, dist=dist, device=device, autocast_dtype=autocast_dtype,
+        pre_kwargs=pre_kwargs, config_hash=_config_hash(config), crop=opts.crop, max_side=opts.max_side,
+        batch_size=opts.batch_size, workers=opts.workers, write_threads=opts.write_threads,
+        overwrite=opts.overwrite, quiet=opts.quiet,
+    )
+    names = label_names or []
 
-    dist.init(device)
+    def label(i: int) -> Optional[str]:
+        return names[i] if 0 <= i < len(names) else None
+
+    def process(x: "torch.Tensor", good: list[dict[str, Any]]) -> list[tuple[dict[str, Any], WriteFn]]:
+        explanations = ex.explain(x, method=methods, target=target, **method_options)
+        maps = {e.method: e.maps.float().cpu().numpy() for e in explanations}
+        targets = explanations[0].targets.cpu().tolist()
+        top = _scores(explanations[0].logits, multi_label, opts.topk)
+        jobs: list[tuple[dict[str, Any], WriteFn]] = []
+        for b, s in enumerate(good):
+            fields: dict[str, Any] = {}
+            if top is not None:
+                fields["predictions"] = [{"index": int(i), "label": label(int(i)), "score": round(float(v), 6)}
+                                         for v, i in zip(top[0][b], top[1][b])]
+                fields["score_kind"] = "sigmoid" if multi_label else "softmax"
+            fields["target"] = {"index": int(targets[b]), "label": label(int(targets[b]))}
+            write = functools.partial(_write_overlays, key=s["key"], region=s["region"],
+                                      maps={m: maps[m][b] for m in methods}, opts=opts, signed=signed)
+            jobs.append((fields, write))
+        return jobs
+
+    def finish(all_stats: list[dict[str, Any]]) -> dict[str, Any]:
+        records = _merge_manifest(out, items)
+        summary: dict[str, Any] = {
+            **_run_summary(items, all_stats, t_start),
+            "model": {**model_info, "family": family, "input_size": list(pre_kwargs["input_size"])},
+            "methods": methods,
+            **_run_environment(run),
+            "arguments": asdict(opts),
+            "argv": list(argv) if argv is not None else None,
+            "config": config,
+            "config_hash": run.config_hash,
+            "manifest_records": len(records),
+            "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        _atomic_text(out / SUMMARY, json.dumps(summary, indent=2, ensure_ascii=False, default=str) + "\n")
+        if opts.html:
+            from .viz.gallery import write_gallery
+
+            write_gallery(out / GALLERY, records, methods=methods, title=f"vitexplain export: {opts.model}")
+        return summary
+
+    return _drive(run, process, finish, t_start)
+
+
+# ---------------------------------------------------------------------------------------------
+# the shared driver (export and caption)
+# ---------------------------------------------------------------------------------------------
+def _check_batching(batch_size: int, workers: int) -> None:
+    """Usage errors of ``--batch-size`` and ``--workers``."""
+    if batch_size < 1:
+        raise UsageError("--batch-size must be >= 1")
+    if workers < 0:
+        raise UsageError("--workers must be >= 0")
+
+
+def _check_overlay_style(alpha: float, *colormaps: str) -> None:
+    """Usage errors of ``--alpha`` and colormap names."""
+    if not 0.0 <= alpha <= 1.0:
+        raise UsageError("--alpha must be in [0, 1]")
+    from .viz.colormaps import colormap_lut
+
+    for cmap in colormaps:
+        try:
+            colormap_lut(cmap)
+        except ValueError as e:
+            raise UsageError(f"colormap {cmap!r}: {e}") from None
+
+
+def _device_and_amp(spec: str, amp: Optional[str], dist: _Dist) -> tuple["torch.device", Any]:
+    """The device to run on and the autocast dtype (None without ``--amp``)."""
+    import torch
+
+    device = _resolve_device(spec, dist)
+    autocast_dtype = None
+    if amp:
+        if amp not in ("bf16", "fp16"):
+            raise UsageError(f"--amp {amp!r}: choose bf16 or fp16")
+        if device.type != "cuda":
+            raise UsageError(f"--amp {amp} needs a CUDA device (--device cuda); on {device.type} run without --amp")
+        autocast_dtype = torch.bfloat16 if amp == "bf16" else torch.float16
+    return device, autocast_dtype
+
+
+def _out_and_items(out_arg: str, inputs: Sequence[str]) -> tuple[Path, list[InputItem]]:
+    """The output folder (not created yet) and the discovered inputs."""
+    out = Path(out_arg)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out_arg!r} exists and is not a folder")
+    return out, discover_inputs(inputs, out)
+
+
+def _config_hash(config: dict[str, Any]) -> str:
+    """The settings digest recorded per image (resume: same hash, same outputs)."""
+    return hashlib.sha1(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _autocast(autocast_dtype: Any) -> Any:
+    import contextlib
+
+    import torch
+
+    return (torch.autocast(device_type="cuda", dtype=autocast_dtype) if autocast_dtype is not None
+            else contextlib.nullcontext())
+
+
+@dataclass
+class _Run:
+    """What the shared driver needs to know, whatever the command.
+
+    Attributes:
+        command: ``"export"`` or ``"caption"`` (progress bar and messages).
+        out: output folder.
+        items: every input of the run (all ranks), sorted by key.
+        dist: the distributed setting.
+        device: where the model runs.
+        autocast_dtype: CUDA autocast dtype, or None.
+        pre_kwargs: the model's :func:`vitexplain.data.images.preprocess` arguments.
+        config_hash: digest of every setting that changes the outputs (the resume rule).
+        crop, max_side, batch_size, workers, write_threads, overwrite, quiet: as the options.
+    """
+
+    command: str
+    out: Path
+    items: list[InputItem]
+    dist: _Dist
+    device: "torch.device"
+    autocast_dtype: Any
+    pre_kwargs: dict[str, Any]
+    config_hash: str
+    crop: bool
+    max_side: int
+    batch_size: int
+    workers: int
+    write_threads: int
+    overwrite: bool
+    quiet: bool
+
+
+#: ``process(x, good)``: explain one decoded batch ``x`` (B, 3, H, W) (on the device, inside
+#: autocast) whose samples are ``good`` (dicts with ``key``, ``region`` (h, w, 3) uint8 RGB,
+#: ``width``, ``height``, ``box``); returns per sample the manifest fields to add and the
+#: write job of its files. An exception fails the batch's images (reported, the run goes on).
+ProcessFn = Callable[["torch.Tensor", list[dict[str, Any]]], list[tuple[dict[str, Any], WriteFn]]]
+
+
+def _drive(
+    run: _Run,
+    process: ProcessFn,
+    finish: Callable[[list[dict[str, Any]]], dict[str, Any]],
+    t_start: float,
+) -> ExportResult:
+    """Run a command over its inputs: shard, resume, explain + write, merge, summarise.
+
+    Args:
+        run: the settings.
+        process: explains a batch (see :data:`ProcessFn`).
+        finish: on rank 0 after every rank is done, given every rank's stats: merge the
+            manifest, write ``summary.json`` (and a gallery); returns the summary.
+        t_start: ``time.perf_counter()`` when the command started.
+
+    Returns:
+        :class:`ExportResult` (exit code 1 when any image failed).
+
+    Raises:
+        KeyboardInterrupt: after an interruption, once finished files are recorded.
+    """
+    dist, out = run.dist, run.out
+    dist.init(run.device)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        shard = items[dist.rank :: dist.world]
-        previous = {} if opts.overwrite else read_manifest(out)
+        shard = run.items[dist.rank :: dist.world]
+        previous = {} if run.overwrite else read_manifest(out)
         todo: list[tuple[InputItem, dict[str, Any]]] = []
         skipped = 0
         for item in shard:
@@ -1040,19 +1201,14 @@ def export(opts: ExportOptions, *, argv: Optional[Sequence[str]] = None) -> Expo
                 source = _source_of(item.path)
             except OSError:
                 source = {"path": os.path.abspath(item.path), "bytes": None, "mtime_ns": None}
-            if not opts.overwrite and _is_current(previous.get(item.key), source, config_hash, out):
+            if not run.overwrite and _is_current(previous.get(item.key), source, run.config_hash, out):
                 skipped += 1
             else:
                 todo.append((item, source))
         setup_s = time.perf_counter() - t_start
         crash: Optional[BaseException] = None
         try:
-            stats = _run_shard(
-                todo, out=out, opts=opts, ex=ex, methods=methods, method_options=method_options,
-                signed=signed, target=target,
-                label_names=label_names, multi_label=multi_label, pre_kwargs=pre_kwargs, device=device,
-                autocast_dtype=autocast_dtype, config_hash=config_hash, dist=dist, skipped=skipped,
-            )
+            stats = _run_shard(todo, run=run, process=process, skipped=skipped)
         except Exception as e:  # tell the other ranks instead of leaving them at the barrier
             if dist.world == 1:
                 raise
@@ -1064,15 +1220,11 @@ def export(opts: ExportOptions, *, argv: Optional[Sequence[str]] = None) -> Expo
         if crashed:
             if crash is not None:
                 raise crash
-            raise RuntimeError("export failed on another rank: " + "; ".join(crashed))
+            raise RuntimeError(f"{run.command} failed on another rank: " + "; ".join(crashed))
         summary: dict[str, Any] = {"rank": dist.rank, **stats}
         try:
             if dist.rank == 0:
-                summary = _finish(
-                    out, items, all_stats, opts=opts, argv=argv, config=config, config_hash=config_hash,
-                    model_info=model_info, family=family, methods=methods, device=device, dist=dist,
-                    pre_kwargs=pre_kwargs, t_start=t_start,
-                )
+                summary = finish(all_stats)
         finally:
             # Nobody exits before rank 0 has merged: launchers such as torchrun stop every
             # rank as soon as one exits non-zero (exit 1 = some images failed).
@@ -1089,63 +1241,46 @@ def export(opts: ExportOptions, *, argv: Optional[Sequence[str]] = None) -> Expo
 def _run_shard(
     todo: list[tuple[InputItem, dict[str, Any]]],
     *,
-    out: Path,
-    opts: ExportOptions,
-    ex: Any,
-    methods: list[str],
-    method_options: dict[str, dict[str, Any]],
-    signed: dict[str, bool],
-    target: Any,
-    label_names: Optional[list[str]],
-    multi_label: bool,
-    pre_kwargs: dict[str, Any],
-    device: "torch.device",
-    autocast_dtype: Any,
-    config_hash: str,
-    dist: _Dist,
+    run: _Run,
+    process: ProcessFn,
     skipped: int,
 ) -> dict[str, Any]:
     """Process this rank's images; append their records to ``manifest.rank{r}.jsonl``."""
-    import contextlib
     from concurrent.futures import Future, ThreadPoolExecutor
 
-    import torch
     from torch.utils.data import DataLoader
 
+    dist, device = run.dist, run.device
     stats: dict[str, Any] = {"ok": 0, "failed": 0, "skipped": skipped, "failures": [],
                              "load_wait_s": 0.0, "explain_s": 0.0, "write_s": 0.0, "process_s": 0.0,
                              "interrupted": False}
     if not todo:
         return stats
-    show_bar = not opts.quiet and dist.rank == 0
+    show_bar = not run.quiet and dist.rank == 0
     bar = None
     if show_bar:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(todo), unit="img", file=sys.stderr, dynamic_ncols=True,
-                   desc="export" if dist.world == 1 else f"export (rank 0 of {dist.world})")
-    names = label_names or []
+                   desc=run.command if dist.world == 1 else f"{run.command} (rank 0 of {dist.world})")
 
-    def label(i: int) -> Optional[str]:
-        return names[i] if 0 <= i < len(names) else None
-
-    dataset = _ImageDataset([it.path for it, _ in todo], pre_kwargs, opts.crop, opts.max_side)
+    dataset = _ImageDataset([it.path for it, _ in todo], run.pre_kwargs, run.crop, run.max_side)
     loader = DataLoader(
-        dataset, batch_size=opts.batch_size, shuffle=False, num_workers=opts.workers,
+        dataset, batch_size=run.batch_size, shuffle=False, num_workers=run.workers,
         collate_fn=_collate, pin_memory=device.type == "cuda",
-        prefetch_factor=4 if opts.workers > 0 else None,
+        prefetch_factor=4 if run.workers > 0 else None,
     )
-    writer = _Writer(out)
-    part_path = out / _PART.format(rank=dist.rank)
+    writer = _Writer(run.out)
+    part_path = run.out / _PART.format(rank=dist.rank)
     part = open(part_path, "ab")
-    pool = ThreadPoolExecutor(max_workers=max(1, opts.write_threads), thread_name_prefix="vitexplain-write")
+    pool = ThreadPoolExecutor(max_workers=max(1, run.write_threads), thread_name_prefix="vitexplain-write")
     pending: deque[Future] = deque()
-    max_pending = max(64, 4 * opts.batch_size)
+    max_pending = max(64, 4 * run.batch_size)
 
     def base_record(j: int) -> dict[str, Any]:
         item, source = todo[j]
         return {"key": item.key, "input": item.path, "status": None, "source": source,
-                "error": None, "config_hash": config_hash, "rank": dist.rank}
+                "error": None, "config_hash": run.config_hash, "rank": dist.rank}
 
     def emit(rec: dict[str, Any]) -> None:
         part.write(_json_line(rec))
@@ -1166,8 +1301,6 @@ def _run_shard(
             stats["write_s"] += seconds
             emit(rec)
 
-    amp = (torch.autocast(device_type="cuda", dtype=autocast_dtype) if autocast_dtype is not None
-           else contextlib.nullcontext())
     t0 = time.perf_counter()
     try:
         it = iter(loader)
@@ -1184,14 +1317,12 @@ def _run_shard(
                 emit(rec)
             if x is None:
                 continue
+            for s in good:
+                s["key"] = todo[s["i"]][0].key
             te = time.perf_counter()
             try:
-                with amp:
-                    explanations = ex.explain(x.to(device, non_blocking=True), method=methods, target=target,
-                                              **method_options)
-                maps = {e.method: e.maps.float().cpu().numpy() for e in explanations}
-                targets = explanations[0].targets.cpu().tolist()
-                top = _scores(explanations[0].logits, multi_label, opts.topk)
+                with _autocast(run.autocast_dtype):
+                    jobs = process(x.to(device, non_blocking=True), good)
             except Exception as e:  # e.g. a method failing numerically: report, keep going
                 for s in good:
                     rec = base_record(s["i"])
@@ -1201,16 +1332,11 @@ def _run_shard(
                 continue
             finally:
                 stats["explain_s"] += time.perf_counter() - te
-            for b, s in enumerate(good):
+            for s, (fields, write) in zip(good, jobs):
                 rec = base_record(s["i"])
                 rec.update(width=s["width"], height=s["height"], box=s["box"])
-                if top is not None:
-                    rec["predictions"] = [{"index": int(i), "label": label(int(i)), "score": round(float(v), 6)}
-                                          for v, i in zip(top[0][b], top[1][b])]
-                    rec["score_kind"] = "sigmoid" if multi_label else "softmax"
-                rec["target"] = {"index": int(targets[b]), "label": label(int(targets[b]))}
-                job = _Job(rec, s["region"], {m: maps[m][b] for m in methods})
-                pending.append(pool.submit(_render, job, writer, opts, signed))
+                rec.update(fields)
+                pending.append(pool.submit(_write_outputs, rec, write, writer))
             drain(max_pending)
         drain(0)
     except KeyboardInterrupt:
@@ -1230,27 +1356,14 @@ def _run_shard(
     return stats
 
 
-def _finish(
-    out: Path,
-    items: list[InputItem],
-    all_stats: list[dict[str, Any]],
-    *,
-    opts: ExportOptions,
-    argv: Optional[Sequence[str]],
-    config: dict[str, Any],
-    config_hash: str,
-    model_info: dict[str, Any],
-    family: str,
-    methods: list[str],
-    device: "torch.device",
-    dist: _Dist,
-    pre_kwargs: dict[str, Any],
-    t_start: float,
-) -> dict[str, Any]:
-    """Rank 0: merge manifest parts, write summary.json and index.html."""
+def _merge_manifest(out: Path, items: list[InputItem]) -> list[dict[str, Any]]:
+    """Rank 0: merge the manifest parts into ``manifest.jsonl``; returns its records.
+
+    Kept: the latest record of each of this run's inputs, plus earlier successful records of
+    other inputs written into the same folder.
+    """
     latest = read_manifest(out)
     keys = {it.key for it in items}
-    # Records of this run's inputs, plus earlier successful exports of other inputs into OUT.
     records = sorted((r for k, r in latest.items() if k in keys or r.get("status") == "ok"),
                      key=lambda r: r["key"])
     data = b"".join(_json_line(r) for r in records)
@@ -1258,14 +1371,18 @@ def _finish(
     for p in out.iterdir():
         if _PART_RE.match(p.name):
             p.unlink(missing_ok=True)
+    return records
 
+
+def _run_summary(items: list[InputItem], all_stats: list[dict[str, Any]], t_start: float) -> dict[str, Any]:
+    """The ``counts``, ``timings`` and ``failures`` of ``summary.json``."""
     ok = sum(s["ok"] for s in all_stats)
     failed = sum(s["failed"] for s in all_stats)
     skipped = sum(s["skipped"] for s in all_stats)
     process_s = max(s["process_s"] for s in all_stats)
     total_s = time.perf_counter() - t_start
     processed = ok + failed
-    summary: dict[str, Any] = {
+    return {
         "counts": {"images": len(items), "ok": ok, "failed": failed, "skipped": skipped},
         "timings": {
             "total_s": round(total_s, 4),
@@ -1277,21 +1394,13 @@ def _finish(
             "images_per_s": round(processed / process_s, 3) if process_s > 0 else None,
         },
         "failures": [f for s in all_stats for f in s["failures"]],
-        "model": {**model_info, "family": family, "input_size": list(pre_kwargs["input_size"])},
-        "methods": methods,
-        "device": str(device) if dist.world == 1 else f"{device.type} x {dist.world}",
-        "world_size": dist.world,
-        "versions": _versions(),
-        "arguments": asdict(opts),
-        "argv": list(argv) if argv is not None else None,
-        "config": config,
-        "config_hash": config_hash,
-        "manifest_records": len(records),
-        "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    _atomic_text(out / SUMMARY, json.dumps(summary, indent=2, ensure_ascii=False, default=str) + "\n")
-    if opts.html:
-        from .viz.gallery import write_gallery
 
-        write_gallery(out / GALLERY, records, methods=methods, title=f"vitexplain export: {opts.model}")
-    return summary
+
+def _run_environment(run: _Run) -> dict[str, Any]:
+    """The ``device``, ``world_size`` and ``versions`` of ``summary.json``."""
+    return {
+        "device": str(run.device) if run.dist.world == 1 else f"{run.device.type} x {run.dist.world}",
+        "world_size": run.dist.world,
+        "versions": _versions(),
+    }
