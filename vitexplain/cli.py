@@ -3,9 +3,10 @@
 ::
 
     vitexplain export INPUT... --out DIR [--model NAME] [--method rollout,cdam] ...
+    vitexplain caption INPUT... --out DIR [--model shapes-captioner] [--caption TEXT] ...
     vitexplain methods [--model NAME | --family vit|cnn|caption]
     vitexplain models
-    torchrun --nproc_per_node=N -m vitexplain export ...      # one shard per process
+    torchrun --nproc_per_node=N -m vitexplain export|caption ...   # one shard per process
 
 Exit status: 0 success, 1 some images failed (the others were exported), 2 usage error
 (bad flags, unknown model or method, ``--amp`` without CUDA, no inputs), 130 interrupted.
@@ -45,6 +46,36 @@ examples:
   vitexplain export 'photos/**/*.jpg' --out maps --model vit_small_patch16_224 \\
       --checkpoint vit_small.safetensors --method rollout,cdam,generic --device cuda --amp bf16
   torchrun --nproc_per_node=4 -m vitexplain export photos --out maps --device cuda
+"""
+
+
+_CAPTION_EPILOG = """\
+outputs (OUT = --out; KEY = the input's path below the argument it was found under):
+  OUT/KEY.METHOD.png    per-word figure: the region the model saw, then each word under its map
+  OUT/KEY.METHOD.npz    per-word maps: maps (T, gh, gw) float32, tokens (T,) str, ids (T,) int64
+  OUT/KEY.caption.json  caption, tokens, ids, generated or given, methods, options, files
+                        (file names in the JSON's own folder); written last, after the maps
+  OUT/manifest.jsonl    one JSON line per image: input, size, crop box, caption, tokens, files or error
+  OUT/summary.json      counts (ok/failed/skipped), timings, images/s, versions, arguments
+  OUT/index.html        gallery of the figures, with --html
+
+captions: without --caption the model generates each image's caption (greedy, at most --max-len
+tokens) and its words are explained; with --caption TEXT that caption is explained for every
+image (teacher-forced); a word the model does not know is a usage error.
+
+resume: rerunning the same command skips images whose outputs are complete and current
+(same file size and mtime, same model/weights/methods/options/caption/max-len/crop/figure
+settings); --overwrite redoes.
+
+exit status: 0 ok, 1 some images failed (reported and skipped), 2 usage error (also: a model
+that is not an image captioner; explain classifiers with `vitexplain export`), 130 interrupted.
+
+A file name starting with '-' is read as an option: write ./-name.png, or put inputs after --.
+
+examples:
+  vitexplain caption assets/samples --out captions --html
+  vitexplain caption photos --out red --caption "red circle" --method cross_generic
+  vitexplain caption 'photos/**/*.png' --out captions --model my-captioner.json --option cross.layers=-1
 """
 
 
@@ -116,8 +147,30 @@ def _unit(text: str) -> float:
     return value
 
 
+def _add_inputs(p: argparse.ArgumentParser) -> None:
+    """INPUT... and --out (export, caption)."""
+    p.add_argument("inputs", nargs="+", metavar="INPUT",
+                   help="image files, folders (walked recursively) or glob patterns (quote them; ** recurses)")
+    p.add_argument("--out", "-o", required=True, metavar="DIR", help="output folder (created; never an input folder)")
+
+
+def _add_running(p: argparse.ArgumentParser, *, batch_size: int, what: str) -> None:
+    """The "running" group (export, caption): batching, decoding, device, resume, output."""
+    g = p.add_argument_group("running")
+    g.add_argument("--batch-size", "-b", type=_positive, default=batch_size, metavar="N",
+                   help=f"images per forward pass (default {batch_size})")
+    g.add_argument("--workers", "-j", type=_non_negative, default=None, metavar="N",
+                   help="DataLoader processes decoding images (default: min(4, CPUs - 1))")
+    g.add_argument("--device", default="auto", metavar="DEV", help="auto (default), cpu, cuda or cuda:N")
+    g.add_argument("--amp", choices=("bf16", "fp16"), help="CUDA autocast precision")
+    g.add_argument("--write-threads", type=_positive, default=None, metavar="N",
+                   help=f"threads drawing and writing {what} while the model runs (default: CPUs / 2, 2 to 8)")
+    g.add_argument("--overwrite", action="store_true", help="redo images whose outputs are already current")
+    g.add_argument("--quiet", "-q", action="store_true", help="no progress bar or final summary line")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``vitexplain`` (sub-commands export, methods, models)."""
+    """The argument parser of ``vitexplain`` (sub-commands export, caption, methods, models)."""
     from . import __version__
 
     parser = _Parser(
@@ -136,9 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_EXPORT_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ex.add_argument("inputs", nargs="+", metavar="INPUT",
-                    help="image files, folders (walked recursively) or glob patterns (quote them; ** recurses)")
-    ex.add_argument("--out", "-o", required=True, metavar="DIR", help="output folder (created; never an input folder)")
+    _add_inputs(ex)
     g = ex.add_argument_group("model")
     g.add_argument("--model", "-m", default="shapes-vit", metavar="NAME",
                    help="zoo model (see `vitexplain models`), timm model name, or a zoo checkpoint .json "
@@ -171,16 +222,39 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save-maps", action="store_true", help="also write each raw map as .npy")
     g.add_argument("--topk", type=_non_negative, default=5, metavar="K", help="predictions recorded per image (default 5)")
     g.add_argument("--html", action="store_true", help="write an index.html gallery")
-    g = ex.add_argument_group("running")
-    g.add_argument("--batch-size", "-b", type=_positive, default=32, metavar="N", help="images per forward pass (default 32)")
-    g.add_argument("--workers", "-j", type=_non_negative, default=None, metavar="N",
-                   help="DataLoader processes decoding images (default: min(4, CPUs - 1))")
-    g.add_argument("--device", default="auto", metavar="DEV", help="auto (default), cpu, cuda or cuda:N")
-    g.add_argument("--amp", choices=("bf16", "fp16"), help="CUDA autocast precision")
-    g.add_argument("--write-threads", type=_positive, default=None, metavar="N",
-                   help="threads drawing and writing overlays while the model runs (default: CPUs / 2, 2 to 8)")
-    g.add_argument("--overwrite", action="store_true", help="redo images whose outputs are already current")
-    g.add_argument("--quiet", "-q", action="store_true", help="no progress bar or final summary line")
+    _add_running(ex, batch_size=32, what="overlays")
+
+    ca = sub.add_parser(
+        "caption",
+        help="caption images and write per-word maps and figures (image captioners)",
+        description="Caption every image under INPUT... (or explain a given caption) and write, per\n"
+        "image and method, a per-word figure and the per-word maps, plus a JSON with the caption.",
+        epilog=_CAPTION_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_inputs(ca)
+    g = ca.add_argument_group("model")
+    g.add_argument("--model", "-m", default="shapes-captioner", metavar="NAME",
+                   help="zoo captioner (see `vitexplain models`) or a zoo checkpoint .json (default: shapes-captioner)")
+    g = ca.add_argument_group("explanation")
+    g.add_argument("--method", type=_methods_arg, action="append", metavar="M1,M2",
+                   help="caption methods, comma separated or repeated (default: cross,cross_generic; "
+                        "list them with `vitexplain methods --family caption`)")
+    g.add_argument("--option", type=_option_arg, action="append", default=[], metavar="METHOD.KEY=VALUE",
+                   help="a method option, e.g. cross.layers=-1 or cross.head_fusion=max (repeatable)")
+    g.add_argument("--caption", metavar="TEXT",
+                   help="explain this caption (teacher-forced) for every image instead of generating one")
+    g.add_argument("--max-len", type=_positive, default=16, metavar="N",
+                   help="most tokens to generate (default 16; the model's own limit applies too)")
+    g.add_argument("--no-crop", dest="crop", action="store_false",
+                   help="resize whole images to the input size instead of resize + center crop")
+    g = ca.add_argument_group("figures")
+    g.add_argument("--alpha", type=_unit, default=0.5, metavar="A", help="overlay opacity in [0, 1] (default 0.5)")
+    g.add_argument("--colormap", default="jet", metavar="NAME", help="colormap of the maps (default jet; any OpenCV name)")
+    g.add_argument("--tile-size", type=_non_negative, default=160, metavar="PX",
+                   help="side of each tile of the figures (default 160; 0: the image's size, at most 512)")
+    g.add_argument("--html", action="store_true", help="write an index.html gallery of the figures")
+    _add_running(ca, batch_size=16, what="figures")
 
     me = sub.add_parser("methods", help="list explanation methods (per model family, or for a model)",
                         description="List the explanation methods, with a one-line summary each.")
@@ -198,13 +272,38 @@ def _default_workers() -> int:
     return max(0, min(4, (os.cpu_count() or 1) - 1))
 
 
-def _cmd_export(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from .export import ExportOptions, export
+def _methods_of(args: argparse.Namespace) -> Optional[list[str]]:
+    """--method values, flattened (None when not given)."""
+    return [m for group in args.method for m in group] if args.method else None
 
-    methods = [m for group in args.method for m in group] if args.method else None
+
+def _method_options_of(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """--option METHOD.KEY=VALUE values as {method: {key: value}}."""
     method_options: dict[str, dict[str, Any]] = {}
     for method, key, value in args.option:
         method_options.setdefault(method, {})[key] = value
+    return method_options
+
+
+def _report(result: Any, quiet: bool, done: str) -> int:
+    """Print the one-line summary of an export/caption run; returns its exit status."""
+    s = result.summary
+    if not quiet and "counts" in s:
+        c, t = s["counts"], s["timings"]
+        rate = f", {t['images_per_s']:.1f} images/s" if t.get("images_per_s") else ""
+        print(
+            f"vitexplain: {c['images']} images: {c['ok']} {done}, {c['skipped']} up to date (skipped), "
+            f"{c['failed']} failed{rate} -> {result.out}",
+            file=sys.stderr,
+        )
+    return int(result.exit_code)
+
+
+def _cmd_export(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from .export import ExportOptions, export
+
+    methods = _methods_of(args)
+    method_options = _method_options_of(args)
     opts = ExportOptions(
         inputs=list(args.inputs), out=args.out, model=args.model, checkpoint=args.checkpoint,
         num_classes=args.num_classes, model_args=dict(args.model_arg), labels=args.labels,
@@ -216,17 +315,22 @@ def _cmd_export(args: argparse.Namespace, argv: Sequence[str]) -> int:
     )
     if args.write_threads is not None:
         opts.write_threads = args.write_threads
-    result = export(opts, argv=list(argv))
-    s = result.summary
-    if not args.quiet and "counts" in s:
-        c, t = s["counts"], s["timings"]
-        rate = f", {t['images_per_s']:.1f} images/s" if t.get("images_per_s") else ""
-        print(
-            f"vitexplain: {c['images']} images: {c['ok']} exported, {c['skipped']} up to date (skipped), "
-            f"{c['failed']} failed{rate} -> {result.out}",
-            file=sys.stderr,
-        )
-    return result.exit_code
+    return _report(export(opts, argv=list(argv)), args.quiet, "exported")
+
+
+def _cmd_caption(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from .caption_export import CaptionOptions, export_captions
+
+    opts = CaptionOptions(
+        inputs=list(args.inputs), out=args.out, model=args.model, methods=_methods_of(args),
+        method_options=_method_options_of(args), caption=args.caption, max_len=args.max_len,
+        batch_size=args.batch_size, workers=_default_workers() if args.workers is None else args.workers,
+        device=args.device, amp=args.amp, crop=args.crop, alpha=args.alpha, colormap=args.colormap,
+        tile_size=args.tile_size, html=args.html, overwrite=args.overwrite, quiet=args.quiet,
+    )
+    if args.write_threads is not None:
+        opts.write_threads = args.write_threads
+    return _report(export_captions(opts, argv=list(argv)), args.quiet, "captioned")
 
 
 def _family_of_model(name: str) -> str:
@@ -318,6 +422,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if args.command == "export":
             return _cmd_export(args, argv)
+        if args.command == "caption":
+            return _cmd_caption(args, argv)
         if args.command == "methods":
             return _cmd_methods(args)
         if args.command == "models":
