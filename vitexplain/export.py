@@ -32,6 +32,11 @@ place with :func:`os.replace`, so an interrupted run leaves no half-written file
 records are appended (and flushed) line by line to ``manifest.rank{r}.jsonl`` while the run
 goes and merged into ``manifest.jsonl`` at the end.
 
+The driver (:func:`_drive`: sharding, resume, decoding, the writer pool, the manifest and the
+summary counts) is shared with ``vitexplain caption`` (:mod:`vitexplain.caption_export`): a
+command supplies how a batch is explained (:data:`ProcessFn`) and how one image's files are
+written (:data:`WriteFn`).
+
 Distributed: when ``WORLD_SIZE > 1`` (torchrun, SLURM wrappers...), rank ``r`` takes items
 ``r, r + W, r + 2W, ...`` of the sorted list, uses ``cuda:{LOCAL_RANK}`` on GPU, and after a
 barrier (``gloo`` on CPU, ``nccl`` on CUDA) rank 0 merges the manifest parts and writes
