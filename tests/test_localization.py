@@ -12,7 +12,7 @@ import torch
 
 import vitexplain as vx
 
-N_IMAGES = 60
+N_IMAGES = 100
 
 
 @pytest.fixture(scope="module")
