@@ -94,7 +94,7 @@ RECIPES: dict[str, dict[str, Any]] = {
                              "value_weight": 4.0}]},
     "shapes-cnn": {"steps": 1500, "batch_size": 64, "lr": 2e-3, "weight_decay": 0.01, "warmup": 75,
                    "aux_weight": 0.0},
-    "shapes-captioner": {"steps": 2500, "batch_size": 64, "lr": 5e-4, "weight_decay": 0.05, "warmup": 100,
+    "shapes-captioner": {"steps": 2000, "batch_size": 64, "lr": 5e-4, "weight_decay": 0.05, "warmup": 100,
                          "aux_weight": 0.5, "init_encoder": "shapes-vit"},
 }
 MAX_TRAIN_SEED = 9_000
