@@ -34,12 +34,19 @@ import vitexplain as vx
 METHODS = ["spatial", "channel", "gradcam", "gradcam++", "layercam"]
 
 
+def _where(layer: Any) -> str:
+    """Short label of the module(s) a map was read from: its stage, or "mean of N" gates."""
+    if isinstance(layer, str):
+        return layer.split(".")[0]
+    return f"mean of {len(layer)}"
+
+
 def figure(images: Sequence[np.ndarray], explanations: Sequence[Any], row_labels: Sequence[str]) -> np.ndarray:
     """Rows = images, columns = the image and one overlay per method (gates: with their module)."""
     rows = []
     for i, image in enumerate(images):
         rows.append([image] + [e.overlay(i, image=image) for e in explanations])
-    columns = [f"{e.method} {e.extras['layer'].split('.')[0]}" if "layer" in e.extras else e.method for e in explanations]
+    columns = [f"{e.method} {_where(e.extras['layer'])}" if "layer" in e.extras else e.method for e in explanations]
     return vx.viz.grid(rows, row_labels=list(row_labels), col_labels=["image", *columns])
 
 
