@@ -175,6 +175,15 @@ class AttentionRecord:
         return int(self.k_shape[-2])
 
     @property
+    def rows_sum_to_one(self) -> bool:
+        """True when every recomputed probability row sums to 1 (no mask, not causal, not stored).
+
+        Masked or causal calls can have rows in which every key is masked; those come out as
+        zeros, so their sums must be computed.
+        """
+        return self._probs is None and self._mask is None and not self._causal
+
+    @property
     def device(self) -> torch.device:
         """The device the attention ran on."""
         tensor = self._q if self._q is not None else self._probs

@@ -8,7 +8,7 @@ N x N matrix per image when ``discard_ratio`` > 0, which needs a global threshol
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -64,11 +64,36 @@ def contract_rows(rows_fn: RowFn) -> Contract:
     return contract
 
 
+def weighted_head_mean(w: Tensor, m: Tensor) -> Tensor:
+    """``w @ mean_h(m)``: (B, n) weights, (B, H, n, N) rows -> (B, N).
+
+    One batched matmul over (B, H) with ``w`` broadcast over heads; ``m`` is not copied.
+    """
+    return torch.matmul(w[:, None, None, :], m).squeeze(2).mean(dim=1)
+
+
 def contract_mean_probs(record: AttentionRecord, block: slice, weights: Weights) -> tuple[Tensor, Tensor]:
     """``w @ mean_h(A)[rows]`` without materialising the head mean."""
     probs = record.probs(block)  # (B, H, n, N)
-    w = weights(probs.sum(dim=-1).mean(dim=1))
-    return torch.einsum("bn,bhnk->bk", w, probs) / probs.shape[1], w
+    if record.rows_sum_to_one:  # softmax rows: no pass over the block for the sums
+        sums = torch.ones(probs.shape[0], probs.shape[2], device=probs.device)
+    else:
+        sums = probs.sum(dim=-1).mean(dim=1)
+    w = weights(sums)
+    return weighted_head_mean(w, probs), w
+
+
+def _nonzero_rows(r: Tensor, block: slice) -> Optional[Union[slice, Tensor]]:
+    """The rows of ``block`` where some image's ``r`` is non-zero: the block itself, the
+    indices of those rows when they are few (e.g. only the class row at the last layer), or
+    None when there are none."""
+    live = torch.nonzero(r[:, block].ne(0).any(dim=0)).squeeze(1)
+    n = block.stop - block.start
+    if live.numel() == 0:
+        return None
+    if live.numel() == n:
+        return block
+    return live + block.start
 
 
 def propagate(
@@ -117,9 +142,11 @@ def propagate(
             blocks, layer_contract = list(query_blocks(record)), contract
         out = r.clone() if mode == "generic" else torch.zeros_like(r)
         for block in blocks:
+            if discard_ratio == 0:
+                block = _nonzero_rows(r, block)
+                if block is None:
+                    continue
             r_block = r[:, block]
-            if not torch.any(r_block):
-                continue
             if mode == "generic":
                 product, _ = layer_contract(record, block, lambda sums: r_block)
                 out += product

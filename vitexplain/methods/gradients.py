@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from ..capture import AttentionRecord
-from .attention import contract_rows, propagate
+from .attention import contract_rows, propagate, weighted_head_mean
 from .context import Context, query_blocks, readout_vector
 from .registry import register
 
@@ -25,7 +25,7 @@ def _generic_contract(record: AttentionRecord, block: slice, weights) -> tuple[T
     """``w @ mean_h(clamp(dy/dA * A, 0))[rows]`` without materialising the head mean."""
     m = (record.grad_probs(block) * record.probs(block)).clamp_(min=0)  # (B, H, n, N)
     w = weights(None)  # Chefer's rule needs no row sums
-    return torch.einsum("bn,bhnk->bk", w, m) / m.shape[1], w
+    return weighted_head_mean(w, m), w
 
 
 @register(
