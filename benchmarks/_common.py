@@ -58,7 +58,10 @@ def report(section: str, body: str) -> None:
 
     The section records the command and date; rerunning a script replaces its section.
     """
-    command = "python " + " ".join([Path(sys.argv[0]).as_posix().split("/vitexplain/")[-1], *sys.argv[1:]])
+    script = Path(sys.argv[0]).resolve()
+    root = Path(__file__).resolve().parent.parent
+    shown = script.relative_to(root).as_posix() if script.is_relative_to(root) else script.name
+    command = "python " + " ".join([shown, *sys.argv[1:]])
     stamp = datetime.date.today().isoformat()
     text = f"## {section}\n\n`{command}` — {stamp}, {machine()}\n\n{body}\n"
     print(text)
