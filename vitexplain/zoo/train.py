@@ -166,8 +166,9 @@ class _AuxHeads(nn.Module):
         self.shape = nn.Linear(dim, num_shapes + 1)
         self.color = nn.Linear(dim, num_colors + 1)
 
-    def forward(self, tokens: torch.Tensor, batch: Any, patch: int) -> torch.Tensor:
-        shape_t, color_t = patch_targets(batch, patch)
+    def forward(self, tokens: torch.Tensor, targets: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """``targets``: the batch's :func:`patch_targets` (shape and color coverage)."""
+        shape_t, color_t = targets
         return _soft_ce(self.shape(tokens), shape_t) + _soft_ce(self.color(tokens), color_t)
 
 
@@ -199,8 +200,8 @@ class _DeepTokenLabels(nn.Module):
         for h in self._hooks:
             h.remove()
 
-    def forward(self, batch: Any, patch: int) -> torch.Tensor:
-        losses = [head(norm(self._out[b][:, self.num_prefix:]), batch, patch)
+    def forward(self, targets: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        losses = [head(norm(self._out[b][:, self.num_prefix:]), targets)
                   for b, norm, head in zip(self.blocks, self.norms, self.heads)]
         return torch.stack(losses).mean()
 
@@ -233,14 +234,14 @@ class _ValueLabels(nn.Module):
     def _grab(self, module: nn.Module, args: Any, out: torch.Tensor) -> None:
         self._tokens = out
 
-    def forward(self, batch: Any, patch: int) -> torch.Tensor:
+    def forward(self, targets: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         vit = self.vit[0]
         attn, dim = vit.blocks[-1].attn, int(vit.embed_dim)
         tokens = self._tokens[:, vit.num_prefix_tokens:]
         o = F.linear(F.linear(tokens, attn.qkv.weight[2 * dim:]), attn.proj.weight)
         o = o - o.mean(dim=-1, keepdim=True)
         z = F.linear(o * vit.norm.weight, vit.head.weight) * self.scale + self.bias  # (B, N, C)
-        cover = patch_targets(batch, patch)[0][:, :-1].flatten(2).transpose(1, 2)  # (B, N, C)
+        cover = targets[0][:, :-1].flatten(2).transpose(1, 2)  # shape coverage, no background: (B, N, C)
         return F.binary_cross_entropy_with_logits(z, cover)
 
 
@@ -307,13 +308,16 @@ def _loss(model: nn.Module, batch: Any, aux: Optional[_AuxHeads], aux_weight: fl
         vit = model
     else:
         return F.binary_cross_entropy_with_logits(model(x), batch.labels)
-    if aux is not None and aux_weight > 0:
-        patch = int(vit.patch_embed.patch_size[0])
-        loss = loss + aux_weight * aux(tokens[:, vit.num_prefix_tokens:], batch, patch)
+    use_aux = aux is not None and aux_weight > 0
+    use_value = value is not None and value_weight > 0
+    if use_aux or use_value:  # the per-patch targets, once per batch for every head
+        targets = patch_targets(batch, int(vit.patch_embed.patch_size[0]))
+    if use_aux:
+        loss = loss + aux_weight * aux(tokens[:, vit.num_prefix_tokens:], targets)
         if deep is not None:
-            loss = loss + aux_weight * deep(batch, patch)
-    if value is not None and value_weight > 0:
-        loss = loss + value_weight * value(batch, int(vit.patch_embed.patch_size[0]))
+            loss = loss + aux_weight * deep(targets)
+    if use_value:
+        loss = loss + value_weight * value(targets)
     if distill is not None and distill_weight > 0:
         loss = loss + distill_weight * distill(x)
     return loss
