@@ -152,10 +152,13 @@ def test_export_end_to_end_resume_overwrite(tree: Path, ckpt: str, tmp_path: Pat
     assert {p: p.stat().st_ino for p in out.rglob("*.png")} == inodes
     assert set(_manifest(out)) == set(GOOD) | set(BAD)
 
-    # --overwrite redoes everything (files are replaced: new inodes)
+    # --overwrite redoes everything (files are replaced; inode numbers can be recycled, so a
+    # sentinel modification time tells a new file from the old one)
+    for p in inodes:
+        os.utime(p, ns=(1, 1))
     assert _run(*common, "--save-maps", "--overwrite") == 1
     assert _summary(out)["counts"]["ok"] == len(GOOD)
-    assert all(p.stat().st_ino != ino for p, ino in inodes.items())
+    assert all(p.stat().st_mtime_ns != 1 for p in inodes)
 
     # a changed setting makes the outputs stale: everything is redone
     assert _run(*common, "--alpha", "0.3", "--option", "rollout.discard_ratio=0.5") == 1
