@@ -33,31 +33,27 @@ import io
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from .export import (
     GALLERY,
-    SUMMARY,
     ExportResult,
     UsageError,
     WriteFn,
-    _atomic_text,
     _check_batching,
-    _check_method_options,
     _check_overlay_style,
     _config_hash,
     _device_and_amp,
     _Dist,
     _drive,
     _encode_png,
-    _merge_manifest,
     _model_id,
     _out_and_items,
+    _resolve_methods,
     _Run,
-    _run_environment,
-    _run_summary,
     _Writer,
+    _write_summary,
     _zoo_weights_id,
     load_model,
 )
@@ -249,9 +245,7 @@ def export_captions(opts: CaptionOptions, *, argv: Optional[Sequence[str]] = Non
             any output is written.
     """
     t_start = time.perf_counter()
-    from .errors import UnsupportedMethodError
     from .explainer import Explainer
-    from .methods import registry
 
     dist = _Dist.from_env()
     _check_batching(opts.batch_size, opts.workers)
@@ -274,15 +268,9 @@ def export_captions(opts: CaptionOptions, *, argv: Optional[Sequence[str]] = Non
             f"explains captioners (e.g. {DEFAULT_CAPTION_MODEL}). For classifier saliency maps run "
             f"`vitexplain export INPUT... --out DIR --model {opts.model}`"
         )
-    methods = list(dict.fromkeys(opts.methods or DEFAULT_CAPTION_METHODS))
-    try:
-        specs = {m: registry.get(m, family) for m in methods}
-    except UnsupportedMethodError as e:
-        raise UsageError(str(e)) from None
-    if not specs:
-        raise UsageError(f"no method given; choose from {registry.names(family)}")
+    methods, specs, method_options = _resolve_methods(opts.methods, DEFAULT_CAPTION_METHODS, family,
+                                                      opts.method_options)
     signed = {m: s.signed for m, s in specs.items()}
-    method_options = _check_method_options(opts.method_options, specs)
     per_method = {m: dict(method_options.get(m, {})) for m in methods}
     pre_kwargs = ex.adapter.preprocess_kwargs()
     if opts.caption is not None:
@@ -333,22 +321,11 @@ def export_captions(opts: CaptionOptions, *, argv: Optional[Sequence[str]] = Non
         return jobs
 
     def finish(all_stats: list[dict[str, Any]]) -> dict[str, Any]:
-        records = _merge_manifest(out, items)
-        summary: dict[str, Any] = {
-            **_run_summary(items, all_stats, t_start),
-            "model": {**model_info, "family": family, "input_size": list(pre_kwargs["input_size"])},
-            "methods": methods,
-            "caption": opts.caption,
-            "max_len": opts.max_len,
-            **_run_environment(run),
-            "arguments": asdict(opts),
-            "argv": list(argv) if argv is not None else None,
-            "config": config,
-            "config_hash": run.config_hash,
-            "manifest_records": len(records),
-            "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        }
-        _atomic_text(out / SUMMARY, json.dumps(summary, indent=2, ensure_ascii=False, default=str) + "\n")
+        records, summary = _write_summary(
+            run, all_stats, t_start, opts=opts, argv=argv, config=config, methods=methods,
+            model={**model_info, "family": family, "input_size": list(pre_kwargs["input_size"])},
+            extra={"caption": opts.caption, "max_len": opts.max_len},
+        )
         if opts.html:
             _write_caption_gallery(out, records, methods, title=f"vitexplain caption: {opts.model}")
         return summary

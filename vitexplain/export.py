@@ -846,6 +846,25 @@ def _check_method_options(options: dict[str, dict[str, Any]], specs: dict[str, A
     return checked
 
 
+def _resolve_methods(
+    requested: Optional[Sequence[str]], default: Sequence[str], family: str,
+    options: dict[str, dict[str, Any]],
+) -> tuple[list[str], dict[str, Any], dict[str, dict[str, Any]]]:
+    """The methods of a run: names (``default`` when none are requested, duplicates dropped),
+    their registry specs, and the checked per-method options; problems are usage errors."""
+    from .errors import UnsupportedMethodError
+    from .methods import registry
+
+    methods = list(dict.fromkeys(requested or default))
+    try:
+        specs = {m: registry.get(m, family) for m in methods}
+    except UnsupportedMethodError as e:
+        raise UsageError(str(e)) from None
+    if not specs:
+        raise UsageError(f"no method given; choose from {registry.names(family)}")
+    return methods, specs, _check_method_options(options, specs)
+
+
 def _probe(ex: Any, methods: list[str], method_options: dict[str, dict[str, Any]], target: Any,
            pre_kwargs: dict[str, Any], device: "torch.device", autocast_dtype: Any) -> None:
     """Explain one blank image before writing anything, so that a method that cannot work on
@@ -969,8 +988,6 @@ def export(opts: ExportOptions, *, argv: Optional[Sequence[str]] = None) -> Expo
     """
     t_start = time.perf_counter()
     from .explainer import Explainer
-    from .errors import UnsupportedMethodError
-    from .methods import registry
 
     dist = _Dist.from_env()
     _check_batching(opts.batch_size, opts.workers)
@@ -990,15 +1007,9 @@ def export(opts: ExportOptions, *, argv: Optional[Sequence[str]] = None) -> Expo
             + ("Explain its captions word by word with `vitexplain caption` (or "
                "vx.Explainer(model).explain_caption(...))" if family == "caption" else "")
         )
-    methods = list(dict.fromkeys(opts.methods or DEFAULT_METHODS[family]))
-    try:
-        specs = {m: registry.get(m, family) for m in methods}
-    except UnsupportedMethodError as e:
-        raise UsageError(str(e)) from None
-    if not specs:
-        raise UsageError(f"no method given; choose from {registry.names(family)}")
+    methods, specs, method_options = _resolve_methods(opts.methods, DEFAULT_METHODS[family], family,
+                                                      opts.method_options)
     signed = {m: s.signed for m, s in specs.items()}
-    method_options = _check_method_options(opts.method_options, specs)
     label_names = ex.adapter.label_names
     num_classes = getattr(model, "num_classes", None)
     target = _parse_target(opts.target, label_names, num_classes if isinstance(num_classes, int) else None)
@@ -1048,20 +1059,10 @@ def export(opts: ExportOptions, *, argv: Optional[Sequence[str]] = None) -> Expo
         return jobs
 
     def finish(all_stats: list[dict[str, Any]]) -> dict[str, Any]:
-        records = _merge_manifest(out, items)
-        summary: dict[str, Any] = {
-            **_run_summary(items, all_stats, t_start),
-            "model": {**model_info, "family": family, "input_size": list(pre_kwargs["input_size"])},
-            "methods": methods,
-            **_run_environment(run),
-            "arguments": asdict(opts),
-            "argv": list(argv) if argv is not None else None,
-            "config": config,
-            "config_hash": run.config_hash,
-            "manifest_records": len(records),
-            "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        }
-        _atomic_text(out / SUMMARY, json.dumps(summary, indent=2, ensure_ascii=False, default=str) + "\n")
+        records, summary = _write_summary(
+            run, all_stats, t_start, opts=opts, argv=argv, config=config, methods=methods,
+            model={**model_info, "family": family, "input_size": list(pre_kwargs["input_size"])},
+        )
         if opts.html:
             from .viz.gallery import write_gallery
 
@@ -1377,6 +1378,44 @@ def _merge_manifest(out: Path, items: list[InputItem]) -> list[dict[str, Any]]:
         if _PART_RE.match(p.name):
             p.unlink(missing_ok=True)
     return records
+
+
+def _write_summary(
+    run: _Run, all_stats: list[dict[str, Any]], t_start: float, *, opts: Any, argv: Optional[Sequence[str]],
+    config: dict[str, Any], methods: list[str], model: dict[str, Any], extra: Optional[dict[str, Any]] = None,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Merge the manifest parts and write ``summary.json`` (both commands).
+
+    Args:
+        run: the run.
+        all_stats: per-rank statistics from the driver.
+        t_start: ``time.perf_counter()`` at the start of the command.
+        opts: the command's options dataclass (recorded as ``arguments``).
+        argv: the command line, or None.
+        config: every setting that changes the outputs.
+        methods: the methods run.
+        model: the model record.
+        extra: command-specific entries, placed after ``methods``.
+
+    Returns:
+        ``(manifest records, summary)``.
+    """
+    records = _merge_manifest(run.out, run.items)
+    summary: dict[str, Any] = {
+        **_run_summary(run.items, all_stats, t_start),
+        "model": model,
+        "methods": methods,
+        **(extra or {}),
+        **_run_environment(run),
+        "arguments": asdict(opts),
+        "argv": list(argv) if argv is not None else None,
+        "config": config,
+        "config_hash": run.config_hash,
+        "manifest_records": len(records),
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    _atomic_text(run.out / SUMMARY, json.dumps(summary, indent=2, ensure_ascii=False, default=str) + "\n")
+    return records, summary
 
 
 def _run_summary(items: list[InputItem], all_stats: list[dict[str, Any]], t_start: float) -> dict[str, Any]:
