@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 import vitexplain as vx
 from vitexplain.errors import UnsupportedMethodError
-from vitexplain.models.captioner import Captioner
-from vitexplain.models.captioning import TransformerDecoderCaptioner
+from vitexplain.zoo.captioner import Captioner
+from vitexplain.adapters.captioning import TransformerDecoderCaptioner
 from vitexplain.zoo.models import caption_words
 
 

@@ -15,8 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import vitexplain as vx
-from vitexplain.capture import GateSpec, register_gate, supported_gates
-from vitexplain.capture import gates as gates_module
+from vitexplain.recording import GateSpec, register_gate, supported_gates
+from vitexplain.recording import gates as gates_module
 from vitexplain.errors import CaptureError, UnsupportedMethodError, UnsupportedModelError
 
 timm = pytest.importorskip("timm")
@@ -300,7 +300,7 @@ def test_no_gates_clear_errors():
 
 # -- adapters ----------------------------------------------------------------------------------
 def test_target_layers():
-    from vitexplain.models import adapter_for
+    from vitexplain.adapters import adapter_for
 
     assert adapter_for(_zoo_arch()).target_layer == "layer4"
     assert adapter_for(_model("timm-mobilenetv3")).target_layer == "blocks.5"

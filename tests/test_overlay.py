@@ -190,8 +190,8 @@ def test_viz_import_is_lazy_and_names_stay_callable():
         "import sys, numpy as np\n"
         "import vitexplain, vitexplain.viz\n"
         "assert 'cv2' not in sys.modules, 'import vitexplain.viz pulled in cv2'\n"
-        "from vitexplain.viz.overlay import overlay\n"  # binds the submodule on the package
-        "from vitexplain.viz.grid import grid\n"
+        "from vitexplain.viz.overlays import overlay\n"  # binds the submodule on the package
+        "from vitexplain.viz.grids import grid\n"
         "img = np.zeros((4, 4, 3), np.uint8)\n"
         "ref = overlay(img, np.eye(2))\n"
         "assert (vitexplain.viz.overlay(img, np.eye(2)) == ref).all()\n"

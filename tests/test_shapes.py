@@ -1,4 +1,4 @@
-"""Tests of the synthetic shapes benchmark (vitexplain.data.shapes)."""
+"""Tests of the synthetic shapes benchmark (vitexplain.data.synthetic)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from vitexplain.data import COLORS, MEAN, SHAPES, STD, ShapesBatch, shapes
-from vitexplain.data.shapes import denormalize, normalize
+from vitexplain.data.synthetic import denormalize, normalize
 
 EVAL_SEED = 10_000
 
@@ -68,7 +68,7 @@ def test_masks_disjoint_nonempty_and_match_labels(batch: ShapesBatch) -> None:
 
 def test_object_pixels_have_their_color(batch: ShapesBatch) -> None:
     # the nominal color is the closest of the palette to the mean pixel of each object
-    from vitexplain.data.shapes import COLOR_RGB
+    from vitexplain.data.synthetic import COLOR_RGB
 
     palette = torch.tensor(COLOR_RGB, dtype=torch.float32)
     img = torch.from_numpy(batch.images).float()
@@ -158,7 +158,7 @@ def test_import_is_light() -> None:
 
 def test_shapes_callable_whatever_was_imported_first() -> None:
     code = (
-        "from vitexplain.data.shapes import SHAPES; import vitexplain as vx; "
+        "from vitexplain.data.synthetic import SHAPES; import vitexplain as vx; "
         "b = vx.data.shapes(2, seed=1); assert len(b) == 2; "
         "from vitexplain.data import shapes; assert len(shapes(1, seed=0)) == 1"
     )

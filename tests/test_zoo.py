@@ -114,7 +114,7 @@ def test_cnn_has_timm_channel_and_spatial_gates(models) -> None:
 def test_captioner_attention_contract(models) -> None:
     from timm.models.vision_transformer import VisionTransformer
 
-    from vitexplain.models.captioner import CrossAttention, SelfAttention
+    from vitexplain.zoo.captioner import CrossAttention, SelfAttention
 
     cap = models["shapes-captioner"]
     assert isinstance(cap.encoder, VisionTransformer) and cap.encoder.num_prefix_tokens == 1

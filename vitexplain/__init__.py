@@ -15,15 +15,15 @@ Public surface (stable names)::
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
+from ._lazy import lazy_attributes
 from .errors import (
     CaptureError,
     ImageLoadError,
     NoAttentionError,
+    OptionError,
     TargetError,
     UnsupportedMethodError,
+    UsageError,
     UnsupportedModelError,
     VitexplainError,
 )
@@ -32,14 +32,14 @@ __version__ = "0.1.0"
 
 # name -> (module, attribute); attribute None means the module itself.
 _LAZY: dict[str, tuple[str, str | None]] = {
-    "capture": ("vitexplain.capture", "capture"),
-    "Recorder": ("vitexplain.capture", "Recorder"),
-    "AttentionRecord": ("vitexplain.capture", "AttentionRecord"),
+    "capture": ("vitexplain.recording", "capture"),
+    "Recorder": ("vitexplain.recording", "Recorder"),
+    "AttentionRecord": ("vitexplain.recording", "AttentionRecord"),
     "TokenLayout": ("vitexplain.layout", "TokenLayout"),
     "token_layout": ("vitexplain.layout", "token_layout"),
     "Explainer": ("vitexplain.explainer", "Explainer"),
     "Explanation": ("vitexplain.explainer", "Explanation"),
-    "overlay": ("vitexplain.viz.overlay", "overlay"),
+    "overlay": ("vitexplain.viz.overlays", "overlay"),
     "load_image": ("vitexplain.data.images", "load_image"),
     "layout": ("vitexplain.layout", None),
     "methods": ("vitexplain.methods", None),
@@ -48,6 +48,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "viz": ("vitexplain.viz", None),
     "zoo": ("vitexplain.zoo", None),
     "data": ("vitexplain.data", None),
+    "adapters": ("vitexplain.adapters", None),
     "models": ("vitexplain.models", None),
 }
 
@@ -61,20 +62,14 @@ __all__ = sorted(
         "TargetError",
         "CaptureError",
         "ImageLoadError",
+        "UsageError",
+        "OptionError",
         "__version__",
     ]
 )
 
 
-def __getattr__(name: str) -> Any:
-    try:
-        module_name, attr = _LAZY[name]
-    except KeyError:
-        raise AttributeError(f"module 'vitexplain' has no attribute {name!r}") from None
-    module = importlib.import_module(module_name)
-    value = module if attr is None else getattr(module, attr)
-    globals()[name] = value
-    return value
+__getattr__, _dir = lazy_attributes(__name__, _LAZY)
 
 
 def __dir__() -> list[str]:

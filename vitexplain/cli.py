@@ -335,7 +335,7 @@ def _cmd_caption(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 def _family_of_model(name: str) -> str:
     from .export import load_model
-    from .models import adapter_for
+    from .adapters import adapter_for
 
     model, _ = load_model(name, device="cpu")
     return adapter_for(model).family

@@ -14,6 +14,8 @@ __all__ = [
     "TargetError",
     "CaptureError",
     "ImageLoadError",
+    "UsageError",
+    "OptionError",
 ]
 
 
@@ -43,3 +45,12 @@ class CaptureError(VitexplainError, RuntimeError):
 
 class ImageLoadError(VitexplainError, OSError):
     """An image file cannot be read; the message names the file and the reason."""
+
+
+class UsageError(VitexplainError, ValueError):
+    """A problem with how vitexplain was called (arguments, inputs, options), found before
+    any work is done; the command line prints the message and exits with status 2."""
+
+
+class OptionError(UsageError, TypeError):
+    """A method option is unknown or its value is out of the method's declared range."""

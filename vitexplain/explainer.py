@@ -23,12 +23,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .capture import capture
+from .recording import capture
 from .errors import UnsupportedMethodError
 from .layout import TokenLayout
 from .methods import registry
 from .methods.context import Context
-from .models import Adapter, adapter_for
+from .adapters import Adapter, adapter_for
 from .targets import Target, TargetSpec, logits_of, resolve
 
 __all__ = ["Explainer", "Explanation", "CaptionExplanation"]
@@ -96,7 +96,7 @@ class Explanation:
             **kwargs: passed to :func:`vitexplain.viz.overlay` (``normalize`` defaults to
                 ``"signed"`` for signed methods).
         """
-        from .viz.overlay import overlay
+        from .viz.overlays import overlay
 
         if image is None:
             if self.images is None:

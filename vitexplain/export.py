@@ -60,6 +60,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
 
+from .errors import UsageError
+
 if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
     import torch
@@ -95,11 +97,7 @@ _PART = "manifest.rank{rank}.jsonl"
 _PART_RE = re.compile(r"^manifest\.rank\d+\.jsonl$")
 
 
-class UsageError(Exception):
-    """A problem with the command line or its inputs, found before any image is processed.
-
-    The CLI prints the message and exits with status 2.
-    """
+# UsageError lives in vitexplain.errors (a VitexplainError); re-exported here for old imports.
 
 
 # ---------------------------------------------------------------------------------------------
@@ -626,7 +624,7 @@ def _write_overlays(
     signed: dict[str, bool],
 ) -> None:
     """``export``'s write job: per method, the overlay PNG (and the raw map with save_maps)."""
-    from .viz.overlay import overlay
+    from .viz.overlays import overlay
 
     for name, m in maps.items():
         normalize = "signed" if signed[name] else "minmax"

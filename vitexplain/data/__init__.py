@@ -5,39 +5,29 @@ Names are imported on first use so that ``import vitexplain.data`` stays light.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from .._lazy import lazy_attributes
 
 # public name -> submodule that defines it
-_LAZY: dict[str, str] = {
-    "shapes": ".shapes",
-    "ShapesBatch": ".shapes",
-    "SHAPES": ".shapes",
-    "COLORS": ".shapes",
-    "COLOR_RGB": ".shapes",
-    "MEAN": ".shapes",
-    "STD": ".shapes",
-    "normalize": ".shapes",
-    "denormalize": ".shapes",
-    "load_image": ".images",
-    "ImageLoadError": ".images",
-    "preprocess": ".images",
-    "preprocess_kwargs": ".images",
-    "CropBox": ".images",
-    "crop_region": ".images",
-    "paste_map": ".images",
+_LAZY: dict[str, tuple[str, str]] = {
+    "shapes": (".synthetic", "shapes"),
+    "ShapesBatch": (".synthetic", "ShapesBatch"),
+    "SHAPES": (".synthetic", "SHAPES"),
+    "COLORS": (".synthetic", "COLORS"),
+    "COLOR_RGB": (".synthetic", "COLOR_RGB"),
+    "MEAN": (".synthetic", "MEAN"),
+    "STD": (".synthetic", "STD"),
+    "normalize": (".synthetic", "normalize"),
+    "denormalize": (".synthetic", "denormalize"),
+    "load_image": (".images", "load_image"),
+    "ImageLoadError": (".images", "ImageLoadError"),
+    "preprocess": (".images", "preprocess"),
+    "preprocess_kwargs": (".images", "preprocess_kwargs"),
+    "CropBox": (".images", "CropBox"),
+    "crop_region": (".images", "crop_region"),
+    "paste_map": (".images", "paste_map"),
 }
 
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module 'vitexplain.data' has no attribute {name!r}")
-    module = importlib.import_module(_LAZY[name], __name__)
-    # Importing a submodule binds its name here (the module ``shapes`` would shadow the function
-    # ``shapes``), so bind every public name that submodule defines, not only the one asked for.
-    for other, source in _LAZY.items():
-        if source == _LAZY[name] and hasattr(module, other):
-            globals()[other] = getattr(module, other)
-    return globals()[name]
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY)

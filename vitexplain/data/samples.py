@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .shapes import COLORS, SHAPES, shapes
+from .synthetic import COLORS, SHAPES, shapes
 
 __all__ = ["SAMPLE_SEED", "write_samples", "main"]
 

@@ -13,8 +13,8 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from ..capture import AttentionRecord
-from ..capture.records import fuse_heads
+from ..recording import AttentionRecord
+from ..recording.records import fuse_heads
 from .context import Context, RowFn, query_blocks, readout_vector
 from .registry import register
 

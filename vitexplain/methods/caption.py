@@ -16,8 +16,8 @@ from typing import Any, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from ..capture import AttentionRecord, Recorder
-from ..capture.records import fuse_heads
+from ..recording import AttentionRecord, Recorder
+from ..recording.records import fuse_heads
 from ..errors import UnsupportedMethodError
 from ..layout import TokenLayout
 from .registry import register

@@ -21,8 +21,8 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from ..capture import capture
-from ..capture.gates import GateRecord
+from ..recording import capture
+from ..recording.gates import GateRecord
 from ..errors import CaptureError, UnsupportedMethodError
 from .captum_methods import _forward_and_target
 from .context import Context

@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch import Tensor
 
-from ..capture import AttentionRecord, Recorder
+from ..recording import AttentionRecord, Recorder
 from ..errors import UnsupportedMethodError
 from ..layout import TokenLayout
 from ..targets import Target
@@ -29,7 +29,7 @@ class Context:
     """One explained batch.
 
     Attributes:
-        adapter: the model adapter (see ``vitexplain.models``).
+        adapter: the model adapter (see ``vitexplain.adapters``).
         x: (B, 3, H, W) preprocessed input, the tensor the model saw.
         outputs: the model outputs of the explained forward.
         target: the resolved target (classes and score function).

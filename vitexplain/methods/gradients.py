@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..capture import AttentionRecord
+from ..recording import AttentionRecord
 from .attention import contract_rows, propagate, weighted_head_mean
 from .context import Context, query_blocks, readout_vector
 from .registry import register

@@ -95,7 +95,7 @@ def names(family: Any = None) -> list[str]:
         Method names, without duplicates, in registration order.
     """
     if family is not None and not isinstance(family, str):
-        from ..models import adapter_for
+        from ..adapters import adapter_for
 
         family = adapter_for(family).family
     return list(dict.fromkeys(s.name for s in specs(family)))

@@ -1,21 +1,25 @@
-"""Model adapters (timm, torchvision, Hugging Face, CNNs, captioners) and the zoo captioner."""
+"""Deprecated import path: model adapters live in :mod:`vitexplain.adapters`, the zoo
+captioner in :mod:`vitexplain.zoo.captioner`. This shim keeps ``vitexplain.models`` and its
+submodules (``.base``, ``.vit``, ``.cnn``, ``.captioning``, ``.captioner``) importable."""
 
 from __future__ import annotations
 
 import importlib
+import sys
 
-from .base import Adapter, adapter_for, register_adapter
+from ..adapters import *  # noqa: F401,F403
+from ..adapters import __all__  # noqa: F401
 
-__all__ = ["Adapter", "adapter_for", "register_adapter"]
+_MOVED = {
+    "base": "vitexplain.adapters.base",
+    "vit": "vitexplain.adapters.vit",
+    "cnn": "vitexplain.adapters.cnn",
+    "captioning": "vitexplain.adapters.captioning",
+    "captioner": "vitexplain.zoo.captioner",
+}
 
-_ADAPTER_MODULES = ("vit", "cnn", "captioning")
 
-
-def _load_adapters() -> None:
-    """Import the adapter modules (each registers its detectors on import)."""
-    for name in _ADAPTER_MODULES:
-        try:
-            importlib.import_module(f".{name}", __name__)
-        except ModuleNotFoundError as err:  # a family that is not built yet
-            if err.name != f"{__name__}.{name}":
-                raise
+# bind the moved modules under their old names, so `from vitexplain.models.vit import X` works
+for _name, _target in _MOVED.items():
+    sys.modules[f"{__name__}.{_name}"] = importlib.import_module(_target)
+    globals()[_name] = sys.modules[_target]

@@ -5,34 +5,24 @@ Names are imported on first use, so ``import vitexplain.viz`` does not import Op
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from .._lazy import lazy_attributes
 
 # public name -> submodule that defines it
-_LAZY: dict[str, str] = {
-    "overlay": ".overlay",
-    "normalize_map": ".overlay",
-    "apply_colormap": ".colormaps",
-    "colormap_lut": ".colormaps",
-    "colormap_names": ".colormaps",
-    "grid": ".grid",
-    "save_png": ".grid",
-    "channel_tiles": ".channels",
-    "caption_figure": ".caption",
-    "write_gallery": ".gallery",
-    "render_gallery": ".gallery",
+_LAZY: dict[str, tuple[str, str]] = {
+    "overlay": (".overlays", "overlay"),
+    "normalize_map": (".overlays", "normalize_map"),
+    "apply_colormap": (".colormaps", "apply_colormap"),
+    "colormap_lut": (".colormaps", "colormap_lut"),
+    "colormap_names": (".colormaps", "colormap_names"),
+    "grid": (".grids", "grid"),
+    "save_png": (".grids", "save_png"),
+    "channel_tiles": (".channels", "channel_tiles"),
+    "caption_figure": (".caption", "caption_figure"),
+    "write_gallery": (".gallery", "write_gallery"),
+    "render_gallery": (".gallery", "render_gallery"),
 }
 
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module 'vitexplain.viz' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY)

@@ -1,14 +1,12 @@
-"""Small shared helpers for viz (and data I/O): array checks and callable submodules."""
+"""Small shared helpers for viz (and data I/O): array checks."""
 
 from __future__ import annotations
 
-import sys
-import types
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
-__all__ = ["map_to_numpy", "check_rgb", "make_module_callable"]
+__all__ = ["map_to_numpy", "check_rgb"]
 
 
 def map_to_numpy(map: Any) -> np.ndarray:  # noqa: A002 - the public argument is called map
@@ -58,20 +56,3 @@ def check_rgb(image: Any, what: str = "image") -> np.ndarray:
         )
     return arr
 
-
-def make_module_callable(module_name: str, func: Callable[..., Any]) -> None:
-    """Make the module ``module_name`` callable as ``func``.
-
-    ``vitexplain.viz.overlay`` is both a submodule and a function. Python's import system
-    binds the *submodule* as the package attribute whenever the submodule is first imported
-    by someone else (e.g. ``from vitexplain.viz.overlay import overlay``), so
-    ``vx.viz.overlay(img, m)`` could hit the module. Making the module callable keeps that
-    call working whichever object the attribute holds.
-    """
-    module = sys.modules[module_name]
-
-    class _CallableModule(types.ModuleType):
-        def __call__(self, *args: Any, **kwargs: Any) -> Any:
-            return func(*args, **kwargs)
-
-    module.__class__ = _CallableModule

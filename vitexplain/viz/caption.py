@@ -6,8 +6,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .grid import grid
-from .overlay import overlay
+from .grids import grid
+from .overlays import overlay
 
 __all__ = ["caption_figure"]
 

@@ -7,8 +7,8 @@ from typing import Any, Mapping, Optional
 import numpy as np
 
 from ._util import check_rgb
-from .grid import grid
-from .overlay import overlay
+from .grids import grid
+from .overlays import overlay
 
 __all__ = ["channel_tiles"]
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..data.shapes import shapes
+from ..data.synthetic import shapes
 
 __all__ = ["EVAL_SEED", "VAL_SEED", "evaluate", "is_captioner"]
 

@@ -11,7 +11,7 @@ model for training (:mod:`vitexplain.zoo.train`) and for loading (:func:`vitexpl
   max-pool is removed and the last stage is dilated (``output_stride=16``), so at 64 px input
   the stages run at 32, 16, 8 and 8 px: the CBAM spatial gates of the two deepest stages are
   8 x 8 maps.
-* ``shapes-captioner``: :class:`vitexplain.models.captioner.Captioner`.
+* ``shapes-captioner``: :class:`vitexplain.zoo.captioner.Captioner`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from ..data.shapes import COLORS, MEAN, SHAPES, STD
+from ..data.synthetic import COLORS, MEAN, SHAPES, STD
 
 __all__ = ["DEFAULT_CONFIGS", "ARCHS", "build", "caption_words", "pretrained_cfg"]
 
@@ -114,7 +114,7 @@ def _build_cnn(args: dict[str, Any]) -> nn.Module:
 
 
 def _build_captioner(args: dict[str, Any]) -> nn.Module:
-    from ..models.captioner import Captioner
+    from .captioner import Captioner
 
     return Captioner(**args)
 
@@ -147,7 +147,7 @@ def pretrained_cfg(config: dict[str, Any]) -> dict[str, Any]:
     args = config["model_args"]
     size = int(args.get("img_size", 64))
     if config["arch"] == "captioner":
-        from ..models.captioner import BOS, EOS, PAD
+        from .captioner import BOS, EOS, PAD
 
         labels = [PAD, BOS, EOS, *args["words"]]
     else:

@@ -69,7 +69,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..data.shapes import COLORS, SHAPES, shapes
+from ..data.synthetic import COLORS, SHAPES, shapes
 from .evaluate import EVAL_SEED, VAL_SEED, evaluate, is_captioner
 from .hub import names, save_checkpoint
 from .models import DEFAULT_CONFIGS, build

@@ -34,7 +34,7 @@ torchvision ``ops.SqueezeExcitation``  tap ``scale_activation``             --
 
 Adding a module type takes a few lines::
 
-    @vitexplain.capture.register_gate(MyAttention)
+    @vitexplain.recording.register_gate(MyAttention)
     def _my_attention(module):
         return GateSpec(channel="sigmoid", spatial="spatial.sigmoid")  # submodule names
 
@@ -254,7 +254,7 @@ def no_gates_message(model: nn.Module) -> str:
     names = ", ".join([*BUILTIN_GATES, *custom])
     return (
         f"{type(model).__name__} has no channel/spatial attention-gate module vitexplain can read. "
-        f"Supported: {names}. Register your own with vitexplain.capture.register_gate(YourModule), "
+        f"Supported: {names}. Register your own with vitexplain.recording.register_gate(YourModule), "
         f"or use 'gradcam', 'gradcam++' or 'layercam', which work on any CNN."
     )
 

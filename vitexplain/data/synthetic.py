@@ -26,10 +26,8 @@ from __future__ import annotations
 
 import functools
 import math
-import sys
-import types
 from dataclasses import dataclass, field
-from typing import Any, Sequence, Union
+from typing import Sequence, Union
 
 import numpy as np
 import torch
@@ -518,17 +516,3 @@ def shapes(
         indices=indices,
     )
 
-
-class _CallableModule(types.ModuleType):
-    """This module, callable as :func:`shapes`.
-
-    ``vitexplain.data.shapes`` names both this module and the function: importing the module
-    binds the module under that name in :mod:`vitexplain.data`, so the module forwards calls to
-    the function and ``vx.data.shapes(n, seed)`` works whatever was imported first.
-    """
-
-    def __call__(self, *args: Any, **kwargs: Any) -> ShapesBatch:
-        return shapes(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

@@ -4,7 +4,7 @@ A caption adapter knows where the image encoder is (its self-attention records a
 layout), how to generate greedily (with the model's own KV cache), and how to run the model
 teacher-forced on given tokens so that logits row t predicts token t.
 
-Supported: the zoo captioner (:class:`vitexplain.models.captioner.Captioner`), a model built
+Supported: the zoo captioner (:class:`vitexplain.zoo.captioner.Captioner`), a model built
 from ``nn.TransformerDecoder`` over a timm ViT (:class:`TransformerDecoderCaptioner`, or any
 module with the same attributes), and Hugging Face ``VisionEncoderDecoderModel`` (e.g. ViT +
 GPT-2) and ``BlipForConditionalGeneration``.
@@ -107,7 +107,7 @@ class CaptionAdapter(Adapter):
 
 
 class ZooCaptionAdapter(CaptionAdapter):
-    """The zoo's :class:`~vitexplain.models.captioner.Captioner`."""
+    """The zoo's :class:`~vitexplain.zoo.captioner.Captioner`."""
 
     encoder_prefix = "encoder"
 
@@ -261,7 +261,7 @@ class HFCaptionAdapter(CaptionAdapter):
 
 @register_adapter(priority=20)
 def _detect_zoo_captioner(model: nn.Module) -> Optional[Adapter]:
-    from .captioner import Captioner
+    from ..zoo.captioner import Captioner
 
     if isinstance(model, Captioner):
         return ZooCaptionAdapter(model)

@@ -10,7 +10,7 @@ from typing import Any, Optional, Sequence
 import cv2
 import numpy as np
 
-from ._util import check_rgb, make_module_callable
+from ._util import check_rgb
 
 __all__ = ["grid", "save_png"]
 
@@ -175,5 +175,3 @@ def save_png(path: "str | os.PathLike[str]", rgb: Any) -> Path:
         raise
     return dest
 
-
-make_module_callable(__name__, grid)

@@ -12,7 +12,7 @@ from typing import Any, Sequence, Union
 import cv2
 import numpy as np
 
-from ._util import check_rgb, make_module_callable, map_to_numpy
+from ._util import check_rgb, map_to_numpy
 from .colormaps import apply_colormap, colormap_lut
 
 __all__ = ["overlay", "normalize_map", "NORMALIZE_MODES", "INTERPOLATIONS"]
@@ -180,5 +180,3 @@ def overlay(
             cv2.drawContours(out, contours, -1, (255, 255, 255), thickness, cv2.LINE_8, offset=(-m, -m))
     return np.ascontiguousarray(out)
 
-
-make_module_callable(__name__, overlay)

@@ -250,7 +250,7 @@ class Recorder:
         """CNN attention gates (SE, ECA, CBAM, ...), one :class:`GateRecord` per module call, in call order.
 
         Each record holds the channel gate (B, C) and/or spatial gate (B, h, w) the module
-        multiplied its input by, and that input (B, C, h, w); see ``vitexplain.capture.gates``.
+        multiplied its input by, and that input (B, C, h, w); see ``vitexplain.recording.gates``.
 
         Raises:
             CaptureError: gates were not captured (``vx.capture(model, gates=True)``), no
@@ -496,7 +496,7 @@ def capture(
             outputs are recorded, e.g. ``["blocks.11.norm1"]``.
         attention: set False to record activations only (no attention interception).
         gates: record the gates of CNN attention modules (SE, ECA, CBAM, ...) in
-            ``rec.gates``, see ``vitexplain.capture.gates``.
+            ``rec.gates``, see ``vitexplain.recording.gates``.
 
     Returns:
         A :class:`Recorder`, to be used as a context manager. Records stay readable

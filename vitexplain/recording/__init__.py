@@ -1,0 +1,22 @@
+"""``vitexplain.recording``: scoped capture of attention (fused SDPA kept on), activations, CNN gates and their gradients.
+
+The public entry point is :func:`vitexplain.capture` (``vx.capture``), defined in
+:mod:`vitexplain.recording.recorder`.
+"""
+
+from .gates import GateRecord, GateSpec, register_gate, supported_gates
+from .records import ActivationRecord, AttentionRecord, attention_probs
+from .recorder import Recorder, capture
+
+__all__ = [
+    "capture",
+    "Recorder",
+    "AttentionRecord",
+    "ActivationRecord",
+    "GateRecord",
+    "GateSpec",
+    "register_gate",
+    "supported_gates",
+    "attention_probs",
+]
+
