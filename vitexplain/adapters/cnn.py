@@ -50,6 +50,9 @@ class CNNAdapter(Adapter):
             raise ValueError(
                 f"no feature stage found in {type(model).__name__}; pass stages=[...] or a layer name"
             )
+        self.capabilities = frozenset({"stages"}) | gate_capabilities(model)
+        self.has_head = int(getattr(model, "num_classes", 1) or 0) > 0
+        self.notes.update(_gate_notes(model, self.capabilities))
 
     @property
     def target_layer(self) -> str:
@@ -58,6 +61,36 @@ class CNNAdapter(Adapter):
 
     def describe(self) -> str:
         return f"{type(self).__name__}({type(self.model).__name__}, target_layer={self.target_layer!r})"
+
+
+def gate_capabilities(model: nn.Module) -> frozenset[str]:
+    """``channel_gates`` / ``spatial_gates`` for the gate modules ``model`` contains."""
+    from ..recording.gates import find_gates
+
+    found: set[str] = set()
+    for plan in find_gates(model):
+        spec = plan.spec
+        if spec.channel is not None or spec.full is not None:
+            found.add("channel_gates")
+        # a full gate (gather-excite) has a spatial part only with a local extent
+        if spec.spatial is not None or (spec.full is not None and getattr(plan.module, "extent", 0)):
+            found.add("spatial_gates")
+    return frozenset(found)
+
+
+def _gate_notes(model: nn.Module, capabilities: frozenset[str]) -> dict[str, str]:
+    """Why a gate capability is missing (the modules supported, or those the model has)."""
+    from ..recording.gates import find_gates, no_gates_message
+
+    plans = find_gates(model)
+    if not plans:
+        return {"channel_gates": no_gates_message(model), "spatial_gates": no_gates_message(model)}
+    modules = sorted({type(p.module).__name__ for p in plans})
+    return {
+        kind: f"it has no {kind.split('_')[0]} attention gate (its gate modules: {modules})"
+        for kind in ("channel_gates", "spatial_gates")
+        if kind not in capabilities
+    }
 
 
 def _has(module: nn.Module, kind: type) -> bool:

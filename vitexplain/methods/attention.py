@@ -171,6 +171,7 @@ def fused_rows(head_fusion: str) -> RowFn:
 @register(
     "raw",
     attention=True,
+    requires=("grid", "attention"),
     class_sensitive=False,
     summary="raw attention of one layer (class-token row or mean over patch queries), one head or fused",
     reference="Dosovitskiy et al. 2021; references.md item 1",
@@ -207,6 +208,7 @@ def raw(ctx: Context, *, layer: int = -1, head: Optional[int] = None, head_fusio
 @register(
     "rollout",
     attention=True,
+    requires=("grid", "attention", "rollout"),
     class_sensitive=False,
     summary="attention rollout: product of rownorm(0.5 A + 0.5 I) over layers",
     reference="Abnar & Zuidema 2020; references.md item 2",

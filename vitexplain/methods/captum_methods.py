@@ -49,6 +49,7 @@ def _patch_mask(ctx: Context) -> Tensor:
 @register(
     "integrated_gradients",
     attention=False,
+    requires=("grid", "pixels"),
     signed=True,
     summary="captum IntegratedGradients from a zero (mean-colour) baseline, summed per patch",
     reference="Sundararajan et al. 2017 (captum.attr.IntegratedGradients)",
@@ -78,6 +79,7 @@ def integrated_gradients(ctx: Context, *, steps: int = 32, batch_size: int = 64,
 @register(
     "occlusion",
     attention=False,
+    requires=("grid", "pixels"),
     signed=True,
     summary="captum FeatureAblation over the patch grid: score drop when a patch is replaced",
     reference="Zeiler & Fergus 2014 (captum.attr.FeatureAblation with a patch feature mask)",
@@ -109,6 +111,7 @@ def occlusion(ctx: Context, *, baseline: float = 0.0, batch_size: int = 16) -> T
 @register(
     "smoothgrad",
     attention=False,
+    requires=("grid", "pixels"),
     summary="captum NoiseTunnel(Saliency) SmoothGrad, |gradient| summed per patch",
     reference="Smilkov et al. 2017 (captum.attr.NoiseTunnel + Saliency)",
 )

@@ -63,6 +63,7 @@ def _select_gate(ctx: Context, layer: Optional[str], kind: str) -> GateRecord:
 @register(
     "spatial",
     family="cnn",
+    requires=("spatial_gates",),
     gates=True,
     attention=False,
     signed=False,
@@ -102,6 +103,7 @@ def spatial(ctx: Context, *, layer: Optional[str] = None) -> tuple[Tensor, dict[
 @register(
     "channel",
     family="cnn",
+    requires=("channel_gates",),
     gates=True,
     attention=False,
     signed=False,
@@ -203,6 +205,7 @@ def gradcam_pp_weights(act: Tensor, grad: Tensor) -> Tensor:
 @register(
     "gradcam",
     family="cnn",
+    requires=("stages",),
     attention=False,
     signed=False,
     summary="Grad-CAM (captum LayerGradCam, ReLU) on the last feature stage or layer=",
@@ -233,6 +236,7 @@ def gradcam(ctx: Context, *, layer: Optional[str] = None) -> Tensor:
 @register(
     "gradcam++",
     family="cnn",
+    requires=("stages",),
     grads=True,
     activations=_stage_activations,
     attention=False,
@@ -258,6 +262,7 @@ def gradcam_plus_plus(ctx: Context, *, layer: Optional[str] = None) -> Tensor:
 @register(
     "layercam",
     family="cnn",
+    requires=("stages",),
     grads=True,
     activations=_stage_activations,
     attention=False,

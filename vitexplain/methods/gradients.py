@@ -31,6 +31,7 @@ def _generic_contract(record: AttentionRecord, block: slice, weights) -> tuple[T
 @register(
     "grad_rollout",
     grads=True,
+    requires=("grid", "attention", "rollout"),
     summary="gradient rollout: rollout of clamp(mean_h(A * dy/dA), 0)",
     reference="vit-explain (Gildenblat 2020), forward-ordered gradients; references.md item 3",
 )
@@ -63,6 +64,7 @@ def grad_rollout(ctx: Context, *, discard_ratio: float = 0.0, start_layer: int =
 @register(
     "generic",
     grads=True,
+    requires=("grid", "attention", "rollout"),
     summary="Chefer generic attention explainability: R += mean_h(clamp(dy/dA * A, 0)) @ R",
     reference="Chefer, Gur & Wolf, ICCV 2021; references.md item 4",
 )
@@ -90,6 +92,7 @@ def generic(ctx: Context, *, start_layer: int = 0) -> Tensor:
 @register(
     "attn_gradcam",
     grads=True,
+    requires=("grid", "attention"),
     summary="attention Grad-CAM on the last layer: clamp(mean_h(w_h A_h[readout]), 0)",
     reference="Chefer et al. 2021 baseline (their implementation); references.md item 5",
 )

@@ -20,6 +20,7 @@ def _all_blocks(adapter) -> list[str]:
 @register(
     "legrad",
     grads=True,
+    requires=("grid", "attention", "head"),
     activations=_all_blocks,
     retain_graph=True,
     summary="LeGrad: mean over layers of ReLU(d s_l / d A_l), s_l the head applied to layer l's tokens",
@@ -44,13 +45,14 @@ def legrad(ctx: Context, *, layers: Optional[Sequence[int]] = None) -> Tensor:
     layout = ctx.require_grid()
     records = ctx.layers()
     adapter = ctx.adapter
+    head = ctx.head()
     chosen = list(range(len(records))) if layers is None else [i % len(records) for i in layers]
     total = torch.zeros(ctx.batch_size, layout.num_tokens, device=records[0].device)
     with torch.enable_grad():
         for i in chosen:
             record = records[i]
             tokens = ctx.recorder.activation(adapter.blocks[i]).output
-            score = ctx.score(adapter.head(tokens))
+            score = ctx.score(head(tokens))
             (d_out,) = torch.autograd.grad(score.sum(), record.output, retain_graph=True)
             layer_sum = torch.zeros_like(total)
             for block in query_blocks(record):

@@ -15,7 +15,13 @@ How it works (see references.md, "Attention from fused kernels"):
 
 Everything the capture changes is restored on exit, also when the block raises: hooks
 (only the root's input hook and the optional activation and CNN gate hooks), the MHA
-fast-path flag.
+fast-path flag, and the ``torch.compile`` stance.
+
+``torch.compile``: a compiled model (an ``OptimizedModule``) is unwrapped (``_orig_mod``) and
+recorded as the original module; inside the scope the compiler's stance is ``"force_eager"``,
+so calling the compiled model runs the original module eagerly (every attention call is
+seen, the maps equal the uncompiled model's) and nothing is compiled or recompiled. The
+compiled code is reused unchanged after the scope.
 The model's ``training`` flags, ``fused_attn`` flags, ``requires_grad`` and ``.grad`` are
 never touched.
 """
@@ -112,7 +118,10 @@ class Recorder:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"vx.capture expects an nn.Module, got {type(model).__name__}")
-        self.model = model
+        from ..adapters.base import unwrap_compiled
+
+        self.model = unwrap_compiled(model)
+        self._compiled = self.model is not model
         self.grads = bool(grads)
         self.attention = bool(attention)
         self.activation_names = tuple(activations)
@@ -128,6 +137,7 @@ class Recorder:
         self._handles: list[RemovableHandle] = []
         self._mode: Optional[_AttentionMode] = None
         self._fastpath: Optional[bool] = None
+        self._stance: Any = None
         self._active = False
         self._in_backward = False
 
@@ -144,11 +154,17 @@ class Recorder:
             )
         self._names = {id(m): n for n, m in modules.items()}
         try:
+            if self._compiled or any(hasattr(m, "_orig_mod") for m in modules.values()):
+                # torch.compile-d: run the original modules eagerly inside the scope (so every
+                # attention call is seen), without touching the compiled code's cache
+                self._stance = torch.compiler.set_stance("force_eager")
             self._handles.append(
                 self.model.register_forward_pre_hook(self._on_model_input, with_kwargs=True)
             )
             for name in self.activation_names:
-                self._handles.append(modules[name].register_forward_hook(self._activation_hook(name)))
+                self._handles.append(
+                    modules[name].register_forward_hook(self._activation_hook(name), with_kwargs=True)
+                )
             if self.capture_gates:
                 self._gate_hooks = GateHooks(self.model, self._gates)
                 self._handles.extend(self._gate_hooks.register())
@@ -180,6 +196,9 @@ class Recorder:
             if self._fastpath is not None:
                 torch.backends.mha.set_fastpath_enabled(self._fastpath)
                 self._fastpath = None
+            if self._stance is not None:
+                self._stance.__exit__(None, None, None)
+                self._stance = None
             self._active = False
 
     # -- results ----------------------------------------------------------------------
@@ -201,8 +220,8 @@ class Recorder:
             raise NoAttentionError(
                 f"no attention call was seen during the forward of {cls}. vitexplain "
                 f"captures {SUPPORTED}. If {cls} is a CNN, use the CNN methods "
-                "('gradcam', 'spatial', 'channel'); if it is compiled (torch.compile, "
-                "TorchScript), capture the original nn.Module."
+                "('gradcam', 'spatial', 'channel'); if it is TorchScript, capture the original "
+                "nn.Module (torch.compile-d models are handled)."
             )
         return list(self._records)
 
@@ -332,12 +351,14 @@ class Recorder:
                 return
 
     def _activation_hook(self, name: str) -> Callable:
-        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             out = output[0] if isinstance(output, (tuple, list)) else output
             if not isinstance(out, Tensor):
                 return
             inp = next((a for a in args if isinstance(a, Tensor)), None)
-            record = ActivationRecord(name=name, step=len(self.activations[name]), input=inp, output=out)
+            record = ActivationRecord(
+                name=name, step=len(self.activations[name]), input=inp, output=out, args=args, kwargs=dict(kwargs)
+            )
             if self.grads and out.requires_grad:
 
                 def grad_hook(grad: Tensor) -> None:

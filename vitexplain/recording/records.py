@@ -331,6 +331,9 @@ class ActivationRecord:
         input: the first tensor argument the module received (a reference).
         output: the module's output tensor (a reference, still in the autograd graph).
         grad: gradient of the backpropagated score w.r.t. ``output``, once a backward ran.
+        args: all positional arguments of the call (references), so that a method can
+            call the module again the way the model did (e.g. a block's position bias).
+        kwargs: its keyword arguments (references).
     """
 
     name: str
@@ -338,6 +341,8 @@ class ActivationRecord:
     input: Optional[Tensor]
     output: Tensor
     grad: Optional[Tensor] = None
+    args: tuple = field(default=(), repr=False)
+    kwargs: dict = field(default_factory=dict, repr=False)
 
     def _add_grad(self, grad: Tensor) -> None:
         grad = grad.detach()
