@@ -56,7 +56,7 @@ def grad_rollout(ctx: Context, *, discard_ratio: float = 0.0, start_layer: int =
     keep = 0 if layout.readout == "class" and layout.has_class_token else None
     out = propagate(
         vector, layers, contract_rows(_grad_rollout_rows), mode="rollout",
-        discard_ratio=discard_ratio, keep=keep, rows_fn=_grad_rollout_rows,
+        discard_ratio=discard_ratio, keep=keep, rows_fn=_grad_rollout_rows, minus_identity=True,
     )
     return layout.to_grid(out)
 
@@ -72,9 +72,11 @@ def generic(ctx: Context, *, start_layer: int = 0) -> Tensor:
     """Chefer et al. (2021) generic relevance for self-attention.
 
     ``Abar[l] = mean_h(clamp(grad(y, A[l]) * A[l], min=0))``; ``R = I``;
-    ``R = R + Abar[l] @ R`` for l = 1..L; the map is the readout row of R over the patch
-    keys (no normalisation, as in the paper's self-attention case). Computed as a row
-    vector pushed through the layers last to first, so no N x N product is formed.
+    ``R = R + Abar[l] @ R`` for l = 1..L; the map is the readout row of ``R - I`` over the
+    patch keys (no normalisation, as in the paper's self-attention case): for a class-token
+    readout that is Chefer's ``R[0, 1:]``; for average pooling the identity's uniform 1/N
+    share is removed (docs/methods.md, "Readout"). Computed as a row vector pushed through
+    the layers last to first, so no N x N product is formed.
 
     Args:
         ctx: the captured forward and backward.
@@ -86,7 +88,7 @@ def generic(ctx: Context, *, start_layer: int = 0) -> Tensor:
     layers = ctx.layers()[start_layer:]
     layout = ctx.require_grid(rollout=True)
     vector = readout_vector(layout, ctx.batch_size, layers[0].device)
-    return layout.to_grid(propagate(vector, layers, _generic_contract, mode="generic"))
+    return layout.to_grid(propagate(vector, layers, _generic_contract, mode="generic", minus_identity=True))
 
 
 @register(
