@@ -210,7 +210,13 @@ class Explainer:
 
     def _spec(self, name: str) -> registry.MethodSpec:
         """The spec of method ``name``, or a clear error when it does not apply to this model."""
-        spec = registry.get(name, self.family)
+        try:
+            spec = registry.get(name, self.family)
+        except UnsupportedMethodError as err:
+            hint = self.adapter.notes.get("family")  # e.g. why a hybrid has no ViT methods
+            if hint is None:
+                raise
+            raise UnsupportedMethodError(f"{err}. {hint}") from None
         reason = self.adapter.refusal(spec)
         if reason is not None:
             raise UnsupportedMethodError(reason)

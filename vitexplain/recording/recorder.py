@@ -67,6 +67,11 @@ SUPPORTED = (
 )
 
 
+def _fold(t: Tensor) -> Tensor:
+    """(..., H, N, E) with extra leading dims (windows, groups) as (B', H, N, E)."""
+    return t if t.dim() <= 4 else t.reshape(-1, *t.shape[-3:])
+
+
 def _bind_sdpa(args: tuple, kwargs: dict) -> dict[str, Any]:
     """Map SDPA's positional and keyword arguments to names."""
     bound = dict(zip(_SDPA_ARGS, args))
@@ -357,7 +362,8 @@ class Recorder:
                 return
             inp = next((a for a in args if isinstance(a, Tensor)), None)
             record = ActivationRecord(
-                name=name, step=len(self.activations[name]), input=inp, output=out, args=args, kwargs=dict(kwargs)
+                name=name, step=len(self.activations[name]), input=inp, output=out, args=args,
+                kwargs=dict(kwargs), tuple_output=out is not output,
             )
             if self.grads and out.requires_grad:
 
@@ -417,6 +423,11 @@ class Recorder:
         bound = _bind_sdpa(args, kwargs)
         q, k, v = bound["query"], bound["key"], bound["value"]
         mask = bound.get("attn_mask")
+        if q.dim() > 4:  # windows or groups as extra leading dims: fold them into the batch
+            if isinstance(mask, Tensor):
+                mask = mask.reshape((1,) * (q.dim() - mask.dim()) + tuple(mask.shape))
+                mask = _fold(mask.expand(*q.shape[:-3], *mask.shape[-3:]))
+            q, k, v = _fold(q), _fold(k), _fold(v)
         record = self._new_record(
             *issuer,
             source="sdpa",
@@ -436,7 +447,7 @@ class Recorder:
 
     def _on_softmax(self, func: Callable, args: tuple, kwargs: dict) -> Any:
         out = func(*args, **kwargs)
-        if not isinstance(out, Tensor) or out.dim() not in (3, 4):
+        if not isinstance(out, Tensor) or out.dim() < 3:
             return out
         dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
         if dim not in (-1, out.dim() - 1):
@@ -452,6 +463,7 @@ class Recorder:
                 return out
             heads = module.num_heads
             probs = out.view(out.shape[0] // heads, heads, *out.shape[1:])
+        probs = _fold(probs)  # (B, G, H, N, N) window attention: (B * G, H, N, N)
         b, h, n_q, n_k = probs.shape
         record = self._new_record(
             name,
@@ -463,7 +475,7 @@ class Recorder:
             _probs=probs.detach(),
         )
         if self.grads:
-            record._attach_grad_hook(probs, self._hooks_collect)
+            record._attach_grad_hook(out, self._hooks_collect)
         return out
 
     def _on_mha(self, func: Callable, args: tuple, kwargs: dict) -> Any:
@@ -502,7 +514,9 @@ def capture(
     Attention is observed at ``F.scaled_dot_product_attention`` (the fused kernel keeps
     running), at softmax calls of modules that compute attention in Python, and inside
     ``nn.MultiheadAttention`` (whose C++ fast path is switched off inside the scope only,
-    so its SDPA call is visible). A record's ``kind`` is ``"cross"`` when the issuing
+    so its SDPA call is visible). Attention computed with extra leading dimensions (windows or groups:
+    (B, G, H, N_q, N_k) in MaxViT, Twins, ...) is recorded with them folded into the batch,
+    (B * G, H, N_q, N_k). A record's ``kind`` is ``"cross"`` when the issuing
     module has ``is_cross_attention=True``, is an ``nn.MultiheadAttention`` called with a
     key that is not its query, or received a tensor argument named one of
     ``encoder_hidden_states``, ``key_value_states``, ``memory``, ``context``,
