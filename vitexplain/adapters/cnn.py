@@ -37,6 +37,7 @@ from torch import Tensor, nn
 from ..errors import UnsupportedMethodError
 
 from .base import Adapter, register_adapter
+from ..errors import UsageError
 
 __all__ = ["CNNAdapter", "cnn_stages"]
 
@@ -62,7 +63,7 @@ class CNNAdapter(Adapter):
         super().__init__(model)
         self.stages = list(stages) if stages is not None else cnn_stages(model)
         if not self.stages:
-            raise ValueError(
+            raise UsageError(
                 f"no feature stage found in {type(model).__name__}; pass stages=[...] or a layer name"
             )
         self.capabilities = frozenset({"stages"}) | gate_capabilities(model)

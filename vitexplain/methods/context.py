@@ -93,26 +93,7 @@ class Context:
         """
         if what in self._checked:
             return fn
-        expected = self.outputs if isinstance(self.outputs, Tensor) else None
-        reason = None
-        if expected is None:
-            reason = f"the model's outputs are a {type(self.outputs).__name__}, not a tensor"
-        else:
-            expected = expected.detach().float()
-            try:
-                with torch.no_grad():
-                    got = fn(torch.cat([tokens.detach(), tokens.detach()]))
-            except Exception as err:  # any failure of the re-run means the same: no valid map
-                reason = f"re-running it failed ({type(err).__name__}: {err})"
-            else:
-                want = torch.cat([expected, expected])
-                if not isinstance(got, Tensor) or got.shape != want.shape:
-                    reason = f"it returned shape {tuple(getattr(got, 'shape', ()))}, the model {tuple(want.shape)}"
-                else:
-                    error = float((got.float() - want).abs().max())
-                    scale = max(float(want.abs().max()), 1e-12)
-                    if not error <= PARTIAL_RTOL * scale:
-                        reason = f"its outputs differ from the model's by {error:.3g} (largest output {scale:.3g})"
+        reason = _mismatch(self.outputs, fn, tokens)
         if reason is not None:
             model = type(self.adapter.model).__name__
             raise UnsupportedModelError(
@@ -163,6 +144,24 @@ class Context:
         for record in records:
             layout.check(record.num_keys)
         return records
+
+
+def _mismatch(outputs: Any, fn: Callable[[Tensor], Tensor], tokens: Tensor) -> Optional[str]:
+    """Why ``fn`` on ``tokens`` (repeated twice along the batch) does not give ``outputs``
+    (repeated likewise) to :data:`PARTIAL_RTOL`, or None when it does. An exception raised by
+    the model's own code propagates as it is."""
+    if not isinstance(outputs, Tensor):
+        return f"the model's outputs are a {type(outputs).__name__}, not a tensor"
+    want = torch.cat([outputs.detach().float()] * 2)
+    with torch.no_grad():
+        got = fn(torch.cat([tokens.detach()] * 2))
+    if not isinstance(got, Tensor) or got.shape != want.shape:
+        return f"it returned shape {tuple(getattr(got, 'shape', ()))}, the model {tuple(want.shape)}"
+    error = float((got.float() - want).abs().max())
+    scale = max(float(want.abs().max()), 1e-12)
+    if not error <= PARTIAL_RTOL * scale:
+        return f"its outputs differ from the model's by {error:.3g} (largest output {scale:.3g})"
+    return None
 
 
 def query_blocks(record: AttentionRecord, block_bytes: int = DEFAULT_BLOCK_BYTES) -> Iterator[slice]:
