@@ -89,6 +89,7 @@ See the README ("Your own model") for a complete, tested example.
 
 from __future__ import annotations
 
+from functools import cached_property, lru_cache
 from typing import Any, Callable, Optional
 
 from torch import Tensor, nn
@@ -166,9 +167,13 @@ class Adapter:
         return self.refusal(spec) is None
 
     # -- metadata ---------------------------------------------------------------------------
-    @property
+    @cached_property
     def label_names(self) -> Optional[list[str]]:
-        """Class names, when the model carries them (zoo models, timm ImageNet models)."""
+        """Class names, when the model carries them (zoo models, timm ImageNet models).
+
+        Resolved once per adapter (an Explainer keeps one): timm's ImageNet label file is
+        parsed once per process, not on every explained batch.
+        """
         if not self.has_head:
             return None
         cfg = getattr(self.model, "pretrained_cfg", None) or {}
@@ -196,15 +201,23 @@ def _timm_imagenet_names(model: nn.Module) -> Optional[list[str]]:
     if not isinstance(cfg, dict) or not cfg.get("hf_hub_id") and not cfg.get("url"):
         return None
     try:
-        from timm.data import ImageNetInfo, infer_imagenet_subset
+        from timm.data import infer_imagenet_subset
 
         subset = infer_imagenet_subset(model)
         if subset is None:
             return None
-        names = ImageNetInfo(subset).label_descriptions(as_dict=False)
+        names = _imagenet_descriptions(subset)
         return list(names) if len(names) == getattr(model, "num_classes", len(names)) else None
     except Exception:  # label metadata is a convenience, never a failure
         return None
+
+
+@lru_cache(maxsize=None)
+def _imagenet_descriptions(subset: str) -> tuple[str, ...]:
+    """timm's label descriptions of an ImageNet subset (its files parsed once per process)."""
+    from timm.data import ImageNetInfo
+
+    return tuple(ImageNetInfo(subset).label_descriptions(as_dict=False))
 
 
 _DETECTORS: list[tuple[int, Callable[[nn.Module], Optional[Adapter]]]] = []

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from ..recording import AttentionRecord
 from ..recording.records import fuse_heads
-from .context import Context, RowFn, query_blocks, readout_vector
+from .context import Context, RowFn, live_blocks, nonzero_rows, query_blocks, readout_vector
 from .options import Option, check_index
 from .registry import register
 from ..errors import UsageError
@@ -85,19 +85,6 @@ def contract_mean_probs(record: AttentionRecord, block: slice, weights: Weights)
     return weighted_head_mean(w, probs), w
 
 
-def _nonzero_rows(r: Tensor, block: slice) -> Optional[Union[slice, Tensor]]:
-    """The rows of ``block`` where some image's ``r`` is non-zero: the block itself, the
-    indices of those rows when they are few (e.g. only the class row at the last layer), or
-    None when there are none."""
-    live = torch.nonzero(r[:, block].ne(0).any(dim=0)).squeeze(1)
-    n = block.stop - block.start
-    if live.numel() == 0:
-        return None
-    if live.numel() == n:
-        return block
-    return live + block.start
-
-
 def propagate(
     vector: Tensor,
     layers: Sequence[AttentionRecord],
@@ -155,7 +142,7 @@ def propagate(
         out = dev.clone()
         for block in blocks:
             if discard_ratio == 0:
-                block = _nonzero_rows(r, block)
+                block = nonzero_rows(r, block)
                 if block is None:
                     continue
             r_block = r[:, block]
@@ -218,13 +205,10 @@ def raw(ctx: Context, *, layer: int = -1, head: Optional[int] = None, head_fusio
         head = check_index(ctx.method, "head", head, record.num_heads, "heads")
     vector = readout_vector(layout, record.batch_size, record.device)
     out = torch.zeros_like(vector)
-    for block in query_blocks(record):
-        weights = vector[:, block]
-        if not torch.any(weights):
-            continue
-        probs = record.probs(block)
-        rows = probs[:, head] if head is not None else fuse_heads(probs, head_fusion)  # type: ignore[arg-type]
-        out += torch.bmm(weights.unsqueeze(1), rows).squeeze(1)
+    for rows in live_blocks(record, vector):  # only the readout rows (the class row: one)
+        probs = record.probs(rows)
+        fused = probs[:, head] if head is not None else fuse_heads(probs, head_fusion)  # type: ignore[arg-type]
+        out += torch.bmm(vector[:, rows].unsqueeze(1), fused).squeeze(1)
     return layout.to_grid(out)
 
 

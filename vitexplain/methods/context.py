@@ -8,7 +8,7 @@ float32 maps on the model's device.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 from torch import Tensor
@@ -18,7 +18,9 @@ from ..errors import UnsupportedMethodError, UnsupportedModelError
 from ..layout import TokenLayout
 from ..targets import Target
 
-__all__ = ["Context", "query_blocks", "readout_vector", "DEFAULT_BLOCK_BYTES", "PARTIAL_RTOL"]
+__all__ = [
+    "Context", "query_blocks", "live_blocks", "nonzero_rows", "readout_vector", "DEFAULT_BLOCK_BYTES", "PARTIAL_RTOL",
+]
 
 #: Budget for one block of recomputed probabilities (B x H x rows x N float32).
 DEFAULT_BLOCK_BYTES = 32 * 2**20
@@ -170,6 +172,27 @@ def query_blocks(record: AttentionRecord, block_bytes: int = DEFAULT_BLOCK_BYTES
     rows = max(1, min(record.num_queries, block_bytes // per_row))
     for start in range(0, record.num_queries, rows):
         yield slice(start, min(start + rows, record.num_queries))
+
+
+def nonzero_rows(r: Tensor, block: slice) -> Optional[Union[slice, Tensor]]:
+    """The rows of ``block`` where some image's ``r`` (B, N) is non-zero: the block itself when
+    all are, the indices of those rows when some are (e.g. only the class row), or None."""
+    live = torch.nonzero(r[:, block].ne(0).any(dim=0)).squeeze(1)
+    n = block.stop - block.start
+    if live.numel() == 0:
+        return None
+    if live.numel() == n:
+        return block
+    return live + block.start
+
+
+def live_blocks(record: AttentionRecord, weights: Tensor) -> Iterator[Union[slice, Tensor]]:
+    """:func:`query_blocks` of ``record`` restricted to the rows where some image's ``weights``
+    (B, N_q) are non-zero, so a class-token readout computes one row per layer, not N."""
+    for block in query_blocks(record):
+        rows = nonzero_rows(weights, block)
+        if rows is not None:
+            yield rows
 
 
 def readout_vector(layout: TokenLayout, batch: int, device: torch.device) -> Tensor:

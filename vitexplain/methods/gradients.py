@@ -11,7 +11,7 @@ from torch import Tensor
 
 from ..recording import AttentionRecord
 from .attention import contract_rows, propagate, weighted_head_mean
-from .context import Context, query_blocks, readout_vector
+from .context import Context, live_blocks, readout_vector
 from .options import Option, check_index
 from .registry import register
 
@@ -129,13 +129,10 @@ def attn_gradcam(ctx: Context, *, layer: int = -1) -> Tensor:
     vector = readout_vector(layout, record.batch_size, record.device)
     attn = torch.zeros(record.batch_size, record.num_heads, record.num_keys, device=record.device)
     grad = torch.zeros_like(attn)
-    for block in query_blocks(record):
-        weights = vector[:, block]
-        if not torch.any(weights):
-            continue
-        w = weights[:, None, :, None]
-        attn += (w * record.probs(block)).sum(dim=2)
-        grad += (w * record.grad_probs(block)).sum(dim=2)
+    for rows in live_blocks(record, vector):  # only the readout rows
+        w = vector[:, None, rows, None]
+        attn += (w * record.probs(rows)).sum(dim=2)
+        grad += (w * record.grad_probs(rows)).sum(dim=2)
     attn, grad = attn[..., layout.patch_slice], grad[..., layout.patch_slice]
     head_weights = grad.mean(dim=-1, keepdim=True)
     cam = (head_weights * attn).mean(dim=1).clamp(min=0)
