@@ -14,6 +14,7 @@ The model is never modified: no eval()/train() switch, no eager attention, no ho
 from __future__ import annotations
 
 import json
+import math
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .recording import capture
+from .recording.materialize import check_mode
 from .errors import InputError, OptionError, UnsupportedMethodError, UsageError
 from .layout import TokenLayout
 from .methods import registry
@@ -191,13 +193,39 @@ class Explainer:
     Args:
         model: a ViT (timm, torchvision, Hugging Face), a CNN, a zoo model, or a captioner.
         adapter: override the automatically chosen adapter.
+        attention_mode: how the capture gets attention probabilities (see ``vx.capture``).
+            ``"auto"`` (default): when a requested method reads every layer's attention
+            (rollout, grad_rollout, generic, legrad, cross_generic) and the model runs on a
+            CPU, attention is computed once by the capture (while the probabilities kept stay
+            small); otherwise the fused kernel runs and methods recompute the rows they read.
+            ``"fused"`` or ``"materialize"`` force one way.
     """
 
-    def __init__(self, model: nn.Module, *, adapter: Optional[Adapter] = None) -> None:
+    def __init__(self, model: nn.Module, *, adapter: Optional[Adapter] = None, attention_mode: str = "auto") -> None:
         self.model = model
         # a torch.compile-d model is explained through its original module, run eagerly
         # (see vx.capture); the compiled code is neither called nor recompiled
         self.adapter = adapter or adapter_for(model)
+        self.attention_mode = check_mode(attention_mode)
+
+    def _capture_mode(
+        self, specs: Sequence[registry.MethodSpec], options: Optional[dict[str, dict[str, Any]]] = None
+    ) -> dict[str, str]:
+        """The capture's ``attention_mode`` and ``heads`` for these methods.
+
+        ``"auto"`` stays only when one of them reads every layer's attention (otherwise the
+        fused kernel plus a recompute of the few rows read is cheaper); without gradients,
+        when every method reads attention through one head fusion, only that is kept.
+        """
+        mode = self.attention_mode
+        if mode == "auto" and not any(s.dense_attention for s in specs):
+            mode = "fused"
+        heads = "all"
+        if mode != "fused" and options is not None and not any(s.grads for s in specs):
+            fusions = {s.reads_fused({**s.defaults, **options[s.name]}) for s in specs if s.attention}
+            if len(fusions) == 1 and None not in fusions:
+                heads = fusions.pop()
+        return {"attention_mode": mode, "heads": heads}
 
     @property
     def family(self) -> str:
@@ -309,7 +337,8 @@ class Explainer:
         attention = any(s.attention for s in specs) and self.family != "cnn"
         gates = any(s.gates for s in specs)
         with torch.set_grad_enabled(grads), capture(
-            model, grads=grads, activations=activations, attention=attention, gates=gates
+            model, grads=grads, activations=activations, attention=attention, gates=gates,
+            **self._capture_mode(specs, per_method),
         ) as rec:
             outputs = self.adapter.forward(x_in)
         resolved = resolve(target, outputs, self.adapter.label_names, has_head=self.adapter.has_head)
@@ -408,7 +437,7 @@ class Explainer:
         for name, spec in zip(names, specs):
             if spec.grads:
                 x_in = x.detach().clone().requires_grad_(True)
-                with torch.enable_grad(), capture(self.model, grads=True) as rec:
+                with torch.enable_grad(), capture(self.model, grads=True, **self._capture_mode([spec])) as rec:
                     logits = adapter.teacher_forced(x_in, ids)
                 ctx = CaptionContext(adapter, x_in, ids, rec, layout, True, logits, name)
             elif generated is not None:
@@ -477,8 +506,9 @@ def _check_batch(x: Tensor) -> None:
     """
     if x.shape[0] == 0:
         raise InputError("the batch is empty (0 images); pass at least one image")
-    finite = torch.isfinite(x.detach())
-    if not bool(finite.all()):
+    low, high = torch.aminmax(x.detach())  # one pass; NaN and inf show in the extremes
+    if not (math.isfinite(float(low)) and math.isfinite(float(high))):
+        finite = torch.isfinite(x.detach())
         bad = sorted({int(i) for i in (~finite).flatten(1).any(dim=1).nonzero().flatten()})
         raise InputError(
             f"the input holds NaN or infinite values (images {bad[:10]}{'...' if len(bad) > 10 else ''}); "

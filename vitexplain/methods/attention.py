@@ -14,7 +14,6 @@ import torch
 from torch import Tensor
 
 from ..recording import AttentionRecord
-from ..recording.records import fuse_heads
 from .context import Context, RowFn, live_blocks, nonzero_rows, query_blocks, readout_vector
 from .options import Option, check_index
 from .registry import register
@@ -75,14 +74,23 @@ def weighted_head_mean(w: Tensor, m: Tensor) -> Tensor:
 
 
 def contract_mean_probs(record: AttentionRecord, block: slice, weights: Weights) -> tuple[Tensor, Tensor]:
-    """``w @ mean_h(A)[rows]`` without materialising the head mean."""
+    """``w @ mean_h(A)[rows]`` without materialising the head mean (or from the head mean
+    that a materializing capture kept, ``record.heads == "mean"``)."""
+    if record.heads == "mean":
+        mean = record.fused_probs("mean", block)  # (B, n, N)
+        sums = _ones(mean) if record.rows_sum_to_one else mean.sum(dim=-1)
+        w = weights(sums)
+        return torch.bmm(w.unsqueeze(1), mean).squeeze(1), w
     probs = record.probs(block)  # (B, H, n, N)
-    if record.rows_sum_to_one:  # softmax rows: no pass over the block for the sums
-        sums = torch.ones(probs.shape[0], probs.shape[2], device=probs.device)
-    else:
-        sums = probs.sum(dim=-1).mean(dim=1)
+    # softmax rows: no pass over the block for the sums
+    sums = _ones(probs[:, 0]) if record.rows_sum_to_one else probs.sum(dim=-1).mean(dim=1)
     w = weights(sums)
     return weighted_head_mean(w, probs), w
+
+
+def _ones(rows: Tensor) -> Tensor:
+    """(B, n) ones for (B, n, N) rows."""
+    return torch.ones(rows.shape[0], rows.shape[1], device=rows.device)
 
 
 def propagate(
@@ -168,7 +176,7 @@ def fused_rows(head_fusion: str) -> RowFn:
     """Rows of the head-fused attention probabilities."""
 
     def rows(record: AttentionRecord, block: slice) -> Tensor:
-        return fuse_heads(record.probs(block), head_fusion)  # type: ignore[arg-type]
+        return record.fused_probs(head_fusion, block)  # type: ignore[arg-type]
 
     return rows
 
@@ -182,6 +190,7 @@ def fused_rows(head_fusion: str) -> RowFn:
     },
     attention=True,
     requires=("grid", "attention"),
+    reads_fused=lambda options: options["head_fusion"] if options["head"] is None else None,
     class_sensitive=False,
     summary="raw attention of one layer (class-token row or mean over patch queries), one head or fused",
     reference="Dosovitskiy et al. 2021; references.md item 1",
@@ -206,8 +215,7 @@ def raw(ctx: Context, *, layer: int = -1, head: Optional[int] = None, head_fusio
     vector = readout_vector(layout, record.batch_size, record.device)
     out = torch.zeros_like(vector)
     for rows in live_blocks(record, vector):  # only the readout rows (the class row: one)
-        probs = record.probs(rows)
-        fused = probs[:, head] if head is not None else fuse_heads(probs, head_fusion)  # type: ignore[arg-type]
+        fused = record.probs(rows)[:, head] if head is not None else record.fused_probs(head_fusion, rows)  # type: ignore[arg-type]
         out += torch.bmm(vector[:, rows].unsqueeze(1), fused).squeeze(1)
     return layout.to_grid(out)
 
@@ -224,6 +232,8 @@ def raw(ctx: Context, *, layer: int = -1, head: Optional[int] = None, head_fusio
     class_sensitive=False,
     summary="attention rollout: product of rownorm(0.5 A + 0.5 I) over layers",
     reference="Abnar & Zuidema 2020; references.md item 2",
+    dense_attention=True,
+    reads_fused=lambda options: options["head_fusion"],
 )
 def rollout(ctx: Context, *, head_fusion: str = "mean", discard_ratio: float = 0.0, start_layer: int = 0) -> Tensor:
     """Attention rollout ``A_hat[L] @ ... @ A_hat[s]``, readout row, patch columns.

@@ -177,6 +177,7 @@ def _joint_relevance(decoder: Sequence[AttentionRecord], r_ii: Tensor, t: int) -
     grads=True,
     summary="Chefer encoder-decoder relevance per word (gradient of each word's log-probability)",
     reference="Chefer, Gur & Wolf, ICCV 2021 (encoder-decoder rules); references.md item 4",
+    dense_attention=True,
 )
 def cross_generic(ctx: CaptionContext) -> Tensor:
     """Chefer et al. (2021) relevance of the image patches for each word.

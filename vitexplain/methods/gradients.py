@@ -39,6 +39,7 @@ def _generic_contract(record: AttentionRecord, block: slice, weights) -> tuple[T
     requires=("grid", "attention", "rollout"),
     summary="gradient rollout: rollout of clamp(mean_h(A * dy/dA), 0)",
     reference="vit-explain (Gildenblat 2020), forward-ordered gradients; references.md item 3",
+    dense_attention=True,
 )
 def grad_rollout(ctx: Context, *, discard_ratio: float = 0.0, start_layer: int = 0) -> Tensor:
     """Gradient attention rollout.
@@ -75,6 +76,7 @@ def grad_rollout(ctx: Context, *, discard_ratio: float = 0.0, start_layer: int =
     requires=("grid", "attention", "rollout"),
     summary="Chefer generic attention explainability: R += mean_h(clamp(dy/dA * A, 0)) @ R",
     reference="Chefer, Gur & Wolf, ICCV 2021; references.md item 4",
+    dense_attention=True,
 )
 def generic(ctx: Context, *, start_layer: int = 0) -> Tensor:
     """Chefer et al. (2021) generic relevance for self-attention.

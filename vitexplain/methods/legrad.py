@@ -29,6 +29,7 @@ def _all_blocks(adapter) -> list[str]:
     retain_graph=True,
     summary="LeGrad: mean over layers of ReLU(d s_l / d A_l), s_l the head applied to layer l's tokens",
     reference="Bousselham et al. 2024; references.md item 8",
+    dense_attention=True,
 )
 def legrad(ctx: Context, *, layers: Union[None, int, Sequence[int]] = None) -> Tensor:
     """LeGrad (Bousselham et al. 2024).

@@ -36,6 +36,14 @@ class MethodSpec:
             diverging colormap centred at zero.
         class_sensitive: maps depend on the target class.
         retain_graph: keeps the autograd graph after the main backward (extra passes).
+        dense_attention: reads every query row of every layer's attention probabilities (or
+            their gradients); on a CPU the Explainer then lets the capture compute attention
+            once instead of the fused kernel plus a recompute (``attention_mode="auto"``, see
+            ``vitexplain.recording.materialize``).
+        reads_fused: given the method's options, the head fusion (``"mean"``, ``"max"``,
+            ``"min"``) through which alone it reads attention probabilities, or None when it
+            reads single heads; when every requested method reads the same fusion and no
+            gradient is taken, a materializing capture keeps only that fusion.
         requires: adapter capabilities the method needs (see ``vitexplain.adapters.base``);
             it applies to a model iff its adapter has all of them.
         summary: one line for listings.
@@ -54,6 +62,8 @@ class MethodSpec:
     signed: bool = False
     class_sensitive: bool = True
     retain_graph: bool = False
+    dense_attention: bool = False
+    reads_fused: Callable[[Mapping[str, Any]], Optional[str]] = field(default=lambda options: None)
     requires: tuple[str, ...] = ()
     summary: str = ""
     reference: str = ""

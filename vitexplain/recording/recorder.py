@@ -12,6 +12,10 @@ How it works (see references.md, "Attention from fused kernels"):
   nearest frame whose ``self`` is a submodule of the captured model. No hook is put on
   the model for this, and calls from other models are ignored.
 - Gradients: a tensor hook on the SDPA output captures dO; ``dy/dA = dO @ V^T``.
+- ``attention_mode="materialize"`` (or ``"auto"`` on a CPU) computes
+  ``P = softmax(q k^T * scale + mask)`` and ``O = P V`` itself instead of calling the fused
+  kernel, keeps P in the record and hooks the gradient on P (see
+  :mod:`vitexplain.recording.materialize`): cheaper when every layer's probabilities are read.
 
 Everything the capture changes is restored on exit, also when the block raises: hooks
 (only the root's input hook and the optional activation and CNN gate hooks), the MHA
@@ -40,6 +44,8 @@ from torch.utils.hooks import RemovableHandle
 
 from ..errors import CaptureError, InputError, NoAttentionError
 from .gates import GateHooks, GateRecord, checked_gates
+from . import materialize
+from .materialize import attention_with_probs, can_materialize, check_heads, check_mode
 from .records import ActivationRecord, AttentionRecord
 
 __all__ = ["capture", "Recorder"]
@@ -108,6 +114,7 @@ class Recorder:
     Attributes:
         model: the captured model.
         grads: whether gradients w.r.t. attention (and activations) are captured.
+        attention_mode: ``"fused"``, ``"materialize"`` or ``"auto"`` (see :func:`capture`).
         input_size: (H, W) of the last image tensor the model received, if any.
         forward_count: how many times the model's own forward ran inside the scope.
     """
@@ -120,6 +127,8 @@ class Recorder:
         activations: Sequence[str] = (),
         attention: bool = True,
         gates: bool = False,
+        attention_mode: str = "fused",
+        heads: str = "all",
     ) -> None:
         if not isinstance(model, nn.Module):
             raise InputError(f"vx.capture expects an nn.Module, got {type(model).__name__}")
@@ -129,6 +138,9 @@ class Recorder:
         self._compiled = self.model is not model
         self.grads = bool(grads)
         self.attention = bool(attention)
+        self.attention_mode = check_mode(attention_mode)
+        self.heads = check_heads(heads)
+        self._materialized_bytes = 0
         self.activation_names = tuple(activations)
         self.capture_gates = bool(gates)
         self.input_size: Optional[tuple[int, int]] = None
@@ -416,34 +428,54 @@ class Recorder:
 
     # -- interception -------------------------------------------------------------------
     def _on_sdpa(self, func: Callable, args: tuple, kwargs: dict) -> Any:
-        out = func(*args, **kwargs)
         issuer = self._issuer()
         if issuer is None:
-            return out
+            return func(*args, **kwargs)
         bound = _bind_sdpa(args, kwargs)
-        q, k, v = bound["query"], bound["key"], bound["value"]
+        query, k, v = bound["query"], bound["key"], bound["value"]
         mask = bound.get("attn_mask")
+        q = query
         if q.dim() > 4:  # windows or groups as extra leading dims: fold them into the batch
             if isinstance(mask, Tensor):
                 mask = mask.reshape((1,) * (q.dim() - mask.dim()) + tuple(mask.shape))
                 mask = _fold(mask.expand(*q.shape[:-3], *mask.shape[-3:]))
             q, k, v = _fold(q), _fold(k), _fold(v)
-        record = self._new_record(
-            *issuer,
-            source="sdpa",
-            q_shape=q.shape,
-            k_shape=k.shape,
-            dropout_p=float(bound.get("dropout_p", 0.0) or 0.0),
-            _q=q.detach(),
-            _k=k.detach(),
-            _mask=mask.detach() if isinstance(mask, Tensor) else None,
-            _scale=bound.get("scale"),
+        mask = mask if isinstance(mask, Tensor) else None
+        dropout_p = float(bound.get("dropout_p", 0.0) or 0.0)
+        fields = dict(
+            source="sdpa", q_shape=q.shape, k_shape=k.shape, dropout_p=dropout_p,
+            _mask=mask.detach() if mask is not None else None, _scale=bound.get("scale"),
             _causal=bool(bound.get("is_causal", False)),
         )
+        if self._materialize(q, k, v, mask, dropout_p, bool(bound.get("enable_gqa", False))):
+            out, probs = attention_with_probs(
+                q, k, v, attn_mask=mask, scale=fields["_scale"], is_causal=fields["_causal"], heads=self.heads
+            )
+            heads = self.heads if probs.dim() == 3 else "all"
+            record = self._new_record(*issuer, materialized=True, heads=heads, _probs=probs.detach(), **fields)
+            if self.grads:
+                record._attach_grad_hook(probs, self._hooks_collect)
+            return out.view(*query.shape[:-1], out.shape[-1])
+        out = func(*args, **kwargs)
+        record = self._new_record(*issuer, _q=q.detach(), _k=k.detach(), **fields)
         if self.grads:
             record._v = v.detach()
             record._attach_grad_hook(out, self._hooks_collect)
         return out
+
+    def _materialize(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], dropout_p: float, gqa: bool) -> bool:
+        """Whether this SDPA call is computed by the capture (see ``attention_mode``)."""
+        if self.attention_mode == "fused" or not can_materialize(q, k, v, mask, dropout_p, gqa):
+            return False
+        if self.attention_mode == "materialize":
+            return True
+        size = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * 4
+        kept = size * 2 if self.grads else size // (1 if self.heads == "all" else q.shape[1])
+        total = self._materialized_bytes + kept
+        if q.device.type != "cpu" or size > materialize.AUTO_CALL_BYTES or total > materialize.AUTO_TOTAL_BYTES:
+            return False
+        self._materialized_bytes = total
+        return True
 
     def _on_softmax(self, func: Callable, args: tuple, kwargs: dict) -> Any:
         out = func(*args, **kwargs)
@@ -502,6 +534,8 @@ def capture(
     activations: Sequence[str] = (),
     attention: bool = True,
     gates: bool = False,
+    attention_mode: str = "fused",
+    heads: str = "all",
 ) -> Recorder:
     """Record every attention call of ``model`` while it runs its fused attention.
 
@@ -532,9 +566,24 @@ def capture(
         attention: set False to record activations only (no attention interception).
         gates: record the gates of CNN attention modules (SE, ECA, CBAM, ...) in
             ``rec.gates``, see ``vitexplain.recording.gates``.
+        attention_mode: ``"fused"`` (default): the fused SDPA kernel runs and probabilities
+            are recomputed on demand, nothing N x N is kept. ``"materialize"``: the capture
+            computes ``P = softmax(q k^T * scale + mask)`` and ``O = P V`` itself for every
+            float32 call without dropout, keeps P in the record (``record.materialized``) and,
+            with ``grads``, takes dy/dP from the backward pass: cheaper on a CPU when every
+            layer's probabilities are read (the model's outputs equal the fused kernel's to
+            float32 rounding). ``"auto"``: materialise on a CPU while the probabilities kept
+            stay small (see :mod:`vitexplain.recording.materialize`), fused otherwise.
+        heads: what materialized records keep without gradients: ``"all"`` heads (default),
+            or only their ``"mean"``, ``"max"`` or ``"min"`` (H times less memory; then
+            ``record.probs()`` raises and ``record.fused_probs(heads)`` works). With
+            ``grads`` every head is kept (the backward pass needs them).
 
     Returns:
         A :class:`Recorder`, to be used as a context manager. Records stay readable
         after the block ends.
     """
-    return Recorder(model, grads=grads, activations=activations, attention=attention, gates=gates)
+    return Recorder(
+        model, grads=grads, activations=activations, attention=attention, gates=gates,
+        attention_mode=attention_mode, heads=heads,
+    )

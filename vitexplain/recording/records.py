@@ -5,6 +5,9 @@ recomputes attention probabilities from them on demand, in float32:
 
 - an SDPA record keeps ``q``, ``k`` (and ``v`` and the output gradient when gradients are
   captured), the mask, scale and causal flag, never the N x N probabilities;
+- a *materialized* SDPA record (``vx.capture(..., attention_mode="materialize")``, see
+  :mod:`vitexplain.recording.materialize`) keeps the probabilities the capture computed in
+  place of the fused kernel, and the gradient that reaches them, like an eager record;
 - an eager record (a model that computes ``softmax(q k^T)`` in Python) keeps the
   probabilities the model itself materialised, and the gradient that reaches them.
 
@@ -23,7 +26,9 @@ from torch import Tensor
 
 from ..errors import CaptureError, UsageError
 
-__all__ = ["AttentionRecord", "ActivationRecord", "QuerySelect", "attention_probs", "fuse_heads"]
+__all__ = [
+    "AttentionRecord", "ActivationRecord", "QuerySelect", "attention_probs", "attention_scores", "masked_softmax", "fuse_heads",
+]
 
 QuerySelect = Union[None, int, slice, Tensor]
 """Which query rows to compute: all (None), one index, a slice, or an index tensor."""
@@ -49,6 +54,73 @@ def _select_mask_rows(mask: Tensor, rows: Tensor | slice, n_q: int) -> Tensor:
     return mask
 
 
+def attention_scores(
+    q: Tensor,
+    k: Tensor,
+    *,
+    attn_mask: Optional[Tensor] = None,
+    scale: Optional[float] = None,
+    is_causal: bool = False,
+    queries: QuerySelect = None,
+) -> Tensor:
+    """The masked scores ``q k^T * scale + mask`` of ``F.scaled_dot_product_attention``, in float32.
+
+    Follows SDPA: default scale ``1 / sqrt(E)``; a boolean mask marks positions that take
+    part (True) and a float mask is added; ``is_causal`` masks with a top-left aligned
+    lower-triangular (N_q, N_k) mask; grouped-query attention (fewer key heads) repeats key
+    heads. One batched matmul scaled by the GEMM itself (``baddbmm`` with ``alpha``), the
+    masks applied in place: no other pass over the (..., n, N_k) result.
+
+    Args:
+        q: (..., H, N_q, E) queries, any float dtype.
+        k: (..., H_kv, N_k, E) keys; H must be a multiple of H_kv.
+        attn_mask: bool or float mask broadcastable to (..., H, N_q, N_k).
+        scale: score scale; None means ``1 / sqrt(E)``.
+        is_causal: apply SDPA's causal mask.
+        queries: which query rows to compute (None = all).
+
+    Returns:
+        (..., H, n, N_k) float32 scores, ``-inf`` where masked.
+    """
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    rows = _rows(queries, n_q)
+    qf = q[..., rows, :].float()
+    kf = _repeat_heads(k.float(), qf.shape[-3])
+    scale = score_scale(q, scale)
+    if qf.shape[:-2] == kf.shape[:-2]:
+        q3, k3 = qf.reshape(-1, *qf.shape[-2:]), kf.reshape(-1, *kf.shape[-2:])
+        scores = torch.baddbmm(q3.new_zeros(()), q3, k3.transpose(1, 2), beta=0.0, alpha=scale)
+        scores = scores.view(*qf.shape[:-1], n_k)
+    else:  # broadcast batch dims
+        scores = torch.matmul(qf * scale, kf.transpose(-2, -1))
+    if is_causal:
+        causal = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril()
+        scores.masked_fill_(~causal[rows], float("-inf"))
+    if attn_mask is not None:
+        mask = _select_mask_rows(attn_mask, rows, n_q)
+        if mask.dtype == torch.bool:
+            scores.masked_fill_(~mask, float("-inf"))
+        else:
+            scores += mask.float()
+    return scores
+
+
+def score_scale(q: Tensor, scale: Optional[float]) -> float:
+    """SDPA's score scale: ``scale``, or ``1 / sqrt(E)`` when it is None."""
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+
+
+def masked_softmax(scores: Tensor, masked: bool) -> Tensor:
+    """Softmax over the last dim; with ``masked``, rows in which every key is masked give
+    zeros (and zero gradients), as the fused SDPA kernels do, instead of NaN."""
+    if not masked:
+        return torch.softmax(scores, dim=-1)
+    safe = getattr(torch, "_safe_softmax", None)  # SDPA's own math path uses it
+    if safe is not None:
+        return safe(scores, -1)
+    return torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
+
+
 def attention_probs(
     q: Tensor,
     k: Tensor,
@@ -60,49 +132,25 @@ def attention_probs(
 ) -> Tensor:
     """Recompute ``softmax(q k^T * scale + mask)`` exactly as SDPA defines it, in float32.
 
-    Follows ``torch.nn.functional.scaled_dot_product_attention``: default scale
-    ``1 / sqrt(E)``; a boolean mask marks positions that take part (True) and a float
-    mask is added to the scores; ``is_causal`` uses a top-left aligned lower-triangular
-    mask of shape (N_q, N_k). Grouped-query attention (fewer key heads) repeats key heads.
-    Rows in which every key is masked come out as zeros instead of NaN.
-
-    Args:
-        q: (..., H, N_q, E) queries, any float dtype.
-        k: (..., H_kv, N_k, E) keys; H must be a multiple of H_kv.
-        attn_mask: bool or float mask broadcastable to (..., H, N_q, N_k).
-        scale: score scale; None means ``1 / sqrt(E)``.
-        is_causal: apply SDPA's causal mask.
-        queries: which query rows to compute (None = all).
+    Scores as :func:`attention_scores` (same arguments); rows in which every key is masked
+    come out as zeros instead of NaN.
 
     Returns:
         (..., H, n, N_k) float32 probabilities for the selected n query rows.
     """
-    n_q, n_k = q.shape[-2], k.shape[-2]
-    rows = _rows(queries, n_q)
-    qf = q[..., rows, :].float()
-    kf = k.float()
-    if kf.shape[-3] != qf.shape[-3]:
-        if qf.shape[-3] % kf.shape[-3]:
-            raise CaptureError(
-                f"cannot recompute attention: {qf.shape[-3]} query heads are not a multiple "
-                f"of {kf.shape[-3]} key heads"
-            )
-        kf = kf.repeat_interleave(qf.shape[-3] // kf.shape[-3], dim=-3)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    scores = torch.matmul(qf * scale, kf.transpose(-2, -1))
-    if is_causal:
-        causal = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril()
-        scores.masked_fill_(~causal[rows], float("-inf"))
-    if attn_mask is not None:
-        mask = _select_mask_rows(attn_mask, rows, n_q)
-        if mask.dtype == torch.bool:
-            scores.masked_fill_(~mask, float("-inf"))
-        else:
-            scores += mask.float()
-    probs = torch.softmax(scores, dim=-1)
-    if is_causal or attn_mask is not None:
-        probs = torch.nan_to_num_(probs, nan=0.0)  # rows with every key masked
-    return probs
+    scores = attention_scores(q, k, attn_mask=attn_mask, scale=scale, is_causal=is_causal, queries=queries)
+    return masked_softmax(scores, is_causal or attn_mask is not None)
+
+
+def _repeat_heads(t: Tensor, heads: int) -> Tensor:
+    """(..., H_kv, N, E) keys or values with each head repeated to ``heads`` heads (GQA)."""
+    if t.shape[-3] == heads:
+        return t
+    if heads % t.shape[-3]:
+        raise CaptureError(
+            f"cannot recompute attention: {heads} query heads are not a multiple of {t.shape[-3]} key heads"
+        )
+    return t.repeat_interleave(heads // t.shape[-3], dim=-3)
 
 
 def fuse_heads(x: Tensor, fusion: Fusion) -> Tensor:
@@ -132,6 +180,11 @@ class AttentionRecord:
         q_shape: (B, H, N_q, E) shape of the queries.
         k_shape: (B, H_kv, N_k, E) shape of the keys (for eager records: (B, H, N_k, -1)).
         dropout_p: attention dropout used by the call (0 in eval mode).
+        materialized: an SDPA call that the capture computed itself (``attention_mode``):
+            the record holds its probabilities and their gradient, not q and k.
+        heads: ``"all"``, or the head fusion (``"mean"``, ``"max"``, ``"min"``) that is all
+            a materialized record kept (``vx.capture(..., heads=...)``): then only
+            ``fused_probs(heads)`` is available.
     """
 
     name: str
@@ -142,6 +195,8 @@ class AttentionRecord:
     q_shape: torch.Size
     k_shape: torch.Size
     dropout_p: float = 0.0
+    materialized: bool = False
+    heads: str = "all"
     _q: Optional[Tensor] = field(default=None, repr=False)
     _k: Optional[Tensor] = field(default=None, repr=False)
     _v: Optional[Tensor] = field(default=None, repr=False)
@@ -176,12 +231,19 @@ class AttentionRecord:
 
     @property
     def rows_sum_to_one(self) -> bool:
-        """True when every recomputed probability row sums to 1 (no mask, not causal, not stored).
+        """True when every probability row sums to 1: an SDPA call (recomputed or
+        materialized) without mask and not causal.
 
         Masked or causal calls can have rows in which every key is masked; those come out as
-        zeros, so their sums must be computed.
+        zeros, and an eager model's softmax may be masked in ways the capture does not see,
+        so their sums must be computed.
         """
-        return self._probs is None and self._mask is None and not self._causal
+        return self.source == "sdpa" and self._mask is None and not self._causal
+
+    @property
+    def _holds_probs(self) -> bool:
+        """The probabilities were kept (eager or materialized), so dy/dA is hooked on them."""
+        return self.source == "eager" or self.materialized
 
     @property
     def device(self) -> torch.device:
@@ -192,7 +254,8 @@ class AttentionRecord:
         return tensor.device
 
     def probs(self, queries: QuerySelect = None) -> Tensor:
-        """Attention probabilities of this call, recomputed in float32.
+        """Attention probabilities of this call in float32: recomputed from q and k, or
+        the stored ones (eager and materialized records).
 
         Args:
             queries: which query rows (None = all; an int, a slice or an index tensor).
@@ -200,6 +263,11 @@ class AttentionRecord:
         Returns:
             (B, H, n, N_k) float32 probabilities, n the number of selected rows.
         """
+        if self.heads != "all":
+            raise CaptureError(
+                f"record {self.name!r} kept only the {self.heads} over heads (vx.capture(..., heads="
+                f"{self.heads!r})): use fused_probs({self.heads!r}), or capture with heads='all'"
+            )
         if self._probs is not None:
             rows = _rows(queries, self.num_queries)
             return self._probs[..., rows, :].float()
@@ -224,6 +292,8 @@ class AttentionRecord:
         Returns:
             (B, n, N_k) float32.
         """
+        if self.heads == fusion and self._probs is not None:  # kept fused by the capture
+            return self._probs[..., _rows(queries, self.num_queries), :].float()
         return fuse_heads(self.probs(queries), fusion)
 
     def _check_grads(self, need_backward: bool = True) -> None:
@@ -250,8 +320,8 @@ class AttentionRecord:
     def output(self) -> Tensor:
         """The attention output tensor, still in the autograd graph (grads=True only).
 
-        For an SDPA record this is O = A V, shape (B, H, N_q, E_v); for an eager record it
-        is the probability tensor A itself (as the model made it: window attention keeps its
+        For an SDPA record this is O = A V, shape (B, H, N_q, E_v); for an eager or a
+        materialized record it is the probability tensor A itself (as the model made it: window attention keeps its
         extra dims here, (B, G, H, N, N), while the record's shapes fold them into B). Use it with ``torch.autograd.grad`` to take the
         gradient of any other score (e.g. one score per layer, as LeGrad does) and pass
         that to ``grad_probs(d_out=...)``.
@@ -265,7 +335,8 @@ class AttentionRecord:
         """Gradient of the backpropagated score w.r.t. this call's attention probabilities.
 
         For an SDPA call, with O = A V, ``dy/dA = dO @ V^T`` where dO was captured by a
-        tensor hook on the SDPA output: no eager attention is ever materialised. With
+        tensor hook on the SDPA output: no eager attention is ever materialised. Eager and
+        materialized records return the gradient the backward pass delivered to A. With
         attention dropout active (training mode) this is the gradient w.r.t. the
         post-dropout probabilities; explain models in eval mode.
 
@@ -285,7 +356,7 @@ class AttentionRecord:
         rows = _rows(queries, self.num_queries)
         if d_out is not None:
             d_out = self._as_4d(d_out)
-        if self.source == "eager":
+        if self._holds_probs:
             grad = d_out if d_out is not None else self._grad_probs
             if grad is None:
                 raise CaptureError(f"no gradient has reached {self.name!r}")
@@ -313,7 +384,7 @@ class AttentionRecord:
     def _add_grad(self, grad: Tensor) -> None:
         """Accumulate a gradient w.r.t. :attr:`output` (like ``.grad`` does)."""
         grad = self._as_4d(grad.detach())
-        if self.source == "eager":
+        if self._holds_probs:
             self._grad_probs = grad if self._grad_probs is None else self._grad_probs + grad
         else:
             self._grad_out = grad if self._grad_out is None else self._grad_out + grad

@@ -1,0 +1,197 @@
+"""Attention computed by the capture itself: ``P = softmax(q k^T * scale + mask)``, ``O = P V``.
+
+In the default ``"fused"`` mode a capture lets ``F.scaled_dot_product_attention`` run its
+fused kernel and methods recompute the probabilities they read from the recorded q and k.
+A method that reads every layer's probabilities (rollout, gradient rollout, Chefer's
+generic rule, LeGrad) then pays for attention twice. On a CPU it is cheaper to compute
+attention once the eager way, keep P, and hand ``O = P V`` back to the model: one batched
+matmul scaled by the GEMM (``baddbmm`` with ``alpha``), one softmax (in place when no
+gradient is taken), one matmul. The model's outputs equal the fused kernel's to float32
+rounding (about 1e-6; the tests check 1e-5).
+
+With gradients, P stays in the autograd graph and the record's tensor hook sits on P, so
+the backward pass computes ``dy/dP`` itself (it needs it for the softmax backward anyway)
+and ``grad_probs()`` returns it: no ``dO V^T`` product afterwards.
+
+The modes (``vx.capture(model, attention_mode=...)``, ``vx.Explainer(model, attention_mode=...)``):
+
+- ``"fused"``: never materialise (GPU memory, or only a few rows of one layer are read).
+- ``"materialize"``: materialise every call that can be (float32 q, k, v, no dropout, no
+  autocast; others run the fused kernel and are recorded as usual).
+- ``"auto"``: materialise on a CPU only, while one call's probabilities take at most
+  :data:`AUTO_CALL_BYTES` and all materialised probabilities of the capture (twice that
+  with gradients: P and dy/dP) stay within :data:`AUTO_TOTAL_BYTES`; the fused kernel
+  otherwise (GPU runs keep the flash / memory-efficient kernels, and a 4,096-token image
+  never stores N x N per layer). The Explainer passes ``"auto"`` only when a requested
+  method reads every layer's probabilities, ``"fused"`` otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from ..errors import UsageError
+from .records import _repeat_heads, attention_scores, fuse_heads, masked_softmax, score_scale
+
+__all__ = [
+    "MODES", "HEADS", "AUTO_CALL_BYTES", "AUTO_TOTAL_BYTES", "PER_IMAGE_MIN", "check_mode", "check_heads", "can_materialize",
+    "attention_with_probs",
+]
+
+MODES = ("auto", "fused", "materialize")
+
+#: What a materialized record may keep of its probabilities: every head, or their fusion.
+HEADS = ("all", "mean", "max", "min")
+
+#: ``"auto"`` materialises a call only when its probabilities (B x H x N_q x N_k float32)
+#: take at most this many bytes (vit_small at 224 px, batch 32: 30 MB; 4,096 tokens: 400 MB).
+AUTO_CALL_BYTES = 64 * 2**20
+
+#: ...and while all probabilities it materialised in the capture (and their gradients) stay
+#: within this many bytes; later calls then run the fused kernel.
+AUTO_TOTAL_BYTES = 512 * 2**20
+
+
+def check_mode(mode: Any) -> str:
+    """``mode`` when it is one of :data:`MODES`.
+
+    Raises:
+        UsageError: any other value; the message lists the modes.
+    """
+    if mode not in MODES:
+        raise UsageError(
+            f"attention_mode must be one of {MODES} ('auto': compute attention once on CPU when it "
+            f"is cheaper; 'fused': keep the fused kernel; 'materialize': always compute it), got {mode!r}"
+        )
+    return mode
+
+
+def check_heads(heads: Any) -> str:
+    """``heads`` when it is one of :data:`HEADS`.
+
+    Raises:
+        UsageError: any other value.
+    """
+    if heads not in HEADS:
+        raise UsageError(f"heads must be one of {HEADS} (what materialized records keep), got {heads!r}")
+    return heads
+
+
+def can_materialize(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], dropout_p: float, enable_gqa: bool) -> bool:
+    """Whether an SDPA call can be computed eagerly with the same result as the fused kernel.
+
+    Args:
+        q, k, v: (B, H, N_q, E), (B, H_kv, N_k, E), (B, H_kv, N_k, E_v) (extra leading dims
+            already folded into B).
+        mask: the call's ``attn_mask`` (None, bool or float32).
+        dropout_p: the call's dropout probability (must be 0: dropout is random).
+        enable_gqa: SDPA's grouped-query flag (fewer key/value heads).
+    """
+    tensors = (q, k, v)
+    if any(t.dtype != torch.float32 or t.is_nested or t.dim() != 4 for t in tensors):
+        return False
+    if dropout_p != 0.0 or _autocast(q.device.type):
+        return False
+    if mask is not None and mask.dtype not in (torch.bool, torch.float32):
+        return False
+    if k.shape[1] != q.shape[1] and not (enable_gqa and q.shape[1] % k.shape[1] == 0):
+        return False  # let SDPA raise its own error
+    return k.shape[:2] == v.shape[:2] and k.shape[-2] == v.shape[-2] and q.shape[0] == k.shape[0]
+
+
+def _autocast(device_type: str) -> bool:
+    """Whether autocast is on for this device type (devices without autocast: False)."""
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except RuntimeError:
+        return False
+
+
+def attention_with_probs(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    attn_mask: Optional[Tensor] = None,
+    scale: Optional[float] = None,
+    is_causal: bool = False,
+    heads: str = "all",
+) -> tuple[Tensor, Tensor]:
+    """SDPA computed eagerly, keeping the probabilities.
+
+    Scores exactly as :func:`vitexplain.recording.records.attention_scores` (masks, causal,
+    scale, grouped-query heads); rows in which every key is masked give zero probabilities
+    and a zero output, as the fused kernels do.
+
+    Without gradients and without a mask, images are computed one at a time (when each is
+    large enough, :data:`PER_IMAGE_MIN`) straight from the model's strided q, k, v: no
+    copies of q, k, v, the scores of one image stay in cache for the softmax and ``P V``,
+    and O is written in q's memory order (what the fused kernel returns, so the model's
+    ``transpose(1, 2).reshape(B, N, C)`` that follows is free). With ``heads`` a fusion, one
+    image's (H, N_q, N_k) probabilities live in a scratch buffer and only their fusion is kept.
+
+    Args:
+        q: (B, H, N_q, E) float32 queries (see :func:`can_materialize`).
+        k: (B, H_kv, N_k, E) keys.
+        v: (B, H_kv, N_k, E_v) values.
+        attn_mask: bool or float mask broadcastable to (B, H, N_q, N_k).
+        scale: score scale; None means ``1 / sqrt(E)``.
+        is_causal: SDPA's causal flag.
+        heads: ``"all"`` or ``"mean"``/``"max"``/``"min"``: keep the probabilities of every
+            head, or only their fusion (ignored when a gradient is taken: then P is part of
+            the autograd graph and every head is kept).
+
+    Returns:
+        (O (B, H, N_q, E_v), P), both float32: P is (B, H, N_q, N_k), in the autograd graph
+        when q or k requires grad, or (B, N_q, N_k) fused over heads.
+    """
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    masked = is_causal or attn_mask is not None
+    if not grad and not masked and q.shape[1] * q.shape[2] * k.shape[2] >= PER_IMAGE_MIN:
+        return _per_image(q, k, v, score_scale(q, scale), heads)
+    scores = attention_scores(q, k, attn_mask=attn_mask, scale=scale, is_causal=is_causal)
+    if not masked and not scores.requires_grad:
+        probs = torch.softmax(scores, dim=-1, out=scores)  # in place: no second N x N buffer
+    else:
+        probs = masked_softmax(scores, masked)
+    b, h, n_q, n_k = probs.shape
+    values = _repeat_heads(v, h)
+    out = torch.bmm(probs.view(b * h, n_q, n_k), values.reshape(b * h, n_k, values.shape[-1]))
+    if heads != "all" and not grad:
+        probs = fuse_heads(probs, heads)  # type: ignore[arg-type]
+    return out.view(b, h, n_q, -1), probs
+
+
+#: Per-image computation (no copies of q, k, v; scores in cache) when one image's scores
+#: H x N_q x N_k have at least this many entries; smaller calls (the zoo's 65-token ViT)
+#: are batched, where the per-image Python overhead would dominate.
+PER_IMAGE_MIN = 2**16
+
+
+def _per_image(q: Tensor, k: Tensor, v: Tensor, scale: float, heads: str) -> tuple[Tensor, Tensor]:
+    """Unmasked attention without gradients, one image at a time (see :func:`attention_with_probs`)."""
+    b, h, n_q, _ = q.shape
+    n_k = k.shape[2]
+    k, v = _repeat_heads(k, h), _repeat_heads(v, h)
+    if q.stride(1) < q.stride(2):  # heads inside tokens: (B, N, H, E) in memory, like timm's qkv
+        out = q.new_empty(b, n_q, h, v.shape[-1]).transpose(1, 2)
+    else:
+        out = q.new_empty(b, h, n_q, v.shape[-1])
+    keep_all = heads == "all"
+    probs = q.new_empty(b, h, n_q, n_k) if keep_all else q.new_empty(b, n_q, n_k)
+    scratch = None if keep_all else q.new_empty(h, n_q, n_k)
+    mean_weights = q.new_full((1, h), 1.0 / h)  # the head mean as one GEMV pass over the scratch
+    zero = q.new_zeros(())
+    for i in range(b):
+        p = probs[i] if scratch is None else scratch
+        torch.baddbmm(zero, q[i], k[i].transpose(1, 2), beta=0.0, alpha=scale, out=p)
+        torch.softmax(p, dim=-1, out=p)
+        torch.bmm(p, v[i], out=out[i])
+        if heads == "mean":
+            torch.mm(mean_weights, p.view(h, -1), out=probs[i].view(1, -1))
+        elif heads != "all":
+            (torch.amax if heads == "max" else torch.amin)(p, 0, out=probs[i])
+    return out, probs
