@@ -412,8 +412,8 @@ def test_rank_correlation_matches_oracle_with_many_ties():
         assert torch.allclose(M.rank_correlation(a[i : i + 1], b[i : i + 1]), got[i : i + 1])
 
 
-def test_rank_correlation_matches_scipy_if_installed():
-    stats = pytest.importorskip("scipy.stats")
+def test_rank_correlation_matches_scipy():
+    stats = pytest.importorskip("scipy.stats")  # in the test extra: runs in CI
     a = torch.relu(torch.randn(3, 10, 10)).round()
     b = torch.relu(torch.randn(3, 10, 10)).round()
     got = M.rank_correlation(a, b)
@@ -478,7 +478,9 @@ def test_randomization_check_correlation_drops_and_model_untouched():
     assert res.correlations.shape == (3, 3)
     assert res.maps is not None and res.maps.shape == (3, 3, 12, 12)
     assert torch.allclose(res.reference, _grad_x_input(x)(model))
-    assert res.correlations[-1].mean() < 0.5  # fully randomised: maps no longer agree
+    # fully randomised, the maps no longer agree: over 100 seeds of this model and input, the mean
+    # over the 3 images is 0.001 with sd 0.164 (seed 0: -0.138); ceiling = mean + 3 sd, rounded up
+    assert res.correlations[-1].mean() < 0.50
     assert (res.correlations < 0.999).all()
     after = model.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)

@@ -157,22 +157,33 @@ def test_captioner_cache_matches_teacher_forcing(models) -> None:
     assert cap.decode(tok[:, 1:]) == ["red circle and blue star"]
 
 
-def test_classifier_floors(models, floor_batch) -> None:
-    for name in ("shapes-vit", "shapes-cnn"):
-        with torch.no_grad():
-            pred = (models[name](floor_batch.tensor) > 0).float()
-        ok = pred == floor_batch.labels
-        label_acc = float(ok.float().mean())
-        exact_acc = float(ok.all(dim=1).float().mean())
-        assert label_acc >= 0.97, (name, label_acc)
-        assert exact_acc >= 0.90, (name, exact_acc)
+# Floors: measured on the 200 held-out images of floor_batch, minus three binomial standard errors
+# sqrt(p (1 - p) / n), rounded down to 2 decimals; where every answer was right (p = 1) the error
+# is that of one mistake, p = 1 - 1/n. Label accuracy counts the 5 labels of each image (n = 1000).
+@pytest.mark.parametrize(
+    "name, label_floor, exact_floor",
+    [
+        ("shapes-vit", 0.97, 0.91),  # measured label 0.988 (n = 1000), exact 0.955 (n = 200)
+        ("shapes-cnn", 0.99, 0.98),  # measured label 1.000 (n = 1000), exact 1.000 (n = 200)
+    ],
+)
+def test_classifier_floors(models, floor_batch, name, label_floor, exact_floor) -> None:
+    with torch.no_grad():
+        pred = (models[name](floor_batch.tensor) > 0).float()
+    ok = pred == floor_batch.labels
+    label_acc = float(ok.float().mean())
+    exact_acc = float(ok.all(dim=1).float().mean())
+    print(f"{name}: label accuracy {label_acc:.3f} (n {ok.numel()}), exact {exact_acc:.3f} (n {len(ok)})")
+    assert label_acc >= label_floor, (name, label_acc)
+    assert exact_acc >= exact_floor, (name, exact_acc)
 
 
 def test_captioner_floor(models, floor_batch) -> None:
     with torch.no_grad():
         _, caps = models["shapes-captioner"].generate(floor_batch.tensor)
     acc = sum(a == b for a, b in zip(caps, floor_batch.captions)) / len(caps)
-    assert acc >= 0.90, acc
+    print(f"shapes-captioner exact captions: {acc:.3f} (n {len(caps)})")
+    assert acc >= 0.93, acc  # measured 0.970, n = 200 (exact caption; rule above)
 
 
 def _quick(name: str, **changes):
