@@ -41,6 +41,15 @@ def check_finite(x: Tensor, name: str) -> None:
         )
 
 
+def _batch_of_2d(x: Tensor, name: str, dims: str, what: str, batch: Optional[int], match: str) -> Tensor:
+    """Check that ``x`` is (B, *dims*), with B == ``batch`` when given."""
+    if x.ndim != 3:
+        raise UsageError(f"{name} must have shape (B, {dims}) ({what}), got shape {tuple(x.shape)}")
+    if batch is not None and x.shape[0] != batch:
+        raise UsageError(f"{name} must have shape ({batch}, {dims}) to match {match}, got {tuple(x.shape)}")
+    return x
+
+
 def check_maps(maps: ArrayLike, name: str = "maps", batch: Optional[int] = None) -> Tensor:
     """Validate a batch of maps.
 
@@ -52,14 +61,8 @@ def check_maps(maps: ArrayLike, name: str = "maps", batch: Optional[int] = None)
     Returns:
         The maps, detached, as float32 (float64 stays float64), finite.
     """
-    maps = as_tensor(maps, name)
-    if maps.ndim != 3:
-        raise UsageError(
-            f"{name} must have shape (B, h, w) (one 2-D map per image), got shape {tuple(maps.shape)}; "
-            f"for a single map use map[None]"
-        )
-    if batch is not None and maps.shape[0] != batch:
-        raise UsageError(f"{name} must have shape ({batch}, h, w) to match the batch, got {tuple(maps.shape)}")
+    maps = _batch_of_2d(as_tensor(maps, name), name, "h, w", "one 2-D map per image; for a single map use map[None]",
+                        batch, "the batch")
     if maps.shape[1] == 0 or maps.shape[2] == 0:
         raise UsageError(f"{name} has an empty spatial size {tuple(maps.shape[1:])}")
     if maps.is_complex():
@@ -72,14 +75,11 @@ def check_maps(maps: ArrayLike, name: str = "maps", batch: Optional[int] = None)
 
 def check_masks(masks: ArrayLike, name: str = "masks", batch: Optional[int] = None) -> Tensor:
     """Validate a batch of masks: ``(B, H, W)``, bool or numbers (nonzero = inside); returns bool."""
-    masks = as_tensor(masks, name)
-    if masks.ndim != 3:
-        raise UsageError(
-            f"{name} must have shape (B, H, W) (one boolean mask per image at image resolution), "
-            f"got shape {tuple(masks.shape)}; for several objects pass their union, masks.any(dim=1)"
-        )
-    if batch is not None and masks.shape[0] != batch:
-        raise UsageError(f"{name} must have shape ({batch}, H, W) to match maps, got {tuple(masks.shape)}")
+    masks = _batch_of_2d(
+        as_tensor(masks, name), name, "H, W",
+        "one boolean mask per image at image resolution; for several objects pass their union, masks.any(dim=1)",
+        batch, "maps",
+    )
     if masks.dtype != torch.bool:
         check_finite(masks.float() if not masks.is_floating_point() else masks, name)
         masks = masks != 0
