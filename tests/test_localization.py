@@ -49,7 +49,7 @@ def maps(setup):
     [
         ("cdam", 0.86),  # measured 0.920, n = 200
         ("generic", 0.96),  # measured 0.990, n = 200
-        ("gradcam", 0.93),  # measured 0.970, n = 200
+        ("gradcam", 0.92),  # measured 0.965, n = 200
     ],
 )
 def test_class_discriminative_maps_point_at_the_targeted_object(setup, maps, method, floor):

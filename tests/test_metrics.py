@@ -69,6 +69,14 @@ def test_peak_ties_resolve_to_the_centre_of_the_tied_set():
         M.peak_locations(grid, (64, 64), rtol=-1)
 
 
+def test_a_constant_map_is_a_miss_wherever_the_object_is():
+    everywhere = torch.ones(3, 64, 64, dtype=torch.bool)
+    maps = torch.stack([torch.zeros(8, 8), torch.full((8, 8), 3.5), torch.zeros(8, 8)])
+    maps[2, 4, 4] = 1e-3  # one cell above the rest: it points
+    assert M.pointing_game(maps, everywhere).tolist() == [False, False, True]
+    assert M.peak_locations(maps[:1], (64, 64)).tolist() == [[31, 31]]  # the centre of the tied set
+
+
 def _rescaled(maps):
     """The same maps times several positive constants and through a positive affine map."""
     return [maps * 0.053, maps, maps * 1e3, 0.37 * maps + 5.0]

@@ -91,7 +91,8 @@ def peak_locations(maps: ArrayLike, size: Size2, *, rtol: float = PEAK_RTOL) -> 
     pointing-game hit into a miss). Normalising first makes the values, and so the tolerance,
     independent of the map's scale and offset; taking the tied set's centre, rather than its first
     pixel, puts the peak where the plateau is (the first pixel is biased towards the top left by
-    up to the plateau's size). A constant map ties everywhere and peaks at the image centre.
+    up to the plateau's size). A constant map ties everywhere and peaks at the image centre
+    (:func:`pointing_game` scores it a miss).
 
     Args:
         maps: ``(B, h, w)`` maps.
@@ -132,7 +133,9 @@ def pointing_game(
     not change when a map is scaled by a positive constant or shifted) is a hit if it lies within
     ``tolerance`` pixels of a mask pixel, i.e. inside the mask dilated by a Euclidean disk of radius
     ``tolerance`` (distances between pixel centres). ``tolerance=0`` requires the peak to be inside
-    the mask itself.
+    the mask itself. A constant map (e.g. a clamped gradient map that is 0 everywhere) has no
+    maximum to point with and is a miss wherever the object is; otherwise the image centre, where
+    its tied set is centred, would count as a hit for every centred object.
 
     Args:
         maps: ``(B, h, w)`` maps at any resolution; signed maps are fine (only the maximum matters).
@@ -167,7 +170,9 @@ def pointing_game(
     rows = torch.arange(h, device=maps.device)
     cols = torch.arange(w, device=maps.device)
     d2 = (rows[None, :, None] - peaks[:, 0, None, None]) ** 2 + (cols[None, None, :] - peaks[:, 1, None, None]) ** 2
-    return (masks & (d2 <= float(tolerance) ** 2)).flatten(1).any(1)
+    flat = maps.flatten(1)
+    points = flat.amax(1) > flat.amin(1)  # a constant map points nowhere
+    return (masks & (d2 <= float(tolerance) ** 2)).flatten(1).any(1) & points
 
 
 def pointing_accuracy(
