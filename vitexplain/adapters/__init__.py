@@ -8,7 +8,7 @@ from .base import Adapter, adapter_for, register_adapter
 
 __all__ = ["Adapter", "adapter_for", "register_adapter"]
 
-_ADAPTER_MODULES = ("vit", "cnn", "captioning")
+_ADAPTER_MODULES = ("vit", "swin", "cnn", "captioning")
 
 
 def _load_adapters() -> None:

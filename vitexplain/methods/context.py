@@ -63,7 +63,7 @@ class Context:
         layout = self.layout
         if layout is None:
             raise UnsupportedMethodError(f"method {self.method!r} needs a ViT token layout")
-        if layout.windowed:
+        if layout.windowed and (rollout or layout.grid is None):
             alternatives = "'cdam', 'gradcam', 'integrated_gradients', 'occlusion'"
             what = "rollout across layers" if rollout else "a single patch grid"
             raise UnsupportedMethodError(

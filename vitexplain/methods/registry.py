@@ -9,7 +9,7 @@ from ..errors import UnsupportedMethodError
 
 __all__ = ["MethodSpec", "register", "get", "names", "specs", "FAMILIES"]
 
-FAMILIES = ("vit", "cnn", "caption")
+FAMILIES = ("vit", "swin", "cnn", "caption")
 
 
 @dataclass(frozen=True)
@@ -18,7 +18,7 @@ class MethodSpec:
 
     Attributes:
         name: the public method name (``"cdam"``, ``"rollout"``, ...).
-        family: ``"vit"``, ``"cnn"`` or ``"caption"``.
+        family: ``"vit"``, ``"swin"``, ``"cnn"`` or ``"caption"``.
         fn: ``fn(ctx, **options) -> maps`` (B, gh, gw), a pure function of a context; it may
             return ``(maps, extras)`` with a dict of method-specific results.
         grads: needs gradients of the target score (one backward pass).
@@ -66,7 +66,7 @@ def register(name: str, family: str = "vit", **fields: Any) -> Callable[[Callabl
 
 def _load() -> None:
     """Import the modules that register methods (on first use, to keep imports light)."""
-    from . import attention, gradients, tokens, legrad, captum_methods  # noqa: F401  (listing order)
+    from . import attention, gradients, tokens, legrad, captum_methods, swin  # noqa: F401  (listing order)
 
     try:
         from . import cnn  # noqa: F401
