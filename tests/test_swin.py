@@ -558,12 +558,14 @@ def test_clear_errors_for_what_does_not_apply():
     x = torch.randn(1, 3, 64, 64)
     with pytest.raises(vx.UnsupportedMethodError, match="last stage"):
         ex.explain(x, method="legrad", layers=[0])
-    with pytest.raises(ValueError, match="outside the stage grid"):
+    with pytest.raises(vx.OptionError, match="outside the stage grid"):
         ex.explain(x, method="raw", query=(8, 0))
-    with pytest.raises(ValueError, match="out of range"):
+    with pytest.raises(vx.OptionError, match="'head' must be in"):
         ex.explain(x, method="raw", head=7)
-    with pytest.raises(ValueError, match="stage 2 is out of range"):
+    with pytest.raises(vx.OptionError, match="'stage' must be in"):
         ex.explain(x, method="rollout", stage=2)
+    with pytest.raises(vx.OptionError, match="'layer' must be in"):
+        ex.explain(x, method="raw", layer=4)
     with pytest.raises(vx.UnsupportedMethodError, match="not available for swin"):
         ex.explain(x, method="spatial")
     backbone = transformers.SwinBackbone(SwinConfig(image_size=64, patch_size=4, window_size=4, embed_dim=16,

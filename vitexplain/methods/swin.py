@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from ..errors import UnsupportedMethodError, UnsupportedModelError
 from . import captum_methods
 from .context import Context
+from .options import Option, check_index
 from .registry import get, register
 from .tokens import _chunks, _slice_score, cdam_scores
 from .windowed import WindowedLayer, propagate_windows, stage_vector, window_layers
@@ -64,10 +65,12 @@ def _geometry(ctx: Context) -> tuple[list[WindowedLayer], list[tuple[int, int]]]
     return window_layers(ctx), ctx.adapter.stage_grids(tuple(ctx.x.shape[-2:]))
 
 
-def _pick(layers: list[WindowedLayer], layer: int) -> WindowedLayer:
-    if not -len(layers) <= layer < len(layers):
-        raise ValueError(f"layer {layer} is out of range for {len(layers)} blocks")
-    return layers[layer]
+def _pick(ctx: Context, layers: list[WindowedLayer], layer: int) -> WindowedLayer:
+    return layers[check_index(ctx.method, "layer", layer, len(layers), "blocks over all stages")]
+
+
+def _stage(ctx: Context, grids: list[tuple[int, int]], stage: int) -> int:
+    return check_index(ctx.method, "stage", stage, len(grids), "stages")
 
 
 def _on_grid(values: Tensor, grid: tuple[int, int]) -> Tensor:
@@ -75,8 +78,20 @@ def _on_grid(values: Tensor, grid: tuple[int, int]) -> Tensor:
 
 
 # -- attention ---------------------------------------------------------------------------
+_FUSION = Option(str, choices=("mean", "max", "min"), help="how heads are fused")
+_STAGE = Option(int, help="stage whose grid the map is on (0 = the patch grid; negative counts from the last)")
+_DISCARD = Option(float, low=0, high=1, high_open=True, help="fraction of smallest same-window entries zeroed per block")
+
+
 @register(
     "raw", FAMILY, class_sensitive=False,
+    options={
+        "layer": Option(int, help="block index over all stages, negative counts from the last"),
+        "head": Option(int, optional=True, help="one head, negative counts from the last (None = fuse heads)"),
+        "head_fusion": _FUSION,
+        "query": Option(int, optional=True, sequence=True,
+                        help="None = mean over all query tokens; a token index or (row, col) on the block's stage grid"),
+    },
     summary="raw windowed attention of one block on its stage grid (mean over queries, or one query token)",
     reference="Dosovitskiy et al. 2021 per window; docs/methods.md, Swin",
 )
@@ -100,14 +115,17 @@ def raw(ctx: Context, *, layer: int = -1, head: Optional[int] = None, head_fusio
         (B, H_s, W_s) float32 on the block's stage grid.
     """
     layers, grids = _geometry(ctx)
-    chosen = _pick(layers, layer)
+    chosen = _pick(ctx, layers, layer)
     grid = grids[chosen.stage]
+    if head is not None:
+        head = check_index(ctx.method, "head", head, chosen.record.num_heads, "heads")
     vector = stage_vector(grid, ctx.batch_size, chosen.record.device, query)
     return _on_grid(chosen.vec_mat(vector, chosen.fused(head_fusion, head)), grid)
 
 
 @register(
     "rollout", FAMILY, class_sensitive=False,
+    options={"head_fusion": _FUSION, "discard_ratio": _DISCARD, "stage": _STAGE},
     summary="attention rollout through shifted windows and patch merging (mean readout), on a stage grid",
     reference="Abnar & Zuidema 2020 on Swin's dense windowed matrices; docs/methods.md, Swin",
 )
@@ -126,6 +144,7 @@ def rollout(ctx: Context, *, head_fusion: str = "mean", discard_ratio: float = 0
         (B, H_s, W_s) float32; sums to 1 per image.
     """
     layers, grids = _geometry(ctx)
+    stage = _stage(ctx, grids, stage)
     out = propagate_windows(layers, grids, lambda l: l.fused(head_fusion), mode="rollout",
                             to_stage=stage, discard_ratio=discard_ratio)
     return _on_grid(out, grids[stage])
@@ -142,7 +161,7 @@ def _chefer(layer: WindowedLayer) -> Tensor:
 
 
 @register(
-    "grad_rollout", FAMILY, grads=True,
+    "grad_rollout", FAMILY, grads=True, options={"discard_ratio": _DISCARD, "stage": _STAGE},
     summary="gradient rollout through shifted windows and patch merging, on a stage grid",
     reference="vit-explain (fixed) on Swin's dense windowed matrices; docs/methods.md, Swin",
 )
@@ -153,13 +172,14 @@ def grad_rollout(ctx: Context, *, discard_ratio: float = 0.0, stage: int = 0) ->
         (B, H_s, W_s) float32.
     """
     layers, grids = _geometry(ctx)
+    stage = _stage(ctx, grids, stage)
     out = propagate_windows(layers, grids, _grad_weighted, mode="rollout", to_stage=stage,
                             discard_ratio=discard_ratio)
     return _on_grid(out, grids[stage])
 
 
 @register(
-    "generic", FAMILY, grads=True,
+    "generic", FAMILY, grads=True, options={"stage": _STAGE},
     summary="Chefer's rule through shifted windows and patch merging (identity path removed), on a stage grid",
     reference="Chefer, Gur & Wolf, ICCV 2021 on Swin's dense windowed matrices; docs/methods.md, Swin",
 )
@@ -171,11 +191,13 @@ def generic(ctx: Context, *, stage: int = 0) -> Tensor:
         (B, H_s, W_s) float32, non-negative.
     """
     layers, grids = _geometry(ctx)
+    stage = _stage(ctx, grids, stage)
     return _on_grid(propagate_windows(layers, grids, _chefer, mode="generic", to_stage=stage), grids[stage])
 
 
 @register(
     "attn_gradcam", FAMILY, grads=True,
+    options={"layer": Option(int, help="block index over all stages, negative counts from the last")},
     summary="attention Grad-CAM on one block's windowed attention (mean readout), on its stage grid",
     reference="Chefer et al. 2021 baseline, mean readout; docs/methods.md, Swin",
 )
@@ -187,7 +209,7 @@ def attn_gradcam(ctx: Context, *, layer: int = -1) -> Tensor:
         (B, H_s, W_s) float32 on the block's stage grid.
     """
     layers, grids = _geometry(ctx)
-    chosen = _pick(layers, layer)
+    chosen = _pick(ctx, layers, layer)
     grid = grids[chosen.stage]
     vector = stage_vector(grid, ctx.batch_size, chosen.record.device)
     probs, grads = chosen.probs(), chosen.grad_probs()
@@ -314,6 +336,12 @@ def gradcam(ctx: Context) -> Tensor:
 
 @register(
     "cdam_smooth", FAMILY, activations=_last_block, signed=True,
+    options={
+        "samples": Option(int, low=1, help="noisy samples"),
+        "noise": Option(float, low=0, help="noise std as a fraction of the block input's range"),
+        "batch_size": Option(int, low=1, help="samples per forward"),
+        "seed": Option(int, optional=True, help="noise seed (None = random)"),
+    },
     summary="smooth CDAM: mean CDAM over noisy copies of the last Swin block's input",
     reference="Brocki, Binda & Chung 2023 (Smooth CDAM); docs/methods.md, Swin",
 )
@@ -345,6 +373,10 @@ def cdam_smooth(ctx: Context, *, samples: int = 50, noise: float = 0.05, batch_s
 
 @register(
     "cdam_integrated", FAMILY, activations=_last_block, signed=True,
+    options={
+        "steps": Option(int, low=1, help="integration steps"),
+        "batch_size": Option(int, low=1, help="steps per forward"),
+    },
     summary="integrated CDAM on the tokens entering the last block's attention (completeness)",
     reference="Brocki, Binda & Chung 2023 (Integrated CDAM); docs/methods.md, Swin",
 )
@@ -377,6 +409,7 @@ def _last_stage_blocks(adapter) -> list[str]:
 
 @register(
     "legrad", FAMILY, grads=True, activations=_last_stage_blocks, retain_graph=True,
+    options={"layers": Option(int, optional=True, sequence=True, help="block indices (None = the last stage's blocks)")},
     summary="LeGrad on the last stage's blocks (the head reads only last-stage tokens)",
     reference="Bousselham et al. 2024; docs/methods.md, Swin",
 )
@@ -396,7 +429,10 @@ def legrad(ctx: Context, *, layers: Optional[Sequence[int]] = None) -> Tensor:
     adapter = ctx.adapter
     all_layers, grids = _geometry(ctx)
     allowed = adapter.stage_blocks(-1)
-    chosen = allowed if layers is None else [i % len(all_layers) for i in layers]
+    requested = [layers] if isinstance(layers, int) else layers
+    chosen = allowed if requested is None else [
+        check_index(ctx.method, "layers", i, len(all_layers), "blocks over all stages") for i in requested
+    ]
     outside = [i for i in chosen if i not in allowed]
     if outside:
         raise UnsupportedMethodError(
@@ -424,5 +460,5 @@ def legrad(ctx: Context, *, layers: Optional[Sequence[int]] = None) -> Tensor:
 # captum methods need only a grid: the last stage's
 for _fn in (captum_methods.integrated_gradients, captum_methods.occlusion, captum_methods.smoothgrad):
     _spec = get(_fn.__name__, "vit")
-    register(_spec.name, FAMILY, attention=False, signed=_spec.signed,
+    register(_spec.name, FAMILY, attention=False, signed=_spec.signed, options=_spec.options,
              summary=f"{_spec.summary} (last stage grid)", reference=_spec.reference)(_fn)

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from ..adapters.swin import WindowGeometry
-from ..errors import CaptureError, UnsupportedMethodError
+from ..errors import CaptureError, OptionError, UnsupportedMethodError
 from ..recording import AttentionRecord
 from ..recording.records import fuse_heads
 from .context import Context
@@ -103,8 +103,6 @@ class WindowedLayer:
         """(B, nW, n, n): one head's probabilities, or the heads fused (mean / max / min)."""
         p = self.probs()
         if head is not None:
-            if not -p.shape[2] <= head < p.shape[2]:
-                raise ValueError(f"head {head} is out of range for {p.shape[2]} heads")
             return p[:, :, head]
         return fuse_heads(p.flatten(0, 1), head_fusion).view(p.shape[0], p.shape[1], *p.shape[3:])  # type: ignore[arg-type]
 
@@ -272,12 +270,12 @@ def stage_vector(grid: tuple[int, int], batch: int, device: torch.device, query:
     if isinstance(query, (tuple, list)) and len(query) == 2:
         row, col = (int(v) for v in query)
         if not (0 <= row < grid[0] and 0 <= col < grid[1]):
-            raise ValueError(f"query {tuple(query)} is outside the stage grid {grid}")
+            raise OptionError(f"query {tuple(query)} is outside the stage grid {grid}")
         flat = row * grid[1] + col
     elif isinstance(query, int) and -n <= query < n:
         flat = query % n
     else:
-        raise ValueError(f"query must be None, a token index in [0, {n}) or (row, col) on the grid {grid}; got {query!r}")
+        raise OptionError(f"query must be None, a token index in [-{n}, {n}) or (row, col) on the grid {grid}; got {query!r}")
     vector = torch.zeros(batch, n, device=device)
     vector[:, flat] = 1.0
     return vector
