@@ -166,7 +166,8 @@ def _chefer(layer: WindowedLayer) -> Tensor:
     reference="vit-explain (fixed) on Swin's dense windowed matrices; docs/methods.md, Swin",
 )
 def grad_rollout(ctx: Context, *, discard_ratio: float = 0.0, stage: int = 0) -> Tensor:
-    """As ``rollout`` with ``fused = clamp(mean_h(A * dy/dA), 0)`` per block.
+    """As ``rollout`` with ``fused = clamp(mean_h(A * dy/dA), 0)`` per block, read as
+    ``u (R - R_identity)`` like ``generic`` (docs/methods.md, Swin).
 
     Returns:
         (B, H_s, W_s) float32.
@@ -174,7 +175,7 @@ def grad_rollout(ctx: Context, *, discard_ratio: float = 0.0, stage: int = 0) ->
     layers, grids = _geometry(ctx)
     stage = _stage(ctx, grids, stage)
     out = propagate_windows(layers, grids, _grad_weighted, mode="rollout", to_stage=stage,
-                            discard_ratio=discard_ratio)
+                            discard_ratio=discard_ratio, deviation=True)
     return _on_grid(out, grids[stage])
 
 
@@ -192,7 +193,8 @@ def generic(ctx: Context, *, stage: int = 0) -> Tensor:
     """
     layers, grids = _geometry(ctx)
     stage = _stage(ctx, grids, stage)
-    return _on_grid(propagate_windows(layers, grids, _chefer, mode="generic", to_stage=stage), grids[stage])
+    return _on_grid(propagate_windows(layers, grids, _chefer, mode="generic", to_stage=stage, deviation=True),
+                    grids[stage])
 
 
 @register(

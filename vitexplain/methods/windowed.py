@@ -201,16 +201,17 @@ def propagate_windows(
     mode: str,
     to_stage: int = 0,
     discard_ratio: float = 0.0,
+    deviation: bool = False,
 ) -> Tensor:
     """Push the mean-pooling readout row through the layers, last first, down to a stage grid.
 
-    The readout is uniform over the last stage's tokens (the head averages them). Within a
-    stage, ``mode="rollout"``: ``r <- r @ rownorm(0.5 M_l + 0.5 I)``; ``mode="generic"``
-    (Chefer): ``r <- r + r @ M_l``, carried as the identity path ``r0`` (which only the
-    merges touch) plus the relevance ``d`` with ``d <- d + (r0 + d) @ M_l``, and ``d`` is
-    returned: the readout row of ``R - R_identity``, the analogue of a class-token model's
-    patch columns, which the identity never reaches. Between stages r is distributed to the
-    children (:func:`distribute`).
+    The readout u is uniform over the last stage's tokens (the head averages them). Per block,
+    ``mode="rollout"``: ``r <- r @ rownorm(0.5 M_l + 0.5 I)``; ``mode="generic"`` (Chefer):
+    ``r <- r + r @ M_l``; between stages r is distributed to the children
+    (:func:`distribute`). The row is carried as the identity path ``r0`` (u through the merges
+    alone) plus the deviation ``d`` from it, each block adding its increment to ``d``
+    (``(r0 + d) @ M_l``, or rollout's ``0.5 w @ M_l - 0.5 w * rowsum(M_l)`` with
+    ``w = r / (0.5 rowsum(M_l) + 0.5)``), so reading ``d`` alone loses no precision.
 
     Args:
         layers: all blocks' windowed attention, input side first.
@@ -219,6 +220,7 @@ def propagate_windows(
         mode: ``"rollout"`` or ``"generic"``.
         to_stage: stage whose grid the result is on; layers of earlier stages are left out.
         discard_ratio: rollout's discard, over the entries that share a window.
+        deviation: return ``u (R - R_identity)`` (``d``) instead of ``u R`` (``r0 + d``).
 
     Returns:
         (B, H_t * W_t) on the grid of ``to_stage``.
@@ -244,12 +246,13 @@ def propagate_windows(
             continue
         if discard_ratio > 0:
             m = discard_in_windows(m, layer.pairs, discard_ratio)
-        w = r0 / (0.5 * layer.row_sums(m) + 0.5)  # rollout keeps no separate identity path
-        r0 = 0.5 * layer.vec_mat(w, m) + 0.5 * w
+        sums = layer.row_sums(m)
+        w = (r0 + d) / (0.5 * sums + 0.5)
+        d = d + 0.5 * layer.vec_mat(w, m) - 0.5 * w * sums
     while stage > to_stage:
         r0, d = (distribute(v, grids[stage - 1], grids[stage]) for v in (r0, d))
         stage -= 1
-    return d if mode == "generic" else r0
+    return d if deviation else r0 + d
 
 
 def stage_vector(grid: tuple[int, int], batch: int, device: torch.device, query: object = None) -> Tensor:
