@@ -237,6 +237,7 @@ def test_adapter_recognises_every_swin_family(kind):
     assert "rollout" in vx.methods.names(model) and "cdam" in vx.methods.names(model)
     layout = adapter.layout((64, 64))
     assert layout.grid == (8, 8) and layout.readout == "mean" and layout.windowed
+    assert vx.token_layout(model, (64, 64)) == layout  # the one recognition path
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -589,3 +590,17 @@ def test_headless_hugging_face_swin_model_explains_a_callable_score():
     for method in ("cdam", "generic", "legrad"):
         maps = ex.explain(torch.randn(2, 3, 64, 64), method=method, target=score).maps
         assert torch.isfinite(maps).all() and maps.std() > 0
+    with pytest.raises(vx.TargetError):  # no classifier: a class index means nothing
+        ex.explain(torch.randn(1, 3, 64, 64), method="cdam", target=0)
+
+
+def test_an_adapter_without_a_capability_refuses_the_methods_that_need_it():
+    model = build("tv")
+
+    class NoRerun(TorchvisionSwinAdapter):
+        capabilities = TorchvisionSwinAdapter.capabilities - {"tail"}
+
+    ex = vx.Explainer(model, adapter=NoRerun(model))
+    assert "cdam" not in ex.methods() and "generic" in ex.methods()
+    with pytest.raises(vx.UnsupportedMethodError, match="Methods that apply"):
+        ex.explain(torch.randn(1, 3, 64, 64), method="cdam")

@@ -136,6 +136,7 @@ class SwinAdapter(Adapter):
     """
 
     family = "swin"
+    capabilities = frozenset({"grid", "tokens", "attention", "rollout", "tail", "head", "pixels"})
     windowed_input = True
 
     def __init__(self, model: nn.Module, swin_blocks: list[SwinBlock], post_norm: bool) -> None:
@@ -202,7 +203,8 @@ class SwinAdapter(Adapter):
         return self.model.get_submodule(self.blocks[index])(tokens)
 
     def head(self, tokens: Tensor) -> Tensor:
-        """Final norm, average pooling and classifier on last-stage tokens (B, H, W, C) -> (B, K)."""
+        """Final norm, average pooling and classifier on a last-stage block's output tokens, in
+        the model's own layout or as (B, H, W, C): (B, K) logits, or (B, D) without a head."""
         raise NotImplementedError
 
 
@@ -225,6 +227,7 @@ class TimmSwinAdapter(SwinAdapter):
             for b in range(len(stage.blocks))
         ]
         super().__init__(model, blocks, post_norm=_module_family(model, "timm.models.swin_transformer_v2"))
+        self.has_head = int(getattr(model, "num_classes", 1) or 0) > 0
 
     @staticmethod
     def _cr(model: nn.Module) -> bool:
@@ -318,6 +321,7 @@ class HFSwinAdapter(SwinAdapter):
         super().__init__(model, blocks, post_norm=model.config.model_type == "swinv2")
         self.base = model.get_submodule(base) if base else model
         self._stages = encoder.layers
+        self.has_head = getattr(model, "classifier", None) is not None
 
     def forward(self, x: Tensor) -> Any:
         out = self.model(pixel_values=x)

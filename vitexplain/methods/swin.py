@@ -9,7 +9,8 @@ blocks; captum methods on the last stage's grid. Definitions: docs/methods.md, "
 Token methods re-run the last block and the head with the attention input held as its own
 leaf tensor (a scoped pre-hook on the last attention module), so dy/dT is the gradient along
 the attention path also for V2 blocks, whose attention input is the residual stream itself.
-Each call first checks that the re-run reproduces the model's outputs (1e-4 relative).
+Each call first checks that the re-run reproduces the model's outputs (``Context.partial``,
+1e-4 relative).
 """
 
 from __future__ import annotations
@@ -29,38 +30,9 @@ from .tokens import _chunks, _slice_score, cdam_scores
 from .windowed import WindowedLayer, propagate_windows, stage_vector, window_layers
 
 __all__ = ["raw", "rollout", "grad_rollout", "generic", "attn_gradcam", "cdam", "gradcam",
-           "cdam_smooth", "cdam_integrated", "legrad", "check_reproduces"]
+           "cdam_smooth", "cdam_integrated", "legrad", "tokens_and_grad"]
 
 FAMILY = "swin"
-#: Largest relative difference allowed between a re-run and the model's own outputs.
-RERUN_TOLERANCE = 1e-4
-
-
-def check_reproduces(outputs: Tensor, reference: object, what: str) -> None:
-    """Raise when a partial forward does not reproduce the model's outputs.
-
-    Args:
-        outputs: (B, K) outputs of the re-run.
-        reference: the model's own outputs (a tensor) from the explained forward.
-        what: what was re-run, for the message.
-
-    Raises:
-        UnsupportedModelError: ``max |a - b| > 1e-4 * max |b|``.
-    """
-    if not isinstance(reference, Tensor):
-        return
-    ref = reference.detach().float()
-    out = outputs.detach().float()
-    scale = ref.abs().max().clamp(min=1e-12)
-    error = float((out - ref).abs().max() / scale) if out.shape == ref.shape else float("inf")
-    if error > RERUN_TOLERANCE:
-        raise UnsupportedModelError(
-            f"re-running {what} does not reproduce the model's outputs (relative difference "
-            f"{error:.2g} > {RERUN_TOLERANCE:g}): the model does more there than its adapter knows, "
-            "so this method would be wrong; use 'generic', 'grad_rollout' or a captum method"
-        )
-
-
 def _geometry(ctx: Context) -> tuple[list[WindowedLayer], list[tuple[int, int]]]:
     return window_layers(ctx), ctx.adapter.stage_grids(tuple(ctx.x.shape[-2:]))
 
@@ -84,7 +56,7 @@ _DISCARD = Option(float, low=0, high=1, high_open=True, help="fraction of smalle
 
 
 @register(
-    "raw", FAMILY, class_sensitive=False,
+    "raw", FAMILY, class_sensitive=False, requires=("grid", "attention"),
     options={
         "layer": Option(int, help="block index over all stages, negative counts from the last"),
         "head": Option(int, optional=True, help="one head, negative counts from the last (None = fuse heads)"),
@@ -124,7 +96,7 @@ def raw(ctx: Context, *, layer: int = -1, head: Optional[int] = None, head_fusio
 
 
 @register(
-    "rollout", FAMILY, class_sensitive=False,
+    "rollout", FAMILY, class_sensitive=False, requires=("grid", "attention", "rollout"),
     options={"head_fusion": _FUSION, "discard_ratio": _DISCARD, "stage": _STAGE},
     summary="attention rollout through shifted windows and patch merging (mean readout), on a stage grid",
     reference="Abnar & Zuidema 2020 on Swin's dense windowed matrices; docs/methods.md, Swin",
@@ -161,7 +133,7 @@ def _chefer(layer: WindowedLayer) -> Tensor:
 
 
 @register(
-    "grad_rollout", FAMILY, grads=True, options={"discard_ratio": _DISCARD, "stage": _STAGE},
+    "grad_rollout", FAMILY, grads=True, requires=("grid", "attention", "rollout"), options={"discard_ratio": _DISCARD, "stage": _STAGE},
     summary="gradient rollout through shifted windows and patch merging, on a stage grid",
     reference="vit-explain (fixed) on Swin's dense windowed matrices; docs/methods.md, Swin",
 )
@@ -180,7 +152,7 @@ def grad_rollout(ctx: Context, *, discard_ratio: float = 0.0, stage: int = 0) ->
 
 
 @register(
-    "generic", FAMILY, grads=True, options={"stage": _STAGE},
+    "generic", FAMILY, grads=True, requires=("grid", "attention", "rollout"), options={"stage": _STAGE},
     summary="Chefer's rule through shifted windows and patch merging (identity path removed), on a stage grid",
     reference="Chefer, Gur & Wolf, ICCV 2021 on Swin's dense windowed matrices; docs/methods.md, Swin",
 )
@@ -198,7 +170,7 @@ def generic(ctx: Context, *, stage: int = 0) -> Tensor:
 
 
 @register(
-    "attn_gradcam", FAMILY, grads=True,
+    "attn_gradcam", FAMILY, grads=True, requires=("grid", "attention"),
     options={"layer": Option(int, help="block index over all stages, negative counts from the last")},
     summary="attention Grad-CAM on one block's windowed attention (mean readout), on its stage grid",
     reference="Chefer et al. 2021 baseline, mean readout; docs/methods.md, Swin",
@@ -291,22 +263,27 @@ def _block_input(ctx: Context) -> Tensor:
     return ctx.recorder.activation(ctx.adapter.blocks[-1]).input.detach()
 
 
+def _check_tail(ctx: Context) -> None:
+    """Check once per call that re-running the last block and the head reproduces the model."""
+    ctx.partial("tail", lambda x: _tail(ctx, x)[0].detach(), _block_input(ctx))
+
+
 def tokens_and_grad(ctx: Context) -> tuple[Tensor, Tensor]:
     """T, the tokens entering the last block's attention, and dy/dT along the attention path.
 
-    Re-runs the last block and the head once and checks they reproduce the model's outputs.
+    Re-runs the last block and the head (checked first against the model's own outputs).
 
     Returns:
         (T, dy/dT), each (B, H, W, C) float32 on the last stage's grid.
     """
+    _check_tail(ctx)
     logits, leaf = _tail(ctx, _block_input(ctx))
-    check_reproduces(logits, ctx.outputs, "the last Swin block and the head")
     (grad,) = torch.autograd.grad(ctx.score(logits).sum(), leaf)
     return _to_grid(ctx, leaf.detach()).float(), _to_grid(ctx, grad).float()
 
 
 @register(
-    "cdam", FAMILY, activations=_last_block, signed=True,
+    "cdam", FAMILY, activations=_last_block, signed=True, requires=("grid", "tokens", "tail"),
     summary="CDAM on the tokens entering the last block's attention, last stage grid (signed)",
     reference="Brocki, Binda & Chung 2023; docs/methods.md, Swin",
 )
@@ -321,7 +298,7 @@ def cdam(ctx: Context) -> Tensor:
 
 
 @register(
-    "gradcam", FAMILY, activations=_last_block,
+    "gradcam", FAMILY, activations=_last_block, requires=("grid", "tokens", "tail"),
     summary="token Grad-CAM on the tokens entering the last block's attention, last stage grid",
     reference="Selvaraju et al. 2017 on Swin tokens; docs/methods.md, Swin",
 )
@@ -337,7 +314,7 @@ def gradcam(ctx: Context) -> Tensor:
 
 
 @register(
-    "cdam_smooth", FAMILY, activations=_last_block, signed=True,
+    "cdam_smooth", FAMILY, activations=_last_block, signed=True, requires=("grid", "tokens", "tail"),
     options={
         "samples": Option(int, low=1, help="noisy samples"),
         "noise": Option(float, low=0, help="noise std as a fraction of the block input's range"),
@@ -355,7 +332,7 @@ def cdam_smooth(ctx: Context, *, samples: int = 50, noise: float = 0.05, batch_s
     Returns:
         (B, H_L, W_L) float32, signed.
     """
-    tokens_and_grad(ctx)  # checks the re-run once
+    _check_tail(ctx)
     x = _block_input(ctx)
     b = x.shape[0]
     flat = x.flatten(1)
@@ -374,7 +351,7 @@ def cdam_smooth(ctx: Context, *, samples: int = 50, noise: float = 0.05, batch_s
 
 
 @register(
-    "cdam_integrated", FAMILY, activations=_last_block, signed=True,
+    "cdam_integrated", FAMILY, activations=_last_block, signed=True, requires=("grid", "tokens", "tail"),
     options={
         "steps": Option(int, low=1, help="integration steps"),
         "batch_size": Option(int, low=1, help="steps per forward"),
@@ -411,6 +388,7 @@ def _last_stage_blocks(adapter) -> list[str]:
 
 @register(
     "legrad", FAMILY, grads=True, activations=_last_stage_blocks, retain_graph=True,
+    requires=("grid", "attention", "head"),
     options={"layers": Option(int, optional=True, sequence=True, help="block indices (None = the last stage's blocks)")},
     summary="LeGrad on the last stage's blocks (the head reads only last-stage tokens)",
     reference="Bousselham et al. 2024; docs/methods.md, Swin",
@@ -443,14 +421,12 @@ def legrad(ctx: Context, *, layers: Optional[Sequence[int]] = None) -> Tensor:
             "'generic' or 'grad_rollout' for relevance through all stages"
         )
     grid = grids[-1]
+    head = ctx.head()  # checked on the last block's tokens first
     total = torch.zeros(ctx.batch_size, grid[0] * grid[1], device=ctx.x.device)
     with torch.enable_grad():
         for i in chosen:
             layer = all_layers[i]
-            tokens = ctx.recorder.activation(adapter.blocks[i]).output
-            outputs = adapter.head(adapter.to_grid(tokens, grid))
-            if i == allowed[-1]:
-                check_reproduces(outputs, ctx.outputs, "the head on the last block's tokens")
+            outputs = head(ctx.recorder.activation(adapter.blocks[i]).output)
             (d_out,) = torch.autograd.grad(ctx.score(outputs).sum(), layer.record.output, retain_graph=True)
             relu = torch.relu(layer.grad_probs(d_out)).sum(dim=(2, 3))  # (B, nW, n) over heads, queries
             total += layer.from_windows(relu) / (layer.record.num_heads * layer.num_tokens)
@@ -462,5 +438,5 @@ def legrad(ctx: Context, *, layers: Optional[Sequence[int]] = None) -> Tensor:
 # captum methods need only a grid: the last stage's
 for _fn in (captum_methods.integrated_gradients, captum_methods.occlusion, captum_methods.smoothgrad):
     _spec = get(_fn.__name__, "vit")
-    register(_spec.name, FAMILY, attention=False, signed=_spec.signed, options=_spec.options,
+    register(_spec.name, FAMILY, attention=False, signed=_spec.signed, options=_spec.options, requires=_spec.requires,
              summary=f"{_spec.summary} (last stage grid)", reference=_spec.reference)(_fn)
