@@ -16,7 +16,6 @@ Oracles here never use vitexplain's window code:
 
 from __future__ import annotations
 
-import copy
 from typing import Callable
 
 import pytest

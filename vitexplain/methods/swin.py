@@ -33,6 +33,8 @@ __all__ = ["raw", "rollout", "grad_rollout", "generic", "attn_gradcam", "cdam", 
            "cdam_smooth", "cdam_integrated", "legrad", "tokens_and_grad"]
 
 FAMILY = "swin"
+
+
 def _geometry(ctx: Context) -> tuple[list[WindowedLayer], list[tuple[int, int]]]:
     return window_layers(ctx), ctx.adapter.stage_grids(tuple(ctx.x.shape[-2:]))
 
