@@ -392,20 +392,25 @@ def scaled_token_outputs(kind: str, model: nn.Module, x: torch.Tensor, tokens: t
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_cdam_matches_finite_differences_along_the_attention_input(kind):
-    """S_i = T_i . dy/dT_i = d/de y(T_i -> (1 + e) T_i) at e = 0 (float64 central differences),
-    with the residual stream untouched: the attention path only, V1 and V2 alike."""
+    """S_i = T_i . dy/dT_i = d/de y(T_i -> (1 + e) T_i) at e = 0 (float64 central differences,
+    Richardson-extrapolated from steps 2e-2 and 1e-2), with the residual stream untouched: the
+    attention path only, V1 and V2 alike."""
     model = build(kind).double()
     x = torch.randn(1, 3, 64, 64, dtype=torch.float64)
-    cls, eps = 3, 1e-2  # smaller steps meet float noise of the CPU kernels (1e-3: 2e-5 error)
+    cls = 3
     maps = vx.Explainer(model).explain(x, method="cdam", target=cls).maps.double().flatten()
     tokens = torch.arange(maps.numel())
-    up = scaled_token_outputs(kind, model, x, tokens, torch.full((len(tokens),), 1 + eps))[:, cls]
-    down = scaled_token_outputs(kind, model, x, tokens, torch.full((len(tokens),), 1 - eps))[:, cls]
-    fd = (up - down) / (2 * eps)
+
+    def central(step: float) -> torch.Tensor:
+        up = scaled_token_outputs(kind, model, x, tokens, torch.full((len(tokens),), 1 + step))[:, cls]
+        down = scaled_token_outputs(kind, model, x, tokens, torch.full((len(tokens),), 1 - step))[:, cls]
+        return (up - down) / (2 * step)
+
+    fd = (4 * central(1e-2) - central(2e-2)) / 3
     assert fd.abs().max() > 0
     error = rel_err(maps, fd)
     print(kind, f"cdam vs finite differences: {error:.1e}")
-    assert error < 1e-4  # measured 1e-6 .. 2e-6
+    assert error < 1e-5  # measured 0.9e-6 .. 1.0e-6 (the float32 map's precision)
 
 
 @pytest.mark.parametrize("kind", ["timm", "tv", "hf"])
@@ -428,8 +433,9 @@ def test_gradcam_and_cdam_match_autograd_at_the_last_norm1(kind):
     t, g = t.reshape(2, 8, 8, -1), g.reshape(2, 8, 8, -1)
     ex = vx.Explainer(model)
     cdam, gradcam = ex.explain(x, method=["cdam", "gradcam"], target=cls)
-    assert rel_err(cdam.maps, (t * g).sum(-1)) < 1e-5
-    assert rel_err(gradcam.maps, torch.relu((t * g.mean(dim=(1, 2), keepdim=True)).sum(-1))) < 1e-5
+    errors = (rel_err(cdam.maps, (t * g).sum(-1)), rel_err(gradcam.maps, torch.relu((t * g.mean(dim=(1, 2), keepdim=True)).sum(-1))))
+    print(kind, "cdam, gradcam vs autograd:", [f"{e:.1e}" for e in errors])
+    assert max(errors) < 1e-5
 
 
 @pytest.mark.parametrize("kind", ["timm", "tv2", "hf2"])
@@ -451,7 +457,7 @@ def test_integrated_cdam_is_complete_and_smooth_cdam_without_noise_is_cdam(kind)
     with torch.no_grad():
         y = adapter.forward(x)[:, cls]
     gap = integrated.sum(dim=(1, 2)) - (y - y0)
-    assert gap.abs().max() < 2e-3 * (y - y0).abs().max()  # midpoint rule, 64 steps
+    assert gap.abs().max() < 1e-3 * (y - y0).abs().max()  # midpoint rule, 64 steps: measured <= 1.6e-4
     smooth, plain = ex.explain(x, method=["cdam_smooth", "cdam"], target=cls, cdam_smooth={"samples": 3, "noise": 0.0})
     torch.testing.assert_close(smooth.maps, plain.maps, rtol=1e-5, atol=1e-7)
     noisy = ex.explain(x, method="cdam_smooth", target=cls, samples=3).maps
@@ -495,7 +501,9 @@ def test_legrad_matches_eager_autograd_oracle(kind):
         total = total + torch.relu(d).mean(dim=(1, 2))
     want = (total / len(last)).view(2, -1)
     want = (want - want.amin(1, keepdim=True)) / (want.amax(1, keepdim=True) - want.amin(1, keepdim=True))
-    assert rel_err(got.flatten(1), want) < 1e-5
+    error = rel_err(got.flatten(1), want)
+    print(kind, f"legrad vs eager autograd: {error:.1e}")
+    assert error < 1e-5
 
 
 # -- classes, errors, side effects ------------------------------------------------------------
@@ -516,7 +524,7 @@ def test_gradient_maps_are_class_sensitive_and_attention_maps_are_not(kind):
 
 
 def test_every_listed_method_runs_on_every_family_and_leaves_the_model_as_found():
-    x = torch.randn(2, 3, 32, 32)
+    x = torch.randn(1, 3, 32, 32)
     cheap = {"cdam_smooth": {"samples": 2}, "cdam_integrated": {"steps": 4}, "integrated_gradients": {"steps": 4},
              "smoothgrad": {"samples": 2}}
     for kind in KINDS:
@@ -527,7 +535,7 @@ def test_every_listed_method_runs_on_every_family_and_leaves_the_model_as_found(
                               "cdam_smooth", "cdam_integrated", "legrad", "integrated_gradients", "occlusion", "smoothgrad"}
         results = vx.Explainer(model).explain(x, method=names, **{n: cheap.get(n, {}) for n in names})
         for e in results:
-            assert e.maps.shape[0] == 2 and torch.isfinite(e.maps).all(), (kind, e.method)
+            assert e.maps.shape[0] == 1 and torch.isfinite(e.maps).all(), (kind, e.method)
         assert not model.training
         assert {n: p.requires_grad for n, p in model.named_parameters()} == before
         assert all(p.grad is None for p in model.parameters())
