@@ -22,7 +22,7 @@ docs/methods.md derives the rule and compares it with a 0/1 gathering matrix.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -34,7 +34,7 @@ from ..recording import AttentionRecord
 from ..recording.records import fuse_heads
 from .context import Context
 
-__all__ = ["WindowedLayer", "window_layers", "distribute", "propagate_windows", "discard_in_windows"]
+__all__ = ["WindowedLayer", "window_layers", "distribute", "propagate_windows", "discard_in_windows", "stage_vector"]
 
 
 @dataclass
@@ -47,6 +47,8 @@ class WindowedLayer:
         geometry: the block's window geometry.
         record: its attention record ((B * nW, H, n, n) probabilities).
         batch: B.
+        slots: (nW, n) long, the grid index of the token in each window slot, -1 for padding.
+        pairs: (nW, n, n) bool, both slots hold tokens (the support of the dense matrix).
     """
 
     index: int
@@ -54,12 +56,13 @@ class WindowedLayer:
     geometry: WindowGeometry
     record: AttentionRecord
     batch: int
+    slots: Tensor = field(init=False, repr=False)
+    pairs: Tensor = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        idx = self.geometry.index(self.record.device)
-        self.slots = idx  # (nW, n) token index per window slot, -1 for padding
-        real = idx >= 0
-        self.pairs = real[:, :, None] & real[:, None, :]  # (nW, n, n) both slots are tokens
+        self.slots = self.geometry.index(self.record.device)
+        real = self.slots >= 0
+        self.pairs = real[:, :, None] & real[:, None, :]
 
     @property
     def num_tokens(self) -> int:
