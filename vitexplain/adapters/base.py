@@ -33,8 +33,9 @@ ViT adapters (``family = "vit"``, :class:`vitexplain.adapters.vit.ViTAdapter`) a
   last token attention (CDAM, token Grad-CAM); its *input* is the residual stream u that
   enters the last block.
 - ``tail(u, call) -> Tensor``: the model's outputs (as ``forward`` returns them) recomputed
-  from u; ``call`` is the recorded call (args, kwargs) of ``norm1``'s block. Used by smooth
-  and integrated CDAM.
+  from u; ``call`` is the recorded call (an ``ActivationRecord`` with ``args`` and
+  ``kwargs``) of ``blocks[-1]``, whose other arguments (position biases, sizes) are passed
+  again. Used by smooth and integrated CDAM.
 - ``head(tokens) -> Tensor``: the outputs read from the output tokens of any block in
   ``blocks`` (LeGrad).
   ``tail`` and ``head`` are never trusted: :meth:`vitexplain.methods.context.Context.partial`
@@ -42,9 +43,14 @@ ViT adapters (``family = "vit"``, :class:`vitexplain.adapters.vit.ViTAdapter`) a
   and raises ``UnsupportedModelError`` otherwise.
 
 CNN adapters (``family = "cnn"``) add ``stages`` (feature stage names, input side first)
-and ``target_layer``; ``feature_map(name, output)`` turns a stage output into (B, C, h, w).
-Caption adapters (``family = "caption"``) add generation, teacher forcing and the image
-encoder's layout (see ``adapters/captioning.py``).
+and ``target_layer``; ``feature_map(name, output, input_size)`` turns a stage's output
+(tokens, channels-last, a tuple: conv/attention hybrids) into (B, C, h, w); ``hybrid`` says
+whether the model calls attention (``notes["family"]`` then says why the ViT methods do not
+apply).
+Caption adapters (``family = "caption"``) add generation, teacher forcing, the image
+encoder's layout, ``cross_records(records)`` (the decoder's text-to-image attention calls)
+and ``joint`` (one decoder self-attention over [image, text], GIT); see
+``adapters/captioning.py``.
 
 Capabilities
 ------------

@@ -284,8 +284,15 @@ def _is_classifier_cnn(model: nn.Module, hybrids: bool) -> bool:
     return callable(getattr(model, "get_classifier", None)) or hasattr(model, "num_classes") or _has(model, nn.Linear)
 
 
+def _is_swin(model: nn.Module) -> bool:
+    """Swin-style windowed models have their own adapter (adapters/swin.py)."""
+    return "swin" in type(model).__name__.lower()
+
+
 @register_adapter(priority=0, family="cnn")
 def _detect_timm(model: nn.Module) -> Optional[Adapter]:
+    if _is_swin(model):
+        return None
     if getattr(model, "feature_info", None) and callable(getattr(model, "get_classifier", None)):
         if _is_classifier_cnn(model, hybrids=True):
             stages = _timm_stages(model)
@@ -295,8 +302,8 @@ def _detect_timm(model: nn.Module) -> Optional[Adapter]:
 
 @register_adapter(priority=0, family="cnn")
 def _detect_torchvision(model: nn.Module) -> Optional[Adapter]:
-    if "swin" in type(model).__name__.lower():
-        return None  # channels-last stages with no channel metadata: adapters/swin.py
+    if _is_swin(model):
+        return None
     if type(model).__module__.startswith("torchvision.models") and _is_classifier_cnn(model, hybrids=True):
         stages = _torchvision_stages(model)
         return CNNAdapter(model, stages) if stages else None
