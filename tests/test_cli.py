@@ -290,10 +290,12 @@ def test_discover_inputs_keys_globs_and_safety(tmp_path: Path, monkeypatch) -> N
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_bytes(b"x")
     keys = [it.key for it in discover_inputs(["a", "b"], "out")]
-    assert keys == ["[odd].png", "b/x.png", "sub/y.JPG", "x.png"]  # collision -> input folder name
+    # a collision prefixes every colliding key with its input folder's name, whatever the order
+    assert keys == ["[odd].png", "a/x.png", "b/x.png", "sub/y.JPG"]
+    assert [it.key for it in discover_inputs(["b", "a"], "out")] == keys
     # globs: the fixed prefix is the root; .. never escapes; out is skipped
-    items = discover_inputs(["*/../a/**/*.png", "a/[odd].png"], "out")  # same files: listed once
-    assert [it.key for it in items] == ["a/[odd].png", "a/x.png"]
+    items = discover_inputs(["*/../a/**/*.png", "a/[odd].png"], "out")  # same files: listed once,
+    assert [it.key for it in items] == ["[odd].png", "a/x.png"]  # under their shortest key
     items = discover_inputs(["a/../b/x.png", "**/*.png"], "out")
     assert [it.key for it in items] == ["a/[odd].png", "a/x.png", "x.png"]
     for it in items:

@@ -1,0 +1,133 @@
+"""What every batch command does before its model runs: check options, output folder and
+inputs, pick the device, resolve and check the methods, and digest the settings.
+
+Everything here raises :class:`~vitexplain.errors.UsageError` (exit status 2) and runs before
+any output is written -- the output folder is checked writable but not created.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+from ..errors import UsageError
+from .distributed import Dist, device_and_amp
+from .inputs import InputScan, scan_inputs
+from .options import output_settings, validate
+from .writing import check_writable
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = ["Setup", "prepare", "resolve_methods", "config_hash", "summary_fields"]
+
+
+@dataclass
+class Setup:
+    """The checked basics of a run.
+
+    Attributes:
+        dist: the distributed setting.
+        device: where the model runs.
+        autocast_dtype: CUDA autocast dtype, or None.
+        out: the output folder (not created yet).
+        scan: the inputs found.
+    """
+
+    dist: Dist
+    device: "torch.device"
+    autocast_dtype: Any
+    out: Path
+    scan: InputScan
+
+
+def prepare(opts: Any) -> Setup:
+    """Validate the options, the output folder and the inputs; pick the device.
+
+    Raises:
+        UsageError: a bad option value or colormap, an output folder that cannot be
+            written (read-only, a dangling symlink, a file), inputs that match nothing or
+            lie inside the output folder, an unusable device.
+    """
+    validate(opts)
+    _check_colormaps(opts.colormap, opts.signed_colormap)
+    dist = Dist.from_env()
+    device, autocast_dtype = device_and_amp(opts.device, opts.amp, dist)
+    check_writable(opts.out)
+    return Setup(dist=dist, device=device, autocast_dtype=autocast_dtype, out=Path(opts.out),
+                 scan=scan_inputs(opts.inputs, opts.out))
+
+
+def _check_colormaps(*colormaps: str) -> None:
+    from ..viz.colormaps import colormap_lut
+
+    for cmap in colormaps:
+        try:
+            colormap_lut(cmap)
+        except ValueError as e:
+            raise UsageError(f"colormap {cmap!r}: {e}") from None
+
+
+def _check_method_options(options: dict[str, dict[str, Any]], specs: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Validate ``{method: {option: value}}`` against each method function's keyword arguments."""
+    import inspect
+
+    checked: dict[str, dict[str, Any]] = {}
+    for method, values in (options or {}).items():
+        if method not in specs:
+            raise UsageError(f"--option {method}.*: {method!r} is not among the exported methods {list(specs)}")
+        params = inspect.signature(specs[method].fn).parameters
+        accepts_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+        allowed = [n for n, p in params.items() if p.kind is p.KEYWORD_ONLY or
+                   (p.kind is p.POSITIONAL_OR_KEYWORD and n != "ctx")]
+        for key in values:
+            if not accepts_any and key not in allowed:
+                raise UsageError(
+                    f"--option {method}.{key}: {method} has no option {key!r}; its options: "
+                    + (", ".join(allowed) or "none")
+                )
+        checked[method] = dict(values)
+    return checked
+
+
+def resolve_methods(
+    requested: Optional[Sequence[str]], default: Sequence[str], family: str, options: dict[str, dict[str, Any]],
+) -> tuple[list[str], dict[str, Any], dict[str, dict[str, Any]]]:
+    """The methods of a run: names (``default`` when none are requested, duplicates dropped),
+    their registry specs, and the checked per-method options; problems are usage errors."""
+    from ..errors import UnsupportedMethodError
+    from ..methods import registry
+
+    methods = list(dict.fromkeys(requested or default))
+    try:
+        specs = {m: registry.get(m, family) for m in methods}
+    except UnsupportedMethodError as e:
+        raise UsageError(str(e)) from None
+    if not specs:
+        raise UsageError(f"no method given; choose from {registry.names(family)}")
+    return methods, specs, _check_method_options(options, specs)
+
+
+def config_hash(opts: Any, resolved: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """The settings that change the outputs and their digest (the resume rule).
+
+    Args:
+        opts: the command's options: every field declared with ``outputs=True`` is included.
+        resolved: values replacing or adding to those (e.g. the methods actually run, the
+            model's absolute path, the checkpoint's size and mtime, the command).
+
+    Returns:
+        ``(config, digest)``.
+    """
+    config = {**output_settings(opts), **resolved}
+    text = json.dumps(config, sort_keys=True, default=str)
+    return config, hashlib.sha1(text.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+
+
+def summary_fields(opts: Any, argv: Optional[Sequence[str]], config: dict[str, Any], **entries: Any) -> dict[str, Any]:
+    """A command's entries of ``summary.json``: ``entries`` (model, methods, ...), then
+    ``arguments``, ``argv`` and ``config``."""
+    return {**entries, "arguments": asdict(opts), "argv": list(argv) if argv is not None else None, "config": config}
