@@ -20,10 +20,11 @@ torch, timm and OpenCV are imported when a command runs.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from typing import Any, Optional, Sequence
+from typing import Any, NoReturn, Optional, Sequence
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "run", "build_parser", "EXIT_STATUS"]
 
 _PROG = "vitexplain"
 
@@ -287,5 +288,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 2  # pragma: no cover
 
 
+def run(argv: Optional[Sequence[str]] = None) -> NoReturn:
+    """The console script and ``python -m vitexplain``: :func:`main`, then exit at once.
+
+    Python's own shutdown with torch, timm and OpenCV loaded takes one to several seconds (a
+    final garbage collection over the whole heap), which made Ctrl-C and every finished run
+    linger. By the time :func:`main` returns every output file is written, fsync'ed and
+    closed, so the process flushes its streams and leaves without that teardown.
+    """
+    code = main(argv)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more to say
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":  # pragma: no cover
-    raise SystemExit(main())
+    run()

@@ -118,20 +118,25 @@ def _parse_target(spec: Any, label_names: Optional[list[str]], num_classes: Opti
 def _probe(ex: Any, methods: list[str], method_options: dict[str, dict[str, Any]], target: Any,
            pre_kwargs: dict[str, Any], device: "torch.device", autocast_dtype: Any) -> None:
     """Explain one blank image before writing anything, so that a method that cannot work on
-    this model (no attention gates, no attention found, bad options) is a usage error (exit 2)
-    instead of the same failure repeated for every image."""
+    this model (no attention gates, no attention found, bad options) or a model whose outputs
+    are NaN/inf is a usage error (exit 2) instead of the same failure repeated for every image."""
     import torch
 
     h, w = pre_kwargs["input_size"]
     x = torch.zeros(1, 3, int(h), int(w), device=device)
     try:
         with autocast(autocast_dtype):
-            ex.explain(x, method=methods, target=target, **method_options)
+            logits = ex.explain(x, method=methods, target=target, **method_options)[0].logits
     except Exception as e:
         raise UsageError(
             f"cannot explain this model with {', '.join(methods)} (tried on a blank {h}x{w} image): "
             f"{type(e).__name__}: {e}"
         ) from None
+    if isinstance(logits, torch.Tensor) and not bool(torch.isfinite(logits).all()):
+        raise UsageError(
+            f"the model's outputs on a blank {h}x{w} image are not finite (NaN or inf), so no map would mean "
+            "anything: check its weights (--checkpoint, --model)"
+        )
 
 
 def _scores(logits: Any, multi_label: bool, k: int) -> Optional[tuple[list[list[float]], list[list[int]]]]:
