@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-from ..errors import CaptureError, NoAttentionError
+from ..errors import CaptureError, InputError, NoAttentionError
 from .gates import GateHooks, GateRecord, checked_gates
 from .records import ActivationRecord, AttentionRecord
 
@@ -111,7 +111,7 @@ class Recorder:
         gates: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
-            raise TypeError(f"vx.capture expects an nn.Module, got {type(model).__name__}")
+            raise InputError(f"vx.capture expects an nn.Module, got {type(model).__name__}")
         self.model = model
         self.grads = bool(grads)
         self.attention = bool(attention)
