@@ -421,6 +421,29 @@ def test_f10_bad_zoo_json_is_a_usage_error(model_args, ckpt, tmp_path, capsys) -
 
 
 # ---------------------------------------------------------------------------------------------
+# F11: option values checked against the method's declared ranges
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("value", ["-3", "1.5", "'x'"])
+def test_f11_option_values_out_of_the_declared_range_are_usage_errors(value, ckpt, tmp_path, capsys) -> None:
+    src = _images(tmp_path / "in", ["a.png"])
+    out = tmp_path / "out"
+    assert _export(src, out, ckpt, "--option", f"rollout.discard_ratio={value}") == 2
+    assert "rollout option 'discard_ratio' must be a number in [0, 1)" in capsys.readouterr().err
+    assert not out.exists()
+    assert _export(src, out, ckpt, "--option", "rollout.discard_ratio=0.5") == 0
+
+
+def test_f11_api_checks_option_ranges_too(ckpt, tmp_path) -> None:
+    from vitexplain.batch.export import ExportOptions, export
+
+    src = _images(tmp_path / "in", ["a.png"])
+    opts = ExportOptions(inputs=[str(src)], out=str(tmp_path / "o"), model=ckpt, methods=["rollout"],
+                         method_options={"rollout": {"head_fusion": "median"}}, quiet=True)
+    with pytest.raises(vx.OptionError, match="head_fusion"):
+        export(opts)
+
+
+# ---------------------------------------------------------------------------------------------
 # F12: NaN / inf become clear errors
 # ---------------------------------------------------------------------------------------------
 def test_f12_nan_model_is_a_usage_error_and_a_nan_map_fails_its_image(ckpt, tmp_path, monkeypatch,

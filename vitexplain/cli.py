@@ -188,20 +188,6 @@ def _family_of_model(name: str) -> str:
     return adapter_for(model).family
 
 
-def _options_of(fn: Any) -> str:
-    """``name=default, ...`` of a method function's keyword options (for --option)."""
-    import inspect
-
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):  # pragma: no cover
-        return ""
-    return ", ".join(
-        f"{p.name}={p.default!r}" for p in params
-        if p.kind is p.KEYWORD_ONLY and p.default is not p.empty
-    )
-
-
 def _cmd_methods(args: argparse.Namespace) -> int:
     from .methods import registry
 
@@ -221,7 +207,7 @@ def _cmd_methods(args: argparse.Namespace) -> int:
         for s in specs:
             tag = " [signed]" if s.signed and "signed" not in s.summary else ""
             out.append(f"  {s.name.ljust(width)}  {s.summary}{tag}")
-            options = _options_of(s.fn)
+            options = s.describe_options() if s.options else ""
             if options:
                 out.append(f"  {''.ljust(width)}  options: {options}")
         out.append("")

@@ -72,24 +72,19 @@ def _check_colormaps(*colormaps: str) -> None:
 
 
 def _check_method_options(options: dict[str, dict[str, Any]], specs: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Validate ``{method: {option: value}}`` against each method function's keyword arguments."""
-    import inspect
+    """Validate ``{method: {option: value}}`` against each method's declared options and ranges.
+
+    Raises:
+        UsageError: options for a method that is not run.
+        OptionError: an unknown option or a value out of its declared range.
+    """
+    from ..methods import registry
 
     checked: dict[str, dict[str, Any]] = {}
     for method, values in (options or {}).items():
         if method not in specs:
             raise UsageError(f"--option {method}.*: {method!r} is not among the exported methods {list(specs)}")
-        params = inspect.signature(specs[method].fn).parameters
-        accepts_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
-        allowed = [n for n, p in params.items() if p.kind is p.KEYWORD_ONLY or
-                   (p.kind is p.POSITIONAL_OR_KEYWORD and n != "ctx")]
-        for key in values:
-            if not accepts_any and key not in allowed:
-                raise UsageError(
-                    f"--option {method}.{key}: {method} has no option {key!r}; its options: "
-                    + (", ".join(allowed) or "none")
-                )
-        checked[method] = dict(values)
+        checked[method] = registry.check_options(specs[method], values)
     return checked
 
 

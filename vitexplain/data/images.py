@@ -400,8 +400,9 @@ def preprocess(
         :class:`CropBox` of image ``i`` in its original pixel coordinates.
 
     Raises:
-        ValueError: Bad image arrays, sizes, ``crop_pct`` or interpolation name, or an image
-            whose aspect ratio is too extreme to resize (see :data:`MAX_RESIZE_INPUTS`).
+        UsageError: Bad image arrays, sizes, ``crop_pct`` or interpolation name.
+        InputError: An image whose aspect ratio is too extreme to resize (see
+            :data:`MAX_RESIZE_INPUTS`).
     """
     import torch
 
@@ -441,7 +442,7 @@ def preprocess(
             scale = (math.floor(out_h / pct), math.floor(out_w / pct))
             h1, w1 = _resize_size(h0, w0, scale)
             if h1 * w1 > max(h0 * w0, MAX_RESIZE_INPUTS * scale[0] * scale[1]):
-                raise ValueError(
+                raise InputError(
                     f"a {w0}x{h0} image cannot be resized for this model: its shorter side would become "
                     f"{min(h1, w1)} px and the resized image {w1}x{h1} = {h1 * w1:,} pixels (aspect ratio "
                     f"{max(h0, w0) / min(h0, w0):,.0f}:1 is too extreme). Crop or pad it first, or resize "
