@@ -412,3 +412,85 @@ def test_torchrun_two_processes_match_one(tree: Path, ckpt: str, tmp_path: Path)
                                            rtol=1e-4, atol=1e-6)
     s1, s2 = _summary(one), _summary(two)
     assert s1["counts"] == s2["counts"] and s2["world_size"] == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# the options base: one declaration per option
+# ---------------------------------------------------------------------------------------------
+def _flags(parser_action_groups) -> set[str]:
+    return {s for a in parser_action_groups for s in a.option_strings if s.startswith("--") and s != "--help"}
+
+
+def test_cli_flags_and_resume_key_derive_from_the_options() -> None:
+    import argparse
+    import dataclasses
+
+    from vitexplain.batch.caption import CaptionOptions
+    from vitexplain.batch.export import ExportOptions
+    from vitexplain.batch.options import add_arguments, option, output_settings, specs
+    from vitexplain.batch.setup import config_hash
+
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for command, cls in (("export", ExportOptions), ("caption", CaptionOptions)):
+        declared = {flag for _, spec in specs(cls) for flag in spec.flags if flag.startswith("--")}
+        assert _flags(sub.choices[command]._actions) == declared, command
+        outputs = {f.name for f, spec in specs(cls) if spec.outputs}
+        assert set(output_settings(cls(inputs=["x"], out="o"))) == outputs
+    assert {"model", "methods", "method_options", "alpha", "crop", "save_maps"} <= {
+        f.name for f, s in specs(ExportOptions) if s.outputs}
+    assert not {"batch_size", "workers", "quiet", "overwrite", "html"} & {
+        f.name for f, s in specs(ExportOptions) if s.outputs}
+
+    # a new output option is one field: it gets its flag, its help and its place in the resume key
+    @dataclasses.dataclass
+    class WithGamma(ExportOptions):
+        gamma: float = option(1.0, flags="--gamma", metavar="G", outputs=True, group="overlays",
+                              help="overlay gamma (default {default})")
+
+    p = argparse.ArgumentParser()
+    add_arguments(p, WithGamma, {"model": "m", "explanation": "e", "overlays": "o", "running": "r"})
+    assert "overlay gamma (default 1.0)" in p.format_help()
+    from vitexplain.batch.options import from_args
+
+    opts = from_args(WithGamma, p.parse_args(["in", "--out", "o", "--gamma", "2.2"]))
+    assert opts.gamma == 2.2
+    assert config_hash(opts, {})[1] != config_hash(dataclasses.replace(opts, gamma=1.0), {})[1]
+    assert config_hash(opts, {})[1] == config_hash(dataclasses.replace(opts, batch_size=7), {})[1]
+
+
+def test_build_loaded_equals_ordinary_loading_or_declines() -> None:
+    from torch import nn
+
+    from vitexplain.zoo.hub import build_loaded
+
+    def net() -> nn.Module:
+        return nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Linear(4, 2))
+
+    torch.manual_seed(0)
+    ref = net().eval()
+    state = {k: v.half() for k, v in ref.state_dict().items()}  # a half-precision checkpoint
+    loaded = build_loaded(net, state).eval()
+    expected = net().eval()
+    expected.load_state_dict(state)  # what ordinary loading gives (cast to float32)
+    x = torch.randn(5, 3)
+    assert all(p.dtype == torch.float32 and not p.is_meta for p in loaded.parameters())
+    assert torch.equal(loaded(x), expected(x))
+
+    class WithBuffer(nn.Module):  # a buffer not in the state dict would stay on the meta device
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+            self.register_buffer("table", torch.arange(3.0), persistent=False)
+
+    class Tied(nn.Module):  # assigning would untie the weights
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(3, 3)
+            self.b = nn.Linear(3, 3)
+            self.b.weight = self.a.weight
+
+    assert build_loaded(WithBuffer, WithBuffer().state_dict()) is None
+    assert build_loaded(Tied, Tied().state_dict()) is None
+    assert build_loaded(net, {k: v for k, v in state.items() if k != "0.bias"}) is None
+    assert build_loaded(net, None) is None

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 from ..errors import UsageError
 from .distributed import autocast
 from .driver import Command, ExportResult, Run, drive
-from .export import not_finite
+from .export import finite_rows, not_finite_error
 from .manifest import GALLERY
 from .models import load_model, model_id, zoo_weights_id
 from .options import NON_NEGATIVE, POSITIVE, BatchOptions, collect_methods, option, parse_methods
@@ -242,6 +242,7 @@ def export_captions(opts: CaptionOptions, *, argv: Optional[Sequence[str]] = Non
         first = results[0]
         maps = {r.method: r.maps.float().cpu().numpy() for r in results}
         ids = first.ids.cpu().tolist()
+        _, bad_maps = finite_rows(maps, None)
         jobs: list[tuple[dict[str, Any], Any]] = []
         for b, s in enumerate(good):
             tokens = list(first.tokens[b])
@@ -253,7 +254,7 @@ def export_captions(opts: CaptionOptions, *, argv: Optional[Sequence[str]] = Non
                 generated=generated, maps={m: maps[m][b, :t] for m in methods},
                 record={"input": paths[s["key"]], "width": s["width"], "height": s["height"], "box": s["box"]},
             )
-            write = not_finite(s["key"], maps, b, None) or functools.partial(
+            write = not_finite_error(s["key"], True, bad_maps[b]) or functools.partial(
                 _write_caption, item=item, opts=opts, signed=signed, method_options=method_options, model=model_doc)
             jobs.append((fields, write))
         return jobs

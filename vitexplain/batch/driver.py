@@ -186,7 +186,7 @@ def is_current(rec: Optional[dict[str, Any]], source: dict[str, Any], config_has
 
     if not rec or rec.get("status") != "ok" or rec.get("config_hash") != config_hash:
         return False
-    if rec.get("source") != json_safe(source):
+    if rec.get("source") != (source if source["path"].isascii() else json_safe(source)):
         return False
     files = rec.get("files") or {}
     if not files:

@@ -150,17 +150,32 @@ def _scores(logits: Any, multi_label: bool, k: int) -> Optional[tuple[list[list[
     return values.cpu().tolist(), indices.cpu().tolist()
 
 
-def not_finite(what: str, maps: dict[str, "np.ndarray"], b: int, logits: Any) -> Optional[str]:
-    """The error of image ``b`` whose outputs or maps hold NaN/inf, or None."""
+def finite_rows(maps: dict[str, "np.ndarray"], logits: Any) -> tuple[list[bool], list[list[str]]]:
+    """Per image of a batch: whether the model's outputs are finite, and the methods whose map
+    holds NaN/inf (one vectorised check per batch)."""
     import numpy as np
     import torch
 
-    if isinstance(logits, torch.Tensor) and logits.dim() >= 2 and not bool(torch.isfinite(logits[b]).all()):
+    first = next(iter(maps.values()))
+    n = int(first.shape[0])
+    if isinstance(logits, torch.Tensor) and logits.dim() >= 2 and logits.shape[0] == n:
+        outputs_ok = torch.isfinite(logits.detach().reshape(n, -1)).all(dim=1).tolist()
+    else:
+        outputs_ok = [True] * n
+    bad_maps: list[list[str]] = [[] for _ in range(n)]
+    for name, m in maps.items():
+        for b in np.flatnonzero(~np.isfinite(m.reshape(n, -1)).all(axis=1)):
+            bad_maps[int(b)].append(name)
+    return outputs_ok, bad_maps
+
+
+def not_finite_error(what: str, outputs_ok: bool, bad_maps: list[str]) -> Optional[str]:
+    """The error of an image whose outputs or maps hold NaN/inf, or None."""
+    if not outputs_ok:
         return (f"the model's outputs for {what} are not finite (NaN or inf); its maps would be meaningless. "
                 "Check the model's weights and the image")
-    bad = [m for m, v in maps.items() if not np.isfinite(v[b]).all()]
-    if bad:
-        return (f"the {', '.join(bad)} map of {what} is not finite (NaN or inf): the method broke down "
+    if bad_maps:
+        return (f"the {', '.join(bad_maps)} map of {what} is not finite (NaN or inf): the method broke down "
                 "numerically on this image")
     return None
 
@@ -277,10 +292,11 @@ def export(opts: ExportOptions, *, argv: Optional[Sequence[str]] = None) -> Expo
         logits = explanations[0].logits
         targets = explanations[0].targets.cpu().tolist()
         top = _scores(logits, multi_label, opts.topk)
+        outputs_ok, bad_maps = finite_rows(maps, logits)
         jobs: list[tuple[dict[str, Any], Any]] = []
         for b, s in enumerate(good):
             fields: dict[str, Any] = {}
-            error = not_finite(s["key"], maps, b, logits)
+            error = not_finite_error(s["key"], outputs_ok[b], bad_maps[b])
             if top is not None and error is None:
                 fields["predictions"] = [{"index": int(i), "label": label(int(i)), "score": round(float(v), 6)}
                                          for v, i in zip(top[0][b], top[1][b])]

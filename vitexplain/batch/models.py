@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from ..errors import UsageError
+from ..zoo.hub import build_loaded
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch import nn
@@ -129,14 +130,17 @@ def load_model(
         if num_classes is not None:
             model_args["num_classes"] = int(num_classes)
         try:
-            model = timm.create_model(spec, pretrained=False, **model_args)
+            model = build_loaded(lambda: timm.create_model(spec, pretrained=False, **model_args), state)
+            loaded = model is not None
+            if model is None:
+                model = timm.create_model(spec, pretrained=False, **model_args)
         except Exception as e:
             raise UsageError(f"cannot create timm model {spec!r} with {model_args}: {e}") from None
         info["source"] = "timm"
         _fix_input_size(model)
-        if state is not None:
+        if state is not None and not loaded:
             _load_state(model, state, checkpoint)
-        else:
+        elif state is None:
             info["random_weights"] = True
     if labels:
         try:

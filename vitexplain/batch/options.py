@@ -112,7 +112,6 @@ class Opt:
         cli_default: a function giving the command line's default when it differs from
             the Python API's (e.g. DataLoader workers), called when the flag is not given.
         required: argparse ``required``.
-        cli: False for options of the Python API only.
     """
 
     flags: tuple[str, ...]
@@ -126,7 +125,6 @@ class Opt:
     collect: Optional[Callable[[Any], Any]] = None
     cli_default: Optional[Callable[[], Any]] = None
     required: bool = False
-    cli: bool = True
 
 
 def option(default: Any = MISSING, *, factory: Any = MISSING, **spec: Any) -> Any:
@@ -135,10 +133,13 @@ def option(default: Any = MISSING, *, factory: Any = MISSING, **spec: Any) -> An
     Args:
         default: the Python API default (omit for required fields).
         factory: a default factory instead of ``default``.
-        **spec: :class:`Opt` attributes (``flags`` may be one string).
+        **spec: :class:`Opt` attributes (``flags`` may be one string; ``parse`` defaults to
+            :class:`Number` of the default's type for an int or float default).
     """
     flags = spec.pop("flags", ())
     spec["flags"] = (flags,) if isinstance(flags, str) else tuple(flags)
+    if spec.get("parse") is None and spec.get("action") is None and type(default) in (int, float):
+        spec["parse"] = Number(type(default))  # a number's flag parses as one
     meta = {"vx": Opt(**spec)}
     if factory is not MISSING:
         return field(default_factory=factory, metadata=meta)
@@ -242,8 +243,8 @@ class BatchOptions:
     method_options: dict[str, dict[str, Any]] = option(
         factory=dict, flags="--option", metavar="METHOD.KEY=VALUE", group="explanation", outputs=True,
         action="append", parse=parse_method_option, collect=collect_method_options,
-        help="a method option, e.g. rollout.discard_ratio=0.9 (repeatable; checked against the method's "
-             "declared options and ranges)")
+        help="a method option, e.g. rollout.discard_ratio=0.9 or cross.layers=-1 (repeatable; checked "
+             "against the method's declared options and ranges, see `vitexplain methods`)")
     crop: bool = option(True, flags="--no-crop", action="store_false", group="explanation", outputs=True,
                         help="resize whole images to the input size instead of resize + center crop")
     alpha: float = option(0.5, flags="--alpha", metavar="A", parse=UNIT, group="overlays", outputs=True,
@@ -303,8 +304,6 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, groups: dict[str, 
     for key, title in groups.items():
         made[key] = parser.add_argument_group(title)
     for f, spec in specs(cls):
-        if not spec.cli:
-            continue
         target = made[spec.group] if spec.group else parser
         kwargs: dict[str, Any] = {"help": spec.help.replace("{default}", str(_default_of(f)))}
         if spec.action in ("store_true", "store_false"):
@@ -333,7 +332,7 @@ def from_args(cls: type, args: argparse.Namespace) -> Any:
     """Build an options dataclass from parsed arguments (flags not given keep their defaults)."""
     values: dict[str, Any] = {}
     for f, spec in specs(cls):
-        if not spec.cli or not hasattr(args, f.name):
+        if not hasattr(args, f.name):
             continue
         value = getattr(args, f.name)
         if spec.action in ("store_true", "store_false"):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import io
+import itertools
 import json
 import os
 import re
@@ -49,6 +50,8 @@ __all__ = [
 
 #: Temporary file names written by :class:`Writer` (``.<12 hex>.<pid>.tmp``).
 TEMP_RE = re.compile(r"^\.[0-9a-f]{12}\.\d+\.tmp$")
+
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
 
 # errors about one file's name or place: that image fails, the run goes on
 _PER_FILE = frozenset({errno.ENAMETOOLONG, errno.EINVAL, errno.EILSEQ, errno.EEXIST, errno.ENOTDIR, errno.EISDIR})
@@ -84,6 +87,8 @@ class Writer:
     def __init__(self, out: Path | str) -> None:
         self.out = Path(out)
         self._dirs: set[str] = set()
+        self._prefix = os.urandom(3).hex()
+        self._count = itertools.count()
 
     def write(self, rel: str, data: bytes) -> None:
         """Write ``data`` to ``out/rel`` (``rel``: posix path) via a temporary file.
@@ -94,12 +99,16 @@ class Writer:
         """
         dest = os.path.join(self.out, *rel.split("/"))
         folder = os.path.dirname(dest)
-        tmp = os.path.join(folder, f".{uuid.uuid4().hex[:12]}.{os.getpid()}.tmp")
+        tmp = os.path.join(folder, f".{self._prefix}{next(self._count) % 0x1000000:06x}.{os.getpid()}.tmp")
         try:
             if folder not in self._dirs:
                 os.makedirs(folder, exist_ok=True)
                 self._dirs.add(folder)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+            try:
+                fd = os.open(tmp, _CREATE, 0o666)
+            except FileExistsError:  # a leftover of a killed run with the same pid: another name
+                tmp = os.path.join(folder, f".{uuid.uuid4().hex[:12]}.{os.getpid()}.tmp")
+                fd = os.open(tmp, _CREATE, 0o666)
             try:
                 view = memoryview(data)
                 while view:
@@ -212,9 +221,11 @@ def json_safe(value: Any) -> Any:
 
 def json_bytes(value: Any, *, indent: int | None = None) -> bytes:
     """JSON text of ``value`` (after :func:`json_safe`) as UTF-8 bytes, ending with a newline."""
-    text = json.dumps(json_safe(value), indent=indent, ensure_ascii=False, default=str,
-                      separators=None if indent else (", ", ": "))
-    return (text + "\n").encode("utf-8")
+    text = json.dumps(value, indent=indent, ensure_ascii=False, default=str) + "\n"
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:  # rare: a name with undecodable bytes somewhere in value
+        return (json.dumps(json_safe(value), indent=indent, ensure_ascii=False, default=str) + "\n").encode("utf-8")
 
 
 def check_writable(out: str | os.PathLike[str]) -> None:
