@@ -30,13 +30,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from ..errors import UsageError
-from .distributed import autocast
-from .driver import Command, ExportResult, Run, drive
+from .driver import Command, ExportResult, drive
 from .export import finite_rows, not_finite_error
 from .manifest import GALLERY
 from .models import load_model, model_id, zoo_weights_id
 from .options import NON_NEGATIVE, POSITIVE, BatchOptions, collect_methods, option, parse_methods
-from .setup import config_hash, prepare, resolve_methods, summary_fields
+from .setup import config_hash, new_run, prepare, probe, resolve_methods, summary_fields
 from .writing import Writer, encode_npz, encode_png, json_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -142,25 +141,6 @@ def _write_caption(
     files["caption"] = {"json": rel}
 
 
-def _probe_caption(ex: Any, methods: list[str], method_options: dict[str, dict[str, Any]], opts: CaptionOptions,
-                   pre_kwargs: dict[str, Any], device: "torch.device", autocast_dtype: Any) -> None:
-    """Explain one blank image before writing anything: a caption with unknown words, a bad
-    option or a model the methods cannot read is a usage error (exit 2), not one failure per image."""
-    import torch
-
-    h, w = pre_kwargs["input_size"]
-    x = torch.zeros(1, 3, int(h), int(w), device=device)
-    try:
-        with autocast(autocast_dtype):
-            ex.explain_caption(x, method=methods, caption=opts.caption, max_len=opts.max_len, **method_options)
-    except Exception as e:
-        what = f"the caption {opts.caption!r}" if opts.caption is not None else "generated captions"
-        raise UsageError(
-            f"cannot explain {what} of this model with {', '.join(methods)} (tried on a blank {h}x{w} "
-            f"image): {type(e).__name__}: {e}"
-        ) from None
-
-
 def export_captions(opts: CaptionOptions, *, argv: Optional[Sequence[str]] = None) -> ExportResult:
     """Caption every input image and write per-word figures, maps, JSON, manifest and summary.
 
@@ -220,19 +200,15 @@ def export_captions(opts: CaptionOptions, *, argv: Optional[Sequence[str]] = Non
             reason = e.args[0] if isinstance(e, KeyError) and e.args else e
             raise UsageError(f"--caption {opts.caption!r}: {reason}") from None
 
-    _probe_caption(ex, methods, per_method, opts, pre_kwargs, setup.device, setup.autocast_dtype)
+    what = f"the caption {opts.caption!r}" if opts.caption is not None else "generated captions"
+    probe(lambda x: ex.explain_caption(x, method=methods, caption=opts.caption, max_len=opts.max_len, **per_method),
+          f"{what} of this model with {', '.join(methods)}", setup, pre_kwargs)
 
     config, digest_ = config_hash(opts, {
         "command": "caption", "model": model_id(opts.model), "weights": zoo_weights_id(opts.model, model_info),
         "methods": methods, "method_options": method_options,
     })
-    run = Run(
-        command="caption", out=setup.out, items=setup.scan.items, unreadable=setup.scan.unreadable,
-        dist=setup.dist, device=setup.device, autocast_dtype=setup.autocast_dtype, pre_kwargs=pre_kwargs,
-        config_hash=digest_, crop=opts.crop, max_side=opts.tile_size if opts.tile_size > 0 else 512,
-        batch_size=opts.batch_size, workers=opts.workers, write_threads=opts.write_threads,
-        overwrite=opts.overwrite, quiet=opts.quiet,
-    )
+    run = new_run("caption", opts, setup, pre_kwargs, digest_, max_side=opts.tile_size if opts.tile_size > 0 else 512)
     model_doc = {"name": opts.model, "source": model_info.get("source"), "input_size": list(pre_kwargs["input_size"])}
     generated = opts.caption is None
     paths = {it.key: it.path for it in run.items}

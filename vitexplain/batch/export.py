@@ -26,13 +26,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from ..errors import UsageError
-from .distributed import autocast
-from .driver import Command, ExportResult, Run, drive
+from .driver import Command, ExportResult, drive
 from .manifest import GALLERY
 from .models import checkpoint_id, digest, load_model, model_id, zoo_weights_id
 from .options import (NON_NEGATIVE, POSITIVE, BatchOptions, collect_dict, collect_methods, option, parse_key_value,
                       parse_methods)
-from .setup import config_hash, prepare, resolve_methods, summary_fields
+from .setup import config_hash, new_run, prepare, probe, resolve_methods, summary_fields
 from .writing import Writer, encode_npy, encode_png
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -115,24 +114,12 @@ def _parse_target(spec: Any, label_names: Optional[list[str]], num_classes: Opti
     raise UsageError(f"--target {text!r}: unknown label; choose pred, an index or one of: {shown}")
 
 
-def _probe(ex: Any, methods: list[str], method_options: dict[str, dict[str, Any]], target: Any,
-           pre_kwargs: dict[str, Any], device: "torch.device", autocast_dtype: Any) -> None:
-    """Explain one blank image before writing anything, so that a method that cannot work on
-    this model (no attention gates, no attention found, bad options) or a model whose outputs
-    are NaN/inf is a usage error (exit 2) instead of the same failure repeated for every image."""
+def _check_outputs_finite(logits: Any, pre_kwargs: dict[str, Any]) -> None:
+    """A model whose outputs on the blank probe image are NaN/inf is a usage error (exit 2)."""
     import torch
 
-    h, w = pre_kwargs["input_size"]
-    x = torch.zeros(1, 3, int(h), int(w), device=device)
-    try:
-        with autocast(autocast_dtype):
-            logits = ex.explain(x, method=methods, target=target, **method_options)[0].logits
-    except Exception as e:
-        raise UsageError(
-            f"cannot explain this model with {', '.join(methods)} (tried on a blank {h}x{w} image): "
-            f"{type(e).__name__}: {e}"
-        ) from None
     if isinstance(logits, torch.Tensor) and not bool(torch.isfinite(logits).all()):
+        h, w = pre_kwargs["input_size"]
         raise UsageError(
             f"the model's outputs on a blank {h}x{w} image are not finite (NaN or inf), so no map would mean "
             "anything: check its weights (--checkpoint, --model)"
@@ -268,19 +255,16 @@ def export(opts: ExportOptions, *, argv: Optional[Sequence[str]] = None) -> Expo
         print(f"vitexplain: warning: {opts.model} has random weights (no --checkpoint); the maps show "
               "plumbing, not meaning", file=sys.stderr)
 
-    _probe(ex, methods, method_options, target, pre_kwargs, setup.device, setup.autocast_dtype)
+    logits = probe(lambda x: ex.explain(x, method=methods, target=target, **method_options)[0].logits,
+                   f"this model with {', '.join(methods)}", setup, pre_kwargs)
+    _check_outputs_finite(logits, pre_kwargs)
 
     config, digest_ = config_hash(opts, {
         "command": "export", "model": model_id(opts.model), "checkpoint": checkpoint_id(opts.checkpoint),
         "weights": zoo_weights_id(opts.model, model_info), "labels": digest(label_names),
         "methods": methods, "method_options": method_options, "target": target,
     })
-    run = Run(
-        command="export", out=setup.out, items=setup.scan.items, unreadable=setup.scan.unreadable,
-        dist=setup.dist, device=setup.device, autocast_dtype=setup.autocast_dtype, pre_kwargs=pre_kwargs,
-        config_hash=digest_, crop=opts.crop, max_side=opts.max_side, batch_size=opts.batch_size,
-        workers=opts.workers, write_threads=opts.write_threads, overwrite=opts.overwrite, quiet=opts.quiet,
-    )
+    run = new_run("export", opts, setup, pre_kwargs, digest_, max_side=opts.max_side)
     names = label_names or []
 
     def label(i: int) -> Optional[str]:

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from ..errors import UsageError
-from ..zoo.hub import build_loaded
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch import nn
@@ -94,6 +93,7 @@ def load_model(
         UsageError: unknown model name, unreadable or mismatching checkpoint, missing zoo weights.
     """
     from .. import zoo
+    from ..zoo.hub import build_loaded
 
     info: dict[str, Any] = {"name": spec, "checkpoint": checkpoint, "random_weights": False}
     model_args = dict(model_args or {})

@@ -11,10 +11,11 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from ..errors import UsageError
 from .distributed import Dist, device_and_amp
+from .driver import Run
 from .inputs import InputScan, scan_inputs
 from .options import output_settings, validate
 from .writing import check_writable
@@ -22,7 +23,7 @@ from .writing import check_writable
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["Setup", "prepare", "resolve_methods", "config_hash", "summary_fields"]
+__all__ = ["Setup", "prepare", "resolve_methods", "probe", "config_hash", "new_run", "summary_fields"]
 
 
 @dataclass
@@ -106,6 +107,36 @@ def resolve_methods(
     return methods, specs, _check_method_options(options, specs)
 
 
+def probe(explain: Callable[["torch.Tensor"], Any], what: str, setup: Setup, pre_kwargs: dict[str, Any]) -> Any:
+    """Explain one blank image before writing anything, so that a method that cannot work on
+    the model (no attention found, no gates, a caption with unknown words) is a usage error
+    (exit 2) instead of the same failure repeated for every image.
+
+    Args:
+        explain: ``explain(x)`` for a (1, 3, H, W) batch.
+        what: what is explained, for the message (``"this model with rollout, cdam"``).
+        setup: the run's device and autocast.
+        pre_kwargs: the model's preprocessing arguments (``input_size``).
+
+    Returns:
+        What ``explain`` returned.
+
+    Raises:
+        UsageError: ``explain`` failed.
+    """
+    import torch
+
+    from .distributed import autocast
+
+    h, w = pre_kwargs["input_size"]
+    x = torch.zeros(1, 3, int(h), int(w), device=setup.device)
+    try:
+        with autocast(setup.autocast_dtype):
+            return explain(x)
+    except Exception as e:
+        raise UsageError(f"cannot explain {what} (tried on a blank {h}x{w} image): {type(e).__name__}: {e}") from None
+
+
 def config_hash(opts: Any, resolved: dict[str, Any]) -> tuple[dict[str, Any], str]:
     """The settings that change the outputs and their digest (the resume rule).
 
@@ -120,6 +151,16 @@ def config_hash(opts: Any, resolved: dict[str, Any]) -> tuple[dict[str, Any], st
     config = {**output_settings(opts), **resolved}
     text = json.dumps(config, sort_keys=True, default=str)
     return config, hashlib.sha1(text.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+
+
+def new_run(command: str, opts: Any, setup: Setup, pre_kwargs: dict[str, Any], digest: str, *, max_side: int) -> Run:
+    """The driver's :class:`~vitexplain.batch.driver.Run` of a command from its options and setup."""
+    return Run(
+        command=command, out=setup.out, items=setup.scan.items, unreadable=setup.scan.unreadable,
+        dist=setup.dist, device=setup.device, autocast_dtype=setup.autocast_dtype, pre_kwargs=pre_kwargs,
+        config_hash=digest, crop=opts.crop, max_side=max_side, batch_size=opts.batch_size, workers=opts.workers,
+        write_threads=opts.write_threads, overwrite=opts.overwrite, quiet=opts.quiet,
+    )
 
 
 def summary_fields(opts: Any, argv: Optional[Sequence[str]], config: dict[str, Any], **entries: Any) -> dict[str, Any]:

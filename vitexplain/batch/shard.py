@@ -6,11 +6,11 @@ forward and backward use the intra-op threads of torch), and hands each image's 
 while the next batch is explained. A finished image's record is appended to the manifest
 part as soon as its files are in place.
 
-Stopping: on Ctrl-C or SIGTERM the write jobs that have not started are cancelled (their
-images are redone by the next run), the running ones are finished and recorded, and the
-DataLoader workers (which ignore those signals) are shut down -- the process exits within
-about a second. On an :class:`~vitexplain.batch.writing.OutputError` (a full disk...) the
-same happens and the error is reported.
+Stopping: on Ctrl-C or SIGTERM the pending write jobs (images already explained) are
+finished and recorded for up to one second, the rest are cancelled (their images are redone
+by the next run), and the DataLoader workers (which ignore those signals) are shut down. On
+an :class:`~vitexplain.batch.writing.OutputError` (a full disk...) the pending jobs are
+dropped at once and the error is reported.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ import signal
 import sys
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Optional
 
 from .decoding import ImageDataset, make_loader
@@ -102,24 +103,31 @@ class _Loop:
             self.stats["write_s"] += seconds
             self.emit(rec)
 
-    def stop(self) -> None:
-        """Cancel write jobs not started; finish and record the running ones."""
-        for fut in self.pending:
-            fut.cancel()
+    def stop(self, budget_s: float) -> None:
+        """Finish and record pending write jobs for up to ``budget_s`` seconds; cancel the rest
+        (their images are redone by the next run)."""
+        deadline = time.monotonic() + budget_s
         while self.pending:
             fut = self.pending.popleft()
-            if fut.cancelled():
-                continue
             try:
-                rec, _ = fut.result()
+                rec, _ = fut.result(timeout=max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                fut.cancel()
+                for rest in self.pending:
+                    rest.cancel()
+                self.pending.clear()
+                return
+            except CancelledError:
+                continue
             except OutputError as e:
                 self.stats.setdefault("output_error", str(e))
+                deadline = 0.0  # the folder cannot be written: drop the rest
                 continue
             try:
                 self.emit(rec)
             except OutputError as e:
                 self.stats.setdefault("output_error", str(e))
-                return
+                deadline = 0.0
 
 
 def run_shard(
@@ -189,11 +197,11 @@ def run_shard(
         loop.drain(0)
     except KeyboardInterrupt as e:
         stats["interrupted"] = getattr(e, "signum", signal.SIGINT)
-        loop.stop()
+        loop.stop(budget_s=1.0)
         say("vitexplain: interrupted; finished files are kept, rerun the same command to resume", loop.bar)
     except OutputError as e:
         stats["output_error"] = str(e)
-        loop.stop()
+        loop.stop(budget_s=0.0)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
         batches = None  # shuts the DataLoader workers down now
