@@ -500,13 +500,17 @@ def test_stale_temp_files_of_killed_runs_are_cleaned(ckpt, tmp_path) -> None:
     src = _images(tmp_path / "in", ["sub/a.png"])
     out = tmp_path / "out"
     (out / "sub").mkdir(parents=True)
-    stale = out / "sub" / ".0123456789ab.4242.tmp"  # what kill -9 leaves mid-write
+    # what kill -9 leaves mid-write: a temporary file, and the run's unmerged manifest part
+    stale = out / "sub" / ".0123456789ab.4242.tmp"
     stale.write_bytes(b"half a png")
+    (out / "manifest.part-0123456789ab-rank0.jsonl").write_text(json.dumps({"key": "x.png", "status": "ok"}) + "\n")
+    top = out / ".fedcba987654.4242.tmp"  # a summary being replaced when the run was killed
+    top.write_bytes(b"{")
     mine = out / "sub" / ".notes.tmp"  # not our pattern: kept
     mine.write_text("user file")
     assert _export(src, out, ckpt) == 0
-    assert not stale.exists() and mine.exists()
-    assert _summary(out)["cleaned_temp_files"] == 1
+    assert not stale.exists() and not top.exists() and mine.exists()
+    assert _summary(out)["cleaned_temp_files"] == 2
 
 
 _SLOW_RUN = """

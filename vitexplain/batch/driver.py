@@ -37,7 +37,7 @@ from ..errors import UsageError
 from .distributed import Dist
 from .inputs import InputItem, Unreadable
 from .lock import OutputLock
-from .manifest import SUMMARY, ManifestPart, merge_manifest, new_run_id, read_manifest
+from .manifest import PART_RE, SUMMARY, ManifestPart, merge_manifest, new_run_id, read_manifest
 from .summary import build_summary, run_counts
 from .writing import OutputError, WriteFn, Writer, clean_stale_temps, json_bytes
 
@@ -203,7 +203,8 @@ def _start(run: Run, lock: OutputLock) -> str:
         try:
             run.out.mkdir(parents=True, exist_ok=True)
             lock.acquire()
-            run.cleaned_temps = clean_stale_temps(run.out)
+            killed = any(PART_RE.match(name) for name in os.listdir(run.out))  # unmerged parts
+            run.cleaned_temps = clean_stale_temps(run.out, everywhere=killed)
             status = {"run_id": new_run_id()}
         except UsageError as e:
             status = {"usage": str(e)}

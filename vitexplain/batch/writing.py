@@ -263,16 +263,23 @@ def check_writable(out: str | os.PathLike[str]) -> None:
     _unlink_quietly(probe)
 
 
-def clean_stale_temps(out: Path) -> int:
-    """Remove temporary files (:data:`TEMP_RE`) left below ``out`` by killed runs.
+def clean_stale_temps(out: Path, *, everywhere: bool) -> int:
+    """Remove temporary files (:data:`TEMP_RE`) left in ``out`` by killed runs.
 
     Call it only while holding the output lock (no other run writes there then).
+
+    Args:
+        out: the output folder.
+        everywhere: look in every folder below ``out`` (a run was killed: it left its manifest
+            part behind); otherwise only in ``out`` itself, where the summary and manifest are
+            written after the parts are merged and removed.
 
     Returns:
         How many files were removed.
     """
     removed = 0
-    for dirpath, _, files in os.walk(out):
+    walk = os.walk(out) if everywhere else [(str(out), [], os.listdir(out))]
+    for dirpath, _, files in walk:
         for name in files:
             if TEMP_RE.match(name):
                 try:
