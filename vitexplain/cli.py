@@ -158,9 +158,10 @@ def _report(result: Any, quiet: bool, done: str) -> int:
     if not quiet and "counts" in s:
         c, t = s["counts"], s["timings"]
         rate = f", {t['images_per_s']:.1f} images/s" if t.get("images_per_s") else ""
+        folders = f", {c['unreadable_folders']} folders unreadable" if c.get("unreadable_folders") else ""
         print(
             f"vitexplain: {c['images']} images: {c['ok']} {done}, {c['skipped']} up to date (skipped), "
-            f"{c['failed']} failed{rate} -> {result.out}",
+            f"{c['failed']} failed{folders}{rate} -> {result.out}",
             file=sys.stderr,
         )
     return int(result.exit_code)
