@@ -227,7 +227,7 @@ def drive(run: Run, command: Command, t_start: float) -> ExportResult:
         KeyboardInterrupt: after Ctrl-C or SIGTERM (:class:`Interrupted`), once finished
             files are recorded and the summary is written.
     """
-    from .shard import run_shard
+    from .shard import new_stats, run_shard
 
     dist, out = run.dist, run.out
     dist.init(run.device)
@@ -250,18 +250,22 @@ def drive(run: Run, command: Command, t_start: float) -> ExportResult:
                     todo.append((item, source))
             setup_s = time.perf_counter() - t_start
             crash: Optional[BaseException] = None
-            part = ManifestPart(out, run_id, dist.rank)
+            part: Optional[ManifestPart] = None
             try:
+                part = ManifestPart(out, run_id, dist.rank)
                 if dist.rank == 0:
                     _record_unreadable(run, part)
                 stats = run_shard(todo, run=run, process=command.process, skipped=skipped, part=part)
+            except OutputError as e:  # the manifest part cannot be created or written
+                stats = {**new_stats(skipped), "output_error": str(e)}
             except Exception as e:  # tell the other ranks instead of leaving them at the barrier
                 if dist.world == 1:
                     raise
                 crash = e
                 stats = {"crashed": f"rank {dist.rank}: {type(e).__name__}: {e}"}
             finally:
-                part.close()
+                if part is not None:
+                    part.close()
             stats["setup_s"] = setup_s
             all_stats = dist.gather(stats)  # also the barrier: every rank has closed its part
             crashed = [s["crashed"] for s in all_stats if "crashed" in s]

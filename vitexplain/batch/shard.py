@@ -31,7 +31,7 @@ from .inputs import InputItem
 from .manifest import ManifestPart
 from .writing import OutputError, WriteFn, Writer
 
-__all__ = ["run_shard"]
+__all__ = ["run_shard", "new_stats"]
 
 
 def _write_job(rec: dict[str, Any], write: WriteFn, writer: Writer) -> tuple[dict[str, Any], float]:
@@ -130,6 +130,12 @@ class _Loop:
                 deadline = 0.0
 
 
+def new_stats(skipped: int) -> dict[str, Any]:
+    """A rank's statistics before any image is processed."""
+    return {"ok": 0, "failed": 0, "skipped": skipped, "failures": [], "load_wait_s": 0.0, "explain_s": 0.0,
+            "write_s": 0.0, "process_s": 0.0, "interrupted": False}
+
+
 def run_shard(
     todo: list[tuple[InputItem, dict[str, Any]]],
     *,
@@ -145,9 +151,7 @@ def run_shard(
         (``load_wait_s``, ``explain_s``, ``write_s``, ``process_s``), ``interrupted`` (the
         signal number, or False) and ``output_error`` (the message) when the run stopped.
     """
-    stats: dict[str, Any] = {"ok": 0, "failed": 0, "skipped": skipped, "failures": [],
-                             "load_wait_s": 0.0, "explain_s": 0.0, "write_s": 0.0, "process_s": 0.0,
-                             "interrupted": False}
+    stats = new_stats(skipped)
     if not todo:
         return stats
     loop = _Loop(todo, run, part, stats)
