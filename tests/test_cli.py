@@ -301,6 +301,13 @@ def test_discover_inputs_keys_globs_and_safety(tmp_path: Path, monkeypatch) -> N
     for it in items:
         assert ".." not in it.key.split("/") and not it.path.startswith("out")
     assert {it.key for it in discover_inputs(["."], "out")} == {"a/x.png", "a/sub/y.JPG", "b/x.png", "a/[odd].png"}
+    # names differing only by case in one folder: told apart by a hash of the file, not the folder
+    for name in ("c/Q.png", "c/q.png"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_bytes(b"x")
+    keys = sorted(it.key for it in discover_inputs(["c"], "out"))
+    assert len(keys) == 2 and len({k.casefold() for k in keys}) == 2
+    assert all(re.fullmatch(r"[Qq]~[0-9a-f]{8}\.png", k) for k in keys), keys
     with pytest.raises(UsageError, match="next to the"):
         discover_inputs(["a"], "a")
     with pytest.raises(UsageError, match="no such file"):

@@ -6,10 +6,11 @@ fixed prefix), with ``.``/``..``/empty components dropped, so outputs never leav
 Its output files are ``OUT/<key>.<suffix>``. Keys are:
 
 - **stable**: a function of the set of inputs, never of the order of the arguments. Keys
-  that would collide (the same relative path under two roots, or names that differ only by
-  case) are all prefixed with their input folder's name; if those collide too, the folder
-  name gets a hash of the folder's absolute path; then the file name a hash of the file's.
-  The same file reached through two arguments is listed once, under its shortest key.
+  that would collide are all told apart: under two roots (the same relative path), by the
+  input folder's name before them, then by that name plus a hash of the folder's absolute
+  path; within one root (names that differ only by case, or by undecodable bytes written
+  ``%XX``), by a hash of the file's absolute path before the extension. The same file
+  reached through two arguments is listed once, under its shortest key.
 - **valid text**: bytes of a file name that are not UTF-8 (Python's surrogate escapes) are
   written ``%XX`` in the key, so every key (and manifest line) is valid UTF-8.
 - **length-safe**: a name component longer than :data:`MAX_PART_BYTES` bytes (UTF-8) is cut
@@ -267,19 +268,22 @@ def discover_inputs(inputs: Sequence[str], out: str | os.PathLike[str]) -> list[
 
 @dataclass
 class _Candidate:
+    """One input file on its way to a key: ``parts`` below its root, plus what tells it apart."""
+
     root: str
     path: str
     parts: list[str]
-    level: int = 0
+    prefix: int = 0  # 1: the root folder's name before the parts; 2: that name + a hash of the root
+    file_hash: bool = False  # a hash of the file's absolute path before its extension
 
     def key(self) -> str:
         parts = list(self.parts)
-        if self.level >= 1:
-            label = _key_parts(os.path.basename(os.path.abspath(self.root))) or ["input"]
-            if self.level >= 2:
-                label = [label[-1] + "~" + _hash(os.path.abspath(self.root))]
-            parts = label + parts
-        if self.level >= 3:
+        if self.prefix:
+            label = (_key_parts(os.path.basename(os.path.abspath(self.root))) or ["input"])[-1]
+            if self.prefix >= 2:
+                label += "~" + _hash(os.path.abspath(self.root))
+            parts.insert(0, label)
+        if self.file_hash:
             stem, ext = os.path.splitext(parts[-1])
             parts[-1] = f"{stem}~{_hash(os.path.abspath(self.path))}{ext}"
         return "/".join(parts)
@@ -295,8 +299,8 @@ def _assign_keys(found: list[tuple[str, str]]) -> list[InputItem]:
         old = by_file.get(norm)
         if old is None or (len(cand.parts), cand.key()) < (len(old.parts), old.key()):
             by_file[norm] = cand  # the same file twice: its shortest key, whatever the order
-    cands = sorted(by_file.values(), key=lambda c: (c.key(), c.path))
-    for _ in range(8):  # each pass escalates colliding keys; a level-3 key is unique
+    cands = list(by_file.values())
+    for _ in range(8):  # each pass tells colliding keys apart further; file hashes end it
         groups: dict[str, list[_Candidate]] = {}
         for c in cands:
             groups.setdefault(c.key().casefold(), []).append(c)
@@ -304,8 +308,12 @@ def _assign_keys(found: list[tuple[str, str]]) -> list[InputItem]:
         if not clashes:
             break
         for group in clashes:
-            for c in group:
-                c.level = min(c.level + 1, 3)
+            roots = [os.path.abspath(c.root) for c in group]
+            for c, root in zip(group, roots):
+                if roots.count(root) > 1 or c.prefix == 2:  # the same root: only the file tells them apart
+                    c.file_hash = True
+                else:
+                    c.prefix += 1
     keys = _rename_clashing_folders([c.key() for c in cands])
     items = [InputItem(path=c.path, key=k) for c, k in zip(cands, keys)]
     items.sort(key=lambda it: it.key)
