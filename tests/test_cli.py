@@ -471,8 +471,8 @@ def test_build_loaded_equals_ordinary_loading_or_declines() -> None:
 
     from vitexplain.zoo.hub import build_loaded
 
-    def net() -> nn.Module:
-        return nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Linear(4, 2))
+    def net() -> nn.Module:  # 4.2M parameters: above the size where the meta device pays off
+        return nn.Sequential(nn.Linear(3, 2048), nn.LayerNorm(2048), nn.Linear(2048, 2048))
 
     torch.manual_seed(0)
     ref = net().eval()
@@ -483,18 +483,20 @@ def test_build_loaded_equals_ordinary_loading_or_declines() -> None:
     x = torch.randn(5, 3)
     assert all(p.dtype == torch.float32 and not p.is_meta for p in loaded.parameters())
     assert torch.equal(loaded(x), expected(x))
+    small = {k: v for k, v in nn.Linear(3, 4).state_dict().items()}  # tiny: the ordinary path is quicker
+    assert build_loaded(lambda: nn.Linear(3, 4), small) is None
 
     class WithBuffer(nn.Module):  # a buffer not in the state dict would stay on the meta device
         def __init__(self) -> None:
             super().__init__()
-            self.lin = nn.Linear(3, 3)
+            self.lin = nn.Linear(2048, 2048)
             self.register_buffer("table", torch.arange(3.0), persistent=False)
 
     class Tied(nn.Module):  # assigning would untie the weights
         def __init__(self) -> None:
             super().__init__()
-            self.a = nn.Linear(3, 3)
-            self.b = nn.Linear(3, 3)
+            self.a = nn.Linear(2048, 2048)
+            self.b = nn.Linear(2048, 2048)
             self.b.weight = self.a.weight
 
     assert build_loaded(WithBuffer, WithBuffer().state_dict()) is None

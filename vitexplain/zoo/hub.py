@@ -81,6 +81,10 @@ def _attach(model: nn.Module, cfg: dict[str, Any]) -> nn.Module:
     return model
 
 
+# below this many parameters the ordinary init is quicker than building on the meta device
+_META_MIN_NUMEL = 4_000_000
+
+
 def build_loaded(create: Callable[[], nn.Module], state: Optional[dict[str, torch.Tensor]]) -> Optional[nn.Module]:
     """The model with ``state`` loaded, built without its random initialisation, or None.
 
@@ -88,9 +92,11 @@ def build_loaded(create: Callable[[], nn.Module], state: Optional[dict[str, torc
     a ViT-S takes longer than loading its weights), then the checkpoint's tensors are assigned.
     None (build it the ordinary way) when that cannot give the same model: no checkpoint,
     keys or shapes that differ (the ordinary path reports them), tied weights, or buffers that
-    are not in the state dict (e.g. Swin's relative position index, rotary tables).
+    are not in the state dict (e.g. Swin's relative position index, rotary tables); and for
+    models under 4M parameters, whose random init is quicker than the meta device's fixed
+    cost (measured: 9 ms vs 35 ms for shapes-vit, 234 ms vs 88 ms for a ViT-S, one thread).
     """
-    if state is None:
+    if state is None or sum(t.numel() for t in state.values()) < _META_MIN_NUMEL:
         return None
     with torch.device("meta"):
         model = create()
