@@ -5,10 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import vitexplain
-
-PACKAGE = Path(vitexplain.__file__).resolve().parent
-ROOT = PACKAGE.parent
+ROOT = Path(__file__).resolve().parent.parent  # the repository (the package may be installed elsewhere)
+PACKAGE = ROOT / "vitexplain"
 
 
 def test_every_cited_document_is_in_the_repository():
