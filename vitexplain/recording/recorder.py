@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import sys
 from types import FrameType
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +33,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from ..errors import CaptureError, NoAttentionError
+from .custom import Extractor, ModuleInputs, as_weights, declared_modules, in_graph, is_inside
 from .gates import GateHooks, GateRecord, checked_gates
 from .records import ActivationRecord, AttentionRecord
 
@@ -55,9 +56,10 @@ CROSS_ARGUMENT_NAMES = (
 
 SUPPORTED = (
     "torch.nn.functional.scaled_dot_product_attention (timm ViT/DeiT/EVA/BEiT/Swin, "
-    "torchvision, Hugging Face attn_implementation='sdpa'), attention modules that compute "
-    "softmax(q k^T) in Python (timm fused_attn=False, Hugging Face 'eager') and "
-    "nn.MultiheadAttention / nn.Transformer* layers"
+    "torchvision, Hugging Face attn_implementation='sdpa'), FlexAttention, attention modules "
+    "that compute softmax(q k^T) in Python (timm fused_attn=False, Hugging Face 'eager'), "
+    "nn.MultiheadAttention / nn.Transformer* layers, and modules declared with "
+    "vx.capture(model, attention={name: extractor}) or vx.recording.register_attention"
 )
 
 
@@ -107,14 +109,16 @@ class Recorder:
         *,
         grads: bool = False,
         activations: Sequence[str] = (),
-        attention: bool = True,
+        attention: Union[bool, Mapping[str, Extractor]] = True,
         gates: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"vx.capture expects an nn.Module, got {type(model).__name__}")
         self.model = model
         self.grads = bool(grads)
-        self.attention = bool(attention)
+        self.attention = bool(attention) or isinstance(attention, Mapping)
+        self._extractors: dict[str, Extractor] = dict(attention) if isinstance(attention, Mapping) else {}
+        self._declared: dict[str, tuple[nn.Module, Extractor]] = {}
         self.activation_names = tuple(activations)
         self.capture_gates = bool(gates)
         self.input_size: Optional[tuple[int, int]] = None
@@ -153,6 +157,11 @@ class Recorder:
                 self._gate_hooks = GateHooks(self.model, self._gates)
                 self._handles.extend(self._gate_hooks.register())
             if self.attention:
+                self._declared = declared_modules(self.model, self._extractors)
+                for name, (module, extractor) in self._declared.items():
+                    self._handles.append(
+                        module.register_forward_hook(self._module_hook(name, extractor), with_kwargs=True)
+                    )
                 if hasattr(torch.backends, "mha") and hasattr(torch.backends.mha, "get_fastpath_enabled"):
                     self._fastpath = torch.backends.mha.get_fastpath_enabled()
                     torch.backends.mha.set_fastpath_enabled(False)
@@ -378,26 +387,37 @@ class Recorder:
                 return "cross"
         return "self"
 
-    def _new_record(self, name: str, module: nn.Module, frame: FrameType, **fields: Any) -> AttentionRecord:
+    def _new_record(self, name: str, kind: str, **fields: Any) -> AttentionRecord:
         step = self._steps.get(name, 0)
         self._steps[name] = step + 1
-        record = AttentionRecord(
-            name=name, kind=self._kind(module, frame), index=len(self._records), step=step, **fields
-        )
+        record = AttentionRecord(name=name, kind=kind, index=len(self._records), step=step, **fields)  # type: ignore[arg-type]
         self._records.append(record)
         return record
+
+    def _attention_issuer(self) -> Optional[tuple[str, nn.Module, FrameType]]:
+        """The issuer of an SDPA/softmax call, or None when it is not recorded there.
+
+        Calls from outside the model and calls inside a module whose attention an extractor
+        declares (that module's record replaces them) are not recorded.
+        """
+        issuer = self._issuer()
+        if issuer is None or (self._declared and is_inside(issuer[0], self._declared)):
+            return None
+        return issuer
 
     # -- interception -------------------------------------------------------------------
     def _on_sdpa(self, func: Callable, args: tuple, kwargs: dict) -> Any:
         out = func(*args, **kwargs)
-        issuer = self._issuer()
+        issuer = self._attention_issuer()
         if issuer is None:
             return out
         bound = _bind_sdpa(args, kwargs)
         q, k, v = bound["query"], bound["key"], bound["value"]
         mask = bound.get("attn_mask")
+        name, module, frame = issuer
         record = self._new_record(
-            *issuer,
+            name,
+            self._kind(module, frame),
             source="sdpa",
             q_shape=q.shape,
             k_shape=k.shape,
@@ -420,7 +440,7 @@ class Recorder:
         dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
         if dim not in (-1, out.dim() - 1):
             return out
-        issuer = self._issuer()
+        issuer = self._attention_issuer()
         if issuer is None:
             return out
         name, module, frame = issuer
@@ -434,8 +454,7 @@ class Recorder:
         b, h, n_q, n_k = probs.shape
         record = self._new_record(
             name,
-            module,
-            frame,
+            self._kind(module, frame),
             source="eager",
             q_shape=torch.Size((b, h, n_q, 0)),
             k_shape=torch.Size((b, h, n_k, 0)),
@@ -444,6 +463,32 @@ class Recorder:
         if self.grads:
             record._attach_grad_hook(probs, self._hooks_collect)
         return out
+
+    def _module_hook(self, name: str, extractor: Extractor) -> Callable:
+        """A forward hook recording the weights ``extractor`` reads from a declared module."""
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            inputs = ModuleInputs(args, kwargs)
+            checked = as_weights(extractor(module, inputs, output), name)
+            if checked is None:
+                return
+            weights, view, kind = checked
+            b, h, n_q, n_k = view.shape
+            record = self._new_record(
+                name,
+                kind,
+                source="module",
+                q_shape=torch.Size((b, h, n_q, 0)),
+                k_shape=torch.Size((b, h, n_k, 0)),
+                _probs=view.detach(),
+            )
+            if self.grads:
+                if weights.requires_grad and not in_graph(weights, output, inputs):
+                    record._grad_state = "not_in_graph"
+                else:
+                    record._attach_grad_hook(weights, self._hooks_collect)
+
+        return hook
 
     def _on_mha(self, func: Callable, args: tuple, kwargs: dict) -> Any:
         """Run MHA's functional forward with its inner SDPA/softmax calls visible."""
@@ -467,7 +512,7 @@ def capture(
     *,
     grads: bool = False,
     activations: Sequence[str] = (),
-    attention: bool = True,
+    attention: Union[bool, Mapping[str, Extractor]] = True,
     gates: bool = False,
 ) -> Recorder:
     """Record every attention call of ``model`` while it runs its fused attention.
@@ -494,7 +539,13 @@ def capture(
             ``grad_probs()`` (dy/dA) and each activation record its ``grad``.
         activations: module names (as in ``model.named_modules()``) whose inputs and
             outputs are recorded, e.g. ``["blocks.11.norm1"]``.
-        attention: set False to record activations only (no attention interception).
+        attention: set False to record activations only (no attention interception); or a
+            dict ``{module name: extractor}`` declaring modules that compute attention their
+            own way (additive, multiplicative, local, recurrent decoders), recorded in
+            addition to the attention calls above; ``extractor(module, inputs, output)``
+            returns an ``AttentionWeights(weights, kind)`` (see
+            ``vitexplain.recording.custom``). Modules of a class registered with
+            ``vx.recording.register_attention`` are declared without naming them.
         gates: record the gates of CNN attention modules (SE, ECA, CBAM, ...) in
             ``rec.gates``, see ``vitexplain.recording.gates``.
 
