@@ -34,6 +34,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..errors import CaptureError, NoAttentionError
 from .custom import Extractor, ModuleInputs, as_weights, declared_modules, in_graph, is_inside
+from .flex import FlexAttentionRecord, find_output, flex_arguments, flex_code, flex_frame, flex_op, traced_arguments
 from .gates import GateHooks, GateRecord, checked_gates
 from .records import ActivationRecord, AttentionRecord
 
@@ -76,6 +77,9 @@ class _AttentionMode(TorchFunctionMode):
     def __init__(self, recorder: "Recorder") -> None:
         super().__init__()
         self.recorder = recorder
+        self.flex = flex_code()  # None unless FlexAttention was imported
+        self.flex_op = flex_op()
+        self.flex_calls: list[tuple] = []  # appended while dynamo traces FlexAttention's op, see _watch_flex
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         if kwargs is None:
@@ -86,6 +90,14 @@ class _AttentionMode(TorchFunctionMode):
             return self.recorder._on_softmax(func, args, kwargs)
         if func is _MHA_FORWARD:
             return self.recorder._on_mha(func, args, kwargs)
+        if func is self.flex_op and self.flex_op is not None:
+            # reached while dynamo traces FlexAttention (eager flex_attention compiles its op, and so
+            # does torch.compile): dynamo replays this append with the real arguments on every call
+            self.flex_calls.append(args[:6])
+            return func(*args, **kwargs)
+        # nothing else of the recorder can run while dynamo traces
+        if self.flex is not None and not torch.compiler.is_dynamo_compiling():
+            self.recorder._watch_flex(self.flex, args, kwargs)
         return func(*args, **kwargs)
 
 
@@ -134,6 +146,8 @@ class Recorder:
         self._fastpath: Optional[bool] = None
         self._active = False
         self._in_backward = False
+        self._flex_frame: Optional[FrameType] = None
+        self._flex_pending: Optional[tuple[AttentionRecord, tuple[Tensor, Tensor, Tensor]]] = None
 
     # -- context manager --------------------------------------------------------------
     def __enter__(self) -> "Recorder":
@@ -183,6 +197,7 @@ class Recorder:
                 self._mode.__exit__(None, None, None)
         finally:
             self._mode = None
+            self._flex_frame = self._flex_pending = None
             for handle in self._handles:
                 handle.remove()
             self._handles.clear()
@@ -359,9 +374,9 @@ class Recorder:
         return hook
 
     # -- attribution --------------------------------------------------------------------
-    def _issuer(self) -> Optional[tuple[str, nn.Module, FrameType]]:
-        """The innermost captured module on the Python stack, with its frame."""
-        frame: Optional[FrameType] = sys._getframe(2)
+    def _issuer(self, start: Optional[FrameType] = None) -> Optional[tuple[str, nn.Module, FrameType]]:
+        """The innermost captured module on the Python stack (from ``start``), with its frame."""
+        frame: Optional[FrameType] = start or sys._getframe(2)
         names = self._names
         while frame is not None:
             obj = frame.f_locals.get("self")
@@ -387,20 +402,20 @@ class Recorder:
                 return "cross"
         return "self"
 
-    def _new_record(self, name: str, kind: str, **fields: Any) -> AttentionRecord:
+    def _new_record(self, name: str, kind: str, record_type: type = AttentionRecord, **fields: Any) -> AttentionRecord:
         step = self._steps.get(name, 0)
         self._steps[name] = step + 1
-        record = AttentionRecord(name=name, kind=kind, index=len(self._records), step=step, **fields)  # type: ignore[arg-type]
+        record = record_type(name=name, kind=kind, index=len(self._records), step=step, **fields)
         self._records.append(record)
         return record
 
-    def _attention_issuer(self) -> Optional[tuple[str, nn.Module, FrameType]]:
+    def _attention_issuer(self, start: Optional[FrameType] = None) -> Optional[tuple[str, nn.Module, FrameType]]:
         """The issuer of an SDPA/softmax call, or None when it is not recorded there.
 
         Calls from outside the model and calls inside a module whose attention an extractor
         declares (that module's record replaces them) are not recorded.
         """
-        issuer = self._issuer()
+        issuer = self._issuer(start or sys._getframe(3))
         if issuer is None or (self._declared and is_inside(issuer[0], self._declared)):
             return None
         return issuer
@@ -463,6 +478,68 @@ class Recorder:
         if self.grads:
             record._attach_grad_hook(probs, self._hooks_collect)
         return out
+
+    def _watch_flex(self, code: Any, args: tuple, kwargs: dict) -> None:
+        """Called for every torch call while FlexAttention is importable (see ``recording.flex``).
+
+        The first call issued from a ``flex_attention`` frame records that call; while a
+        record waits for its output (gradients captured), the calls after it are searched for it.
+        """
+        try:
+            caller = sys._getframe(2)  # the frame that made the torch call
+        except ValueError:  # no Python caller (called from C++)
+            return
+        frame = flex_frame(caller, code)
+        if frame is not None:
+            if frame is not self._flex_frame:
+                self._flex_frame = frame
+                self._on_flex(flex_arguments(frame), frame.f_back)
+            return
+        assert self._mode is not None
+        calls = self._mode.flex_calls
+        while calls:  # calls seen by dynamo: attributed to the module that made this torch call
+            bound = traced_arguments(calls.pop(0))
+            if not self._flex_seen(bound["query"]):
+                self._on_flex(bound, caller)
+        if self._flex_pending is not None:
+            record, (q, k, v) = self._flex_pending
+            out = find_output(args, kwargs, q, k, v)
+            if out is not None:
+                self._flex_pending = None
+                record._attach_grad_hook(out, self._hooks_collect)
+
+    def _flex_seen(self, q: Tensor) -> bool:
+        """Whether the last record already holds this FlexAttention call (seen at its frame)."""
+        last = self._records[-1] if self._records else None
+        return isinstance(last, FlexAttentionRecord) and last._q is not None and last._q.data_ptr() == q.data_ptr() \
+            and last._q.shape == q.shape
+
+    def _on_flex(self, bound: dict[str, Any], caller: Optional[FrameType]) -> None:
+        issuer = self._attention_issuer(caller)
+        if issuer is None:
+            return
+        q, k, v = bound["query"], bound["key"], bound["value"]
+        name, module, issuing_frame = issuer
+        record = self._new_record(
+            name,
+            self._kind(module, issuing_frame),
+            FlexAttentionRecord,
+            source="flex",
+            q_shape=q.shape,
+            k_shape=k.shape,
+            _q=q.detach(),
+            _k=k.detach(),
+            _scale=bound["scale"],
+            score_mod=bound["score_mod"],
+            block_mask=bound["block_mask"],
+        )
+        if self.grads:
+            record._v = v.detach()
+            if any(t.requires_grad for t in (q, k, v)) and torch.is_grad_enabled():
+                record._grad_state = "no_output"  # until the output is seen (``_watch_flex``)
+                self._flex_pending = (record, (q, k, v))
+            else:
+                record._grad_state = "no_graph"
 
     def _module_hook(self, name: str, extractor: Extractor) -> Callable:
         """A forward hook recording the weights ``extractor`` reads from a declared module."""

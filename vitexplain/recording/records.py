@@ -130,8 +130,9 @@ class AttentionRecord:
         step: how many times this module had issued attention before in this capture
             (0 for the first call; decoding steps with a KV cache count up).
         source: ``"sdpa"`` (fused kernel observed), ``"eager"`` (softmax computed by the
-            model in Python) or ``"module"`` (weights read by an extractor from a module's
-            call, see :mod:`vitexplain.recording.custom`).
+            model in Python), ``"flex"`` (FlexAttention, see :mod:`vitexplain.recording.flex`)
+            or ``"module"`` (weights read by an extractor from a module's call, see
+            :mod:`vitexplain.recording.custom`).
         q_shape: (B, H, N_q, E) shape of the queries.
         k_shape: (B, H_kv, N_k, E) shape of the keys (for eager records: (B, H, N_k, -1)).
         dropout_p: attention dropout used by the call (0 in eval mode).
@@ -141,7 +142,7 @@ class AttentionRecord:
     kind: Literal["self", "cross"]
     index: int
     step: int
-    source: Literal["sdpa", "eager", "module"]
+    source: Literal["sdpa", "eager", "module", "flex"]
     q_shape: torch.Size
     k_shape: torch.Size
     dropout_p: float = 0.0
@@ -234,6 +235,11 @@ class AttentionRecord:
                 f"no gradients were captured for {self.name!r}: use "
                 "vx.capture(model, grads=True) and call backward() on a score before "
                 "asking for grad_probs()"
+            )
+        if self._grad_state == "no_output":
+            raise CaptureError(
+                f"the output of the FlexAttention call {self.name!r} never reached another torch operation "
+                "inside the captured forward, so its gradient could not be hooked"
             )
         if self._grad_state == "not_in_graph":
             raise CaptureError(
