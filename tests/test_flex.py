@@ -172,3 +172,16 @@ def test_block_mask_that_disagrees_with_its_mask_mod_is_refused():
         block(q, k, v)
     with pytest.raises(CaptureError, match="disagree with its mask_mod"):
         rec.records[0].probs()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention has a backward on CUDA only")
+@pytest.mark.parametrize("attn_layer", [FlexRelPosAttention, FlexWindowAttention], ids=["relpos", "window"])
+def test_gradient_methods_on_cuda_equal_the_eager_twin(attn_layer):
+    model = flex_vit(attn_layer).cuda()
+    x = torch.randn(2, 3, 32, 32, device="cuda")
+    methods = ["grad_rollout", "generic", "attn_gradcam"]
+    got = vx.Explainer(model).explain(x, method=methods, target=1)
+    want = vx.Explainer(eager_twin(model)).explain(x, method=methods, target=1)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.maps, w.maps, atol=1e-4, rtol=1e-3)

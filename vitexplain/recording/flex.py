@@ -32,7 +32,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 from types import CodeType, FrameType
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from torch import Tensor
@@ -42,6 +42,7 @@ from .records import AttentionRecord, QuerySelect, _rows
 
 __all__ = [
     "FlexAttentionRecord",
+    "FlexRecording",
     "BlockView",
     "flex_code",
     "flex_op",
@@ -257,3 +258,85 @@ class FlexAttentionRecord(AttentionRecord):
         return flex_probs(
             self._q, self._k, score_mod=self.score_mod, block_mask=self.block_mask, scale=self._scale, queries=queries
         )
+
+
+class FlexRecording:
+    """The part of :class:`~vitexplain.recording.Recorder` that records FlexAttention calls.
+
+    The recorder's mode calls :meth:`_watch_flex` for every torch call while FlexAttention is
+    imported (and appends the op calls dynamo traces to ``mode.flex_calls``).
+    """
+
+    if TYPE_CHECKING:  # provided by the Recorder
+        grads: bool
+        _records: list[AttentionRecord]
+        _mode: Any
+        _flex_frame: Optional[FrameType]
+        _flex_pending: Optional[tuple[AttentionRecord, tuple[Tensor, Tensor, Tensor]]]
+
+        def _attention_issuer(self, start: Optional[FrameType] = None) -> Any: ...
+        def _kind(self, module: Any, frame: FrameType) -> str: ...
+        def _new_record(self, name: str, kind: str, record_type: type = ..., **fields: Any) -> AttentionRecord: ...
+        def _hooks_collect(self) -> bool: ...
+
+    def _watch_flex(self, code: Any, args: tuple, kwargs: dict) -> None:
+        """Called for every torch call while FlexAttention is importable (see ``recording.flex``).
+
+        The first call issued from a ``flex_attention`` frame records that call; while a
+        record waits for its output (gradients captured), the calls after it are searched for it.
+        """
+        try:
+            caller = sys._getframe(2)  # the frame that made the torch call
+        except ValueError:  # no Python caller (called from C++)
+            return
+        frame = flex_frame(caller, code)
+        if frame is not None:
+            if frame is not self._flex_frame:
+                self._flex_frame = frame
+                self._on_flex(flex_arguments(frame), frame.f_back)
+            return
+        assert self._mode is not None
+        calls = self._mode.flex_calls
+        while calls:  # calls seen by dynamo: attributed to the module that made this torch call
+            bound = traced_arguments(calls.pop(0))
+            if not self._flex_seen(bound["query"]):
+                self._on_flex(bound, caller)
+        if self._flex_pending is not None:
+            record, (q, k, v) = self._flex_pending
+            out = find_output(args, kwargs, q, k, v)
+            if out is not None:
+                self._flex_pending = None
+                record._attach_grad_hook(out, self._hooks_collect)
+
+    def _flex_seen(self, q: Tensor) -> bool:
+        """Whether the last record already holds this FlexAttention call (seen at its frame)."""
+        last = self._records[-1] if self._records else None
+        return isinstance(last, FlexAttentionRecord) and last._q is not None and last._q.data_ptr() == q.data_ptr() \
+            and last._q.shape == q.shape
+
+    def _on_flex(self, bound: dict[str, Any], caller: Optional[FrameType]) -> None:
+        issuer = self._attention_issuer(caller)
+        if issuer is None:
+            return
+        q, k, v = bound["query"], bound["key"], bound["value"]
+        name, module, issuing_frame = issuer
+        record = self._new_record(
+            name,
+            self._kind(module, issuing_frame),
+            FlexAttentionRecord,
+            source="flex",
+            q_shape=q.shape,
+            k_shape=k.shape,
+            _q=q.detach(),
+            _k=k.detach(),
+            _scale=bound["scale"],
+            score_mod=bound["score_mod"],
+            block_mask=bound["block_mask"],
+        )
+        if self.grads:
+            record._v = v.detach()
+            if any(t.requires_grad for t in (q, k, v)) and torch.is_grad_enabled():
+                record._grad_state = "no_output"  # until the output is seen (``_watch_flex``)
+                self._flex_pending = (record, (q, k, v))
+            else:
+                record._grad_state = "no_graph"

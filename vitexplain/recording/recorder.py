@@ -8,6 +8,10 @@ How it works (see references.md, "Attention from fused kernels"):
   (models that compute attention in Python, e.g. timm with ``fused_attn=False`` or
   Hugging Face "eager"), and ``nn.MultiheadAttention``'s functional forward, whose inner
   SDPA / softmax call it makes visible for the duration of that call only.
+- FlexAttention calls are recorded with their ``score_mod`` and ``block_mask`` (see
+  :mod:`vitexplain.recording.flex`), and modules declared with an extractor (additive,
+  multiplicative, local, recurrent-decoder attention) by a forward hook on each (see
+  :mod:`vitexplain.recording.custom`).
 - Each call is attributed to the module that issued it by walking the Python stack to the
   nearest frame whose ``self`` is a submodule of the captured model. No hook is put on
   the model for this, and calls from other models are ignored.
@@ -34,7 +38,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..errors import CaptureError, NoAttentionError
 from .custom import Extractor, ModuleInputs, as_weights, declared_modules, in_graph, is_inside
-from .flex import FlexAttentionRecord, find_output, flex_arguments, flex_code, flex_frame, flex_op, traced_arguments
+from .flex import FlexRecording, flex_code, flex_op
 from .gates import GateHooks, GateRecord, checked_gates
 from .records import ActivationRecord, AttentionRecord
 
@@ -101,7 +105,7 @@ class _AttentionMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-class Recorder:
+class Recorder(FlexRecording):
     """Records the attention calls (and optionally activations) of one model.
 
     Use through :func:`capture`. After the forward, ``rec.records`` lists one
@@ -479,68 +483,6 @@ class Recorder:
             record._attach_grad_hook(probs, self._hooks_collect)
         return out
 
-    def _watch_flex(self, code: Any, args: tuple, kwargs: dict) -> None:
-        """Called for every torch call while FlexAttention is importable (see ``recording.flex``).
-
-        The first call issued from a ``flex_attention`` frame records that call; while a
-        record waits for its output (gradients captured), the calls after it are searched for it.
-        """
-        try:
-            caller = sys._getframe(2)  # the frame that made the torch call
-        except ValueError:  # no Python caller (called from C++)
-            return
-        frame = flex_frame(caller, code)
-        if frame is not None:
-            if frame is not self._flex_frame:
-                self._flex_frame = frame
-                self._on_flex(flex_arguments(frame), frame.f_back)
-            return
-        assert self._mode is not None
-        calls = self._mode.flex_calls
-        while calls:  # calls seen by dynamo: attributed to the module that made this torch call
-            bound = traced_arguments(calls.pop(0))
-            if not self._flex_seen(bound["query"]):
-                self._on_flex(bound, caller)
-        if self._flex_pending is not None:
-            record, (q, k, v) = self._flex_pending
-            out = find_output(args, kwargs, q, k, v)
-            if out is not None:
-                self._flex_pending = None
-                record._attach_grad_hook(out, self._hooks_collect)
-
-    def _flex_seen(self, q: Tensor) -> bool:
-        """Whether the last record already holds this FlexAttention call (seen at its frame)."""
-        last = self._records[-1] if self._records else None
-        return isinstance(last, FlexAttentionRecord) and last._q is not None and last._q.data_ptr() == q.data_ptr() \
-            and last._q.shape == q.shape
-
-    def _on_flex(self, bound: dict[str, Any], caller: Optional[FrameType]) -> None:
-        issuer = self._attention_issuer(caller)
-        if issuer is None:
-            return
-        q, k, v = bound["query"], bound["key"], bound["value"]
-        name, module, issuing_frame = issuer
-        record = self._new_record(
-            name,
-            self._kind(module, issuing_frame),
-            FlexAttentionRecord,
-            source="flex",
-            q_shape=q.shape,
-            k_shape=k.shape,
-            _q=q.detach(),
-            _k=k.detach(),
-            _scale=bound["scale"],
-            score_mod=bound["score_mod"],
-            block_mask=bound["block_mask"],
-        )
-        if self.grads:
-            record._v = v.detach()
-            if any(t.requires_grad for t in (q, k, v)) and torch.is_grad_enabled():
-                record._grad_state = "no_output"  # until the output is seen (``_watch_flex``)
-                self._flex_pending = (record, (q, k, v))
-            else:
-                record._grad_state = "no_graph"
-
     def _module_hook(self, name: str, extractor: Extractor) -> Callable:
         """A forward hook recording the weights ``extractor`` reads from a declared module."""
 
@@ -601,9 +543,10 @@ def capture(
         rec.records[-1].probs()               # (B, heads, N_q, N_k) float32
 
     Attention is observed at ``F.scaled_dot_product_attention`` (the fused kernel keeps
-    running), at softmax calls of modules that compute attention in Python, and inside
+    running), at FlexAttention calls (eager or ``torch.compile``-d ``flex_attention``), at
+    softmax calls of modules that compute attention in Python, inside
     ``nn.MultiheadAttention`` (whose C++ fast path is switched off inside the scope only,
-    so its SDPA call is visible). A record's ``kind`` is ``"cross"`` when the issuing
+    so its SDPA call is visible), and at the modules declared through ``attention=``. A record's ``kind`` is ``"cross"`` when the issuing
     module has ``is_cross_attention=True``, is an ``nn.MultiheadAttention`` called with a
     key that is not its query, or received a tensor argument named one of
     ``encoder_hidden_states``, ``key_value_states``, ``memory``, ``context``,
