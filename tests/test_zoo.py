@@ -16,7 +16,8 @@ from vitexplain.zoo import evaluate as zoo_eval
 from vitexplain.zoo.hub import WEIGHTS_DIR
 
 FLOOR_SEED = zoo_eval.EVAL_SEED + 1  # fresh: training uses seeds < 9_000
-NAMES = ["shapes-vit", "shapes-cnn", "shapes-captioner"]
+NAMES = ["shapes-vit", "shapes-cnn", "shapes-captioner", "shapes-sat"]
+CAPTIONERS = ("shapes-captioner", "shapes-sat")
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +68,7 @@ def test_load_offline_eval_mode_with_preprocessing(name: str, models) -> None:
     assert tuple(cfg["mean"]) == vx.data.MEAN and tuple(cfg["std"]) == vx.data.STD
     data = resolve_data_config(model=model)
     assert data["input_size"] == (3, 64, 64) and tuple(data["mean"]) == vx.data.MEAN
-    if name != "shapes-captioner":
+    if name not in CAPTIONERS:
         assert cfg["label_names"] == list(SHAPES) and cfg["num_classes"] == len(SHAPES)
     size = (WEIGHTS_DIR / f"{name}.safetensors").stat().st_size
     assert size <= 5 * 2**20
@@ -139,6 +140,30 @@ def test_captioner_attention_contract(models) -> None:
     assert all(len(c["q"]) == 4 for c in spy.calls)
     assert any(c["k"][2] == 65 for c in dec_calls), "cross-attention covers all 1 + 64 encoder tokens"
     assert ids.dtype == torch.long and ids.shape[0] == 3 and len(caps) == 3
+
+
+def test_sat_attends_once_per_step_with_its_additive_attention(models) -> None:
+    from vitexplain.zoo.sat import AdditiveAttention, GridEncoder
+
+    sat = models["shapes-sat"]
+    assert isinstance(sat.encoder, GridEncoder) and isinstance(sat.attention, AdditiveAttention)
+    x = shapes(3, seed=FLOOR_SEED).tensor
+    alphas = []
+    hook = sat.attention.register_forward_hook(lambda m, a, o: alphas.append(o[1]))
+    try:
+        with torch.no_grad():
+            ids, caps = sat.generate(x)
+            bos = torch.full((3, 1), sat.vocab.bos_id, dtype=torch.long)
+            logits = sat(x, torch.cat([bos, ids[:, :-1]], dim=1))
+    finally:
+        hook.remove()
+    steps = ids.shape[1]
+    assert len(alphas) == 2 * steps and all(a.shape == (3, 256) for a in alphas)  # one query per step, 16 x 16 grid
+    torch.testing.assert_close(torch.stack(alphas[:steps]), torch.stack(alphas[steps:]))  # generation == teacher forcing
+    torch.testing.assert_close(torch.stack(alphas).sum(-1), torch.ones(2 * steps, 3))
+    for i, c in enumerate(caps):
+        n = len(c.split()) + 1
+        assert torch.equal(logits.argmax(-1)[i, :n], ids[i, :n])
 
 
 def test_captioner_cache_matches_teacher_forcing(models) -> None:

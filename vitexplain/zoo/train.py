@@ -5,10 +5,11 @@ Usage::
     python -m vitexplain.zoo.train shapes-cnn --out vitexplain/zoo/weights --threads 1
     python -m vitexplain.zoo.train shapes-vit --out vitexplain/zoo/weights --threads 1  # needs shapes-cnn
     python -m vitexplain.zoo.train shapes-captioner --out vitexplain/zoo/weights --threads 1  # needs shapes-vit
+    python -m vitexplain.zoo.train shapes-sat --out vitexplain/zoo/weights --threads 1
     python -m vitexplain.zoo.train NAME --out DIR --steps N [--resume CKPT.json]  # one stage, overrides
 
-The first three commands reproduce the bundled weights (in this order: the ViT mimics the CNN's
-features, the captioner starts from the ViT); a run without ``--steps/--batch-size/--lr/--resume``
+The first four commands reproduce the bundled weights (in this order: the ViT mimics the CNN's
+features, the captioner starts from the ViT; ``shapes-sat`` starts from scratch); a run without ``--steps/--batch-size/--lr/--resume``
 follows the model's full recipe (all stages).
 
 Every step draws a new batch from the synthetic generator, so no image is seen twice and there
@@ -45,6 +46,12 @@ Recipes (:data:`RECIPES`): AdamW with warmup and cosine decay, gradient clipping
 * ``shapes-captioner``: next-token cross-entropy (teacher forcing) plus the same token labeling
   on the encoder; the encoder starts from the trained ``shapes-vit`` trunk (``--init-encoder``,
   default: the bundled checkpoint), the decoder from scratch.
+
+* ``shapes-sat`` (Show, Attend and Tell, :mod:`vitexplain.zoo.sat`), from scratch: the paper's loss
+  (Xu et al. 2015, eq. 14), ``-log P(caption | image)`` summed over the words plus the doubly
+  stochastic attention regularisation ``lambda * sum_i (1 - sum_t alpha_ti)^2`` (``attention_reg``
+  = lambda), plus the same token labeling on the encoder's grid (the paper's encoder was a
+  pretrained VGG; this one learns from the shapes alone). The attention itself is never supervised.
 
 Training is deterministic given ``--seed`` (and, for the captioner, the encoder it starts from)
 on the same machine, thread count and library versions: ``torch.manual_seed(seed)`` fixes the
@@ -96,6 +103,10 @@ RECIPES: dict[str, dict[str, Any]] = {
                    "aux_weight": 0.0},
     "shapes-captioner": {"steps": 2000, "batch_size": 64, "lr": 5e-4, "weight_decay": 0.05, "warmup": 100,
                          "aux_weight": 0.5, "init_encoder": "shapes-vit"},
+    # Show, Attend and Tell: the caption's negative log-likelihood + doubly stochastic attention
+    # regularisation (weight ``attention_reg``, see ``_sat_loss``) + token labeling on the CNN grid.
+    "shapes-sat": {"steps": 1500, "batch_size": 64, "lr": 2e-3, "weight_decay": 0.01, "warmup": 100,
+                   "aux_weight": 0.5, "attention_reg": 0.02},
 }
 MAX_TRAIN_SEED = 9_000
 
@@ -288,11 +299,35 @@ class _FeatureDistill(nn.Module):
         return F.mse_loss(pred, t)
 
 
+def _sat_loss(model: nn.Module, batch: Any, aux: Optional[_AuxHeads], aux_weight: float,
+              attention_reg: float) -> torch.Tensor:
+    """Show, Attend and Tell's loss (Xu et al. 2015, eq. 14), averaged over the batch.
+
+    ``-log P(caption | image)`` (summed over the caption's words, ``<eos>`` included) plus
+    ``attention_reg * sum_i (1 - sum_t alpha_ti)^2`` over the N grid locations, plus token
+    labeling of the annotation vectors (``aux_weight``, training-only heads).
+    """
+    from .sat import doubly_stochastic
+
+    seq = model.tokenize(batch.captions)
+    annotations = model.encode(batch.tensor)
+    logits, alphas = model.run_decoder(annotations, seq[:, :-1])
+    target = seq[:, 1:]
+    pad = model.vocab.pad_id
+    nll = F.cross_entropy(logits.transpose(1, 2), target, ignore_index=pad, reduction="none").sum(1)
+    loss = (nll + attention_reg * doubly_stochastic(alphas, target != pad)).mean()
+    if aux is not None and aux_weight > 0:
+        loss = loss + aux_weight * aux(annotations, patch_targets(batch, model.encoder.stride))
+    return loss
+
+
 def _loss(model: nn.Module, batch: Any, aux: Optional[_AuxHeads], aux_weight: float,
           distill: Optional[_FeatureDistill] = None, distill_weight: float = 0.0,
           deep: Optional[_DeepTokenLabels] = None, value: Optional[_ValueLabels] = None,
-          value_weight: float = 0.0, label_smoothing: float = 0.0) -> torch.Tensor:
+          value_weight: float = 0.0, label_smoothing: float = 0.0, attention_reg: float = 0.0) -> torch.Tensor:
     x = batch.tensor
+    if hasattr(model, "run_decoder"):  # shapes-sat
+        return _sat_loss(model, batch, aux, aux_weight, attention_reg)
     if is_captioner(model):
         seq = model.tokenize(batch.captions)
         memory = model.encode(x)
@@ -498,6 +533,7 @@ def train(
                                 len(SHAPES), len(COLORS))
         groups[0]["params"] += list(deep.parameters())
     label_smoothing = float(recipe.get("label_smoothing", 0.0) if label_smoothing is None else label_smoothing)
+    attention_reg = float(recipe.get("attention_reg", 0.0))
     value: Optional[_ValueLabels] = None
     value_weight = float(recipe.get("value_weight", 0.0) if value_weight is None else value_weight)
     if value_weight > 0 and config["arch"] == "vit":
@@ -525,7 +561,7 @@ def train(
         batch = shapes(batch_size, seed=seed, start=step * batch_size)
         data_time += time.perf_counter() - t0
         loss = _loss(model, batch, aux, aux_weight, distill, distill_weight, deep, value, value_weight,
-                     label_smoothing)
+                     label_smoothing, attention_reg)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], 1.0)
@@ -569,8 +605,9 @@ def train(
         "distill": f"{recipe['distill_from']} layer4 -> block {recipe['distill_block']} tokens, "
                    f"weight {distill_weight}" if distill is not None else None,
         "init_encoder": init_from if is_captioner(model) else None,
-        "pos_embed_init": "2d sincos" if config["arch"] == "vit" or (is_captioner(model) and not init_from)
+        "pos_embed_init": "2d sincos" if config["arch"] == "vit" or (config["arch"] == "captioner" and not init_from)
         else None,
+        "attention_reg": f"doubly stochastic attention, weight {attention_reg}" if attention_reg else None,
         "aux_loss": "token labeling: soft CE of per-patch shape/color coverage (training-only heads)"
         if aux_weight > 0 else None,
         "warmup": warmup,
