@@ -75,7 +75,7 @@ def test_record_caption_and_head_grid_figures():
     np.testing.assert_array_equal(
         mean, vx.viz.attention_matrix(record.probs()[0].mean(0), labels, labels, "blocks.1.attn (self, heads mean)")
     )
-    with pytest.raises(IndexError, match="2 heads"):
+    with pytest.raises(vx.UsageError, match="2 heads"):
         vx.viz.record_matrix(record, head=5)
     grid = vx.viz.head_grid(rec.records, layout, tile=32)
     assert grid.shape[0] > 2 * 32 and grid.shape[1] > 2 * 32  # 2 layers x 2 heads of 32 px tiles

@@ -19,7 +19,9 @@ from ._lazy import lazy_attributes
 from .errors import (
     CaptureError,
     ImageLoadError,
+    InputError,
     NoAttentionError,
+    NotFoundError,
     OptionError,
     TargetError,
     UnsupportedMethodError,
@@ -64,6 +66,8 @@ __all__ = sorted(
         "ImageLoadError",
         "UsageError",
         "OptionError",
+        "InputError",
+        "NotFoundError",
         "__version__",
     ]
 )

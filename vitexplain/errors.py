@@ -1,7 +1,23 @@
 """Exceptions raised by vitexplain.
 
 Every error says what went wrong and what to do about it. All derive from
-:class:`VitexplainError`, so ``except vx.VitexplainError`` catches any of them.
+:class:`VitexplainError`, so ``except vx.VitexplainError`` catches any of them; each also
+derives from the built-in exception it refines (``ValueError``, ``TypeError``, ``KeyError``,
+``OSError``, ``RuntimeError``), so ``except ValueError`` keeps working.
+
+Hierarchy::
+
+    VitexplainError
+      UsageError (ValueError)            how vitexplain was called: arguments, inputs, options
+        OptionError (TypeError)          unknown method option, value out of its declared range
+        InputError (TypeError)           wrong type/shape/content of an input
+        NotFoundError (KeyError)         unknown zoo model, word, module name
+      UnsupportedModelError (TypeError)  the model family is not supported by an operation
+      UnsupportedMethodError (ValueError) the method does not apply to this model
+      TargetError (ValueError)           bad target (class index, label, score function)
+      NoAttentionError (RuntimeError)    a forward ran but no attention call was seen
+      CaptureError (RuntimeError)        a captured quantity cannot be provided
+      ImageLoadError (OSError)           an image file cannot be read
 """
 
 from __future__ import annotations
@@ -16,6 +32,8 @@ __all__ = [
     "ImageLoadError",
     "UsageError",
     "OptionError",
+    "InputError",
+    "NotFoundError",
 ]
 
 
@@ -54,3 +72,15 @@ class UsageError(VitexplainError, ValueError):
 
 class OptionError(UsageError, TypeError):
     """A method option is unknown or its value is out of the method's declared range."""
+
+
+class InputError(UsageError, TypeError):
+    """An argument of the wrong type, shape or content (e.g. a uint8 tensor where a
+    preprocessed float batch is expected, NaN pixels, an empty batch)."""
+
+
+class NotFoundError(UsageError, KeyError):
+    """A name that does not exist (a zoo model, a vocabulary word, a module)."""
+
+    def __str__(self) -> str:  # KeyError would quote the whole message
+        return BaseException.__str__(self)

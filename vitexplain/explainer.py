@@ -24,12 +24,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .recording import capture
-from .errors import UnsupportedMethodError
+from .errors import InputError, OptionError, UnsupportedMethodError, UsageError
 from .layout import TokenLayout
 from .methods import registry
 from .methods.context import Context
 from .adapters import Adapter, adapter_for
-from .targets import Target, TargetSpec, logits_of, resolve
+from .targets import TargetSpec, logits_of, resolve
 
 __all__ = ["Explainer", "Explanation", "CaptionExplanation"]
 
@@ -100,7 +100,7 @@ class Explanation:
 
         if image is None:
             if self.images is None:
-                raise ValueError(
+                raise UsageError(
                     "this explanation was computed from a tensor, so it has no image to draw on; "
                     "pass image=(H, W, 3) uint8 RGB, or explain images/paths instead of a tensor"
                 )
@@ -173,7 +173,7 @@ class CaptionExplanation:
 
         if image is None:
             if self.images is None:
-                raise ValueError("pass image=(H, W, 3) uint8 RGB: this explanation was computed from a tensor")
+                raise UsageError("pass image=(H, W, 3) uint8 RGB: this explanation was computed from a tensor")
             image = self.images[index]
         words = self.tokens[index]
         return caption_figure(image, words, self.maps[index, : len(words)], **kwargs)
@@ -267,16 +267,17 @@ class Explainer:
         if not names:
             raise UnsupportedMethodError(f"no method given; choose from {self.methods()}")
         specs = [registry.get(name, self.family) for name in names]
-        per_method = self._split_options(names, options, single)
+        per_method = self._split_options(names, specs, options, single)
 
         images = boxes = sources = None
         if not (isinstance(x, Tensor) and x.dim() == 4 and x.is_floating_point()):
             if isinstance(x, Tensor):
-                raise TypeError(
+                raise InputError(
                     f"expected a preprocessed (B, 3, H, W) float tensor, got a {x.dtype} tensor of "
                     f"shape {tuple(x.shape)}; pass images as uint8 (H, W, 3) arrays or paths instead"
                 )
             x, images, boxes, sources = self.preprocess(x)
+        _check_batch(x)
         if self.model.training:
             warnings.warn(
                 "the model is in training mode: dropout makes explanations random; call model.eval() first",
@@ -363,12 +364,15 @@ class Explainer:
         single = isinstance(method, str)
         names = [method] if single else list(method)
         specs = [registry.get(name, "caption") for name in names]
-        per_method = self._split_options(names, options, single)
+        per_method = self._split_options(names, specs, options, single)
+        if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1:
+            raise UsageError(f"max_len must be a positive number of tokens to generate, got {max_len!r}")
         sources = regions = None
         if isinstance(images, Tensor) and images.dim() == 4 and images.is_floating_point():
             x = images.detach().to(_model_device(self.model))
         else:
             x, regions, _, sources = self.preprocess(images)
+        _check_batch(x)
         adapter = self.adapter
         generated = None
         if caption is None:
@@ -421,23 +425,48 @@ class Explainer:
         if items and isinstance(items[0], int):
             items = [items] * batch
         if len(items) != batch:
-            raise ValueError(f"got {len(items)} captions for {batch} images; pass one caption or one per image")
+            raise UsageError(f"got {len(items)} captions for {batch} images; pass one caption or one per image")
         seqs = [list(c) if not isinstance(c, str) else self.adapter.encode_caption(c) for c in items]
         length = max(len(s) for s in seqs) + 1
         end = self.adapter.end_id
         return torch.tensor([s + [end] * (length - len(s)) for s in seqs], dtype=torch.long, device=device)
 
     @staticmethod
-    def _split_options(names: list[str], options: dict[str, Any], single: bool) -> dict[str, dict[str, Any]]:
+    def _split_options(
+        names: list[str], specs: list[Any], options: dict[str, Any], single: bool
+    ) -> dict[str, dict[str, Any]]:
+        """Per-method options, each checked against the method's declared options.
+
+        Raises:
+            OptionError: an unknown option, a value out of range, or (several methods)
+                options not given as ``name={...}``; the message is the one the CLI prints.
+        """
         if single:
-            return {names[0]: options}
+            return {names[0]: specs[0].check_options(options)}
         unknown = [k for k in options if k not in names or not isinstance(options[k], dict)]
         if unknown:
-            raise TypeError(
+            raise OptionError(
                 f"with several methods, pass options per method as name={{...}} "
                 f"(e.g. rollout={{'discard_ratio': 0.9}}); got {unknown}"
             )
-        return {name: dict(options.get(name, {})) for name in names}
+        return {name: spec.check_options(options.get(name, {})) for name, spec in zip(names, specs)}
+
+
+def _check_batch(x: Tensor) -> None:
+    """Reject an empty batch or non-finite pixels: both would give maps that mean nothing.
+
+    Raises:
+        InputError: the batch is empty or holds NaN / inf values.
+    """
+    if x.shape[0] == 0:
+        raise InputError("the batch is empty (0 images); pass at least one image")
+    finite = torch.isfinite(x.detach())
+    if not bool(finite.all()):
+        bad = sorted({int(i) for i in (~finite).flatten(1).any(dim=1).nonzero().flatten()})
+        raise InputError(
+            f"the input holds NaN or infinite values (images {bad[:10]}{'...' if len(bad) > 10 else ''}); "
+            "explanations of such inputs mean nothing: check the preprocessing or the images"
+        )
 
 
 def _as_rgb(image: Any) -> Any:
@@ -448,7 +477,7 @@ def _as_rgb(image: Any) -> Any:
         return np.asarray(image.convert("RGB"))
     array = np.asarray(image)
     if array.dtype != np.uint8 or array.ndim != 3 or array.shape[2] != 3:
-        raise TypeError(
+        raise InputError(
             f"expected an (H, W, 3) uint8 RGB image, a PIL image or a path; got an array of "
             f"dtype {array.dtype} and shape {array.shape}"
         )

@@ -19,7 +19,7 @@ from typing import Literal, Optional
 
 from torch import Tensor, nn
 
-from .errors import UnsupportedModelError
+from .errors import UnsupportedModelError, UsageError
 
 __all__ = ["TokenLayout", "token_layout", "find_layout_module"]
 
@@ -79,15 +79,16 @@ class TokenLayout:
         Returns:
             (..., gh, gw).
         """
+        if self.grid is None:
+            raise UnsupportedModelError("windowed attention (Swin-style) has no single patch grid to reshape to")
         n = tokens.shape[-1]
         if n == self.num_tokens:
             tokens = tokens[..., self.patch_slice]
         elif n != self.num_patches:
-            raise ValueError(
+            raise UsageError(
                 f"expected {self.num_tokens} tokens ({self.num_prefix_tokens} prefix + "
                 f"{self.grid[0]}x{self.grid[1]} patches) or {self.num_patches} patches, got {n}"
             )
-        assert self.grid is not None
         return tokens.reshape(*tokens.shape[:-1], *self.grid)
 
     def check(self, num_tokens: int) -> None:

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .errors import TargetError
+from .errors import InputError, TargetError, UsageError
 
 __all__ = [
     "default_tolerance",
@@ -71,13 +71,13 @@ def _as_tensor(x: ArrayLike, name: str) -> Tensor:
     try:
         return torch.as_tensor(x)
     except Exception as exc:  # noqa: BLE001 - re-raised with a clear message
-        raise TypeError(f"{name} must be a torch.Tensor or a NumPy array, got {type(x).__name__}") from exc
+        raise InputError(f"{name} must be a torch.Tensor or a NumPy array, got {type(x).__name__}") from exc
 
 
 def _check_finite(x: Tensor, name: str) -> None:
     if x.is_floating_point() and not bool(torch.isfinite(x).all()):
         bad = (~torch.isfinite(x)).flatten(1).any(1).nonzero().flatten().tolist()
-        raise ValueError(
+        raise UsageError(
             f"{name} contains NaN or infinite values (batch items {bad[:10]}"
             f"{' ...' if len(bad) > 10 else ''}); fix the explanation method or drop those items"
         )
@@ -87,16 +87,16 @@ def _maps(maps: ArrayLike, name: str = "maps", batch: Optional[int] = None) -> T
     """Validate a batch of maps: (B, h, w), finite, returned as a floating tensor (float32 or float64)."""
     maps = _as_tensor(maps, name)
     if maps.ndim != 3:
-        raise ValueError(
+        raise UsageError(
             f"{name} must have shape (B, h, w) (one 2-D map per image), got shape {tuple(maps.shape)}; "
             f"for a single map use map[None]"
         )
     if batch is not None and maps.shape[0] != batch:
-        raise ValueError(f"{name} must have shape ({batch}, h, w) to match the batch, got {tuple(maps.shape)}")
+        raise UsageError(f"{name} must have shape ({batch}, h, w) to match the batch, got {tuple(maps.shape)}")
     if maps.shape[1] == 0 or maps.shape[2] == 0:
-        raise ValueError(f"{name} has an empty spatial size {tuple(maps.shape[1:])}")
+        raise UsageError(f"{name} has an empty spatial size {tuple(maps.shape[1:])}")
     if maps.dtype == torch.complex64 or maps.dtype == torch.complex128:
-        raise ValueError(f"{name} must be real-valued, got dtype {maps.dtype}")
+        raise UsageError(f"{name} must be real-valued, got dtype {maps.dtype}")
     if maps.dtype != torch.float64:
         maps = maps.float()
     _check_finite(maps, name)
@@ -106,12 +106,12 @@ def _maps(maps: ArrayLike, name: str = "maps", batch: Optional[int] = None) -> T
 def _masks(masks: ArrayLike, name: str = "masks", batch: Optional[int] = None) -> Tensor:
     masks = _as_tensor(masks, name)
     if masks.ndim != 3:
-        raise ValueError(
+        raise UsageError(
             f"{name} must have shape (B, H, W) (one boolean mask per image at image resolution), "
             f"got shape {tuple(masks.shape)}; for several objects pass their union, masks.any(dim=1)"
         )
     if batch is not None and masks.shape[0] != batch:
-        raise ValueError(f"{name} must have shape ({batch}, H, W) to match maps, got {tuple(masks.shape)}")
+        raise UsageError(f"{name} must have shape ({batch}, H, W) to match maps, got {tuple(masks.shape)}")
     if masks.dtype != torch.bool:
         _check_finite(masks.float() if not masks.is_floating_point() else masks, name)
         masks = masks != 0
@@ -124,9 +124,9 @@ def _size2(size: Size2, name: str) -> Tuple[int, int]:
     else:
         out = tuple(int(s) for s in size)
         if len(out) != 2:
-            raise ValueError(f"{name} must be an int or a pair (H, W), got {size!r}")
+            raise UsageError(f"{name} must be an int or a pair (H, W), got {size!r}")
     if out[0] <= 0 or out[1] <= 0:
-        raise ValueError(f"{name} must be positive, got {size!r}")
+        raise UsageError(f"{name} must be positive, got {size!r}")
     return out  # type: ignore[return-value]
 
 
@@ -217,10 +217,10 @@ def pointing_game(maps: ArrayLike, masks: ArrayLike, *, tolerance: Optional[floa
     if tolerance is None:
         tolerance = default_tolerance((h, w))
     if not (isinstance(tolerance, (int, float)) and tolerance >= 0 and math.isfinite(tolerance)):
-        raise ValueError(f"tolerance must be a finite number of pixels >= 0, got {tolerance!r}")
+        raise UsageError(f"tolerance must be a finite number of pixels >= 0, got {tolerance!r}")
     empty = ~masks.flatten(1).any(1)
     if bool(empty.any()):
-        raise ValueError(
+        raise UsageError(
             f"masks of batch items {empty.nonzero().flatten().tolist()[:10]} are empty; the pointing game "
             f"is undefined for an image without the object, drop those items"
         )
@@ -311,17 +311,17 @@ def _baseline_images(images: Tensor, baseline: Baseline, blur_sigma: Optional[fl
         elif baseline == "blur":
             sigma = blur_sigma if blur_sigma is not None else max(images.shape[-2:]) / 16.0
             if not sigma > 0:
-                raise ValueError(f"blur_sigma must be > 0, got {blur_sigma!r}")
+                raise UsageError(f"blur_sigma must be > 0, got {blur_sigma!r}")
             out = _gaussian_blur(images, float(sigma))
         else:
-            raise ValueError(f"baseline must be 'blur', 'zero', 'mean', a tensor or a callable, got {baseline!r}")
+            raise UsageError(f"baseline must be 'blur', 'zero', 'mean', a tensor or a callable, got {baseline!r}")
     else:
         out = _as_tensor(baseline, "baseline")
     out = _as_tensor(out, "baseline").to(device=images.device, dtype=images.dtype)
     try:
         out = out.expand_as(images)
     except RuntimeError:
-        raise ValueError(
+        raise UsageError(
             f"baseline must broadcast to the images' shape {tuple(images.shape)}, got {tuple(out.shape)}"
         ) from None
     return out
@@ -334,7 +334,7 @@ def _score_fn(score: ScoreFn) -> Callable[[Tensor], Tensor]:
         return lambda z: torch.softmax(z.float(), dim=-1)
     if score == "sigmoid":
         return lambda z: torch.sigmoid(z.float())
-    raise ValueError(
+    raise UsageError(
         f"score must be 'softmax' (single-label), 'sigmoid' (multi-label) or a callable "
         f"logits (N, C) -> scores (N, C), got {score!r}"
     )
@@ -347,7 +347,7 @@ def _logits(out: Any) -> Tensor:
         out = out[0]
     if not isinstance(out, Tensor) or out.ndim != 2:
         shape = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
-        raise ValueError(f"the model must return logits of shape (N, C), got {shape}")
+        raise UsageError(f"the model must return logits of shape (N, C), got {shape}")
     return out
 
 
@@ -360,7 +360,7 @@ def _patch_grid(maps: Tensor, size: Tuple[int, int], patch: Optional[Size2]) -> 
     if patch is None:
         _, h, w = maps.shape
         if h > H or w > W:
-            raise ValueError(f"maps of grid {(h, w)} are finer than the images {(H, W)}; pass patch=")
+            raise UsageError(f"maps of grid {(h, w)} are finer than the images {(H, W)}; pass patch=")
         labels = (ys * h // H)[:, None] * w + (xs * w // W)[None, :]
         return maps.flatten(1), labels
     ph, pw = _size2(patch, "patch")
@@ -443,22 +443,22 @@ def deletion_insertion(
         ``fractions (steps + 1,)`` and ``targets (B,)``.
     """
     if mode not in ("deletion", "insertion"):
-        raise ValueError(f"mode must be 'deletion' or 'insertion', got {mode!r}")
+        raise UsageError(f"mode must be 'deletion' or 'insertion', got {mode!r}")
     images = _as_tensor(images, "images")
     if images.ndim != 4:
-        raise ValueError(f"images must have shape (B, C, H, W), got {tuple(images.shape)}")
+        raise UsageError(f"images must have shape (B, C, H, W), got {tuple(images.shape)}")
     if not images.is_floating_point():
-        raise ValueError(f"images must be the preprocessed float tensor the model takes, got {images.dtype}")
+        raise UsageError(f"images must be the preprocessed float tensor the model takes, got {images.dtype}")
     B, _, H, W = images.shape
     maps = _maps(maps, batch=B).to(images.device)
     if not (isinstance(batch_size, int) and batch_size > 0):
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        raise UsageError(f"batch_size must be a positive int, got {batch_size!r}")
     scores, labels = _patch_grid(maps, (H, W), patch)
     K = scores.shape[1]
     if steps is None:
         steps = K
     if not (isinstance(steps, int) and 1 <= steps <= K):
-        raise ValueError(f"steps must be an int in [1, {K}] (the number of patches), got {steps!r}")
+        raise UsageError(f"steps must be an int in [1, {K}] (the number of patches), got {steps!r}")
     score_fn = _score_fn(score)
     if isinstance(model, nn.Module) and model.training:
         warnings.warn(
@@ -477,7 +477,7 @@ def deletion_insertion(
     def run(x: Tensor) -> Tensor:
         s = score_fn(_logits(model(x)))
         if not isinstance(s, Tensor) or s.ndim != 2 or s.shape[0] != x.shape[0]:
-            raise ValueError(f"score must return (N, C) scores, got {getattr(s, 'shape', type(s))}")
+            raise UsageError(f"score must return (N, C) scores, got {getattr(s, 'shape', type(s))}")
         return s
 
     with torch.no_grad():
@@ -501,7 +501,8 @@ def deletion_insertion(
             if flat is None:
                 flat = torch.empty(total, dtype=vals.dtype, device=vals.device)
             flat[idx.to(vals.device)] = vals
-    assert flat is not None
+    if flat is None:  # pragma: no cover - total > 0 always scores at least one batch
+        raise UsageError("no perturbed input was scored")
     curves = flat.view(B, S1)
     auc = torch.trapezoid(curves, fractions.to(device=curves.device, dtype=curves.dtype), dim=1)
     return DeletionInsertionResult(curves=curves, auc=auc, fractions=fractions.to(curves.dtype), targets=tgt)
@@ -536,7 +537,7 @@ def _pair(a: ArrayLike, b: ArrayLike) -> Tuple[Tensor, Tensor]:
     a = _as_tensor(a, "a")
     b = _as_tensor(b, "b")
     if a.ndim < 2 or a.shape != b.shape:
-        raise ValueError(
+        raise UsageError(
             f"expected two batches of maps of the same shape (B, h, w), got {tuple(a.shape)} and {tuple(b.shape)}"
         )
     a = _maps(a.reshape(a.shape[0], 1, -1), "a")
@@ -635,7 +636,7 @@ def class_sensitivity(
         return pearson_correlation(maps_a, maps_b, constant_value=constant_value)
     if method == "spearman":
         return rank_correlation(maps_a, maps_b, constant_value=constant_value)
-    raise ValueError(f"method must be 'pearson' or 'spearman', got {method!r}")
+    raise UsageError(f"method must be 'pearson' or 'spearman', got {method!r}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -752,17 +753,17 @@ def randomization_check(
         ``reference (B, h, w)`` and ``maps (len(layers), B, h, w)`` or None.
     """
     if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        raise InputError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if mode not in ("cascading", "independent"):
-        raise ValueError(f"mode must be 'cascading' or 'independent', got {mode!r}")
+        raise UsageError(f"mode must be 'cascading' or 'independent', got {mode!r}")
     modules = dict(model.named_modules())
     names = list(layers) if layers is not None else randomization_layers(model)
     if not names:
-        raise ValueError("no layers to randomise: the model has no child modules with parameters; pass layers=")
+        raise UsageError("no layers to randomise: the model has no child modules with parameters; pass layers=")
     unknown = [n for n in names if n not in modules or n == ""]
     if unknown:
         avail = [n for n in modules if n][:20]
-        raise ValueError(f"unknown layer names {unknown}; expected names from model.named_modules(), e.g. {avail}")
+        raise UsageError(f"unknown layer names {unknown}; expected names from model.named_modules(), e.g. {avail}")
     cuda_devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
 
     def explain(m: nn.Module, what: str) -> Tensor:
@@ -785,7 +786,7 @@ def randomization_check(
         randomise(work, k)
         maps = explain(work, f"after randomising {name!r}").to(reference.device)
         if maps.shape != reference.shape:
-            raise ValueError(
+            raise UsageError(
                 f"explain_fn returned maps of shape {tuple(maps.shape)} after randomising {name!r}, "
                 f"expected {tuple(reference.shape)} as for the original model"
             )

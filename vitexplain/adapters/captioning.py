@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from ..layout import TokenLayout, find_layout_module
 from .base import Adapter, register_adapter
+from ..errors import UsageError
 
 __all__ = [
     "CaptionAdapter",
@@ -72,7 +73,7 @@ class CaptionAdapter(Adapter):
     def encode_caption(self, caption: str) -> list[int]:
         """Token ids of a caption (no start/end tokens)."""
         if self.tokenizer is None:
-            raise ValueError(
+            raise UsageError(
                 "this captioner has no tokenizer: pass the caption as a list of token ids, or "
                 "give vx.Explainer(model, tokenizer=...)"
             )

@@ -22,6 +22,7 @@ from typing import Optional, Sequence
 from torch import nn
 
 from .base import Adapter, register_adapter
+from ..errors import UsageError
 
 __all__ = ["CNNAdapter", "cnn_stages"]
 
@@ -47,7 +48,7 @@ class CNNAdapter(Adapter):
         super().__init__(model)
         self.stages = list(stages) if stages is not None else cnn_stages(model)
         if not self.stages:
-            raise ValueError(
+            raise UsageError(
                 f"no feature stage found in {type(model).__name__}; pass stages=[...] or a layer name"
             )
 

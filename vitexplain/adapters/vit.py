@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-import torch
 from torch import Tensor, nn
 
 from ..errors import UnsupportedMethodError

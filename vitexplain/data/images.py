@@ -49,7 +49,7 @@ from typing import IO, TYPE_CHECKING, Any, Sequence, Union
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from ..errors import ImageLoadError
+from ..errors import ImageLoadError, InputError, UsageError
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -156,7 +156,7 @@ def load_image(source: ImageSource, *, max_pixels: int | None = DEFAULT_MAX_PIXE
         seekable = getattr(source, "seekable", None)
         fp = source if callable(seekable) and seekable() else io.BytesIO(source.read())
         return _decode(fp, name, max_pixels)
-    raise TypeError(
+    raise InputError(
         f"load_image expects a path (str or os.PathLike), bytes or a binary file object, "
         f"got {type(source).__name__}"
     )
@@ -322,7 +322,7 @@ def _as_pil(image: Any) -> Image.Image:
         return image if image.mode == "RGB" else Image.fromarray(_to_rgb(image, "<PIL image>"), "RGB")
     arr = np.asarray(image)
     if arr.dtype != np.uint8 or arr.ndim != 3 or arr.shape[2] != 3:
-        raise ValueError(
+        raise UsageError(
             f"expected an (H, W, 3) uint8 RGB image (e.g. from load_image), got "
             f"shape {arr.shape} dtype {arr.dtype}"
         )
@@ -392,24 +392,24 @@ def preprocess(
     size = tuple(int(s) for s in input_size)
     if len(size) == 3:
         if size[0] != 3:
-            raise ValueError(f"input_size {tuple(input_size)} must have 3 channels")
+            raise UsageError(f"input_size {tuple(input_size)} must have 3 channels")
         size = size[1:]
     if len(size) != 2 or min(size) <= 0:
-        raise ValueError(f"input_size must be (H, W) or (3, H, W), got {tuple(input_size)}")
+        raise UsageError(f"input_size must be (H, W) or (3, H, W), got {tuple(input_size)}")
     out_h, out_w = size
     pct = 1.0 if crop_pct is None else float(crop_pct)
     if not (pct > 0 and math.isfinite(pct)):
-        raise ValueError(f"crop_pct must be a positive number, got {crop_pct!r}")
+        raise UsageError(f"crop_pct must be a positive number, got {crop_pct!r}")
     try:
         resample = _PIL_RESAMPLE[interpolation.lower()]
     except (KeyError, AttributeError):
-        raise ValueError(
+        raise UsageError(
             f"unknown interpolation {interpolation!r}; choose from {sorted(_PIL_RESAMPLE)}"
         ) from None
     mean_t = torch.as_tensor(tuple(mean), dtype=torch.float32).view(-1, 1, 1)
     std_t = torch.as_tensor(tuple(std), dtype=torch.float32).view(-1, 1, 1)
     if mean_t.numel() != 3 or std_t.numel() != 3:
-        raise ValueError("mean and std need 3 values (RGB)")
+        raise UsageError("mean and std need 3 values (RGB)")
 
     if isinstance(images, Image.Image) or (isinstance(images, np.ndarray) and images.ndim == 3):
         images = [images]
@@ -435,7 +435,7 @@ def preprocess(
         tensors.append(x.sub_(mean_t).div_(std_t))
         boxes.append(box)
     if not tensors:
-        raise ValueError("preprocess got no images")
+        raise UsageError("preprocess got no images")
     return torch.stack(tensors), boxes
 
 
@@ -479,9 +479,9 @@ def crop_region(image: np.ndarray, box: CropBox) -> np.ndarray:
     """
     arr = np.asarray(image)
     if arr.ndim != 3 or arr.shape[2] != 3 or arr.dtype != np.uint8:
-        raise ValueError(f"expected an (H, W, 3) uint8 RGB image, got {arr.shape} {arr.dtype}")
+        raise UsageError(f"expected an (H, W, 3) uint8 RGB image, got {arr.shape} {arr.dtype}")
     if tuple(arr.shape[:2]) != tuple(box.image_size):
-        raise ValueError(f"image is {arr.shape[:2]} but the box belongs to an image of {box.image_size}")
+        raise UsageError(f"image is {arr.shape[:2]} but the box belongs to an image of {box.image_size}")
     l, t, r, b = box.to_int()
     h, w = arr.shape[:2]
     out = np.zeros((max(b - t, 0), max(r - l, 0), 3), np.uint8)
@@ -523,7 +523,7 @@ def paste_map(
     m = map_to_numpy(map)
     flags = {"nearest": cv2.INTER_NEAREST, "bilinear": cv2.INTER_LINEAR, "bicubic": cv2.INTER_CUBIC}
     if interpolation not in flags:
-        raise ValueError(f"unknown interpolation {interpolation!r}; choose from {sorted(flags)}")
+        raise UsageError(f"unknown interpolation {interpolation!r}; choose from {sorted(flags)}")
     h0, w0 = box.image_size
     mh, mw = m.shape
     sx, sy = box.width / mw, box.height / mh

@@ -31,6 +31,7 @@ from typing import Sequence, Union
 
 import numpy as np
 import torch
+from ..errors import UsageError
 
 __all__ = [
     "SHAPES",
@@ -192,7 +193,7 @@ def normalize(images: np.ndarray | torch.Tensor) -> torch.Tensor:
     if x.ndim == 3:
         x = x.unsqueeze(0)
     if x.ndim != 4 or x.shape[-1] != 3:
-        raise ValueError(f"expected (n, H, W, 3) RGB images, got shape {tuple(x.shape)}")
+        raise UsageError(f"expected (n, H, W, 3) RGB images, got shape {tuple(x.shape)}")
     x = x.permute(0, 3, 1, 2).to(torch.float32).div_(255.0)
     mean = torch.tensor(MEAN, dtype=torch.float32).view(1, 3, 1, 1)
     std = torch.tensor(STD, dtype=torch.float32).view(1, 3, 1, 1)
@@ -224,7 +225,7 @@ def _object_count_range(num_objects: int | tuple[int, int]) -> tuple[int, int]:
     else:
         lo, hi = (int(v) for v in num_objects)
     if not 1 <= lo <= hi <= 3:
-        raise ValueError(f"num_objects must be in 1..3 (an int or a (min, max) pair), got {num_objects}")
+        raise UsageError(f"num_objects must be in 1..3 (an int or a (min, max) pair), got {num_objects}")
     return lo, hi
 
 
@@ -463,11 +464,11 @@ def shapes(
         A :class:`ShapesBatch` of ``n`` images with objects sorted left to right.
     """
     if n < 0:
-        raise ValueError(f"n must be >= 0, got {n}")
+        raise UsageError(f"n must be >= 0, got {n}")
     if seed < 0 or start < 0:
-        raise ValueError(f"seed and start must be >= 0, got seed={seed}, start={start}")
+        raise UsageError(f"seed and start must be >= 0, got seed={seed}, start={start}")
     if size < 16:
-        raise ValueError(f"size must be >= 16, got {size}")
+        raise UsageError(f"size must be >= 16, got {size}")
     count_range = _object_count_range(num_objects)
     images = np.empty((n, size, size, 3), dtype=np.uint8)
     masks: list[torch.Tensor] = []

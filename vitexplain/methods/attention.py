@@ -16,7 +16,9 @@ from torch import Tensor
 from ..recording import AttentionRecord
 from ..recording.records import fuse_heads
 from .context import Context, RowFn, query_blocks, readout_vector
+from .options import Option, check_index
 from .registry import register
+from ..errors import UsageError
 
 __all__ = ["raw", "rollout", "propagate", "discard_smallest"]
 
@@ -33,7 +35,7 @@ def discard_smallest(fused: Tensor, ratio: float, keep: Optional[int]) -> Tensor
         (B, N, N) copy with the smallest entries zeroed (ties broken by position).
     """
     if not 0.0 <= ratio < 1.0:
-        raise ValueError(f"discard_ratio must be in [0, 1), got {ratio}")
+        raise UsageError(f"discard_ratio must be in [0, 1), got {ratio}")
     flat = fused.flatten(1).clone()
     count = int(flat.shape[1] * ratio)
     if count == 0:
@@ -129,12 +131,12 @@ def propagate(
         (B, N) the propagated row.
     """
     if mode not in ("rollout", "generic"):
-        raise ValueError(f"unknown propagation mode {mode!r}")
+        raise UsageError(f"unknown propagation mode {mode!r}")
     r = vector
     for record in reversed(list(layers)):
         if discard_ratio > 0:
             if rows_fn is None:
-                raise ValueError("discard_ratio needs rows_fn")
+                raise UsageError("discard_ratio needs rows_fn")
             full = torch.cat([rows_fn(record, b) for b in query_blocks(record)], dim=1)
             full = discard_smallest(full, discard_ratio, keep)
             blocks, layer_contract = [slice(0, full.shape[1])], contract_rows(lambda rec, b: full)
@@ -170,6 +172,11 @@ def fused_rows(head_fusion: str) -> RowFn:
 
 @register(
     "raw",
+    options={
+        "layer": Option(int, help="layer index, negative counts from the last"),
+        "head": Option(int, optional=True, help="one head, negative counts from the last (None = fuse heads)"),
+        "head_fusion": Option(str, choices=("mean", "max", "min"), help="how heads are fused"),
+    },
     attention=True,
     class_sensitive=False,
     summary="raw attention of one layer (class-token row or mean over patch queries), one head or fused",
@@ -189,9 +196,9 @@ def raw(ctx: Context, *, layer: int = -1, head: Optional[int] = None, head_fusio
     """
     layers = ctx.layers()
     layout = ctx.require_grid()
-    record = layers[layer]
-    if head is not None and not -record.num_heads <= head < record.num_heads:
-        raise ValueError(f"head {head} is out of range for {record.num_heads} heads")
+    record = layers[check_index(ctx.method, "layer", layer, len(layers), "layers")]
+    if head is not None:
+        head = check_index(ctx.method, "head", head, record.num_heads, "heads")
     vector = readout_vector(layout, record.batch_size, record.device)
     out = torch.zeros_like(vector)
     for block in query_blocks(record):
@@ -206,6 +213,11 @@ def raw(ctx: Context, *, layer: int = -1, head: Optional[int] = None, head_fusio
 
 @register(
     "rollout",
+    options={
+        "head_fusion": Option(str, choices=("mean", "max", "min"), help="how heads are fused"),
+        "discard_ratio": Option(float, low=0, high=1, high_open=True, help="fraction of smallest fused entries zeroed per layer"),
+        "start_layer": Option(int, low=0, help="first layer included"),
+    },
     attention=True,
     class_sensitive=False,
     summary="attention rollout: product of rownorm(0.5 A + 0.5 I) over layers",

@@ -20,6 +20,7 @@ from ..recording import AttentionRecord, Recorder
 from ..recording.records import fuse_heads
 from ..errors import UnsupportedMethodError
 from ..layout import TokenLayout
+from .options import Option, check_index
 from .registry import register
 
 __all__ = ["CaptionContext", "cross", "cross_generic", "stitch_cross", "normbar"]
@@ -56,10 +57,7 @@ def _layers(cross: list[AttentionRecord], layers: Union[None, int, Sequence[int]
     if layers is None:
         return names
     chosen = [layers] if isinstance(layers, int) else list(layers)
-    try:
-        return [names[i] for i in chosen]
-    except IndexError:
-        raise ValueError(f"layer index out of range: the decoder has {len(names)} cross-attention layers") from None
+    return [names[check_index("cross", "layers", i, len(names), "decoder cross-attention layers")] for i in chosen]
 
 
 def stitch_cross(
@@ -108,6 +106,10 @@ def _check_cross(ctx: CaptionContext) -> list[AttentionRecord]:
 
 @register(
     "cross",
+    options={
+        "layers": Option(int, optional=True, sequence=True, help="decoder layers (None = mean over all)"),
+        "head_fusion": Option(str, choices=("mean", "max", "min"), help="how heads are fused"),
+    },
     family="caption",
     class_sensitive=False,
     summary="per-word cross-attention of the decoder over the image patches (heads and layers fused)",

@@ -6,7 +6,7 @@ so their maps share the (B, gh, gw) grid of the attention methods.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +14,7 @@ from torch import Tensor
 
 from ..targets import logits_of
 from .context import Context
+from .options import Option
 from .registry import register
 
 __all__ = ["integrated_gradients", "occlusion", "smoothgrad"]
@@ -48,6 +49,11 @@ def _patch_mask(ctx: Context) -> Tensor:
 
 @register(
     "integrated_gradients",
+    options={
+        "steps": Option(int, low=1, help="integration steps"),
+        "batch_size": Option(int, low=1, help="inputs per forward"),
+        "baseline": Option(float, help="baseline input value"),
+    },
     attention=False,
     signed=True,
     summary="captum IntegratedGradients from a zero (mean-colour) baseline, summed per patch",
@@ -77,6 +83,10 @@ def integrated_gradients(ctx: Context, *, steps: int = 32, batch_size: int = 64,
 
 @register(
     "occlusion",
+    options={
+        "baseline": Option(float, help="value an occluded patch is replaced with"),
+        "batch_size": Option(int, low=1, help="inputs per forward"),
+    },
     attention=False,
     signed=True,
     summary="captum FeatureAblation over the patch grid: score drop when a patch is replaced",
@@ -108,18 +118,30 @@ def occlusion(ctx: Context, *, baseline: float = 0.0, batch_size: int = 16) -> T
 
 @register(
     "smoothgrad",
+    options={
+        "samples": Option(int, low=1, help="noisy samples"),
+        "noise": Option(float, low=0, help="noise std relative to each image's value range"),
+        "batch_size": Option(int, low=1, help="inputs per forward"),
+        "seed": Option(int, optional=True, help="noise seed (None = the global RNG)"),
+    },
     attention=False,
     summary="captum NoiseTunnel(Saliency) SmoothGrad, |gradient| summed per patch",
     reference="Smilkov et al. 2017 (captum.attr.NoiseTunnel + Saliency)",
 )
-def smoothgrad(ctx: Context, *, samples: int = 16, noise: float = 0.15, batch_size: int = 32) -> Tensor:
+def smoothgrad(ctx: Context, *, samples: int = 16, noise: float = 0.15, batch_size: int = 32,
+               seed: Optional[int] = 0) -> Tensor:
     """SmoothGrad (captum): mean absolute input gradient over noisy copies, per patch.
+
+    Each image gets its own captum call with noise of standard deviation ``noise * (max -
+    min)`` of that image, drawn after seeding the RNG with ``seed`` (the global RNG state is
+    restored afterwards), so a batch gives the same maps as its images one by one.
 
     Args:
         ctx: the explained batch.
         samples: noisy samples per image.
-        noise: noise standard deviation relative to the input's value range.
+        noise: noise standard deviation relative to each image's value range.
         batch_size: captum's ``nt_samples_batch_size``.
+        seed: noise seed; None draws from the global RNG (maps then vary between calls).
 
     Returns:
         (B, gh, gw) float32, non-negative.
@@ -127,9 +149,18 @@ def smoothgrad(ctx: Context, *, samples: int = 16, noise: float = 0.15, batch_si
     from captum.attr import NoiseTunnel, Saliency
 
     forward, target = _forward_and_target(ctx)
+    tunnel = NoiseTunnel(Saliency(forward))
     x = ctx.x.detach()
-    stdev = float(noise * (x.max() - x.min()))
-    attr = NoiseTunnel(Saliency(forward)).attribute(
-        x, nt_type="smoothgrad", nt_samples=samples, stdevs=stdev, target=target, nt_samples_batch_size=batch_size
-    )
-    return _to_grid(ctx, attr)
+    maps = []
+    for i in range(x.shape[0]):
+        image = x[i : i + 1]
+        stdev = float(noise * (image.max() - image.min()))
+        with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else [], enabled=seed is not None):
+            if seed is not None:
+                torch.manual_seed(seed)
+            attr = tunnel.attribute(
+                image, nt_type="smoothgrad", nt_samples=samples, stdevs=stdev,
+                target=None if target is None else target[i : i + 1], nt_samples_batch_size=batch_size,
+            )
+        maps.append(_to_grid(ctx, attr))
+    return torch.cat(maps)

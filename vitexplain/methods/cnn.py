@@ -23,9 +23,10 @@ from torch import Tensor
 
 from ..recording import capture
 from ..recording.gates import GateRecord
-from ..errors import CaptureError, UnsupportedMethodError
+from ..errors import CaptureError, UnsupportedMethodError, UsageError
 from .captum_methods import _forward_and_target
 from .context import Context
+from .options import Option
 from .registry import register
 
 __all__ = ["spatial", "channel", "gradcam", "gradcam_plus_plus", "layercam", "gradcam_pp_weights"]
@@ -62,6 +63,9 @@ def _select_gate(ctx: Context, layer: Optional[str], kind: str) -> GateRecord:
 
 @register(
     "spatial",
+    options={
+        "layer": Option(str, optional=True, help="gate module name, 'deepest' (None = mean of all spatial gates)"),
+    },
     family="cnn",
     gates=True,
     attention=False,
@@ -86,8 +90,7 @@ def spatial(ctx: Context, *, layer: Optional[str] = None) -> tuple[Tensor, dict[
     """
     if layer is not None:
         record = _select_gate(ctx, None if layer == "deepest" else layer, "spatial")
-        assert record.spatial is not None
-        return record.spatial.float(), {"layer": record.name}
+        return record.spatial.float(), {"layer": record.name}  # type: ignore[union-attr]  (_select_gate checked it)
     records = [r for r in _gate_records(ctx) if r.spatial is not None]
     if not records:
         _select_gate(ctx, None, "spatial")  # raises the explanatory error
@@ -101,6 +104,10 @@ def spatial(ctx: Context, *, layer: Optional[str] = None) -> tuple[Tensor, dict[
 
 @register(
     "channel",
+    options={
+        "layer": Option(str, optional=True, help="gate module name (None = the deepest)"),
+        "k": Option(int, low=1, help="top channels returned"),
+    },
     family="cnn",
     gates=True,
     attention=False,
@@ -125,11 +132,10 @@ def channel(ctx: Context, *, layer: Optional[str] = None, k: int = 8) -> tuple[T
         their activations X_c.
     """
     if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
+        raise UsageError(f"k must be >= 1, got {k}")
     record = _select_gate(ctx, layer, "channel")
-    assert record.channel is not None
     x = record.input.detach().float()  # (B, C, h, w)
-    gate = record.channel.float()  # (B, C)
+    gate = record.channel.float()  # type: ignore[union-attr]  (B, C); _select_gate checked it
     maps = torch.einsum("bc,bchw->bhw", gate, x)
     values, indices = gate.topk(min(k, gate.shape[1]), dim=1)
     channel_maps = x.gather(1, indices[:, :, None, None].expand(-1, -1, *x.shape[-2:]))
@@ -202,6 +208,9 @@ def gradcam_pp_weights(act: Tensor, grad: Tensor) -> Tensor:
 
 @register(
     "gradcam",
+    options={
+        "layer": Option(str, optional=True, help="module name (None = the last stage)"),
+    },
     family="cnn",
     attention=False,
     signed=False,
@@ -232,6 +241,9 @@ def gradcam(ctx: Context, *, layer: Optional[str] = None) -> Tensor:
 
 @register(
     "gradcam++",
+    options={
+        "layer": Option(str, optional=True, help="module name (None = the last stage)"),
+    },
     family="cnn",
     grads=True,
     activations=_stage_activations,
@@ -257,6 +269,9 @@ def gradcam_plus_plus(ctx: Context, *, layer: Optional[str] = None) -> Tensor:
 
 @register(
     "layercam",
+    options={
+        "layer": Option(str, optional=True, help="module name (None = the last stage)"),
+    },
     family="cnn",
     grads=True,
     activations=_stage_activations,

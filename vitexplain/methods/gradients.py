@@ -12,6 +12,7 @@ from torch import Tensor
 from ..recording import AttentionRecord
 from .attention import contract_rows, propagate, weighted_head_mean
 from .context import Context, query_blocks, readout_vector
+from .options import Option, check_index
 from .registry import register
 
 __all__ = ["grad_rollout", "generic", "attn_gradcam"]
@@ -30,6 +31,10 @@ def _generic_contract(record: AttentionRecord, block: slice, weights) -> tuple[T
 
 @register(
     "grad_rollout",
+    options={
+        "discard_ratio": Option(float, low=0, high=1, high_open=True, help="fraction of smallest fused entries zeroed per layer"),
+        "start_layer": Option(int, low=0, help="first layer included"),
+    },
     grads=True,
     summary="gradient rollout: rollout of clamp(mean_h(A * dy/dA), 0)",
     reference="vit-explain (Gildenblat 2020), forward-ordered gradients; references.md item 3",
@@ -62,6 +67,9 @@ def grad_rollout(ctx: Context, *, discard_ratio: float = 0.0, start_layer: int =
 
 @register(
     "generic",
+    options={
+        "start_layer": Option(int, low=0, help="first layer included"),
+    },
     grads=True,
     summary="Chefer generic attention explainability: R += mean_h(clamp(dy/dA * A, 0)) @ R",
     reference="Chefer, Gur & Wolf, ICCV 2021; references.md item 4",
@@ -89,6 +97,9 @@ def generic(ctx: Context, *, start_layer: int = 0) -> Tensor:
 
 @register(
     "attn_gradcam",
+    options={
+        "layer": Option(int, help="layer index, negative counts from the last"),
+    },
     grads=True,
     summary="attention Grad-CAM on the last layer: clamp(mean_h(w_h A_h[readout]), 0)",
     reference="Chefer et al. 2021 baseline (their implementation); references.md item 5",
@@ -107,7 +118,8 @@ def attn_gradcam(ctx: Context, *, layer: int = -1) -> Tensor:
     Returns:
         (B, gh, gw) float32.
     """
-    record = ctx.layers()[layer]
+    layers = ctx.layers()
+    record = layers[check_index(ctx.method, "layer", layer, len(layers), "layers")]
     layout = ctx.require_grid()
     vector = readout_vector(layout, record.batch_size, record.device)
     attn = torch.zeros(record.batch_size, record.num_heads, record.num_keys, device=record.device)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Sequence, Union
 
 import torch
 from torch import Tensor
 
 from .context import Context, query_blocks
+from .options import Option, check_index
 from .registry import register
 
 __all__ = ["legrad"]
@@ -19,13 +20,16 @@ def _all_blocks(adapter) -> list[str]:
 
 @register(
     "legrad",
+    options={
+        "layers": Option(int, optional=True, sequence=True, help="layer indices (None = the default layers)"),
+    },
     grads=True,
     activations=_all_blocks,
     retain_graph=True,
     summary="LeGrad: mean over layers of ReLU(d s_l / d A_l), s_l the head applied to layer l's tokens",
     reference="Bousselham et al. 2024; references.md item 8",
 )
-def legrad(ctx: Context, *, layers: Optional[Sequence[int]] = None) -> Tensor:
+def legrad(ctx: Context, *, layers: Union[None, int, Sequence[int]] = None) -> Tensor:
     """LeGrad (Bousselham et al. 2024).
 
     For each chosen layer l, the layer's output tokens are pooled the way the head does,
@@ -44,7 +48,11 @@ def legrad(ctx: Context, *, layers: Optional[Sequence[int]] = None) -> Tensor:
     layout = ctx.require_grid()
     records = ctx.layers()
     adapter = ctx.adapter
-    chosen = list(range(len(records))) if layers is None else [i % len(records) for i in layers]
+    if layers is None:
+        chosen = list(range(len(records)))
+    else:
+        chosen = [check_index(ctx.method, "layers", i, len(records), "layers")
+                  for i in ([layers] if isinstance(layers, int) else layers)]
     total = torch.zeros(ctx.batch_size, layout.num_tokens, device=records[0].device)
     with torch.enable_grad():
         for i in chosen:

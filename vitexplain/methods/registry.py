@@ -1,13 +1,19 @@
-"""One registry of explanation methods, read by the Explainer, the CLI and ``vx.methods.names()``."""
+"""One registry of explanation methods, read by the Explainer, the CLI and ``vx.methods.names()``.
+
+The built-in methods are registered when :mod:`vitexplain.methods` is imported (every method
+module, in a fixed order), so listings never depend on what was imported first, and a second
+registration of a name raises unless ``override=True``.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
-from ..errors import UnsupportedMethodError
+from ..errors import UnsupportedMethodError, UsageError
+from .options import Option, check_options as _check, describe_options, option_defaults
 
-__all__ = ["MethodSpec", "register", "get", "names", "specs", "FAMILIES"]
+__all__ = ["MethodSpec", "register", "get", "names", "specs", "check_options", "FAMILIES"]
 
 FAMILIES = ("vit", "cnn", "caption")
 
@@ -32,6 +38,8 @@ class MethodSpec:
         retain_graph: keeps the autograd graph after the main backward (extra passes).
         summary: one line for listings.
         reference: paper or source the definition follows.
+        options: the method's keyword options, each declared with its type and range.
+        defaults: the options' defaults (from the function's signature).
     """
 
     name: str
@@ -46,41 +54,80 @@ class MethodSpec:
     retain_graph: bool = False
     summary: str = ""
     reference: str = ""
+    options: Mapping[str, Option] = field(default_factory=dict)
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+
+    def check_options(self, values: Mapping[str, Any]) -> dict[str, Any]:
+        """Validate option values against this method's declared options.
+
+        Raises:
+            OptionError: an unknown option or a value out of its declared range.
+        """
+        return _check(self.name, self.options, self.defaults, values)
+
+    def describe_options(self) -> str:
+        """``name=default (allowed values)`` of every option, one string."""
+        return describe_options(self.name, self.options, self.defaults)
 
 
 _REGISTRY: dict[tuple[str, str], MethodSpec] = {}
 
 
-def register(name: str, family: str = "vit", **fields: Any) -> Callable[[Callable], Callable]:
-    """Decorator registering ``fn`` as method ``name`` of ``family`` (see :class:`MethodSpec`)."""
+def register(
+    name: str,
+    family: str = "vit",
+    *,
+    options: Optional[Mapping[str, Option]] = None,
+    override: bool = False,
+    **fields: Any,
+) -> Callable[[Callable], Callable]:
+    """Decorator registering ``fn`` as method ``name`` of ``family`` (see :class:`MethodSpec`).
+
+    Args:
+        name: the public method name.
+        family: ``"vit"``, ``"cnn"`` or ``"caption"``.
+        options: one :class:`Option` per keyword option of ``fn`` (every keyword option must
+            be declared, and nothing else).
+        override: replace an existing method of the same name and family (otherwise a
+            second registration raises).
+        **fields: the other :class:`MethodSpec` fields.
+
+    Raises:
+        UsageError: unknown family, a name already registered (without ``override``), or
+            declared options that do not match ``fn``'s keyword options.
+    """
     if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
+        raise UsageError(f"unknown family {family!r}; choose from {FAMILIES}")
+    if (family, name) in _REGISTRY and not override:
+        raise UsageError(
+            f"method {name!r} is already registered for {family} models; pass override=True to replace it"
+        )
+    declared = dict(options or {})
 
     def decorate(fn: Callable) -> Callable:
+        defaults = option_defaults(fn)
+        if set(defaults) != set(declared):
+            raise UsageError(
+                f"method {name!r}: declare every keyword option of {fn.__name__} with an Option "
+                f"(keyword options {sorted(defaults)}, declared {sorted(declared)})"
+            )
         summary = fields.pop("summary", None) or (fn.__doc__ or "").strip().splitlines()[0]
-        _REGISTRY[(family, name)] = MethodSpec(name=name, family=family, fn=fn, summary=summary, **fields)
+        _REGISTRY[(family, name)] = MethodSpec(
+            name=name, family=family, fn=fn, summary=summary,
+            options={k: declared[k] for k in defaults}, defaults=defaults, **fields,
+        )
         return fn
 
     return decorate
 
 
-def _load() -> None:
-    """Import the modules that register methods (on first use, to keep imports light)."""
-    from . import attention, gradients, tokens, legrad, captum_methods  # noqa: F401  (listing order)
-
-    try:
-        from . import cnn  # noqa: F401
-    except ImportError:  # pragma: no cover - optional family not present
-        pass
-    try:
-        from . import caption  # noqa: F401
-    except ImportError:  # pragma: no cover
-        pass
+def check_options(spec: MethodSpec, values: Mapping[str, Any]) -> dict[str, Any]:
+    """Validate ``values`` against ``spec``'s declared options (see :meth:`MethodSpec.check_options`)."""
+    return spec.check_options(values)
 
 
 def specs(family: Optional[str] = None) -> list[MethodSpec]:
     """All registered method specs, optionally of one family, in registration order."""
-    _load()
     return [s for (fam, _), s in _REGISTRY.items() if family is None or fam == family]
 
 
@@ -103,7 +150,6 @@ def names(family: Any = None) -> list[str]:
 
 def get(name: str, family: str) -> MethodSpec:
     """The spec of method ``name`` for ``family``; a clear error lists the alternatives."""
-    _load()
     spec = _REGISTRY.get((family, name))
     if spec is None:
         others = [fam for (fam, n) in _REGISTRY if n == name]

@@ -14,7 +14,9 @@ import torch
 from torch import Tensor, nn
 
 from .context import Context
+from .options import Option
 from .registry import register
+from ..errors import CaptureError
 
 __all__ = ["cdam", "cdam_smooth", "cdam_integrated", "gradcam", "cdam_scores"]
 
@@ -26,7 +28,7 @@ def _last_tokens(adapter) -> list[str]:
 def _tokens_and_grad(ctx: Context) -> tuple[Tensor, Tensor]:
     act = ctx.recorder.activation(ctx.adapter.norm1)
     if act.grad is None:
-        raise RuntimeError(f"no gradient reached {ctx.adapter.norm1!r}; the target score does not depend on it")
+        raise CaptureError(f"no gradient reached {ctx.adapter.norm1!r}; the target score does not depend on it")
     return act.output.detach(), act.grad
 
 
@@ -115,6 +117,12 @@ def _chunks(total: int, size: int) -> Iterator[slice]:
 
 @register(
     "cdam_smooth",
+    options={
+        "samples": Option(int, low=1, help="noisy samples"),
+        "noise": Option(float, low=0, help="noise std as a fraction of the token range"),
+        "batch_size": Option(int, low=1, help="samples per forward"),
+        "seed": Option(int, optional=True, help="noise seed (None = random)"),
+    },
     grads=True,
     activations=_last_tokens,
     signed=True,
@@ -176,6 +184,10 @@ def _slice_score(target, logits: Tensor, part: slice) -> Tensor:
 
 @register(
     "cdam_integrated",
+    options={
+        "steps": Option(int, low=1, help="integration steps"),
+        "batch_size": Option(int, low=1, help="steps per forward"),
+    },
     grads=True,
     activations=_last_tokens,
     signed=True,

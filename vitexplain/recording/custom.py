@@ -33,7 +33,7 @@ from typing import Any, Callable, Literal, NamedTuple, Optional, Union
 
 from torch import Tensor, nn
 
-from ..errors import CaptureError
+from ..errors import CaptureError, InputError
 
 __all__ = [
     "AttentionWeights",
@@ -96,11 +96,11 @@ def register_attention(module_type: type, extractor: Optional[Extractor] = None)
         The extractor (or, without one, a decorator that registers and returns it).
     """
     if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
-        raise TypeError(f"register_attention expects an nn.Module subclass, got {module_type!r}")
+        raise InputError(f"register_attention expects an nn.Module subclass, got {module_type!r}")
 
     def decorate(fn: Extractor) -> Extractor:
         if not callable(fn):
-            raise TypeError(f"the extractor for {module_type.__name__} must be callable, got {fn!r}")
+            raise InputError(f"the extractor for {module_type.__name__} must be callable, got {fn!r}")
         _REGISTRY[module_type] = fn
         return fn
 

@@ -52,7 +52,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from ..errors import CaptureError
+from ..errors import CaptureError, InputError
 
 __all__ = [
     "GateSpec",
@@ -144,7 +144,7 @@ def register_gate(*classes: type) -> Callable[[Callable[[nn.Module], Optional[Ga
         A decorator that registers and returns ``spec_fn`` unchanged.
     """
     if not classes or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
-        raise TypeError("register_gate expects one or more nn.Module subclasses")
+        raise InputError("register_gate expects one or more nn.Module subclasses")
 
     def decorate(fn: Callable[[nn.Module], Optional[GateSpec]]) -> Callable:
         for cls in classes:

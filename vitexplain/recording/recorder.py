@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-from ..errors import CaptureError, NoAttentionError
+from ..errors import CaptureError, InputError, NoAttentionError
 from .custom import Extractor, ModuleInputs, as_weights, declared_modules, in_graph, is_inside
 from .flex import FlexRecording, flex_code, flex_op
 from .gates import GateHooks, GateRecord, checked_gates
@@ -129,7 +129,7 @@ class Recorder(FlexRecording):
         gates: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
-            raise TypeError(f"vx.capture expects an nn.Module, got {type(model).__name__}")
+            raise InputError(f"vx.capture expects an nn.Module, got {type(model).__name__}")
         self.model = model
         self.grads = bool(grads)
         self.attention = bool(attention) or isinstance(attention, Mapping)

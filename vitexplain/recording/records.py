@@ -23,7 +23,7 @@ from typing import Callable, Literal, Optional, Union
 import torch
 from torch import Tensor
 
-from ..errors import CaptureError
+from ..errors import CaptureError, UsageError
 
 __all__ = ["AttentionRecord", "ActivationRecord", "QuerySelect", "attention_probs", "fuse_heads"]
 
@@ -39,7 +39,7 @@ def _rows(selector: QuerySelect, n: int) -> Tensor | slice:
         return slice(None)
     if isinstance(selector, int):
         if not -n <= selector < n:
-            raise IndexError(f"query index {selector} is out of range for {n} queries")
+            raise UsageError(f"query index {selector} is out of range for {n} queries")
         return slice(selector % n, selector % n + 1)
     return selector
 
@@ -115,7 +115,7 @@ def fuse_heads(x: Tensor, fusion: Fusion) -> Tensor:
         return x.amax(dim=1)
     if fusion == "min":
         return x.amin(dim=1)
-    raise ValueError(f"unknown head fusion {fusion!r}; use 'mean', 'max' or 'min'")
+    raise UsageError(f"unknown head fusion {fusion!r}; use 'mean', 'max' or 'min'")
 
 
 @dataclass(eq=False)
@@ -191,7 +191,8 @@ class AttentionRecord:
     def device(self) -> torch.device:
         """The device the attention ran on."""
         tensor = self._q if self._q is not None else self._probs
-        assert tensor is not None
+        if tensor is None:
+            raise CaptureError(f"record {self.name!r} holds no tensors (it was released)")
         return tensor.device
 
     def probs(self, queries: QuerySelect = None) -> Tensor:
@@ -271,7 +272,8 @@ class AttentionRecord:
         that to ``grad_probs(d_out=...)``.
         """
         self._check_grads(need_backward=False)
-        assert self._out is not None
+        if self._out is None:
+            raise CaptureError(f"record {self.name!r} holds no output (it was released)")
         return self._out
 
     def grad_probs(self, queries: QuerySelect = None, *, d_out: Optional[Tensor] = None) -> Tensor:
@@ -299,10 +301,12 @@ class AttentionRecord:
         rows = _rows(queries, self.num_queries)
         if self._probs is not None:
             grad = d_out.reshape(self._probs.shape) if d_out is not None else self._grad_probs
-            assert grad is not None
+            if grad is None:
+                raise CaptureError(f"no gradient has reached {self.name!r}")
             return grad[..., rows, :].float()
         d_out = d_out if d_out is not None else self._grad_out
-        assert d_out is not None and self._v is not None
+        if d_out is None or self._v is None:
+            raise CaptureError(f"record {self.name!r} holds no gradient or values (released, or no backward yet)")
         d_out = d_out[..., rows, :].float()
         v = self._v.float()
         if v.shape[-3] != d_out.shape[-3]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from ..errors import UsageError
 
 __all__ = ["map_to_numpy", "check_rgb"]
 
@@ -29,10 +30,10 @@ def map_to_numpy(map: Any) -> np.ndarray:  # noqa: A002 - the public argument is
     while m.ndim > 2 and m.shape[0] == 1:
         m = m[0]
     if m.ndim != 2 or m.size == 0:
-        raise ValueError(f"expected a non-empty 2-D map (h, w), got shape {m.shape}")
+        raise UsageError(f"expected a non-empty 2-D map (h, w), got shape {m.shape}")
     bad = ~np.isfinite(m)
     if bad.any():
-        raise ValueError(
+        raise UsageError(
             f"map contains {int(bad.sum())} NaN/inf value(s) out of {m.size}; the method that "
             "produced it failed numerically (check the model output / gradients), or clean it "
             "with torch.nan_to_num first"
@@ -51,7 +52,7 @@ def check_rgb(image: Any, what: str = "image") -> np.ndarray:
             hint = " (grayscale? use np.repeat(x[..., None], 3, axis=2))"
         elif arr.ndim == 3 and arr.shape[0] == 3:
             hint = " (channels first? use x.transpose(1, 2, 0))"
-        raise ValueError(
+        raise UsageError(
             f"{what} must be an (H, W, 3) uint8 RGB array, got shape {arr.shape} dtype {arr.dtype}{hint}"
         )
     return arr

@@ -8,6 +8,7 @@ import numpy as np
 
 from .grids import grid
 from .overlays import overlay
+from ..errors import UsageError
 
 __all__ = ["caption_figure"]
 
@@ -40,7 +41,7 @@ def caption_figure(
     """
     maps_list = [maps[i] for i in range(len(tokens))]
     if len(maps_list) != len(tokens):
-        raise ValueError(f"got {len(maps_list)} maps for {len(tokens)} words")
+        raise UsageError(f"got {len(maps_list)} maps for {len(tokens)} words")
     tiles = [image] + [overlay(image, m, alpha=alpha, colormap=colormap, normalize=normalize) for m in maps_list]
     labels = ["image"] + list(tokens)
     columns = columns or len(tiles)

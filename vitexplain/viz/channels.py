@@ -9,6 +9,7 @@ import numpy as np
 from ._util import check_rgb
 from .grids import grid
 from .overlays import overlay
+from ..errors import UsageError
 
 __all__ = ["channel_tiles"]
 
@@ -49,12 +50,12 @@ def channel_tiles(
     img = check_rgb(np.asarray(image), "image")
     extras: Mapping[str, Any] = getattr(explanation_or_extras, "extras", explanation_or_extras)
     if not isinstance(extras, Mapping) or not {"indices", "values", "channel_maps"} <= set(extras):
-        raise ValueError(
+        raise UsageError(
             "channel_tiles needs the result of method 'channel' (an Explanation or its extras with "
             "'indices', 'values' and 'channel_maps')"
         )
     if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
+        raise UsageError(f"k must be >= 1, got {k}")
     indices = extras["indices"][index]
     values = extras["values"][index]
     maps = extras["channel_maps"][index]

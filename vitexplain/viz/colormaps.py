@@ -22,6 +22,7 @@ from typing import Any
 
 import cv2
 import numpy as np
+from ..errors import UsageError
 
 __all__ = ["colormap_names", "colormap_lut", "apply_colormap", "DIVERGING"]
 
@@ -134,7 +135,7 @@ def colormap_lut(name: str) -> np.ndarray:
     elif base in ("gray", "grey"):
         lut = np.repeat(np.arange(256).reshape(256, 1), 3, axis=1)
     else:
-        raise ValueError(
+        raise UsageError(
             f"unknown colormap {name!r}; choose from {', '.join(colormap_names())} "
             "(case-insensitive; add '_r' to reverse)"
         )
@@ -158,6 +159,6 @@ def apply_colormap(values: Any, colormap: str = "jet") -> np.ndarray:
         values = values.detach().cpu().float().numpy()
     v = np.asarray(values, dtype=np.float32)
     if np.isnan(v).any():
-        raise ValueError("apply_colormap got NaN values")
+        raise UsageError("apply_colormap got NaN values")
     idx = np.rint(np.clip(v, 0.0, 1.0) * 255.0).astype(np.uint8)
     return colormap_lut(colormap)[idx]

@@ -11,6 +11,7 @@ import cv2
 import numpy as np
 
 from ._util import check_rgb
+from ..errors import UsageError
 
 __all__ = ["grid", "save_png"]
 
@@ -100,11 +101,11 @@ def grid(
     n_cols = max((len(r) for r in rows), default=0)
     first = next((t for row in rows for t in row if t is not None), None)
     if first is None:
-        raise ValueError("grid needs at least one image")
+        raise UsageError("grid needs at least one image")
     if row_labels is not None and len(row_labels) != n_rows:
-        raise ValueError(f"{len(row_labels)} row labels for {n_rows} rows")
+        raise UsageError(f"{len(row_labels)} row labels for {n_rows} rows")
     if col_labels is not None and len(col_labels) != n_cols:
-        raise ValueError(f"{len(col_labels)} column labels for {n_cols} columns")
+        raise UsageError(f"{len(col_labels)} column labels for {n_cols} columns")
     th, tw = (int(tile_size[0]), int(tile_size[1])) if tile_size else first.shape[:2]
     pad = max(0, int(pad))
     scale = float(font_scale) if font_scale else max(0.35, th / 448)

@@ -21,6 +21,7 @@ from typing import Any, Optional, Sequence, Union
 import cv2
 import numpy as np
 
+from ..errors import UsageError
 from ._util import map_to_numpy
 from .colormaps import colormap_lut
 from .grids import _ascii, grid
@@ -61,7 +62,7 @@ def _labels(labels: Optional[Sequence[Any]], n: int, what: str) -> list[str]:
         return [str(i) for i in range(n)]
     labels = [str(s) for s in labels]
     if len(labels) != n:
-        raise ValueError(f"{len(labels)} {what} labels for {n} {what}s of the matrix")
+        raise UsageError(f"{len(labels)} {what} labels for {n} {what}s of the matrix")
     return labels
 
 
@@ -104,7 +105,7 @@ def attention_matrix(
         (H, W, 3) uint8 RGB figure.
 
     Raises:
-        ValueError: weights that are not 2-D / not finite, or label counts that do not match.
+        UsageError: weights that are not 2-D / not finite, or label counts that do not match.
     """
     m = map_to_numpy(weights)
     n_rows, n_cols = m.shape
@@ -222,7 +223,7 @@ def record_matrix(
     probs = record.probs()[image]  # (H, N_q, N_k)
     if isinstance(head, int):
         if not -probs.shape[0] <= head < probs.shape[0]:
-            raise IndexError(f"head {head} out of range: {record.name!r} has {probs.shape[0]} heads")
+            raise UsageError(f"head {head} out of range: {record.name!r} has {probs.shape[0]} heads")
         weights, which = probs[head], f"head {head % probs.shape[0]}"
     else:
         from ..recording.records import fuse_heads
@@ -282,7 +283,7 @@ def head_grid(
         (H, W, 3) uint8 RGB figure.
 
     Raises:
-        ValueError: no record matches the layout.
+        UsageError: no record matches the layout.
     """
     from .colormaps import apply_colormap
 
@@ -300,7 +301,7 @@ def head_grid(
         rows.append(tiles)
         names.append(record.name)
     if not rows:
-        raise ValueError(
+        raise UsageError(
             f"none of the {len(records)} records attends over the layout's {layout.num_tokens} tokens; "
             "pass the image encoder's self-attention records"
         )

@@ -14,6 +14,7 @@ import numpy as np
 
 from ._util import check_rgb, map_to_numpy
 from .colormaps import apply_colormap, colormap_lut
+from ..errors import UsageError
 
 __all__ = ["overlay", "normalize_map", "NORMALIZE_MODES", "INTERPOLATIONS"]
 
@@ -77,19 +78,19 @@ def normalize_map(map: Any, mode: str = "minmax") -> np.ndarray:  # noqa: A002
     if key == "none":
         lo, hi = float(m.min()), float(m.max())
         if lo < -1e-6 or hi > 1 + 1e-6:
-            raise ValueError(
+            raise UsageError(
                 f"normalize='none' needs map values in [0, 1], got [{lo:.4g}, {hi:.4g}]; "
                 "use 'minmax', 'percentile' or 'signed'"
             )
         return np.clip(m, 0.0, 1.0).astype(np.float32)
-    raise ValueError(f"unknown normalize mode {mode!r}; choose from {', '.join(NORMALIZE_MODES)}")
+    raise UsageError(f"unknown normalize mode {mode!r}; choose from {', '.join(NORMALIZE_MODES)}")
 
 
 def _resize(m: np.ndarray, size: tuple[int, int], interpolation: str) -> np.ndarray:
     try:
         flag = INTERPOLATIONS[str(interpolation).lower()]
     except KeyError:
-        raise ValueError(
+        raise UsageError(
             f"unknown interpolation {interpolation!r}; choose from {', '.join(INTERPOLATIONS)}"
         ) from None
     h, w = size
@@ -153,7 +154,7 @@ def overlay(
     img = check_rgb(image)
     a = float(alpha)
     if not 0.0 <= a <= 1.0:
-        raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
+        raise UsageError(f"alpha must be in [0, 1], got {alpha!r}")
     if colormap is None:
         colormap = "bwr" if str(normalize).lower() == "signed" else "jet"
     colormap_lut(colormap)  # validate the name before any work

@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from timm.models.vision_transformer import VisionTransformer
+from ..errors import NotFoundError, UsageError
 
 __all__ = [
     "PAD",
@@ -55,7 +56,7 @@ class Vocab:
         self.itos: list[str] = [PAD, BOS, EOS] + [w for w in words if w not in (PAD, BOS, EOS)]
         self.stoi: dict[str, int] = {w: i for i, w in enumerate(self.itos)}
         if len(self.stoi) != len(self.itos):
-            raise ValueError("vocabulary words must be unique")
+            raise UsageError("vocabulary words must be unique")
         self.pad_id, self.bos_id, self.eos_id = 0, 1, 2
 
     def __len__(self) -> int:
@@ -66,7 +67,7 @@ class Vocab:
         try:
             return [self.stoi[w] for w in caption.split()]
         except KeyError as err:
-            raise KeyError(f"word {err.args[0]!r} is not in the vocabulary {self.itos[3:]}") from None
+            raise NotFoundError(f"word {err.args[0]!r} is not in the vocabulary {self.itos[3:]}") from None
 
     def decode(self, ids: Sequence[int]) -> str:
         """Caption of a sequence of ids: stops at ``<eos>``, skips ``<pad>`` and ``<bos>``."""
@@ -100,7 +101,7 @@ class CaptionText:
         seqs = [[self.vocab.bos_id, *self.vocab.encode(c), self.vocab.eos_id] for c in captions]
         length = max_len or max(len(s) for s in seqs)
         if any(len(s) > length for s in seqs) or length > self.max_len + 1:
-            raise ValueError(f"captions longer than max_len ({self.max_len} decoder positions)")
+            raise UsageError(f"captions longer than max_len ({self.max_len} decoder positions)")
         out = torch.full((len(seqs), length), self.vocab.pad_id, dtype=torch.long)
         for i, s in enumerate(seqs):
             out[i, : len(s)] = torch.tensor(s, dtype=torch.long)
@@ -125,7 +126,7 @@ class SelfAttention(nn.Module):
     def __init__(self, dim: int, num_heads: int) -> None:
         super().__init__()
         if dim % num_heads:
-            raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
+            raise UsageError(f"dim {dim} is not divisible by num_heads {num_heads}")
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
         self.qkv = nn.Linear(dim, 3 * dim)
@@ -147,7 +148,7 @@ class SelfAttention(nn.Module):
         past = cache is not None and "k" in cache
         if past:
             if t != 1:
-                raise ValueError("with a KV cache, decode one token per step (T == 1)")
+                raise UsageError("with a KV cache, decode one token per step (T == 1)")
             k = torch.cat([cache["k"], k], dim=2)
             v = torch.cat([cache["v"], v], dim=2)
         if cache is not None:
@@ -170,7 +171,7 @@ class CrossAttention(nn.Module):
     def __init__(self, dim: int, num_heads: int, memory_dim: Optional[int] = None) -> None:
         super().__init__()
         if dim % num_heads:
-            raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
+            raise UsageError(f"dim {dim} is not divisible by num_heads {num_heads}")
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
         self.q = nn.Linear(dim, dim)
@@ -333,7 +334,7 @@ class Captioner(CaptionText, nn.Module):
         """
         t = tokens.shape[1]
         if start + t > self.max_len:
-            raise ValueError(f"decoder positions up to {start + t} exceed max_len={self.max_len}")
+            raise UsageError(f"decoder positions up to {start + t} exceed max_len={self.max_len}")
         x = self.embed(tokens) + self.pos[:, start:start + t]
         for i, layer in enumerate(self.layers):
             x = layer(x, memory=memory, cache=None if cache is None else cache[i])

@@ -14,6 +14,7 @@ from typing import Any, Union
 
 import torch
 import torch.nn as nn
+from ..errors import NotFoundError, UsageError
 
 __all__ = ["names", "info", "load", "load_checkpoint", "save_checkpoint", "WEIGHTS_DIR"]
 
@@ -32,7 +33,7 @@ def names() -> list[str]:
 
 def _check_name(name: str) -> None:
     if name not in _NAMES:
-        raise KeyError(f"unknown zoo model {name!r}; available: {', '.join(names())}")
+        raise NotFoundError(f"unknown zoo model {name!r}; available: {', '.join(names())}")
 
 
 def _paths(name: str, weights_dir: PathLike | None) -> tuple[Path, Path]:
@@ -99,7 +100,7 @@ def load_checkpoint(path: PathLike, device: str | torch.device = "cpu") -> nn.Mo
     if not st_path.is_file():
         raise FileNotFoundError(f"checkpoint weights missing: {st_path}")
     if cfg.get("format_version", FORMAT_VERSION) > FORMAT_VERSION:
-        raise ValueError(f"{json_path} has format_version {cfg['format_version']}; upgrade vitexplain")
+        raise UsageError(f"{json_path} has format_version {cfg['format_version']}; upgrade vitexplain")
     model = build(cfg)
     state = load_file(str(st_path), device="cpu")
     model.load_state_dict(state, strict=True)

@@ -24,6 +24,7 @@ from typing import Any
 import torch.nn as nn
 
 from ..data.synthetic import COLORS, MEAN, SHAPES, STD
+from ..errors import UsageError
 
 __all__ = ["DEFAULT_CONFIGS", "ARCHS", "CAPTION_ARCHS", "build", "caption_words", "pretrained_cfg"]
 
@@ -111,7 +112,7 @@ def _build_cnn(args: dict[str, Any]) -> nn.Module:
     stage_attn = list(args.pop("stage_attn"))
     stem_pool = bool(args.pop("stem_pool", True))
     if len(stage_attn) != len(args["layers"]):
-        raise ValueError("stage_attn needs one attention type (or None) per stage")
+        raise UsageError("stage_attn needs one attention type (or None) per stage")
     model = ResNet(
         BasicBlock,
         layers=tuple(args.pop("layers")),
@@ -160,7 +161,7 @@ def build(config: dict[str, Any]) -> nn.Module:
     """
     arch = config.get("arch")
     if arch not in ARCHS:
-        raise ValueError(f"unknown zoo architecture {arch!r}; expected one of {sorted(ARCHS)}")
+        raise UsageError(f"unknown zoo architecture {arch!r}; expected one of {sorted(ARCHS)}")
     return ARCHS[arch](copy.deepcopy(config["model_args"]))
 
 

@@ -29,6 +29,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn as nn
 
+from ..errors import UsageError
 from ..layout import TokenLayout
 from ..recording.custom import from_output, register_attention
 from .captioner import CaptionText, Vocab
@@ -59,7 +60,7 @@ class GridEncoder(nn.Module):
     ) -> None:
         super().__init__()
         if not len(widths) == len(strides) == len(dilations):
-            raise ValueError("the grid encoder needs one stride and one dilation per layer")
+            raise UsageError("the grid encoder needs one stride and one dilation per layer")
         layers: list[nn.Module] = []
         c_in = 3
         for c_out, s, d in zip(widths, strides, dilations):

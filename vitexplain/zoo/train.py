@@ -80,6 +80,7 @@ from ..data.synthetic import COLORS, SHAPES, shapes
 from .evaluate import EVAL_SEED, VAL_SEED, evaluate, is_captioner
 from .hub import names, save_checkpoint
 from .models import DEFAULT_CONFIGS, build
+from ..errors import UsageError, NotFoundError
 
 __all__ = ["RECIPES", "train", "train_schedule", "main"]
 
@@ -413,7 +414,7 @@ def _resume(model: nn.Module, path: str, name: str, log: Any) -> dict[str, Any]:
     with open(p.with_suffix(".json"), encoding="utf-8") as f:
         cfg = json.load(f)
     if cfg.get("name") != name or cfg.get("model_args") != DEFAULT_CONFIGS[name]["model_args"]:
-        raise ValueError(f"{p} is not a {name} checkpoint with the current architecture")
+        raise UsageError(f"{p} is not a {name} checkpoint with the current architecture")
     model.load_state_dict(load_file(str(p.with_suffix(".safetensors"))), strict=True)
     log(f"[{name}] resumed weights from {p} ({cfg['training'].get('images_seen')} images seen)")
     return cfg["training"]
@@ -433,7 +434,7 @@ def _init_encoder(model: nn.Module, source: str, log: Any) -> None:
     state = {k: v for k, v in vit.state_dict().items() if not k.startswith("head.")}
     missing, unexpected = model.encoder.load_state_dict(state, strict=False)
     if unexpected or any(not k.startswith("head") for k in missing):
-        raise ValueError(f"{source} does not match the captioner encoder: missing {missing}, "
+        raise UsageError(f"{source} does not match the captioner encoder: missing {missing}, "
                          f"unexpected {unexpected}")
     log(f"[{getattr(vit, 'zoo_name', source)}] trunk copied into the captioner encoder")
 
@@ -495,9 +496,9 @@ def train(
         Path of the written JSON config.
     """
     if name not in DEFAULT_CONFIGS:
-        raise KeyError(f"unknown zoo model {name!r}; available: {', '.join(names())}")
+        raise NotFoundError(f"unknown zoo model {name!r}; available: {', '.join(names())}")
     if not 0 <= seed < MAX_TRAIN_SEED:
-        raise ValueError(f"training seeds are 0..{MAX_TRAIN_SEED - 1} (higher seeds are held out)")
+        raise UsageError(f"training seeds are 0..{MAX_TRAIN_SEED - 1} (higher seeds are held out)")
     recipe = dict(RECIPES[name])
     steps = int(steps if steps is not None else recipe["steps"])
     batch_size = int(batch_size or recipe["batch_size"])

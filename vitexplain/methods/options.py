@@ -1,0 +1,155 @@
+"""Declared method options: type, range and choices, checked the same way in the API and the CLI.
+
+Every keyword option of a method is declared with an :class:`Option` when the method is
+registered (``register(..., options={"discard_ratio": Option(float, low=0, high=1, high_open=True)})``);
+the default comes from the method's signature. :func:`check_options` turns an unknown option
+or a value outside its declared range into a :class:`vitexplain.OptionError` whose message
+names the method, the option, what is allowed and what was given.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+from ..errors import OptionError
+
+__all__ = ["Option", "check_options", "check_index", "describe_options", "option_defaults"]
+
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
+@dataclass(frozen=True)
+class Option:
+    """What values a method option accepts.
+
+    Attributes:
+        kind: ``int``, ``float``, ``str`` or ``bool``; ints are accepted where floats are.
+        low, high: inclusive bounds (None = unbounded); ``low_open`` / ``high_open`` make
+            a bound exclusive.
+        choices: the allowed values (strings), if the option is an enumeration.
+        optional: None is allowed.
+        sequence: a list/tuple of ``kind`` values is also allowed (each checked).
+        help: one line for listings.
+    """
+
+    kind: type
+    low: Optional[float] = None
+    high: Optional[float] = None
+    low_open: bool = False
+    high_open: bool = False
+    choices: Optional[Sequence[Any]] = None
+    optional: bool = False
+    sequence: bool = False
+    help: str = ""
+
+    def allowed(self) -> str:
+        """Human-readable description of the accepted values."""
+        if self.choices is not None:
+            what = "one of " + ", ".join(repr(c) for c in self.choices)
+        else:
+            what = _TYPE_NAMES.get(self.kind, self.kind.__name__)
+            if self.low is not None or self.high is not None:
+                lo = "(-inf" if self.low is None else ("(" if self.low_open else "[") + _num(self.low)
+                hi = "inf)" if self.high is None else _num(self.high) + (")" if self.high_open else "]")
+                what += f" in {lo}, {hi}"
+        if self.sequence:
+            what += " or a list of them"
+        if self.optional:
+            what += ", or None"
+        return what
+
+    def check(self, value: Any) -> bool:
+        """Whether ``value`` is accepted."""
+        if value is None:
+            return self.optional
+        if self.sequence and isinstance(value, (list, tuple)):
+            return len(value) > 0 and all(self._check_one(v) for v in value)
+        return self._check_one(value)
+
+    def _check_one(self, value: Any) -> bool:
+        if self.kind is bool:
+            return isinstance(value, bool)
+        if isinstance(value, bool):  # True is an int in Python, never a number option
+            return False
+        if self.kind is float:
+            if not isinstance(value, (int, float)) or not math.isfinite(float(value)):
+                return False
+        elif not isinstance(value, self.kind):
+            return False
+        if self.choices is not None and value not in self.choices:
+            return False
+        if self.low is not None and (value < self.low or (self.low_open and value == self.low)):
+            return False
+        if self.high is not None and (value > self.high or (self.high_open and value == self.high)):
+            return False
+        return True
+
+
+def check_index(method: str, option: str, index: int, count: int, what: str) -> int:
+    """An index option checked against what this model has (Python-style negatives allowed).
+
+    Returns:
+        The index in ``[0, count)``.
+
+    Raises:
+        OptionError: ``index`` is outside ``[-count, count)``.
+    """
+    if not -count <= index < count:
+        raise OptionError(
+            f"{method} option {option!r} must be in [{-count}, {count - 1}] for this model "
+            f"({count} {what}); got {index}"
+        )
+    return index % count
+
+
+def _num(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(value)
+
+
+def option_defaults(fn: Callable[..., Any]) -> dict[str, Any]:
+    """The keyword options of a method function and their defaults (``ctx`` excluded)."""
+    params = inspect.signature(fn).parameters
+    return {
+        name: p.default
+        for name, p in params.items()
+        if p.kind is p.KEYWORD_ONLY or (p.kind is p.POSITIONAL_OR_KEYWORD and name != "ctx")
+    }
+
+
+def describe_options(method: str, declared: Mapping[str, Option], defaults: Mapping[str, Any]) -> str:
+    """``name=default (allowed)`` for each option, for messages and ``vitexplain methods``."""
+    if not declared:
+        return f"{method} takes no options"
+    return "; ".join(f"{name}={defaults.get(name)!r} ({opt.allowed()})" for name, opt in declared.items())
+
+
+def check_options(method: str, declared: Mapping[str, Option], defaults: Mapping[str, Any],
+                  values: Mapping[str, Any]) -> dict[str, Any]:
+    """Validate user option values against the declared options of ``method``.
+
+    Args:
+        method: the method name (for messages).
+        declared: option name -> :class:`Option`.
+        defaults: option name -> default value (from the signature).
+        values: what the user passed.
+
+    Returns:
+        A copy of ``values``.
+
+    Raises:
+        OptionError: an unknown option, or a value outside the declared range.
+    """
+    for name, value in values.items():
+        option = declared.get(name)
+        if option is None:
+            known = ", ".join(declared) or "none"
+            raise OptionError(f"{method} has no option {name!r}; its options: {known}")
+        if not option.check(value):
+            raise OptionError(
+                f"{method} option {name!r} must be {option.allowed()}; got {value!r} "
+                f"(default {defaults.get(name)!r})"
+            )
+    return dict(values)
