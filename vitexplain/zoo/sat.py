@@ -24,7 +24,7 @@ whose attention is the one that explains it.
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn as nn

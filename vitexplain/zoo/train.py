@@ -52,6 +52,14 @@ Recipes (:data:`RECIPES`): AdamW with warmup and cosine decay, gradient clipping
   stochastic attention regularisation ``lambda * sum_i (1 - sum_t alpha_ti)^2`` (``attention_reg``
   = lambda), plus the same token labeling on the encoder's grid (the paper's encoder was a
   pretrained VGG; this one learns from the shapes alone). The attention itself is never supervised.
+  Three choices decide whether each word's attention lies on the object it names (per-word
+  pointing on fresh images, seeds 20,000 / 30,000): lambda = 0.02, not 0.1 (the penalty wants each
+  of the grid's locations covered about once over a ~6-word caption, which drew the shape words'
+  attention off the objects: 0.52 vs 0.91 after 600 steps); dropout 0.5 on the context where it
+  enters the LSTM (``context_dropout``; without it the memory carries an object's features from
+  its colour word to its shape word, which then attends elsewhere: 0.60 vs 0.89 after 1,500 steps);
+  and a stride-4 grid (16 x 16; on an 8 x 8 grid the colour words peaked one cell off the object's
+  edge: 0.89 vs 0.96).
 
 Training is deterministic given ``--seed`` (and, for the captioner, the encoder it starts from)
 on the same machine, thread count and library versions: ``torch.manual_seed(seed)`` fixes the
