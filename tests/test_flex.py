@@ -154,6 +154,35 @@ def test_compiled_flex_attention_is_captured():
         twin(x)
     for r, e in zip(rec.records, ref.records):
         torch.testing.assert_close(r.probs(), e.probs(), atol=1e-5, rtol=0)
+    # a whole compiled model: its submodules are compiled into one forward, so no call can be attributed
+    plain = flex_vit()
+    whole = torch.compile(plain, backend="eager")
+    with pytest.raises(CaptureError, match="cannot be told apart"):
+        with torch.no_grad(), vx.capture(plain):
+            whole(x)
+
+
+def test_compiled_flex_attention_across_sizes_matches_the_dense_formula():
+    """New sequence lengths make dynamo recompile with symbolic sizes; the calls are still recorded."""
+    compiled = torch.compile(flex.flex_attention, backend="eager")
+    bias = torch.randn(2, 80)
+
+    class Local(nn.Module):
+        def forward(self, q: torch.Tensor) -> torch.Tensor:
+            n = q.shape[-2]
+            mask = flex.create_block_mask(lambda b, h, qi, ki: (qi - ki).abs() <= 2, None, None, n, n, device="cpu")
+            out = compiled(q, q, q, score_mod=lambda s, b, h, qi, ki: s + bias[h, qi - ki + 39], block_mask=mask, scale=0.3)
+            return out.sum(-1)
+
+    model = Local()
+    for n in (17, 8, 24):
+        q = torch.randn(1, 2, n, 4)
+        with torch.no_grad(), vx.capture(model) as rec:
+            model(q)
+        i = torch.arange(n)
+        scores = q @ q.transpose(-1, -2) * 0.3 + bias[:, i[:, None] - i[None] + 39]
+        expected = scores.masked_fill((i[:, None] - i[None]).abs() > 2, float("-inf")).softmax(-1)
+        torch.testing.assert_close(rec.records[0].probs(), expected, atol=1e-6, rtol=0)
 
 
 def test_block_mask_that_disagrees_with_its_mask_mod_is_refused():
@@ -172,6 +201,30 @@ def test_block_mask_that_disagrees_with_its_mask_mod_is_refused():
         block(q, k, v)
     with pytest.raises(CaptureError, match="disagree with its mask_mod"):
         rec.records[0].probs()
+
+
+
+def test_a_compiled_call_whose_output_leaves_the_capture_unused_is_reported():
+    compiled = torch.compile(flex.flex_attention, backend="eager")
+
+    class Last(nn.Module):  # returns the compiled call's output untouched: no later op names the issuer
+        def forward(self, q, k, v):
+            return compiled(q, k, v)
+
+    class Eager(Last):
+        def forward(self, q, k, v):
+            return flex.flex_attention(q, k, v)
+
+    q = torch.randn(1, 1, 8, 4)
+    eager = Eager()
+    with vx.capture(eager) as rec:
+        eager(q, q, q)
+    assert [r.name for r in rec.records] == [""]  # eager calls are seen at their own frame
+    last = Last()
+    with vx.capture(last) as rec:
+        last(q, q, q)
+    with pytest.raises(CaptureError, match="not attributed"):
+        rec.records
 
 
 @pytest.mark.cuda

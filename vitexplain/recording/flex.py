@@ -49,6 +49,7 @@ __all__ = [
     "flex_frame",
     "flex_probs",
     "flex_arguments",
+    "traced_call",
     "traced_arguments",
     "find_output",
 ]
@@ -78,7 +79,7 @@ class BlockView:
 
     Compiled code passes a block mask to FlexAttention's op as ``BlockMask.as_tuple()``:
     ``(q_len, kv_len, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, ...,
-    Q_BLOCK_SIZE, KV_BLOCK_SIZE, mask_mod)``.
+    Q_BLOCK_SIZE, KV_BLOCK_SIZE, mask_mod)`` (see :func:`traced_call`).
     """
 
     seq_lengths: tuple[int, int]
@@ -89,17 +90,26 @@ class BlockView:
     BLOCK_SIZE: tuple[int, int]
     mask_mod: Callable
 
-    @classmethod
-    def from_tuple(cls, parts: tuple) -> "BlockView":
-        return cls((int(parts[0]), int(parts[1])), parts[2], parts[3], parts[4], parts[5],
-                   (int(parts[-3]), int(parts[-2])), parts[-1])
 
 
-def traced_arguments(args: tuple) -> dict[str, Any]:
-    """q, k, v, score_mod, block_mask and scale of a call of FlexAttention's op (see :func:`flex_op`)."""
-    q, k, v, score_mod, block_mask, scale = args[:6]
-    return {"query": q, "key": k, "value": v, "score_mod": score_mod, "block_mask": BlockView.from_tuple(block_mask),
-            "scale": scale}
+def traced_call(args: tuple) -> tuple:
+    """What the recorder keeps of a call of FlexAttention's op while dynamo traces it.
+
+    Dynamo replays the keeping on every call with the real values. Numbers that may be symbolic
+    under dynamic shapes (the scale, the sequence lengths) are not kept as Python numbers, which
+    dynamo cannot rebuild: the scale goes in a tensor, the lengths are read from q and k later.
+    """
+    q, k, v, score_mod, parts, scale = args[:6]
+    blocks = (parts[2], parts[3], parts[4], parts[5], torch.tensor(parts[-3]), torch.tensor(parts[-2]), parts[-1])
+    return q, k, v, score_mod, blocks, torch.tensor(scale, dtype=torch.float64)
+
+
+def traced_arguments(call: tuple) -> dict[str, Any]:
+    """q, k, v, score_mod, block_mask and scale of a call kept by :func:`traced_call`."""
+    q, k, v, score_mod, blocks, scale = call
+    kv_num, kv_idx, full_num, full_idx, q_block, kv_block, mask_mod = blocks
+    view = BlockView((q.shape[-2], k.shape[-2]), kv_num, kv_idx, full_num, full_idx, (int(q_block), int(kv_block)), mask_mod)
+    return {"query": q, "key": k, "value": v, "score_mod": score_mod, "block_mask": view, "scale": float(scale)}
 
 
 def flex_frame(caller: FrameType, code: CodeType) -> Optional[FrameType]:
@@ -108,6 +118,13 @@ def flex_frame(caller: FrameType, code: CodeType) -> Optional[FrameType]:
         return caller
     parent = caller.f_back
     return parent if parent is not None and parent.f_code is code else None
+
+
+def _runs_compiled_code(frame: FrameType) -> bool:
+    """Whether ``frame`` runs code that dynamo transformed (a ``torch.compile``-d function)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    table = getattr(utils, "orig_code_map", None)
+    return table is not None and frame.f_code in table
 
 
 def flex_arguments(frame: FrameType) -> dict[str, Any]:
@@ -272,6 +289,7 @@ class FlexRecording:
         _records: list[AttentionRecord]
         _mode: Any
         _flex_frame: Optional[FrameType]
+        _flex_unattributed: int
         _flex_pending: Optional[tuple[AttentionRecord, tuple[Tensor, Tensor, Tensor]]]
 
         def _attention_issuer(self, start: Optional[FrameType] = None) -> Any: ...
@@ -299,8 +317,10 @@ class FlexRecording:
         calls = self._mode.flex_calls
         while calls:  # calls seen by dynamo: attributed to the module that made this torch call
             bound = traced_arguments(calls.pop(0))
-            if not self._flex_seen(bound["query"]):
-                self._on_flex(bound, caller)
+            if self._flex_seen(bound["query"]):
+                self._flex_frame = None  # that call is over: do not keep its frame (and its callers) alive
+            else:
+                self._on_flex(bound, caller, traced=True)
         if self._flex_pending is not None:
             record, (q, k, v) = self._flex_pending
             out = find_output(args, kwargs, q, k, v)
@@ -308,16 +328,37 @@ class FlexRecording:
                 self._flex_pending = None
                 record._attach_grad_hook(out, self._hooks_collect)
 
+    def _count_unattributed_flex(self, calls: list[tuple]) -> None:
+        """At the end of the capture: count the compiled calls no later torch op could attribute."""
+        self._flex_unattributed += sum(not self._flex_seen(traced_arguments(c)["query"]) for c in calls)
+        calls.clear()
+
+    def _check_flex_attributed(self) -> None:
+        if self._flex_unattributed:
+            raise CaptureError(
+                f"{self._flex_unattributed} torch.compile-d FlexAttention call(s) returned their output without any "
+                "further torch operation inside the capture, so they were not attributed to a module and are "
+                "missing from the records; use the output inside the module (e.g. reshape it there)"
+            )
+
     def _flex_seen(self, q: Tensor) -> bool:
         """Whether the last record already holds this FlexAttention call (seen at its frame)."""
         last = self._records[-1] if self._records else None
         return isinstance(last, FlexAttentionRecord) and last._q is not None and last._q.data_ptr() == q.data_ptr() \
             and last._q.shape == q.shape
 
-    def _on_flex(self, bound: dict[str, Any], caller: Optional[FrameType]) -> None:
+    def _on_flex(self, bound: dict[str, Any], caller: Optional[FrameType], traced: bool = False) -> None:
         issuer = self._attention_issuer(caller)
         if issuer is None:
             return
+        if traced and _runs_compiled_code(issuer[2]):
+            # the module found runs dynamo-compiled code: the submodules it called (and the one that
+            # called FlexAttention) were compiled into it, so the call cannot be attributed
+            raise CaptureError(
+                f"FlexAttention ran inside the torch.compile-d forward of {issuer[0] or 'the model'!r}, whose "
+                "submodules cannot be told apart; capture the uncompiled model (model._orig_mod), or compile "
+                "flex_attention itself rather than the whole model"
+            )
         q, k, v = bound["query"], bound["key"], bound["value"]
         name, module, issuing_frame = issuer
         record = self._new_record(

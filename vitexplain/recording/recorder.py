@@ -38,7 +38,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..errors import CaptureError, InputError, NoAttentionError
 from .custom import Extractor, ModuleInputs, as_weights, declared_modules, in_graph, is_inside
-from .flex import FlexRecording, flex_code, flex_op
+from .flex import FlexRecording, flex_code, flex_op, traced_call
 from .gates import GateHooks, GateRecord, checked_gates
 from .records import ActivationRecord, AttentionRecord
 
@@ -97,7 +97,7 @@ class _AttentionMode(TorchFunctionMode):
         if func is self.flex_op and self.flex_op is not None:
             # reached while dynamo traces FlexAttention (eager flex_attention compiles its op, and so
             # does torch.compile): dynamo replays this append with the real arguments on every call
-            self.flex_calls.append(args[:6])
+            self.flex_calls.append(traced_call(args))
             return func(*args, **kwargs)
         # nothing else of the recorder can run while dynamo traces
         if self.flex is not None and not torch.compiler.is_dynamo_compiling():
@@ -150,6 +150,7 @@ class Recorder(FlexRecording):
         self._fastpath: Optional[bool] = None
         self._active = False
         self._in_backward = False
+        self._flex_unattributed = 0
         self._flex_frame: Optional[FrameType] = None
         self._flex_pending: Optional[tuple[AttentionRecord, tuple[Tensor, Tensor, Tensor]]] = None
 
@@ -199,6 +200,7 @@ class Recorder(FlexRecording):
         try:
             if self._mode is not None:
                 self._mode.__exit__(None, None, None)
+                self._count_unattributed_flex(self._mode.flex_calls)
         finally:
             self._mode = None
             self._flex_frame = self._flex_pending = None
@@ -218,7 +220,9 @@ class Recorder(FlexRecording):
         Raises:
             NoAttentionError: no attention call was seen (no forward ran, or the model
                 has no attention this capture can observe).
+            CaptureError: a compiled FlexAttention call could not be attributed to a module.
         """
+        self._check_flex_attributed()
         if not self._records:
             cls = type(self.model).__name__
             if self.forward_count == 0:
