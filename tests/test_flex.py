@@ -115,11 +115,13 @@ def test_flex_probs_match_eager_twin_and_torch_math_path(attn_layer):
 def test_raw_and_rollout_on_flex_models_equal_the_eager_twin(attn_layer):
     model = flex_vit(attn_layer)
     x = torch.randn(3, 3, 32, 32)
-    got = vx.Explainer(model).explain(x, method=["raw", "rollout"])
     want = vx.Explainer(eager_twin(model)).explain(x, method=["raw", "rollout"])
-    for g, w in zip(got, want):
-        assert g.maps.shape == (3, 4, 4)
-        torch.testing.assert_close(g.maps, w.maps, atol=1e-5, rtol=1e-4)
+    # the model, and the model compiled (the capture runs compiled models eagerly, FlexAttention included)
+    for explained in (model, torch.compile(model)):
+        got = vx.Explainer(explained).explain(x, method=["raw", "rollout"])
+        for g, w in zip(got, want):
+            assert g.maps.shape == (3, 4, 4)
+            torch.testing.assert_close(g.maps, w.maps, atol=1e-5, rtol=1e-4)
 
 
 def test_gradients_on_cpu_raise_a_clear_error_and_leave_the_model_as_found():
