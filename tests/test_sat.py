@@ -77,3 +77,17 @@ def test_doubly_stochastic_penalty_matches_the_formula():
     steps = torch.tensor([[True, True, True, False], [True, True, True, True]])
     expected = torch.stack([((1 - alphas[b, : 3 + b].sum(0)) ** 2).sum() for b in range(2)])
     torch.testing.assert_close(doubly_stochastic(alphas, steps), expected)
+
+
+def test_caption_command_runs_shapes_sat(tmp_path):
+    """``vitexplain caption --model shapes-sat``: the zoo name is enough, no CLI change."""
+    import json
+    from pathlib import Path
+
+    from vitexplain.cli import main
+
+    sample = Path(__file__).resolve().parent.parent / "assets" / "samples" / "03_green_cross_and_red_circle.png"
+    assert main(["caption", str(sample), "--out", str(tmp_path), "--model", "shapes-sat", "-q", "-j", "0"]) == 0
+    written = json.loads((tmp_path / f"{sample.name}.caption.json").read_text())
+    assert written["caption"] == "green cross and red circle"
+    assert (tmp_path / f"{sample.name}.cross.png").is_file()
