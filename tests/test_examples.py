@@ -29,6 +29,7 @@ def run(args: list[str], tmp_path: Path, **env: str) -> subprocess.CompletedProc
         ("captioning.py", ["caption_0.png", "caption_1.png"]),
         ("cnn_attention.py", None),
         ("own_timm_model.py", ["own_model.png"]),
+        ("alignment.py", ["alignment.png"]),
     ],
 )
 def test_python_example(tmp_path, script, outputs):

@@ -18,6 +18,11 @@ _LAZY: dict[str, tuple[str, str]] = {
     "save_png": (".grids", "save_png"),
     "channel_tiles": (".channels", "channel_tiles"),
     "caption_figure": (".caption", "caption_figure"),
+    "attention_matrix": (".matrix", "attention_matrix"),
+    "record_matrix": (".matrix", "record_matrix"),
+    "caption_matrix": (".matrix", "caption_matrix"),
+    "head_grid": (".matrix", "head_grid"),
+    "token_labels": (".matrix", "token_labels"),
     "write_gallery": (".gallery", "write_gallery"),
     "render_gallery": (".gallery", "render_gallery"),
 }

@@ -21,14 +21,14 @@ __all__ = ["names", "info", "load", "load_checkpoint", "save_checkpoint", "WEIGH
 
 #: Directory of the bundled checkpoints.
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
-_NAMES: tuple[str, ...] = ("shapes-vit", "shapes-cnn", "shapes-captioner")
+_NAMES: tuple[str, ...] = ("shapes-vit", "shapes-cnn", "shapes-captioner", "shapes-sat")
 FORMAT_VERSION = 1
 
 PathLike = Union[str, "os.PathLike[str]"]
 
 
 def names() -> list[str]:
-    """Names of the bundled zoo models: ``["shapes-vit", "shapes-cnn", "shapes-captioner"]``."""
+    """Names of the bundled zoo models: ``["shapes-vit", "shapes-cnn", "shapes-captioner", "shapes-sat"]``."""
     return list(_NAMES)
 
 
@@ -146,7 +146,8 @@ def load(name: str, device: str | torch.device = "cpu", *, weights_dir: PathLike
     """Load a bundled zoo model, offline.
 
     Args:
-        name: one of :func:`names` (``"shapes-vit"``, ``"shapes-cnn"``, ``"shapes-captioner"``).
+        name: one of :func:`names` (``"shapes-vit"``, ``"shapes-cnn"``, ``"shapes-captioner"``,
+            ``"shapes-sat"``).
         device: where to put the model.
         weights_dir: folder to load from instead of the bundled weights (same file names).
 

@@ -208,7 +208,7 @@ class TrainingSignals(nn.Module):
 
     Args:
         model: the model being trained (a timm ViT, the zoo CNN or the zoo captioner).
-        arch: its zoo architecture (``"vit"``, ``"cnn"``, ``"captioner"``).
+        arch: its zoo architecture (``"vit"``, ``"cnn"``, ``"captioner"``, ``"sat"``).
         aux_weight: weight of token labeling.
         aux_blocks: inner blocks whose outputs also get token labeling.
         value_weight: weight of the value-path token labels.
@@ -216,14 +216,16 @@ class TrainingSignals(nn.Module):
         teacher: loads the teacher model (called only when ``distill_weight > 0`` for a ViT).
         distill_block: the student block whose tokens mimic the teacher.
         label_smoothing: of the captioner's next-token cross-entropy.
+        attention_reg: Show, Attend and Tell (``shapes-sat``): weight of the doubly stochastic
+            attention penalty.
     """
 
     def __init__(self, model: nn.Module, arch: str, *, aux_weight: float = 0.0, aux_blocks: Sequence[int] = (),
                  value_weight: float = 0.0, distill_weight: float = 0.0, teacher: Any = None,
-                 distill_block: int = 1, label_smoothing: float = 0.0) -> None:
+                 distill_block: int = 1, label_smoothing: float = 0.0, attention_reg: float = 0.0) -> None:
         super().__init__()
         self.aux_weight, self.value_weight, self.distill_weight = aux_weight, value_weight, distill_weight
-        self.label_smoothing = label_smoothing
+        self.label_smoothing, self.attention_reg = label_smoothing, attention_reg
         self.aux: Optional[AuxHeads] = None
         self.deep: Optional[DeepTokenLabels] = None
         self.value: Optional[ValueLabels] = None
@@ -269,6 +271,8 @@ class TrainingSignals(nn.Module):
             The scalar loss.
         """
         x = batch.tensor
+        if hasattr(model, "run_decoder"):  # shapes-sat
+            return self._sat_loss(model, batch)
         if is_captioner(model):
             seq = model.tokenize(batch.captions)
             memory = model.encode(x)
@@ -294,6 +298,27 @@ class TrainingSignals(nn.Module):
             loss = loss + self.value_weight * self.value(targets)
         if self.distill is not None:
             loss = loss + self.distill_weight * self.distill(x)
+        return loss
+
+
+    def _sat_loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        """Show, Attend and Tell's loss (Xu et al. 2015, eq. 14), averaged over the batch.
+
+        ``-log P(caption | image)`` (summed over the caption's words, ``<eos>`` included) plus
+        ``attention_reg * sum_i (1 - sum_t alpha_ti)^2`` over the N grid locations, plus token
+        labeling of the annotation vectors (``aux_weight``).
+        """
+        from .sat import doubly_stochastic
+
+        seq = model.tokenize(batch.captions)
+        annotations = model.encode(batch.tensor)
+        logits, alphas = model.run_decoder(annotations, seq[:, :-1])
+        target = seq[:, 1:]
+        pad = model.vocab.pad_id
+        nll = F.cross_entropy(logits.transpose(1, 2), target, ignore_index=pad, reduction="none").sum(1)
+        loss = (nll + self.attention_reg * doubly_stochastic(alphas, target != pad)).mean()
+        if self.aux is not None:
+            loss = loss + self.aux_weight * self.aux(annotations, patch_targets(batch, model.encoder.stride))
         return loss
 
 
