@@ -9,8 +9,6 @@ one JSON-ready dict whose arrays are quantised (:mod:`.quantize`). Captioners ar
 
 from __future__ import annotations
 
-import base64
-import io
 from functools import partial
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -26,7 +24,7 @@ from ..targets import logits_of
 from .attention import attention_payload, prefix_labels
 from .quantize import quantize_rows
 
-__all__ = ["DEFAULT_METHODS", "image_data", "png_data_uri", "top_predictions", "method_entries", "explain_all"]
+__all__ = ["DEFAULT_METHODS", "image_data", "top_predictions", "method_entries", "explain_all"]
 
 #: Methods shown by default: class-discriminative first, by the faithfulness table of
 #: docs/benchmarks.md (pointing game on two-object shapes images), then class-agnostic
@@ -36,15 +34,6 @@ DEFAULT_METHODS: dict[str, tuple[str, ...]] = {
     "cnn": ("gradcam", "layercam", "gradcam++", "spatial", "channel"),
     "caption": ("cross", "cross_generic"),
 }
-
-
-def png_data_uri(image: Any) -> str:
-    """An (H, W, 3) uint8 RGB image as a ``data:image/png;base64,...`` URI."""
-    from PIL import Image
-
-    buffer = io.BytesIO()
-    Image.fromarray(image).save(buffer, format="PNG", optimize=True)
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
 def top_predictions(logits: Tensor, label_names: Optional[Sequence[str]], k: int, multi_label: bool) -> list[dict[str, Any]]:
@@ -168,6 +157,8 @@ def image_data(
     Returns:
         JSON-ready dict (see ``static/explore.js`` for how it is read).
     """
+    from ..viz.notebook import png_data_uri
+
     x, regions, _, _ = explainer.preprocess(image)
     family = explainer.family
     strict = methods is not None
