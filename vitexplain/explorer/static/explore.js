@@ -155,8 +155,8 @@
     return { node: bar, select: select };
   }
 
-  function panel(title, children) {
-    return el("div", { class: "vx-panel" }, [el("h3", { text: title })].concat(children));
+  function panel(title, children, narrow) {
+    return el("div", { class: narrow ? "vx-panel vx-narrow" : "vx-panel" }, [el("h3", { text: title })].concat(children));
   }
 
   /* --- methods: one tab per method, one button per class ------------------------------- */
@@ -180,7 +180,7 @@
     var methodTabs = tabs(data.methods.map(function (m) { return m.name; }), "method-tab",
       function (i) { state.m = i; draw(); });
     draw();
-    return panel("Methods", [methodTabs.node, classes.node, hv.view, legendBox, info]);
+    return panel("Methods", [methodTabs.node, classes.node, hv.view, legendBox, info], true);
   }
 
   /* --- attention: layer x head, query patches/tokens, rollout row, matrix ---------------- */
@@ -273,17 +273,17 @@
     draw();
     var views = el("div", { class: "vx-pair" }, [
       el("figure", {}, [attView.view, el("figcaption", { text: "attention of the query (layer, head)" })]),
-      el("figure", {}, [rollView.view, el("figcaption", { text: "rollout row of the query (up to this layer)" })])
+      el("figure", {}, [rollView.view, el("figcaption", { text: "rollout row of the query (up to this layer)" })]),
+      el("figure", {}, [matrixBox, el("figcaption", { text: "attention matrix: rows are queries, columns keys (" +
+        matrixTicks(att) + "); each row scaled to its largest value" }), matrixInfo])
     ]);
     var controls = el("div", { class: "vx-controls" }, [layerSel, headSel].concat(
       prefixButtons.length ? [el("span", { text: " query: " })].concat(prefixButtons) : []));
     var note = att.note ? el("p", { class: "vx-note", text: att.note }) : null;
-    return panel("Attention", [controls, views, info, legend(false, 0),
-      el("h4", { text: "attention matrix (rows: queries, columns: keys; " + matrixTicks(att, n) + ")" }),
-      matrixBox, legend(false, 0, true), matrixInfo, note]);
+    return panel("Attention", [controls, views, info, el("div", { class: "vx-pair" }, [legend(false, 0), legend(false, 0, true)]), note]);
   }
 
-  function matrixTicks(att, n) {
+  function matrixTicks(att) {
     var parts = att.tokens.map(function (t, i) { return t + " = " + i; });
     parts.push("patch (r,c) = " + att.prefix + " + r\u00b7" + att.grid[1] + " + c");
     return parts.join(", ");
