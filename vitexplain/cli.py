@@ -4,6 +4,7 @@
 
     vitexplain export INPUT... --out DIR [--model NAME] [--method rollout,cdam] ...
     vitexplain caption INPUT... --out DIR [--model shapes-captioner] [--caption TEXT] ...
+    vitexplain explore INPUT... --out page.html [--model NAME] [--method generic,cdam] ...
     vitexplain methods [--model NAME | --family vit|cnn|caption]
     vitexplain models
     torchrun --nproc_per_node=N -m vitexplain export|caption ...   # one shard per process
@@ -137,6 +138,16 @@ def _non_negative(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
+    return value
+
+
 def _unit(text: str) -> float:
     try:
         value = float(text)
@@ -145,6 +156,20 @@ def _unit(text: str) -> float:
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {value}")
     return value
+
+
+_EXPLORE_EPILOG = """\
+the page: one HTML file with its images, data, script and styles inline; it requests nothing
+(open it from disk, mail it). Sizes: about 0.2 MB per 64 px shapes image, 4.7 MB per 224 px
+ViT-S/16 image with every layer and head (see --attention-budget).
+
+exit status: 0 ok, 1 some images could not be read (left out of the page), 2 usage error.
+
+examples:
+  vitexplain explore assets/samples --out explore.html
+  vitexplain explore assets/samples --out words.html --model shapes-captioner
+  vitexplain explore photo.jpg --out photo.html --model vit_small_patch16_224 --checkpoint vit_s.safetensors
+"""
 
 
 def _add_inputs(p: argparse.ArgumentParser) -> None:
@@ -256,6 +281,47 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--html", action="store_true", help="write an index.html gallery of the figures")
     _add_running(ca, batch_size=16, what="figures")
 
+    xp = sub.add_parser(
+        "explore",
+        help="write one self-contained interactive HTML page exploring the images (attention per layer and "
+             "head, rollout rows, methods per class, captions word by word)",
+        description="Explain every image under INPUT... and write one interactive page that needs nothing\n"
+        "else (open it from disk): per image the top predictions, one tab per method, and for ViTs the\n"
+        "attention of any patch or [CLS]/register token per layer and head, its rollout row and the\n"
+        "attention matrix; for captioners each word's map and the word x patch alignment.",
+        epilog=_EXPLORE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    xp.add_argument("inputs", nargs="+", metavar="INPUT",
+                    help="image files, folders (walked recursively) or glob patterns (quote them; ** recurses)")
+    xp.add_argument("--out", "-o", required=True, metavar="PAGE.html", help="the HTML file to write")
+    g = xp.add_argument_group("model")
+    g.add_argument("--model", "-m", default="shapes-vit", metavar="NAME",
+                   help="zoo model (see `vitexplain models`), timm model name, or a zoo checkpoint .json "
+                        "(default: shapes-vit)")
+    g.add_argument("--checkpoint", metavar="FILE", help="weights for a timm --model (.safetensors, .pt, .pth)")
+    g.add_argument("--num-classes", type=_positive, metavar="N", help="classes of a timm model")
+    g.add_argument("--model-arg", type=_model_arg, action="append", default=[], metavar="KEY=VALUE",
+                   help="extra timm.create_model argument (repeatable)")
+    g.add_argument("--labels", metavar="FILE", help="text file with one class name per line")
+    g = xp.add_argument_group("page")
+    g.add_argument("--method", type=_methods_arg, action="append", metavar="M1,M2",
+                   help="methods, one tab each (default: generic,grad_rollout,cdam,gradcam,rollout for ViTs; "
+                        "gradcam,layercam,gradcam++,spatial,channel for CNNs; cross,cross_generic for captioners)")
+    g.add_argument("--option", type=_option_arg, action="append", default=[], metavar="METHOD.KEY=VALUE",
+                   help="a method option, e.g. rollout.head_fusion=max (repeatable)")
+    g.add_argument("--top-k", type=_positive, default=3, metavar="K",
+                   help="classes offered for class-discriminative methods (default 3)")
+    g.add_argument("--max-images", type=_positive, default=50, metavar="N",
+                   help="refuse more images than this (default 50: the page embeds every image's data)")
+    g.add_argument("--attention-budget", type=_positive_float, default=5.0, metavar="MB",
+                   help="most MB of attention data per image; past it fewer layers, then only the head mean, "
+                        "are embedded (default 5)")
+    g.add_argument("--max-len", type=_positive, default=16, metavar="N", help="longest caption generated (default 16)")
+    g.add_argument("--title", metavar="TEXT", help="page title")
+    g.add_argument("--device", default="auto", metavar="DEV", help="auto (default), cpu, cuda or cuda:N")
+    g.add_argument("--quiet", "-q", action="store_true", help="no summary line")
+
     me = sub.add_parser("methods", help="list explanation methods (per model family, or for a model)",
                         description="List the explanation methods, with a one-line summary each.")
     which = me.add_mutually_exclusive_group()
@@ -331,6 +397,18 @@ def _cmd_caption(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.write_threads is not None:
         opts.write_threads = args.write_threads
     return _report(export_captions(opts, argv=list(argv)), args.quiet, "captioned")
+
+
+def _cmd_explore(args: argparse.Namespace) -> int:
+    from .explorer.command import ExploreOptions, explore_inputs
+
+    return explore_inputs(ExploreOptions(
+        inputs=list(args.inputs), out=args.out, model=args.model, checkpoint=args.checkpoint,
+        num_classes=args.num_classes, model_args=dict(args.model_arg), labels=args.labels,
+        methods=_methods_of(args), method_options=_method_options_of(args), top_k=args.top_k,
+        max_images=args.max_images, title=args.title, attention_budget_mb=args.attention_budget,
+        max_len=args.max_len, device=args.device, quiet=args.quiet,
+    ))
 
 
 def _family_of_model(name: str) -> str:
@@ -424,6 +502,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return _cmd_export(args, argv)
         if args.command == "caption":
             return _cmd_caption(args, argv)
+        if args.command == "explore":
+            return _cmd_explore(args)
         if args.command == "methods":
             return _cmd_methods(args)
         if args.command == "models":
