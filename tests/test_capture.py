@@ -456,16 +456,12 @@ def test_layout_prefix_and_grid(model, size, prefix, grid, has_cls, readout):
     assert rec.records[0].num_keys == layout.num_tokens  # the grid is the one the model used
 
 
-def test_layout_torchvision_and_windowed_swin():
+def test_layout_torchvision_and_unknown_models():
+    # (the windowed Swin layout is tested with the Swin adapter, tests/test_swin.py)
     tv = pytest.importorskip("torchvision")
     m = tv.models.VisionTransformer(image_size=32, patch_size=8, num_layers=1, num_heads=2, hidden_dim=16, mlp_dim=32)
     layout = vx.token_layout(m, 32)
     assert (layout.num_prefix_tokens, layout.grid, layout.has_class_token) == (1, (4, 4), True)
-    swin = timm_models()["swin_shifted"]
-    layout = vx.token_layout(swin, (32, 32))
-    assert layout.windowed and layout.grid is None
-    with pytest.raises(vx.UnsupportedModelError, match="windowed"):
-        layout.num_patches
     with pytest.raises(vx.UnsupportedModelError, match="token layout"):
         vx.token_layout(nn.Conv2d(3, 3, 1), 32)
 

@@ -229,6 +229,8 @@ class Explainer:
 
     def __init__(self, model: nn.Module, *, adapter: Optional[Adapter] = None) -> None:
         self.model = model
+        # a torch.compile-d model is explained through its original module, run eagerly
+        # (see vx.capture); the compiled code is neither called nor recompiled
         self.adapter = adapter or adapter_for(model)
 
     @property
@@ -237,8 +239,22 @@ class Explainer:
         return self.adapter.family
 
     def methods(self) -> list[str]:
-        """Names of the methods that apply to this model's family."""
-        return registry.names(self.family)
+        """Names of the methods that apply to this model (its adapter supports them)."""
+        return list(dict.fromkeys(s.name for s in registry.specs(self.family) if self.adapter.supports(s)))
+
+    def _spec(self, name: str) -> registry.MethodSpec:
+        """The spec of method ``name``, or a clear error when it does not apply to this model."""
+        try:
+            spec = registry.get(name, self.family)
+        except UnsupportedMethodError as err:
+            hint = self.adapter.notes.get("family")  # e.g. why a hybrid has no ViT methods
+            if hint is None:
+                raise
+            raise UnsupportedMethodError(f"{err}. {hint}") from None
+        reason = self.adapter.refusal(spec)
+        if reason is not None:
+            raise UnsupportedMethodError(reason)
+        return spec
 
     def __repr__(self) -> str:
         return f"Explainer({type(self.model).__name__}, family={self.family!r})"
@@ -300,7 +316,7 @@ class Explainer:
         names = [method] if single else list(method)
         if not names:
             raise UnsupportedMethodError(f"no method given; choose from {self.methods()}")
-        specs = [registry.get(name, self.family) for name in names]
+        specs = [self._spec(name) for name in names]
         per_method = self._split_options(names, specs, options, single)
 
         images = boxes = sources = None
@@ -312,7 +328,8 @@ class Explainer:
                 )
             x, images, boxes, sources = self.preprocess(x)
         _check_batch(x)
-        if self.model.training:
+        model = self.adapter.model
+        if model.training:
             warnings.warn(
                 "the model is in training mode: dropout makes explanations random; call model.eval() first",
                 stacklevel=2,
@@ -326,10 +343,10 @@ class Explainer:
         attention = any(s.attention for s in specs) and self.family != "cnn"
         gates = any(s.gates for s in specs)
         with torch.set_grad_enabled(grads), capture(
-            self.model, grads=grads, activations=activations, attention=attention, gates=gates
+            model, grads=grads, activations=activations, attention=attention, gates=gates
         ) as rec:
             outputs = self.adapter.forward(x_in)
-        resolved = resolve(target, outputs, self.adapter.label_names)
+        resolved = resolve(target, outputs, self.adapter.label_names, has_head=self.adapter.has_head)
         if grads:
             rec.backward(resolved.score(outputs), retain_graph=any(s.retain_graph for s in specs))
         layout = self.adapter.layout(tuple(x.shape[-2:])) if hasattr(self.adapter, "layout") else None
@@ -397,7 +414,7 @@ class Explainer:
             )
         single = isinstance(method, str)
         names = [method] if single else list(method)
-        specs = [registry.get(name, "caption") for name in names]
+        specs = [self._spec(name) for name in names]
         per_method = self._split_options(names, specs, options, single)
         if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1:
             raise UsageError(f"max_len must be a positive number of tokens to generate, got {max_len!r}")

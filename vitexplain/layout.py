@@ -5,11 +5,11 @@ A ViT sequence is ``[prefix tokens] + [patch tokens]``: the class token, a disti
 (gh, gw) that depends on the actual input size (not always square, not always 14 x 14).
 Swin-style models attend inside windows; their layout reports ``windowed=True`` and no grid.
 
-Supported: timm VisionTransformer family (incl. ``reg_tokens``, ``class_token=False`` with
-``global_pool='avg'``, ``dynamic_img_size``), DeiT distilled, EVA, BEiT, timm Swin;
-torchvision ``VisionTransformer``; Hugging Face ViT / DeiT / DINOv2 / BEiT / Swin; and any
-model that contains one of those (e.g. a captioner's image encoder) or defines
-``vx_token_layout(input_size) -> TokenLayout`` itself.
+The layout of a model is computed by its adapter (``vitexplain.adapters``, the one place
+that recognises a model family): :func:`token_layout` asks the model's adapter, or, for a
+model that contains a ViT (e.g. a captioner's image encoder), the adapter of its first
+submodule that is one. A model may also define ``vx_token_layout(input_size) -> TokenLayout``
+itself.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ class TokenLayout:
         grid: (gh, gw) patch grid for the input size, or None for windowed attention.
         has_class_token: whether token 0 is a class token.
         readout: which query row(s) the classifier reads: ``"class"`` (the class token) or
-            ``"mean"`` (average pooling over the patch tokens).
+            ``"mean"`` (average pooling over the patch tokens, or any other pooling over
+            them, e.g. attention pooling).
         windowed: attention runs inside local windows (Swin); rollout does not apply.
         patch_size: (ph, pw) in pixels, when known.
     """
@@ -107,80 +108,39 @@ def _pair(value: object) -> tuple[int, int]:
     return int(value), int(value)  # type: ignore[arg-type]
 
 
-def _timm_layout(model: nn.Module, size: tuple[int, int]) -> Optional[TokenLayout]:
-    name = type(model).__name__.lower()
-    embed = getattr(model, "patch_embed", None)
-    if "swin" in name and embed is not None:
-        return TokenLayout(0, None, False, "mean", windowed=True, patch_size=_pair(embed.patch_size))
-    if embed is None or not hasattr(model, "num_prefix_tokens") or not hasattr(embed, "patch_size"):
-        return None
-    patch = _pair(embed.patch_size)
-    if hasattr(embed, "dynamic_feat_size"):
-        grid = tuple(embed.dynamic_feat_size(size))
-    else:
-        grid = (size[0] // patch[0], size[1] // patch[1])
-    has_cls = getattr(model, "cls_token", None) is not None
-    pool = getattr(model, "global_pool", "token")
-    readout = "class" if has_cls and pool in ("token", "") else "mean"
-    return TokenLayout(int(model.num_prefix_tokens), (int(grid[0]), int(grid[1])), has_cls, readout, patch_size=patch)
-
-
-def _torchvision_layout(model: nn.Module, size: tuple[int, int]) -> Optional[TokenLayout]:
-    if not (hasattr(model, "class_token") and hasattr(model, "conv_proj") and hasattr(model, "patch_size")):
-        return None
-    p = int(model.patch_size)
-    return TokenLayout(1, (size[0] // p, size[1] // p), True, "class", patch_size=(p, p))
-
-
-def _hf_layout(model: nn.Module, size: tuple[int, int]) -> Optional[TokenLayout]:
-    config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
-    if model_type is None or not hasattr(config, "patch_size"):
-        return None
-    patch = _pair(config.patch_size)
-    if model_type in ("swin", "swinv2", "donut-swin"):
-        return TokenLayout(0, None, False, "mean", windowed=True, patch_size=patch)
-    prefixes = {
-        "vit": 1, "deit": 2, "dinov2": 1, "dinov2_with_registers": 1, "beit": 1,
-        "data2vec-vision": 1, "blip_vision_model": 1,
-    }
-    if model_type not in prefixes:
-        return None
-    prefix = prefixes[model_type] + int(getattr(config, "num_register_tokens", 0) or 0)
-    readout = "mean" if getattr(config, "use_mean_pooling", False) else "class"
-    grid = (size[0] // patch[0], size[1] // patch[1])
-    return TokenLayout(prefix, grid, True, readout, patch_size=patch)
-
-
-_DETECTORS = (_timm_layout, _torchvision_layout, _hf_layout)
-
-
-def _own_layout(model: nn.Module, size: tuple[int, int]) -> Optional[TokenLayout]:
-    custom = getattr(model, "vx_token_layout", None)
+def _own_layout(module: nn.Module, size: tuple[int, int], adapter: bool) -> Optional[TokenLayout]:
+    custom = getattr(module, "vx_token_layout", None)
     if callable(custom):
         return custom(size)
-    for detect in _DETECTORS:
-        layout = detect(model, size)
-        if layout is not None:
-            return layout
-    return None
+    from .adapters.base import find_adapter
+
+    found = find_adapter(module) if adapter else find_adapter(module, family="vit")
+    layout = getattr(found, "layout", None)
+    return layout(size) if callable(layout) else None
 
 
 def find_layout_module(model: nn.Module, input_size: tuple[int, int]) -> tuple[str, nn.Module, TokenLayout]:
     """The model itself or its first submodule with a known token layout.
 
+    The layout comes from the module's adapter (``vitexplain.adapters``: the one place that
+    recognises a model), or from ``module.vx_token_layout(input_size)`` when defined.
+
     Returns:
         (module name, module, layout); the name is ``""`` for the model itself.
     """
+    from .adapters.base import unwrap_compiled
+
     size = _pair(input_size)
+    model = unwrap_compiled(model)
     for name, module in model.named_modules():
-        layout = _own_layout(module, size)
+        layout = _own_layout(module, size, adapter=name == "")
         if layout is not None:
             return name, module, layout
     raise UnsupportedModelError(
-        f"cannot find the token layout of {type(model).__name__}: supported are timm "
-        "VisionTransformer/DeiT/EVA/BEiT/Swin, torchvision VisionTransformer and Hugging Face "
-        "ViT/DeiT/DINOv2/BEiT/Swin (or any model containing one); for another model define "
+        f"cannot find the token layout of {type(model).__name__}: supported are the ViT "
+        "families vitexplain.adapters recognises (timm, torchvision, Hugging Face; see "
+        "docs/support.md) and any model containing one; for another model register an "
+        "adapter (vitexplain.adapters.register_adapter) or define "
         "`vx_token_layout(self, input_size) -> vx.TokenLayout` on it"
     )
 

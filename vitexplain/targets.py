@@ -4,6 +4,14 @@
 the per-image class indices (``-1`` when a callable defines the score) and a function from
 the model's outputs to a (B,) score. The score of a class is its pre-softmax logit
 (references.md): for multi-label models too, the default target is the top-scoring label.
+
+Headless backbones (``num_classes=0``, ``ViTModel``, ``Dinov2Model``, ``CLIPVisionModel``,
+``SiglipVisionModel``, ...) output a pooled embedding (B, D) instead of logits; explain a
+score of it::
+
+    vx.targets.similarity(text_embedding)     # cosine of the embedding to a given vector
+    vx.targets.norm()                         # the embedding's L2 norm
+    lambda emb: emb @ direction               # any callable outputs -> (B,)
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ from torch import Tensor
 
 from .errors import TargetError
 
-__all__ = ["Target", "TargetSpec", "resolve", "class_score", "logits_of"]
+__all__ = ["Target", "TargetSpec", "resolve", "class_score", "logits_of", "embedding_of", "similarity", "norm"]
 
 TargetSpec = Union[None, int, str, Sequence[Union[int, str]], Tensor, Callable[[Any], Tensor]]
 
@@ -34,6 +42,79 @@ def logits_of(outputs: Any) -> Tensor:
         f"cannot find logits in the model output of type {type(outputs).__name__}; pass a "
         "callable target that maps the outputs to a (B,) score"
     )
+
+
+def embedding_of(outputs: Any) -> Tensor:
+    """The (B, D) pooled embedding inside a model's outputs.
+
+    A tensor (what ``vx.Explainer`` passes: adapters return the pooled embedding of a
+    headless model), or a Hugging Face output's ``image_embeds`` or ``pooler_output``.
+    """
+    if isinstance(outputs, Tensor):
+        return outputs
+    for name in ("image_embeds", "pooler_output"):
+        value = getattr(outputs, name, None)
+        if isinstance(value, Tensor):
+            return value
+    raise TargetError(
+        f"cannot find a pooled embedding in the model output of type {type(outputs).__name__}; "
+        "pass a callable target that maps the outputs to a (B,) score"
+    )
+
+
+def _rows_for(vector: Tensor, rows: int) -> Tensor:
+    """A (D,) / (1, D) vector for every row, or a (B, D) one per row when B == rows."""
+    if vector.dim() == 1:
+        return vector.unsqueeze(0)
+    if vector.shape[0] in (1, rows):
+        return vector
+    raise TargetError(
+        f"the target embedding has {vector.shape[0]} rows but the score is taken over {rows} "
+        "outputs (this method scores several perturbed copies per image); pass one (D,) vector, "
+        "or explain one image at a time"
+    )
+
+
+def similarity(embedding: Any) -> Callable[[Any], Tensor]:
+    """Target: cosine similarity of the model's pooled embedding to ``embedding``.
+
+    For headless backbones (and any model whose outputs are an embedding), e.g. a CLIP
+    vision tower explained against a text embedding.
+
+    Args:
+        embedding: (D,) vector (or (1, D); (B, D) one per image for methods that score the
+            batch once), in the space of the model's output embedding.
+
+    Returns:
+        ``score(outputs) -> (B,)`` for ``target=``.
+    """
+    vector = torch.as_tensor(embedding).detach()
+    if vector.dim() not in (1, 2) or vector.shape[-1] == 0:
+        raise TargetError(f"similarity() needs a (D,) or (B, D) embedding, got shape {tuple(vector.shape)}")
+
+    def score(outputs: Any) -> Tensor:
+        emb = embedding_of(outputs)
+        if emb.dim() != 2 or emb.shape[-1] != vector.shape[-1]:
+            raise TargetError(
+                f"similarity(): the model's embedding has shape {tuple(emb.shape)}, the target "
+                f"vector {tuple(vector.shape)}; they must share the last dimension"
+            )
+        ref = _rows_for(vector, emb.shape[0]).to(device=emb.device, dtype=emb.dtype)
+        return torch.nn.functional.cosine_similarity(emb, ref.expand_as(emb), dim=-1)
+
+    score.__name__ = "similarity"
+    return score
+
+
+def norm() -> Callable[[Any], Tensor]:
+    """Target: the L2 norm of the model's pooled embedding, (B,)."""
+
+    def score(outputs: Any) -> Tensor:
+        emb = embedding_of(outputs)
+        return emb.flatten(1).norm(dim=-1)
+
+    score.__name__ = "norm"
+    return score
 
 
 def class_score(classes: Tensor) -> Callable[[Any], Tensor]:
@@ -88,7 +169,9 @@ def _index(value: Union[int, str], num_classes: int, label_names: Optional[Seque
     return index
 
 
-def resolve(target: TargetSpec, outputs: Any, label_names: Optional[Sequence[str]] = None) -> Target:
+def resolve(
+    target: TargetSpec, outputs: Any, label_names: Optional[Sequence[str]] = None, *, has_head: bool = True
+) -> Target:
     """Resolve a user target against the model outputs.
 
     Args:
@@ -98,6 +181,8 @@ def resolve(target: TargetSpec, outputs: Any, label_names: Optional[Sequence[str
         outputs: the model outputs of the explained forward (logits (B, C) or an object
             with ``.logits``).
         label_names: class names, for label-name targets.
+        has_head: False for a headless backbone (its outputs are an embedding): then only a
+            callable target is accepted.
 
     Returns:
         The :class:`Target`.
@@ -119,6 +204,14 @@ def resolve(target: TargetSpec, outputs: Any, label_names: Optional[Sequence[str
         batch = _batch_size(outputs)
         classes = torch.full((batch,), -1, dtype=torch.long)
         return Target(classes, score, getattr(target, "__name__", "callable"), custom=True)
+
+    if not has_head:
+        raise TargetError(
+            "this model has no classifier head: its output is a pooled embedding, not class "
+            f"logits, so target={target!r} has no class to explain. Pass "
+            "target=vx.targets.similarity(vector) (cosine to a given embedding), "
+            "vx.targets.norm(), or any callable score(outputs) -> (B,)"
+        )
 
     logits = logits_of(outputs)
     if logits.dim() != 2:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import importlib
 
-from .base import Adapter, adapter_for, register_adapter
+from .base import CAPABILITIES, Adapter, adapter_for, register_adapter, unwrap_compiled
 
-__all__ = ["Adapter", "adapter_for", "register_adapter"]
+__all__ = ["Adapter", "adapter_for", "register_adapter", "unwrap_compiled", "CAPABILITIES"]
 
-_ADAPTER_MODULES = ("vit", "cnn", "captioning")
+_ADAPTER_MODULES = ("vit", "hf", "swin", "hybrid", "cnn", "captioning")
 
 
 def _load_adapters() -> None:

@@ -1,9 +1,90 @@
-"""Model adapters: what the Explainer needs to know about a model family.
+"""Model adapters: the one place where vitexplain recognises a model.
 
-An adapter never changes the model: it names the modules a method reads (blocks, the last
-block's first norm, CNN feature stages), runs the model's own head on tokens when a method
-needs a partial forward, and exposes the model's preprocessing and label names.
-``adapter_for(model)`` picks the first registered detector that recognises the model.
+An adapter never changes the model. It knows, for one model family, everything a method may
+need: the token layout, the modules a method reads, how to run the model and its head, and
+which methods apply (its *capabilities*). ``adapter_for(model)`` asks every registered
+detector, highest priority first; the first adapter returned wins. ``vx.token_layout``,
+``vx.capture``'s ``rec.layout``, the Explainer, the command line and
+``vx.methods.names(model)`` all go through it, so there is one recognition path.
+
+The interface (what methods and the Explainer rely on)
+------------------------------------------------------
+Every adapter (:class:`Adapter`):
+
+- ``family``: ``"vit"``, ``"cnn"`` or ``"caption"``: which registry family's methods apply.
+- ``capabilities``: a frozenset of the names below. A method declares what it needs with
+  ``requires=`` in its registration; it applies to a model iff ``requires <= capabilities``
+  (``adapter.supports(spec)``; ``adapter.refusal(spec)`` says why not, naming what does
+  apply). ``vx.methods.names(model)`` lists only methods the adapter supports.
+- ``forward(x) -> Tensor``: the model on a preprocessed (B, 3, H, W) batch, returning the
+  tensor targets score: (B, C) logits, or (B, D) the pooled embedding of a headless backbone.
+- ``has_head``: False for headless backbones (targets must be callables such as
+  ``vx.targets.similarity(vector)``; a class index raises a clear ``TargetError``).
+- ``label_names``, ``preprocess_kwargs()``, ``describe()``.
+
+ViT adapters (``family = "vit"``, :class:`vitexplain.adapters.vit.ViTAdapter`) add:
+
+- ``layout(input_size) -> TokenLayout``: prefix tokens, patch grid, readout.
+- ``blocks``: module names of the blocks whose token attention the attention methods read,
+  input side first; each issues one attention call per forward whose keys are the layout's
+  tokens (prefix + grid) and whose queries are all of them (self-attention) or the first
+  few (class attention, e.g. CaiT/XCiT: the class token alone).
+- ``norm1``: the module whose output T (B, N, D) over the layout's tokens enters the model's
+  last token attention (CDAM, token Grad-CAM); its *input* is the residual stream u that
+  enters the last block.
+- ``tail(u, call) -> Tensor``: the model's outputs (as ``forward`` returns them) recomputed
+  from u; ``call`` is the recorded call (an ``ActivationRecord`` with ``args`` and
+  ``kwargs``) of ``blocks[-1]``, whose other arguments (position biases, sizes) are passed
+  again. Used by smooth and integrated CDAM.
+- ``head(tokens) -> Tensor``: the outputs read from the output tokens of any block in
+  ``blocks`` (LeGrad).
+  ``tail`` and ``head`` are never trusted: :meth:`vitexplain.methods.context.Context.partial`
+  checks once per method call that they reproduce the model's own outputs (1e-4 relative)
+  and raises ``UnsupportedModelError`` otherwise.
+
+CNN adapters (``family = "cnn"``) add ``stages`` (feature stage names, input side first)
+and ``target_layer``; ``feature_map(name, output, input_size)`` turns a stage's output
+(tokens, channels-last, a tuple: conv/attention hybrids) into (B, C, h, w); ``hybrid`` says
+whether the model calls attention (``notes["family"]`` then says why the ViT methods do not
+apply).
+Caption adapters (``family = "caption"``) add generation, teacher forcing, the image
+encoder's layout, ``cross_records(records)`` (the decoder's text-to-image attention calls)
+and ``joint`` (one decoder self-attention over [image, text], GIT); see
+``adapters/captioning.py``.
+
+Capabilities
+------------
+========== =====================================================================================
+``grid``   maps live on one patch grid for any input size (``layout(size).grid``)
+``tokens`` ``norm1`` gives T over the layout's tokens: ``cdam``, ViT ``gradcam``
+``attention`` ``blocks`` issue token attention over the grid: ``raw``, ``attn_gradcam``,
+           ``legrad`` (with ``head``)
+``rollout`` the ``blocks`` are all of the model's token mixing, so products over layers are
+           its information flow: ``rollout``, ``grad_rollout``, ``generic``
+``tail``   ``tail(u, call)`` is implemented: ``cdam_smooth``, ``cdam_integrated``
+``head``   ``head(tokens)`` is implemented: ``legrad``
+``pixels`` the model maps pixels to outputs (captum methods; every ViT adapter with a grid)
+``stages`` (B, C, h, w) feature maps of the last stage: CNN ``gradcam``, ``gradcam++``,
+           ``layercam``
+``channel_gates`` / ``spatial_gates``  the model has SE/ECA/CBAM-style gates
+``cross``  a captioner's decoder reads the image tokens through attention
+========== =====================================================================================
+
+Registering your own adapter
+----------------------------
+::
+
+    from vitexplain.adapters import register_adapter
+    from vitexplain.adapters.vit import ViTAdapter
+
+    class MyAdapter(ViTAdapter):
+        ...  # layout, blocks, norm1 (+ tail/head for the methods that re-run the model)
+
+    @register_adapter(priority=50)           # above the built-in detectors (<= 20)
+    def _detect(model):
+        return MyAdapter(model) if isinstance(model, MyViT) else None
+
+See the README ("Your own model") for a complete, tested example.
 """
 
 from __future__ import annotations
@@ -14,7 +95,26 @@ from torch import Tensor, nn
 
 from ..errors import UnsupportedModelError
 
-__all__ = ["Adapter", "register_adapter", "adapter_for"]
+__all__ = ["Adapter", "register_adapter", "adapter_for", "CAPABILITIES", "unwrap_compiled"]
+
+#: Every capability name an adapter may declare (see the module docstring).
+CAPABILITIES = frozenset(
+    {"grid", "tokens", "attention", "rollout", "tail", "head", "pixels", "stages", "channel_gates", "spatial_gates", "cross"}
+)
+
+_NEEDS = {
+    "grid": "a single patch grid over the whole image",
+    "tokens": "the tokens entering the model's last token attention",
+    "attention": "token self-attention over the patch grid in every listed block",
+    "rollout": "token attention in every block that mixes tokens (a full attention flow)",
+    "tail": "re-running the model from its last block's input",
+    "head": "reading the model's output from any block's tokens",
+    "pixels": "a forward from pixels to a score",
+    "stages": "(B, C, h, w) feature maps",
+    "channel_gates": "channel attention gates (SE, ECA, CBAM, ...)",
+    "spatial_gates": "spatial attention gates (CBAM-style)",
+    "cross": "cross-attention from the text to the image tokens",
+}
 
 
 class Adapter:
@@ -23,20 +123,54 @@ class Adapter:
     Attributes:
         model: the wrapped model (never modified).
         family: ``"vit"``, ``"cnn"`` or ``"caption"``.
+        capabilities: what methods may rely on (see the module docstring).
+        has_head: whether ``forward`` returns class logits (False: a pooled embedding).
+        notes: per capability that is missing, why (used in refusal messages).
     """
 
     family: str = ""
+    capabilities: frozenset[str] = frozenset()
+    has_head: bool = True
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
+        self.notes: dict[str, str] = {}
 
     def forward(self, x: Tensor) -> Any:
-        """Run the model on a preprocessed (B, 3, H, W) batch; returns its outputs."""
+        """Run the model on a preprocessed (B, 3, H, W) batch; returns the tensor targets score."""
         return self.model(x)
 
+    # -- capabilities -----------------------------------------------------------------------
+    def refusal(self, spec: Any) -> Optional[str]:
+        """None when method ``spec`` applies to this model, else why not and what does.
+
+        Args:
+            spec: a :class:`vitexplain.methods.registry.MethodSpec`.
+        """
+        if spec.family != self.family:
+            return f"method {spec.name!r} is for {spec.family} models; {self.describe()} is a {self.family} model"
+        missing = [c for c in getattr(spec, "requires", ()) if c not in self.capabilities]
+        if not missing:
+            return None
+        why = "; ".join(self.notes.get(c) or f"it does not provide {_NEEDS.get(c, c)}" for c in missing)
+        from ..methods import registry
+
+        usable = [s.name for s in registry.specs(self.family) if set(getattr(s, "requires", ())) <= self.capabilities]
+        return (
+            f"method {spec.name!r} does not apply to {type(self.model).__name__}: {why}. "
+            f"Methods that apply: {usable}"
+        )
+
+    def supports(self, spec: Any) -> bool:
+        """Whether method ``spec`` applies to this model."""
+        return self.refusal(spec) is None
+
+    # -- metadata ---------------------------------------------------------------------------
     @property
     def label_names(self) -> Optional[list[str]]:
         """Class names, when the model carries them (zoo models, timm ImageNet models)."""
+        if not self.has_head:
+            return None
         cfg = getattr(self.model, "pretrained_cfg", None) or {}
         names = cfg.get("label_names") if isinstance(cfg, dict) else None
         if names:
@@ -76,37 +210,74 @@ def _timm_imagenet_names(model: nn.Module) -> Optional[list[str]]:
 _DETECTORS: list[tuple[int, Callable[[nn.Module], Optional[Adapter]]]] = []
 
 
-def register_adapter(priority: int = 0) -> Callable:
-    """Register ``detect(model) -> Adapter | None``; higher priority is tried first."""
+_FAMILIES: dict[Callable, Optional[str]] = {}
+
+
+def register_adapter(priority: int = 0, family: Optional[str] = None) -> Callable:
+    """Register ``detect(model) -> Adapter | None``; higher priority is tried first.
+
+    Built-in priorities: captioners 20, ViTs 10 (Hugging Face 5), hybrids and CNNs 0 to -10.
+    Use a priority above 20 for an adapter of your own that must win over the built-ins.
+
+    Args:
+        priority: detectors are tried from the highest priority down.
+        family: the family of the adapters the detector returns, when it is always the
+            same (lets ``vx.token_layout`` search a model's submodules for a ViT quickly).
+    """
 
     def decorate(detect: Callable[[nn.Module], Optional[Adapter]]) -> Callable:
         _DETECTORS.append((priority, detect))
         _DETECTORS.sort(key=lambda item: -item[0])
+        _FAMILIES[detect] = family
         return detect
 
     return decorate
 
 
-def adapter_for(model: nn.Module) -> Adapter:
-    """The adapter for ``model``.
+def unwrap_compiled(model: nn.Module) -> nn.Module:
+    """The original module of a ``torch.compile``-d model (itself otherwise)."""
+    while hasattr(model, "_orig_mod") and isinstance(getattr(model, "_orig_mod"), nn.Module):
+        model = model._orig_mod  # type: ignore[assignment]
+    return model
 
-    Raises:
-        UnsupportedModelError: no adapter recognises the model; the message lists the
-            supported families.
+
+def find_adapter(model: nn.Module, family: Optional[str] = None) -> Optional[Adapter]:
+    """The adapter of ``model``, or None when no detector recognises it.
+
+    Args:
+        model: the model.
+        family: only ask the detectors registered with this family.
     """
-    if not isinstance(model, nn.Module):
-        raise UnsupportedModelError(f"expected a torch.nn.Module, got {type(model).__name__}")
     from . import _load_adapters
 
     _load_adapters()
-    for _, detect in _DETECTORS:
+    for _, detect in list(_DETECTORS):
+        if family is not None and _FAMILIES.get(detect) != family:
+            continue
         adapter = detect(model)
         if adapter is not None:
             return adapter
+    return None
+
+
+def adapter_for(model: nn.Module) -> Adapter:
+    """The adapter for ``model`` (a ``torch.compile``-d model is unwrapped first).
+
+    Raises:
+        UnsupportedModelError: no adapter recognises the model; the message lists the
+            supported families and how to register an adapter.
+    """
+    if not isinstance(model, nn.Module):
+        raise UnsupportedModelError(f"expected a torch.nn.Module, got {type(model).__name__}")
+    adapter = find_adapter(unwrap_compiled(model))
+    if adapter is not None:
+        return adapter
     raise UnsupportedModelError(
         f"vitexplain does not know how to explain {type(model).__name__}. Supported: timm "
-        "VisionTransformer/DeiT/EVA/BEiT, torchvision VisionTransformer, Hugging Face "
-        "ViT/DeiT for image classification, CNNs from timm and torchvision (Grad-CAM, "
-        "SE/ECA/CBAM attention gates), the zoo captioner and encoder-decoder captioners. "
-        "vx.capture(model) still records the attention of any model using SDPA."
+        "ViT/DeiT/EVA/BEiT/CaiT/XCiT/ConViT, torchvision VisionTransformer, Hugging Face "
+        "ViT/DeiT/DINOv2/BEiT/CLIP/SigLIP (classifiers and headless backbones), CNNs and "
+        "conv/attention hybrids from timm and torchvision (Grad-CAM family, SE/ECA/CBAM "
+        "gates), the zoo captioner and encoder-decoder captioners. vx.capture(model) still "
+        "records the attention of any model using SDPA; vitexplain.adapters.register_adapter "
+        "adds your own model (see the README, 'Your own model')."
     )

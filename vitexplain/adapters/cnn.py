@@ -8,18 +8,33 @@ default target layer of Grad-CAM, Grad-CAM++ and LayerCAM. How the stages are fo
 - torchvision: ``layer1..layer4`` (ResNet/ResNeXt/Wide-ResNet), ``trunk_output.block1..4``
   (RegNet), and for models with a ``features`` Sequential (MobileNet, EfficientNet, VGG,
   ConvNeXt, ...) the last child of ``features`` before each downsampling child, and the last.
+  torchvision MaxViT: its ``blocks``.
 - anything else: the last top-level child holding a ``Conv2d`` before global pooling.
 
-Detectors run after the ViT detectors (priorities 0 and -10 vs 10/5), and accept a model
-only when it has ``Conv2d`` modules and no self-attention (``nn.MultiheadAttention`` or a
-module class named ``*Attention``).
+Conv/attention hybrids (timm MaxViT, EfficientFormerV2, Twins, MViTv2, PiT, LeViT,
+torchvision MaxViT, ...) get the same adapter: their token grid changes between stages, so
+the ViT methods (one grid through all layers) do not apply, while the Grad-CAM family reads
+the last stage. A stage may output tokens (B, N, C) (prefix tokens first), channels-last
+maps or a tuple; :meth:`CNNAdapter.feature_map` turns each into (B, C, h, w).
+
+Whether a model calls attention is decided from what its modules' code calls (the source of
+each module class: ``scaled_dot_product_attention``, a softmax, ``nn.MultiheadAttention``),
+cached per class, not from class names. Detectors run after the ViT detectors (priorities 0
+and -10 vs 10/5). The timm and torchvision detectors accept hybrids; the generic detector
+(any model with ``Conv2d`` layers) accepts only models that call no attention, so an
+unknown transformer is refused with a clear error rather than explained as a CNN.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+import math
 from typing import Optional, Sequence
 
-from torch import nn
+from torch import Tensor, nn
+
+from ..errors import UnsupportedMethodError
 
 from .base import Adapter, register_adapter
 from ..errors import UsageError
@@ -51,14 +66,96 @@ class CNNAdapter(Adapter):
             raise UsageError(
                 f"no feature stage found in {type(model).__name__}; pass stages=[...] or a layer name"
             )
+        self.capabilities = frozenset({"stages"}) | gate_capabilities(model)
+        self.has_head = int(getattr(model, "num_classes", 1) or 0) > 0
+        self.notes.update(_gate_notes(model, self.capabilities))
+        self.hybrid = calls_attention(model)
+        self._info = _timm_stage_info(model)
+        if self.hybrid:
+            self.notes["family"] = (
+                f"{type(model).__name__} is a conv/attention hybrid whose token grid changes between "
+                "stages, so the ViT methods (one patch grid through every layer) do not apply; the "
+                "Grad-CAM family explains its last stage, and vx.capture(model) records every "
+                "attention call (rec.records[i].probs())"
+            )
+
+    def feature_map(self, name: str, output: Tensor, input_size: tuple[int, int]) -> Tensor:
+        """A stage's output as a (B, C, h, w) feature map.
+
+        Args:
+            name: the module name.
+            output: its output (the first tensor of a tuple): (B, C, h, w), channels-last
+                (B, h, w, C), or tokens (B, N, C) with any prefix tokens first.
+            input_size: (H, W) of the model input (gives a token stage's grid from its
+                reduction).
+
+        Returns:
+            (B, C, h, w), a view or copy of ``output`` (gradients map the same way).
+
+        Raises:
+            UnsupportedMethodError: the output cannot be read as a feature map.
+        """
+        reduction, channels = self._info.get(name, (None, None))
+        if output.dim() == 4:
+            if channels is not None and output.shape[1] != channels and output.shape[-1] == channels:
+                return output.permute(0, 3, 1, 2)
+            return output
+        if output.dim() == 3 and reduction:
+            h, w = (math.ceil(s / reduction) for s in input_size)
+            prefix = output.shape[1] - h * w
+            if 0 <= prefix <= 16:
+                return output[:, prefix:].transpose(1, 2).reshape(output.shape[0], output.shape[2], h, w)
+        raise UnsupportedMethodError(
+            f"{type(self.model).__name__}: the output of {name!r} has shape {tuple(output.shape)}, "
+            "which vitexplain cannot read as a (B, C, h, w) feature map; pass layer= a module "
+            "that outputs one"
+        )
 
     @property
     def target_layer(self) -> str:
-        """Module name of the last feature stage."""
+        """Module name of the last feature stage (the stage before it when the head reads only
+        a class token: the last stage's patch tokens then get no gradient, e.g. PiT)."""
+        if _reads_class_token(self.model) and len(self.stages) > 1:
+            return self.stages[-2]
         return self.stages[-1]
 
     def describe(self) -> str:
-        return f"{type(self).__name__}({type(self.model).__name__}, target_layer={self.target_layer!r})"
+        kind = ", hybrid" if self.hybrid else ""
+        return f"{type(self).__name__}({type(self.model).__name__}{kind}, target_layer={self.target_layer!r})"
+
+
+def gate_capabilities(model: nn.Module) -> frozenset[str]:
+    """``channel_gates`` / ``spatial_gates`` for the gate modules ``model`` contains."""
+    from ..recording.gates import find_gates
+
+    found: set[str] = set()
+    for plan in find_gates(model):
+        spec = plan.spec
+        if spec.channel is not None or spec.full is not None:
+            found.add("channel_gates")
+        # a full gate (gather-excite) has a spatial part only with a local extent
+        if spec.spatial is not None or (spec.full is not None and getattr(plan.module, "extent", 0)):
+            found.add("spatial_gates")
+    return frozenset(found)
+
+
+def _gate_notes(model: nn.Module, capabilities: frozenset[str]) -> dict[str, str]:
+    """Why a gate capability is missing (the modules supported, or those the model has)."""
+    from ..recording.gates import find_gates, no_gates_message
+
+    plans = find_gates(model)
+    if not plans:
+        return {"channel_gates": no_gates_message(model), "spatial_gates": no_gates_message(model)}
+    modules = sorted({type(p.module).__name__ for p in plans})
+    return {
+        kind: f"it has no {kind.split('_')[0]} attention gate (its gate modules: {modules})"
+        for kind in ("channel_gates", "spatial_gates")
+        if kind not in capabilities
+    }
+
+
+def _reads_class_token(model: nn.Module) -> bool:
+    return getattr(model, "global_pool", None) == "token" and getattr(model, "cls_token", None) is not None
 
 
 def _has(module: nn.Module, kind: type) -> bool:
@@ -74,6 +171,21 @@ def _max_stride(module: nn.Module) -> int:
     return max(strides, default=1)
 
 
+def _resolve(model: nn.Module, name: str) -> Optional[str]:
+    """A feature_info module name as a module that runs: Twins lists ``block.k`` for its
+    ``blocks.k`` ModuleList (whose last block outputs the stage's tokens), MViTv2 for its
+    ``stages.k``."""
+    for candidate in (name, name.replace("block.", "blocks.", 1), name.replace("block.", "stages.", 1)):
+        try:
+            module = model.get_submodule(candidate)
+        except AttributeError:
+            continue
+        if isinstance(module, nn.ModuleList):  # not called itself: its last child is
+            return f"{candidate}.{len(module) - 1}" if len(module) else None
+        return candidate
+    return None
+
+
 def _timm_stages(model: nn.Module) -> list[str]:
     info = getattr(model, "feature_info", None)
     if not info:
@@ -81,14 +193,22 @@ def _timm_stages(model: nn.Module) -> list[str]:
     names = []
     for item in info:
         name = item.get("module") if isinstance(item, dict) else None
-        if not name:
+        resolved = _resolve(model, name) if name else None
+        if resolved is None:
             return []
-        try:
-            model.get_submodule(name)
-        except AttributeError:
-            return []
-        names.append(name)
+        names.append(resolved)
     return names
+
+
+def _timm_stage_info(model: nn.Module) -> dict[str, tuple[Optional[int], Optional[int]]]:
+    """Stage name -> (reduction, channels) from timm's feature_info."""
+    out = {}
+    for item in getattr(model, "feature_info", None) or []:
+        if isinstance(item, dict) and item.get("module"):
+            resolved = _resolve(model, item["module"])
+            if resolved:
+                out[resolved] = (item.get("reduction"), item.get("num_chs"))
+    return out
 
 
 def _sequence_stages(prefix: str, seq: nn.Sequential) -> list[str]:
@@ -109,6 +229,9 @@ def _torchvision_stages(model: nn.Module) -> list[str]:
     features = getattr(model, "features", None)
     if isinstance(features, nn.Sequential):
         return _sequence_stages("features", features)
+    blocks = getattr(model, "blocks", None)
+    if isinstance(blocks, nn.ModuleList) and type(model).__name__ == "MaxVit":
+        return [f"blocks.{i}" for i in range(len(blocks))]
     return []
 
 
@@ -128,38 +251,68 @@ def cnn_stages(model: nn.Module) -> list[str]:
     return _timm_stages(model) or _torchvision_stages(model) or _fallback_stages(model)
 
 
-def _has_attention(model: nn.Module) -> bool:
-    return any(
-        isinstance(m, nn.MultiheadAttention) or type(m).__name__.endswith("Attention") for m in model.modules()
-    )
+#: What attention code calls (in a module class's source).
+_ATTENTION_CALLS = ("scaled_dot_product_attention", "softmax(", "multi_head_attention_forward", "flex_attention(")
 
 
-def _is_classifier_cnn(model: nn.Module) -> bool:
-    if not _has(model, nn.Conv2d) or _has_attention(model):
+@functools.lru_cache(maxsize=None)
+def _class_calls_attention(cls: type) -> bool:
+    """Whether a module class's own code (any class in its MRO below nn.Module) calls attention."""
+    for klass in cls.__mro__:
+        if klass is nn.MultiheadAttention or issubclass(klass, nn.Softmax):
+            return True
+        if klass.__module__.startswith("torch.nn.") or klass in (nn.Module, object):
+            continue
+        try:
+            source = inspect.getsource(klass)
+        except (OSError, TypeError):  # built at run time, or from a compiled extension
+            continue
+        if any(call in source for call in _ATTENTION_CALLS):
+            return True
+    return False
+
+
+def calls_attention(model: nn.Module) -> bool:
+    """Whether any module of ``model`` calls attention (SDPA, a softmax, MHA), from the
+    source of each module class (cached per class)."""
+    return any(_class_calls_attention(type(m)) for m in model.modules())
+
+
+def _is_classifier_cnn(model: nn.Module, hybrids: bool) -> bool:
+    if not _has(model, nn.Conv2d) or (not hybrids and calls_attention(model)):
         return False
     return callable(getattr(model, "get_classifier", None)) or hasattr(model, "num_classes") or _has(model, nn.Linear)
 
 
-@register_adapter(priority=0)
+def _is_swin(model: nn.Module) -> bool:
+    """Swin-style windowed models have their own adapter (adapters/swin.py)."""
+    return "swin" in type(model).__name__.lower()
+
+
+@register_adapter(priority=0, family="cnn")
 def _detect_timm(model: nn.Module) -> Optional[Adapter]:
+    if _is_swin(model):
+        return None
     if getattr(model, "feature_info", None) and callable(getattr(model, "get_classifier", None)):
-        if _is_classifier_cnn(model):
+        if _is_classifier_cnn(model, hybrids=True):
             stages = _timm_stages(model)
             return CNNAdapter(model, stages) if stages else None
     return None
 
 
-@register_adapter(priority=0)
+@register_adapter(priority=0, family="cnn")
 def _detect_torchvision(model: nn.Module) -> Optional[Adapter]:
-    if type(model).__module__.startswith("torchvision.models") and _is_classifier_cnn(model):
+    if _is_swin(model):
+        return None
+    if type(model).__module__.startswith("torchvision.models") and _is_classifier_cnn(model, hybrids=True):
         stages = _torchvision_stages(model)
         return CNNAdapter(model, stages) if stages else None
     return None
 
 
-@register_adapter(priority=-10)
+@register_adapter(priority=-10, family="cnn")
 def _detect_generic(model: nn.Module) -> Optional[Adapter]:
-    if _is_classifier_cnn(model):
+    if _is_classifier_cnn(model, hybrids=False):
         stages = cnn_stages(model)
         return CNNAdapter(model, stages) if stages else None
     return None

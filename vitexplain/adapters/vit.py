@@ -1,82 +1,137 @@
-"""Adapters for ViT classifiers: timm, torchvision and Hugging Face.
+"""Adapters for ViTs: timm (ViT, DeiT, EVA, BEiT, CaiT, XCiT, ConViT, ...) and torchvision.
 
-Each adapter names the transformer blocks in order and the last block's first norm (whose
-output T enters the final attention: CDAM and token Grad-CAM read it), and runs the model's
-own head on a token sequence (final norm, pooling, classifier) for methods that need a
-partial forward (smooth/integrated CDAM, LeGrad).
+Each adapter owns its model's token layout, names the blocks whose token attention the
+attention methods read and the norm whose output T enters the last token attention (CDAM,
+token Grad-CAM), and runs the model's own head on tokens for the methods that re-run part
+of the model (``tail``: smooth / integrated CDAM; ``head``: LeGrad). Those partial forwards
+are checked against the model's own outputs before use (``Context.partial``).
+Hugging Face ViTs are in ``adapters/hf.py``; the interface is described in ``adapters/base.py``.
+
+Families whose blocks are not plain token self-attention are handled honestly:
+
+- CaiT: the patch blocks use talking-heads attention (heads are mixed by a linear map
+  *after* the softmax, so no recorded softmax is the attention applied to the values); the
+  class-attention blocks (``blocks_token_only``, the class token attending to [class,
+  patches]) carry the readout. Attention methods read the class-attention blocks; methods
+  that multiply attention across all layers (rollout, grad_rollout, generic) are refused.
+- XCiT: the XCA blocks attend across channels (a d x d matrix per head), not across tokens;
+  token attention exists only in the class-attention blocks (``cls_attn_blocks``), which the
+  attention methods read. Rollout-type methods are refused.
+- ConViT: the first ``local_up_to_layer`` blocks use gated positional self-attention (a
+  sigmoid-gated mix of a content softmax and a positional softmax, renormalised): the capture
+  sees two softmax calls, neither of which is the attention applied to the values. Attention
+  methods read the later (plain) blocks; rollout-type methods are refused.
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
+import torch
 from torch import Tensor, nn
 
 from ..errors import UnsupportedMethodError
-from ..layout import TokenLayout, token_layout
+from ..layout import TokenLayout, _pair
+from ..recording.records import ActivationRecord
 from .base import Adapter, register_adapter
 
-__all__ = ["ViTAdapter", "TimmViTAdapter", "TorchvisionViTAdapter", "HFViTAdapter"]
+__all__ = ["ViTAdapter", "TimmViTAdapter", "CaitAdapter", "XcitAdapter", "ConvitAdapter", "TorchvisionViTAdapter"]
+
+_FULL = frozenset({"grid", "tokens", "attention", "rollout", "tail", "head", "pixels"})
 
 
 class ViTAdapter(Adapter):
-    """A ViT classifier.
+    """A Vision Transformer (classifier or headless backbone).
 
     Attributes:
-        blocks: module names of the transformer blocks, input side first.
-        norm1: module name of the last block's first norm (tokens entering the last attention).
+        blocks: module names of the blocks whose token attention the attention methods
+            read, input side first; each issues one attention call per forward whose keys
+            are the layout's tokens and whose queries are all of them (self-attention) or
+            the first few (class attention).
+        norm1: module name of the norm whose output T (B, N, D) enters the model's last
+            token attention; its input is the residual stream entering the last block.
+        capabilities: see ``adapters/base.py``.
     """
 
     family = "vit"
     blocks: list[str]
     norm1: str
 
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self.capabilities = _FULL
+
     def layout(self, input_size: tuple[int, int]) -> TokenLayout:
         """Token layout for a (H, W) input."""
-        return token_layout(self.model, input_size)
+        raise NotImplementedError
 
     def block(self, index: int) -> nn.Module:
-        """The transformer block ``index`` (negative counts from the end)."""
+        """The block ``index`` of :attr:`blocks` (negative counts from the end)."""
         return self.model.get_submodule(self.blocks[index])
 
-    def run_block(self, index: int, tokens: Tensor) -> Tensor:
-        """Run block ``index`` on (B, N, D) tokens."""
-        return self.block(index)(tokens)
-
     def head(self, tokens: Tensor) -> Tensor:
-        """Final norm + pooling + classifier on the output tokens of a block.
+        """Final norm + pooling + classifier (or embedding) on the output tokens of a block.
 
         Args:
-            tokens: (B, N, D) tokens (the output of the last block, or of any block for LeGrad).
+            tokens: (B, N, D) output tokens of any block in :attr:`blocks`.
 
         Returns:
-            (B, C) logits.
+            (B, C) logits, or (B, D') the pooled embedding of a headless model: what
+            :meth:`forward` returns.
         """
         raise UnsupportedMethodError(
-            f"{type(self.model).__name__}: running the classifier head on tokens is not "
-            "supported for this model family, so smooth/integrated CDAM and LeGrad are not "
-            "available; use 'cdam', 'generic' or 'rollout'"
+            f"{type(self.model).__name__}: running the head on tokens is not supported for this "
+            "model family, so smooth/integrated CDAM and LeGrad are not available; use 'cdam' or 'generic'"
         )
 
-    def tail(self, tokens: Tensor) -> Tensor:
-        """Last block + head on the tokens that enter the last block: (B, N, D) -> (B, C)."""
-        return self.head(self.run_block(-1, tokens))
+    def tail(self, tokens: Tensor, call: ActivationRecord) -> Tensor:
+        """The model's outputs recomputed from the residual stream entering the last block.
+
+        Args:
+            tokens: (B', N, D) the input of :attr:`norm1` (B' may be a multiple of the
+                explained batch: noisy or interpolated copies).
+            call: the recorded call of ``blocks[-1]`` in the explained forward; its other
+                arguments (position biases, sizes, masks) are passed again.
+
+        Returns:
+            what :meth:`forward` returns, for the B' rows.
+        """
+        out = self.block(-1)(tokens, *call.args[1:], **call.kwargs)
+        return self.head(out[0] if isinstance(out, tuple) else out)
+
+    def _drop(self, capability: str, why: str) -> None:
+        """Remove a capability, remembering why (for refusal messages)."""
+        self.capabilities = self.capabilities - {capability}
+        self.notes[capability] = why
+
+
+# -- timm -------------------------------------------------------------------------------------
+def _timm_layout(model: nn.Module, size: tuple[int, int]) -> TokenLayout:
+    embed = model.patch_embed
+    patch = _pair(embed.patch_size)
+    if hasattr(embed, "dynamic_feat_size"):
+        grid = tuple(embed.dynamic_feat_size(size))
+    else:
+        grid = (size[0] // patch[0], size[1] // patch[1])
+    has_cls = getattr(model, "cls_token", None) is not None
+    pool = getattr(model, "global_pool", "token")
+    readout = "class" if has_cls and pool in ("token", "") else "mean"
+    return TokenLayout(int(model.num_prefix_tokens), (int(grid[0]), int(grid[1])), has_cls, readout, patch_size=patch)
 
 
 class TimmViTAdapter(ViTAdapter):
-    """timm VisionTransformer, VisionTransformerDistilled, Eva and Beit (and the zoo ViT)."""
+    """timm VisionTransformer (+ distilled, rel-pos, registers, avg-pool), Eva, Beit, the zoo
+    ViT, and the base of CaiT / XCiT / ConViT; ``num_classes=0`` makes it a headless backbone
+    whose output is the pooled embedding."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, blocks: Optional[list[str]] = None) -> None:
         super().__init__(model)
-        self.blocks = [f"blocks.{i}" for i in range(len(model.blocks))]
-        self.norm1 = f"blocks.{len(model.blocks) - 1}.norm1"
+        self.blocks = blocks or [f"blocks.{i}" for i in range(len(model.blocks))]
+        self.norm1 = f"{self.blocks[-1]}.norm1"
+        self.has_head = int(getattr(model, "num_classes", 1) or 0) > 0
 
-    def run_block(self, index: int, tokens: Tensor) -> Tensor:
-        block = self.block(index)
-        rel_pos = getattr(self.model, "rel_pos_bias", None)
-        if rel_pos is not None and type(self.model).__name__ == "Beit":
-            return block(tokens, shared_rel_pos_bias=rel_pos())
-        return block(tokens)
+    def layout(self, input_size: tuple[int, int]) -> TokenLayout:
+        return _timm_layout(self.model, _pair(input_size))
 
     def head(self, tokens: Tensor) -> Tensor:
         return self.model.forward_head(self.model.norm(tokens))
@@ -85,12 +140,80 @@ class TimmViTAdapter(ViTAdapter):
         kwargs = super().preprocess_kwargs()
         embed = self.model.patch_embed
         fixed = getattr(embed, "img_size", None) and not getattr(self.model, "dynamic_img_size", False)
-        if fixed and tuple(embed.img_size) != tuple(kwargs["input_size"]):
+        if fixed and tuple(_pair(embed.img_size)) != tuple(kwargs["input_size"]):
             # built without a config, or with another img_size than its config's
-            kwargs["input_size"] = tuple(embed.img_size)
+            kwargs["input_size"] = tuple(_pair(embed.img_size))
         return kwargs
 
 
+class CaitAdapter(TimmViTAdapter):
+    """timm CaiT: attention methods read the class-attention blocks (see the module docstring)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        token_only = getattr(model, "blocks_token_only", None)
+        names = [f"blocks_token_only.{i}" for i in range(len(token_only))] if token_only else None
+        super().__init__(model, names)
+        self._drop(
+            "rollout",
+            "CaiT's patch blocks use talking-heads attention (heads are mixed after the softmax), "
+            "so there is no per-layer attention matrix to multiply across all layers",
+        )
+        if not token_only:
+            self._drop("attention", "this CaiT has no class-attention blocks and its patch blocks use talking-heads attention")
+            self._drop("head", "this CaiT has no class-attention blocks")
+
+    def tail(self, tokens: Tensor, call: ActivationRecord) -> Tensor:
+        if not getattr(self.model, "blocks_token_only", None):
+            return super().tail(tokens, call)
+        # the last class-attention block sees u = [class token, patches] through norm1
+        cls_token = self.block(-1)(tokens[:, 1:], tokens[:, :1])
+        return self.head(torch.cat([cls_token, tokens[:, 1:]], dim=1))
+
+
+class XcitAdapter(TimmViTAdapter):
+    """timm XCiT: attention methods read the class-attention blocks (see the module docstring)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        cls_blocks = getattr(model, "cls_attn_blocks", None)
+        names = [f"cls_attn_blocks.{i}" for i in range(len(cls_blocks))] if cls_blocks else None
+        super().__init__(model, names)
+        why = (
+            "XCiT's XCA blocks attend across channels (a d x d cross-covariance matrix per head), "
+            "not across tokens"
+        )
+        self._drop("rollout", why)
+        if not cls_blocks:
+            self._drop("attention", why + ", and this XCiT has no class-attention blocks")
+            self._drop("head", "this XCiT has no class-attention blocks")
+
+    def layout(self, input_size: tuple[int, int]) -> TokenLayout:
+        size = _pair(input_size)
+        patch = _pair(self.model.patch_embed.patch_size)
+        grid = (size[0] // patch[0], size[1] // patch[1])
+        has_cls = self.model.cls_attn_blocks is not None
+        readout = "class" if has_cls and self.model.global_pool == "token" else "mean"
+        return TokenLayout(int(self.model.num_prefix_tokens), grid, has_cls, readout, patch_size=patch)
+
+
+class ConvitAdapter(TimmViTAdapter):
+    """timm ConViT: attention methods read the plain blocks after the GPSA blocks."""
+
+    def __init__(self, model: nn.Module) -> None:
+        local = int(model.local_up_to_layer)
+        plain = [f"blocks.{i}" for i in range(local, len(model.blocks))]
+        super().__init__(model, plain or None)
+        why = (
+            f"ConViT's first {local} blocks use gated positional self-attention: a gated mix of two "
+            "softmaxes (content and position), neither of which is the attention applied to the values"
+        )
+        if local > 0:
+            self._drop("rollout", why)
+        if not plain:
+            self._drop("attention", why + ", and this ConViT has no plain attention block")
+            self._drop("head", why)
+
+
+# -- torchvision ------------------------------------------------------------------------------
 class TorchvisionViTAdapter(ViTAdapter):
     """torchvision.models.VisionTransformer."""
 
@@ -99,6 +222,10 @@ class TorchvisionViTAdapter(ViTAdapter):
         names = [n for n, _ in model.encoder.layers.named_children()]
         self.blocks = [f"encoder.layers.{n}" for n in names]
         self.norm1 = f"{self.blocks[-1]}.ln_1"
+
+    def layout(self, input_size: tuple[int, int]) -> TokenLayout:
+        size, p = _pair(input_size), int(self.model.patch_size)
+        return TokenLayout(1, (size[0] // p, size[1] // p), True, "class", patch_size=(p, p))
 
     def head(self, tokens: Tensor) -> Tensor:
         return self.model.heads(self.model.encoder.ln(tokens)[:, 0])
@@ -109,58 +236,35 @@ class TorchvisionViTAdapter(ViTAdapter):
         return dict(input_size=(size, size), mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225), crop_pct=224 / 256, interpolation="bilinear")
 
 
-class HFViTAdapter(ViTAdapter):
-    """Hugging Face ViT / DeiT image classifiers (``*ForImageClassification``)."""
-
-    def __init__(self, model: nn.Module, blocks: list[str]) -> None:
-        super().__init__(model)
-        self.blocks = blocks
-        self.norm1 = f"{blocks[-1]}.layernorm_before"
-
-    def forward(self, x: Tensor) -> Any:
-        return self.model(pixel_values=x).logits
-
-    def run_block(self, index: int, tokens: Tensor) -> Tensor:
-        out = self.block(index)(tokens)
-        return out[0] if isinstance(out, tuple) else out
-
-    def head(self, tokens: Tensor) -> Tensor:
-        base = self.model.base_model
-        model_type = self.model.config.model_type
-        if model_type not in ("vit", "deit") or not hasattr(self.model, "classifier"):
-            return super().head(tokens)
-        return self.model.classifier(base.layernorm(tokens)[:, 0])
-
-    def preprocess_kwargs(self) -> dict[str, Any]:
-        size = self.model.config.image_size
-        size = (size, size) if isinstance(size, int) else tuple(size)
-        return dict(input_size=size, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5), crop_pct=1.0, interpolation="bilinear")
+def _timm_class(model: nn.Module, module: str, name: str) -> bool:
+    cls = type(model)
+    return any(c.__module__ == f"timm.models.{module}" and c.__name__ == name for c in cls.__mro__)
 
 
-@register_adapter(priority=10)
+@register_adapter(priority=10, family="vit")
 def _detect_timm(model: nn.Module) -> Optional[Adapter]:
-    if isinstance(getattr(model, "blocks", None), (nn.Sequential, nn.ModuleList)) and hasattr(model, "num_prefix_tokens") and hasattr(model, "forward_head"):
-        if "swin" in type(model).__name__.lower():
-            return None
-        if all(hasattr(b, "norm1") for b in model.blocks):
-            return TimmViTAdapter(model)
+    if not (
+        isinstance(getattr(model, "blocks", None), (nn.Sequential, nn.ModuleList))
+        and hasattr(model, "num_prefix_tokens")
+        and hasattr(model, "forward_head")
+        and hasattr(getattr(model, "patch_embed", None), "patch_size")
+    ):
+        return None
+    if _timm_class(model, "cait", "Cait"):
+        return CaitAdapter(model)
+    if _timm_class(model, "xcit", "Xcit"):
+        return XcitAdapter(model)
+    if _timm_class(model, "convit", "ConVit"):
+        return ConvitAdapter(model)
+    if "swin" in type(model).__name__.lower():
+        return None  # windowed attention: adapters/swin.py
+    if all(hasattr(b, "norm1") for b in model.blocks):
+        return TimmViTAdapter(model)
     return None
 
 
-@register_adapter(priority=10)
+@register_adapter(priority=10, family="vit")
 def _detect_torchvision(model: nn.Module) -> Optional[Adapter]:
     if hasattr(model, "class_token") and hasattr(model, "conv_proj") and hasattr(model, "encoder"):
         return TorchvisionViTAdapter(model)
-    return None
-
-
-@register_adapter(priority=5)
-def _detect_hf(model: nn.Module) -> Optional[Adapter]:
-    config = getattr(model, "config", None)
-    if getattr(config, "model_type", None) not in ("vit", "deit", "dinov2", "beit"):
-        return None
-    for name, module in model.named_modules():
-        children = list(module.children()) if isinstance(module, nn.ModuleList) else []
-        if children and all(hasattr(c, "layernorm_before") for c in children):
-            return HFViTAdapter(model, [f"{name}.{i}" for i in range(len(children))])
     return None

@@ -107,6 +107,7 @@ def propagate(
     discard_ratio: float = 0.0,
     keep: Optional[int] = None,
     rows_fn: Optional[RowFn] = None,
+    minus_identity: bool = False,
 ) -> Tensor:
     """Multiply a row vector through per-layer matrices M_l, last layer first.
 
@@ -117,8 +118,14 @@ def propagate(
     ``R = R + M_l @ R`` for l = 1..L. M_l is visited in query blocks; blocks whose entries
     of ``r`` are all zero are skipped.
 
+    The row is carried as ``r = vector + dev``: only the deviation ``dev`` is accumulated, so
+    increments far smaller than the readout vector's entries (gradient-weighted attention of
+    an average-pooling model, whose readout is 1/N on every patch) are not rounded away.
+    For rollout, ``r d^-1 (0.5 M + 0.5 I) - r = 0.5 w @ M - 0.5 w * rowsum(M)`` is added
+    without forming the cancelling difference.
+
     Args:
-        vector: (B, N) readout row.
+        vector: (B, N) readout row v.
         layers: the attention records, input side first.
         contract: computes ``w @ M_l[rows]`` for a block of rows (see :data:`Contract`).
         mode: ``"rollout"`` or ``"generic"``.
@@ -126,13 +133,15 @@ def propagate(
             built with ``rows_fn``).
         keep: flat index exempt from discarding (class->class), or None.
         rows_fn: fused rows of M_l, required when ``discard_ratio`` > 0.
+        minus_identity: return ``v (R - I)`` (the identity's share removed, see
+            docs/methods.md, "Readout") instead of ``v R``.
 
     Returns:
-        (B, N) the propagated row.
+        (B, N) the propagated row ``v R`` or ``v (R - I)``.
     """
     if mode not in ("rollout", "generic"):
         raise UsageError(f"unknown propagation mode {mode!r}")
-    r = vector
+    dev = torch.zeros_like(vector)
     for record in reversed(list(layers)):
         if discard_ratio > 0:
             if rows_fn is None:
@@ -142,7 +151,8 @@ def propagate(
             blocks, layer_contract = [slice(0, full.shape[1])], contract_rows(lambda rec, b: full)
         else:
             blocks, layer_contract = list(query_blocks(record)), contract
-        out = r.clone() if mode == "generic" else torch.zeros_like(r)
+        r = vector + dev
+        out = dev.clone()
         for block in blocks:
             if discard_ratio == 0:
                 block = _nonzero_rows(r, block)
@@ -154,11 +164,17 @@ def propagate(
                 out += product
             else:
                 # row i of 0.5 M + 0.5 I sums to 0.5 * sum_k M_ik + 0.5
-                product, w = layer_contract(record, block, lambda sums: r_block / (0.5 * sums + 0.5))
+                sums_seen: list[Tensor] = []
+
+                def weights(sums: Tensor, r_block: Tensor = r_block) -> Tensor:
+                    sums_seen.append(sums)
+                    return r_block / (0.5 * sums + 0.5)
+
+                product, w = layer_contract(record, block, weights)
                 out += 0.5 * product
-                out[:, block] += 0.5 * w
-        r = out
-    return r
+                out[:, block] -= 0.5 * w * sums_seen[0]
+        dev = out
+    return dev if minus_identity else vector + dev
 
 
 def fused_rows(head_fusion: str) -> RowFn:
@@ -178,6 +194,7 @@ def fused_rows(head_fusion: str) -> RowFn:
         "head_fusion": Option(str, choices=("mean", "max", "min"), help="how heads are fused"),
     },
     attention=True,
+    requires=("grid", "attention"),
     class_sensitive=False,
     summary="raw attention of one layer (class-token row or mean over patch queries), one head or fused",
     reference="Dosovitskiy et al. 2021; references.md item 1",
@@ -219,6 +236,7 @@ def raw(ctx: Context, *, layer: int = -1, head: Optional[int] = None, head_fusio
         "start_layer": Option(int, low=0, help="first layer included"),
     },
     attention=True,
+    requires=("grid", "attention", "rollout"),
     class_sensitive=False,
     summary="attention rollout: product of rownorm(0.5 A + 0.5 I) over layers",
     reference="Abnar & Zuidema 2020; references.md item 2",

@@ -91,7 +91,7 @@ def stitch_cross(
 
 
 def _check_cross(ctx: CaptionContext) -> list[AttentionRecord]:
-    cross = [r for r in ctx.adapter.decoder_records(ctx.recorder.records) if r.kind == "cross"]
+    cross = ctx.adapter.cross_records(ctx.recorder.records)
     if not cross:
         raise UnsupportedMethodError(
             f"no cross-attention was seen in {type(ctx.adapter.model).__name__}'s decoder; a cross-attention "
@@ -156,6 +156,21 @@ def _abar(record: AttentionRecord) -> Tensor:
     return (record.grad_probs() * record.probs()).clamp(min=0).mean(dim=1)
 
 
+def _joint_relevance(decoder: Sequence[AttentionRecord], r_ii: Tensor, t: int) -> Tensor:
+    """Chefer's self-attention rule on a joint [image, text] decoder (GIT), (B, t, N_image).
+
+    The relevance of each decoder token over the image patches starts as ``R_ii`` for the
+    image tokens (they are the vision encoder's outputs) and 0 for the text tokens; each
+    decoder layer applies ``S <- S + Abar @ S``. Word t's map is the row of its text position.
+    """
+    b, n_img = r_ii.shape[0], r_ii.shape[1]
+    s = torch.zeros(b, decoder[0].num_keys, n_img, device=r_ii.device)
+    s[:, :n_img] = r_ii
+    for record in decoder:
+        s = s + _abar(record) @ s
+    return s[:, -t:]
+
+
 @register(
     "cross_generic",
     family="caption",
@@ -171,7 +186,9 @@ def cross_generic(ctx: CaptionContext) -> Tensor:
     ``R += Abar @ R``); ``R_tt = I``, ``R_ti = 0``; decoder self-attention:
     ``R_tt += Abar_tt @ R_tt``, ``R_ti += Abar_tt @ R_ti``; decoder cross-attention:
     ``R_ti += normbar(R_tt)^T @ Abar_ti @ normbar(R_ii)``. The map of word t is
-    ``R_ti[t, patches]``. One backward pass per word position, batched over images.
+    ``R_ti[t, patches]``. One backward pass per word position, batched over images. A joint
+    decoder (GIT: one self-attention over [image, text]) uses the self-attention rule on the
+    whole sequence, starting from ``R_ii`` for the image tokens (:func:`_joint_relevance`).
 
     Returns:
         (B, T, gh, gw) float32.
@@ -194,6 +211,9 @@ def cross_generic(ctx: CaptionContext) -> Tensor:
         r_ii = torch.eye(n_img, device=device).expand(b, n_img, n_img).clone()
         for record in encoder:
             r_ii = r_ii + _abar(record) @ r_ii
+        if ctx.adapter.joint:
+            out[:, word] = _joint_relevance(decoder, r_ii, t)[:, word]
+            continue
         r_tt = torch.eye(t, device=device).expand(b, t, t).clone()
         r_ti = torch.zeros(b, t, n_img, device=device)
         for record in decoder:

@@ -67,6 +67,7 @@ def _select_gate(ctx: Context, layer: Optional[str], kind: str) -> GateRecord:
         "layer": Option(str, optional=True, help="gate module name, 'deepest' (None = mean of all spatial gates)"),
     },
     family="cnn",
+    requires=("spatial_gates",),
     gates=True,
     attention=False,
     signed=False,
@@ -109,6 +110,7 @@ def spatial(ctx: Context, *, layer: Optional[str] = None) -> tuple[Tensor, dict[
         "k": Option(int, low=1, help="top channels returned"),
     },
     family="cnn",
+    requires=("channel_gates",),
     gates=True,
     attention=False,
     signed=False,
@@ -166,7 +168,9 @@ def _activation_and_grad(ctx: Context, name: str) -> tuple[Tensor, Tensor]:
     """Activation A (B, C, h, w) of layer ``name`` and dy/dA, float32.
 
     Read from the explained forward when it recorded ``name`` (the feature stages); for any
-    other layer, one more forward and backward runs inside a scoped capture.
+    other layer, one more forward and backward runs inside a scoped capture. A stage that
+    outputs tokens, a channels-last map or a tuple (conv/attention hybrids) is read as a
+    (B, C, h, w) map by the adapter's ``feature_map``.
     """
     calls = ctx.recorder.activations.get(name)
     if calls and calls[-1].grad is not None:
@@ -178,12 +182,35 @@ def _activation_and_grad(ctx: Context, name: str) -> tuple[Tensor, Tensor]:
         act = rec.activation(name).output
         if not act.requires_grad:
             raise CaptureError(f"the output of {name!r} is not part of the autograd graph; cannot take dy/dA")
-        (grad,) = torch.autograd.grad(ctx.score(outputs).sum(), act)
+        (grad,) = torch.autograd.grad(ctx.score(outputs).sum(), act, allow_unused=True)
+        if grad is None:
+            raise UnsupportedMethodError(
+                f"method {ctx.method!r}: the target score does not depend on the output of {name!r} "
+                "(e.g. the head reads only a class token); pass layer= an earlier stage"
+            )
+    to_map = getattr(ctx.adapter, "feature_map", None)
+    if to_map is not None:
+        size = (int(ctx.x.shape[-2]), int(ctx.x.shape[-1]))
+        act, grad = to_map(name, act, size), to_map(name, grad, size)
     if act.dim() != 4:
         raise UnsupportedMethodError(
             f"method {ctx.method!r} needs a (B, C, h, w) feature map; {name!r} gave shape {tuple(act.shape)}"
         )
     return act.detach().float(), grad.float()
+
+
+def _plain_map(ctx: Context, name: str) -> bool:
+    """Whether layer ``name`` outputs a plain (B, C, h, w) tensor (as recorded in the explained
+    forward; layers that were not recorded are taken to)."""
+    calls = ctx.recorder.activations.get(name)
+    if not calls:
+        return True
+    record = calls[-1]
+    to_map = getattr(ctx.adapter, "feature_map", None)
+    if record.tuple_output or record.output.dim() != 4:
+        return False
+    size = (int(ctx.x.shape[-2]), int(ctx.x.shape[-1]))
+    return to_map is None or to_map(name, record.output, size) is record.output
 
 
 def gradcam_pp_weights(act: Tensor, grad: Tensor) -> Tensor:
@@ -212,6 +239,8 @@ def gradcam_pp_weights(act: Tensor, grad: Tensor) -> Tensor:
         "layer": Option(str, optional=True, help="module name (None = the last stage)"),
     },
     family="cnn",
+    requires=("stages",),
+    activations=_stage_activations,
     attention=False,
     signed=False,
     summary="Grad-CAM (captum LayerGradCam, ReLU) on the last feature stage or layer=",
@@ -221,7 +250,9 @@ def gradcam(ctx: Context, *, layer: Optional[str] = None) -> Tensor:
     """Grad-CAM: ``ReLU(sum_c w_c A_c)`` with ``w_c`` the spatial mean of dy/dA_c, via captum.
 
     Runs captum's ``LayerGradCam(relu_attributions=True)``, which does its own forward and
-    backward with a hook on the layer (removed by captum).
+    backward with a hook on the layer (removed by captum). A stage that outputs tokens, a
+    channels-last map or a tuple (conv/attention hybrids), which captum cannot read, gets the
+    same formula on the adapter's (B, C, h, w) view of it.
 
     Args:
         ctx: the explained batch.
@@ -232,7 +263,11 @@ def gradcam(ctx: Context, *, layer: Optional[str] = None) -> Tensor:
     """
     from captum.attr import LayerGradCam
 
-    module = ctx.model_module(_layer_name(ctx, layer))
+    name = _layer_name(ctx, layer)
+    if not _plain_map(ctx, name):
+        act, grad = _activation_and_grad(ctx, name)
+        return torch.einsum("bc,bchw->bhw", grad.mean((2, 3)), act).clamp(min=0)
+    module = ctx.model_module(name)
     forward, target = _forward_and_target(ctx)
     with torch.enable_grad():
         attr = LayerGradCam(forward, module).attribute(ctx.x.detach(), target=target, relu_attributions=True)
@@ -245,6 +280,7 @@ def gradcam(ctx: Context, *, layer: Optional[str] = None) -> Tensor:
         "layer": Option(str, optional=True, help="module name (None = the last stage)"),
     },
     family="cnn",
+    requires=("stages",),
     grads=True,
     activations=_stage_activations,
     attention=False,
@@ -273,6 +309,7 @@ def gradcam_plus_plus(ctx: Context, *, layer: Optional[str] = None) -> Tensor:
         "layer": Option(str, optional=True, help="module name (None = the last stage)"),
     },
     family="cnn",
+    requires=("stages",),
     grads=True,
     activations=_stage_activations,
     attention=False,

@@ -7,21 +7,25 @@ float32 maps on the model's device.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import Tensor
 
 from ..recording import AttentionRecord, Recorder
-from ..errors import UnsupportedMethodError
+from ..errors import UnsupportedMethodError, UnsupportedModelError
 from ..layout import TokenLayout
 from ..targets import Target
 
-__all__ = ["Context", "query_blocks", "readout_vector", "DEFAULT_BLOCK_BYTES"]
+__all__ = ["Context", "query_blocks", "readout_vector", "DEFAULT_BLOCK_BYTES", "PARTIAL_RTOL"]
 
 #: Budget for one block of recomputed probabilities (B x H x rows x N float32).
 DEFAULT_BLOCK_BYTES = 32 * 2**20
+
+#: How closely a re-run part of the model must reproduce its outputs: max abs error relative
+#: to the largest output magnitude.
+PARTIAL_RTOL = 1e-4
 
 
 @dataclass
@@ -45,6 +49,7 @@ class Context:
     recorder: Recorder
     layout: Optional[TokenLayout] = None
     method: str = ""
+    _checked: dict = field(default_factory=dict, repr=False)
 
     @property
     def batch_size(self) -> int:
@@ -57,6 +62,50 @@ class Context:
     def score(self, outputs: Any) -> Tensor:
         """The (B,) target scores of some model outputs (same targets as the explanation)."""
         return self.target.score(outputs)
+
+    def tail(self) -> Callable[[Tensor], Tensor]:
+        """The adapter's ``tail``: the model's outputs from the stream entering its last block.
+
+        Returns ``fn(u) -> outputs`` for (B', N, D) inputs of ``adapter.norm1`` (B' any
+        multiple of B), after checking once per method call that it reproduces the model's
+        own outputs (see :meth:`partial`).
+        """
+        adapter = self.adapter
+        call = self.recorder.activation(adapter.blocks[-1])
+        stream = self.recorder.activation(adapter.norm1).input
+        return self.partial("tail", lambda tokens: adapter.tail(tokens, call), stream)
+
+    def head(self) -> Callable[[Tensor], Tensor]:
+        """The adapter's ``head`` on a block's output tokens, checked like :meth:`tail`."""
+        tokens = self.recorder.activation(self.adapter.blocks[-1]).output
+        return self.partial("head", self.adapter.head, tokens)
+
+    def partial(self, what: str, fn: Callable[[Tensor], Tensor], tokens: Tensor) -> Callable[[Tensor], Tensor]:
+        """``fn``, once it is shown to reproduce the model's outputs from ``tokens``.
+
+        The one place where every partial forward is checked: ``fn`` runs on the captured
+        ``tokens`` repeated twice along the batch (so arguments that it passes again must not
+        depend on the batch size) and must give the explained forward's outputs to
+        :data:`PARTIAL_RTOL` relative to their largest magnitude. Checked once per method call.
+
+        Raises:
+            UnsupportedModelError: it does not (the method's maps would be wrong).
+        """
+        if what in self._checked:
+            return fn
+        reason = _mismatch(self.outputs, fn, tokens)
+        if reason is not None:
+            model = type(self.adapter.model).__name__
+            raise UnsupportedModelError(
+                f"method {self.method!r} re-runs part of {model} ({what}: {self.adapter.describe()}), "
+                f"but that partial forward does not reproduce the model's own outputs: {reason}. "
+                "Its maps would be wrong, so none are returned; use a method that reads the "
+                "explained forward only (e.g. 'cdam', 'gradcam', 'integrated_gradients'), or give "
+                "vx.Explainer(model, adapter=...) an adapter whose tail/head match the model "
+                "(is the model in eval mode?)"
+            )
+        self._checked[what] = True
+        return fn
 
     def require_grid(self, *, rollout: bool = False) -> TokenLayout:
         """The layout, or a clear error when the method needs a single patch grid."""
@@ -95,6 +144,24 @@ class Context:
         for record in records:
             layout.check(record.num_keys)
         return records
+
+
+def _mismatch(outputs: Any, fn: Callable[[Tensor], Tensor], tokens: Tensor) -> Optional[str]:
+    """Why ``fn`` on ``tokens`` (repeated twice along the batch) does not give ``outputs``
+    (repeated likewise) to :data:`PARTIAL_RTOL`, or None when it does. An exception raised by
+    the model's own code propagates as it is."""
+    if not isinstance(outputs, Tensor):
+        return f"the model's outputs are a {type(outputs).__name__}, not a tensor"
+    want = torch.cat([outputs.detach().float()] * 2)
+    with torch.no_grad():
+        got = fn(torch.cat([tokens.detach()] * 2))
+    if not isinstance(got, Tensor) or got.shape != want.shape:
+        return f"it returned shape {tuple(getattr(got, 'shape', ()))}, the model {tuple(want.shape)}"
+    error = float((got.float() - want).abs().max())
+    scale = max(float(want.abs().max()), 1e-12)
+    if not error <= PARTIAL_RTOL * scale:
+        return f"its outputs differ from the model's by {error:.3g} (largest output {scale:.3g})"
+    return None
 
 
 def query_blocks(record: AttentionRecord, block_bytes: int = DEFAULT_BLOCK_BYTES) -> Iterator[slice]:

@@ -36,6 +36,7 @@ def _generic_contract(record: AttentionRecord, block: slice, weights) -> tuple[T
         "start_layer": Option(int, low=0, help="first layer included"),
     },
     grads=True,
+    requires=("grid", "attention", "rollout"),
     summary="gradient rollout: rollout of clamp(mean_h(A * dy/dA), 0)",
     reference="vit-explain (Gildenblat 2020), forward-ordered gradients; references.md item 3",
 )
@@ -60,7 +61,7 @@ def grad_rollout(ctx: Context, *, discard_ratio: float = 0.0, start_layer: int =
     keep = 0 if layout.readout == "class" and layout.has_class_token else None
     out = propagate(
         vector, layers, contract_rows(_grad_rollout_rows), mode="rollout",
-        discard_ratio=discard_ratio, keep=keep, rows_fn=_grad_rollout_rows,
+        discard_ratio=discard_ratio, keep=keep, rows_fn=_grad_rollout_rows, minus_identity=True,
     )
     return layout.to_grid(out)
 
@@ -71,6 +72,7 @@ def grad_rollout(ctx: Context, *, discard_ratio: float = 0.0, start_layer: int =
         "start_layer": Option(int, low=0, help="first layer included"),
     },
     grads=True,
+    requires=("grid", "attention", "rollout"),
     summary="Chefer generic attention explainability: R += mean_h(clamp(dy/dA * A, 0)) @ R",
     reference="Chefer, Gur & Wolf, ICCV 2021; references.md item 4",
 )
@@ -78,9 +80,11 @@ def generic(ctx: Context, *, start_layer: int = 0) -> Tensor:
     """Chefer et al. (2021) generic relevance for self-attention.
 
     ``Abar[l] = mean_h(clamp(grad(y, A[l]) * A[l], min=0))``; ``R = I``;
-    ``R = R + Abar[l] @ R`` for l = 1..L; the map is the readout row of R over the patch
-    keys (no normalisation, as in the paper's self-attention case). Computed as a row
-    vector pushed through the layers last to first, so no N x N product is formed.
+    ``R = R + Abar[l] @ R`` for l = 1..L; the map is the readout row of ``R - I`` over the
+    patch keys (no normalisation, as in the paper's self-attention case): for a class-token
+    readout that is Chefer's ``R[0, 1:]``; for average pooling the identity's uniform 1/N
+    share is removed (docs/methods.md, "Readout"). Computed as a row vector pushed through
+    the layers last to first, so no N x N product is formed.
 
     Args:
         ctx: the captured forward and backward.
@@ -92,7 +96,7 @@ def generic(ctx: Context, *, start_layer: int = 0) -> Tensor:
     layers = ctx.layers()[start_layer:]
     layout = ctx.require_grid(rollout=True)
     vector = readout_vector(layout, ctx.batch_size, layers[0].device)
-    return layout.to_grid(propagate(vector, layers, _generic_contract, mode="generic"))
+    return layout.to_grid(propagate(vector, layers, _generic_contract, mode="generic", minus_identity=True))
 
 
 @register(
@@ -101,6 +105,7 @@ def generic(ctx: Context, *, start_layer: int = 0) -> Tensor:
         "layer": Option(int, help="layer index, negative counts from the last"),
     },
     grads=True,
+    requires=("grid", "attention"),
     summary="attention Grad-CAM on the last layer: clamp(mean_h(w_h A_h[readout]), 0)",
     reference="Chefer et al. 2021 baseline (their implementation); references.md item 5",
 )

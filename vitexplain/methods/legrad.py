@@ -24,6 +24,7 @@ def _all_blocks(adapter) -> list[str]:
         "layers": Option(int, optional=True, sequence=True, help="layer indices (None = the default layers)"),
     },
     grads=True,
+    requires=("grid", "attention", "head"),
     activations=_all_blocks,
     retain_graph=True,
     summary="LeGrad: mean over layers of ReLU(d s_l / d A_l), s_l the head applied to layer l's tokens",
@@ -48,6 +49,7 @@ def legrad(ctx: Context, *, layers: Union[None, int, Sequence[int]] = None) -> T
     layout = ctx.require_grid()
     records = ctx.layers()
     adapter = ctx.adapter
+    head = ctx.head()
     if layers is None:
         chosen = list(range(len(records)))
     else:
@@ -58,7 +60,7 @@ def legrad(ctx: Context, *, layers: Union[None, int, Sequence[int]] = None) -> T
         for i in chosen:
             record = records[i]
             tokens = ctx.recorder.activation(adapter.blocks[i]).output
-            score = ctx.score(adapter.head(tokens))
+            score = ctx.score(head(tokens))
             (d_out,) = torch.autograd.grad(score.sum(), record.output, retain_graph=True)
             layer_sum = torch.zeros_like(total)
             for block in query_blocks(record):

@@ -36,6 +36,8 @@ class MethodSpec:
             diverging colormap centred at zero.
         class_sensitive: maps depend on the target class.
         retain_graph: keeps the autograd graph after the main backward (extra passes).
+        requires: adapter capabilities the method needs (see ``vitexplain.adapters.base``);
+            it applies to a model iff its adapter has all of them.
         summary: one line for listings.
         reference: paper or source the definition follows.
         options: the method's keyword options, each declared with its type and range.
@@ -52,6 +54,7 @@ class MethodSpec:
     signed: bool = False
     class_sensitive: bool = True
     retain_graph: bool = False
+    requires: tuple[str, ...] = ()
     summary: str = ""
     reference: str = ""
     options: Mapping[str, Option] = field(default_factory=dict)
@@ -135,8 +138,8 @@ def names(family: Any = None) -> list[str]:
     """Method names, optionally for one family or for a model.
 
     Args:
-        family: None (all families), ``"vit"``/``"cnn"``/``"caption"``, or a model (its
-            family is detected the way ``vx.Explainer`` detects it).
+        family: None (all families), ``"vit"``/``"cnn"``/``"caption"``, or a model: then
+            only the methods its adapter supports (``adapter.supports(spec)``).
 
     Returns:
         Method names, without duplicates, in registration order.
@@ -144,7 +147,8 @@ def names(family: Any = None) -> list[str]:
     if family is not None and not isinstance(family, str):
         from ..adapters import adapter_for
 
-        family = adapter_for(family).family
+        adapter = adapter_for(family)
+        return list(dict.fromkeys(s.name for s in specs(adapter.family) if adapter.supports(s)))
     return list(dict.fromkeys(s.name for s in specs(family)))
 
 

@@ -1,8 +1,9 @@
 """Gradient-on-token maps at the last attention's input: CDAM (+ smooth, integrated), token Grad-CAM.
 
-T is the output of the last block's first norm: the tokens entering the final attention,
-(B, N, D). The capture records T and dy/dT; smooth and integrated CDAM re-run only the last
-block and the head, batched over samples.
+T is the output of the adapter's ``norm1`` (the last block's first norm): the tokens entering
+the final attention, (B, N, D). The capture records T and dy/dT; smooth and integrated CDAM
+re-run only the last block and the head (``ctx.tail()``, checked against the model's own
+outputs first), batched over samples.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def cdam_scores(tokens: Tensor, grad: Tensor) -> Tensor:
 @register(
     "cdam",
     grads=True,
+    requires=("grid", "tokens"),
     activations=_last_tokens,
     signed=True,
     summary="class-discriminative attention map: sum_d T * dy/dT at the last attention's input (signed)",
@@ -70,6 +72,7 @@ def cdam(ctx: Context) -> Tensor:
 @register(
     "gradcam",
     grads=True,
+    requires=("grid", "tokens"),
     activations=_last_tokens,
     summary="token Grad-CAM on the last block's first-norm output (pytorch-grad-cam style)",
     reference="Selvaraju et al. 2017, applied to ViT tokens as pytorch-grad-cam does; references.md item 6",
@@ -124,6 +127,7 @@ def _chunks(total: int, size: int) -> Iterator[slice]:
         "seed": Option(int, optional=True, help="noise seed (None = random)"),
     },
     grads=True,
+    requires=("grid", "tokens", "tail"),
     activations=_last_tokens,
     signed=True,
     summary="smooth CDAM: mean CDAM over noisy copies of the last block's input",
@@ -148,7 +152,8 @@ def cdam_smooth(ctx: Context, *, samples: int = 50, noise: float = 0.05, batch_s
     """
     layout = ctx.require_grid()
     adapter = ctx.adapter
-    x = ctx.recorder.activation(adapter.blocks[-1]).input.detach()
+    tail = ctx.tail()
+    x = ctx.recorder.activation(adapter.norm1).input.detach()
     b = x.shape[0]
     flat = x.flatten(1)
     sigma = noise * (flat.amax(1) - flat.amin(1))  # (B,)
@@ -164,7 +169,7 @@ def cdam_smooth(ctx: Context, *, samples: int = 50, noise: float = 0.05, batch_s
     with torch.enable_grad():
         for part in _chunks(noisy.shape[0], batch_size):
             with _norm1_output(norm1) as seen:
-                logits = adapter.tail(noisy[part])
+                logits = tail(noisy[part])
             tokens = seen[0]
             y = _slice_score(target, logits, part)
             (grad,) = torch.autograd.grad(y.sum(), tokens)
@@ -189,6 +194,7 @@ def _slice_score(target, logits: Tensor, part: slice) -> Tensor:
         "batch_size": Option(int, low=1, help="steps per forward"),
     },
     grads=True,
+    requires=("grid", "tokens", "tail"),
     activations=_last_tokens,
     signed=True,
     summary="integrated CDAM: integrated gradients on the last attention's input tokens",
@@ -219,8 +225,9 @@ def cdam_integrated(ctx: Context, *, steps: int = 32, batch_size: int = 64) -> T
 def integrated_token_scores(ctx: Context, *, steps: int = 32, batch_size: int = 64) -> Tensor:
     """Integrated CDAM scores for every token (prefix included): (B, N) float32."""
     adapter = ctx.adapter
+    tail = ctx.tail()
     tokens = ctx.recorder.activation(adapter.norm1).output.detach()
-    x = ctx.recorder.activation(adapter.blocks[-1]).input.detach()
+    x = ctx.recorder.activation(adapter.norm1).input.detach()
     b = x.shape[0]
     alphas = (torch.arange(steps, device=x.device, dtype=tokens.dtype) + 0.5) / steps
     path = (alphas.view(1, steps, 1, 1) * tokens.unsqueeze(1)).flatten(0, 1)  # (B * m, N, D)
@@ -232,7 +239,7 @@ def integrated_token_scores(ctx: Context, *, steps: int = 32, batch_size: int = 
         for part in _chunks(path.shape[0], batch_size):
             point = path[part].clone().requires_grad_(True)
             with _norm1_output(norm1, replace=point):
-                logits = adapter.tail(residual[part])
+                logits = tail(residual[part])
             y = _slice_score(target, logits, part)
             (grad,) = torch.autograd.grad(y.sum(), point)
             grads.append(grad)

@@ -15,7 +15,13 @@ How it works (see references.md, "Attention from fused kernels"):
 
 Everything the capture changes is restored on exit, also when the block raises: hooks
 (only the root's input hook and the optional activation and CNN gate hooks), the MHA
-fast-path flag.
+fast-path flag, and the ``torch.compile`` stance.
+
+``torch.compile``: a compiled model (an ``OptimizedModule``) is unwrapped (``_orig_mod``) and
+recorded as the original module; inside the scope the compiler's stance is ``"force_eager"``,
+so calling the compiled model runs the original module eagerly (every attention call is
+seen, the maps equal the uncompiled model's) and nothing is compiled or recompiled. The
+compiled code is reused unchanged after the scope.
 The model's ``training`` flags, ``fused_attn`` flags, ``requires_grad`` and ``.grad`` are
 never touched.
 """
@@ -59,6 +65,11 @@ SUPPORTED = (
     "softmax(q k^T) in Python (timm fused_attn=False, Hugging Face 'eager') and "
     "nn.MultiheadAttention / nn.Transformer* layers"
 )
+
+
+def _fold(t: Tensor) -> Tensor:
+    """(..., H, N, E) with extra leading dims (windows, groups) as (B', H, N, E)."""
+    return t if t.dim() <= 4 else t.reshape(-1, *t.shape[-3:])
 
 
 def _bind_sdpa(args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -112,7 +123,10 @@ class Recorder:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise InputError(f"vx.capture expects an nn.Module, got {type(model).__name__}")
-        self.model = model
+        from ..adapters.base import unwrap_compiled
+
+        self.model = unwrap_compiled(model)
+        self._compiled = self.model is not model
         self.grads = bool(grads)
         self.attention = bool(attention)
         self.activation_names = tuple(activations)
@@ -128,6 +142,7 @@ class Recorder:
         self._handles: list[RemovableHandle] = []
         self._mode: Optional[_AttentionMode] = None
         self._fastpath: Optional[bool] = None
+        self._stance: Any = None
         self._active = False
         self._in_backward = False
 
@@ -144,11 +159,17 @@ class Recorder:
             )
         self._names = {id(m): n for n, m in modules.items()}
         try:
+            if self._compiled or any(hasattr(m, "_orig_mod") for m in modules.values()):
+                # torch.compile-d: run the original modules eagerly inside the scope (so every
+                # attention call is seen), without touching the compiled code's cache
+                self._stance = torch.compiler.set_stance("force_eager")
             self._handles.append(
                 self.model.register_forward_pre_hook(self._on_model_input, with_kwargs=True)
             )
             for name in self.activation_names:
-                self._handles.append(modules[name].register_forward_hook(self._activation_hook(name)))
+                self._handles.append(
+                    modules[name].register_forward_hook(self._activation_hook(name), with_kwargs=True)
+                )
             if self.capture_gates:
                 self._gate_hooks = GateHooks(self.model, self._gates)
                 self._handles.extend(self._gate_hooks.register())
@@ -180,6 +201,9 @@ class Recorder:
             if self._fastpath is not None:
                 torch.backends.mha.set_fastpath_enabled(self._fastpath)
                 self._fastpath = None
+            if self._stance is not None:
+                self._stance.__exit__(None, None, None)
+                self._stance = None
             self._active = False
 
     # -- results ----------------------------------------------------------------------
@@ -201,8 +225,8 @@ class Recorder:
             raise NoAttentionError(
                 f"no attention call was seen during the forward of {cls}. vitexplain "
                 f"captures {SUPPORTED}. If {cls} is a CNN, use the CNN methods "
-                "('gradcam', 'spatial', 'channel'); if it is compiled (torch.compile, "
-                "TorchScript), capture the original nn.Module."
+                "('gradcam', 'spatial', 'channel'); if it is TorchScript, capture the original "
+                "nn.Module (torch.compile-d models are handled)."
             )
         return list(self._records)
 
@@ -332,12 +356,15 @@ class Recorder:
                 return
 
     def _activation_hook(self, name: str) -> Callable:
-        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             out = output[0] if isinstance(output, (tuple, list)) else output
             if not isinstance(out, Tensor):
                 return
             inp = next((a for a in args if isinstance(a, Tensor)), None)
-            record = ActivationRecord(name=name, step=len(self.activations[name]), input=inp, output=out)
+            record = ActivationRecord(
+                name=name, step=len(self.activations[name]), input=inp, output=out, args=args,
+                kwargs=dict(kwargs), tuple_output=out is not output,
+            )
             if self.grads and out.requires_grad:
 
                 def grad_hook(grad: Tensor) -> None:
@@ -396,6 +423,11 @@ class Recorder:
         bound = _bind_sdpa(args, kwargs)
         q, k, v = bound["query"], bound["key"], bound["value"]
         mask = bound.get("attn_mask")
+        if q.dim() > 4:  # windows or groups as extra leading dims: fold them into the batch
+            if isinstance(mask, Tensor):
+                mask = mask.reshape((1,) * (q.dim() - mask.dim()) + tuple(mask.shape))
+                mask = _fold(mask.expand(*q.shape[:-3], *mask.shape[-3:]))
+            q, k, v = _fold(q), _fold(k), _fold(v)
         record = self._new_record(
             *issuer,
             source="sdpa",
@@ -415,7 +447,7 @@ class Recorder:
 
     def _on_softmax(self, func: Callable, args: tuple, kwargs: dict) -> Any:
         out = func(*args, **kwargs)
-        if not isinstance(out, Tensor) or out.dim() not in (3, 4):
+        if not isinstance(out, Tensor) or out.dim() < 3:
             return out
         dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
         if dim not in (-1, out.dim() - 1):
@@ -431,6 +463,7 @@ class Recorder:
                 return out
             heads = module.num_heads
             probs = out.view(out.shape[0] // heads, heads, *out.shape[1:])
+        probs = _fold(probs)  # (B, G, H, N, N) window attention: (B * G, H, N, N)
         b, h, n_q, n_k = probs.shape
         record = self._new_record(
             name,
@@ -442,7 +475,7 @@ class Recorder:
             _probs=probs.detach(),
         )
         if self.grads:
-            record._attach_grad_hook(probs, self._hooks_collect)
+            record._attach_grad_hook(out, self._hooks_collect)
         return out
 
     def _on_mha(self, func: Callable, args: tuple, kwargs: dict) -> Any:
@@ -481,7 +514,9 @@ def capture(
     Attention is observed at ``F.scaled_dot_product_attention`` (the fused kernel keeps
     running), at softmax calls of modules that compute attention in Python, and inside
     ``nn.MultiheadAttention`` (whose C++ fast path is switched off inside the scope only,
-    so its SDPA call is visible). A record's ``kind`` is ``"cross"`` when the issuing
+    so its SDPA call is visible). Attention computed with extra leading dimensions (windows or groups:
+    (B, G, H, N_q, N_k) in MaxViT, Twins, ...) is recorded with them folded into the batch,
+    (B * G, H, N_q, N_k). A record's ``kind`` is ``"cross"`` when the issuing
     module has ``is_cross_attention=True``, is an ``nn.MultiheadAttention`` called with a
     key that is not its query, or received a tensor argument named one of
     ``encoder_hidden_states``, ``key_value_states``, ``memory``, ``context``,

@@ -251,7 +251,8 @@ class AttentionRecord:
         """The attention output tensor, still in the autograd graph (grads=True only).
 
         For an SDPA record this is O = A V, shape (B, H, N_q, E_v); for an eager record it
-        is the probability tensor A itself. Use it with ``torch.autograd.grad`` to take the
+        is the probability tensor A itself (as the model made it: window attention keeps its
+        extra dims here, (B, G, H, N, N), while the record's shapes fold them into B). Use it with ``torch.autograd.grad`` to take the
         gradient of any other score (e.g. one score per layer, as LeGrad does) and pass
         that to ``grad_probs(d_out=...)``.
         """
@@ -282,6 +283,8 @@ class AttentionRecord:
         """
         self._check_grads(need_backward=d_out is None)
         rows = _rows(queries, self.num_queries)
+        if d_out is not None:
+            d_out = self._as_4d(d_out)
         if self.source == "eager":
             grad = d_out if d_out is not None else self._grad_probs
             if grad is None:
@@ -302,9 +305,14 @@ class AttentionRecord:
         self._probs = self._grad_out = self._grad_probs = None
 
     # -- called by the recorder -------------------------------------------------------
+    def _as_4d(self, grad: Tensor) -> Tensor:
+        """A gradient w.r.t. :attr:`output` as (B, H, N_q, last) (outputs with window dims or
+        MHA's (B * H, N_q, N_k) weights are recorded folded to 4-D)."""
+        return grad if grad.dim() == 4 else grad.reshape(self.batch_size, self.num_heads, -1, grad.shape[-1])
+
     def _add_grad(self, grad: Tensor) -> None:
         """Accumulate a gradient w.r.t. :attr:`output` (like ``.grad`` does)."""
-        grad = grad.detach()
+        grad = self._as_4d(grad.detach())
         if self.source == "eager":
             self._grad_probs = grad if self._grad_probs is None else self._grad_probs + grad
         else:
@@ -335,6 +343,10 @@ class ActivationRecord:
         input: the first tensor argument the module received (a reference).
         output: the module's output tensor (a reference, still in the autograd graph).
         grad: gradient of the backpropagated score w.r.t. ``output``, once a backward ran.
+        args: all positional arguments of the call (references), so that a method can
+            call the module again the way the model did (e.g. a block's position bias).
+        kwargs: its keyword arguments (references).
+        tuple_output: the module returned a tuple or list, whose first tensor is ``output``.
     """
 
     name: str
@@ -342,6 +354,9 @@ class ActivationRecord:
     input: Optional[Tensor]
     output: Tensor
     grad: Optional[Tensor] = None
+    args: tuple = field(default=(), repr=False)
+    kwargs: dict = field(default_factory=dict, repr=False)
+    tuple_output: bool = False
 
     def _add_grad(self, grad: Tensor) -> None:
         grad = grad.detach()

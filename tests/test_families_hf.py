@@ -1,0 +1,172 @@
+"""Hugging Face families beyond ViT: methods against oracles from the model's own eager attention.
+
+For DINOv2 (with and without registers), BEiT (mean-pooling readout), DeiT with teacher and
+the headless backbones (ViTModel, Dinov2Model, CLIPVisionModel, SiglipVisionModel, explained
+with ``vx.targets.similarity`` / ``norm``), an eager copy of the model returns its attention
+probabilities (``output_attentions=True``); their gradients and the tokens entering the last
+attention are taken with plain autograd. Rollout, generic (readout row of ``R - I``) and CDAM
+are then computed densely from their definitions and compared with the Explainer's maps.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import vitexplain as vx
+
+transformers = pytest.importorskip("transformers")
+
+TINY = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=2, intermediate_size=64, image_size=32, patch_size=8)
+GRID = (4, 4)
+
+
+def _build(config_cls: str, model_cls: str, **kw):
+    torch.manual_seed(0)
+    config = getattr(transformers, config_cls)(**{**TINY, **kw})
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():  # sharper attention than a random init gives
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight", "query.weight", "key.weight")):
+                p.mul_(3.0)
+            if name.endswith(("classifier.weight", "cls_classifier.weight", "distillation_classifier.weight")):
+                p.normal_(0, 1.0)  # random heads are near zero; make targets matter
+    return model
+
+
+VECTOR = torch.randn(32, generator=torch.Generator().manual_seed(7))
+
+
+def _pooled(out):
+    return getattr(out, "image_embeds", None) if getattr(out, "image_embeds", None) is not None else out.pooler_output
+
+
+CASES = {
+    # name: (build, prefix tokens, readout, target (None = predicted class), score of the eager outputs)
+    "dinov2": (lambda: _build("Dinov2Config", "Dinov2ForImageClassification", num_labels=5), 1, "class", None, None),
+    "dinov2_registers": (
+        lambda: _build("Dinov2WithRegistersConfig", "Dinov2WithRegistersForImageClassification", num_labels=5, num_register_tokens=2),
+        3, "class", None, None,
+    ),
+    "beit_mean": (lambda: _build("BeitConfig", "BeitForImageClassification", num_labels=5, use_mean_pooling=True), 1, "mean", None, None),
+    "deit_teacher": (lambda: _build("DeiTConfig", "DeiTForImageClassificationWithTeacher", num_labels=5), 2, "class", None, None),
+    "vit_headless": (lambda: _build("ViTConfig", "ViTModel"), 1, "class", "norm", lambda out: _pooled(out).norm(dim=-1)),
+    "dinov2_headless": (
+        lambda: _build("Dinov2Config", "Dinov2Model"), 1, "class", "similarity",
+        lambda out: torch.cosine_similarity(_pooled(out), VECTOR[None], dim=-1),
+    ),
+    "clip_vision": (
+        lambda: _build("CLIPVisionConfig", "CLIPVisionModel"), 1, "class", "similarity",
+        lambda out: torch.cosine_similarity(_pooled(out), VECTOR[None], dim=-1),
+    ),
+    "siglip_vision": (
+        lambda: _build("SiglipVisionConfig", "SiglipVisionModel"), 0, "mean", "similarity",
+        lambda out: torch.cosine_similarity(_pooled(out), VECTOR[None], dim=-1),
+    ),
+}
+
+
+def _target(kind):
+    if kind == "similarity":
+        return vx.targets.similarity(VECTOR)
+    if kind == "norm":
+        return vx.targets.norm()
+    return None
+
+
+def _oracle(model, image, score_fn, norm1):
+    """Eager attentions A_l (H, N, N), dy/dA_l, and (T, dy/dT) at ``norm1``, for one image."""
+    ref = copy.deepcopy(model)
+    ref.set_attn_implementation("eager")
+    kept = []
+    ref.get_submodule(norm1).register_forward_hook(lambda m, a, o: (o.retain_grad(), kept.append(o))[0])
+    out = ref(pixel_values=image[None], output_attentions=True)
+    for a in out.attentions:
+        a.retain_grad()
+    score_fn(out)[0].backward()
+    attn = [a[0].detach() for a in out.attentions]
+    return attn, [a.grad[0] for a in out.attentions], (kept[0][0].detach(), kept[0].grad[0])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_hf_family_matches_eager_oracle(case):
+    build, prefix, readout, target_kind, score = CASES[case]
+    model = build()
+    ex = vx.Explainer(model)
+    layout = ex.adapter.layout((32, 32))
+    assert (layout.num_prefix_tokens, layout.readout, layout.grid) == (prefix, readout, GRID)
+    assert ex.adapter.has_head == (target_kind is None)
+    assert set(ex.methods()) >= {"raw", "rollout", "generic", "cdam", "cdam_smooth", "cdam_integrated", "legrad"}
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    names = ["rollout", "generic", "cdam", "grad_rollout", "cdam_integrated", "legrad"]
+    results = {e.method: e for e in ex.explain(x, method=names, target=_target(target_kind))}
+    n = prefix + 16
+    v = torch.zeros(n)
+    if readout == "class":
+        v[0] = 1.0
+    else:
+        v[prefix:] = 1.0 / 16
+    eye = torch.eye(n)
+    for i in range(2):
+        if score is None:
+            target = int(results["generic"].targets[i])
+            score_fn = lambda out, t=target: out.logits[:, t]  # noqa: E731
+        else:
+            score_fn = score
+        attn, grads, (t, dt) = _oracle(model, x[i], score_fn, ex.adapter.norm1)
+        torch.testing.assert_close(results["cdam"].maps[i], (t * dt).sum(-1)[prefix:].reshape(GRID), atol=1e-6, rtol=1e-4)
+        r = eye.clone()
+        for a in attn:
+            m = 0.5 * a.mean(0) + 0.5 * eye
+            r = (m / m.sum(-1, keepdim=True)) @ r
+        torch.testing.assert_close(results["rollout"].maps[i], (v @ r)[prefix:].reshape(GRID), atol=1e-6, rtol=1e-4)
+        r = eye.clone()
+        for a, g in zip(attn, grads):
+            r = r + (g * a).clamp(min=0).mean(0) @ r
+        generic = (v @ (r - eye))[prefix:].reshape(GRID)
+        torch.testing.assert_close(results["generic"].maps[i], generic, atol=1e-7, rtol=1e-4)
+        assert float(generic.std()) > 0
+    for name in ("grad_rollout", "cdam_integrated", "legrad"):
+        maps = results[name].maps
+        assert maps.shape == (2, *GRID) and torch.isfinite(maps).all() and float(maps.std()) > 0
+
+
+def test_headless_backbone_needs_a_score_target():
+    model = CASES["clip_vision"][0]()
+    ex = vx.Explainer(model)
+    x = torch.randn(1, 3, 32, 32)
+    for target in (None, 3):
+        with pytest.raises(vx.TargetError, match="no classifier head.*similarity"):
+            ex.explain(x, method="cdam", target=target)
+    e = ex.explain(x, method="cdam", target=lambda emb: emb.sum(-1))  # any callable works
+    assert e.maps.shape == (1, *GRID) and bool((e.targets == -1).all())
+    with torch.no_grad():
+        pooled = model(pixel_values=x).pooler_output
+    expected = torch.cosine_similarity(pooled, VECTOR[None], dim=-1)
+    torch.testing.assert_close(vx.targets.similarity(VECTOR)(pooled), expected)
+    torch.testing.assert_close(vx.targets.norm()(pooled), pooled.norm(dim=-1))
+    with pytest.raises(vx.TargetError, match="last dimension"):
+        vx.targets.similarity(torch.ones(5))(pooled)
+
+
+def test_timm_headless_backbone_embedding_and_similarity():
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=0).eval()
+    ex = vx.Explainer(model)
+    assert not ex.adapter.has_head and ex.adapter.label_names is None
+    x = torch.randn(2, 3, 32, 32)
+    vector = torch.randn(32)
+    e = ex.explain(x, method="cdam", target=vx.targets.similarity(vector))
+    # oracle: gradient of the cosine at the last block's first norm, by plain autograd
+    kept = []
+    handle = model.blocks[-1].norm1.register_forward_hook(lambda m, a, o: (o.retain_grad(), kept.append(o))[0])
+    emb = model(x)
+    handle.remove()
+    torch.cosine_similarity(emb, vector[None], dim=-1).sum().backward()
+    expected = (kept[0] * kept[0].grad).sum(-1)[:, 1:].reshape(2, *GRID)
+    torch.testing.assert_close(e.maps, expected.detach(), atol=1e-6, rtol=1e-4)
+    with pytest.raises(vx.TargetError, match="no classifier head"):
+        ex.explain(x, method="gradcam")

@@ -1,0 +1,212 @@
+"""Hugging Face ViTs: one table of model types (prefix tokens, norm names, readout, head).
+
+Each entry of :data:`HF_TYPES` says, for one ``config.model_type``, how many prefix tokens
+precede the patches (register tokens are added from ``config.num_register_tokens``), the
+name of the layers' first norm, which token(s) the model reads out, and how the model turns
+the last layer's output tokens into logits (classifiers) or into its pooled embedding
+(headless backbones such as ``ViTModel``, ``Dinov2Model``, ``CLIPVisionModel``,
+``SiglipVisionModel``). The "tower" is the module that owns the layers and the final
+norms (``ViTModel``, ``CLIPVisionTransformer``, ...). Each head is written from the model's
+own code and is checked at run time against the model's outputs before a method uses it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor, nn
+
+from ..layout import TokenLayout, _pair
+from .base import Adapter, register_adapter
+from .vit import ViTAdapter
+
+__all__ = ["HFViTAdapter", "HFType", "HF_TYPES"]
+
+Head = Callable[[nn.Module, nn.Module, Tensor], Tensor]
+"""``(model, tower, tokens) -> Tensor``: tokens are the last layer's output (B, N, D)."""
+
+# image processor settings: mean, std, crop_pct, interpolation
+_IMAGENET = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225), 224 / 256, "bicubic")
+_HALF = ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5), 1.0, "bilinear")
+_BEIT_STATS = ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5), 1.0, "bicubic")
+_CLIP = ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711), 1.0, "bicubic")
+
+
+@dataclass(frozen=True)
+class HFType:
+    """How vitexplain reads one Hugging Face model type.
+
+    Attributes:
+        prefix: class (and distillation) tokens before the patches (registers excluded).
+        norm1: attribute name of each layer's first norm.
+        readout: ``"class"`` or ``"mean"``, or a function of the model returning one.
+        logits: the classifier on the last layer's tokens (for ``*ForImageClassification``).
+        pooled: the pooled embedding of the headless model on the last layer's tokens.
+        stats: (mean, std, crop_pct, interpolation) of the model's image processor.
+    """
+
+    prefix: int
+    norm1: str
+    readout: Any
+    logits: Optional[Head]
+    pooled: Head
+    stats: tuple = _HALF
+
+
+def _vit_logits(model: nn.Module, tower: nn.Module, t: Tensor) -> Tensor:
+    s = tower.layernorm(t)
+    if hasattr(model, "cls_classifier"):  # DeiTForImageClassificationWithTeacher
+        return (model.cls_classifier(s[:, 0]) + model.distillation_classifier(s[:, 1])) / 2
+    return model.classifier(s[:, 0])
+
+
+def _vit_pooled(model: nn.Module, tower: nn.Module, t: Tensor) -> Tensor:
+    s = tower.layernorm(t)
+    pooler = getattr(tower, "pooler", None)
+    return pooler(s) if pooler is not None else s[:, 0]
+
+
+def _dinov2_logits(model: nn.Module, tower: nn.Module, t: Tensor) -> Tensor:
+    s = tower.layernorm(t)
+    patches = s[:, 1 + int(getattr(model.config, "num_register_tokens", 0) or 0) :]
+    return model.classifier(torch.cat([s[:, 0], patches.mean(dim=1)], dim=1))
+
+
+def _dinov2_pooled(model: nn.Module, tower: nn.Module, t: Tensor) -> Tensor:
+    return tower.layernorm(t)[:, 0]
+
+
+def _beit_logits(model: nn.Module, tower: nn.Module, t: Tensor) -> Tensor:
+    return model.classifier(_vit_pooled(model, tower, t))
+
+
+def _beit_readout(model: nn.Module) -> str:
+    return "mean" if getattr(model.config, "use_mean_pooling", False) else "class"
+
+
+def _clip_pooled(model: nn.Module, tower: nn.Module, t: Tensor) -> Tensor:
+    pooled = tower.post_layernorm(t[:, 0])
+    projection = getattr(model, "visual_projection", None)  # CLIPVisionModelWithProjection
+    return projection(pooled) if projection is not None else pooled
+
+
+def _clip_logits(model: nn.Module, tower: nn.Module, t: Tensor) -> Tensor:
+    return model.classifier(t[:, 1:].mean(dim=1))  # CLIPForImageClassification: no final norm
+
+
+def _clip_readout(model: nn.Module) -> str:
+    return "mean" if hasattr(model, "classifier") else "class"
+
+
+def _siglip_pooled(model: nn.Module, tower: nn.Module, t: Tensor) -> Tensor:
+    s = tower.post_layernorm(t)
+    return tower.head(s) if getattr(tower, "use_head", False) else s.mean(dim=1)
+
+
+def _siglip_logits(model: nn.Module, tower: nn.Module, t: Tensor) -> Tensor:
+    return model.classifier(tower.post_layernorm(t).mean(dim=1))
+
+
+_VIT = HFType(1, "layernorm_before", "class", _vit_logits, _vit_pooled)
+_BEIT = HFType(1, "layernorm_before", _beit_readout, _beit_logits, _vit_pooled, _BEIT_STATS)
+_DINO = HFType(1, "norm1", "class", _dinov2_logits, _dinov2_pooled, _IMAGENET)
+_CLIP_TYPE = HFType(1, "layer_norm1", _clip_readout, _clip_logits, _clip_pooled, _CLIP)
+_SIGLIP = HFType(0, "layer_norm1", "mean", _siglip_logits, _siglip_pooled, _BEIT_STATS)
+
+#: ``config.model_type`` -> how to read it (one table for every Hugging Face ViT).
+HF_TYPES: dict[str, HFType] = {
+    "vit": _VIT,
+    "deit": HFType(2, "layernorm_before", "class", _vit_logits, _vit_pooled, _IMAGENET),
+    "dinov2": _DINO,
+    "dinov2_with_registers": _DINO,
+    "beit": _BEIT,
+    "data2vec-vision": _BEIT,
+    "clip_vision_model": _CLIP_TYPE,
+    "clip": _CLIP_TYPE,
+    "siglip_vision_model": _SIGLIP,
+    "siglip": _SIGLIP,
+    "blip_vision_model": HFType(1, "layer_norm1", "class", None, _clip_pooled, _CLIP),
+    "git_vision_model": HFType(1, "layer_norm1", "class", None, _clip_pooled, _CLIP),
+}
+
+
+def _vision_config(model: nn.Module) -> Any:
+    config = model.config
+    return getattr(config, "vision_config", None) or config
+
+
+class HFViTAdapter(ViTAdapter):
+    """A Hugging Face ViT classifier or headless backbone of a type in :data:`HF_TYPES`.
+
+    Args:
+        model: the model.
+        kind: its entry of :data:`HF_TYPES`.
+        blocks: module names of its layers, input side first.
+        tower: module name of the module owning the layers and the final norms.
+    """
+
+    def __init__(self, model: nn.Module, kind: HFType, blocks: list[str], tower: str) -> None:
+        super().__init__(model)
+        self.kind = kind
+        self.blocks = blocks
+        self.norm1 = f"{blocks[-1]}.{kind.norm1}"
+        self.tower = tower
+        self.has_head = kind.logits is not None and (hasattr(model, "classifier") or hasattr(model, "cls_classifier"))
+
+    def layout(self, input_size: tuple[int, int]) -> TokenLayout:
+        config = _vision_config(self.model)
+        patch = _pair(config.patch_size)
+        size = _pair(input_size)
+        prefix = self.kind.prefix + int(getattr(config, "num_register_tokens", 0) or 0)
+        readout = self.kind.readout if isinstance(self.kind.readout, str) else self.kind.readout(self.model)
+        grid = (size[0] // patch[0], size[1] // patch[1])
+        return TokenLayout(prefix, grid, self.kind.prefix > 0, readout, patch_size=patch)
+
+    def forward(self, x: Tensor) -> Any:
+        out = self.model(pixel_values=x)
+        if self.has_head:
+            return out.logits
+        embeds = getattr(out, "image_embeds", None)
+        if embeds is not None:
+            return embeds
+        if getattr(out, "pooler_output", None) is not None:
+            return out.pooler_output
+        # no pooler: the tokens are already normalised, so pool them the way head() does
+        hidden = out.last_hidden_state
+        return hidden[:, 0] if self.kind.prefix else hidden.mean(dim=1)
+
+    def head(self, tokens: Tensor) -> Tensor:
+        tower = self.model.get_submodule(self.tower)
+        if self.has_head:
+            return self.kind.logits(self.model, tower, tokens)  # type: ignore[misc]
+        return self.kind.pooled(self.model, tower, tokens)
+
+    def preprocess_kwargs(self) -> dict[str, Any]:
+        size = _pair(_vision_config(self.model).image_size)
+        mean, std, crop_pct, interpolation = self.kind.stats
+        return dict(input_size=size, mean=mean, std=std, crop_pct=crop_pct, interpolation=interpolation)
+
+
+def _layers(model: nn.Module, norm1: str) -> Optional[tuple[list[str], str]]:
+    """(layer names, tower name) of the first ModuleList whose children all have ``norm1``."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) and all(hasattr(c, norm1) for c in module):
+            parent = name.rpartition(".")[0] if "." in name else ""
+            if parent == "encoder" or parent.endswith(".encoder"):
+                parent = parent.rpartition(".")[0] if "." in parent else ""
+            return [f"{name}.{i}" for i in range(len(module))], parent
+    return None
+
+
+@register_adapter(priority=5, family="vit")
+def _detect_hf(model: nn.Module) -> Optional[Adapter]:
+    config = getattr(model, "config", None)
+    kind = HF_TYPES.get(getattr(config, "model_type", None))  # type: ignore[arg-type]
+    if kind is None:
+        return None
+    found = _layers(model, kind.norm1)
+    if found is None:
+        return None
+    return HFViTAdapter(model, kind, *found)

@@ -1,0 +1,391 @@
+"""The support matrix: a tiny random-init build of every model family, and a sweep over methods.
+
+One table (:func:`families`) feeds both the sweep test (``tests/test_support_matrix.py``),
+which asserts that every method ``vx.methods.names(model)`` lists gives a finite map of the
+right shape or raises a :class:`~vitexplain.errors.VitexplainError`, and the script that
+writes the README's support matrix and ``docs/support.md`` (``python tools/support_matrix.py``).
+Each family names the test that checks its maps against an independent oracle.
+
+Builds are tiny (a few blocks of width 32, 32-64 px inputs) and offline (random init). Heads
+that libraries initialise to zero (torchvision ViT) and residual branches that end in a
+zero-initialised norm (timm ResNets' ``zero_init_last``) make gradient maps constant; the
+sweep re-initialises them (:func:`reinit_heads`) so that a constant map means a bug.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from .errors import VitexplainError
+
+__all__ = ["Family", "Outcome", "families", "run", "reinit_heads", "CHEAP"]
+
+#: Cheap options for the slow methods (the sweep checks plumbing, not quality).
+CHEAP: dict[str, dict[str, Any]] = {
+    "cdam_smooth": {"samples": 3},
+    "cdam_integrated": {"steps": 3},
+    "integrated_gradients": {"steps": 3},
+    "smoothgrad": {"samples": 2},
+}
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family of the support matrix.
+
+    Attributes:
+        name: how the README names it.
+        group: ``"ViT"``, ``"Hugging Face"``, ``"CNN"``, ``"hybrid"``, ``"captioner"``, ``"Swin"``.
+        build: returns the tiny model (eval mode, random init, offline).
+        size: (H, W) of the inputs.
+        oracle: the test that checks this family's maps against an independent oracle.
+        target: ``"norm"`` for headless backbones (explained with ``vx.targets.norm()``).
+    """
+
+    name: str
+    group: str
+    build: Callable[[], nn.Module]
+    size: tuple[int, int]
+    oracle: str
+    target: Optional[str] = None
+
+
+@dataclass
+class Outcome:
+    """What one method did on one family.
+
+    Attributes:
+        method: the method name.
+        status: ``"ok"`` (listed, ran, finite, right shape), ``"refused"`` (listed, raised a
+            VitexplainError), or ``"n/a"`` (not listed for this model; ``detail`` says why).
+        detail: the error or refusal message, or the map shape (prefixed "zero " when every
+            value is 0).
+        std: standard deviation of the maps (ok only): 0 means a constant map.
+    """
+
+    method: str
+    status: str
+    detail: str = ""
+    std: float = field(default=float("nan"))
+
+
+# -- builders ----------------------------------------------------------------------------------
+def _timm(name: str, **kwargs: Any) -> nn.Module:
+    import timm
+
+    return timm.create_model(name, pretrained=False, **kwargs)
+
+
+_VIT = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=5)
+
+
+def _timm_vit(**kwargs: Any) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        from timm.models.vision_transformer import VisionTransformer
+
+        return VisionTransformer(**{**_VIT, **kwargs})
+
+    return build
+
+
+def _timm_class(module: str, cls: str, **kwargs: Any) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        import importlib
+
+        return getattr(importlib.import_module(f"timm.models.{module}"), cls)(**kwargs)
+
+    return build
+
+
+_HF = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=32, patch_size=8)
+
+
+def _hf(config: str, model: str, **kwargs: Any) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        import transformers
+
+        cfg = getattr(transformers, config)(**{**_HF, **kwargs})
+        return getattr(transformers, model)(cfg)
+
+    return build
+
+
+def _torchvision_vit() -> nn.Module:
+    import torchvision
+
+    return torchvision.models.VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=32, mlp_dim=64, num_classes=5)
+
+
+def _torchvision_maxvit() -> nn.Module:
+    import torchvision
+
+    return torchvision.models.MaxVit(
+        input_size=(64, 64), stem_channels=16, partition_size=2, block_channels=[16, 32], block_layers=[1, 1],
+        head_dim=8, stochastic_depth_prob=0.0, num_classes=5,
+    )
+
+
+def _torchvision_mobilenet() -> nn.Module:
+    import torchvision
+
+    return torchvision.models.mobilenet_v3_small(num_classes=5)
+
+
+def _maxvit() -> nn.Module:
+    from timm.models.maxxvit import MaxxVit, MaxxVitCfg, MaxxVitTransformerCfg
+
+    cfg = MaxxVitCfg(
+        embed_dim=(16, 32), depths=(1, 1), block_type=("M", "M"), stem_width=16,
+        transformer_cfg=MaxxVitTransformerCfg(dim_head=8, window_size=(4, 4), grid_size=(4, 4)),
+    )
+    return MaxxVit(cfg, img_size=64, num_classes=5)
+
+
+def _mvitv2() -> nn.Module:
+    from timm.models.mvitv2 import MultiScaleVit, MultiScaleVitCfg
+
+    return MultiScaleVit(MultiScaleVitCfg(depths=(1, 1), embed_dim=16, num_heads=1), img_size=64, num_classes=5)
+
+
+def _zoo(name: str) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        from . import zoo
+
+        return zoo.load(name)
+
+    return build
+
+
+def _torch_decoder_captioner() -> nn.Module:
+    from timm.models.vision_transformer import VisionTransformer
+
+    from .adapters.captioning import TransformerDecoderCaptioner
+
+    encoder = VisionTransformer(**{**_VIT, "num_classes": 0})
+    return TransformerDecoderCaptioner(encoder, vocab_size=20, dim=32, depth=2, heads=2, max_len=8)
+
+
+def _vision_encoder_decoder() -> nn.Module:
+    import transformers
+
+    encoder = transformers.ViTConfig(**_HF)
+    decoder = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=40, n_positions=32, bos_token_id=1, eos_token_id=2, add_cross_attention=True, is_decoder=True)
+    config = transformers.VisionEncoderDecoderConfig.from_encoder_decoder_configs(encoder, decoder)
+    config.decoder_start_token_id, config.pad_token_id = 1, 2
+    return transformers.VisionEncoderDecoderModel(config)
+
+
+def _blip() -> nn.Module:
+    import transformers
+
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=8)
+    text = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, vocab_size=40,
+        encoder_hidden_size=32, max_position_embeddings=32, bos_token_id=1, sep_token_id=2, pad_token_id=0,
+    )
+    config = transformers.BlipConfig(vision_config=vision, text_config=text)
+    return transformers.BlipForConditionalGeneration(config)
+
+
+def _git() -> nn.Module:
+    import transformers
+
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=8)
+    config = transformers.GitConfig(
+        vision_config=vision, vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    return transformers.GitForCausalLM(config)
+
+
+_HF_TEST = "tests/test_families_hf.py::test_hf_family_matches_eager_oracle"
+_TIMM_TEST = "tests/test_families_timm.py"
+
+
+def families() -> list[Family]:
+    """Every family of the support matrix, in README order."""
+    s32, s64 = (32, 32), (64, 64)
+    return [
+        Family("timm ViT (class token)", "ViT", _timm_vit(), s32, "tests/test_methods.py"),
+        Family("timm ViT + register tokens", "ViT", _timm_vit(reg_tokens=4), s32, "tests/test_methods.py"),
+        Family("timm ViT, average pooling", "ViT", _timm_vit(class_token=False, global_pool="avg"), s32, "tests/test_readout.py, tests/test_methods.py"),
+        Family("timm ViT, headless (num_classes=0)", "ViT", _timm_vit(num_classes=0), s32, "tests/test_families_hf.py::test_timm_headless_backbone_embedding_and_similarity", "norm"),
+        Family("timm DeiT distilled", "ViT", _timm_class("deit", "VisionTransformerDistilled", **_VIT), s32, "tests/test_methods.py"),
+        Family("timm EVA (rope)", "ViT", _timm_class("eva", "Eva", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=5, use_rot_pos_emb=True), s32, "tests/test_methods.py"),
+        Family("timm BEiT", "ViT", _timm_class("beit", "Beit", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=5), s32, "tests/test_methods.py"),
+        Family("timm ViT rel-pos (vit_relpos)", "ViT", _timm_class("vision_transformer_relpos", "VisionTransformerRelPos", **_VIT), s32, "tests/test_readout.py (avg-pool readout)"),
+        Family("timm CaiT", "ViT", _timm_class("cait", "Cait", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, depth_token_only=2, num_classes=5), s32, _TIMM_TEST),
+        Family("timm XCiT", "ViT", _timm_class("xcit", "Xcit", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, cls_attn_layers=2, num_classes=5), s32, _TIMM_TEST),
+        Family("timm ConViT", "ViT", _timm_class("convit", "ConVit", img_size=32, patch_size=8, embed_dim=16, depth=3, num_heads=2, local_up_to_layer=2, num_classes=5), s32, _TIMM_TEST),
+        Family("torchvision VisionTransformer", "ViT", _torchvision_vit, s32, "tests/test_methods.py::test_torchvision_vit_methods_match_timm_style_oracle"),
+        Family("zoo shapes-vit", "ViT", _zoo("shapes-vit"), s64, "tests/test_localization.py"),
+        Family("HF ViT classifier", "Hugging Face", _hf("ViTConfig", "ViTForImageClassification", num_labels=5), s32, "tests/test_methods_hf.py"),
+        Family("HF DeiT classifier", "Hugging Face", _hf("DeiTConfig", "DeiTForImageClassification", num_labels=5), s32, "tests/test_methods_hf.py"),
+        Family("HF DeiT with teacher", "Hugging Face", _hf("DeiTConfig", "DeiTForImageClassificationWithTeacher", num_labels=5), s32, _HF_TEST),
+        Family("HF DINOv2 classifier", "Hugging Face", _hf("Dinov2Config", "Dinov2ForImageClassification", num_labels=5), s32, _HF_TEST),
+        Family("HF DINOv2 + registers", "Hugging Face", _hf("Dinov2WithRegistersConfig", "Dinov2WithRegistersForImageClassification", num_labels=5, num_register_tokens=2), s32, _HF_TEST),
+        Family("HF BEiT classifier", "Hugging Face", _hf("BeitConfig", "BeitForImageClassification", num_labels=5), s32, _HF_TEST),
+        Family("HF ViTModel (headless)", "Hugging Face", _hf("ViTConfig", "ViTModel"), s32, _HF_TEST, "norm"),
+        Family("HF Dinov2Model (headless)", "Hugging Face", _hf("Dinov2Config", "Dinov2Model"), s32, _HF_TEST, "norm"),
+        Family("HF CLIPVisionModel (headless)", "Hugging Face", _hf("CLIPVisionConfig", "CLIPVisionModel"), s32, _HF_TEST, "norm"),
+        Family("HF SiglipVisionModel (headless)", "Hugging Face", _hf("SiglipVisionConfig", "SiglipVisionModel"), s32, _HF_TEST, "norm"),
+        Family("timm ResNet", "CNN", lambda: _timm("resnet10t", num_classes=5), s32, "tests/test_cnn.py"),
+        Family("timm ResNet + CBAM", "CNN", lambda: _timm("resnet10t", num_classes=5, block_args=dict(attn_layer="cbam")), s32, "tests/test_cnn.py"),
+        Family("torchvision MobileNetV3 (SE)", "CNN", _torchvision_mobilenet, s32, "tests/test_cnn.py"),
+        Family("zoo shapes-cnn", "CNN", _zoo("shapes-cnn"), s64, "tests/test_cnn.py"),
+        Family("timm MaxViT", "hybrid", _maxvit, s64, "tests/test_hybrids.py"),
+        Family("timm EfficientFormerV2", "hybrid", _timm_class("efficientformer_v2", "EfficientFormerV2", depths=(1, 1, 2, 2), embed_dims=(16, 24, 32, 48), img_size=64, num_vit=2, num_classes=5), s64, "tests/test_hybrids.py"),
+        Family("timm Twins (PCPVT)", "hybrid", lambda: _timm("twins_pcpvt_small", img_size=64, embed_dims=(16, 32, 48, 64), depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4), num_classes=5), s64, "tests/test_hybrids.py"),
+        Family("timm Twins (SVT)", "hybrid", lambda: _timm("twins_svt_small", img_size=64, embed_dims=(16, 32, 48, 64), depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4), wss=(4, 4, 4, 4), num_classes=5), s64, "tests/test_hybrids.py"),
+        Family("timm MViTv2", "hybrid", _mvitv2, s64, "tests/test_hybrids.py"),
+        Family("timm PiT", "hybrid", _timm_class("pit", "PoolingVisionTransformer", img_size=64, patch_size=8, stride=4, base_dims=(8, 8, 8), depth=(1, 1, 1), heads=(2, 2, 2), mlp_ratio=2, num_classes=5), s64, "tests/test_hybrids.py"),
+        Family("timm LeViT", "hybrid", _timm_class("levit", "LevitDistilled", img_size=128, embed_dim=(32, 48, 64), key_dim=8, depth=(1, 1, 1), num_heads=(2, 2, 2), num_classes=5), (128, 128), "tests/test_hybrids.py"),
+        Family("torchvision MaxViT", "hybrid", _torchvision_maxvit, s64, "tests/test_hybrids.py"),
+        # -- Swin / SwinV2 (adapters/swin.py, branch i11s): add their entries here when it lands,
+        # e.g. Family("timm Swin", "Swin", ..., oracle="tests/test_swin.py") ---------------------
+        Family("zoo shapes-captioner", "captioner", _zoo("shapes-captioner"), s64, "tests/test_captioning.py"),
+        Family("nn.TransformerDecoder over timm ViT", "captioner", _torch_decoder_captioner, s32, "tests/test_captioning.py"),
+        Family("HF VisionEncoderDecoder (ViT + GPT-2)", "captioner", _vision_encoder_decoder, s32, "tests/test_captioning.py"),
+        Family("HF BLIP", "captioner", _blip, s32, "tests/test_captioning.py"),
+        Family("HF GIT", "captioner", _git, s32, "tests/test_git.py"),
+    ]
+
+
+# -- running -----------------------------------------------------------------------------------
+def reinit_heads(model: nn.Module, seed: int = 0) -> None:
+    """Give (near-)zero-initialised heads and residual-branch norms random values (in place).
+
+    torchvision's ViT head and timm's EVA/BEiT heads start at (or within 1e-3 of) zero, and
+    timm ResNets zero the last norm of each residual branch (``zero_init_last``): every
+    gradient or gate map of such a model is constant (or 1e-8 small). Linear layers whose
+    weights are all below 1e-3 get ``N(0, 1 / fan_in)``; norms with zero weight get 1.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            weight = getattr(module, "weight", None)
+            if not isinstance(weight, torch.Tensor) or weight.numel() == 0:
+                continue
+            if isinstance(module, nn.Linear) and bool(weight.abs().max() < 1e-3):
+                weight.copy_(torch.randn(weight.shape, generator=generator) / math.sqrt(weight.shape[1]))
+            elif isinstance(module, (nn.BatchNorm2d, nn.LayerNorm, nn.GroupNorm)) and not bool(weight.abs().max() > 0):
+                weight.fill_(1.0)
+
+
+def _check(maps: torch.Tensor, batch: int) -> Optional[str]:
+    if maps.dim() not in (3, 4) or maps.shape[0] != batch:
+        return f"maps of shape {tuple(maps.shape)} for a batch of {batch}"
+    if not bool(torch.isfinite(maps).all()):
+        return "maps are not finite"
+    return None
+
+
+def run(family: Family, batch: int = 4, seed: int = 0) -> list[Outcome]:
+    """Every method of the family's registry family on its tiny build.
+
+    Methods the adapter does not list come out ``"n/a"`` with the adapter's reason; listed
+    methods come out ``"ok"`` (a finite map of shape (B, h, w), or (B, T, h, w) for
+    captioners) or ``"refused"`` (a VitexplainError). Any other exception propagates, and
+    so does a listed method whose maps are not finite or of the wrong shape (AssertionError).
+    """
+    from . import Explainer
+    from .methods import registry
+
+    torch.manual_seed(seed)
+    model = family.build().eval()
+    reinit_heads(model, seed)
+    ex = Explainer(model)
+    listed = ex.methods()
+    x = torch.randn(batch, 3, *family.size, generator=torch.Generator().manual_seed(seed))
+    target = None
+    if family.target == "norm":
+        from .targets import norm
+
+        target = norm()
+    outcomes = []
+    if ex.adapter.notes.get("family"):  # why a family has none of another family's methods
+        outcomes.append(Outcome("ViT methods", "n/a", ex.adapter.notes["family"]))
+    for spec in registry.specs(ex.family):
+        if spec.name not in listed:
+            outcomes.append(Outcome(spec.name, "n/a", ex.adapter.refusal(spec) or ""))
+            continue
+        options = CHEAP.get(spec.name, {})
+        try:
+            if ex.family == "caption":
+                e = ex.explain_caption(x, method=spec.name, max_len=3, **options)
+            else:
+                e = ex.explain(x, method=spec.name, target=target, **options)
+        except VitexplainError as err:
+            outcomes.append(Outcome(spec.name, "refused", str(err)))
+            continue
+        problem = _check(e.maps, batch)
+        assert problem is None, f"{family.name}: {spec.name}: {problem}"
+        zero = "zero " if not bool(e.maps.any()) else ""
+        outcomes.append(Outcome(spec.name, "ok", f"{zero}{tuple(e.maps.shape)}", float(e.maps.float().std())))
+    return outcomes
+
+
+# -- tables ------------------------------------------------------------------------------------
+#: README columns: (heading, methods), in the registry's order.
+GROUPS: list[tuple[str, tuple[str, ...]]] = [
+    ("attention", ("raw", "rollout")),
+    ("gradient x attention", ("grad_rollout", "generic", "attn_gradcam")),
+    ("tokens", ("cdam", "gradcam")),
+    ("re-run (checked)", ("cdam_smooth", "cdam_integrated", "legrad")),
+    ("captum", ("integrated_gradients", "occlusion", "smoothgrad")),
+    ("CNN stage", ("gradcam", "gradcam++", "layercam")),
+    ("gates", ("spatial", "channel")),
+    ("caption", ("cross", "cross_generic")),
+]
+
+
+def _cell(group: tuple[str, ...], family_group: str, outcomes: dict[str, Outcome]) -> str:
+    cnn_like = family_group in ("CNN", "hybrid")
+    relevant = [m for m in group if m in outcomes]
+    if group == GROUPS[5][1] and not cnn_like or group == GROUPS[2][1] and cnn_like:
+        relevant = []  # "gradcam" is a ViT method for ViTs, a CNN method for CNNs
+    ok = [m for m in relevant if outcomes[m].status == "ok"]
+    if not relevant or not ok:
+        return "-"
+    return "yes" if len(ok) == len(relevant) else ", ".join(ok)
+
+
+def readme_table(results: list[tuple[Family, list[Outcome]]]) -> str:
+    """The README's support matrix (markdown) from :func:`run` results."""
+    head = "| family | " + " | ".join(name for name, _ in GROUPS) + " |"
+    lines = [head, "|" + "---|" * (len(GROUPS) + 1)]
+    for family, outcomes in results:
+        by_name = {o.method: o for o in outcomes}
+        cells = [_cell(methods, family.group, by_name) for _, methods in GROUPS]
+        lines.append(f"| {family.name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def support_doc(results: list[tuple[Family, list[Outcome]]]) -> str:
+    """``docs/support.md``: per family, what runs, what does not and why, and its oracle test."""
+    out = [
+        "# Support matrix",
+        "",
+        "Generated by `python tools/support_matrix.py` from the table in `vitexplain/support.py`; the",
+        "sweep `tests/test_support_matrix.py` runs the same table (a tiny random-init build of each",
+        "family, every method `vx.methods.names(model)` lists) and fails when this file is out of date.",
+        "A method that is not listed for a model raises `UnsupportedMethodError` with the reason below.",
+        "",
+        readme_table(results),
+        "",
+    ]
+    for family, outcomes in results:
+        ok = [o.method for o in outcomes if o.status == "ok"]
+        out += [f"## {family.name}", "", f"- runs: {', '.join(f'`{m}`' for m in ok) or 'nothing'}"]
+        for o in outcomes:
+            if o.status != "ok":
+                reason = o.detail.split(". Methods that apply")[0]
+                label = o.method if o.method == "ViT methods" else f"`{o.method}`"
+                out.append(f"- {label} ({'refused at run time' if o.status == 'refused' else 'not listed'}): {reason}")
+        out += [f"- checked against an oracle in `{family.oracle}`", ""]
+    return "\n".join(out)
