@@ -240,3 +240,13 @@ def test_explore_captioner_words_maps_and_encoder_attention(images, tmp_path) ->
     exact = expected.maps[0, : len(words)].flatten(1).numpy()
     assert np.abs(got - exact).max() <= exact.max() / 510 * 1.001
     assert data["attention"]["tokens"] == ["[CLS]"] and len(data["attention"]["layerIndex"]) == 4
+
+
+def test_explore_one_given_target(shapes_vit, images, tmp_path) -> None:
+    data = _payload(vx.explore(shapes_vit, images[:1], tmp_path / "t.html", methods=["generic"], target="star").read_text())
+    first = data["images"][0]
+    assert first["targets"] == [{"index": -1, "label": "star", "score": None}]
+    assert first["methods"][0]["maps"]["rows"] == 1
+    expected = vx.Explainer(shapes_vit).explain(images[:1], method="generic", target="star").maps[0].flatten().numpy()
+    got = dequantize_rows(first["methods"][0]["maps"])[0]
+    assert np.abs(got - expected).max() <= expected.max() / 510 * 1.001

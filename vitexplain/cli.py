@@ -312,6 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a method option, e.g. rollout.head_fusion=max (repeatable)")
     g.add_argument("--top-k", type=_positive, default=3, metavar="K",
                    help="classes offered for class-discriminative methods (default 3)")
+    g.add_argument("--target", default="pred", metavar="pred|INDEX|LABEL",
+                   help="explain the top-k classes (pred, default) or this one class")
     g.add_argument("--max-images", type=_positive, default=50, metavar="N",
                    help="refuse more images than this (default 50: the page embeds every image's data)")
     g.add_argument("--attention-budget", type=_positive_float, default=5.0, metavar="MB",
@@ -405,7 +407,7 @@ def _cmd_explore(args: argparse.Namespace) -> int:
     return explore_inputs(ExploreOptions(
         inputs=list(args.inputs), out=args.out, model=args.model, checkpoint=args.checkpoint,
         num_classes=args.num_classes, model_args=dict(args.model_arg), labels=args.labels,
-        methods=_methods_of(args), method_options=_method_options_of(args), top_k=args.top_k,
+        methods=_methods_of(args), method_options=_method_options_of(args), top_k=args.top_k, target=args.target,
         max_images=args.max_images, title=args.title, attention_budget_mb=args.attention_budget,
         max_len=args.max_len, device=args.device, quiet=args.quiet,
     ))

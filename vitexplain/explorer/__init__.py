@@ -36,6 +36,7 @@ def explore(
     methods: Optional[Sequence[str]] = None,
     options: Optional[Mapping[str, Mapping[str, Any]]] = None,
     top_k: int = 3,
+    target: Any = None,
     names: Optional[Sequence[str]] = None,
     title: str = "vitexplain explorer",
     attention_budget: int = DEFAULT_ATTENTION_BUDGET,
@@ -61,6 +62,9 @@ def explore(
             named here must all run).
         options: per-method options, e.g. ``{"rollout": {"head_fusion": "max"}}``.
         top_k: classes offered for class-discriminative methods.
+        target: None (the top-k classes), or the one target class-discriminative methods explain:
+            a class index or label name, or a score such as ``vx.targets.similarity(vector)``.
+            Headless backbones (no classifier head) default to ``vx.targets.norm()``.
         names: labels of the images (default: file names).
         title: page title.
         attention_budget: most bytes of attention data per image (base64); past it fewer
@@ -89,7 +93,7 @@ def explore(
     if len(labels) != len(items):
         raise UsageError(f"got {len(labels)} names for {len(items)} images; pass one name per image")
     data = [
-        image_data(explainer, item, label, methods=methods, options=options, top_k=top_k,
+        image_data(explainer, item, label, methods=methods, options=options, top_k=top_k, target=target,
                    attention_budget=attention_budget, max_len=max_len)
         for item, label in zip(items, labels)
     ]

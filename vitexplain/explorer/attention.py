@@ -30,7 +30,7 @@ from ..layout import TokenLayout
 from ..recording import AttentionRecord
 from .quantize import payload_bytes, quantize_rows
 
-__all__ = ["rollout_matrices", "prefix_labels", "attention_payload", "DEFAULT_ATTENTION_BUDGET"]
+__all__ = ["rollout_matrices", "prefix_labels", "attention_payload", "attention_views", "DEFAULT_ATTENTION_BUDGET"]
 
 #: Base64 bytes the attention views of one image may take by default (the issue's budget for
 #: a 224 px ViT-S page is 6 MB; the image, maps and script take the rest).
@@ -71,6 +71,27 @@ def prefix_labels(model: nn.Module, layout: TokenLayout) -> list[str]:
         labels.append("[DIST]")
     registers = layout.num_prefix_tokens - len(labels)
     return labels + [f"[REG{i}]" for i in range(registers)]
+
+
+def attention_views(
+    records: Sequence[AttentionRecord], layout: TokenLayout, prefix_names: list[str], notes: list[str], *, budget: int
+) -> Optional[dict[str, Any]]:
+    """:func:`attention_payload` of the layers in which every token attends to every token.
+
+    Layers whose queries are the class token only (CaiT's and XCiT's class attention) have no
+    row per patch to explore and are left out, with a note; None when no layer is left.
+    """
+    n = layout.num_tokens
+    square = [r for r in records if r.num_queries == n and r.num_keys == n]
+    if len(square) < len(records):
+        notes.append(
+            f"{len(records) - len(square)} of {len(records)} attention layers attend from the class token "
+            "only (class attention); the attention views show the others"
+            if square else "no attention layer attends from every token (class attention only): no attention views"
+        )
+    if not square:
+        return None
+    return attention_payload(square, layout, prefix_names, budget=budget)
 
 
 def _layers_that_fit(num_layers: int, per_layer: int, budget: int) -> list[int]:

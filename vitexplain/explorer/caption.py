@@ -17,7 +17,7 @@ from ..errors import VitexplainError
 from ..layout import find_layout_module
 from ..methods import registry
 from ..recording import capture
-from .attention import attention_payload, prefix_labels
+from .attention import attention_views, prefix_labels
 from .extract import explain_all
 from .quantize import quantize_rows
 
@@ -57,6 +57,7 @@ def caption_data(
         raise VitexplainError(f"no caption method could run on this model: {'; '.join(notes)}")
     out: dict[str, Any] = {
         "predictions": [{"index": -1, "label": " ".join(words or []), "score": None}],
+        "targets": [],
         "caption": {"words": list(words or []), "methods": entries},
     }
     layout = adapter.layout(tuple(x.shape[-2:]))
@@ -69,9 +70,7 @@ def caption_data(
     if not layers:
         notes.append("the image encoder issued no self-attention call that vitexplain could see")
         return out
-    for record in layers:
-        layout.check(record.num_keys)
     encoder = explainer.model.get_submodule(adapter.encoder_prefix)
     owner = find_layout_module(encoder, tuple(x.shape[-2:]))[1]
-    out["attention"] = attention_payload(layers, layout, prefix_labels(owner, layout), budget=attention_budget)
+    out["attention"] = attention_views(layers, layout, prefix_labels(owner, layout), notes, budget=attention_budget)
     return out

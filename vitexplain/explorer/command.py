@@ -41,6 +41,7 @@ class ExploreOptions:
         methods: method names (None: :data:`vitexplain.explorer.DEFAULT_METHODS`).
         method_options: per method, keyword options.
         top_k: classes offered for class-discriminative methods.
+        target: ``"pred"`` (the top-k classes), or one class index or label name to explain.
         max_images: refuse more inputs than this (the page embeds every image's data).
         title: page title (default: ``vitexplain explorer: MODEL``).
         attention_budget_mb: most MB of attention data per image.
@@ -59,6 +60,7 @@ class ExploreOptions:
     methods: Optional[list[str]] = None
     method_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     top_k: int = 3
+    target: str = "pred"
     max_images: int = DEFAULT_MAX_IMAGES
     title: Optional[str] = None
     attention_budget_mb: float = 5.0
@@ -75,6 +77,14 @@ def _device(spec: str) -> str:
     if spec.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError(f"--device {spec}: CUDA is not available on this machine; use --device cpu")
     return spec
+
+
+def _target(text: str) -> Any:
+    """``--target``: None for ``pred``, an int for an index, else a label name."""
+    text = str(text).strip()
+    if text.lower() in ("", "pred"):
+        return None
+    return int(text) if text.lstrip("+-").isdigit() else text
 
 
 def explore_inputs(opts: ExploreOptions) -> int:
@@ -117,6 +127,7 @@ def explore_inputs(opts: ExploreOptions) -> int:
     try:
         path = explore(
             model, images, out, methods=opts.methods, options=opts.method_options, top_k=opts.top_k, names=names,
+            target=_target(opts.target),
             title=opts.title or f"vitexplain explorer: {opts.model}",
             attention_budget=int(opts.attention_budget_mb * 1e6), max_len=opts.max_len,
         )

@@ -16,12 +16,12 @@ import torch
 from torch import Tensor
 
 from ..errors import VitexplainError
+from ..targets import TargetSpec, logits_of, norm
 from ..layout import find_layout_module
 from ..methods import registry
 from ..methods.context import Context
 from ..recording import capture
-from ..targets import logits_of
-from .attention import attention_payload, prefix_labels
+from .attention import attention_views, prefix_labels
 from .quantize import quantize_rows
 
 __all__ = ["DEFAULT_METHODS", "image_data", "top_predictions", "method_entries", "explain_all"]
@@ -91,24 +91,25 @@ def method_entries(
     explainer: Any,
     x: Tensor,
     methods: Sequence[str],
-    classes: list[int],
+    targets: list[Any],
     *,
     options: Mapping[str, Any],
     notes: list[str],
     strict: bool,
 ) -> list[dict[str, Any]]:
-    """Per method, its maps: one row per class of ``classes`` (class-discriminative methods)
-    or a single row (class-agnostic ones), each row the (gh * gw) map, quantised."""
+    """Per method, its maps: one row per target of ``targets`` (class-discriminative methods;
+    class indices or any target the Explainer takes) or a single row (class-agnostic ones),
+    each row the (gh * gw) map, quantised."""
     specs = {name: registry.get(name, explainer.family) for name in methods}
     sensitive = [n for n in methods if specs[n].class_sensitive]
     agnostic = [n for n in methods if not specs[n].class_sensitive]
     rows: dict[str, list[Tensor]] = {}
-    for c in classes:
-        got = explain_all(partial(explainer.explain, x, target=int(c)), sensitive, options, notes, strict)
+    for target in targets:
+        got = explain_all(partial(explainer.explain, x, target=target), sensitive, options, notes, strict)
         sensitive = [n for n in sensitive if n in got]  # a method that failed once is left out
         for name, e in got.items():
             rows.setdefault(name, []).append(e.maps[0])
-    for name, e in explain_all(partial(explainer.explain, x), agnostic, options, notes, strict).items():
+    for name, e in explain_all(partial(explainer.explain, x, target=targets[0] if targets else None), agnostic, options, notes, strict).items():
         rows[name] = [e.maps[0]]
     entries = []
     for name in methods:
@@ -138,6 +139,7 @@ def image_data(
     methods: Optional[Sequence[str]] = None,
     options: Optional[Mapping[str, Any]] = None,
     top_k: int = 3,
+    target: TargetSpec = None,
     attention_budget: int,
     max_len: int = 16,
 ) -> dict[str, Any]:
@@ -151,6 +153,9 @@ def image_data(
             ones that do not apply to this model, with a note).
         options: per-method options, ``{method: {option: value}}``.
         top_k: classes offered for class-discriminative methods.
+        target: None (the top-k classes), or one target for class-discriminative methods (a
+            class index or label, or a score such as ``vx.targets.similarity(v)``). Headless
+            backbones default to ``vx.targets.norm()``, with a note.
         attention_budget: most base64 bytes of attention views.
         max_len: longest caption generated (captioners).
 
@@ -182,19 +187,34 @@ def image_data(
         data.update(caption_data(explainer, x, names, options or {}, notes, strict, attention_budget, max_len))
         return data
     vit = family == "vit"
+    adapter = explainer.adapter
     with torch.no_grad(), capture(explainer.model, attention=vit) as rec:
-        outputs = explainer.adapter.forward(x)
-    predictions = top_predictions(logits_of(outputs)[0], explainer.adapter.label_names, top_k, _multi_label(explainer.model))
-    data["predictions"] = predictions
-    data["methods"] = method_entries(
-        explainer, x, names, [p["index"] for p in predictions], options=options or {}, notes=notes, strict=strict
+        outputs = adapter.forward(x)
+    predictions = (
+        top_predictions(logits_of(outputs)[0], adapter.label_names, top_k, _multi_label(explainer.model))
+        if adapter.has_head else []
     )
+    if target is None and not adapter.has_head:
+        target = norm()
+        notes.append("no classifier head: the methods explain the norm of the embedding (vx.targets.norm()); "
+                     "pass target= (e.g. vx.targets.similarity(vector)) for another score")
+    if target is None:
+        targets, data["targets"] = [p["index"] for p in predictions], predictions
+    else:
+        label = getattr(target, "__name__", None) if callable(target) else str(target)
+        targets, data["targets"] = [target], [{"index": -1, "label": label or "target", "score": None}]
+    data["predictions"] = predictions
+    data["methods"] = method_entries(explainer, x, names, targets, options=options or {}, notes=notes, strict=strict)
     if vit:
-        layout = explainer.adapter.layout(tuple(x.shape[-2:]))
+        layout = adapter.layout(tuple(x.shape[-2:]))
         if layout.windowed:
             notes.append("windowed attention (Swin-style): no attention views")
         else:
-            layers = Context(explainer.adapter, x, outputs, None, rec, layout, method="explore").layers()
+            try:
+                layers = Context(adapter, x, outputs, None, rec, layout, method="explore").layers()
+            except VitexplainError as err:
+                notes.append(f"no attention views: {err}")
+                return data
             owner = find_layout_module(explainer.model, tuple(x.shape[-2:]))[1]
-            data["attention"] = attention_payload(layers, layout, prefix_labels(owner, layout), budget=attention_budget)
+            data["attention"] = attention_views(layers, layout, prefix_labels(owner, layout), notes, budget=attention_budget)
     return data

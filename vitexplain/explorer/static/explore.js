@@ -166,7 +166,7 @@
     var maps = data.methods.map(function (m) { return decodeQ(m.maps); });
     var hv = heatView(data, "method", null);
     var legendBox = el("div"), info = el("p", { class: "vx-info" });
-    var preds = data.predictions || [];
+    var preds = data.targets || [];
     var classes = tabs(preds.map(function (p) { return p.label + (p.score === null ? "" : " " + p.score.toFixed(3)); }),
       "class", function (k) { state.k = k; draw(); });
     function draw() {
