@@ -270,3 +270,15 @@ def test_tiny_magnitude_maps_are_not_flattened():
         np.testing.assert_array_equal(overlay(image, m * 1e-20, normalize=mode), overlay(image, m, normalize=mode))
     noisy = np.float32(1.0) + np.float32(1e-7) * np.random.default_rng(4).random((4, 4)).astype(np.float32)
     assert (normalize_map(noisy) == 0).all()  # float32 rounding noise around a constant: flat
+
+
+def test_readable_enlarges_small_images_by_a_whole_factor():
+    from vitexplain.viz import readable
+
+    small = np.arange(2 * 3 * 3, dtype=np.uint8).reshape(2, 3, 3)
+    big = readable(small, 5)  # shortest side 2 -> factor 3
+    assert big.shape == (6, 9, 3)
+    np.testing.assert_array_equal(big[::3, ::3], small)  # each pixel a 3x3 block
+    np.testing.assert_array_equal(big[2, 5], small[0, 1])
+    image = np.zeros((300, 400, 3), np.uint8)
+    assert readable(image) is image  # already >= 256 px

@@ -16,7 +16,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "colormap_names": (".colormaps", "colormap_names"),
     "colorbar": (".legend", "colorbar"),
     "with_colorbar": (".legend", "with_colorbar"),
-    "readable": (".notebook", "readable"),
+    "readable": (".overlays", "readable"),
     "grid": (".grids", "grid"),
     "save_png": (".grids", "save_png"),
     "channel_tiles": (".channels", "channel_tiles"),

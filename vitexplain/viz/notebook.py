@@ -14,28 +14,14 @@ import io
 from pathlib import Path
 from typing import Any, Optional
 
-import cv2
 import numpy as np
 
 from ..errors import UsageError
 from .colormaps import apply_colormap
 from .legend import with_colorbar
-from .overlays import normalize_map
+from .overlays import normalize_map, readable
 
-__all__ = ["readable", "png_data_uri", "explanation_tiles", "caption_tiles", "tiles_html", "show_tiles", "MIN_SIDE"]
-
-#: Shortest side, in pixels, at which overlays are shown and written.
-MIN_SIDE = 256
-
-
-def readable(image: np.ndarray, min_side: int = MIN_SIDE) -> np.ndarray:
-    """``image`` enlarged by a whole factor (nearest: the pixels the model saw, each a block) so
-    that its shortest side is at least ``min_side``; unchanged when it already is."""
-    factor = -(-int(min_side) // max(1, min(image.shape[:2])))
-    if factor <= 1:
-        return image
-    return cv2.resize(image, (image.shape[1] * factor, image.shape[0] * factor), interpolation=cv2.INTER_NEAREST)
-
+__all__ = ["png_data_uri", "explanation_tiles", "caption_tiles", "tiles_html", "show_tiles"]
 
 def png_data_uri(image: np.ndarray) -> str:
     """An (H, W, 3) uint8 RGB image as a ``data:image/png;base64,...`` URI."""

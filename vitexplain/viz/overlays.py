@@ -16,7 +16,7 @@ from ._util import check_rgb, map_to_numpy
 from .colormaps import apply_colormap, colormap_lut
 from ..errors import UsageError
 
-__all__ = ["overlay", "normalize_map", "NORMALIZE_MODES", "INTERPOLATIONS"]
+__all__ = ["overlay", "normalize_map", "readable", "MIN_SIDE", "NORMALIZE_MODES", "INTERPOLATIONS"]
 
 #: Normalisation modes of :func:`normalize_map` / :func:`overlay`.
 NORMALIZE_MODES: tuple[str, ...] = ("minmax", "percentile", "signed", "none")
@@ -27,6 +27,9 @@ INTERPOLATIONS: dict[str, int] = {
     "bilinear": cv2.INTER_LINEAR,
     "bicubic": cv2.INTER_CUBIC,
 }
+
+#: Shortest side, in pixels, at which overlays of small images are drawn (:func:`readable`).
+MIN_SIDE = 256
 
 # Ranges within a few float32 ULPs of the values are noise around a constant.
 _REL_TOL = 4 * float(np.finfo(np.float32).eps)
@@ -193,3 +196,11 @@ def overlay(
             cv2.drawContours(out, contours, -1, (255, 255, 255), thickness, cv2.LINE_8, offset=(-m, -m))
     return np.ascontiguousarray(out)
 
+
+def readable(image: np.ndarray, min_side: int = MIN_SIDE) -> np.ndarray:
+    """``image`` enlarged by a whole factor (nearest: the pixels the model saw, each a block) so
+    that its shortest side is at least ``min_side``; unchanged when it already is."""
+    factor = -(-int(min_side) // max(1, min(image.shape[:2])))
+    if factor <= 1:
+        return image
+    return cv2.resize(image, (image.shape[1] * factor, image.shape[0] * factor), interpolation=cv2.INTER_NEAREST)
