@@ -5,7 +5,7 @@
     vitexplain export INPUT... --out DIR [--model NAME] [--method rollout,cdam] ...
     vitexplain caption INPUT... --out DIR [--model shapes-captioner] [--caption TEXT] ...
     vitexplain explore INPUT... --out page.html [--model NAME] [--method generic,cdam] ...
-    vitexplain methods [--model NAME | --family vit|cnn|caption]
+    vitexplain methods [--model NAME | --family vit|swin|cnn|caption]
     vitexplain models
     torchrun --nproc_per_node=N -m vitexplain export|caption ...   # one shard per process
 
@@ -328,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
                         description="List the explanation methods, with a one-line summary each.")
     which = me.add_mutually_exclusive_group()
     which.add_argument("--model", "-m", metavar="NAME", help="only the methods that apply to this model")
-    which.add_argument("--family", choices=("vit", "cnn", "caption"), help="only this model family")
+    which.add_argument("--family", choices=("vit", "swin", "cnn", "caption"), help="only this model family")
 
     sub.add_parser("models", help="list the bundled zoo models", description="List the bundled zoo models.")
     return parser

@@ -88,7 +88,7 @@ IMAGE_EXTENSIONS: frozenset[str] = frozenset(
 )
 
 #: Methods exported when ``--method`` is not given, per model family.
-DEFAULT_METHODS: dict[str, tuple[str, ...]] = {"vit": ("rollout", "cdam"), "cnn": ("gradcam",)}
+DEFAULT_METHODS: dict[str, tuple[str, ...]] = {"vit": ("rollout", "cdam"), "swin": ("rollout", "cdam"), "cnn": ("gradcam",)}
 
 MANIFEST = "manifest.jsonl"
 SUMMARY = "summary.json"

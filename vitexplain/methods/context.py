@@ -100,7 +100,8 @@ class Context:
                 f"method {self.method!r} re-runs part of {model} ({what}: {self.adapter.describe()}), "
                 f"but that partial forward does not reproduce the model's own outputs: {reason}. "
                 "Its maps would be wrong, so none are returned; use a method that reads the "
-                "explained forward only (e.g. 'cdam', 'gradcam', 'integrated_gradients'), or give "
+                "explained forward only (e.g. 'generic', 'rollout', 'integrated_gradients'; for "
+                "ViTs also 'cdam', 'gradcam'), or give "
                 "vx.Explainer(model, adapter=...) an adapter whose tail/head match the model "
                 "(is the model in eval mode?)"
             )
@@ -112,7 +113,7 @@ class Context:
         layout = self.layout
         if layout is None:
             raise UnsupportedMethodError(f"method {self.method!r} needs a ViT token layout")
-        if layout.windowed:
+        if layout.windowed and (rollout or layout.grid is None):
             alternatives = "'cdam', 'gradcam', 'integrated_gradients', 'occlusion'"
             what = "rollout across layers" if rollout else "a single patch grid"
             raise UnsupportedMethodError(
