@@ -25,7 +25,7 @@ support = pytest.importorskip("vitexplain.support")
 
 FAMILIES = {f.name: f for f in support.families()}
 #: one cheap method per group (the support sweep covers every method)
-METHOD = {"ViT": "cdam", "Hugging Face": "cdam", "CNN": "gradcam", "hybrid": "gradcam", "captioner": "cross"}
+METHOD = {"ViT": "cdam", "Hugging Face": "cdam", "Swin": "cdam", "CNN": "gradcam", "hybrid": "gradcam", "captioner": "cross"}
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -43,8 +43,9 @@ def test_explore_family(name, tmp_path) -> None:
     data = json.loads(re.search(r'id="vx-data">(.*?)</script>', page, re.S).group(1))["images"][0]
     entries = data["caption"]["methods"] if data["family"] == "caption" else data["methods"]
     assert [m["name"] for m in entries] == [method]
-    if family.group in ("CNN", "hybrid"):
+    if family.group in ("CNN", "hybrid", "Swin"):
         assert data["attention"] is None
+        assert family.group != "Swin" or any("windowed attention" in note for note in data["notes"])
         return
     att = data["attention"]
     if att is None:  # CaiT / XCiT: every attention layer is class attention

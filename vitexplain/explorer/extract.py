@@ -31,6 +31,7 @@ __all__ = ["DEFAULT_METHODS", "image_data", "top_predictions", "method_entries",
 #: rollout. ``legrad`` (one backward pass per layer and class) is left to ``methods=``.
 DEFAULT_METHODS: dict[str, tuple[str, ...]] = {
     "vit": ("generic", "grad_rollout", "cdam", "gradcam", "rollout"),
+    "swin": ("generic", "grad_rollout", "cdam", "gradcam", "rollout"),
     "cnn": ("gradcam", "layercam", "gradcam++", "spatial", "channel"),
     "caption": ("cross", "cross_generic"),
 }
@@ -205,6 +206,9 @@ def image_data(
         targets, data["targets"] = [target], [{"index": -1, "label": label or "target", "score": None}]
     data["predictions"] = predictions
     data["methods"] = method_entries(explainer, x, names, targets, options=options or {}, notes=notes, strict=strict)
+    if family == "swin":
+        notes.append("windowed attention (Swin): each layer attends inside local windows, so there is no single "
+                     "query x key matrix to explore; the methods' maps are shown")
     if vit:
         layout = adapter.layout(tuple(x.shape[-2:]))
         if layout.windowed:
