@@ -290,15 +290,24 @@ def test_discover_inputs_keys_globs_and_safety(tmp_path: Path, monkeypatch) -> N
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_bytes(b"x")
     keys = [it.key for it in discover_inputs(["a", "b"], "out")]
-    assert keys == ["[odd].png", "b/x.png", "sub/y.JPG", "x.png"]  # collision -> input folder name
+    # a collision prefixes every colliding key with its input folder's name, whatever the order
+    assert keys == ["[odd].png", "a/x.png", "b/x.png", "sub/y.JPG"]
+    assert [it.key for it in discover_inputs(["b", "a"], "out")] == keys
     # globs: the fixed prefix is the root; .. never escapes; out is skipped
-    items = discover_inputs(["*/../a/**/*.png", "a/[odd].png"], "out")  # same files: listed once
-    assert [it.key for it in items] == ["a/[odd].png", "a/x.png"]
+    items = discover_inputs(["*/../a/**/*.png", "a/[odd].png"], "out")  # same files: listed once,
+    assert [it.key for it in items] == ["[odd].png", "a/x.png"]  # under their shortest key
     items = discover_inputs(["a/../b/x.png", "**/*.png"], "out")
     assert [it.key for it in items] == ["a/[odd].png", "a/x.png", "x.png"]
     for it in items:
         assert ".." not in it.key.split("/") and not it.path.startswith("out")
     assert {it.key for it in discover_inputs(["."], "out")} == {"a/x.png", "a/sub/y.JPG", "b/x.png", "a/[odd].png"}
+    # names differing only by case in one folder: told apart by a hash of the file, not the folder
+    for name in ("c/Q.png", "c/q.png"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_bytes(b"x")
+    keys = sorted(it.key for it in discover_inputs(["c"], "out"))
+    assert len(keys) == 2 and len({k.casefold() for k in keys}) == 2
+    assert all(re.fullmatch(r"[Qq]~[0-9a-f]{8}\.png", k) for k in keys), keys
     with pytest.raises(UsageError, match="next to the"):
         discover_inputs(["a"], "a")
     with pytest.raises(UsageError, match="no such file"):
@@ -410,3 +419,87 @@ def test_torchrun_two_processes_match_one(tree: Path, ckpt: str, tmp_path: Path)
                                            rtol=1e-4, atol=1e-6)
     s1, s2 = _summary(one), _summary(two)
     assert s1["counts"] == s2["counts"] and s2["world_size"] == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# the options base: one declaration per option
+# ---------------------------------------------------------------------------------------------
+def _flags(parser_action_groups) -> set[str]:
+    return {s for a in parser_action_groups for s in a.option_strings if s.startswith("--") and s != "--help"}
+
+
+def test_cli_flags_and_resume_key_derive_from_the_options() -> None:
+    import argparse
+    import dataclasses
+
+    from vitexplain.batch.caption import CaptionOptions
+    from vitexplain.batch.export import ExportOptions
+    from vitexplain.batch.options import add_arguments, option, output_settings, specs
+    from vitexplain.batch.setup import config_hash
+
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for command, cls in (("export", ExportOptions), ("caption", CaptionOptions)):
+        declared = {flag for _, spec in specs(cls) for flag in spec.flags if flag.startswith("--")}
+        assert _flags(sub.choices[command]._actions) == declared, command
+        outputs = {f.name for f, spec in specs(cls) if spec.outputs}
+        assert set(output_settings(cls(inputs=["x"], out="o"))) == outputs
+    assert {"model", "methods", "method_options", "alpha", "crop", "save_maps"} <= {
+        f.name for f, s in specs(ExportOptions) if s.outputs}
+    assert not {"batch_size", "workers", "quiet", "overwrite", "html"} & {
+        f.name for f, s in specs(ExportOptions) if s.outputs}
+
+    # a new output option is one field: it gets its flag, its help and its place in the resume key
+    @dataclasses.dataclass
+    class WithGamma(ExportOptions):
+        gamma: float = option(1.0, flags="--gamma", metavar="G", outputs=True, group="overlays",
+                              help="overlay gamma (default {default})")
+
+    p = argparse.ArgumentParser()
+    add_arguments(p, WithGamma, {"model": "m", "explanation": "e", "overlays": "o", "running": "r"})
+    assert "overlay gamma (default 1.0)" in p.format_help()
+    from vitexplain.batch.options import from_args
+
+    opts = from_args(WithGamma, p.parse_args(["in", "--out", "o", "--gamma", "2.2"]))
+    assert opts.gamma == 2.2
+    assert config_hash(opts, {})[1] != config_hash(dataclasses.replace(opts, gamma=1.0), {})[1]
+    assert config_hash(opts, {})[1] == config_hash(dataclasses.replace(opts, batch_size=7), {})[1]
+
+
+def test_build_loaded_equals_ordinary_loading_or_declines() -> None:
+    from torch import nn
+
+    from vitexplain.zoo.hub import build_loaded
+
+    def net() -> nn.Module:  # 4.2M parameters: above the size where the meta device pays off
+        return nn.Sequential(nn.Linear(3, 2048), nn.LayerNorm(2048), nn.Linear(2048, 2048))
+
+    torch.manual_seed(0)
+    ref = net().eval()
+    state = {k: v.half() for k, v in ref.state_dict().items()}  # a half-precision checkpoint
+    loaded = build_loaded(net, state).eval()
+    expected = net().eval()
+    expected.load_state_dict(state)  # what ordinary loading gives (cast to float32)
+    x = torch.randn(5, 3)
+    assert all(p.dtype == torch.float32 and not p.is_meta for p in loaded.parameters())
+    assert torch.equal(loaded(x), expected(x))
+    small = {k: v for k, v in nn.Linear(3, 4).state_dict().items()}  # tiny: the ordinary path is quicker
+    assert build_loaded(lambda: nn.Linear(3, 4), small) is None
+
+    class WithBuffer(nn.Module):  # a buffer not in the state dict would stay on the meta device
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2048, 2048)
+            self.register_buffer("table", torch.arange(3.0), persistent=False)
+
+    class Tied(nn.Module):  # assigning would untie the weights
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(2048, 2048)
+            self.b = nn.Linear(2048, 2048)
+            self.b.weight = self.a.weight
+
+    assert build_loaded(WithBuffer, WithBuffer().state_dict()) is None
+    assert build_loaded(Tied, Tied().state_dict()) is None
+    assert build_loaded(net, {k: v for k, v in state.items() if k != "0.bias"}) is None
+    assert build_loaded(net, None) is None
