@@ -126,7 +126,7 @@ def test_sources_str_path_bytes_fileobj(tmp_path):
         assert not f.closed
     np.testing.assert_array_equal(vx.load_image(path), a)
     np.testing.assert_array_equal(vx.data.load_image(path), a)
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="expects a path .* got int"):
         load_image(123)  # type: ignore[arg-type]
 
 
@@ -231,7 +231,7 @@ def test_decompression_bomb_refused(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def vit_model():
-    timm = pytest.importorskip("timm")
+    import timm
     model = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=0, depth=1)
     return model
 

@@ -255,7 +255,7 @@ def test_save_png_roundtrip_rgb_atomic(tmp_path):
     save_png(dest, rgb[::-1])  # overwrite in place
     np.testing.assert_array_equal(np.asarray(Image.open(dest).convert("RGB")), rgb[::-1])
     assert sorted(p.name for p in dest.parent.iterdir()) == [dest.name]  # no temp files left
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"uint8 RGB array, got shape \(4, 4, 3\) dtype float32"):
         save_png(tmp_path / "bad.png", np.zeros((4, 4, 3), np.float32))
     assert not (tmp_path / "bad.png").exists()
     gray = np.arange(12, dtype=np.uint8).reshape(3, 4)

@@ -30,8 +30,8 @@ from vitexplain.methods.context import Context
 from vitexplain.targets import resolve
 from vitexplain.adapters.swin import HFSwinAdapter, TimmSwinAdapter, TorchvisionSwinAdapter
 
-timm = pytest.importorskip("timm")
-tv = pytest.importorskip("torchvision")
+import timm  # noqa: E402,F401  (a dependency of the package: never skipped)
+import torchvision as tv  # noqa: E402  (a dependency of the package: never skipped)
 transformers = pytest.importorskip("transformers")
 
 from timm.models.swin_transformer import SwinTransformer, window_partition as timm_partition  # noqa: E402

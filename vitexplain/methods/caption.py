@@ -5,7 +5,7 @@ fused over heads and over decoder layers (or per layer), as in Show, Attend and 
 KV cache each decoding step issues one query; the steps are stitched into a (T, N_image) map.
 
 ``cross_generic``: Chefer, Gur & Wolf (ICCV 2021) rules for encoder-decoder attention, with the
-gradient of each word's log-probability in turn (references.md item 4).
+gradient of each word's log-probability in turn (docs/methods.md, `cross_generic`).
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def _check_cross(ctx: CaptionContext) -> list[AttentionRecord]:
     family="caption",
     class_sensitive=False,
     summary="per-word cross-attention of the decoder over the image patches (heads and layers fused)",
-    reference="Xu et al. 2015 (Show, Attend and Tell); references.md 'Captioning'",
+    reference="Xu et al. 2015 (Show, Attend and Tell); docs/methods.md 'Captioners'",
 )
 def cross(ctx: CaptionContext, *, layers: Union[None, int, Sequence[int]] = None, head_fusion: str = "mean") -> Tensor:
     """Cross-attention maps per word.
@@ -176,7 +176,7 @@ def _joint_relevance(decoder: Sequence[AttentionRecord], r_ii: Tensor, t: int) -
     family="caption",
     grads=True,
     summary="Chefer encoder-decoder relevance per word (gradient of each word's log-probability)",
-    reference="Chefer, Gur & Wolf, ICCV 2021 (encoder-decoder rules); references.md item 4",
+    reference="Chefer, Gur & Wolf, ICCV 2021 (encoder-decoder rules); docs/methods.md",
 )
 def cross_generic(ctx: CaptionContext) -> Tensor:
     """Chefer et al. (2021) relevance of the image patches for each word.

@@ -1,8 +1,24 @@
 """The input of every method: one captured forward (and backward) of one batch.
 
-Methods are pure functions ``fn(ctx, **options) -> maps``: they read records and
-activations from ``ctx.recorder``, never touch the model's hooks, and return (B, gh, gw)
-float32 maps on the model's device.
+Methods are functions ``fn(ctx, **options) -> maps`` that return (B, gh, gw) float32 maps on the
+model's device. Most only read what the capture recorded (attention records, activations,
+gradients in ``ctx.recorder``, whose hooks live for the capture's scope). A few re-run part of
+the model and put a hook of their own on it for that call; each removes it in a ``finally``
+block, so the model is left as found also when the re-run raises:
+
+- ``cdam_smooth`` and ``cdam_integrated`` (ViTs): a forward hook on the last block's first norm,
+  to read (smooth) or replace (integrated) its output while the last block and head run on noisy
+  or interpolated inputs (``tokens._norm1_output``);
+- ``cdam``, ``gradcam``, ``cdam_smooth`` and ``cdam_integrated`` of the Swin family: a forward
+  pre-hook on the last block's attention module, which makes its input a leaf tensor (or
+  replaces it) while the last block and head are re-run (``swin._attention_input``);
+- the CNN ``gradcam``: captum's ``LayerGradCam`` runs its own forward and backward with a forward
+  hook on the chosen layer, which captum removes in its own ``finally``.
+
+The captum-backed ``integrated_gradients``, ``occlusion`` and ``smoothgrad`` run the model on
+perturbed inputs without hooks. No method changes training flags, ``requires_grad`` or ``.grad``
+of the model's parameters (``tests/test_registry.py`` checks every registered method, also after
+an exception inside the forward).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``vx.capture``: a scoped recorder of attention calls that keeps fused attention on.
 
-How it works (see references.md, "Attention from fused kernels"):
+How it works (see docs/methods.md, "How attention is captured"):
 
 - A :class:`torch.overrides.TorchFunctionMode` observes every
   ``F.scaled_dot_product_attention`` call (q, k, v, mask, scale, causal flag) and lets the
