@@ -27,6 +27,7 @@ from vitexplain import cli
 from vitexplain.export import UsageError, discover_inputs
 
 METHODS = ("rollout", "cdam")
+DEFAULTS = ("generic", "gradcam")  # export's default methods for ViTs
 GOOD = (
     "a.png",
     "nested/deep/b c.png",
@@ -131,7 +132,8 @@ def test_export_end_to_end_resume_overwrite(tree: Path, ckpt: str, tmp_path: Pat
         for method in METHODS:
             png = out / f"{rel}.{method}.png"
             assert rec["files"][method] == {"overlay": f"{rel}.{method}.png", "map": f"{rel}.{method}.npy"}
-            assert vx.load_image(png).shape == (64, 64, 3)
+            shape = vx.load_image(png).shape  # 64 px inputs are drawn enlarged 4x (--min-side 256)
+            assert shape[1:] == (256, 3) and (shape[0] > 256 if method == "cdam" else shape[0] == 256)  # cdam: colour bar
             assert np.load(out / f"{rel}.{method}.npy").shape == (8, 8)
     for rel in BAD:
         rec = manifest[rel]
@@ -175,7 +177,7 @@ def test_resume_redoes_changed_inputs(ckpt: str, tmp_path: Path) -> None:
     target = src / GOOD[0]
     Image.fromarray(np.full((64, 64, 3), 200, np.uint8)).save(target)
     os.utime(target, ns=(1, 1))
-    (out / f"{GOOD[1]}.cdam.png").unlink()
+    (out / f"{GOOD[1]}.gradcam.png").unlink()
     assert _run(*args) == 0
     assert _summary(out)["counts"] == {"images": 3, "ok": 2, "failed": 0, "skipped": 1}
 
@@ -185,7 +187,7 @@ def test_save_maps_equal_explainer(tree: Path, ckpt: str, tmp_path: Path) -> Non
     assert _run("export", tree / "nested", "--out", out, "--model", ckpt, "--save-maps", "-q", "-j", "0") == 1
     model = vx.zoo.load_checkpoint(ckpt)
     paths = [tree / "nested/deep/b c.png", tree / "nested/ünïcode ✓.png"]
-    explanations = vx.Explainer(model).explain([str(p) for p in paths], method=list(METHODS))
+    explanations = vx.Explainer(model).explain([str(p) for p in paths], method=list(DEFAULTS))
     for e in explanations:
         for i, key in enumerate(["deep/b c.png", "ünïcode ✓.png"]):
             saved = np.load(out / f"{key}.{e.method}.npy")
@@ -206,7 +208,7 @@ def test_html_gallery(tree: Path, ckpt: str, tmp_path: Path) -> None:
         target = out / unquote(link)  # relative to the page, percent-encoded
         assert target.is_file() or target.name == "dangling.png", link
     for rel in GOOD:
-        assert f'src="{_quote(rel)}.rollout.png"' in page
+        assert f'src="{_quote(rel)}.generic.png"' in page
     assert "square" in page  # the target label
     assert page.count('class="failed"') == len(BAD)
     assert all(r["target"]["label"] == "square" for r in _manifest(out).values() if r["status"] == "ok")
@@ -276,7 +278,11 @@ def test_readme_first_command_default_model(tmp_path: Path) -> None:
     out = tmp_path / "maps"
     assert _run("export", samples, "--out", out, "--html", "-q", "-j", "0") == 0
     records = _manifest(out)
-    assert records and all(r["status"] == "ok" and set(r["files"]) == set(METHODS) for r in records.values())
+    assert records and all(r["status"] == "ok" and set(r["files"]) == set(DEFAULTS) for r in records.values())
+    # readable at a glance: 64 px samples drawn at 256 px, each overlay labelled with its target
+    assert all(vx.load_image(out / f["overlay"]).shape == (256, 256, 3) for r in records.values() for f in r["files"].values())
+    page = (out / "index.html").read_text(encoding="utf-8")
+    assert all(f'<div class="cap">generic: {r["target"]["label"]}</div>' in page for r in records.values())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -327,7 +333,7 @@ def test_discover_inputs_keys_globs_and_safety(tmp_path: Path, monkeypatch) -> N
         (("--target", "hexagon"), "unknown label"),
         (("--batch-size", "0"), "positive integer"),
         (("--checkpoint", "missing.safetensors"), "no such file"),
-        (("--option", "rollout.nope=1"), "rollout has no option 'nope'"),
+        (("--method", "rollout", "--option", "rollout.nope=1"), "rollout has no option 'nope'"),
         (("--option", "cdam"), "METHOD.KEY=VALUE"),
     ],
 )
@@ -413,7 +419,7 @@ def test_torchrun_two_processes_match_one(tree: Path, ckpt: str, tmp_path: Path)
         if a["status"] == "ok":
             assert a["target"] == b["target"]
             assert [p["index"] for p in a["predictions"]] == [p["index"] for p in b["predictions"]]
-            for m in METHODS:
+            for m in DEFAULTS:
                 np.testing.assert_allclose(np.load(one / a["files"][m]["map"]), np.load(two / b["files"][m]["map"]),
                                            rtol=1e-4, atol=1e-6)
     s1, s2 = _summary(one), _summary(two)

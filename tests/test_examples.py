@@ -42,6 +42,13 @@ def test_python_example(tmp_path, script, outputs):
         assert name in written, (name, written)
 
 
+def test_explore_example_writes_both_pages(tmp_path):
+    out = tmp_path / "out"
+    run([sys.executable, str(EXAMPLES / "explore.py"), "--out", str(out), "--quick"], tmp_path)
+    for name in ("explore_vit.html", "explore_caption.html"):
+        assert 'id="vx-data"' in (out / name).read_text()
+
+
 def test_batch_export_script(tmp_path):
     assert shutil.which("vitexplain"), "the vitexplain console script is not on PATH: pip install -e ."
     out = tmp_path / "batch"

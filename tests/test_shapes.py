@@ -149,9 +149,10 @@ def test_other_sizes() -> None:
 
 def test_import_is_light() -> None:
     code = (
-        "import sys, vitexplain, vitexplain.data; "
+        "import sys, vitexplain, vitexplain.data; vitexplain.explore; vitexplain.Explanation; "
         "assert 'cv2' not in sys.modules, 'cv2 imported'; "
-        "assert 'timm' not in sys.modules, 'timm imported'"
+        "assert 'timm' not in sys.modules, 'timm imported'; "
+        "assert 'matplotlib' not in sys.modules and 'playwright' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 

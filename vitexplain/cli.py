@@ -4,6 +4,7 @@
 
     vitexplain export INPUT... --out DIR [--model NAME] [--method rollout,cdam] ...
     vitexplain caption INPUT... --out DIR [--model shapes-captioner] [--caption TEXT] ...
+    vitexplain explore INPUT... --out page.html [--model NAME] [--method generic,cdam] ...
     vitexplain methods [--model NAME | --family vit|swin|cnn|caption]
     vitexplain models
     torchrun --nproc_per_node=N -m vitexplain export|caption ...   # one shard per process
@@ -99,6 +100,20 @@ examples:
 """
 
 
+_EXPLORE_EPILOG = """\
+the page: one HTML file with its images, data, script and styles inline; it requests nothing
+(open it from disk, mail it). Sizes: about 0.2 MB per 64 px shapes image, 4.7 MB per 224 px
+ViT-S/16 image with every layer and head (see --attention-budget).
+
+exit status: 0 ok, 1 some images could not be read (left out of the page), 2 usage error.
+
+examples:
+  vitexplain explore assets/samples --out explore.html
+  vitexplain explore assets/samples --out words.html --model shapes-captioner
+  vitexplain explore photo.jpg --out photo.html --model vit_small_patch16_224 --checkpoint vit_s.safetensors
+"""
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with errors that say where to look for help."""
 
@@ -108,9 +123,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``vitexplain`` (sub-commands export, caption, methods, models)."""
+    """The argument parser of ``vitexplain`` (sub-commands export, caption, explore, methods, models)."""
     from . import __version__
     from .batch.caption import CaptionOptions
+    from .batch.explore import GROUPS as EXPLORE_GROUPS, ExploreOptions
     from .batch.export import ExportOptions
     from .batch.options import add_arguments
 
@@ -141,6 +157,19 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_arguments(ca, CaptionOptions, _CAPTION_GROUPS)
+
+    xp = sub.add_parser(
+        "explore",
+        help="write one self-contained interactive HTML page exploring the images (attention per layer and "
+             "head, rollout rows, methods per class, captions word by word)",
+        description="Explain every image under INPUT... and write one interactive page that needs nothing\n"
+        "else (open it from disk): per image the top predictions, one tab per method, and for ViTs the\n"
+        "attention of any patch or [CLS]/register token per layer and head, its rollout row and the\n"
+        "attention matrix; for captioners each word's map and the word x patch alignment.",
+        epilog=_EXPLORE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(xp, ExploreOptions, EXPLORE_GROUPS)
 
     me = sub.add_parser("methods", help="list explanation methods (per model family, or for a model)",
                         description="List the explanation methods, with a one-line summary each.")
@@ -179,6 +208,13 @@ def _cmd_caption(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from .batch.options import from_args
 
     return _report(export_captions(from_args(CaptionOptions, args), argv=list(argv)), args.quiet, "captioned")
+
+
+def _cmd_explore(args: argparse.Namespace) -> int:
+    from .batch.explore import ExploreOptions, explore_inputs
+    from .batch.options import from_args
+
+    return explore_inputs(from_args(ExploreOptions, args))
 
 
 def _family_of_model(name: str) -> str:
@@ -260,6 +296,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 return _cmd_export(args, argv)
             if args.command == "caption":
                 return _cmd_caption(args, argv)
+            if args.command == "explore":
+                return _cmd_explore(args)
             if args.command == "methods":
                 return _cmd_methods(args)
             if args.command == "models":

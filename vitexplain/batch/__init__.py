@@ -17,6 +17,7 @@ shard          one rank's decode -> explain -> write loop
 summary        ``summary.json``
 export         ``vitexplain export`` (classifiers: overlays and maps)
 caption        ``vitexplain caption`` (captioners: per-word figures and maps)
+explore        ``vitexplain explore`` (one interactive page, :func:`vitexplain.explore`)
 ============== ===========================================================================
 
 Import the commands from their modules (``from vitexplain.batch.export import ExportOptions,

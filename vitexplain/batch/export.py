@@ -40,8 +40,14 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["ExportOptions", "DEFAULT_METHODS", "export"]
 
-#: Methods exported when ``--method`` is not given, per model family.
-DEFAULT_METHODS: dict[str, tuple[str, ...]] = {"vit": ("rollout", "cdam"), "swin": ("rollout", "cdam"), "cnn": ("gradcam",)}
+#: Methods exported when ``--method`` is not given, per model family: class-discriminative ones
+#: that point at the target, by the faithfulness table of docs/benchmarks.md (ViT: ``generic``
+#: 0.98 and ``gradcam`` 0.94 pointing game, one backward pass, non-negative maps; rollout and raw
+#: attention ignore the class, 0.49; ``cdam``'s signed maps are a ``--method`` away). CNNs:
+#: ``gradcam`` (0.99, the most class-discriminative of the Grad-CAM family).
+DEFAULT_METHODS: dict[str, tuple[str, ...]] = {
+    "vit": ("generic", "gradcam"), "swin": ("generic", "gradcam"), "cnn": ("gradcam",),
+}
 
 
 @dataclass
@@ -60,6 +66,8 @@ class ExportOptions(BatchOptions):
         labels: text file with one class name per line (for timm models without names).
         target: ``"pred"`` (each image's top prediction), a class index, or a label name.
         max_side: overlays larger than this (longer side, pixels) are drawn downscaled; 0 = never.
+        min_side: overlays of smaller images are drawn enlarged (a whole factor, crisp pixels)
+            to at least this many pixels on the shorter side; 0 = never.
         topk: predictions recorded per image.
         save_maps: also write each raw map as ``.npy``.
     """
@@ -80,8 +88,8 @@ class ExportOptions(BatchOptions):
     methods: Optional[list[str]] = option(
         None, flags="--method", metavar="M1,M2", group="explanation", outputs=True, action="append",
         parse=parse_methods, collect=collect_methods,
-        help="methods, comma separated or repeated (default: rollout,cdam for ViTs, gradcam for CNNs; "
-             "list them with `vitexplain methods --model NAME`)")
+        help="methods, comma separated or repeated (default: generic,gradcam for ViTs and Swin, gradcam for "
+             "CNNs: class-discriminative, see the README; list them with `vitexplain methods --model NAME`)")
     target: str = option("pred", flags="--target", metavar="pred|INDEX|LABEL", group="explanation", outputs=True,
                          help="class to explain: each image's top prediction (default), an index or a label name")
     max_side: int = option(512, flags="--max-side", metavar="PX", parse=NON_NEGATIVE, group="overlays",
@@ -89,6 +97,10 @@ class ExportOptions(BatchOptions):
                                               "(default {default}; 0: original size)")
     save_maps: bool = option(False, flags="--save-maps", action="store_true", group="overlays", outputs=True,
                              help="also write each raw map as .npy")
+    min_side: int = option(256, flags="--min-side", metavar="PX", parse=NON_NEGATIVE, group="overlays",
+                           outputs=True, help="draw overlays of smaller images enlarged (whole factor, crisp "
+                                              "pixels) to at least this many pixels on the shorter side "
+                                              "(default {default}; 0: never)")
     topk: int = option(5, flags="--topk", metavar="K", parse=NON_NEGATIVE, group="overlays", outputs=True,
                        help="predictions recorded per image (default {default})")
 
@@ -171,13 +183,23 @@ def _write_overlays(
     writer: Writer, files: dict[str, dict[str, str]], *, key: str, region: "np.ndarray",
     maps: dict[str, "np.ndarray"], opts: ExportOptions, signed: dict[str, bool],
 ) -> None:
-    """``export``'s write job: per method, the overlay PNG (and the raw map with save_maps)."""
-    from ..viz.overlays import overlay
+    """``export``'s write job: per method, the overlay PNG (and the raw map with save_maps).
 
+    Small regions are drawn enlarged (``min_side``); signed maps fade to the image at zero and
+    get a colour bar (-max against, 0, +max for the target) under the overlay.
+    """
+    import numpy as np
+
+    from ..viz.legend import with_colorbar
+    from ..viz.overlays import overlay, readable
+
+    base = readable(region, opts.min_side) if opts.min_side > 0 else region
     for name, m in maps.items():
         normalize = "signed" if signed[name] else "minmax"
         cmap = opts.signed_colormap if signed[name] else opts.colormap
-        rgb = overlay(region, m, alpha=opts.alpha, colormap=cmap, normalize=normalize)
+        rgb = overlay(base, m, alpha=opts.alpha, colormap=cmap, normalize=normalize)
+        if signed[name]:
+            rgb = with_colorbar(rgb, signed=True, scale=float(np.abs(m).max()), colormap=cmap)
         entry = {"overlay": f"{key}.{name}.png"}
         writer.write(entry["overlay"], encode_png(rgb))
         if opts.save_maps:
