@@ -34,7 +34,7 @@ def main() -> None:
     tile = 96 if args.quick else 128
     for i in range(n):
         print(f"image {i}: generated {cross.captions[i]!r} (truth {batch.captions[i]!r})")
-        figures = [e.figure(i, image=batch.images[i], tile_size=tile) for e in (cross, generic)]
+        figures = [e.figure(i, image=vx.viz.readable(batch.images[i]), tile_size=tile) for e in (cross, generic)]
         width = max(f.shape[1] for f in figures)
         padded = [np.pad(f, ((0, 0), (0, width - f.shape[1]), (0, 0)), constant_values=255) for f in figures]
         path = vx.viz.save_png(out / f"caption_{i}.png", np.concatenate(padded, axis=0))

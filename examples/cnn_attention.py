@@ -45,9 +45,9 @@ def figure(images: Sequence[np.ndarray], explanations: Sequence[Any], row_labels
     """Rows = images, columns = the image and one overlay per method (gates: with their module)."""
     rows = []
     for i, image in enumerate(images):
-        rows.append([image] + [e.overlay(i, image=image) for e in explanations])
+        rows.append([vx.viz.readable(image)] + [e.overlay(i, image=vx.viz.readable(image)) for e in explanations])
     columns = [f"{e.method} {_where(e.extras['layer'])}" if "layer" in e.extras else e.method for e in explanations]
-    return vx.viz.grid(rows, row_labels=list(row_labels), col_labels=["image", *columns])
+    return vx.viz.grid(rows, row_labels=list(row_labels), col_labels=["image", *columns], tile_size=(160, 160))
 
 
 def explain_shapes_cnn(out: Path, n: int, device: str) -> None:

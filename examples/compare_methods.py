@@ -49,9 +49,9 @@ def main() -> None:
         print(f"{name:22s} " + " ".join(f"{v:9.3f}" for v in values))
 
     shown = range(min(4, n))
-    tiles = [[batch.images[i]] + [e.overlay(i, image=batch.images[i]) for e in results] for i in shown]
+    tiles = [[vx.viz.readable(batch.images[i])] + [e.overlay(i, image=vx.viz.readable(batch.images[i])) for e in results] for i in shown]
     labels = [vx.data.SHAPES[int(target[i])] for i in shown]
-    tile = 80 if args.quick else 128
+    tile = 80 if args.quick else 160
     figure = vx.viz.grid(tiles, row_labels=labels, col_labels=["image", *METHODS], tile_size=(tile, tile))
     print(f"wrote {vx.viz.save_png(Path(args.out) / 'compare_methods.png', figure)}")
 

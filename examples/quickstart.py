@@ -33,7 +33,7 @@ def main() -> None:
     for label in labels:
         results = ex.explain([args.image], method=methods, target=label)
         image = results[0].images[0]
-        rows.append([image] + [e.overlay(0) for e in results])
+        rows.append([vx.viz.readable(image)] + [e.overlay(0, image=vx.viz.readable(image)) for e in results])  # drawn at >= 256 px
         names.append(results[0].target_names()[0])
         scores = ", ".join(f"{e.method}: max at {divmod(int(e.maps[0].argmax()), e.maps.shape[-1])}" for e in results)
         print(f"target {names[-1]!r} (p={logits[label].sigmoid():.3f}) -> {scores}")

@@ -168,10 +168,14 @@ def test_transformer_decoder_captioner_matches_mha_oracle():
         torch.testing.assert_close(forced.maps[i, :n].reshape(n, 16), expected[i, :n], atol=1e-5, rtol=1e-4)
 
 
-transformers = pytest.importorskip("transformers")
+@pytest.fixture(scope="module")
+def transformers():
+    """Hugging Face transformers: optional for the package, installed by the test extra (so CI runs
+    these tests); only the tests that build Hugging Face models need it."""
+    return pytest.importorskip("transformers")
 
 
-def hf_vision_encoder_decoder(attn: str):
+def hf_vision_encoder_decoder(transformers, attn: str):
     enc = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=32, patch_size=8)
     dec = transformers.GPT2Config(
         n_layer=2, n_embd=32, n_head=2, vocab_size=40, n_positions=32, add_cross_attention=True,
@@ -185,7 +189,7 @@ def hf_vision_encoder_decoder(attn: str):
     return model
 
 
-def hf_blip(attn: str):
+def hf_blip(transformers, attn: str):
     cfg = transformers.BlipConfig(
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=8),
         text_config=dict(
@@ -204,8 +208,8 @@ def hf_blip(attn: str):
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("build", [hf_vision_encoder_decoder, hf_blip], ids=["vit-gpt2", "blip"])
-def test_hf_captioners_cross_attention_matches_eager(build, attn):
-    model = build(attn)
+def test_hf_captioners_cross_attention_matches_eager(transformers, build, attn):
+    model = build(transformers, attn)
     x = torch.randn(2, 3, 32, 32)
     ex = vx.Explainer(model)
     assert ex.family == "caption"
@@ -234,15 +238,28 @@ def test_hf_captioners_cross_attention_matches_eager(build, attn):
         torch.testing.assert_close(forced.maps[i, :n].reshape(n, 16), expected[i, :n], atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("method, floor", [("cross", 0.85), ("cross_generic", 0.90)])
-def test_zoo_captioner_words_point_at_their_object(method, floor):
+@pytest.mark.parametrize(
+    "name, method, floor",
+    [
+        # measured on these images, minus three binomial standard errors sqrt(p (1 - p) / n),
+        # rounded down to 2 decimals; n = the colour and shape words of the 60 captions
+        ("shapes-captioner", "cross", 0.96),  # measured 0.987, n = 238
+        ("shapes-captioner", "cross_generic", 0.87),  # measured 0.929, n = 238
+        # shapes-sat (Show, Attend and Tell): measured 0.971 (cross) and 0.874 (cross_generic) on these
+        # 238 words, 0.962 and 0.863 over 2,000 words (benchmarks/faithfulness.py --captioners-only);
+        # floors = the 2,000-word value - 3 binomial standard errors at 238 words, rounded down
+        ("shapes-sat", "cross", 0.92),
+        ("shapes-sat", "cross_generic", 0.79),
+    ],
+)
+def test_zoo_captioner_words_point_at_their_object(name, method, floor):
     """Every color or shape word of the true caption: the map's maximum lies on the object it names.
 
     Fresh images (seed 30,000; training uses seeds < 9,000), the caption explained teacher-forced.
     """
     from vitexplain.data import COLORS, SHAPES
 
-    model = vx.zoo.load("shapes-captioner")
+    model = vx.zoo.load(name)
     batch = vx.data.shapes(60, seed=30_000)
     result = vx.Explainer(model).explain_caption(batch.tensor, method=method, caption=batch.captions)
     content = set(SHAPES) | set(COLORS)
@@ -255,5 +272,5 @@ def test_zoo_captioner_words_point_at_their_object(method, floor):
                 hit = vx.metrics.pointing_game(result.maps[i, w][None], batch.masks[i][obj][None])
                 hits.append(bool(hit[0]))
     accuracy = sum(hits) / len(hits)
-    print(f"shapes-captioner {method} per-word pointing: {accuracy:.3f} over {len(hits)} words")
+    print(f"{name} {method} per-word pointing: {accuracy:.3f} over {len(hits)} words")
     assert accuracy >= floor, f"{method}: per-word pointing {accuracy:.3f} < {floor}"

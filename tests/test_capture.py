@@ -18,7 +18,7 @@ from torch import nn
 import vitexplain as vx
 from vitexplain.errors import CaptureError, NoAttentionError
 
-timm = pytest.importorskip("timm")
+import timm  # noqa: E402,F401  (a dependency of the package: never skipped)
 from timm.models.beit import Beit  # noqa: E402
 from timm.models.eva import Eva  # noqa: E402
 from timm.models.swin_transformer import SwinTransformer  # noqa: E402
@@ -458,7 +458,7 @@ def test_layout_prefix_and_grid(model, size, prefix, grid, has_cls, readout):
 
 def test_layout_torchvision_and_unknown_models():
     # (the windowed Swin layout is tested with the Swin adapter, tests/test_swin.py)
-    tv = pytest.importorskip("torchvision")
+    import torchvision as tv
     m = tv.models.VisionTransformer(image_size=32, patch_size=8, num_layers=1, num_heads=2, hidden_dim=16, mlp_dim=32)
     layout = vx.token_layout(m, 32)
     assert (layout.num_prefix_tokens, layout.grid, layout.has_class_token) == (1, (4, 4), True)
@@ -467,7 +467,7 @@ def test_layout_torchvision_and_unknown_models():
 
 
 def test_torchvision_vit_probs_match_eager():
-    tv = pytest.importorskip("torchvision")
+    import torchvision as tv
     m = tv.models.VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=16, mlp_dim=32).eval()
     x = torch.randn(2, 3, 32, 32)
     inputs: list = []

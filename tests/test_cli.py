@@ -27,6 +27,7 @@ from vitexplain import cli
 from vitexplain.export import UsageError, discover_inputs
 
 METHODS = ("rollout", "cdam")
+DEFAULTS = ("generic", "gradcam")  # export's default methods for ViTs
 GOOD = (
     "a.png",
     "nested/deep/b c.png",
@@ -131,7 +132,8 @@ def test_export_end_to_end_resume_overwrite(tree: Path, ckpt: str, tmp_path: Pat
         for method in METHODS:
             png = out / f"{rel}.{method}.png"
             assert rec["files"][method] == {"overlay": f"{rel}.{method}.png", "map": f"{rel}.{method}.npy"}
-            assert vx.load_image(png).shape == (64, 64, 3)
+            shape = vx.load_image(png).shape  # 64 px inputs are drawn enlarged 4x (--min-side 256)
+            assert shape[1:] == (256, 3) and (shape[0] > 256 if method == "cdam" else shape[0] == 256)  # cdam: colour bar
             assert np.load(out / f"{rel}.{method}.npy").shape == (8, 8)
     for rel in BAD:
         rec = manifest[rel]
@@ -175,7 +177,7 @@ def test_resume_redoes_changed_inputs(ckpt: str, tmp_path: Path) -> None:
     target = src / GOOD[0]
     Image.fromarray(np.full((64, 64, 3), 200, np.uint8)).save(target)
     os.utime(target, ns=(1, 1))
-    (out / f"{GOOD[1]}.cdam.png").unlink()
+    (out / f"{GOOD[1]}.gradcam.png").unlink()
     assert _run(*args) == 0
     assert _summary(out)["counts"] == {"images": 3, "ok": 2, "failed": 0, "skipped": 1}
 
@@ -185,7 +187,7 @@ def test_save_maps_equal_explainer(tree: Path, ckpt: str, tmp_path: Path) -> Non
     assert _run("export", tree / "nested", "--out", out, "--model", ckpt, "--save-maps", "-q", "-j", "0") == 1
     model = vx.zoo.load_checkpoint(ckpt)
     paths = [tree / "nested/deep/b c.png", tree / "nested/ünïcode ✓.png"]
-    explanations = vx.Explainer(model).explain([str(p) for p in paths], method=list(METHODS))
+    explanations = vx.Explainer(model).explain([str(p) for p in paths], method=list(DEFAULTS))
     for e in explanations:
         for i, key in enumerate(["deep/b c.png", "ünïcode ✓.png"]):
             saved = np.load(out / f"{key}.{e.method}.npy")
@@ -206,7 +208,7 @@ def test_html_gallery(tree: Path, ckpt: str, tmp_path: Path) -> None:
         target = out / unquote(link)  # relative to the page, percent-encoded
         assert target.is_file() or target.name == "dangling.png", link
     for rel in GOOD:
-        assert f'src="{_quote(rel)}.rollout.png"' in page
+        assert f'src="{_quote(rel)}.generic.png"' in page
     assert "square" in page  # the target label
     assert page.count('class="failed"') == len(BAD)
     assert all(r["target"]["label"] == "square" for r in _manifest(out).values() if r["status"] == "ok")
@@ -268,16 +270,19 @@ def test_timm_model_with_checkpoint(fmt: str, tree: Path, tmp_path: Path, capsys
     assert "does not fit the model" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(not (Path(vx.__file__).parent / "zoo/weights/shapes-vit.safetensors").is_file(),
-                    reason="zoo weights not installed")
 def test_readme_first_command_default_model(tmp_path: Path) -> None:
-    samples = Path(vx.__file__).resolve().parent.parent / "assets" / "samples"
-    if not samples.is_dir():
-        pytest.skip("assets/samples not present")
+    """The README's first command: the bundled shapes-vit on the bundled samples. Both ship with the
+    repository, so a missing one fails this test (it is not skipped)."""
+    samples = Path(__file__).resolve().parent.parent / "assets" / "samples"
+    assert samples.is_dir(), f"{samples} is missing: the sample images ship with the repository"
     out = tmp_path / "maps"
     assert _run("export", samples, "--out", out, "--html", "-q", "-j", "0") == 0
     records = _manifest(out)
-    assert records and all(r["status"] == "ok" and set(r["files"]) == set(METHODS) for r in records.values())
+    assert records and all(r["status"] == "ok" and set(r["files"]) == set(DEFAULTS) for r in records.values())
+    # readable at a glance: 64 px samples drawn at 256 px, each overlay labelled with its target
+    assert all(vx.load_image(out / f["overlay"]).shape == (256, 256, 3) for r in records.values() for f in r["files"].values())
+    page = (out / "index.html").read_text(encoding="utf-8")
+    assert all(f'<div class="cap">generic: {r["target"]["label"]}</div>' in page for r in records.values())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -290,15 +295,24 @@ def test_discover_inputs_keys_globs_and_safety(tmp_path: Path, monkeypatch) -> N
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_bytes(b"x")
     keys = [it.key for it in discover_inputs(["a", "b"], "out")]
-    assert keys == ["[odd].png", "b/x.png", "sub/y.JPG", "x.png"]  # collision -> input folder name
+    # a collision prefixes every colliding key with its input folder's name, whatever the order
+    assert keys == ["[odd].png", "a/x.png", "b/x.png", "sub/y.JPG"]
+    assert [it.key for it in discover_inputs(["b", "a"], "out")] == keys
     # globs: the fixed prefix is the root; .. never escapes; out is skipped
-    items = discover_inputs(["*/../a/**/*.png", "a/[odd].png"], "out")  # same files: listed once
-    assert [it.key for it in items] == ["a/[odd].png", "a/x.png"]
+    items = discover_inputs(["*/../a/**/*.png", "a/[odd].png"], "out")  # same files: listed once,
+    assert [it.key for it in items] == ["[odd].png", "a/x.png"]  # under their shortest key
     items = discover_inputs(["a/../b/x.png", "**/*.png"], "out")
     assert [it.key for it in items] == ["a/[odd].png", "a/x.png", "x.png"]
     for it in items:
         assert ".." not in it.key.split("/") and not it.path.startswith("out")
     assert {it.key for it in discover_inputs(["."], "out")} == {"a/x.png", "a/sub/y.JPG", "b/x.png", "a/[odd].png"}
+    # names differing only by case in one folder: told apart by a hash of the file, not the folder
+    for name in ("c/Q.png", "c/q.png"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_bytes(b"x")
+    keys = sorted(it.key for it in discover_inputs(["c"], "out"))
+    assert len(keys) == 2 and len({k.casefold() for k in keys}) == 2
+    assert all(re.fullmatch(r"[Qq]~[0-9a-f]{8}\.png", k) for k in keys), keys
     with pytest.raises(UsageError, match="next to the"):
         discover_inputs(["a"], "a")
     with pytest.raises(UsageError, match="no such file"):
@@ -319,7 +333,7 @@ def test_discover_inputs_keys_globs_and_safety(tmp_path: Path, monkeypatch) -> N
         (("--target", "hexagon"), "unknown label"),
         (("--batch-size", "0"), "positive integer"),
         (("--checkpoint", "missing.safetensors"), "no such file"),
-        (("--option", "rollout.nope=1"), "rollout has no option 'nope'"),
+        (("--method", "rollout", "--option", "rollout.nope=1"), "rollout has no option 'nope'"),
         (("--option", "cdam"), "METHOD.KEY=VALUE"),
     ],
 )
@@ -405,8 +419,92 @@ def test_torchrun_two_processes_match_one(tree: Path, ckpt: str, tmp_path: Path)
         if a["status"] == "ok":
             assert a["target"] == b["target"]
             assert [p["index"] for p in a["predictions"]] == [p["index"] for p in b["predictions"]]
-            for m in METHODS:
+            for m in DEFAULTS:
                 np.testing.assert_allclose(np.load(one / a["files"][m]["map"]), np.load(two / b["files"][m]["map"]),
                                            rtol=1e-4, atol=1e-6)
     s1, s2 = _summary(one), _summary(two)
     assert s1["counts"] == s2["counts"] and s2["world_size"] == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# the options base: one declaration per option
+# ---------------------------------------------------------------------------------------------
+def _flags(parser_action_groups) -> set[str]:
+    return {s for a in parser_action_groups for s in a.option_strings if s.startswith("--") and s != "--help"}
+
+
+def test_cli_flags_and_resume_key_derive_from_the_options() -> None:
+    import argparse
+    import dataclasses
+
+    from vitexplain.batch.caption import CaptionOptions
+    from vitexplain.batch.export import ExportOptions
+    from vitexplain.batch.options import add_arguments, option, output_settings, specs
+    from vitexplain.batch.setup import config_hash
+
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for command, cls in (("export", ExportOptions), ("caption", CaptionOptions)):
+        declared = {flag for _, spec in specs(cls) for flag in spec.flags if flag.startswith("--")}
+        assert _flags(sub.choices[command]._actions) == declared, command
+        outputs = {f.name for f, spec in specs(cls) if spec.outputs}
+        assert set(output_settings(cls(inputs=["x"], out="o"))) == outputs
+    assert {"model", "methods", "method_options", "alpha", "crop", "save_maps"} <= {
+        f.name for f, s in specs(ExportOptions) if s.outputs}
+    assert not {"batch_size", "workers", "quiet", "overwrite", "html"} & {
+        f.name for f, s in specs(ExportOptions) if s.outputs}
+
+    # a new output option is one field: it gets its flag, its help and its place in the resume key
+    @dataclasses.dataclass
+    class WithGamma(ExportOptions):
+        gamma: float = option(1.0, flags="--gamma", metavar="G", outputs=True, group="overlays",
+                              help="overlay gamma (default {default})")
+
+    p = argparse.ArgumentParser()
+    add_arguments(p, WithGamma, {"model": "m", "explanation": "e", "overlays": "o", "running": "r"})
+    assert "overlay gamma (default 1.0)" in p.format_help()
+    from vitexplain.batch.options import from_args
+
+    opts = from_args(WithGamma, p.parse_args(["in", "--out", "o", "--gamma", "2.2"]))
+    assert opts.gamma == 2.2
+    assert config_hash(opts, {})[1] != config_hash(dataclasses.replace(opts, gamma=1.0), {})[1]
+    assert config_hash(opts, {})[1] == config_hash(dataclasses.replace(opts, batch_size=7), {})[1]
+
+
+def test_build_loaded_equals_ordinary_loading_or_declines() -> None:
+    from torch import nn
+
+    from vitexplain.zoo.hub import build_loaded
+
+    def net() -> nn.Module:  # 4.2M parameters: above the size where the meta device pays off
+        return nn.Sequential(nn.Linear(3, 2048), nn.LayerNorm(2048), nn.Linear(2048, 2048))
+
+    torch.manual_seed(0)
+    ref = net().eval()
+    state = {k: v.half() for k, v in ref.state_dict().items()}  # a half-precision checkpoint
+    loaded = build_loaded(net, state).eval()
+    expected = net().eval()
+    expected.load_state_dict(state)  # what ordinary loading gives (cast to float32)
+    x = torch.randn(5, 3)
+    assert all(p.dtype == torch.float32 and not p.is_meta for p in loaded.parameters())
+    assert torch.equal(loaded(x), expected(x))
+    small = {k: v for k, v in nn.Linear(3, 4).state_dict().items()}  # tiny: the ordinary path is quicker
+    assert build_loaded(lambda: nn.Linear(3, 4), small) is None
+
+    class WithBuffer(nn.Module):  # a buffer not in the state dict would stay on the meta device
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2048, 2048)
+            self.register_buffer("table", torch.arange(3.0), persistent=False)
+
+    class Tied(nn.Module):  # assigning would untie the weights
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(2048, 2048)
+            self.b = nn.Linear(2048, 2048)
+            self.b.weight = self.a.weight
+
+    assert build_loaded(WithBuffer, WithBuffer().state_dict()) is None
+    assert build_loaded(Tied, Tied().state_dict()) is None
+    assert build_loaded(net, {k: v for k, v in state.items() if k != "0.bias"}) is None
+    assert build_loaded(net, None) is None

@@ -236,10 +236,8 @@ def test_help_lists_caption(capsys) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# the default model (skips while the trained shapes-captioner weights are not installed)
+# the default model (the bundled shapes-captioner: missing weights fail the test)
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.skipif(not (Path(vx.__file__).parent / "zoo/weights/shapes-captioner.safetensors").is_file(),
-                    reason="shapes-captioner weights not installed yet")
 def test_default_model_shapes_captioner(tmp_path: Path) -> None:
     from vitexplain.zoo.models import caption_words
 

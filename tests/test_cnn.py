@@ -10,17 +10,16 @@ import functools
 
 import numpy as np
 import pytest
+import timm
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torchvision
 
 import vitexplain as vx
 from vitexplain.recording import GateSpec, register_gate, supported_gates
 from vitexplain.recording import gates as gates_module
 from vitexplain.errors import CaptureError, UnsupportedMethodError, UnsupportedModelError
-
-timm = pytest.importorskip("timm")
-torchvision = pytest.importorskip("torchvision")
 
 CNN_METHODS = ["gradcam", "gradcam++", "layercam", "spatial", "channel"]
 
@@ -294,7 +293,7 @@ def test_no_gates_clear_errors():
     se = _timm("resnet10t", num_classes=5, block_args=dict(attn_layer="se"))
     with pytest.raises(UnsupportedMethodError, match="no spatial attention gate"):
         vx.Explainer(se).explain(x, method="spatial")
-    with pytest.raises(UnsupportedModelError):
+    with pytest.raises(UnsupportedModelError, match="Sequential"):  # names the model it cannot explain
         vx.Explainer(nn.Sequential(nn.Flatten(), nn.Linear(12, 3)))
 
 
@@ -430,7 +429,7 @@ def test_model_state_restored(zoo_arch_batch):
             model(x[:1])
             raise RuntimeError("boom")
     assert _hook_count(model) == 0
-    with pytest.raises(RuntimeError):  # an exception inside the forward of an explanation
+    with pytest.raises(RuntimeError, match="to have 3 channels"):  # an exception inside the forward
         vx.Explainer(model).explain(torch.randn(1, 5, 64, 64), method=CNN_METHODS)
     assert _hook_count(model) == 0
     assert [m.training for m in model.modules()] == flags
@@ -449,16 +448,7 @@ def test_channel_tiles(zoo_arch_batch):
     assert fig2.shape[1] < fig.shape[1]
 
 
-# -- shapes-cnn (bundled weights) --------------------------------------------------------------
-def _zoo_available() -> bool:
-    from vitexplain.zoo import WEIGHTS_DIR
-
-    return (WEIGHTS_DIR / "shapes-cnn.json").is_file() and (WEIGHTS_DIR / "shapes-cnn.safetensors").is_file()
-
-
-needs_zoo = pytest.mark.skipif(not _zoo_available(), reason="shapes-cnn weights are not bundled yet")
-
-
+# -- shapes-cnn (bundled weights; missing weights fail: vx.zoo.load raises) ---------------------
 @pytest.fixture(scope="module")
 def shapes_two_objects():
     """100 held-out images with two objects of different classes each."""
@@ -467,7 +457,8 @@ def shapes_two_objects():
     return vx.Explainer(model), batch
 
 
-@needs_zoo
+# Floors: measured on these images, minus three binomial standard errors sqrt(p (1 - p) / n),
+# rounded down to 2 decimals.
 def test_shapes_cnn_gradcam_is_class_discriminative(shapes_two_objects):
     """Each object's class targeted in turn: gradcam's maximum lands on that object (pointing game)."""
     ex, batch = shapes_two_objects
@@ -478,16 +469,15 @@ def test_shapes_cnn_gradcam_is_class_discriminative(shapes_two_objects):
         e = ex.explain(batch.tensor, method="gradcam", target=classes)
         hits.append(vx.metrics.pointing_game(e.maps, masks))
     accuracy = float(torch.cat(hits).float().mean())
-    print(f"shapes-cnn gradcam class-discriminative pointing: {accuracy:.3f}")
-    assert accuracy >= 0.90, accuracy
+    print(f"shapes-cnn gradcam class-discriminative pointing: {accuracy:.3f} over {len(torch.cat(hits))}")
+    assert accuracy >= 0.98, accuracy  # measured 0.995, n = 200
 
 
-@needs_zoo
 def test_shapes_cnn_spatial_gate_points_at_objects(shapes_two_objects):
     """The maximum of the default spatial map (mean of the spatial gates) lies on some object."""
     ex, batch = shapes_two_objects
     union = torch.stack([m.any(0) for m in batch.masks])
     s = ex.explain(batch.tensor, method="spatial")
     accuracy = float(vx.metrics.pointing_game(s.maps, union).float().mean())
-    print(f"shapes-cnn spatial ({s.extras['layer']}) pointing: {accuracy:.3f}")
-    assert accuracy >= 0.80, accuracy
+    print(f"shapes-cnn spatial ({s.extras['layer']}) pointing: {accuracy:.3f} over {len(union)}")
+    assert accuracy >= 0.79, accuracy  # measured 0.890, n = 100

@@ -29,6 +29,7 @@ def run(args: list[str], tmp_path: Path, **env: str) -> subprocess.CompletedProc
         ("captioning.py", ["caption_0.png", "caption_1.png"]),
         ("cnn_attention.py", None),
         ("own_timm_model.py", ["own_model.png"]),
+        ("alignment.py", ["alignment.png"]),
     ],
 )
 def test_python_example(tmp_path, script, outputs):
@@ -41,8 +42,15 @@ def test_python_example(tmp_path, script, outputs):
         assert name in written, (name, written)
 
 
-@pytest.mark.skipif(shutil.which("vitexplain") is None, reason="console script not installed")
+def test_explore_example_writes_both_pages(tmp_path):
+    out = tmp_path / "out"
+    run([sys.executable, str(EXAMPLES / "explore.py"), "--out", str(out), "--quick"], tmp_path)
+    for name in ("explore_vit.html", "explore_caption.html"):
+        assert 'id="vx-data"' in (out / name).read_text()
+
+
 def test_batch_export_script(tmp_path):
+    assert shutil.which("vitexplain"), "the vitexplain console script is not on PATH: pip install -e ."
     out = tmp_path / "batch"
     run(["bash", str(EXAMPLES / "batch_export.sh"), str(out)], tmp_path, QUICK="1")
     assert (out / "vit" / "index.html").exists()

@@ -20,7 +20,7 @@ import torch
 import vitexplain as vx
 from vitexplain.adapters.vit import TimmViTAdapter
 
-timm = pytest.importorskip("timm")
+import timm  # noqa: E402,F401  (a dependency of the package: never skipped)
 from timm.models.cait import Cait  # noqa: E402
 from timm.models.convit import ConVit  # noqa: E402
 from timm.models.xcit import Xcit  # noqa: E402

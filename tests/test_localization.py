@@ -33,7 +33,7 @@ def setup():
 def maps(setup):
     model, x, (first, second), _, _ = setup
     ex = vx.Explainer(model)
-    names = ["cdam", "generic", "gradcam", "rollout", "raw", "attn_gradcam", "grad_rollout", "legrad"]
+    names = ["cdam", "generic", "gradcam", "rollout", "raw"]
     out = {}
     for target in (first, second):
         for e in ex.explain(x, method=names, target=target):
@@ -41,8 +41,18 @@ def maps(setup):
     return out
 
 
-@pytest.mark.parametrize("method", ["cdam", "generic", "gradcam"])
-def test_class_discriminative_pointing(setup, maps, method):
+# Floors: measured on these 100 images (seed 20,000), minus three binomial standard errors
+# sqrt(p (1 - p) / n), rounded down to 2 decimals; where every image was a hit (p = 1) the error is
+# that of one miss, p = 1 - 1/n. n counts (image, target) pairs.
+@pytest.mark.parametrize(
+    "method, floor",
+    [
+        ("cdam", 0.86),  # measured 0.920, n = 200
+        ("generic", 0.96),  # measured 0.990, n = 200
+        ("gradcam", 0.92),  # measured 0.965, n = 200
+    ],
+)
+def test_class_discriminative_maps_point_at_the_targeted_object(setup, maps, method, floor):
     _, _, _, (mask_first, mask_second), _ = setup
     hits = torch.cat(
         [
@@ -51,27 +61,54 @@ def test_class_discriminative_pointing(setup, maps, method):
         ]
     )
     accuracy = hits.float().mean().item()
-    assert accuracy >= 0.90, f"{method}: class-discriminative pointing {accuracy:.3f}"
+    print(f"{method}: class-discriminative pointing {accuracy:.3f} over {len(hits)}")
+    assert accuracy >= floor, f"{method}: class-discriminative pointing {accuracy:.3f} < {floor}"
 
 
-@pytest.mark.parametrize("method", ["rollout", "raw"])
-def test_class_agnostic_maps_land_on_some_object(setup, maps, method):
+@pytest.mark.parametrize(
+    "method, floor",
+    [
+        ("rollout", 0.97),  # measured 1.000, n = 100 (the error of one miss)
+        ("raw", 0.96),  # measured 0.990, n = 100
+    ],
+)
+def test_class_agnostic_maps_land_on_some_object(setup, maps, method, floor):
     _, _, _, _, union = setup
-    accuracy = vx.metrics.pointing_game(maps[method][0], union).float().mean().item()
-    assert accuracy >= 0.90, f"{method}: pointing on any object {accuracy:.3f}"
+    hits = vx.metrics.pointing_game(maps[method][0], union)
+    accuracy = hits.float().mean().item()
+    print(f"{method}: pointing on any object {accuracy:.3f} over {len(hits)}")
+    assert accuracy >= floor, f"{method}: pointing on any object {accuracy:.3f} < {floor}"
 
 
-def test_class_sensitivity_of_cdam_and_generic_below_rollout(maps):
-    sensitivity = {
-        m: vx.metrics.class_sensitivity(maps[m][0], maps[m][1]).mean().item() for m in ("cdam", "generic", "rollout")
-    }
-    assert sensitivity["rollout"] > 0.99  # rollout ignores the class
-    for m in ("cdam", "generic"):
-        assert sensitivity[m] < sensitivity["rollout"] - 0.3, sensitivity
+# Ceilings: the mean correlation over the images, plus three standard errors (sd / sqrt(n)) of
+# that mean, rounded up to 2 decimals (measured on the same images).
+@pytest.mark.parametrize(
+    "method, ceiling",
+    [
+        ("cdam", -0.68),  # measured mean -0.759, sd 0.255, n = 100
+        ("generic", 0.01),  # measured mean -0.012, sd 0.051, n = 100
+    ],
+)
+def test_class_sensitive_methods_give_different_maps_for_the_two_classes(maps, method, ceiling):
+    # rollout does not depend on the target at all: the same map for both classes (correlation 1)
+    torch.testing.assert_close(maps["rollout"][0], maps["rollout"][1], rtol=0, atol=0)
+    assert vx.metrics.class_sensitivity(maps["rollout"][0], maps["rollout"][1]).min().item() == pytest.approx(1.0)
+    sensitivity = vx.metrics.class_sensitivity(maps[method][0], maps[method][1])
+    print(f"{method}: class sensitivity {sensitivity.mean():.3f} (sd {sensitivity.std():.3f}, n {len(sensitivity)})")
+    assert sensitivity.mean().item() < ceiling
 
 
-@pytest.mark.parametrize("method", ["generic", "cdam", "gradcam"])
-def test_randomising_all_blocks_destroys_the_maps(setup, method):
+@pytest.mark.parametrize(
+    "method, ceiling",
+    [
+        ("generic", 0.14),  # measured mean -0.005, sd 0.226, n = 24
+        ("cdam", 0.17),  # measured mean -0.014, sd 0.287, n = 24
+        ("gradcam", 0.18),  # measured mean 0.039, sd 0.214, n = 24
+    ],
+)
+def test_randomising_all_blocks_destroys_the_maps(setup, method, ceiling):
+    """Rank correlation with the trained model's maps after randomising head, norm and every block
+    (Adebayo et al. 2018): near 0. Ceiling: measured mean + 3 sd / sqrt(n), rounded up."""
     model, x, (first, _), _, _ = setup
     blocks = [f"blocks.{i}" for i in reversed(range(len(model.blocks)))]
     layers = ["head", "norm", *blocks]
@@ -80,5 +117,6 @@ def test_randomising_all_blocks_destroys_the_maps(setup, method):
         lambda m: vx.Explainer(m).explain(x[:24], method=method, target=first[:24]).maps,
         layers=layers,
     )
-    final = result.correlations[-1].mean().item()
-    assert final < 0.3, f"{method}: rank correlation after randomising every block {final:.3f}"
+    final = result.correlations[-1]
+    print(f"{method}: rank correlation after randomising every block {final.mean():.3f} (sd {final.std():.3f})")
+    assert final.mean().item() < ceiling, f"{method}: {final.mean().item():.3f} >= {ceiling}"

@@ -21,7 +21,7 @@ from torch.overrides import TorchFunctionMode
 import vitexplain as vx
 from vitexplain.errors import TargetError, UnsupportedMethodError
 
-timm = pytest.importorskip("timm")
+import timm  # noqa: E402,F401  (a dependency of the package: never skipped)
 from timm.models.deit import VisionTransformerDistilled  # noqa: E402
 from timm.models.vision_transformer import VisionTransformer  # noqa: E402
 
@@ -369,7 +369,7 @@ def test_layout_variants_give_maps_on_the_right_grid(factory, size, grid):
         assert torch.isfinite(e.maps).all()
 
 
-def test_avg_pool_rollout_uses_mean_over_patch_queries():
+def test_avg_pool_raw_attention_is_the_mean_over_patch_queries():
     m = VisionTransformer(**{**CFG, "depth": 1}, class_token=False, global_pool="avg").eval()
     x = torch.randn(1, 3, 32, 32)
     e = vx.Explainer(m).explain(x, method="raw")
@@ -382,16 +382,29 @@ def test_avg_pool_rollout_uses_mean_over_patch_queries():
     torch.testing.assert_close(e.maps[0], expected, atol=1e-6, rtol=1e-5)
 
 
-def test_windowed_swin_rollout_is_a_clear_error():
+def test_a_method_of_another_family_is_refused_by_name(model, x):
+    """A CNN gate method on a ViT: refused with the methods that do apply (not any error)."""
+    with pytest.raises(UnsupportedMethodError, match=r"method 'spatial' is not available for vit models.*choose from") as err:
+        vx.Explainer(model).explain(x[:1], method="spatial")
+    for name in ("rollout", "cdam", "generic"):
+        assert repr(name) in str(err.value)
+
+
+def test_windowed_swin_is_explained_by_its_own_family():
+    # one stage (no patch merging): rollout through shifted windows is a distribution over the
+    # patch grid; the windowed methods are tested against dense oracles in tests/test_swin.py
     from timm.models.swin_transformer import SwinTransformer
 
     swin = SwinTransformer(img_size=32, patch_size=2, window_size=4, embed_dim=16, depths=(2,), num_heads=(2,), num_classes=3).eval()
-    with pytest.raises(vx.UnsupportedModelError):
-        vx.Explainer(swin)
+    ex = vx.Explainer(swin)
+    assert ex.family == "swin"
+    maps = ex.explain(torch.randn(1, 3, 32, 32), method="rollout").maps
+    assert maps.shape == (1, 16, 16)
+    torch.testing.assert_close(maps.sum(), torch.tensor(1.0), rtol=0, atol=1e-5)
 
 
 def test_torchvision_vit_methods_match_timm_style_oracle():
-    tv = pytest.importorskip("torchvision")
+    import torchvision as tv
     torch.manual_seed(0)
     m = tv.models.VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=16, mlp_dim=32, num_classes=4).eval()
     x = torch.randn(2, 3, 32, 32)

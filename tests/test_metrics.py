@@ -40,14 +40,99 @@ def test_default_tolerance_scales_with_size():
     assert M.default_tolerance(112) == 8  # 7.5 rounds half up
 
 
-def test_peak_of_grid_map_upsampled_first_max():
+def test_peak_ties_resolve_to_the_centre_of_the_tied_set():
+    # bilinear (align_corners=False) x8: cell (2, 2)'s centre falls between pixels 19 and 20, so a
+    # 2x2 block ties; all four are equally close to its centre (19.5, 19.5): the first in row-major order
     grid = torch.zeros(1, 8, 8)
     grid[0, 2, 2] = 1.0
-    # bilinear (align_corners=False) x8: the cell centre falls between pixels 19 and 20; the 2x2 tie
-    # resolves to the first maximum in row-major order.
     assert M.peak_locations(grid, (64, 64)).tolist() == [[19, 19]]
-    # a constant map: every pixel ties, the first one wins
-    assert M.peak_locations(torch.ones(1, 4, 4), (16, 16)).tolist() == [[0, 0]]
+    # a peak in the bottom row: rows 60..63 replicate the last cell (border), columns 19..20 tie;
+    # the tied set's centre is (61.5, 19.5): (61, 19) is the first of the four closest
+    grid = torch.zeros(1, 8, 8)
+    grid[0, 7, 2] = 1.0
+    assert M.peak_locations(grid, (64, 64)).tolist() == [[61, 19]]
+    # a constant map ties everywhere: the centre of the image
+    assert M.peak_locations(torch.ones(1, 4, 4), (16, 16)).tolist() == [[7, 7]]
+    # two separate equal peaks (2x2 blocks at 11..12 and 51..52): the centroid (31.5, 31.5) lies
+    # between them; the closest tied pixels are (12, 12) and (51, 51), equally far: the first wins
+    grid = torch.zeros(1, 8, 8)
+    grid[0, 1, 1] = grid[0, 6, 6] = 1.0
+    assert M.peak_locations(grid, (64, 64)).tolist() == [[12, 12]]
+    # values closer than rtol (a fraction of the range) tie; rtol=0 keeps only exact ties
+    grid[0, 6, 6] = 1.0 - 1e-6
+    assert M.peak_locations(grid, (64, 64)).tolist() == [[12, 12]]
+    assert M.peak_locations(grid, (64, 64), rtol=0).tolist() == [[11, 11]]
+    grid[0, 1, 1], grid[0, 6, 6] = 1.0 - 1e-6, 1.0
+    assert M.peak_locations(grid, (64, 64)).tolist() == [[12, 12]]
+    assert M.peak_locations(grid, (64, 64), rtol=0).tolist() == [[51, 51]]
+    with pytest.raises(vx.UsageError, match="rtol"):
+        M.peak_locations(grid, (64, 64), rtol=-1)
+
+
+def test_a_constant_map_is_a_miss_wherever_the_object_is():
+    everywhere = torch.ones(3, 64, 64, dtype=torch.bool)
+    maps = torch.stack([torch.zeros(8, 8), torch.full((8, 8), 3.5), torch.zeros(8, 8)])
+    maps[2, 4, 4] = 1e-3  # one cell above the rest: it points
+    assert M.pointing_game(maps, everywhere).tolist() == [False, False, True]
+    assert M.peak_locations(maps[:1], (64, 64)).tolist() == [[31, 31]]  # the centre of the tied set
+
+
+def _rescaled(maps):
+    """The same maps times several positive constants and through a positive affine map."""
+    return [maps * 0.053, maps, maps * 1e3, 0.37 * maps + 5.0]
+
+
+def test_pointing_game_is_invariant_to_positive_scaling_and_upsampling_ties():
+    gen = torch.Generator().manual_seed(0)
+    n = 400
+    smooth = torch.rand(n, 8, 8, generator=gen)
+    quantised = torch.randint(0, 4, (n, 8, 8), generator=gen).float()  # plateaus of equal cells
+    signed = torch.randn(n, 8, 8, generator=gen)
+    border = torch.rand(n, 8, 8, generator=gen) * 0.5
+    border[:, -1] += 0.5  # the peak in the bottom row: 4-pixel replicated plateaus at 8x
+    masks = torch.zeros(n, 64, 64, dtype=torch.bool)
+    corners = torch.randint(0, 56, (n, 2), generator=gen)
+    for i, (r, c) in enumerate(corners.tolist()):
+        masks[i, r : r + 9, c : c + 9] = True
+    for maps in (smooth, quantised, signed, border):
+        peaks = [M.peak_locations(m, (64, 64)) for m in _rescaled(maps)]
+        hits = [M.pointing_game(m, masks) for m in _rescaled(maps)]
+        for p, h in zip(peaks[1:], hits[1:]):
+            assert torch.equal(p, peaks[0])
+            assert torch.equal(h, hits[0])
+        # the peak is a maximum of the upsampled map (to the tie tolerance)
+        up = M.upsample_maps(maps, (64, 64))
+        at_peak = up[torch.arange(n), peaks[0][:, 0], peaks[0][:, 1]]
+        span = maps.flatten(1).amax(1) - maps.flatten(1).amin(1)
+        assert bool((at_peak >= up.flatten(1).amax(1) - 2e-5 * span).all())
+
+
+def test_pointing_game_reported_tie_case():
+    """The reported case: a `generic` map of the bundled shapes-vit (fresh image) whose peak is in the
+    bottom row of the grid. Upsampled, rows 60..63 of column 20 are equal but differ by rounding, and
+    plain argmax picked (62, 20) (a miss, 5 px below the object) for the map and (60, 20) (a hit) for
+    the map x 0.053 or x 7 (torch 2.14.1, CPU)."""
+    values = [
+        0.00223639188, 0.00248607248, 0.00245913817, 0.002272991, 0.00251393649, 0.00312803197, 0.00389518496,
+        0.00422074739, 0.0023862822, 0.00167742302, 0.00274649961, 0.0033054878, 0.0419016145, 0.00239059166,
+        0.00329160225, 0.00382877421, 0.00273201661, 0.00321020186, 0.00301652751, 0.0022753377, 0.0155824739,
+        0.033659678, 0.00268524769, 0.00399163831, 0.00397694763, 0.00386259682, 0.00399829308, 0.0241699573,
+        0.0208129939, 0.0108227264, 0.00431473553, 0.00439505931, 0.00792960916, 0.0147173768, 0.0153145166,
+        0.00655040471, 0.00414965209, 0.00392055884, 0.00372915575, 0.00359652052, 0.022559654, 0.0651860237,
+        0.572628975, 0.368668467, 0.0152810365, 0.00486962497, 0.00336712319, 0.00401275838, 0.0267128125,
+        0.122926161, 0.513690174, 0.800217628, 0.0268959366, 0.0102517214, 0.00454727095, 0.00393897621,
+        0.0302402303, 0.0829416513, 0.965118766, 0.291798979, 0.0275976155, 0.0172974113, 0.00502192043,
+        0.00333133177,
+    ]
+    grid = torch.tensor(values).view(1, 8, 8)
+    mask = torch.zeros(1, 64, 64, dtype=torch.bool)
+    mask[0, 42:58, 15:31] = True  # the object ends at row 57
+    up = M.upsample_maps(grid, (64, 64))[0]
+    assert torch.allclose(up[60:64, 20], up[60, 20].expand(4), rtol=1e-6, atol=0)  # the tie
+    for m in [grid * 7.0, *_rescaled(grid)]:
+        # the tied set is rows 60..63 of column 20; its centre (61.5, 20) is closest to rows 61 and 62
+        assert M.peak_locations(m, (64, 64)).tolist() == [[61, 20]]
+        assert M.pointing_game(m, mask).tolist() == [True]  # 4 px from row 57: within the tolerance
 
 
 def test_pointing_game_hits_inside_misses_outside():
@@ -335,8 +420,8 @@ def test_rank_correlation_matches_oracle_with_many_ties():
         assert torch.allclose(M.rank_correlation(a[i : i + 1], b[i : i + 1]), got[i : i + 1])
 
 
-def test_rank_correlation_matches_scipy_if_installed():
-    stats = pytest.importorskip("scipy.stats")
+def test_rank_correlation_matches_scipy():
+    stats = pytest.importorskip("scipy.stats")  # in the test extra: runs in CI
     a = torch.relu(torch.randn(3, 10, 10)).round()
     b = torch.relu(torch.randn(3, 10, 10)).round()
     got = M.rank_correlation(a, b)
@@ -401,7 +486,9 @@ def test_randomization_check_correlation_drops_and_model_untouched():
     assert res.correlations.shape == (3, 3)
     assert res.maps is not None and res.maps.shape == (3, 3, 12, 12)
     assert torch.allclose(res.reference, _grad_x_input(x)(model))
-    assert res.correlations[-1].mean() < 0.5  # fully randomised: maps no longer agree
+    # fully randomised, the maps no longer agree: over 100 seeds of this model and input, the mean
+    # over the 3 images is 0.001 with sd 0.164 (seed 0: -0.138); ceiling = mean + 3 sd, rounded up
+    assert res.correlations[-1].mean() < 0.50
     assert (res.correlations < 0.999).all()
     after = model.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)

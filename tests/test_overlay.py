@@ -60,16 +60,30 @@ def test_blend_formula_and_rgb_order():
     np.testing.assert_array_equal(out[3, 3], [128, 0, 64])
 
 
+def test_signed_zero_is_transparent_by_default():
+    image = np.full((10, 40, 3), 90, np.uint8)
+    m = np.array([[-2.0, 0.0, 0.5, 1.0]])  # negative, zero, a quarter of max|m|, half of it
+    out = overlay(image, m, alpha=0.8, normalize="signed", interpolation="nearest").astype(int)
+    np.testing.assert_array_equal(out[5, 15], [90, 90, 90])  # zero: the image as it is
+    np.testing.assert_array_equal(out[5, 5], np.rint(0.2 * 90 + 0.8 * np.array([0, 0, 255])))  # -max: full alpha blue
+    # +max/4: normalised 0.625 -> bwr[159] = (255, 192, 192), at weight 0.8 * min(1, 2 * 0.25) = 0.4
+    np.testing.assert_array_equal(out[5, 25], np.rint(0.6 * 90 + 0.4 * np.array([255, 192, 192])))
+    assert out[5, 35, 0] == round(0.2 * 90 + 0.8 * 255)  # from max/2 on: full alpha
+    # the opaque blend of the diverging map, as before, on request
+    opaque = overlay(image, m, alpha=1.0, normalize="signed", interpolation="nearest", transparent_zero=False)
+    assert (opaque[5, 15] >= 250).all()
+
+
 def test_signed_zero_is_colormap_centre_and_sign_side():
     image = np.zeros((10, 30, 3), np.uint8)
     m = np.array([[-2.0, 0.0, 1.0]])  # left negative, middle zero, right positive
-    out = overlay(image, m, alpha=1.0, normalize="signed", interpolation="nearest")  # default: bwr
+    out = overlay(image, m, alpha=1.0, normalize="signed", interpolation="nearest", transparent_zero=False)  # bwr
     left, mid, right = out[5, 5].astype(int), out[5, 15].astype(int), out[5, 25].astype(int)
     assert (mid >= 250).all()  # white-ish centre
     np.testing.assert_array_equal(left, [0, 0, 255])  # -max|m| -> full blue
     assert right[0] == 255 and right[2] < 160  # +1 of max 2 -> half-way to red
     # coolwarm: light-gray centre, blue negative, red positive
-    out = overlay(image, m, alpha=1.0, normalize="signed", colormap="coolwarm", interpolation="nearest")
+    out = overlay(image, m, alpha=1.0, normalize="signed", colormap="coolwarm", interpolation="nearest", transparent_zero=False)
     c = out[5, 15].astype(int)
     assert c.min() > 200 and c.max() - c.min() < 8
     assert out[5, 5, 2] > out[5, 5, 0] and out[5, 25, 0] > out[5, 25, 2]
@@ -241,7 +255,7 @@ def test_save_png_roundtrip_rgb_atomic(tmp_path):
     save_png(dest, rgb[::-1])  # overwrite in place
     np.testing.assert_array_equal(np.asarray(Image.open(dest).convert("RGB")), rgb[::-1])
     assert sorted(p.name for p in dest.parent.iterdir()) == [dest.name]  # no temp files left
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"uint8 RGB array, got shape \(4, 4, 3\) dtype float32"):
         save_png(tmp_path / "bad.png", np.zeros((4, 4, 3), np.float32))
     assert not (tmp_path / "bad.png").exists()
     gray = np.arange(12, dtype=np.uint8).reshape(3, 4)
@@ -256,3 +270,15 @@ def test_tiny_magnitude_maps_are_not_flattened():
         np.testing.assert_array_equal(overlay(image, m * 1e-20, normalize=mode), overlay(image, m, normalize=mode))
     noisy = np.float32(1.0) + np.float32(1e-7) * np.random.default_rng(4).random((4, 4)).astype(np.float32)
     assert (normalize_map(noisy) == 0).all()  # float32 rounding noise around a constant: flat
+
+
+def test_readable_enlarges_small_images_by_a_whole_factor():
+    from vitexplain.viz import readable
+
+    small = np.arange(2 * 3 * 3, dtype=np.uint8).reshape(2, 3, 3)
+    big = readable(small, 5)  # shortest side 2 -> factor 3
+    assert big.shape == (6, 9, 3)
+    np.testing.assert_array_equal(big[::3, ::3], small)  # each pixel a 3x3 block
+    np.testing.assert_array_equal(big[2, 5], small[0, 1])
+    image = np.zeros((300, 400, 3), np.uint8)
+    assert readable(image) is image  # already >= 256 px

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from timm.models.vision_transformer import VisionTransformer
 
 import vitexplain as vx
-from vitexplain.zoo.train import _mimetic_init, _sincos_init
+from vitexplain.zoo.signals import mimetic_init, sincos_init
 
 SIZE, PATCH, N_TEST = 32, 4, 200
 GRID = SIZE // PATCH
@@ -44,8 +44,8 @@ def trained():
             class_token=False, global_pool="avg", num_classes=4,
         )
         # locality priors (as the zoo's shapes-vit uses) so that a few hundred steps suffice
-        _sincos_init(model)
-        _mimetic_init(model, torch.Generator().manual_seed(0))
+        sincos_init(model)
+        mimetic_init(model, torch.Generator().manual_seed(0))
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
         g = torch.Generator().manual_seed(0)
         for _ in range(300):
@@ -75,11 +75,19 @@ def test_avgpool_layout_reads_the_mean(trained):
     assert (layout.num_prefix_tokens, layout.readout, layout.grid) == (0, "mean", (GRID, GRID))
 
 
-@pytest.mark.parametrize("method", ["generic", "grad_rollout"])
-def test_avgpool_relevance_points_at_the_explained_object(trained, method):
+# Floors: measured with these seeds, minus three binomial standard errors sqrt(p (1 - p) / n),
+# rounded down to 2 decimals (where p = 1, the error of one miss, p = 1 - 1/n).
+@pytest.mark.parametrize(
+    "method, floor",
+    [
+        ("generic", 0.90),  # measured 0.938, n = 400 explained objects (chance 0.115)
+        ("grad_rollout", 0.92),  # measured 0.957, n = 400
+    ],
+)
+def test_avgpool_relevance_points_at_the_explained_object(trained, method, floor):
     _, test, exact, maps = trained
-    # the model learned its task: exact colour sets on fresh images (measured 1.00)
-    assert exact >= 0.9, exact
+    # the model learned its task: exact colour sets on fresh images (measured 1.000, n = 200)
+    assert exact >= 0.98, exact
     masks = [torch.stack([m[k] for m in test.masks]) for k in (0, 1)]
     hits = torch.cat([vx.metrics.pointing_game(maps[method][k], masks[k]) for k in (0, 1)]).float()
     # chance: a map peaking on a uniformly random patch (every one-hot map, averaged)
@@ -90,8 +98,6 @@ def test_avgpool_relevance_points_at_the_explained_object(trained, method):
     for m in maps[method]:
         flat = m.flatten(1)
         assert torch.isfinite(flat).all() and bool((flat.amax(1) > flat.amin(1)).all())  # not 1/N everywhere
-    # measured over 400 explained objects: 0.94 (generic) and 0.96 (grad_rollout) with these
-    # seeds, 1.00 for both with training seeds 1 and 2; chance 0.115. Floor: the lowest
-    # (0.935) minus 3 binomial standard errors (0.037) minus 0.05 for seed variation, rounded down
-    assert hits.mean().item() >= 0.85, (method, hits.mean().item(), chance)
-    assert chance < 0.2
+    print(f"{method}: pointing {hits.mean().item():.3f} over {len(hits)}, chance {chance:.3f}, exact {exact:.3f}")
+    assert hits.mean().item() >= floor, (method, hits.mean().item(), chance)
+    assert chance < 0.2  # measured 0.115: the objects cover few patches, so a hit is informative

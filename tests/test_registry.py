@@ -24,6 +24,7 @@ EXPECTED = {
     "cnn": ["spatial", "channel", "gradcam", "gradcam++", "layercam"],
     "caption": ["cross", "cross_generic"],
 }
+EXPECTED["swin"] = list(EXPECTED["vit"])  # the same methods, on windowed attention (methods/swin.py)
 
 # cheap settings for the methods that run many forwards
 CHEAP: dict[str, dict[str, Any]] = {
@@ -157,6 +158,17 @@ def _vit_case() -> tuple[nn.Module, torch.Tensor, str]:
     return model, torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(2)), "blocks.2"
 
 
+def _swin_case() -> tuple[nn.Module, torch.Tensor, str]:
+    from timm.models.swin_transformer import SwinTransformer
+
+    torch.manual_seed(1)
+    model = SwinTransformer(img_size=32, patch_size=2, window_size=4, embed_dim=16, depths=(2, 2), num_heads=(2, 4),
+                            num_classes=6).eval()
+    with torch.no_grad():
+        model.head.fc.weight.normal_()
+    return model, torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(2)), "layers.1.blocks.1"
+
+
 def _cnn_case() -> tuple[nn.Module, torch.Tensor, str]:
     return vx.zoo.load("shapes-cnn"), vx.data.shapes(3, seed=9, num_objects=2).tensor, "layer4"
 
@@ -166,7 +178,7 @@ def _caption_case() -> tuple[nn.Module, torch.Tensor, str]:
 
 
 CASES: dict[str, Callable[[], tuple[nn.Module, torch.Tensor, str]]] = {
-    "vit": _vit_case, "cnn": _cnn_case, "caption": _caption_case,
+    "vit": _vit_case, "swin": _swin_case, "cnn": _cnn_case, "caption": _caption_case,
 }
 _BUILT: dict[str, tuple[nn.Module, torch.Tensor, str]] = {}
 

@@ -113,7 +113,7 @@ def test_forced_count_and_distinct_classes() -> None:
     assert all(len(set(c.tolist())) == 3 for c in b3.colors)
     b1 = shapes(10, seed=EVAL_SEED + 3, num_objects=(1, 1))
     assert all(len(c) == 1 for c in b1.classes)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="num_objects must be in 1..3"):
         shapes(2, seed=0, num_objects=4)
 
 
@@ -126,7 +126,7 @@ def test_subset_and_getitem(batch: ShapesBatch) -> None:
     assert sub.captions == [batch.captions[5], batch.captions[1]]
     assert torch.equal(sub.labels, batch.labels[[5, 1]])
     assert len(batch[2:8]) == 6
-    with pytest.raises(IndexError):
+    with pytest.raises(IndexError, match="out of range"):
         batch[len(batch)]
 
 
@@ -149,9 +149,10 @@ def test_other_sizes() -> None:
 
 def test_import_is_light() -> None:
     code = (
-        "import sys, vitexplain, vitexplain.data; "
+        "import sys, vitexplain, vitexplain.data; vitexplain.explore; vitexplain.Explanation; "
         "assert 'cv2' not in sys.modules, 'cv2 imported'; "
-        "assert 'timm' not in sys.modules, 'timm imported'"
+        "assert 'timm' not in sys.modules, 'timm imported'; "
+        "assert 'matplotlib' not in sys.modules and 'playwright' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 

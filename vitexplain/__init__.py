@@ -8,6 +8,7 @@ Public surface (stable names)::
     vx.capture(model, grads=False)      # scoped recorder of attention calls
     vx.Explainer(model).explain(x, method="cdam")
     vx.overlay(image, map)              # (H, W, 3) uint8 RGB
+    vx.explore(model, images, out="explore.html")   # one self-contained interactive page
     vx.load_image(path)                 # (H, W, 3) uint8 RGB, raises vx.ImageLoadError
     vx.token_layout(model, (H, W))      # prefix tokens and patch grid
     vx.zoo, vx.data, vx.metrics, vx.methods, vx.targets, vx.viz
@@ -42,6 +43,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "Explainer": ("vitexplain.explainer", "Explainer"),
     "Explanation": ("vitexplain.explainer", "Explanation"),
     "overlay": ("vitexplain.viz.overlays", "overlay"),
+    "explore": ("vitexplain.explorer", "explore"),
     "load_image": ("vitexplain.data.images", "load_image"),
     "layout": ("vitexplain.layout", None),
     "methods": ("vitexplain.methods", None),

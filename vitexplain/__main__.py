@@ -1,6 +1,6 @@
 """``python -m vitexplain`` runs the command line (also under ``torchrun -m vitexplain``)."""
 
-from .cli import main
+from .cli import run
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run()

@@ -4,27 +4,46 @@
 
     vitexplain export INPUT... --out DIR [--model NAME] [--method rollout,cdam] ...
     vitexplain caption INPUT... --out DIR [--model shapes-captioner] [--caption TEXT] ...
-    vitexplain methods [--model NAME | --family vit|cnn|caption]
+    vitexplain explore INPUT... --out page.html [--model NAME] [--method generic,cdam] ...
+    vitexplain methods [--model NAME | --family vit|swin|cnn|caption]
     vitexplain models
     torchrun --nproc_per_node=N -m vitexplain export|caption ...   # one shard per process
 
-Exit status: 0 success, 1 some images failed (the others were exported), 2 usage error
-(bad flags, unknown model or method, ``--amp`` without CUDA, no inputs), 130 interrupted.
+Exit status (export, caption): see :data:`EXIT_STATUS` (0 ok, 1 some images failed, 2 usage
+error, 74 the output folder could not be written, 130 interrupted, 143 terminated).
 
-This module imports only the standard library at import time, so ``vitexplain --help`` is
-quick; torch, timm and OpenCV are imported when a command runs.
+The flags of ``export`` and ``caption`` are derived from their options dataclasses
+(:mod:`vitexplain.batch.options`). This module imports only the standard library and
+:mod:`vitexplain.batch`'s light modules at import time, so ``vitexplain --help`` is quick;
+torch, timm and OpenCV are imported when a command runs.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
+import os
 import sys
-from typing import Any, Optional, Sequence
+from typing import Any, NoReturn, Optional, Sequence
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "run", "build_parser", "EXIT_STATUS"]
 
 _PROG = "vitexplain"
+
+#: The exit status of ``export`` and ``caption`` (shown in their --help and the README).
+EXIT_STATUS = """\
+exit status:
+  0    every image done (or already current)
+  1    some images or input folders failed: reported on stderr and in the manifest; the others were done
+  2    usage error: bad flags or values, unknown model or method, an input inside --out, an --out
+       that is not writable or is in use by another run; nothing was written
+  74   the output folder could not be written during the run (full disk, I/O error): the run stopped;
+       finished images are recorded and summary.json says what was done; rerun to resume
+  130  interrupted (Ctrl-C)    143  terminated (SIGTERM): finished images are recorded, summary.json
+       is written; rerun the same command to resume
+"""
+
+_EXPORT_GROUPS = {"model": "model", "explanation": "explanation", "overlays": "overlays", "running": "running"}
+_CAPTION_GROUPS = {"model": "model", "explanation": "explanation", "overlays": "figures", "running": "running"}
 
 _EXPORT_EPILOG = """\
 outputs (OUT = --out; KEY = the input's path below the argument it was found under):
@@ -36,8 +55,9 @@ outputs (OUT = --out; KEY = the input's path below the argument it was found und
 
 resume: rerunning the same command skips images whose outputs are complete and current
 (same file size and mtime, same model/methods/target/crop/overlay settings); --overwrite redoes.
+One run at a time per --out (a second one is refused while the first runs).
 
-exit status: 0 ok, 1 some images failed (reported and skipped), 2 usage error, 130 interrupted.
+""" + EXIT_STATUS + """
 
 A file name starting with '-' is read as an option: write ./-name.png, or put inputs after --.
 
@@ -67,8 +87,9 @@ resume: rerunning the same command skips images whose outputs are complete and c
 (same file size and mtime, same model/weights/methods/options/caption/max-len/crop/figure
 settings); --overwrite redoes.
 
-exit status: 0 ok, 1 some images failed (reported and skipped), 2 usage error (also: a model
-that is not an image captioner; explain classifiers with `vitexplain export`), 130 interrupted.
+""" + EXIT_STATUS + """\
+  (usage errors include a model that is not an image captioner: explain classifiers with
+  `vitexplain export`)
 
 A file name starting with '-' is read as an option: write ./-name.png, or put inputs after --.
 
@@ -76,6 +97,20 @@ examples:
   vitexplain caption assets/samples --out captions --html
   vitexplain caption photos --out red --caption "red circle" --method cross_generic
   vitexplain caption 'photos/**/*.png' --out captions --model my-captioner.json --option cross.layers=-1
+"""
+
+
+_EXPLORE_EPILOG = """\
+the page: one HTML file with its images, data, script and styles inline; it requests nothing
+(open it from disk, mail it). Sizes: about 0.2 MB per 64 px shapes image, 4.7 MB per 224 px
+ViT-S/16 image with every layer and head (see --attention-budget).
+
+exit status: 0 ok, 1 some images could not be read (left out of the page), 2 usage error.
+
+examples:
+  vitexplain explore assets/samples --out explore.html
+  vitexplain explore assets/samples --out words.html --model shapes-captioner
+  vitexplain explore photo.jpg --out photo.html --model vit_small_patch16_224 --checkpoint vit_s.safetensors
 """
 
 
@@ -87,91 +122,13 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n(see `{self.prog} --help`)\n")
 
 
-def _methods_arg(text: str) -> list[str]:
-    names = [m.strip() for m in text.split(",") if m.strip()]
-    if not names:
-        raise argparse.ArgumentTypeError("expected method names, e.g. rollout,cdam")
-    return names
-
-
-def _model_arg(text: str) -> tuple[str, Any]:
-    if "=" not in text:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    key, value = text.split("=", 1)
-    try:
-        parsed: Any = ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-        parsed = value
-    return key.strip(), parsed
-
-
-def _option_arg(text: str) -> tuple[str, str, Any]:
-    head, sep, value = text.partition("=")
-    method, dot, key = head.partition(".")
-    if not (sep and dot and method.strip() and key.strip()):
-        raise argparse.ArgumentTypeError(f"expected METHOD.KEY=VALUE (e.g. rollout.discard_ratio=0.9), got {text!r}")
-    try:
-        parsed: Any = ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-        parsed = value
-    return method.strip(), key.strip(), parsed
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
-
-
-def _unit(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {value}")
-    return value
-
-
-def _add_inputs(p: argparse.ArgumentParser) -> None:
-    """INPUT... and --out (export, caption)."""
-    p.add_argument("inputs", nargs="+", metavar="INPUT",
-                   help="image files, folders (walked recursively) or glob patterns (quote them; ** recurses)")
-    p.add_argument("--out", "-o", required=True, metavar="DIR", help="output folder (created; never an input folder)")
-
-
-def _add_running(p: argparse.ArgumentParser, *, batch_size: int, what: str) -> None:
-    """The "running" group (export, caption): batching, decoding, device, resume, output."""
-    g = p.add_argument_group("running")
-    g.add_argument("--batch-size", "-b", type=_positive, default=batch_size, metavar="N",
-                   help=f"images per forward pass (default {batch_size})")
-    g.add_argument("--workers", "-j", type=_non_negative, default=None, metavar="N",
-                   help="DataLoader processes decoding images (default: min(4, CPUs - 1))")
-    g.add_argument("--device", default="auto", metavar="DEV", help="auto (default), cpu, cuda or cuda:N")
-    g.add_argument("--amp", choices=("bf16", "fp16"), help="CUDA autocast precision")
-    g.add_argument("--write-threads", type=_positive, default=None, metavar="N",
-                   help=f"threads drawing and writing {what} while the model runs (default: CPUs / 2, 2 to 8)")
-    g.add_argument("--overwrite", action="store_true", help="redo images whose outputs are already current")
-    g.add_argument("--quiet", "-q", action="store_true", help="no progress bar or final summary line")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``vitexplain`` (sub-commands export, caption, methods, models)."""
+    """The argument parser of ``vitexplain`` (sub-commands export, caption, explore, methods, models)."""
     from . import __version__
+    from .batch.caption import CaptionOptions
+    from .batch.explore import GROUPS as EXPLORE_GROUPS, ExploreOptions
+    from .batch.export import ExportOptions
+    from .batch.options import add_arguments
 
     parser = _Parser(
         prog=_PROG,
@@ -189,40 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_EXPORT_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    _add_inputs(ex)
-    g = ex.add_argument_group("model")
-    g.add_argument("--model", "-m", default="shapes-vit", metavar="NAME",
-                   help="zoo model (see `vitexplain models`), timm model name, or a zoo checkpoint .json "
-                        "(default: shapes-vit)")
-    g.add_argument("--checkpoint", metavar="FILE",
-                   help="weights for --model: .safetensors, or .pt/.pth (torch.load weights_only=True) "
-                        "holding a state dict or {'state_dict'|'model': ...}")
-    g.add_argument("--num-classes", type=_positive, metavar="N",
-                   help="classes of a timm model (default: from the checkpoint's head)")
-    g.add_argument("--model-arg", type=_model_arg, action="append", default=[], metavar="KEY=VALUE",
-                   help="extra timm.create_model argument, e.g. img_size=64 (repeatable)")
-    g.add_argument("--labels", metavar="FILE", help="text file with one class name per line")
-    g = ex.add_argument_group("explanation")
-    g.add_argument("--method", type=_methods_arg, action="append", metavar="M1,M2",
-                   help="methods, comma separated or repeated (default: rollout,cdam for ViTs, gradcam "
-                        "for CNNs; list them with `vitexplain methods --model NAME`)")
-    g.add_argument("--option", type=_option_arg, action="append", default=[], metavar="METHOD.KEY=VALUE",
-                   help="a method option, e.g. rollout.discard_ratio=0.9 or rollout.head_fusion=max (repeatable)")
-    g.add_argument("--target", default="pred", metavar="pred|INDEX|LABEL",
-                   help="class to explain: each image's top prediction (default), an index or a label name")
-    g.add_argument("--no-crop", dest="crop", action="store_false",
-                   help="resize whole images to the input size instead of resize + center crop")
-    g = ex.add_argument_group("overlays")
-    g.add_argument("--alpha", type=_unit, default=0.5, metavar="A", help="overlay opacity in [0, 1] (default 0.5)")
-    g.add_argument("--colormap", default="jet", metavar="NAME", help="colormap of unsigned maps (default jet; any OpenCV name)")
-    g.add_argument("--signed-colormap", default="bwr", metavar="NAME",
-                   help="diverging colormap of signed maps such as cdam (default bwr, centred at zero)")
-    g.add_argument("--max-side", type=_non_negative, default=512, metavar="PX",
-                   help="draw overlays at most this many pixels on the longer side (default 512; 0: original size)")
-    g.add_argument("--save-maps", action="store_true", help="also write each raw map as .npy")
-    g.add_argument("--topk", type=_non_negative, default=5, metavar="K", help="predictions recorded per image (default 5)")
-    g.add_argument("--html", action="store_true", help="write an index.html gallery")
-    _add_running(ex, batch_size=32, what="overlays")
+    add_arguments(ex, ExportOptions, _EXPORT_GROUPS)
 
     ca = sub.add_parser(
         "caption",
@@ -232,57 +156,29 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_CAPTION_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    _add_inputs(ca)
-    g = ca.add_argument_group("model")
-    g.add_argument("--model", "-m", default="shapes-captioner", metavar="NAME",
-                   help="zoo captioner (see `vitexplain models`) or a zoo checkpoint .json (default: shapes-captioner)")
-    g = ca.add_argument_group("explanation")
-    g.add_argument("--method", type=_methods_arg, action="append", metavar="M1,M2",
-                   help="caption methods, comma separated or repeated (default: cross,cross_generic; "
-                        "list them with `vitexplain methods --family caption`)")
-    g.add_argument("--option", type=_option_arg, action="append", default=[], metavar="METHOD.KEY=VALUE",
-                   help="a method option, e.g. cross.layers=-1 or cross.head_fusion=max (repeatable)")
-    g.add_argument("--caption", metavar="TEXT",
-                   help="explain this caption (teacher-forced) for every image instead of generating one")
-    g.add_argument("--max-len", type=_positive, default=16, metavar="N",
-                   help="most tokens to generate (default 16; the model's own limit applies too)")
-    g.add_argument("--no-crop", dest="crop", action="store_false",
-                   help="resize whole images to the input size instead of resize + center crop")
-    g = ca.add_argument_group("figures")
-    g.add_argument("--alpha", type=_unit, default=0.5, metavar="A", help="overlay opacity in [0, 1] (default 0.5)")
-    g.add_argument("--colormap", default="jet", metavar="NAME", help="colormap of the maps (default jet; any OpenCV name)")
-    g.add_argument("--tile-size", type=_non_negative, default=160, metavar="PX",
-                   help="side of each tile of the figures (default 160; 0: the image's size, at most 512)")
-    g.add_argument("--html", action="store_true", help="write an index.html gallery of the figures")
-    _add_running(ca, batch_size=16, what="figures")
+    add_arguments(ca, CaptionOptions, _CAPTION_GROUPS)
+
+    xp = sub.add_parser(
+        "explore",
+        help="write one self-contained interactive HTML page exploring the images (attention per layer and "
+             "head, rollout rows, methods per class, captions word by word)",
+        description="Explain every image under INPUT... and write one interactive page that needs nothing\n"
+        "else (open it from disk): per image the top predictions, one tab per method, and for ViTs the\n"
+        "attention of any patch or [CLS]/register token per layer and head, its rollout row and the\n"
+        "attention matrix; for captioners each word's map and the word x patch alignment.",
+        epilog=_EXPLORE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(xp, ExploreOptions, EXPLORE_GROUPS)
 
     me = sub.add_parser("methods", help="list explanation methods (per model family, or for a model)",
                         description="List the explanation methods, with a one-line summary each.")
     which = me.add_mutually_exclusive_group()
     which.add_argument("--model", "-m", metavar="NAME", help="only the methods that apply to this model")
-    which.add_argument("--family", choices=("vit", "cnn", "caption"), help="only this model family")
+    which.add_argument("--family", choices=("vit", "swin", "cnn", "caption"), help="only this model family")
 
     sub.add_parser("models", help="list the bundled zoo models", description="List the bundled zoo models.")
     return parser
-
-
-def _default_workers() -> int:
-    import os
-
-    return max(0, min(4, (os.cpu_count() or 1) - 1))
-
-
-def _methods_of(args: argparse.Namespace) -> Optional[list[str]]:
-    """--method values, flattened (None when not given)."""
-    return [m for group in args.method for m in group] if args.method else None
-
-
-def _method_options_of(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    """--option METHOD.KEY=VALUE values as {method: {key: value}}."""
-    method_options: dict[str, dict[str, Any]] = {}
-    for method, key, value in args.option:
-        method_options.setdefault(method, {})[key] = value
-    return method_options
 
 
 def _report(result: Any, quiet: bool, done: str) -> int:
@@ -291,68 +187,42 @@ def _report(result: Any, quiet: bool, done: str) -> int:
     if not quiet and "counts" in s:
         c, t = s["counts"], s["timings"]
         rate = f", {t['images_per_s']:.1f} images/s" if t.get("images_per_s") else ""
+        folders = f", {c['unreadable_folders']} folders unreadable" if c.get("unreadable_folders") else ""
         print(
             f"vitexplain: {c['images']} images: {c['ok']} {done}, {c['skipped']} up to date (skipped), "
-            f"{c['failed']} failed{rate} -> {result.out}",
+            f"{c['failed']} failed{folders}{rate} -> {result.out}",
             file=sys.stderr,
         )
     return int(result.exit_code)
 
 
 def _cmd_export(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from .export import ExportOptions, export
+    from .batch.export import ExportOptions, export
+    from .batch.options import from_args
 
-    methods = _methods_of(args)
-    method_options = _method_options_of(args)
-    opts = ExportOptions(
-        inputs=list(args.inputs), out=args.out, model=args.model, checkpoint=args.checkpoint,
-        num_classes=args.num_classes, model_args=dict(args.model_arg), labels=args.labels,
-        methods=methods, method_options=method_options, target=args.target, batch_size=args.batch_size,
-        workers=_default_workers() if args.workers is None else args.workers, device=args.device,
-        amp=args.amp, crop=args.crop, alpha=args.alpha, colormap=args.colormap,
-        signed_colormap=args.signed_colormap, max_side=args.max_side, topk=args.topk,
-        save_maps=args.save_maps, html=args.html, overwrite=args.overwrite, quiet=args.quiet,
-    )
-    if args.write_threads is not None:
-        opts.write_threads = args.write_threads
-    return _report(export(opts, argv=list(argv)), args.quiet, "exported")
+    return _report(export(from_args(ExportOptions, args), argv=list(argv)), args.quiet, "exported")
 
 
 def _cmd_caption(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from .caption_export import CaptionOptions, export_captions
+    from .batch.caption import CaptionOptions, export_captions
+    from .batch.options import from_args
 
-    opts = CaptionOptions(
-        inputs=list(args.inputs), out=args.out, model=args.model, methods=_methods_of(args),
-        method_options=_method_options_of(args), caption=args.caption, max_len=args.max_len,
-        batch_size=args.batch_size, workers=_default_workers() if args.workers is None else args.workers,
-        device=args.device, amp=args.amp, crop=args.crop, alpha=args.alpha, colormap=args.colormap,
-        tile_size=args.tile_size, html=args.html, overwrite=args.overwrite, quiet=args.quiet,
-    )
-    if args.write_threads is not None:
-        opts.write_threads = args.write_threads
-    return _report(export_captions(opts, argv=list(argv)), args.quiet, "captioned")
+    return _report(export_captions(from_args(CaptionOptions, args), argv=list(argv)), args.quiet, "captioned")
+
+
+def _cmd_explore(args: argparse.Namespace) -> int:
+    from .batch.explore import ExploreOptions, explore_inputs
+    from .batch.options import from_args
+
+    return explore_inputs(from_args(ExploreOptions, args))
 
 
 def _family_of_model(name: str) -> str:
-    from .export import load_model
+    from .batch.models import load_model
     from .adapters import adapter_for
 
     model, _ = load_model(name, device="cpu")
     return adapter_for(model).family
-
-
-def _options_of(fn: Any) -> str:
-    """``name=default, ...`` of a method function's keyword options (for --option)."""
-    import inspect
-
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):  # pragma: no cover
-        return ""
-    return ", ".join(
-        f"{p.name}={p.default!r}" for p in params
-        if p.kind is p.KEYWORD_ONLY and p.default is not p.empty
-    )
 
 
 def _cmd_methods(args: argparse.Namespace) -> int:
@@ -374,7 +244,7 @@ def _cmd_methods(args: argparse.Namespace) -> int:
         for s in specs:
             tag = " [signed]" if s.signed and "signed" not in s.summary else ""
             out.append(f"  {s.name.ljust(width)}  {s.summary}{tag}")
-            options = _options_of(s.fn)
+            options = s.describe_options() if s.options else ""
             if options:
                 out.append(f"  {''.ljust(width)}  options: {options}")
         out.append("")
@@ -417,26 +287,48 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    from .export import UsageError
+    from .batch.driver import EXIT_INTERRUPTED, EXIT_TERMINATED, EXIT_USAGE, Interrupted, signals_as_interrupts
+    from .errors import UsageError
 
     try:
-        if args.command == "export":
-            return _cmd_export(args, argv)
-        if args.command == "caption":
-            return _cmd_caption(args, argv)
-        if args.command == "methods":
-            return _cmd_methods(args)
-        if args.command == "models":
-            return _cmd_models()
+        with signals_as_interrupts():  # SIGTERM ends a run like Ctrl-C (summary written)
+            if args.command == "export":
+                return _cmd_export(args, argv)
+            if args.command == "caption":
+                return _cmd_caption(args, argv)
+            if args.command == "explore":
+                return _cmd_explore(args)
+            if args.command == "methods":
+                return _cmd_methods(args)
+            if args.command == "models":
+                return _cmd_models()
     except UsageError as e:
         print(f"{_PROG} {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"{_PROG}: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_USAGE
+    except KeyboardInterrupt as e:
+        terminated = isinstance(e, Interrupted) and e.signum != 2
+        print(f"{_PROG}: {'terminated' if terminated else 'interrupted'}", file=sys.stderr)
+        return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
     parser.error(f"unknown command {args.command!r}")  # pragma: no cover
     return 2  # pragma: no cover
 
 
+def run(argv: Optional[Sequence[str]] = None) -> NoReturn:
+    """The console script and ``python -m vitexplain``: :func:`main`, then exit at once.
+
+    Python's own shutdown with torch, timm and OpenCV loaded takes one to several seconds (a
+    final garbage collection over the whole heap), which made Ctrl-C and every finished run
+    linger. By the time :func:`main` returns every output file is written, fsync'ed and
+    closed, so the process flushes its streams and leaves without that teardown.
+    """
+    code = main(argv)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more to say
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":  # pragma: no cover
-    raise SystemExit(main())
+    run()

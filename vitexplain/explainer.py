@@ -110,6 +110,23 @@ class Explanation:
         kwargs.setdefault("normalize", "signed" if self.signed else "minmax")
         return overlay(image, self.maps[index], **kwargs)
 
+    def _repr_html_(self) -> str:
+        """Jupyter display: each image's overlay with a colour bar, its method and target."""
+        from .viz.notebook import explanation_tiles, tiles_html
+
+        more = len(self) - 12
+        return tiles_html([explanation_tiles(self)], f"... and {more} more images" if more > 0 else "")
+
+    def show(self, max_images: int = 8) -> Any:
+        """Draw the overlays (at most ``max_images``) with matplotlib; returns the figure.
+
+        Raises:
+            UsageError: matplotlib is not installed (``pip install matplotlib``).
+        """
+        from .viz.notebook import explanation_tiles, show_tiles
+
+        return show_tiles([explanation_tiles(self, max_images)])
+
     def save(self, directory: Union[str, Path]) -> Path:
         """Write ``maps.npy`` and ``manifest.json`` (method, options, targets, sizes) to a folder."""
         import numpy as np
@@ -168,6 +185,23 @@ class CaptionExplanation:
         b, t = self.maps.shape[:2]
         flat = F.interpolate(self.maps.flatten(0, 1)[:, None], size=size, mode="bilinear", align_corners=False)
         return flat.view(b, t, *size)
+
+    def _repr_html_(self) -> str:
+        """Jupyter display: per image its caption, then each word under its overlay."""
+        from .viz.notebook import caption_tiles, tiles_html
+
+        more = len(self) - 4
+        return tiles_html(caption_tiles(self), f"... and {more} more images" if more > 0 else "")
+
+    def show(self, max_images: int = 4) -> Any:
+        """Draw each word's overlay (at most ``max_images`` images) with matplotlib; returns the figure.
+
+        Raises:
+            UsageError: matplotlib is not installed (``pip install matplotlib``).
+        """
+        from .viz.notebook import caption_tiles, show_tiles
+
+        return show_tiles(caption_tiles(self, max_images))
 
     def figure(self, index: int = 0, image: Any = None, **kwargs: Any) -> Any:
         """One RGB figure: each word of caption ``index`` under its overlay (uint8 RGB)."""

@@ -203,6 +203,32 @@ def _git() -> nn.Module:
     return transformers.GitForCausalLM(config)
 
 
+_SWIN = dict(img_size=32, patch_size=4, window_size=4, embed_dim=16, depths=(2, 2), num_heads=(2, 4), num_classes=5)
+_SWIN_TEST = "tests/test_swin.py"
+
+
+def _torchvision_swin(v2: bool) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        from torchvision.models import swin_transformer as tv_swin
+
+        extra = dict(block=tv_swin.SwinTransformerBlockV2, downsample_layer=tv_swin.PatchMergingV2) if v2 else {}
+        return tv_swin.SwinTransformer(patch_size=[4, 4], embed_dim=16, depths=[2, 2], num_heads=[2, 4],
+                                       window_size=[4, 4], num_classes=5, **extra)
+
+    return build
+
+
+def _hf_swin(config: str, model: str, **kwargs: Any) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        import transformers
+
+        cfg = getattr(transformers, config)(image_size=32, patch_size=4, window_size=4, embed_dim=16,
+                                            depths=[2, 2], num_heads=[2, 4], **kwargs)
+        return getattr(transformers, model)(cfg)
+
+    return build
+
+
 _HF_TEST = "tests/test_families_hf.py::test_hf_family_matches_eager_oracle"
 _TIMM_TEST = "tests/test_families_timm.py"
 
@@ -246,8 +272,14 @@ def families() -> list[Family]:
         Family("timm PiT", "hybrid", _timm_class("pit", "PoolingVisionTransformer", img_size=64, patch_size=8, stride=4, base_dims=(8, 8, 8), depth=(1, 1, 1), heads=(2, 2, 2), mlp_ratio=2, num_classes=5), s64, "tests/test_hybrids.py"),
         Family("timm LeViT", "hybrid", _timm_class("levit", "LevitDistilled", img_size=128, embed_dim=(32, 48, 64), key_dim=8, depth=(1, 1, 1), num_heads=(2, 2, 2), num_classes=5), (128, 128), "tests/test_hybrids.py"),
         Family("torchvision MaxViT", "hybrid", _torchvision_maxvit, s64, "tests/test_hybrids.py"),
-        # -- Swin / SwinV2 (adapters/swin.py, branch i11s): add their entries here when it lands,
-        # e.g. Family("timm Swin", "Swin", ..., oracle="tests/test_swin.py") ---------------------
+        Family("timm Swin", "Swin", _timm_class("swin_transformer", "SwinTransformer", **_SWIN), s32, _SWIN_TEST),
+        Family("timm SwinV2", "Swin", _timm_class("swin_transformer_v2", "SwinTransformerV2", **_SWIN), s32, _SWIN_TEST),
+        Family("timm SwinV2-CR", "Swin", _timm_class("swin_transformer_v2_cr", "SwinTransformerV2Cr", **_SWIN), s32, _SWIN_TEST),
+        Family("torchvision Swin (swin_t)", "Swin", _torchvision_swin(v2=False), s32, _SWIN_TEST),
+        Family("torchvision SwinV2 (swin_v2_t)", "Swin", _torchvision_swin(v2=True), s32, _SWIN_TEST),
+        Family("HF Swin classifier", "Swin", _hf_swin("SwinConfig", "SwinForImageClassification", num_labels=5), s32, _SWIN_TEST),
+        Family("HF Swinv2 classifier", "Swin", _hf_swin("Swinv2Config", "Swinv2ForImageClassification", num_labels=5), s32, _SWIN_TEST),
+        Family("HF SwinModel (headless)", "Swin", _hf_swin("SwinConfig", "SwinModel"), s32, _SWIN_TEST, "norm"),
         Family("zoo shapes-captioner", "captioner", _zoo("shapes-captioner"), s64, "tests/test_captioning.py"),
         Family("nn.TransformerDecoder over timm ViT", "captioner", _torch_decoder_captioner, s32, "tests/test_captioning.py"),
         Family("HF VisionEncoderDecoder (ViT + GPT-2)", "captioner", _vision_encoder_decoder, s32, "tests/test_captioning.py"),

@@ -3,7 +3,7 @@
 ``resolve(target, logits, label_names)`` turns what the user passed into a :class:`Target`:
 the per-image class indices (``-1`` when a callable defines the score) and a function from
 the model's outputs to a (B,) score. The score of a class is its pre-softmax logit
-(references.md): for multi-label models too, the default target is the top-scoring label.
+(docs/methods.md): for multi-label models too, the default target is the top-scoring label.
 
 Headless backbones (``num_classes=0``, ``ViTModel``, ``Dinov2Model``, ``CLIPVisionModel``,
 ``SiglipVisionModel``, ...) output a pooled embedding (B, D) instead of logits; explain a

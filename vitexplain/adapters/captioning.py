@@ -4,7 +4,8 @@ A caption adapter knows where the image encoder is (its self-attention records a
 layout), how to generate greedily (with the model's own KV cache), and how to run the model
 teacher-forced on given tokens so that logits row t predicts token t.
 
-Supported: the zoo captioner (:class:`vitexplain.zoo.captioner.Captioner`), a model built
+Supported: the zoo captioners (:class:`vitexplain.zoo.captioner.Captioner`, and the Show, Attend
+and Tell :class:`vitexplain.zoo.sat.ShowAttendTell`), a model built
 from ``nn.TransformerDecoder`` over a timm ViT (:class:`TransformerDecoderCaptioner`, or any
 module with the same attributes), and Hugging Face ``VisionEncoderDecoderModel`` (e.g. ViT +
 GPT-2), ``BlipForConditionalGeneration`` and ``GitForCausalLM``.
@@ -125,7 +126,10 @@ class CaptionAdapter(Adapter):
 
 
 class ZooCaptionAdapter(CaptionAdapter):
-    """The zoo's :class:`~vitexplain.zoo.captioner.Captioner`."""
+    """The zoo's captioners: :class:`~vitexplain.zoo.captioner.Captioner` (transformer decoder, KV
+    cache) and :class:`~vitexplain.zoo.sat.ShowAttendTell` (LSTM decoder whose additive attention,
+    registered with ``register_attention``, is recorded once per step; its encoder grid is the
+    token layout)."""
 
     encoder_prefix = "encoder"
 
@@ -369,8 +373,9 @@ class GitCaptionAdapter(CaptionAdapter):
 @register_adapter(priority=20)
 def _detect_zoo_captioner(model: nn.Module) -> Optional[Adapter]:
     from ..zoo.captioner import Captioner
+    from ..zoo.sat import ShowAttendTell
 
-    if isinstance(model, Captioner):
+    if isinstance(model, (Captioner, ShowAttendTell)):
         return ZooCaptionAdapter(model)
     return None
 

@@ -57,6 +57,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "ImageLoadError",
     "DEFAULT_MAX_PIXELS",
+    "MAX_RESIZE_INPUTS",
     "ImageSource",
     "load_image",
     "CropBox",
@@ -69,6 +70,13 @@ __all__ = [
 #: Default pixel limit: twice Pillow's ``MAX_IMAGE_PIXELS`` default (~179 megapixels),
 #: the size at which Pillow itself refuses an image as a decompression bomb.
 DEFAULT_MAX_PIXELS: int = 178_956_970
+
+#: :func:`preprocess` (with ``crop=True``) refuses to resize an image to more pixels than
+#: this many model inputs (at the resize scale, ``input_size / crop_pct``) or the image
+#: itself, whichever is larger. A normal photo is only ever shrunk or mildly enlarged; a
+#: 1 x 400,000 px strip would become a 73 x 29,200,000 px (8 GB) intermediate for a 64 px
+#: model. This allows aspect ratios up to 64:1 for small images.
+MAX_RESIZE_INPUTS: int = 64
 
 #: What :func:`load_image` accepts: a path, raw encoded bytes, or a binary file object.
 ImageSource = Union[str, "os.PathLike[str]", bytes, bytearray, memoryview, IO[bytes]]
@@ -223,16 +231,23 @@ def _stretch(values: np.ndarray) -> np.ndarray:
 
 
 def _composite_on_white(rgba: np.ndarray) -> np.ndarray:
-    rgb = rgba[..., :3].astype(np.uint32)
-    a = rgba[..., 3:4].astype(np.uint32)
-    return ((rgb * a + 255 * (255 - a) + 127) // 255).astype(np.uint8)
+    """(H, W, 4) uint8 -> (H, W, 3) uint8 on white, in chunks of 2**20 pixels (the uint32
+    arithmetic would otherwise need ~8x the image's memory at once)."""
+    flat = np.ascontiguousarray(rgba).reshape(-1, 4)
+    out = np.empty((flat.shape[0], 3), np.uint8)
+    step = 1 << 20
+    for i in range(0, flat.shape[0], step):
+        rgb = flat[i : i + step, :3].astype(np.uint32)
+        a = flat[i : i + step, 3:4].astype(np.uint32)
+        out[i : i + step] = (rgb * a + 255 * (255 - a) + 127) // 255
+    return out.reshape(*rgba.shape[:-1], 3)
 
 
 def _to_rgb(im: Image.Image, name: str) -> np.ndarray:
     mode = im.mode
     has_trns = im.info.get("transparency") is not None
     if mode.startswith("I;16") or mode == "I":
-        raw = np.asarray(im).astype(np.int64)
+        raw = np.asarray(im)  # uint16 or int32: no wider copy (the image may be large)
         if mode == "I" and (raw.size and (raw.min() < 0 or raw.max() > 65535)):
             gray = _stretch(raw)
         else:
@@ -385,7 +400,9 @@ def preprocess(
         :class:`CropBox` of image ``i`` in its original pixel coordinates.
 
     Raises:
-        ValueError: Bad image arrays, sizes, ``crop_pct`` or interpolation name.
+        UsageError: Bad image arrays, sizes, ``crop_pct`` or interpolation name.
+        InputError: An image whose aspect ratio is too extreme to resize (see
+            :data:`MAX_RESIZE_INPUTS`).
     """
     import torch
 
@@ -424,6 +441,13 @@ def preprocess(
         else:
             scale = (math.floor(out_h / pct), math.floor(out_w / pct))
             h1, w1 = _resize_size(h0, w0, scale)
+            if h1 * w1 > max(h0 * w0, MAX_RESIZE_INPUTS * scale[0] * scale[1]):
+                raise InputError(
+                    f"a {w0}x{h0} image cannot be resized for this model: its shorter side would become "
+                    f"{min(h1, w1)} px and the resized image {w1}x{h1} = {h1 * w1:,} pixels (aspect ratio "
+                    f"{max(h0, w0) / min(h0, w0):,.0f}:1 is too extreme). Crop or pad it first, or resize "
+                    "it whole without cropping (crop=False, --no-crop)"
+                )
             res = pil if (h1, w1) == (h0, w0) else pil.resize((w1, h1), resample)
             top, left = _center_offset(h1, out_h), _center_offset(w1, out_w)
             if (top, left, out_h, out_w) != (0, 0, h1, w1):

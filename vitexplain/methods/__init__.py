@@ -10,6 +10,6 @@ from .options import Option
 from .registry import MethodSpec, check_options, get, names, register, specs
 
 # built-in methods, registered on import, in listing order
-from . import attention, gradients, tokens, legrad, captum_methods, cnn, caption  # noqa: E402,F401
+from . import attention, gradients, tokens, legrad, captum_methods, swin, cnn, caption  # noqa: E402,F401
 
 __all__ = ["MethodSpec", "Option", "names", "get", "register", "specs", "check_options"]

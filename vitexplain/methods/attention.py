@@ -193,7 +193,7 @@ def fused_rows(head_fusion: str) -> RowFn:
     reads_fused=lambda options: options["head_fusion"] if options["head"] is None else None,
     class_sensitive=False,
     summary="raw attention of one layer (class-token row or mean over patch queries), one head or fused",
-    reference="Dosovitskiy et al. 2021; references.md item 1",
+    reference="Dosovitskiy et al. 2021; docs/methods.md",
 )
 def raw(ctx: Context, *, layer: int = -1, head: Optional[int] = None, head_fusion: str = "mean") -> Tensor:
     """Raw attention: the readout row of layer ``layer`` restricted to the patch keys.
@@ -231,7 +231,7 @@ def raw(ctx: Context, *, layer: int = -1, head: Optional[int] = None, head_fusio
     requires=("grid", "attention", "rollout"),
     class_sensitive=False,
     summary="attention rollout: product of rownorm(0.5 A + 0.5 I) over layers",
-    reference="Abnar & Zuidema 2020; references.md item 2",
+    reference="Abnar & Zuidema 2020; docs/methods.md",
     dense_attention=True,
     reads_fused=lambda options: options["head_fusion"],
 )

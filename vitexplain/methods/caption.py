@@ -5,7 +5,7 @@ fused over heads and over decoder layers (or per layer), as in Show, Attend and 
 KV cache each decoding step issues one query; the steps are stitched into a (T, N_image) map.
 
 ``cross_generic``: Chefer, Gur & Wolf (ICCV 2021) rules for encoder-decoder attention, with the
-gradient of each word's log-probability in turn (references.md item 4).
+gradient of each word's log-probability in turn (docs/methods.md, `cross_generic`).
 """
 
 from __future__ import annotations
@@ -65,9 +65,10 @@ def stitch_cross(
 ) -> Tensor:
     """Cross-attention rows of one layer, one row per explained word.
 
-    Teacher-forced: one call whose query row t predicts word t. Generation: one call per
-    decoding step (one query with a KV cache, the whole prefix without); the last query row
-    of step s predicts word s (the first step may hold a longer prompt).
+    Teacher-forced: one call whose query row t predicts word t, or (a recurrent decoder that
+    attends once per step, e.g. Show, Attend and Tell) one call per step. Generation: one call
+    per decoding step (one query with a KV cache, the whole prefix without); the last query
+    row of step s predicts word s (the first step may hold a longer prompt).
 
     Args:
         records: one layer's cross-attention records in call order.
@@ -78,8 +79,8 @@ def stitch_cross(
     Returns:
         (B, T, N_image) float32.
     """
-    if teacher_forced:
-        stitched = fuse_heads(records[-1].probs(), head_fusion)
+    if teacher_forced and len(records) == 1:
+        stitched = fuse_heads(records[0].probs(), head_fusion)
     else:
         stitched = torch.cat([fuse_heads(r.probs(queries=-1), head_fusion) for r in records], dim=1)  # type: ignore[arg-type]
     if stitched.shape[1] < num_words:
@@ -112,7 +113,7 @@ def _check_cross(ctx: CaptionContext) -> list[AttentionRecord]:
     family="caption",
     class_sensitive=False,
     summary="per-word cross-attention of the decoder over the image patches (heads and layers fused)",
-    reference="Xu et al. 2015 (Show, Attend and Tell); references.md 'Captioning'",
+    reference="Xu et al. 2015 (Show, Attend and Tell); docs/methods.md 'Captioners'",
 )
 def cross(ctx: CaptionContext, *, layers: Union[None, int, Sequence[int]] = None, head_fusion: str = "mean") -> Tensor:
     """Cross-attention maps per word.
@@ -156,6 +157,29 @@ def _abar(record: AttentionRecord) -> Tensor:
     return (record.grad_probs() * record.probs()).clamp(min=0).mean(dim=1)
 
 
+def _abar_per_module(records: Sequence[AttentionRecord], num_words: int) -> list[tuple[str, Tensor]]:
+    """``Abar`` of each decoder attention module, in order of first call: (kind, (B, T, N_k)).
+
+    A module called once (a transformer decoder under teacher forcing) gives its rows as they
+    are; a module called once per step with one query (a recurrent decoder) gives its steps
+    stacked as rows, so that row t is the attention of the step that predicts word t.
+    """
+    grouped: dict[str, list[AttentionRecord]] = {}
+    for record in records:
+        grouped.setdefault(record.name, []).append(record)
+    out = []
+    for name, calls in grouped.items():
+        abar = torch.cat([_abar(r) for r in calls], dim=1)
+        if abar.shape[1] < num_words or (len(calls) > 1 and any(r.num_queries != 1 for r in calls)):
+            raise UnsupportedMethodError(
+                f"the decoder attention {name!r} was called {len(calls)} times with "
+                f"{[r.num_queries for r in calls]} queries for {num_words} words; cross_generic needs one "
+                "teacher-forced call with a query per word, or one call per word with one query"
+            )
+        out.append((calls[0].kind, abar[:, :num_words]))
+    return out
+
+
 def _joint_relevance(decoder: Sequence[AttentionRecord], r_ii: Tensor, t: int) -> Tensor:
     """Chefer's self-attention rule on a joint [image, text] decoder (GIT), (B, t, N_image).
 
@@ -176,7 +200,7 @@ def _joint_relevance(decoder: Sequence[AttentionRecord], r_ii: Tensor, t: int) -
     family="caption",
     grads=True,
     summary="Chefer encoder-decoder relevance per word (gradient of each word's log-probability)",
-    reference="Chefer, Gur & Wolf, ICCV 2021 (encoder-decoder rules); references.md item 4",
+    reference="Chefer, Gur & Wolf, ICCV 2021 (encoder-decoder rules); docs/methods.md",
     dense_attention=True,
 )
 def cross_generic(ctx: CaptionContext) -> Tensor:
@@ -190,6 +214,12 @@ def cross_generic(ctx: CaptionContext) -> Tensor:
     ``R_ti[t, patches]``. One backward pass per word position, batched over images. A joint
     decoder (GIT: one self-attention over [image, text]) uses the self-attention rule on the
     whole sequence, starting from ``R_ii`` for the image tokens (:func:`_joint_relevance`).
+
+    A recurrent decoder that attends once per step (Show, Attend and Tell) has no decoder
+    self-attention: its steps' attention rows are stacked into one cross-attention matrix, and
+    with ``R_tt = I`` (and ``R_ii = I`` for a CNN encoder) the map of word t is its own step's
+    gradient-weighted attention ``clamp(A_t * d log p(w_t) / dA_t, 0)``. What the LSTM state
+    carries from earlier steps is not attention and is not propagated by these rules.
 
     Returns:
         (B, T, gh, gw) float32.
@@ -217,9 +247,8 @@ def cross_generic(ctx: CaptionContext) -> Tensor:
             continue
         r_tt = torch.eye(t, device=device).expand(b, t, t).clone()
         r_ti = torch.zeros(b, t, n_img, device=device)
-        for record in decoder:
-            abar = _abar(record)
-            if record.kind == "self":
+        for kind, abar in _abar_per_module(decoder, t):
+            if kind == "self":
                 r_tt, r_ti = r_tt + abar @ r_tt, r_ti + abar @ r_ti
             else:
                 r_ti = r_ti + normbar(r_tt).transpose(1, 2) @ abar @ normbar(r_ii)

@@ -11,7 +11,7 @@ The Grad-CAM family reads the last feature stage by default (``adapter.target_la
 ``layer="layer3"`` (any module name) to choose another. ``channel`` reads the deepest gate
 module by default, ``spatial`` the mean of all spatial gates; ``layer=`` selects a stage or
 module by name (the last gate inside it).
-Definitions: references.md, "Methods for CNNs".
+Definitions: docs/methods.md, "CNNs".
 """
 
 from __future__ import annotations

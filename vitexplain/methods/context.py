@@ -1,8 +1,24 @@
 """The input of every method: one captured forward (and backward) of one batch.
 
-Methods are pure functions ``fn(ctx, **options) -> maps``: they read records and
-activations from ``ctx.recorder``, never touch the model's hooks, and return (B, gh, gw)
-float32 maps on the model's device.
+Methods are functions ``fn(ctx, **options) -> maps`` that return (B, gh, gw) float32 maps on the
+model's device. Most only read what the capture recorded (attention records, activations,
+gradients in ``ctx.recorder``, whose hooks live for the capture's scope). A few re-run part of
+the model and put a hook of their own on it for that call; each removes it in a ``finally``
+block, so the model is left as found also when the re-run raises:
+
+- ``cdam_smooth`` and ``cdam_integrated`` (ViTs): a forward hook on the last block's first norm,
+  to read (smooth) or replace (integrated) its output while the last block and head run on noisy
+  or interpolated inputs (``tokens._norm1_output``);
+- ``cdam``, ``gradcam``, ``cdam_smooth`` and ``cdam_integrated`` of the Swin family: a forward
+  pre-hook on the last block's attention module, which makes its input a leaf tensor (or
+  replaces it) while the last block and head are re-run (``swin._attention_input``);
+- the CNN ``gradcam``: captum's ``LayerGradCam`` runs its own forward and backward with a forward
+  hook on the chosen layer, which captum removes in its own ``finally``.
+
+The captum-backed ``integrated_gradients``, ``occlusion`` and ``smoothgrad`` run the model on
+perturbed inputs without hooks. No method changes training flags, ``requires_grad`` or ``.grad``
+of the model's parameters (``tests/test_registry.py`` checks every registered method, also after
+an exception inside the forward).
 """
 
 from __future__ import annotations
@@ -102,7 +118,8 @@ class Context:
                 f"method {self.method!r} re-runs part of {model} ({what}: {self.adapter.describe()}), "
                 f"but that partial forward does not reproduce the model's own outputs: {reason}. "
                 "Its maps would be wrong, so none are returned; use a method that reads the "
-                "explained forward only (e.g. 'cdam', 'gradcam', 'integrated_gradients'), or give "
+                "explained forward only (e.g. 'generic', 'rollout', 'integrated_gradients'; for "
+                "ViTs also 'cdam', 'gradcam'), or give "
                 "vx.Explainer(model, adapter=...) an adapter whose tail/head match the model "
                 "(is the model in eval mode?)"
             )
@@ -114,7 +131,7 @@ class Context:
         layout = self.layout
         if layout is None:
             raise UnsupportedMethodError(f"method {self.method!r} needs a ViT token layout")
-        if layout.windowed:
+        if layout.windowed and (rollout or layout.grid is None):
             alternatives = "'cdam', 'gradcam', 'integrated_gradients', 'occlusion'"
             what = "rollout across layers" if rollout else "a single patch grid"
             raise UnsupportedMethodError(

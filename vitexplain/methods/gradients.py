@@ -38,15 +38,18 @@ def _generic_contract(record: AttentionRecord, block: slice, weights) -> tuple[T
     grads=True,
     requires=("grid", "attention", "rollout"),
     summary="gradient rollout: rollout of clamp(mean_h(A * dy/dA), 0)",
-    reference="vit-explain (Gildenblat 2020), forward-ordered gradients; references.md item 3",
+    reference="vit-explain (Gildenblat 2020), forward-ordered gradients; docs/methods.md",
     dense_attention=True,
 )
 def grad_rollout(ctx: Context, *, discard_ratio: float = 0.0, start_layer: int = 0) -> Tensor:
     """Gradient attention rollout.
 
-    As rollout, with ``fused = clamp(mean_h(A * grad(y, A)), min=0)`` per layer. Each
-    layer's gradient is paired with that same layer's attention (vit-explain pairs
-    backward-ordered gradients with forward-ordered attentions: not reproduced).
+    As rollout, with ``fused = clamp(mean_h(A * grad(y, A)), min=0)`` per layer: the gradient
+    of the score with respect to the attention probabilities A, each layer's gradient paired
+    with that same layer's attention. vit-explain's code differs on both counts (not
+    reproduced; docs/methods.md): its backward hook on ``attn_drop`` records the gradient with
+    respect to the pre-softmax scores (dropout is the identity in eval, so the hook sees the
+    softmax's inputs), and it pairs backward-ordered gradients with forward-ordered attentions.
 
     Args:
         ctx: the captured forward and backward.
@@ -75,7 +78,7 @@ def grad_rollout(ctx: Context, *, discard_ratio: float = 0.0, start_layer: int =
     grads=True,
     requires=("grid", "attention", "rollout"),
     summary="Chefer generic attention explainability: R += mean_h(clamp(dy/dA * A, 0)) @ R",
-    reference="Chefer, Gur & Wolf, ICCV 2021; references.md item 4",
+    reference="Chefer, Gur & Wolf, ICCV 2021; docs/methods.md",
     dense_attention=True,
 )
 def generic(ctx: Context, *, start_layer: int = 0) -> Tensor:
@@ -109,7 +112,7 @@ def generic(ctx: Context, *, start_layer: int = 0) -> Tensor:
     grads=True,
     requires=("grid", "attention"),
     summary="attention Grad-CAM on the last layer: clamp(mean_h(w_h A_h[readout]), 0)",
-    reference="Chefer et al. 2021 baseline (their implementation); references.md item 5",
+    reference="Chefer et al. 2021 baseline (their implementation); docs/methods.md",
 )
 def attn_gradcam(ctx: Context, *, layer: int = -1) -> Tensor:
     """Grad-CAM on the last layer's attention.

@@ -28,7 +28,7 @@ def _all_blocks(adapter) -> list[str]:
     activations=_all_blocks,
     retain_graph=True,
     summary="LeGrad: mean over layers of ReLU(d s_l / d A_l), s_l the head applied to layer l's tokens",
-    reference="Bousselham et al. 2024; references.md item 8",
+    reference="Bousselham et al. 2024; docs/methods.md",
     dense_attention=True,
 )
 def legrad(ctx: Context, *, layers: Union[None, int, Sequence[int]] = None) -> Tensor:
@@ -40,9 +40,13 @@ def legrad(ctx: Context, *, layers: Union[None, int, Sequence[int]] = None) -> T
     computed from ``dO_l @ V_l^T`` in query blocks. The map is ``mean_l E_l``, min-max
     normalised per image.
 
+    Layers: by default all of them, as the paper defines LeGrad (the signal "aggregated over all
+    layers"). The authors' released code averages only the last two by default
+    (``LeWrapper(layer_index=-2)``); ``layers=[-2, -1]`` reproduces it (docs/methods.md).
+
     Args:
         ctx: the captured forward (gradients enabled).
-        layers: layer indices to use (default: all).
+        layers: layer indices to use, negative from the last (default: all layers).
 
     Returns:
         (B, gh, gw) float32 in [0, 1].

@@ -15,7 +15,7 @@ from .options import Option, check_options as _check, describe_options, option_d
 
 __all__ = ["MethodSpec", "register", "get", "names", "specs", "check_options", "FAMILIES"]
 
-FAMILIES = ("vit", "cnn", "caption")
+FAMILIES = ("vit", "swin", "cnn", "caption")
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,7 @@ class MethodSpec:
 
     Attributes:
         name: the public method name (``"cdam"``, ``"rollout"``, ...).
-        family: ``"vit"``, ``"cnn"`` or ``"caption"``.
+        family: ``"vit"``, ``"swin"``, ``"cnn"`` or ``"caption"``.
         fn: ``fn(ctx, **options) -> maps`` (B, gh, gw), a pure function of a context; it may
             return ``(maps, extras)`` with a dict of method-specific results.
         grads: needs gradients of the target score (one backward pass).

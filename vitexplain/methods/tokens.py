@@ -53,7 +53,7 @@ def cdam_scores(tokens: Tensor, grad: Tensor) -> Tensor:
     activations=_last_tokens,
     signed=True,
     summary="class-discriminative attention map: sum_d T * dy/dT at the last attention's input (signed)",
-    reference="Brocki, Binda & Chung 2023; references.md item 7",
+    reference="Brocki, Binda & Chung 2023; docs/methods.md",
 )
 def cdam(ctx: Context) -> Tensor:
     """CDAM: per patch token i, ``S_i = sum_d T_id * dy/dT_id``; signed, not clamped.
@@ -75,7 +75,7 @@ def cdam(ctx: Context) -> Tensor:
     requires=("grid", "tokens"),
     activations=_last_tokens,
     summary="token Grad-CAM on the last block's first-norm output (pytorch-grad-cam style)",
-    reference="Selvaraju et al. 2017, applied to ViT tokens as pytorch-grad-cam does; references.md item 6",
+    reference="Selvaraju et al. 2017, applied to ViT tokens as pytorch-grad-cam does; docs/methods.md",
 )
 def gradcam(ctx: Context) -> Tensor:
     """Token Grad-CAM: X = patch tokens of T as a (D, gh, gw) image,
@@ -131,7 +131,7 @@ def _chunks(total: int, size: int) -> Iterator[slice]:
     activations=_last_tokens,
     signed=True,
     summary="smooth CDAM: mean CDAM over noisy copies of the last block's input",
-    reference="Brocki, Binda & Chung 2023 (Smooth CDAM); references.md item 7",
+    reference="Brocki, Binda & Chung 2023 (Smooth CDAM); docs/methods.md",
 )
 def cdam_smooth(ctx: Context, *, samples: int = 50, noise: float = 0.05, batch_size: int = 64, seed: Optional[int] = 0) -> Tensor:
     """Smooth CDAM: the mean of CDAM over ``samples`` copies of the last block's input with
@@ -198,7 +198,7 @@ def _slice_score(target, logits: Tensor, part: slice) -> Tensor:
     activations=_last_tokens,
     signed=True,
     summary="integrated CDAM: integrated gradients on the last attention's input tokens",
-    reference="Brocki, Binda & Chung 2023 (Integrated CDAM); references.md item 7",
+    reference="Brocki, Binda & Chung 2023 (Integrated CDAM); docs/methods.md",
 )
 def cdam_integrated(ctx: Context, *, steps: int = 32, batch_size: int = 64) -> Tensor:
     """Integrated CDAM: ``S_i = sum_d (T_id - T'_id) * mean_k dy/dT_id(T_k)``.

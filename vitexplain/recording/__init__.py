@@ -4,6 +4,15 @@ The public entry point is :func:`vitexplain.capture` (``vx.capture``), defined i
 :mod:`vitexplain.recording.recorder`.
 """
 
+from .custom import (
+    AttentionWeights,
+    ModuleInputs,
+    from_attribute,
+    from_output,
+    register_attention,
+    registered_attention,
+    unregister_attention,
+)
 from .gates import GateRecord, GateSpec, register_gate, supported_gates
 from .records import ActivationRecord, AttentionRecord, attention_probs
 from .recorder import Recorder, capture
@@ -18,5 +27,12 @@ __all__ = [
     "register_gate",
     "supported_gates",
     "attention_probs",
+    "AttentionWeights",
+    "ModuleInputs",
+    "register_attention",
+    "unregister_attention",
+    "registered_attention",
+    "from_output",
+    "from_attribute",
 ]
 

@@ -1,6 +1,6 @@
 """``vx.capture``: a scoped recorder of attention calls that keeps fused attention on.
 
-How it works (see references.md, "Attention from fused kernels"):
+How it works (see docs/methods.md, "How attention is captured"):
 
 - A :class:`torch.overrides.TorchFunctionMode` observes every
   ``F.scaled_dot_product_attention`` call (q, k, v, mask, scale, causal flag) and lets the
@@ -8,6 +8,10 @@ How it works (see references.md, "Attention from fused kernels"):
   (models that compute attention in Python, e.g. timm with ``fused_attn=False`` or
   Hugging Face "eager"), and ``nn.MultiheadAttention``'s functional forward, whose inner
   SDPA / softmax call it makes visible for the duration of that call only.
+- FlexAttention calls are recorded with their ``score_mod`` and ``block_mask`` (see
+  :mod:`vitexplain.recording.flex`), and modules declared with an extractor (additive,
+  multiplicative, local, recurrent-decoder attention) by a forward hook on each (see
+  :mod:`vitexplain.recording.custom`).
 - Each call is attributed to the module that issued it by walking the Python stack to the
   nearest frame whose ``self`` is a submodule of the captured model. No hook is put on
   the model for this, and calls from other models are ignored.
@@ -34,7 +38,7 @@ from __future__ import annotations
 
 import sys
 from types import FrameType
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +47,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from ..errors import CaptureError, InputError, NoAttentionError
+from .custom import Extractor, ModuleInputs, as_weights, declared_modules, in_graph, is_inside
+from .flex import FlexRecording, flex_code, flex_op, traced_call
 from .gates import GateHooks, GateRecord, checked_gates
 from . import materialize
 from .materialize import attention_with_probs, can_materialize, check_heads, check_mode
@@ -67,9 +73,10 @@ CROSS_ARGUMENT_NAMES = (
 
 SUPPORTED = (
     "torch.nn.functional.scaled_dot_product_attention (timm ViT/DeiT/EVA/BEiT/Swin, "
-    "torchvision, Hugging Face attn_implementation='sdpa'), attention modules that compute "
-    "softmax(q k^T) in Python (timm fused_attn=False, Hugging Face 'eager') and "
-    "nn.MultiheadAttention / nn.Transformer* layers"
+    "torchvision, Hugging Face attn_implementation='sdpa'), FlexAttention, attention modules "
+    "that compute softmax(q k^T) in Python (timm fused_attn=False, Hugging Face 'eager'), "
+    "nn.MultiheadAttention / nn.Transformer* layers, and modules declared with "
+    "vx.capture(model, attention={name: extractor}) or vx.recording.register_attention"
 )
 
 
@@ -91,6 +98,9 @@ class _AttentionMode(TorchFunctionMode):
     def __init__(self, recorder: "Recorder") -> None:
         super().__init__()
         self.recorder = recorder
+        self.flex = flex_code()  # None unless FlexAttention was imported
+        self.flex_op = flex_op()
+        self.flex_calls: list[tuple] = []  # appended while dynamo traces FlexAttention's op, see _watch_flex
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         if kwargs is None:
@@ -101,10 +111,18 @@ class _AttentionMode(TorchFunctionMode):
             return self.recorder._on_softmax(func, args, kwargs)
         if func is _MHA_FORWARD:
             return self.recorder._on_mha(func, args, kwargs)
+        if func is self.flex_op and self.flex_op is not None:
+            # reached while dynamo traces FlexAttention (eager flex_attention compiles its op, and so
+            # does torch.compile): dynamo replays this append with the real arguments on every call
+            self.flex_calls.append(traced_call(args))
+            return func(*args, **kwargs)
+        # nothing else of the recorder can run while dynamo traces
+        if self.flex is not None and not torch.compiler.is_dynamo_compiling():
+            self.recorder._watch_flex(self.flex, args, kwargs)
         return func(*args, **kwargs)
 
 
-class Recorder:
+class Recorder(FlexRecording):
     """Records the attention calls (and optionally activations) of one model.
 
     Use through :func:`capture`. After the forward, ``rec.records`` lists one
@@ -125,7 +143,7 @@ class Recorder:
         *,
         grads: bool = False,
         activations: Sequence[str] = (),
-        attention: bool = True,
+        attention: Union[bool, Mapping[str, Extractor]] = True,
         gates: bool = False,
         attention_mode: str = "fused",
         heads: str = "all",
@@ -137,7 +155,9 @@ class Recorder:
         self.model = unwrap_compiled(model)
         self._compiled = self.model is not model
         self.grads = bool(grads)
-        self.attention = bool(attention)
+        self.attention = bool(attention) or isinstance(attention, Mapping)
+        self._extractors: dict[str, Extractor] = dict(attention) if isinstance(attention, Mapping) else {}
+        self._declared: dict[str, tuple[nn.Module, Extractor]] = {}
         self.attention_mode = check_mode(attention_mode)
         self.heads = check_heads(heads)
         self._materialized_bytes = 0
@@ -157,6 +177,9 @@ class Recorder:
         self._stance: Any = None
         self._active = False
         self._in_backward = False
+        self._flex_unattributed = 0
+        self._flex_frame: Optional[FrameType] = None
+        self._flex_pending: Optional[tuple[AttentionRecord, tuple[Tensor, Tensor, Tensor]]] = None
 
     # -- context manager --------------------------------------------------------------
     def __enter__(self) -> "Recorder":
@@ -186,6 +209,11 @@ class Recorder:
                 self._gate_hooks = GateHooks(self.model, self._gates)
                 self._handles.extend(self._gate_hooks.register())
             if self.attention:
+                self._declared = declared_modules(self.model, self._extractors)
+                for name, (module, extractor) in self._declared.items():
+                    self._handles.append(
+                        module.register_forward_hook(self._module_hook(name, extractor), with_kwargs=True)
+                    )
                 if hasattr(torch.backends, "mha") and hasattr(torch.backends.mha, "get_fastpath_enabled"):
                     self._fastpath = torch.backends.mha.get_fastpath_enabled()
                     torch.backends.mha.set_fastpath_enabled(False)
@@ -205,8 +233,10 @@ class Recorder:
         try:
             if self._mode is not None:
                 self._mode.__exit__(None, None, None)
+                self._count_unattributed_flex(self._mode.flex_calls)
         finally:
             self._mode = None
+            self._flex_frame = self._flex_pending = None
             for handle in self._handles:
                 handle.remove()
             self._handles.clear()
@@ -226,7 +256,9 @@ class Recorder:
         Raises:
             NoAttentionError: no attention call was seen (no forward ran, or the model
                 has no attention this capture can observe).
+            CaptureError: a compiled FlexAttention call could not be attributed to a module.
         """
+        self._check_flex_attributed()
         if not self._records:
             cls = type(self.model).__name__
             if self.forward_count == 0:
@@ -389,9 +421,9 @@ class Recorder:
         return hook
 
     # -- attribution --------------------------------------------------------------------
-    def _issuer(self) -> Optional[tuple[str, nn.Module, FrameType]]:
-        """The innermost captured module on the Python stack, with its frame."""
-        frame: Optional[FrameType] = sys._getframe(2)
+    def _issuer(self, start: Optional[FrameType] = None) -> Optional[tuple[str, nn.Module, FrameType]]:
+        """The innermost captured module on the Python stack (from ``start``), with its frame."""
+        frame: Optional[FrameType] = start or sys._getframe(2)
         names = self._names
         while frame is not None:
             obj = frame.f_locals.get("self")
@@ -417,24 +449,34 @@ class Recorder:
                 return "cross"
         return "self"
 
-    def _new_record(self, name: str, module: nn.Module, frame: FrameType, **fields: Any) -> AttentionRecord:
+    def _new_record(self, name: str, kind: str, record_type: type = AttentionRecord, **fields: Any) -> AttentionRecord:
         step = self._steps.get(name, 0)
         self._steps[name] = step + 1
-        record = AttentionRecord(
-            name=name, kind=self._kind(module, frame), index=len(self._records), step=step, **fields
-        )
+        record = record_type(name=name, kind=kind, index=len(self._records), step=step, **fields)
         self._records.append(record)
         return record
 
+    def _attention_issuer(self, start: Optional[FrameType] = None) -> Optional[tuple[str, nn.Module, FrameType]]:
+        """The issuer of an SDPA/softmax call, or None when it is not recorded there.
+
+        Calls from outside the model and calls inside a module whose attention an extractor
+        declares (that module's record replaces them) are not recorded.
+        """
+        issuer = self._issuer(start or sys._getframe(3))
+        if issuer is None or (self._declared and is_inside(issuer[0], self._declared)):
+            return None
+        return issuer
+
     # -- interception -------------------------------------------------------------------
     def _on_sdpa(self, func: Callable, args: tuple, kwargs: dict) -> Any:
-        issuer = self._issuer()
+        issuer = self._attention_issuer()
         if issuer is None:
             return func(*args, **kwargs)
         bound = _bind_sdpa(args, kwargs)
         query, k, v = bound["query"], bound["key"], bound["value"]
         mask = bound.get("attn_mask")
         q = query
+        name, module, frame = issuer
         if q.dim() > 4:  # windows or groups as extra leading dims: fold them into the batch
             if isinstance(mask, Tensor):
                 mask = mask.reshape((1,) * (q.dim() - mask.dim()) + tuple(mask.shape))
@@ -447,17 +489,18 @@ class Recorder:
             _mask=mask.detach() if mask is not None else None, _scale=bound.get("scale"),
             _causal=bool(bound.get("is_causal", False)),
         )
+        kind = self._kind(module, frame)
         if self._materialize(q, k, v, mask, dropout_p, bool(bound.get("enable_gqa", False))):
             out, probs = attention_with_probs(
                 q, k, v, attn_mask=mask, scale=fields["_scale"], is_causal=fields["_causal"], heads=self.heads
             )
             heads = self.heads if probs.dim() == 3 else "all"
-            record = self._new_record(*issuer, materialized=True, heads=heads, _probs=probs.detach(), **fields)
+            record = self._new_record(name, kind, materialized=True, heads=heads, _probs=probs.detach(), **fields)
             if self.grads:
                 record._attach_grad_hook(probs, self._hooks_collect)
             return out.view(*query.shape[:-1], out.shape[-1])
         out = func(*args, **kwargs)
-        record = self._new_record(*issuer, _q=q.detach(), _k=k.detach(), **fields)
+        record = self._new_record(name, kind, _q=q.detach(), _k=k.detach(), **fields)
         if self.grads:
             record._v = v.detach()
             record._attach_grad_hook(out, self._hooks_collect)
@@ -484,7 +527,7 @@ class Recorder:
         dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
         if dim not in (-1, out.dim() - 1):
             return out
-        issuer = self._issuer()
+        issuer = self._attention_issuer()
         if issuer is None:
             return out
         name, module, frame = issuer
@@ -499,8 +542,7 @@ class Recorder:
         b, h, n_q, n_k = probs.shape
         record = self._new_record(
             name,
-            module,
-            frame,
+            self._kind(module, frame),
             source="eager",
             q_shape=torch.Size((b, h, n_q, 0)),
             k_shape=torch.Size((b, h, n_k, 0)),
@@ -509,6 +551,32 @@ class Recorder:
         if self.grads:
             record._attach_grad_hook(out, self._hooks_collect)
         return out
+
+    def _module_hook(self, name: str, extractor: Extractor) -> Callable:
+        """A forward hook recording the weights ``extractor`` reads from a declared module."""
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            inputs = ModuleInputs(args, kwargs)
+            checked = as_weights(extractor(module, inputs, output), name)
+            if checked is None:
+                return
+            weights, view, kind = checked
+            b, h, n_q, n_k = view.shape
+            record = self._new_record(
+                name,
+                kind,
+                source="module",
+                q_shape=torch.Size((b, h, n_q, 0)),
+                k_shape=torch.Size((b, h, n_k, 0)),
+                _probs=view.detach(),
+            )
+            if self.grads:
+                if weights.requires_grad and not in_graph(weights, output, inputs):
+                    record._grad_state = "not_in_graph"
+                else:
+                    record._attach_grad_hook(weights, self._hooks_collect)
+
+        return hook
 
     def _on_mha(self, func: Callable, args: tuple, kwargs: dict) -> Any:
         """Run MHA's functional forward with its inner SDPA/softmax calls visible."""
@@ -532,7 +600,7 @@ def capture(
     *,
     grads: bool = False,
     activations: Sequence[str] = (),
-    attention: bool = True,
+    attention: Union[bool, Mapping[str, Extractor]] = True,
     gates: bool = False,
     attention_mode: str = "fused",
     heads: str = "all",
@@ -546,11 +614,13 @@ def capture(
         rec.records[-1].probs()               # (B, heads, N_q, N_k) float32
 
     Attention is observed at ``F.scaled_dot_product_attention`` (the fused kernel keeps
-    running), at softmax calls of modules that compute attention in Python, and inside
+    running), at FlexAttention calls (eager or ``torch.compile``-d ``flex_attention``), at
+    softmax calls of modules that compute attention in Python, inside
     ``nn.MultiheadAttention`` (whose C++ fast path is switched off inside the scope only,
-    so its SDPA call is visible). Attention computed with extra leading dimensions (windows or groups:
-    (B, G, H, N_q, N_k) in MaxViT, Twins, ...) is recorded with them folded into the batch,
-    (B * G, H, N_q, N_k). A record's ``kind`` is ``"cross"`` when the issuing
+    so its SDPA call is visible), and at the modules declared through ``attention=``. Attention
+    computed with extra leading dimensions (windows or groups: (B, G, H, N_q, N_k) in MaxViT,
+    Twins, ...) is recorded with them folded into the batch, (B * G, H, N_q, N_k). A record's
+    ``kind`` is ``"cross"`` when the issuing
     module has ``is_cross_attention=True``, is an ``nn.MultiheadAttention`` called with a
     key that is not its query, or received a tensor argument named one of
     ``encoder_hidden_states``, ``key_value_states``, ``memory``, ``context``,
@@ -563,7 +633,13 @@ def capture(
             ``grad_probs()`` (dy/dA) and each activation record its ``grad``.
         activations: module names (as in ``model.named_modules()``) whose inputs and
             outputs are recorded, e.g. ``["blocks.11.norm1"]``.
-        attention: set False to record activations only (no attention interception).
+        attention: set False to record activations only (no attention interception); or a
+            dict ``{module name: extractor}`` declaring modules that compute attention their
+            own way (additive, multiplicative, local, recurrent decoders), recorded in
+            addition to the attention calls above; ``extractor(module, inputs, output)``
+            returns an ``AttentionWeights(weights, kind)`` (see
+            ``vitexplain.recording.custom``). Modules of a class registered with
+            ``vx.recording.register_attention`` are declared without naming them.
         gates: record the gates of CNN attention modules (SE, ECA, CBAM, ...) in
             ``rec.gates``, see ``vitexplain.recording.gates``.
         attention_mode: ``"fused"`` (default): the fused SDPA kernel runs and probabilities

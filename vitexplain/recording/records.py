@@ -9,7 +9,9 @@ recomputes attention probabilities from them on demand, in float32:
   :mod:`vitexplain.recording.materialize`) keeps the probabilities the capture computed in
   place of the fused kernel, and the gradient that reaches them, like an eager record;
 - an eager record (a model that computes ``softmax(q k^T)`` in Python) keeps the
-  probabilities the model itself materialised, and the gradient that reaches them.
+  probabilities the model itself materialised, and the gradient that reaches them;
+- a module record (attention declared by an extractor, :mod:`vitexplain.recording.custom`)
+  keeps the weights the module used, and the gradient that reaches them.
 
 Probabilities and their gradients can be requested for a subset of query rows
 (``queries=``), which is how methods stay in O(block x N) memory per layer.
@@ -175,8 +177,10 @@ class AttentionRecord:
         index: position of this call among all records of the capture.
         step: how many times this module had issued attention before in this capture
             (0 for the first call; decoding steps with a KV cache count up).
-        source: ``"sdpa"`` (fused kernel observed) or ``"eager"`` (softmax computed by the
-            model in Python).
+        source: ``"sdpa"`` (fused kernel observed), ``"eager"`` (softmax computed by the
+            model in Python), ``"flex"`` (FlexAttention, see :mod:`vitexplain.recording.flex`)
+            or ``"module"`` (weights read by an extractor from a module's call, see
+            :mod:`vitexplain.recording.custom`).
         q_shape: (B, H, N_q, E) shape of the queries.
         k_shape: (B, H_kv, N_k, E) shape of the keys (for eager records: (B, H, N_k, -1)).
         dropout_p: attention dropout used by the call (0 in eval mode).
@@ -191,7 +195,7 @@ class AttentionRecord:
     kind: Literal["self", "cross"]
     index: int
     step: int
-    source: Literal["sdpa", "eager"]
+    source: Literal["sdpa", "eager", "module", "flex"]
     q_shape: torch.Size
     k_shape: torch.Size
     dropout_p: float = 0.0
@@ -242,8 +246,8 @@ class AttentionRecord:
 
     @property
     def _holds_probs(self) -> bool:
-        """The probabilities were kept (eager or materialized), so dy/dA is hooked on them."""
-        return self.source == "eager" or self.materialized
+        """The probabilities were kept (eager, materialized, module), so dy/dA is hooked on them."""
+        return self._probs is not None
 
     @property
     def device(self) -> torch.device:
@@ -303,6 +307,17 @@ class AttentionRecord:
                 "vx.capture(model, grads=True) and call backward() on a score before "
                 "asking for grad_probs()"
             )
+        if self._grad_state == "no_output":
+            raise CaptureError(
+                f"the output of the FlexAttention call {self.name!r} never reached another torch operation "
+                "inside the captured forward, so its gradient could not be hooked"
+            )
+        if self._grad_state == "not_in_graph":
+            raise CaptureError(
+                f"the attention weights the extractor of {self.name!r} returned are not the tensor the "
+                "module's output was computed from (a recomputation, or a detached copy), so the "
+                "gradient reaching them is not dy/dA; return the module's own weights tensor"
+            )
         if self._grad_state == "no_graph":
             raise CaptureError(
                 f"the attention output of {self.name!r} was not part of an autograd graph "
@@ -321,8 +336,10 @@ class AttentionRecord:
         """The attention output tensor, still in the autograd graph (grads=True only).
 
         For an SDPA record this is O = A V, shape (B, H, N_q, E_v); for an eager or a
-        materialized record it is the probability tensor A itself (as the model made it: window attention keeps its
-        extra dims here, (B, G, H, N, N), while the record's shapes fold them into B). Use it with ``torch.autograd.grad`` to take the
+        materialized record it is the probability tensor A itself (as the model made it: window
+        attention keeps its extra dims here, (B, G, H, N, N), while the record's shapes fold them
+        into B); for a module record the weights tensor as the extractor returned it. Use it with
+        ``torch.autograd.grad`` to take the
         gradient of any other score (e.g. one score per layer, as LeGrad does) and pass
         that to ``grad_probs(d_out=...)``.
         """
@@ -335,8 +352,9 @@ class AttentionRecord:
         """Gradient of the backpropagated score w.r.t. this call's attention probabilities.
 
         For an SDPA call, with O = A V, ``dy/dA = dO @ V^T`` where dO was captured by a
-        tensor hook on the SDPA output: no eager attention is ever materialised. Eager and
-        materialized records return the gradient the backward pass delivered to A. With
+        tensor hook on the SDPA output: no eager attention is ever materialised. For eager,
+        materialized and module records it is the gradient that reached the probabilities
+        themselves. With
         attention dropout active (training mode) this is the gradient w.r.t. the
         post-dropout probabilities; explain models in eval mode.
 
@@ -356,7 +374,7 @@ class AttentionRecord:
         rows = _rows(queries, self.num_queries)
         if d_out is not None:
             d_out = self._as_4d(d_out)
-        if self._holds_probs:
+        if self._holds_probs:  # eager, materialized and module records: the gradient w.r.t. the weights
             grad = d_out if d_out is not None else self._grad_probs
             if grad is None:
                 raise CaptureError(f"no gradient has reached {self.name!r}")
@@ -383,7 +401,7 @@ class AttentionRecord:
 
     def _add_grad(self, grad: Tensor) -> None:
         """Accumulate a gradient w.r.t. :attr:`output` (like ``.grad`` does)."""
-        grad = self._as_4d(grad.detach())
+        grad = self._as_4d(grad.detach())  # also a module's (B, N_k) or (B, N_q, N_k) weights
         if self._holds_probs:
             self._grad_probs = grad if self._grad_probs is None else self._grad_probs + grad
         else:

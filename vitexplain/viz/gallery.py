@@ -24,8 +24,10 @@ th,td{border:1px solid #ddd;padding:6px;vertical-align:top;text-align:left}
 th{position:sticky;top:0;background:#f0f0f0;z-index:1}
 td.name{max-width:16em;word-break:break-all;font-family:ui-monospace,monospace;font-size:.85em}
 td.failed{background:#fff0f0;color:#a00}
-img{width:var(--w,160px);height:auto;display:block;image-rendering:auto}
+img{width:var(--w,256px);height:auto;display:block;image-rendering:auto}
+img.small{image-rendering:pixelated}
 .pred{font-size:.85em;white-space:nowrap} .score{color:#777}
+.cap{font-size:.8em;color:#333;margin-top:2px}
 """
 
 
@@ -77,13 +79,19 @@ def _target(record: dict[str, Any]) -> str:
     return _text(name)
 
 
+def _small(record: dict[str, Any], thumb_px: int) -> str:
+    """``class="small"`` for an input smaller than its thumbnail (drawn with crisp pixels)."""
+    width = record.get("width")
+    return ' class="small"' if isinstance(width, int) and 0 < width < thumb_px else ""
+
+
 def render_gallery(
     records: Iterable[dict[str, Any]],
     *,
     folder: Union[str, "os.PathLike[str]"],
     methods: Optional[Sequence[str]] = None,
     title: str = "vitexplain",
-    thumb_px: int = 160,
+    thumb_px: int = 256,
 ) -> str:
     """The gallery page as a string.
 
@@ -121,15 +129,17 @@ def render_gallery(
                 f'{_text(r.get("error") or "failed")}</td></tr>'
             )
             continue
-        thumb = f'<a href="{src}"><img src="{src}" alt="input" loading="lazy"></a>' if src else ""
+        thumb = f'<a href="{src}"><img src="{src}" alt="input" loading="lazy"{_small(r, thumb_px)}></a>' if src else ""
         cells = []
         files = r.get("files") or {}
+        target = _target(r)
         for m in methods:
             entry = files.get(m) or {}
             rel = entry.get("overlay")
             if rel:
                 href = _href(str(rel))
-                cells.append(f'<td><a href="{href}"><img src="{href}" alt="{_text(m)}" loading="lazy"></a></td>')
+                caption = f'<div class="cap">{_text(m)}: {target}</div>' if target else ""
+                cells.append(f'<td><a href="{href}"><img src="{href}" alt="{_text(m)}" loading="lazy"></a>{caption}</td>')
             else:
                 cells.append("<td></td>")
         rows.append(
@@ -141,7 +151,8 @@ def render_gallery(
         f"<title>{_text(title)}</title><style>{_CSS}</style></head>\n"
         f'<body style="--w:{int(thumb_px)}px"><h1>{_text(title)}</h1>'
         f'<p class="meta">{len(records)} images: {ok} ok, {failed} failed. Columns: input, top '
-        "prediction (score), explained target, then one overlay per method.</p>\n"
+        "prediction (score), explained target, then one overlay per method, each explaining that target "
+        "(signed maps such as cdam: red = evidence for it, blue = against, clear = none).</p>\n"
         f"<table><thead><tr><th>image</th><th>input</th><th>prediction</th><th>target</th>{head}</tr></thead>\n<tbody>\n"
         + "\n".join(rows)
         + "\n</tbody></table></body></html>\n"
@@ -154,7 +165,7 @@ def write_gallery(
     *,
     methods: Optional[Sequence[str]] = None,
     title: str = "vitexplain",
-    thumb_px: int = 160,
+    thumb_px: int = 256,
 ) -> Path:
     """Write :func:`render_gallery` to ``path`` atomically (temp file + ``os.replace``).
 

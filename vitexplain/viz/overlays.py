@@ -7,7 +7,7 @@ image read with ``cv2.imread`` use ``img[..., ::-1]`` first.
 
 from __future__ import annotations
 
-from typing import Any, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import cv2
 import numpy as np
@@ -16,7 +16,7 @@ from ._util import check_rgb, map_to_numpy
 from .colormaps import apply_colormap, colormap_lut
 from ..errors import UsageError
 
-__all__ = ["overlay", "normalize_map", "NORMALIZE_MODES", "INTERPOLATIONS"]
+__all__ = ["overlay", "normalize_map", "readable", "MIN_SIDE", "NORMALIZE_MODES", "INTERPOLATIONS"]
 
 #: Normalisation modes of :func:`normalize_map` / :func:`overlay`.
 NORMALIZE_MODES: tuple[str, ...] = ("minmax", "percentile", "signed", "none")
@@ -27,6 +27,9 @@ INTERPOLATIONS: dict[str, int] = {
     "bilinear": cv2.INTER_LINEAR,
     "bicubic": cv2.INTER_CUBIC,
 }
+
+#: Shortest side, in pixels, at which overlays of small images are drawn (:func:`readable`).
+MIN_SIDE = 256
 
 # Ranges within a few float32 ULPs of the values are noise around a constant.
 _REL_TOL = 4 * float(np.finfo(np.float32).eps)
@@ -120,12 +123,16 @@ def overlay(
     normalize: str = "minmax",
     interpolation: str = "bilinear",
     contour: ContourSpec = False,
+    transparent_zero: Optional[bool] = None,
 ) -> np.ndarray:
     """Blend a coloured saliency map over an RGB image.
 
     The map is normalised to ``[0, 1]`` at its own resolution (:func:`normalize_map`),
     resized to the image (any aspect ratio; shrinking uses area averaging), coloured, and
-    blended: ``out = (1 - alpha) * image + alpha * colour``.
+    blended: ``out = (1 - a) * image + a * colour`` with ``a = alpha`` everywhere, or, with
+    ``transparent_zero``, ``a = alpha * min(1, 2 |2 n - 1|)`` for the normalised value n: zero
+    (the diverging map's centre) leaves the image as it is and evidence of either sign is
+    drawn at full ``alpha`` from half the largest |value| on.
 
     Args:
         image: ``(H, W, 3)`` uint8 **RGB** image (not BGR: flip ``cv2.imread`` output
@@ -144,6 +151,8 @@ def overlay(
         contour: ``True`` draws the iso-contour of the normalised map at 0.5 (white
             with a dark edge, visible on any colour); a float or a sequence of floats
             gives other levels in ``[0, 1]``.
+        transparent_zero: fade the colour out towards zero (see above); None means True
+            for ``normalize="signed"`` and False otherwise.
 
     Returns:
         New ``(H, W, 3)`` uint8 RGB array; the input image is not modified.
@@ -161,7 +170,13 @@ def overlay(
     h, w = img.shape[:2]
     norm = np.clip(_resize(normalize_map(map, normalize), (h, w), interpolation), 0.0, 1.0)
     colour = apply_colormap(norm, colormap)
-    if a == 0.0:
+    if transparent_zero is None:
+        transparent_zero = str(normalize).lower() == "signed"
+    if transparent_zero:
+        weight = (a * np.minimum(1.0, 2.0 * np.abs(2.0 * norm - 1.0)))[..., None]
+        blend = img.astype(np.float32) * (1.0 - weight) + colour.astype(np.float32) * weight
+        out = np.clip(np.rint(blend), 0, 255).astype(np.uint8)
+    elif a == 0.0:
         out = img.copy()
     elif a == 1.0:
         out = colour
@@ -181,3 +196,11 @@ def overlay(
             cv2.drawContours(out, contours, -1, (255, 255, 255), thickness, cv2.LINE_8, offset=(-m, -m))
     return np.ascontiguousarray(out)
 
+
+def readable(image: np.ndarray, min_side: int = MIN_SIDE) -> np.ndarray:
+    """``image`` enlarged by a whole factor (nearest: the pixels the model saw, each a block) so
+    that its shortest side is at least ``min_side``; unchanged when it already is."""
+    factor = -(-int(min_side) // max(1, min(image.shape[:2])))
+    if factor <= 1:
+        return image
+    return cv2.resize(image, (image.shape[1] * factor, image.shape[0] * factor), interpolation=cv2.INTER_NEAREST)

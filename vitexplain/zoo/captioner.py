@@ -33,6 +33,7 @@ __all__ = [
     "BOS",
     "EOS",
     "Vocab",
+    "CaptionText",
     "SelfAttention",
     "CrossAttention",
     "DecoderLayer",
@@ -79,6 +80,37 @@ class Vocab:
                 continue
             words.append(self.itos[i])
         return " ".join(words)
+
+
+class CaptionText:
+    """Text helpers of the zoo captioners (they have ``self.vocab`` and ``self.max_len``)."""
+
+    vocab: Vocab
+    max_len: int
+
+    def tokenize(self, captions: Sequence[str], max_len: Optional[int] = None) -> torch.Tensor:
+        """Token ids ``<bos> w_1 .. w_n <eos> <pad> ...`` of a batch of captions.
+
+        Args:
+            captions: B captions.
+            max_len: pad to this length (default: the longest caption + 2).
+
+        Returns:
+            (B, T) long tensor. Teacher forcing feeds ``ids[:, :-1]`` and predicts ``ids[:, 1:]``.
+        """
+        seqs = [[self.vocab.bos_id, *self.vocab.encode(c), self.vocab.eos_id] for c in captions]
+        length = max_len or max(len(s) for s in seqs)
+        if any(len(s) > length for s in seqs) or length > self.max_len + 1:
+            raise UsageError(f"captions longer than max_len ({self.max_len} decoder positions)")
+        out = torch.full((len(seqs), length), self.vocab.pad_id, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            out[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        return out
+
+    def decode(self, ids: torch.Tensor | Sequence[Sequence[int]]) -> list[str]:
+        """Captions of (B, T) token ids (stops at ``<eos>``, skips ``<pad>``/``<bos>``)."""
+        rows = ids.tolist() if isinstance(ids, torch.Tensor) else ids
+        return [self.vocab.decode(r) for r in rows]
 
 
 class SelfAttention(nn.Module):
@@ -208,7 +240,7 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.norm3(x))
 
 
-class Captioner(nn.Module):
+class Captioner(CaptionText, nn.Module):
     """ViT encoder + transformer decoder that writes "<color> <shape> and ..." captions.
 
     Args:
@@ -269,31 +301,6 @@ class Captioner(nn.Module):
         )
         self.norm = nn.LayerNorm(dec_dim)
         self.head = nn.Linear(dec_dim, len(self.vocab))
-
-    # -- text helpers -------------------------------------------------------------------------
-    def tokenize(self, captions: Sequence[str], max_len: Optional[int] = None) -> torch.Tensor:
-        """Token ids ``<bos> w_1 .. w_n <eos> <pad> ...`` of a batch of captions.
-
-        Args:
-            captions: B captions.
-            max_len: pad to this length (default: the longest caption + 2).
-
-        Returns:
-            (B, T) long tensor. Teacher forcing feeds ``ids[:, :-1]`` and predicts ``ids[:, 1:]``.
-        """
-        seqs = [[self.vocab.bos_id, *self.vocab.encode(c), self.vocab.eos_id] for c in captions]
-        length = max_len or max(len(s) for s in seqs)
-        if any(len(s) > length for s in seqs) or length > self.max_len + 1:
-            raise UsageError(f"captions longer than max_len ({self.max_len} decoder positions)")
-        out = torch.full((len(seqs), length), self.vocab.pad_id, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            out[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-        return out
-
-    def decode(self, ids: torch.Tensor | Sequence[Sequence[int]]) -> list[str]:
-        """Captions of (B, T) token ids (stops at ``<eos>``, skips ``<pad>``/``<bos>``)."""
-        rows = ids.tolist() if isinstance(ids, torch.Tensor) else ids
-        return [self.vocab.decode(r) for r in rows]
 
     # -- model --------------------------------------------------------------------------------
     def encode(self, images: torch.Tensor) -> torch.Tensor:

@@ -7,10 +7,11 @@ A checkpoint is two files side by side: ``<name>.safetensors`` (the state dict, 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -20,14 +21,14 @@ __all__ = ["names", "info", "load", "load_checkpoint", "save_checkpoint", "WEIGH
 
 #: Directory of the bundled checkpoints.
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
-_NAMES: tuple[str, ...] = ("shapes-vit", "shapes-cnn", "shapes-captioner")
+_NAMES: tuple[str, ...] = ("shapes-vit", "shapes-cnn", "shapes-captioner", "shapes-sat")
 FORMAT_VERSION = 1
 
 PathLike = Union[str, "os.PathLike[str]"]
 
 
 def names() -> list[str]:
-    """Names of the bundled zoo models: ``["shapes-vit", "shapes-cnn", "shapes-captioner"]``."""
+    """Names of the bundled zoo models: ``["shapes-vit", "shapes-cnn", "shapes-captioner", "shapes-sat"]``."""
     return list(_NAMES)
 
 
@@ -80,6 +81,37 @@ def _attach(model: nn.Module, cfg: dict[str, Any]) -> nn.Module:
     return model
 
 
+# below this many parameters the ordinary init is quicker than building on the meta device
+_META_MIN_NUMEL = 4_000_000
+
+
+def build_loaded(create: Callable[[], nn.Module], state: Optional[dict[str, torch.Tensor]]) -> Optional[nn.Module]:
+    """The model with ``state`` loaded, built without its random initialisation, or None.
+
+    ``create()`` runs on the meta device (no memory, no init: timm's truncated-normal init of
+    a ViT-S takes longer than loading its weights), then the checkpoint's tensors are assigned.
+    None (build it the ordinary way) when that cannot give the same model: no checkpoint,
+    keys or shapes that differ (the ordinary path reports them), tied weights, or buffers that
+    are not in the state dict (e.g. Swin's relative position index, rotary tables); and for
+    models under 4M parameters, whose random init is quicker than the meta device's fixed
+    cost (measured: 9 ms vs 35 ms for shapes-vit, 234 ms vs 88 ms for a ViT-S, one thread).
+    """
+    if state is None or sum(t.numel() for t in state.values()) < _META_MIN_NUMEL:
+        return None
+    with torch.device("meta"):
+        model = create()
+    expected = model.state_dict()
+    if set(expected) != set(state) or any(tuple(state[k].shape) != tuple(t.shape) for k, t in expected.items()):
+        return None
+    params = list(model.named_parameters(remove_duplicate=False))
+    if len({id(p) for _, p in params}) != len(params):
+        return None
+    model.load_state_dict({k: v.to(expected[k].dtype) for k, v in state.items()}, strict=True, assign=True)
+    if any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
+        return None
+    return model
+
+
 def load_checkpoint(path: PathLike, device: str | torch.device = "cpu") -> nn.Module:
     """Load a checkpoint written by :func:`save_checkpoint` (or the training script).
 
@@ -101,9 +133,11 @@ def load_checkpoint(path: PathLike, device: str | torch.device = "cpu") -> nn.Mo
         raise FileNotFoundError(f"checkpoint weights missing: {st_path}")
     if cfg.get("format_version", FORMAT_VERSION) > FORMAT_VERSION:
         raise UsageError(f"{json_path} has format_version {cfg['format_version']}; upgrade vitexplain")
-    model = build(cfg)
     state = load_file(str(st_path), device="cpu")
-    model.load_state_dict(state, strict=True)
+    model = build_loaded(lambda: build(cfg), state)
+    if model is None:
+        model = build(cfg)
+        model.load_state_dict(state, strict=True)
     model = _attach(model, cfg)
     return model.to(device).eval()
 
@@ -112,7 +146,8 @@ def load(name: str, device: str | torch.device = "cpu", *, weights_dir: PathLike
     """Load a bundled zoo model, offline.
 
     Args:
-        name: one of :func:`names` (``"shapes-vit"``, ``"shapes-cnn"``, ``"shapes-captioner"``).
+        name: one of :func:`names` (``"shapes-vit"``, ``"shapes-cnn"``, ``"shapes-captioner"``,
+            ``"shapes-sat"``).
         device: where to put the model.
         weights_dir: folder to load from instead of the bundled weights (same file names).
 

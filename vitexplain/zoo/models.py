@@ -12,6 +12,8 @@ model for training (:mod:`vitexplain.zoo.train`) and for loading (:func:`vitexpl
   the stages run at 32, 16, 8 and 8 px: the CBAM spatial gates of the two deepest stages are
   8 x 8 maps.
 * ``shapes-captioner``: :class:`vitexplain.zoo.captioner.Captioner`.
+* ``shapes-sat``: :class:`vitexplain.zoo.sat.ShowAttendTell` (Show, Attend and Tell: CNN grid
+  encoder, LSTM decoder with additive attention).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch.nn as nn
 from ..data.synthetic import COLORS, MEAN, SHAPES, STD
 from ..errors import UsageError
 
-__all__ = ["DEFAULT_CONFIGS", "ARCHS", "build", "caption_words", "pretrained_cfg"]
+__all__ = ["DEFAULT_CONFIGS", "ARCHS", "CAPTION_ARCHS", "build", "caption_words", "pretrained_cfg"]
 
 
 def caption_words() -> list[str]:
@@ -77,6 +79,22 @@ DEFAULT_CONFIGS: dict[str, dict[str, Any]] = {
             "max_len": 12,
         },
     },
+    "shapes-sat": {
+        "arch": "sat",
+        "model_args": {
+            "words": caption_words(),
+            "img_size": 64,
+            "widths": [32, 64, 96, 96, 128],
+            "strides": [2, 2, 1, 1, 1],
+            "dilations": [1, 1, 1, 2, 2],
+            "embed_dim": 64,
+            "hidden_dim": 128,
+            "attention_dim": 64,
+            "dropout": 0.2,
+            "context_dropout": 0.5,
+            "max_len": 12,
+        },
+    },
 }
 
 
@@ -120,14 +138,23 @@ def _build_captioner(args: dict[str, Any]) -> nn.Module:
     return Captioner(**args)
 
 
-ARCHS = {"vit": _build_vit, "cnn": _build_cnn, "captioner": _build_captioner}
+def _build_sat(args: dict[str, Any]) -> nn.Module:
+    from .sat import ShowAttendTell
+
+    return ShowAttendTell(**args)
+
+
+ARCHS = {"vit": _build_vit, "cnn": _build_cnn, "captioner": _build_captioner, "sat": _build_sat}
+
+#: Architectures that write captions (their labels are the vocabulary).
+CAPTION_ARCHS = ("captioner", "sat")
 
 
 def build(config: dict[str, Any]) -> nn.Module:
     """Build an untrained model from a zoo config.
 
     Args:
-        config: ``{"arch": "vit" | "cnn" | "captioner", "model_args": {...}}``.
+        config: ``{"arch": "vit" | "cnn" | "captioner" | "sat", "model_args": {...}}``.
 
     Returns:
         The model (train mode, random init).
@@ -147,7 +174,7 @@ def pretrained_cfg(config: dict[str, Any]) -> dict[str, Any]:
     """
     args = config["model_args"]
     size = int(args.get("img_size", 64))
-    if config["arch"] == "captioner":
+    if config["arch"] in CAPTION_ARCHS:
         from .captioner import BOS, EOS, PAD
 
         labels = [PAD, BOS, EOS, *args["words"]]
@@ -162,5 +189,5 @@ def pretrained_cfg(config: dict[str, Any]) -> dict[str, Any]:
         "crop_mode": "center",
         "label_names": labels,
         "num_classes": len(labels),
-        "multi_label": config["arch"] != "captioner",
+        "multi_label": config["arch"] not in CAPTION_ARCHS,
     }

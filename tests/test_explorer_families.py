@@ -1,0 +1,66 @@
+"""The explorer on every family of the support matrix (the tiny random-init builds of
+``vitexplain.support``).
+
+Per family: the page data has the views that apply (attention views for ViTs, Hugging Face
+backbones and captioners' encoders; none for CNNs and hybrids; a note where a model's attention
+is class attention only), and its attention rows are the model's own: the dequantised row of the
+first query in the last embedded layer equals that layer's record ``probs()`` from an independent
+forward under ``vx.capture``, within the quantisation step.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import vitexplain as vx
+from vitexplain.explorer.quantize import dequantize_rows
+
+pytest.importorskip("transformers")
+support = pytest.importorskip("vitexplain.support")
+
+FAMILIES = {f.name: f for f in support.families()}
+#: one cheap method per group (the support sweep covers every method)
+METHOD = {"ViT": "cdam", "Hugging Face": "cdam", "Swin": "cdam", "CNN": "gradcam", "hybrid": "gradcam", "captioner": "cross"}
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_explore_family(name, tmp_path) -> None:
+    family = FAMILIES[name]
+    torch.manual_seed(0)
+    model = family.build().eval()
+    support.reinit_heads(model)
+    cfg = getattr(model, "pretrained_cfg", None)
+    if not hasattr(model, "config"):  # timm / torchvision builds: preprocess at the tiny build's size
+        model.pretrained_cfg = dict(cfg or {}, input_size=(3, *family.size))
+    image = (np.random.default_rng(1).random((*family.size, 3)) * 255).astype(np.uint8)
+    method = METHOD[family.group]
+    page = vx.explore(model, image, tmp_path / "p.html", methods=[method], top_k=1, max_len=4).read_text()
+    data = json.loads(re.search(r'id="vx-data">(.*?)</script>', page, re.S).group(1))["images"][0]
+    entries = data["caption"]["methods"] if data["family"] == "caption" else data["methods"]
+    assert [m["name"] for m in entries] == [method]
+    if family.group in ("CNN", "hybrid", "Swin"):
+        assert data["attention"] is None
+        assert family.group != "Swin" or any("windowed attention" in note for note in data["notes"])
+        return
+    att = data["attention"]
+    if att is None:  # CaiT / XCiT: every attention layer is class attention
+        assert any("class attention" in note for note in data["notes"]), data["notes"]
+        return
+    if family.target == "norm":
+        assert data["targets"][0]["label"] == "norm" and any("no classifier head" in n for n in data["notes"])
+    if data["family"] == "caption":
+        return
+    ex = vx.Explainer(model)
+    x = ex.preprocess(image)[0]
+    with torch.no_grad(), vx.capture(model) as rec:
+        ex.adapter.forward(x)
+    record = [r for r in rec.records if r.name == att["layers"][-1]][-1]
+    exact = record.probs()[0, 0, 0].numpy()  # head 0, query 0
+    p, n = att["prefix"], exact.shape[0]
+    rows = dequantize_rows(att["probs"]["patches"]).reshape(len(att["layerIndex"]), len(att["heads"]), n, n - p)
+    assert np.abs(rows[-1, 0, 0] - exact[p:]).max() <= exact[p:].max() / 510 * 1.001

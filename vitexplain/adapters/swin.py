@@ -1,0 +1,384 @@
+"""Adapters for Swin Transformers (windowed attention): timm, torchvision and Hugging Face.
+
+A Swin model runs S stages. Stage s holds tokens on a grid (H_s, W_s); each of its blocks
+attends inside non-overlapping windows of that grid, every other block after a cyclic shift
+(``torch.roll`` by minus the shift), with the grid padded at the bottom/right to a multiple
+of the window; patch merging between stages maps each 2 x 2 group of tokens to one token of
+the next grid (odd sizes padded). V1 blocks normalise before attention (``x + attn(norm1(x))``),
+V2 blocks after it (``x + norm1(attn(x))``).
+
+The adapter knows, per block, its stage, its module names and its window geometry
+(:class:`WindowGeometry`: window size, shift, padding order), reads the window size and shift
+from the block after the forward (Hugging Face and torchvision clamp them at run time), runs
+the last block and the head on tokens for methods that re-run them, and never changes the
+model. Tokens exchanged with methods are (B, H, W, C) grids (NHWC) for every family; Hugging
+Face's (B, L, C) sequences are converted here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..errors import UnsupportedModelError
+from ..layout import TokenLayout
+from .base import Adapter, register_adapter
+
+__all__ = ["WindowGeometry", "SwinBlock", "SwinAdapter", "TimmSwinAdapter", "TorchvisionSwinAdapter", "HFSwinAdapter"]
+
+
+def _pair(value: Any) -> tuple[int, int]:
+    if isinstance(value, (tuple, list)):
+        return int(value[0]), int(value[1])
+    return int(value), int(value)
+
+
+@dataclass(frozen=True)
+class WindowGeometry:
+    """How one block lays its stage's tokens out in windows.
+
+    Attributes:
+        grid: (H, W) real tokens of the stage.
+        window: (wh, ww) window size.
+        shift: (sh, sw) cyclic shift (the model rolls by minus this).
+        pad_first: True when the grid is padded to window multiples before the roll
+            (torchvision, Hugging Face), False when the real grid is rolled, then padded (timm).
+    """
+
+    grid: tuple[int, int]
+    window: tuple[int, int]
+    shift: tuple[int, int]
+    pad_first: bool
+
+    @property
+    def padded(self) -> tuple[int, int]:
+        """(Hp, Wp): the grid padded to multiples of the window."""
+        return tuple(math.ceil(g / w) * w for g, w in zip(self.grid, self.window))  # type: ignore[return-value]
+
+    @property
+    def num_windows(self) -> int:
+        hp, wp = self.padded
+        return (hp // self.window[0]) * (wp // self.window[1])
+
+    @property
+    def window_area(self) -> int:
+        return self.window[0] * self.window[1]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.grid[0] * self.grid[1]
+
+    def index(self, device: Optional[torch.device] = None) -> Tensor:
+        """Where each window slot comes from: (nW, wh * ww) long.
+
+        Entry [w, a] is the row-major index into the (H, W) grid of the token in slot a of
+        window w (windows in the order of the model's (B * nW) batch), or -1 for padding.
+        """
+        h, w = self.grid
+        hp, wp = self.padded
+        idx = torch.arange(h * w, device=device).view(h, w)
+        shifts, dims = (-self.shift[0], -self.shift[1]), (0, 1)
+        if self.pad_first:
+            idx = F.pad(idx, (0, wp - w, 0, hp - h), value=-1).roll(shifts, dims)
+        else:
+            idx = F.pad(idx.roll(shifts, dims), (0, wp - w, 0, hp - h), value=-1)
+        wh, ww = self.window
+        return idx.view(hp // wh, wh, wp // ww, ww).permute(0, 2, 1, 3).reshape(-1, wh * ww)
+
+    def partition(self, tokens: Tensor) -> Tensor:
+        """Grid tokens into the model's windows: (B, H, W, C) -> (B * nW, wh * ww, C), zeros at padding."""
+        b, h, w, c = tokens.shape
+        flat = torch.cat([tokens.reshape(b, h * w, c), tokens.new_zeros(b, 1, c)], dim=1)
+        idx = self.index(tokens.device).flatten()
+        idx = torch.where(idx < 0, h * w, idx)
+        return flat[:, idx].reshape(b * self.num_windows, self.window_area, c)
+
+    def unpartition(self, windows: Tensor) -> Tensor:
+        """Windows back onto the grid (padding dropped): (B * nW, wh * ww, C) -> (B, H, W, C)."""
+        c = windows.shape[-1]
+        flat = windows.reshape(-1, self.num_windows * self.window_area, c)
+        idx = self.index(windows.device).flatten()
+        real = idx >= 0
+        out = windows.new_zeros(flat.shape[0], self.num_tokens, c)
+        out[:, idx[real]] = flat[:, real]
+        return out.view(flat.shape[0], *self.grid, c)
+
+
+@dataclass(frozen=True)
+class SwinBlock:
+    """One windowed-attention block.
+
+    Attributes:
+        name: module name of the block.
+        attention: module name of the block's attention module (its first argument is the
+            attention input: windows for timm and Hugging Face, the grid for torchvision).
+        stage: stage index (0 = the finest grid).
+    """
+
+    name: str
+    attention: str
+    stage: int
+
+
+class SwinAdapter(Adapter):
+    """A Swin classifier: stages of windowed-attention blocks joined by patch merging.
+
+    Attributes:
+        blocks: module names of all blocks, input side first.
+        swin_blocks: per block, a :class:`SwinBlock`.
+        windowed_input: the attention module receives windows (True) or the grid (False).
+        post_norm: V2 blocks (norm after attention: the attention input is the block input).
+    """
+
+    family = "swin"
+    capabilities = frozenset({"grid", "tokens", "attention", "rollout", "tail", "head", "pixels"})
+    windowed_input = True
+
+    def __init__(self, model: nn.Module, swin_blocks: list[SwinBlock], post_norm: bool) -> None:
+        super().__init__(model)
+        self.swin_blocks = swin_blocks
+        self.blocks = [b.name for b in swin_blocks]
+        self.post_norm = post_norm
+
+    @property
+    def num_stages(self) -> int:
+        return self.swin_blocks[-1].stage + 1
+
+    def stage_blocks(self, stage: int) -> list[int]:
+        """Indices (into :attr:`blocks`) of the blocks of ``stage`` (negative counts from the end)."""
+        stage %= self.num_stages
+        return [i for i, b in enumerate(self.swin_blocks) if b.stage == stage]
+
+    # -- geometry -----------------------------------------------------------------------
+    def embed_grid(self, input_size: tuple[int, int]) -> tuple[int, int]:
+        """(H_0, W_0): the patch grid of an input of ``input_size`` pixels."""
+        raise NotImplementedError
+
+    def merges_after(self, stage: int) -> bool:
+        """Whether patch merging halves the grid between ``stage`` and ``stage + 1``."""
+        return True
+
+    def stage_grids(self, input_size: tuple[int, int]) -> list[tuple[int, int]]:
+        """(H_s, W_s) per stage for an input of ``input_size`` pixels (merging pads odd sizes)."""
+        grids = [self.embed_grid(_pair(input_size))]
+        for stage in range(self.num_stages - 1):
+            h, w = grids[-1]
+            grids.append(((h + 1) // 2, (w + 1) // 2) if self.merges_after(stage) else (h, w))
+        return grids
+
+    def window_shift(self, index: int, grid: tuple[int, int]) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(window, shift) block ``index`` used in its last forward on ``grid``."""
+        raise NotImplementedError
+
+    def geometry(self, index: int, grid: tuple[int, int]) -> WindowGeometry:
+        """Window geometry of block ``index`` on its stage grid (read after the forward)."""
+        window, shift = self.window_shift(index, grid)
+        return WindowGeometry(grid, window, shift, self.pad_first)
+
+    pad_first = True
+
+    def layout(self, input_size: tuple[int, int]) -> TokenLayout:
+        """Token layout of the last stage (the tokens the head averages)."""
+        size = _pair(input_size)
+        grid = self.stage_grids(size)[-1]
+        stride = (size[0] // grid[0], size[1] // grid[1])
+        return TokenLayout(0, grid, False, "mean", windowed=True, patch_size=stride)
+
+    # -- tokens ---------------------------------------------------------------------------
+    def to_grid(self, tokens: Tensor, grid: tuple[int, int]) -> Tensor:
+        """A block's input/output in the model's own layout as (B, H, W, C)."""
+        return tokens.reshape(tokens.shape[0], *grid, tokens.shape[-1])
+
+    def from_grid(self, tokens: Tensor) -> Tensor:
+        """(B, H, W, C) tokens in the model's own block layout."""
+        return tokens
+
+    def run_block(self, index: int, tokens: Tensor, grid: tuple[int, int]) -> Tensor:
+        """Run block ``index`` on tokens in the model's own layout; returns its output tokens."""
+        return self.model.get_submodule(self.blocks[index])(tokens)
+
+    def head(self, tokens: Tensor) -> Tensor:
+        """Final norm, average pooling and classifier on a last-stage block's output tokens, in
+        the model's own layout or as (B, H, W, C): (B, K) logits, or (B, D) without a head."""
+        raise NotImplementedError
+
+
+def _module_family(model: nn.Module, prefix: str) -> bool:
+    """Whether the model's class, or a class it derives from, is defined in module ``prefix``."""
+    return any(cls.__module__.startswith(prefix) for cls in type(model).__mro__)
+
+
+class TimmSwinAdapter(SwinAdapter):
+    """timm ``SwinTransformer``, ``SwinTransformerV2`` and ``SwinTransformerV2Cr`` (tokens NHWC
+    inside the stages; roll, then pad)."""
+
+    pad_first = False
+
+    def __init__(self, model: nn.Module) -> None:
+        self._stages_name = "stages" if self._cr(model) else "layers"
+        blocks = [
+            SwinBlock(f"{self._stages_name}.{s}.blocks.{b}", f"{self._stages_name}.{s}.blocks.{b}.attn", s)
+            for s, stage in enumerate(model.get_submodule(self._stages_name))
+            for b in range(len(stage.blocks))
+        ]
+        super().__init__(model, blocks, post_norm=_module_family(model, "timm.models.swin_transformer_v2"))
+        self.has_head = int(getattr(model, "num_classes", 1) or 0) > 0
+
+    @staticmethod
+    def _cr(model: nn.Module) -> bool:
+        return _module_family(model, "timm.models.swin_transformer_v2_cr")
+
+    def embed_grid(self, input_size: tuple[int, int]) -> tuple[int, int]:
+        embed = self.model.patch_embed
+        if hasattr(embed, "dynamic_feat_size"):
+            return _pair(embed.dynamic_feat_size(input_size))
+        patch = _pair(embed.patch_size)
+        return input_size[0] // patch[0], input_size[1] // patch[1]
+
+    def stage_grids(self, input_size: tuple[int, int]) -> list[tuple[int, int]]:
+        grid = self.embed_grid(_pair(input_size))
+        grids = []
+        for stage in self.model.get_submodule(self._stages_name):  # timm merges at the start of a stage
+            if not isinstance(stage.downsample, nn.Identity):
+                grid = ((grid[0] + 1) // 2, (grid[1] + 1) // 2)
+            grids.append(grid)
+        return grids
+
+    def window_shift(self, index: int, grid: tuple[int, int]) -> tuple[tuple[int, int], tuple[int, int]]:
+        block = self.model.get_submodule(self.blocks[index])
+        return _pair(block.window_size), _pair(block.shift_size)
+
+    def head(self, tokens: Tensor) -> Tensor:
+        if self._cr(self.model):  # V2Cr: the last block ends with a norm; the head pools NCHW
+            return self.model.forward_head(tokens.permute(0, 3, 1, 2))
+        return self.model.forward_head(self.model.norm(tokens))
+
+    def preprocess_kwargs(self) -> dict[str, Any]:
+        kwargs = super().preprocess_kwargs()
+        size = getattr(self.model.patch_embed, "img_size", None)
+        if size is not None:  # built with another img_size than its config's
+            kwargs["input_size"] = _pair(size)
+        return kwargs
+
+
+class TorchvisionSwinAdapter(SwinAdapter):
+    """torchvision ``SwinTransformer`` (``swin_t``/``swin_v2_t``...; tokens NHWC; pad, then roll)."""
+
+    windowed_input = False
+
+    def __init__(self, model: nn.Module) -> None:
+        blocks, stage = [], 0
+        for k, child in list(model.features.named_children())[1:]:
+            members = list(child.children()) if isinstance(child, nn.Sequential) else []
+            if members and all(hasattr(m, "attn") and hasattr(m, "norm1") for m in members):
+                blocks += [SwinBlock(f"features.{k}.{b}", f"features.{k}.{b}.attn", stage) for b in range(len(members))]
+                stage += 1
+        if not blocks:
+            raise UnsupportedModelError(f"no Swin blocks found in {type(model).__name__}.features")
+        v2 = type(model.get_submodule(blocks[-1].name)).__name__.endswith("V2")
+        super().__init__(model, blocks, post_norm=v2)
+
+    def embed_grid(self, input_size: tuple[int, int]) -> tuple[int, int]:
+        conv = self.model.features[0][0]
+        k, s = _pair(conv.kernel_size), _pair(conv.stride)
+        return (input_size[0] - k[0]) // s[0] + 1, (input_size[1] - k[1]) // s[1] + 1
+
+    def window_shift(self, index: int, grid: tuple[int, int]) -> tuple[tuple[int, int], tuple[int, int]]:
+        attn = self.model.get_submodule(self.swin_blocks[index].attention)
+        window, shift = _pair(attn.window_size), _pair(attn.shift_size)
+        padded = [math.ceil(g / w) * w for g, w in zip(grid, window)]
+        # shifted_window_attention: no shift along an axis that one window covers
+        shift = tuple(0 if w >= p else s for w, p, s in zip(window, padded, shift))
+        return window, shift  # type: ignore[return-value]
+
+    def head(self, tokens: Tensor) -> Tensor:
+        m = self.model
+        return m.head(m.flatten(m.avgpool(m.permute(m.norm(tokens)))))
+
+    def preprocess_kwargs(self) -> dict[str, Any]:
+        # torchvision's weights: swin_t/s/b resize 232 (V1) / 260 (V2), crop 224 / 256, bicubic
+        size, resize = (256, 260) if self.post_norm else (224, 232)
+        return dict(input_size=(size, size), mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225),
+                    crop_pct=size / resize, interpolation="bicubic")
+
+
+class HFSwinAdapter(SwinAdapter):
+    """Hugging Face ``Swin*``/``Swinv2*`` (``Model``, ``ForImageClassification``; tokens (B, L, C))."""
+
+    def __init__(self, model: nn.Module, base: str) -> None:
+        prefix = f"{base}." if base else ""
+        encoder = model.get_submodule(f"{prefix}encoder")
+        blocks = [
+            SwinBlock(f"{prefix}encoder.layers.{s}.blocks.{b}", f"{prefix}encoder.layers.{s}.blocks.{b}.attention", s)
+            for s, stage in enumerate(encoder.layers)
+            for b in range(len(stage.blocks))
+        ]
+        super().__init__(model, blocks, post_norm=model.config.model_type == "swinv2")
+        self.base = model.get_submodule(base) if base else model
+        self._stages = encoder.layers
+        self.has_head = getattr(model, "classifier", None) is not None
+
+    def forward(self, x: Tensor) -> Any:
+        out = self.model(pixel_values=x)
+        logits = getattr(out, "logits", None)
+        return logits if logits is not None else out.pooler_output
+
+    def embed_grid(self, input_size: tuple[int, int]) -> tuple[int, int]:
+        patch = _pair(self.model.config.patch_size)  # the embedding pads to patch multiples
+        return math.ceil(input_size[0] / patch[0]), math.ceil(input_size[1] / patch[1])
+
+    def merges_after(self, stage: int) -> bool:
+        return self._stages[stage].downsample is not None
+
+    def window_shift(self, index: int, grid: tuple[int, int]) -> tuple[tuple[int, int], tuple[int, int]]:
+        layer = self.model.get_submodule(self.blocks[index])
+        return _pair(int(layer.window_size)), _pair(int(layer.shift_size))
+
+    def to_grid(self, tokens: Tensor, grid: tuple[int, int]) -> Tensor:
+        return tokens.reshape(tokens.shape[0], *grid, tokens.shape[-1])
+
+    def from_grid(self, tokens: Tensor) -> Tensor:
+        return tokens.reshape(tokens.shape[0], -1, tokens.shape[-1])
+
+    def run_block(self, index: int, tokens: Tensor, grid: tuple[int, int]) -> Tensor:
+        out = self.model.get_submodule(self.blocks[index])(tokens, grid)
+        return out[0] if isinstance(out, tuple) else out
+
+    def head(self, tokens: Tensor) -> Tensor:
+        seq = self.base.layernorm(tokens.reshape(tokens.shape[0], -1, tokens.shape[-1]))
+        pooler = self.base.pooler
+        pooled = pooler(seq.transpose(1, 2)).flatten(1) if pooler is not None else seq.mean(dim=1)
+        classifier = getattr(self.model, "classifier", None)
+        return classifier(pooled) if classifier is not None else pooled
+
+    def preprocess_kwargs(self) -> dict[str, Any]:
+        size = _pair(self.model.config.image_size)
+        # the Swin image processors resize to the input size (no crop), bicubic, ImageNet statistics
+        return dict(input_size=size, mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225), crop_pct=1.0,
+                    interpolation="bicubic")
+
+
+@register_adapter(priority=20)
+def _detect_swin(model: nn.Module) -> Optional[Adapter]:
+    name = type(model).__name__
+    if _module_family(model, "timm.models.swin_transformer") and hasattr(model, "patch_embed"):
+        return TimmSwinAdapter(model)
+    if _module_family(model, "torchvision.models.swin_transformer") and hasattr(model, "features"):
+        return TorchvisionSwinAdapter(model)
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type in ("swin", "swinv2") and _module_family(model, "transformers.models.swin"):
+        if name.endswith(("Model", "ForImageClassification")):
+            base = "" if name.endswith("Model") else model_type
+            return HFSwinAdapter(model, base)
+        raise UnsupportedModelError(
+            f"{name} is not an image classifier; vitexplain explains Hugging Face "
+            f"{model_type.capitalize()}ForImageClassification and {model_type.capitalize()}Model "
+            "(pass a callable target to score the pooled embedding)"
+        )
+    return None

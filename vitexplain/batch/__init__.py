@@ -1,0 +1,63 @@
+"""The batch engine behind ``vitexplain export`` and ``vitexplain caption`` (also usable from Python).
+
+One module per concern:
+
+============== ===========================================================================
+options        the options base: each option's flag, help, check and whether it changes outputs
+inputs         input discovery and stable, safe output keys
+models         model loading (offline) and the model's part of the resume key
+decoding       the DataLoader: decode, preprocess, crop; a bad file is a record
+writing        atomic writes, encoders, UTF-8 JSON, output-folder checks, stale temp files
+manifest       manifest parts written whole, repaired on read, merged at the end
+lock           one run at a time per output folder
+distributed    devices, torchrun shards and collectives
+setup          what every command checks before its model runs
+driver         the run: lock, shard, resume, summary, exit codes, signals
+shard          one rank's decode -> explain -> write loop
+summary        ``summary.json``
+export         ``vitexplain export`` (classifiers: overlays and maps)
+caption        ``vitexplain caption`` (captioners: per-word figures and maps)
+explore        ``vitexplain explore`` (one interactive page, :func:`vitexplain.explore`)
+============== ===========================================================================
+
+Import the commands from their modules (``from vitexplain.batch.export import ExportOptions,
+export``); ``vitexplain.export`` and ``vitexplain.caption_export`` re-export the same names.
+Importing this package is light (no torch, no OpenCV): the CLI builds its flags from here.
+"""
+
+from .driver import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_OUTPUT,
+    EXIT_TERMINATED,
+    EXIT_USAGE,
+    ExportResult,
+    Interrupted,
+)
+from .inputs import IMAGE_EXTENSIONS, InputItem, discover_inputs, scan_inputs
+from .lock import FolderBusyError
+from .manifest import read_manifest
+from .models import load_model
+from .options import BatchOptions
+from .writing import OutputError
+
+__all__ = [
+    "EXIT_OK",
+    "EXIT_FAILED",
+    "EXIT_USAGE",
+    "EXIT_OUTPUT",
+    "EXIT_INTERRUPTED",
+    "EXIT_TERMINATED",
+    "ExportResult",
+    "Interrupted",
+    "OutputError",
+    "FolderBusyError",
+    "BatchOptions",
+    "IMAGE_EXTENSIONS",
+    "InputItem",
+    "discover_inputs",
+    "scan_inputs",
+    "read_manifest",
+    "load_model",
+]

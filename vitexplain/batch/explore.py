@@ -1,0 +1,157 @@
+"""``vitexplain explore INPUT... --out page.html``: the explorer page for files and folders.
+
+::
+
+    from vitexplain.batch.explore import ExploreOptions, explore_inputs
+    status = explore_inputs(ExploreOptions(inputs=["photos/"], out="page.html"))
+
+Inputs are found as ``vitexplain export`` finds them (:mod:`.inputs`) and the model is loaded
+as export loads it (:mod:`.models`); the options that mean the same thing are export's own
+declarations (flag, help, check), reused field by field. The page itself is
+:func:`vitexplain.explore`'s. An image that cannot be read is reported and left out of the page
+(exit status 1); the page holds the others. One page is one file, written atomically; there is
+no manifest, resume or torchrun sharding as for export.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import MISSING, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from ..errors import ImageLoadError, UsageError, VitexplainError
+from .caption import CaptionOptions
+from .export import ExportOptions
+from .options import POSITIVE, BatchOptions, Number, collect_methods, option, parse_methods
+
+__all__ = ["ExploreOptions", "explore_inputs", "DEFAULT_MAX_IMAGES", "GROUPS"]
+
+#: Most images one page holds by default (each embeds its attention: up to ~5 MB).
+DEFAULT_MAX_IMAGES = 50
+
+#: argparse group titles of the explore command, in display order.
+GROUPS = {"model": "model", "explanation": "page", "running": "running"}
+
+
+def _same(cls: type, name: str) -> Any:
+    """A field declared exactly as ``cls``'s option ``name`` (flag, help, check, default)."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    if f.default_factory is not MISSING:  # type: ignore[misc]
+        return field(default_factory=f.default_factory, metadata=f.metadata)  # type: ignore[misc]
+    return field(default=f.default, metadata=f.metadata)
+
+
+@dataclass
+class ExploreOptions:
+    """What ``vitexplain explore`` can be asked to do (the CLI flags, one to one).
+
+    Attributes:
+        inputs: files, folders (walked recursively) and glob patterns.
+        out: the HTML file to write.
+        model, checkpoint, num_classes, model_args, labels: the model, as for ``export``.
+        methods: method names (None: :data:`vitexplain.explorer.DEFAULT_METHODS`).
+        method_options: per method, keyword options.
+        target: ``"pred"`` (the top-k classes), or one class index or label name to explain.
+        top_k: classes offered for class-discriminative methods.
+        max_images: refuse more inputs than this (the page embeds every image's data).
+        attention_budget: most MB of attention data per image.
+        max_len: longest generated caption (captioners).
+        title: page title (default: ``vitexplain explorer: MODEL``).
+        device: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+        quiet: no summary line.
+    """
+
+    inputs: list[str] = _same(BatchOptions, "inputs")
+    out: str = option(flags=("--out", "-o"), metavar="PAGE.html", required=True, help="the HTML file to write")
+    model: str = _same(ExportOptions, "model")
+    checkpoint: Optional[str] = _same(ExportOptions, "checkpoint")
+    num_classes: Optional[int] = _same(ExportOptions, "num_classes")
+    model_args: dict[str, Any] = _same(ExportOptions, "model_args")
+    labels: Optional[str] = _same(ExportOptions, "labels")
+    methods: Optional[list[str]] = option(
+        None, flags="--method", metavar="M1,M2", group="explanation", action="append", parse=parse_methods,
+        collect=collect_methods,
+        help="methods, one tab each (default: generic,grad_rollout,cdam,gradcam,rollout for ViTs and Swin; "
+             "gradcam,layercam,gradcam++,spatial,channel for CNNs; cross,cross_generic for captioners)")
+    method_options: dict[str, dict[str, Any]] = _same(BatchOptions, "method_options")
+    target: str = option("pred", flags="--target", metavar="pred|INDEX|LABEL", group="explanation",
+                         help="explain the top-k classes (pred, default) or this one class")
+    top_k: int = option(3, flags="--top-k", metavar="K", parse=POSITIVE, group="explanation",
+                        help="classes offered for class-discriminative methods (default {default})")
+    max_images: int = option(DEFAULT_MAX_IMAGES, flags="--max-images", metavar="N", parse=POSITIVE,
+                             group="explanation",
+                             help="refuse more images than this (default {default}: the page embeds every image's data)")
+    attention_budget: float = option(
+        5.0, flags="--attention-budget", metavar="MB", parse=Number(float, 0.01), group="explanation",
+        help="most MB of attention data per image; past it fewer layers, then only the head mean, are "
+             "embedded (default {default})")
+    max_len: int = _same(CaptionOptions, "max_len")
+    title: Optional[str] = option(None, flags="--title", metavar="TEXT", group="explanation", help="page title")
+    device: str = _same(BatchOptions, "device")
+    quiet: bool = option(False, flags=("--quiet", "-q"), action="store_true", group="running", help="no summary line")
+
+
+def _target(text: str) -> Any:
+    """``--target``: None for ``pred``, an int for an index, else a label name."""
+    text = str(text).strip()
+    if text.lower() in ("", "pred"):
+        return None
+    return int(text) if text.lstrip("+-").isdigit() else text
+
+
+def explore_inputs(opts: ExploreOptions) -> int:
+    """Write the explorer page of every image found under ``opts.inputs``.
+
+    Returns:
+        0 when every image is on the page, 1 when some could not be read (reported on stderr).
+
+    Raises:
+        UsageError: no inputs, more than ``max_images``, no readable image, bad options, an
+            unknown model or a method that does not apply to it.
+    """
+    from ..data.images import load_image
+    from ..explorer import explore
+    from .distributed import Dist, resolve_device
+    from .inputs import discover_inputs
+    from .models import load_model
+    from .options import validate
+
+    validate(opts)
+    out = Path(opts.out)
+    if out.suffix.lower() not in (".html", ".htm"):
+        raise UsageError(f"--out must name the .html file to write, got {opts.out!r}")
+    items = discover_inputs(opts.inputs, out)
+    if len(items) > opts.max_images:
+        raise UsageError(
+            f"found {len(items)} images, more than --max-images {opts.max_images}: the page embeds every "
+            "image's maps and attention (up to ~5 MB each); pass fewer inputs or raise --max-images"
+        )
+    model, _ = load_model(opts.model, checkpoint=opts.checkpoint, num_classes=opts.num_classes,
+                          model_args=opts.model_args, labels=opts.labels,
+                          device=resolve_device(opts.device, Dist()))
+    images, names, failed = [], [], 0
+    for item in items:
+        try:
+            images.append(load_image(item.path))
+            names.append(item.key)
+        except ImageLoadError as err:
+            failed += 1
+            print(f"vitexplain explore: skipped {item.path}: {err}", file=sys.stderr)
+    if not images:
+        raise UsageError("none of the inputs could be read as an image")
+    try:
+        path = explore(
+            model, images, out, methods=opts.methods, options=opts.method_options, top_k=opts.top_k,
+            target=_target(opts.target), names=names, title=opts.title or f"vitexplain explorer: {opts.model}",
+            attention_budget=int(opts.attention_budget * 1e6), max_len=opts.max_len,
+        )
+    except VitexplainError as err:  # a method that does not apply, a bad option: say it, no traceback
+        if isinstance(err, UsageError):
+            raise
+        raise UsageError(str(err)) from err
+    if not opts.quiet:
+        size = path.stat().st_size / 1e6
+        print(f"vitexplain: {len(images)} images, {failed} failed -> {path} ({size:.2f} MB)", file=sys.stderr)
+    return 1 if failed else 0

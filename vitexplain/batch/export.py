@@ -1,0 +1,324 @@
+"""``vitexplain export``: saliency overlays (and maps) of classifiers for folders of images.
+
+::
+
+    from vitexplain.batch.export import ExportOptions, export
+    result = export(ExportOptions(inputs=["photos/"], out="maps/", methods=["rollout", "cdam"]))
+    result.exit_code, result.summary["counts"]
+
+Output layout (``OUT`` = ``--out``, ``KEY`` = the input's output key, see
+:mod:`vitexplain.batch.inputs`)::
+
+    OUT/KEY.METHOD.png     overlay on the region the model saw, per image and method
+    OUT/KEY.METHOD.npy     raw (gh, gw) float32 map (with save_maps)
+    OUT/manifest.jsonl     one JSON line per image (see :func:`export`)
+    OUT/summary.json       outcome, counts, timings, versions, arguments
+    OUT/index.html         gallery (with html)
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import sys
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+from ..errors import UsageError
+from .driver import Command, ExportResult, drive
+from .manifest import GALLERY
+from .models import checkpoint_id, digest, load_model, model_id, zoo_weights_id
+from .options import (NON_NEGATIVE, POSITIVE, BatchOptions, collect_dict, collect_methods, option, parse_key_value,
+                      parse_methods)
+from .setup import config_hash, new_run, prepare, probe, resolve_methods, summary_fields
+from .writing import Writer, encode_npy, encode_png
+
+if TYPE_CHECKING:  # pragma: no cover
+    import numpy as np
+    import torch
+
+__all__ = ["ExportOptions", "DEFAULT_METHODS", "export"]
+
+#: Methods exported when ``--method`` is not given, per model family: class-discriminative ones
+#: that point at the target, by the faithfulness table of docs/benchmarks.md (ViT: ``generic``
+#: 0.98 and ``gradcam`` 0.94 pointing game, one backward pass, non-negative maps; rollout and raw
+#: attention ignore the class, 0.49; ``cdam``'s signed maps are a ``--method`` away). CNNs:
+#: ``gradcam`` (0.99, the most class-discriminative of the Grad-CAM family).
+DEFAULT_METHODS: dict[str, tuple[str, ...]] = {
+    "vit": ("generic", "gradcam"), "swin": ("generic", "gradcam"), "cnn": ("gradcam",),
+}
+
+
+@dataclass
+class ExportOptions(BatchOptions):
+    """Everything ``vitexplain export`` can be asked to do (the CLI flags, one to one).
+
+    Besides :class:`~vitexplain.batch.options.BatchOptions`:
+
+    Attributes:
+        model: a zoo name (``vx.zoo.names()``), a timm model name (random weights unless
+            ``checkpoint``), or the path of a zoo-format checkpoint ``.json``.
+        checkpoint: weights for ``model``: ``.safetensors``, or ``.pt``/``.pth``/``.bin`` read
+            with ``torch.load(weights_only=True)``; a state dict or ``{"state_dict"|"model": ...}``.
+        num_classes: classifier size for timm models (default: from the checkpoint, else timm's).
+        model_args: extra ``timm.create_model`` keyword arguments (e.g. ``img_size=64``).
+        labels: text file with one class name per line (for timm models without names).
+        target: ``"pred"`` (each image's top prediction), a class index, or a label name.
+        max_side: overlays larger than this (longer side, pixels) are drawn downscaled; 0 = never.
+        min_side: overlays of smaller images are drawn enlarged (a whole factor, crisp pixels)
+            to at least this many pixels on the shorter side; 0 = never.
+        topk: predictions recorded per image.
+        save_maps: also write each raw map as ``.npy``.
+    """
+
+    model: str = option("shapes-vit", flags=("--model", "-m"), metavar="NAME", group="model", outputs=True,
+                        help="zoo model (see `vitexplain models`), timm model name, or a zoo checkpoint .json "
+                             "(default: {default})")
+    checkpoint: Optional[str] = option(None, flags="--checkpoint", metavar="FILE", group="model", outputs=True,
+                                       help="weights for --model: .safetensors, or .pt/.pth (torch.load "
+                                            "weights_only=True) holding a state dict or {'state_dict'|'model': ...}")
+    num_classes: Optional[int] = option(None, flags="--num-classes", metavar="N", parse=POSITIVE, group="model",
+                                        outputs=True, help="classes of a timm model (default: from the checkpoint's head)")
+    model_args: dict[str, Any] = option(factory=dict, flags="--model-arg", metavar="KEY=VALUE", group="model",
+                                        outputs=True, action="append", parse=parse_key_value, collect=collect_dict,
+                                        help="extra timm.create_model argument, e.g. img_size=64 (repeatable)")
+    labels: Optional[str] = option(None, flags="--labels", metavar="FILE", group="model", outputs=True,
+                                   help="text file with one class name per line")
+    methods: Optional[list[str]] = option(
+        None, flags="--method", metavar="M1,M2", group="explanation", outputs=True, action="append",
+        parse=parse_methods, collect=collect_methods,
+        help="methods, comma separated or repeated (default: generic,gradcam for ViTs and Swin, gradcam for "
+             "CNNs: class-discriminative, see the README; list them with `vitexplain methods --model NAME`)")
+    target: str = option("pred", flags="--target", metavar="pred|INDEX|LABEL", group="explanation", outputs=True,
+                         help="class to explain: each image's top prediction (default), an index or a label name")
+    max_side: int = option(512, flags="--max-side", metavar="PX", parse=NON_NEGATIVE, group="overlays",
+                           outputs=True, help="draw overlays at most this many pixels on the longer side "
+                                              "(default {default}; 0: original size)")
+    save_maps: bool = option(False, flags="--save-maps", action="store_true", group="overlays", outputs=True,
+                             help="also write each raw map as .npy")
+    min_side: int = option(256, flags="--min-side", metavar="PX", parse=NON_NEGATIVE, group="overlays",
+                           outputs=True, help="draw overlays of smaller images enlarged (whole factor, crisp "
+                                              "pixels) to at least this many pixels on the shorter side "
+                                              "(default {default}; 0: never)")
+    topk: int = option(5, flags="--topk", metavar="K", parse=NON_NEGATIVE, group="overlays", outputs=True,
+                       help="predictions recorded per image (default {default})")
+
+
+def _parse_target(spec: Any, label_names: Optional[list[str]], num_classes: Optional[int]) -> Optional[Any]:
+    if spec is None or str(spec).strip().lower() in ("", "pred", "predicted", "top"):
+        return None
+    text = str(spec).strip()
+    if re.fullmatch(r"[+-]?\d+", text):
+        index = int(text)
+        if index < 0 or (num_classes is not None and index >= num_classes):
+            raise UsageError(f"--target {index}: out of range for a model with {num_classes} classes")
+        return index
+    names = label_names or []
+    if text in names:
+        return text
+    folded = [n for n in names if n.casefold() == text.casefold()]
+    if len(folded) == 1:
+        return folded[0]
+    if not names:
+        raise UsageError(f"--target {text!r}: this model has no label names; pass a class index or --labels FILE")
+    shown = ", ".join(names[:20]) + (", ..." if len(names) > 20 else "")
+    raise UsageError(f"--target {text!r}: unknown label; choose pred, an index or one of: {shown}")
+
+
+def _check_outputs_finite(logits: Any, pre_kwargs: dict[str, Any]) -> None:
+    """A model whose outputs on the blank probe image are NaN/inf is a usage error (exit 2)."""
+    import torch
+
+    if isinstance(logits, torch.Tensor) and not bool(torch.isfinite(logits).all()):
+        h, w = pre_kwargs["input_size"]
+        raise UsageError(
+            f"the model's outputs on a blank {h}x{w} image are not finite (NaN or inf), so no map would mean "
+            "anything: check its weights (--checkpoint, --model)"
+        )
+
+
+def _scores(logits: Any, multi_label: bool, k: int) -> Optional[tuple[list[list[float]], list[list[int]]]]:
+    import torch
+
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or k <= 0:
+        return None
+    z = logits.detach().float()
+    probs = torch.sigmoid(z) if multi_label else torch.softmax(z, dim=1)
+    values, indices = probs.topk(min(k, probs.shape[1]), dim=1)
+    return values.cpu().tolist(), indices.cpu().tolist()
+
+
+def finite_rows(maps: dict[str, "np.ndarray"], logits: Any) -> tuple[list[bool], list[list[str]]]:
+    """Per image of a batch: whether the model's outputs are finite, and the methods whose map
+    holds NaN/inf (one vectorised check per batch)."""
+    import numpy as np
+    import torch
+
+    first = next(iter(maps.values()))
+    n = int(first.shape[0])
+    if isinstance(logits, torch.Tensor) and logits.dim() >= 2 and logits.shape[0] == n:
+        outputs_ok = torch.isfinite(logits.detach().reshape(n, -1)).all(dim=1).tolist()
+    else:
+        outputs_ok = [True] * n
+    bad_maps: list[list[str]] = [[] for _ in range(n)]
+    for name, m in maps.items():
+        for b in np.flatnonzero(~np.isfinite(m.reshape(n, -1)).all(axis=1)):
+            bad_maps[int(b)].append(name)
+    return outputs_ok, bad_maps
+
+
+def not_finite_error(what: str, outputs_ok: bool, bad_maps: list[str]) -> Optional[str]:
+    """The error of an image whose outputs or maps hold NaN/inf, or None."""
+    if not outputs_ok:
+        return (f"the model's outputs for {what} are not finite (NaN or inf); its maps would be meaningless. "
+                "Check the model's weights and the image")
+    if bad_maps:
+        return (f"the {', '.join(bad_maps)} map of {what} is not finite (NaN or inf): the method broke down "
+                "numerically on this image")
+    return None
+
+
+def _write_overlays(
+    writer: Writer, files: dict[str, dict[str, str]], *, key: str, region: "np.ndarray",
+    maps: dict[str, "np.ndarray"], opts: ExportOptions, signed: dict[str, bool],
+) -> None:
+    """``export``'s write job: per method, the overlay PNG (and the raw map with save_maps).
+
+    Small regions are drawn enlarged (``min_side``); signed maps fade to the image at zero and
+    get a colour bar (-max against, 0, +max for the target) under the overlay.
+    """
+    import numpy as np
+
+    from ..viz.legend import with_colorbar
+    from ..viz.overlays import overlay, readable
+
+    base = readable(region, opts.min_side) if opts.min_side > 0 else region
+    for name, m in maps.items():
+        normalize = "signed" if signed[name] else "minmax"
+        cmap = opts.signed_colormap if signed[name] else opts.colormap
+        rgb = overlay(base, m, alpha=opts.alpha, colormap=cmap, normalize=normalize)
+        if signed[name]:
+            rgb = with_colorbar(rgb, signed=True, scale=float(np.abs(m).max()), colormap=cmap)
+        entry = {"overlay": f"{key}.{name}.png"}
+        writer.write(entry["overlay"], encode_png(rgb))
+        if opts.save_maps:
+            entry["map"] = f"{key}.{name}.npy"
+            writer.write(entry["map"], encode_npy(m))
+        files[name] = entry
+
+
+def export(opts: ExportOptions, *, argv: Optional[Sequence[str]] = None) -> ExportResult:
+    """Explain every input image and write overlays, maps, manifest, summary and gallery.
+
+    Manifest record (one JSON object per line of ``manifest.jsonl``, sorted by ``key``)::
+
+        {"key": "sub/a b.png",            # output key (relative to --out, posix)
+         "input": "photos/sub/a b.png",   # the file as found (\\xNN for bytes that are not UTF-8)
+         "input_bytes_hex": "...",        # only then: the exact file name bytes, hex
+         "status": "ok" | "failed",
+         "source": {"path": abs path, "bytes": int, "mtime_ns": int},
+         "width": int, "height": int,     # decoded image size (pixels)
+         "box": [left, top, right, bottom],  # region the model saw, original pixels
+         "predictions": [{"index": int, "label": str|None, "score": float}, ...],  # top-k
+         "score_kind": "softmax" | "sigmoid",
+         "target": {"index": int, "label": str|None},
+         "files": {"rollout": {"overlay": "sub/a b.png.rollout.png", "map": "...npy"}, ...},
+         "error": str | None,
+         "config_hash": str, "time": unix seconds, "rank": int}
+
+    An input folder that cannot be read gets a record too: ``{"key": "<folder>/", "kind":
+    "folder", "status": "failed", "error": ...}``.
+
+    Resume: an image is skipped (counted as ``skipped``) when the manifest already holds an
+    ``ok`` record with the same key whose ``source`` (absolute path, size, mtime) and
+    ``config_hash`` (every option declared ``outputs=True``: model and its weights, methods
+    and options, target, crop, overlay settings, save_maps, amp) match and whose listed
+    files all exist; ``overwrite`` redoes it anyway. Failed images are always retried.
+
+    Args:
+        opts: what to do (see :class:`ExportOptions`).
+        argv: the command line, recorded in ``summary.json``.
+
+    Returns:
+        :class:`~vitexplain.batch.driver.ExportResult` (exit code 0, 1 when any image
+        failed, 74 when the output folder could not be written).
+
+    Raises:
+        UsageError: bad options or inputs, found before any output is written.
+        KeyboardInterrupt: Ctrl-C or SIGTERM, after the summary is written.
+    """
+    t_start = time.perf_counter()
+    from ..explainer import Explainer
+
+    setup = prepare(opts)
+    model, model_info = load_model(
+        opts.model, checkpoint=opts.checkpoint, num_classes=opts.num_classes,
+        model_args=opts.model_args, labels=opts.labels, device=setup.device,
+    )
+    ex = Explainer(model)
+    family = ex.family
+    if family not in DEFAULT_METHODS:
+        raise UsageError(
+            f"--model {opts.model!r} is a {family} model; export explains classifiers (vit, cnn). "
+            + ("Explain its captions word by word with `vitexplain caption` (or "
+               "vx.Explainer(model).explain_caption(...))" if family == "caption" else "")
+        )
+    methods, specs, method_options = resolve_methods(opts.methods, DEFAULT_METHODS[family], family,
+                                                     opts.method_options)
+    signed = {m: s.signed for m, s in specs.items()}
+    label_names = ex.adapter.label_names
+    num_classes = getattr(model, "num_classes", None)
+    target = _parse_target(opts.target, label_names, num_classes if isinstance(num_classes, int) else None)
+    pcfg = getattr(model, "pretrained_cfg", None) or {}
+    multi_label = bool(pcfg.get("multi_label", False)) if isinstance(pcfg, dict) else False
+    pre_kwargs = ex.adapter.preprocess_kwargs()
+    if model_info.get("random_weights") and setup.dist.rank == 0 and not opts.quiet:
+        print(f"vitexplain: warning: {opts.model} has random weights (no --checkpoint); the maps show "
+              "plumbing, not meaning", file=sys.stderr)
+
+    logits = probe(lambda x: ex.explain(x, method=methods, target=target, **method_options)[0].logits,
+                   f"this model with {', '.join(methods)}", setup, pre_kwargs)
+    _check_outputs_finite(logits, pre_kwargs)
+
+    config, digest_ = config_hash(opts, {
+        "command": "export", "model": model_id(opts.model), "checkpoint": checkpoint_id(opts.checkpoint),
+        "weights": zoo_weights_id(opts.model, model_info), "labels": digest(label_names),
+        "methods": methods, "method_options": method_options, "target": target,
+    })
+    run = new_run("export", opts, setup, pre_kwargs, digest_, max_side=opts.max_side)
+    names = label_names or []
+
+    def label(i: int) -> Optional[str]:
+        return names[i] if 0 <= i < len(names) else None
+
+    def process(x: "torch.Tensor", good: list[dict[str, Any]]) -> list[tuple[dict[str, Any], Any]]:
+        explanations = ex.explain(x, method=methods, target=target, **method_options)
+        maps = {e.method: e.maps.float().cpu().numpy() for e in explanations}
+        logits = explanations[0].logits
+        targets = explanations[0].targets.cpu().tolist()
+        top = _scores(logits, multi_label, opts.topk)
+        outputs_ok, bad_maps = finite_rows(maps, logits)
+        jobs: list[tuple[dict[str, Any], Any]] = []
+        for b, s in enumerate(good):
+            fields: dict[str, Any] = {}
+            error = not_finite_error(s["key"], outputs_ok[b], bad_maps[b])
+            if top is not None and error is None:
+                fields["predictions"] = [{"index": int(i), "label": label(int(i)), "score": round(float(v), 6)}
+                                         for v, i in zip(top[0][b], top[1][b])]
+                fields["score_kind"] = "sigmoid" if multi_label else "softmax"
+            fields["target"] = {"index": int(targets[b]), "label": label(int(targets[b]))}
+            write = error or functools.partial(_write_overlays, key=s["key"], region=s["region"],
+                                               maps={m: maps[m][b] for m in methods}, opts=opts, signed=signed)
+            jobs.append((fields, write))
+        return jobs
+
+    def gallery(records: list[dict[str, Any]]) -> None:
+        from ..viz.gallery import render_gallery
+
+        page = render_gallery(records, folder=setup.out, methods=methods, title=f"vitexplain export: {opts.model}")
+        Writer(setup.out).write(GALLERY, page.encode("utf-8", "replace"))
+
+    fields = summary_fields(opts, argv, config, methods=methods,
+                            model={**model_info, "family": family, "input_size": list(pre_kwargs["input_size"])})
+    return drive(run, Command(process=process, fields=fields, gallery=gallery if opts.html else None), t_start)

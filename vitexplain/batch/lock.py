@@ -1,0 +1,125 @@
+"""One run at a time per output folder: ``OUT/.vitexplain.lock``.
+
+Two runs writing into one ``--out`` at once would interleave their manifests and clean up
+each other's files, so a run holds an exclusive lock on ``OUT/.vitexplain.lock`` from before
+its first write until after its summary. A second run finds the lock held and stops with a
+usage error naming the holder (pid, host, command, start time). The lock is an OS file lock
+(``fcntl.flock``; ``msvcrt.locking`` on Windows), which the operating system releases when
+its process dies, so the lock of a killed run (``kill -9``, a crash, a lost node) never
+blocks the next one: the file may still be there, but nobody holds it. Under ``torchrun``
+rank 0 holds the lock for the whole run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from ..errors import UsageError
+
+__all__ = ["LOCK_NAME", "OutputLock", "FolderBusyError"]
+
+LOCK_NAME = ".vitexplain.lock"
+
+
+class FolderBusyError(UsageError):
+    """Another live run holds the output folder."""
+
+
+def _try_lock(fd: int) -> bool:
+    if sys.platform == "win32":  # pragma: no cover - Windows
+        import msvcrt
+
+        try:
+            msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
+            return True
+        except OSError:
+            return False
+    import fcntl
+
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+def _holder(path: Path) -> str:
+    try:
+        info = json.loads(path.read_text(encoding="utf-8"))
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(info.get("started", 0))))
+        return f"pid {info.get('pid')} on {info.get('host')}, `{info.get('command')}`, since {when}"
+    except (OSError, ValueError, TypeError, AttributeError):
+        return "another process"
+
+
+class OutputLock:
+    """The exclusive lock of one output folder (acquire, then release; also a context manager).
+
+    Args:
+        out: the output folder (must exist).
+        command: what holds it (shown to a second run), e.g. ``"vitexplain export"``.
+    """
+
+    def __init__(self, out: Path, command: str) -> None:
+        self.path = Path(out) / LOCK_NAME
+        self.command = command
+        self._fd: Optional[int] = None
+
+    def acquire(self) -> "OutputLock":
+        """Take the lock.
+
+        Raises:
+            FolderBusyError: another live run holds it.
+            OSError: the lock file cannot be created (the folder is not writable).
+        """
+        for _ in range(10):
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            if not _try_lock(fd):
+                os.close(fd)
+                raise FolderBusyError(
+                    f"--out {str(self.path.parent)!r} is in use by another vitexplain run ({_holder(self.path)}); "
+                    "wait for it to finish, or choose another --out. Two runs writing into one folder at once "
+                    "would mix their manifests"
+                )
+            try:  # the holder we raced with may have removed the file after we opened it
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                self._fd = fd
+                self._write_info()
+                return self
+            os.close(fd)
+        raise FolderBusyError(f"could not lock {self.path}: it keeps being replaced by another process")
+
+    def _write_info(self) -> None:
+        info: dict[str, Any] = {"pid": os.getpid(), "host": socket.gethostname(), "command": self.command,
+                                "started": time.time()}
+        data = (json.dumps(info) + "\n").encode("utf-8")
+        assert self._fd is not None
+        os.ftruncate(self._fd, 0)
+        os.lseek(self._fd, 0, os.SEEK_SET)
+        os.write(self._fd, data)
+
+    def release(self) -> None:
+        """Remove the lock file and release the lock (no-op when not held)."""
+        if self._fd is None:
+            return
+        try:
+            os.unlink(self.path)  # while still holding it: a waiting run re-checks the inode
+        except OSError:
+            pass
+        os.close(self._fd)
+        self._fd = None
+
+    def __enter__(self) -> "OutputLock":
+        return self.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()

@@ -1,0 +1,169 @@
+"""What every batch command does before its model runs: check options, output folder and
+inputs, pick the device, resolve and check the methods, and digest the settings.
+
+Everything here raises :class:`~vitexplain.errors.UsageError` (exit status 2) and runs before
+any output is written -- the output folder is checked writable but not created.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+
+from ..errors import UsageError
+from .distributed import Dist, device_and_amp
+from .driver import Run
+from .inputs import InputScan, scan_inputs
+from .options import output_settings, validate
+from .writing import check_writable
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = ["Setup", "prepare", "resolve_methods", "probe", "config_hash", "new_run", "summary_fields"]
+
+
+@dataclass
+class Setup:
+    """The checked basics of a run.
+
+    Attributes:
+        dist: the distributed setting.
+        device: where the model runs.
+        autocast_dtype: CUDA autocast dtype, or None.
+        out: the output folder (not created yet).
+        scan: the inputs found.
+    """
+
+    dist: Dist
+    device: "torch.device"
+    autocast_dtype: Any
+    out: Path
+    scan: InputScan
+
+
+def prepare(opts: Any) -> Setup:
+    """Validate the options, the output folder and the inputs; pick the device.
+
+    Raises:
+        UsageError: a bad option value or colormap, an output folder that cannot be
+            written (read-only, a dangling symlink, a file), inputs that match nothing or
+            lie inside the output folder, an unusable device.
+    """
+    validate(opts)
+    _check_colormaps(opts.colormap, opts.signed_colormap)
+    dist = Dist.from_env()
+    device, autocast_dtype = device_and_amp(opts.device, opts.amp, dist)
+    check_writable(opts.out)
+    return Setup(dist=dist, device=device, autocast_dtype=autocast_dtype, out=Path(opts.out),
+                 scan=scan_inputs(opts.inputs, opts.out))
+
+
+def _check_colormaps(*colormaps: str) -> None:
+    from ..viz.colormaps import colormap_lut
+
+    for cmap in colormaps:
+        try:
+            colormap_lut(cmap)
+        except ValueError as e:
+            raise UsageError(f"colormap {cmap!r}: {e}") from None
+
+
+def _check_method_options(options: dict[str, dict[str, Any]], specs: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Validate ``{method: {option: value}}`` against each method's declared options and ranges.
+
+    Raises:
+        UsageError: options for a method that is not run.
+        OptionError: an unknown option or a value out of its declared range.
+    """
+    from ..methods import registry
+
+    checked: dict[str, dict[str, Any]] = {}
+    for method, values in (options or {}).items():
+        if method not in specs:
+            raise UsageError(f"--option {method}.*: {method!r} is not among the exported methods {list(specs)}")
+        checked[method] = registry.check_options(specs[method], values)
+    return checked
+
+
+def resolve_methods(
+    requested: Optional[Sequence[str]], default: Sequence[str], family: str, options: dict[str, dict[str, Any]],
+) -> tuple[list[str], dict[str, Any], dict[str, dict[str, Any]]]:
+    """The methods of a run: names (``default`` when none are requested, duplicates dropped),
+    their registry specs, and the checked per-method options; problems are usage errors."""
+    from ..errors import UnsupportedMethodError
+    from ..methods import registry
+
+    methods = list(dict.fromkeys(requested or default))
+    try:
+        specs = {m: registry.get(m, family) for m in methods}
+    except UnsupportedMethodError as e:
+        raise UsageError(str(e)) from None
+    if not specs:
+        raise UsageError(f"no method given; choose from {registry.names(family)}")
+    return methods, specs, _check_method_options(options, specs)
+
+
+def probe(explain: Callable[["torch.Tensor"], Any], what: str, setup: Setup, pre_kwargs: dict[str, Any]) -> Any:
+    """Explain one blank image before writing anything, so that a method that cannot work on
+    the model (no attention found, no gates, a caption with unknown words) is a usage error
+    (exit 2) instead of the same failure repeated for every image.
+
+    Args:
+        explain: ``explain(x)`` for a (1, 3, H, W) batch.
+        what: what is explained, for the message (``"this model with rollout, cdam"``).
+        setup: the run's device and autocast.
+        pre_kwargs: the model's preprocessing arguments (``input_size``).
+
+    Returns:
+        What ``explain`` returned.
+
+    Raises:
+        UsageError: ``explain`` failed.
+    """
+    import torch
+
+    from .distributed import autocast
+
+    h, w = pre_kwargs["input_size"]
+    x = torch.zeros(1, 3, int(h), int(w), device=setup.device)
+    try:
+        with autocast(setup.autocast_dtype):
+            return explain(x)
+    except Exception as e:
+        raise UsageError(f"cannot explain {what} (tried on a blank {h}x{w} image): {type(e).__name__}: {e}") from None
+
+
+def config_hash(opts: Any, resolved: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """The settings that change the outputs and their digest (the resume rule).
+
+    Args:
+        opts: the command's options: every field declared with ``outputs=True`` is included.
+        resolved: values replacing or adding to those (e.g. the methods actually run, the
+            model's absolute path, the checkpoint's size and mtime, the command).
+
+    Returns:
+        ``(config, digest)``.
+    """
+    config = {**output_settings(opts), **resolved}
+    text = json.dumps(config, sort_keys=True, default=str)
+    return config, hashlib.sha1(text.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+
+
+def new_run(command: str, opts: Any, setup: Setup, pre_kwargs: dict[str, Any], digest: str, *, max_side: int) -> Run:
+    """The driver's :class:`~vitexplain.batch.driver.Run` of a command from its options and setup."""
+    return Run(
+        command=command, out=setup.out, items=setup.scan.items, unreadable=setup.scan.unreadable,
+        dist=setup.dist, device=setup.device, autocast_dtype=setup.autocast_dtype, pre_kwargs=pre_kwargs,
+        config_hash=digest, crop=opts.crop, max_side=max_side, batch_size=opts.batch_size, workers=opts.workers,
+        write_threads=opts.write_threads, overwrite=opts.overwrite, quiet=opts.quiet,
+    )
+
+
+def summary_fields(opts: Any, argv: Optional[Sequence[str]], config: dict[str, Any], **entries: Any) -> dict[str, Any]:
+    """A command's entries of ``summary.json``: ``entries`` (model, methods, ...), then
+    ``arguments``, ``argv`` and ``config``."""
+    return {**entries, "arguments": asdict(opts), "argv": list(argv) if argv is not None else None, "config": config}

@@ -1,0 +1,101 @@
+"""The interactive explorer: one self-contained HTML page per set of images.
+
+``vx.explore(model, images, out="explore.html")`` computes, per image, the predictions, the
+maps of several methods (class-discriminative ones for each of the top-k classes), and for
+ViTs and captioner encoders every layer's and head's attention matrix and the rollout after
+each layer; it quantises them (uint8 per row, :mod:`.quantize`) and writes one HTML file
+with the data, script and styles inline (:mod:`.page`). Open it from disk: nothing is loaded
+from anywhere. Data flows model -> Explainer / capture -> records -> maps -> page data
+(:mod:`.extract`, :mod:`.attention`, :mod:`.caption`) -> page.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence, Union
+
+from ..errors import UsageError
+from .attention import DEFAULT_ATTENTION_BUDGET
+from .extract import DEFAULT_METHODS
+
+__all__ = ["explore", "DEFAULT_METHODS", "DEFAULT_ATTENTION_BUDGET"]
+
+
+def _name(item: Any, index: int) -> str:
+    if isinstance(item, (str, os.PathLike)):
+        return Path(item).name
+    return f"image {index}"
+
+
+def explore(
+    model: Any,
+    images: Any,
+    out: Union[str, "os.PathLike[str]"] = "explore.html",
+    *,
+    methods: Optional[Sequence[str]] = None,
+    options: Optional[Mapping[str, Mapping[str, Any]]] = None,
+    top_k: int = 3,
+    target: Any = None,
+    names: Optional[Sequence[str]] = None,
+    title: str = "vitexplain explorer",
+    attention_budget: int = DEFAULT_ATTENTION_BUDGET,
+    max_len: int = 16,
+) -> Path:
+    """Write an interactive, self-contained HTML page that explains ``model`` on ``images``.
+
+    Per image the page shows the image, the top predictions (the caption for captioners), one
+    tab per method (class-discriminative methods for each of the top-k classes, chosen in the
+    page), and for ViTs (and captioners' image encoders) a layer x head selector: hover or
+    click a patch (or pick ``[CLS]``/register tokens) to see that query's attention over the
+    image and its rollout row, plus the layer's query x key attention matrix. Captioners also
+    get a word-by-word view of ``cross``/``cross_generic`` and the word x patch alignment
+    matrix. CNNs get their methods without the attention views. When drawn, the page sets
+    ``data-vx-ready="1"`` on ``<body>``.
+
+    Args:
+        model: a model :class:`vitexplain.Explainer` supports, or an Explainer.
+        images: a path, PIL image or (H, W, 3) uint8 RGB array, or a list of those.
+        out: the HTML file to write.
+        methods: method names; None = :data:`DEFAULT_METHODS` for the model's family (those
+            that do not apply to the model are left out with a note in the page; methods
+            named here must all run).
+        options: per-method options, e.g. ``{"rollout": {"head_fusion": "max"}}``.
+        top_k: classes offered for class-discriminative methods.
+        target: None (the top-k classes), or the one target class-discriminative methods explain:
+            a class index or label name, or a score such as ``vx.targets.similarity(vector)``.
+            Headless backbones (no classifier head) default to ``vx.targets.norm()``.
+        names: labels of the images (default: file names).
+        title: page title.
+        attention_budget: most bytes of attention data per image (base64); past it fewer
+            layers, then only the head-mean, are embedded, and the page says so. The default
+            (5 MB) holds every layer and head of a 224 px ViT-S/16 (197 tokens, 12 x 6 heads).
+        max_len: longest caption generated (captioners).
+
+    Returns:
+        The path written.
+
+    Raises:
+        UsageError: no images, bad ``top_k``/``names``.
+        VitexplainError: a named method does not apply to the model (see its message).
+    """
+    from ..explainer import Explainer
+    from .extract import image_data
+    from .page import render_page, write_page
+
+    explainer = model if isinstance(model, Explainer) else Explainer(model)
+    items = list(images) if isinstance(images, (list, tuple)) else [images]
+    if not items:
+        raise UsageError("no images to explore; pass a path, an image or a list of them")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        raise UsageError(f"top_k must be a positive integer, got {top_k!r}")
+    labels = list(names) if names is not None else [_name(item, i) for i, item in enumerate(items)]
+    if len(labels) != len(items):
+        raise UsageError(f"got {len(labels)} names for {len(items)} images; pass one name per image")
+    data = [
+        image_data(explainer, item, label, methods=methods, options=options, top_k=top_k, target=target,
+                   attention_budget=attention_budget, max_len=max_len)
+        for item, label in zip(items, labels)
+    ]
+    subtitle = f"{type(explainer.model).__name__} ({explainer.family})"
+    return write_page(out, render_page(data, title=title, subtitle=subtitle))

@@ -1,0 +1,76 @@
+"""The page data of a captioner: the generated words, per-word maps and encoder attention.
+
+Per method (``cross``, ``cross_generic``) the page gets one row per word over the image
+patches, (T, gh * gw), which is both the word's map and a row of the word x patch alignment
+matrix. The image encoder's self-attention gets the same views as a ViT classifier's.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from ..errors import VitexplainError
+from ..layout import find_layout_module
+from ..methods import registry
+from ..recording import capture
+from .attention import attention_views, prefix_labels
+from .extract import explain_all
+from .quantize import quantize_rows
+
+__all__ = ["caption_data"]
+
+
+def caption_data(
+    explainer: Any,
+    x: Tensor,
+    methods: Sequence[str],
+    options: Mapping[str, Any],
+    notes: list[str],
+    strict: bool,
+    attention_budget: int,
+    max_len: int,
+) -> dict[str, Any]:
+    """Caption, per-word maps and encoder attention of one image (x: (1, 3, H, W)).
+
+    Returns:
+        ``{"predictions": [{"label": caption}], "caption": {"words": [...], "methods":
+        [{"name", "summary", "grid", "maps": rows (T, gh * gw)}]}, "attention": ...}``.
+    """
+    adapter = explainer.adapter
+    got = explain_all(partial(explainer.explain_caption, x, max_len=max_len), list(methods), options, notes, strict)
+    entries, words, ids = [], None, None
+    for name, e in got.items():
+        words, ids = e.tokens[0], e.ids
+        maps = e.maps[0, : max(len(words), 1)].flatten(1)  # (T, gh * gw)
+        spec = registry.get(name, "caption")
+        entries.append({
+            "name": name,
+            "summary": spec.summary,
+            "grid": list(e.maps.shape[-2:]),
+            "maps": quantize_rows(maps, signed=spec.signed),
+        })
+    if ids is None:
+        raise VitexplainError(f"no caption method could run on this model: {'; '.join(notes)}")
+    out: dict[str, Any] = {
+        "predictions": [{"index": -1, "label": " ".join(words or []), "score": None}],
+        "targets": [],
+        "caption": {"words": list(words or []), "methods": entries},
+    }
+    layout = adapter.layout(tuple(x.shape[-2:]))
+    if layout.windowed:
+        notes.append("windowed attention (Swin-style) in the image encoder: no attention views")
+        return out
+    with torch.no_grad(), capture(explainer.model) as rec:
+        adapter.teacher_forced(x, ids)
+    layers = adapter.encoder_records(rec.records)
+    if not layers:
+        notes.append("the image encoder issued no self-attention call that vitexplain could see")
+        return out
+    encoder = explainer.model.get_submodule(adapter.encoder_prefix)
+    owner = find_layout_module(encoder, tuple(x.shape[-2:]))[1]
+    out["attention"] = attention_views(layers, layout, prefix_labels(owner, layout), notes, budget=attention_budget)
+    return out

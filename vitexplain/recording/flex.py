@@ -1,0 +1,383 @@
+"""FlexAttention capture: records of ``torch.nn.attention.flex_attention.flex_attention`` calls.
+
+``flex_attention(q, k, v, score_mod, block_mask, scale, enable_gqa)`` computes
+``softmax(score_mod(q k^T * scale))`` over the keys its ``block_mask`` keeps, in a fused
+kernel: eager calls compile its higher-order op internally, so neither the probabilities nor
+the op's arguments are visible to Python while it runs. The capture sees the call *before*
+that: the first torch operation issued from ``flex_attention``'s own frame (or a validation
+helper it calls) hands the recorder that frame, whose locals are the real q, k, v,
+``score_mod``, ``block_mask``, ``scale`` and ``enable_gqa``. The kernel then runs unchanged.
+
+A :class:`FlexAttentionRecord` recomputes the probabilities the kernel used, in float32:
+
+- scores ``q k^T * scale`` (grouped-query attention repeats key heads), then ``score_mod``
+  applied per entry (vectorised with ``torch.vmap`` over batch, head, query and key index,
+  as torch's own math path does);
+- the block mask: entries where ``mask_mod(b, h, q_idx, kv_idx)`` is True are kept, the others
+  are exactly 0 (rows with every key masked are all 0). Fused kernels keep the entries of
+  *full* blocks, apply ``mask_mod`` in *partial* blocks and skip the other blocks, which is the
+  same for a mask made by ``create_block_mask(mask_mod, ...)``; torch's unfused path (eager
+  ``flex_attention``) applies ``mask_mod`` only. When the two disagree, ``probs()`` raises
+  instead of guessing which one ran.
+
+Gradients: with ``O = A V``, ``dy/dA = dO @ V^T`` as for SDPA; dO is taken by a tensor hook
+on the kernel's output, found as the first tensor the caller receives whose autograd node
+points back at q, k or v. FlexAttention has no backward on CPU (torch raises when any of
+q, k, v requires grad there), so gradient methods on a FlexAttention model need a CUDA
+device; on CPU the capture raises a :class:`~vitexplain.errors.CaptureError` saying so.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from types import CodeType, FrameType
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch
+from torch import Tensor
+
+from ..errors import CaptureError
+from .records import AttentionRecord, QuerySelect, _rows
+
+__all__ = [
+    "FlexAttentionRecord",
+    "FlexRecording",
+    "BlockView",
+    "flex_code",
+    "flex_op",
+    "flex_frame",
+    "flex_probs",
+    "flex_arguments",
+    "traced_call",
+    "traced_arguments",
+    "find_output",
+]
+
+_MODULE = "torch.nn.attention.flex_attention"
+_OP_MODULE = "torch._higher_order_ops.flex_attention"
+
+
+def flex_code() -> Optional[CodeType]:
+    """The code object of ``flex_attention``, or None when FlexAttention was never imported.
+
+    (A model cannot call FlexAttention without importing it; importing it here would cost ~1 s.)
+    """
+    module = sys.modules.get(_MODULE)
+    return None if module is None else module.flex_attention.__code__
+
+
+def flex_op() -> Any:
+    """FlexAttention's higher-order op (what compiled code calls), or None when not imported."""
+    module = sys.modules.get(_OP_MODULE)
+    return None if module is None else module.flex_attention
+
+
+@dataclass(frozen=True)
+class BlockView:
+    """The parts of a ``BlockMask`` that decide which entries are kept (rebuilt from its tuple form).
+
+    Compiled code passes a block mask to FlexAttention's op as ``BlockMask.as_tuple()``:
+    ``(q_len, kv_len, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, ...,
+    Q_BLOCK_SIZE, KV_BLOCK_SIZE, mask_mod)`` (see :func:`traced_call`).
+    """
+
+    seq_lengths: tuple[int, int]
+    kv_num_blocks: Tensor
+    kv_indices: Tensor
+    full_kv_num_blocks: Optional[Tensor]
+    full_kv_indices: Optional[Tensor]
+    BLOCK_SIZE: tuple[int, int]
+    mask_mod: Callable
+
+
+
+def traced_call(args: tuple) -> tuple:
+    """What the recorder keeps of a call of FlexAttention's op while dynamo traces it.
+
+    Dynamo replays the keeping on every call with the real values. Numbers that may be symbolic
+    under dynamic shapes (the scale, the sequence lengths) are not kept as Python numbers, which
+    dynamo cannot rebuild: the scale goes in a tensor, the lengths are read from q and k later.
+    """
+    q, k, v, score_mod, parts, scale = args[:6]
+    blocks = (parts[2], parts[3], parts[4], parts[5], torch.tensor(parts[-3]), torch.tensor(parts[-2]), parts[-1])
+    return q, k, v, score_mod, blocks, torch.tensor(scale, dtype=torch.float64)
+
+
+def traced_arguments(call: tuple) -> dict[str, Any]:
+    """q, k, v, score_mod, block_mask and scale of a call kept by :func:`traced_call`."""
+    q, k, v, score_mod, blocks, scale = call
+    kv_num, kv_idx, full_num, full_idx, q_block, kv_block, mask_mod = blocks
+    view = BlockView((q.shape[-2], k.shape[-2]), kv_num, kv_idx, full_num, full_idx, (int(q_block), int(kv_block)), mask_mod)
+    return {"query": q, "key": k, "value": v, "score_mod": score_mod, "block_mask": view, "scale": float(scale)}
+
+
+def flex_frame(caller: FrameType, code: CodeType) -> Optional[FrameType]:
+    """The ``flex_attention`` frame when ``caller`` is it or a helper it called directly."""
+    if caller.f_code is code:
+        return caller
+    parent = caller.f_back
+    return parent if parent is not None and parent.f_code is code else None
+
+
+def _runs_compiled_code(frame: FrameType) -> bool:
+    """Whether ``frame`` runs code that dynamo transformed (a ``torch.compile``-d function)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    table = getattr(utils, "orig_code_map", None)
+    return table is not None and frame.f_code in table
+
+
+def flex_arguments(frame: FrameType) -> dict[str, Any]:
+    """q, k, v, score_mod, block_mask, scale and enable_gqa as ``flex_attention`` received them.
+
+    Raises:
+        CaptureError: q, k or v require grad on the CPU, where FlexAttention has no backward.
+    """
+    local = frame.f_locals
+    args = {name: local.get(name) for name in ("query", "key", "value", "score_mod", "block_mask", "scale", "enable_gqa")}
+    q, k, v = args["query"], args["key"], args["value"]
+    if q.device.type == "cpu" and any(t.requires_grad for t in (q, k, v)):
+        raise CaptureError(
+            "this model calls FlexAttention, which has no backward pass on CPU (torch: 'FlexAttention "
+            "does not support backward on CPU'), so gradient methods cannot run on it here: run them on "
+            "a CUDA device, or use a method without gradients (raw, rollout; captioners: cross)"
+        )
+    return args
+
+
+def find_output(args: tuple, kwargs: dict, q: Tensor, k: Tensor, v: Tensor) -> Optional[Tensor]:
+    """The FlexAttention output among a torch call's tensor arguments, or None.
+
+    It is the tensor whose autograd node takes q, k or v (directly) as an input.
+    """
+    sources = {id(t.grad_fn) for t in (q, k, v) if t.grad_fn is not None}
+    leaves = {id(t) for t in (q, k, v) if t.grad_fn is None and t.requires_grad}
+    for value in (*args, *kwargs.values()):
+        node = getattr(value, "grad_fn", None) if isinstance(value, Tensor) else None
+        if node is None:
+            continue
+        for parent, _ in node.next_functions:
+            if parent is None:
+                continue
+            if id(parent) in sources or id(getattr(parent, "variable", None)) in leaves:
+                return value
+    return None
+
+
+def _expand_blocks(blocks: Tensor, rows: Tensor, n_k: int, block_size: tuple[int, int]) -> Tensor:
+    """Block-level (B, H, Q_blocks, KV_blocks) bools -> entry-level (B, H, n, N_k) for query rows ``rows``."""
+    q_bs, kv_bs = block_size
+    per_row = blocks[:, :, rows // q_bs]  # (B, H, n, KV_blocks)
+    return per_row[..., torch.arange(n_k, device=blocks.device) // kv_bs]
+
+
+def _dense_mask(block_mask: Any, b: int, h: int, rows: Tensor, n_k: int, device: torch.device) -> Tensor:
+    """(B, H, n, N_k) bool: the entries kept for the selected query rows.
+
+    Raises:
+        CaptureError: the blocks and the ``mask_mod`` disagree, so what is kept depends on how
+            the call ran (fused kernels skip blocks; torch's unfused path applies ``mask_mod`` only).
+    """
+    from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
+    from torch.nn.attention.flex_attention import BlockMask, _vmap_for_bhqkv
+
+    size, lengths = block_mask.BLOCK_SIZE, block_mask.seq_lengths
+    partial = BlockMask.from_kv_blocks(block_mask.kv_num_blocks, block_mask.kv_indices, BLOCK_SIZE=size, seq_lengths=lengths)
+    keep = _expand_blocks(partial.to_dense().bool(), rows, n_k, size)
+    index = (torch.arange(b, device=device), torch.arange(h, device=device), rows, torch.arange(n_k, device=device))
+    with TransformGetItemToIndex():  # the kernel calls mask_mod with the real batch and head indices
+        mod = _vmap_for_bhqkv(block_mask.mask_mod, prefix=())(*index)
+    mod = mod.bool()
+    full = torch.zeros_like(keep)
+    if block_mask.full_kv_num_blocks is not None:
+        full_blocks = BlockMask.from_kv_blocks(
+            block_mask.full_kv_num_blocks, block_mask.full_kv_indices, BLOCK_SIZE=size, seq_lengths=lengths
+        )
+        full = _expand_blocks(full_blocks.to_dense().bool(), rows, n_k, size)
+    kernel = (keep & mod) | full  # what fused kernels keep
+    if not torch.equal(kernel.expand_as(mod), mod):
+        raise CaptureError(
+            "this FlexAttention BlockMask's blocks disagree with its mask_mod (e.g. it was built with "
+            "BlockMask.from_kv_blocks without a mask_mod): fused kernels skip the blocks, torch's unfused "
+            "path (flex_attention without torch.compile) applies mask_mod only, so the attention depends "
+            "on how the call ran. Build the mask with create_block_mask(mask_mod, ...), or give it a "
+            "mask_mod that states the same mask"
+        )
+    return mod
+
+
+def flex_probs(
+    q: Tensor,
+    k: Tensor,
+    *,
+    score_mod: Optional[Callable] = None,
+    block_mask: Any = None,
+    scale: Optional[float] = None,
+    queries: QuerySelect = None,
+) -> Tensor:
+    """``softmax(score_mod(q k^T * scale))`` over the entries ``block_mask`` keeps, in float32.
+
+    Args:
+        q: (B, H, N_q, E) queries.
+        k: (B or 1, H_kv, N_k, E) keys; H must be a multiple of H_kv (grouped-query attention).
+        score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score``, or None.
+        block_mask: a ``torch.nn.attention.flex_attention.BlockMask``, or None.
+        scale: score scale; None means ``1 / sqrt(E)``.
+        queries: which query rows (None = all; an int, a slice or an index tensor).
+
+    Returns:
+        (B, H, n, N_k) float32; masked entries are exactly 0.
+    """
+    from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
+    from torch.nn.attention.flex_attention import _vmap_for_bhqkv
+
+    b, h, n_q, e = q.shape
+    n_k = k.shape[-2]
+    rows = torch.arange(n_q, device=q.device)[_rows(queries, n_q)]
+    kf = k.float()
+    if kf.shape[1] != h:
+        kf = kf.repeat_interleave(h // kf.shape[1], dim=1)
+    scale = e**-0.5 if scale is None else float(scale)
+    scores = torch.matmul(q[:, :, rows].float(), kf.expand(b, -1, -1, -1).transpose(-2, -1)) * scale
+    if score_mod is not None:
+        index = (torch.arange(b, device=q.device), torch.arange(h, device=q.device), rows, torch.arange(n_k, device=q.device))
+        with TransformGetItemToIndex():
+            scores = _vmap_for_bhqkv(score_mod, prefix=(0,))(scores, *index).float()
+    if block_mask is not None:
+        scores = scores.masked_fill(~_dense_mask(block_mask, b, h, rows, n_k, q.device), float("-inf"))
+    return torch.nan_to_num_(torch.softmax(scores, dim=-1), nan=0.0)
+
+
+@dataclass(eq=False)
+class FlexAttentionRecord(AttentionRecord):
+    """A FlexAttention call: the SDPA fields plus its ``score_mod`` and ``block_mask``.
+
+    Attributes:
+        score_mod: the call's ``score_mod`` (None: identity).
+        block_mask: the call's ``BlockMask`` (None: every key).
+    """
+
+    score_mod: Optional[Callable] = field(default=None, repr=False)
+    block_mask: Any = field(default=None, repr=False)
+
+    @property
+    def rows_sum_to_one(self) -> bool:
+        return self.block_mask is None and self.score_mod is None
+
+    def probs(self, queries: QuerySelect = None) -> Tensor:
+        """Probabilities the kernel used, recomputed in float32 (see :func:`flex_probs`).
+
+        Returns:
+            (B, H, n, N_k) float32.
+        """
+        if self._q is None or self._k is None:
+            raise CaptureError(f"record {self.name!r} holds no queries/keys (it was released)")
+        return flex_probs(
+            self._q, self._k, score_mod=self.score_mod, block_mask=self.block_mask, scale=self._scale, queries=queries
+        )
+
+
+class FlexRecording:
+    """The part of :class:`~vitexplain.recording.Recorder` that records FlexAttention calls.
+
+    The recorder's mode calls :meth:`_watch_flex` for every torch call while FlexAttention is
+    imported (and appends the op calls dynamo traces to ``mode.flex_calls``).
+    """
+
+    if TYPE_CHECKING:  # provided by the Recorder
+        grads: bool
+        _records: list[AttentionRecord]
+        _mode: Any
+        _flex_frame: Optional[FrameType]
+        _flex_unattributed: int
+        _flex_pending: Optional[tuple[AttentionRecord, tuple[Tensor, Tensor, Tensor]]]
+
+        def _attention_issuer(self, start: Optional[FrameType] = None) -> Any: ...
+        def _kind(self, module: Any, frame: FrameType) -> str: ...
+        def _new_record(self, name: str, kind: str, record_type: type = ..., **fields: Any) -> AttentionRecord: ...
+        def _hooks_collect(self) -> bool: ...
+
+    def _watch_flex(self, code: Any, args: tuple, kwargs: dict) -> None:
+        """Called for every torch call while FlexAttention is importable (see ``recording.flex``).
+
+        The first call issued from a ``flex_attention`` frame records that call; while a
+        record waits for its output (gradients captured), the calls after it are searched for it.
+        """
+        try:
+            caller = sys._getframe(2)  # the frame that made the torch call
+        except ValueError:  # no Python caller (called from C++)
+            return
+        frame = flex_frame(caller, code)
+        if frame is not None:
+            if frame is not self._flex_frame:
+                self._flex_frame = frame
+                self._on_flex(flex_arguments(frame), frame.f_back)
+            return
+        assert self._mode is not None
+        calls = self._mode.flex_calls
+        while calls:  # calls seen by dynamo: attributed to the module that made this torch call
+            bound = traced_arguments(calls.pop(0))
+            if self._flex_seen(bound["query"]):
+                self._flex_frame = None  # that call is over: do not keep its frame (and its callers) alive
+            else:
+                self._on_flex(bound, caller, traced=True)
+        if self._flex_pending is not None:
+            record, (q, k, v) = self._flex_pending
+            out = find_output(args, kwargs, q, k, v)
+            if out is not None:
+                self._flex_pending = None
+                record._attach_grad_hook(out, self._hooks_collect)
+
+    def _count_unattributed_flex(self, calls: list[tuple]) -> None:
+        """At the end of the capture: count the compiled calls no later torch op could attribute."""
+        self._flex_unattributed += sum(not self._flex_seen(traced_arguments(c)["query"]) for c in calls)
+        calls.clear()
+
+    def _check_flex_attributed(self) -> None:
+        if self._flex_unattributed:
+            raise CaptureError(
+                f"{self._flex_unattributed} torch.compile-d FlexAttention call(s) returned their output without any "
+                "further torch operation inside the capture, so they were not attributed to a module and are "
+                "missing from the records; use the output inside the module (e.g. reshape it there)"
+            )
+
+    def _flex_seen(self, q: Tensor) -> bool:
+        """Whether the last record already holds this FlexAttention call (seen at its frame)."""
+        last = self._records[-1] if self._records else None
+        return isinstance(last, FlexAttentionRecord) and last._q is not None and last._q.data_ptr() == q.data_ptr() \
+            and last._q.shape == q.shape
+
+    def _on_flex(self, bound: dict[str, Any], caller: Optional[FrameType], traced: bool = False) -> None:
+        issuer = self._attention_issuer(caller)
+        if issuer is None:
+            return
+        if traced and _runs_compiled_code(issuer[2]):
+            # the module found runs dynamo-compiled code: the submodules it called (and the one that
+            # called FlexAttention) were compiled into it, so the call cannot be attributed
+            raise CaptureError(
+                f"FlexAttention ran inside the torch.compile-d forward of {issuer[0] or 'the model'!r}, whose "
+                "submodules cannot be told apart; capture the uncompiled model (model._orig_mod), or compile "
+                "flex_attention itself rather than the whole model"
+            )
+        q, k, v = bound["query"], bound["key"], bound["value"]
+        name, module, issuing_frame = issuer
+        record = self._new_record(
+            name,
+            self._kind(module, issuing_frame),
+            FlexAttentionRecord,
+            source="flex",
+            q_shape=q.shape,
+            k_shape=k.shape,
+            _q=q.detach(),
+            _k=k.detach(),
+            _scale=bound["scale"],
+            score_mod=bound["score_mod"],
+            block_mask=bound["block_mask"],
+        )
+        if self.grads:
+            record._v = v.detach()
+            if any(t.requires_grad for t in (q, k, v)) and torch.is_grad_enabled():
+                record._grad_state = "no_output"  # until the output is seen (``_watch_flex``)
+                self._flex_pending = (record, (q, k, v))
+            else:
+                record._grad_state = "no_graph"

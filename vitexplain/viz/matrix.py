@@ -1,0 +1,309 @@
+"""Attention matrices as labelled heatmaps, and every layer x head map of one query as one image.
+
+``attention_matrix`` draws any (rows, cols) weights with the tokens on both axes and a colour
+bar: the classic view of an alignment between target and source tokens, or of a ViT layer's
+attention between its tokens. The helpers read the weights and the token names from what
+vitexplain captured:
+
+- :func:`record_matrix`: one :class:`~vitexplain.recording.AttentionRecord` (one image, one head
+  or the head mean), tokens named ``[CLS]``, ``[DIST]``, ``reg0``... and ``(r,c)`` for patches;
+- :func:`caption_matrix`: a :class:`~vitexplain.explainer.CaptionExplanation`, words x patches;
+- :func:`head_grid`: every layer x head map of one query token, each on the patch grid.
+
+All figures are (H, W, 3) uint8 RGB drawn with OpenCV (Hershey fonts: ASCII labels).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Sequence, Union
+
+import cv2
+import numpy as np
+
+from ..errors import UsageError
+from ._util import map_to_numpy
+from .colormaps import colormap_lut
+from .grids import _ascii, grid
+
+__all__ = ["attention_matrix", "record_matrix", "caption_matrix", "head_grid", "token_labels"]
+
+_FONT = cv2.FONT_HERSHEY_SIMPLEX
+_INK = (0, 0, 0)
+
+
+def _text_image(text: str, scale: float, thick: int) -> np.ndarray:
+    """Black text on white, tightly sized: (h, w, 3) uint8."""
+    text = _ascii(text)
+    (w, h), base = cv2.getTextSize(text, _FONT, scale, thick)
+    img = np.full((h + base + 2, w + 2, 3), 255, np.uint8)
+    cv2.putText(img, text, (1, h + 1), _FONT, scale, _INK, thick, cv2.LINE_AA)
+    return img
+
+
+def _paste(canvas: np.ndarray, img: np.ndarray, y: int, x: int) -> None:
+    """Draw dark-on-white ``img`` onto ``canvas`` at (y, x) (darkest wins), clipped to the canvas."""
+    h, w = img.shape[:2]
+    y0, x0 = max(y, 0), max(x, 0)
+    y1, x1 = min(y + h, canvas.shape[0]), min(x + w, canvas.shape[1])
+    if y1 > y0 and x1 > x0:
+        region = canvas[y0:y1, x0:x1]
+        np.minimum(region, img[y0 - y : y1 - y, x0 - x : x1 - x], out=region)
+
+
+def _stride(n: int, cell: int, text_h: int, max_labels: int) -> int:
+    """Label every k-th row/column so that labels do not overlap and at most ``max_labels`` show."""
+    k = max(1, math.ceil((text_h + 2) / max(cell, 1)))
+    return max(k, math.ceil(n / max(1, max_labels)))
+
+
+def _labels(labels: Optional[Sequence[Any]], n: int, what: str) -> list[str]:
+    if labels is None:
+        return [str(i) for i in range(n)]
+    labels = [str(s) for s in labels]
+    if len(labels) != n:
+        raise UsageError(f"{len(labels)} {what} labels for {n} {what}s of the matrix")
+    return labels
+
+
+def attention_matrix(
+    weights: Any,
+    row_labels: Optional[Sequence[Any]] = None,
+    col_labels: Optional[Sequence[Any]] = None,
+    title: Optional[str] = None,
+    *,
+    cell: Optional[int] = None,
+    colormap: str = "viridis",
+    vmin: Optional[float] = None,
+    vmax: Optional[float] = None,
+    max_labels: int = 64,
+    font_scale: float = 0.4,
+    annotate: bool = False,
+) -> np.ndarray:
+    """A heatmap of attention weights with labelled axes and a colour bar.
+
+    Rows are queries (e.g. target words), columns keys (e.g. source tokens or patches).
+    Column labels are written upright when they fit a cell, rotated by 90 degrees otherwise;
+    when labels would overlap (small cells) or there are more than ``max_labels``, every k-th
+    one is written (all up to 64 x 64 at the default size).
+
+    Args:
+        weights: (R, C) tensor or array (leading singleton dims are squeezed), finite.
+        row_labels: R labels (default: 0..R-1).
+        col_labels: C labels (default: 0..C-1).
+        title: drawn above the matrix.
+        cell: side of one cell in pixels (default: from the size: from the label height
+            (about 15 px) to 40 px up to 64 rows and columns, smaller beyond).
+        colormap: a :func:`vitexplain.viz.colormap_names` name.
+        vmin: value at the bottom of the colour bar (default: the minimum).
+        vmax: value at the top (default: the maximum).
+        max_labels: most labels per axis.
+        font_scale: OpenCV font scale of the labels.
+        annotate: write each value in its cell (when the cell is large enough).
+
+    Returns:
+        (H, W, 3) uint8 RGB figure.
+
+    Raises:
+        UsageError: weights that are not 2-D / not finite, or label counts that do not match.
+    """
+    m = map_to_numpy(weights)
+    n_rows, n_cols = m.shape
+    rows, cols = _labels(row_labels, n_rows, "row"), _labels(col_labels, n_cols, "column")
+    thick = 1
+    (_, text_h), base = cv2.getTextSize("Ag", _FONT, font_scale, thick)
+    side = max(n_rows, n_cols)
+    if not cell:  # every label fits up to 64 per axis; beyond, cells shrink and labels thin out
+        cell = max(text_h + base + 3, min(40, 640 // side)) if side <= 64 else max(2, 960 // side)
+    cell = int(cell)
+    lo = float(m.min()) if vmin is None else float(vmin)
+    hi = float(m.max()) if vmax is None else float(vmax)
+    span = hi - lo if hi > lo else 1.0
+    lut = colormap_lut(colormap)  # (256, 3) uint8 RGB
+    index = np.clip(np.round((m - lo) / span * 255), 0, 255).astype(np.int64)
+    heat = np.repeat(np.repeat(lut[index], cell, axis=0), cell, axis=1)
+
+    row_step = _stride(n_rows, cell, text_h + base, max_labels)
+    col_step = _stride(n_cols, cell, text_h + base, max_labels)
+    row_imgs = {i: _text_image(rows[i], font_scale, thick) for i in range(0, n_rows, row_step)}
+    col_imgs = {i: _text_image(cols[i], font_scale, thick) for i in range(0, n_cols, col_step)}
+    upright = all(img.shape[1] <= cell * col_step for img in col_imgs.values())
+    if not upright:
+        col_imgs = {i: np.ascontiguousarray(np.rot90(img)) for i, img in col_imgs.items()}
+    pad = 6
+    left = max((img.shape[1] for img in row_imgs.values()), default=0) + pad
+    top_labels = max((img.shape[0] for img in col_imgs.values()), default=0) + pad
+    title_img = _text_image(title, font_scale * 1.25, thick) if title else None
+    top = pad + (title_img.shape[0] + pad if title_img is not None else 0) + top_labels
+    bar_w, bar_gap = 14, 10
+    tick_imgs = [_text_image(f"{v:.3g}", font_scale, thick) for v in (hi, (hi + lo) / 2, lo)]
+    right = bar_gap + bar_w + 4 + max(img.shape[1] for img in tick_imgs) + pad
+    h_heat, w_heat = heat.shape[:2]
+    fig = np.full((max(top + h_heat + pad, top + h_heat + tick_imgs[-1].shape[0] // 2 + pad), pad + left + w_heat + right, 3), 255, np.uint8)
+    x0 = pad + left
+    fig[top : top + h_heat, x0 : x0 + w_heat] = heat
+    if title_img is not None:
+        _paste(fig, title_img, pad, x0 + (w_heat - title_img.shape[1]) // 2)
+    for i, img in row_imgs.items():
+        _paste(fig, img, top + i * cell + (cell - img.shape[0]) // 2, x0 - pad // 2 - img.shape[1])
+    for i, img in col_imgs.items():
+        _paste(fig, img, top - pad // 2 - img.shape[0], x0 + i * cell + (cell - img.shape[1]) // 2)
+    if annotate and cell >= 28:
+        for r in range(n_rows):
+            for c in range(n_cols):
+                rgb = lut[index[r, c]].astype(int)
+                ink = (0, 0, 0) if rgb.mean() > 128 else (255, 255, 255)
+                text = f"{m[r, c]:.2f}"
+                (tw, th), _ = cv2.getTextSize(text, _FONT, font_scale * 0.8, 1)
+                org = (x0 + c * cell + (cell - tw) // 2, top + r * cell + (cell + th) // 2)
+                cv2.putText(fig, text, org, _FONT, font_scale * 0.8, ink, 1, cv2.LINE_AA)
+    # colour bar: top = vmax, bottom = vmin, three ticks
+    bx = x0 + w_heat + bar_gap
+    ramp = np.linspace(255, 0, h_heat).round().astype(np.int64)
+    fig[top : top + h_heat, bx : bx + bar_w] = lut[ramp][:, None, :]
+    for img, y in zip(tick_imgs, (top, top + h_heat // 2, top + h_heat)):
+        _paste(fig, img, y - img.shape[0] // 2, bx + bar_w + 4)
+    return fig
+
+
+def token_labels(layout: Any, num_tokens: Optional[int] = None, *, distilled: bool = False) -> list[str]:
+    """Names of a ViT sequence's tokens: ``[CLS]``, ``[DIST]``, ``reg0``..., then ``(r,c)`` per patch.
+
+    Args:
+        layout: a :class:`~vitexplain.layout.TokenLayout`.
+        num_tokens: the sequence length; when it does not match the layout (e.g. text tokens
+            of a decoder), the tokens are numbered ``0..n-1``.
+        distilled: the token after the class token is a distillation token (DeiT distilled).
+
+    Returns:
+        One label per token.
+    """
+    n = layout.num_tokens if num_tokens is None else int(num_tokens)
+    if layout is None or layout.grid is None or n != layout.num_tokens:
+        return [str(i) for i in range(n)]
+    prefix: list[str] = []
+    if layout.has_class_token:
+        prefix.append("[CLS]")
+    if distilled and len(prefix) < layout.num_prefix_tokens:
+        prefix.append("[DIST]")
+    prefix += [f"reg{i}" for i in range(layout.num_prefix_tokens - len(prefix))]
+    gh, gw = layout.grid
+    return prefix + [f"({r},{c})" for r in range(gh) for c in range(gw)]
+
+
+def _is_distilled(model: Any) -> bool:
+    return getattr(model, "dist_token", None) is not None or getattr(getattr(model, "config", None), "model_type", "") == "deit"
+
+
+def record_matrix(
+    record: Any,
+    *,
+    image: int = 0,
+    head: Union[None, int, str] = "mean",
+    layout: Any = None,
+    model: Any = None,
+    title: Optional[str] = None,
+    **kwargs: Any,
+) -> np.ndarray:
+    """The attention matrix of one captured call, queries x keys.
+
+    Args:
+        record: an :class:`~vitexplain.recording.AttentionRecord`.
+        image: which image of the batch.
+        head: a head index, or ``"mean"`` / ``"max"`` / ``"min"`` over heads.
+        layout: the token layout (``rec.layout``) to name ``[CLS]`` / ``reg`` / ``(r,c)`` tokens;
+            without it (or for text tokens) tokens are numbered.
+        model: the model, to recognise a DeiT distillation token.
+        title: default: the record's name, kind and head.
+        **kwargs: passed to :func:`attention_matrix`.
+
+    Returns:
+        (H, W, 3) uint8 RGB figure.
+    """
+    probs = record.probs()[image]  # (H, N_q, N_k)
+    if isinstance(head, int):
+        if not -probs.shape[0] <= head < probs.shape[0]:
+            raise UsageError(f"head {head} out of range: {record.name!r} has {probs.shape[0]} heads")
+        weights, which = probs[head], f"head {head % probs.shape[0]}"
+    else:
+        from ..recording.records import fuse_heads
+
+        weights, which = fuse_heads(probs[None], head or "mean")[0], f"heads {head or 'mean'}"
+    distilled = _is_distilled(model)
+    rows = token_labels(layout, record.num_queries, distilled=distilled) if layout is not None else None
+    cols = token_labels(layout, record.num_keys, distilled=distilled) if layout is not None else None
+    title = title if title is not None else f"{record.name or 'model'} ({record.kind}, {which})"
+    return attention_matrix(weights, rows, cols, title, **kwargs)
+
+
+def caption_matrix(explanation: Any, index: int = 0, *, title: Optional[str] = None, **kwargs: Any) -> np.ndarray:
+    """Words x patches matrix of a caption explanation (each word's map, flattened row-major).
+
+    Args:
+        explanation: a :class:`~vitexplain.explainer.CaptionExplanation`.
+        index: which image.
+        title: default: the method and the caption.
+        **kwargs: passed to :func:`attention_matrix`.
+
+    Returns:
+        (H, W, 3) uint8 RGB figure.
+    """
+    words = explanation.tokens[index]
+    maps = explanation.maps[index, : len(words)]  # (T, gh, gw)
+    gh, gw = maps.shape[-2:]
+    cols = [f"({r},{c})" for r in range(gh) for c in range(gw)]
+    title = title if title is not None else f"{explanation.method}: {explanation.captions[index]}"
+    return attention_matrix(maps.reshape(len(words), gh * gw), words, cols, title, **kwargs)
+
+
+def head_grid(
+    records: Sequence[Any],
+    layout: Any,
+    *,
+    query: int = 0,
+    image: int = 0,
+    tile: int = 64,
+    colormap: str = "viridis",
+) -> np.ndarray:
+    """Every layer x head attention map of one query token, as one labelled image.
+
+    Each tile is the attention the query pays to the patch tokens, on the patch grid, scaled
+    to its own range. Rows are layers (record names), columns heads.
+
+    Args:
+        records: self-attention records over the image tokens (e.g. ``rec.select(kind="self")``);
+            records whose keys are not the layout's tokens are skipped.
+        layout: the token layout (``rec.layout``).
+        query: the query token (0: the class token when there is one).
+        image: which image of the batch.
+        tile: side of each map in pixels.
+        colormap: colormap name.
+
+    Returns:
+        (H, W, 3) uint8 RGB figure.
+
+    Raises:
+        UsageError: no record matches the layout.
+    """
+    from .colormaps import apply_colormap
+
+    rows, names = [], []
+    for record in records:
+        if record.num_keys != layout.num_tokens:
+            continue
+        probs = record.probs(queries=query)[image, :, 0]  # (H, N_k)
+        maps = layout.to_grid(probs).detach().cpu().float().numpy()  # (H, gh, gw)
+        tiles = []
+        for m in maps:
+            span = float(m.max() - m.min()) or 1.0
+            img = apply_colormap((m - m.min()) / span, colormap)
+            tiles.append(cv2.resize(img, (tile, tile), interpolation=cv2.INTER_NEAREST))
+        rows.append(tiles)
+        names.append(record.name)
+    if not rows:
+        raise UsageError(
+            f"none of the {len(records)} records attends over the layout's {layout.num_tokens} tokens; "
+            "pass the image encoder's self-attention records"
+        )
+    heads = max(len(r) for r in rows)
+    return grid(rows, row_labels=names, col_labels=[f"head {h}" for h in range(heads)], font_scale=0.4)
