@@ -204,7 +204,7 @@ class _Spy:
         ("auto", ["raw", "rollout"], (True, "mean")),
         ("auto", {"raw": {"head": 0}, "rollout": {}}, (True, "all")),  # raw reads one head
         ("fused", "rollout", (False, "all")),  # explicit choices are respected
-        ("materialize", "raw", (True, "all")),
+        ("materialize", "raw", (True, "mean")),  # raw reads the head mean only: that is what is kept
     ],
 )
 def test_explainer_chooses_the_mode(monkeypatch, mode, method, expected):
