@@ -487,3 +487,30 @@ def test_torchvision_vit_probs_match_eager():
         with torch.no_grad():
             _, expected = mod(*args, need_weights=True, average_attn_weights=False)
         torch.testing.assert_close(record.probs(), expected, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("mode", ["fused", "materialize"])
+def test_gradient_captures_are_freed_when_dropped(mode) -> None:
+    """A gradient capture's records, recorder and autograd graph are freed once the user drops
+    them (the gradient hooks sit in autograd's C++ graph, where a reference back to the record
+    would be a cycle Python's collector cannot see: every explain call would leak its graph)."""
+    import gc
+    import weakref
+
+    from timm.models.vision_transformer import VisionTransformer
+
+    model = VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=5).eval()
+    x = torch.randn(2, 3, 32, 32)
+    with vx.capture(model, grads=True, activations=["blocks.1"], attention_mode=mode) as rec:
+        out = model(x)
+    rec.backward(out[:, 1].sum())
+    assert rec.records[0].grad_probs().shape == (2, 2, 17, 17)  # the hooks did deliver
+    refs = [weakref.ref(rec), weakref.ref(rec.records[0]), weakref.ref(rec.activations["blocks.1"][0]),
+            weakref.ref(rec.records[0].output)]
+    del rec, out
+    gc.collect()
+    assert [r() for r in refs] == [None] * len(refs)
+    ex = vx.Explainer(model, attention_mode=mode)
+    ex.explain(x, method=["generic", "gradcam", "legrad"])
+    gc.collect()
+    assert not [o for o in gc.get_objects() if type(o) is vx.recording.AttentionRecord]

@@ -52,7 +52,7 @@ from .flex import FlexRecording, flex_code, flex_op, traced_call
 from .gates import GateHooks, GateRecord, checked_gates
 from . import materialize
 from .materialize import attention_with_probs, can_materialize, check_heads, check_mode
-from .records import ActivationRecord, AttentionRecord
+from .records import ActivationRecord, AttentionRecord, weak_grad_hook
 
 __all__ = ["capture", "Recorder"]
 
@@ -410,12 +410,7 @@ class Recorder(FlexRecording):
                 kwargs=dict(kwargs), tuple_output=out is not output,
             )
             if self.grads and out.requires_grad:
-
-                def grad_hook(grad: Tensor) -> None:
-                    if self._hooks_collect():
-                        record._add_grad(grad)
-
-                out.register_hook(grad_hook)
+                out.register_hook(weak_grad_hook(record, self._hooks_collect))
             self.activations[name].append(record)
 
         return hook

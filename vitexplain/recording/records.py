@@ -19,7 +19,9 @@ Probabilities and their gradients can be requested for a subset of query rows
 
 from __future__ import annotations
 
+import inspect
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Literal, Optional, Union
 
@@ -414,12 +416,27 @@ class AttentionRecord:
             return
         self._grad_state = "waiting"
         self._out = output
+        output.register_hook(weak_grad_hook(self, enabled))
 
-        def hook(grad: Tensor) -> None:
-            if enabled():
-                self._add_grad(grad)
 
-        output.register_hook(hook)
+def weak_grad_hook(record: Union["AttentionRecord", "ActivationRecord"], enabled: Callable[[], bool]) -> Callable[[Tensor], None]:
+    """A tensor hook that passes the gradient to ``record._add_grad`` while ``enabled()``.
+
+    The hook lives in autograd's C++ graph, which Python's garbage collector cannot see
+    through; the record holds the hooked tensor, so a strong reference from the hook back to
+    the record (or to the recorder behind ``enabled``) would form a cycle that is never freed,
+    and every gradient capture would keep its records and autograd graph alive. The hook
+    therefore holds both weakly.
+    """
+    ref = weakref.ref(record)
+    check = weakref.WeakMethod(enabled) if inspect.ismethod(enabled) else (lambda: enabled)
+
+    def hook(grad: Tensor) -> None:
+        target, is_enabled = ref(), check()
+        if target is not None and is_enabled is not None and is_enabled():
+            target._add_grad(grad)
+
+    return hook
 
 
 @dataclass(eq=False)
