@@ -235,7 +235,7 @@ def main() -> None:
         cost.append([name, times[name], times[name] / f, "", ""])
     extra = ["rollout+cdam+generic (one call)", "rollout, attention_mode='fused'", "generic, attention_mode='fused'"]
     for name in methods + extra:
-        grads = not name.startswith(("raw", "rollout"))
+        grads = name.split(",")[0] not in ("raw", "rollout")
         floor = FLOORS.get(name)
         ratio = times[name] / (fb if grads else f)
         verdict = f"<= {floor[1]:.2f}: {'met' if ratio <= floor[1] else 'NOT met'}" if floor else ""
