@@ -229,9 +229,9 @@ class Explainer:
         adapter: override the automatically chosen adapter.
         attention_mode: how the capture gets attention probabilities (see ``vx.capture``).
             ``"auto"`` (default): when a requested method reads every layer's attention
-            (rollout, grad_rollout, generic, legrad, cross_generic) and the model runs on a
-            CPU, attention is computed once by the capture (while the probabilities kept stay
-            small); otherwise the fused kernel runs and methods recompute the rows they read.
+            without gradients (rollout) and the model runs on a CPU, attention is computed
+            once by the capture (while the probabilities kept stay small); otherwise the
+            fused kernel runs and methods recompute the rows they read.
             ``"fused"`` or ``"materialize"`` force one way.
     """
 
@@ -252,8 +252,8 @@ class Explainer:
         when every method reads attention through one head fusion, only that is kept.
         """
         mode = self.attention_mode
-        if mode == "auto" and not any(s.dense_attention for s in specs):
-            mode = "fused"
+        if mode == "auto" and (not any(s.dense_attention for s in specs) or any(s.grads for s in specs)):
+            mode = "fused"  # the capture's auto would also keep the kernel when gradients are taken
         heads = "all"
         if mode != "fused" and options is not None and not any(s.grads for s in specs):
             fusions = {s.reads_fused({**s.defaults, **options[s.name]}) for s in specs if s.attention}

@@ -18,12 +18,20 @@ The modes (``vx.capture(model, attention_mode=...)``, ``vx.Explainer(model, atte
 - ``"fused"``: never materialise (GPU memory, or only a few rows of one layer are read).
 - ``"materialize"``: materialise every call that can be (float32 q, k, v, no dropout, no
   autocast; others run the fused kernel and are recorded as usual).
-- ``"auto"``: materialise on a CPU only, while one call's probabilities take at most
-  :data:`AUTO_CALL_BYTES` and all materialised probabilities of the capture (twice that
-  with gradients: P and dy/dP) stay within :data:`AUTO_TOTAL_BYTES`; the fused kernel
-  otherwise (GPU runs keep the flash / memory-efficient kernels, and a 4,096-token image
-  never stores N x N per layer). The Explainer passes ``"auto"`` only when a requested
-  method reads every layer's probabilities, ``"fused"`` otherwise.
+- ``"auto"``: materialise on a CPU only, when no gradient is captured, while one call's
+  probabilities take at most :data:`AUTO_CALL_BYTES` and all materialised probabilities of
+  the capture stay within :data:`AUTO_TOTAL_BYTES`; the fused kernel otherwise (GPU runs keep
+  the flash / memory-efficient kernels, and a 4,096-token image never stores N x N per
+  layer). The Explainer passes ``"auto"`` only when a requested method reads every layer's
+  probabilities, ``"fused"`` otherwise.
+
+Why not with gradients: measured on a 2-core CPU (``benchmarks/methods.py``,
+``vit_small_patch16_224``, batch 16), the eager backward through ``P V``, the softmax and
+``q k^T`` costs more than the fused kernel's backward plus the ``dO V^T`` products and the
+recompute: ``generic`` 1.14-1.26x a plain forward+backward materialised against 1.03-1.05x
+fused, ``legrad`` 2.0x against 1.5x, ``grad_rollout`` about equal. Without gradients
+materialising wins: ``rollout`` 1.04x a plain forward against 1.12x fused. ``"materialize"``
+still forces it with gradients (then dy/dP comes from the backward pass itself).
 """
 
 from __future__ import annotations

@@ -507,8 +507,10 @@ class Recorder(FlexRecording):
             return False
         if self.attention_mode == "materialize":
             return True
+        if self.grads:  # auto: with a backward pass the fused kernels are faster (materialize.py)
+            return False
         size = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * 4
-        kept = size * 2 if self.grads else size // (1 if self.heads == "all" else q.shape[1])
+        kept = size // (1 if self.heads == "all" else q.shape[1])
         total = self._materialized_bytes + kept
         if q.device.type != "cpu" or size > materialize.AUTO_CALL_BYTES or total > materialize.AUTO_TOTAL_BYTES:
             return False
@@ -643,8 +645,8 @@ def capture(
             float32 call without dropout, keeps P in the record (``record.materialized``) and,
             with ``grads``, takes dy/dP from the backward pass: cheaper on a CPU when every
             layer's probabilities are read (the model's outputs equal the fused kernel's to
-            float32 rounding). ``"auto"``: materialise on a CPU while the probabilities kept
-            stay small (see :mod:`vitexplain.recording.materialize`), fused otherwise.
+            float32 rounding). ``"auto"``: materialise on a CPU, without gradients, while the
+            probabilities kept stay small (see :mod:`vitexplain.recording.materialize`), fused otherwise.
         heads: what materialized records keep without gradients: ``"all"`` heads (default),
             or only their ``"mean"``, ``"max"`` or ``"min"`` (H times less memory; then
             ``record.probs()`` raises and ``record.fused_probs(heads)`` works). With
