@@ -282,3 +282,7 @@ def test_readable_enlarges_small_images_by_a_whole_factor():
     np.testing.assert_array_equal(big[2, 5], small[0, 1])
     image = np.zeros((300, 400, 3), np.uint8)
     assert readable(image) is image  # already >= 256 px
+    photo = np.full((224, 300, 3), 7, np.uint8)  # more than half the size: smoothly to exactly 256, not doubled
+    enlarged = readable(photo)
+    assert enlarged.shape == (256, 343, 3) and (enlarged == 7).all()
+    assert readable(np.zeros((64, 64, 3), np.uint8)).shape == (256, 256, 3)  # 64 px: a whole factor, 4

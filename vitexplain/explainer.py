@@ -13,6 +13,7 @@ The model is never modified: no eval()/train() switch, no eager attention, no ho
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import warnings
@@ -216,7 +217,8 @@ class CaptionExplanation:
 
 
 def _model_device(model: nn.Module) -> torch.device:
-    for tensor in (*model.parameters(), *model.buffers()):
+    """The device of the model's first parameter (or buffer); CPU for a model without either."""
+    for tensor in itertools.chain(model.parameters(), model.buffers()):  # lazily: the first one only
         return tensor.device
     return torch.device("cpu")
 

@@ -66,7 +66,7 @@ class ExportOptions(BatchOptions):
         labels: text file with one class name per line (for timm models without names).
         target: ``"pred"`` (each image's top prediction), a class index, or a label name.
         max_side: overlays larger than this (longer side, pixels) are drawn downscaled; 0 = never.
-        min_side: overlays of smaller images are drawn enlarged (a whole factor, crisp pixels)
+        min_side: overlays of smaller images are drawn enlarged (tiny ones by a whole factor, crisp pixels)
             to at least this many pixels on the shorter side; 0 = never.
         topk: predictions recorded per image.
         save_maps: also write each raw map as ``.npy``.
@@ -98,7 +98,7 @@ class ExportOptions(BatchOptions):
     save_maps: bool = option(False, flags="--save-maps", action="store_true", group="overlays", outputs=True,
                              help="also write each raw map as .npy")
     min_side: int = option(256, flags="--min-side", metavar="PX", parse=NON_NEGATIVE, group="overlays",
-                           outputs=True, help="draw overlays of smaller images enlarged (whole factor, crisp "
+                           outputs=True, help="draw overlays of smaller images enlarged (tiny ones by a whole factor, crisp "
                                               "pixels) to at least this many pixels on the shorter side "
                                               "(default {default}; 0: never)")
     topk: int = option(5, flags="--topk", metavar="K", parse=NON_NEGATIVE, group="overlays", outputs=True,

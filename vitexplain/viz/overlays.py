@@ -198,9 +198,20 @@ def overlay(
 
 
 def readable(image: np.ndarray, min_side: int = MIN_SIDE) -> np.ndarray:
-    """``image`` enlarged by a whole factor (nearest: the pixels the model saw, each a block) so
-    that its shortest side is at least ``min_side``; unchanged when it already is."""
-    factor = -(-int(min_side) // max(1, min(image.shape[:2])))
-    if factor <= 1:
+    """``image`` enlarged so that its shortest side is at least ``min_side``; unchanged when it
+    already is.
+
+    An image at most half that size is enlarged by a whole factor with nearest neighbour (the
+    pixels the model saw, each a crisp block: 64 px becomes 256 px). A larger one (e.g. 224 px)
+    is resized smoothly to exactly ``min_side`` on its shortest side: a whole factor would double
+    it (four times the pixels to draw and write) for no gain in legibility.
+    """
+    short = max(1, min(image.shape[:2]))
+    if short >= min_side:
         return image
-    return cv2.resize(image, (image.shape[1] * factor, image.shape[0] * factor), interpolation=cv2.INTER_NEAREST)
+    if 2 * short <= min_side:
+        factor = -(-int(min_side) // short)
+        return cv2.resize(image, (image.shape[1] * factor, image.shape[0] * factor), interpolation=cv2.INTER_NEAREST)
+    scale = min_side / short
+    size = (max(min_side, round(image.shape[1] * scale)), max(min_side, round(image.shape[0] * scale)))
+    return cv2.resize(image, size, interpolation=cv2.INTER_LINEAR)
