@@ -27,7 +27,7 @@ from vitexplain import cli
 from vitexplain.export import UsageError, discover_inputs
 
 METHODS = ("rollout", "cdam")
-DEFAULTS = ("generic", "gradcam")  # export's default methods for ViTs
+DEFAULTS = ("generic", "legrad")  # export's default methods for ViTs
 GOOD = (
     "a.png",
     "nested/deep/b c.png",
@@ -177,7 +177,7 @@ def test_resume_redoes_changed_inputs(ckpt: str, tmp_path: Path) -> None:
     target = src / GOOD[0]
     Image.fromarray(np.full((64, 64, 3), 200, np.uint8)).save(target)
     os.utime(target, ns=(1, 1))
-    (out / f"{GOOD[1]}.gradcam.png").unlink()
+    (out / f"{GOOD[1]}.{DEFAULTS[-1]}.png").unlink()
     assert _run(*args) == 0
     assert _summary(out)["counts"] == {"images": 3, "ok": 2, "failed": 0, "skipped": 1}
 
