@@ -42,9 +42,9 @@ __all__ = ["ExportOptions", "DEFAULT_METHODS", "export"]
 
 #: Methods exported when ``--method`` is not given, per model family: class-discriminative ones
 #: that point at the target, by the faithfulness table of docs/benchmarks.md (ViT: ``generic``
-#: 0.98 and ``legrad`` 0.97 pointing game, non-negative maps that are never flat there; ``gradcam``
+#: 0.99 and ``legrad`` 0.98 pointing game, non-negative maps that are never flat there; ``gradcam``
 #: points at 0.94 but its ReLU leaves an all-zero map for 14% of the shapes images, which reads
-#: as a broken tool; rollout and raw attention ignore the class, 0.49; ``cdam``'s signed maps are
+#: as a broken tool; rollout and raw attention ignore the class, 0.50; ``cdam``'s signed maps are
 #: a ``--method`` away). CNNs: ``gradcam`` (0.99, the most class-discriminative of the Grad-CAM
 #: family).
 DEFAULT_METHODS: dict[str, tuple[str, ...]] = {
