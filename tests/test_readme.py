@@ -20,6 +20,9 @@ def _example() -> str:
 
 
 def test_own_model_example_registers_an_adapter_and_explains(capsys):
+    from vitexplain.adapters import _load_adapters
+
+    _load_adapters()  # the built-in detectors register on first use: snapshot them too, or the restore drops them
     detectors = list(base._DETECTORS)
     namespace: dict = {}
     try:
