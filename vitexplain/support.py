@@ -281,6 +281,8 @@ def families() -> list[Family]:
         Family("HF Swinv2 classifier", "Swin", _hf_swin("Swinv2Config", "Swinv2ForImageClassification", num_labels=5), s32, _SWIN_TEST),
         Family("HF SwinModel (headless)", "Swin", _hf_swin("SwinConfig", "SwinModel"), s32, _SWIN_TEST, "norm"),
         Family("zoo shapes-captioner", "captioner", _zoo("shapes-captioner"), s64, "tests/test_captioning.py"),
+        Family("zoo shapes-sat (Show, Attend and Tell: additive attention, LSTM)", "captioner", _zoo("shapes-sat"), s64,
+               "tests/test_sat.py"),
         Family("nn.TransformerDecoder over timm ViT", "captioner", _torch_decoder_captioner, s32, "tests/test_captioning.py"),
         Family("HF VisionEncoderDecoder (ViT + GPT-2)", "captioner", _vision_encoder_decoder, s32, "tests/test_captioning.py"),
         Family("HF BLIP", "captioner", _blip, s32, "tests/test_captioning.py"),
