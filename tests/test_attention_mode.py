@@ -86,6 +86,7 @@ def test_sdpa_call_equals_fused_kernel(case, grads, path):
         with vx.capture(module) as fused:
             module(*inputs)
     assert got.shape == want.shape and got.dtype == want.dtype
+    assert got.stride() == want.stride()  # the same memory layout: a model's .view() works alike
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     (record,) = rec.records
     assert record.materialized and not fused.records[0].materialized

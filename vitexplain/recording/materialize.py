@@ -170,7 +170,10 @@ def attention_with_probs(
     out = torch.bmm(probs.view(b * h, n_q, n_k), values.reshape(b * h, n_k, values.shape[-1]))
     if heads != "all" and not grad:
         probs = fuse_heads(probs, heads)  # type: ignore[arg-type]
-    return out.view(b, h, n_q, -1), probs
+    out = out.view(b, h, n_q, -1)
+    if q.stride(1) < q.stride(2):  # heads inside tokens (timm's qkv): the fused kernel's layout,
+        out = out.transpose(1, 2).contiguous().transpose(1, 2)  # so the model's .view()s work alike
+    return out, probs
 
 
 #: Per-image computation (no copies of q, k, v; scores in cache) when one image's scores
