@@ -254,8 +254,8 @@ class Explainer:
         when every method reads attention through one head fusion, only that is kept.
         """
         mode = self.attention_mode
-        if mode == "auto" and (not any(s.dense_attention for s in specs) or any(s.grads for s in specs)):
-            mode = "fused"  # the capture's auto would also keep the kernel when gradients are taken
+        if mode == "auto" and not any(s.dense_attention for s in specs):
+            mode = "fused"  # (with gradients the capture's auto keeps the kernel by itself)
         heads = "all"
         if mode != "fused" and options is not None and not any(s.grads for s in specs):
             fusions = {s.reads_fused({**s.defaults, **options[s.name]}) for s in specs if s.attention}

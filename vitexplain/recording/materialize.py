@@ -171,9 +171,15 @@ def attention_with_probs(
     if heads != "all" and not grad:
         probs = fuse_heads(probs, heads)  # type: ignore[arg-type]
     out = out.view(b, h, n_q, -1)
-    if q.stride(1) < q.stride(2):  # heads inside tokens (timm's qkv): the fused kernel's layout,
-        out = out.transpose(1, 2).contiguous().transpose(1, 2)  # so the model's .view()s work alike
+    if _heads_inside_tokens(q):  # the fused kernel's layout, so the model's .view()s work alike
+        out = out.transpose(1, 2).contiguous().transpose(1, 2)
     return out, probs
+
+
+def _heads_inside_tokens(q: Tensor) -> bool:
+    """q is (B, N, H, E) in memory, viewed as (B, H, N, E) (timm's qkv): the fused kernel then
+    returns its output in that layout too."""
+    return q.stride(1) < q.stride(2)
 
 
 #: Per-image computation (no copies of q, k, v; scores in cache) when one image's scores
@@ -187,7 +193,7 @@ def _per_image(q: Tensor, k: Tensor, v: Tensor, scale: float, heads: str) -> tup
     b, h, n_q, _ = q.shape
     n_k = k.shape[2]
     k, v = _repeat_heads(k, h), _repeat_heads(v, h)
-    if q.stride(1) < q.stride(2):  # heads inside tokens: (B, N, H, E) in memory, like timm's qkv
+    if _heads_inside_tokens(q):
         out = q.new_empty(b, n_q, h, v.shape[-1]).transpose(1, 2)
     else:
         out = q.new_empty(b, h, n_q, v.shape[-1])
