@@ -10,12 +10,11 @@ are then computed densely from their definitions and compared with the Explainer
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
 import vitexplain as vx
+from hf_helpers import eager_oracle, sharpen_attention
 
 transformers = pytest.importorskip("transformers")
 
@@ -27,10 +26,9 @@ def _build(config_cls: str, model_cls: str, **kw):
     torch.manual_seed(0)
     config = getattr(transformers, config_cls)(**{**TINY, **kw})
     model = getattr(transformers, model_cls)(config).eval()
-    with torch.no_grad():  # sharper attention than a random init gives
+    sharpen_attention(model)
+    with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(("q_proj.weight", "k_proj.weight", "query.weight", "key.weight")):
-                p.mul_(3.0)
             if name.endswith(("classifier.weight", "cls_classifier.weight", "distillation_classifier.weight")):
                 p.normal_(0, 1.0)  # random heads are near zero; make targets matter
     return model
@@ -76,20 +74,6 @@ def _target(kind):
     return None
 
 
-def _oracle(model, image, score_fn, norm1):
-    """Eager attentions A_l (H, N, N), dy/dA_l, and (T, dy/dT) at ``norm1``, for one image."""
-    ref = copy.deepcopy(model)
-    ref.set_attn_implementation("eager")
-    kept = []
-    ref.get_submodule(norm1).register_forward_hook(lambda m, a, o: (o.retain_grad(), kept.append(o))[0])
-    out = ref(pixel_values=image[None], output_attentions=True)
-    for a in out.attentions:
-        a.retain_grad()
-    score_fn(out)[0].backward()
-    attn = [a[0].detach() for a in out.attentions]
-    return attn, [a.grad[0] for a in out.attentions], (kept[0][0].detach(), kept[0].grad[0])
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_hf_family_matches_eager_oracle(case):
     build, prefix, readout, target_kind, score = CASES[case]
@@ -115,7 +99,7 @@ def test_hf_family_matches_eager_oracle(case):
             score_fn = lambda out, t=target: out.logits[:, t]  # noqa: E731
         else:
             score_fn = score
-        attn, grads, (t, dt) = _oracle(model, x[i], score_fn, ex.adapter.norm1)
+        attn, grads, (t, dt) = eager_oracle(model, x[i], score_fn, ex.adapter.norm1)
         torch.testing.assert_close(results["cdam"].maps[i], (t * dt).sum(-1)[prefix:].reshape(GRID), atol=1e-6, rtol=1e-4)
         r = eye.clone()
         for a in attn:

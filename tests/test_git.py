@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import vitexplain as vx
+from hf_helpers import sharpen_attention
 
 transformers = pytest.importorskip("transformers")
 
@@ -29,10 +30,7 @@ def model():
         intermediate_size=64, max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )
     m = transformers.GitForCausalLM(config).eval()
-    with torch.no_grad():  # sharper attention than a random init gives
-        for name, p in m.named_parameters():
-            if name.endswith(("query.weight", "key.weight", "q_proj.weight", "k_proj.weight")):
-                p.mul_(3.0)
+    sharpen_attention(m)
     return m
 
 

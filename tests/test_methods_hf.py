@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
 import vitexplain as vx
+from hf_helpers import eager_oracle, sharpen_attention
 
 transformers = pytest.importorskip("transformers")
 
@@ -20,26 +19,8 @@ def model():
         image_size=32, patch_size=8, num_labels=4,
     )
     m = transformers.ViTForImageClassification(config).eval()
-    with torch.no_grad():  # sharper attention than a random init gives
-        for name, p in m.named_parameters():
-            if name.endswith(("q_proj.weight", "k_proj.weight", "query.weight", "key.weight")):
-                p.mul_(3.0)
+    sharpen_attention(m)
     return m
-
-
-def eager_oracle(model, image, target, norm1):
-    """Attentions, their gradients and the last first-norm tokens T with dy/dT, from an eager copy."""
-    ref = copy.deepcopy(model)
-    ref.set_attn_implementation("eager")
-    kept = []
-    ref.get_submodule(norm1).register_forward_hook(lambda m, a, o: (o.retain_grad(), kept.append(o))[0])
-    x = image[None].clone().requires_grad_(True)
-    out = ref(pixel_values=x, output_attentions=True)
-    for a in out.attentions:
-        a.retain_grad()
-    out.logits[0, target].backward()
-    tokens = kept[0]
-    return [a[0].detach() for a in out.attentions], [a.grad[0] for a in out.attentions], (tokens[0].detach(), tokens.grad[0])
 
 
 def test_hf_vit_rollout_generic_cdam_legrad(model):
@@ -49,7 +30,7 @@ def test_hf_vit_rollout_generic_cdam_legrad(model):
     results = {e.method: e for e in ex.explain(x, method=["rollout", "generic", "cdam", "legrad", "cdam_integrated"])}
     for i in range(2):
         target = results["generic"].targets[i].item()
-        attn, grads, (t, dt) = eager_oracle(model, x[i], target, ex.adapter.norm1)
+        attn, grads, (t, dt) = eager_oracle(model, x[i], lambda out: out.logits[:, target], ex.adapter.norm1)
         torch.testing.assert_close(results["cdam"].maps[i], (t * dt).sum(-1)[1:].reshape(4, 4), atol=1e-5, rtol=1e-4)
         eye = torch.eye(17)
         r = eye.clone()
