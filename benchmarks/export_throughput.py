@@ -113,7 +113,7 @@ def _plain(model: torch.nn.Module, paths: list[str], batch_size: int, workers: i
 
 def _export(paths_dir: Path, out: Path, model: str, methods: list[str], batch_size: int, workers: int,
             device: str, extra: dict[str, Any], timings: list[dict[str, float]]) -> Callable[[], None]:
-    from vitexplain.export import ExportOptions, export  # (the old path: this script also times older versions)
+    from vitexplain.batch.export import ExportOptions, export
 
     def run() -> None:
         opts = ExportOptions(

@@ -34,11 +34,11 @@ import vitexplain as vx
 METHODS = ["spatial", "channel", "gradcam", "gradcam++", "layercam"]
 
 
-def _where(layer: Any) -> str:
+def _where(module: Any) -> str:
     """Short label of the module(s) a map was read from: its stage, or "mean of N" gates."""
-    if isinstance(layer, str):
-        return layer.split(".")[0]
-    return f"mean of {len(layer)}"
+    if isinstance(module, str):
+        return module.split(".")[0]
+    return f"mean of {len(module)}"
 
 
 def figure(images: Sequence[np.ndarray], explanations: Sequence[Any], row_labels: Sequence[str]) -> np.ndarray:
@@ -46,7 +46,7 @@ def figure(images: Sequence[np.ndarray], explanations: Sequence[Any], row_labels
     rows = []
     for i, image in enumerate(images):
         rows.append([vx.viz.readable(image)] + [e.overlay(i, image=vx.viz.readable(image)) for e in explanations])
-    columns = [f"{e.method} {_where(e.extras['layer'])}" if "layer" in e.extras else e.method for e in explanations]
+    columns = [f"{e.method} {_where(e.extras['module'])}" if "module" in e.extras else e.method for e in explanations]
     return vx.viz.grid(rows, row_labels=list(row_labels), col_labels=["image", *columns], tile_size=(160, 160))
 
 
@@ -63,7 +63,7 @@ def explain_shapes_cnn(out: Path, n: int, device: str) -> None:
     ex = vx.Explainer(model)
     explanations = ex.explain(x, method=METHODS, target=targets)
     # the spatial gate of another stage: method options select a stage or module by name
-    explanations.insert(1, ex.explain(x, method="spatial", layer="layer3"))
+    explanations.insert(1, ex.explain(x, method="spatial", module="layer3"))
     images = list(batch.images)
     labels = [f"target {name}" for name in explanations[0].target_names()]
     vx.viz.save_png(out / "shapes_cnn_methods.png", figure(images, explanations, labels))
@@ -72,7 +72,7 @@ def explain_shapes_cnn(out: Path, n: int, device: str) -> None:
     union = torch.stack([m.any(0) for m in batch.masks])
     for spatial in (e for e in explanations if e.method == "spatial"):
         hits = vx.metrics.pointing_game(spatial.maps.cpu(), union).float().mean()
-        print(f"[shapes-cnn] spatial gate of {spatial.extras['layer']}: max on an object in {float(hits):.0%} of {n} images")
+        print(f"[shapes-cnn] spatial gate of {spatial.extras['module']}: max on an object in {float(hits):.0%} of {n} images")
 
 
 def explain_timm_cnn(out: Path, n: int, size: int, device: str) -> None:

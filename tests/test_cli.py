@@ -24,7 +24,8 @@ from PIL import Image
 
 import vitexplain as vx
 from vitexplain import cli
-from vitexplain.export import UsageError, discover_inputs
+from vitexplain.batch.inputs import discover_inputs
+from vitexplain.errors import UsageError
 
 METHODS = ("rollout", "cdam")
 DEFAULTS = ("generic", "legrad")  # export's default methods for ViTs
@@ -221,24 +222,24 @@ def _quote(rel: str) -> str:
 
 
 def test_interrupt_leaves_no_partial_files_and_resumes(ckpt: str, tmp_path: Path, monkeypatch) -> None:
-    from vitexplain import export as export_mod
+    from vitexplain.batch import decoding as export_mod
 
     src = _make_tree(tmp_path / "in", good=GOOD[:5], bad=())
     out = tmp_path / "out"
     args = ("export", src, "--out", out, "--model", ckpt, "-q", "-j", "0", "-b", "2")
-    original = export_mod._ImageDataset.__getitem__
+    original = export_mod.ImageDataset.__getitem__
 
     def interrupting(self, i):
         if i == 3:
             raise KeyboardInterrupt
         return original(self, i)
 
-    monkeypatch.setattr(export_mod._ImageDataset, "__getitem__", interrupting)
+    monkeypatch.setattr(export_mod.ImageDataset, "__getitem__", interrupting)
     assert _run(*args) == 130
     assert not list(out.rglob(".*.tmp"))
     done = _manifest(out)
     assert len(done) == 2 and all(r["status"] == "ok" for r in done.values())
-    monkeypatch.setattr(export_mod._ImageDataset, "__getitem__", original)
+    monkeypatch.setattr(export_mod.ImageDataset, "__getitem__", original)
     assert _run(*args) == 0
     assert _summary(out)["counts"] == {"images": 5, "ok": 3, "failed": 0, "skipped": 2}
 
@@ -327,7 +328,7 @@ def test_discover_inputs_keys_globs_and_safety(tmp_path: Path, monkeypatch) -> N
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (("--method", "rollout,nope"), "method 'nope' is not available"),
+        (("--method", "rollout,nope"), "unknown method 'nope'"),
         (("--model", "no_such_model_xyz"), "unknown model 'no_such_model_xyz'"),
         (("--amp", "bf16", "--device", "cpu"), "needs a CUDA device"),
         (("--target", "hexagon"), "unknown label"),

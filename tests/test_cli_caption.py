@@ -196,12 +196,12 @@ def test_given_caption_is_teacher_forced(tree: Path, ckpt: str, tmp_path: Path) 
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (("--method", "cross,rollout"), "method 'rollout' is not available for caption models"),
-        (("--method", "nope"), "method 'nope' is not available"),
+        (("--method", "cross,rollout"), "method 'rollout' is for vit/swin models"),
+        (("--method", "nope"), "unknown method 'nope'"),
         (("--caption", "red hexagon"), "'hexagon' is not in the vocabulary"),
         (("--caption", " "), "--caption is empty"),
         (("--option", "cross.nope=1"), "cross has no option 'nope'"),
-        (("--option", "cross_generic.x=1", "--method", "cross"), "not among the exported methods"),
+        (("--option", "cross_generic.x=1", "--method", "cross"), "not among the methods run"),
         (("--max-len", "0"), "positive integer"),
         (("--amp", "bf16", "--device", "cpu"), "needs a CUDA device"),
     ],
@@ -218,7 +218,7 @@ def test_classifier_is_refused_and_export_refuses_captioner(tree: Path, ckpt: st
     out = tmp_path / "out"
     assert _run("caption", tree / "a.png", "--out", out, "--model", vit_ckpt, "-q") == 2
     err = capsys.readouterr().err
-    assert "is a vit model, not an image captioner" in err and "vitexplain export" in err
+    assert "is a vit model" in err and "vitexplain caption` does not explain it" in err and "vitexplain export" in err
     assert _run("export", tree / "a.png", "--out", out, "--model", ckpt, "-q") == 2
     assert "vitexplain caption" in capsys.readouterr().err
     assert not out.exists()

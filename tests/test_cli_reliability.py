@@ -138,7 +138,7 @@ def test_f2_inputs_inside_out_are_refused(ckpt, tmp_path, capsys) -> None:
 # ---------------------------------------------------------------------------------------------
 def test_f3_a_second_run_into_a_busy_out_is_refused_and_nothing_is_lost(ckpt, tmp_path, monkeypatch,
                                                                        capsys) -> None:
-    from vitexplain.export import _ImageDataset
+    from vitexplain.batch.decoding import ImageDataset as _ImageDataset
 
     first = _images(tmp_path / "first", [f"f{i}.png" for i in range(6)])
     second = _images(tmp_path / "second", [f"s{i}.png" for i in range(3)], seed=5)

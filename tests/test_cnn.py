@@ -235,7 +235,7 @@ def test_explainer_gates_equal_capture_gates():
     x = torch.randn(2, 3, 64, 64)
     with torch.no_grad(), vx.capture(model, gates=True, attention=False) as rec:
         model(x)
-    e = vx.Explainer(model).explain(x, method="spatial", layer="layer3")
+    e = vx.Explainer(model).explain(x, method="spatial", module="layer3")
     hooked = [r for r in rec.gates if r.name.startswith("layer3")][-1]
     torch.testing.assert_close(e.maps, hooked.spatial)
     c = vx.Explainer(model).explain(x, method="channel", k=4)
@@ -245,7 +245,7 @@ def test_explainer_gates_equal_capture_gates():
     assert len({g.shape for g in gates}) == 1, "the zoo CNN's spatial gates share one resolution"
     default = vx.Explainer(model).explain(x, method="spatial")
     torch.testing.assert_close(default.maps, torch.stack(gates).mean(0))
-    deepest = vx.Explainer(model).explain(x, method="spatial", layer="deepest")
+    deepest = vx.Explainer(model).explain(x, method="spatial", module="deepest")
     torch.testing.assert_close(deepest.maps, gates[-1])
 
 
@@ -365,7 +365,7 @@ def zoo_arch_batch():
 )
 def test_grad_cams_equal_oracles(zoo_arch_batch, method, oracle, layer):
     model, x, classes = zoo_arch_batch
-    options = {} if layer is None else {"layer": layer}
+    options = {} if layer is None else {"module": layer}
     e = vx.Explainer(model).explain(x, method=method, target=classes, **options)
     a, g = _act_grad_oracle(model, layer or "layer4", x, classes)
     expected = oracle(a, g)
@@ -374,20 +374,22 @@ def test_grad_cams_equal_oracles(zoo_arch_batch, method, oracle, layer):
     assert e.targets.tolist() == classes.tolist()
 
 
-def test_gradcam_uses_captum(monkeypatch, zoo_arch_batch):
+def test_cam_family_shares_one_forward_and_gradcam_equals_captum(zoo_arch_batch):
+    """The three CAM variants of one call run one forward (and one backward) between them, and
+    Grad-CAM equals captum's LayerGradCam (a peer's own code) on the same weights."""
     from captum.attr import LayerGradCam
 
-    calls = []
-    original = LayerGradCam.attribute
-
-    def spy(self, inputs, *args, **kwargs):
-        calls.append((self.layer, kwargs.get("relu_attributions")))
-        return original(self, inputs, *args, **kwargs)
-
-    monkeypatch.setattr(LayerGradCam, "attribute", spy)
     model, x, classes = zoo_arch_batch
-    vx.Explainer(model).explain(x, method="gradcam", target=classes)
-    assert calls == [(model.layer4, True)]
+    forwards = []
+    handle = model.register_forward_hook(lambda m, i, o: forwards.append(1))
+    try:
+        maps = vx.Explainer(model).explain(x, method=["gradcam", "gradcam++", "layercam"], target=classes)
+    finally:
+        handle.remove()
+    assert len(forwards) == 1
+    with torch.enable_grad():
+        peer = LayerGradCam(model, model.layer4).attribute(x, target=classes, relu_attributions=True)
+    torch.testing.assert_close(maps[0].maps, peer.detach().sum(1), rtol=1e-4, atol=1e-6)
 
 
 def test_batch_of_four_equals_four_batches_of_one(zoo_arch_batch):
@@ -429,8 +431,18 @@ def test_model_state_restored(zoo_arch_batch):
             model(x[:1])
             raise RuntimeError("boom")
     assert _hook_count(model) == 0
-    with pytest.raises(RuntimeError, match="to have 3 channels"):  # an exception inside the forward
+    with pytest.raises(vx.InputError, match="takes 3 channels"):  # refused before the forward
         vx.Explainer(model).explain(torch.randn(1, 5, 64, 64), method=CNN_METHODS)
+
+    def boom(module, inputs):
+        raise RuntimeError("boom inside the forward")
+
+    handle = model.layer3.register_forward_pre_hook(boom)
+    try:
+        with pytest.raises(RuntimeError, match="boom inside the forward"):
+            vx.Explainer(model).explain(x[:1], method=CNN_METHODS, target=classes[:1])
+    finally:
+        handle.remove()
     assert _hook_count(model) == 0
     assert [m.training for m in model.modules()] == flags
     assert [p.requires_grad for p in model.parameters()] == req
@@ -479,5 +491,5 @@ def test_shapes_cnn_spatial_gate_points_at_objects(shapes_two_objects):
     union = torch.stack([m.any(0) for m in batch.masks])
     s = ex.explain(batch.tensor, method="spatial")
     accuracy = float(vx.metrics.pointing_game(s.maps, union).float().mean())
-    print(f"shapes-cnn spatial ({s.extras['layer']}) pointing: {accuracy:.3f} over {len(union)}")
+    print(f"shapes-cnn spatial ({s.extras['module']}) pointing: {accuracy:.3f} over {len(union)}")
     assert accuracy >= 0.79, accuracy  # measured 0.890, n = 100

@@ -150,7 +150,7 @@ def image():
 @pytest.fixture(scope="module")
 def vit_page(tmp_path_factory, image):
     model = vx.zoo.load("shapes-vit")
-    path = vx.explore(model, [image], tmp_path_factory.mktemp("vit") / "vit.html", methods=["generic", "rollout"], top_k=2)
+    path = vx.explore(model, [image], tmp_path_factory.mktemp("vit") / "vit.html", method=["generic", "rollout"], top_k=2)
     ex = vx.Explainer(model)
     x = ex.preprocess(image)[0]
     with torch.no_grad(), vx.capture(model) as rec:
@@ -219,7 +219,7 @@ def test_page_screenshot_is_not_blank(browser, vit_page) -> None:
 
 def test_cnn_page_has_methods_and_no_attention_views(browser, tmp_path, image) -> None:
     model = vx.zoo.load("shapes-cnn")
-    path = vx.explore(model, [image], tmp_path / "cnn.html", methods=["gradcam", "spatial"], top_k=1)
+    path = vx.explore(model, [image], tmp_path / "cnn.html", method=["gradcam", "spatial"], top_k=1)
     ex = vx.Explainer(model)
     page = Page(browser, path)
     assert page.page.locator('canvas[data-vx="attn"]').count() == 0

@@ -1,5 +1,5 @@
 """The explorer on every family of the support matrix (the tiny random-init builds of
-``vitexplain.support``).
+``tests/support_table.py``).
 
 Per family: the page data has the views that apply (attention views for ViTs, Hugging Face
 backbones and captioners' encoders; none for CNNs and hybrids; a note where a model's attention
@@ -21,9 +21,9 @@ import vitexplain as vx
 from vitexplain.explorer.quantize import dequantize_rows
 
 pytest.importorskip("transformers")
-support = pytest.importorskip("vitexplain.support")
+import support_table as support
 
-FAMILIES = {f.name: f for f in support.families()}
+FAMILIES = {f.name: f for f in support.rows()}
 #: one cheap method per group (the support sweep covers every method)
 METHOD = {"ViT": "cdam", "Hugging Face": "cdam", "Swin": "cdam", "CNN": "gradcam", "hybrid": "gradcam", "captioner": "cross"}
 
@@ -39,7 +39,7 @@ def test_explore_family(name, tmp_path) -> None:
         model.pretrained_cfg = dict(cfg or {}, input_size=(3, *family.size))
     image = (np.random.default_rng(1).random((*family.size, 3)) * 255).astype(np.uint8)
     method = METHOD[family.group]
-    page = vx.explore(model, image, tmp_path / "p.html", methods=[method], top_k=1, max_len=4).read_text()
+    page = vx.explore(model, image, tmp_path / "p.html", method=[method], top_k=1, max_len=4).read_text()
     data = json.loads(re.search(r'id="vx-data">(.*?)</script>', page, re.S).group(1))["images"][0]
     entries = data["caption"]["methods"] if data["family"] == "caption" else data["methods"]
     assert [m["name"] for m in entries] == [method]

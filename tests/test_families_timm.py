@@ -94,7 +94,7 @@ def test_methods_listed_and_refused_with_reason(case):
     listed = ex.methods()
     assert "rollout" not in listed and "generic" not in listed and "grad_rollout" not in listed
     assert {"raw", "attn_gradcam", "cdam", "gradcam", "cdam_smooth", "cdam_integrated", "legrad"} <= set(listed)
-    assert vx.methods.names(model) == listed
+    assert vx.methods.names(ex) == listed and ex.plan(method=listed).names == listed
     assert ex.adapter.blocks[-1] == ATTENTION_BLOCKS[name]
     for method in ("rollout", "generic", "grad_rollout"):
         with pytest.raises(vx.UnsupportedMethodError, match=WHY[name]):

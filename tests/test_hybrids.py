@@ -18,10 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import vitexplain as vx
-from vitexplain import support
+import support_table as support
 from vitexplain.adapters.cnn import calls_attention
 
-FAMILIES = {f.name: f for f in support.families() if f.group == "hybrid"}
+FAMILIES = {f.name: f for f in support.rows() if f.group == "hybrid"}
 
 
 def _build(name):

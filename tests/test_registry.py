@@ -53,16 +53,18 @@ def test_a_second_registration_raises_unless_override():
     def mine(ctx, *, head_fusion: str = "mean", discard_ratio: float = 0.0, start_layer: int = 0):
         """my rollout"""
 
+    listing = vx.methods.names()
     with pytest.raises(vx.UsageError, match="already registered.*override=True"):
-        registry.register("rollout", options=dict(original.options))(mine)
+        registry.register("rollout", vx.methods.VIT, options=dict(original.options))(mine)
     assert registry.get("rollout", "vit") is original
     try:
-        registry.register("rollout", options=dict(original.options), override=True)(mine)
+        registry.register("rollout", vx.methods.VIT, options=dict(original.options), override=True)(mine)
         assert registry.get("rollout", "vit").fn is mine
-        assert vx.methods.names("vit") == vx.methods.names("vit")  # order unchanged by replacing
+        assert vx.methods.names() == listing  # replacing keeps every family's order
         assert vx.methods.names("vit").index("rollout") == EXPECTED["vit"].index("rollout")
     finally:
-        registry._REGISTRY[("vit", "rollout")] = original
+        registry._REGISTRY[(vx.methods.VIT, "rollout")] = original
+    assert registry.get("rollout", "vit") is original
 
 
 def test_registration_requires_every_keyword_option_declared():
@@ -70,8 +72,27 @@ def test_registration_requires_every_keyword_option_declared():
         """two options"""
 
     with pytest.raises(vx.UsageError, match=r"declare every keyword option.*\['alpha', 'beta'\].*\['alpha'\]"):
-        registry.register("test_only_method", options={"alpha": Option(float)})(method)
-    assert ("vit", "test_only_method") not in registry._REGISTRY
+        registry.register("test_only_method", vx.methods.VIT, options={"alpha": Option(float)})(method)
+    assert "test_only_method" not in vx.methods.names()
+
+
+def test_an_option_that_breaks_the_family_convention_is_refused():
+    def method(ctx, *, layer: str = "blocks.0"):
+        """layer as a module name, where ViT methods take a block index"""
+
+    with pytest.raises(vx.UsageError, match="'layer' is an integer"):
+        registry.register("test_only_layer", vx.methods.VIT, options={"layer": Option(str)})(method)
+    assert "test_only_layer" not in vx.methods.names()
+
+
+def test_one_name_means_one_kind_of_option_in_every_family():
+    """The vocabulary: an option name has one type (and optionality) in every method that takes it."""
+    kinds: dict[str, set] = {}
+    for spec in registry.specs():
+        for name, option in spec.options.items():
+            kinds.setdefault(name, set()).add((option.kind, option.sequence))
+    mixed = {name: k for name, k in kinds.items() if len(k) > 1}
+    assert not mixed, mixed
 
 
 @pytest.mark.parametrize("spec", registry.specs(), ids=lambda s: f"{s.family}:{s.name}")

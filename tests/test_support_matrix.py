@@ -1,9 +1,9 @@
-"""The support sweep: every family of vitexplain/support.py, every method its adapter lists.
+"""The support sweep: every row of tests/support_table.py, every method its plan lists.
 
-Each listed method must give finite maps of the right shape that are not constant (the heads
+Each listed method must give finite maps, one per image, that are not constant (the heads
 that libraries zero-initialise are re-initialised first), or raise a VitexplainError; any
-other exception fails. The README's matrix and docs/support.md must be what
-``python tools/support_matrix.py`` writes from these results.
+other exception fails. Every method the plan refuses must say why. The README's matrix and
+docs/support.md must be what ``python tools/support_matrix.py`` writes from these results.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from vitexplain import support
+import support_table as support
 
 ROOT = Path(__file__).resolve().parents[1]
-FAMILIES = support.families()
+ROWS = support.rows()
 #: Methods whose definition ends in a ReLU / clamp: on a random model every position may carry
 #: negative evidence, so an all-zero map is a correct result (a constant non-zero map is not).
 CLAMPED = {"attn_gradcam", "legrad", "gradcam", "gradcam++", "layercam"}
@@ -28,21 +28,22 @@ def results():
     torch.set_num_threads(1)  # tiny models: one thread is as fast, and fair to other jobs
     out = {}
     try:
-        for family in FAMILIES:
+        for row in ROWS:
             try:
-                out[family.name] = support.run(family)
-            except BaseException as err:  # reported by that family's test
-                out[family.name] = err
+                out[row.name] = support.run(row)
+            except BaseException as err:  # reported by that row's test
+                out[row.name] = err
     finally:
         torch.set_num_threads(threads)
     return out
 
 
-@pytest.mark.parametrize("name", [f.name for f in FAMILIES])
+@pytest.mark.parametrize("name", [r.name for r in ROWS])
 def test_every_listed_method_runs_or_refuses_clearly(results, name):
-    outcomes = results[name]
-    if isinstance(outcomes, BaseException):
-        raise outcomes
+    sweep = results[name]
+    if isinstance(sweep, BaseException):
+        raise sweep
+    outcomes = sweep.outcomes
     listed = [o for o in outcomes if o.status != "n/a"]
     assert listed and any(o.status == "ok" for o in listed), f"{name}: nothing runs"
     for o in outcomes:
@@ -56,7 +57,7 @@ def test_readme_matrix_and_support_doc_are_generated_from_the_sweep(results):
     failed = [n for n, r in results.items() if isinstance(r, BaseException)]
     if failed:
         pytest.fail(f"the sweep failed for {failed}")
-    pairs = [(family, results[family.name]) for family in FAMILIES]
+    pairs = [results[row.name] for row in ROWS]
     readme = (ROOT / "README.md").read_text()
     block = readme.split("<!-- support-matrix:start -->\n", 1)[1].split("\n<!-- support-matrix:end -->", 1)[0]
     hint = "out of date: run python tools/support_matrix.py"

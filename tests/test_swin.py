@@ -233,7 +233,7 @@ def test_adapter_recognises_every_swin_family(kind):
     assert isinstance(adapter, ADAPTERS[kind.rstrip("2").removesuffix("cr")]) and adapter.family == "swin"
     assert adapter.post_norm == (kind in POST_NORM)
     assert vx.Explainer(model).family == "swin"
-    assert "rollout" in vx.methods.names(model) and "cdam" in vx.methods.names(model)
+    assert "rollout" in vx.Explainer(model).methods() and "cdam" in vx.Explainer(model).methods()
     layout = adapter.layout((64, 64))
     assert layout.grid == (8, 8) and layout.readout == "mean" and layout.windowed
     assert vx.token_layout(model, (64, 64)) == layout  # the one recognition path
@@ -530,7 +530,7 @@ def test_every_listed_method_runs_on_every_family_and_leaves_the_model_as_found(
     for kind in KINDS:
         model = build(kind, (32, 32))
         before = {n: p.requires_grad for n, p in model.named_parameters()}
-        names = vx.methods.names(model)
+        names = vx.Explainer(model).methods()
         assert set(names) >= {"raw", "rollout", "grad_rollout", "generic", "attn_gradcam", "gradcam", "cdam",
                               "cdam_smooth", "cdam_integrated", "legrad", "integrated_gradients", "occlusion", "smoothgrad"}
         results = vx.Explainer(model).explain(x, method=names, **{n: cheap.get(n, {}) for n in names})
@@ -580,7 +580,7 @@ def test_clear_errors_for_what_does_not_apply():
         ex.explain(x, method="rollout", stage=2)
     with pytest.raises(vx.OptionError, match="'layer' must be in"):
         ex.explain(x, method="raw", layer=4)
-    with pytest.raises(vx.UnsupportedMethodError, match="not available for swin"):
+    with pytest.raises(vx.UnsupportedMethodError, match="is a swin model"):
         ex.explain(x, method="spatial")
     backbone = transformers.SwinBackbone(SwinConfig(image_size=64, patch_size=4, window_size=4, embed_dim=16,
                                                     depths=[2, 2], num_heads=[2, 4], out_features=["stage2"]))

@@ -23,6 +23,7 @@ from .errors import (
     InputError,
     NoAttentionError,
     NotFoundError,
+    NumericalError,
     OptionError,
     TargetError,
     UnsupportedMethodError,
@@ -53,7 +54,6 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "zoo": ("vitexplain.zoo", None),
     "data": ("vitexplain.data", None),
     "adapters": ("vitexplain.adapters", None),
-    "models": ("vitexplain.models", None),
 }
 
 __all__ = sorted(
@@ -70,6 +70,7 @@ __all__ = sorted(
         "OptionError",
         "InputError",
         "NotFoundError",
+        "NumericalError",
         "__version__",
     ]
 )

@@ -175,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
                         description="List the explanation methods, with a one-line summary each.")
     which = me.add_mutually_exclusive_group()
     which.add_argument("--model", "-m", metavar="NAME", help="only the methods that apply to this model")
-    which.add_argument("--family", choices=("vit", "swin", "cnn", "caption"), help="only this model family")
+    which.add_argument("--family", metavar="NAME", help="only this model family (vit, swin, cnn, caption, ...)")
 
     sub.add_parser("models", help="list the bundled zoo models", description="List the bundled zoo models.")
     return parser
@@ -217,38 +217,23 @@ def _cmd_explore(args: argparse.Namespace) -> int:
     return explore_inputs(from_args(ExploreOptions, args))
 
 
-def _family_of_model(name: str) -> str:
-    from .batch.models import load_model
-    from .adapters import adapter_for
-
-    model, _ = load_model(name, device="cpu")
-    return adapter_for(model).family
-
-
 def _cmd_methods(args: argparse.Namespace) -> int:
-    from .methods import registry
+    """``vitexplain methods``: every family's methods; ``--family`` one family's; ``--model`` what the
+    model's plan says applies to it (and why the others do not)."""
+    from .methods import families, family
+    from .plan import applicable, describe_family, describe_model
 
-    families = list(registry.FAMILIES)
-    header = ""
-    if args.family:
-        families = [args.family]
-    elif args.model:
-        family = _family_of_model(args.model)
-        families = [family]
-        header = f"{args.model} is a {family} model.\n"
-    out = [header] if header else []
-    for family in families:
-        specs = registry.specs(family)
-        out.append(f"{family} methods:" if specs else f"{family} methods: (none registered)")
-        width = max((len(s.name) for s in specs), default=0)
-        for s in specs:
-            tag = " [signed]" if s.signed and "signed" not in s.summary else ""
-            out.append(f"  {s.name.ljust(width)}  {s.summary}{tag}")
-            options = s.describe_options() if s.options else ""
-            if options:
-                out.append(f"  {''.ljust(width)}  options: {options}")
-        out.append("")
-    print("\n".join(out).rstrip())
+    if args.model:
+        from .batch.models import load_model
+        from .explainer import Explainer
+
+        model, _ = load_model(args.model, device="cpu")
+        adapter = Explainer(model).adapter
+        available, refused = applicable(adapter)
+        print(describe_model(adapter.family, args.model, available, refused))
+        return 0
+    chosen = [family(args.family)] if args.family else list(families())
+    print("\n\n".join(describe_family(f) for f in chosen))
     return 0
 
 

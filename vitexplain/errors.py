@@ -18,6 +18,7 @@ Hierarchy::
       NoAttentionError (RuntimeError)    a forward ran but no attention call was seen
       CaptureError (RuntimeError)        a captured quantity cannot be provided
       ImageLoadError (OSError)           an image file cannot be read
+      NumericalError (FloatingPointError) the model's outputs or a method's maps are not finite
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ __all__ = [
     "OptionError",
     "InputError",
     "NotFoundError",
+    "NumericalError",
 ]
 
 
@@ -84,3 +86,8 @@ class NotFoundError(UsageError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the whole message
         return BaseException.__str__(self)
+
+
+class NumericalError(VitexplainError, FloatingPointError):
+    """The model's outputs, a target score or a method's maps hold NaN or inf values, so no
+    map would mean anything; the message names the images and what to check."""

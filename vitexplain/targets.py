@@ -16,6 +16,7 @@ score of it::
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -155,6 +156,11 @@ class Target:
 
 
 def _index(value: Union[int, str], num_classes: int, label_names: Optional[Sequence[str]]) -> int:
+    if not isinstance(value, (str, numbers.Integral)) or isinstance(value, bool):
+        raise TargetError(
+            f"target {value!r} is a {type(value).__name__}; a class target is an integer index or a label name "
+            "(a float is never rounded to a class: pass int(...) if that is what you mean)"
+        )
     if isinstance(value, str):
         if not label_names:
             raise TargetError(
@@ -194,10 +200,11 @@ def resolve(
     if callable(target) and not isinstance(target, Tensor):
         def score(out: Any) -> Tensor:
             value = target(out)
-            if not isinstance(value, Tensor) or value.dim() != 1:
+            rows = _batch_size(out)
+            if not isinstance(value, Tensor) or value.dim() != 1 or value.shape[0] != rows:
                 raise TargetError(
-                    "a callable target must return a (B,) tensor with one score per image, got "
-                    f"{getattr(value, 'shape', type(value).__name__)}"
+                    f"a callable target must return a ({rows},) tensor with one score per image, got "
+                    f"{tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__}"
                 )
             return value
 
@@ -224,7 +231,17 @@ def resolve(
         classes = torch.full((batch,), _index(target, num_classes, label_names), dtype=torch.long)
         description = str(target)
     else:
-        values = target.tolist() if isinstance(target, Tensor) else list(target)  # type: ignore[arg-type]
+        if isinstance(target, Tensor) and (target.is_floating_point() or target.is_complex() or target.dim() > 1):
+            raise TargetError(
+                f"a target tensor must be a (B,) tensor of integer class indices, got {target.dtype} of shape "
+                f"{tuple(target.shape)}; pass target.long() if the values are whole class indices"
+            )
+        if isinstance(target, (str, bytes)) or not isinstance(target, (Sequence, Tensor)):
+            raise TargetError(
+                f"target must be None, a class index, a label name, one of those per image, or a callable "
+                f"score(outputs) -> (B,); got {type(target).__name__} {target!r}"
+            )
+        values = target.tolist() if isinstance(target, Tensor) else list(target)
         if len(values) != batch:
             raise TargetError(f"got {len(values)} targets for a batch of {batch} images; pass one per image")
         classes = torch.tensor([_index(v, num_classes, label_names) for v in values], dtype=torch.long)

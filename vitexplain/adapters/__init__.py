@@ -1,21 +1,12 @@
-"""Model adapters (timm, torchvision, Hugging Face, CNNs, captioners) and the zoo captioner."""
+"""Model adapters: the one place a model is recognised (timm, torchvision, Hugging Face, CNNs,
+Swin, captioners). Every built-in adapter module is imported here, eagerly, and registers its
+detectors on import, so recognition never depends on what was imported first."""
 
 from __future__ import annotations
 
-import importlib
+from .base import CAPABILITIES, Adapter, adapter_for, find_adapter, register_adapter, unwrap_compiled
 
-from .base import CAPABILITIES, Adapter, adapter_for, register_adapter, unwrap_compiled
+# built-in adapters, registered on import (priorities order them, not import order)
+from . import vit, hf, swin, cnn, captioning  # noqa: E402,F401
 
-__all__ = ["Adapter", "adapter_for", "register_adapter", "unwrap_compiled", "CAPABILITIES"]
-
-_ADAPTER_MODULES = ("vit", "hf", "swin", "hybrid", "cnn", "captioning")
-
-
-def _load_adapters() -> None:
-    """Import the adapter modules (each registers its detectors on import)."""
-    for name in _ADAPTER_MODULES:
-        try:
-            importlib.import_module(f".{name}", __name__)
-        except ModuleNotFoundError as err:  # a family that is not built yet
-            if err.name != f"{__name__}.{name}":
-                raise
+__all__ = ["Adapter", "adapter_for", "find_adapter", "register_adapter", "unwrap_compiled", "CAPABILITIES"]

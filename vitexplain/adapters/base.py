@@ -11,18 +11,18 @@ The interface (what methods and the Explainer rely on)
 ------------------------------------------------------
 Every adapter (:class:`Adapter`):
 
-- ``family``: ``"vit"``, ``"cnn"`` or ``"caption"``: which registry family's methods apply.
+- ``family``: a :class:`~vitexplain.methods.families.Family` (``VIT``, ``SWIN``, ``CNN``,
+  ``CAPTION``, ...): which registered methods may apply.
 - ``capabilities``: a frozenset of the names below. A method declares what it needs with
-  ``requires=`` in its registration; it applies to a model iff ``requires <= capabilities``
-  (``adapter.supports(spec)``; ``adapter.refusal(spec)`` says why not, naming what does
-  apply). ``vx.methods.names(model)`` lists only methods the adapter supports.
+  ``requires=`` in its registration; the plan lets it run iff ``requires <= capabilities``
+  and otherwise says why not (``vx.Explainer(model).plan(method=...)``).
 - ``forward(x) -> Tensor``: the model on a preprocessed (B, 3, H, W) batch, returning the
   tensor targets score: (B, C) logits, or (B, D) the pooled embedding of a headless backbone.
 - ``has_head``: False for headless backbones (targets must be callables such as
   ``vx.targets.similarity(vector)``; a class index raises a clear ``TargetError``).
 - ``label_names``, ``preprocess_kwargs()``, ``describe()``.
 
-ViT adapters (``family = "vit"``, :class:`vitexplain.adapters.vit.ViTAdapter`) add:
+ViT adapters (``family = VIT``, :class:`vitexplain.adapters.vit.ViTAdapter`) add:
 
 - ``layout(input_size) -> TokenLayout``: prefix tokens, patch grid, readout.
 - ``blocks``: module names of the blocks whose token attention the attention methods read,
@@ -42,33 +42,23 @@ ViT adapters (``family = "vit"``, :class:`vitexplain.adapters.vit.ViTAdapter`) a
   checks once per method call that they reproduce the model's own outputs (1e-4 relative)
   and raises ``UnsupportedModelError`` otherwise.
 
-CNN adapters (``family = "cnn"``) add ``stages`` (feature stage names, input side first)
+CNN adapters (``family = CNN``) add ``stages`` (feature stage names, input side first)
 and ``target_layer``; ``feature_map(name, output, input_size)`` turns a stage's output
 (tokens, channels-last, a tuple: conv/attention hybrids) into (B, C, h, w); ``hybrid`` says
 whether the model calls attention (``notes["family"]`` then says why the ViT methods do not
 apply).
-Caption adapters (``family = "caption"``) add generation, teacher forcing, the image
+Caption adapters (``family = CAPTION``) add generation, teacher forcing, the image
 encoder's layout, ``cross_records(records)`` (the decoder's text-to-image attention calls)
 and ``joint`` (one decoder self-attention over [image, text], GIT); see
 ``adapters/captioning.py``.
 
 Capabilities
 ------------
-========== =====================================================================================
-``grid``   maps live on one patch grid for any input size (``layout(size).grid``)
-``tokens`` ``norm1`` gives T over the layout's tokens: ``cdam``, ViT ``gradcam``
-``attention`` ``blocks`` issue token attention over the grid: ``raw``, ``attn_gradcam``,
-           ``legrad`` (with ``head``)
-``rollout`` the ``blocks`` are all of the model's token mixing, so products over layers are
-           its information flow: ``rollout``, ``grad_rollout``, ``generic``
-``tail``   ``tail(u, call)`` is implemented: ``cdam_smooth``, ``cdam_integrated``
-``head``   ``head(tokens)`` is implemented: ``legrad``
-``pixels`` the model maps pixels to outputs (captum methods; every ViT adapter with a grid)
-``stages`` (B, C, h, w) feature maps of the last stage: CNN ``gradcam``, ``gradcam++``,
-           ``layercam``
-``channel_gates`` / ``spatial_gates``  the model has SE/ECA/CBAM-style gates
-``cross``  a captioner's decoder reads the image tokens through attention
-========== =====================================================================================
+The capability names and what each means are listed once, in
+:data:`vitexplain.methods.registry.CAPABILITIES` (re-exported here). An adapter declares the
+ones its model has; for a capability it lacks, ``notes[capability]`` may say why (the plan
+quotes it when it refuses a method). Which methods apply is decided by the plan
+(:mod:`vitexplain.plan`), never here.
 
 Registering your own adapter
 ----------------------------
@@ -90,32 +80,15 @@ See the README ("Your own model") for a complete, tested example.
 from __future__ import annotations
 
 from functools import cached_property, lru_cache
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 from torch import Tensor, nn
 
 from ..errors import UnsupportedModelError
+from ..methods.families import Family, family as _family
+from ..methods.registry import CAPABILITIES
 
-__all__ = ["Adapter", "register_adapter", "adapter_for", "CAPABILITIES", "unwrap_compiled"]
-
-#: Every capability name an adapter may declare (see the module docstring).
-CAPABILITIES = frozenset(
-    {"grid", "tokens", "attention", "rollout", "tail", "head", "pixels", "stages", "channel_gates", "spatial_gates", "cross"}
-)
-
-_NEEDS = {
-    "grid": "a single patch grid over the whole image",
-    "tokens": "the tokens entering the model's last token attention",
-    "attention": "token self-attention over the patch grid in every listed block",
-    "rollout": "token attention in every block that mixes tokens (a full attention flow)",
-    "tail": "re-running the model from its last block's input",
-    "head": "reading the model's output from any block's tokens",
-    "pixels": "a forward from pixels to a score",
-    "stages": "(B, C, h, w) feature maps",
-    "channel_gates": "channel attention gates (SE, ECA, CBAM, ...)",
-    "spatial_gates": "spatial attention gates (CBAM-style)",
-    "cross": "cross-attention from the text to the image tokens",
-}
+__all__ = ["Adapter", "register_adapter", "adapter_for", "find_adapter", "CAPABILITIES", "unwrap_compiled"]
 
 
 class Adapter:
@@ -123,13 +96,13 @@ class Adapter:
 
     Attributes:
         model: the wrapped model (never modified).
-        family: ``"vit"``, ``"cnn"`` or ``"caption"``.
+        family: the model's :class:`~vitexplain.methods.families.Family`.
         capabilities: what methods may rely on (see the module docstring).
         has_head: whether ``forward`` returns class logits (False: a pooled embedding).
         notes: per capability that is missing, why (used in refusal messages).
     """
 
-    family: str = ""
+    family: Family
     capabilities: frozenset[str] = frozenset()
     has_head: bool = True
 
@@ -140,31 +113,6 @@ class Adapter:
     def forward(self, x: Tensor) -> Any:
         """Run the model on a preprocessed (B, 3, H, W) batch; returns the tensor targets score."""
         return self.model(x)
-
-    # -- capabilities -----------------------------------------------------------------------
-    def refusal(self, spec: Any) -> Optional[str]:
-        """None when method ``spec`` applies to this model, else why not and what does.
-
-        Args:
-            spec: a :class:`vitexplain.methods.registry.MethodSpec`.
-        """
-        if spec.family != self.family:
-            return f"method {spec.name!r} is for {spec.family} models; {self.describe()} is a {self.family} model"
-        missing = [c for c in getattr(spec, "requires", ()) if c not in self.capabilities]
-        if not missing:
-            return None
-        why = "; ".join(self.notes.get(c) or f"it does not provide {_NEEDS.get(c, c)}" for c in missing)
-        from ..methods import registry
-
-        usable = [s.name for s in registry.specs(self.family) if set(getattr(s, "requires", ())) <= self.capabilities]
-        return (
-            f"method {spec.name!r} does not apply to {type(self.model).__name__}: {why}. "
-            f"Methods that apply: {usable}"
-        )
-
-    def supports(self, spec: Any) -> bool:
-        """Whether method ``spec`` applies to this model."""
-        return self.refusal(spec) is None
 
     # -- metadata ---------------------------------------------------------------------------
     @cached_property
@@ -223,10 +171,10 @@ def _imagenet_descriptions(subset: str) -> tuple[str, ...]:
 _DETECTORS: list[tuple[int, Callable[[nn.Module], Optional[Adapter]]]] = []
 
 
-_FAMILIES: dict[Callable, Optional[str]] = {}
+_FAMILIES: dict[Callable, Optional[Family]] = {}
 
 
-def register_adapter(priority: int = 0, family: Optional[str] = None) -> Callable:
+def register_adapter(priority: int = 0, family: Optional[Family] = None) -> Callable:
     """Register ``detect(model) -> Adapter | None``; higher priority is tried first.
 
     Built-in priorities: captioners 20, ViTs 10 (Hugging Face 5), hybrids and CNNs 0 to -10.
@@ -254,18 +202,16 @@ def unwrap_compiled(model: nn.Module) -> nn.Module:
     return model
 
 
-def find_adapter(model: nn.Module, family: Optional[str] = None) -> Optional[Adapter]:
+def find_adapter(model: nn.Module, family: Union[None, Family, str] = None) -> Optional[Adapter]:
     """The adapter of ``model``, or None when no detector recognises it.
 
     Args:
         model: the model.
-        family: only ask the detectors registered with this family.
+        family: only ask the detectors registered with this family (or family name).
     """
-    from . import _load_adapters
-
-    _load_adapters()
+    family = None if family is None else _family(family)
     for _, detect in list(_DETECTORS):
-        if family is not None and _FAMILIES.get(detect) != family:
+        if family is not None and _FAMILIES.get(detect) is not family:
             continue
         adapter = detect(model)
         if adapter is not None:

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from ..layout import TokenLayout, find_layout_module
+from ..methods.families import CAPTION
 from .base import Adapter, register_adapter
 from ..errors import UsageError
 
@@ -50,7 +51,7 @@ class CaptionAdapter(Adapter):
         tokenizer: optional object with ``decode(ids)`` for word strings (Hugging Face).
     """
 
-    family = "caption"
+    family = CAPTION
     encoder_prefix: str = "encoder"
     #: the decoder runs one self-attention over [image tokens, text tokens] (GIT)
     joint: bool = False
@@ -69,6 +70,21 @@ class CaptionAdapter(Adapter):
     def end_id(self) -> int:
         """Token id that ends a caption."""
         raise NotImplementedError
+
+    @property
+    def vocab_size(self) -> Optional[int]:
+        """Number of token ids the decoder knows (ids are 0..vocab_size-1), or None if unknown."""
+        vocab = getattr(self.model, "vocab", None)
+        if vocab is not None and hasattr(vocab, "itos"):
+            return len(vocab.itos)
+        config = getattr(self.model, "config", None)
+        for part in ("text_config", "decoder", None):
+            cfg = getattr(config, part, None) if part else config
+            size = getattr(cfg, "vocab_size", None)
+            if isinstance(size, int):
+                return size
+        size = getattr(self.model, "vocab_size", None)
+        return size if isinstance(size, int) else None
 
     @property
     def start_id(self) -> int:

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 
 from ..errors import UnsupportedMethodError
 
+from ..methods.families import CNN
 from .base import Adapter, register_adapter
 from ..errors import UsageError
 
@@ -57,7 +58,7 @@ class CNNAdapter(Adapter):
         target_layer: the default layer of the Grad-CAM family (the last stage).
     """
 
-    family = "cnn"
+    family = CNN
 
     def __init__(self, model: nn.Module, stages: Optional[Sequence[str]] = None) -> None:
         super().__init__(model)
@@ -66,9 +67,10 @@ class CNNAdapter(Adapter):
             raise UsageError(
                 f"no feature stage found in {type(model).__name__}; pass stages=[...] or a layer name"
             )
-        self.capabilities = frozenset({"stages"}) | gate_capabilities(model)
+        self._capabilities = frozenset({"stages"}) | gate_capabilities(model)
+        self._probed = False
         self.has_head = int(getattr(model, "num_classes", 1) or 0) > 0
-        self.notes.update(_gate_notes(model, self.capabilities))
+        self.notes.update(_gate_notes(model, self._capabilities))
         self.hybrid = calls_attention(model)
         self._info = _timm_stage_info(model)
         if self.hybrid:
@@ -78,6 +80,69 @@ class CNNAdapter(Adapter):
                 "Grad-CAM family explains its last stage, and vx.capture(model) records every "
                 "attention call (rec.records[i].probs())"
             )
+
+    @property
+    def capabilities(self) -> frozenset[str]:  # type: ignore[override]
+        """What the plan may rely on. For a hybrid, ``stages`` is kept only when its target
+        layer gives one (C, h, w) map per image, found by one probe forward at the first ask."""
+        if self.hybrid and not self._probed:
+            self._probed = True
+            why = self._probe_target_layer()
+            if why is not None:
+                self._capabilities = self._capabilities - {"stages"}
+                self.notes["stages"] = why
+        return self._capabilities
+
+    @capabilities.setter
+    def capabilities(self, value: frozenset[str]) -> None:
+        self._capabilities = frozenset(value)
+
+    def _probe_target_layer(self, batch: int = 2) -> Optional[str]:
+        """Why ``target_layer``'s output is not one (C, h, w) feature map per image, or None
+        (also when the probe cannot run: then nothing is proven).
+
+        Runs the model once without gradients on a blank batch of ``batch`` images at its input
+        size, with a forward hook on the layer (removed in ``finally``). The model is left as
+        found: a model in training mode gets its buffers (BatchNorm statistics) restored.
+        """
+        import torch
+
+        name = self.target_layer
+        size = tuple(self.preprocess_kwargs()["input_size"])
+        first = next(self.model.parameters(), None)
+        x = torch.zeros(batch, 3, *size, device=first.device if first is not None else None,
+                        dtype=first.dtype if first is not None and first.is_floating_point() else None)
+        seen: list[Tensor] = []
+
+        def keep(module: nn.Module, inputs: object, output: object) -> None:
+            out = output[0] if isinstance(output, (tuple, list)) else output
+            if isinstance(out, Tensor):
+                seen.append(out)
+
+        saved = [(b, b.detach().clone()) for b in self.model.buffers()] if self.model.training else []
+        handle = self.model.get_submodule(name).register_forward_hook(keep)
+        try:
+            with torch.no_grad():
+                self.forward(x)
+        except Exception:  # e.g. its configured input size is not the one it was built for: nothing is
+            return None    # proven; the Explanation's check still refuses maps that are not one per image
+        finally:
+            handle.remove()
+            with torch.no_grad():
+                for buffer, value in saved:
+                    buffer.copy_(value)
+        if not seen:
+            return f"its layer {name!r} is not called in a forward"
+        out = seen[-1]
+        try:
+            fmap = self.feature_map(name, out, size)
+        except UnsupportedMethodError:
+            fmap = None
+        if fmap is None or fmap.dim() != 4 or fmap.shape[0] != batch:
+            return (f"its last stage {name!r} outputs {tuple(out.shape)} for {batch} images, which is not one "
+                    "(C, h, w) feature map per image (e.g. tokens of several branches or patches mixed with the "
+                    "batch), so the Grad-CAM family cannot read it")
+        return None
 
     def feature_map(self, name: str, output: Tensor, input_size: tuple[int, int]) -> Tensor:
         """A stage's output as a (B, C, h, w) feature map.
@@ -289,7 +354,7 @@ def _is_swin(model: nn.Module) -> bool:
     return "swin" in type(model).__name__.lower()
 
 
-@register_adapter(priority=0, family="cnn")
+@register_adapter(priority=0, family=CNN)
 def _detect_timm(model: nn.Module) -> Optional[Adapter]:
     if _is_swin(model):
         return None
@@ -300,7 +365,7 @@ def _detect_timm(model: nn.Module) -> Optional[Adapter]:
     return None
 
 
-@register_adapter(priority=0, family="cnn")
+@register_adapter(priority=0, family=CNN)
 def _detect_torchvision(model: nn.Module) -> Optional[Adapter]:
     if _is_swin(model):
         return None
@@ -310,7 +375,7 @@ def _detect_torchvision(model: nn.Module) -> Optional[Adapter]:
     return None
 
 
-@register_adapter(priority=-10, family="cnn")
+@register_adapter(priority=-10, family=CNN)
 def _detect_generic(model: nn.Module) -> Optional[Adapter]:
     if _is_classifier_cnn(model, hybrids=False):
         stages = cnn_stages(model)

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from ..layout import TokenLayout, _pair
+from ..methods.families import VIT
 from .base import Adapter, register_adapter
 from .vit import ViTAdapter
 
@@ -200,7 +201,7 @@ def _layers(model: nn.Module, norm1: str) -> Optional[tuple[list[str], str]]:
     return None
 
 
-@register_adapter(priority=5, family="vit")
+@register_adapter(priority=5, family=VIT)
 def _detect_hf(model: nn.Module) -> Optional[Adapter]:
     config = getattr(model, "config", None)
     kind = HF_TYPES.get(getattr(config, "model_type", None))  # type: ignore[arg-type]

@@ -26,87 +26,17 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import UnsupportedModelError
-from ..layout import TokenLayout
+from ..layout import TokenLayout, WindowGeometry
+from ..methods.families import SWIN
 from .base import Adapter, register_adapter
 
-__all__ = ["WindowGeometry", "SwinBlock", "SwinAdapter", "TimmSwinAdapter", "TorchvisionSwinAdapter", "HFSwinAdapter"]
+__all__ = ["SwinBlock", "SwinAdapter", "TimmSwinAdapter", "TorchvisionSwinAdapter", "HFSwinAdapter"]
 
 
 def _pair(value: Any) -> tuple[int, int]:
     if isinstance(value, (tuple, list)):
         return int(value[0]), int(value[1])
     return int(value), int(value)
-
-
-@dataclass(frozen=True)
-class WindowGeometry:
-    """How one block lays its stage's tokens out in windows.
-
-    Attributes:
-        grid: (H, W) real tokens of the stage.
-        window: (wh, ww) window size.
-        shift: (sh, sw) cyclic shift (the model rolls by minus this).
-        pad_first: True when the grid is padded to window multiples before the roll
-            (torchvision, Hugging Face), False when the real grid is rolled, then padded (timm).
-    """
-
-    grid: tuple[int, int]
-    window: tuple[int, int]
-    shift: tuple[int, int]
-    pad_first: bool
-
-    @property
-    def padded(self) -> tuple[int, int]:
-        """(Hp, Wp): the grid padded to multiples of the window."""
-        return tuple(math.ceil(g / w) * w for g, w in zip(self.grid, self.window))  # type: ignore[return-value]
-
-    @property
-    def num_windows(self) -> int:
-        hp, wp = self.padded
-        return (hp // self.window[0]) * (wp // self.window[1])
-
-    @property
-    def window_area(self) -> int:
-        return self.window[0] * self.window[1]
-
-    @property
-    def num_tokens(self) -> int:
-        return self.grid[0] * self.grid[1]
-
-    def index(self, device: Optional[torch.device] = None) -> Tensor:
-        """Where each window slot comes from: (nW, wh * ww) long.
-
-        Entry [w, a] is the row-major index into the (H, W) grid of the token in slot a of
-        window w (windows in the order of the model's (B * nW) batch), or -1 for padding.
-        """
-        h, w = self.grid
-        hp, wp = self.padded
-        idx = torch.arange(h * w, device=device).view(h, w)
-        shifts, dims = (-self.shift[0], -self.shift[1]), (0, 1)
-        if self.pad_first:
-            idx = F.pad(idx, (0, wp - w, 0, hp - h), value=-1).roll(shifts, dims)
-        else:
-            idx = F.pad(idx.roll(shifts, dims), (0, wp - w, 0, hp - h), value=-1)
-        wh, ww = self.window
-        return idx.view(hp // wh, wh, wp // ww, ww).permute(0, 2, 1, 3).reshape(-1, wh * ww)
-
-    def partition(self, tokens: Tensor) -> Tensor:
-        """Grid tokens into the model's windows: (B, H, W, C) -> (B * nW, wh * ww, C), zeros at padding."""
-        b, h, w, c = tokens.shape
-        flat = torch.cat([tokens.reshape(b, h * w, c), tokens.new_zeros(b, 1, c)], dim=1)
-        idx = self.index(tokens.device).flatten()
-        idx = torch.where(idx < 0, h * w, idx)
-        return flat[:, idx].reshape(b * self.num_windows, self.window_area, c)
-
-    def unpartition(self, windows: Tensor) -> Tensor:
-        """Windows back onto the grid (padding dropped): (B * nW, wh * ww, C) -> (B, H, W, C)."""
-        c = windows.shape[-1]
-        flat = windows.reshape(-1, self.num_windows * self.window_area, c)
-        idx = self.index(windows.device).flatten()
-        real = idx >= 0
-        out = windows.new_zeros(flat.shape[0], self.num_tokens, c)
-        out[:, idx[real]] = flat[:, real]
-        return out.view(flat.shape[0], *self.grid, c)
 
 
 @dataclass(frozen=True)
@@ -135,7 +65,7 @@ class SwinAdapter(Adapter):
         post_norm: V2 blocks (norm after attention: the attention input is the block input).
     """
 
-    family = "swin"
+    family = SWIN
     capabilities = frozenset({"grid", "tokens", "attention", "rollout", "tail", "head", "pixels"})
     windowed_input = True
 

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from ..errors import UnsupportedMethodError
 from ..layout import TokenLayout, _pair
 from ..recording.records import ActivationRecord
+from ..methods.families import VIT
 from .base import Adapter, register_adapter
 
 __all__ = ["ViTAdapter", "TimmViTAdapter", "CaitAdapter", "XcitAdapter", "ConvitAdapter", "TorchvisionViTAdapter"]
@@ -53,7 +54,7 @@ class ViTAdapter(Adapter):
         capabilities: see ``adapters/base.py``.
     """
 
-    family = "vit"
+    family = VIT
     blocks: list[str]
     norm1: str
 
@@ -241,7 +242,7 @@ def _timm_class(model: nn.Module, module: str, name: str) -> bool:
     return any(c.__module__ == f"timm.models.{module}" and c.__name__ == name for c in cls.__mro__)
 
 
-@register_adapter(priority=10, family="vit")
+@register_adapter(priority=10, family=VIT)
 def _detect_timm(model: nn.Module) -> Optional[Adapter]:
     if not (
         isinstance(getattr(model, "blocks", None), (nn.Sequential, nn.ModuleList))
@@ -263,7 +264,7 @@ def _detect_timm(model: nn.Module) -> Optional[Adapter]:
     return None
 
 
-@register_adapter(priority=10, family="vit")
+@register_adapter(priority=10, family=VIT)
 def _detect_torchvision(model: nn.Module) -> Optional[Adapter]:
     if hasattr(model, "class_token") and hasattr(model, "conv_proj") and hasattr(model, "encoder"):
         return TorchvisionViTAdapter(model)

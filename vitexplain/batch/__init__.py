@@ -21,7 +21,7 @@ explore        ``vitexplain explore`` (one interactive page, :func:`vitexplain.e
 ============== ===========================================================================
 
 Import the commands from their modules (``from vitexplain.batch.export import ExportOptions,
-export``); ``vitexplain.export`` and ``vitexplain.caption_export`` re-export the same names.
+export``).
 Importing this package is light (no torch, no OpenCV): the CLI builds its flags from here.
 """
 

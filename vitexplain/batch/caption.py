@@ -35,19 +35,17 @@ from .export import finite_rows, not_finite_error
 from .manifest import GALLERY
 from .models import load_model, model_id, zoo_weights_id
 from .options import NON_NEGATIVE, POSITIVE, BatchOptions, collect_methods, option, parse_methods
-from .setup import config_hash, new_run, prepare, probe, resolve_methods, summary_fields
+from .setup import config_hash, new_run, one_by_one_on_numerical_errors, plan_run, prepare, probe, summary_fields
 from .writing import Writer, encode_npz, encode_png, json_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
     import torch
 
-__all__ = ["CaptionOptions", "export_captions", "DEFAULT_CAPTION_MODEL", "DEFAULT_CAPTION_METHODS"]
+__all__ = ["CaptionOptions", "export_captions", "DEFAULT_CAPTION_MODEL"]
 
 #: Model used when ``--model`` is not given.
 DEFAULT_CAPTION_MODEL = "shapes-captioner"
-#: Methods written when ``--method`` is not given.
-DEFAULT_CAPTION_METHODS: tuple[str, ...] = ("cross", "cross_generic")
 
 
 @dataclass
@@ -69,8 +67,8 @@ class CaptionOptions(BatchOptions):
     methods: Optional[list[str]] = option(
         None, flags="--method", metavar="M1,M2", group="explanation", outputs=True, action="append",
         parse=parse_methods, collect=collect_methods,
-        help="caption methods, comma separated or repeated (default: cross,cross_generic; list them with "
-             "`vitexplain methods --family caption`)")
+        help="caption methods, comma separated or repeated (default: the family's, cross,cross_generic; list them "
+             "with `vitexplain methods --model NAME`)")
     caption: Optional[str] = option(None, flags="--caption", metavar="TEXT", group="explanation", outputs=True,
                                     help="explain this caption (teacher-forced) for every image instead of "
                                          "generating one")
@@ -181,16 +179,10 @@ def export_captions(opts: CaptionOptions, *, argv: Optional[Sequence[str]] = Non
     setup = prepare(opts)
     model, model_info = load_model(opts.model, device=setup.device)
     ex = Explainer(model)
-    family = ex.family
-    if family != "caption":
-        raise UsageError(
-            f"--model {opts.model!r} is a {family} model, not an image captioner; `vitexplain caption` "
-            f"explains captioners (e.g. {DEFAULT_CAPTION_MODEL}). For classifier saliency maps run "
-            f"`vitexplain export INPUT... --out DIR --model {opts.model}`"
-        )
-    methods, specs, method_options = resolve_methods(opts.methods, DEFAULT_CAPTION_METHODS, family,
-                                                     opts.method_options)
-    signed = {m: s.signed for m, s in specs.items()}
+    plan = plan_run(ex, opts.methods, opts.method_options, command="caption", model=opts.model)
+    methods = plan.names
+    method_options = {s.name: dict(s.options) for s in plan.steps}
+    signed = {s.name: s.spec.signed for s in plan.steps}
     per_method = {m: dict(method_options.get(m, {})) for m in methods}
     pre_kwargs = ex.adapter.preprocess_kwargs()
     if opts.caption is not None:
@@ -213,6 +205,7 @@ def export_captions(opts: CaptionOptions, *, argv: Optional[Sequence[str]] = Non
     generated = opts.caption is None
     paths = {it.key: it.path for it in run.items}
 
+    @one_by_one_on_numerical_errors
     def process(x: "torch.Tensor", good: list[dict[str, Any]]) -> list[tuple[dict[str, Any], Any]]:
         results = ex.explain_caption(x, method=methods, caption=opts.caption, max_len=opts.max_len, **per_method)
         first = results[0]
@@ -239,7 +232,7 @@ def export_captions(opts: CaptionOptions, *, argv: Optional[Sequence[str]] = Non
         _write_caption_gallery(Writer(setup.out), records, methods, title=f"vitexplain caption: {opts.model}")
 
     fields = summary_fields(opts, argv, config, methods=methods,
-                            model={**model_info, "family": family, "input_size": list(pre_kwargs["input_size"])},
+                            model={**model_info, "family": plan.family.name, "input_size": list(pre_kwargs["input_size"])},
                             caption=opts.caption, max_len=opts.max_len)
     return drive(run, Command(process=process, fields=fields, gallery=gallery if opts.html else None), t_start)
 

@@ -51,7 +51,7 @@ class ExploreOptions:
         inputs: files, folders (walked recursively) and glob patterns.
         out: the HTML file to write.
         model, checkpoint, num_classes, model_args, labels: the model, as for ``export``.
-        methods: method names (None: :data:`vitexplain.explorer.DEFAULT_METHODS`).
+        methods: method names (None: the model family's defaults, as ``Explainer.plan()`` lists them).
         method_options: per method, keyword options.
         target: ``"pred"`` (the top-k classes), or one class index or label name to explain.
         top_k: classes offered for class-discriminative methods.
@@ -73,8 +73,8 @@ class ExploreOptions:
     methods: Optional[list[str]] = option(
         None, flags="--method", metavar="M1,M2", group="explanation", action="append", parse=parse_methods,
         collect=collect_methods,
-        help="methods, one tab each (default: generic,grad_rollout,cdam,gradcam,rollout for ViTs and Swin; "
-             "gradcam,layercam,gradcam++,spatial,channel for CNNs; cross,cross_generic for captioners)")
+        help="methods, one tab each (default: the model family's defaults that apply, as `vitexplain methods "
+             "--model NAME` lists them)")
     method_options: dict[str, dict[str, Any]] = _same(BatchOptions, "method_options")
     target: str = option("pred", flags="--target", metavar="pred|INDEX|LABEL", group="explanation",
                          help="explain the top-k classes (pred, default) or this one class")
@@ -143,9 +143,9 @@ def explore_inputs(opts: ExploreOptions) -> int:
         raise UsageError("none of the inputs could be read as an image")
     try:
         path = explore(
-            model, images, out, methods=opts.methods, options=opts.method_options, top_k=opts.top_k,
-            target=_target(opts.target), names=names, title=opts.title or f"vitexplain explorer: {opts.model}",
-            attention_budget=int(opts.attention_budget * 1e6), max_len=opts.max_len,
+            model, images, out, method=opts.methods, top_k=opts.top_k, target=_target(opts.target), names=names,
+            title=opts.title or f"vitexplain explorer: {opts.model}", attention_budget=opts.attention_budget,
+            max_len=opts.max_len, **opts.method_options,
         )
     except VitexplainError as err:  # a method that does not apply, a bad option: say it, no traceback
         if isinstance(err, UsageError):

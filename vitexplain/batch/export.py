@@ -31,26 +31,14 @@ from .manifest import GALLERY
 from .models import checkpoint_id, digest, load_model, model_id, zoo_weights_id
 from .options import (NON_NEGATIVE, POSITIVE, BatchOptions, collect_dict, collect_methods, option, parse_key_value,
                       parse_methods)
-from .setup import config_hash, new_run, prepare, probe, resolve_methods, summary_fields
+from .setup import config_hash, new_run, one_by_one_on_numerical_errors, plan_run, prepare, probe, summary_fields
 from .writing import Writer, encode_npy, encode_png
 
 if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
     import torch
 
-__all__ = ["ExportOptions", "DEFAULT_METHODS", "export"]
-
-#: Methods exported when ``--method`` is not given, per model family: class-discriminative ones
-#: that point at the target, by the faithfulness table of docs/benchmarks.md (ViT: ``generic``
-#: 0.99 and ``legrad`` 0.98 pointing game, non-negative maps that are never flat there; ``gradcam``
-#: points at 0.94 but its ReLU leaves an all-zero map for 14% of the shapes images, which reads
-#: as a broken tool; rollout and raw attention ignore the class, 0.50; ``cdam``'s signed maps are
-#: a ``--method`` away). CNNs: ``gradcam`` (0.99, the most class-discriminative of the Grad-CAM
-#: family).
-DEFAULT_METHODS: dict[str, tuple[str, ...]] = {
-    "vit": ("generic", "legrad"), "swin": ("generic", "legrad"), "cnn": ("gradcam",),
-}
-
+__all__ = ["ExportOptions", "export"]
 
 @dataclass
 class ExportOptions(BatchOptions):
@@ -90,8 +78,8 @@ class ExportOptions(BatchOptions):
     methods: Optional[list[str]] = option(
         None, flags="--method", metavar="M1,M2", group="explanation", outputs=True, action="append",
         parse=parse_methods, collect=collect_methods,
-        help="methods, comma separated or repeated (default: generic,legrad for ViTs and Swin, gradcam for "
-             "CNNs: class-discriminative, see the README; list them with `vitexplain methods --model NAME`)")
+        help="methods, comma separated or repeated (default: the model family's defaults that apply, e.g. "
+             "generic,legrad for ViTs and Swin, gradcam for CNNs; list them with `vitexplain methods --model NAME`)")
     target: str = option("pred", flags="--target", metavar="pred|INDEX|LABEL", group="explanation", outputs=True,
                          help="class to explain: each image's top prediction (default), an index or a label name")
     max_side: int = option(512, flags="--max-side", metavar="PX", parse=NON_NEGATIVE, group="overlays",
@@ -259,16 +247,10 @@ def export(opts: ExportOptions, *, argv: Optional[Sequence[str]] = None) -> Expo
         model_args=opts.model_args, labels=opts.labels, device=setup.device,
     )
     ex = Explainer(model)
-    family = ex.family
-    if family not in DEFAULT_METHODS:
-        raise UsageError(
-            f"--model {opts.model!r} is a {family} model; export explains classifiers (vit, cnn). "
-            + ("Explain its captions word by word with `vitexplain caption` (or "
-               "vx.Explainer(model).explain_caption(...))" if family == "caption" else "")
-        )
-    methods, specs, method_options = resolve_methods(opts.methods, DEFAULT_METHODS[family], family,
-                                                     opts.method_options)
-    signed = {m: s.signed for m, s in specs.items()}
+    plan = plan_run(ex, opts.methods, opts.method_options, command="export", model=opts.model)
+    methods = plan.names
+    method_options = {s.name: dict(s.options) for s in plan.steps}
+    signed = {s.name: s.spec.signed for s in plan.steps}
     label_names = ex.adapter.label_names
     num_classes = getattr(model, "num_classes", None)
     target = _parse_target(opts.target, label_names, num_classes if isinstance(num_classes, int) else None)
@@ -294,6 +276,7 @@ def export(opts: ExportOptions, *, argv: Optional[Sequence[str]] = None) -> Expo
     def label(i: int) -> Optional[str]:
         return names[i] if 0 <= i < len(names) else None
 
+    @one_by_one_on_numerical_errors
     def process(x: "torch.Tensor", good: list[dict[str, Any]]) -> list[tuple[dict[str, Any], Any]]:
         explanations = ex.explain(x, method=methods, target=target, **method_options)
         maps = {e.method: e.maps.float().cpu().numpy() for e in explanations}
@@ -322,5 +305,5 @@ def export(opts: ExportOptions, *, argv: Optional[Sequence[str]] = None) -> Expo
         Writer(setup.out).write(GALLERY, page.encode("utf-8", "replace"))
 
     fields = summary_fields(opts, argv, config, methods=methods,
-                            model={**model_info, "family": family, "input_size": list(pre_kwargs["input_size"])})
+                            model={**model_info, "family": plan.family.name, "input_size": list(pre_kwargs["input_size"])})
     return drive(run, Command(process=process, fields=fields, gallery=gallery if opts.html else None), t_start)

@@ -1,5 +1,5 @@
 """What every batch command does before its model runs: check options, output folder and
-inputs, pick the device, resolve and check the methods, and digest the settings.
+inputs, pick the device, plan the methods (the Explainer's plan), and digest the settings.
 
 Everything here raises :class:`~vitexplain.errors.UsageError` (exit status 2) and runs before
 any output is written -- the output folder is checked writable but not created.
@@ -23,7 +23,8 @@ from .writing import check_writable
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["Setup", "prepare", "resolve_methods", "probe", "config_hash", "new_run", "summary_fields"]
+__all__ = ["Setup", "prepare", "plan_run", "one_by_one_on_numerical_errors", "probe", "config_hash", "new_run",
+           "summary_fields"]
 
 
 @dataclass
@@ -72,39 +73,61 @@ def _check_colormaps(*colormaps: str) -> None:
             raise UsageError(f"colormap {cmap!r}: {e}") from None
 
 
-def _check_method_options(options: dict[str, dict[str, Any]], specs: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Validate ``{method: {option: value}}`` against each method's declared options and ranges.
+def plan_run(explainer: Any, requested: Optional[Sequence[str]], options: dict[str, dict[str, Any]], *,
+             command: str, model: str) -> Any:
+    """The plan of a batch run (:meth:`vitexplain.Explainer.plan`): the requested methods, or the
+    family's defaults that apply; every problem is a usage error (exit 2) found before any work.
+
+    Args:
+        explainer: the model's Explainer.
+        requested: ``--method`` names (None: the defaults).
+        options: ``--option`` values, ``{method: {option: value}}``.
+        command: ``"export"`` or ``"caption"``: the family's entry point must be this command's
+            (``explain`` or ``explain_caption``).
+        model: ``--model`` as given (for messages).
 
     Raises:
-        UsageError: options for a method that is not run.
-        OptionError: an unknown option or a value out of its declared range.
+        UsageError: the model is not explained by this command, a method does not apply,
+            bad options.
     """
-    from ..methods import registry
+    from ..errors import VitexplainError
 
-    checked: dict[str, dict[str, Any]] = {}
-    for method, values in (options or {}).items():
-        if method not in specs:
-            raise UsageError(f"--option {method}.*: {method!r} is not among the exported methods {list(specs)}")
-        checked[method] = registry.check_options(specs[method], values)
-    return checked
-
-
-def resolve_methods(
-    requested: Optional[Sequence[str]], default: Sequence[str], family: str, options: dict[str, dict[str, Any]],
-) -> tuple[list[str], dict[str, Any], dict[str, dict[str, Any]]]:
-    """The methods of a run: names (``default`` when none are requested, duplicates dropped),
-    their registry specs, and the checked per-method options; problems are usage errors."""
-    from ..errors import UnsupportedMethodError
-    from ..methods import registry
-
-    methods = list(dict.fromkeys(requested or default))
+    entry = {"export": "explain", "caption": "explain_caption"}[command]
+    family = explainer.family
+    if family.entry != entry:
+        other = {"explain": "export", "explain_caption": "caption"}[family.entry]
+        raise UsageError(
+            f"--model {model!r} is a {family.name} model ({family.summary}); `vitexplain {command}` does not explain "
+            f"it: run `vitexplain {other} INPUT... --out DIR --model {model}`"
+        )
     try:
-        specs = {m: registry.get(m, family) for m in methods}
-    except UnsupportedMethodError as e:
+        return explainer.plan(list(dict.fromkeys(requested)) if requested else None, **(options or {}))
+    except VitexplainError as e:
+        if isinstance(e, UsageError):
+            raise
         raise UsageError(str(e)) from None
-    if not specs:
-        raise UsageError(f"no method given; choose from {registry.names(family)}")
-    return methods, specs, _check_method_options(options, specs)
+
+
+def one_by_one_on_numerical_errors(process: Callable[..., Any]) -> Callable[..., Any]:
+    """``process(x, good)`` that, when a batch fails numerically (an image whose outputs or maps
+    are not finite), explains its images one by one, so only the images that fail are failed."""
+    from ..errors import NumericalError
+
+    def run(x: "torch.Tensor", good: list[dict[str, Any]]) -> list[tuple[dict[str, Any], Any]]:
+        try:
+            return process(x, good)
+        except NumericalError:
+            if len(good) == 1:
+                raise
+        jobs: list[tuple[dict[str, Any], Any]] = []
+        for i, sample in enumerate(good):
+            try:
+                jobs.extend(process(x[i : i + 1], [sample]))
+            except NumericalError as e:
+                jobs.append(({}, f"{sample['key']}: {e}"))
+        return jobs
+
+    return run
 
 
 def probe(explain: Callable[["torch.Tensor"], Any], what: str, setup: Setup, pre_kwargs: dict[str, Any]) -> Any:

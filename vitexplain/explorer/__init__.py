@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 from ..errors import UsageError
-from .attention import DEFAULT_ATTENTION_BUDGET
-from .extract import DEFAULT_METHODS
+from .attention import DEFAULT_ATTENTION_BUDGET_MB
 
-__all__ = ["explore", "DEFAULT_METHODS", "DEFAULT_ATTENTION_BUDGET"]
+__all__ = ["explore", "DEFAULT_ATTENTION_BUDGET_MB"]
 
 
 def _name(item: Any, index: int) -> str:
@@ -33,14 +32,14 @@ def explore(
     images: Any,
     out: Union[str, "os.PathLike[str]"] = "explore.html",
     *,
-    methods: Optional[Sequence[str]] = None,
-    options: Optional[Mapping[str, Mapping[str, Any]]] = None,
+    method: Union[None, str, Sequence[str]] = None,
     top_k: int = 3,
     target: Any = None,
     names: Optional[Sequence[str]] = None,
     title: str = "vitexplain explorer",
-    attention_budget: int = DEFAULT_ATTENTION_BUDGET,
+    attention_budget: float = DEFAULT_ATTENTION_BUDGET_MB,
     max_len: int = 16,
+    **options: Any,
 ) -> Path:
     """Write an interactive, self-contained HTML page that explains ``model`` on ``images``.
 
@@ -57,31 +56,34 @@ def explore(
         model: a model :class:`vitexplain.Explainer` supports, or an Explainer.
         images: a path, PIL image or (H, W, 3) uint8 RGB array, or a list of those.
         out: the HTML file to write.
-        methods: method names; None = :data:`DEFAULT_METHODS` for the model's family (those
-            that do not apply to the model are left out with a note in the page; methods
-            named here must all run).
-        options: per-method options, e.g. ``{"rollout": {"head_fusion": "max"}}``.
+        method: a method name or a list of names, which must all apply and run; None = the
+            family's default methods (those that do not apply to the model are left out with a
+            note in the page), as ``Explainer.plan()`` lists them.
         top_k: classes offered for class-discriminative methods.
         target: None (the top-k classes), or the one target class-discriminative methods explain:
             a class index or label name, or a score such as ``vx.targets.similarity(vector)``.
             Headless backbones (no classifier head) default to ``vx.targets.norm()``.
         names: labels of the images (default: file names).
         title: page title.
-        attention_budget: most bytes of attention data per image (base64); past it fewer
-            layers, then only the head-mean, are embedded, and the page says so. The default
-            (5 MB) holds every layer and head of a 224 px ViT-S/16 (197 tokens, 12 x 6 heads).
+        attention_budget: most MB of attention data per image (base64); past it fewer layers,
+            then only the head-mean, are embedded, and the page says so. The default (5 MB)
+            holds every layer and head of a 224 px ViT-S/16 (197 tokens, 12 x 6 heads).
         max_len: longest caption generated (captioners).
+        **options: options of a single named method, or per method as ``name={...}`` (e.g.
+            ``rollout={"head_fusion": "max"}``), as for ``Explainer.explain``.
 
     Returns:
         The path written.
 
     Raises:
-        UsageError: no images, bad ``top_k``/``names``.
+        UsageError: no images, bad ``top_k``/``names``/``attention_budget``.
         VitexplainError: a named method does not apply to the model (see its message).
     """
     from ..explainer import Explainer
-    from .extract import image_data
+    from .caption import caption_data
+    from .extract import classifier_data
     from .page import render_page, write_page
+    from ..viz.notebook import png_data_uri
 
     explainer = model if isinstance(model, Explainer) else Explainer(model)
     items = list(images) if isinstance(images, (list, tuple)) else [images]
@@ -89,13 +91,25 @@ def explore(
         raise UsageError("no images to explore; pass a path, an image or a list of them")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
         raise UsageError(f"top_k must be a positive integer, got {top_k!r}")
+    if isinstance(attention_budget, bool) or not isinstance(attention_budget, (int, float)) or not 0 < attention_budget <= 10_000:
+        raise UsageError(f"attention_budget is the most MB of attention data per image, in (0, 10000]; got {attention_budget!r}")
     labels = list(names) if names is not None else [_name(item, i) for i, item in enumerate(items)]
     if len(labels) != len(items):
         raise UsageError(f"got {len(labels)} names for {len(items)} images; pass one name per image")
-    data = [
-        image_data(explainer, item, label, methods=methods, options=options, top_k=top_k, target=target,
-                   attention_budget=attention_budget, max_len=max_len)
-        for item, label in zip(items, labels)
-    ]
-    subtitle = f"{type(explainer.model).__name__} ({explainer.family})"
+    plan = explainer.plan(method, **options)
+    budget = int(attention_budget * 1e6)
+    data = []
+    for item, label in zip(items, labels):
+        x, regions, _, _ = explainer.preprocess(item)
+        notes = [f"{name} left out: {why}" for name, why in plan.skipped.items()]
+        page = {"name": label, "family": plan.family.name, "image": png_data_uri(regions[0]),
+                "size": [int(x.shape[-2]), int(x.shape[-1])], "notes": notes, "attention": None,
+                "caption": None, "methods": []}
+        if plan.family.entry == "explain_caption":
+            page.update(caption_data(explainer, plan, x, max_len=max_len, attention_budget=budget, notes=notes))
+        else:
+            page.update(classifier_data(explainer, plan, x, top_k=top_k, target=target, attention_budget=budget,
+                                        notes=notes))
+        data.append(page)
+    subtitle = f"{type(explainer.model).__name__} ({explainer.family.name})"
     return write_page(out, render_page(data, title=title, subtitle=subtitle))

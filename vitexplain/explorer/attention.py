@@ -30,11 +30,11 @@ from ..layout import TokenLayout
 from ..recording import AttentionRecord
 from .quantize import payload_bytes, quantize_rows
 
-__all__ = ["rollout_matrices", "prefix_labels", "attention_payload", "attention_views", "DEFAULT_ATTENTION_BUDGET"]
+__all__ = ["rollout_matrices", "prefix_labels", "attention_payload", "attention_views", "DEFAULT_ATTENTION_BUDGET_MB"]
 
-#: Base64 bytes the attention views of one image may take by default (the issue's budget for
-#: a 224 px ViT-S page is 6 MB; the image, maps and script take the rest).
-DEFAULT_ATTENTION_BUDGET = 5_000_000
+#: MB of base64 the attention views of one image may take by default (a 224 px ViT-S page's
+#: budget is 6 MB; the image, maps and script take the rest).
+DEFAULT_ATTENTION_BUDGET_MB = 5.0
 
 
 def rollout_matrices(fused: Sequence[Tensor], start: Optional[Tensor] = None) -> list[Tensor]:
@@ -121,7 +121,7 @@ def attention_payload(
     layout: TokenLayout,
     prefix_names: list[str],
     *,
-    budget: int = DEFAULT_ATTENTION_BUDGET,
+    budget: int = int(DEFAULT_ATTENTION_BUDGET_MB * 1e6),
     index: int = 0,
 ) -> dict[str, Any]:
     """The attention part of an image's page data.

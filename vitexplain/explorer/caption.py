@@ -8,32 +8,23 @@ matrix. The image encoder's self-attention gets the same views as a ViT classifi
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from ..errors import VitexplainError
+from ..errors import CaptureError
 from ..layout import find_layout_module
-from ..methods import registry
+from ..plan import Plan
 from ..recording import capture
 from .attention import attention_views, prefix_labels
-from .extract import explain_all
-from .quantize import quantize_rows
+from .methods import entry, explain_all
 
 __all__ = ["caption_data"]
 
 
-def caption_data(
-    explainer: Any,
-    x: Tensor,
-    methods: Sequence[str],
-    options: Mapping[str, Any],
-    notes: list[str],
-    strict: bool,
-    attention_budget: int,
-    max_len: int,
-) -> dict[str, Any]:
+def caption_data(explainer: Any, plan: Plan, x: Tensor, *, max_len: int, attention_budget: int,
+                 notes: list[str]) -> dict[str, Any]:
     """Caption, per-word maps and encoder attention of one image (x: (1, 3, H, W)).
 
     Returns:
@@ -41,20 +32,13 @@ def caption_data(
         [{"name", "summary", "grid", "maps": rows (T, gh * gw)}]}, "attention": ...}``.
     """
     adapter = explainer.adapter
-    got = explain_all(partial(explainer.explain_caption, x, max_len=max_len), list(methods), options, notes, strict)
+    got = explain_all(partial(explainer.explain_caption, x, max_len=max_len), plan, plan.names, notes)
     entries, words, ids = [], None, None
     for name, e in got.items():
         words, ids = e.tokens[0], e.ids
-        maps = e.maps[0, : max(len(words), 1)].flatten(1)  # (T, gh * gw)
-        spec = registry.get(name, "caption")
-        entries.append({
-            "name": name,
-            "summary": spec.summary,
-            "grid": list(e.maps.shape[-2:]),
-            "maps": quantize_rows(maps, signed=spec.signed),
-        })
+        entries.append(entry(name, plan, e.maps[0, : max(len(words), 1)], per_class=False))  # (T, gh, gw)
     if ids is None:
-        raise VitexplainError(f"no caption method could run on this model: {'; '.join(notes)}")
+        raise CaptureError(f"no caption method could run on this model: {'; '.join(notes)}")
     out: dict[str, Any] = {
         "predictions": [{"index": -1, "label": " ".join(words or []), "score": None}],
         "targets": [],

@@ -16,6 +16,7 @@ from torch import Tensor
 from ..recording import AttentionRecord
 from .context import Context, RowFn, live_blocks, nonzero_rows, query_blocks, readout_vector
 from .options import Option, check_index
+from .families import VIT
 from .registry import register
 from ..errors import UsageError
 
@@ -182,7 +183,7 @@ def fused_rows(head_fusion: str) -> RowFn:
 
 
 @register(
-    "raw",
+    "raw", VIT,
     options={
         "layer": Option(int, help="layer index, negative counts from the last"),
         "head": Option(int, optional=True, help="one head, negative counts from the last (None = fuse heads)"),
@@ -221,7 +222,7 @@ def raw(ctx: Context, *, layer: int = -1, head: Optional[int] = None, head_fusio
 
 
 @register(
-    "rollout",
+    "rollout", VIT,
     options={
         "head_fusion": Option(str, choices=("mean", "max", "min"), help="how heads are fused"),
         "discard_ratio": Option(float, low=0, high=1, high_open=True, help="fraction of smallest fused entries zeroed per layer"),

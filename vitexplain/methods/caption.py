@@ -10,7 +10,6 @@ gradient of each word's log-probability in turn (docs/methods.md, `cross_generic
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
 import torch
@@ -20,36 +19,12 @@ from ..recording import AttentionRecord, Recorder
 from ..recording.records import fuse_heads
 from ..errors import UnsupportedMethodError
 from ..layout import TokenLayout
+from .context import CaptionContext
 from .options import Option, check_index
+from .families import CAPTION
 from .registry import register
 
-__all__ = ["CaptionContext", "cross", "cross_generic", "stitch_cross", "normbar"]
-
-
-@dataclass
-class CaptionContext:
-    """One explained batch of captions.
-
-    Attributes:
-        adapter: the caption adapter.
-        x: (B, 3, H, W) model input.
-        ids: (B, T) explained token ids (row t is word t; padded after each caption's end).
-        recorder: capture of the forward that produced ``ids`` (generation) or of a
-            teacher-forced forward on ``ids``.
-        layout: token layout of the image encoder.
-        teacher_forced: whether ``recorder`` holds a teacher-forced forward.
-        logits: (B, T, V) teacher-forced logits (grads enabled), for gradient methods.
-        method: the method name.
-    """
-
-    adapter: Any
-    x: Tensor
-    ids: Tensor
-    recorder: Recorder
-    layout: TokenLayout
-    teacher_forced: bool
-    logits: Optional[Tensor] = None
-    method: str = ""
+__all__ = ["cross", "cross_generic", "stitch_cross", "normbar"]
 
 
 def _layers(cross: list[AttentionRecord], layers: Union[None, int, Sequence[int]]) -> list[str]:
@@ -105,12 +80,11 @@ def _check_cross(ctx: CaptionContext) -> list[AttentionRecord]:
 
 
 @register(
-    "cross",
+    "cross", CAPTION,
     options={
         "layers": Option(int, optional=True, sequence=True, help="decoder layers (None = mean over all)"),
         "head_fusion": Option(str, choices=("mean", "max", "min"), help="how heads are fused"),
     },
-    family="caption",
     class_sensitive=False,
     summary="per-word cross-attention of the decoder over the image patches (heads and layers fused)",
     reference="Xu et al. 2015 (Show, Attend and Tell); docs/methods.md 'Captioners'",
@@ -196,8 +170,7 @@ def _joint_relevance(decoder: Sequence[AttentionRecord], r_ii: Tensor, t: int) -
 
 
 @register(
-    "cross_generic",
-    family="caption",
+    "cross_generic", CAPTION,
     grads=True,
     summary="Chefer encoder-decoder relevance per word (gradient of each word's log-probability)",
     reference="Chefer, Gur & Wolf, ICCV 2021 (encoder-decoder rules); docs/methods.md",

@@ -15,6 +15,7 @@ from torch import Tensor
 from ..targets import logits_of
 from .context import Context
 from .options import Option
+from .families import VIT
 from .registry import register
 
 __all__ = ["integrated_gradients", "occlusion", "smoothgrad"]
@@ -48,7 +49,7 @@ def _patch_mask(ctx: Context) -> Tensor:
 
 
 @register(
-    "integrated_gradients",
+    "integrated_gradients", VIT,
     options={
         "steps": Option(int, low=1, help="integration steps"),
         "batch_size": Option(int, low=1, help="inputs per forward"),
@@ -83,7 +84,7 @@ def integrated_gradients(ctx: Context, *, steps: int = 32, batch_size: int = 64,
 
 
 @register(
-    "occlusion",
+    "occlusion", VIT,
     options={
         "baseline": Option(float, help="value an occluded patch is replaced with"),
         "batch_size": Option(int, low=1, help="inputs per forward"),
@@ -119,7 +120,7 @@ def occlusion(ctx: Context, *, baseline: float = 0.0, batch_size: int = 16) -> T
 
 
 @register(
-    "smoothgrad",
+    "smoothgrad", VIT,
     options={
         "samples": Option(int, low=1, help="noisy samples"),
         "noise": Option(float, low=0, help="noise std relative to each image's value range"),

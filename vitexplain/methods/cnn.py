@@ -3,20 +3,20 @@
 - ``spatial``: the spatial gate a CBAM-style module multiplied its input by, (B, h, w) in (0, 1).
 - ``channel``: the gate-weighted activation ``sum_c g_c X_c`` of an SE/ECA/CBAM module's input
   X (B, C, h, w) with its channel gate g (B, C); extras hold the top-k channels.
-- ``gradcam``: captum's ``LayerGradCam`` (``relu_attributions=True``) on a layer.
-- ``gradcam++`` and ``layercam``: from the layer's activation A and the gradient dy/dA of the
-  explained forward's single backward (captum has neither).
+- ``gradcam``, ``gradcam++`` and ``layercam``: ``ReLU(sum_c w_c A_c)`` from a module's activation
+  A and the gradient dy/dA of the explained forward's single backward, shared by every method
+  of the call; each variant supplies only its weights (:func:`cam`).
 
 The Grad-CAM family reads the last feature stage by default (``adapter.target_layer``); pass
-``layer="layer3"`` (any module name) to choose another. ``channel`` reads the deepest gate
-module by default, ``spatial`` the mean of all spatial gates; ``layer=`` selects a stage or
+``module="layer3"`` (any module name) to choose another. ``channel`` reads the deepest gate
+module by default, ``spatial`` the mean of all spatial gates; ``module=`` selects a stage or
 module by name (the last gate inside it).
 Definitions: docs/methods.md, "CNNs".
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
@@ -24,12 +24,13 @@ from torch import Tensor
 from ..recording import capture
 from ..recording.gates import GateRecord
 from ..errors import CaptureError, UnsupportedMethodError, UsageError
-from .captum_methods import _forward_and_target
 from .context import Context
 from .options import Option
+from .families import CNN
 from .registry import register
 
-__all__ = ["spatial", "channel", "gradcam", "gradcam_plus_plus", "layercam", "gradcam_pp_weights"]
+__all__ = ["spatial", "channel", "gradcam", "gradcam_plus_plus", "layercam", "cam", "gradcam_weights",
+           "gradcam_pp_weights", "layercam_weights"]
 
 
 # -- gates -------------------------------------------------------------------------------------
@@ -41,8 +42,8 @@ def _gate_records(ctx: Context) -> list[GateRecord]:
         raise UnsupportedMethodError(f"method {ctx.method!r}: {err}") from None
 
 
-def _select_gate(ctx: Context, layer: Optional[str], kind: str) -> GateRecord:
-    """The last gate record with a ``kind`` gate, inside module/stage ``layer`` if given."""
+def _select_gate(ctx: Context, module: Optional[str], kind: str) -> GateRecord:
+    """The last gate record with a ``kind`` gate, inside module/stage ``module`` if given."""
     records = [r for r in _gate_records(ctx) if getattr(r, kind) is not None]
     if not records:
         raise UnsupportedMethodError(
@@ -50,11 +51,11 @@ def _select_gate(ctx: Context, layer: Optional[str], kind: str) -> GateRecord:
             f"(its gate modules: {sorted({r.module for r in _gate_records(ctx)})}); "
             f"use {'channel' if kind == 'spatial' else 'spatial'!r}, 'gradcam' or 'layercam'"
         )
-    if layer is not None:
-        inside = [r for r in records if r.name == layer or r.name.startswith(layer + ".")]
+    if module is not None:
+        inside = [r for r in records if r.name == module or r.name.startswith(module + ".")]
         if not inside:
             raise UnsupportedMethodError(
-                f"method {ctx.method!r}: no {kind} gate inside {layer!r}; modules with one: "
+                f"method {ctx.method!r}: no {kind} gate inside {module!r}; modules with one: "
                 f"{list(dict.fromkeys(r.name for r in records))}"
             )
         records = inside
@@ -62,36 +63,35 @@ def _select_gate(ctx: Context, layer: Optional[str], kind: str) -> GateRecord:
 
 
 @register(
-    "spatial",
+    "spatial", CNN,
     options={
-        "layer": Option(str, optional=True, help="gate module name, 'deepest' (None = mean of all spatial gates)"),
+        "module": Option(str, optional=True, help="gate module name, 'deepest' (None = mean of all spatial gates)"),
     },
-    family="cnn",
     requires=("spatial_gates",),
     gates=True,
     attention=False,
     signed=False,
     class_sensitive=False,
-    summary="spatial attention gates (CBAM-style): their mean over the network, or one module's with layer=",
+    summary="spatial attention gates (CBAM-style): their mean over the network, or one module's with module=",
     reference="Woo et al. 2018 (CBAM); the gate the module multiplies its input by",
 )
-def spatial(ctx: Context, *, layer: Optional[str] = None) -> tuple[Tensor, dict[str, Any]]:
+def spatial(ctx: Context, *, module: Optional[str] = None) -> tuple[Tensor, dict[str, Any]]:
     """Spatial attention: the spatial gates the model's CBAM-style modules multiplied by.
 
     Args:
         ctx: the explained batch.
-        layer: None (default) for the mean of every spatial gate of the forward, each
+        module: None (default) for the mean of every spatial gate of the forward, each
             bilinearly resized to the finest gate resolution: the network's average spatial
             re-weighting; ``"deepest"`` for the last gate; or a stage / module name (e.g.
             ``"layer3"``) for the last gate inside it.
 
     Returns:
         (B, h, w) float32 gate values in (0, 1) (upsample with ``Explanation.upsample``), and
-        extras ``{"layer": the module name(s) read}``.
+        extras ``{"module": the module name(s) read}``.
     """
-    if layer is not None:
-        record = _select_gate(ctx, None if layer == "deepest" else layer, "spatial")
-        return record.spatial.float(), {"layer": record.name}  # type: ignore[union-attr]  (_select_gate checked it)
+    if module is not None:
+        record = _select_gate(ctx, None if module == "deepest" else module, "spatial")
+        return record.spatial.float(), {"module": record.name}  # type: ignore[union-attr]  (_select_gate checked it)
     records = [r for r in _gate_records(ctx) if r.spatial is not None]
     if not records:
         _select_gate(ctx, None, "spatial")  # raises the explanatory error
@@ -100,16 +100,15 @@ def spatial(ctx: Context, *, layer: Optional[str] = None) -> tuple[Tensor, dict[
         torch.nn.functional.interpolate(r.spatial.float()[:, None], size=tuple(size), mode="bilinear", align_corners=False)[:, 0]  # type: ignore[union-attr]
         for r in records
     ]
-    return torch.stack(resized).mean(dim=0), {"layer": [r.name for r in records]}
+    return torch.stack(resized).mean(dim=0), {"module": [r.name for r in records]}
 
 
 @register(
-    "channel",
+    "channel", CNN,
     options={
-        "layer": Option(str, optional=True, help="gate module name (None = the deepest)"),
+        "module": Option(str, optional=True, help="gate module name (None = the deepest)"),
         "k": Option(int, low=1, help="top channels returned"),
     },
-    family="cnn",
     requires=("channel_gates",),
     gates=True,
     attention=False,
@@ -118,30 +117,30 @@ def spatial(ctx: Context, *, layer: Optional[str] = None) -> tuple[Tensor, dict[
     summary="gate-weighted activation sum_c g_c X_c of an SE/ECA/CBAM module, with its top-k channels",
     reference="Hu et al. 2018 (SE), Wang et al. 2020 (ECA), Woo et al. 2018 (CBAM)",
 )
-def channel(ctx: Context, *, layer: Optional[str] = None, k: int = 8) -> tuple[Tensor, dict[str, Any]]:
+def channel(ctx: Context, *, module: Optional[str] = None, k: int = 8) -> tuple[Tensor, dict[str, Any]]:
     """Channel attention: the module input weighted by its channel gate, summed over channels.
 
     Args:
         ctx: the explained batch.
-        layer: a stage or module name; the last module inside it with a channel gate is read.
+        module: a stage or module name; the last module inside it with a channel gate is read.
             Default: the last one of the model (the deepest).
         k: how many top-gated channels to return in the extras.
 
     Returns:
         (B, h, w) float32 map ``sum_c g_c X_c`` (X the module's input, g its channel gate), and
-        extras: ``layer`` (module name), ``gate`` (B, C), ``indices`` (B, k) channels with the
+        extras: ``module`` (module name), ``gate`` (B, C), ``indices`` (B, k) channels with the
         largest gates (descending), ``values`` (B, k) their gates, ``channel_maps`` (B, k, h, w)
         their activations X_c.
     """
     if k < 1:
         raise UsageError(f"k must be >= 1, got {k}")
-    record = _select_gate(ctx, layer, "channel")
+    record = _select_gate(ctx, module, "channel")
     x = record.input.detach().float()  # (B, C, h, w)
     gate = record.channel.float()  # type: ignore[union-attr]  (B, C); _select_gate checked it
     maps = torch.einsum("bc,bchw->bhw", gate, x)
     values, indices = gate.topk(min(k, gate.shape[1]), dim=1)
     channel_maps = x.gather(1, indices[:, :, None, None].expand(-1, -1, *x.shape[-2:]))
-    extras = {"layer": record.name, "gate": gate, "indices": indices, "values": values, "channel_maps": channel_maps}
+    extras = {"module": record.name, "gate": gate, "indices": indices, "values": values, "channel_maps": channel_maps}
     return maps, extras
 
 
@@ -150,10 +149,10 @@ def _stage_activations(adapter: Any) -> list[str]:
     return list(getattr(adapter, "stages", []))
 
 
-def _layer_name(ctx: Context, layer: Optional[str]) -> str:
-    name = layer if layer is not None else getattr(ctx.adapter, "target_layer", None)
+def _module_name(ctx: Context, module: Optional[str]) -> str:
+    name = module if module is not None else getattr(ctx.adapter, "target_layer", None)
     if name is None:
-        raise UnsupportedMethodError(f"method {ctx.method!r} needs a layer name: pass layer='...'")
+        raise UnsupportedMethodError(f"method {ctx.method!r} needs a module name: pass module='...'")
     try:
         ctx.model_module(name)
     except AttributeError:
@@ -165,12 +164,13 @@ def _layer_name(ctx: Context, layer: Optional[str]) -> str:
 
 
 def _activation_and_grad(ctx: Context, name: str) -> tuple[Tensor, Tensor]:
-    """Activation A (B, C, h, w) of layer ``name`` and dy/dA, float32.
+    """Activation A (B, C, h, w) of module ``name`` and dy/dA, float32.
 
-    Read from the explained forward when it recorded ``name`` (the feature stages); for any
-    other layer, one more forward and backward runs inside a scoped capture. A stage that
-    outputs tokens, a channels-last map or a tuple (conv/attention hybrids) is read as a
-    (B, C, h, w) map by the adapter's ``feature_map``.
+    Read from the explained forward and its backward when it recorded ``name`` (the feature
+    stages: every method of the family shares that one pass); for any other module, one more
+    forward and backward runs inside a scoped capture. A stage that outputs tokens, a
+    channels-last map or a tuple (conv/attention hybrids) is read as a (B, C, h, w) map by the
+    adapter's ``feature_map``.
     """
     calls = ctx.recorder.activations.get(name)
     if calls and calls[-1].grad is not None:
@@ -186,31 +186,44 @@ def _activation_and_grad(ctx: Context, name: str) -> tuple[Tensor, Tensor]:
         if grad is None:
             raise UnsupportedMethodError(
                 f"method {ctx.method!r}: the target score does not depend on the output of {name!r} "
-                "(e.g. the head reads only a class token); pass layer= an earlier stage"
+                "(e.g. the head reads only a class token); pass module= an earlier stage"
             )
     to_map = getattr(ctx.adapter, "feature_map", None)
     if to_map is not None:
         size = (int(ctx.x.shape[-2]), int(ctx.x.shape[-1]))
         act, grad = to_map(name, act, size), to_map(name, grad, size)
-    if act.dim() != 4:
+    if act.dim() != 4 or act.shape[0] != ctx.batch_size:
         raise UnsupportedMethodError(
-            f"method {ctx.method!r} needs a (B, C, h, w) feature map; {name!r} gave shape {tuple(act.shape)}"
+            f"method {ctx.method!r} needs one (C, h, w) feature map per image; {name!r} gave shape "
+            f"{tuple(act.shape)} for {ctx.batch_size} images: pass module= a module that outputs (B, C, h, w)"
         )
     return act.detach().float(), grad.float()
 
 
-def _plain_map(ctx: Context, name: str) -> bool:
-    """Whether layer ``name`` outputs a plain (B, C, h, w) tensor (as recorded in the explained
-    forward; layers that were not recorded are taken to)."""
-    calls = ctx.recorder.activations.get(name)
-    if not calls:
-        return True
-    record = calls[-1]
-    to_map = getattr(ctx.adapter, "feature_map", None)
-    if record.tuple_output or record.output.dim() != 4:
-        return False
-    size = (int(ctx.x.shape[-2]), int(ctx.x.shape[-1]))
-    return to_map is None or to_map(name, record.output, size) is record.output
+def cam(ctx: Context, module: Optional[str], weights: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
+    """The class activation map ``ReLU(sum_c w_c A_c)`` of a Grad-CAM variant.
+
+    Every variant differs only in its weights (as in torch-cam): ``weights(A, dy/dA)`` returns
+    (B, C) channel weights, or (B, C, h, w) weights per position (LayerCAM).
+
+    Args:
+        ctx: the explained batch (captured with the stages' activations and gradients).
+        module: module name (None: the adapter's ``target_layer``).
+        weights: the variant's weights of A (B, C, h, w) and its gradient.
+
+    Returns:
+        (B, h, w) float32 at the module's resolution.
+    """
+    act, grad = _activation_and_grad(ctx, _module_name(ctx, module))
+    w = weights(act, grad)
+    if w.dim() == 2:
+        w = w[:, :, None, None]
+    return (w * act).sum(1).clamp(min=0)
+
+
+def gradcam_weights(act: Tensor, grad: Tensor) -> Tensor:
+    """Grad-CAM channel weights: the spatial mean of dy/dA_c, (B, C) (Selvaraju et al. 2017)."""
+    return grad.mean((2, 3))
 
 
 def gradcam_pp_weights(act: Tensor, grad: Tensor) -> Tensor:
@@ -233,99 +246,43 @@ def gradcam_pp_weights(act: Tensor, grad: Tensor) -> Tensor:
     return (alpha * grad.clamp(min=0)).sum((2, 3))
 
 
-@register(
-    "gradcam",
-    options={
-        "layer": Option(str, optional=True, help="module name (None = the last stage)"),
-    },
-    family="cnn",
-    requires=("stages",),
-    activations=_stage_activations,
-    attention=False,
-    signed=False,
-    summary="Grad-CAM (captum LayerGradCam, ReLU) on the last feature stage or layer=",
-    reference="Selvaraju et al. 2017 (captum.attr.LayerGradCam)",
-)
-def gradcam(ctx: Context, *, layer: Optional[str] = None) -> Tensor:
-    """Grad-CAM: ``ReLU(sum_c w_c A_c)`` with ``w_c`` the spatial mean of dy/dA_c, via captum.
+def layercam_weights(act: Tensor, grad: Tensor) -> Tensor:
+    """LayerCAM weights per position: ReLU(dy/dA), (B, C, h, w) (Jiang et al. 2021)."""
+    return grad.clamp(min=0)
 
-    Runs captum's ``LayerGradCam(relu_attributions=True)``, which does its own forward and
-    backward with a hook on the layer (removed by captum). A stage that outputs tokens, a
-    channels-last map or a tuple (conv/attention hybrids), which captum cannot read, gets the
-    same formula on the adapter's (B, C, h, w) view of it.
+
+_MODULE = Option(str, optional=True, help="a module name of the model (None = the last feature stage)")
+
+
+def _register_cam(name: str, weights: Callable[[Tensor, Tensor], Tensor], summary: str, reference: str) -> Callable:
+    """Register a Grad-CAM variant: the shared pass (stages' activations and gradients) plus its weights."""
+
+    def method(ctx: Context, *, module: Optional[str] = None) -> Tensor:
+        return cam(ctx, module, weights)
+
+    method.__name__ = name.replace("+", "_plus").replace("-", "_")
+    method.__doc__ = f"""{summary}.
 
     Args:
         ctx: the explained batch.
-        layer: module name (default: the adapter's last feature stage).
+        module: module name (default: the adapter's last feature stage).
 
     Returns:
-        (B, h, w) float32 at the layer's resolution.
+        (B, h, w) float32 at the module's resolution.
     """
-    from captum.attr import LayerGradCam
-
-    name = _layer_name(ctx, layer)
-    if not _plain_map(ctx, name):
-        act, grad = _activation_and_grad(ctx, name)
-        return torch.einsum("bc,bchw->bhw", grad.mean((2, 3)), act).clamp(min=0)
-    module = ctx.model_module(name)
-    forward, target = _forward_and_target(ctx)
-    with torch.enable_grad():
-        attr = LayerGradCam(forward, module).attribute(ctx.x.detach(), target=target, relu_attributions=True)
-    return attr.detach().float().sum(1)
+    register(
+        name, CNN, options={"module": _MODULE}, requires=("stages",), grads=True, activations=_stage_activations,
+        attention=False, signed=False, summary=summary, reference=reference,
+    )(method)
+    return method
 
 
-@register(
-    "gradcam++",
-    options={
-        "layer": Option(str, optional=True, help="module name (None = the last stage)"),
-    },
-    family="cnn",
-    requires=("stages",),
-    grads=True,
-    activations=_stage_activations,
-    attention=False,
-    signed=False,
-    summary="Grad-CAM++ on the last feature stage or layer=",
-    reference="Chattopadhay et al. 2018 (as in pytorch-grad-cam)",
-)
-def gradcam_plus_plus(ctx: Context, *, layer: Optional[str] = None) -> Tensor:
-    """Grad-CAM++: ``ReLU(sum_c w_c A_c)`` with :func:`gradcam_pp_weights`.
-
-    Args:
-        ctx: the explained batch.
-        layer: module name (default: the adapter's last feature stage).
-
-    Returns:
-        (B, h, w) float32 at the layer's resolution.
-    """
-    act, grad = _activation_and_grad(ctx, _layer_name(ctx, layer))
-    weights = gradcam_pp_weights(act, grad)
-    return torch.einsum("bc,bchw->bhw", weights, act).clamp(min=0)
-
-
-@register(
-    "layercam",
-    options={
-        "layer": Option(str, optional=True, help="module name (None = the last stage)"),
-    },
-    family="cnn",
-    requires=("stages",),
-    grads=True,
-    activations=_stage_activations,
-    attention=False,
-    signed=False,
-    summary="LayerCAM ReLU(sum_c ReLU(dy/dA_c) * A_c) on the last feature stage or layer=",
-    reference="Jiang et al. 2021 (LayerCAM)",
-)
-def layercam(ctx: Context, *, layer: Optional[str] = None) -> Tensor:
-    """LayerCAM: ``ReLU(sum_c ReLU(dy/dA_c) * A_c)``, position by position.
-
-    Args:
-        ctx: the explained batch.
-        layer: module name (default: the adapter's last feature stage).
-
-    Returns:
-        (B, h, w) float32 at the layer's resolution.
-    """
-    act, grad = _activation_and_grad(ctx, _layer_name(ctx, layer))
-    return (grad.clamp(min=0) * act).sum(1).clamp(min=0)
+gradcam = _register_cam(
+    "gradcam", gradcam_weights, "Grad-CAM ReLU(sum_c mean(dy/dA_c) A_c) on the last feature stage or module=",
+    "Selvaraju et al. 2017 (equal to captum's LayerGradCam and pytorch-grad-cam)")
+gradcam_plus_plus = _register_cam(
+    "gradcam++", gradcam_pp_weights, "Grad-CAM++ on the last feature stage or module=",
+    "Chattopadhay et al. 2018 (as in pytorch-grad-cam)")
+layercam = _register_cam(
+    "layercam", layercam_weights, "LayerCAM ReLU(sum_c ReLU(dy/dA_c) * A_c) on the last feature stage or module=",
+    "Jiang et al. 2021 (LayerCAM)")

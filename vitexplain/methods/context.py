@@ -35,7 +35,7 @@ from ..layout import TokenLayout
 from ..targets import Target
 
 __all__ = [
-    "Context", "query_blocks", "live_blocks", "nonzero_rows", "readout_vector", "DEFAULT_BLOCK_BYTES", "PARTIAL_RTOL",
+    "Context", "CaptionContext", "query_blocks", "live_blocks", "nonzero_rows", "readout_vector", "DEFAULT_BLOCK_BYTES", "PARTIAL_RTOL",
 ]
 
 #: Budget for one block of recomputed probabilities (B x H x rows x N float32).
@@ -224,6 +224,32 @@ def readout_vector(layout: TokenLayout, batch: int, device: torch.device) -> Ten
     else:
         vector[:, layout.patch_slice] = 1.0 / layout.num_patches
     return vector
+
+
+@dataclass
+class CaptionContext:
+    """One explained batch of captions.
+
+    Attributes:
+        adapter: the caption adapter.
+        x: (B, 3, H, W) model input.
+        ids: (B, T) explained token ids (row t is word t; padded after each caption's end).
+        recorder: capture of the forward that produced ``ids`` (generation) or of a
+            teacher-forced forward on ``ids``.
+        layout: token layout of the image encoder.
+        teacher_forced: whether ``recorder`` holds a teacher-forced forward.
+        logits: (B, T, V) teacher-forced logits (grads enabled), for gradient methods.
+        method: the method name.
+    """
+
+    adapter: Any
+    x: Tensor
+    ids: Tensor
+    recorder: Recorder
+    layout: TokenLayout
+    teacher_forced: bool
+    logits: Optional[Tensor] = None
+    method: str = ""
 
 
 RowFn = Callable[[AttentionRecord, slice], Tensor]

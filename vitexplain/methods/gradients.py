@@ -13,6 +13,7 @@ from ..recording import AttentionRecord
 from .attention import contract_rows, propagate, weighted_head_mean
 from .context import Context, live_blocks, readout_vector
 from .options import Option, check_index
+from .families import VIT
 from .registry import register
 
 __all__ = ["grad_rollout", "generic", "attn_gradcam"]
@@ -30,7 +31,7 @@ def _generic_contract(record: AttentionRecord, block: slice, weights) -> tuple[T
 
 
 @register(
-    "grad_rollout",
+    "grad_rollout", VIT,
     options={
         "discard_ratio": Option(float, low=0, high=1, high_open=True, help="fraction of smallest fused entries zeroed per layer"),
         "start_layer": Option(int, low=0, help="first layer included"),
@@ -71,7 +72,7 @@ def grad_rollout(ctx: Context, *, discard_ratio: float = 0.0, start_layer: int =
 
 
 @register(
-    "generic",
+    "generic", VIT,
     options={
         "start_layer": Option(int, low=0, help="first layer included"),
     },
@@ -105,7 +106,7 @@ def generic(ctx: Context, *, start_layer: int = 0) -> Tensor:
 
 
 @register(
-    "attn_gradcam",
+    "attn_gradcam", VIT,
     options={
         "layer": Option(int, help="layer index, negative counts from the last"),
     },

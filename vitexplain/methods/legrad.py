@@ -9,6 +9,7 @@ from torch import Tensor
 
 from .context import Context, query_blocks
 from .options import Option, check_index
+from .families import VIT
 from .registry import register
 
 __all__ = ["legrad"]
@@ -19,7 +20,7 @@ def _all_blocks(adapter) -> list[str]:
 
 
 @register(
-    "legrad",
+    "legrad", VIT,
     options={
         "layers": Option(int, optional=True, sequence=True, help="layer indices (None = the default layers)"),
     },

@@ -1,21 +1,40 @@
-"""One registry of explanation methods, read by the Explainer, the CLI and ``vx.methods.names()``.
+"""One registry of explanation methods, read by the plan (:mod:`vitexplain.plan`), the CLI and
+``vx.methods.names()``.
 
 The built-in methods are registered when :mod:`vitexplain.methods` is imported (every method
 module, in a fixed order), so listings never depend on what was imported first, and a second
-registration of a name raises unless ``override=True``.
+registration of a name raises unless ``override=True``. Each method is registered under a
+:class:`~vitexplain.methods.families.Family` and declares the adapter capabilities it needs
+(``requires=``, names from :data:`CAPABILITIES`); which methods apply to a given model is the
+plan's decision (``vx.Explainer(model).methods()``), not the registry's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Union
 
 from ..errors import UnsupportedMethodError, UsageError
+from .families import Family, families, family as _family
 from .options import Option, check_options as _check, describe_options, option_defaults
 
-__all__ = ["MethodSpec", "register", "get", "names", "specs", "check_options", "FAMILIES"]
+__all__ = ["MethodSpec", "register", "get", "names", "specs", "check_options", "CAPABILITIES"]
 
-FAMILIES = ("vit", "swin", "cnn", "caption")
+#: Every capability an adapter may declare and a method may require, with what it means (the
+#: plan's refusal messages say which is missing and why).
+CAPABILITIES: Mapping[str, str] = {
+    "grid": "a single patch grid over the whole image",
+    "tokens": "the tokens entering the model's last token attention",
+    "attention": "token self-attention over the patch grid in every listed block",
+    "rollout": "token attention in every block that mixes tokens (a full attention flow)",
+    "tail": "re-running the model from its last block's input",
+    "head": "reading the model's output from any block's tokens",
+    "pixels": "a forward from pixels to a score",
+    "stages": "(B, C, h, w) feature maps, one per image",
+    "channel_gates": "channel attention gates (SE, ECA, CBAM, ...)",
+    "spatial_gates": "spatial attention gates (CBAM-style)",
+    "cross": "cross-attention from the text to the image tokens",
+}
 
 
 @dataclass(frozen=True)
@@ -24,7 +43,7 @@ class MethodSpec:
 
     Attributes:
         name: the public method name (``"cdam"``, ``"rollout"``, ...).
-        family: ``"vit"``, ``"swin"``, ``"cnn"`` or ``"caption"``.
+        family: the :class:`~vitexplain.methods.families.Family` the method explains.
         fn: ``fn(ctx, **options) -> maps`` (B, gh, gw), a pure function of a context; it may
             return ``(maps, extras)`` with a dict of method-specific results.
         grads: needs gradients of the target score (one backward pass).
@@ -53,7 +72,7 @@ class MethodSpec:
     """
 
     name: str
-    family: str
+    family: Family
     fn: Callable[..., Any]
     grads: bool = False
     activations: Callable[[Any], list[str]] = field(default=lambda adapter: [])
@@ -83,12 +102,12 @@ class MethodSpec:
         return describe_options(self.name, self.options, self.defaults)
 
 
-_REGISTRY: dict[tuple[str, str], MethodSpec] = {}
+_REGISTRY: dict[tuple[Family, str], MethodSpec] = {}
 
 
 def register(
     name: str,
-    family: str = "vit",
+    family: Union[Family, str],
     *,
     options: Optional[Mapping[str, Option]] = None,
     override: bool = False,
@@ -98,24 +117,30 @@ def register(
 
     Args:
         name: the public method name.
-        family: ``"vit"``, ``"cnn"`` or ``"caption"``.
+        family: the :class:`~vitexplain.methods.families.Family` (or a registered family's name).
         options: one :class:`Option` per keyword option of ``fn`` (every keyword option must
-            be declared, and nothing else).
+            be declared, and nothing else); an option named like one of the family's
+            conventions must be declared the same way.
         override: replace an existing method of the same name and family (otherwise a
             second registration raises).
         **fields: the other :class:`MethodSpec` fields.
 
     Raises:
-        UsageError: unknown family, a name already registered (without ``override``), or
-            declared options that do not match ``fn``'s keyword options.
+        UsageError: unknown family or capability, a name already registered (without
+            ``override``), declared options that do not match ``fn``'s keyword options, or an
+            option that breaks the family's conventions.
     """
-    if family not in FAMILIES:
-        raise UsageError(f"unknown family {family!r}; choose from {FAMILIES}")
+    family = _family(family)
     if (family, name) in _REGISTRY and not override:
         raise UsageError(
             f"method {name!r} is already registered for {family} models; pass override=True to replace it"
         )
+    unknown = [c for c in fields.get("requires", ()) if c not in CAPABILITIES]
+    if unknown:
+        raise UsageError(f"method {name!r} requires unknown capabilities {unknown}; choose from {sorted(CAPABILITIES)}")
     declared = dict(options or {})
+    for option_name, option in declared.items():
+        family.check_convention(name, option_name, option)
 
     def decorate(fn: Callable) -> Callable:
         defaults = option_defaults(fn)
@@ -139,36 +164,49 @@ def check_options(spec: MethodSpec, values: Mapping[str, Any]) -> dict[str, Any]
     return spec.check_options(values)
 
 
-def specs(family: Optional[str] = None) -> list[MethodSpec]:
+def specs(family: Union[None, Family, str] = None) -> list[MethodSpec]:
     """All registered method specs, optionally of one family, in registration order."""
-    return [s for (fam, _), s in _REGISTRY.items() if family is None or fam == family]
+    fam = None if family is None else _family(family)
+    return [s for (f, _), s in _REGISTRY.items() if fam is None or f is fam]
 
 
-def names(family: Any = None) -> list[str]:
-    """Method names, optionally for one family or for a model.
+def names(family: Union[None, Family, str, Any] = None) -> list[str]:
+    """Method names, of every family or of one.
 
     Args:
-        family: None (all families), ``"vit"``/``"cnn"``/``"caption"``, or a model: then
-            only the methods its adapter supports (``adapter.supports(spec)``).
+        family: None (every family), a :class:`~vitexplain.methods.families.Family` or its
+            name (``"vit"``, ``"swin"``, ``"cnn"``, ``"caption"``, ...), or an
+            :class:`~vitexplain.Explainer`: then the methods that apply to its model
+            (``explainer.methods()``, the plan's answer).
 
     Returns:
         Method names, without duplicates, in registration order.
-    """
-    if family is not None and not isinstance(family, str):
-        from ..adapters import adapter_for
 
-        adapter = adapter_for(family)
-        return list(dict.fromkeys(s.name for s in specs(adapter.family) if adapter.supports(s)))
+    Raises:
+        NotFoundError: an unknown family name.
+        UsageError: a model was passed: which methods apply to a model is decided by its
+            plan, so ask ``vx.Explainer(model).methods()``.
+    """
+    if family is not None and not isinstance(family, (str, Family)):
+        listing = getattr(family, "methods", None)
+        if callable(listing) and hasattr(family, "plan"):
+            return list(listing())
+        raise UsageError(
+            f"vx.methods.names() takes a family (one of {[f.name for f in families()]}) or an Explainer, got a "
+            f"{type(family).__name__}; for the methods that apply to a model use vx.Explainer(model).methods() "
+            "(or `vitexplain methods --model NAME`)"
+        )
     return list(dict.fromkeys(s.name for s in specs(family)))
 
 
-def get(name: str, family: str) -> MethodSpec:
+def get(name: str, family: Union[Family, str]) -> MethodSpec:
     """The spec of method ``name`` for ``family``; a clear error lists the alternatives."""
-    spec = _REGISTRY.get((family, name))
+    fam = _family(family)
+    spec = _REGISTRY.get((fam, name))
     if spec is None:
-        others = [fam for (fam, n) in _REGISTRY if n == name]
+        others = [str(f) for (f, n) in _REGISTRY if n == name]
         hint = f" ({name!r} exists for {others} models)" if others else ""
         raise UnsupportedMethodError(
-            f"method {name!r} is not available for {family} models{hint}; choose from {names(family)}"
+            f"method {name!r} is not available for {fam} models{hint}; choose from {names(fam)}"
         )
     return spec

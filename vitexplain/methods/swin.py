@@ -25,6 +25,7 @@ from ..errors import UnsupportedMethodError, UnsupportedModelError
 from . import captum_methods
 from .context import Context
 from .options import Option, check_index
+from .families import SWIN, VIT
 from .registry import get, register
 from .tokens import _chunks, _slice_score, cdam_scores
 from .windowed import WindowedLayer, propagate_windows, stage_vector, window_layers
@@ -32,7 +33,6 @@ from .windowed import WindowedLayer, propagate_windows, stage_vector, window_lay
 __all__ = ["raw", "rollout", "grad_rollout", "generic", "attn_gradcam", "cdam", "gradcam",
            "cdam_smooth", "cdam_integrated", "legrad", "tokens_and_grad"]
 
-FAMILY = "swin"
 
 
 def _geometry(ctx: Context) -> tuple[list[WindowedLayer], list[tuple[int, int]]]:
@@ -58,7 +58,7 @@ _DISCARD = Option(float, low=0, high=1, high_open=True, help="fraction of smalle
 
 
 @register(
-    "raw", FAMILY, class_sensitive=False, requires=("grid", "attention"),
+    "raw", SWIN, class_sensitive=False, requires=("grid", "attention"),
     options={
         "layer": Option(int, help="block index over all stages, negative counts from the last"),
         "head": Option(int, optional=True, help="one head, negative counts from the last (None = fuse heads)"),
@@ -98,7 +98,7 @@ def raw(ctx: Context, *, layer: int = -1, head: Optional[int] = None, head_fusio
 
 
 @register(
-    "rollout", FAMILY, class_sensitive=False, requires=("grid", "attention", "rollout"),
+    "rollout", SWIN, class_sensitive=False, requires=("grid", "attention", "rollout"),
     options={"head_fusion": _FUSION, "discard_ratio": _DISCARD, "stage": _STAGE},
     summary="attention rollout through shifted windows and patch merging (mean readout), on a stage grid",
     reference="Abnar & Zuidema 2020 on Swin's dense windowed matrices; docs/methods.md, Swin",
@@ -135,7 +135,7 @@ def _chefer(layer: WindowedLayer) -> Tensor:
 
 
 @register(
-    "grad_rollout", FAMILY, grads=True, requires=("grid", "attention", "rollout"), options={"discard_ratio": _DISCARD, "stage": _STAGE},
+    "grad_rollout", SWIN, grads=True, requires=("grid", "attention", "rollout"), options={"discard_ratio": _DISCARD, "stage": _STAGE},
     summary="gradient rollout through shifted windows and patch merging, on a stage grid",
     reference="vit-explain (fixed) on Swin's dense windowed matrices; docs/methods.md, Swin",
 )
@@ -154,7 +154,7 @@ def grad_rollout(ctx: Context, *, discard_ratio: float = 0.0, stage: int = 0) ->
 
 
 @register(
-    "generic", FAMILY, grads=True, requires=("grid", "attention", "rollout"), options={"stage": _STAGE},
+    "generic", SWIN, grads=True, requires=("grid", "attention", "rollout"), options={"stage": _STAGE},
     summary="Chefer's rule through shifted windows and patch merging (identity path removed), on a stage grid",
     reference="Chefer, Gur & Wolf, ICCV 2021 on Swin's dense windowed matrices; docs/methods.md, Swin",
 )
@@ -172,7 +172,7 @@ def generic(ctx: Context, *, stage: int = 0) -> Tensor:
 
 
 @register(
-    "attn_gradcam", FAMILY, grads=True, requires=("grid", "attention"),
+    "attn_gradcam", SWIN, grads=True, requires=("grid", "attention"),
     options={"layer": Option(int, help="block index over all stages, negative counts from the last")},
     summary="attention Grad-CAM on one block's windowed attention (mean readout), on its stage grid",
     reference="Chefer et al. 2021 baseline, mean readout; docs/methods.md, Swin",
@@ -285,7 +285,7 @@ def tokens_and_grad(ctx: Context) -> tuple[Tensor, Tensor]:
 
 
 @register(
-    "cdam", FAMILY, activations=_last_block, signed=True, requires=("grid", "tokens", "tail"),
+    "cdam", SWIN, activations=_last_block, signed=True, requires=("grid", "tokens", "tail"),
     summary="CDAM on the tokens entering the last block's attention, last stage grid (signed)",
     reference="Brocki, Binda & Chung 2023; docs/methods.md, Swin",
 )
@@ -300,7 +300,7 @@ def cdam(ctx: Context) -> Tensor:
 
 
 @register(
-    "gradcam", FAMILY, activations=_last_block, requires=("grid", "tokens", "tail"),
+    "gradcam", SWIN, activations=_last_block, requires=("grid", "tokens", "tail"),
     summary="token Grad-CAM on the tokens entering the last block's attention, last stage grid",
     reference="Selvaraju et al. 2017 on Swin tokens; docs/methods.md, Swin",
 )
@@ -316,7 +316,7 @@ def gradcam(ctx: Context) -> Tensor:
 
 
 @register(
-    "cdam_smooth", FAMILY, activations=_last_block, signed=True, requires=("grid", "tokens", "tail"),
+    "cdam_smooth", SWIN, activations=_last_block, signed=True, requires=("grid", "tokens", "tail"),
     options={
         "samples": Option(int, low=1, help="noisy samples"),
         "noise": Option(float, low=0, help="noise std as a fraction of the block input's range"),
@@ -353,7 +353,7 @@ def cdam_smooth(ctx: Context, *, samples: int = 50, noise: float = 0.05, batch_s
 
 
 @register(
-    "cdam_integrated", FAMILY, activations=_last_block, signed=True, requires=("grid", "tokens", "tail"),
+    "cdam_integrated", SWIN, activations=_last_block, signed=True, requires=("grid", "tokens", "tail"),
     options={
         "steps": Option(int, low=1, help="integration steps"),
         "batch_size": Option(int, low=1, help="steps per forward"),
@@ -389,7 +389,7 @@ def _last_stage_blocks(adapter) -> list[str]:
 
 
 @register(
-    "legrad", FAMILY, grads=True, activations=_last_stage_blocks, retain_graph=True,
+    "legrad", SWIN, grads=True, activations=_last_stage_blocks, retain_graph=True,
     requires=("grid", "attention", "head"),
     options={"layers": Option(int, optional=True, sequence=True, help="block indices (None = the last stage's blocks)")},
     summary="LeGrad on the last stage's blocks (the head reads only last-stage tokens)",
@@ -439,6 +439,6 @@ def legrad(ctx: Context, *, layers: Optional[Sequence[int]] = None) -> Tensor:
 
 # captum methods need only a grid: the last stage's
 for _fn in (captum_methods.integrated_gradients, captum_methods.occlusion, captum_methods.smoothgrad):
-    _spec = get(_fn.__name__, "vit")
-    register(_spec.name, FAMILY, attention=False, signed=_spec.signed, options=_spec.options, requires=_spec.requires,
+    _spec = get(_fn.__name__, VIT)
+    register(_spec.name, SWIN, attention=False, signed=_spec.signed, options=_spec.options, requires=_spec.requires,
              summary=f"{_spec.summary} (last stage grid)", reference=_spec.reference)(_fn)

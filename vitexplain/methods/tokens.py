@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from .context import Context
 from .options import Option
+from .families import VIT
 from .registry import register
 from ..errors import CaptureError
 
@@ -47,7 +48,7 @@ def cdam_scores(tokens: Tensor, grad: Tensor) -> Tensor:
 
 
 @register(
-    "cdam",
+    "cdam", VIT,
     grads=True,
     requires=("grid", "tokens"),
     activations=_last_tokens,
@@ -70,7 +71,7 @@ def cdam(ctx: Context) -> Tensor:
 
 
 @register(
-    "gradcam",
+    "gradcam", VIT,
     grads=True,
     requires=("grid", "tokens"),
     activations=_last_tokens,
@@ -119,7 +120,7 @@ def _chunks(total: int, size: int) -> Iterator[slice]:
 
 
 @register(
-    "cdam_smooth",
+    "cdam_smooth", VIT,
     options={
         "samples": Option(int, low=1, help="noisy samples"),
         "noise": Option(float, low=0, help="noise std as a fraction of the token range"),
@@ -188,7 +189,7 @@ def _slice_score(target, logits: Tensor, part: slice) -> Tensor:
 
 
 @register(
-    "cdam_integrated",
+    "cdam_integrated", VIT,
     options={
         "steps": Option(int, low=1, help="integration steps"),
         "batch_size": Option(int, low=1, help="steps per forward"),

@@ -7,7 +7,7 @@ probabilities ``P_l`` (B * nW, H, n, n), n = wh * ww, by
     A_l[i, j] = P_l[w, a, b]   where token i sits in slot a and token j in slot b of window w,
 
 and 0 when i and j share no window. The shift and padding decide the slots
-(:meth:`~vitexplain.adapters.swin.WindowGeometry.index`); the shift mask and relative position
+(:meth:`~vitexplain.layout.WindowGeometry.index`); the shift mask and relative position
 bias are already inside P_l. Padding slots are not tokens: their rows and columns are dropped.
 Every token sits in exactly one window, so ``A_l`` is block-diagonal after the shift
 permutation and ``r @ A_l`` costs O(N_s n) per image: gather r into windows, multiply each
@@ -28,8 +28,8 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from ..adapters.swin import WindowGeometry
 from ..errors import CaptureError, OptionError, UnsupportedMethodError
+from ..layout import WindowGeometry
 from ..recording import AttentionRecord
 from ..recording.records import fuse_heads
 from .context import Context

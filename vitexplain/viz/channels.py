@@ -61,7 +61,7 @@ def channel_tiles(
     maps = extras["channel_maps"][index]
     k = min(k, int(indices.shape[0]))
     tiles = [img]
-    labels = [str(extras.get("layer", "image"))]
+    labels = [str(extras.get("module", "image"))]
     maps_attr = getattr(explanation_or_extras, "maps", None)
     if maps_attr is not None:
         tiles.append(overlay(img, maps_attr[index], colormap=colormap, alpha=alpha))

@@ -1,9 +1,11 @@
 """The support matrix: a tiny random-init build of every model family, and a sweep over methods.
 
-One table (:func:`families`) feeds both the sweep test (``tests/test_support_matrix.py``),
-which asserts that every method ``vx.methods.names(model)`` lists gives a finite map of the
-right shape or raises a :class:`~vitexplain.errors.VitexplainError`, and the script that
-writes the README's support matrix and ``docs/support.md`` (``python tools/support_matrix.py``).
+A test and documentation harness, not part of the package. One table (:func:`rows`) feeds
+both the sweep test (``tests/test_support_matrix.py``), which asserts that every method the
+model's plan lists (``vx.Explainer(model).methods()``) gives a finite map per image or raises a
+:class:`~vitexplain.errors.VitexplainError`, and that every method the plan refuses says why,
+and the script that writes the README's support matrix and ``docs/support.md``
+(``python tools/support_matrix.py``).
 Each family names the test that checks its maps against an independent oracle.
 
 Builds are tiny (a few blocks of width 32, 32-64 px inputs) and offline (random init). Heads
@@ -21,9 +23,12 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from .errors import VitexplainError
+import vitexplain as vx
+from vitexplain.errors import VitexplainError
+from vitexplain.methods import CNN, Family
+from vitexplain.plan import applicable
 
-__all__ = ["Family", "Outcome", "families", "run", "reinit_heads", "CHEAP"]
+__all__ = ["Row", "Outcome", "Sweep", "rows", "run", "reinit_heads", "CHEAP"]
 
 #: Cheap options for the slow methods (the sweep checks plumbing, not quality).
 CHEAP: dict[str, dict[str, Any]] = {
@@ -35,8 +40,8 @@ CHEAP: dict[str, dict[str, Any]] = {
 
 
 @dataclass(frozen=True)
-class Family:
-    """One model family of the support matrix.
+class Row:
+    """One row of the support matrix: a model family as the README names it.
 
     Attributes:
         name: how the README names it.
@@ -154,7 +159,7 @@ def _mvitv2() -> nn.Module:
 
 def _zoo(name: str) -> Callable[[], nn.Module]:
     def build() -> nn.Module:
-        from . import zoo
+        from vitexplain import zoo
 
         return zoo.load(name)
 
@@ -164,7 +169,7 @@ def _zoo(name: str) -> Callable[[], nn.Module]:
 def _torch_decoder_captioner() -> nn.Module:
     from timm.models.vision_transformer import VisionTransformer
 
-    from .adapters.captioning import TransformerDecoderCaptioner
+    from vitexplain.adapters.captioning import TransformerDecoderCaptioner
 
     encoder = VisionTransformer(**{**_VIT, "num_classes": 0})
     return TransformerDecoderCaptioner(encoder, vocab_size=20, dim=32, depth=2, heads=2, max_len=8)
@@ -233,60 +238,60 @@ _HF_TEST = "tests/test_families_hf.py::test_hf_family_matches_eager_oracle"
 _TIMM_TEST = "tests/test_families_timm.py"
 
 
-def families() -> list[Family]:
+def rows() -> list[Row]:
     """Every family of the support matrix, in README order."""
     s32, s64 = (32, 32), (64, 64)
     return [
-        Family("timm ViT (class token)", "ViT", _timm_vit(), s32, "tests/test_methods.py"),
-        Family("timm ViT + register tokens", "ViT", _timm_vit(reg_tokens=4), s32, "tests/test_methods.py"),
-        Family("timm ViT, average pooling", "ViT", _timm_vit(class_token=False, global_pool="avg"), s32, "tests/test_readout.py, tests/test_methods.py"),
-        Family("timm ViT, headless (num_classes=0)", "ViT", _timm_vit(num_classes=0), s32, "tests/test_families_hf.py::test_timm_headless_backbone_embedding_and_similarity", "norm"),
-        Family("timm DeiT distilled", "ViT", _timm_class("deit", "VisionTransformerDistilled", **_VIT), s32, "tests/test_methods.py"),
-        Family("timm EVA (rope)", "ViT", _timm_class("eva", "Eva", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=5, use_rot_pos_emb=True), s32, "tests/test_methods.py"),
-        Family("timm BEiT", "ViT", _timm_class("beit", "Beit", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=5), s32, "tests/test_methods.py"),
-        Family("timm ViT rel-pos (vit_relpos)", "ViT", _timm_class("vision_transformer_relpos", "VisionTransformerRelPos", **_VIT), s32, "tests/test_readout.py (avg-pool readout)"),
-        Family("timm CaiT", "ViT", _timm_class("cait", "Cait", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, depth_token_only=2, num_classes=5), s32, _TIMM_TEST),
-        Family("timm XCiT", "ViT", _timm_class("xcit", "Xcit", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, cls_attn_layers=2, num_classes=5), s32, _TIMM_TEST),
-        Family("timm ConViT", "ViT", _timm_class("convit", "ConVit", img_size=32, patch_size=8, embed_dim=16, depth=3, num_heads=2, local_up_to_layer=2, num_classes=5), s32, _TIMM_TEST),
-        Family("torchvision VisionTransformer", "ViT", _torchvision_vit, s32, "tests/test_methods.py::test_torchvision_vit_methods_match_timm_style_oracle"),
-        Family("zoo shapes-vit", "ViT", _zoo("shapes-vit"), s64, "tests/test_localization.py"),
-        Family("HF ViT classifier", "Hugging Face", _hf("ViTConfig", "ViTForImageClassification", num_labels=5), s32, "tests/test_methods_hf.py"),
-        Family("HF DeiT classifier", "Hugging Face", _hf("DeiTConfig", "DeiTForImageClassification", num_labels=5), s32, "tests/test_methods_hf.py"),
-        Family("HF DeiT with teacher", "Hugging Face", _hf("DeiTConfig", "DeiTForImageClassificationWithTeacher", num_labels=5), s32, _HF_TEST),
-        Family("HF DINOv2 classifier", "Hugging Face", _hf("Dinov2Config", "Dinov2ForImageClassification", num_labels=5), s32, _HF_TEST),
-        Family("HF DINOv2 + registers", "Hugging Face", _hf("Dinov2WithRegistersConfig", "Dinov2WithRegistersForImageClassification", num_labels=5, num_register_tokens=2), s32, _HF_TEST),
-        Family("HF BEiT classifier", "Hugging Face", _hf("BeitConfig", "BeitForImageClassification", num_labels=5), s32, _HF_TEST),
-        Family("HF ViTModel (headless)", "Hugging Face", _hf("ViTConfig", "ViTModel"), s32, _HF_TEST, "norm"),
-        Family("HF Dinov2Model (headless)", "Hugging Face", _hf("Dinov2Config", "Dinov2Model"), s32, _HF_TEST, "norm"),
-        Family("HF CLIPVisionModel (headless)", "Hugging Face", _hf("CLIPVisionConfig", "CLIPVisionModel"), s32, _HF_TEST, "norm"),
-        Family("HF SiglipVisionModel (headless)", "Hugging Face", _hf("SiglipVisionConfig", "SiglipVisionModel"), s32, _HF_TEST, "norm"),
-        Family("timm ResNet", "CNN", lambda: _timm("resnet10t", num_classes=5), s32, "tests/test_cnn.py"),
-        Family("timm ResNet + CBAM", "CNN", lambda: _timm("resnet10t", num_classes=5, block_args=dict(attn_layer="cbam")), s32, "tests/test_cnn.py"),
-        Family("torchvision MobileNetV3 (SE)", "CNN", _torchvision_mobilenet, s32, "tests/test_cnn.py"),
-        Family("zoo shapes-cnn", "CNN", _zoo("shapes-cnn"), s64, "tests/test_cnn.py"),
-        Family("timm MaxViT", "hybrid", _maxvit, s64, "tests/test_hybrids.py"),
-        Family("timm EfficientFormerV2", "hybrid", _timm_class("efficientformer_v2", "EfficientFormerV2", depths=(1, 1, 2, 2), embed_dims=(16, 24, 32, 48), img_size=64, num_vit=2, num_classes=5), s64, "tests/test_hybrids.py"),
-        Family("timm Twins (PCPVT)", "hybrid", lambda: _timm("twins_pcpvt_small", img_size=64, embed_dims=(16, 32, 48, 64), depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4), num_classes=5), s64, "tests/test_hybrids.py"),
-        Family("timm Twins (SVT)", "hybrid", lambda: _timm("twins_svt_small", img_size=64, embed_dims=(16, 32, 48, 64), depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4), wss=(4, 4, 4, 4), num_classes=5), s64, "tests/test_hybrids.py"),
-        Family("timm MViTv2", "hybrid", _mvitv2, s64, "tests/test_hybrids.py"),
-        Family("timm PiT", "hybrid", _timm_class("pit", "PoolingVisionTransformer", img_size=64, patch_size=8, stride=4, base_dims=(8, 8, 8), depth=(1, 1, 1), heads=(2, 2, 2), mlp_ratio=2, num_classes=5), s64, "tests/test_hybrids.py"),
-        Family("timm LeViT", "hybrid", _timm_class("levit", "LevitDistilled", img_size=128, embed_dim=(32, 48, 64), key_dim=8, depth=(1, 1, 1), num_heads=(2, 2, 2), num_classes=5), (128, 128), "tests/test_hybrids.py"),
-        Family("torchvision MaxViT", "hybrid", _torchvision_maxvit, s64, "tests/test_hybrids.py"),
-        Family("timm Swin", "Swin", _timm_class("swin_transformer", "SwinTransformer", **_SWIN), s32, _SWIN_TEST),
-        Family("timm SwinV2", "Swin", _timm_class("swin_transformer_v2", "SwinTransformerV2", **_SWIN), s32, _SWIN_TEST),
-        Family("timm SwinV2-CR", "Swin", _timm_class("swin_transformer_v2_cr", "SwinTransformerV2Cr", **_SWIN), s32, _SWIN_TEST),
-        Family("torchvision Swin (swin_t)", "Swin", _torchvision_swin(v2=False), s32, _SWIN_TEST),
-        Family("torchvision SwinV2 (swin_v2_t)", "Swin", _torchvision_swin(v2=True), s32, _SWIN_TEST),
-        Family("HF Swin classifier", "Swin", _hf_swin("SwinConfig", "SwinForImageClassification", num_labels=5), s32, _SWIN_TEST),
-        Family("HF Swinv2 classifier", "Swin", _hf_swin("Swinv2Config", "Swinv2ForImageClassification", num_labels=5), s32, _SWIN_TEST),
-        Family("HF SwinModel (headless)", "Swin", _hf_swin("SwinConfig", "SwinModel"), s32, _SWIN_TEST, "norm"),
-        Family("zoo shapes-captioner", "captioner", _zoo("shapes-captioner"), s64, "tests/test_captioning.py"),
-        Family("zoo shapes-sat (Show, Attend and Tell: additive attention, LSTM)", "captioner", _zoo("shapes-sat"), s64,
+        Row("timm ViT (class token)", "ViT", _timm_vit(), s32, "tests/test_methods.py"),
+        Row("timm ViT + register tokens", "ViT", _timm_vit(reg_tokens=4), s32, "tests/test_methods.py"),
+        Row("timm ViT, average pooling", "ViT", _timm_vit(class_token=False, global_pool="avg"), s32, "tests/test_readout.py, tests/test_methods.py"),
+        Row("timm ViT, headless (num_classes=0)", "ViT", _timm_vit(num_classes=0), s32, "tests/test_families_hf.py::test_timm_headless_backbone_embedding_and_similarity", "norm"),
+        Row("timm DeiT distilled", "ViT", _timm_class("deit", "VisionTransformerDistilled", **_VIT), s32, "tests/test_methods.py"),
+        Row("timm EVA (rope)", "ViT", _timm_class("eva", "Eva", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=5, use_rot_pos_emb=True), s32, "tests/test_methods.py"),
+        Row("timm BEiT", "ViT", _timm_class("beit", "Beit", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=5), s32, "tests/test_methods.py"),
+        Row("timm ViT rel-pos (vit_relpos)", "ViT", _timm_class("vision_transformer_relpos", "VisionTransformerRelPos", **_VIT), s32, "tests/test_readout.py (avg-pool readout)"),
+        Row("timm CaiT", "ViT", _timm_class("cait", "Cait", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, depth_token_only=2, num_classes=5), s32, _TIMM_TEST),
+        Row("timm XCiT", "ViT", _timm_class("xcit", "Xcit", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, cls_attn_layers=2, num_classes=5), s32, _TIMM_TEST),
+        Row("timm ConViT", "ViT", _timm_class("convit", "ConVit", img_size=32, patch_size=8, embed_dim=16, depth=3, num_heads=2, local_up_to_layer=2, num_classes=5), s32, _TIMM_TEST),
+        Row("torchvision VisionTransformer", "ViT", _torchvision_vit, s32, "tests/test_methods.py::test_torchvision_vit_methods_match_timm_style_oracle"),
+        Row("zoo shapes-vit", "ViT", _zoo("shapes-vit"), s64, "tests/test_localization.py"),
+        Row("HF ViT classifier", "Hugging Face", _hf("ViTConfig", "ViTForImageClassification", num_labels=5), s32, "tests/test_methods_hf.py"),
+        Row("HF DeiT classifier", "Hugging Face", _hf("DeiTConfig", "DeiTForImageClassification", num_labels=5), s32, "tests/test_methods_hf.py"),
+        Row("HF DeiT with teacher", "Hugging Face", _hf("DeiTConfig", "DeiTForImageClassificationWithTeacher", num_labels=5), s32, _HF_TEST),
+        Row("HF DINOv2 classifier", "Hugging Face", _hf("Dinov2Config", "Dinov2ForImageClassification", num_labels=5), s32, _HF_TEST),
+        Row("HF DINOv2 + registers", "Hugging Face", _hf("Dinov2WithRegistersConfig", "Dinov2WithRegistersForImageClassification", num_labels=5, num_register_tokens=2), s32, _HF_TEST),
+        Row("HF BEiT classifier", "Hugging Face", _hf("BeitConfig", "BeitForImageClassification", num_labels=5), s32, _HF_TEST),
+        Row("HF ViTModel (headless)", "Hugging Face", _hf("ViTConfig", "ViTModel"), s32, _HF_TEST, "norm"),
+        Row("HF Dinov2Model (headless)", "Hugging Face", _hf("Dinov2Config", "Dinov2Model"), s32, _HF_TEST, "norm"),
+        Row("HF CLIPVisionModel (headless)", "Hugging Face", _hf("CLIPVisionConfig", "CLIPVisionModel"), s32, _HF_TEST, "norm"),
+        Row("HF SiglipVisionModel (headless)", "Hugging Face", _hf("SiglipVisionConfig", "SiglipVisionModel"), s32, _HF_TEST, "norm"),
+        Row("timm ResNet", "CNN", lambda: _timm("resnet10t", num_classes=5), s32, "tests/test_cnn.py"),
+        Row("timm ResNet + CBAM", "CNN", lambda: _timm("resnet10t", num_classes=5, block_args=dict(attn_layer="cbam")), s32, "tests/test_cnn.py"),
+        Row("torchvision MobileNetV3 (SE)", "CNN", _torchvision_mobilenet, s32, "tests/test_cnn.py"),
+        Row("zoo shapes-cnn", "CNN", _zoo("shapes-cnn"), s64, "tests/test_cnn.py"),
+        Row("timm MaxViT", "hybrid", _maxvit, s64, "tests/test_hybrids.py"),
+        Row("timm EfficientFormerV2", "hybrid", _timm_class("efficientformer_v2", "EfficientFormerV2", depths=(1, 1, 2, 2), embed_dims=(16, 24, 32, 48), img_size=64, num_vit=2, num_classes=5), s64, "tests/test_hybrids.py"),
+        Row("timm Twins (PCPVT)", "hybrid", lambda: _timm("twins_pcpvt_small", img_size=64, embed_dims=(16, 32, 48, 64), depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4), num_classes=5), s64, "tests/test_hybrids.py"),
+        Row("timm Twins (SVT)", "hybrid", lambda: _timm("twins_svt_small", img_size=64, embed_dims=(16, 32, 48, 64), depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4), wss=(4, 4, 4, 4), num_classes=5), s64, "tests/test_hybrids.py"),
+        Row("timm MViTv2", "hybrid", _mvitv2, s64, "tests/test_hybrids.py"),
+        Row("timm PiT", "hybrid", _timm_class("pit", "PoolingVisionTransformer", img_size=64, patch_size=8, stride=4, base_dims=(8, 8, 8), depth=(1, 1, 1), heads=(2, 2, 2), mlp_ratio=2, num_classes=5), s64, "tests/test_hybrids.py"),
+        Row("timm LeViT", "hybrid", _timm_class("levit", "LevitDistilled", img_size=128, embed_dim=(32, 48, 64), key_dim=8, depth=(1, 1, 1), num_heads=(2, 2, 2), num_classes=5), (128, 128), "tests/test_hybrids.py"),
+        Row("torchvision MaxViT", "hybrid", _torchvision_maxvit, s64, "tests/test_hybrids.py"),
+        Row("timm Swin", "Swin", _timm_class("swin_transformer", "SwinTransformer", **_SWIN), s32, _SWIN_TEST),
+        Row("timm SwinV2", "Swin", _timm_class("swin_transformer_v2", "SwinTransformerV2", **_SWIN), s32, _SWIN_TEST),
+        Row("timm SwinV2-CR", "Swin", _timm_class("swin_transformer_v2_cr", "SwinTransformerV2Cr", **_SWIN), s32, _SWIN_TEST),
+        Row("torchvision Swin (swin_t)", "Swin", _torchvision_swin(v2=False), s32, _SWIN_TEST),
+        Row("torchvision SwinV2 (swin_v2_t)", "Swin", _torchvision_swin(v2=True), s32, _SWIN_TEST),
+        Row("HF Swin classifier", "Swin", _hf_swin("SwinConfig", "SwinForImageClassification", num_labels=5), s32, _SWIN_TEST),
+        Row("HF Swinv2 classifier", "Swin", _hf_swin("Swinv2Config", "Swinv2ForImageClassification", num_labels=5), s32, _SWIN_TEST),
+        Row("HF SwinModel (headless)", "Swin", _hf_swin("SwinConfig", "SwinModel"), s32, _SWIN_TEST, "norm"),
+        Row("zoo shapes-captioner", "captioner", _zoo("shapes-captioner"), s64, "tests/test_captioning.py"),
+        Row("zoo shapes-sat (Show, Attend and Tell: additive attention, LSTM)", "captioner", _zoo("shapes-sat"), s64,
                "tests/test_sat.py"),
-        Family("nn.TransformerDecoder over timm ViT", "captioner", _torch_decoder_captioner, s32, "tests/test_captioning.py"),
-        Family("HF VisionEncoderDecoder (ViT + GPT-2)", "captioner", _vision_encoder_decoder, s32, "tests/test_captioning.py"),
-        Family("HF BLIP", "captioner", _blip, s32, "tests/test_captioning.py"),
-        Family("HF GIT", "captioner", _git, s32, "tests/test_git.py"),
+        Row("nn.TransformerDecoder over timm ViT", "captioner", _torch_decoder_captioner, s32, "tests/test_captioning.py"),
+        Row("HF VisionEncoderDecoder (ViT + GPT-2)", "captioner", _vision_encoder_decoder, s32, "tests/test_captioning.py"),
+        Row("HF BLIP", "captioner", _blip, s32, "tests/test_captioning.py"),
+        Row("HF GIT", "captioner", _git, s32, "tests/test_git.py"),
     ]
 
 
@@ -319,49 +324,52 @@ def _check(maps: torch.Tensor, batch: int) -> Optional[str]:
     return None
 
 
-def run(family: Family, batch: int = 4, seed: int = 0) -> list[Outcome]:
-    """Every method of the family's registry family on its tiny build.
+@dataclass
+class Sweep:
+    """One row's sweep: the model's family (as recognised) and what each method did."""
 
-    Methods the adapter does not list come out ``"n/a"`` with the adapter's reason; listed
-    methods come out ``"ok"`` (a finite map of shape (B, h, w), or (B, T, h, w) for
-    captioners) or ``"refused"`` (a VitexplainError). Any other exception propagates, and
-    so does a listed method whose maps are not finite or of the wrong shape (AssertionError).
+    row: Row
+    family: Family
+    outcomes: list[Outcome]
+
+
+def run(row: Row, batch: int = 4, seed: int = 0) -> Sweep:
+    """Every method of the model's family on the row's tiny build, as its plan decides.
+
+    Methods the plan refuses come out ``"n/a"`` with the plan's reason; the methods it lists
+    come out ``"ok"`` (a finite map per image: (B, h, w), or (B, T, h, w) for captioners) or
+    ``"refused"`` (a VitexplainError at run time). Any other exception propagates, and so does
+    a listed method whose maps are not finite or not one per image (AssertionError).
     """
-    from . import Explainer
-    from .methods import registry
-
     torch.manual_seed(seed)
-    model = family.build().eval()
+    model = row.build().eval()
     reinit_heads(model, seed)
-    ex = Explainer(model)
-    listed = ex.methods()
-    x = torch.randn(batch, 3, *family.size, generator=torch.Generator().manual_seed(seed))
-    target = None
-    if family.target == "norm":
-        from .targets import norm
-
-        target = norm()
+    ex = vx.Explainer(model)
+    available, refused = applicable(ex.adapter)
+    x = torch.randn(batch, 3, *row.size, generator=torch.Generator().manual_seed(seed))
+    target = vx.targets.norm() if row.target == "norm" else None
     outcomes = []
     if ex.adapter.notes.get("family"):  # why a family has none of another family's methods
         outcomes.append(Outcome("ViT methods", "n/a", ex.adapter.notes["family"]))
-    for spec in registry.specs(ex.family):
-        if spec.name not in listed:
-            outcomes.append(Outcome(spec.name, "n/a", ex.adapter.refusal(spec) or ""))
-            continue
-        options = CHEAP.get(spec.name, {})
+    for name, why in refused.items():
+        outcomes.append(Outcome(name, "n/a", why))
+    for name in available:
+        options = CHEAP.get(name, {})
         try:
-            if ex.family == "caption":
-                e = ex.explain_caption(x, method=spec.name, max_len=3, **options)
+            if ex.family.entry == "explain_caption":
+                e = ex.explain_caption(x, method=name, max_len=3, **options)
             else:
-                e = ex.explain(x, method=spec.name, target=target, **options)
+                e = ex.explain(x, method=name, target=target, **options)
         except VitexplainError as err:
-            outcomes.append(Outcome(spec.name, "refused", str(err)))
+            outcomes.append(Outcome(name, "refused", str(err)))
             continue
         problem = _check(e.maps, batch)
-        assert problem is None, f"{family.name}: {spec.name}: {problem}"
+        assert problem is None, f"{row.name}: {name}: {problem}"
         zero = "zero " if not bool(e.maps.any()) else ""
-        outcomes.append(Outcome(spec.name, "ok", f"{zero}{tuple(e.maps.shape)}", float(e.maps.float().std())))
-    return outcomes
+        outcomes.append(Outcome(name, "ok", f"{zero}{tuple(e.maps.shape)}", float(e.maps.float().std())))
+    order = {spec.name: i for i, spec in enumerate(vx.methods.specs(ex.family))}
+    outcomes.sort(key=lambda o: order.get(o.method, -1))
+    return Sweep(row, ex.family, outcomes)
 
 
 # -- tables ------------------------------------------------------------------------------------
@@ -378,8 +386,8 @@ GROUPS: list[tuple[str, tuple[str, ...]]] = [
 ]
 
 
-def _cell(group: tuple[str, ...], family_group: str, outcomes: dict[str, Outcome]) -> str:
-    cnn_like = family_group in ("CNN", "hybrid")
+def _cell(group: tuple[str, ...], family: Family, outcomes: dict[str, Outcome]) -> str:
+    cnn_like = family is CNN
     relevant = [m for m in group if m in outcomes]
     if group == GROUPS[5][1] and not cnn_like or group == GROUPS[2][1] and cnn_like:
         relevant = []  # "gradcam" is a ViT method for ViTs, a CNN method for CNNs
@@ -389,37 +397,37 @@ def _cell(group: tuple[str, ...], family_group: str, outcomes: dict[str, Outcome
     return "yes" if len(ok) == len(relevant) else ", ".join(ok)
 
 
-def readme_table(results: list[tuple[Family, list[Outcome]]]) -> str:
+def readme_table(results: list[Sweep]) -> str:
     """The README's support matrix (markdown) from :func:`run` results."""
     head = "| family | " + " | ".join(name for name, _ in GROUPS) + " |"
     lines = [head, "|" + "---|" * (len(GROUPS) + 1)]
-    for family, outcomes in results:
-        by_name = {o.method: o for o in outcomes}
-        cells = [_cell(methods, family.group, by_name) for _, methods in GROUPS]
-        lines.append(f"| {family.name} | " + " | ".join(cells) + " |")
+    for sweep in results:
+        by_name = {o.method: o for o in sweep.outcomes}
+        cells = [_cell(methods, sweep.family, by_name) for _, methods in GROUPS]
+        lines.append(f"| {sweep.row.name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def support_doc(results: list[tuple[Family, list[Outcome]]]) -> str:
+def support_doc(results: list[Sweep]) -> str:
     """``docs/support.md``: per family, what runs, what does not and why, and its oracle test."""
     out = [
         "# Support matrix",
         "",
-        "Generated by `python tools/support_matrix.py` from the table in `vitexplain/support.py`; the",
+        "Generated by `python tools/support_matrix.py` from the table in `tests/support_table.py`; the",
         "sweep `tests/test_support_matrix.py` runs the same table (a tiny random-init build of each",
-        "family, every method `vx.methods.names(model)` lists) and fails when this file is out of date.",
-        "A method that is not listed for a model raises `UnsupportedMethodError` with the reason below.",
+        "family, every method its plan lists: `vx.Explainer(model).methods()`) and fails when this file",
+        "is out of date. A method the plan refuses raises `UnsupportedMethodError` with the reason below.",
         "",
         readme_table(results),
         "",
     ]
-    for family, outcomes in results:
-        ok = [o.method for o in outcomes if o.status == "ok"]
-        out += [f"## {family.name}", "", f"- runs: {', '.join(f'`{m}`' for m in ok) or 'nothing'}"]
-        for o in outcomes:
+    for sweep in results:
+        ok = [o.method for o in sweep.outcomes if o.status == "ok"]
+        out += [f"## {sweep.row.name}", "", f"- runs: {', '.join(f'`{m}`' for m in ok) or 'nothing'}"]
+        for o in sweep.outcomes:
             if o.status != "ok":
                 reason = o.detail.split(". Methods that apply")[0]
                 label = o.method if o.method == "ViT methods" else f"`{o.method}`"
                 out.append(f"- {label} ({'refused at run time' if o.status == 'refused' else 'not listed'}): {reason}")
-        out += [f"- checked against an oracle in `{family.oracle}`", ""]
+        out += [f"- checked against an oracle in `{sweep.row.oracle}`", ""]
     return "\n".join(out)

@@ -1,0 +1,147 @@
+"""Checks of what goes into and comes out of an explanation, shared by the API and the CLI.
+
+Inputs: a preprocessed batch must be a finite (B, C, H, W) float tensor with the model's
+channels and dtype. Outputs: the target scores and every map must be finite; a NaN map is
+never returned (:class:`~vitexplain.errors.NumericalError` names the images). A gradient
+target must depend on the model's outputs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+from .errors import InputError, NumericalError, TargetError
+
+__all__ = ["channels_of", "check_batch", "check_tensor_input", "check_finite_scores", "check_finite_maps", "checked_score",
+           "model_dtype", "model_device"]
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The device of the model's first parameter (or buffer); CPU for a model without either."""
+    first = next(itertools.chain(model.parameters(), model.buffers()), None)  # the first one only
+    return first.device if first is not None else torch.device("cpu")
+
+
+def model_dtype(model: nn.Module) -> Optional[torch.dtype]:
+    """The dtype of the model's first floating-point parameter, or None."""
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return None
+
+
+def _rows(mask: Tensor) -> str:
+    bad = [int(i) for i in mask.nonzero().flatten()]
+    return f"{bad[:10]}{'...' if len(bad) > 10 else ''}"
+
+
+def check_batch(x: Tensor) -> None:
+    """Reject an empty batch or non-finite pixels: both would give maps that mean nothing.
+
+    Raises:
+        InputError: the batch is empty or holds NaN / inf values.
+    """
+    if x.shape[0] == 0:
+        raise InputError("the batch is empty (0 images); pass at least one image")
+    low, high = torch.aminmax(x.detach())  # one pass; NaN and inf show in the extremes
+    if not (math.isfinite(float(low)) and math.isfinite(float(high))):
+        bad = (~torch.isfinite(x.detach())).flatten(1).any(dim=1)
+        raise InputError(
+            f"the input holds NaN or infinite values (images {_rows(bad)}); "
+            "explanations of such inputs mean nothing: check the preprocessing or the images"
+        )
+
+
+def check_tensor_input(x: Tensor, channels: int, dtype: Optional[torch.dtype], device: torch.device) -> Tensor:
+    """A preprocessed batch, checked, on the model's device.
+
+    Args:
+        x: what the user passed as a tensor.
+        channels: the number of channels the model takes.
+        dtype: the model's floating-point dtype (None: not checked).
+        device: the model's device.
+
+    Returns:
+        ``x`` (detached) on ``device``.
+
+    Raises:
+        InputError: not a (B, C, H, W) floating-point tensor, channels-last or a wrong
+            channel count, a dtype other than the model's, empty, or non-finite.
+    """
+    shape = tuple(x.shape)
+    if not x.is_floating_point():
+        raise InputError(
+            f"expected a preprocessed (B, {channels}, H, W) float tensor, got a {x.dtype} tensor of shape {shape}; "
+            "pass images as uint8 (H, W, 3) arrays or paths instead, and they are preprocessed for you"
+        )
+    if x.dim() == 3 and shape[0] == channels:
+        raise InputError(f"expected a batch (B, {channels}, H, W), got one image of shape {shape}; pass x[None]")
+    if x.dim() != 4:
+        raise InputError(f"expected a preprocessed (B, {channels}, H, W) float tensor, got shape {shape}")
+    if shape[1] != channels:
+        hint = (" (channels-last? pass x.permute(0, 3, 1, 2))" if shape[-1] == channels else
+                " (grayscale? repeat it to 3 channels: x.expand(-1, 3, -1, -1))" if shape[1] == 1 else "")
+        raise InputError(f"the model takes {channels} channels, the input has shape {shape}{hint}")
+    if dtype is not None and x.dtype != dtype:
+        raise InputError(
+            f"the input is {x.dtype} but the model's weights are {dtype}: pass x.to({dtype}) (or convert the model "
+            "with model.to(dtype))"
+        )
+    check_batch(x)
+    return x.detach().to(device)
+
+
+def checked_score(score: Tensor) -> Tensor:
+    """A target score a gradient can be taken of.
+
+    Raises:
+        TargetError: the score does not depend on the model's outputs (detached).
+    """
+    if not score.requires_grad:
+        raise TargetError(
+            "the target score does not depend on the model's outputs (it is detached: .detach(), .item(), "
+            "numpy or torch.no_grad() cut the gradient), so no gradient method can explain it; return a "
+            "differentiable function of the outputs"
+        )
+    return score
+
+
+def check_finite_scores(score: Tensor) -> None:
+    """Raise when a target score (B,) holds NaN or inf.
+
+    Raises:
+        NumericalError: the images whose score is not finite, and what to check.
+    """
+    bad = ~torch.isfinite(score.detach())
+    if bool(bad.any()):
+        raise NumericalError(
+            f"the model's outputs (the explained scores) are not finite (NaN or inf) for images {_rows(bad)}, so no "
+            "map would mean anything: check the input's scale (preprocessed images are about -3..3; an input that "
+            "makes activations overflow gives inf), the model's weights, and a target function's arithmetic"
+        )
+
+
+def check_finite_maps(maps: Tensor, method: str) -> Tensor:
+    """``maps`` when every value is finite.
+
+    Raises:
+        NumericalError: the images whose map holds NaN or inf.
+    """
+    bad = ~torch.isfinite(maps.detach()).flatten(1).all(dim=1) if maps.dim() > 1 else ~torch.isfinite(maps)
+    if bool(bad.any()):
+        raise NumericalError(
+            f"method {method!r} broke down numerically: its maps hold NaN or inf for images {_rows(bad)} (e.g. "
+            "gradients that overflowed); no such map is returned. Check the input's scale, or try another method"
+        )
+    return maps
+
+
+def channels_of(preprocess_kwargs: dict[str, Any]) -> int:
+    """The number of channels of the model input (from its normalisation mean), 3 by default."""
+    mean = preprocess_kwargs.get("mean")
+    return len(mean) if isinstance(mean, (tuple, list)) and mean else 3

@@ -1,0 +1,251 @@
+"""What an explanation returns: :class:`Explanation` (one method, one batch of images) and
+:class:`CaptionExplanation` (one method, per-word maps of a batch of captions).
+
+Both check their shapes when built: a map per image (the first dimension is the batch size
+B), so ``e.maps[i]`` is always image i's map.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch.nn.functional as F
+from torch import Tensor
+
+from .errors import CaptureError, UsageError
+from .layout import TokenLayout
+
+__all__ = ["Explanation", "CaptionExplanation"]
+
+
+@dataclass
+class Explanation:
+    """The maps of one method for one batch.
+
+    Attributes:
+        maps: (B, gh, gw) float32 on the model's device; signed for signed methods.
+        targets: (B,) long, the explained classes (-1 for a custom score).
+        method: method name.
+        options: the method options used.
+        logits: the model outputs of the explained forward (detached logits when found).
+        signed: whether maps are signed (overlay with ``normalize="signed"``).
+        input_size: (H, W) of the model input.
+        layout: token layout (ViTs) or None.
+        images: when images (not tensors) were explained: the (H, W, 3) uint8 RGB regions
+            the model saw (after resize and crop), one per image.
+        sources: the inputs as given (paths, or None), when images were explained.
+        label_names: the model's class names, if known.
+        extras: method-specific results besides the maps (e.g. the ``channel`` method's
+            top-k channels and gate values); empty for most methods.
+    """
+
+    maps: Tensor
+    targets: Tensor
+    method: str
+    options: dict[str, Any]
+    logits: Any
+    signed: bool
+    input_size: tuple[int, int]
+    layout: Optional[TokenLayout] = None
+    images: Optional[list[Any]] = None
+    sources: Optional[list[Any]] = None
+    label_names: Optional[list[str]] = None
+    boxes: Optional[list[Any]] = field(default=None, repr=False)
+    extras: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        batch = _batch_size(self.targets, "targets", self.method)
+        _check_maps(self.maps, batch, 3, "(B, h, w)", self.method)
+
+    def __len__(self) -> int:
+        return int(self.maps.shape[0])
+
+    def upsample(self, size: Optional[tuple[int, int]] = None, mode: str = "bilinear") -> Tensor:
+        """Maps resized to ``size`` (default: the model input size).
+
+        Returns:
+            (B, H, W) float32.
+        """
+        size = tuple(size) if size is not None else self.input_size
+        kwargs = {"align_corners": False} if mode in ("bilinear", "bicubic") else {}
+        return F.interpolate(self.maps[:, None], size=size, mode=mode, **kwargs)[:, 0]
+
+    def target_names(self) -> list[str]:
+        """Per image, the target's label name (or its index as text)."""
+        names = self.label_names or []
+        return [names[t] if 0 <= t < len(names) else str(t) for t in self.targets.tolist()]
+
+    def overlay(self, index: int = 0, image: Any = None, **kwargs: Any) -> Any:
+        """Overlay map ``index`` on its image (the region the model saw), uint8 RGB.
+
+        Args:
+            index: which image of the batch.
+            image: (H, W, 3) uint8 RGB to draw on; default: the stored image.
+            **kwargs: passed to :func:`vitexplain.viz.overlay` (``normalize`` defaults to
+                ``"signed"`` for signed methods).
+        """
+        from .viz.overlays import overlay
+
+        index = _image_index(index, len(self))
+        if image is None:
+            if self.images is None:
+                raise UsageError(
+                    "this explanation was computed from a tensor, so it has no image to draw on; "
+                    "pass image=(H, W, 3) uint8 RGB, or explain images/paths instead of a tensor"
+                )
+            image = self.images[index]
+        kwargs.setdefault("normalize", "signed" if self.signed else "minmax")
+        return overlay(image, self.maps[index], **kwargs)
+
+    def _repr_html_(self) -> str:
+        """Jupyter display: each image's overlay with a colour bar, its method and target."""
+        from .viz.notebook import explanation_tiles, tiles_html
+
+        more = len(self) - 12
+        return tiles_html([explanation_tiles(self)], f"... and {more} more images" if more > 0 else "")
+
+    def show(self, max_images: int = 8) -> Any:
+        """Draw the overlays (at most ``max_images``) with matplotlib; returns the figure.
+
+        Raises:
+            UsageError: matplotlib is not installed (``pip install matplotlib``).
+        """
+        from .viz.notebook import explanation_tiles, show_tiles
+
+        return show_tiles([explanation_tiles(self, max_images)])
+
+    def save(self, directory: Union[str, Path]) -> Path:
+        """Write ``maps.npy`` and ``manifest.json`` (method, options, targets, sizes) to a folder."""
+        import numpy as np
+
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        np.save(out / "maps.npy", self.maps.detach().cpu().numpy())
+        manifest = {
+            "method": self.method,
+            "options": {k: repr(v) if not isinstance(v, (int, float, str, bool, type(None))) else v for k, v in self.options.items()},
+            "signed": self.signed,
+            "targets": self.targets.tolist(),
+            "target_names": self.target_names(),
+            "input_size": list(self.input_size),
+            "grid": list(self.maps.shape[-2:]),
+            "sources": [str(s) if s is not None else None for s in self.sources] if self.sources else None,
+        }
+        (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
+        return out
+
+
+@dataclass
+class CaptionExplanation:
+    """Per-word maps of a batch of captions.
+
+    Attributes:
+        maps: (B, T, gh, gw) float32; rows past an image's caption length are zero.
+        tokens: per image, its words (generated or given), at most T.
+        ids: (B, T) long token ids of the explained words.
+        captions: per image, the caption string.
+        method: method name.
+        options: method options used.
+        input_size: (H, W) of the model input.
+        layout: token layout of the image encoder.
+        images: (H, W, 3) uint8 RGB regions the model saw, when images were explained.
+        sources: the inputs as given (paths or None), when images were explained.
+    """
+
+    maps: Tensor
+    tokens: list[list[str]]
+    ids: Tensor
+    captions: list[str]
+    method: str
+    options: dict[str, Any]
+    input_size: tuple[int, int]
+    layout: Optional[TokenLayout] = None
+    images: Optional[list[Any]] = None
+    sources: Optional[list[Any]] = None
+
+    def __post_init__(self) -> None:
+        batch = _batch_size(self.ids, "ids", self.method)
+        _check_maps(self.maps, batch, 4, "(B, T, h, w)", self.method)
+        if len(self.tokens) != batch or len(self.captions) != batch:
+            raise CaptureError(
+                f"{self.method}: {len(self.tokens)} token lists and {len(self.captions)} captions for a batch of "
+                f"{batch} images; a caption explanation holds one of each per image"
+            )
+
+    def __len__(self) -> int:
+        return int(self.maps.shape[0])
+
+    def upsample(self, size: Optional[tuple[int, int]] = None) -> Tensor:
+        """Maps resized to ``size`` (default: the model input size): (B, T, H, W)."""
+        size = tuple(size) if size is not None else self.input_size
+        b, t = self.maps.shape[:2]
+        flat = F.interpolate(self.maps.flatten(0, 1)[:, None], size=size, mode="bilinear", align_corners=False)
+        return flat.view(b, t, *size)
+
+    def _repr_html_(self) -> str:
+        """Jupyter display: per image its caption, then each word under its overlay."""
+        from .viz.notebook import caption_tiles, tiles_html
+
+        more = len(self) - 4
+        return tiles_html(caption_tiles(self), f"... and {more} more images" if more > 0 else "")
+
+    def show(self, max_images: int = 4) -> Any:
+        """Draw each word's overlay (at most ``max_images`` images) with matplotlib; returns the figure.
+
+        Raises:
+            UsageError: matplotlib is not installed (``pip install matplotlib``).
+        """
+        from .viz.notebook import caption_tiles, show_tiles
+
+        return show_tiles(caption_tiles(self, max_images))
+
+    def figure(self, index: int = 0, image: Any = None, **kwargs: Any) -> Any:
+        """One RGB figure: each word of caption ``index`` under its overlay (uint8 RGB)."""
+        from .viz.caption import caption_figure
+
+        index = _image_index(index, len(self))
+        if image is None:
+            if self.images is None:
+                raise UsageError("pass image=(H, W, 3) uint8 RGB: this explanation was computed from a tensor")
+            image = self.images[index]
+        words = self.tokens[index]
+        return caption_figure(image, words, self.maps[index, : len(words)], **kwargs)
+
+
+def _image_index(index: Any, count: int) -> int:
+    """``index`` checked against a batch of ``count`` images (negative counts from the end).
+
+    Raises:
+        UsageError: not an integer, or out of range.
+    """
+    if isinstance(index, bool) or not isinstance(index, int):
+        raise UsageError(f"index must be an integer image index, got {type(index).__name__} {index!r}")
+    if not -count <= index < count:
+        raise UsageError(f"image index {index} is out of range: this explanation holds {count} image(s) (0..{count - 1})")
+    return index % count
+
+
+def _batch_size(reference: Any, what: str, method: str) -> int:
+    """B, the first dimension of ``reference`` (the targets or ids, one row per image)."""
+    if not isinstance(reference, Tensor) or reference.dim() < 1:
+        raise CaptureError(f"{method}: {what} must be a tensor with one row per image, got {type(reference).__name__}")
+    return int(reference.shape[0])
+
+
+def _check_maps(maps: Any, batch: int, dims: int, shape: str, method: str) -> None:
+    """Raise unless ``maps`` is a ``dims``-D tensor with one map per image (first dim ``batch``).
+
+    A method that reads a module whose output mixes the batch with tokens (e.g. TNT's inner
+    blocks, ``(B * patches, n, C)``) would otherwise hand image 0 someone else's map.
+    """
+    if not isinstance(maps, Tensor) or maps.dim() != dims or int(maps.shape[0]) != batch:
+        got = tuple(maps.shape) if isinstance(maps, Tensor) else type(maps).__name__
+        raise CaptureError(
+            f"method {method!r} produced maps of shape {got} for a batch of {batch} images; maps must be "
+            f"{shape} with one map per image, so e.maps[i] would not be image i's map. The layer it read "
+            "does not hold one feature map per image (e.g. it mixes the batch with tokens): choose another "
+            "layer or method"
+        )
