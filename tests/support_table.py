@@ -331,6 +331,7 @@ class Sweep:
     row: Row
     family: Family
     outcomes: list[Outcome]
+    default: Outcome = field(default_factory=lambda: Outcome("(default)", "n/a"))
 
 
 def run(row: Row, batch: int = 4, seed: int = 0) -> Sweep:
@@ -369,7 +370,20 @@ def run(row: Row, batch: int = 4, seed: int = 0) -> Sweep:
         outcomes.append(Outcome(name, "ok", f"{zero}{tuple(e.maps.shape)}", float(e.maps.float().std())))
     order = {spec.name: i for i, spec in enumerate(vx.methods.specs(ex.family))}
     outcomes.sort(key=lambda o: order.get(o.method, -1))
-    return Sweep(row, ex.family, outcomes)
+    return Sweep(row, ex.family, outcomes, _default(ex, x, target, batch))
+
+
+def _default(ex: Any, x: torch.Tensor, target: Any, batch: int) -> Outcome:
+    """The explanation asked for with no method: the family's default (whatever applies)."""
+    try:
+        if ex.family.entry == "explain_caption":
+            e = ex.explain_caption(x, max_len=3)
+        else:
+            e = ex.explain(x, target=target)
+    except VitexplainError as err:
+        return Outcome("(default)", "refused", str(err))
+    problem = _check(e.maps, batch)
+    return Outcome(e.method, "ok" if problem is None else "broken", problem or f"{tuple(e.maps.shape)}")
 
 
 # -- tables ------------------------------------------------------------------------------------

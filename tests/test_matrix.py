@@ -67,7 +67,7 @@ def test_record_caption_and_head_grid_figures():
         vit(x)
     record = rec.records[-1]
     layout = rec.layout
-    fig = vx.viz.record_matrix(record, image=1, head=1, layout=layout)
+    fig = vx.viz.record_matrix(record, index=1, head=1, layout=layout)
     labels = vx.viz.token_labels(layout)
     expected = vx.viz.attention_matrix(record.probs()[1, 1], labels, labels, "blocks.1.attn (self, head 1)")
     np.testing.assert_array_equal(fig, expected)

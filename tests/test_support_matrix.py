@@ -53,6 +53,15 @@ def test_every_listed_method_runs_or_refuses_clearly(results, name):
             assert o.method in CLAMPED and o.detail.startswith("zero"), f"{name}: {o.method} gave a constant map"
 
 
+@pytest.mark.parametrize("name", [r.name for r in ROWS])
+def test_the_default_method_works_for_every_family(results, name):
+    sweep = results[name]
+    if isinstance(sweep, BaseException):
+        raise sweep
+    assert sweep.default.status == "ok", f"{name}: explain() without a method: {sweep.default.detail}"
+    assert sweep.default.method in sweep.family.defaults + tuple(o.method for o in sweep.outcomes if o.status == "ok")
+
+
 def test_readme_matrix_and_support_doc_are_generated_from_the_sweep(results):
     failed = [n for n, r in results.items() if isinstance(r, BaseException)]
     if failed:

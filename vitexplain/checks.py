@@ -111,19 +111,30 @@ def checked_score(score: Tensor) -> Tensor:
     return score
 
 
-def check_finite_scores(score: Tensor) -> None:
+def check_finite_scores(score: Tensor, outputs: Any = None) -> None:
     """Raise when a target score (B,) holds NaN or inf.
+
+    Args:
+        score: the explained scores.
+        outputs: the model outputs they were computed from (to tell a model whose outputs are
+            not finite from a target function that returns NaN/inf).
 
     Raises:
         NumericalError: the images whose score is not finite, and what to check.
     """
     bad = ~torch.isfinite(score.detach())
-    if bool(bad.any()):
+    if not bool(bad.any()):
+        return
+    if isinstance(outputs, Tensor) and bool(torch.isfinite(outputs.detach()).all()):
         raise NumericalError(
-            f"the model's outputs (the explained scores) are not finite (NaN or inf) for images {_rows(bad)}, so no "
-            "map would mean anything: check the input's scale (preprocessed images are about -3..3; an input that "
-            "makes activations overflow gives inf), the model's weights, and a target function's arithmetic"
+            f"the target score is NaN or inf for images {_rows(bad)} although the model's outputs are finite: "
+            "check the target function's arithmetic (a division by zero, log of 0, ...)"
         )
+    raise NumericalError(
+        f"the model's outputs are not finite (NaN or inf) for images {_rows(bad)}, so no map would mean anything: "
+        "check the input's scale (preprocessed images are about -3..3; an input that makes activations overflow "
+        "gives inf) and the model's weights"
+    )
 
 
 def check_finite_maps(maps: Tensor, method: str) -> Tensor:

@@ -107,7 +107,8 @@ class Explainer:
         """Load and preprocess images with the model's own preprocessing.
 
         Args:
-            images: a path, PIL image, (H, W, 3) uint8 array, or a list of those.
+            images: a path, PIL image, (H, W, 3) uint8 array, or a list of those (or an
+                (N, H, W, 3) uint8 array of N images).
             crop: resize and center-crop as the model's eval transform does (True), or
                 resize the whole image to the input size (False).
 
@@ -117,6 +118,8 @@ class Explainer:
         """
         from .data.images import crop_region, load_image, preprocess
 
+        if getattr(images, "ndim", None) == 4 and not isinstance(images, Tensor):  # (N, H, W, 3) uint8 array
+            images = list(images)
         items = list(images) if isinstance(images, (list, tuple)) else [images]
         sources, arrays = [], []
         for item in items:
@@ -180,7 +183,7 @@ class Explainer:
         resolved = resolve(target, outputs, self.adapter.label_names, has_head=self.adapter.has_head)
         with torch.set_grad_enabled(settings.grads):
             score = resolved.score(outputs)
-        check_finite_scores(score)
+        check_finite_scores(score, outputs)
         if settings.grads:
             rec.backward(checked_score(score), retain_graph=settings.retain_graph)
         layout = self.adapter.layout(tuple(x.shape[-2:])) if hasattr(self.adapter, "layout") else None

@@ -18,7 +18,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Union
 
-from ..errors import VitexplainError
+from ..errors import CaptureError
 
 __all__ = ["render_page", "write_page", "external_references", "COLORMAPS"]
 
@@ -114,7 +114,10 @@ def render_page(images: list[dict[str, Any]], *, title: str = "vitexplain explor
     )
     outside = external_references(page)
     if outside:
-        raise VitexplainError(f"the explorer page would load something from outside itself: {outside[:5]}")
+        raise CaptureError(
+            f"the explorer page would load something from outside itself: {outside[:5]}; a name or label holds "
+            "markup that escaped quoting: please report it"
+        )
     return page
 
 

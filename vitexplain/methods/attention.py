@@ -253,7 +253,7 @@ def rollout(ctx: Context, *, head_fusion: str = "mean", discard_ratio: float = 0
     Returns:
         (B, gh, gw) float32.
     """
-    layers = ctx.layers()[start_layer:]
+    layers = ctx.layers(start_layer)
     layout = ctx.require_grid(rollout=True)
     vector = readout_vector(layout, ctx.batch_size, layers[0].device)
     keep = 0 if layout.readout == "class" and layout.has_class_token else None

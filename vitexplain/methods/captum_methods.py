@@ -14,7 +14,7 @@ from torch import Tensor
 
 from ..targets import logits_of
 from .context import Context
-from .options import Option
+from .options import MAX_SAMPLES, Option
 from .families import VIT
 from .registry import register
 
@@ -51,7 +51,7 @@ def _patch_mask(ctx: Context) -> Tensor:
 @register(
     "integrated_gradients", VIT,
     options={
-        "steps": Option(int, low=1, help="integration steps"),
+        "steps": Option(int, low=1, high=MAX_SAMPLES, help="integration steps"),
         "batch_size": Option(int, low=1, help="inputs per forward"),
         "baseline": Option(float, help="baseline input value"),
     },
@@ -122,7 +122,7 @@ def occlusion(ctx: Context, *, baseline: float = 0.0, batch_size: int = 16) -> T
 @register(
     "smoothgrad", VIT,
     options={
-        "samples": Option(int, low=1, help="noisy samples"),
+        "samples": Option(int, low=1, high=MAX_SAMPLES, help="noisy samples"),
         "noise": Option(float, low=0, help="noise std relative to each image's value range"),
         "batch_size": Option(int, low=1, help="inputs per forward"),
         "seed": Option(int, optional=True, help="noise seed (None = the global RNG)"),

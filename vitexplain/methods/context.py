@@ -33,6 +33,7 @@ from ..recording import AttentionRecord, Recorder
 from ..errors import UnsupportedMethodError, UnsupportedModelError
 from ..layout import TokenLayout
 from ..targets import Target
+from .options import check_index
 
 __all__ = [
     "Context", "CaptionContext", "query_blocks", "live_blocks", "nonzero_rows", "readout_vector", "DEFAULT_BLOCK_BYTES", "PARTIAL_RTOL",
@@ -140,11 +141,12 @@ class Context:
             )
         return layout
 
-    def layers(self) -> list[AttentionRecord]:
-        """The self-attention records of the model's blocks, input side first.
+    def layers(self, start: int = 0) -> list[AttentionRecord]:
+        """The self-attention records of the model's blocks, input side first, from block ``start``.
 
         One record per block from the last forward; a clear error when the blocks did not
-        issue exactly one self-attention each or the sequence does not fit the layout.
+        issue exactly one self-attention each, the sequence does not fit the layout, or
+        ``start`` (the ``start_layer`` option) is not a block of this model.
         """
         blocks = getattr(self.adapter, "blocks", None) or []
         records = [r for r in self.recorder.records if r.kind == "self"]
@@ -162,7 +164,9 @@ class Context:
         layout = self.require_grid(rollout=True)
         for record in records:
             layout.check(record.num_keys)
-        return records
+        if start:
+            check_index(self.method, "start_layer", start, len(records), "layers")
+        return records[start:]
 
 
 def _mismatch(outputs: Any, fn: Callable[[Tensor], Tensor], tokens: Tensor) -> Optional[str]:

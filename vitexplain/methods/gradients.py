@@ -60,7 +60,7 @@ def grad_rollout(ctx: Context, *, discard_ratio: float = 0.0, start_layer: int =
     Returns:
         (B, gh, gw) float32.
     """
-    layers = ctx.layers()[start_layer:]
+    layers = ctx.layers(start_layer)
     layout = ctx.require_grid(rollout=True)
     vector = readout_vector(layout, ctx.batch_size, layers[0].device)
     keep = 0 if layout.readout == "class" and layout.has_class_token else None
@@ -99,7 +99,7 @@ def generic(ctx: Context, *, start_layer: int = 0) -> Tensor:
     Returns:
         (B, gh, gw) float32.
     """
-    layers = ctx.layers()[start_layer:]
+    layers = ctx.layers(start_layer)
     layout = ctx.require_grid(rollout=True)
     vector = readout_vector(layout, ctx.batch_size, layers[0].device)
     return layout.to_grid(propagate(vector, layers, _generic_contract, mode="generic", minus_identity=True))

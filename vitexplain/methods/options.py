@@ -16,7 +16,11 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from ..errors import OptionError
 
-__all__ = ["Option", "check_options", "check_index", "describe_options", "option_defaults"]
+__all__ = ["MAX_SAMPLES", "Option", "check_options", "check_index", "describe_options", "option_defaults"]
+
+#: Most noisy samples or integration steps a method takes (the papers use 20-300; more only costs
+#: time: the copies are run a batch at a time).
+MAX_SAMPLES = 10_000
 
 _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
 

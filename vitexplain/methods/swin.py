@@ -24,10 +24,11 @@ from torch import Tensor, nn
 from ..errors import UnsupportedMethodError, UnsupportedModelError
 from . import captum_methods
 from .context import Context
-from .options import Option, check_index
+from .options import MAX_SAMPLES, Option, check_index
 from .families import SWIN, VIT
 from .registry import get, register
-from .tokens import _chunks, _slice_score, cdam_scores
+from ..targets import Target
+from .tokens import _slice_score, cdam_scores, integrated_mean_grad, smooth_mean
 from .windowed import WindowedLayer, propagate_windows, stage_vector, window_layers
 
 __all__ = ["raw", "rollout", "grad_rollout", "generic", "attn_gradcam", "cdam", "gradcam",
@@ -318,7 +319,7 @@ def gradcam(ctx: Context) -> Tensor:
 @register(
     "cdam_smooth", SWIN, activations=_last_block, signed=True, requires=("grid", "tokens", "tail"),
     options={
-        "samples": Option(int, low=1, help="noisy samples"),
+        "samples": Option(int, low=1, high=MAX_SAMPLES, help="noisy samples"),
         "noise": Option(float, low=0, help="noise std as a fraction of the block input's range"),
         "batch_size": Option(int, low=1, help="samples per forward"),
         "seed": Option(int, optional=True, help="noise seed (None = random)"),
@@ -335,27 +336,20 @@ def cdam_smooth(ctx: Context, *, samples: int = 50, noise: float = 0.05, batch_s
         (B, H_L, W_L) float32, signed.
     """
     _check_tail(ctx)
-    x = _block_input(ctx)
-    b = x.shape[0]
-    flat = x.flatten(1)
-    sigma = (noise * (flat.amax(1) - flat.amin(1))).view(b, *([1] * x.dim()))
-    generator = torch.Generator(device=x.device).manual_seed(seed) if seed is not None else None
-    eps = torch.randn(samples, *x.shape[1:], device=x.device, dtype=x.dtype, generator=generator)
-    noisy = (x.unsqueeze(1) + sigma * eps.unsqueeze(0)).flatten(0, 1)
-    target = ctx.target.repeat(samples)
-    scores = []
-    for part in _chunks(noisy.shape[0], batch_size):
-        logits, leaf = _tail(ctx, noisy[part])
+
+    def score_rows(rows: Tensor, target: Target, part: slice) -> Tensor:
+        logits, leaf = _tail(ctx, rows)
         (grad,) = torch.autograd.grad(_slice_score(target, logits, part).sum(), leaf)
-        scores.append(cdam_scores(_to_grid(ctx, leaf.detach()), _to_grid(ctx, grad)))
-    grid = _grids(ctx)[-1]
-    return torch.cat(scores).view(b, samples, *grid).mean(dim=1)
+        return cdam_scores(_to_grid(ctx, leaf.detach()), _to_grid(ctx, grad))
+
+    return smooth_mean(_block_input(ctx), ctx.target, samples=samples, noise=noise, batch_size=batch_size, seed=seed,
+                       score_rows=score_rows)
 
 
 @register(
     "cdam_integrated", SWIN, activations=_last_block, signed=True, requires=("grid", "tokens", "tail"),
     options={
-        "steps": Option(int, low=1, help="integration steps"),
+        "steps": Option(int, low=1, high=MAX_SAMPLES, help="integration steps"),
         "batch_size": Option(int, low=1, help="steps per forward"),
     },
     summary="integrated CDAM on the tokens entering the last block's attention (completeness)",
@@ -370,17 +364,13 @@ def cdam_integrated(ctx: Context, *, steps: int = 32, batch_size: int = 64) -> T
     """
     tokens, _ = tokens_and_grad(ctx)
     x = _block_input(ctx)
-    b = x.shape[0]
-    alphas = (torch.arange(steps, device=x.device, dtype=tokens.dtype) + 0.5) / steps
-    path = (alphas.view(1, steps, 1, 1, 1) * tokens.unsqueeze(1)).flatten(0, 1)
-    residual = x.unsqueeze(1).expand(b, steps, *x.shape[1:]).flatten(0, 1)
-    target = ctx.target.repeat(steps)
-    grads = []
-    for part in _chunks(path.shape[0], batch_size):
-        logits, leaf = _tail(ctx, residual[part], replace=path[part].to(x.dtype))
+
+    def grad_rows(residual: Tensor, point: Tensor, target: Target, part: slice) -> Tensor:
+        logits, leaf = _tail(ctx, residual, replace=point.to(x.dtype))
         (grad,) = torch.autograd.grad(_slice_score(target, logits, part).sum(), leaf)
-        grads.append(_to_grid(ctx, grad).float())
-    mean_grad = torch.cat(grads).view(b, steps, *tokens.shape[1:]).mean(dim=1)
+        return _to_grid(ctx, grad).float()
+
+    mean_grad = integrated_mean_grad(tokens, x, ctx.target, steps=steps, batch_size=batch_size, grad_rows=grad_rows)
     return (tokens * mean_grad).sum(dim=-1)
 
 

@@ -9,18 +9,19 @@ outputs first), batched over samples.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
 
 from .context import Context
-from .options import Option
+from .options import MAX_SAMPLES, Option
 from .families import VIT
 from .registry import register
 from ..errors import CaptureError
+from ..targets import Target
 
-__all__ = ["cdam", "cdam_smooth", "cdam_integrated", "gradcam", "cdam_scores"]
+__all__ = ["cdam", "cdam_smooth", "cdam_integrated", "gradcam", "cdam_scores", "smooth_mean", "integrated_mean_grad"]
 
 
 def _last_tokens(adapter) -> list[str]:
@@ -119,10 +120,80 @@ def _chunks(total: int, size: int) -> Iterator[slice]:
         yield slice(start, min(start + size, total))
 
 
+
+RowFn = Callable[[Tensor, Target, slice], Tensor]
+"""``fn(rows, target, part) -> per-row results`` on rows ``part`` of an image-major batch of copies."""
+
+
+def smooth_mean(x: Tensor, target: Target, *, samples: int, noise: float, batch_size: int, seed: Optional[int],
+                score_rows: RowFn) -> Tensor:
+    """The mean over ``samples`` noisy copies of ``x`` of ``score_rows``, per image.
+
+    Copy s of every image gets the same standard-normal draw, scaled by that image's range
+    (``noise * (max - min)``), so a batch gives the same result as its images one by one. The
+    noise is drawn ``batch_size`` samples at a time and the copies run ``batch_size`` rows per
+    forward: memory does not grow with ``samples``.
+
+    Args:
+        x: (B, ...) what is perturbed (e.g. the last block's input).
+        target: the explained target (repeated per copy for class targets).
+        samples, noise, batch_size, seed: the method's options.
+        score_rows: per-row scores of a chunk of noisy rows (image-major copies).
+
+    Returns:
+        (B, ...) the mean of the per-row results over the samples.
+    """
+    b = x.shape[0]
+    flat = x.flatten(1)
+    sigma = (noise * (flat.amax(1) - flat.amin(1))).view(b, *([1] * x.dim()))
+    generator = torch.Generator(device=x.device).manual_seed(seed) if seed is not None else None
+    total: Optional[Tensor] = None
+    for group in _chunks(samples, batch_size):
+        n = group.stop - group.start
+        eps = torch.randn(n, *x.shape[1:], device=x.device, dtype=x.dtype, generator=generator)
+        noisy = (x.unsqueeze(1) + sigma * eps.unsqueeze(0)).flatten(0, 1)  # (B * n, ...), image-major
+        rows_target = target.repeat(n)
+        out = torch.cat([score_rows(noisy[part], rows_target, part) for part in _chunks(noisy.shape[0], batch_size)])
+        part_sum = out.view(b, n, *out.shape[1:]).sum(dim=1)
+        total = part_sum if total is None else total + part_sum
+    assert total is not None
+    return total / samples
+
+
+def integrated_mean_grad(tokens: Tensor, residual: Tensor, target: Target, *, steps: int, batch_size: int,
+                         grad_rows: Callable[[Tensor, Tensor, Target, slice], Tensor]) -> Tensor:
+    """``mean_k dy/dT(alpha_k T)`` over the midpoint path from T' = 0 to T, per image.
+
+    Args:
+        tokens: (B, ...) T.
+        residual: (B, ...) what the re-run part also takes, held fixed along the path.
+        target: the explained target.
+        steps: integration points m (midpoint rule); ``batch_size`` points at a time.
+        grad_rows: ``grad_rows(residual_rows, point_rows, target, part) -> dy/dT`` of rows
+            ``part`` of an image-major batch of path points.
+
+    Returns:
+        (B, ...) the mean gradient, shaped like the per-row gradients.
+    """
+    b = tokens.shape[0]
+    alphas = (torch.arange(steps, device=tokens.device, dtype=tokens.dtype) + 0.5) / steps
+    total: Optional[Tensor] = None
+    for group in _chunks(steps, batch_size):
+        n = group.stop - group.start
+        path = (alphas[group].view(1, n, *([1] * (tokens.dim() - 1))) * tokens.unsqueeze(1)).flatten(0, 1)
+        held = residual.unsqueeze(1).expand(b, n, *residual.shape[1:]).flatten(0, 1)
+        rows_target = target.repeat(n)
+        out = torch.cat([grad_rows(held[part], path[part], rows_target, part) for part in _chunks(b * n, batch_size)])
+        part_sum = out.view(b, n, *out.shape[1:]).sum(dim=1)
+        total = part_sum if total is None else total + part_sum
+    assert total is not None
+    return total / steps
+
+
 @register(
     "cdam_smooth", VIT,
     options={
-        "samples": Option(int, low=1, help="noisy samples"),
+        "samples": Option(int, low=1, high=MAX_SAMPLES, help="noisy samples"),
         "noise": Option(float, low=0, help="noise std as a fraction of the token range"),
         "batch_size": Option(int, low=1, help="samples per forward"),
         "seed": Option(int, optional=True, help="noise seed (None = random)"),
@@ -154,29 +225,19 @@ def cdam_smooth(ctx: Context, *, samples: int = 50, noise: float = 0.05, batch_s
     layout = ctx.require_grid()
     adapter = ctx.adapter
     tail = ctx.tail()
-    x = ctx.recorder.activation(adapter.norm1).input.detach()
-    b = x.shape[0]
-    flat = x.flatten(1)
-    sigma = noise * (flat.amax(1) - flat.amin(1))  # (B,)
-    # one noise draw shared by all images (scaled per image): a batch gives the same maps
-    # as its images one by one
-    generator = torch.Generator(device=x.device).manual_seed(seed) if seed is not None else None
-    eps = torch.randn(samples, *x.shape[1:], device=x.device, dtype=x.dtype, generator=generator)
-    noisy = x.unsqueeze(1) + sigma.view(b, 1, 1, 1) * eps.unsqueeze(0)
-    noisy = noisy.flatten(0, 1)  # (B * samples, N, D), image-major
-    target = ctx.target.repeat(samples)
     norm1 = ctx.model_module(adapter.norm1)
-    scores = []
-    with torch.enable_grad():
-        for part in _chunks(noisy.shape[0], batch_size):
-            with _norm1_output(norm1) as seen:
-                logits = tail(noisy[part])
-            tokens = seen[0]
-            y = _slice_score(target, logits, part)
-            (grad,) = torch.autograd.grad(y.sum(), tokens)
-            scores.append(cdam_scores(tokens.detach(), grad))
-    per_sample = torch.cat(scores).view(b, samples, -1)
-    return layout.to_grid(per_sample.mean(dim=1))
+
+    def score_rows(rows: Tensor, target: Target, part: slice) -> Tensor:
+        with torch.enable_grad(), _norm1_output(norm1) as seen:
+            logits = tail(rows.detach().requires_grad_(True))  # a graph also when every weight is frozen
+        tokens = seen[0]
+        (grad,) = torch.autograd.grad(_slice_score(target, logits, part).sum(), tokens)
+        return cdam_scores(tokens.detach(), grad)
+
+    x = ctx.recorder.activation(adapter.norm1).input.detach()
+    scores = smooth_mean(x, ctx.target, samples=samples, noise=noise, batch_size=batch_size, seed=seed,
+                         score_rows=score_rows)
+    return layout.to_grid(scores)
 
 
 def _slice_score(target, logits: Tensor, part: slice) -> Tensor:
@@ -191,7 +252,7 @@ def _slice_score(target, logits: Tensor, part: slice) -> Tensor:
 @register(
     "cdam_integrated", VIT,
     options={
-        "steps": Option(int, low=1, help="integration steps"),
+        "steps": Option(int, low=1, high=MAX_SAMPLES, help="integration steps"),
         "batch_size": Option(int, low=1, help="steps per forward"),
     },
     grads=True,
@@ -229,20 +290,14 @@ def integrated_token_scores(ctx: Context, *, steps: int = 32, batch_size: int = 
     tail = ctx.tail()
     tokens = ctx.recorder.activation(adapter.norm1).output.detach()
     x = ctx.recorder.activation(adapter.norm1).input.detach()
-    b = x.shape[0]
-    alphas = (torch.arange(steps, device=x.device, dtype=tokens.dtype) + 0.5) / steps
-    path = (alphas.view(1, steps, 1, 1) * tokens.unsqueeze(1)).flatten(0, 1)  # (B * m, N, D)
-    residual = x.unsqueeze(1).expand(b, steps, *x.shape[1:]).flatten(0, 1)
-    target = ctx.target.repeat(steps)
     norm1 = ctx.model_module(adapter.norm1)
-    grads = []
-    with torch.enable_grad():
-        for part in _chunks(path.shape[0], batch_size):
-            point = path[part].clone().requires_grad_(True)
-            with _norm1_output(norm1, replace=point):
-                logits = tail(residual[part])
-            y = _slice_score(target, logits, part)
-            (grad,) = torch.autograd.grad(y.sum(), point)
-            grads.append(grad)
-    mean_grad = torch.cat(grads).view(b, steps, *tokens.shape[1:]).mean(dim=1)
+
+    def grad_rows(residual: Tensor, point: Tensor, target: Target, part: slice) -> Tensor:
+        point = point.detach().clone().requires_grad_(True)
+        with torch.enable_grad(), _norm1_output(norm1, replace=point):
+            logits = tail(residual)
+        (grad,) = torch.autograd.grad(_slice_score(target, logits, part).sum(), point)
+        return grad
+
+    mean_grad = integrated_mean_grad(tokens, x, ctx.target, steps=steps, batch_size=batch_size, grad_rows=grad_rows)
     return cdam_scores(tokens, mean_grad)

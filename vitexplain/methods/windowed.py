@@ -28,7 +28,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from ..errors import CaptureError, OptionError, UnsupportedMethodError
+from ..errors import CaptureError, OptionError, UnsupportedMethodError, UsageError
 from ..layout import WindowGeometry
 from ..recording import AttentionRecord
 from ..recording.records import fuse_heads
@@ -181,7 +181,7 @@ def discard_in_windows(m: Tensor, pairs: Tensor, ratio: float) -> Tensor:
         (B, nW, n, n) copy with the smallest entries zeroed.
     """
     if not 0.0 <= ratio < 1.0:
-        raise ValueError(f"discard_ratio must be in [0, 1), got {ratio}")
+        raise OptionError(f"discard_ratio must be in [0, 1), got {ratio}")
     count = int(int(pairs.sum()) * ratio)
     if count == 0:
         return m
@@ -229,10 +229,10 @@ def propagate_windows(
         (B, H_t * W_t) on the grid of ``to_stage``.
     """
     if mode not in ("rollout", "generic"):
-        raise ValueError(f"unknown propagation mode {mode!r}")
+        raise UsageError(f"unknown propagation mode {mode!r}; choose 'rollout' or 'generic'")
     last = len(grids) - 1
     if not -len(grids) <= to_stage <= last:
-        raise ValueError(f"stage {to_stage} is out of range for a model with {len(grids)} stages")
+        raise OptionError(f"stage {to_stage} is out of range for a model with {len(grids)} stages")
     to_stage %= len(grids)
     batch, device = layers[-1].batch, layers[-1].record.device
     n_last = grids[last][0] * grids[last][1]

@@ -195,10 +195,17 @@ def _is_distilled(model: Any) -> bool:
     return getattr(model, "dist_token", None) is not None or getattr(getattr(model, "config", None), "model_type", "") == "deit"
 
 
+def _image_index(index: int, batch: int) -> int:
+    """``index`` checked against a batch of ``batch`` images (the same rule as ``Explanation``)."""
+    if isinstance(index, bool) or not isinstance(index, int) or not -batch <= index < batch:
+        raise UsageError(f"index must be an image index in [{-batch}, {batch - 1}] (the records hold {batch} images), got {index!r}")
+    return index % batch
+
+
 def record_matrix(
     record: Any,
     *,
-    image: int = 0,
+    index: int = 0,
     head: Union[None, int, str] = "mean",
     layout: Any = None,
     model: Any = None,
@@ -209,7 +216,7 @@ def record_matrix(
 
     Args:
         record: an :class:`~vitexplain.recording.AttentionRecord`.
-        image: which image of the batch.
+        index: which image of the batch.
         head: a head index, or ``"mean"`` / ``"max"`` / ``"min"`` over heads.
         layout: the token layout (``rec.layout``) to name ``[CLS]`` / ``reg`` / ``(r,c)`` tokens;
             without it (or for text tokens) tokens are numbered.
@@ -220,7 +227,7 @@ def record_matrix(
     Returns:
         (H, W, 3) uint8 RGB figure.
     """
-    probs = record.probs()[image]  # (H, N_q, N_k)
+    probs = record.probs()[_image_index(index, record.batch_size)]  # (H, N_q, N_k)
     if isinstance(head, int):
         if not -probs.shape[0] <= head < probs.shape[0]:
             raise UsageError(f"head {head} out of range: {record.name!r} has {probs.shape[0]} heads")
@@ -241,7 +248,7 @@ def caption_matrix(explanation: Any, index: int = 0, *, title: Optional[str] = N
 
     Args:
         explanation: a :class:`~vitexplain.explainer.CaptionExplanation`.
-        index: which image.
+        index: which image of the batch.
         title: default: the method and the caption.
         **kwargs: passed to :func:`attention_matrix`.
 
@@ -261,7 +268,7 @@ def head_grid(
     layout: Any,
     *,
     query: int = 0,
-    image: int = 0,
+    index: int = 0,
     tile: int = 64,
     colormap: str = "viridis",
 ) -> np.ndarray:
@@ -275,7 +282,7 @@ def head_grid(
             records whose keys are not the layout's tokens are skipped.
         layout: the token layout (``rec.layout``).
         query: the query token (0: the class token when there is one).
-        image: which image of the batch.
+        index: which image of the batch.
         tile: side of each map in pixels.
         colormap: colormap name.
 
@@ -291,7 +298,7 @@ def head_grid(
     for record in records:
         if record.num_keys != layout.num_tokens:
             continue
-        probs = record.probs(queries=query)[image, :, 0]  # (H, N_k)
+        probs = record.probs(queries=query)[_image_index(index, record.batch_size), :, 0]  # (H, N_k)
         maps = layout.to_grid(probs).detach().cpu().float().numpy()  # (H, gh, gw)
         tiles = []
         for m in maps:

@@ -1,0 +1,138 @@
+"""Bad input to the Python API gets a vitexplain error that says what is wrong and what to do,
+and no NaN map is ever returned (the hostile-run cases of the reliability issue)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import vitexplain as vx
+
+
+@pytest.fixture(scope="module")
+def model():
+    return vx.zoo.load("shapes-vit")
+
+
+@pytest.fixture(scope="module")
+def ex(model):
+    return vx.Explainer(model)
+
+
+@pytest.fixture(scope="module")
+def x():
+    return vx.data.shapes(n=2, seed=3).tensor
+
+
+@pytest.mark.parametrize("bad, error, message", [
+    (lambda x: x[:, :2], vx.InputError, "takes 3 channels, the input has shape"),
+    (lambda x: x.permute(0, 2, 3, 1), vx.InputError, r"channels-last\? pass x.permute\(0, 3, 1, 2\)"),
+    (lambda x: x[0], vx.InputError, r"one image .* pass x\[None\]"),
+    (lambda x: torch.nn.functional.interpolate(x, size=(96, 96)), vx.InputError, "does not take a 96x96 input.*expects 64x64"),
+    (lambda x: x.double(), vx.InputError, "torch.float64 but the model's weights are torch.float32"),
+    (lambda x: x.half(), vx.InputError, "torch.float16 but the model's weights are torch.float32"),
+    (lambda x: (x * 255).to(torch.uint8), vx.InputError, "float tensor"),
+    (lambda x: x[:0], vx.InputError, "empty"),
+])
+def test_bad_input_tensors(ex, x, bad, error, message):
+    with pytest.raises(error, match=message):
+        ex.explain(bad(x), method="cdam")
+
+
+@pytest.mark.parametrize("target, message", [
+    (1.0, "target must be None, a class index"),
+    ([0.5, 1.9], "target 0.5 is a float"),  # used to be truncated to [0, 1] silently
+    (torch.tensor([0.5, 1.9]), "integer class indices, got torch.float32"),
+    ([0], "got 1 targets for a batch of 2"),
+    (99, "out of range"),
+])
+def test_bad_targets(ex, x, target, message):
+    with pytest.raises(vx.TargetError, match=message):
+        ex.explain(x, method="cdam", target=target)
+
+
+def test_a_detached_score_cannot_be_explained_by_gradients(ex, x):
+    with pytest.raises(vx.TargetError, match="does not depend on the model's outputs"):
+        ex.explain(x, method="cdam", target=lambda out: out[:, 0].detach())
+    ex.explain(x, method="rollout", target=lambda out: out[:, 0].detach())  # no gradient: fine
+
+
+@pytest.mark.parametrize("method", ["cdam", "generic", "rollout", "gradcam", "legrad"])
+def test_overflowing_outputs_are_an_error_not_nan_maps(ex, x, method):
+    with pytest.raises(vx.NumericalError, match=r"outputs are not finite .* images \[0, 1\]"):
+        ex.explain(x * 1e30, method=method)
+
+
+def test_a_nan_target_score_is_an_error(ex, x):
+    with pytest.raises(vx.NumericalError, match="target score is NaN or inf .* outputs are finite"):
+        ex.explain(x, method="cdam", target=lambda out: out[:, 0] / 0.0 * 0.0)
+
+
+def test_nan_weights_say_the_outputs_are_not_finite(model, x):
+    broken = copy.deepcopy(model)
+    with torch.no_grad():
+        broken.head.weight.fill_(float("nan"))
+    with pytest.raises(vx.NumericalError, match="outputs are not finite"):  # not legrad's re-run message
+        vx.Explainer(broken).explain(x, method="legrad")
+
+
+@pytest.mark.parametrize("method, options, message", [
+    ("rollout", {"start_layer": 99}, r"'start_layer' must be in .* \(4 layers\); got 99"),
+    ("generic", {"start_layer": 4}, r"'start_layer' must be in .*; got 4"),
+    ("cdam_smooth", {"samples": 10**9}, r"'samples' must be an integer in \[1, 10000\]"),
+    ("cdam_integrated", {"steps": 10**9}, r"'steps' must be an integer in \[1, 10000\]"),
+])
+def test_options_out_of_what_the_model_or_memory_allows(ex, x, method, options, message):
+    with pytest.raises(vx.OptionError, match=message):
+        ex.explain(x, method=method, **options)
+
+
+def test_overlay_index_out_of_range(ex):
+    e = ex.explain(vx.data.shapes(n=2, seed=1).images)
+    assert e.method == "generic"  # method=None is the family's default
+    with pytest.raises(vx.UsageError, match="image index 7 is out of range: this explanation holds 2"):
+        e.overlay(7)
+    assert e.overlay(-1).shape == e.images[-1].shape
+
+
+def test_cdam_smooth_on_a_frozen_model(model, x):
+    frozen = copy.deepcopy(model).requires_grad_(False)
+    got = vx.Explainer(frozen).explain(x, method="cdam_smooth", samples=4)
+    want = vx.Explainer(model).explain(x, method="cdam_smooth", samples=4)
+    torch.testing.assert_close(got.maps, want.maps)
+    assert not any(p.requires_grad for p in frozen.parameters())
+
+
+def test_a_bf16_model_given_float32_input(model, x):
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    with pytest.raises(vx.InputError, match=r"pass x.to\(torch.bfloat16\)"):
+        vx.Explainer(half).explain(x)
+    assert vx.Explainer(half).explain(x.to(torch.bfloat16), method="rollout").maps.shape == (2, 8, 8)
+
+
+@pytest.fixture(scope="module")
+def captioner():
+    return vx.Explainer(vx.zoo.load("shapes-captioner"))
+
+
+@pytest.mark.parametrize("caption, message", [
+    ([5, 999], r"token ids \[999\] outside the vocabulary"),
+    ([-5], r"token ids \[-5\] outside the vocabulary"),  # used to be read as a word
+    ([[], []], "caption 0 is empty"),
+    ([], "got 0 captions for 2 images"),
+    ("", "empty"),
+])
+def test_bad_captions(captioner, x, caption, message):
+    with pytest.raises(vx.UsageError, match=message):
+        captioner.explain_caption(x, method="cross", caption=caption)
+
+
+def test_small_integer_smooth_samples_equal_one_draw_batch_by_batch(ex, x):
+    """Noise is drawn batch_size samples at a time (memory bounded): the draw does not depend on
+    how many images are explained together."""
+    both = ex.explain(x, method="cdam_smooth", samples=5, batch_size=2)
+    for i in range(2):
+        alone = ex.explain(x[i : i + 1], method="cdam_smooth", samples=5, batch_size=2)
+        torch.testing.assert_close(both.maps[i : i + 1], alone.maps, rtol=1e-4, atol=1e-6)
