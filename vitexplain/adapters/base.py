@@ -95,6 +95,7 @@ from typing import Any, Callable, Optional
 from torch import Tensor, nn
 
 from ..errors import UnsupportedModelError
+from ..recording.compiled import unwrap_compiled
 
 __all__ = ["Adapter", "register_adapter", "adapter_for", "CAPABILITIES", "unwrap_compiled"]
 
@@ -245,13 +246,6 @@ def register_adapter(priority: int = 0, family: Optional[str] = None) -> Callabl
         return detect
 
     return decorate
-
-
-def unwrap_compiled(model: nn.Module) -> nn.Module:
-    """The original module of a ``torch.compile``-d model (itself otherwise)."""
-    while hasattr(model, "_orig_mod") and isinstance(getattr(model, "_orig_mod"), nn.Module):
-        model = model._orig_mod  # type: ignore[assignment]
-    return model
 
 
 def find_adapter(model: nn.Module, family: Optional[str] = None) -> Optional[Adapter]:

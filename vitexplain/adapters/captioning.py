@@ -26,7 +26,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from ..layout import TokenLayout, find_layout_module
+from ..facade import TokenLayout, find_layout_module
 from .base import Adapter, register_adapter
 from ..errors import UsageError
 

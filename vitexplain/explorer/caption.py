@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from ..errors import VitexplainError
-from ..layout import find_layout_module
+from ..facade import find_layout_module
 from ..methods import registry
 from ..recording import capture
 from .attention import attention_views, prefix_labels

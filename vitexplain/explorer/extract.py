@@ -17,7 +17,7 @@ from torch import Tensor
 
 from ..errors import VitexplainError
 from ..targets import TargetSpec, logits_of, norm
-from ..layout import find_layout_module
+from ..facade import find_layout_module
 from ..methods import registry
 from ..methods.context import Context
 from ..recording import capture
