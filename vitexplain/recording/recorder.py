@@ -391,23 +391,7 @@ class Recorder:
         return hook
 
 
-def capture(
-    model: nn.Module,
-    *,
-    grads: bool = False,
-    activations: Sequence[str] = (),
-    attention: Union[bool, Mapping[str, Extractor]] = True,
-    gates: bool = False,
-    attention_mode: str = "fused",
-    heads: str = "all",
-    layout_fn: Optional[LayoutFn] = None,
-) -> Recorder:
-    """The recorder of :func:`vitexplain.capture` without model recognition (``vx.capture`` is the front door).
-
-    Same arguments as :func:`vitexplain.capture`; ``rec.layout`` uses ``layout_fn(model, (H, W))``
-    and raises without one. Code inside vitexplain that never reads ``rec.layout`` uses this.
-    """
-    return Recorder(
-        model, grads=grads, activations=activations, attention=attention, gates=gates,
-        attention_mode=attention_mode, heads=heads, layout_fn=layout_fn,
-    )
+#: ``vitexplain.recording.capture(model, ...)``: the recorder without model recognition (its
+#: ``rec.layout`` needs ``layout_fn``), for code that never reads the layout. The front door,
+#: with the arguments documented, is :func:`vitexplain.capture`.
+capture = Recorder

@@ -45,8 +45,11 @@ class RecordSink(Protocol):
         """The module that issued a call made from frame ``start``, or None when the call is not
         recorded there (not from the captured model, or inside a module an extractor declares)."""
 
-    def add_record(self, issuer: Issuer, record_type: type = AttentionRecord, **fields: Any) -> AttentionRecord:
-        """Create, number and keep a record issued by ``issuer`` (its kind decided from the issuer)."""
+    def add_record(
+        self, issuer: Issuer, record_type: type = AttentionRecord, *, kind: Optional[str] = None, **fields: Any
+    ) -> AttentionRecord:
+        """Create, number and keep a record issued by ``issuer``; its kind is decided from the
+        issuer (:func:`vitexplain.recording.attribution.frame_kind`) unless given."""
 
     def last_record(self) -> Optional[AttentionRecord]:
         """The latest record, or None."""
