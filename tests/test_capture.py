@@ -466,6 +466,28 @@ def test_layout_torchvision_and_unknown_models():
         vx.token_layout(nn.Conv2d(3, 3, 1), 32)
 
 
+def test_the_recorder_takes_its_layout_from_layout_fn_and_vx_capture_gives_the_adapters():
+    x = torch.randn(1, 3, 48, 32)
+    asked = []
+
+    def layout_fn(model, size):
+        asked.append((model, size))
+        return vx.TokenLayout(1, (size[0] // 8, size[1] // 8), True)
+
+    dynamic = VisionTransformer(**TINY, dynamic_img_size=True).eval()
+    with torch.no_grad():
+        with vx.recording.capture(dynamic) as low:  # the recorder alone recognises no model
+            dynamic(x)
+        with vx.recording.capture(dynamic, layout_fn=layout_fn) as given:
+            dynamic(x)
+        with vx.capture(dynamic) as front:
+            dynamic(x)
+    with pytest.raises(CaptureError, match=r"vx\.capture\(model\)"):
+        low.layout
+    assert given.layout.grid == (6, 4) and asked == [(dynamic, (48, 32))]
+    assert front.layout == vx.token_layout(dynamic, (48, 32)) and front.layout.grid == (6, 4)
+
+
 def test_torchvision_vit_probs_match_eager():
     import torchvision as tv
     m = tv.models.VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=16, mlp_dim=32).eval()

@@ -209,10 +209,66 @@ def test_declared_module_errors_are_clear():
     with pytest.raises(CaptureError, match="no module named"):
         with vx.capture(m, attention={"decoder.att": from_output(1)}):
             pass
+    with pytest.raises(CaptureError, match="AttentionWeights"):  # the whole (context, alpha) output
+        with vx.capture(m, attention={"": lambda mod, i, o: o}):
+            m(torch.randn(1, 6), torch.randn(1, 3, 4))
     with pytest.raises(CaptureError, match="AttentionWeights"):
-        with vx.capture(m, attention={"": lambda mod, i, o: o[1]}):
+        with vx.capture(m, attention={"": lambda mod, i, o: {"alpha": o[1]}}):
             m(torch.randn(1, 6), torch.randn(1, 3, 4))
     with pytest.raises(CaptureError, match="kind"):
         with vx.capture(m, attention={"": lambda mod, i, o: AttentionWeights(o[1], "encoder")}):
             m(torch.randn(1, 6), torch.randn(1, 3, 4))
     assert not m._forward_hooks  # removed after the errors too
+
+
+def test_extractors_may_return_the_weights_tensor_alone():
+    """(B, N_k), (B, N_q, N_k) and (B, H, N_q, N_k) plain tensors; the kind follows the module call."""
+    torch.manual_seed(0)
+    additive = Additive(6, 4, 5)
+    q, k = torch.randn(3, 6), torch.randn(3, 9, 4)
+    with vx.capture(additive, attention={"": lambda mod, i, o: o[1]}, grads=True) as rec:
+        context, _ = additive(q, k)
+    rec.backward((context * torch.arange(4.0)).sum())
+    (record,) = rec.records
+    assert (record.kind, record.source, tuple(record.probs().shape)) == ("self", "module", (3, 1, 1, 9))
+    torch.testing.assert_close(record.probs()[:, 0, 0], additive_oracle(additive, q, k), atol=1e-6, rtol=1e-5)
+    _, alpha = additive(q, k)  # oracle gradient: the module's own weights, retained
+    alpha.retain_grad()
+    ((alpha[..., None] * k).sum(1) * torch.arange(4.0)).sum().backward()
+    torch.testing.assert_close(record.grad_probs()[:, 0, 0], alpha.grad, atol=1e-6, rtol=1e-5)
+
+    additive.is_cross_attention = True  # the module says what it is, as for SDPA calls
+    with vx.capture(additive, attention={"": lambda mod, i, o: o[1]}) as rec:
+        additive(q, k)
+    assert rec.records[0].kind == "cross"
+
+    luong = Luong(8)
+    queries, memory = torch.randn(2, 3, 8), torch.randn(2, 5, 8)
+    with vx.capture(luong, attention={"": lambda mod, i, o: mod.weights}) as rec:
+        luong(queries, memory=memory)
+    expected = torch.softmax(torch.einsum("bqd,de,bke->bqk", queries, luong.W.weight, memory), dim=-1)
+    (record,) = rec.records
+    assert record.kind == "cross"  # a tensor argument named `memory`
+    torch.testing.assert_close(record.probs()[:, 0], expected, atol=1e-6, rtol=1e-5)
+    with vx.capture(luong, attention={"": lambda mod, i, o: mod.weights}) as rec:
+        luong(queries, memory)  # positional: bound to the forward's parameter names
+    assert rec.records[0].kind == "cross"
+
+    local = LocalWindow(8, heads=2, window=2)
+    x = torch.randn(2, 7, 8)
+    with vx.capture(local, attention={"": lambda mod, i, o: local_to_dense(mod, i, o).weights}) as rec:
+        local(x)
+    (record,) = rec.records
+    assert record.kind == "self" and record.probs().shape == (2, 2, 7, 7)
+    with vx.capture(local, attention={"": local_to_dense}) as declared:
+        local(x)
+    torch.testing.assert_close(record.probs(), declared.records[0].probs(), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("shape", [(3,), (1, 1, 1, 3, 4)])
+def test_a_plain_tensor_of_another_rank_is_a_clear_error(shape):
+    m = Additive(6, 4, 5)
+    with pytest.raises(CaptureError, match=r"\(B, N_k\), \(B, N_q, N_k\) or \(B, H, N_q, N_k\); got shape"):
+        with vx.capture(m, attention={"": lambda mod, i, o: torch.rand(shape)}):
+            m(torch.randn(1, 6), torch.randn(1, 3, 4))
+    assert not m._forward_hooks

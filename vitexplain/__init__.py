@@ -36,11 +36,11 @@ __version__ = "0.1.0"
 
 # name -> (module, attribute); attribute None means the module itself.
 _LAZY: dict[str, tuple[str, str | None]] = {
-    "capture": ("vitexplain.recording", "capture"),
+    "capture": ("vitexplain.facade", "capture"),
     "Recorder": ("vitexplain.recording", "Recorder"),
     "AttentionRecord": ("vitexplain.recording", "AttentionRecord"),
     "TokenLayout": ("vitexplain.layout", "TokenLayout"),
-    "token_layout": ("vitexplain.layout", "token_layout"),
+    "token_layout": ("vitexplain.facade", "token_layout"),
     "Explainer": ("vitexplain.explainer", "Explainer"),
     "Explanation": ("vitexplain.explainer", "Explanation"),
     "overlay": ("vitexplain.viz.overlays", "overlay"),

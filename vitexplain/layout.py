@@ -5,11 +5,9 @@ A ViT sequence is ``[prefix tokens] + [patch tokens]``: the class token, a disti
 (gh, gw) that depends on the actual input size (not always square, not always 14 x 14).
 Swin-style models attend inside windows; their layout reports ``windowed=True`` and no grid.
 
-The layout of a model is computed by its adapter (``vitexplain.adapters``, the one place
-that recognises a model family): :func:`token_layout` asks the model's adapter, or, for a
-model that contains a ViT (e.g. a captioner's image encoder), the adapter of its first
-submodule that is one. A model may also define ``vx_token_layout(input_size) -> TokenLayout``
-itself.
+This module is the geometry only. The layout of a given model comes from its adapter
+(``vitexplain.adapters``, the one place that recognises a model family) through
+:func:`vitexplain.token_layout` (:mod:`vitexplain.facade`).
 """
 
 from __future__ import annotations
@@ -20,11 +18,11 @@ from typing import Literal, Optional
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from .errors import UnsupportedModelError, UsageError
 
-__all__ = ["TokenLayout", "WindowGeometry", "token_layout", "find_layout_module"]
+__all__ = ["TokenLayout", "WindowGeometry"]
 
 
 @dataclass(frozen=True)
@@ -109,59 +107,6 @@ def _pair(value: object) -> tuple[int, int]:
     if isinstance(value, (tuple, list)):
         return int(value[0]), int(value[1])
     return int(value), int(value)  # type: ignore[arg-type]
-
-
-def _own_layout(module: nn.Module, size: tuple[int, int], adapter: bool) -> Optional[TokenLayout]:
-    custom = getattr(module, "vx_token_layout", None)
-    if callable(custom):
-        return custom(size)
-    from .adapters.base import find_adapter
-
-    found = find_adapter(module) if adapter else find_adapter(module, family="vit")
-    layout = getattr(found, "layout", None)
-    return layout(size) if callable(layout) else None
-
-
-def find_layout_module(model: nn.Module, input_size: tuple[int, int]) -> tuple[str, nn.Module, TokenLayout]:
-    """The model itself or its first submodule with a known token layout.
-
-    The layout comes from the module's adapter (``vitexplain.adapters``: the one place that
-    recognises a model), or from ``module.vx_token_layout(input_size)`` when defined.
-
-    Returns:
-        (module name, module, layout); the name is ``""`` for the model itself.
-    """
-    from .adapters.base import unwrap_compiled
-
-    size = _pair(input_size)
-    model = unwrap_compiled(model)
-    for name, module in model.named_modules():
-        layout = _own_layout(module, size, adapter=name == "")
-        if layout is not None:
-            return name, module, layout
-    raise UnsupportedModelError(
-        f"cannot find the token layout of {type(model).__name__}: supported are the ViT "
-        "families vitexplain.adapters recognises (timm, torchvision, Hugging Face; see "
-        "docs/support.md) and any model containing one; for another model register an "
-        "adapter (vitexplain.adapters.register_adapter) or define "
-        "`vx_token_layout(self, input_size) -> vx.TokenLayout` on it"
-    )
-
-
-def token_layout(model: nn.Module, input_size: tuple[int, int] | int) -> TokenLayout:
-    """Token layout of ``model`` for an input of ``input_size`` pixels.
-
-    Args:
-        model: a ViT (or a model containing one, e.g. an encoder-decoder captioner).
-        input_size: (H, W) of the preprocessed input, or one int for square inputs.
-
-    Returns:
-        The :class:`TokenLayout`.
-
-    Raises:
-        UnsupportedModelError: the model family is not recognised.
-    """
-    return find_layout_module(model, _pair(input_size))[2]
 
 
 @dataclass(frozen=True)

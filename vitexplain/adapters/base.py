@@ -85,10 +85,13 @@ from typing import Any, Callable, Optional, Union
 from torch import Tensor, nn
 
 from ..errors import UnsupportedModelError
+from ..layout import TokenLayout, _pair
 from ..methods.families import Family, family as _family
 from ..methods.registry import CAPABILITIES
+from ..recording.compiled import unwrap_compiled
 
-__all__ = ["Adapter", "register_adapter", "adapter_for", "find_adapter", "CAPABILITIES", "unwrap_compiled"]
+__all__ = ["Adapter", "register_adapter", "adapter_for", "find_adapter", "find_layout_module", "token_layout",
+           "CAPABILITIES", "unwrap_compiled"]
 
 
 class Adapter:
@@ -195,13 +198,6 @@ def register_adapter(priority: int = 0, family: Optional[Family] = None) -> Call
     return decorate
 
 
-def unwrap_compiled(model: nn.Module) -> nn.Module:
-    """The original module of a ``torch.compile``-d model (itself otherwise)."""
-    while hasattr(model, "_orig_mod") and isinstance(getattr(model, "_orig_mod"), nn.Module):
-        model = model._orig_mod  # type: ignore[assignment]
-    return model
-
-
 def find_adapter(model: nn.Module, family: Union[None, Family, str] = None) -> Optional[Adapter]:
     """The adapter of ``model``, or None when no detector recognises it.
 
@@ -240,3 +236,59 @@ def adapter_for(model: nn.Module) -> Adapter:
         "records the attention of any model using SDPA; vitexplain.adapters.register_adapter "
         "adds your own model (see the README, 'Your own model')."
     )
+
+
+def _own_layout(module: nn.Module, size: tuple[int, int], adapter: bool) -> Optional[TokenLayout]:
+    custom = getattr(module, "vx_token_layout", None)
+    if callable(custom):
+        return custom(size)
+    found = find_adapter(module) if adapter else find_adapter(module, family=_family("vit"))
+    layout = getattr(found, "layout", None)
+    return layout(size) if callable(layout) else None
+
+
+def find_layout_module(model: nn.Module, input_size: tuple[int, int]) -> tuple[str, nn.Module, TokenLayout]:
+    """The model itself or its first submodule with a known token layout.
+
+    The layout comes from the module's adapter (``vitexplain.adapters``: the one place that
+    recognises a model), or from ``module.vx_token_layout(input_size)`` when defined.
+
+    Returns:
+        (module name, module, layout); the name is ``""`` for the model itself.
+
+    Raises:
+        UnsupportedModelError: neither the model nor any submodule has a known layout.
+    """
+    size = _pair(input_size)
+    model = unwrap_compiled(model)
+    for name, module in model.named_modules():
+        layout = _own_layout(module, size, adapter=name == "")
+        if layout is not None:
+            return name, module, layout
+    raise UnsupportedModelError(
+        f"cannot find the token layout of {type(model).__name__}: supported are the ViT "
+        "families vitexplain.adapters recognises (timm, torchvision, Hugging Face; see "
+        "docs/support.md) and any model containing one; for another model register an "
+        "adapter (vitexplain.adapters.register_adapter) or define "
+        "`vx_token_layout(self, input_size) -> vx.TokenLayout` on it"
+    )
+
+
+def token_layout(model: nn.Module, input_size: Union[tuple[int, int], int]) -> TokenLayout:
+    """Token layout of ``model`` for an input of ``input_size`` pixels.
+
+    Asks the model's adapter, or, for a model that contains a ViT (e.g. a captioner's image
+    encoder), the adapter of its first submodule that is one. A model may also define
+    ``vx_token_layout(input_size) -> TokenLayout`` itself.
+
+    Args:
+        model: a ViT (or a model containing one, e.g. an encoder-decoder captioner).
+        input_size: (H, W) of the preprocessed input, or one int for square inputs.
+
+    Returns:
+        The :class:`~vitexplain.layout.TokenLayout`.
+
+    Raises:
+        UnsupportedModelError: the model family is not recognised.
+    """
+    return find_layout_module(model, _pair(input_size))[2]

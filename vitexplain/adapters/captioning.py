@@ -26,9 +26,9 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from ..layout import TokenLayout, find_layout_module
+from ..layout import TokenLayout
 from ..methods.families import CAPTION
-from .base import Adapter, register_adapter
+from .base import Adapter, find_layout_module, register_adapter
 from ..errors import UsageError
 
 __all__ = [

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from ..errors import CaptureError
-from ..layout import find_layout_module
+from ..adapters import find_layout_module
 from ..plan import Plan
 from ..recording import capture
 from .attention import attention_views, prefix_labels

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from ..errors import VitexplainError
-from ..layout import find_layout_module
+from ..adapters import find_layout_module
 from ..methods.context import Context
 from ..plan import Plan
 from ..recording import capture

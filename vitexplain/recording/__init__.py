@@ -1,9 +1,12 @@
 """``vitexplain.recording``: scoped capture of attention (fused SDPA kept on), activations, CNN gates and their gradients.
 
-The public entry point is :func:`vitexplain.capture` (``vx.capture``), defined in
-:mod:`vitexplain.recording.recorder`.
+The public entry point is :func:`vitexplain.capture` (``vx.capture``, :mod:`vitexplain.facade`):
+this package's :class:`Recorder` with the token layout of the model's adapter. Nothing here
+recognises a model family (``vitexplain.recording.capture`` is the same recorder without
+``rec.layout``, unless given a ``layout_fn``).
 """
 
+from .compiled import unwrap_compiled
 from .custom import (
     AttentionWeights,
     ModuleInputs,
@@ -20,6 +23,7 @@ from .recorder import Recorder, capture
 __all__ = [
     "capture",
     "Recorder",
+    "unwrap_compiled",
     "AttentionRecord",
     "ActivationRecord",
     "GateRecord",

@@ -5,12 +5,14 @@ Attention that is not a 4-D ``softmax`` or an SDPA / FlexAttention call (Bahdana
 an LSTM decoder that attends once per step) is declared by an *extractor*: a function that,
 after the module has run, returns the attention weights it used::
 
-    def extractor(module, inputs, output) -> AttentionWeights | None:
+    def extractor(module, inputs, output) -> AttentionWeights | Tensor | None:
         context, weights = output                   # e.g. a module returning (context, alpha)
         return AttentionWeights(weights, "cross")
 
     with vx.capture(model, attention={"decoder.attention": extractor}) as rec:
         model(x)
+
+    vx.capture(model, attention={"decoder.attention": lambda m, i, o: o[1]})   # a plain tensor
 
 or, for every instance of a module class, ``register_attention(MyAttention, extractor)``.
 ``inputs`` are the module's positional arguments (a tuple; its ``kwargs`` attribute holds the
@@ -19,7 +21,11 @@ keyword arguments) and ``output`` whatever its forward returned. :func:`from_out
 
 The weights are (B, N_k) for a call with one query (a recurrent decoder step), (B, N_q, N_k),
 or (B, H, N_q, N_k); records hold them as (B, H, N_q, N_k) and :meth:`AttentionRecord.probs`
-returns them in float32, like an eager record. When the weights are the tensor the module's
+returns them in float32, like an eager record. An extractor may return the weights tensor
+alone: its kind is then decided from the module call as for every attention call the capture
+sees (``is_cross_attention``, a tensor argument named ``encoder_hidden_states``, ``memory``, ...;
+see :func:`vitexplain.recording.attribution.kind_of`), ``"self"`` otherwise; return
+``AttentionWeights(weights, "cross")`` to state it. When the weights are the tensor the module's
 output was computed from (not a recomputation, not detached) and gradients are captured,
 ``grad_probs()`` is the gradient reaching that tensor; otherwise it raises a clear error. Calls
 of the same module count up ``step`` (a decoder attending once per generated word gives one
@@ -29,11 +35,15 @@ issued inside a declared module are not recorded separately.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable, Literal, NamedTuple, Optional, Union
 
+import torch
 from torch import Tensor, nn
 
 from ..errors import CaptureError, InputError
+from .attribution import call_kind
+from .sink import Issuer, RecordSink
 
 __all__ = [
     "AttentionWeights",
@@ -47,6 +57,8 @@ __all__ = [
     "from_attribute",
     "as_weights",
     "in_graph",
+    "module_hook",
+    "declared_modules",
 ]
 
 
@@ -58,6 +70,9 @@ class AttentionWeights(NamedTuple):
             (B, H, N_q, N_k); row q holds the weights query q put on each key.
         kind: ``"self"`` (queries and keys from the same sequence) or ``"cross"`` (e.g. text
             queries over image keys).
+
+    An extractor may return the weights tensor alone instead; its kind is then decided from
+    the module call (see the module docstring).
     """
 
     weights: Tensor
@@ -75,8 +90,8 @@ class ModuleInputs(tuple):
         return obj
 
 
-Extractor = Callable[[nn.Module, ModuleInputs, Any], Optional[AttentionWeights]]
-"""``extractor(module, inputs, output) -> AttentionWeights | None`` (None: no attention this call)."""
+Extractor = Callable[[nn.Module, ModuleInputs, Any], Union[AttentionWeights, Tensor, None]]
+"""``extractor(module, inputs, output) -> AttentionWeights | Tensor | None`` (None: no attention this call)."""
 
 _REGISTRY: dict[type, Extractor] = {}
 
@@ -162,7 +177,7 @@ def from_attribute(name: str, kind: Literal["self", "cross"] = "cross") -> Extra
     return extract
 
 
-def as_weights(result: Any, name: str) -> Optional[tuple[Tensor, Tensor, str]]:
+def as_weights(result: Any, name: str) -> Optional[tuple[Tensor, Tensor, Optional[str]]]:
     """Check an extractor's result.
 
     Args:
@@ -170,28 +185,37 @@ def as_weights(result: Any, name: str) -> Optional[tuple[Tensor, Tensor, str]]:
         name: module name, for messages.
 
     Returns:
-        None (no attention in this call), or (the returned tensor, its (B, H, N_q, N_k) view,
-        kind).
+        None (no attention in this call), or (the weights tensor, its (B, H, N_q, N_k) view,
+        kind); kind is None for a plain tensor (the caller decides it from the module call).
 
     Raises:
-        CaptureError: the result is not an :class:`AttentionWeights` with a 2- to 4-D tensor
-            and a valid kind.
+        CaptureError: the result is neither an :class:`AttentionWeights` with a valid kind nor
+            a tensor, or the weights are not a 2- to 4-D float tensor.
     """
     if result is None:
         return None
-    if isinstance(result, Tensor) or not isinstance(result, tuple) or len(result) != 2:
+    kind: Optional[str] = None
+    if isinstance(result, Tensor):
+        weights = result
+    elif isinstance(result, tuple) and len(result) == 2:
+        weights, kind = result
+        if not isinstance(kind, str) or kind not in ("self", "cross"):
+            said = repr(kind) if isinstance(kind, str) else f"a {type(kind).__name__}"
+            raise CaptureError(
+                f"the attention extractor of {name!r} returned a pair whose kind is {said}; return the weights "
+                "tensor, or vitexplain.recording.AttentionWeights(weights, kind) with kind 'self' or 'cross'"
+            )
+    else:
         raise CaptureError(
-            f"the attention extractor of {name!r} returned {type(result).__name__}; return "
-            "vitexplain.recording.AttentionWeights(weights, kind) with kind 'self' or 'cross'"
+            f"the attention extractor of {name!r} returned {type(result).__name__}; return the weights "
+            "tensor, or vitexplain.recording.AttentionWeights(weights, kind) with kind 'self' or 'cross'"
         )
-    weights, kind = result
-    if kind not in ("self", "cross"):
-        raise CaptureError(f"the attention extractor of {name!r} returned kind {kind!r}; use 'self' or 'cross'")
     if not isinstance(weights, Tensor) or weights.dim() not in (2, 3, 4) or not weights.is_floating_point():
-        shape = tuple(weights.shape) if isinstance(weights, Tensor) else type(weights).__name__
+        shape = f"shape {tuple(weights.shape)}" if isinstance(weights, Tensor) else type(weights).__name__
+        dtype = f" {weights.dtype}" if isinstance(weights, Tensor) else ""
         raise CaptureError(
             f"the attention weights of {name!r} must be a float tensor shaped (B, N_k), (B, N_q, N_k) "
-            f"or (B, H, N_q, N_k); got {shape}"
+            f"or (B, H, N_q, N_k); got {shape}{dtype}"
         )
     if weights.dim() == 2:
         view = weights[:, None, None, :]
@@ -200,6 +224,39 @@ def as_weights(result: Any, name: str) -> Optional[tuple[Tensor, Tensor, str]]:
     else:
         view = weights
     return weights, view, kind
+
+
+def module_hook(sink: RecordSink, name: str, extractor: Extractor) -> Callable:
+    """A forward hook (``with_kwargs=True``) recording the weights ``extractor`` reads from a declared module.
+
+    Args:
+        sink: where the record goes (the recorder).
+        name: the module's name.
+        extractor: ``extractor(module, inputs, output)``.
+    """
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        inputs = ModuleInputs(args, kwargs)
+        checked = as_weights(extractor(module, inputs, output), name)
+        if checked is None:
+            return
+        weights, view, kind = checked
+        b, h, n_q, n_k = view.shape
+        record = sink.add_record(
+            Issuer(name, module, sys._getframe()),
+            kind=kind or call_kind(module, args, kwargs),
+            source="module",
+            q_shape=torch.Size((b, h, n_q, 0)),
+            k_shape=torch.Size((b, h, n_k, 0)),
+            _probs=view.detach(),
+        )
+        if sink.grads:
+            if weights.requires_grad and not in_graph(weights, output, inputs):
+                record._grad_state = "not_in_graph"
+            else:
+                record._attach_grad_hook(weights, sink.hooks_enabled)
+
+    return hook
 
 
 def _tensors(value: Any) -> list[Tensor]:
@@ -283,9 +340,3 @@ def declared_modules(
             found[name] = (module, fn)
             inside = name
     return found
-
-
-def is_inside(name: str, declared: dict[str, Any]) -> bool:
-    """Whether module ``name`` is a declared module or inside one."""
-    return any(name == d or d == "" or name.startswith(d + ".") for d in declared)
-

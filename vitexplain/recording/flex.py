@@ -32,17 +32,18 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 from types import CodeType, FrameType
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
 
 from ..errors import CaptureError
 from .records import AttentionRecord, QuerySelect, _rows
+from .sink import RecordSink
 
 __all__ = [
     "FlexAttentionRecord",
-    "FlexRecording",
+    "FlexWatcher",
     "BlockView",
     "flex_code",
     "flex_op",
@@ -277,93 +278,98 @@ class FlexAttentionRecord(AttentionRecord):
         )
 
 
-class FlexRecording:
-    """The part of :class:`~vitexplain.recording.Recorder` that records FlexAttention calls.
+class FlexWatcher:
+    """Records the FlexAttention calls of a capture (owned by the recorder, fed by its torch function mode).
 
-    The recorder's mode calls :meth:`_watch_flex` for every torch call while FlexAttention is
-    imported (and appends the op calls dynamo traces to ``mode.flex_calls``).
+    While FlexAttention is imported (:meth:`start` finds it), the mode hands over every torch
+    call (:meth:`watch`) and every call of FlexAttention's op that dynamo traces (:meth:`traced`).
+    The first torch call issued from a ``flex_attention`` frame records that call; calls seen by
+    dynamo are recorded at the next torch call after them; while a record waits for its output
+    (gradients captured), the calls after it are searched for it.
+
+    Args:
+        sink: where records go (the recorder).
     """
 
-    if TYPE_CHECKING:  # provided by the Recorder
-        grads: bool
-        _records: list[AttentionRecord]
-        _mode: Any
-        _flex_frame: Optional[FrameType]
-        _flex_unattributed: int
-        _flex_pending: Optional[tuple[AttentionRecord, tuple[Tensor, Tensor, Tensor]]]
+    def __init__(self, sink: RecordSink) -> None:
+        self.sink = sink
+        self.code: Optional[CodeType] = None  # flex_attention's code, while it is imported
+        self.op: Any = None  # its higher-order op
+        self._traced: list[tuple] = []  # appended while dynamo traces FlexAttention's op
+        self._frame: Optional[FrameType] = None  # the flex_attention frame last recorded
+        self._pending: Optional[tuple[AttentionRecord, tuple[Tensor, Tensor, Tensor]]] = None
+        self._unattributed = 0
 
-        def _attention_issuer(self, start: Optional[FrameType] = None) -> Any: ...
-        def _kind(self, module: Any, frame: FrameType) -> str: ...
-        def _new_record(self, name: str, kind: str, record_type: type = ..., **fields: Any) -> AttentionRecord: ...
-        def _hooks_collect(self) -> bool: ...
+    def start(self) -> None:
+        """At the start of a scope: look up FlexAttention (None unless a model imported it)."""
+        self.code, self.op = flex_code(), flex_op()
 
-    def _watch_flex(self, code: Any, args: tuple, kwargs: dict) -> None:
-        """Called for every torch call while FlexAttention is importable (see ``recording.flex``).
+    def stop(self) -> None:
+        """At the end of a scope: count the compiled calls no later torch op could attribute."""
+        self._unattributed += sum(not self._seen(traced_arguments(c)["query"]) for c in self._traced)
+        self._traced.clear()
+        self._frame = self._pending = None
 
-        The first call issued from a ``flex_attention`` frame records that call; while a
-        record waits for its output (gradients captured), the calls after it are searched for it.
+    def check(self) -> None:
+        """Raise when compiled FlexAttention calls are missing from the records.
+
+        Raises:
+            CaptureError: a compiled call returned its output without a further torch operation
+                inside the capture, so no module could be named for it.
         """
-        try:
-            caller = sys._getframe(2)  # the frame that made the torch call
-        except ValueError:  # no Python caller (called from C++)
-            return
-        frame = flex_frame(caller, code)
-        if frame is not None:
-            if frame is not self._flex_frame:
-                self._flex_frame = frame
-                self._on_flex(flex_arguments(frame), frame.f_back)
-            return
-        assert self._mode is not None
-        calls = self._mode.flex_calls
-        while calls:  # calls seen by dynamo: attributed to the module that made this torch call
-            bound = traced_arguments(calls.pop(0))
-            if self._flex_seen(bound["query"]):
-                self._flex_frame = None  # that call is over: do not keep its frame (and its callers) alive
-            else:
-                self._on_flex(bound, caller, traced=True)
-        if self._flex_pending is not None:
-            record, (q, k, v) = self._flex_pending
-            out = find_output(args, kwargs, q, k, v)
-            if out is not None:
-                self._flex_pending = None
-                record._attach_grad_hook(out, self._hooks_collect)
-
-    def _count_unattributed_flex(self, calls: list[tuple]) -> None:
-        """At the end of the capture: count the compiled calls no later torch op could attribute."""
-        self._flex_unattributed += sum(not self._flex_seen(traced_arguments(c)["query"]) for c in calls)
-        calls.clear()
-
-    def _check_flex_attributed(self) -> None:
-        if self._flex_unattributed:
+        if self._unattributed:
             raise CaptureError(
-                f"{self._flex_unattributed} torch.compile-d FlexAttention call(s) returned their output without any "
+                f"{self._unattributed} torch.compile-d FlexAttention call(s) returned their output without any "
                 "further torch operation inside the capture, so they were not attributed to a module and are "
                 "missing from the records; use the output inside the module (e.g. reshape it there)"
             )
 
-    def _flex_seen(self, q: Tensor) -> bool:
+    def traced(self, args: tuple) -> None:
+        """A call of FlexAttention's op, while dynamo traces it (dynamo replays this on every call)."""
+        self._traced.append(traced_call(args))
+
+    def watch(self, caller: FrameType, args: tuple, kwargs: dict) -> None:
+        """A torch call made from frame ``caller`` (see the class docstring)."""
+        frame = flex_frame(caller, self.code) if self.code is not None else None
+        if frame is not None:
+            if frame is not self._frame:
+                self._frame = frame
+                self._record(flex_arguments(frame), frame.f_back)
+            return
+        while self._traced:  # calls seen by dynamo: attributed to the module that made this torch call
+            bound = traced_arguments(self._traced.pop(0))
+            if self._seen(bound["query"]):
+                self._frame = None  # that call is over: do not keep its frame (and its callers) alive
+            else:
+                self._record(bound, caller, traced=True)
+        if self._pending is not None:
+            record, (q, k, v) = self._pending
+            out = find_output(args, kwargs, q, k, v)
+            if out is not None:
+                self._pending = None
+                record._attach_grad_hook(out, self.sink.hooks_enabled)
+
+    def _seen(self, q: Tensor) -> bool:
         """Whether the last record already holds this FlexAttention call (seen at its frame)."""
-        last = self._records[-1] if self._records else None
+        last = self.sink.last_record()
         return isinstance(last, FlexAttentionRecord) and last._q is not None and last._q.data_ptr() == q.data_ptr() \
             and last._q.shape == q.shape
 
-    def _on_flex(self, bound: dict[str, Any], caller: Optional[FrameType], traced: bool = False) -> None:
-        issuer = self._attention_issuer(caller)
+    def _record(self, bound: dict[str, Any], caller: Optional[FrameType], traced: bool = False) -> None:
+        issuer = self.sink.issuer(caller) if caller is not None else None
         if issuer is None:
             return
-        if traced and _runs_compiled_code(issuer[2]):
+        if traced and _runs_compiled_code(issuer.frame):
             # the module found runs dynamo-compiled code: the submodules it called (and the one that
             # called FlexAttention) were compiled into it, so the call cannot be attributed
             raise CaptureError(
-                f"FlexAttention ran inside the torch.compile-d forward of {issuer[0] or 'the model'!r}, whose "
+                f"FlexAttention ran inside the torch.compile-d forward of {issuer.name or 'the model'!r}, whose "
                 "submodules cannot be told apart; capture the uncompiled model (model._orig_mod), or compile "
                 "flex_attention itself rather than the whole model"
             )
         q, k, v = bound["query"], bound["key"], bound["value"]
-        name, module, issuing_frame = issuer
-        record = self._new_record(
-            name,
-            self._kind(module, issuing_frame),
+        record = self.sink.add_record(
+            issuer,
             FlexAttentionRecord,
             source="flex",
             q_shape=q.shape,
@@ -374,10 +380,10 @@ class FlexRecording:
             score_mod=bound["score_mod"],
             block_mask=bound["block_mask"],
         )
-        if self.grads:
+        if self.sink.grads:
             record._v = v.detach()
             if any(t.requires_grad for t in (q, k, v)) and torch.is_grad_enabled():
-                record._grad_state = "no_output"  # until the output is seen (``_watch_flex``)
-                self._flex_pending = (record, (q, k, v))
+                record._grad_state = "no_output"  # until the output is seen (:meth:`watch`)
+                self._pending = (record, (q, k, v))
             else:
                 record._grad_state = "no_graph"

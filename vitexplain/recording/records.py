@@ -179,6 +179,11 @@ class AttentionRecord:
         index: position of this call among all records of the capture.
         step: how many times this module had issued attention before in this capture
             (0 for the first call; decoding steps with a KV cache count up).
+        forward_index: which top-level call of the captured model issued it: 0 for the first
+            one that recorded attention, one more for each later one. A top-level call is the
+            model's forward, or a submodule called from outside the model (e.g. the image
+            encoder that Hugging Face ``generate`` runs before its first forward); each
+            ``generate`` step is one.
         source: ``"sdpa"`` (fused kernel observed), ``"eager"`` (softmax computed by the
             model in Python), ``"flex"`` (FlexAttention, see :mod:`vitexplain.recording.flex`)
             or ``"module"`` (weights read by an extractor from a module's call, see
@@ -201,6 +206,7 @@ class AttentionRecord:
     q_shape: torch.Size
     k_shape: torch.Size
     dropout_p: float = 0.0
+    forward_index: int = 0
     materialized: bool = False
     heads: str = "all"
     _q: Optional[Tensor] = field(default=None, repr=False)
@@ -397,9 +403,12 @@ class AttentionRecord:
 
     # -- called by the recorder -------------------------------------------------------
     def _as_4d(self, grad: Tensor) -> Tensor:
-        """A gradient w.r.t. :attr:`output` as (B, H, N_q, last) (outputs with window dims or
-        MHA's (B * H, N_q, N_k) weights are recorded folded to 4-D)."""
-        return grad if grad.dim() == 4 else grad.reshape(self.batch_size, self.num_heads, -1, grad.shape[-1])
+        """A gradient w.r.t. :attr:`output` as (B, H, N_q, last) (outputs with window dims, MHA's
+        (B * H, N_q, N_k) weights and Hugging Face's packed grouped-query outputs (B, H_kv, G, E),
+        see :mod:`vitexplain.recording.packed`, are recorded as (B, H, N_q, ...))."""
+        if grad.dim() == 4 and grad.shape[1] == self.num_heads:
+            return grad
+        return grad.reshape(self.batch_size, self.num_heads, -1, grad.shape[-1])
 
     def _add_grad(self, grad: Tensor) -> None:
         """Accumulate a gradient w.r.t. :attr:`output` (like ``.grad`` does)."""
@@ -446,6 +455,7 @@ class ActivationRecord:
     Attributes:
         name: module path.
         step: call count of this module within the capture (0 first).
+        forward_index: the top-level call it belongs to, as ``AttentionRecord.forward_index``.
         input: the first tensor argument the module received (a reference).
         output: the module's output tensor (a reference, still in the autograd graph).
         grad: gradient of the backpropagated score w.r.t. ``output``, once a backward ran.
@@ -463,6 +473,7 @@ class ActivationRecord:
     args: tuple = field(default=(), repr=False)
     kwargs: dict = field(default_factory=dict, repr=False)
     tuple_output: bool = False
+    forward_index: int = 0
 
     def _add_grad(self, grad: Tensor) -> None:
         grad = grad.detach()

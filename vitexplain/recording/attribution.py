@@ -1,0 +1,163 @@
+"""Who issued an attention call: the module, whether it attends to another sequence, and which top-level call.
+
+No hook is put on the model for this. When an attention call is seen, the Python stack is
+walked from the frame that made it:
+
+- the *issuer* is the nearest frame whose ``self`` is a submodule of the captured model (an
+  ``nn.Softmax`` submodule is a tool of the attention module, not the issuer); calls from
+  other models are not recorded;
+- the *kind* is decided from the issuer and its arguments (:func:`kind_of`);
+- the *top-level call* is the outermost call of a captured module on the stack (the frame of
+  ``nn.Module._call_impl``): the model's own forward, or a submodule that code outside the
+  model called directly (e.g. the image encoder that Hugging Face ``generate`` runs through
+  ``get_image_features`` before the first forward). Records are numbered by it
+  (``record.forward_index``): 0 for the first top-level call that recorded attention, one more
+  for each later one.
+"""
+
+from __future__ import annotations
+
+import inspect
+from types import FrameType
+from typing import Any, Iterable, Literal, Mapping, Optional
+
+from torch import Tensor, nn
+
+from .sink import Issuer
+
+__all__ = ["Attribution", "kind_of", "frame_kind", "call_kind", "is_inside", "CROSS_ARGUMENT_NAMES", "CROSS_PARAMETER_NAMES"]
+
+#: Argument names that, when a tensor is passed, mean the keys come from another sequence.
+CROSS_ARGUMENT_NAMES = (
+    "encoder_hidden_states",
+    "key_value_states",
+    "memory",
+    "context",
+    "cross_attn_states",
+    "cross_attention_states",
+    "encoder_out",
+)
+
+#: Parameter names that only cross-attention modules declare: their keys come from that
+#: argument or, when it is None at a decoding step, from the cache (Hugging Face Mllama, Dia, BLT).
+CROSS_PARAMETER_NAMES = ("cross_attention_states",)
+
+_CALL_IMPL = nn.Module._call_impl.__code__
+
+
+def kind_of(module: nn.Module, arguments: Mapping[str, Any], parameters: Iterable[str]) -> Literal["self", "cross"]:
+    """Whether an attention call issued by ``module`` is self- or cross-attention.
+
+    ``"cross"`` when the module has ``is_cross_attention=True``, is an ``nn.MultiheadAttention``
+    called with a key that is not its query, received a tensor argument named in
+    :data:`CROSS_ARGUMENT_NAMES`, or declares a parameter named in :data:`CROSS_PARAMETER_NAMES`;
+    otherwise ``"self"``.
+
+    Args:
+        module: the issuing module.
+        arguments: the arguments of its call, by name.
+        parameters: the parameter names of the called method.
+    """
+    flag = getattr(module, "is_cross_attention", None)
+    if isinstance(flag, bool):
+        return "cross" if flag else "self"
+    if isinstance(module, nn.MultiheadAttention):
+        query, key = arguments.get("query"), arguments.get("key")
+        return "cross" if isinstance(key, Tensor) and key is not query else "self"
+    if any(isinstance(arguments.get(arg), Tensor) for arg in CROSS_ARGUMENT_NAMES):
+        return "cross"
+    return "cross" if any(p in CROSS_PARAMETER_NAMES for p in parameters) else "self"
+
+
+def frame_kind(module: nn.Module, frame: FrameType) -> Literal["self", "cross"]:
+    """:func:`kind_of` for a call made while the module's method runs in ``frame``."""
+    code = frame.f_code
+    return kind_of(module, frame.f_locals, code.co_varnames[: code.co_argcount + code.co_kwonlyargcount])
+
+
+def call_kind(module: nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> Literal["self", "cross"]:
+    """:func:`kind_of` for a finished module call (a forward hook's ``args`` and ``kwargs``)."""
+    try:
+        signature = inspect.signature(module.forward)
+        arguments: Mapping[str, Any] = signature.bind_partial(*args, **kwargs).arguments
+    except (TypeError, ValueError):  # no signature, or arguments it does not bind
+        return kind_of(module, kwargs, ())
+    return kind_of(module, arguments, signature.parameters)
+
+
+def is_inside(name: str, declared: Mapping[str, Any]) -> bool:
+    """Whether module ``name`` is a declared module or inside one."""
+    return any(name == d or d == "" or name.startswith(d + ".") for d in declared)
+
+
+class Attribution:
+    """Finds the issuer and the top-level call of attention calls made inside one model.
+
+    The numbering of top-level calls goes on over the scopes of one recorder (like ``step``);
+    :meth:`start` tells it the model's modules at the start of each scope.
+    """
+
+    def __init__(self) -> None:
+        self._names: dict[int, str] = {}
+        self._declared: Mapping[str, Any] = {}
+        self._top: Optional[FrameType] = None
+        self._forward_index = -1
+
+    def start(self, modules: Mapping[str, nn.Module], declared: Mapping[str, Any]) -> None:
+        """Attribute calls to ``modules`` (the model's ``named_modules()``) from now on.
+
+        Args:
+            modules: module name -> module.
+            declared: names of the modules whose attention an extractor reads (calls inside
+                them are recorded by the extractor, not here).
+        """
+        self._names = {id(m): n for n, m in modules.items()}
+        self._declared = declared
+
+    def issuer(self, start: Optional[FrameType]) -> Optional[Issuer]:
+        """The innermost captured module on the stack from ``start``, with its frame."""
+        names = self._names
+        frame = start
+        while frame is not None:
+            obj = frame.f_locals.get("self")
+            if obj is not None:
+                name = names.get(id(obj))
+                if name is not None and isinstance(obj, nn.Module) and not isinstance(obj, nn.Softmax):
+                    return Issuer(name, obj, frame)
+            frame = frame.f_back
+        return None
+
+    def attention_issuer(self, start: Optional[FrameType]) -> Optional[Issuer]:
+        """The issuer of an SDPA/softmax/FlexAttention call, or None when it is not recorded there:
+        calls from outside the model, and calls inside a declared module (whose record replaces them)."""
+        issuer = self.issuer(start)
+        if issuer is None or (self._declared and is_inside(issuer.name, self._declared)):
+            return None
+        return issuer
+
+    def forward_index(self, issuer: Issuer) -> int:
+        """The number of the top-level call a record issued by ``issuer`` belongs to.
+
+        The latest top-level frame is kept (frames are compared by identity, and keeping it
+        prevents a later call's frame from reusing its address) until :meth:`stop`.
+        """
+        top = None
+        frame: Optional[FrameType] = issuer.frame
+        while frame is not None:
+            if frame.f_code is _CALL_IMPL and id(frame.f_locals.get("self")) in self._names:
+                top = frame
+            frame = frame.f_back
+        top = top or issuer.frame  # a model method that computes attention inline, called directly
+        if top is not self._top:
+            self._top = top
+            self._forward_index += 1
+        return self._forward_index
+
+    def stop(self) -> None:
+        """At the end of a scope: drop the kept frame (the next record starts a new top-level call)."""
+        self._top = None
+
+    def reset(self) -> None:
+        """Number top-level calls from 0 again (``Recorder.clear()``)."""
+        self._top = None
+        self._forward_index = -1

@@ -1,0 +1,207 @@
+"""The torch function mode that sees attention calls: SDPA, 4-D softmax, MHA's functional forward, FlexAttention.
+
+:class:`AttentionMode` observes every ``F.scaled_dot_product_attention`` call (q, k, v, mask,
+scale, causal flag) and lets the fused kernel run unchanged, or, when ``attention_mode`` says so,
+computes the attention itself and keeps the probabilities (:mod:`vitexplain.recording.materialize`).
+It observes 4-D ``softmax`` calls made inside modules (models that compute attention in Python,
+e.g. timm with ``fused_attn=False`` or Hugging Face "eager"), and ``nn.MultiheadAttention``'s
+functional forward, whose inner SDPA / softmax call it makes visible for the duration of that
+call only. Every other torch call goes to the FlexAttention watcher
+(:class:`vitexplain.recording.flex.FlexWatcher`) while FlexAttention is imported.
+
+Each call becomes a record handed to a :class:`~vitexplain.recording.sink.RecordSink` (the
+recorder), which finds the module that issued it. Gradients: a tensor hook on the SDPA output
+captures dO (``dy/dA = dO @ V^T``); on the probabilities for eager and materialized records.
+"""
+
+from __future__ import annotations
+
+import sys
+from types import FrameType
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from . import materialize
+from .flex import FlexWatcher
+from .materialize import attention_with_probs, can_materialize
+from .packed import packed_groups, unpack_mask, unpack_query
+from .sink import RecordSink
+
+__all__ = ["AttentionMode"]
+
+_SDPA = F.scaled_dot_product_attention
+_MHA_FORWARD = F.multi_head_attention_forward
+_SOFTMAX = (torch.softmax, torch.Tensor.softmax, F.softmax, torch.special.softmax)
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def _fold(t: Tensor) -> Tensor:
+    """(..., H, N, E) with extra leading dims (windows, groups) as (B', H, N, E)."""
+    return t if t.dim() <= 4 else t.reshape(-1, *t.shape[-3:])
+
+
+def _bind_sdpa(args: tuple, kwargs: dict) -> dict[str, Any]:
+    """Map SDPA's positional and keyword arguments to names."""
+    bound = dict(zip(_SDPA_ARGS, args))
+    bound.update(kwargs)
+    return bound
+
+
+def _caller() -> Optional[FrameType]:
+    """The frame that made the torch call being handled (called from ``__torch_function__``)."""
+    try:
+        return sys._getframe(2)
+    except ValueError:  # no Python caller (called from C++)
+        return None
+
+
+class AttentionMode(TorchFunctionMode):
+    """Routes attention-related torch calls to records; everything else runs as is.
+
+    One mode serves one recorder; it is entered and left with the recorder's scope.
+
+    Args:
+        sink: where records go (the recorder).
+        flex: the FlexAttention watcher.
+        attention_mode: ``"fused"``, ``"materialize"`` or ``"auto"`` (checked by the recorder).
+        heads: what materialized records keep (``"all"`` or a head fusion).
+    """
+
+    def __init__(self, sink: RecordSink, flex: FlexWatcher, attention_mode: str, heads: str) -> None:
+        super().__init__()
+        self.sink = sink
+        self.flex = flex
+        self.attention_mode = attention_mode
+        self.heads = heads
+        self._materialized_bytes = 0
+
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        if kwargs is None:
+            kwargs = {}
+        if func is _SDPA:
+            return self._on_sdpa(func, args, kwargs, _caller())
+        if func in _SOFTMAX:
+            return self._on_softmax(func, args, kwargs, _caller())
+        if func is _MHA_FORWARD:
+            return self._on_mha(func, args, kwargs)
+        flex = self.flex
+        if flex.op is not None and func is flex.op:
+            # reached while dynamo traces FlexAttention (eager flex_attention compiles its op, and so
+            # does torch.compile): dynamo replays this append with the real arguments on every call
+            flex.traced(args)
+            return func(*args, **kwargs)
+        # nothing else of the recorder can run while dynamo traces
+        if flex.code is not None and not torch.compiler.is_dynamo_compiling():
+            caller = _caller()
+            if caller is not None:
+                flex.watch(caller, args, kwargs)
+        return func(*args, **kwargs)
+
+    # -- SDPA ---------------------------------------------------------------------------
+    def _on_sdpa(self, func: Callable, args: tuple, kwargs: dict, caller: Optional[FrameType]) -> Any:
+        issuer = self.sink.issuer(caller) if caller is not None else None
+        if issuer is None:
+            return func(*args, **kwargs)
+        bound = _bind_sdpa(args, kwargs)
+        query, k, v = bound["query"], bound["key"], bound["value"]
+        mask = bound.get("attn_mask")
+        mask = mask if isinstance(mask, Tensor) else None
+        q = query
+        gqa = bool(bound.get("enable_gqa", False))
+        groups = packed_groups(caller, issuer.frame, q)
+        if groups > 1:  # transformers packed the query heads into rows: record them as heads
+            q, mask, gqa = unpack_query(q, groups), unpack_mask(mask, groups), True
+        if q.dim() > 4:  # windows or groups as extra leading dims: fold them into the batch
+            if mask is not None:
+                mask = mask.reshape((1,) * (q.dim() - mask.dim()) + tuple(mask.shape))
+                mask = _fold(mask.expand(*q.shape[:-3], *mask.shape[-3:]))
+            q, k, v = _fold(q), _fold(k), _fold(v)
+        dropout_p = float(bound.get("dropout_p", 0.0) or 0.0)
+        fields = dict(
+            source="sdpa", q_shape=q.shape, k_shape=k.shape, dropout_p=dropout_p,
+            _mask=mask.detach() if mask is not None else None, _scale=bound.get("scale"),
+            _causal=bool(bound.get("is_causal", False)),
+        )
+        if self._materialize(q, k, v, mask, dropout_p, gqa):
+            out, probs = attention_with_probs(
+                q, k, v, attn_mask=mask, scale=fields["_scale"], is_causal=fields["_causal"], heads=self.heads
+            )
+            heads = self.heads if probs.dim() == 3 else "all"
+            record = self.sink.add_record(issuer, materialized=True, heads=heads, _probs=probs.detach(), **fields)
+            if self.sink.grads:
+                record._attach_grad_hook(probs, self.sink.hooks_enabled)
+            return out.reshape(*query.shape[:-1], out.shape[-1])
+        out = func(*args, **kwargs)
+        record = self.sink.add_record(issuer, _q=q.detach(), _k=k.detach(), **fields)
+        if self.sink.grads:
+            record._v = v.detach()
+            record._attach_grad_hook(out, self.sink.hooks_enabled)
+        return out
+
+    def _materialize(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], dropout_p: float, gqa: bool) -> bool:
+        """Whether this SDPA call is computed by the capture (see ``attention_mode``)."""
+        if self.attention_mode == "fused" or not can_materialize(q, k, v, mask, dropout_p, gqa):
+            return False
+        if self.attention_mode == "materialize":
+            return True
+        if self.sink.grads:  # auto: with a backward pass the fused kernels are faster (materialize.py)
+            return False
+        size = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * 4
+        kept = size // (1 if self.heads == "all" else q.shape[1])
+        total = self._materialized_bytes + kept
+        if q.device.type != "cpu" or size > materialize.AUTO_CALL_BYTES or total > materialize.AUTO_TOTAL_BYTES:
+            return False
+        self._materialized_bytes = total
+        return True
+
+    # -- softmax ------------------------------------------------------------------------
+    def _on_softmax(self, func: Callable, args: tuple, kwargs: dict, caller: Optional[FrameType]) -> Any:
+        out = func(*args, **kwargs)
+        if not isinstance(out, Tensor) or out.dim() < 3 or caller is None:
+            return out
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+        if dim not in (-1, out.dim() - 1):
+            return out
+        issuer = self.sink.issuer(caller)
+        if issuer is None:
+            return out
+        probs = out
+        if out.dim() == 3:
+            # nn.MultiheadAttention with need_weights=True: (B * H, N_q, N_k)
+            if not isinstance(issuer.module, nn.MultiheadAttention):
+                return out
+            heads = issuer.module.num_heads
+            probs = out.view(out.shape[0] // heads, heads, *out.shape[1:])
+        probs = _fold(probs)  # (B, G, H, N, N) window attention: (B * G, H, N, N)
+        b, h, n_q, n_k = probs.shape
+        record = self.sink.add_record(
+            issuer,
+            source="eager",
+            q_shape=torch.Size((b, h, n_q, 0)),
+            k_shape=torch.Size((b, h, n_k, 0)),
+            _probs=probs.detach(),
+        )
+        if self.sink.grads:
+            record._attach_grad_hook(out, self.sink.hooks_enabled)
+        return out
+
+    # -- nn.MultiheadAttention ----------------------------------------------------------
+    def _on_mha(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+        """Run MHA's functional forward with its inner SDPA/softmax calls visible."""
+        original_sdpa, original_softmax = F.scaled_dot_product_attention, F.softmax
+
+        def sdpa(*a: Any, **kw: Any) -> Any:
+            return self._on_sdpa(original_sdpa, a, kw, sys._getframe(1))
+
+        def softmax(*a: Any, **kw: Any) -> Any:
+            return self._on_softmax(original_softmax, a, kw, sys._getframe(1))
+
+        F.scaled_dot_product_attention, F.softmax = sdpa, softmax
+        try:
+            return func(*args, **kwargs)
+        finally:
+            F.scaled_dot_product_attention, F.softmax = original_sdpa, original_softmax

@@ -1,0 +1,58 @@
+"""What an interceptor of attention calls sees of the recorder: an issuer and a place for records.
+
+The parts that observe attention (SDPA, softmax and MHA interception, FlexAttention, the hooks
+of declared modules) find the module that issued a call and hand the recorder a new record.
+They do that through :class:`RecordSink`, which :class:`~vitexplain.recording.Recorder`
+implements, and never through the recorder's own state.
+"""
+
+from __future__ import annotations
+
+from types import FrameType
+from typing import Any, NamedTuple, Optional, Protocol
+
+from torch import nn
+
+from .records import AttentionRecord
+
+__all__ = ["Issuer", "RecordSink"]
+
+
+class Issuer(NamedTuple):
+    """The captured module that issued an attention call.
+
+    Attributes:
+        name: its name in ``model.named_modules()`` (``""`` for the model itself).
+        module: the module.
+        frame: the frame of the module's method that (directly or through helpers) made the call.
+    """
+
+    name: str
+    module: nn.Module
+    frame: FrameType
+
+
+class RecordSink(Protocol):
+    """The recorder as the interceptors use it.
+
+    Attributes:
+        grads: whether gradients are captured (records then hook their output).
+    """
+
+    grads: bool
+
+    def issuer(self, start: FrameType) -> Optional[Issuer]:
+        """The module that issued a call made from frame ``start``, or None when the call is not
+        recorded there (not from the captured model, or inside a module an extractor declares)."""
+
+    def add_record(
+        self, issuer: Issuer, record_type: type = AttentionRecord, *, kind: Optional[str] = None, **fields: Any
+    ) -> AttentionRecord:
+        """Create, number and keep a record issued by ``issuer``; its kind is decided from the
+        issuer (:func:`vitexplain.recording.attribution.frame_kind`) unless given."""
+
+    def last_record(self) -> Optional[AttentionRecord]:
+        """The latest record, or None."""
+
+    def hooks_enabled(self) -> bool:
+        """Whether gradient hooks collect now (False while :meth:`Recorder.backward` runs its own pass)."""
