@@ -4,6 +4,9 @@
   at image resolution, lies inside the ground-truth mask dilated by a tolerance.
 - :func:`relevance_mass` (Arras et al. 2022): positive relevance inside the mask over all positive
   relevance.
+- :func:`relevance_rank_accuracy` (Arras et al. 2022): of the K = |mask| most relevant pixels, the
+  fraction inside the mask; :func:`top_k_intersection` (Theiner et al. 2021): of the k most relevant
+  pixels, the fraction inside the mask. Ties at the cut count by expectation (see :func:`top_k_inside`).
 
 Maps are ``(B, h, w)`` at any resolution (a model's patch grid, or pixels); masks set the image
 resolution ``(H, W)``.
@@ -30,6 +33,9 @@ __all__ = [
     "pointing_game",
     "pointing_accuracy",
     "relevance_mass",
+    "top_k_inside",
+    "relevance_rank_accuracy",
+    "top_k_intersection",
 ]
 
 #: Pointing-game tolerance in pixels at the reference resolution (Zhang et al. 2018: 15 px at 224 px).
@@ -210,3 +216,90 @@ def relevance_mass(maps: ArrayLike, masks: ArrayLike) -> Tensor:
     total = pos.sum(1)
     inside = (pos * masks.flatten(1)).sum(1)
     return torch.where(total > 0, inside / total.clamp(min=torch.finfo(pos.dtype).tiny), torch.zeros_like(total))
+
+
+def top_k_inside(maps: ArrayLike, masks: ArrayLike, k: Tensor) -> Tensor:
+    """How many of each map's ``k`` most relevant pixels lie inside the mask, ties counted by expectation.
+
+    The map is upsampled bilinearly to the mask resolution and ranked by its signed value. Pixels
+    tied with the k-th value at the cut are a random draw in any ranking (``numpy.argsort`` and a
+    stable sort take the first in memory order, i.e. the top rows): the count is the expectation over
+    a uniformly random order of the tied pixels, ``g_in + (k - g) * e_in / e`` with ``g`` (``g_in``)
+    the pixels above the k-th value (inside the mask) and ``e`` (``e_in``) those equal to it. Without
+    ties at the cut this is the plain count; a constant map gets ``k * |mask| / (H * W)``, chance.
+
+    Args:
+        maps: ``(B, h, w)`` maps at any resolution.
+        masks: ``(B, H, W)`` masks (bool, or nonzero = inside).
+        k: ``(B,)`` integers in ``[1, H * W]``.
+
+    Returns:
+        ``(B,)`` float tensor (float64 except on MPS), the expected number of top-k pixels inside.
+    """
+    maps = check_maps(maps)
+    masks = check_masks(masks, batch=maps.shape[0]).to(maps.device)
+    dtype = exact_dtype(maps.device)
+    a = upsample_maps(maps.to(dtype), masks.shape[1:]).flatten(1)
+    inside = masks.flatten(1)
+    k = k.to(device=maps.device, dtype=torch.long)
+    cut = torch.sort(a, dim=1, descending=True).values.gather(1, (k - 1)[:, None])  # the k-th value, (B, 1)
+    above, tied = a > cut, a == cut
+    g, g_in = above.sum(1), (above & inside).sum(1)
+    e, e_in = tied.sum(1), (tied & inside).sum(1)
+    return g_in.to(dtype) + (k - g).to(dtype) * e_in.to(dtype) / e.to(dtype)
+
+
+def relevance_rank_accuracy(maps: ArrayLike, masks: ArrayLike) -> Tensor:
+    """Relevance rank accuracy (Arras et al. 2022): of the K = |mask| most relevant pixels, the share inside.
+
+    The map is upsampled bilinearly to the mask resolution and its pixels are ranked by signed
+    relevance; the score is ``|top-K ∩ mask| / K``, 1 when the mask holds the K highest values. Ties
+    at the cut count by expectation (:func:`top_k_inside`), so a constant map scores chance,
+    ``K / (H * W)``. Quantus 0.6 (``quantus.RelevanceRankAccuracy``) computes the same with
+    ``numpy.argsort``, which breaks ties by memory order; the two agree on maps without ties at the cut.
+
+    Args:
+        maps: ``(B, h, w)`` maps at any resolution.
+        masks: ``(B, H, W)`` masks (bool, or nonzero = inside).
+
+    Returns:
+        ``(B,)`` float32 tensor in [0, 1].
+
+    Raises:
+        UsageError: a mask is empty (K = 0: undefined; Quantus returns NaN), or shapes do not match.
+    """
+    maps = check_maps(maps)
+    masks = check_masks(masks, batch=maps.shape[0]).to(maps.device)
+    size = masks.flatten(1).sum(1)
+    if bool((size == 0).any()):
+        raise UsageError(
+            f"masks of batch items {(size == 0).nonzero().flatten().tolist()[:10]} are empty; relevance rank "
+            f"accuracy is undefined without the object (K = 0), drop those items"
+        )
+    return (top_k_inside(maps, masks, size) / size.to(exact_dtype(maps.device))).float()
+
+
+def top_k_intersection(maps: ArrayLike, masks: ArrayLike, k: int) -> Tensor:
+    """Top-k intersection (Theiner et al. 2021): the share of the k most relevant pixels inside the mask.
+
+    The map is upsampled bilinearly to the mask resolution and ranked by signed relevance; the score is
+    ``|top-k ∩ mask| / k``, with ties at the cut counted by expectation (:func:`top_k_inside`). An empty
+    mask scores 0. Quantus 0.6 (``quantus.TopKIntersection``, default k = 1000) computes the same with
+    ``numpy.argsort`` (ties by memory order) and returns NaN for an empty mask; its optional
+    ``concept_influence`` rescaling by ``H * W / |mask|`` is not applied here.
+
+    Args:
+        maps: ``(B, h, w)`` maps at any resolution.
+        masks: ``(B, H, W)`` masks (bool, or nonzero = inside).
+        k: number of top pixels, at mask resolution, in ``[1, H * W]``.
+
+    Returns:
+        ``(B,)`` float32 tensor in [0, 1].
+    """
+    maps = check_maps(maps)
+    masks = check_masks(masks, batch=maps.shape[0]).to(maps.device)
+    n = masks.shape[1] * masks.shape[2]
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n:
+        raise UsageError(f"k must be an int in [1, {n}] (pixels at mask resolution), got {k!r}")
+    counts = torch.full((maps.shape[0],), k, device=maps.device, dtype=torch.long)
+    return (top_k_inside(maps, masks, counts) / k).float()

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from ..errors import TargetError, UsageError
 from ..targets import logits_of, resolve
 from .localisation import upsample_maps
-from .validation import ArrayLike, Size2, as_tensor, check_maps, size2
+from .validation import ArrayLike, Size2, as_tensor, check_images, check_maps, check_positive_int, size2
 
 __all__ = ["DeletionInsertionResult", "deletion_insertion", "deletion_auc", "insertion_auc"]
 
@@ -108,6 +108,34 @@ def _logits(out: Any) -> Tensor:
         shape = tuple(logits.shape) if logits is not None else type(out).__name__
         raise UsageError(f"the model must return logits of shape (N, C), got {shape}")
     return logits
+
+
+def _scorer(model: Callable[[Tensor], Any], score: ScoreFn, caller: str) -> Callable[[Tensor], Tensor]:
+    """``x (N, C, H, W) -> scores (N, classes)`` of the model; warns if the model is in training mode."""
+    score_fn = _score_fn(score)
+    if isinstance(model, nn.Module) and model.training:
+        warnings.warn(
+            f"{caller}: the model is in training mode (dropout, batch-norm updates); "
+            "call model.eval() first for meaningful curves",
+            stacklevel=3,
+        )
+
+    def run(x: Tensor) -> Tensor:
+        s = score_fn(_logits(model(x)))
+        if not isinstance(s, Tensor) or s.ndim != 2 or s.shape[0] != x.shape[0]:
+            raise UsageError(f"score must return (N, C) scores, got {getattr(s, 'shape', type(s))}")
+        return s
+
+    return run
+
+
+def _resolve_targets(run: Callable[[Tensor], Tensor], images: Tensor, target: Any, batch_size: int) -> Tensor:
+    """The (B,) class whose score is recorded, on the images' device, resolved as the explanation
+    methods resolve it (None = the class predicted on the unmodified image; out-of-range indices
+    are a TargetError). Call under ``torch.no_grad()``."""
+    B = images.shape[0]
+    unmodified = torch.cat([run(images[i : i + batch_size]) for i in range(0, B, batch_size)])
+    return resolve(_target_spec(target, B), unmodified).classes.to(images.device)
 
 
 def _patch_grid(maps: Tensor, size: Tuple[int, int], patch: Optional[Size2]) -> Tuple[Tensor, Tensor]:
@@ -208,28 +236,17 @@ def deletion_insertion(
     """
     if mode not in ("deletion", "insertion"):
         raise UsageError(f"mode must be 'deletion' or 'insertion', got {mode!r}")
-    images = as_tensor(images, "images")
-    if images.ndim != 4:
-        raise UsageError(f"images must have shape (B, C, H, W), got {tuple(images.shape)}")
-    if not images.is_floating_point():
-        raise UsageError(f"images must be the preprocessed float tensor the model takes, got {images.dtype}")
+    images = check_images(images)
     B, _, H, W = images.shape
     maps = check_maps(maps, batch=B).to(images.device)
-    if not (isinstance(batch_size, int) and batch_size > 0):
-        raise UsageError(f"batch_size must be a positive int, got {batch_size!r}")
+    check_positive_int(batch_size, "batch_size")
     scores, labels = _patch_grid(maps, (H, W), patch)
     K = scores.shape[1]
     if steps is None:
         steps = K
     if not (isinstance(steps, int) and 1 <= steps <= K):
         raise UsageError(f"steps must be an int in [1, {K}] (the number of patches), got {steps!r}")
-    score_fn = _score_fn(score)
-    if isinstance(model, nn.Module) and model.training:
-        warnings.warn(
-            "deletion_insertion: the model is in training mode (dropout, batch-norm updates); "
-            "call model.eval() first for meaningful curves",
-            stacklevel=2,
-        )
+    run = _scorer(model, score, "deletion_insertion")
 
     order = torch.sort(scores, dim=1, descending=True, stable=True).indices
     rank = torch.empty_like(order).scatter_(1, order, torch.arange(K, device=order.device).expand(B, K))
@@ -238,17 +255,8 @@ def deletion_insertion(
     base = _baseline_images(images, baseline, blur_sigma)
     S1 = steps + 1
 
-    def run(x: Tensor) -> Tensor:
-        s = score_fn(_logits(model(x)))
-        if not isinstance(s, Tensor) or s.ndim != 2 or s.shape[0] != x.shape[0]:
-            raise UsageError(f"score must return (N, C) scores, got {getattr(s, 'shape', type(s))}")
-        return s
-
     with torch.no_grad():
-        # the class whose score is recorded: as the explanation methods resolve it (None = the
-        # class predicted on the unmodified image; out-of-range indices are a TargetError)
-        unmodified = torch.cat([run(images[i : i + batch_size]) for i in range(0, B, batch_size)])
-        tgt = resolve(_target_spec(target, B), unmodified).classes.to(images.device)
+        tgt = _resolve_targets(run, images, target, batch_size)
         flat: Optional[Tensor] = None
         total = B * S1
         for start in range(0, total, batch_size):

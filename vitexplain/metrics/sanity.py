@@ -17,7 +17,7 @@ from ..errors import InputError, UsageError
 from .correlation import rank_correlation
 from .validation import check_maps
 
-__all__ = ["RandomizationResult", "randomization_layers", "randomization_check"]
+__all__ = ["RandomizationResult", "randomization_layers", "randomized_copy", "randomization_check"]
 
 
 class RandomizationResult(NamedTuple):
@@ -86,6 +86,56 @@ def _reinit_(module: nn.Module, std: float) -> None:
                 p.normal_(0.0, std)
 
 
+def _layer_names(model: nn.Module, layers: Optional[Sequence[str]]) -> List[str]:
+    """Check the model and the layer names (default :func:`randomization_layers`)."""
+    if not isinstance(model, nn.Module):
+        raise InputError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    modules = dict(model.named_modules())
+    names = list(layers) if layers is not None else randomization_layers(model)
+    if not names:
+        raise UsageError("no layers to randomise: the model has no child modules with parameters; pass layers=")
+    unknown = [n for n in names if n not in modules or n == ""]
+    if unknown:
+        avail = [n for n in modules if n][:20]
+        raise UsageError(f"unknown layer names {unknown}; expected names from model.named_modules(), e.g. {avail}")
+    return names
+
+
+def _randomise_layer(model: nn.Module, name: str, seed: int, init_std: float) -> None:
+    """Re-initialise layer ``name`` of ``model`` in place after ``torch.manual_seed(seed)``, inside
+    :func:`torch.random.fork_rng` (the global CPU and CUDA generators are left as found)."""
+    cuda_devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    with torch.random.fork_rng(devices=cuda_devices):
+        torch.manual_seed(seed)
+        _reinit_(dict(model.named_modules())[name], init_std)
+
+
+def randomized_copy(
+    model: nn.Module, layers: Optional[Sequence[str]] = None, *, seed: int = 0, init_std: float = 0.02
+) -> nn.Module:
+    """A deep copy of ``model`` with every layer in ``layers`` re-initialised (full randomisation).
+
+    Layer ``k`` of ``layers`` is re-initialised as by :func:`randomization_check` (seed ``seed + k``,
+    so layers of the same shape get different weights), and the copy equals the last step of a
+    cascading :func:`randomization_check` with the same layers and seed. The caller's model is untouched.
+
+    Args:
+        model: the model (left untouched).
+        layers: module names to randomise; default :func:`randomization_layers` (every parameterised
+            child; parameters owned by the root module, such as a ViT's ``pos_embed``, are kept).
+        seed: seed of the re-initialisation.
+        init_std: standard deviation for parameters no ``reset_parameters()`` covers.
+
+    Returns:
+        The randomised copy (same device, dtype and training flag as ``model``).
+    """
+    names = _layer_names(model, layers)
+    work = copy.deepcopy(model)
+    for k, name in enumerate(names):
+        _randomise_layer(work, name, seed + k, init_std)
+    return work
+
+
 def randomization_check(
     model: nn.Module,
     explain_fn: Callable[[nn.Module], Tensor],
@@ -128,28 +178,16 @@ def randomization_check(
         :class:`RandomizationResult` with ``layers``, ``correlations (len(layers), B)``,
         ``reference (B, h, w)`` and ``maps (len(layers), B, h, w)`` or None.
     """
-    if not isinstance(model, nn.Module):
-        raise InputError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if mode not in ("cascading", "independent"):
         raise UsageError(f"mode must be 'cascading' or 'independent', got {mode!r}")
-    modules = dict(model.named_modules())
-    names = list(layers) if layers is not None else randomization_layers(model)
-    if not names:
-        raise UsageError("no layers to randomise: the model has no child modules with parameters; pass layers=")
-    unknown = [n for n in names if n not in modules or n == ""]
-    if unknown:
-        avail = [n for n in modules if n][:20]
-        raise UsageError(f"unknown layer names {unknown}; expected names from model.named_modules(), e.g. {avail}")
-    cuda_devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    names = _layer_names(model, layers)
 
     def explain(m: nn.Module, what: str) -> Tensor:
         maps = explain_fn(m)
         return check_maps(maps, f"explain_fn output ({what})")
 
     def randomise(m: nn.Module, k: int) -> None:
-        with torch.random.fork_rng(devices=cuda_devices):
-            torch.manual_seed(seed + k)
-            _reinit_(dict(m.named_modules())[names[k]], init_std)
+        _randomise_layer(m, names[k], seed + k, init_std)
 
     work = copy.deepcopy(model)
     reference = explain(work, "original model")

@@ -15,7 +15,10 @@ from torch import Tensor
 
 from ..errors import InputError, UsageError
 
-__all__ = ["ArrayLike", "Size2", "as_tensor", "check_finite", "check_maps", "check_masks", "size2", "exact_dtype"]
+__all__ = [
+    "ArrayLike", "Size2", "as_tensor", "check_finite", "check_maps", "check_masks", "check_images",
+    "check_positive_int", "size2", "exact_dtype",
+]
 
 ArrayLike = Any  # torch.Tensor, numpy.ndarray or a nested sequence of numbers
 Size2 = Union[int, Tuple[int, int], Sequence[int]]
@@ -84,6 +87,24 @@ def check_masks(masks: ArrayLike, name: str = "masks", batch: Optional[int] = No
         check_finite(masks.float() if not masks.is_floating_point() else masks, name)
         masks = masks != 0
     return masks
+
+
+def check_images(images: ArrayLike, name: str = "images") -> Tensor:
+    """Validate a batch of preprocessed images: ``(B, C, H, W)`` floating point, finite."""
+    images = as_tensor(images, name)
+    if images.ndim != 4:
+        raise UsageError(f"{name} must have shape (B, C, H, W), got {tuple(images.shape)}")
+    if not images.is_floating_point():
+        raise UsageError(f"{name} must be the preprocessed float tensor the model takes, got {images.dtype}")
+    check_finite(images, name)
+    return images
+
+
+def check_positive_int(value: Any, name: str) -> int:
+    """``value`` as an int >= 1; a UsageError names ``name`` otherwise (bools are not ints here)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UsageError(f"{name} must be a positive int, got {value!r}")
+    return value
 
 
 def size2(size: Size2, name: str) -> Tuple[int, int]:
