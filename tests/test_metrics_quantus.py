@@ -22,7 +22,10 @@ from torch import nn
 import vitexplain as vx
 from vitexplain import metrics as M
 
-quantus = pytest.importorskip("quantus")
+from peers import require
+
+quantus = require("quantus", "pip install --no-deps quantus==0.6.0 pandas scikit-image scikit-learn cachetools matplotlib "
+                             "(its opencv-python requirement would shadow opencv-python-headless)")
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning", "ignore::FutureWarning")
 
 
