@@ -9,7 +9,6 @@ file systems.
 
 from __future__ import annotations
 
-import copy
 import errno
 import json
 import os
@@ -26,7 +25,12 @@ import torch
 from PIL import Image
 
 import vitexplain as vx
-from vitexplain import cli
+from batch_helpers import export as _export
+from batch_helpers import images as _images
+from batch_helpers import manifest as _manifest
+from batch_helpers import run as _run
+from batch_helpers import save_tiny as _save_tiny
+from batch_helpers import summary as _summary
 from vitexplain.batch import manifest as manifest_mod
 
 # ---------------------------------------------------------------------------------------------
@@ -34,46 +38,9 @@ from vitexplain.batch import manifest as manifest_mod
 # ---------------------------------------------------------------------------------------------
 
 
-def _save_tiny(folder: Path, zoo_name: str = "shapes-vit", **model_args) -> str:
-    from vitexplain.zoo.models import DEFAULT_CONFIGS, build
-
-    cfg = copy.deepcopy(DEFAULT_CONFIGS[zoo_name])
-    cfg["name"] = "tiny"
-    cfg["model_args"].update(model_args or dict(depth=1, embed_dim=32, num_heads=2))
-    torch.manual_seed(0)
-    return str(vx.zoo.save_checkpoint(build(cfg), cfg, folder))
-
-
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> str:
     return _save_tiny(tmp_path_factory.mktemp("ckpt"))
-
-
-def _images(root: Path, names, size: int = 64, seed: int = 3) -> Path:
-    """Write one shapes image per name (str or bytes, relative to root)."""
-    batch = vx.data.shapes(len(names), seed=seed, size=size)
-    for i, name in enumerate(names):
-        path = os.path.join(os.fsencode(root), os.fsencode(name))
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        Image.fromarray(np.ascontiguousarray(batch.images[i])).save(os.fsdecode(path), format="PNG")
-    return root
-
-
-def _run(*args) -> int:
-    return cli.main([os.fsdecode(a) if isinstance(a, bytes) else str(a) for a in args])
-
-
-def _export(src, out, ckpt, *extra) -> int:
-    return _run("export", src, "--out", out, "--model", ckpt, "--method", "rollout", "-q", "-j", "0", *extra)
-
-
-def _manifest(out: Path) -> dict[str, dict]:
-    data = (out / "manifest.jsonl").read_bytes().decode("utf-8")  # strict: valid UTF-8
-    return {r["key"]: r for r in map(json.loads, data.splitlines())}
-
-
-def _summary(out: Path) -> dict:
-    return json.loads((out / "summary.json").read_bytes().decode("utf-8"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,6 +182,13 @@ def test_f4_read_repairs_a_record_glued_to_a_torn_one(tmp_path) -> None:
                                                      "b.png": whole}
 
 
+def _path_of(name, dir_fd) -> str:
+    """The path of ``name`` relative to the open folder ``dir_fd`` (Linux: /proc/self/fd)."""
+    if dir_fd is None:
+        return os.fsdecode(name)
+    return os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), os.fsdecode(name))
+
+
 def _full_disk(monkeypatch, out: Path, *, after_pngs: int, everything: bool) -> dict[str, int]:
     """Make moving finished files into ``out`` fail with ENOSPC: after ``after_pngs`` overlays
     (PNG files only, or every file of ``out`` when ``everything``)."""
@@ -223,7 +197,7 @@ def _full_disk(monkeypatch, out: Path, *, after_pngs: int, everything: bool) -> 
     root = str(out)
 
     def replace(src, dst, *args, **kwargs):
-        dst_s = os.fsdecode(dst)
+        dst_s = _path_of(dst, kwargs.get("dst_dir_fd"))
         if dst_s.startswith(root):
             if dst_s.endswith(".png"):
                 state["pngs"] += 1

@@ -182,7 +182,7 @@ def source_of(path: str) -> dict[str, Any]:
 def is_current(rec: Optional[dict[str, Any]], source: dict[str, Any], config_hash: str, out: Path) -> bool:
     """The resume rule: an ok record for the same file (path, size, mtime) and the same
     settings, whose listed output files all exist."""
-    from .writing import json_safe
+    from .writing import is_output_file, json_safe
 
     if not rec or rec.get("status") != "ok" or rec.get("config_hash") != config_hash:
         return False
@@ -191,8 +191,7 @@ def is_current(rec: Optional[dict[str, Any]], source: dict[str, Any], config_has
     files = rec.get("files") or {}
     if not files:
         return False
-    return all(os.path.isfile(os.path.join(out, *str(rel).split("/")))
-               for entry in files.values() for rel in entry.values())
+    return all(is_output_file(out, str(rel)) for entry in files.values() for rel in entry.values())
 
 
 def _start(run: Run, lock: OutputLock) -> str:

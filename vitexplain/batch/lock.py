@@ -8,13 +8,19 @@ usage error naming the holder (pid, host, command, start time). The lock is an O
 its process dies, so the lock of a killed run (``kill -9``, a crash, a lost node) never
 blocks the next one: the file may still be there, but nobody holds it. Under ``torchrun``
 rank 0 holds the lock for the whole run.
+
+The lock file is opened with ``O_NOFOLLOW`` and must be a regular file with no other name: a
+symbolic or hard link planted as ``OUT/.vitexplain.lock`` is refused (a usage error), so its
+target is never truncated or written.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
+import stat
 import sys
 import time
 from pathlib import Path
@@ -25,6 +31,9 @@ from ..errors import UsageError
 __all__ = ["LOCK_NAME", "OutputLock", "FolderBusyError"]
 
 LOCK_NAME = ".vitexplain.lock"
+
+_OPEN = (os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+         | getattr(os, "O_NONBLOCK", 0))  # O_NONBLOCK: a FIFO planted there must not hang the open
 
 
 class FolderBusyError(UsageError):
@@ -79,7 +88,17 @@ class OutputLock:
             OSError: the lock file cannot be created (the folder is not writable).
         """
         for _ in range(10):
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            try:
+                fd = os.open(self.path, _OPEN, 0o666)
+            except OSError as e:
+                if e.errno in (errno.ELOOP, errno.EMLINK) or self.path.is_symlink():
+                    raise UsageError(self._planted("is a symbolic link")) from None
+                raise
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+                os.close(fd)
+                what = "is not a regular file" if not stat.S_ISREG(st.st_mode) else "has other names (a hard link)"
+                raise UsageError(self._planted(what))
             if not _try_lock(fd):
                 os.close(fd)
                 raise FolderBusyError(
@@ -97,6 +116,11 @@ class OutputLock:
                 return self
             os.close(fd)
         raise FolderBusyError(f"could not lock {self.path}: it keeps being replaced by another process")
+
+    def _planted(self, what: str) -> str:
+        return (f"{str(self.path)!r} {what}; vitexplain only ever makes a plain file there, so it was put there "
+                "by something else and is left alone (writing the lock through it would overwrite another "
+                "file). Remove it, or choose another --out")
 
     def _write_info(self) -> None:
         info: dict[str, Any] = {"pid": os.getpid(), "host": socket.gethostname(), "command": self.command,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import html
 import os
-import uuid
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence, Union
 from urllib.parse import quote
@@ -179,14 +178,8 @@ def write_gallery(
     Returns:
         The path written.
     """
+    from ..batch.writing import write_file
+
     dest = Path(path)
-    dest.parent.mkdir(parents=True, exist_ok=True)
     page = render_gallery(records, folder=dest.parent, methods=methods, title=title, thumb_px=thumb_px)
-    tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        tmp.write_bytes(page.encode("utf-8", "replace"))
-        os.replace(tmp, dest)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return dest
+    return write_file(dest, page.encode("utf-8", "replace"))
