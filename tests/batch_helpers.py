@@ -83,3 +83,28 @@ def wait_for(condition: Callable[[], bool], proc: Optional[subprocess.Popen] = N
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {condition}")
         time.sleep(0.02)
+
+
+def children(pid: int) -> list[int]:
+    """The live child processes of ``pid`` (Linux: parent pids read from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != b"Z":
+            found.append(int(entry))
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` is a live (not zombie) process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False

@@ -8,11 +8,16 @@ Offline and small: a 1-block ViT of the zoo architecture (random weights), 64 px
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 
-from batch_helpers import export, images, manifest, save_tiny, summary
+from batch_helpers import alive, children, cli_process, export, images, manifest, save_tiny, summary, wait_for
+from vitexplain.batch.lock import LOCK_NAME, FolderBusyError, OutputLock
 
 
 @pytest.fixture(scope="module")
@@ -83,3 +88,92 @@ def test_symlinked_manifest_summary_and_gallery_are_replaced_not_followed(ckpt, 
         assert victim.read_text() == "precious\n", name
         assert (out / name).is_file() and not (out / name).is_symlink(), name
     assert manifest(out)["a.png"]["status"] == "ok" and summary(out)["status"] == "ok"
+
+
+# ---------------------------------------------------------------------------------------------
+# kill -9: the next run is never blocked, the DataLoader workers do not outlive the run
+# ---------------------------------------------------------------------------------------------
+# Images after the fourth never finish decoding: the workers are inside __getitem__ (where the
+# DataLoader's own parent check never runs) when the main process is killed.
+_HANGING_RUN = """
+import sys, threading
+from vitexplain import cli
+from vitexplain.batch.decoding import ImageDataset
+original = ImageDataset.__getitem__
+def getitem(self, i):
+    if i >= 4:
+        threading.Event().wait()
+    return original(self, i)
+ImageDataset.__getitem__ = getitem
+cli.run(sys.argv[1:])
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads worker processes from /proc")
+def test_kill_9_leaves_no_worker_and_no_lock_that_blocks_the_next_run(ckpt, tmp_path) -> None:
+    src = images(tmp_path / "in", [f"i{i}.png" for i in range(12)])
+    out = tmp_path / "out"
+    proc = cli_process(_HANGING_RUN, "export", src, "--out", out, "--model", ckpt, "--method", "rollout",
+                       "-q", "-j", "2", "-b", "2")
+    workers: list[int] = []
+    try:
+        # two batches written (their records may wait for the main thread); the workers stuck on the rest
+        wait_for(lambda: len(list(out.glob("*.rollout.png"))) >= 4, proc)
+        workers = children(proc.pid)
+        assert len(workers) >= 2, workers
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        # the workers die with their parent (they would otherwise hang on, holding the lock)
+        wait_for(lambda: not any(alive(w) for w in workers), timeout=30)
+        assert export(src, out, ckpt) == 0  # not refused as "in use": the same command resumes
+        done = summary(out)["counts"]["skipped"]
+        assert summary(out)["counts"] == {"images": 12, "ok": 12 - done, "failed": 0, "skipped": done}
+    finally:
+        for pid in [*(workers or children(proc.pid)), proc.pid]:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_the_lock_is_not_held_by_a_forked_child(tmp_path) -> None:
+    """A child forked while the lock is held (a DataLoader worker) does not hold it: once the
+    parent is gone, a new run gets the lock although the child lives on."""
+    out = tmp_path / "out"
+    out.mkdir()
+    holder = cli_process(textwrap.dedent(f"""
+        import os, sys, threading
+        from pathlib import Path
+        from vitexplain.batch.lock import OutputLock
+        OutputLock(Path({str(out)!r}), "test").acquire()
+        if os.fork() == 0:
+            threading.Event().wait()  # the child lives on, holding whatever it inherited
+        print("locked", flush=True)
+        threading.Event().wait()
+    """), stdout=subprocess.PIPE)
+    child = None
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        (child,) = children(holder.pid)
+        with pytest.raises(FolderBusyError, match=f"pid {holder.pid}"):
+            OutputLock(out, "second").acquire()
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait()
+        assert alive(child)
+        with OutputLock(out, "third"):  # the child did not inherit the lock
+            assert (out / LOCK_NAME).is_file()
+    finally:
+        for pid in (holder.pid, child):
+            if pid is not None and alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        holder.wait()
+
+
+def test_a_second_lock_in_the_same_process_is_refused_and_leaves_the_first_held(tmp_path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    with OutputLock(out, "first"):
+        for _ in range(2):  # the refusal must not release the first lock (POSIX locks would)
+            with pytest.raises(FolderBusyError, match=f"pid {os.getpid()}"):
+                OutputLock(out, "second").acquire()
+    with OutputLock(out, "third"):
+        pass

@@ -138,7 +138,7 @@ def test_f3_lock_held_by_another_live_process_and_stale_lock(ckpt, tmp_path, cap
         [sys.executable, "-c", textwrap.dedent(f"""
             import fcntl, json, os, sys, time
             fd = os.open({str(lock)!r}, os.O_RDWR | os.O_CREAT)
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            fcntl.lockf(fd, fcntl.LOCK_EX)
             os.write(fd, json.dumps({{"pid": os.getpid(), "host": "h", "command": "c", "started": 0}}).encode())
             print("locked", flush=True)
             time.sleep(60)
