@@ -177,3 +177,72 @@ def test_a_second_lock_in_the_same_process_is_refused_and_leaves_the_first_held(
                 OutputLock(out, "second").acquire()
     with OutputLock(out, "third"):
         pass
+
+
+# ---------------------------------------------------------------------------------------------
+# a signal while the run finishes (every image done; merging, gallery, summary) still leaves a
+# complete manifest, gallery and summary
+# ---------------------------------------------------------------------------------------------
+def _signal_self_during(monkeypatch, target: str, sig: int) -> list[int]:
+    """Patch ``target`` (module.function) to signal this process once, then do its work."""
+    import importlib
+
+    module_name, name = target.rsplit(".", 1)
+    module = importlib.import_module(module_name)
+    original = getattr(module, name)
+    sent: list[int] = []
+
+    def patched(*args, **kwargs):
+        if not sent:
+            sent.append(sig)
+            os.kill(os.getpid(), sig)  # delivered to this (the main) thread at once
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, patched)
+    return sent
+
+
+@pytest.mark.parametrize("where", ["vitexplain.batch.driver.merge_manifest", "vitexplain.viz.gallery.render_gallery",
+                                   "vitexplain.batch.driver.build_summary"])
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_while_finishing_still_writes_manifest_gallery_and_summary(where, sig, code, ckpt, tmp_path,
+                                                                            monkeypatch) -> None:
+    src = images(tmp_path / "in", ["a.png", "b.png", "c.png"])
+    out = tmp_path / "out"
+    sent = _signal_self_during(monkeypatch, where, sig)
+    assert export(src, out, ckpt, "--html") == code
+    assert sent == [sig]
+    assert set(manifest(out)) == {"a.png", "b.png", "c.png"}
+    assert summary(out)["counts"] == {"images": 3, "ok": 3, "failed": 0, "skipped": 0}
+    assert summary(out)["status"] == "interrupted" and summary(out)["manifest_records"] == 3
+    assert "c.png" in (out / "index.html").read_text()
+    assert not list(out.glob("manifest.part-*")) and not list(out.rglob(".*.tmp"))
+    monkeypatch.undo()
+    assert export(src, out, ckpt, "--html") == 0  # nothing left to do
+    assert summary(out)["counts"]["skipped"] == 3
+
+
+_KILLED_WHILE_FINISHING = """
+import os, signal, sys
+from vitexplain import cli
+from vitexplain.batch import driver
+original = driver.merge_manifest
+def merge(*args, **kwargs):
+    records = original(*args, **kwargs)
+    os.kill(os.getpid(), signal.SIGKILL)  # the manifest is merged, the gallery and summary are not
+driver.merge_manifest = merge
+cli.run(sys.argv[1:])
+"""
+
+
+def test_a_rerun_completes_a_finish_cut_short_by_kill_9(ckpt, tmp_path) -> None:
+    src = images(tmp_path / "in", ["a.png", "b.png"])
+    out = tmp_path / "out"
+    proc = cli_process(_KILLED_WHILE_FINISHING, "export", src, "--out", out, "--model", ckpt, "--method",
+                       "rollout", "-q", "-j", "0", "--html")
+    proc.communicate(timeout=300)
+    assert proc.returncode == -signal.SIGKILL
+    assert set(manifest(out)) == {"a.png", "b.png"} and not (out / "summary.json").exists()
+    assert export(src, out, ckpt, "--html") == 0
+    assert summary(out)["counts"] == {"images": 2, "ok": 0, "failed": 0, "skipped": 2}
+    assert "b.png" in (out / "index.html").read_text()

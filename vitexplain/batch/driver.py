@@ -23,21 +23,20 @@ is recorded and a rerun resumes. A usage error (exit 2) raises
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import sys
-import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ..errors import UsageError
 from .distributed import Dist
 from .inputs import InputItem, Unreadable
 from .lock import OutputLock
 from .manifest import PART_RE, SUMMARY, ManifestPart, merge_manifest, new_run_id, read_manifest
+from .signals import Interrupted, StopSignals, interrupt_for, signals_as_interrupts  # noqa: F401 - re-exported
 from .summary import build_summary, run_counts
 from .writing import OutputError, WriteFn, Writer, clean_stale_temps, json_bytes
 
@@ -54,36 +53,6 @@ EXIT_USAGE = 2
 EXIT_OUTPUT = 74  # EX_IOERR of sysexits.h
 EXIT_INTERRUPTED = 130  # 128 + SIGINT
 EXIT_TERMINATED = 143  # 128 + SIGTERM
-
-
-class Interrupted(KeyboardInterrupt):
-    """SIGTERM, handled like Ctrl-C (finished work recorded, summary written).
-
-    Attributes:
-        signum: the signal received.
-    """
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(f"signal {signum}")
-        self.signum = signum
-
-
-@contextlib.contextmanager
-def signals_as_interrupts() -> Iterator[None]:
-    """Within the block, SIGTERM raises :class:`Interrupted` in the main thread (Ctrl-C already
-    raises KeyboardInterrupt). No-op outside the main thread; the old handler is restored."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum: int, _frame: Any) -> None:
-        raise Interrupted(signum)
-
-    old = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
 
 
 @dataclass
@@ -224,15 +193,17 @@ def drive(run: Run, command: Command, t_start: float) -> ExportResult:
     Raises:
         UsageError: the output folder is in use by another run, or cannot be created.
         KeyboardInterrupt: after Ctrl-C or SIGTERM (:class:`Interrupted`), once finished
-            files are recorded and the summary is written.
+            files are recorded and the summary is written (a signal while the run finishes
+            is held until then, :mod:`~vitexplain.batch.signals`).
     """
     from .shard import new_stats, run_shard
 
     dist, out = run.dist, run.out
     dist.init(run.device)
     lock = OutputLock(out, f"vitexplain {run.command}")
-    try:
-        with signals_as_interrupts():
+    signals = StopSignals()
+    with signals:
+        try:
             run_id = _start(run, lock)
             if dist.rank == 0:
                 for u in run.unreadable:
@@ -250,19 +221,23 @@ def drive(run: Run, command: Command, t_start: float) -> ExportResult:
             setup_s = time.perf_counter() - t_start
             crash: Optional[BaseException] = None
             part: Optional[ManifestPart] = None
+            stats = new_stats(skipped)
             try:
                 part = ManifestPart(out, run_id, dist.rank)
                 if dist.rank == 0:
                     _record_unreadable(run, part)
-                stats = run_shard(todo, run=run, process=command.process, skipped=skipped, part=part)
+                run_shard(todo, run=run, process=command.process, stats=stats, part=part, signals=signals)
             except OutputError as e:  # the manifest part cannot be created or written
-                stats = {**new_stats(skipped), "output_error": str(e)}
+                stats["output_error"] = str(e)
+            except KeyboardInterrupt as e:  # a signal outside the loop's own handling
+                stats["interrupted"] = getattr(e, "signum", signal.SIGINT)
             except Exception as e:  # tell the other ranks instead of leaving them at the barrier
                 if dist.world == 1:
                     raise
                 crash = e
                 stats = {"crashed": f"rank {dist.rank}: {type(e).__name__}: {e}"}
             finally:
+                signals.defer()  # finishing: signals are held until the summary is written
                 if part is not None:
                     part.close()
             stats["setup_s"] = setup_s
@@ -275,18 +250,19 @@ def drive(run: Run, command: Command, t_start: float) -> ExportResult:
             summary: dict[str, Any] = {"rank": dist.rank, **stats}
             try:
                 if dist.rank == 0:
-                    summary = _finish(run, command, all_stats, t_start)
+                    summary = _finish(run, command, all_stats, t_start, signals)
             finally:
                 # Nobody exits before rank 0 has merged: launchers such as torchrun stop every
                 # rank as soon as one exits non-zero (exit 1 = some images failed).
                 dist.barrier()
-    finally:
-        lock.release()
-        dist.close()
+        finally:
+            signals.defer()
+            lock.release()
+            dist.close()
     interrupted = [s["interrupted"] for s in all_stats if s.get("interrupted")]
-    if interrupted:
-        signum = max(interrupted)
-        raise Interrupted(signum) if signum == signal.SIGTERM else KeyboardInterrupt
+    signum = signals.first or (max(interrupted) if interrupted else None)
+    if signum:
+        raise interrupt_for(signum)
     if any(s.get("output_error") for s in all_stats):
         code = EXIT_OUTPUT
     else:
@@ -305,8 +281,15 @@ def _folder_key(u: Unreadable) -> str:
     return u.path.rstrip("/\\") + "/"
 
 
-def _finish(run: Run, command: Command, all_stats: list[dict[str, Any]], t_start: float) -> dict[str, Any]:
-    """Rank 0: merge the manifest, write ``summary.json`` and the gallery; report the outcome."""
+def _finish(run: Run, command: Command, all_stats: list[dict[str, Any]], t_start: float,
+            signals: StopSignals) -> dict[str, Any]:
+    """Rank 0: merge the manifest, write the gallery and ``summary.json`` (last); report the outcome.
+
+    Signals are held meanwhile (``signals``); one received before the summary is built makes
+    its status ``interrupted``. Each step is atomic and a rerun redoes what is missing: the
+    parts are removed only after ``manifest.jsonl`` is in place, and a rerun whose images are
+    all current still merges, draws the gallery and writes the summary.
+    """
     errors = [s["output_error"] for s in all_stats if s.get("output_error")]
     error = errors[0] if errors else None
     records: Optional[list[dict[str, Any]]] = None
@@ -326,6 +309,8 @@ def _finish(run: Run, command: Command, all_stats: list[dict[str, Any]], t_start
         status = "failed" if counts["failed"] or run.unreadable else "ok"
     summary = build_summary(run, all_stats, t_start, status=status, error=error, fields=command.fields,
                             records=None if records is None else len(records))
+    if signals.received:  # held while this summary was made
+        summary["status"] = status = "interrupted"
     try:
         Writer(run.out).write(SUMMARY, json_bytes(summary, indent=2))
     except OutputError as e:
