@@ -349,7 +349,7 @@ def json_bytes(value: Any, *, indent: int | None = None) -> bytes:
         return (json.dumps(json_safe(value), indent=indent, ensure_ascii=False, default=str) + "\n").encode("utf-8")
 
 
-def check_writable(out: str | os.PathLike[str]) -> None:
+def check_writable(out: str | os.PathLike[str], what: str = "") -> None:
     """Refuse an output folder that cannot be used, before any model is loaded.
 
     ``out`` may not exist yet (it is created later; nothing is created here): then its
@@ -357,15 +357,20 @@ def check_writable(out: str | os.PathLike[str]) -> None:
     (so a read-only file system or a folder without write permission is found even when
     the permission bits say otherwise).
 
+    Args:
+        out: the folder.
+        what: how messages name it (default ``--out 'OUT'``).
+
     Raises:
         UsageError: ``out`` is a dangling symlink, a file, or not writable.
     """
     text = os.fspath(out)
+    what = what or f"--out {text!r}"
     if os.path.islink(text) and not os.path.exists(text):
-        raise UsageError(f"--out {text!r} is a symbolic link to {os.readlink(text)!r}, which does not exist; "
+        raise UsageError(f"{what} is a symbolic link to {os.readlink(text)!r}, which does not exist; "
                          "create the target folder or choose another --out")
     if os.path.exists(text) and not os.path.isdir(text):
-        raise UsageError(f"--out {text!r} exists and is not a folder")
+        raise UsageError(f"{what} exists and is not a folder")
     probe_in = os.path.abspath(text)
     while not os.path.exists(probe_in):
         parent = os.path.dirname(probe_in)
@@ -373,14 +378,14 @@ def check_writable(out: str | os.PathLike[str]) -> None:
             break
         probe_in = parent
     if not os.path.isdir(probe_in):
-        raise UsageError(f"--out {text!r}: {probe_in!r} is not a folder, so the output folder cannot be created there")
+        raise UsageError(f"{what}: {probe_in!r} is not a folder, so the output folder cannot be created there")
     probe = os.path.join(probe_in, f".{uuid.uuid4().hex[:12]}.{os.getpid()}.tmp")
     try:
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         os.close(fd)
     except OSError as e:
         where = "" if probe_in == os.path.abspath(text) else f" (its folder {probe_in!r})"
-        raise UsageError(f"--out {text!r}{where} is not writable: {e.strerror or e}; choose another --out") from None
+        raise UsageError(f"{what}{where} is not writable: {e.strerror or e}; choose another --out") from None
     _unlink_quietly(probe)
 
 

@@ -63,6 +63,7 @@ __all__ = [
     "CropBox",
     "preprocess",
     "preprocess_kwargs",
+    "check_resizable",
     "crop_region",
     "paste_map",
 ]
@@ -362,6 +363,39 @@ def _center_offset(size: int, crop: int) -> int:
     return int(round((size - crop) / 2.0))
 
 
+def check_resizable(
+    height: int, width: int, *, input_size: Sequence[int], crop_pct: float | None = 1.0,
+    advice: str = "Crop or pad it first, or resize it whole without cropping (crop=False, --no-crop)",
+    **_: Any,
+) -> tuple[int, int]:
+    """Check that :func:`preprocess` (``crop=True``) can resize a ``height`` x ``width`` image,
+    without touching a pixel; see :data:`MAX_RESIZE_INPUTS`.
+
+    Args:
+        height, width: the image's size.
+        input_size: the model's ``(H, W)``; ``crop_pct`` as for :func:`preprocess` (other
+            :func:`preprocess_kwargs` are accepted and ignored).
+        advice: what the error tells the user to do.
+
+    Returns:
+        ``(h, w)`` of the resized image (before the center crop).
+
+    Raises:
+        InputError: the resized image would exceed the limit (aspect ratio too extreme).
+    """
+    out_h, out_w = (int(v) for v in tuple(input_size)[-2:])
+    pct = 1.0 if crop_pct is None else float(crop_pct)
+    scale = (math.floor(out_h / pct), math.floor(out_w / pct))
+    h1, w1 = _resize_size(height, width, scale)
+    if h1 * w1 > max(height * width, MAX_RESIZE_INPUTS * scale[0] * scale[1]):
+        raise InputError(
+            f"a {width}x{height} image cannot be resized for this model: its shorter side would become "
+            f"{min(h1, w1)} px and the resized image {w1}x{h1} = {h1 * w1:,} pixels (aspect ratio "
+            f"{max(height, width) / min(height, width):,.0f}:1 is too extreme). {advice}"
+        )
+    return h1, w1
+
+
 def preprocess(
     images: Any,
     *,
@@ -439,15 +473,7 @@ def preprocess(
             res = pil.resize((out_w, out_h), resample)
             box = CropBox(0.0, 0.0, float(w0), float(h0), (h0, w0))
         else:
-            scale = (math.floor(out_h / pct), math.floor(out_w / pct))
-            h1, w1 = _resize_size(h0, w0, scale)
-            if h1 * w1 > max(h0 * w0, MAX_RESIZE_INPUTS * scale[0] * scale[1]):
-                raise InputError(
-                    f"a {w0}x{h0} image cannot be resized for this model: its shorter side would become "
-                    f"{min(h1, w1)} px and the resized image {w1}x{h1} = {h1 * w1:,} pixels (aspect ratio "
-                    f"{max(h0, w0) / min(h0, w0):,.0f}:1 is too extreme). Crop or pad it first, or resize "
-                    "it whole without cropping (crop=False, --no-crop)"
-                )
+            h1, w1 = check_resizable(h0, w0, input_size=size, crop_pct=pct)
             res = pil if (h1, w1) == (h0, w0) else pil.resize((w1, h1), resample)
             top, left = _center_offset(h1, out_h), _center_offset(w1, out_w)
             if (top, left, out_h, out_w) != (0, 0, h1, w1):
