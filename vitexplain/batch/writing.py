@@ -67,7 +67,7 @@ NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
 _DIR = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
 #: openat() with a folder descriptor is available (POSIX); elsewhere each folder is lstat'ed
-_AT = os.open in os.supports_dir_fd and os.replace in os.supports_dir_fd and os.mkdir in os.supports_dir_fd
+_AT = os.open in os.supports_dir_fd and os.rename in os.supports_dir_fd and os.mkdir in os.supports_dir_fd  # os.replace is renameat too
 
 # errors about one file's name or place: that image fails, the run goes on
 _PER_FILE = frozenset({errno.ENAMETOOLONG, errno.EINVAL, errno.EILSEQ, errno.EEXIST, errno.ENOTDIR, errno.EISDIR,
