@@ -38,6 +38,7 @@ the full image.
 
 from __future__ import annotations
 
+import inspect
 import io
 import math
 import os
@@ -212,9 +213,13 @@ def _decode(fp: IO[bytes], name: str, max_pixels: int | None) -> np.ndarray:
     return rgb
 
 
+_IN_PLACE = {"in_place": True} if "in_place" in inspect.signature(ImageOps.exif_transpose).parameters else {}
+
+
 def _exif_transpose(im: Image.Image, name: str) -> Image.Image:
+    """``im`` turned upright by its EXIF orientation, in place (no second decoded image kept)."""
     try:
-        out = ImageOps.exif_transpose(im)
+        out = ImageOps.exif_transpose(im, **_IN_PLACE)
     except Exception as e:  # malformed EXIF must not make a decodable image unreadable
         warnings.warn(
             f"{name}: could not apply the EXIF orientation ({e}); using the stored orientation",
@@ -224,60 +229,106 @@ def _exif_transpose(im: Image.Image, name: str) -> Image.Image:
     return im if out is None else out
 
 
-def _stretch(values: np.ndarray) -> np.ndarray:
-    lo, hi = float(values.min()), float(values.max())
+#: Pixels converted at a time: the conversion of a decoded image to uint8 RGB needs, besides
+#: the decoded image and the result, only temporaries of one strip of this many pixels.
+STRIP_PIXELS = 1 << 18
+
+_ALPHA_MODES = ("RGBA", "LA", "PA", "RGBa", "La")
+
+
+def _stretch(values: np.ndarray, lo: float, hi: float) -> np.ndarray:
+    """``values`` mapped linearly from ``[lo, hi]`` to uint8 ``[0, 255]``."""
     if hi <= lo:
         return np.zeros(values.shape, np.uint8)
     return np.rint((values.astype(np.float64) - lo) * (255.0 / (hi - lo))).astype(np.uint8)
 
 
 def _composite_on_white(rgba: np.ndarray) -> np.ndarray:
-    """(H, W, 4) uint8 -> (H, W, 3) uint8 on white, in chunks of 2**20 pixels (the uint32
-    arithmetic would otherwise need ~8x the image's memory at once)."""
-    flat = np.ascontiguousarray(rgba).reshape(-1, 4)
-    out = np.empty((flat.shape[0], 3), np.uint8)
-    step = 1 << 20
-    for i in range(0, flat.shape[0], step):
-        rgb = flat[i : i + step, :3].astype(np.uint32)
-        a = flat[i : i + step, 3:4].astype(np.uint32)
-        out[i : i + step] = (rgb * a + 255 * (255 - a) + 127) // 255
-    return out.reshape(*rgba.shape[:-1], 3)
+    """(h, w, 4) uint8 -> (h, w, 3) uint8 composited on white."""
+    a = rgba[..., 3:4].astype(np.uint16)  # rgb * a + 255 * (255 - a) + 127 <= 65152: uint16 holds it
+    out = rgba[..., :3].astype(np.uint16)
+    out *= a
+    out += 255 * (255 - a) + 127
+    out //= 255
+    return out.astype(np.uint8)
+
+
+def _gray3(gray: np.ndarray) -> np.ndarray:
+    return np.repeat(gray[..., None], 3, axis=2)
+
+
+def _strips(im: Image.Image) -> Any:
+    """``(top, part)``: ``im`` cut into strips of about :data:`STRIP_PIXELS` pixels (whole rows)."""
+    w, h = im.size
+    rows = max(1, STRIP_PIXELS // max(w, 1))
+    if rows >= h:
+        yield 0, im
+        return
+    for top in range(0, h, rows):
+        yield top, im.crop((0, top, w, min(h, top + rows)))
+
+
+def _value_range(im: Image.Image, name: str) -> tuple[float, float]:
+    """Min and max of a one-band ``I``/``F`` image, strip by strip; NaN/inf is an error."""
+    lo, hi = math.inf, -math.inf
+    for _, part in _strips(im):
+        raw = np.asarray(part)
+        if not raw.size:
+            continue
+        if raw.dtype.kind == "f" and not np.isfinite(raw).all():
+            raise _fail(name, "the float image contains NaN or infinite pixels")
+        lo, hi = min(lo, float(raw.min())), max(hi, float(raw.max()))
+    return (lo, hi) if lo <= hi else (0.0, 0.0)
+
+
+def _converter(im: Image.Image, name: str) -> Any:
+    """The function turning one strip of ``im`` into (rows, W, 3) uint8 RGB (see the module
+    docstring for the rules of each mode)."""
+    mode = im.mode
+    trns = im.info.get("transparency")
+    if mode.startswith("I;16") or mode == "I":
+        lo, hi = _value_range(im, name) if mode == "I" else (0.0, 65535.0)
+        stretch = lo < 0 or hi > 65535
+
+        def integer(part: Image.Image) -> np.ndarray:
+            raw = np.asarray(part)  # uint16 or int32: no wider copy than the strip
+            out = _gray3(_stretch(raw, lo, hi) if stretch else (raw >> 8).astype(np.uint8))
+            if isinstance(trns, int):
+                out[raw == trns] = 255
+            return out
+
+        return integer
+    if mode == "F":
+        lo, hi = _value_range(im, name)
+        if lo >= 0.0 and hi <= 1.0:
+            return lambda part: _gray3(np.rint(np.asarray(part, dtype=np.float32) * 255.0).astype(np.uint8))
+        if lo >= 0.0 and hi <= 255.0:
+            return lambda part: _gray3(np.rint(np.asarray(part, dtype=np.float32)).astype(np.uint8))
+        return lambda part: _gray3(_stretch(np.asarray(part, dtype=np.float32), lo, hi))
+    if mode in _ALPHA_MODES or (trns is not None and mode in ("P", "L", "RGB", "1")):
+        return lambda part: _composite_on_white(np.asarray(part if part.mode == "RGBA" else part.convert("RGBA")))
+    if mode == "RGB":
+        return np.asarray
+
+    def other(part: Image.Image) -> np.ndarray:
+        try:
+            return np.asarray(part.convert("RGB"))
+        except (ValueError, OSError) as e:
+            raise _fail(name, f"unsupported image mode {mode!r} ({e})", "Convert it to RGB.") from None
+
+    return other
 
 
 def _to_rgb(im: Image.Image, name: str) -> np.ndarray:
-    mode = im.mode
-    has_trns = im.info.get("transparency") is not None
-    if mode.startswith("I;16") or mode == "I":
-        raw = np.asarray(im)  # uint16 or int32: no wider copy (the image may be large)
-        if mode == "I" and (raw.size and (raw.min() < 0 or raw.max() > 65535)):
-            gray = _stretch(raw)
-        else:
-            gray = (raw >> 8).astype(np.uint8)
-        out = np.repeat(gray[..., None], 3, axis=2)
-        trns = im.info.get("transparency")
-        if isinstance(trns, int):
-            out[raw == trns] = 255
-        return np.ascontiguousarray(out)
-    if mode == "F":
-        raw = np.asarray(im, dtype=np.float32)
-        if raw.size and not np.isfinite(raw).all():
-            raise _fail(name, "the float image contains NaN or infinite pixels")
-        lo, hi = (float(raw.min()), float(raw.max())) if raw.size else (0.0, 0.0)
-        if lo >= 0.0 and hi <= 1.0:
-            gray = np.rint(raw * 255.0).astype(np.uint8)
-        elif lo >= 0.0 and hi <= 255.0:
-            gray = np.rint(raw).astype(np.uint8)
-        else:
-            gray = _stretch(raw)
-        return np.ascontiguousarray(np.repeat(gray[..., None], 3, axis=2))
-    if mode in ("RGBA", "LA", "PA", "RGBa", "La") or (has_trns and mode in ("P", "L", "RGB", "1")):
-        return np.ascontiguousarray(_composite_on_white(np.asarray(im.convert("RGBA"))))
-    if mode != "RGB":
-        try:
-            im = im.convert("RGB")
-        except (ValueError, OSError) as e:
-            raise _fail(name, f"unsupported image mode {mode!r} ({e})", "Convert it to RGB.") from None
-    return np.array(im, dtype=np.uint8, copy=True)
+    """A decoded image as (H, W, 3) uint8 RGB, converted strip by strip: the only memory
+    needed besides ``im`` and the result is one strip's temporaries (:data:`STRIP_PIXELS`)."""
+    convert = _converter(im, name)
+    w, h = im.size
+    out = np.empty((h, w, 3), np.uint8)
+    for top, part in _strips(im):
+        rgb = convert(part)
+        out[top : top + rgb.shape[0]] = rgb
+    return out
 
 
 # --------------------------------------------------------------------------------------
