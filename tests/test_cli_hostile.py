@@ -246,3 +246,22 @@ def test_a_rerun_completes_a_finish_cut_short_by_kill_9(ckpt, tmp_path) -> None:
     assert export(src, out, ckpt, "--html") == 0
     assert summary(out)["counts"] == {"images": 2, "ok": 0, "failed": 0, "skipped": 2}
     assert "b.png" in (out / "index.html").read_text()
+
+
+# ---------------------------------------------------------------------------------------------
+# a folder where the run writes its own files is a usage error before the model loads
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["manifest.jsonl", "summary.json", "index.html", ".vitexplain.lock"])
+def test_a_folder_named_like_the_run_s_own_files_is_a_usage_error(name, ckpt, tmp_path, monkeypatch, capsys) -> None:
+    src = images(tmp_path / "in", ["a.png"])
+    out = tmp_path / "out"
+    (out / name / "x").mkdir(parents=True)
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before --out was checked")
+
+    monkeypatch.setattr("vitexplain.batch.export.load_model", no_model)
+    assert export(src, out, ckpt, "--html") == 2
+    err = capsys.readouterr().err
+    assert f"{name!r}" in err and "folder" in err and "Traceback" not in err
+    assert sorted(p.name for p in out.iterdir()) == [name]  # nothing written

@@ -298,7 +298,7 @@ def _finish(run: Run, command: Command, all_stats: list[dict[str, Any]], t_start
         records = merge_manifest(run.out, keys)
         if command.gallery is not None and not errors:
             command.gallery(records)
-    except OutputError as e:
+    except OSError as e:  # OutputError, or a name taken meanwhile (a folder named manifest.jsonl)
         error = error or str(e)
     counts = run_counts(run, all_stats)
     if any(s.get("interrupted") for s in all_stats):
@@ -313,7 +313,7 @@ def _finish(run: Run, command: Command, all_stats: list[dict[str, Any]], t_start
         summary["status"] = status = "interrupted"
     try:
         Writer(run.out).write(SUMMARY, json_bytes(summary, indent=2))
-    except OutputError as e:
+    except OSError as e:
         error = error or str(e)
         summary["error"] = error
         summary["status"] = status = "output_error"

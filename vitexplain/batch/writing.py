@@ -56,6 +56,7 @@ __all__ = [
     "json_safe",
     "json_bytes",
     "check_writable",
+    "check_own_names",
     "clean_stale_temps",
     "is_per_file",
 ]
@@ -387,6 +388,25 @@ def check_writable(out: str | os.PathLike[str], what: str = "") -> None:
         where = "" if probe_in == os.path.abspath(text) else f" (its folder {probe_in!r})"
         raise UsageError(f"{what}{where} is not writable: {e.strerror or e}; choose another --out") from None
     _unlink_quietly(probe)
+
+
+def check_own_names(out: str | os.PathLike[str], names: list[str]) -> None:
+    """Refuse an output folder where one of the run's own files (``names``, at its top) is
+    taken by something other than a file (a folder, a socket...), before any model is loaded.
+
+    Raises:
+        UsageError: names the entry and what to do.
+    """
+    for name in names:
+        path = os.path.join(out, name)
+        try:
+            mode = os.lstat(path).st_mode
+        except OSError:
+            continue  # missing (or --out missing): the run creates it
+        if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+            kind = "a folder" if stat.S_ISDIR(mode) else "not a regular file"
+            raise UsageError(f"--out {os.fspath(out)!r} holds {kind} named {name!r}, where the run writes its own "
+                             f"{name}; rename or remove it, or choose another --out")
 
 
 def clean_stale_temps(out: Path, *, everywhere: bool) -> int:
