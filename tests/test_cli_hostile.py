@@ -265,3 +265,21 @@ def test_a_folder_named_like_the_run_s_own_files_is_a_usage_error(name, ckpt, tm
     err = capsys.readouterr().err
     assert f"{name!r}" in err and "folder" in err and "Traceback" not in err
     assert sorted(p.name for p in out.iterdir()) == [name]  # nothing written
+
+
+# ---------------------------------------------------------------------------------------------
+# the gallery links inputs whose names are not UTF-8 by their real bytes
+# ---------------------------------------------------------------------------------------------
+def test_gallery_links_reach_inputs_whose_names_are_not_utf8(ckpt, tmp_path) -> None:
+    import re
+    from urllib.parse import unquote_to_bytes
+
+    src = images(tmp_path / "in", [b"caf\xe9.png", b"sub\xff/na\xefve.png", "plain.png"])
+    out = tmp_path / "out"
+    assert export(src, out, ckpt, "--html") == 0
+    page = (out / "index.html").read_bytes().decode("utf-8")
+    links = {unquote_to_bytes(h) for h in re.findall(r'<img src="([^"]+)" alt="input"', page)}
+    reached = {os.path.realpath(os.path.join(os.fsencode(out), link)) for link in links}
+    expected = {os.path.realpath(os.path.join(os.fsencode(src), name))
+                for name in (b"caf\xe9.png", b"sub\xff/na\xefve.png", b"plain.png")}
+    assert reached == expected, links

@@ -140,12 +140,21 @@ def say(msg: str, bar: Any = None) -> None:
 
 
 def source_of(path: str) -> dict[str, Any]:
-    """``{"path": absolute path, "bytes", "mtime_ns"}`` of an input (None sizes if it cannot be stat'ed)."""
+    """``{"path": absolute path, "bytes", "mtime_ns"}`` of an input (None sizes if it cannot be
+    stat'ed), plus ``"path_bytes_hex"``, the exact bytes of the absolute path, when they are not
+    UTF-8 (JSON shows them as ``\\xNN`` text; the gallery links the real file with these)."""
+    full = os.path.abspath(path)
     try:
         st = os.stat(path)
-        return {"path": os.path.abspath(path), "bytes": int(st.st_size), "mtime_ns": int(st.st_mtime_ns)}
+        source: dict[str, Any] = {"path": full, "bytes": int(st.st_size), "mtime_ns": int(st.st_mtime_ns)}
     except OSError:
-        return {"path": os.path.abspath(path), "bytes": None, "mtime_ns": None}
+        source = {"path": full, "bytes": None, "mtime_ns": None}
+    if not full.isascii():
+        try:
+            full.encode("utf-8")
+        except UnicodeEncodeError:
+            source["path_bytes_hex"] = os.fsencode(full).hex()
+    return source
 
 
 def is_current(rec: Optional[dict[str, Any]], source: dict[str, Any], config_hash: str, out: Path) -> bool:

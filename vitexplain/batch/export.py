@@ -219,7 +219,8 @@ def export(opts: ExportOptions, *, argv: Optional[Sequence[str]] = None) -> Expo
          "input": "photos/sub/a b.png",   # the file as found (\\xNN for bytes that are not UTF-8)
          "input_bytes_hex": "...",        # only then: the exact file name bytes, hex
          "status": "ok" | "failed",
-         "source": {"path": abs path, "bytes": int, "mtime_ns": int},
+         "source": {"path": abs path, "bytes": int, "mtime_ns": int,
+                    "path_bytes_hex": "..."},  # the last only when the path is not UTF-8
          "width": int, "height": int,     # decoded image size (pixels)
          "box": [left, top, right, bottom],  # region the model saw, original pixels
          "predictions": [{"index": int, "label": str|None, "score": float}, ...],  # top-k

@@ -51,10 +51,18 @@ def _has_surrogates(s: str) -> bool:
 
 
 def _input_href(record: dict[str, Any], folder: Path) -> Optional[str]:
+    """The link to a record's input, relative to ``folder``. A path whose bytes are not UTF-8 is
+    read from ``source.path_bytes_hex`` (its JSON text holds ``\\xNN`` instead of the bytes)."""
     source = record.get("source") or {}
     path = source.get("path") if isinstance(source, dict) else None
     if not path:
         return None
+    raw = source.get("path_bytes_hex")
+    if isinstance(raw, str):
+        try:
+            path = os.fsdecode(bytes.fromhex(raw))  # the real name (surrogate escapes for its bytes)
+        except ValueError:
+            pass
     try:
         return _href(os.path.relpath(path, folder).replace(os.sep, "/"))
     except ValueError:  # another drive (Windows): an absolute file URI
