@@ -12,6 +12,7 @@ Hierarchy::
         OptionError (TypeError)          unknown method option, value out of its declared range
         InputError (TypeError)           wrong type/shape/content of an input
         NotFoundError (KeyError)         unknown zoo model, word, module name
+        OutOfRangeError (IndexError)     an index past the end of a sequence (a ShapesBatch)
       UnsupportedModelError (TypeError)  the model family is not supported by an operation
       UnsupportedMethodError (ValueError) the method does not apply to this model
       TargetError (ValueError)           bad target (class index, label, score function)
@@ -34,6 +35,7 @@ __all__ = [
     "OptionError",
     "InputError",
     "NotFoundError",
+    "OutOfRangeError",
 ]
 
 
@@ -84,3 +86,8 @@ class NotFoundError(UsageError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the whole message
         return BaseException.__str__(self)
+
+
+class OutOfRangeError(UsageError, IndexError):
+    """An index past the end of a sequence (e.g. ``ShapesBatch[i]``); an IndexError, so
+    iterating by index stops at it."""

@@ -13,130 +13,35 @@ its entries of ``summary.json`` and its gallery. The driver does the rest:
 4. when every rank is done, rank 0 merges the manifest, writes ``summary.json`` (and a
    gallery) and releases the lock.
 
-Exit codes (:class:`ExportResult.exit_code`, the CLI's status): 0 every image done or
-current; 1 some images (or input folders) failed, the others were done; 74 the output
-folder could not be written (a full disk, an I/O error): the run stopped, what was finished
-is recorded and a rerun resumes. A usage error (exit 2) raises
-:class:`~vitexplain.errors.UsageError`; Ctrl-C (130) and SIGTERM (143) raise
-:class:`KeyboardInterrupt` (:class:`Interrupted` for SIGTERM) after the summary is written.
+The run's types and exit codes are in :mod:`~vitexplain.batch.run` (re-exported here); a
+usage error (exit 2) raises :class:`~vitexplain.errors.UsageError`; Ctrl-C (130) and SIGTERM
+(143) raise :class:`KeyboardInterrupt` (:class:`Interrupted` for SIGTERM) after the summary is
+written (:mod:`~vitexplain.batch.signals`).
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Optional
 
 from ..errors import UsageError
-from .distributed import Dist
 from .inputs import InputItem, Unreadable
 from .lock import OutputLock
 from .manifest import PART_RE, SUMMARY, ManifestPart, merge_manifest, new_run_id, read_manifest
+from .run import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_OUTPUT, EXIT_TERMINATED, EXIT_USAGE,  # noqa: F401
+                  Command, ExportResult, ProcessFn, RankFailedError, Run, say)
+from .shard import new_stats, run_shard
 from .signals import Interrupted, StopSignals, interrupt_for, signals_as_interrupts  # noqa: F401 - re-exported
 from .summary import build_summary, run_counts
-from .writing import OutputError, WriteFn, Writer, clean_stale_temps, json_bytes
+from .writing import OutputError, Writer, clean_stale_temps, is_output_file, json_bytes, json_safe
 
-if TYPE_CHECKING:  # pragma: no cover
-    import torch
-
+# the run's types and the signal helpers are re-exported for code that imported them from here
 __all__ = ["EXIT_OK", "EXIT_FAILED", "EXIT_USAGE", "EXIT_OUTPUT", "EXIT_INTERRUPTED", "EXIT_TERMINATED",
            "ExportResult", "Interrupted", "Run", "Command", "ProcessFn", "drive", "signals_as_interrupts",
            "is_current", "source_of", "say"]
-
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_USAGE = 2
-EXIT_OUTPUT = 74  # EX_IOERR of sysexits.h
-EXIT_INTERRUPTED = 130  # 128 + SIGINT
-EXIT_TERMINATED = 143  # 128 + SIGTERM
-
-
-@dataclass
-class ExportResult:
-    """What a batch command returns.
-
-    Attributes:
-        exit_code: 0 all good, 1 some images failed, 74 the output folder could not be
-            written (the CLI's exit status).
-        summary: the content of ``summary.json`` (on rank 0; other ranks get their own counts).
-        out: the output folder.
-    """
-
-    exit_code: int
-    summary: dict[str, Any]
-    out: Path
-
-
-@dataclass
-class Run:
-    """What the driver needs to know, whatever the command.
-
-    Attributes:
-        command: ``"export"`` or ``"caption"`` (progress bar and messages).
-        out: output folder.
-        items: every input of the run (all ranks), sorted by key.
-        unreadable: input folders that could not be listed.
-        dist: the distributed setting.
-        device: where the model runs.
-        autocast_dtype: CUDA autocast dtype, or None.
-        pre_kwargs: the model's :func:`vitexplain.data.images.preprocess` arguments.
-        config_hash: digest of every setting that changes the outputs (the resume rule).
-        crop, max_side, batch_size, workers, write_threads, overwrite, quiet: as the options.
-        cleaned_temps: temporary files of killed runs removed at the start (rank 0).
-    """
-
-    command: str
-    out: Path
-    items: list[InputItem]
-    unreadable: list[Unreadable]
-    dist: Dist
-    device: "torch.device"
-    autocast_dtype: Any
-    pre_kwargs: dict[str, Any]
-    config_hash: str
-    crop: bool
-    max_side: int
-    batch_size: int
-    workers: int
-    write_threads: int
-    overwrite: bool
-    quiet: bool
-    cleaned_temps: int = 0
-
-
-#: ``process(x, good)``: explain one decoded batch ``x`` (B, 3, H, W) (on the device, inside
-#: autocast) whose samples are ``good`` (dicts with ``key``, ``region`` (h, w, 3) uint8 RGB,
-#: ``width``, ``height``, ``box``); returns per sample the manifest fields to add and the
-#: write job of its files, or an error message (that image fails). An exception fails the
-#: batch's images (reported, the run goes on).
-ProcessFn = Callable[["torch.Tensor", list[dict[str, Any]]], list[tuple[dict[str, Any], "WriteFn | str"]]]
-
-
-@dataclass
-class Command:
-    """What a command adds to the driver.
-
-    Attributes:
-        process: explains a batch (:data:`ProcessFn`).
-        fields: the command's entries of ``summary.json`` (model, methods, arguments, config...).
-        gallery: writes ``index.html`` from the merged manifest records, or None.
-    """
-
-    process: ProcessFn
-    fields: dict[str, Any]
-    gallery: Optional[Callable[[list[dict[str, Any]]], None]] = None
-
-
-def say(msg: str, bar: Any = None) -> None:
-    """Print a message to stderr (above the progress bar when there is one)."""
-    if bar is not None:
-        bar.write(msg, file=sys.stderr)
-    else:
-        print(msg, file=sys.stderr, flush=True)
 
 
 def source_of(path: str) -> dict[str, Any]:
@@ -160,8 +65,6 @@ def source_of(path: str) -> dict[str, Any]:
 def is_current(rec: Optional[dict[str, Any]], source: dict[str, Any], config_hash: str, out: Path) -> bool:
     """The resume rule: an ok record for the same file (path, size, mtime) and the same
     settings, whose listed output files all exist."""
-    from .writing import is_output_file, json_safe
-
     if not rec or rec.get("status") != "ok" or rec.get("config_hash") != config_hash:
         return False
     if rec.get("source") != (source if source["path"].isascii() else json_safe(source)):
@@ -205,8 +108,6 @@ def drive(run: Run, command: Command, t_start: float) -> ExportResult:
             files are recorded and the summary is written (a signal while the run finishes
             is held until then, :mod:`~vitexplain.batch.signals`).
     """
-    from .shard import new_stats, run_shard
-
     dist, out = run.dist, run.out
     dist.init(run.device)
     lock = OutputLock(out, f"vitexplain {run.command}")
@@ -255,7 +156,7 @@ def drive(run: Run, command: Command, t_start: float) -> ExportResult:
             if crashed:
                 if crash is not None:
                     raise crash
-                raise RuntimeError(f"{run.command} failed on another rank: " + "; ".join(crashed))
+                raise RankFailedError(f"{run.command} failed on another rank: " + "; ".join(crashed))
             summary: dict[str, Any] = {"rank": dist.rank, **stats}
             try:
                 if dist.rank == 0:

@@ -6,11 +6,12 @@
     status = explore_inputs(ExploreOptions(inputs=["photos/"], out="page.html"))
 
 Inputs are found as ``vitexplain export`` finds them (:mod:`.inputs`) and the model is loaded
-as export loads it (:mod:`.models`); the options that mean the same thing are export's own
-declarations (flag, help, check), reused field by field. The page itself is
-:func:`vitexplain.explore`'s. An image that cannot be read, an image whose aspect ratio is too
-extreme for the model's center crop and a folder that cannot be listed are reported and left out
-of the page (exit status 1); the page holds the others. ``--out`` is checked writable before the
+as export loads it (:mod:`.models`); the options that mean the same thing are the same
+declarations (flag, help, check), taken field by field from
+:class:`~vitexplain.batch.options.SharedOptions`. The page itself is :func:`vitexplain.explore`'s.
+An image that cannot be read, an image whose aspect ratio is too extreme for the model's center
+crop and a folder that cannot be listed are reported and left out of the page (exit status 1);
+the page holds the others. ``--out`` is checked writable before the
 model loads; a write that fails at the end (a full disk) is reported with exit status 74. One
 page is one file, written atomically; there is no manifest, resume or torchrun sharding as for
 export.
@@ -18,17 +19,13 @@ export.
 
 from __future__ import annotations
 
-import dataclasses
-import sys
-from dataclasses import MISSING, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 from ..errors import ImageLoadError, InputError, UsageError, VitexplainError
-from .caption import CaptionOptions
-from .driver import EXIT_FAILED, EXIT_OK, EXIT_OUTPUT, say
-from .export import ExportOptions
-from .options import POSITIVE, BatchOptions, Number, collect_methods, option, parse_methods
+from .run import EXIT_FAILED, EXIT_OK, EXIT_OUTPUT, say
+from .options import POSITIVE, BatchOptions, Number, SharedOptions, collect_methods, option, parse_methods, same
 from .writing import check_writable
 
 __all__ = ["ExploreOptions", "explore_inputs", "DEFAULT_MAX_IMAGES", "GROUPS"]
@@ -38,14 +35,6 @@ DEFAULT_MAX_IMAGES = 50
 
 #: argparse group titles of the explore command, in display order.
 GROUPS = {"model": "model", "explanation": "page", "running": "running"}
-
-
-def _same(cls: type, name: str) -> Any:
-    """A field declared exactly as ``cls``'s option ``name`` (flag, help, check, default)."""
-    f = next(f for f in dataclasses.fields(cls) if f.name == name)
-    if f.default_factory is not MISSING:  # type: ignore[misc]
-        return field(default_factory=f.default_factory, metadata=f.metadata)  # type: ignore[misc]
-    return field(default=f.default, metadata=f.metadata)
 
 
 @dataclass
@@ -68,19 +57,19 @@ class ExploreOptions:
         quiet: no summary line.
     """
 
-    inputs: list[str] = _same(BatchOptions, "inputs")
+    inputs: list[str] = same(BatchOptions, "inputs")
     out: str = option(flags=("--out", "-o"), metavar="PAGE.html", required=True, help="the HTML file to write")
-    model: str = _same(ExportOptions, "model")
-    checkpoint: Optional[str] = _same(ExportOptions, "checkpoint")
-    num_classes: Optional[int] = _same(ExportOptions, "num_classes")
-    model_args: dict[str, Any] = _same(ExportOptions, "model_args")
-    labels: Optional[str] = _same(ExportOptions, "labels")
+    model: str = same(SharedOptions, "model")
+    checkpoint: Optional[str] = same(SharedOptions, "checkpoint")
+    num_classes: Optional[int] = same(SharedOptions, "num_classes")
+    model_args: dict[str, Any] = same(SharedOptions, "model_args")
+    labels: Optional[str] = same(SharedOptions, "labels")
     methods: Optional[list[str]] = option(
         None, flags="--method", metavar="M1,M2", group="explanation", action="append", parse=parse_methods,
         collect=collect_methods,
         help="methods, one tab each (default: generic,grad_rollout,cdam,gradcam,rollout for ViTs and Swin; "
              "gradcam,layercam,gradcam++,spatial,channel for CNNs; cross,cross_generic for captioners)")
-    method_options: dict[str, dict[str, Any]] = _same(BatchOptions, "method_options")
+    method_options: dict[str, dict[str, Any]] = same(BatchOptions, "method_options")
     target: str = option("pred", flags="--target", metavar="pred|INDEX|LABEL", group="explanation",
                          help="explain the top-k classes (pred, default) or this one class")
     top_k: int = option(3, flags="--top-k", metavar="K", parse=POSITIVE, group="explanation",
@@ -92,9 +81,9 @@ class ExploreOptions:
         5.0, flags="--attention-budget", metavar="MB", parse=Number(float, 0.01), group="explanation",
         help="most MB of attention data per image; past it fewer layers, then only the head mean, are "
              "embedded (default {default})")
-    max_len: int = _same(CaptionOptions, "max_len")
+    max_len: int = same(SharedOptions, "max_len")
     title: Optional[str] = option(None, flags="--title", metavar="TEXT", group="explanation", help="page title")
-    device: str = _same(BatchOptions, "device")
+    device: str = same(BatchOptions, "device")
     quiet: bool = option(False, flags=("--quiet", "-q"), action="store_true", group="running", help="no summary line")
 
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from ..errors import UsageError
 from .distributed import Dist, device_and_amp
-from .driver import Run
+from .run import Run
 from .inputs import InputScan, scan_inputs
 from .options import output_settings, validate
 from .lock import LOCK_NAME

@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 from .decoding import ImageDataset, make_loader
 from .distributed import autocast
-from .driver import ProcessFn, Run, say
+from .run import ProcessFn, Run, say
 from .inputs import InputItem
 from .manifest import ManifestPart
 from .signals import StopSignals

@@ -273,7 +273,11 @@ _PNG_PARAMS: list[int] = []
 
 
 def encode_png(rgb: "np.ndarray") -> bytes:
-    """(H, W, 3) uint8 RGB -> PNG bytes."""
+    """(H, W, 3) uint8 RGB -> PNG bytes.
+
+    Raises:
+        UsageError: OpenCV cannot encode the array.
+    """
     import cv2
     import numpy as np
 
@@ -281,7 +285,8 @@ def encode_png(rgb: "np.ndarray") -> bytes:
         _PNG_PARAMS.extend(_png_params())
     ok, buf = cv2.imencode(".png", np.ascontiguousarray(rgb[..., ::-1]), _PNG_PARAMS)
     if not ok:  # pragma: no cover - OpenCV failure
-        raise ValueError("OpenCV could not encode the PNG")
+        raise UsageError(f"OpenCV could not encode a PNG of this {rgb.shape} {rgb.dtype} array; "
+                         "pass (H, W, 3) uint8 RGB")
     return buf.tobytes()
 
 

@@ -158,6 +158,7 @@ def save_png(path: "str | os.PathLike[str]", rgb: Any) -> Path:
         The destination path.
 
     Raises:
+        UsageError: not a uint8 RGB or gray array, or OpenCV cannot encode it.
         OutputError: the folder cannot be written (full disk, read-only, ...).
     """
     arr = np.asarray(rgb)
@@ -165,7 +166,7 @@ def save_png(path: "str | os.PathLike[str]", rgb: Any) -> Path:
         arr = check_rgb(arr, "rgb")[..., ::-1]
     ok, buf = cv2.imencode(".png", np.ascontiguousarray(arr))
     if not ok:  # pragma: no cover - OpenCV failure
-        raise OSError(f"could not encode a PNG for {path}")
+        raise UsageError(f"OpenCV could not encode a PNG of this {arr.shape} {arr.dtype} array for {path}")
     from ..batch.writing import write_file
 
     return write_file(path, buf.tobytes())
