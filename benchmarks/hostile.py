@@ -58,23 +58,6 @@ def _gate(self, i):
     return _get(self, i)
 ImageDataset.__getitem__ = _gate
 """,
-    # the run signals itself while it merges the manifest (every image done)
-    "sigint-finish": """
-from vitexplain.batch import driver
-_merge = driver.merge_manifest
-def _merge_signalled(*a, **k):
-    os.kill(os.getpid(), signal.SIGINT)
-    return _merge(*a, **k)
-driver.merge_manifest = _merge_signalled
-""",
-    "sigterm-finish": """
-from vitexplain.batch import driver
-_merge = driver.merge_manifest
-def _merge_signalled(*a, **k):
-    os.kill(os.getpid(), signal.SIGTERM)
-    return _merge(*a, **k)
-driver.merge_manifest = _merge_signalled
-""",
     # the disk fills up when the explorer page is moved into place
     "full-disk": """
 _replace = os.replace
@@ -94,6 +77,16 @@ def _locked(path="."):
 os.scandir = _locked
 """,
 }
+# the run signals itself while it merges the manifest (every image done)
+for _sig in ("SIGINT", "SIGTERM"):
+    _PATCHES[f"{_sig.lower()}-finish"] = f"""
+from vitexplain.batch import driver
+_merge = driver.merge_manifest
+def _merge_signalled(*a, **k):
+    os.kill(os.getpid(), signal.{_sig})
+    return _merge(*a, **k)
+driver.merge_manifest = _merge_signalled
+"""
 
 _WRAPPER = """
 import errno, os, signal, sys, threading, time

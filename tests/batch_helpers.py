@@ -108,3 +108,34 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
     except OSError:
         return False
+
+
+def unreadable_folder(monkeypatch, folder) -> None:
+    """Make ``folder`` impossible to list, as ``chmod 000`` would (tests run as root, which reads
+    through permission bits, so ``os.scandir`` is patched)."""
+    import errno
+
+    locked = os.fspath(folder).rstrip("/")
+    real_scandir = os.scandir
+
+    def scandir(path="."):
+        if os.fsdecode(path).rstrip("/") == locked:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+
+
+def read_only_below(monkeypatch, folder) -> None:
+    """Make every open for writing below ``folder`` fail with EROFS (a read-only file system)."""
+    import errno
+
+    root = os.fspath(folder)
+    real_open = os.open
+
+    def open_(path, flags, *args, **kwargs):
+        if os.fsdecode(path).startswith(root) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", open_)

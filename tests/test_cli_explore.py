@@ -81,7 +81,7 @@ def _no_model(monkeypatch) -> None:
     def no_model(*args, **kwargs):
         raise AssertionError("the model was loaded before --out was checked")
 
-    monkeypatch.setattr("vitexplain.batch.models.load_model", no_model)
+    monkeypatch.setattr("vitexplain.batch.explore.load_model", no_model)
 
 
 def test_explore_skips_an_image_too_thin_to_crop_and_keeps_the_others(tiny, tmp_path, capsys) -> None:
@@ -101,21 +101,11 @@ def test_explore_skips_an_image_too_thin_to_crop_and_keeps_the_others(tiny, tmp_
 
 
 def test_explore_reports_an_unreadable_folder_with_exit_1(tiny, tmp_path, monkeypatch, capsys) -> None:
-    import errno
-    import os
-
-    from batch_helpers import images
+    from batch_helpers import images, unreadable_folder
 
     src = images(tmp_path / "in", ["a.png", "locked/b.png"])
     locked = str(src / "locked")
-    real_scandir = os.scandir
-
-    def scandir(path="."):  # chmod 000 (root reads through permission bits, so simulate it)
-        if os.fsdecode(path).rstrip("/") == locked:
-            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
-        return real_scandir(path)
-
-    monkeypatch.setattr(os, "scandir", scandir)
+    unreadable_folder(monkeypatch, locked)
     page = tmp_path / "p.html"
     assert _explore(src, page, tiny) == 1
     assert [d["name"] for d in _images(page)] == ["a.png"]
@@ -125,10 +115,7 @@ def test_explore_reports_an_unreadable_folder_with_exit_1(tiny, tmp_path, monkey
 
 @pytest.mark.parametrize("case", ["folder", "under a file", "read-only"])
 def test_explore_refuses_an_unwritable_out_before_the_model_loads(case, tiny, tmp_path, monkeypatch, capsys) -> None:
-    import errno
-    import os
-
-    from batch_helpers import images
+    from batch_helpers import images, read_only_below
 
     src = images(tmp_path / "in", ["a.png"])
     if case == "folder":
@@ -142,14 +129,7 @@ def test_explore_refuses_an_unwritable_out_before_the_model_loads(case, tiny, tm
     else:
         page = tmp_path / "ro" / "page.html"
         page.parent.mkdir()
-        real_open = os.open
-
-        def open_(path, flags, *args, **kwargs):  # a read-only file system below ro/
-            if os.fsdecode(path).startswith(str(page.parent)) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
-                raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
-            return real_open(path, flags, *args, **kwargs)
-
-        monkeypatch.setattr(os, "open", open_)
+        read_only_below(monkeypatch, page.parent)
         message = "not writable: Read-only file system"
     _no_model(monkeypatch)
     assert _explore(src, page, tiny) == 2

@@ -28,7 +28,7 @@ from batch_helpers import export as _export
 from batch_helpers import images as _images
 from batch_helpers import manifest as _manifest
 from batch_helpers import run as _run
-from batch_helpers import env, wait_for
+from batch_helpers import env, read_only_below, unreadable_folder, wait_for
 from batch_helpers import save_tiny as _save_tiny
 from batch_helpers import summary as _summary
 from vitexplain.batch import manifest as manifest_mod
@@ -246,15 +246,14 @@ def test_f4_full_disk_for_every_file_reports_on_stderr_and_resumes(ckpt, tmp_pat
 # F5: --out that cannot be written is a usage error before the model loads
 # ---------------------------------------------------------------------------------------------
 def test_f5_unwritable_or_dangling_out_is_a_usage_error(ckpt, tmp_path, monkeypatch, capsys) -> None:
-    from vitexplain.batch import models
+    from vitexplain.batch import export as export_module
 
     src = _images(tmp_path / "in", ["a.png"])
 
     def no_model(*args, **kwargs):
         raise AssertionError("the model was loaded before --out was checked")
 
-    monkeypatch.setattr(models, "load_model", no_model)
-    monkeypatch.setattr("vitexplain.batch.export.load_model", no_model)
+    monkeypatch.setattr(export_module, "load_model", no_model)  # not models': modules imported meanwhile keep it
     dangling = tmp_path / "link"
     dangling.symlink_to(tmp_path / "missing-target")
     assert _export(src, dangling, ckpt) == 2
@@ -262,14 +261,7 @@ def test_f5_unwritable_or_dangling_out_is_a_usage_error(ckpt, tmp_path, monkeypa
 
     readonly = tmp_path / "ro"
     readonly.mkdir()
-    real_open = os.open
-
-    def open_(path, flags, *args, **kwargs):  # a read-only file system below readonly/
-        if os.fsdecode(path).startswith(str(readonly)) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
-            raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
-        return real_open(path, flags, *args, **kwargs)
-
-    monkeypatch.setattr(os, "open", open_)
+    read_only_below(monkeypatch, readonly)
     for out in (readonly, readonly / "new" / "out"):
         assert _export(src, out, ckpt) == 2
         assert "not writable: Read-only file system" in capsys.readouterr().err
@@ -356,14 +348,7 @@ def test_f8_a_251_byte_name_works_and_is_stable(ckpt, tmp_path) -> None:
 def test_f9_unreadable_folder_is_reported(ckpt, tmp_path, monkeypatch, capsys) -> None:
     src = _images(tmp_path / "in", ["a.png", "locked/b.png"])
     locked = str(src / "locked")
-    real_scandir = os.scandir
-
-    def scandir(path="."):  # chmod 000 (root reads through permission bits, so simulate it)
-        if os.fsdecode(path).rstrip("/") == locked:
-            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
-        return real_scandir(path)
-
-    monkeypatch.setattr(os, "scandir", scandir)
+    unreadable_folder(monkeypatch, locked)
     out = tmp_path / "out"
     assert _export(src, out, ckpt) == 1
     err = capsys.readouterr().err

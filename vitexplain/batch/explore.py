@@ -24,8 +24,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..errors import ImageLoadError, InputError, UsageError, VitexplainError
+from .inputs import scan_inputs
+from .models import load_model
+from .options import (POSITIVE, BatchOptions, Number, SharedOptions, collect_methods, option, parse_methods, same,
+                      validate)
 from .run import EXIT_FAILED, EXIT_OK, EXIT_OUTPUT, say
-from .options import POSITIVE, BatchOptions, Number, SharedOptions, collect_methods, option, parse_methods, same
 from .writing import check_writable
 
 __all__ = ["ExploreOptions", "explore_inputs", "DEFAULT_MAX_IMAGES", "GROUPS"]
@@ -127,9 +130,6 @@ def explore_inputs(opts: ExploreOptions) -> int:
     from ..explainer import Explainer
     from ..explorer import explore
     from .distributed import Dist, resolve_device
-    from .inputs import scan_inputs
-    from .models import load_model
-    from .options import validate
 
     validate(opts)
     out = Path(opts.out)
