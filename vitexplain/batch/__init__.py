@@ -7,7 +7,8 @@ options        the options base: each option's flag, help, check and whether it 
 inputs         input discovery and stable, safe output keys
 models         model loading (offline) and the model's part of the resume key
 decoding       the DataLoader: decode, preprocess, crop; a bad file is a record
-writing        atomic writes, encoders, UTF-8 JSON, output-folder checks, stale temp files
+writing        atomic writes never through links, encoders, UTF-8 JSON
+outfolder      output-folder checks (writable, own names), stale temporary files
 manifest       manifest parts written whole, repaired on read, merged at the end
 lock           one run at a time per output folder
 run            the run's types (Run, Command, ExportResult), exit codes, messages

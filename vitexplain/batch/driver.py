@@ -36,7 +36,8 @@ from .run import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_OUTPUT, EXIT_TERM
 from .shard import new_stats, run_shard
 from .signals import Interrupted, StopSignals, interrupt_for, signals_as_interrupts  # noqa: F401 - re-exported
 from .summary import build_summary, run_counts
-from .writing import OutputError, Writer, clean_stale_temps, is_output_file, json_bytes, json_safe
+from .outfolder import clean_stale_temps
+from .writing import OutputError, Writer, is_output_file, json_bytes, json_safe
 
 # the run's types and the signal helpers are re-exported for code that imported them from here
 __all__ = ["EXIT_OK", "EXIT_FAILED", "EXIT_USAGE", "EXIT_OUTPUT", "EXIT_INTERRUPTED", "EXIT_TERMINATED",

@@ -29,7 +29,7 @@ from .models import load_model
 from .options import (POSITIVE, BatchOptions, Number, SharedOptions, collect_methods, option, parse_methods, same,
                       validate)
 from .run import EXIT_FAILED, EXIT_OK, EXIT_OUTPUT, say
-from .writing import check_writable
+from .outfolder import check_writable
 
 __all__ = ["ExploreOptions", "explore_inputs", "DEFAULT_MAX_IMAGES", "GROUPS"]
 

@@ -20,7 +20,7 @@ from .inputs import InputScan, scan_inputs
 from .options import output_settings, validate
 from .lock import LOCK_NAME
 from .manifest import GALLERY, MANIFEST, SUMMARY
-from .writing import check_own_names, check_writable
+from .outfolder import check_own_names, check_writable
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch

@@ -3,8 +3,8 @@
 Every file is written to a hidden temporary name in its destination folder
 (``.<12 hex>.<pid>.tmp``, :data:`TEMP_RE`, created with ``O_EXCL``) and moved into place with
 :func:`os.replace`, so an interrupted run leaves no half-written file; a run killed outright
-(``kill -9``) can leave a temporary file, which the next run removes (:func:`clean_stale_temps`,
-under the output lock).
+(``kill -9``) can leave a temporary file, which the next run removes under the output lock
+(:func:`~vitexplain.batch.outfolder.clean_stale_temps`).
 
 Links planted in the output folder never redirect a write: the folders below ``--out`` are
 opened one by one relative to their parent with ``O_NOFOLLOW`` (``openat``), so a subfolder that
@@ -16,7 +16,7 @@ An error writing a file is either about that one image (a name the file system r
 ``ENAMETOOLONG``, ``EINVAL``, ``EILSEQ``, a file where a folder should be) -- the image fails,
 the run goes on -- or about the output folder (a full disk, a quota, an I/O error, a
 read-only or vanished folder): :class:`OutputError`, which ends the run with exit status
-:data:`~vitexplain.batch.driver.EXIT_OUTPUT`.
+:data:`~vitexplain.batch.run.EXIT_OUTPUT`.
 
 JSON is written as UTF-8 whatever the file names: a string holding bytes that are not UTF-8
 (Python's surrogate escapes, from a file name) is written with those bytes as ``\\xNN``
@@ -55,9 +55,6 @@ __all__ = [
     "encode_npz",
     "json_safe",
     "json_bytes",
-    "check_writable",
-    "check_own_names",
-    "clean_stale_temps",
     "is_per_file",
 ]
 
@@ -353,89 +350,3 @@ def json_bytes(value: Any, *, indent: int | None = None) -> bytes:
         return text.encode("utf-8")
     except UnicodeEncodeError:  # rare: a name with undecodable bytes somewhere in value
         return (json.dumps(json_safe(value), indent=indent, ensure_ascii=False, default=str) + "\n").encode("utf-8")
-
-
-def check_writable(out: str | os.PathLike[str], what: str = "") -> None:
-    """Refuse an output folder that cannot be used, before any model is loaded.
-
-    ``out`` may not exist yet (it is created later; nothing is created here): then its
-    nearest existing parent must be a writable folder. A probe file is created and removed
-    (so a read-only file system or a folder without write permission is found even when
-    the permission bits say otherwise).
-
-    Args:
-        out: the folder.
-        what: how messages name it (default ``--out 'OUT'``).
-
-    Raises:
-        UsageError: ``out`` is a dangling symlink, a file, or not writable.
-    """
-    text = os.fspath(out)
-    what = what or f"--out {text!r}"
-    if os.path.islink(text) and not os.path.exists(text):
-        raise UsageError(f"{what} is a symbolic link to {os.readlink(text)!r}, which does not exist; "
-                         "create the target folder or choose another --out")
-    if os.path.exists(text) and not os.path.isdir(text):
-        raise UsageError(f"{what} exists and is not a folder")
-    probe_in = os.path.abspath(text)
-    while not os.path.exists(probe_in):
-        parent = os.path.dirname(probe_in)
-        if parent == probe_in:
-            break
-        probe_in = parent
-    if not os.path.isdir(probe_in):
-        raise UsageError(f"{what}: {probe_in!r} is not a folder, so the output folder cannot be created there")
-    probe = os.path.join(probe_in, f".{uuid.uuid4().hex[:12]}.{os.getpid()}.tmp")
-    try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        os.close(fd)
-    except OSError as e:
-        where = "" if probe_in == os.path.abspath(text) else f" (its folder {probe_in!r})"
-        raise UsageError(f"{what}{where} is not writable: {e.strerror or e}; choose another --out") from None
-    _unlink_quietly(probe)
-
-
-def check_own_names(out: str | os.PathLike[str], names: list[str]) -> None:
-    """Refuse an output folder where one of the run's own files (``names``, at its top) is
-    taken by something other than a file (a folder, a socket...), before any model is loaded.
-
-    Raises:
-        UsageError: names the entry and what to do.
-    """
-    for name in names:
-        path = os.path.join(out, name)
-        try:
-            mode = os.lstat(path).st_mode
-        except OSError:
-            continue  # missing (or --out missing): the run creates it
-        if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
-            kind = "a folder" if stat.S_ISDIR(mode) else "not a regular file"
-            raise UsageError(f"--out {os.fspath(out)!r} holds {kind} named {name!r}, where the run writes its own "
-                             f"{name}; rename or remove it, or choose another --out")
-
-
-def clean_stale_temps(out: Path, *, everywhere: bool) -> int:
-    """Remove temporary files (:data:`TEMP_RE`) left in ``out`` by killed runs.
-
-    Call it only while holding the output lock (no other run writes there then).
-
-    Args:
-        out: the output folder.
-        everywhere: look in every folder below ``out`` (a run was killed: it left its manifest
-            part behind); otherwise only in ``out`` itself, where the summary and manifest are
-            written after the parts are merged and removed.
-
-    Returns:
-        How many files were removed.
-    """
-    removed = 0
-    walk = os.walk(out) if everywhere else [(str(out), [], os.listdir(out))]
-    for dirpath, _, files in walk:
-        for name in files:
-            if TEMP_RE.match(name):
-                try:
-                    os.unlink(os.path.join(dirpath, name))
-                    removed += 1
-                except OSError:
-                    pass
-    return removed
