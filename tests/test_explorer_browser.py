@@ -10,7 +10,9 @@ page stores ``round(255 v / s)`` per row part, so its index may differ by one fr
 computed here from float values; overlay pixels with alpha < 255 also go through the canvas's
 premultiplied 8-bit storage, which moves a channel by at most ``255 / (2 alpha) + 1``.
 
-chromium must be installed (``.ci/run`` installs it): these tests fail, never skip, without it.
+Without chromium (or Playwright) these tests skip with a one-line reason saying how to enable
+them (``apt-get install chromium``, or ``VX_CHROMIUM=/path/to/chromium``); under CI (``CI=true``,
+which ``.ci/run`` exports after installing chromium) a missing browser fails them instead.
 """
 
 from __future__ import annotations
@@ -35,20 +37,51 @@ SEQ = colormap_lut(COLORMAPS["sequential"]).astype(int)
 MAT = colormap_lut(COLORMAPS["matrix"]).astype(int)
 
 
+def _missing(reason: str) -> None:
+    """Skip with ``reason``; under CI (``CI=true``) fail instead: there the browser must be there."""
+    if os.environ.get("CI", "").strip().lower() in ("true", "1", "yes"):
+        pytest.fail(f"{reason} (CI=true: the browser tests must run)")
+    pytest.skip(reason)
+
+
 def _chromium() -> str:
+    """The chromium to drive: ``$VX_CHROMIUM``, else ``chromium`` or ``chromium-browser`` on the PATH."""
     path = os.environ.get("VX_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
     if path is None:
-        pytest.fail("chromium is not installed: `apt-get install chromium` (.ci/run installs it when missing)")
+        _missing("chromium is not installed: `apt-get install chromium` (or set VX_CHROMIUM=/path/to/chromium) "
+                 "to run the explorer's browser tests")
     return path
+
+
+def _playwright():
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        _missing("Playwright is not installed: `pip install '.[test]'` to run the explorer's browser tests")
+    return sync_playwright
+
+
+@pytest.mark.parametrize("ci, outcome", [(None, pytest.skip.Exception), ("true", pytest.fail.Exception)])
+def test_a_missing_chromium_skips_saying_how_to_enable_it_and_fails_under_ci(monkeypatch, ci, outcome) -> None:
+    monkeypatch.delenv("VX_CHROMIUM", raising=False)
+    if ci is None:
+        monkeypatch.delenv("CI", raising=False)
+    else:
+        monkeypatch.setenv("CI", ci)
+    monkeypatch.setattr(shutil, "which", lambda name: None)  # no chromium on the PATH
+    with pytest.raises(outcome, match="apt-get install chromium") as caught:
+        _chromium()
+    assert "\n" not in str(caught.value)  # one line
 
 
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
-    from playwright.sync_api import sync_playwright
+    executable = _chromium()
+    sync_playwright = _playwright()
 
     pw = sync_playwright().start()
     context = pw.chromium.launch_persistent_context(
-        str(tmp_path_factory.mktemp("chromium-profile")), executable_path=_chromium(), headless=True,
+        str(tmp_path_factory.mktemp("chromium-profile")), executable_path=executable, headless=True,
         args=FLAGS, viewport={"width": 1300, "height": 1000},
     )
     yield context

@@ -105,7 +105,9 @@ the page: one HTML file with its images, data, script and styles inline; it requ
 (open it from disk, mail it). Sizes: about 0.2 MB per 64 px shapes image, 4.7 MB per 224 px
 ViT-S/16 image with every layer and head (see --attention-budget).
 
-exit status: 0 ok, 1 some images could not be read (left out of the page), 2 usage error.
+exit status: 0 ok; 1 some images or folders could not be read, or an image is too thin to
+center-crop (each reported and left out of the page); 2 usage error (including an --out that
+cannot be written, checked before the model loads); 74 the page could not be written (full disk).
 
 examples:
   vitexplain explore assets/samples --out explore.html

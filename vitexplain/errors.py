@@ -12,6 +12,7 @@ Hierarchy::
         OptionError (TypeError)          unknown method option, value out of its declared range
         InputError (TypeError)           wrong type/shape/content of an input
         NotFoundError (KeyError)         unknown zoo model, word, module name
+        OutOfRangeError (IndexError)     an index past the end of a sequence (a ShapesBatch)
       UnsupportedModelError (TypeError)  the model family is not supported by an operation
       UnsupportedMethodError (ValueError) the method does not apply to this model
       TargetError (ValueError)           bad target (class index, label, score function)
@@ -36,6 +37,7 @@ __all__ = [
     "InputError",
     "NotFoundError",
     "NumericalError",
+    "OutOfRangeError",
 ]
 
 
@@ -91,3 +93,8 @@ class NotFoundError(UsageError, KeyError):
 class NumericalError(VitexplainError, FloatingPointError):
     """The model's outputs, a target score or a method's maps hold NaN or inf values, so no
     map would mean anything; the message names the images and what to check."""
+
+
+class OutOfRangeError(UsageError, IndexError):
+    """An index past the end of a sequence (e.g. ``ShapesBatch[i]``); an IndexError, so
+    iterating by index stops at it."""

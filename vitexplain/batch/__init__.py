@@ -7,12 +7,16 @@ options        the options base: each option's flag, help, check and whether it 
 inputs         input discovery and stable, safe output keys
 models         model loading (offline) and the model's part of the resume key
 decoding       the DataLoader: decode, preprocess, crop; a bad file is a record
-writing        atomic writes, encoders, UTF-8 JSON, output-folder checks, stale temp files
+writing        atomic writes never through links, encoders, UTF-8 JSON
+outfolder      output-folder checks (writable, own names), stale temporary files
 manifest       manifest parts written whole, repaired on read, merged at the end
 lock           one run at a time per output folder
+run            the run's types (Run, Command, ExportResult), exit codes, messages
+signals        Ctrl-C and SIGTERM: stop the work once, never cut the finishing short
+checks         checks the commands share (finite maps and outputs)
 distributed    devices, torchrun shards and collectives
 setup          what every command checks before its model runs
-driver         the run: lock, shard, resume, summary, exit codes, signals
+driver         the run: lock, shard, resume, summary
 shard          one rank's decode -> explain -> write loop
 summary        ``summary.json``
 export         ``vitexplain export`` (classifiers: overlays and maps)
@@ -25,7 +29,7 @@ export``).
 Importing this package is light (no torch, no OpenCV): the CLI builds its flags from here.
 """
 
-from .driver import (
+from .run import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
     EXIT_OK,
@@ -33,10 +37,10 @@ from .driver import (
     EXIT_TERMINATED,
     EXIT_USAGE,
     ExportResult,
-    Interrupted,
 )
 from .inputs import IMAGE_EXTENSIONS, InputItem, discover_inputs, scan_inputs
 from .lock import FolderBusyError
+from .signals import Interrupted
 from .manifest import read_manifest
 from .models import load_model
 from .options import BatchOptions

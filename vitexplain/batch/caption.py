@@ -30,11 +30,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from ..errors import UsageError
-from .driver import Command, ExportResult, drive
-from .export import finite_rows, not_finite_error
+from .driver import drive
+from .run import Command, ExportResult
+from .checks import finite_rows, not_finite_error
 from .manifest import GALLERY
 from .models import load_model, model_id, zoo_weights_id
-from .options import NON_NEGATIVE, POSITIVE, BatchOptions, collect_methods, option, parse_methods
+from .options import NON_NEGATIVE, POSITIVE, BatchOptions, SharedOptions, collect_methods, option, parse_methods, same
 from .setup import config_hash, new_run, one_by_one_on_numerical_errors, plan_run, prepare, probe, summary_fields
 from .writing import Writer, encode_npz, encode_png, json_bytes
 
@@ -72,8 +73,7 @@ class CaptionOptions(BatchOptions):
     caption: Optional[str] = option(None, flags="--caption", metavar="TEXT", group="explanation", outputs=True,
                                     help="explain this caption (teacher-forced) for every image instead of "
                                          "generating one")
-    max_len: int = option(16, flags="--max-len", metavar="N", parse=POSITIVE, group="explanation", outputs=True,
-                          help="most tokens to generate (default {default}; the model's own limit applies too)")
+    max_len: int = same(SharedOptions, "max_len")
     colormap: str = option("jet", flags="--colormap", metavar="NAME", group="overlays", outputs=True,
                            help="colormap of the maps (default {default}; any OpenCV name)")
     signed_colormap: str = option("bwr", flags="--signed-colormap", metavar="NAME", group="overlays",

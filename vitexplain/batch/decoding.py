@@ -4,11 +4,21 @@ With ``workers > 0`` the work runs in worker processes that ignore SIGINT and SI
 main process decides when to stop (it finishes what it can, writes the summary and shuts
 them down), so Ctrl-C in a terminal (which signals the whole process group) neither kills a
 worker mid-item nor leaves one blocked at exit on a full result pipe.
+
+A worker never outlives the main process: when it dies without shutting them down (``kill -9``,
+the OOM killer), the kernel kills the workers (Linux: ``prctl(PR_SET_PDEATHSIG, SIGKILL)``), and
+elsewhere each worker polls its parent's pid and exits when it changes. (The DataLoader's own
+check runs only between items, so a worker stuck decoding a huge file lingered with its memory.)
 """
 
 from __future__ import annotations
 
+import functools
+import os
 import signal
+import sys
+import threading
+import time
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -84,9 +94,35 @@ def collate(samples: list[dict[str, Any]]) -> tuple[Optional["torch.Tensor"], li
     return x, good, bad
 
 
-def _ignore_signals(_worker_id: int) -> None:
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with(parent: int) -> None:
+    """Make this process exit when ``parent`` does (see the module docstring)."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):  # pragma: no cover - no prctl: the poll below does it
+            pass
+    if os.getppid() != parent:  # the parent died before the line above
+        os._exit(1)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="vitexplain-parent-watch", daemon=True).start()
+
+
+def _init_worker(_worker_id: int, parent: int) -> None:
+    """A DataLoader worker: leaves SIGINT/SIGTERM to the main process and dies with it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _die_with(parent)
 
 
 def make_loader(dataset: ImageDataset, *, batch_size: int, workers: int, pin_memory: bool) -> Any:
@@ -96,5 +132,5 @@ def make_loader(dataset: ImageDataset, *, batch_size: int, workers: int, pin_mem
     return DataLoader(
         dataset, batch_size=batch_size, shuffle=False, num_workers=workers, collate_fn=collate,
         pin_memory=pin_memory, prefetch_factor=4 if workers > 0 else None,
-        worker_init_fn=_ignore_signals if workers > 0 else None,
+        worker_init_fn=functools.partial(_init_worker, parent=os.getpid()) if workers > 0 else None,
     )

@@ -13,177 +13,59 @@ its entries of ``summary.json`` and its gallery. The driver does the rest:
 4. when every rank is done, rank 0 merges the manifest, writes ``summary.json`` (and a
    gallery) and releases the lock.
 
-Exit codes (:class:`ExportResult.exit_code`, the CLI's status): 0 every image done or
-current; 1 some images (or input folders) failed, the others were done; 74 the output
-folder could not be written (a full disk, an I/O error): the run stopped, what was finished
-is recorded and a rerun resumes. A usage error (exit 2) raises
-:class:`~vitexplain.errors.UsageError`; Ctrl-C (130) and SIGTERM (143) raise
-:class:`KeyboardInterrupt` (:class:`Interrupted` for SIGTERM) after the summary is written.
+The run's types and exit codes are in :mod:`~vitexplain.batch.run` (re-exported here); a
+usage error (exit 2) raises :class:`~vitexplain.errors.UsageError`; Ctrl-C (130) and SIGTERM
+(143) raise :class:`KeyboardInterrupt` (:class:`Interrupted` for SIGTERM) after the summary is
+written (:mod:`~vitexplain.batch.signals`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
-import sys
-import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+from typing import Any, Optional
 
 from ..errors import UsageError
-from .distributed import Dist
 from .inputs import InputItem, Unreadable
 from .lock import OutputLock
 from .manifest import PART_RE, SUMMARY, ManifestPart, merge_manifest, new_run_id, read_manifest
+from .run import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_OUTPUT, EXIT_TERMINATED, EXIT_USAGE,  # noqa: F401
+                  Command, ExportResult, ProcessFn, RankFailedError, Run, say)
+from .shard import new_stats, run_shard
+from .signals import Interrupted, StopSignals, interrupt_for, signals_as_interrupts  # noqa: F401 - re-exported
 from .summary import build_summary, run_counts
-from .writing import OutputError, WriteFn, Writer, clean_stale_temps, json_bytes
+from .outfolder import clean_stale_temps
+from .writing import OutputError, Writer, is_output_file, json_bytes, json_safe
 
-if TYPE_CHECKING:  # pragma: no cover
-    import torch
-
+# the run's types and the signal helpers are re-exported for code that imported them from here
 __all__ = ["EXIT_OK", "EXIT_FAILED", "EXIT_USAGE", "EXIT_OUTPUT", "EXIT_INTERRUPTED", "EXIT_TERMINATED",
            "ExportResult", "Interrupted", "Run", "Command", "ProcessFn", "drive", "signals_as_interrupts",
            "is_current", "source_of", "say"]
 
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_USAGE = 2
-EXIT_OUTPUT = 74  # EX_IOERR of sysexits.h
-EXIT_INTERRUPTED = 130  # 128 + SIGINT
-EXIT_TERMINATED = 143  # 128 + SIGTERM
-
-
-class Interrupted(KeyboardInterrupt):
-    """SIGTERM, handled like Ctrl-C (finished work recorded, summary written).
-
-    Attributes:
-        signum: the signal received.
-    """
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(f"signal {signum}")
-        self.signum = signum
-
-
-@contextlib.contextmanager
-def signals_as_interrupts() -> Iterator[None]:
-    """Within the block, SIGTERM raises :class:`Interrupted` in the main thread (Ctrl-C already
-    raises KeyboardInterrupt). No-op outside the main thread; the old handler is restored."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum: int, _frame: Any) -> None:
-        raise Interrupted(signum)
-
-    old = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
-
-
-@dataclass
-class ExportResult:
-    """What a batch command returns.
-
-    Attributes:
-        exit_code: 0 all good, 1 some images failed, 74 the output folder could not be
-            written (the CLI's exit status).
-        summary: the content of ``summary.json`` (on rank 0; other ranks get their own counts).
-        out: the output folder.
-    """
-
-    exit_code: int
-    summary: dict[str, Any]
-    out: Path
-
-
-@dataclass
-class Run:
-    """What the driver needs to know, whatever the command.
-
-    Attributes:
-        command: ``"export"`` or ``"caption"`` (progress bar and messages).
-        out: output folder.
-        items: every input of the run (all ranks), sorted by key.
-        unreadable: input folders that could not be listed.
-        dist: the distributed setting.
-        device: where the model runs.
-        autocast_dtype: CUDA autocast dtype, or None.
-        pre_kwargs: the model's :func:`vitexplain.data.images.preprocess` arguments.
-        config_hash: digest of every setting that changes the outputs (the resume rule).
-        crop, max_side, batch_size, workers, write_threads, overwrite, quiet: as the options.
-        cleaned_temps: temporary files of killed runs removed at the start (rank 0).
-    """
-
-    command: str
-    out: Path
-    items: list[InputItem]
-    unreadable: list[Unreadable]
-    dist: Dist
-    device: "torch.device"
-    autocast_dtype: Any
-    pre_kwargs: dict[str, Any]
-    config_hash: str
-    crop: bool
-    max_side: int
-    batch_size: int
-    workers: int
-    write_threads: int
-    overwrite: bool
-    quiet: bool
-    cleaned_temps: int = 0
-
-
-#: ``process(x, good)``: explain one decoded batch ``x`` (B, 3, H, W) (on the device, inside
-#: autocast) whose samples are ``good`` (dicts with ``key``, ``region`` (h, w, 3) uint8 RGB,
-#: ``width``, ``height``, ``box``); returns per sample the manifest fields to add and the
-#: write job of its files, or an error message (that image fails). An exception fails the
-#: batch's images (reported, the run goes on).
-ProcessFn = Callable[["torch.Tensor", list[dict[str, Any]]], list[tuple[dict[str, Any], "WriteFn | str"]]]
-
-
-@dataclass
-class Command:
-    """What a command adds to the driver.
-
-    Attributes:
-        process: explains a batch (:data:`ProcessFn`).
-        fields: the command's entries of ``summary.json`` (model, methods, arguments, config...).
-        gallery: writes ``index.html`` from the merged manifest records, or None.
-    """
-
-    process: ProcessFn
-    fields: dict[str, Any]
-    gallery: Optional[Callable[[list[dict[str, Any]]], None]] = None
-
-
-def say(msg: str, bar: Any = None) -> None:
-    """Print a message to stderr (above the progress bar when there is one)."""
-    if bar is not None:
-        bar.write(msg, file=sys.stderr)
-    else:
-        print(msg, file=sys.stderr, flush=True)
-
 
 def source_of(path: str) -> dict[str, Any]:
-    """``{"path": absolute path, "bytes", "mtime_ns"}`` of an input (None sizes if it cannot be stat'ed)."""
+    """``{"path": absolute path, "bytes", "mtime_ns"}`` of an input (None sizes if it cannot be
+    stat'ed), plus ``"path_bytes_hex"``, the exact bytes of the absolute path, when they are not
+    UTF-8 (JSON shows them as ``\\xNN`` text; the gallery links the real file with these)."""
+    full = os.path.abspath(path)
     try:
         st = os.stat(path)
-        return {"path": os.path.abspath(path), "bytes": int(st.st_size), "mtime_ns": int(st.st_mtime_ns)}
+        source: dict[str, Any] = {"path": full, "bytes": int(st.st_size), "mtime_ns": int(st.st_mtime_ns)}
     except OSError:
-        return {"path": os.path.abspath(path), "bytes": None, "mtime_ns": None}
+        source = {"path": full, "bytes": None, "mtime_ns": None}
+    if not full.isascii():
+        try:
+            full.encode("utf-8")
+        except UnicodeEncodeError:
+            source["path_bytes_hex"] = os.fsencode(full).hex()
+    return source
 
 
 def is_current(rec: Optional[dict[str, Any]], source: dict[str, Any], config_hash: str, out: Path) -> bool:
     """The resume rule: an ok record for the same file (path, size, mtime) and the same
     settings, whose listed output files all exist."""
-    from .writing import json_safe
-
     if not rec or rec.get("status") != "ok" or rec.get("config_hash") != config_hash:
         return False
     if rec.get("source") != (source if source["path"].isascii() else json_safe(source)):
@@ -191,8 +73,7 @@ def is_current(rec: Optional[dict[str, Any]], source: dict[str, Any], config_has
     files = rec.get("files") or {}
     if not files:
         return False
-    return all(os.path.isfile(os.path.join(out, *str(rel).split("/")))
-               for entry in files.values() for rel in entry.values())
+    return all(is_output_file(out, str(rel)) for entry in files.values() for rel in entry.values())
 
 
 def _start(run: Run, lock: OutputLock) -> str:
@@ -225,15 +106,15 @@ def drive(run: Run, command: Command, t_start: float) -> ExportResult:
     Raises:
         UsageError: the output folder is in use by another run, or cannot be created.
         KeyboardInterrupt: after Ctrl-C or SIGTERM (:class:`Interrupted`), once finished
-            files are recorded and the summary is written.
+            files are recorded and the summary is written (a signal while the run finishes
+            is held until then, :mod:`~vitexplain.batch.signals`).
     """
-    from .shard import new_stats, run_shard
-
     dist, out = run.dist, run.out
     dist.init(run.device)
     lock = OutputLock(out, f"vitexplain {run.command}")
-    try:
-        with signals_as_interrupts():
+    signals = StopSignals()
+    with signals:
+        try:
             run_id = _start(run, lock)
             if dist.rank == 0:
                 for u in run.unreadable:
@@ -251,19 +132,23 @@ def drive(run: Run, command: Command, t_start: float) -> ExportResult:
             setup_s = time.perf_counter() - t_start
             crash: Optional[BaseException] = None
             part: Optional[ManifestPart] = None
+            stats = new_stats(skipped)
             try:
                 part = ManifestPart(out, run_id, dist.rank)
                 if dist.rank == 0:
                     _record_unreadable(run, part)
-                stats = run_shard(todo, run=run, process=command.process, skipped=skipped, part=part)
+                run_shard(todo, run=run, process=command.process, stats=stats, part=part, signals=signals)
             except OutputError as e:  # the manifest part cannot be created or written
-                stats = {**new_stats(skipped), "output_error": str(e)}
+                stats["output_error"] = str(e)
+            except KeyboardInterrupt as e:  # a signal outside the loop's own handling
+                stats["interrupted"] = getattr(e, "signum", signal.SIGINT)
             except Exception as e:  # tell the other ranks instead of leaving them at the barrier
                 if dist.world == 1:
                     raise
                 crash = e
                 stats = {"crashed": f"rank {dist.rank}: {type(e).__name__}: {e}"}
             finally:
+                signals.defer()  # finishing: signals are held until the summary is written
                 if part is not None:
                     part.close()
             stats["setup_s"] = setup_s
@@ -272,22 +157,23 @@ def drive(run: Run, command: Command, t_start: float) -> ExportResult:
             if crashed:
                 if crash is not None:
                     raise crash
-                raise RuntimeError(f"{run.command} failed on another rank: " + "; ".join(crashed))
+                raise RankFailedError(f"{run.command} failed on another rank: " + "; ".join(crashed))
             summary: dict[str, Any] = {"rank": dist.rank, **stats}
             try:
                 if dist.rank == 0:
-                    summary = _finish(run, command, all_stats, t_start)
+                    summary = _finish(run, command, all_stats, t_start, signals)
             finally:
                 # Nobody exits before rank 0 has merged: launchers such as torchrun stop every
                 # rank as soon as one exits non-zero (exit 1 = some images failed).
                 dist.barrier()
-    finally:
-        lock.release()
-        dist.close()
+        finally:
+            signals.defer()
+            lock.release()
+            dist.close()
     interrupted = [s["interrupted"] for s in all_stats if s.get("interrupted")]
-    if interrupted:
-        signum = max(interrupted)
-        raise Interrupted(signum) if signum == signal.SIGTERM else KeyboardInterrupt
+    signum = signals.first or (max(interrupted) if interrupted else None)
+    if signum:
+        raise interrupt_for(signum)
     if any(s.get("output_error") for s in all_stats):
         code = EXIT_OUTPUT
     else:
@@ -306,8 +192,15 @@ def _folder_key(u: Unreadable) -> str:
     return u.path.rstrip("/\\") + "/"
 
 
-def _finish(run: Run, command: Command, all_stats: list[dict[str, Any]], t_start: float) -> dict[str, Any]:
-    """Rank 0: merge the manifest, write ``summary.json`` and the gallery; report the outcome."""
+def _finish(run: Run, command: Command, all_stats: list[dict[str, Any]], t_start: float,
+            signals: StopSignals) -> dict[str, Any]:
+    """Rank 0: merge the manifest, write the gallery and ``summary.json`` (last); report the outcome.
+
+    Signals are held meanwhile (``signals``); one received before the summary is built makes
+    its status ``interrupted``. Each step is atomic and a rerun redoes what is missing: the
+    parts are removed only after ``manifest.jsonl`` is in place, and a rerun whose images are
+    all current still merges, draws the gallery and writes the summary.
+    """
     errors = [s["output_error"] for s in all_stats if s.get("output_error")]
     error = errors[0] if errors else None
     records: Optional[list[dict[str, Any]]] = None
@@ -316,7 +209,7 @@ def _finish(run: Run, command: Command, all_stats: list[dict[str, Any]], t_start
         records = merge_manifest(run.out, keys)
         if command.gallery is not None and not errors:
             command.gallery(records)
-    except OutputError as e:
+    except OSError as e:  # OutputError, or a name taken meanwhile (a folder named manifest.jsonl)
         error = error or str(e)
     counts = run_counts(run, all_stats)
     if any(s.get("interrupted") for s in all_stats):
@@ -327,9 +220,11 @@ def _finish(run: Run, command: Command, all_stats: list[dict[str, Any]], t_start
         status = "failed" if counts["failed"] or run.unreadable else "ok"
     summary = build_summary(run, all_stats, t_start, status=status, error=error, fields=command.fields,
                             records=None if records is None else len(records))
+    if signals.received:  # held while this summary was made
+        summary["status"] = status = "interrupted"
     try:
         Writer(run.out).write(SUMMARY, json_bytes(summary, indent=2))
-    except OutputError as e:
+    except OSError as e:
         error = error or str(e)
         summary["error"] = error
         summary["status"] = status = "output_error"

@@ -6,25 +6,30 @@
     status = explore_inputs(ExploreOptions(inputs=["photos/"], out="page.html"))
 
 Inputs are found as ``vitexplain export`` finds them (:mod:`.inputs`) and the model is loaded
-as export loads it (:mod:`.models`); the options that mean the same thing are export's own
-declarations (flag, help, check), reused field by field. The page itself is
-:func:`vitexplain.explore`'s. An image that cannot be read is reported and left out of the page
-(exit status 1); the page holds the others. One page is one file, written atomically; there is
-no manifest, resume or torchrun sharding as for export.
+as export loads it (:mod:`.models`); the options that mean the same thing are the same
+declarations (flag, help, check), taken field by field from
+:class:`~vitexplain.batch.options.SharedOptions`. The page itself is :func:`vitexplain.explore`'s.
+An image that cannot be read, an image whose aspect ratio is too extreme for the model's center
+crop and a folder that cannot be listed are reported and left out of the page (exit status 1);
+the page holds the others. ``--out`` is checked writable before the
+model loads; a write that fails at the end (a full disk) is reported with exit status 74. One
+page is one file, written atomically; there is no manifest, resume or torchrun sharding as for
+export.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import sys
-from dataclasses import MISSING, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from ..errors import ImageLoadError, UsageError, VitexplainError
-from .caption import CaptionOptions
-from .export import ExportOptions
-from .options import POSITIVE, BatchOptions, Number, collect_methods, option, parse_methods
+from ..errors import ImageLoadError, InputError, UsageError, VitexplainError
+from .inputs import scan_inputs
+from .models import load_model
+from .options import (POSITIVE, BatchOptions, Number, SharedOptions, collect_methods, option, parse_methods, same,
+                      validate)
+from .run import EXIT_FAILED, EXIT_OK, EXIT_OUTPUT, say
+from .outfolder import check_writable
 
 __all__ = ["ExploreOptions", "explore_inputs", "DEFAULT_MAX_IMAGES", "GROUPS"]
 
@@ -33,14 +38,6 @@ DEFAULT_MAX_IMAGES = 50
 
 #: argparse group titles of the explore command, in display order.
 GROUPS = {"model": "model", "explanation": "page", "running": "running"}
-
-
-def _same(cls: type, name: str) -> Any:
-    """A field declared exactly as ``cls``'s option ``name`` (flag, help, check, default)."""
-    f = next(f for f in dataclasses.fields(cls) if f.name == name)
-    if f.default_factory is not MISSING:  # type: ignore[misc]
-        return field(default_factory=f.default_factory, metadata=f.metadata)  # type: ignore[misc]
-    return field(default=f.default, metadata=f.metadata)
 
 
 @dataclass
@@ -63,19 +60,19 @@ class ExploreOptions:
         quiet: no summary line.
     """
 
-    inputs: list[str] = _same(BatchOptions, "inputs")
+    inputs: list[str] = same(BatchOptions, "inputs")
     out: str = option(flags=("--out", "-o"), metavar="PAGE.html", required=True, help="the HTML file to write")
-    model: str = _same(ExportOptions, "model")
-    checkpoint: Optional[str] = _same(ExportOptions, "checkpoint")
-    num_classes: Optional[int] = _same(ExportOptions, "num_classes")
-    model_args: dict[str, Any] = _same(ExportOptions, "model_args")
-    labels: Optional[str] = _same(ExportOptions, "labels")
+    model: str = same(SharedOptions, "model")
+    checkpoint: Optional[str] = same(SharedOptions, "checkpoint")
+    num_classes: Optional[int] = same(SharedOptions, "num_classes")
+    model_args: dict[str, Any] = same(SharedOptions, "model_args")
+    labels: Optional[str] = same(SharedOptions, "labels")
     methods: Optional[list[str]] = option(
         None, flags="--method", metavar="M1,M2", group="explanation", action="append", parse=parse_methods,
         collect=collect_methods,
         help="methods, one tab each (default: the model family's defaults that apply, as `vitexplain methods "
              "--model NAME` lists them)")
-    method_options: dict[str, dict[str, Any]] = _same(BatchOptions, "method_options")
+    method_options: dict[str, dict[str, Any]] = same(BatchOptions, "method_options")
     target: str = option("pred", flags="--target", metavar="pred|INDEX|LABEL", group="explanation",
                          help="explain the top-k classes (pred, default) or this one class")
     top_k: int = option(3, flags="--top-k", metavar="K", parse=POSITIVE, group="explanation",
@@ -87,9 +84,9 @@ class ExploreOptions:
         5.0, flags="--attention-budget", metavar="MB", parse=Number(float, 0.01), group="explanation",
         help="most MB of attention data per image; past it fewer layers, then only the head mean, are "
              "embedded (default {default})")
-    max_len: int = _same(CaptionOptions, "max_len")
+    max_len: int = same(SharedOptions, "max_len")
     title: Optional[str] = option(None, flags="--title", metavar="TEXT", group="explanation", help="page title")
-    device: str = _same(BatchOptions, "device")
+    device: str = same(BatchOptions, "device")
     quiet: bool = option(False, flags=("--quiet", "-q"), action="store_true", group="running", help="no summary line")
 
 
@@ -101,28 +98,44 @@ def _target(text: str) -> Any:
     return int(text) if text.lstrip("+-").isdigit() else text
 
 
+def _check_page_path(out: Path, text: str) -> None:
+    """Refuse a ``--out`` page that cannot be written, before any model is loaded.
+
+    Raises:
+        UsageError: not a ``.html`` name, an existing folder, a folder that cannot be created
+            (a file in the way) or is not writable.
+    """
+    if out.suffix.lower() not in (".html", ".htm"):
+        raise UsageError(f"--out must name the .html file to write, got {text!r}")
+    if out.is_dir():
+        raise UsageError(f"--out {text!r} is a folder; name the .html file to write (e.g. {str(out / 'page.html')!r})")
+    check_writable(out.parent, f"the folder of --out {text!r}")
+
+
 def explore_inputs(opts: ExploreOptions) -> int:
     """Write the explorer page of every image found under ``opts.inputs``.
 
     Returns:
-        0 when every image is on the page, 1 when some could not be read (reported on stderr).
+        0 when every image is on the page; 1 when some images or input folders could not be
+        read, or an image cannot be center-cropped for the model (an aspect ratio too extreme,
+        e.g. 1 x 300,000 px) -- each is reported on stderr and left out; 74 when the page
+        could not be written (a full disk, an I/O error), reported on stderr.
 
     Raises:
         UsageError: no inputs, more than ``max_images``, no readable image, bad options, an
-            unknown model or a method that does not apply to it.
+            ``--out`` that cannot be written (checked before the model loads), an unknown
+            model or a method that does not apply to it.
     """
-    from ..data.images import load_image
+    from ..data.images import check_resizable, load_image
+    from ..explainer import Explainer
     from ..explorer import explore
     from .distributed import Dist, resolve_device
-    from .inputs import discover_inputs
-    from .models import load_model
-    from .options import validate
 
     validate(opts)
     out = Path(opts.out)
-    if out.suffix.lower() not in (".html", ".htm"):
-        raise UsageError(f"--out must name the .html file to write, got {opts.out!r}")
-    items = discover_inputs(opts.inputs, out)
+    _check_page_path(out, opts.out)
+    scan = scan_inputs(opts.inputs, out)
+    items = scan.items
     if len(items) > opts.max_images:
         raise UsageError(
             f"found {len(items)} images, more than --max-images {opts.max_images}: the page embeds every "
@@ -131,27 +144,39 @@ def explore_inputs(opts: ExploreOptions) -> int:
     model, _ = load_model(opts.model, checkpoint=opts.checkpoint, num_classes=opts.num_classes,
                           model_args=opts.model_args, labels=opts.labels,
                           device=resolve_device(opts.device, Dist()))
-    images, names, failed = [], [], 0
+    explainer = Explainer(model)
+    pre_kwargs = explainer.adapter.preprocess_kwargs()
+    for u in scan.unreadable:
+        say(f"vitexplain explore: cannot read folder {u.path} ({u.error}); its images are not on the page")
+    images, names, failed = [], [], len(scan.unreadable)
     for item in items:
         try:
-            images.append(load_image(item.path))
-            names.append(item.key)
-        except ImageLoadError as err:
+            image = load_image(item.path)
+            check_resizable(*image.shape[:2], **pre_kwargs,
+                            advice="Crop or pad it first: the model sees the center crop of its eval transform")
+        except (ImageLoadError, InputError) as err:
             failed += 1
-            print(f"vitexplain explore: skipped {item.path}: {err}", file=sys.stderr)
+            say(f"vitexplain explore: skipped {item.path}: {err}")
+            continue
+        images.append(image)
+        names.append(item.key)
     if not images:
         raise UsageError("none of the inputs could be read as an image")
     try:
         path = explore(
-            model, images, out, method=opts.methods, top_k=opts.top_k, target=_target(opts.target), names=names,
+            explainer, images, out, method=opts.methods, top_k=opts.top_k, target=_target(opts.target), names=names,
             title=opts.title or f"vitexplain explorer: {opts.model}", attention_budget=opts.attention_budget,
             max_len=opts.max_len, **opts.method_options,
         )
+    except OSError as err:  # the page cannot be written (OutputError: a full disk, an I/O error...)
+        say(f"vitexplain explore: error: cannot write {opts.out}: {err.strerror or err}; nothing was written. "
+            "Free some space (or fix the folder) and rerun")
+        return EXIT_OUTPUT
     except VitexplainError as err:  # a method that does not apply, a bad option: say it, no traceback
         if isinstance(err, UsageError):
             raise
         raise UsageError(str(err)) from err
     if not opts.quiet:
         size = path.stat().st_size / 1e6
-        print(f"vitexplain: {len(images)} images, {failed} failed -> {path} ({size:.2f} MB)", file=sys.stderr)
-    return 1 if failed else 0
+        say(f"vitexplain: {len(images)} images, {failed} failed -> {path} ({size:.2f} MB)")
+    return EXIT_FAILED if failed else EXIT_OK

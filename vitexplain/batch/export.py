@@ -26,11 +26,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from ..errors import UsageError
-from .driver import Command, ExportResult, drive
+from .checks import finite_rows, not_finite_error
+from .driver import drive
+from .run import Command, ExportResult
 from .manifest import GALLERY
 from .models import checkpoint_id, digest, load_model, model_id, zoo_weights_id
-from .options import (NON_NEGATIVE, POSITIVE, BatchOptions, collect_dict, collect_methods, option, parse_key_value,
-                      parse_methods)
+from .options import NON_NEGATIVE, BatchOptions, SharedOptions, collect_methods, option, parse_methods, same
 from .setup import config_hash, new_run, one_by_one_on_numerical_errors, plan_run, prepare, probe, summary_fields
 from .writing import Writer, encode_npy, encode_png
 
@@ -62,19 +63,11 @@ class ExportOptions(BatchOptions):
         save_maps: also write each raw map as ``.npy``.
     """
 
-    model: str = option("shapes-vit", flags=("--model", "-m"), metavar="NAME", group="model", outputs=True,
-                        help="zoo model (see `vitexplain models`), timm model name, or a zoo checkpoint .json "
-                             "(default: {default})")
-    checkpoint: Optional[str] = option(None, flags="--checkpoint", metavar="FILE", group="model", outputs=True,
-                                       help="weights for --model: .safetensors, or .pt/.pth (torch.load "
-                                            "weights_only=True) holding a state dict or {'state_dict'|'model': ...}")
-    num_classes: Optional[int] = option(None, flags="--num-classes", metavar="N", parse=POSITIVE, group="model",
-                                        outputs=True, help="classes of a timm model (default: from the checkpoint's head)")
-    model_args: dict[str, Any] = option(factory=dict, flags="--model-arg", metavar="KEY=VALUE", group="model",
-                                        outputs=True, action="append", parse=parse_key_value, collect=collect_dict,
-                                        help="extra timm.create_model argument, e.g. img_size=64 (repeatable)")
-    labels: Optional[str] = option(None, flags="--labels", metavar="FILE", group="model", outputs=True,
-                                   help="text file with one class name per line")
+    model: str = same(SharedOptions, "model")
+    checkpoint: Optional[str] = same(SharedOptions, "checkpoint")
+    num_classes: Optional[int] = same(SharedOptions, "num_classes")
+    model_args: dict[str, Any] = same(SharedOptions, "model_args")
+    labels: Optional[str] = same(SharedOptions, "labels")
     methods: Optional[list[str]] = option(
         None, flags="--method", metavar="M1,M2", group="explanation", outputs=True, action="append",
         parse=parse_methods, collect=collect_methods,
@@ -139,36 +132,6 @@ def _scores(logits: Any, multi_label: bool, k: int) -> Optional[tuple[list[list[
     return values.cpu().tolist(), indices.cpu().tolist()
 
 
-def finite_rows(maps: dict[str, "np.ndarray"], logits: Any) -> tuple[list[bool], list[list[str]]]:
-    """Per image of a batch: whether the model's outputs are finite, and the methods whose map
-    holds NaN/inf (one vectorised check per batch)."""
-    import numpy as np
-    import torch
-
-    first = next(iter(maps.values()))
-    n = int(first.shape[0])
-    if isinstance(logits, torch.Tensor) and logits.dim() >= 2 and logits.shape[0] == n:
-        outputs_ok = torch.isfinite(logits.detach().reshape(n, -1)).all(dim=1).tolist()
-    else:
-        outputs_ok = [True] * n
-    bad_maps: list[list[str]] = [[] for _ in range(n)]
-    for name, m in maps.items():
-        for b in np.flatnonzero(~np.isfinite(m.reshape(n, -1)).all(axis=1)):
-            bad_maps[int(b)].append(name)
-    return outputs_ok, bad_maps
-
-
-def not_finite_error(what: str, outputs_ok: bool, bad_maps: list[str]) -> Optional[str]:
-    """The error of an image whose outputs or maps hold NaN/inf, or None."""
-    if not outputs_ok:
-        return (f"the model's outputs for {what} are not finite (NaN or inf); its maps would be meaningless. "
-                "Check the model's weights and the image")
-    if bad_maps:
-        return (f"the {', '.join(bad_maps)} map of {what} is not finite (NaN or inf): the method broke down "
-                "numerically on this image")
-    return None
-
-
 def _write_overlays(
     writer: Writer, files: dict[str, dict[str, str]], *, key: str, region: "np.ndarray",
     maps: dict[str, "np.ndarray"], opts: ExportOptions, signed: dict[str, bool],
@@ -207,7 +170,8 @@ def export(opts: ExportOptions, *, argv: Optional[Sequence[str]] = None) -> Expo
          "input": "photos/sub/a b.png",   # the file as found (\\xNN for bytes that are not UTF-8)
          "input_bytes_hex": "...",        # only then: the exact file name bytes, hex
          "status": "ok" | "failed",
-         "source": {"path": abs path, "bytes": int, "mtime_ns": int},
+         "source": {"path": abs path, "bytes": int, "mtime_ns": int,
+                    "path_bytes_hex": "..."},  # the last only when the path is not UTF-8
          "width": int, "height": int,     # decoded image size (pixels)
          "box": [left, top, right, bottom],  # region the model saw, original pixels
          "predictions": [{"index": int, "label": str|None, "score": float}, ...],  # top-k

@@ -35,7 +35,7 @@ import hashlib
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Sequence
 
 from ..errors import UsageError
 

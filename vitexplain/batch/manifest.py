@@ -32,6 +32,9 @@ GALLERY = "index.html"
 #: Manifest parts: this version's per-run parts and the per-rank parts of older versions.
 PART_RE = re.compile(r"^manifest\.(?:part-[0-9a-f]+-)?rank\d+\.jsonl$")
 _RECORD_START = re.compile(r'\{"key":')
+# a new file each run (O_EXCL: never a planted link or an old part), appended whole lines
+_PART_FLAGS = (os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0)
+               | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0))
 
 
 def new_run_id() -> str:
@@ -51,8 +54,7 @@ class ManifestPart:
     def __init__(self, out: Path, run_id: str, rank: int) -> None:
         self.path = Path(out) / f"manifest.part-{run_id}-rank{rank}.jsonl"
         try:
-            self._fd: Optional[int] = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND
-                                              | getattr(os, "O_BINARY", 0), 0o666)
+            self._fd: Optional[int] = os.open(self.path, _PART_FLAGS, 0o666)
         except OSError as e:
             raise OutputError(e.errno, f"cannot write {self.path}: {e.strerror or e}") from e
 

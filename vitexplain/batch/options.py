@@ -12,7 +12,8 @@ is declared with :func:`option`, which records beside its default:
   (:func:`validate` raises :class:`~vitexplain.errors.UsageError`).
 
 So a new output option is one field with ``outputs=True``: it gets its flag, its help and
-its place in the resume key from that line.
+its place in the resume key from that line. An option several commands share is declared once
+in :class:`SharedOptions` (or :class:`BatchOptions`) and taken field for field with :func:`same`.
 
 Standard library only (``vitexplain --help`` stays quick).
 """
@@ -32,6 +33,8 @@ __all__ = [
     "Opt",
     "option",
     "BatchOptions",
+    "SharedOptions",
+    "same",
     "Number",
     "POSITIVE",
     "NON_NEGATIVE",
@@ -274,6 +277,46 @@ class BatchOptions:
                              help="redo images whose outputs are already current")
     quiet: bool = option(False, flags=("--quiet", "-q"), action="store_true", group="running",
                          help="no progress bar or final summary line")
+
+
+@dataclass
+class SharedOptions:
+    """Declarations that several commands share, field for field (not a command's options).
+
+    A command takes one with :func:`same` (``checkpoint: Optional[str] = same(SharedOptions,
+    "checkpoint")``), so each option is declared once and no command module imports another.
+
+    Attributes:
+        model: a zoo name, a timm model name (random weights unless ``checkpoint``), or the
+            path of a zoo-format checkpoint ``.json`` (``export``, ``explore``).
+        checkpoint, num_classes, model_args, labels: the classifier's weights, classes, extra
+            ``timm.create_model`` arguments and label names.
+        max_len: most tokens a captioner generates (``caption``, ``explore``).
+    """
+
+    model: str = option("shapes-vit", flags=("--model", "-m"), metavar="NAME", group="model", outputs=True,
+                        help="zoo model (see `vitexplain models`), timm model name, or a zoo checkpoint .json "
+                             "(default: {default})")
+    checkpoint: Optional[str] = option(None, flags="--checkpoint", metavar="FILE", group="model", outputs=True,
+                                       help="weights for --model: .safetensors, or .pt/.pth (torch.load "
+                                            "weights_only=True) holding a state dict or {'state_dict'|'model': ...}")
+    num_classes: Optional[int] = option(None, flags="--num-classes", metavar="N", parse=POSITIVE, group="model",
+                                        outputs=True, help="classes of a timm model (default: from the checkpoint's head)")
+    model_args: dict[str, Any] = option(factory=dict, flags="--model-arg", metavar="KEY=VALUE", group="model",
+                                        outputs=True, action="append", parse=parse_key_value, collect=collect_dict,
+                                        help="extra timm.create_model argument, e.g. img_size=64 (repeatable)")
+    labels: Optional[str] = option(None, flags="--labels", metavar="FILE", group="model", outputs=True,
+                                   help="text file with one class name per line")
+    max_len: int = option(16, flags="--max-len", metavar="N", parse=POSITIVE, group="explanation", outputs=True,
+                          help="most tokens to generate (default {default}; the model's own limit applies too)")
+
+
+def same(cls: type, name: str) -> Any:
+    """A field declared exactly as ``cls``'s option ``name`` (flag, help, check, default)."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    if f.default_factory is not MISSING:  # type: ignore[misc]
+        return field(default_factory=f.default_factory, metadata=f.metadata)  # type: ignore[misc]
+    return field(default=f.default, metadata=f.metadata)
 
 
 def specs(cls: type) -> Iterator[tuple[dataclasses.Field, Opt]]:

@@ -15,10 +15,12 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from ..errors import UsageError
 from .distributed import Dist, device_and_amp
-from .driver import Run
+from .run import Run
 from .inputs import InputScan, scan_inputs
 from .options import output_settings, validate
-from .writing import check_writable
+from .lock import LOCK_NAME
+from .manifest import GALLERY, MANIFEST, SUMMARY
+from .outfolder import check_own_names, check_writable
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -51,7 +53,8 @@ def prepare(opts: Any) -> Setup:
 
     Raises:
         UsageError: a bad option value or colormap, an output folder that cannot be
-            written (read-only, a dangling symlink, a file), inputs that match nothing or
+            written (read-only, a dangling symlink, a file, a folder where the run writes its
+            manifest, summary, gallery or lock), inputs that match nothing or
             lie inside the output folder, an unusable device.
     """
     validate(opts)
@@ -59,6 +62,7 @@ def prepare(opts: Any) -> Setup:
     dist = Dist.from_env()
     device, autocast_dtype = device_and_amp(opts.device, opts.amp, dist)
     check_writable(opts.out)
+    check_own_names(opts.out, [MANIFEST, SUMMARY, LOCK_NAME] + ([GALLERY] if opts.html else []))
     return Setup(dist=dist, device=device, autocast_dtype=autocast_dtype, out=Path(opts.out),
                  scan=scan_inputs(opts.inputs, opts.out))
 

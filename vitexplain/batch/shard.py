@@ -26,9 +26,10 @@ from typing import Any, Optional
 
 from .decoding import ImageDataset, make_loader
 from .distributed import autocast
-from .driver import ProcessFn, Run, say
+from .run import ProcessFn, Run, say
 from .inputs import InputItem
 from .manifest import ManifestPart
+from .signals import StopSignals
 from .writing import OutputError, WriteFn, Writer
 
 __all__ = ["run_shard", "new_stats"]
@@ -141,17 +142,26 @@ def run_shard(
     *,
     run: Run,
     process: ProcessFn,
-    skipped: int,
+    stats: dict[str, Any],
     part: ManifestPart,
+    signals: StopSignals,
 ) -> dict[str, Any]:
     """Process this rank's images; append their records to ``part``.
 
+    Args:
+        todo: the images to do, with their sources.
+        run: the run.
+        process: the command's :data:`~vitexplain.batch.driver.ProcessFn`.
+        stats: this rank's statistics (:func:`new_stats`), updated as images finish (also when
+            an exception leaves this function).
+        part: this rank's manifest part.
+        signals: the run's signals; held from the moment the loop stops.
+
     Returns:
-        Statistics: ``ok``, ``failed``, ``skipped``, ``failures`` (at most 1000), timings
+        ``stats``: ``ok``, ``failed``, ``skipped``, ``failures`` (at most 1000), timings
         (``load_wait_s``, ``explain_s``, ``write_s``, ``process_s``), ``interrupted`` (the
         signal number, or False) and ``output_error`` (the message) when the run stopped.
     """
-    stats = new_stats(skipped)
     if not todo:
         return stats
     loop = _Loop(todo, run, part, stats)
@@ -207,6 +217,7 @@ def run_shard(
         stats["output_error"] = str(e)
         loop.stop(budget_s=0.0)
     finally:
+        signals.defer()  # from here on the run finishes: a signal is held, never raised mid-cleanup
         pool.shutdown(wait=True, cancel_futures=True)
         batches = None  # shuts the DataLoader workers down now
         if loop.bar is not None:

@@ -14,7 +14,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .driver import Run
+    from .run import Run
 
 __all__ = ["run_counts", "build_summary", "versions"]
 

@@ -1,15 +1,22 @@
 """Writing output files: atomically, as valid UTF-8, and failing loudly when the disk does.
 
 Every file is written to a hidden temporary name in its destination folder
-(``.<12 hex>.<pid>.tmp``, :data:`TEMP_RE`) and moved into place with :func:`os.replace`, so an
-interrupted run leaves no half-written file; a run killed outright (``kill -9``) can leave a
-temporary file, which the next run removes (:func:`clean_stale_temps`, under the output lock).
+(``.<12 hex>.<pid>.tmp``, :data:`TEMP_RE`, created with ``O_EXCL``) and moved into place with
+:func:`os.replace`, so an interrupted run leaves no half-written file; a run killed outright
+(``kill -9``) can leave a temporary file, which the next run removes under the output lock
+(:func:`~vitexplain.batch.outfolder.clean_stale_temps`).
+
+Links planted in the output folder never redirect a write: the folders below ``--out`` are
+opened one by one relative to their parent with ``O_NOFOLLOW`` (``openat``), so a subfolder that
+is a symbolic link fails that image's files (:class:`LinkError`) instead of sending them outside
+``--out``; a file name that is a link (``manifest.jsonl`` -> ``/etc/passwd``) is replaced by the
+rename, never written through. ``--out`` itself may be a link to a folder.
 
 An error writing a file is either about that one image (a name the file system refuses:
 ``ENAMETOOLONG``, ``EINVAL``, ``EILSEQ``, a file where a folder should be) -- the image fails,
 the run goes on -- or about the output folder (a full disk, a quota, an I/O error, a
 read-only or vanished folder): :class:`OutputError`, which ends the run with exit status
-:data:`~vitexplain.batch.driver.EXIT_OUTPUT`.
+:data:`~vitexplain.batch.run.EXIT_OUTPUT`.
 
 JSON is written as UTF-8 whatever the file names: a string holding bytes that are not UTF-8
 (Python's surrogate escapes, from a file name) is written with those bytes as ``\\xNN``
@@ -24,9 +31,10 @@ import itertools
 import json
 import os
 import re
+import stat
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ..errors import UsageError, VitexplainError
 
@@ -35,7 +43,11 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "OutputError",
+    "LinkError",
     "Writer",
+    "write_file",
+    "open_folder",
+    "is_output_file",
     "WriteFn",
     "TEMP_RE",
     "encode_png",
@@ -43,18 +55,21 @@ __all__ = [
     "encode_npz",
     "json_safe",
     "json_bytes",
-    "check_writable",
-    "clean_stale_temps",
     "is_per_file",
 ]
 
 #: Temporary file names written by :class:`Writer` (``.<12 hex>.<pid>.tmp``).
 TEMP_RE = re.compile(r"^\.[0-9a-f]{12}\.\d+\.tmp$")
 
-_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
+_DIR = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
+#: openat() with a folder descriptor is available (POSIX); elsewhere each folder is lstat'ed
+_AT = os.open in os.supports_dir_fd and os.rename in os.supports_dir_fd and os.mkdir in os.supports_dir_fd  # os.replace is renameat too
 
 # errors about one file's name or place: that image fails, the run goes on
-_PER_FILE = frozenset({errno.ENAMETOOLONG, errno.EINVAL, errno.EILSEQ, errno.EEXIST, errno.ENOTDIR, errno.EISDIR})
+_PER_FILE = frozenset({errno.ENAMETOOLONG, errno.EINVAL, errno.EILSEQ, errno.EEXIST, errno.ENOTDIR, errno.EISDIR,
+                       errno.ELOOP})
 
 
 class OutputError(VitexplainError, OSError):
@@ -63,6 +78,10 @@ class OutputError(VitexplainError, OSError):
     Attributes:
         errno: the operating system's error number (e.g. ``errno.ENOSPC``).
     """
+
+
+class LinkError(VitexplainError, OSError):
+    """A folder below the output folder is a symbolic link: nothing is written through it."""
 
 
 def is_per_file(error: OSError) -> bool:
@@ -78,7 +97,7 @@ def _output_error(path: str, error: OSError) -> OSError:
 
 
 class Writer:
-    """Atomic file writes below an output folder (thread-safe; created folders are cached).
+    """Atomic file writes below an output folder (thread-safe), never through a link.
 
     Args:
         out: the output folder.
@@ -86,47 +105,147 @@ class Writer:
 
     def __init__(self, out: Path | str) -> None:
         self.out = Path(out)
-        self._dirs: set[str] = set()
         self._prefix = os.urandom(3).hex()
         self._count = itertools.count()
 
     def write(self, rel: str, data: bytes) -> None:
-        """Write ``data`` to ``out/rel`` (``rel``: posix path) via a temporary file.
+        """Write ``data`` to ``out/rel`` (``rel``: posix path) via a temporary file; the folders
+        of ``rel`` are created.
 
         Raises:
             OutputError: the folder cannot be written (the run must end).
+            LinkError: a folder of ``rel`` is a symbolic link (this image fails).
             OSError: this file's name or place is refused (this image fails).
         """
+        *folders, name = rel.split("/")
         dest = os.path.join(self.out, *rel.split("/"))
-        folder = os.path.dirname(dest)
-        tmp = os.path.join(folder, f".{self._prefix}{next(self._count) % 0x1000000:06x}.{os.getpid()}.tmp")
+        tmp: Optional[str] = None  # the temporary file, once created
+        dir_fd = None
         try:
-            if folder not in self._dirs:
-                os.makedirs(folder, exist_ok=True)
-                self._dirs.add(folder)
+            dir_fd = open_folder(self.out, folders, create=True)
+            where = (lambda n: n) if _AT else (lambda n: os.path.join(self.out, *folders, n))
+            at = {"dir_fd": dir_fd} if _AT else {}
+            candidate = f".{self._prefix}{next(self._count) % 0x1000000:06x}.{os.getpid()}.tmp"
             try:
-                fd = os.open(tmp, _CREATE, 0o666)
+                fd = os.open(where(candidate), _CREATE, 0o666, **at)
             except FileExistsError:  # a leftover of a killed run with the same pid: another name
-                tmp = os.path.join(folder, f".{uuid.uuid4().hex[:12]}.{os.getpid()}.tmp")
-                fd = os.open(tmp, _CREATE, 0o666)
+                candidate = f".{uuid.uuid4().hex[:12]}.{os.getpid()}.tmp"
+                fd = os.open(where(candidate), _CREATE, 0o666, **at)
+            tmp = candidate
             try:
                 view = memoryview(data)
                 while view:
                     view = view[os.write(fd, view):]
             finally:
                 os.close(fd)
-            os.replace(tmp, dest)
+            if _AT:
+                os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            else:  # pragma: no cover - Windows
+                os.replace(where(tmp), dest)
+            tmp = None
         except OSError as e:
-            _unlink_quietly(tmp)
             raise _output_error(dest, e) from e
-        except BaseException:
-            _unlink_quietly(tmp)
-            raise
+        finally:
+            if tmp is not None:
+                _unlink_quietly(tmp if _AT else os.path.join(self.out, *folders, tmp), dir_fd)
+            if dir_fd is not None:
+                os.close(dir_fd)
 
 
-def _unlink_quietly(path: str) -> None:
+def write_file(path: Path | str, data: bytes) -> Path:
+    """Write one file atomically (:meth:`Writer.write` in its folder, which is created); returns its path.
+
+    Raises:
+        OutputError: the folder cannot be written (full disk, read-only, ...).
+        OSError: the name is refused (too long, a folder in the way).
+    """
+    dest = Path(path)
     try:
-        os.unlink(path)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise _output_error(str(dest), e) from e
+    Writer(dest.parent).write(dest.name, data)
+    return dest
+
+
+def open_folder(out: Path | str, folders: list[str], *, create: bool) -> Optional[int]:
+    """A descriptor of the folder ``out/folders...`` opened without following a link below ``out``
+    (``None`` where ``openat`` is not available: then each folder is checked with ``lstat``).
+
+    Args:
+        out: the output folder (itself may be a link).
+        folders: the path below it, one name each.
+        create: create missing folders.
+
+    Raises:
+        LinkError: one of ``folders`` is a symbolic link.
+        OSError: a folder cannot be opened or created (``ENOTDIR``: a file is in the way).
+    """
+    if not _AT:  # pragma: no cover - Windows
+        path = os.fspath(out)
+        for i, part in enumerate(folders):
+            path = os.path.join(path, part)
+            if os.path.islink(path):
+                raise _link_error(out, folders[: i + 1])
+            if create and not os.path.isdir(path):
+                os.makedirs(path, exist_ok=True)
+        return None
+    fd = os.open(out, _DIR)
+    try:
+        for i, part in enumerate(folders):
+            try:
+                sub = os.open(part, _DIR | NOFOLLOW, dir_fd=fd)
+            except FileNotFoundError:
+                if not create:
+                    raise
+                try:
+                    os.mkdir(part, 0o777, dir_fd=fd)
+                except FileExistsError:  # made meanwhile by another writer thread
+                    pass
+                sub = os.open(part, _DIR | NOFOLLOW, dir_fd=fd)
+            except OSError as e:
+                if e.errno in (errno.ELOOP, errno.EMLINK, errno.ENOTDIR) and _is_link(part, fd):
+                    raise _link_error(out, folders[: i + 1]) from None
+                raise
+            os.close(fd)
+            fd = sub
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def is_output_file(out: Path | str, rel: str) -> bool:
+    """Whether ``out/rel`` (posix ``rel``) is a regular file reached without a link below ``out``."""
+    path = os.fspath(out)
+    try:
+        for part in rel.split("/"):
+            path = os.path.join(path, part)
+            mode = os.lstat(path).st_mode
+            if stat.S_ISLNK(mode):
+                return False
+        return stat.S_ISREG(mode)
+    except OSError:
+        return False
+
+
+def _is_link(name: str, dir_fd: int) -> bool:
+    try:
+        return stat.S_ISLNK(os.lstat(name, dir_fd=dir_fd).st_mode)
+    except OSError:
+        return False
+
+
+def _link_error(out: Path | str, folders: list[str]) -> LinkError:
+    where = os.path.join(out, *folders)
+    return LinkError(errno.ELOOP, f"{where} is a symbolic link inside --out; vitexplain never writes through "
+                                  "links in its output folder (they could point anywhere). Remove the link, "
+                                  "or choose another --out")
+
+
+def _unlink_quietly(path: str, dir_fd: Optional[int] = None) -> None:
+    try:
+        os.unlink(path, dir_fd=dir_fd) if dir_fd is not None and _AT else os.unlink(path)
     except OSError:
         pass
 
@@ -151,7 +270,11 @@ _PNG_PARAMS: list[int] = []
 
 
 def encode_png(rgb: "np.ndarray") -> bytes:
-    """(H, W, 3) uint8 RGB -> PNG bytes."""
+    """(H, W, 3) uint8 RGB -> PNG bytes.
+
+    Raises:
+        UsageError: OpenCV cannot encode the array.
+    """
     import cv2
     import numpy as np
 
@@ -159,7 +282,8 @@ def encode_png(rgb: "np.ndarray") -> bytes:
         _PNG_PARAMS.extend(_png_params())
     ok, buf = cv2.imencode(".png", np.ascontiguousarray(rgb[..., ::-1]), _PNG_PARAMS)
     if not ok:  # pragma: no cover - OpenCV failure
-        raise ValueError("OpenCV could not encode the PNG")
+        raise UsageError(f"OpenCV could not encode a PNG of this {rgb.shape} {rgb.dtype} array; "
+                         "pass (H, W, 3) uint8 RGB")
     return buf.tobytes()
 
 
@@ -226,65 +350,3 @@ def json_bytes(value: Any, *, indent: int | None = None) -> bytes:
         return text.encode("utf-8")
     except UnicodeEncodeError:  # rare: a name with undecodable bytes somewhere in value
         return (json.dumps(json_safe(value), indent=indent, ensure_ascii=False, default=str) + "\n").encode("utf-8")
-
-
-def check_writable(out: str | os.PathLike[str]) -> None:
-    """Refuse an output folder that cannot be used, before any model is loaded.
-
-    ``out`` may not exist yet (it is created later; nothing is created here): then its
-    nearest existing parent must be a writable folder. A probe file is created and removed
-    (so a read-only file system or a folder without write permission is found even when
-    the permission bits say otherwise).
-
-    Raises:
-        UsageError: ``out`` is a dangling symlink, a file, or not writable.
-    """
-    text = os.fspath(out)
-    if os.path.islink(text) and not os.path.exists(text):
-        raise UsageError(f"--out {text!r} is a symbolic link to {os.readlink(text)!r}, which does not exist; "
-                         "create the target folder or choose another --out")
-    if os.path.exists(text) and not os.path.isdir(text):
-        raise UsageError(f"--out {text!r} exists and is not a folder")
-    probe_in = os.path.abspath(text)
-    while not os.path.exists(probe_in):
-        parent = os.path.dirname(probe_in)
-        if parent == probe_in:
-            break
-        probe_in = parent
-    if not os.path.isdir(probe_in):
-        raise UsageError(f"--out {text!r}: {probe_in!r} is not a folder, so the output folder cannot be created there")
-    probe = os.path.join(probe_in, f".{uuid.uuid4().hex[:12]}.{os.getpid()}.tmp")
-    try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        os.close(fd)
-    except OSError as e:
-        where = "" if probe_in == os.path.abspath(text) else f" (its folder {probe_in!r})"
-        raise UsageError(f"--out {text!r}{where} is not writable: {e.strerror or e}; choose another --out") from None
-    _unlink_quietly(probe)
-
-
-def clean_stale_temps(out: Path, *, everywhere: bool) -> int:
-    """Remove temporary files (:data:`TEMP_RE`) left in ``out`` by killed runs.
-
-    Call it only while holding the output lock (no other run writes there then).
-
-    Args:
-        out: the output folder.
-        everywhere: look in every folder below ``out`` (a run was killed: it left its manifest
-            part behind); otherwise only in ``out`` itself, where the summary and manifest are
-            written after the parts are merged and removed.
-
-    Returns:
-        How many files were removed.
-    """
-    removed = 0
-    walk = os.walk(out) if everywhere else [(str(out), [], os.listdir(out))]
-    for dirpath, _, files in walk:
-        for name in files:
-            if TEMP_RE.match(name):
-                try:
-                    os.unlink(os.path.join(dirpath, name))
-                    removed += 1
-                except OSError:
-                    pass
-    return removed

@@ -1,4 +1,5 @@
-"""Data: the synthetic shapes benchmark (images, masks, captions) and image loading.
+"""Data: the synthetic shapes benchmark (images, masks, captions), image decoding
+(:mod:`.decoding`) and model preprocessing (:mod:`.images`).
 
 Names are imported on first use so that ``import vitexplain.data`` stays light.
 """
@@ -18,8 +19,8 @@ _LAZY: dict[str, tuple[str, str]] = {
     "STD": (".synthetic", "STD"),
     "normalize": (".synthetic", "normalize"),
     "denormalize": (".synthetic", "denormalize"),
-    "load_image": (".images", "load_image"),
-    "ImageLoadError": (".images", "ImageLoadError"),
+    "load_image": (".decoding", "load_image"),
+    "ImageLoadError": (".decoding", "ImageLoadError"),
     "preprocess": (".images", "preprocess"),
     "preprocess_kwargs": (".images", "preprocess_kwargs"),
     "CropBox": (".images", "CropBox"),

@@ -1,32 +1,4 @@
-"""Image loading and model preprocessing with crop bookkeeping.
-
-:func:`load_image` decodes any file Pillow can read into an ``(H, W, 3)`` uint8 **RGB**
-array, with the same result for every input kind:
-
-- EXIF orientation is applied (``ImageOps.exif_transpose``), so the array is what a
-  photo viewer shows.
-- Grayscale ``L`` / ``1`` are replicated to three channels.
-- 16-bit data (``I;16*`` PNG/TIFF, and Pillow's ``I`` mode when its values lie in
-  ``[0, 65535]``) is reduced to 8 bit with ``v >> 8`` (the high byte). This is the exact
-  inverse of both common 8 -> 16 bit expansions (``v * 257`` and ``v << 8``) and matches
-  what Pillow itself does for 16-bit *colour* PNGs (RGB48 keeps the high byte), so gray
-  and colour 16-bit files are scaled alike. ``I`` values outside ``[0, 65535]`` are
-  min-max stretched to ``[0, 255]``.
-- 32-bit float ``F`` images: values in ``[0, 1]`` are multiplied by 255, values in
-  ``[0, 255]`` are taken as they are, anything else is min-max stretched. NaN/inf
-  pixels are an error.
-- Transparency (``RGBA``, ``LA``, ``PA``, palette or gray/RGB images with a ``tRNS``
-  colour) is composited on **white**.
-- Palette, CMYK (including Adobe-inverted CMYK JPEG), YCbCr and other modes are
-  converted with Pillow. ICC profiles are not applied.
-- Multi-frame files (GIF, TIFF) give their first frame.
-
-Failures raise :class:`~vitexplain.errors.ImageLoadError` naming the file, the reason
-and what to do: missing path, directory, empty file, unknown format, corrupt or
-truncated data, and images above ``max_pixels`` (decompression bombs). Truncated files
-are never half-decoded: pixels are forced with ``Image.load()`` and Pillow's
-``ImageFile.LOAD_TRUNCATED_IMAGES`` is left as found (False by default) -- if other code
-sets it to True, Pillow pads truncated images and this loader cannot tell.
+"""Model preprocessing with crop bookkeeping (decoding is :mod:`vitexplain.data.decoding`).
 
 :func:`preprocess` turns images into a normalised ``(B, 3, H, W)`` float32 tensor with
 timm's evaluation transform (shorter side resized to ``int(size / crop_pct)``, center
@@ -34,22 +6,23 @@ crop) and returns, per image, the :class:`CropBox` the model saw, in original pi
 coordinates. :func:`crop_region` cuts that region out of the image so a map can be
 overlaid on exactly what the model saw; :func:`paste_map` instead places a map back on
 the full image.
+
+:func:`load_image` (and :class:`~vitexplain.errors.ImageLoadError`) are re-exported from
+:mod:`vitexplain.data.decoding`, where they are defined.
 """
 
 from __future__ import annotations
 
-import io
 import math
-import os
-import warnings
 from dataclasses import dataclass
-from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, Sequence, Union
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image
 
 from ..errors import ImageLoadError, InputError, UsageError
+from .arrays import map_to_numpy
+from .decoding import DEFAULT_MAX_PIXELS, ImageSource, load_image, to_rgb
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -63,13 +36,10 @@ __all__ = [
     "CropBox",
     "preprocess",
     "preprocess_kwargs",
+    "check_resizable",
     "crop_region",
     "paste_map",
 ]
-
-#: Default pixel limit: twice Pillow's ``MAX_IMAGE_PIXELS`` default (~179 megapixels),
-#: the size at which Pillow itself refuses an image as a decompression bomb.
-DEFAULT_MAX_PIXELS: int = 178_956_970
 
 #: :func:`preprocess` (with ``crop=True``) refuses to resize an image to more pixels than
 #: this many model inputs (at the resize scale, ``input_size / crop_pct``) or the image
@@ -77,210 +47,6 @@ DEFAULT_MAX_PIXELS: int = 178_956_970
 #: 1 x 400,000 px strip would become a 73 x 29,200,000 px (8 GB) intermediate for a 64 px
 #: model. This allows aspect ratios up to 64:1 for small images.
 MAX_RESIZE_INPUTS: int = 64
-
-#: What :func:`load_image` accepts: a path, raw encoded bytes, or a binary file object.
-ImageSource = Union[str, "os.PathLike[str]", bytes, bytearray, memoryview, IO[bytes]]
-
-_ADVICE = "Check the file (re-download or re-export it) or leave it out of the input."
-
-
-def _fail(name: str, reason: str, advice: str = _ADVICE) -> ImageLoadError:
-    return ImageLoadError(f"cannot load image {name}: {reason}. {advice}")
-
-
-def _source_name(source: Any) -> str:
-    if isinstance(source, (str, os.PathLike)):
-        return str(os.fspath(source))
-    if isinstance(source, (bytes, bytearray, memoryview)):
-        return f"<{len(source)} bytes in memory>"
-    name = getattr(source, "name", None)
-    return str(name) if isinstance(name, (str, os.PathLike)) else f"<{type(source).__name__}>"
-
-
-def _check_path(source: Any, name: str) -> Path:
-    """Turn a path into an existing, non-empty regular file or raise ImageLoadError."""
-    path = Path(os.fspath(source))
-    try:
-        st = path.stat()
-    except FileNotFoundError:
-        raise _fail(name, "no such file", "Check the path.") from None
-    except PermissionError:
-        raise _fail(name, "permission denied", "Check the file's permissions.") from None
-    except OSError as e:
-        raise _fail(name, f"cannot access the path ({e.strerror or e})") from None
-    if path.is_dir():
-        raise _fail(
-            name,
-            "it is a directory, not an image file",
-            "Pass the image files inside it (the export CLI walks directories for you).",
-        )
-    if not path.is_file():
-        raise _fail(name, "not a regular file", "Pass a regular image file.")
-    if st.st_size == 0:
-        raise _fail(name, "the file is empty (0 bytes)")
-    return path
-
-
-def load_image(source: ImageSource, *, max_pixels: int | None = DEFAULT_MAX_PIXELS) -> np.ndarray:
-    """Decode an image file into an ``(H, W, 3)`` uint8 RGB array.
-
-    See the module docstring for how each image mode is converted (16-bit data keeps
-    the high byte, ``v >> 8``; transparency is composited on white; EXIF orientation
-    is applied). The input file is only ever opened for reading.
-
-    Args:
-        source: Path (``str`` or ``os.PathLike``), encoded bytes, or a binary file object
-            (read from its current position; it is not closed).
-        max_pixels: Refuse images with more than this many pixels (width x height),
-            checked from the header before any pixel is decoded. ``None`` disables this
-            check; Pillow's own limit (``PIL.Image.MAX_IMAGE_PIXELS``, an error at twice
-            its value) still applies -- raise that too for larger images.
-
-    Returns:
-        ``(H, W, 3)`` uint8 array in RGB order (not BGR), C-contiguous and writable.
-
-    Raises:
-        ImageLoadError: The source is missing, a directory, empty, not an image, corrupt,
-            truncated or too large. The message names the file and the reason.
-        TypeError: ``source`` is none of the accepted kinds.
-    """
-    name = _source_name(source)
-    if isinstance(source, (str, os.PathLike)):
-        path = _check_path(source, name)
-        try:
-            with open(path, "rb") as f:  # read-only; closed on every path out
-                return _decode(f, name, max_pixels)
-        except ImageLoadError:
-            raise
-        except PermissionError:
-            raise _fail(name, "permission denied", "Check the file's permissions.") from None
-        except OSError as e:
-            raise _fail(name, f"cannot read the file ({e.strerror or e})") from None
-    if isinstance(source, (bytes, bytearray, memoryview)):
-        if len(source) == 0:
-            raise _fail(name, "no data (0 bytes)")
-        return _decode(io.BytesIO(bytes(source)), name, max_pixels)
-    if hasattr(source, "read"):
-        seekable = getattr(source, "seekable", None)
-        fp = source if callable(seekable) and seekable() else io.BytesIO(source.read())
-        return _decode(fp, name, max_pixels)
-    raise InputError(
-        f"load_image expects a path (str or os.PathLike), bytes or a binary file object, "
-        f"got {type(source).__name__}"
-    )
-
-
-def _decode(fp: IO[bytes], name: str, max_pixels: int | None) -> np.ndarray:
-    try:
-        with warnings.catch_warnings():
-            # Our own max_pixels check below is the authority between Pillow's warning
-            # threshold and its hard limit.
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            with Image.open(fp) as im:
-                width, height = im.size
-                if max_pixels is not None and width * height > max_pixels:
-                    raise _fail(
-                        name,
-                        f"{width}x{height} = {width * height:,} pixels exceeds max_pixels="
-                        f"{max_pixels:,} (possible decompression bomb)",
-                        "If the image is genuine, pass a larger max_pixels.",
-                    )
-                im.load()  # decode every pixel now: truncation and corruption surface here
-                rgb = _to_rgb(_exif_transpose(im, name), name)
-    except ImageLoadError:
-        raise
-    except Image.DecompressionBombError as e:
-        raise _fail(
-            name,
-            f"Pillow refused it as a possible decompression bomb ({e})",
-            "If the image is genuine, raise PIL.Image.MAX_IMAGE_PIXELS and max_pixels.",
-        ) from None
-    except UnidentifiedImageError:
-        raise _fail(
-            name, "not a recognised image format, or its header is corrupt (Pillow cannot identify it)"
-        ) from None
-    except MemoryError:
-        raise
-    except Exception as e:  # Pillow raises OSError, SyntaxError, ValueError, zlib.error, ...
-        msg = str(e) or type(e).__name__
-        if "truncated" in msg.lower() or isinstance(e, EOFError):
-            reason = f"the file is truncated ({msg})"
-        else:
-            reason = f"corrupt or undecodable image data ({type(e).__name__}: {msg})"
-        raise _fail(name, reason) from None
-    return rgb
-
-
-def _exif_transpose(im: Image.Image, name: str) -> Image.Image:
-    try:
-        out = ImageOps.exif_transpose(im)
-    except Exception as e:  # malformed EXIF must not make a decodable image unreadable
-        warnings.warn(
-            f"{name}: could not apply the EXIF orientation ({e}); using the stored orientation",
-            stacklevel=3,
-        )
-        return im
-    return im if out is None else out
-
-
-def _stretch(values: np.ndarray) -> np.ndarray:
-    lo, hi = float(values.min()), float(values.max())
-    if hi <= lo:
-        return np.zeros(values.shape, np.uint8)
-    return np.rint((values.astype(np.float64) - lo) * (255.0 / (hi - lo))).astype(np.uint8)
-
-
-def _composite_on_white(rgba: np.ndarray) -> np.ndarray:
-    """(H, W, 4) uint8 -> (H, W, 3) uint8 on white, in chunks of 2**20 pixels (the uint32
-    arithmetic would otherwise need ~8x the image's memory at once)."""
-    flat = np.ascontiguousarray(rgba).reshape(-1, 4)
-    out = np.empty((flat.shape[0], 3), np.uint8)
-    step = 1 << 20
-    for i in range(0, flat.shape[0], step):
-        rgb = flat[i : i + step, :3].astype(np.uint32)
-        a = flat[i : i + step, 3:4].astype(np.uint32)
-        out[i : i + step] = (rgb * a + 255 * (255 - a) + 127) // 255
-    return out.reshape(*rgba.shape[:-1], 3)
-
-
-def _to_rgb(im: Image.Image, name: str) -> np.ndarray:
-    mode = im.mode
-    has_trns = im.info.get("transparency") is not None
-    if mode.startswith("I;16") or mode == "I":
-        raw = np.asarray(im)  # uint16 or int32: no wider copy (the image may be large)
-        if mode == "I" and (raw.size and (raw.min() < 0 or raw.max() > 65535)):
-            gray = _stretch(raw)
-        else:
-            gray = (raw >> 8).astype(np.uint8)
-        out = np.repeat(gray[..., None], 3, axis=2)
-        trns = im.info.get("transparency")
-        if isinstance(trns, int):
-            out[raw == trns] = 255
-        return np.ascontiguousarray(out)
-    if mode == "F":
-        raw = np.asarray(im, dtype=np.float32)
-        if raw.size and not np.isfinite(raw).all():
-            raise _fail(name, "the float image contains NaN or infinite pixels")
-        lo, hi = (float(raw.min()), float(raw.max())) if raw.size else (0.0, 0.0)
-        if lo >= 0.0 and hi <= 1.0:
-            gray = np.rint(raw * 255.0).astype(np.uint8)
-        elif lo >= 0.0 and hi <= 255.0:
-            gray = np.rint(raw).astype(np.uint8)
-        else:
-            gray = _stretch(raw)
-        return np.ascontiguousarray(np.repeat(gray[..., None], 3, axis=2))
-    if mode in ("RGBA", "LA", "PA", "RGBa", "La") or (has_trns and mode in ("P", "L", "RGB", "1")):
-        return np.ascontiguousarray(_composite_on_white(np.asarray(im.convert("RGBA"))))
-    if mode != "RGB":
-        try:
-            im = im.convert("RGB")
-        except (ValueError, OSError) as e:
-            raise _fail(name, f"unsupported image mode {mode!r} ({e})", "Convert it to RGB.") from None
-    return np.array(im, dtype=np.uint8, copy=True)
-
-
-# --------------------------------------------------------------------------------------
-# preprocessing
 
 
 _R = getattr(Image, "Resampling", Image)  # Pillow < 9.1 has the constants on Image
@@ -334,7 +100,7 @@ class CropBox:
 
 def _as_pil(image: Any) -> Image.Image:
     if isinstance(image, Image.Image):  # same mode conversion as load_image (alpha on white, ...)
-        return image if image.mode == "RGB" else Image.fromarray(_to_rgb(image, "<PIL image>"), "RGB")
+        return image if image.mode == "RGB" else Image.fromarray(to_rgb(image), "RGB")
     arr = np.asarray(image)
     if arr.dtype != np.uint8 or arr.ndim != 3 or arr.shape[2] != 3:
         raise UsageError(
@@ -360,6 +126,39 @@ def _center_offset(size: int, crop: int) -> int:
     if crop > size:
         return -((crop - size) // 2)
     return int(round((size - crop) / 2.0))
+
+
+def check_resizable(
+    height: int, width: int, *, input_size: Sequence[int], crop_pct: float | None = 1.0,
+    advice: str = "Crop or pad it first, or resize it whole without cropping (crop=False, --no-crop)",
+    **_: Any,
+) -> tuple[int, int]:
+    """Check that :func:`preprocess` (``crop=True``) can resize a ``height`` x ``width`` image,
+    without touching a pixel; see :data:`MAX_RESIZE_INPUTS`.
+
+    Args:
+        height, width: the image's size.
+        input_size: the model's ``(H, W)``; ``crop_pct`` as for :func:`preprocess` (other
+            :func:`preprocess_kwargs` are accepted and ignored).
+        advice: what the error tells the user to do.
+
+    Returns:
+        ``(h, w)`` of the resized image (before the center crop).
+
+    Raises:
+        InputError: the resized image would exceed the limit (aspect ratio too extreme).
+    """
+    out_h, out_w = (int(v) for v in tuple(input_size)[-2:])
+    pct = 1.0 if crop_pct is None else float(crop_pct)
+    scale = (math.floor(out_h / pct), math.floor(out_w / pct))
+    h1, w1 = _resize_size(height, width, scale)
+    if h1 * w1 > max(height * width, MAX_RESIZE_INPUTS * scale[0] * scale[1]):
+        raise InputError(
+            f"a {width}x{height} image cannot be resized for this model: its shorter side would become "
+            f"{min(h1, w1)} px and the resized image {w1}x{h1} = {h1 * w1:,} pixels (aspect ratio "
+            f"{max(height, width) / min(height, width):,.0f}:1 is too extreme). {advice}"
+        )
+    return h1, w1
 
 
 def preprocess(
@@ -439,15 +238,7 @@ def preprocess(
             res = pil.resize((out_w, out_h), resample)
             box = CropBox(0.0, 0.0, float(w0), float(h0), (h0, w0))
         else:
-            scale = (math.floor(out_h / pct), math.floor(out_w / pct))
-            h1, w1 = _resize_size(h0, w0, scale)
-            if h1 * w1 > max(h0 * w0, MAX_RESIZE_INPUTS * scale[0] * scale[1]):
-                raise InputError(
-                    f"a {w0}x{h0} image cannot be resized for this model: its shorter side would become "
-                    f"{min(h1, w1)} px and the resized image {w1}x{h1} = {h1 * w1:,} pixels (aspect ratio "
-                    f"{max(h0, w0) / min(h0, w0):,.0f}:1 is too extreme). Crop or pad it first, or resize "
-                    "it whole without cropping (crop=False, --no-crop)"
-                )
+            h1, w1 = check_resizable(h0, w0, input_size=size, crop_pct=pct)
             res = pil if (h1, w1) == (h0, w0) else pil.resize((w1, h1), resample)
             top, left = _center_offset(h1, out_h), _center_offset(w1, out_w)
             if (top, left, out_h, out_w) != (0, 0, h1, w1):
@@ -541,8 +332,6 @@ def paste_map(
         ``(H, W)`` float32 array for the original image size ``box.image_size``.
     """
     import cv2
-
-    from ..viz._util import map_to_numpy
 
     m = map_to_numpy(map)
     flags = {"nearest": cv2.INTER_NEAREST, "bilinear": cv2.INTER_LINEAR, "bicubic": cv2.INTER_CUBIC}

@@ -31,7 +31,7 @@ from typing import Sequence, Union
 
 import numpy as np
 import torch
-from ..errors import UsageError
+from ..errors import OutOfRangeError, UsageError
 
 __all__ = [
     "SHAPES",
@@ -152,7 +152,8 @@ class ShapesBatch:
             if i < 0:
                 i += len(self)
             if not 0 <= i < len(self):
-                raise IndexError(f"index {idx} out of range for a batch of {len(self)}")
+                raise OutOfRangeError(f"index {idx} out of range for a batch of {len(self)}; use 0..{len(self) - 1} "
+                                      "(or negative indices from the end)")
             sel = np.array([i])
         elif isinstance(idx, slice):
             sel = np.arange(len(self))[idx]

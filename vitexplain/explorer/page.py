@@ -12,7 +12,6 @@ import html
 import json
 import os
 import re
-import uuid
 from html.parser import HTMLParser
 from importlib import resources
 from pathlib import Path
@@ -122,14 +121,13 @@ def render_page(images: list[dict[str, Any]], *, title: str = "vitexplain explor
 
 
 def write_page(path: Union[str, "os.PathLike[str]"], page: str) -> Path:
-    """Write the page atomically (temp file + ``os.replace``); returns the path."""
-    dest = Path(path)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        tmp.write_text(page, encoding="utf-8")
-        os.replace(tmp, dest)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return dest
+    """Write the page atomically (temp file + ``os.replace``; a link at ``path`` is replaced, never
+    written through); returns the path.
+
+    Raises:
+        OutputError: the folder cannot be written (full disk, read-only, ...).
+        OSError: the name is refused (too long, a folder in the way).
+    """
+    from ..batch.writing import write_file
+
+    return write_file(path, page.encode("utf-8"))

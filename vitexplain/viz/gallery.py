@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import html
 import os
-import uuid
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence, Union
 from urllib.parse import quote
@@ -52,10 +51,18 @@ def _has_surrogates(s: str) -> bool:
 
 
 def _input_href(record: dict[str, Any], folder: Path) -> Optional[str]:
+    """The link to a record's input, relative to ``folder``. A path whose bytes are not UTF-8 is
+    read from ``source.path_bytes_hex`` (its JSON text holds ``\\xNN`` instead of the bytes)."""
     source = record.get("source") or {}
     path = source.get("path") if isinstance(source, dict) else None
     if not path:
         return None
+    raw = source.get("path_bytes_hex")
+    if isinstance(raw, str):
+        try:
+            path = os.fsdecode(bytes.fromhex(raw))  # the real name (surrogate escapes for its bytes)
+        except ValueError:
+            pass
     try:
         return _href(os.path.relpath(path, folder).replace(os.sep, "/"))
     except ValueError:  # another drive (Windows): an absolute file URI
@@ -179,14 +186,8 @@ def write_gallery(
     Returns:
         The path written.
     """
+    from ..batch.writing import write_file
+
     dest = Path(path)
-    dest.parent.mkdir(parents=True, exist_ok=True)
     page = render_gallery(records, folder=dest.parent, methods=methods, title=title, thumb_px=thumb_px)
-    tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        tmp.write_bytes(page.encode("utf-8", "replace"))
-        os.replace(tmp, dest)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return dest
+    return write_file(dest, page.encode("utf-8", "replace"))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import uuid
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -147,7 +146,8 @@ def save_png(path: "str | os.PathLike[str]", rgb: Any) -> Path:
 
     The PNG is encoded in memory, written to a temporary file in the destination
     directory and moved into place with ``os.replace``, so an interrupted run never
-    leaves a half-written file under ``path``. Parent directories are created.
+    leaves a half-written file under ``path`` (a link at ``path`` is replaced, never written
+    through). Parent directories are created.
 
     Args:
         path: Destination file (normally ending in ``.png``).
@@ -156,23 +156,18 @@ def save_png(path: "str | os.PathLike[str]", rgb: Any) -> Path:
 
     Returns:
         The destination path.
+
+    Raises:
+        UsageError: not a uint8 RGB or gray array, or OpenCV cannot encode it.
+        OutputError: the folder cannot be written (full disk, read-only, ...).
     """
     arr = np.asarray(rgb)
     if not (arr.ndim == 2 and arr.dtype == np.uint8):
         arr = check_rgb(arr, "rgb")[..., ::-1]
     ok, buf = cv2.imencode(".png", np.ascontiguousarray(arr))
     if not ok:  # pragma: no cover - OpenCV failure
-        raise OSError(f"could not encode a PNG for {path}")
-    dest = Path(path)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
-        with os.fdopen(fd, "wb") as f:
-            f.write(buf.tobytes())
-        os.replace(tmp, dest)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return dest
+        raise UsageError(f"OpenCV could not encode a PNG of this {arr.shape} {arr.dtype} array for {path}")
+    from ..batch.writing import write_file
+
+    return write_file(path, buf.tobytes())
 

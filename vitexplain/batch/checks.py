@@ -1,0 +1,44 @@
+"""Checks the batch commands share: which images of a batch have non-finite outputs or maps.
+
+A NaN or inf in a model's outputs or in one method's map fails that image with a message
+(:func:`not_finite_error`); the run goes on with the others.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:  # pragma: no cover
+    import numpy as np
+
+__all__ = ["finite_rows", "not_finite_error"]
+
+
+def finite_rows(maps: dict[str, "np.ndarray"], logits: Any) -> tuple[list[bool], list[list[str]]]:
+    """Per image of a batch: whether the model's outputs are finite, and the methods whose map
+    holds NaN/inf (one vectorised check per batch)."""
+    import numpy as np
+    import torch
+
+    first = next(iter(maps.values()))
+    n = int(first.shape[0])
+    if isinstance(logits, torch.Tensor) and logits.dim() >= 2 and logits.shape[0] == n:
+        outputs_ok = torch.isfinite(logits.detach().reshape(n, -1)).all(dim=1).tolist()
+    else:
+        outputs_ok = [True] * n
+    bad_maps: list[list[str]] = [[] for _ in range(n)]
+    for name, m in maps.items():
+        for b in np.flatnonzero(~np.isfinite(m.reshape(n, -1)).all(axis=1)):
+            bad_maps[int(b)].append(name)
+    return outputs_ok, bad_maps
+
+
+def not_finite_error(what: str, outputs_ok: bool, bad_maps: list[str]) -> Optional[str]:
+    """The error of an image whose outputs or maps hold NaN/inf, or None."""
+    if not outputs_ok:
+        return (f"the model's outputs for {what} are not finite (NaN or inf); its maps would be meaningless. "
+                "Check the model's weights and the image")
+    if bad_maps:
+        return (f"the {', '.join(bad_maps)} map of {what} is not finite (NaN or inf): the method broke down "
+                "numerically on this image")
+    return None

@@ -1,0 +1,64 @@
+"""Array checks shared by data I/O and visualisation: maps to float32 numpy, RGB images.
+
+Public here (``vitexplain.data.arrays``) so that both :mod:`vitexplain.data` and
+:mod:`vitexplain.viz` use them without importing another package's private helpers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..errors import UsageError
+
+__all__ = ["map_to_numpy", "check_rgb"]
+
+
+def map_to_numpy(map: Any) -> np.ndarray:  # noqa: A002 - the public argument is called map
+    """Convert a 2-D map (numpy, torch tensor on any device/dtype, nested lists) to float32.
+
+    Leading singleton dimensions are squeezed, so ``(1, gh, gw)`` is accepted.
+
+    Args:
+        map: The map.
+
+    Returns:
+        C-contiguous ``(h, w)`` float32 array.
+
+    Raises:
+        ValueError: The map is not 2-D, is empty, or contains NaN/inf.
+    """
+    if hasattr(map, "detach") and hasattr(map, "cpu"):  # torch.Tensor, without importing torch
+        map = map.detach().cpu().float().numpy()
+    m = np.asarray(map, dtype=np.float32)
+    while m.ndim > 2 and m.shape[0] == 1:
+        m = m[0]
+    if m.ndim != 2 or m.size == 0:
+        raise UsageError(f"expected a non-empty 2-D map (h, w), got shape {m.shape}")
+    bad = ~np.isfinite(m)
+    if bad.any():
+        raise UsageError(
+            f"map contains {int(bad.sum())} NaN/inf value(s) out of {m.size}; the method that "
+            "produced it failed numerically (check the model output / gradients), or clean it "
+            "with torch.nan_to_num first"
+        )
+    return np.ascontiguousarray(m)
+
+
+def check_rgb(image: Any, what: str = "image") -> np.ndarray:
+    """Return ``image`` as an ``(H, W, 3)`` uint8 array or raise a helpful error."""
+    arr = np.asarray(image)
+    if arr.dtype != np.uint8 or arr.ndim != 3 or arr.shape[2] != 3:
+        hint = ""
+        if arr.dtype.kind == "f":
+            hint = " (float image? convert with np.clip(x * 255, 0, 255).round().astype(np.uint8))"
+        elif arr.ndim == 2:
+            hint = " (grayscale? use np.repeat(x[..., None], 3, axis=2))"
+        elif arr.ndim == 3 and arr.shape[0] == 3:
+            hint = " (channels first? use x.transpose(1, 2, 0))"
+        raise UsageError(
+            f"{what} must be an (H, W, 3) uint8 RGB array, got shape {arr.shape} dtype {arr.dtype}{hint}"
+        )
+    return arr
+
