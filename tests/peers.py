@@ -12,7 +12,7 @@ from types import ModuleType
 
 import pytest
 
-__all__ = ["require", "in_ci"]
+__all__ = ["require", "missing", "in_ci"]
 
 
 def in_ci() -> bool:
@@ -20,12 +20,11 @@ def in_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
 
 
-def missing(what: str, how: str) -> None:
-    """Skip (a user's machine) or fail (CI) because ``what`` is not available; ``how`` enables it."""
-    message = f"{what} is not available; {how}"
+def missing(reason: str) -> None:
+    """Skip (a user's machine) or fail (CI) with a one-line ``reason`` that says how to enable it."""
     if in_ci():
-        pytest.fail(f"{message} (under CI it must be installed: .ci/run does it)", pytrace=False)
-    pytest.skip(message, allow_module_level=True)
+        pytest.fail(f"{reason} (CI=true: .ci/run installs it, so these tests must run)", pytrace=False)
+    pytest.skip(reason, allow_module_level=True)
 
 
 def require(module: str, how: str) -> ModuleType:
@@ -33,5 +32,5 @@ def require(module: str, how: str) -> ModuleType:
     try:
         return importlib.import_module(module)
     except ImportError as err:
-        missing(f"{module} ({err})", how)
+        missing(f"{module} is not installed ({err}): {how}")
         raise  # unreachable: missing() skips or fails

@@ -23,6 +23,7 @@ import shutil
 
 import numpy as np
 import pytest
+from peers import missing
 import torch
 
 import vitexplain as vx
@@ -37,11 +38,7 @@ SEQ = colormap_lut(COLORMAPS["sequential"]).astype(int)
 MAT = colormap_lut(COLORMAPS["matrix"]).astype(int)
 
 
-def _missing(reason: str) -> None:
-    """Skip with ``reason``; under CI (``CI=true``) fail instead: there the browser must be there."""
-    if os.environ.get("CI", "").strip().lower() in ("true", "1", "yes"):
-        pytest.fail(f"{reason} (CI=true: the browser tests must run)")
-    pytest.skip(reason)
+_missing = missing  # skip with the reason; under CI (CI=true) fail: there the browser must be there
 
 
 def _chromium() -> str:
