@@ -19,7 +19,7 @@ def _no_encoder(monkeypatch) -> None:
 
 
 def test_a_png_opencv_cannot_encode_is_a_usage_error(monkeypatch, tmp_path) -> None:
-    from vitexplain.batch.writing import encode_png
+    from vitexplain.files import encode_png
 
     _no_encoder(monkeypatch)
     rgb = np.zeros((4, 4, 3), np.uint8)

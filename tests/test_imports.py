@@ -1,4 +1,4 @@
-"""The package's import graph: lower layers never import the layers above them.
+"""The package's import graph: no circles, and lower layers never import the layers above them.
 
 The graph is built from the source (every ``import`` and ``from ... import`` statement, also the
 ones inside functions), not from what happens to be imported at run time. Layers, bottom up:
@@ -121,4 +121,99 @@ def test_lower_layers_raise_only_vitexplain_errors(layer):
                 exc = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
                 if isinstance(exc, ast.Name) and exc.id in builtin:
                     wrong.append(f"{path.name}:{node.lineno} raise {exc.id}")
+    assert not wrong, wrong
+
+
+#: The whole package, bottom up: a module may import only modules of its own unit or of a lower
+#: rank. A new top-level module or package must be placed here (the test lists what is not).
+RANK = {
+    "errors": 0, "_lazy": 0,
+    "vitexplain": 0.5,  # the package itself: lazy names over errors and _lazy only
+    "layout": 1, "files": 1,
+    "recording": 2, "data": 2, "targets": 2, "checks": 2,
+    "viz": 3,
+    "results": 4, "zoo": 4,
+    "methods": 5, "metrics": 5,
+    "adapters": 6,
+    "plan": 7,
+    "explainer": 8, "facade": 8,
+    "explorer": 9,
+    "batch": 10,
+    "cli": 11,
+    "__main__": 12,
+}
+
+
+def _unit(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan), or a module importing itself."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1 or v in graph.get(v, ()):
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_cycle_finder_finds_cycles():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"a"}}) == [["a"]] and _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_circles_in_the_package():
+    assert _cycles(import_graph()) == []
+
+
+def test_imports_run_down_the_layers():
+    graph = import_graph()
+    unplaced = sorted({_unit(m) for m in graph} - set(RANK))
+    assert not unplaced, f"place these in RANK: {unplaced}"
+    upward = [f"{a} -> {b}" for a, targets in graph.items() for b in targets
+              if _unit(a) != _unit(b) and RANK[_unit(a)] <= RANK[_unit(b)]]
+    assert not upward, "\n".join(sorted(upward))
+
+
+def test_the_whole_package_raises_only_vitexplain_errors():
+    """Every error a user can see is a VitexplainError (no built-in exception, no assert), except
+    AttributeError from a module's ``__getattr__`` (Python's protocol for a missing name)."""
+    builtin = {n for n in dir(builtins) if n.endswith(("Error", "Exception"))}
+    wrong = []
+    for path in sorted(ROOT.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Assert):
+                wrong.append(f"{path.relative_to(ROOT)}:{node.lineno} assert")
+            elif isinstance(node, ast.Raise) and node.exc is not None:
+                exc = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+                if isinstance(exc, ast.Name) and exc.id in builtin and not (
+                        exc.id == "AttributeError" and path.name == "_lazy.py"):
+                    wrong.append(f"{path.relative_to(ROOT)}:{node.lineno} raise {exc.id}")
     assert not wrong, wrong

@@ -116,7 +116,8 @@ class Explainer:
             (x (B, 3, H, W) on the model's device, the uint8 RGB regions the model saw,
             crop boxes in original pixel coordinates, the sources as given).
         """
-        from .data.images import crop_region, load_image, preprocess
+        from .data.arrays import as_rgb
+        from .data.images import load_image, preprocess, seen_region
 
         if getattr(images, "ndim", None) == 4 and not isinstance(images, Tensor):  # (N, H, W, 3) uint8 array
             images = list(images)
@@ -125,10 +126,10 @@ class Explainer:
         for item in items:
             is_path = isinstance(item, (str, Path))
             sources.append(item if is_path else None)
-            arrays.append(load_image(item) if is_path else _as_rgb(item))
+            arrays.append(load_image(item) if is_path else as_rgb(item, "each image"))
         x, boxes = preprocess(arrays, crop=crop, **self.adapter.preprocess_kwargs())
         size = tuple(x.shape[-2:])
-        regions = [_resize_rgb(crop_region(a, b), size) for a, b in zip(arrays, boxes)]
+        regions = [seen_region(a, b, size) for a, b in zip(arrays, boxes)]
         return x.to(model_device(self.model)), regions, boxes, sources
 
     # -- explaining ---------------------------------------------------------------------
@@ -370,28 +371,3 @@ class Explainer:
         length = max(len(s) for s in seqs) + 1
         end = self.adapter.end_id
         return torch.tensor([s + [end] * (length - len(s)) for s in seqs], dtype=torch.long, device=device)
-
-
-def _as_rgb(image: Any) -> Any:
-    """A PIL image or array as (H, W, 3) uint8 RGB (validated like the loader does)."""
-    import numpy as np
-
-    if hasattr(image, "convert") and hasattr(image, "size"):
-        return np.asarray(image.convert("RGB"))
-    array = np.asarray(image)
-    if array.dtype != np.uint8 or array.ndim != 3 or array.shape[2] != 3:
-        raise InputError(
-            f"expected an (H, W, 3) uint8 RGB image, a PIL image or a path; got an array of "
-            f"dtype {array.dtype} and shape {array.shape}"
-        )
-    return array
-
-
-def _resize_rgb(image: Any, size: tuple[int, int]) -> Any:
-    """Resize a uint8 RGB region to (H, W) (the exact pixels the model saw)."""
-    if tuple(image.shape[:2]) == tuple(size):
-        return image
-    from PIL import Image
-    import numpy as np
-
-    return np.asarray(Image.fromarray(image).resize((size[1], size[0]), Image.BICUBIC))

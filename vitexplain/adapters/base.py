@@ -117,6 +117,13 @@ class Adapter:
         """Run the model on a preprocessed (B, 3, H, W) batch; returns the tensor targets score."""
         return self.model(x)
 
+    def not_implemented(self, what: str) -> UnsupportedModelError:
+        """The error of an adapter method its class does not implement (to raise)."""
+        return UnsupportedModelError(
+            f"{type(self).__name__} does not implement {what}, which this operation needs; implement it in your "
+            "adapter (see the interface in vitexplain/adapters/base.py) or use a method that does not need it"
+        )
+
     # -- metadata ---------------------------------------------------------------------------
     @cached_property
     def label_names(self) -> Optional[list[str]]:

@@ -69,7 +69,7 @@ class CaptionAdapter(Adapter):
     @property
     def end_id(self) -> int:
         """Token id that ends a caption."""
-        raise NotImplementedError
+        raise self.not_implemented("end_id()")
 
     @property
     def vocab_size(self) -> Optional[int]:
@@ -89,15 +89,15 @@ class CaptionAdapter(Adapter):
     @property
     def start_id(self) -> int:
         """Token id fed at the first decoding step."""
-        raise NotImplementedError
+        raise self.not_implemented("start_id()")
 
     def generate(self, x: Tensor, max_len: int) -> Tensor:
         """Greedy generation; returns (B, T) generated ids (no start token)."""
-        raise NotImplementedError
+        raise self.not_implemented("generate()")
 
     def teacher_forced(self, x: Tensor, ids: Tensor) -> Tensor:
         """Logits (B, T, V) where row t predicts ``ids[:, t]`` (inputs: start + ids[:, :-1])."""
-        raise NotImplementedError
+        raise self.not_implemented("teacher_forced()")
 
     def encode_caption(self, caption: str) -> list[int]:
         """Token ids of a caption (no start/end tokens)."""

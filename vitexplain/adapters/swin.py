@@ -87,7 +87,7 @@ class SwinAdapter(Adapter):
     # -- geometry -----------------------------------------------------------------------
     def embed_grid(self, input_size: tuple[int, int]) -> tuple[int, int]:
         """(H_0, W_0): the patch grid of an input of ``input_size`` pixels."""
-        raise NotImplementedError
+        raise self.not_implemented("embed_grid()")
 
     def merges_after(self, stage: int) -> bool:
         """Whether patch merging halves the grid between ``stage`` and ``stage + 1``."""
@@ -103,7 +103,7 @@ class SwinAdapter(Adapter):
 
     def window_shift(self, index: int, grid: tuple[int, int]) -> tuple[tuple[int, int], tuple[int, int]]:
         """(window, shift) block ``index`` used in its last forward on ``grid``."""
-        raise NotImplementedError
+        raise self.not_implemented("window_shift()")
 
     def geometry(self, index: int, grid: tuple[int, int]) -> WindowGeometry:
         """Window geometry of block ``index`` on its stage grid (read after the forward)."""
@@ -135,7 +135,7 @@ class SwinAdapter(Adapter):
     def head(self, tokens: Tensor) -> Tensor:
         """Final norm, average pooling and classifier on a last-stage block's output tokens, in
         the model's own layout or as (B, H, W, C): (B, K) logits, or (B, D) without a head."""
-        raise NotImplementedError
+        raise self.not_implemented("head()")
 
 
 def _module_family(model: nn.Module, prefix: str) -> bool:

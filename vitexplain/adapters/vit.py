@@ -64,7 +64,7 @@ class ViTAdapter(Adapter):
 
     def layout(self, input_size: tuple[int, int]) -> TokenLayout:
         """Token layout for a (H, W) input."""
-        raise NotImplementedError
+        raise self.not_implemented("layout()")
 
     def block(self, index: int) -> nn.Module:
         """The block ``index`` of :attr:`blocks` (negative counts from the end)."""

@@ -1,13 +1,13 @@
 """The batch engine behind ``vitexplain export`` and ``vitexplain caption`` (also usable from Python).
 
-One module per concern:
+One module per concern (file writing itself, shared with the gallery and the explorer, is
+:mod:`vitexplain.files`):
 
 ============== ===========================================================================
 options        the options base: each option's flag, help, check and whether it changes outputs
 inputs         input discovery and stable, safe output keys
 models         model loading (offline) and the model's part of the resume key
 decoding       the DataLoader: decode, preprocess, crop; a bad file is a record
-writing        atomic writes never through links, encoders, UTF-8 JSON
 outfolder      output-folder checks (writable, own names), stale temporary files
 manifest       manifest parts written whole, repaired on read, merged at the end
 lock           one run at a time per output folder
@@ -44,7 +44,7 @@ from .signals import Interrupted
 from .manifest import read_manifest
 from .models import load_model
 from .options import BatchOptions
-from .writing import OutputError
+from ..files import OutputError
 
 __all__ = [
     "EXIT_OK",

@@ -37,7 +37,7 @@ from .manifest import GALLERY
 from .models import load_model, model_id, zoo_weights_id
 from .options import NON_NEGATIVE, POSITIVE, BatchOptions, SharedOptions, collect_methods, option, parse_methods, same
 from .setup import config_hash, new_run, one_by_one_on_numerical_errors, plan_run, prepare, probe, summary_fields
-from .writing import Writer, encode_npz, encode_png, json_bytes
+from ..files import Writer, encode_npz, encode_png, json_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     import numpy as np

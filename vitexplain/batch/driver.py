@@ -1,7 +1,7 @@
 """The shared driver of the batch commands: lock, shard, resume, decode, explain, write, summarise.
 
 A command (``export``, ``caption``) supplies a :class:`Command`: how a batch is explained
-(:data:`ProcessFn`, which returns one write job per image, :data:`~vitexplain.batch.writing.WriteFn`),
+(:data:`ProcessFn`, which returns one write job per image, :data:`~vitexplain.files.WriteFn`),
 its entries of ``summary.json`` and its gallery. The driver does the rest:
 
 1. rank 0 creates ``--out``, takes its lock (:mod:`~vitexplain.batch.lock`; a folder in use
@@ -37,7 +37,7 @@ from .shard import new_stats, run_shard
 from .signals import Interrupted, StopSignals, interrupt_for, signals_as_interrupts  # noqa: F401 - re-exported
 from .summary import build_summary, run_counts
 from .outfolder import clean_stale_temps
-from .writing import OutputError, Writer, is_output_file, json_bytes, json_safe
+from ..files import OutputError, Writer, is_output_file, json_bytes, json_safe
 
 # the run's types and the signal helpers are re-exported for code that imported them from here
 __all__ = ["EXIT_OK", "EXIT_FAILED", "EXIT_USAGE", "EXIT_OUTPUT", "EXIT_INTERRUPTED", "EXIT_TERMINATED",

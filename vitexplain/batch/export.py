@@ -33,7 +33,7 @@ from .manifest import GALLERY
 from .models import checkpoint_id, digest, load_model, model_id, zoo_weights_id
 from .options import NON_NEGATIVE, BatchOptions, SharedOptions, collect_methods, option, parse_methods, same
 from .setup import config_hash, new_run, one_by_one_on_numerical_errors, plan_run, prepare, probe, summary_fields
-from .writing import Writer, encode_npy, encode_png
+from ..files import Writer, encode_npy, encode_png
 
 if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
@@ -59,7 +59,7 @@ class ExportOptions(BatchOptions):
         max_side: overlays larger than this (longer side, pixels) are drawn downscaled; 0 = never.
         min_side: overlays of smaller images are drawn enlarged (tiny ones by a whole factor, crisp pixels)
             to at least this many pixels on the shorter side; 0 = never.
-        topk: predictions recorded per image.
+        top_k: predictions recorded per image.
         save_maps: also write each raw map as ``.npy``.
     """
 
@@ -84,7 +84,7 @@ class ExportOptions(BatchOptions):
                            outputs=True, help="draw overlays of smaller images enlarged (tiny ones by a whole factor, crisp "
                                               "pixels) to at least this many pixels on the shorter side "
                                               "(default {default}; 0: never)")
-    topk: int = option(5, flags="--topk", metavar="K", parse=NON_NEGATIVE, group="overlays", outputs=True,
+    top_k: int = option(5, flags="--top-k", metavar="K", parse=NON_NEGATIVE, group="overlays", outputs=True,
                        help="predictions recorded per image (default {default})")
 
 
@@ -246,7 +246,7 @@ def export(opts: ExportOptions, *, argv: Optional[Sequence[str]] = None) -> Expo
         maps = {e.method: e.maps.float().cpu().numpy() for e in explanations}
         logits = explanations[0].logits
         targets = explanations[0].targets.cpu().tolist()
-        top = _scores(logits, multi_label, opts.topk)
+        top = _scores(logits, multi_label, opts.top_k)
         outputs_ok, bad_maps = finite_rows(maps, logits)
         jobs: list[tuple[dict[str, Any], Any]] = []
         for b, s in enumerate(good):

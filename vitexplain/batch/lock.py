@@ -157,7 +157,8 @@ class OutputLock:
         info: dict[str, Any] = {"pid": os.getpid(), "host": socket.gethostname(), "command": self.command,
                                 "started": time.time()}
         data = (json.dumps(info) + "\n").encode("utf-8")
-        assert self._fd is not None
+        if self._fd is None:
+            raise UsageError("the output lock is not held (write its info only while holding it)")
         os.ftruncate(self._fd, 0)
         os.lseek(self._fd, 0, os.SEEK_SET)
         os.write(self._fd, data)

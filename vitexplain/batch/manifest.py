@@ -21,7 +21,8 @@ import uuid
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from .writing import OutputError, Writer, json_bytes
+from ..errors import UsageError
+from ..files import OutputError, Writer, json_bytes
 
 __all__ = ["MANIFEST", "SUMMARY", "GALLERY", "PART_RE", "ManifestPart", "new_run_id", "read_jsonl",
            "read_manifest", "merge_manifest"]
@@ -65,7 +66,8 @@ class ManifestPart:
             OutputError: the line could not be written (full disk, I/O error).
         """
         data = json_bytes(record)
-        assert self._fd is not None, "the part is closed"
+        if self._fd is None:
+            raise UsageError("this manifest part is closed; records are appended while the run holds it open")
         try:
             written = os.write(self._fd, data)
             while written < len(data):  # a short write (rare): finish the line

@@ -10,7 +10,7 @@ import uuid
 from pathlib import Path
 
 from ..errors import UsageError
-from .writing import TEMP_RE
+from ..files import TEMP_RE
 
 __all__ = ["check_writable", "check_own_names", "clean_stale_temps"]
 

@@ -23,7 +23,7 @@ from .inputs import InputItem, Unreadable
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from .writing import WriteFn
+    from ..files import WriteFn
 
 __all__ = ["EXIT_OK", "EXIT_FAILED", "EXIT_USAGE", "EXIT_OUTPUT", "EXIT_INTERRUPTED", "EXIT_TERMINATED",
            "ExportResult", "Run", "Command", "ProcessFn", "RankFailedError", "say"]

@@ -9,7 +9,7 @@ part as soon as its files are in place.
 Stopping: on Ctrl-C or SIGTERM the pending write jobs (images already explained) are
 finished and recorded for up to one second, the rest are cancelled (their images are redone
 by the next run), and the DataLoader workers (which ignore those signals) are shut down. On
-an :class:`~vitexplain.batch.writing.OutputError` (a full disk...) the pending jobs are
+an :class:`~vitexplain.files.OutputError` (a full disk...) the pending jobs are
 dropped at once and the error is reported.
 """
 
@@ -30,7 +30,7 @@ from .run import ProcessFn, Run, say
 from .inputs import InputItem
 from .manifest import ManifestPart
 from .signals import StopSignals
-from .writing import OutputError, WriteFn, Writer
+from ..files import OutputError, WriteFn, Writer
 
 __all__ = ["run_shard", "new_stats"]
 

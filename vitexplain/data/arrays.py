@@ -12,7 +12,7 @@ import numpy as np
 
 from ..errors import UsageError
 
-__all__ = ["map_to_numpy", "check_rgb"]
+__all__ = ["map_to_numpy", "check_rgb", "as_rgb"]
 
 
 def map_to_numpy(map: Any) -> np.ndarray:  # noqa: A002 - the public argument is called map
@@ -44,6 +44,13 @@ def map_to_numpy(map: Any) -> np.ndarray:  # noqa: A002 - the public argument is
             "with torch.nan_to_num first"
         )
     return np.ascontiguousarray(m)
+
+
+def as_rgb(image: Any, what: str = "image") -> np.ndarray:
+    """A PIL image (converted to RGB) or an array, as ``(H, W, 3)`` uint8 (checked by :func:`check_rgb`)."""
+    if hasattr(image, "convert") and hasattr(image, "size"):  # a PIL image, without importing PIL
+        return np.asarray(image.convert("RGB"))
+    return check_rgb(image, what)
 
 
 def check_rgb(image: Any, what: str = "image") -> np.ndarray:

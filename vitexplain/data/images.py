@@ -38,6 +38,7 @@ __all__ = [
     "preprocess_kwargs",
     "check_resizable",
     "crop_region",
+    "seen_region",
     "paste_map",
 ]
 
@@ -304,6 +305,23 @@ def crop_region(image: np.ndarray, box: CropBox) -> np.ndarray:
     if sr > sl and sb > st:
         out[st - t : sb - t, sl - l : sr - l] = arr[st:sb, sl:sr]
     return out
+
+
+def seen_region(image: np.ndarray, box: CropBox, size: tuple[int, int]) -> np.ndarray:
+    """The exact pixels the model saw: the image's crop box resized (bicubic) to the input size.
+
+    Args:
+        image: the original ``(H, W, 3)`` uint8 RGB image.
+        box: its box from :func:`preprocess`.
+        size: ``(h, w)`` of the model input.
+
+    Returns:
+        ``(h, w, 3)`` uint8 RGB.
+    """
+    region = crop_region(image, box)
+    if tuple(region.shape[:2]) == tuple(size):
+        return region
+    return np.asarray(Image.fromarray(region).resize((int(size[1]), int(size[0])), Image.BICUBIC))
 
 
 def paste_map(

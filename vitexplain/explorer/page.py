@@ -128,6 +128,6 @@ def write_page(path: Union[str, "os.PathLike[str]"], page: str) -> Path:
         OutputError: the folder cannot be written (full disk, read-only, ...).
         OSError: the name is refused (too long, a folder in the way).
     """
-    from ..batch.writing import write_file
+    from ..files import write_file
 
     return write_file(path, page.encode("utf-8"))

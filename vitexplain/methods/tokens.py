@@ -9,7 +9,7 @@ outputs first), batched over samples.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
@@ -147,7 +147,7 @@ def smooth_mean(x: Tensor, target: Target, *, samples: int, noise: float, batch_
     flat = x.flatten(1)
     sigma = (noise * (flat.amax(1) - flat.amin(1))).view(b, *([1] * x.dim()))
     generator = torch.Generator(device=x.device).manual_seed(seed) if seed is not None else None
-    total: Optional[Tensor] = None
+    total: Any = 0.0  # becomes a (B, ...) tensor at the first group (samples >= 1)
     for group in _chunks(samples, batch_size):
         n = group.stop - group.start
         eps = torch.randn(n, *x.shape[1:], device=x.device, dtype=x.dtype, generator=generator)
@@ -155,8 +155,7 @@ def smooth_mean(x: Tensor, target: Target, *, samples: int, noise: float, batch_
         rows_target = target.repeat(n)
         out = torch.cat([score_rows(noisy[part], rows_target, part) for part in _chunks(noisy.shape[0], batch_size)])
         part_sum = out.view(b, n, *out.shape[1:]).sum(dim=1)
-        total = part_sum if total is None else total + part_sum
-    assert total is not None
+        total = total + part_sum
     return total / samples
 
 
@@ -177,7 +176,7 @@ def integrated_mean_grad(tokens: Tensor, residual: Tensor, target: Target, *, st
     """
     b = tokens.shape[0]
     alphas = (torch.arange(steps, device=tokens.device, dtype=tokens.dtype) + 0.5) / steps
-    total: Optional[Tensor] = None
+    total: Any = 0.0  # becomes a (B, ...) tensor at the first group (steps >= 1)
     for group in _chunks(steps, batch_size):
         n = group.stop - group.start
         path = (alphas[group].view(1, n, *([1] * (tokens.dim() - 1))) * tokens.unsqueeze(1)).flatten(0, 1)
@@ -185,8 +184,7 @@ def integrated_mean_grad(tokens: Tensor, residual: Tensor, target: Target, *, st
         rows_target = target.repeat(n)
         out = torch.cat([grad_rows(held[part], path[part], rows_target, part) for part in _chunks(b * n, batch_size)])
         part_sum = out.view(b, n, *out.shape[1:]).sum(dim=1)
-        total = part_sum if total is None else total + part_sum
-    assert total is not None
+        total = total + part_sum
     return total / steps
 
 

@@ -179,7 +179,8 @@ def smooth_mprt(
             if total is not None and maps.shape != total.shape:
                 raise UsageError(f"explain_fn returned maps of shape {tuple(maps.shape)}, then {tuple(total.shape)}")
             total = maps.to(exact_dtype(maps.device)) if total is None else total + maps.to(total)
-        assert total is not None  # samples >= 1
+        if total is None:  # (samples >= 1 is checked above)
+            raise UsageError(f"samples must be at least 1, got {samples}")
         return (total / samples).float()
 
     return randomization_check(

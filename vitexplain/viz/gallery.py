@@ -186,7 +186,7 @@ def write_gallery(
     Returns:
         The path written.
     """
-    from ..batch.writing import write_file
+    from ..files import write_file
 
     dest = Path(path)
     page = render_gallery(records, folder=dest.parent, methods=methods, title=title, thumb_px=thumb_px)

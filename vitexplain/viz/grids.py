@@ -167,7 +167,7 @@ def save_png(path: "str | os.PathLike[str]", rgb: Any) -> Path:
     ok, buf = cv2.imencode(".png", np.ascontiguousarray(arr))
     if not ok:  # pragma: no cover - OpenCV failure
         raise UsageError(f"OpenCV could not encode a PNG of this {arr.shape} {arr.dtype} array for {path}")
-    from ..batch.writing import write_file
+    from ..files import write_file
 
     return write_file(path, buf.tobytes())
 

@@ -44,7 +44,7 @@ def _paths(name: str, weights_dir: PathLike | None) -> tuple[Path, Path]:
 
 def _read_config(json_path: Path, name: str) -> dict[str, Any]:
     if not json_path.is_file():
-        raise FileNotFoundError(
+        raise NotFoundError(
             f"no checkpoint config for {name!r} at {json_path}; train one with "
             f"`python -m vitexplain.zoo.train {name} --out {json_path.parent}`"
         )
@@ -130,7 +130,7 @@ def load_checkpoint(path: PathLike, device: str | torch.device = "cpu") -> nn.Mo
     json_path, st_path = p.with_suffix(".json"), p.with_suffix(".safetensors")
     cfg = _read_config(json_path, p.stem)
     if not st_path.is_file():
-        raise FileNotFoundError(f"checkpoint weights missing: {st_path}")
+        raise NotFoundError(f"checkpoint weights missing: {st_path}; train them with `python -m vitexplain.zoo.train`")
     if cfg.get("format_version", FORMAT_VERSION) > FORMAT_VERSION:
         raise UsageError(f"{json_path} has format_version {cfg['format_version']}; upgrade vitexplain")
     state = load_file(str(st_path), device="cpu")

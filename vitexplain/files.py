@@ -1,5 +1,8 @@
 """Writing output files: atomically, as valid UTF-8, and failing loudly when the disk does.
 
+Used by everything that writes files (the batch commands, the gallery, the explorer page,
+``vx.viz.save_png``), so it sits low in the package and knows no command.
+
 Every file is written to a hidden temporary name in its destination folder
 (``.<12 hex>.<pid>.tmp``, :data:`TEMP_RE`, created with ``O_EXCL``) and moved into place with
 :func:`os.replace`, so an interrupted run leaves no half-written file; a run killed outright
@@ -36,7 +39,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from ..errors import UsageError, VitexplainError
+from .errors import UsageError, VitexplainError
 
 if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
