@@ -378,11 +378,14 @@ Matrix = Callable[[Call], Tensor]
 
 
 def readout(tokens: TokenSet, batch: int, device: torch.device, kind: str = "mean") -> Tensor:
-    """The row the head reads on the last set: the class token (``"class"``) or the mean over
-    the grid tokens (``"mean"``): (B, n)."""
+    """The row the head reads on the last set: the class token (``"class"``), the mean over the
+    prefix tokens (``"prefix"``: class and distillation heads averaged) or the mean over the
+    grid tokens (``"mean"``): (B, n)."""
     vector = torch.zeros(batch, tokens.n, device=device)
     if kind == "class" and tokens.prefix:
         vector[:, 0] = 1.0
+    elif kind == "prefix" and tokens.prefix:  # the mean of the heads on every prefix token (distilled)
+        vector[:, :tokens.prefix] = 1.0 / tokens.prefix
     else:
         vector[:, tokens.prefix:] = 1.0 / (tokens.n - tokens.prefix)
     return vector
