@@ -143,3 +143,31 @@ def carry(items: list[Item], u: Tensor, mode: str, start: int = 0) -> Tensor:
 
 def skip_rows(item: DenseCall) -> int:
     return item.probs.shape[2]
+
+
+class SoftmaxTape(torch.overrides.TorchFunctionMode):
+    """Keeps every softmax output over the last dim of a >= 3-D tensor (attention
+    probabilities as the model computed them, eagerly), with its gradient retained."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outputs: list[Tensor] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.softmax, Tensor.softmax, F.softmax) and isinstance(out, Tensor) and out.dim() >= 3:
+            if out.requires_grad:
+                out.retain_grad()
+            self.outputs.append(out)
+        return out
+
+
+def taped_attention(model: nn.Module, x: Tensor, target: int) -> list[tuple[Tensor, Tensor]]:
+    """(A, dy/dA) of every softmax of an eager float64 copy of ``model``, in call order."""
+    eager = copy.deepcopy(model).double().eval()
+    unfuse_all(eager)
+    tape = SoftmaxTape()
+    with tape:
+        logits = eager(x.double())
+    logits[:, target].sum().backward()
+    return [(a.detach(), a.grad.detach()) for a in tape.outputs]

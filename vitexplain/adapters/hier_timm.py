@@ -69,6 +69,15 @@ class PiTAdapter(HierAdapter):
         return chain, sets
 
 
+def _same_padding(conv: nn.Conv2d, grid: tuple[int, int]) -> tuple[int, int]:
+    """The padding before the first row / column: TF-style 'same' convs (``Conv2dSame``) pad
+    ``total // 2`` before and the rest after; others pad symmetrically."""
+    k, s = _pair(conv.kernel_size), _pair(conv.stride)
+    if "Same" not in type(conv).__name__:
+        return _pair(conv.padding) if any(_pair(conv.padding)) else (k[0] // 2, k[1] // 2)
+    return tuple(max((-(-g // ss) - 1) * ss + kk - g, 0) // 2 for g, kk, ss in zip(grid, k, s))  # type: ignore[return-value]
+
+
 # -- MaxViT ------------------------------------------------------------------------------------
 class MaxViTAdapter(HierAdapter):
     """timm ``MaxxVit`` with MaxViT blocks (``maxvit_*``): window and grid attention after an
@@ -95,8 +104,10 @@ class MaxViTAdapter(HierAdapter):
                 dw = next((m for m in block.conv.modules() if isinstance(m, nn.Conv2d) and _pair(m.stride) != (1, 1)), None)
                 if dw is not None:  # the strided (depthwise) conv resamples the grid
                     k, st = dw.kernel_size, dw.stride
-                    pad = (k[0] // 2, k[1] // 2)
-                    coarse = _set(conv_grid(tokens.grid if tokens else grid, k, st, pad))
+                    pad = _same_padding(dw, tokens.grid if tokens else grid)
+                    fine = tokens.grid if tokens else grid
+                    same = "Same" in type(dw).__name__  # output ceil(g / s)
+                    coarse = _set(tuple(-(-g // ss) for g, ss in zip(fine, st)) if same else conv_grid(fine, k, st, pad))
                     if tokens is not None:
                         chain.append(Transition(Footprint.pool(tokens, coarse, k, st, pad), s - 1, s, f"stages.{s}.blocks.{b}.conv"))
                     tokens = coarse
