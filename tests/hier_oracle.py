@@ -68,15 +68,14 @@ Item = Union[DenseCall, Tensor]  # a Tensor item is a transition D (n_coarse, n_
 def scatter_windows(a: Tensor, q_index: Tensor, k_index: Tensor, n_out: int, n_keys: int) -> Tensor:
     """(B, G, H, n, m) per-window matrices -> (B, H, n_out, n_keys) dense; index -1 = padding."""
     b, g, h = a.shape[:3]
-    out = torch.zeros(b, h, n_out, n_keys, dtype=torch.float64)
-    for w in range(g):
-        for i, qi in enumerate(q_index[w].tolist()):
-            if qi < 0:
-                continue
-            for j, kj in enumerate(k_index[w].tolist()):
-                if kj >= 0:
-                    out[:, :, qi, kj] += a[:, w, :, i, j].double()
-    return out
+    w, i, j = torch.meshgrid(torch.arange(g), torch.arange(q_index.shape[1]), torch.arange(k_index.shape[1]),
+                             indexing="ij")
+    qi, kj = q_index[w, i], k_index[w, j]
+    real = (qi >= 0) & (kj >= 0)
+    values = a.double().permute(1, 3, 4, 0, 2)[w[real], i[real], j[real]]  # (P, B, H)
+    out = torch.zeros(n_out, n_keys, b, h, dtype=torch.float64)
+    out.index_put_((qi[real], kj[real]), values, accumulate=True)
+    return out.permute(2, 3, 0, 1)
 
 
 def eager_attention(model: nn.Module, x: Tensor, target: int, modules: list[str],
@@ -108,7 +107,9 @@ def unfuse_all(model: nn.Module) -> None:
 
 
 def _rownorm(m: Tensor) -> Tensor:
-    return m / m.sum(dim=-1, keepdim=True)
+    """Rows divided by their sums; a row with nothing in it stays zero (nothing flows)."""
+    s = m.sum(dim=-1, keepdim=True)
+    return torch.where(s > 0, m / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(m))
 
 
 def carry(items: list[Item], u: Tensor, mode: str, start: int = 0) -> Tensor:

@@ -4,6 +4,8 @@ libraries' own partition functions and average-pooling footprints (tests/hier_or
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -19,17 +21,26 @@ CLASSES = 5
 KINDS = {
     "pit": ("pit_ti_224", dict(img_size=64, depth=(1, 2, 1))),
     "pit_distilled": ("pit_ti_distilled_224", dict(img_size=64, depth=(1, 1, 1))),
-    "maxvit": ("maxvit_nano_rw_256", dict(img_size=64)),
-    "levit": ("levit_128s", dict(img_size=64)),
-    "mvit": ("mvitv2_tiny", dict(img_size=64)),
-    "tnt": ("tnt_s_patch16_224", dict(img_size=64, depth=3)),
+    "maxvit": ("maxvit_pico_rw", dict(embed_dim=(16, 32, 32, 32), depths=(1, 2, 1, 1), stem_width=(16, 16))),
+    "levit": ("levit_128s", dict(img_size=64, embed_dim=(32, 48, 64), depth=(1, 2, 1), num_heads=(2, 2, 2), key_dim=8)),
+    "mvit": ("mvitv2", dict(depths=(1, 2, 1, 2), embed_dim=16, num_heads=1)),
+    "tnt": ("tnt_s_patch16_224", dict(img_size=64, depth=2)),
 }
 
 
 def build(kind: str) -> nn.Module:
     name, kwargs = KINDS[kind]
     torch.manual_seed(0)
-    model = timm.create_model(name, pretrained=False, num_classes=CLASSES, **kwargs).eval()
+    if kind == "maxvit":  # a tiny MaxViT: timm's pico config, narrower and shallower
+        from timm.models.maxxvit import MaxxVit, model_cfgs
+        base = model_cfgs[name]
+        cfg = dataclasses.replace(base, **kwargs, transformer_cfg=dataclasses.replace(base.transformer_cfg, dim_head=8))
+        model = MaxxVit(cfg, img_size=SIZE, num_classes=CLASSES).eval()
+    elif kind == "mvit":
+        from timm.models.mvitv2 import MultiScaleVit, MultiScaleVitCfg
+        model = MultiScaleVit(MultiScaleVitCfg(**kwargs), img_size=SIZE, num_classes=CLASSES).eval()
+    else:
+        model = timm.create_model(name, pretrained=False, num_classes=CLASSES, **kwargs).eval()
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, nn.Linear) and module.out_features == CLASSES:
@@ -155,8 +166,8 @@ def test_attention_methods_match_the_dense_float64_oracle(kind):
     items, last_start, u = dense_chain(kind, model, x, target=1)
     ex = vx.Explainer(model)
     assert ex.family == "hier"
-    for method in ("rollout", "generic", "grad_rollout"):
-        e = ex.explain(x, method=method, target=1)
+    methods = ("rollout", "generic", "grad_rollout")
+    for method, e in zip(methods, ex.explain(x, method=list(methods), target=1)):
         full = carry(items, u, method)
         prefix = full.shape[1] - e.maps.shape[1] * e.maps.shape[2]
         want = full[:, prefix:].reshape(e.maps.shape)
@@ -172,6 +183,19 @@ def test_attention_methods_match_the_dense_float64_oracle(kind):
     for method in ("cdam", "raw"):  # every stage with a grid, B maps on the grid the layout says
         e = ex.explain(x, method=method, target=1)
         assert e.maps.shape[0] == 2 and tuple(e.maps.shape[1:]) == e.layout.grid
+
+
+def test_a_stage_without_attention_on_its_own_grid_is_refused():
+    from timm.models.mvitv2 import MultiScaleVit, MultiScaleVitCfg
+
+    torch.manual_seed(0)
+    model = MultiScaleVit(MultiScaleVitCfg(depths=(1, 2, 1, 1), embed_dim=16, num_heads=1), img_size=SIZE,
+                          num_classes=CLASSES).eval()
+    ex = vx.Explainer(model)
+    x = torch.randn(1, 3, *SIZE)
+    assert ex.explain(x, method="generic", stage=2).maps.shape == (1, 4, 4)  # stage 3's call reads stage 2's grid
+    with pytest.raises(vx.UnsupportedMethodError, match=r"stage 3 .* no attention call on its own grid.*\[0, 1, 2\]"):
+        ex.explain(x, method="generic", stage=-1)
 
 
 def test_tnt_gives_one_map_per_image():

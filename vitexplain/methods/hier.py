@@ -39,10 +39,17 @@ def _stages(ctx: Context) -> list:
     return ctx.adapter.stage_sets(tuple(ctx.x.shape[-2:]))
 
 
-def _attention_stage(ctx: Context, stage: int) -> int:
-    """``stage`` checked against the stages an attention row can be carried back to."""
+def _attention_stage(ctx: Context, items: list[Item], stage: int) -> int:
+    """``stage`` checked against the stages an attention row can be carried back to: those
+    with an attention call on their own grid (a stage whose only block pools its queries
+    has none; its map would be the readout alone)."""
     sets = _stages(ctx)
     stage = check_index(ctx.method, "stage", stage, len(sets), "stages")
+    if not any(c.in_stage >= stage for c in calls(items)):
+        usable = sorted({s for s in range(len(sets)) if any(c.in_stage >= s for c in calls(items))})
+        raise UnsupportedMethodError(
+            f"stage {stage} of {type(ctx.adapter.model).__name__} has no attention call on its own grid, so "
+            f"{ctx.method!r} has nothing to carry there; choose a stage in {usable}")
     return stage
 
 
@@ -54,7 +61,7 @@ def _start(ctx: Context, items: list[Item]) -> Tensor:
 
 def _carry(ctx: Context, matrix, *, mode: str, stage: int, discard_ratio: float = 0.0, deviation: bool = False) -> Tensor:
     items = chain_of(ctx)
-    stage = _attention_stage(ctx, stage)
+    stage = _attention_stage(ctx, items, stage)
     r = propagate(items, _start(ctx, items), matrix, mode=mode, to_stage=stage, discard_ratio=discard_ratio,
                   deviation=deviation)
     return _stages(ctx)[stage].on_grid(r)
