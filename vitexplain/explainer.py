@@ -208,7 +208,7 @@ class Explainer:
                     logits=logits,
                     signed=step.spec.signed,
                     input_size=(int(x.shape[-2]), int(x.shape[-1])),
-                    layout=layout,
+                    layout=layout.for_map(tuple(maps.shape[-2:]), tuple(x.shape[-2:])) if layout is not None else None,
                     images=images_seen,
                     sources=sources,
                     label_names=self.adapter.label_names,

@@ -26,7 +26,7 @@ from ..results import CaptionExplanation, Explanation
 from .context import CaptionContext, Context
 from .options import Option
 
-__all__ = ["Family", "register_family", "family", "families", "VIT", "SWIN", "CNN", "CAPTION"]
+__all__ = ["Family", "register_family", "family", "families", "VIT", "SWIN", "HIER", "CNN", "CAPTION"]
 
 _ENTRIES = ("explain", "explain_caption")
 
@@ -158,4 +158,9 @@ CAPTION = register_family(Family(
     CaptionContext, CaptionExplanation, entry="explain_caption", defaults=("cross", "cross_generic"),
     conventions={"layers": Option(int, optional=True, sequence=True, help="decoder layers (None = all)"),
                  "head_fusion": _HEAD_FUSION},
+))
+HIER = register_family(Family(
+    "hier", "hierarchical and pooling transformers (PVTv2, Twins, SAM's ViT, PiT, MaxViT, LeViT, MViTv2, TNT): "
+    "attention carried through every token resampling",
+    Context, Explanation, defaults=("generic", "cdam"), conventions=_TOKEN_CONVENTIONS,
 ))
