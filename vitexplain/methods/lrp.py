@@ -42,13 +42,15 @@ _OPTIONS = {
 
 
 def lrp_relevance(ctx: Context, variant: str, *, linear_gamma: float = DEFAULT_GAMMA,
-                  conv_gamma: float = DEFAULT_GAMMA) -> tuple[Tensor, Tensor]:
+                  conv_gamma: float = DEFAULT_GAMMA, attention: bool = True) -> tuple[Tensor, Tensor]:
     """Pixel relevance of the explained targets under the LRP rules.
 
     Args:
         ctx: the explained batch (its input, target and adapter).
         variant: ``"attnlrp"`` or ``"cp"``.
         linear_gamma, conv_gamma: Gamma rule gammas (0 = off).
+        attention: require the forward to hold attention (the methods do; a model without
+            attention gets the rules on its linears, convolutions, norms and activations only).
 
     Returns:
         ((B, 3, H, W) relevance x * dscore/dx, (B,) the explained scores).
@@ -62,7 +64,7 @@ def lrp_relevance(ctx: Context, variant: str, *, linear_gamma: float = DEFAULT_G
     with torch.enable_grad():
         with rules:
             score = ctx.score(adapter.forward(x))
-        check_coverage(rules, ctx.method, type(adapter.model).__name__)
+        check_coverage(rules, ctx.method, type(adapter.model).__name__, attention=attention)
         (grad,) = torch.autograd.grad(score.sum(), x)
     return (x.detach() * grad).float(), score.detach().float()
 

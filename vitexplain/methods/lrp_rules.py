@@ -299,8 +299,8 @@ class LRPRules(TorchFunctionMode):
         return gamma_rule(layer, x, weight, bias, self.conv_gamma, channel_dim=1)
 
 
-def check_coverage(rules: LRPRules, method: str, model: str) -> None:
-    """Raise when the forward held a non-linearity no rule covers, or no attention at all.
+def check_coverage(rules: LRPRules, method: str, model: str, *, attention: bool = True) -> None:
+    """Raise when the forward held a non-linearity no rule covers, or (``attention``) no attention at all.
 
     Raises:
         UnsupportedModelError: the relevance would not be LRP's (the message says what to do).
@@ -311,7 +311,7 @@ def check_coverage(rules: LRPRules, method: str, model: str) -> None:
             f"method {method!r}: {model}'s forward calls {', '.join(uncovered)}, which the LRP rules do not cover, "
             "so its maps would not be LRP relevance; use 'generic' or 'integrated_gradients'"
         )
-    if rules.seen["attention"] == 0:
+    if attention and rules.seen["attention"] == 0:
         raise UnsupportedModelError(
             f"method {method!r}: {model} made no attention call (scaled_dot_product_attention, nn.MultiheadAttention "
             "or a softmax over attention scores) during its forward, so the attention rules could not be applied; use 'integrated_gradients' or 'smoothgrad'"
