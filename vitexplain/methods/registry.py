@@ -34,6 +34,7 @@ CAPABILITIES: Mapping[str, str] = {
     "channel_gates": "channel attention gates (SE, ECA, CBAM, ...)",
     "spatial_gates": "spatial attention gates (CBAM-style)",
     "cross": "cross-attention from the text to the image tokens",
+    "joint": "image tokens inside the language model's self-attention sequence, each mapped back to its pixels",
 }
 
 
