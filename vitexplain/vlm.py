@@ -75,10 +75,11 @@ def _answer_ids(adapter: VLMAdapter, caption: Any, count: int, device: torch.dev
     for i, seq in enumerate(seqs):
         if not seq:
             raise UsageError(f"caption {i} is empty; give the answer words to explain, or caption=None to generate")
-        bad = [t for t in seq if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab is not None and t >= vocab)]
+        bad = [t for t in seq if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab is not None and t >= vocab)
+               or t in adapter.placeholder_ids]
         if bad:
-            raise UsageError(f"caption {i} holds token ids {bad[:5]} outside the vocabulary (0..{vocab - 1 if vocab else '?'}); "
-                             "pass text, or ids the model's tokenizer produced")
+            raise UsageError(f"caption {i} holds token ids {bad[:5]} outside the vocabulary (0..{vocab - 1 if vocab else '?'}) "
+                             "or standing for the image; pass text, or ids the model's tokenizer produced")
     length = max(len(s) for s in seqs)
     ids = torch.tensor([s + [adapter.pad_id] * (length - len(s)) for s in seqs], dtype=torch.long, device=device)
     return ids, torch.tensor([len(s) for s in seqs], device=device)

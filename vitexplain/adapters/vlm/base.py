@@ -223,11 +223,18 @@ class VLMAdapter(Adapter):
         device = next(self.model.parameters()).device
         return batch.to(device)
 
+    @property
+    def placeholder_ids(self) -> list[int]:
+        """Token ids that stand for image content (never an answer word: generation suppresses them)."""
+        return [self.image_token_id]
+
     def generate(self, inputs: Any, max_len: int) -> Tensor:
-        """Greedy answer ids (B, T) after the prompt (padded with the end id after each answer)."""
+        """Greedy answer ids (B, T) after the prompt (padded after each answer's end); image
+        placeholder tokens are suppressed (fed back, they would ask for an image that is not there)."""
         ends = self.end_ids
         out = self.model.generate(**inputs, max_new_tokens=max_len, do_sample=False, num_beams=1,
-                                  pad_token_id=self.pad_id, **({"eos_token_id": ends} if ends else {}))
+                                  pad_token_id=self.pad_id, suppress_tokens=self.placeholder_ids,
+                                  **({"eos_token_id": ends} if ends else {}))
         return out[:, inputs["input_ids"].shape[1]:]
 
     def teacher_inputs(self, inputs: Any, ids: Tensor) -> dict[str, Any]:

@@ -1,0 +1,120 @@
+"""Tiny random-init vision-language models with their processors, and an eager-attention oracle.
+
+Offline: the tokenizer is a word-level ``PreTrainedTokenizerFast`` built here (the family's special
+tokens added), the image processors are the families' own classes with tiny sizes. Shared by
+``tests/test_vlm*.py`` and the support matrix (``tests/support_table.py``).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+WORDS = "a the red green blue circle square triangle on left right top bottom what is color shape there and of".split()
+
+
+def tokenizer(special: tuple[str, ...] = ("<image>",), bos: bool = False) -> Any:
+    """A word-level fast tokenizer: ``<pad>`` 0, ``<s>`` 1, ``</s>`` 2, ``<unk>`` 3, the special tokens, WORDS."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    for word in list(special) + WORDS:
+        vocab.setdefault(word, len(vocab))
+    inner = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    inner.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=inner, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                  unk_token="<unk>")
+    tok.add_special_tokens({"additional_special_tokens": list(special)})
+    return tok
+
+
+def reinit_small(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Give (near-)zero weights (projectors, gates, heads that start at zero) random values, in place."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 1 and p.numel() > 1 and bool(p.abs().max() < 1e-6):
+                if p.dim() >= 2:
+                    p.copy_(torch.randn(p.shape, generator=generator) / math.sqrt(p.shape[-1]))
+                elif "gate" in name:
+                    p.fill_(1.0)
+    return model
+
+
+def _text(**extra: Any) -> dict[str, Any]:
+    return dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=256, head_dim=8, **extra)
+
+
+def llava() -> tuple[nn.Module, Any]:
+    """LLaVA: CLIP vision tower (32 px crop, 8 px patches: 4 x 4 tokens), Llama LM with GQA."""
+    import transformers
+
+    tok = tokenizer(("<image>",))
+    image = transformers.CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    proc = transformers.LlavaProcessor(image_processor=image, tokenizer=tok, patch_size=8,
+                                       vision_feature_select_strategy="default", num_additional_image_tokens=1)
+    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                           image_size=32, patch_size=8)
+    cfg = transformers.LlavaConfig(vision_config=vision, text_config=dict(model_type="llama", vocab_size=len(tok), **_text()),
+                                   image_token_id=tok.convert_tokens_to_ids("<image>"), vision_feature_select_strategy="default",
+                                   vision_feature_layer=-1)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return reinit_small(transformers.LlavaForConditionalGeneration(cfg).eval()), proc
+
+
+#: name -> builder of (model, processor)
+BUILDERS: dict[str, Callable[[], tuple[nn.Module, Any]]] = {"llava": llava}
+
+
+def eager_copy(model: nn.Module) -> nn.Module:
+    """An independent copy of ``model`` with eager attention everywhere (the oracle's model)."""
+    other = copy.deepcopy(model)
+    other.set_attn_implementation("eager")
+    return other
+
+
+def images(seed: int, sizes: tuple[tuple[int, int], ...] = ((40, 52), (30, 30))) -> list[np.ndarray]:
+    """Random uint8 RGB images of the given (H, W) sizes."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in sizes]
+
+
+def isolated_tokens(model: nn.Module) -> nn.Module:
+    """A copy whose vision tower attention adds nothing (its output projections zeroed): each image
+    token then depends only on its own pixels (the footprint probe's model)."""
+    other = copy.deepcopy(model)
+    vision = next(m for n, m in other.named_modules() if n.endswith(("vision_tower", "vision_model", "visual")))
+    with torch.no_grad():
+        for name, module in vision.named_modules():
+            if name.endswith(("self_attn.out_proj", "self_attn.o_proj", "attn.proj", "attention.output.dense")):
+                module.weight.zero_()
+                if module.bias is not None:
+                    module.bias.zero_()
+    return other
+
+
+def _llava_features(model: nn.Module, proc: Any, image: np.ndarray) -> torch.Tensor:
+    pixels = proc.image_processor(images=[image], return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        return model.get_image_features(pixel_values=pixels).pooler_output[0]
+
+
+def _positions_from_mask(kwargs: dict, batch: Any, ids: torch.Tensor) -> None:
+    kwargs["position_ids"] = (kwargs["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+
+
+#: per family, what the oracle needs: the prompt as the processor wants it, the teacher-forced extras,
+#: the image token id, and the probe's per-token features of one image
+ORACLE: dict[str, dict[str, Any]] = {
+    "llava": dict(prompt=lambda p: "<image>" + p, extend=_positions_from_mask,
+                  image_token=lambda m: m.config.image_token_id, features=_llava_features,
+                  placeholders=lambda m: [m.config.image_token_id]),
+}
