@@ -39,11 +39,12 @@ def _oracle_inputs(name, model, proc, images, prompts, answers):
     """The teacher-forced inputs, built here from the processor (left padding) and the answer ids."""
     spec = helpers.ORACLE[name]
     texts = [spec["prompt"](p) for p in prompts]
-    batch = proc(images=images, text=texts, padding=True, padding_side="left", return_tensors="pt")
+    given = [[image] for image in images] if spec.get("nested") else images
+    batch = proc(images=given, text=texts, padding=True, padding_side="left", return_tensors="pt")
     pad = proc.tokenizer.pad_token_id
     t = max(len(a) for a in answers)
     ids = torch.tensor([a + [pad] * (t - len(a)) for a in answers])
-    kwargs = dict(batch)
+    kwargs = {k: v for k, v in batch.items() if k != "labels"}
     kwargs["input_ids"] = torch.cat([batch["input_ids"], ids], 1)
     kwargs["attention_mask"] = torch.cat([batch["attention_mask"], torch.ones_like(ids)], 1)
     spec["extend"](kwargs, batch, ids)

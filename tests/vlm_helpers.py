@@ -118,3 +118,72 @@ ORACLE: dict[str, dict[str, Any]] = {
                   image_token=lambda m: m.config.image_token_id, features=_llava_features,
                   placeholders=lambda m: [m.config.image_token_id]),
 }
+
+
+def paligemma() -> tuple[nn.Module, Any]:
+    """PaliGemma: SigLIP (32 px, 8 px patches: 4 x 4 tokens), Gemma LM with GQA, prefix-LM mask."""
+    import transformers
+
+    tok = tokenizer(("<image>",))
+    image = transformers.SiglipImageProcessor(size={"height": 32, "width": 32})
+    image.image_seq_length = 16
+    proc = transformers.PaliGemmaProcessor(image_processor=image, tokenizer=tok)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+                  patch_size=8, projection_dim=32)
+    cfg = transformers.PaliGemmaConfig(vision_config=vision, text_config=dict(model_type="gemma", vocab_size=len(tok), **_text()),
+                                       image_token_id=tok.convert_tokens_to_ids("<image>"), projection_dim=32)
+    cfg.text_config.num_image_tokens = 16
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return reinit_small(transformers.PaliGemmaForConditionalGeneration(cfg).eval()), proc
+
+
+def gemma3() -> tuple[nn.Module, Any]:
+    """Gemma 3: SigLIP (32 px, 4 px patches: 8 x 8) average-pooled to 4 x 4 tokens, sliding-window layers."""
+    import transformers
+
+    specials = ("<start_of_image>", "<image_soft_token>", "<end_of_image>")
+    tok = tokenizer(specials)
+    tok.boi_token, tok.image_token, tok.eoi_token = specials
+    tok.boi_token_id, tok.image_token_id, tok.eoi_token_id = tok.convert_tokens_to_ids(list(specials))
+    image = transformers.Gemma3ImageProcessor(size={"height": 32, "width": 32})
+    proc = transformers.Gemma3Processor(image_processor=image, tokenizer=tok, image_seq_length=16)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+                  patch_size=4)
+    text = dict(model_type="gemma3_text", vocab_size=len(tok), sliding_window=8,
+                layer_types=["sliding_attention", "full_attention"], **_text())
+    cfg = transformers.Gemma3Config(vision_config=vision, text_config=text, mm_tokens_per_image=16,
+                                    image_token_id=tok.image_token_id, boi_token_id=tok.boi_token_id,
+                                    eoi_token_id=tok.eoi_token_id)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return reinit_small(transformers.Gemma3ForConditionalGeneration(cfg).eval()), proc
+
+
+BUILDERS.update(paligemma=paligemma, gemma3=gemma3)
+
+
+def _pooled_features(model: nn.Module, proc: Any, image: np.ndarray) -> torch.Tensor:
+    pixels = proc.image_processor(images=[image], return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        out = model.get_image_features(pixel_values=pixels)
+    out = getattr(out, "pooler_output", out)
+    return out[0]
+
+
+def _paligemma_extend(kwargs: dict, batch: Any, ids: torch.Tensor) -> None:
+    kwargs["position_ids"] = (kwargs["attention_mask"].cumsum(-1) - 1).clamp(min=0) + 1  # 1-indexed
+    kwargs["token_type_ids"] = torch.cat([batch["token_type_ids"], torch.ones_like(ids)], 1)  # answer = causal suffix
+
+
+def _gemma3_extend(kwargs: dict, batch: Any, ids: torch.Tensor) -> None:
+    _positions_from_mask(kwargs, batch, ids)
+    kwargs["token_type_ids"] = torch.cat([batch["token_type_ids"], torch.zeros_like(ids)], 1)  # answer = text
+
+
+ORACLE.update(
+    paligemma=dict(prompt=lambda p: "<image>" + p, extend=_paligemma_extend, image_token=lambda m: m.config.image_token_id,
+                   features=_pooled_features, placeholders=lambda m: [m.config.image_token_id]),
+    gemma3=dict(nested=True, prompt=lambda p: "<start_of_image>" + p, extend=_gemma3_extend, image_token=lambda m: m.config.image_token_id,
+                features=_pooled_features, placeholders=lambda m: [m.config.image_token_id]),
+)

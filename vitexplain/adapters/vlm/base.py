@@ -155,6 +155,10 @@ class VLMAdapter(Adapter):
     family = VLM
     #: the token that stands for the image in a prompt (the processor expands it)
     image_token: str = "<image>"
+    #: the first position id (PaliGemma counts from 1)
+    position_offset: int = 0
+    #: the processor takes one list of images per prompt
+    nested_images: bool = False
 
     def __init__(self, model: nn.Module, processor: Any = None) -> None:
         super().__init__(model)
@@ -217,7 +221,8 @@ class VLMAdapter(Adapter):
         side = tokenizer.padding_side
         tokenizer.padding_side = "left"
         try:
-            batch = processor(images=list(images), text=texts, return_tensors="pt", padding=True)
+            given = [[image] for image in images] if self.nested_images else list(images)
+            batch = processor(images=given, text=texts, return_tensors="pt", padding=True)
         finally:
             tokenizer.padding_side = side
         device = next(self.model.parameters()).device
@@ -240,11 +245,11 @@ class VLMAdapter(Adapter):
     def teacher_inputs(self, inputs: Any, ids: Tensor) -> dict[str, Any]:
         """The teacher-forced forward's keyword arguments: prompt + answer ids, the mask extended,
         and positions that skip the left padding (as ``generate`` counts them)."""
-        kwargs = dict(inputs)
+        kwargs = {k: v for k, v in inputs.items() if k != "labels"}  # (PaliGemma's processor adds labels)
         mask = inputs["attention_mask"]
         kwargs["input_ids"] = torch.cat([inputs["input_ids"], ids], dim=1)
         kwargs["attention_mask"] = torch.cat([mask, torch.ones_like(ids, dtype=mask.dtype)], dim=1)
-        kwargs["position_ids"] = (kwargs["attention_mask"].long().cumsum(-1) - 1).clamp(min=0)
+        kwargs["position_ids"] = (kwargs["attention_mask"].long().cumsum(-1) - 1).clamp(min=0) + self.position_offset
         return kwargs
 
     def forward_logits(self, kwargs: dict[str, Any]) -> Tensor:
