@@ -187,3 +187,62 @@ ORACLE.update(
     gemma3=dict(nested=True, prompt=lambda p: "<start_of_image>" + p, extend=_gemma3_extend, image_token=lambda m: m.config.image_token_id,
                 features=_pooled_features, placeholders=lambda m: [m.config.image_token_id]),
 )
+
+
+QWEN_SPECIALS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
+
+
+def _qwen(kind: str) -> tuple[nn.Module, Any]:
+    """Qwen2-VL / Qwen2.5-VL / Qwen3-VL: 4 px patches merged 2 x 2, dynamic resolution (<= 32 x 32 px), M-RoPE."""
+    import transformers
+
+    tok = tokenizer(QWEN_SPECIALS)
+    ids = dict(zip(("vision_start_token_id", "image_token_id", "vision_end_token_id", "video_token_id"),
+                   tok.convert_tokens_to_ids(list(QWEN_SPECIALS))))
+    pixels = dict(size={"shortest_edge": 8 * 8, "longest_edge": 32 * 32}, patch_size=4, merge_size=2, temporal_patch_size=2)
+    rope = {"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 10000.0}
+    text = dict(vocab_size=len(tok), rope_parameters=rope, **_text())
+    video = transformers.Qwen2VLVideoProcessor(**pixels)
+    if kind == "qwen2_vl":
+        image = transformers.Qwen2VLImageProcessor(**pixels)
+        proc = transformers.Qwen2VLProcessor(image_processor=image, tokenizer=tok, video_processor=video)
+        vision = dict(depth=2, embed_dim=32, hidden_size=32, num_heads=2, patch_size=4, spatial_merge_size=2)
+        cfg = transformers.Qwen2VLConfig(vision_config=vision, text_config=text, **ids)
+        cls = transformers.Qwen2VLForConditionalGeneration
+    elif kind == "qwen2_5_vl":
+        image = transformers.Qwen2VLImageProcessor(**pixels)
+        proc = transformers.Qwen2_5_VLProcessor(image_processor=image, tokenizer=tok, video_processor=video)
+        vision = dict(depth=2, hidden_size=32, out_hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
+                      spatial_merge_size=2, window_size=16, fullatt_block_indexes=[1])
+        cfg = transformers.Qwen2_5_VLConfig(vision_config=vision, text_config=text, **ids)
+        cls = transformers.Qwen2_5_VLForConditionalGeneration
+    else:
+        image = transformers.Qwen2VLImageProcessor(**pixels)
+        proc = transformers.Qwen3VLProcessor(image_processor=image, tokenizer=tok, video_processor=video)
+        vision = dict(depth=2, hidden_size=32, out_hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
+                      spatial_merge_size=2, num_position_embeddings=16, deepstack_visual_indexes=[0])
+        cfg = transformers.Qwen3VLConfig(vision_config=vision, text_config=dict(text, rope_parameters=dict(rope, mrope_interleaved=True)), **ids)
+        cls = transformers.Qwen3VLForConditionalGeneration
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return reinit_small(cls(cfg).eval()), proc
+
+
+BUILDERS.update(qwen2_vl=lambda: _qwen("qwen2_vl"), qwen2_5_vl=lambda: _qwen("qwen2_5_vl"), qwen3_vl=lambda: _qwen("qwen3_vl"))
+
+
+def _qwen_features(model: nn.Module, proc: Any, image: np.ndarray) -> torch.Tensor:
+    batch = proc.image_processor(images=[image], return_tensors="pt")
+    with torch.no_grad():
+        out = model.get_image_features(pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"])
+    return out.pooler_output[0]
+
+
+def _qwen_extend(kwargs: dict, batch: Any, ids: torch.Tensor) -> None:
+    kwargs["mm_token_type_ids"] = torch.cat([batch["mm_token_type_ids"], torch.zeros_like(ids)], 1)
+
+
+_QWEN_ORACLE = dict(prompt=lambda p: "<|vision_start|><|image_pad|><|vision_end|>" + p, extend=_qwen_extend,
+                    image_token=lambda m: m.config.image_token_id, features=_qwen_features,
+                    placeholders=lambda m: [m.config.image_token_id])
+ORACLE.update(qwen2_vl=_QWEN_ORACLE, qwen2_5_vl=_QWEN_ORACLE, qwen3_vl=_QWEN_ORACLE)
