@@ -246,3 +246,50 @@ _QWEN_ORACLE = dict(prompt=lambda p: "<|vision_start|><|image_pad|><|vision_end|
                     image_token=lambda m: m.config.image_token_id, features=_qwen_features,
                     placeholders=lambda m: [m.config.image_token_id])
 ORACLE.update(qwen2_vl=_QWEN_ORACLE, qwen2_5_vl=_QWEN_ORACLE, qwen3_vl=_QWEN_ORACLE)
+
+
+IDEFICS_SPECIALS = ("<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>") + tuple(
+    f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7))
+
+
+def _idefics(kind: str) -> tuple[nn.Module, Any]:
+    """Idefics3 / SmolVLM: 16 px tiles of 4 px patches, pixel shuffle 2 (2 x 2 tokens per tile), tiles + a global image."""
+    import transformers
+
+    tok = tokenizer(IDEFICS_SPECIALS)
+    sizes = dict(size={"longest_edge": 32}, max_image_size={"longest_edge": 16})
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=16, patch_size=4)
+    text = dict(model_type="llama", vocab_size=len(tok), **_text())
+    image_id = tok.convert_tokens_to_ids("<image>")
+    if kind == "idefics3":
+        proc = transformers.Idefics3Processor(image_processor=transformers.Idefics3ImageProcessor(**sizes), tokenizer=tok,
+                                              image_seq_len=4)
+        cfg = transformers.Idefics3Config(vision_config=vision, text_config=text, scale_factor=2, image_token_id=image_id)
+        cls = transformers.Idefics3ForConditionalGeneration
+    else:
+        video = transformers.SmolVLMVideoProcessor(**sizes)
+        proc = transformers.SmolVLMProcessor(image_processor=transformers.SmolVLMImageProcessor(**sizes), tokenizer=tok,
+                                             video_processor=video, image_seq_len=4)
+        cfg = transformers.SmolVLMConfig(vision_config=vision, text_config=text, scale_factor=2, image_token_id=image_id)
+        cls = transformers.SmolVLMForConditionalGeneration
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return reinit_small(cls(cfg).eval()), proc
+
+
+BUILDERS.update(idefics3=lambda: _idefics("idefics3"), smolvlm=lambda: _idefics("smolvlm"))
+
+
+def _idefics_features(model: nn.Module, proc: Any, image: np.ndarray) -> torch.Tensor:
+    batch = proc.image_processor(images=[[image]], return_tensors="pt")
+    with torch.no_grad():
+        out = model.get_image_features(pixel_values=batch["pixel_values"], pixel_attention_mask=batch.get("pixel_attention_mask"))
+    out = getattr(out, "pooler_output", out)
+    out = torch.cat(list(out)) if isinstance(out, (list, tuple)) else out
+    return out.reshape(-1, out.shape[-1])
+
+
+_IDEFICS_ORACLE = dict(nested=True, prompt=lambda p: "<image>" + p, extend=_positions_from_mask,
+                       image_token=lambda m: m.config.image_token_id, features=_idefics_features,
+                       placeholders=lambda m: [m.config.image_token_id])
+ORACLE.update(idefics3=_IDEFICS_ORACLE, smolvlm=_IDEFICS_ORACLE)
