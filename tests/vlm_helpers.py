@@ -160,7 +160,23 @@ def gemma3() -> tuple[nn.Module, Any]:
     return reinit_small(transformers.Gemma3ForConditionalGeneration(cfg).eval()), proc
 
 
-BUILDERS.update(paligemma=paligemma, gemma3=gemma3)
+def paligemma2() -> tuple[nn.Module, Any]:
+    """PaliGemma 2: as :func:`paligemma` with a Gemma 2 LM (logit soft-capping, sliding window): eager attention,
+    the only one Gemma 2 has (its softmax is recorded)."""
+    import transformers
+
+    model, proc = paligemma()
+    text = dict(model_type="gemma2", vocab_size=model.config.text_config.vocab_size, sliding_window=8,
+                attn_logit_softcapping=50.0, final_logit_softcapping=30.0, **_text())
+    cfg = transformers.PaliGemmaConfig(vision_config=model.config.vision_config.to_dict(), text_config=text,
+                                       image_token_id=model.config.image_token_id, projection_dim=32)
+    cfg.text_config.num_image_tokens = 16
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return reinit_small(transformers.PaliGemmaForConditionalGeneration(cfg).eval()), proc
+
+
+BUILDERS.update(paligemma=paligemma, gemma3=gemma3, paligemma2=paligemma2)
 
 
 def _pooled_features(model: nn.Module, proc: Any, image: np.ndarray) -> torch.Tensor:
@@ -182,6 +198,8 @@ def _gemma3_extend(kwargs: dict, batch: Any, ids: torch.Tensor) -> None:
 
 
 ORACLE.update(
+    paligemma2=dict(prompt=lambda p: "<image>" + p, extend=_paligemma_extend, image_token=lambda m: m.config.image_token_id,
+                    features=_pooled_features, placeholders=lambda m: [m.config.image_token_id]),
     paligemma=dict(prompt=lambda p: "<image>" + p, extend=_paligemma_extend, image_token=lambda m: m.config.image_token_id,
                    features=_pooled_features, placeholders=lambda m: [m.config.image_token_id]),
     gemma3=dict(nested=True, prompt=lambda p: "<start_of_image>" + p, extend=_gemma3_extend, image_token=lambda m: m.config.image_token_id,
