@@ -216,6 +216,8 @@ class CallSpec:
         in_stage: stage of I; out_stage: stage of Q.
         folded_heads: heads folded into the call's batch dimension (SAM calls SDPA on
             (B * G * heads, n, d)); 1 when the record has a head dimension of its own.
+        window_dim_inside: the model's SDPA call is (B, heads, G, n, d) (Hiera's mask units),
+            recorded as (B * heads, G, n, n): windows where a record keeps heads.
     """
 
     name: str
@@ -228,6 +230,7 @@ class CallSpec:
     in_stage: int = 0
     out_stage: int = 0
     folded_heads: int = 1
+    window_dim_inside: bool = False
 
     @property
     def windows(self) -> int:
@@ -272,7 +275,10 @@ class Call:
         heads = self.spec.folded_heads
         if heads > 1:  # (B * G * heads, [1,] n_q, n_k) -> (B * G, heads, n_q, n_k)
             x = x.reshape(-1, heads, *x.shape[-2:])
-        x = x.reshape(self.batch, self.spec.windows, *x.shape[1:])
+        if self.spec.window_dim_inside:  # (B * heads, G, n_q, n_k) -> (B, G, heads, n_q, n_k)
+            x = x.reshape(self.batch, -1, *x.shape[1:]).transpose(1, 2)
+        else:
+            x = x.reshape(self.batch, self.spec.windows, *x.shape[1:])
         return x * self.pairs[None, :, None].to(x.dtype)
 
     def probs(self) -> Tensor:
@@ -344,6 +350,9 @@ def bind(chain: Sequence[Union[CallSpec, Transition]], records: Sequence[Attenti
         record = inside[-1]
         want = (batch * spec.windows * spec.folded_heads, spec.q_slots.shape[1], spec.k_slots.shape[1])
         got = (record.batch_size, record.num_queries, record.num_keys)
+        if spec.window_dim_inside:  # windows recorded where heads are
+            want = (spec.windows, *want[1:])
+            got = (record.num_heads if record.batch_size % batch == 0 else -1, *got[1:])
         if got != want:
             raise CaptureError(
                 f"the attention of {spec.name!r} is {got[0]} x {got[1]} queries x {got[2]} keys, but the model's "

@@ -1,0 +1,164 @@
+"""Hierarchical adapters whose token order is the model's own: torchvision MaxViT and timm Hiera.
+
+Both keep tokens in an order of their own making (torchvision's window and grid partitions with
+an axis swap; Hiera's *unrolled* order, in which pooling a 2 x 2 neighbourhood is a max over
+contiguous chunks). Rather than re-deriving those orders, the adapters run the model's own
+reordering code on a tensor of token indices (no weights involved, the model is not changed)
+and read the window slots from it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from ..layout import _pair
+from ..methods.families import HIER
+from ..methods.resample import CallSpec, Footprint, TokenSet, Transition
+from .base import Adapter, register_adapter
+from .hier import Chain, HierAdapter, conv_grid, module_family
+
+__all__ = ["TorchvisionMaxViTAdapter", "HieraAdapter"]
+
+
+def _set(grid: Sequence[int], prefix: int = 0) -> TokenSet:
+    return TokenSet(prefix, (int(grid[0]), int(grid[1])))
+
+
+# -- torchvision MaxViT --------------------------------------------------------------------------
+def _tv_slots(layer: nn.Module, grid: tuple[int, int]) -> Tensor:
+    """(G, n) grid indices of each window slot: the layer's own partition ops on token indices."""
+    idx = torch.arange(grid[0] * grid[1], dtype=torch.float64).view(1, 1, *grid)
+    parts = layer.partition_swap(layer.partition_op(idx, layer.p))  # (1, G, n, 1)
+    return parts[0, ..., 0].round().long()
+
+
+class TorchvisionMaxViTAdapter(HierAdapter):
+    """torchvision ``MaxVit``: per layer an MBConv (stride 2 in a stage's first layer), window
+    attention and grid attention (torchvision's partition + axis swap), average pooling."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self.layers = [(s, f"blocks.{s}.layers.{i}", layer) for s, block in enumerate(model.blocks)
+                       for i, layer in enumerate(block.layers)]
+        self.token_sites = [f"blocks.{s}.layers.{len(b.layers) - 1}.layers.grid_attention.attn_layer.0"
+                            for s, b in enumerate(model.blocks)]
+        self.has_head = True
+
+    def _attention(self, name: str) -> nn.Module:
+        return self.model.get_submodule(name)
+
+    def site_grid(self, stage: int, output: Tensor, input_size: Sequence[int]) -> Tensor:
+        """(B, G, n, C) partitioned tokens -> (B, H, W, C) through the layer's own slots."""
+        grid = self.stage_sets(input_size)[stage].grid
+        layer = self.model.get_submodule(self.token_sites[stage].rsplit(".attn_layer", 1)[0])
+        slots = _tv_slots(layer, grid).to(output.device)
+        out = output.new_zeros(output.shape[0], grid[0] * grid[1], output.shape[-1])
+        out[:, slots.flatten()] = output.reshape(output.shape[0], -1, output.shape[-1])
+        return out.view(output.shape[0], *grid, output.shape[-1])
+
+    def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
+        grid = _pair(input_size)
+        for conv in (m for m in self.model.stem.modules() if isinstance(m, nn.Conv2d)):
+            grid = conv_grid(grid, conv.kernel_size, conv.stride, conv.padding)
+        chain: Chain = []
+        sets: list[TokenSet] = []
+        tokens: Optional[TokenSet] = None
+        for s, name, layer in self.layers:
+            conv = layer.layers.MBconv.layers.conv_b[0]
+            if _pair(conv.stride) != (1, 1):
+                fine = tokens or _set(grid)
+                coarse = _set(conv_grid(fine.grid, conv.kernel_size, conv.stride, conv.padding))
+                if tokens is not None:
+                    chain.append(Transition(Footprint.pool(fine, coarse, conv.kernel_size, conv.stride, conv.padding),
+                                            s - 1, s, f"{name}.layers.MBconv"))
+                tokens = coarse
+            tokens = tokens or _set(grid)
+            if len(sets) == s:
+                sets.append(tokens)
+            for part in ("window_attention", "grid_attention"):
+                attention = layer.layers.get_submodule(part)
+                slots = _tv_slots(attention, tokens.grid)
+                identity = Footprint.identity(tokens)
+                chain.append(CallSpec(f"{name}.layers.{part}.attn_layer.1", tokens, tokens, slots, slots, identity,
+                                      identity, s, s))
+        return chain, sets
+
+
+# -- Hiera ---------------------------------------------------------------------------------------
+class HieraAdapter(HierAdapter):
+    """timm ``Hiera`` (SAM 2's image encoder family): mask-unit attention in the unrolled
+    token order, global attention in later stages, queries and residual max-pooled over
+    2 x 2 neighbourhoods at each stage's first block, average pooling.
+
+    The unrolled order of each stage is read by running the model's own ``unroll`` on token
+    indices; pooling keeps the first of each chunk of ``q_stride`` entries, so a stage's order is
+    the previous one's first chunk, coarsened.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        blocks = list(model.blocks)
+        self.stage_of = []
+        stage = 0
+        for i, block in enumerate(blocks):
+            if i > 0 and block.attn.q_stride > 1:
+                stage += 1
+            self.stage_of.append(stage)
+        last = {s: i for i, s in enumerate(self.stage_of)}
+        self.token_sites = [f"blocks.{last[s]}.norm1" for s in range(stage + 1)]
+        stride = _pair(model.patch_embed.proj.stride)
+        self.fixed_size = tuple(int(t) * st for t, st in zip(model.tokens_spatial_shape, stride))
+
+    def _orders(self, input_size: tuple[int, int]) -> list[tuple[tuple[int, int], Tensor]]:
+        """Per stage: (grid, the row-major grid index of each token in the unrolled order)."""
+        model = self.model
+        grid = tuple(int(g) for g in model.unroll.size)
+        n = grid[0] * grid[1]
+        order = model.unroll(torch.arange(n, dtype=torch.float64).view(1, n, 1))[0, :, 0].round().long()
+        out = [(grid, order)]
+        q_stride = int(model.blocks[[i for i, s in enumerate(self.stage_of) if s == 1][0]].attn.q_stride) \
+            if max(self.stage_of) > 0 else 1
+        for _ in range(max(self.stage_of)):
+            (h, w), order = out[-1]
+            first = order[: order.numel() // q_stride]
+            coarse = ((h + 1) // 2, (w + 1) // 2)
+            out.append((coarse, (first // w // 2) * coarse[1] + (first % w) // 2))
+        return out
+
+    def site_grid(self, stage: int, output: Tensor, input_size: Sequence[int]) -> Tensor:
+        grid, order = self._orders(_pair(input_size))[stage]
+        out = output.new_zeros(output.shape[0], grid[0] * grid[1], output.shape[-1])
+        out[:, order.to(output.device)] = output
+        return out.view(output.shape[0], *grid, output.shape[-1])
+
+    def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
+        orders = self._orders(input_size)
+        chain: Chain = []
+        sets = [_set(grid) for grid, _ in orders]
+        for i, block in enumerate(self.model.blocks):
+            s, attn = self.stage_of[i], block.attn
+            pooled = i > 0 and attn.q_stride > 1
+            inp = sets[s - 1] if pooled else sets[s]
+            in_order = orders[s - 1][1] if pooled else orders[s][1]
+            n = inp.n
+            windows = n // (attn.q_stride * attn.window_size) if attn.use_mask_unit_attn else 1
+            # token t of the unrolled sequence sits in window t % windows, slot t // windows
+            k_slots = in_order.view(-1, windows).T.contiguous()
+            out_order = orders[s][1]
+            q_slots = out_order.view(-1, windows).T.contiguous()
+            skip = Footprint.pool(inp, sets[s], 2, 2, 0) if pooled else Footprint.identity(inp)
+            chain.append(CallSpec(f"blocks.{i}.attn", inp, sets[s], q_slots, k_slots, Footprint.identity(inp), skip,
+                                  s - 1 if pooled else s, s, window_dim_inside=bool(attn.use_mask_unit_attn)))
+        return chain, sets
+
+
+@register_adapter(priority=15, family=HIER)
+def _detect_more(model: nn.Module) -> Optional[Adapter]:
+    if module_family(model, "torchvision.models.maxvit") and hasattr(model, "blocks") and hasattr(model, "stem"):
+        return TorchvisionMaxViTAdapter(model)
+    if module_family(model, "timm.models.hiera") and hasattr(model, "unroll") and hasattr(model, "blocks"):
+        return HieraAdapter(model)
+    return None
