@@ -283,6 +283,7 @@ def rows() -> list[Row]:
         Row("timm LeViT", "hierarchical", _timm_class("levit", "LevitDistilled", img_size=128, embed_dim=(32, 48, 64), key_dim=8, depth=(1, 1, 1), num_heads=(2, 2, 2), num_classes=5), (128, 128), _POOL_TEST),
         Row("torchvision MaxViT", "hierarchical", _torchvision_maxvit, s64, "tests/test_hier_more.py"),
         Row("timm Hiera (SAM 2's encoder family)", "hierarchical", _timm_class("hiera", "Hiera", img_size=64, embed_dim=16, num_heads=1, stages=(1, 2, 2, 1), mask_unit_size=(4, 4), q_pool=2, num_classes=5), s64, "tests/test_hier_more.py"),
+        Row("timm CrossViT (two branches)", "hierarchical", _timm_class("crossvit", "CrossVit", img_size=48, img_scale=(1.0, 32 / 48), patch_size=(8, 16), embed_dim=(16, 32), depth=((1, 2, 0), (1, 1, 0)), num_heads=(2, 2), mlp_ratio=(2, 2, 1), num_classes=5), (48, 48), "tests/test_hier_more.py"),
         Row("timm TNT (outer tokens)", "hierarchical", lambda: _timm("tnt_s_patch16_224", img_size=64, depth=2, num_classes=5), s64, _POOL_TEST),
         Row("timm Swin", "Swin", _timm_class("swin_transformer", "SwinTransformer", **_SWIN), s32, _SWIN_TEST),
         Row("timm SwinV2", "Swin", _timm_class("swin_transformer_v2", "SwinTransformerV2", **_SWIN), s32, _SWIN_TEST),

@@ -150,3 +150,63 @@ def test_torchvision_maxvit_matches_the_dense_float64_oracle():
         assert float((e.maps.double() - want).abs().max()) <= 1e-4 * scale, method
     e = ex.explain(x, method="cdam", target=1)
     assert e.maps.shape == (2, *last)
+
+
+def crossvit() -> nn.Module:
+    from timm.models.crossvit import CrossVit
+
+    torch.manual_seed(0)
+    return _reinit(CrossVit(img_size=48, img_scale=(1.0, 32 / 48), patch_size=(8, 16), embed_dim=(16, 32),
+                            depth=((1, 2, 0), (1, 1, 0)), num_heads=(2, 2), mlp_ratio=(2, 2, 1), num_classes=CLASSES))
+
+
+def crossvit_chain(model, x, target):
+    """Dense calls on [cls_0, patches_0 (6x6), cls_1, patches_1 (2x2)] in the model's call order."""
+    taped = iter(taped_attention(model, x, target))
+    b = x.shape[0]
+    sizes = [1 + 36, 1 + 4]
+    n, off = sum(sizes), [0, sizes[0]]
+    items = []
+    for block in model.blocks:
+        for br, branch in enumerate(block.blocks):
+            for _ in branch:
+                a, g = next(taped)
+                da = torch.zeros(b, a.shape[1], n, n, dtype=torch.float64)
+                dg = torch.zeros_like(da)
+                part = slice(off[br], off[br] + sizes[br])
+                da[:, :, part, part], dg[:, :, part, part] = a, g
+                items.append(DenseCall(da, dg, _eye(n), _eye(n)))
+        for br in range(2):
+            a, g = next(taped)  # (B, H, 1, 1 + other patches): own (projected) class token, then the other's patches
+            other = 1 - br
+            cols = [off[br]] + list(range(off[other] + 1, off[other] + sizes[other]))
+            da = torch.zeros(b, a.shape[1], n, n, dtype=torch.float64)
+            dg = torch.zeros_like(da)
+            da[:, :, off[br], cols], dg[:, :, off[br], cols] = a[:, :, 0], g[:, :, 0]
+            items.append(DenseCall(da, dg, _eye(n), _eye(n)))
+    u = torch.zeros(b, n, dtype=torch.float64)
+    u[:, off[0]] = u[:, off[1]] = 0.5  # the head averages both class tokens' logits
+    return items, u, off, sizes
+
+
+def test_crossvit_branch_maps_match_the_joint_dense_oracle_and_say_how_they_combine():
+    model = crossvit()
+    x = torch.randn(2, 3, 48, 48, generator=torch.Generator().manual_seed(1))
+    items, u, off, sizes = crossvit_chain(model, x, target=1)
+    ex = vx.Explainer(model)
+    assert ex.family == "hier"
+    for method in ("rollout", "generic", "grad_rollout"):
+        full = carry(items, u, method)
+        for branch, side in ((0, 6), (1, 2)):
+            e = ex.explain(x, method=method, target=1, stage=branch)
+            want = full[:, off[branch] + 1: off[branch] + sizes[branch]].reshape(2, side, side)
+            assert e.maps.shape == (2, side, side) and e.layout.grid == (side, side)
+            scale = float(want.abs().max())
+            assert scale > 0 and float((e.maps.double() - want).abs().max()) <= 1e-4 * scale, (method, branch)
+        combined = e.extras["combined"]
+        assert combined.shape == (2, 6, 6) and "resized bilinearly" in e.extras["combination"]
+        torch.testing.assert_close(
+            combined, e.extras["branches"]["branch 0 (6x6)"] + torch.nn.functional.interpolate(
+                e.extras["branches"]["branch 1 (2x2)"][:, None], size=(6, 6), mode="bilinear")[:, 0] * (4 / 36))
+    for branch, side in ((0, 6), (1, 2)):
+        assert ex.explain(x, method="cdam", target=1, stage=branch).maps.shape == (2, side, side)

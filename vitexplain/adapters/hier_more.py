@@ -1,4 +1,5 @@
-"""Hierarchical adapters whose token order is the model's own: torchvision MaxViT and timm Hiera.
+"""Hierarchical adapters whose token order is the model's own: torchvision MaxViT, timm Hiera
+and timm CrossViT (two branches in one joint token set).
 
 Both keep tokens in an order of their own making (torchvision's window and grid partitions with
 an axis swap; Hiera's *unrolled* order, in which pooling a 2 x 2 neighbourhood is a max over
@@ -14,13 +15,13 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from ..layout import _pair
+from ..layout import TokenLayout, _pair
 from ..methods.families import HIER
 from ..methods.resample import CallSpec, Footprint, TokenSet, Transition
 from .base import Adapter, register_adapter
 from .hier import Chain, HierAdapter, conv_grid, module_family
 
-__all__ = ["TorchvisionMaxViTAdapter", "HieraAdapter"]
+__all__ = ["TorchvisionMaxViTAdapter", "HieraAdapter", "CrossViTAdapter"]
 
 
 def _set(grid: Sequence[int], prefix: int = 0) -> TokenSet:
@@ -155,10 +156,107 @@ class HieraAdapter(HierAdapter):
         return chain, sets
 
 
+# -- CrossViT ------------------------------------------------------------------------------------
+class CrossViTAdapter(HierAdapter):
+    """timm ``CrossVit``: two ViT branches (small and large patches, each with a class token)
+    whose class tokens attend to the other branch's patches in each block's fusion.
+
+    The chain runs on one joint token set ``[cls_0, patches_0, cls_1, patches_1]`` (a flat
+    1 x N "grid"): a branch's blocks attend inside its part, a fusion call's query is one class
+    token and its keys are that (projected) class token and the other branch's patches, each
+    with the class token's residual. The readout is the mean of the two class tokens (the head
+    averages the branches' logits). "Stage" s is branch s: maps on its grid; the attention
+    methods also return, in ``extras``, both branch maps and their combination (see
+    :meth:`finish`).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self.readout = "class" if model.global_pool == "token" else "mean"
+        self.grids = [tuple(int(s) // int(p) for s, p in zip(_pair(size), _pair(embed.patch_size)))
+                      for size, embed in zip(model.img_size_scaled, model.patch_embed)]
+        self.offsets = [0, 1 + self.grids[0][0] * self.grids[0][1]]
+        self.total = self.offsets[1] + 1 + self.grids[1][0] * self.grids[1][1]
+        last = model.blocks[-1]
+        self.token_sites = [f"blocks.{len(model.blocks) - 1}.blocks.{b}.{len(last.blocks[b]) - 1}.norm1" for b in range(2)]
+        self.fixed_size = tuple(_pair(model.img_size))
+
+    def readout_row(self, tokens: TokenSet, batch: int, device: object) -> Tensor:
+        row = torch.zeros(batch, tokens.n, device=device)
+        for b, off in enumerate(self.offsets):
+            if self.readout == "class":
+                row[:, off] = 0.5
+            else:
+                n = self.grids[b][0] * self.grids[b][1]
+                row[:, off + 1: off + 1 + n] = 0.5 / n
+        return row
+
+    def chain_stage(self, stage: int) -> int:
+        return 0
+
+    def _branch(self, r: Tensor, b: int) -> Tensor:
+        n = self.grids[b][0] * self.grids[b][1]
+        return r[:, self.offsets[b] + 1: self.offsets[b] + 1 + n].reshape(r.shape[0], *self.grids[b])
+
+    def finish(self, r: Tensor, stage: int, input_size: Sequence[int]) -> object:
+        """Branch ``stage``'s map, with ``extras``: ``branches`` (both maps), ``combined`` (on the
+        small-patch grid: branch 0 plus branch 1 resized bilinearly and scaled by the cell-area
+        ratio, so each branch keeps its total) and ``combination`` (that rule, in words)."""
+        maps = [self._branch(r, b) for b in range(2)]
+        extras: dict = {"branches": {f"branch {b} ({g[0]}x{g[1]})": m for b, (g, m) in enumerate(zip(self.grids, maps))}}
+        if not getattr(self.model, "crop_scale", False):
+            fine, coarse = self.grids[0], self.grids[1]
+            area = (coarse[0] * coarse[1]) / (fine[0] * fine[1])
+            resized = torch.nn.functional.interpolate(maps[1][:, None], size=fine, mode="bilinear", align_corners=False)[:, 0]
+            extras["combined"] = maps[0] + resized * area
+            extras["combination"] = (f"branch 0 ({fine[0]}x{fine[1]}) + branch 1 ({coarse[0]}x{coarse[1]}) resized "
+                                     f"bilinearly to {fine[0]}x{fine[1]} and scaled by {area:.3f} (cell areas); "
+                                     "the head averages the two branches' class-token logits")
+        return maps[stage], extras
+
+    def finish_call(self, spec: CallSpec, r: Tensor, input_size: Sequence[int]) -> Tensor:
+        keys = spec.k_slots[spec.k_slots >= 0]
+        branch = int((keys >= self.offsets[1]).float().mean() > 0.5)
+        return self._branch(r, branch)
+
+    def stage_sets(self, input_size: Sequence[int]) -> list[TokenSet]:
+        return [TokenSet(1, self.grids[0]), TokenSet(1, self.grids[1])]
+
+    def site_grid(self, stage: int, output: Tensor, input_size: Sequence[int]) -> Tensor:
+        return output[:, 1:].reshape(output.shape[0], *self.grids[stage], output.shape[-1])
+
+    def layout(self, input_size: Sequence[int]) -> "TokenLayout":
+        size = _pair(input_size)
+        grid = self.grids[0]
+        return TokenLayout(1, grid, True, self.readout, patch_size=(size[0] // grid[0], size[1] // grid[1]))
+
+    def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
+        joint = TokenSet(0, (1, self.total))
+        identity = Footprint.identity(joint)
+        parts = [torch.arange(self.offsets[b], (self.offsets[1] if b == 0 else self.total)) for b in range(2)]
+        chain: Chain = []
+        for i, block in enumerate(self.model.blocks):
+            for b, branch in enumerate(block.blocks):
+                for j in range(len(branch)):
+                    chain.append(CallSpec(f"blocks.{i}.blocks.{b}.{j}.attn", joint, joint, parts[b][None], parts[b][None],
+                                          identity, identity, 0, 0))
+            for b, fusion in enumerate(block.fusion):
+                other = parts[1 - b][1:]
+                keys = torch.cat([torch.tensor([self.offsets[b]]), other])[None]
+                names = [n for n, m in fusion.named_modules() if type(m).__name__ == "CrossAttentionBlock"]
+                for n in names:
+                    name = f"blocks.{i}.fusion.{b}" + (f".{n}" if n else "") + ".attn"
+                    chain.append(CallSpec(name, joint, joint, torch.tensor([[self.offsets[b]]]), keys, identity,
+                                          identity, 0, 0))
+        return chain, [joint]
+
+
 @register_adapter(priority=15, family=HIER)
 def _detect_more(model: nn.Module) -> Optional[Adapter]:
     if module_family(model, "torchvision.models.maxvit") and hasattr(model, "blocks") and hasattr(model, "stem"):
         return TorchvisionMaxViTAdapter(model)
     if module_family(model, "timm.models.hiera") and hasattr(model, "unroll") and hasattr(model, "blocks"):
         return HieraAdapter(model)
+    if module_family(model, "timm.models.crossvit") and getattr(model, "num_branches", 0) == 2:
+        return CrossViTAdapter(model)
     return None
