@@ -155,3 +155,12 @@ def test_twins_fused_and_eager_window_attention_agree():
     for a, b in zip(fused_rec.records, eager_rec.records):
         assert a.name == b.name and a.q_shape[:3] == b.q_shape[:3]
         torch.testing.assert_close(a.probs(), b.probs(), atol=1e-6, rtol=1e-5)
+
+
+def test_efficientformer_v2_refuses_attention_methods_with_the_reason():
+    """Its heads are mixed after the softmax (talking heads) and a value conv is added: no rule holds."""
+    model, x = _build("timm EfficientFormerV2")
+    ex = vx.Explainer(model)
+    assert ex.family == "cnn"
+    with pytest.raises(vx.UnsupportedMethodError, match="talking heads"):
+        ex.explain(x, method="rollout")
