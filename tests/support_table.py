@@ -45,7 +45,8 @@ class Row:
 
     Attributes:
         name: how the support matrix names it.
-        group: ``"ViT"``, ``"Hugging Face"``, ``"CNN"``, ``"hybrid"``, ``"captioner"``, ``"Swin"``.
+        group: ``"ViT"``, ``"Hugging Face"``, ``"CNN"``, ``"hybrid"``, ``"hierarchical"``, ``"captioner"``,
+            ``"Swin"``.
         build: returns the tiny model (eval mode, random init, offline).
         size: (H, W) of the inputs.
         oracle: the test that checks this family's maps against an independent oracle.
@@ -235,6 +236,8 @@ def _hf_swin(config: str, model: str, **kwargs: Any) -> Callable[[], nn.Module]:
 
 
 _HF_TEST = "tests/test_families_hf.py::test_hf_family_matches_eager_oracle"
+_HIER_TEST = "tests/test_hier.py"
+_POOL_TEST = "tests/test_hier_pooling.py"
 _TIMM_TEST = "tests/test_families_timm.py"
 
 
@@ -269,14 +272,19 @@ def rows() -> list[Row]:
         Row("timm ResNet + CBAM", "CNN", lambda: _timm("resnet10t", num_classes=5, block_args=dict(attn_layer="cbam")), s32, "tests/test_cnn.py"),
         Row("torchvision MobileNetV3 (SE)", "CNN", _torchvision_mobilenet, s32, "tests/test_cnn.py"),
         Row("zoo shapes-cnn", "CNN", _zoo("shapes-cnn"), s64, "tests/test_cnn.py"),
-        Row("timm MaxViT", "hybrid", _maxvit, s64, "tests/test_hybrids.py"),
         Row("timm EfficientFormerV2", "hybrid", _timm_class("efficientformer_v2", "EfficientFormerV2", depths=(1, 1, 2, 2), embed_dims=(16, 24, 32, 48), img_size=64, num_vit=2, num_classes=5), s64, "tests/test_hybrids.py"),
-        Row("timm Twins (PCPVT)", "hybrid", lambda: _timm("twins_pcpvt_small", img_size=64, embed_dims=(16, 32, 48, 64), depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4), num_classes=5), s64, "tests/test_hybrids.py"),
-        Row("timm Twins (SVT)", "hybrid", lambda: _timm("twins_svt_small", img_size=64, embed_dims=(16, 32, 48, 64), depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4), wss=(4, 4, 4, 4), num_classes=5), s64, "tests/test_hybrids.py"),
-        Row("timm MViTv2", "hybrid", _mvitv2, s64, "tests/test_hybrids.py"),
-        Row("timm PiT", "hybrid", _timm_class("pit", "PoolingVisionTransformer", img_size=64, patch_size=8, stride=4, base_dims=(8, 8, 8), depth=(1, 1, 1), heads=(2, 2, 2), mlp_ratio=2, num_classes=5), s64, "tests/test_hybrids.py"),
-        Row("timm LeViT", "hybrid", _timm_class("levit", "LevitDistilled", img_size=128, embed_dim=(32, 48, 64), key_dim=8, depth=(1, 1, 1), num_heads=(2, 2, 2), num_classes=5), (128, 128), "tests/test_hybrids.py"),
-        Row("torchvision MaxViT", "hybrid", _torchvision_maxvit, s64, "tests/test_hybrids.py"),
+        Row("timm PVTv2", "hierarchical", lambda: _timm("pvt_v2_b0", embed_dims=(16, 32, 48, 64), depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4), num_classes=5), s64, _HIER_TEST),
+        Row("timm Twins (PCPVT)", "hierarchical", lambda: _timm("twins_pcpvt_small", img_size=64, embed_dims=(16, 32, 48, 64), depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4), num_classes=5), s64, _HIER_TEST),
+        Row("timm Twins (SVT)", "hierarchical", lambda: _timm("twins_svt_small", img_size=64, embed_dims=(16, 32, 48, 64), depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4), wss=(4, 4, 4, 4), num_classes=5), s64, _HIER_TEST),
+        Row("timm SAM ViT (samvit: windowed + global, conv neck)", "hierarchical", lambda: _timm("samvit_base_patch16", img_size=64, depth=3, embed_dim=32, num_heads=2, global_attn_indexes=(1,), window_size=3, neck_chans=16, num_classes=5), s64, _HIER_TEST),
+        Row("timm MaxViT", "hierarchical", _maxvit, s64, _POOL_TEST),
+        Row("timm MViTv2", "hierarchical", _mvitv2, s64, _POOL_TEST),
+        Row("timm PiT", "hierarchical", _timm_class("pit", "PoolingVisionTransformer", img_size=64, patch_size=8, stride=4, base_dims=(8, 8, 8), depth=(1, 1, 1), heads=(2, 2, 2), mlp_ratio=2, num_classes=5), s64, _POOL_TEST),
+        Row("timm LeViT", "hierarchical", _timm_class("levit", "LevitDistilled", img_size=128, embed_dim=(32, 48, 64), key_dim=8, depth=(1, 1, 1), num_heads=(2, 2, 2), num_classes=5), (128, 128), _POOL_TEST),
+        Row("torchvision MaxViT", "hierarchical", _torchvision_maxvit, s64, "tests/test_hier_more.py"),
+        Row("timm Hiera (SAM 2's encoder family)", "hierarchical", _timm_class("hiera", "Hiera", img_size=64, embed_dim=16, num_heads=1, stages=(1, 2, 2, 1), mask_unit_size=(4, 4), q_pool=2, num_classes=5), s64, "tests/test_hier_more.py"),
+        Row("timm CrossViT (two branches)", "hierarchical", _timm_class("crossvit", "CrossVit", img_size=48, img_scale=(1.0, 32 / 48), patch_size=(8, 16), embed_dim=(16, 32), depth=((1, 2, 0), (1, 1, 0)), num_heads=(2, 2), mlp_ratio=(2, 2, 1), num_classes=5), (48, 48), "tests/test_hier_more.py"),
+        Row("timm TNT (outer tokens)", "hierarchical", lambda: _timm("tnt_s_patch16_224", img_size=64, depth=2, num_classes=5), s64, _POOL_TEST),
         Row("timm Swin", "Swin", _timm_class("swin_transformer", "SwinTransformer", **_SWIN), s32, _SWIN_TEST),
         Row("timm SwinV2", "Swin", _timm_class("swin_transformer_v2", "SwinTransformerV2", **_SWIN), s32, _SWIN_TEST),
         Row("timm SwinV2-CR", "Swin", _timm_class("swin_transformer_v2_cr", "SwinTransformerV2Cr", **_SWIN), s32, _SWIN_TEST),
