@@ -198,3 +198,52 @@ def test_each_token_covers_the_pixels_that_change_it(built):
                 assert float(part.max()) < 1e-6, f"pixel {(y, x)} is outside {piece.name} but changes it"
         checked += 1
     assert checked >= 8
+
+
+@pytest.mark.parametrize("name", helpers.REFUSED)
+def test_families_not_supported_are_refused_with_the_reason(name):
+    from vitexplain.adapters.vlm.refused import REASONS
+
+    torch.manual_seed(0)
+    model = helpers.refused(name).eval()
+    ex = vx.Explainer(model)
+    assert ex.family.name == "vlm" and ex.methods() == []
+    reason = REASONS[type(model).__name__]
+    with pytest.raises(vx.UnsupportedModelError, match="no vlm method applies") as err:
+        ex.explain_caption(helpers.images(7), prompt="what is")
+    assert reason in str(err.value)
+    with pytest.raises(vx.UnsupportedMethodError) as err:
+        ex.explain_caption(helpers.images(7), method="cross_generic", prompt="what is")
+    assert reason in str(err.value)
+
+
+def test_qwen_without_mm_token_type_ids_is_an_error():
+    """Without them generate silently falls back to 1-D positions; the adapter refuses instead."""
+    model, proc = helpers.BUILDERS["qwen2_vl"]()
+
+    class Dropping:
+        def __init__(self, inner):
+            self.inner, self.tokenizer, self.image_processor = inner, inner.tokenizer, inner.image_processor
+            self.image_token = inner.image_token
+
+        def __call__(self, **kwargs):
+            batch = self.inner(**kwargs)
+            del batch["mm_token_type_ids"]
+            return batch
+
+    with pytest.raises(vx.UnsupportedModelError, match="mm_token_type_ids"):
+        vx.Explainer(model, processor=Dropping(proc)).explain_caption(helpers.images(8), prompt="what is", max_len=2)
+
+
+def test_a_vlm_needs_its_processor_and_images():
+    model, proc = helpers.BUILDERS["llava"]()
+    with pytest.raises(vx.UsageError, match="pass its processor"):
+        vx.Explainer(model).explain_caption(helpers.images(9))
+    with pytest.raises(vx.InputError, match="takes images"):
+        vx.Explainer(model, processor=proc).explain_caption(torch.rand(1, 3, 32, 32))
+    with pytest.raises(vx.UsageError, match="standing for the image"):
+        vx.Explainer(model, processor=proc).explain_caption(helpers.images(9), caption=[model.config.image_token_id])
+    with pytest.raises(vx.UsageError, match="processor= is for vision-language models"):
+        from timm.models.vision_transformer import VisionTransformer
+
+        vx.Explainer(VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2), processor=proc)

@@ -311,3 +311,47 @@ _IDEFICS_ORACLE = dict(nested=True, prompt=lambda p: "<image>" + p, extend=_posi
                        image_token=lambda m: m.config.image_token_id, features=_idefics_features,
                        placeholders=lambda m: [m.config.image_token_id])
 ORACLE.update(idefics3=_IDEFICS_ORACLE, smolvlm=_IDEFICS_ORACLE)
+
+
+_V = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=8)
+_TX = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+           vocab_size=64, max_position_embeddings=256)
+
+
+def refused(name: str) -> nn.Module:
+    """A tiny build of a VLM family that vitexplain recognises and refuses (``vitexplain/adapters/vlm/refused.py``)."""
+    import transformers as T
+
+    V, TX = _V, _TX
+
+    if name == "llava_next":
+        cfg = T.LlavaNextConfig(vision_config=T.CLIPVisionConfig(**V), text_config=dict(model_type="llama", **TX), image_token_id=5, image_grid_pinpoints=[[32, 32], [32, 64], [64, 32]])
+        return T.LlavaNextForConditionalGeneration(cfg)
+    if name == "onevision":
+        cfg = T.LlavaOnevisionConfig(vision_config=dict(model_type="siglip_vision_model", **V), text_config=dict(model_type="qwen2", **TX), image_token_id=5, image_grid_pinpoints=[[32, 32], [32, 64], [64, 32]])
+        return T.LlavaOnevisionForConditionalGeneration(cfg)
+    if name == "mllama":
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_global_layers=1, attention_heads=2, image_size=32, patch_size=8, max_num_tiles=4, vision_output_dim=64, intermediate_layers_indices=[0])
+        text = dict(TX, cross_attention_layers=[1], num_hidden_layers=2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+        text.pop("head_dim")
+        cfg = T.MllamaConfig(vision_config=vision, text_config=text, image_token_index=5)
+        return T.MllamaForConditionalGeneration(cfg)
+    if name == "blip2":
+        cfg = T.Blip2Config(vision_config=V, qformer_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, encoder_hidden_size=32, vocab_size=64), text_config=dict(model_type="opt", hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=2, vocab_size=64, word_embed_proj_dim=32), num_query_tokens=4, image_token_index=5)
+        return T.Blip2ForConditionalGeneration(cfg)
+    if name == "instructblip":
+        cfg = T.InstructBlipConfig(vision_config=V, qformer_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, encoder_hidden_size=32, vocab_size=64), text_config=dict(model_type="opt", hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=2, vocab_size=64, word_embed_proj_dim=32), num_query_tokens=4, image_token_index=5)
+        return T.InstructBlipForConditionalGeneration(cfg)
+    if name == "kosmos2":
+        cfg = T.Kosmos2Config(vision_config=V, text_config=dict(embed_dim=32, ffn_dim=64, layers=2, attention_heads=2, vocab_size=64), latent_query_num=4)
+        return T.Kosmos2ForConditionalGeneration(cfg)
+    if name == "florence2":
+        cfg = T.Florence2Config(vision_config=dict(embed_dim=[16, 32], depths=[1, 1], num_heads=[2, 2], num_groups=[2, 2], patch_size=[7, 3], patch_stride=[4, 2], patch_padding=[3, 1], patch_prenorm=[False, True], window_size=4, projection_dim=32, drop_path_rate=0.0), text_config=dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=64, max_position_embeddings=64), image_token_id=5)
+        return T.Florence2ForConditionalGeneration(cfg)
+    if name == "pix2struct":
+        cfg = T.Pix2StructConfig(vision_config=dict(hidden_size=32, d_ff=64, num_hidden_layers=2, num_attention_heads=2, d_kv=16, patch_embed_hidden_size=48), text_config=dict(hidden_size=32, d_ff=64, num_layers=2, num_heads=2, d_kv=16, vocab_size=64))
+        return T.Pix2StructForConditionalGeneration(cfg)
+    raise KeyError(name)
+
+
+REFUSED = ("llava_next", "onevision", "mllama", "blip2", "instructblip", "kosmos2", "florence2", "pix2struct")
