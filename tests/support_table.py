@@ -325,7 +325,7 @@ def rows() -> list[Row]:
         Row("HF Qwen3-VL", "VLM", _vlm("qwen3_vl"), s32, _VLM_TEST),
         Row("HF Idefics3", "VLM", _vlm("idefics3"), s32, _VLM_TEST),
         Row("HF SmolVLM", "VLM", _vlm("smolvlm"), s32, _VLM_TEST),
-        Row("HF LLaVA-NeXT", "VLM", _vlm_refused("llava_next"), s32, _VLM_TEST, refused=True),
+        Row("HF LLaVA-NeXT", "VLM", _vlm("llava_next"), s32, _VLM_TEST),
         Row("HF LLaVA-OneVision", "VLM", _vlm_refused("onevision"), s32, _VLM_TEST, refused=True),
         Row("HF mllama (Llama 3.2 Vision)", "VLM", _vlm_refused("mllama"), s32, _VLM_TEST, refused=True),
         Row("HF BLIP-2", "VLM", _vlm_refused("blip2"), s32, _VLM_TEST, refused=True),

@@ -355,3 +355,49 @@ def refused(name: str) -> nn.Module:
 
 
 REFUSED = ("llava_next", "onevision", "mllama", "blip2", "instructblip", "kosmos2", "florence2", "pix2struct")
+
+
+def llava_next() -> tuple[nn.Module, Any]:
+    """LLaVA-NeXT: 16 px tiles of 4 px patches (4 x 4 tokens each), pinpoints 16x32, 32x16, 32x32, a thumbnail, newlines."""
+    import transformers
+
+    tok = tokenizer(("<image>",))
+    pinpoints = [[16, 32], [32, 16], [32, 32]]
+    image = transformers.LlavaNextImageProcessor(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16},
+                                                 image_grid_pinpoints=pinpoints)
+    proc = transformers.LlavaNextProcessor(image_processor=image, tokenizer=tok, patch_size=4,
+                                           vision_feature_select_strategy="default", num_additional_image_tokens=1)
+    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                           image_size=16, patch_size=4)
+    cfg = transformers.LlavaNextConfig(vision_config=vision, text_config=dict(model_type="llama", vocab_size=len(tok), **_text()),
+                                       image_token_id=tok.convert_tokens_to_ids("<image>"), image_grid_pinpoints=pinpoints,
+                                       vision_feature_select_strategy="default", vision_feature_layer=-1)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return reinit_small(transformers.LlavaNextForConditionalGeneration(cfg).eval()), proc
+
+
+def _llava_next_features(model: nn.Module, proc: Any, image: np.ndarray) -> torch.Tensor:
+    """The packed image features without the newline tokens (rows equal to the model's image_newline)."""
+    batch = proc.image_processor(images=[image], return_tensors="pt")
+    with torch.no_grad():
+        out = model.get_image_features(pixel_values=batch["pixel_values"], image_sizes=batch["image_sizes"])
+    features = out.pooler_output[0]
+    newline = model.model.image_newline.to(features.dtype)
+    return features[~(features == newline).all(-1)]
+
+
+def _llava_next_pixel_tokens(model: nn.Module, batch: Any) -> list[torch.Tensor]:
+    """Per image, which of its image tokens are not newlines (their features differ from image_newline)."""
+    with torch.no_grad():
+        out = model.get_image_features(pixel_values=batch["pixel_values"], image_sizes=batch["image_sizes"])
+    newline = model.model.image_newline
+    return [~(f == newline.to(f.dtype)).all(-1) for f in out.pooler_output]
+
+
+BUILDERS["llava_next"] = llava_next
+ORACLE["llava_next"] = dict(prompt=lambda p: "<image>" + p, extend=_positions_from_mask,
+                            image_token=lambda m: m.config.image_token_id, features=_llava_next_features,
+                            pixel_tokens=_llava_next_pixel_tokens,
+                            placeholders=lambda m: [m.config.image_token_id])
+REFUSED = tuple(n for n in REFUSED if n != "llava_next")
