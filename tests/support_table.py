@@ -326,7 +326,7 @@ def rows() -> list[Row]:
         Row("HF Idefics3", "VLM", _vlm("idefics3"), s32, _VLM_TEST),
         Row("HF SmolVLM", "VLM", _vlm("smolvlm"), s32, _VLM_TEST),
         Row("HF LLaVA-NeXT", "VLM", _vlm("llava_next"), s32, _VLM_TEST),
-        Row("HF LLaVA-OneVision", "VLM", _vlm_refused("onevision"), s32, _VLM_TEST, refused=True),
+        Row("HF LLaVA-OneVision", "VLM", _vlm("onevision"), s32, _VLM_TEST),
         Row("HF mllama (Llama 3.2 Vision)", "VLM", _vlm_refused("mllama"), s32, _VLM_TEST, refused=True),
         Row("HF BLIP-2", "VLM", _vlm_refused("blip2"), s32, _VLM_TEST, refused=True),
         Row("HF InstructBLIP", "VLM", _vlm_refused("instructblip"), s32, _VLM_TEST, refused=True),

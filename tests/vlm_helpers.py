@@ -401,3 +401,32 @@ ORACLE["llava_next"] = dict(prompt=lambda p: "<image>" + p, extend=_positions_fr
                             pixel_tokens=_llava_next_pixel_tokens,
                             placeholders=lambda m: [m.config.image_token_id])
 REFUSED = tuple(n for n in REFUSED if n != "llava_next")
+
+
+def onevision() -> tuple[nn.Module, Any]:
+    """LLaVA-OneVision: as :func:`llava_next` with SigLIP (no class token) and ``anyres_max_1``, so the stitched grid is
+    interpolated down."""
+    import transformers
+
+    tok = tokenizer(("<image>", "<video>"))
+    pinpoints = [[16, 32], [32, 16], [32, 32]]
+    image = transformers.LlavaOnevisionImageProcessor(size={"height": 16, "width": 16}, image_grid_pinpoints=pinpoints)
+    video = transformers.LlavaOnevisionVideoProcessor(size={"height": 16, "width": 16})
+    proc = transformers.LlavaOnevisionProcessor(image_processor=image, tokenizer=tok, video_processor=video,
+                                                num_image_tokens=16, vision_feature_select_strategy="full",
+                                                vision_aspect_ratio="anyres_max_1")
+    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=16, patch_size=4)
+    cfg = transformers.LlavaOnevisionConfig(vision_config=vision, text_config=dict(model_type="qwen2", vocab_size=len(tok), **_text()),
+                                            image_token_id=tok.convert_tokens_to_ids("<image>"),
+                                            video_token_id=tok.convert_tokens_to_ids("<video>"), image_grid_pinpoints=pinpoints,
+                                            vision_feature_select_strategy="full", vision_feature_layer=-1,
+                                            vision_aspect_ratio="anyres_max_1")
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return reinit_small(transformers.LlavaOnevisionForConditionalGeneration(cfg).eval()), proc
+
+
+BUILDERS["onevision"] = onevision
+ORACLE["onevision"] = dict(ORACLE["llava_next"])
+REFUSED = tuple(n for n in REFUSED if n != "onevision")

@@ -22,9 +22,6 @@ _QFORMER = ("its image reaches the language model as {n} learned query tokens fr
 
 #: model class -> why the VLM methods do not apply
 REASONS: dict[str, str] = {
-    "LlavaOnevisionForConditionalGeneration": (
-        "LLaVA-OneVision's any-resolution tiles (stitched, unpadded, then interpolated down when there are too many) "
-        "have no token-to-pixel geometry in vitexplain yet (LLaVA-NeXT's have)"),
     "MllamaForConditionalGeneration": (
         "mllama's image enters through cross-attention layers (cross_attention_states), not as tokens in the language "
         "model's self-attention sequence, so the joint-sequence methods do not apply; its cross-attention per tile "
