@@ -46,19 +46,24 @@ class Row:
     Attributes:
         name: how the support matrix names it.
         group: ``"ViT"``, ``"Hugging Face"``, ``"CNN"``, ``"hybrid"``, ``"hierarchical"``, ``"captioner"``,
-            ``"Swin"``.
+            ``"Swin"``, ``"VLM"``.
         build: returns the tiny model (eval mode, random init, offline).
         size: (H, W) of the inputs.
         oracle: the test that checks this family's maps against an independent oracle.
         target: ``"norm"`` for headless backbones (explained with ``vx.targets.norm()``).
+        refused: a family vitexplain recognises and refuses (every method ``n/a``, with the reason).
+
+    A vision-language row's ``build`` returns ``(model, processor)``; it is explained on uint8 images
+    of ``size`` with a prompt.
     """
 
     name: str
     group: str
-    build: Callable[[], nn.Module]
+    build: Callable[[], Any]
     size: tuple[int, int]
     oracle: str
     target: Optional[str] = None
+    refused: bool = False
 
 
 @dataclass
@@ -235,6 +240,25 @@ def _hf_swin(config: str, model: str, **kwargs: Any) -> Callable[[], nn.Module]:
     return build
 
 
+def _vlm(name: str) -> Callable[[], Any]:
+    def build() -> Any:
+        import vlm_helpers
+
+        return vlm_helpers.BUILDERS[name]()
+
+    return build
+
+
+def _vlm_refused(name: str) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        import vlm_helpers
+
+        return vlm_helpers.refused(name)
+
+    return build
+
+
+_VLM_TEST = "tests/test_vlm.py"
 _HF_TEST = "tests/test_families_hf.py::test_hf_family_matches_eager_oracle"
 _HIER_TEST = "tests/test_hier.py"
 _POOL_TEST = "tests/test_hier_pooling.py"
@@ -300,6 +324,23 @@ def rows() -> list[Row]:
         Row("HF VisionEncoderDecoder (ViT + GPT-2)", "captioner", _vision_encoder_decoder, s32, "tests/test_captioning.py"),
         Row("HF BLIP", "captioner", _blip, s32, "tests/test_captioning.py"),
         Row("HF GIT", "captioner", _git, s32, "tests/test_git.py"),
+        Row("HF LLaVA", "VLM", _vlm("llava"), s32, _VLM_TEST),
+        Row("HF PaliGemma", "VLM", _vlm("paligemma"), s32, _VLM_TEST),
+        Row("HF PaliGemma 2 (Gemma 2 LM: eager attention, its only one)", "VLM", _vlm("paligemma2"), s32, _VLM_TEST),
+        Row("HF Gemma 3", "VLM", _vlm("gemma3"), s32, _VLM_TEST),
+        Row("HF Qwen2-VL", "VLM", _vlm("qwen2_vl"), s32, _VLM_TEST),
+        Row("HF Qwen2.5-VL", "VLM", _vlm("qwen2_5_vl"), s32, _VLM_TEST),
+        Row("HF Qwen3-VL", "VLM", _vlm("qwen3_vl"), s32, _VLM_TEST),
+        Row("HF Idefics3", "VLM", _vlm("idefics3"), s32, _VLM_TEST),
+        Row("HF SmolVLM", "VLM", _vlm("smolvlm"), s32, _VLM_TEST),
+        Row("HF LLaVA-NeXT", "VLM", _vlm("llava_next"), s32, _VLM_TEST),
+        Row("HF LLaVA-OneVision", "VLM", _vlm("onevision"), s32, _VLM_TEST),
+        Row("HF mllama (Llama 3.2 Vision)", "VLM", _vlm_refused("mllama"), s32, _VLM_TEST, refused=True),
+        Row("HF BLIP-2", "VLM", _vlm_refused("blip2"), s32, _VLM_TEST, refused=True),
+        Row("HF InstructBLIP", "VLM", _vlm_refused("instructblip"), s32, _VLM_TEST, refused=True),
+        Row("HF Kosmos-2", "VLM", _vlm_refused("kosmos2"), s32, _VLM_TEST, refused=True),
+        Row("HF Florence-2", "VLM", _vlm_refused("florence2"), s32, _VLM_TEST, refused=True),
+        Row("HF Pix2Struct", "VLM", _vlm_refused("pix2struct"), s32, _VLM_TEST, refused=True),
     ]
 
 
@@ -351,11 +392,17 @@ def run(row: Row, batch: int = 4, seed: int = 0) -> Sweep:
     a listed method whose maps are not finite or not one per image (AssertionError).
     """
     torch.manual_seed(seed)
-    model = row.build().eval()
+    built = row.build()
+    model, processor = built if isinstance(built, tuple) else (built, None)
+    model = model.eval()
     reinit_heads(model, seed)
-    ex = vx.Explainer(model)
+    ex = vx.Explainer(model, processor=processor)
     available, refused = applicable(ex.adapter)
-    x = torch.randn(batch, 3, *row.size, generator=torch.Generator().manual_seed(seed))
+    x: Any = torch.randn(batch, 3, *row.size, generator=torch.Generator().manual_seed(seed))
+    prompt = {}
+    if ex.family.name == "vlm":  # vision-language models take images and a prompt
+        x = list((x.clamp(-2, 2) * 60 + 128).to(torch.uint8).permute(0, 2, 3, 1).numpy())
+        prompt = {"prompt": "what is"}
     target = vx.targets.norm() if row.target == "norm" else None
     outcomes = []
     if ex.adapter.notes.get("family"):  # why a family has none of another family's methods
@@ -366,7 +413,7 @@ def run(row: Row, batch: int = 4, seed: int = 0) -> Sweep:
         options = CHEAP.get(name, {})
         try:
             if ex.family.entry == "explain_caption":
-                e = ex.explain_caption(x, method=name, max_len=3, **options)
+                e = ex.explain_caption(x, method=name, max_len=3, **prompt, **options)
             else:
                 e = ex.explain(x, method=name, target=target, **options)
         except VitexplainError as err:
@@ -378,14 +425,14 @@ def run(row: Row, batch: int = 4, seed: int = 0) -> Sweep:
         outcomes.append(Outcome(name, "ok", f"{zero}{tuple(e.maps.shape)}", float(e.maps.float().std())))
     order = {spec.name: i for i, spec in enumerate(vx.methods.specs(ex.family))}
     outcomes.sort(key=lambda o: order.get(o.method, -1))
-    return Sweep(row, ex.family, outcomes, _default(ex, x, target, batch))
+    return Sweep(row, ex.family, outcomes, _default(ex, x, target, batch, prompt))
 
 
-def _default(ex: Any, x: torch.Tensor, target: Any, batch: int) -> Outcome:
+def _default(ex: Any, x: Any, target: Any, batch: int, prompt: dict[str, Any]) -> Outcome:
     """The explanation asked for with no method: the family's default (whatever applies)."""
     try:
         if ex.family.entry == "explain_caption":
-            e = ex.explain_caption(x, max_len=3)
+            e = ex.explain_caption(x, max_len=3, **prompt)
         else:
             e = ex.explain(x, target=target)
     except VitexplainError as err:
@@ -404,7 +451,7 @@ GROUPS: list[tuple[str, tuple[str, ...]]] = [
     ("captum", ("integrated_gradients", "occlusion", "smoothgrad")),
     ("CNN stage", ("gradcam", "gradcam++", "layercam")),
     ("gates", ("spatial", "channel")),
-    ("caption", ("cross", "cross_generic")),
+    ("caption / VLM (per word)", ("cross", "cross_grad", "cross_generic")),
 ]
 
 
@@ -445,6 +492,11 @@ def support_doc(results: list[Sweep]) -> str:
     ]
     for sweep in results:
         ok = [o.method for o in sweep.outcomes if o.status == "ok"]
+        if sweep.row.refused:  # one reason for every method
+            reason = sweep.outcomes[0].detail if sweep.outcomes else sweep.default.detail
+            out += [f"## {sweep.row.name}", "", f"- refused (every method, with `UnsupportedModelError`): {reason}",
+                    f"- the refusal is checked in `{sweep.row.oracle}`", ""]
+            continue
         out += [f"## {sweep.row.name}", "", f"- runs: {', '.join(f'`{m}`' for m in ok) or 'nothing'}"]
         for o in sweep.outcomes:
             if o.status != "ok":
