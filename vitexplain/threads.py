@@ -15,14 +15,20 @@ most 2x when the machine is idle. So the rule leaves one core to someone else::
 A choice already made is kept: :func:`limit` changes nothing when ``OMP_NUM_THREADS`` or
 ``MKL_NUM_THREADS`` is set, or when torch's thread count is not its start-up default
 (someone called ``torch.set_num_threads``).
+
+The batch commands (``export``, ``caption``, ``explore``) take ``--threads N``; on the command
+line it defaults to ``pick(reserve=0)`` (:func:`default_for_cli`: every core other jobs leave
+idle; a larger model gains from a second thread when the machine is idle), while their Python API leaves torch
+as it is unless ``threads`` is given, and restores it afterwards (:func:`using`).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Optional
+from contextlib import contextmanager
+from typing import Iterator, Optional
 
-__all__ = ["cpus", "pick", "limit", "chosen_by_user", "ENV_VARS"]
+__all__ = ["cpus", "pick", "limit", "chosen_by_user", "using", "default_for_cli", "ENV_VARS"]
 
 #: environment variables by which a user chooses the thread count (kept by :func:`limit`).
 ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
@@ -36,14 +42,17 @@ def cpus() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def pick(cap: Optional[int] = None) -> int:
-    """The thread count for a torch job here: ``max(1, min(CPUs - 1, CPUs - load))``.
+def pick(cap: Optional[int] = None, *, reserve: int = 1) -> int:
+    """The thread count for a torch job here: ``max(1, min(CPUs - reserve, CPUs - load))``.
 
     ``load`` is the 1-minute load average (other jobs running; 0 where the OS has none),
-    rounded. One core is always left free (for a second job, decode workers or writer threads).
+    rounded: threads beyond the cores other jobs leave idle only wait.
 
     Args:
         cap: at most this many (None: no cap).
+        reserve: cores always left free. 1 (the default) suits small models, which a second
+            thread speeds up little, and leaves a core to a job that starts later; the batch
+            commands use 0 (every idle core, as torch would, but none that is busy).
 
     Returns:
         At least 1.
@@ -53,7 +62,7 @@ def pick(cap: Optional[int] = None) -> int:
         load = os.getloadavg()[0]
     except (AttributeError, OSError):  # pragma: no cover - Windows
         load = 0.0
-    count = max(1, min(n - 1, int(n - load + 0.5)))
+    count = max(1, min(n - max(0, int(reserve)), int(n - load + 0.5)))
     return max(1, min(count, cap)) if cap else count
 
 
@@ -84,3 +93,32 @@ def limit(cap: Optional[int] = None) -> int:
     if not chosen_by_user():
         torch.set_num_threads(min(torch.get_num_threads(), pick(cap)))  # never more than before
     return torch.get_num_threads()
+
+
+@contextmanager
+def using(count: Optional[int]) -> Iterator[None]:
+    """torch's intra-op threads set to ``count`` inside the block and restored after it.
+
+    Args:
+        count: threads (at least 1), or None to leave torch as it is.
+    """
+    if count is None:
+        yield
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, int(count)))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def default_for_cli() -> Optional[int]:
+    """The batch commands' ``--threads`` default: ``pick(reserve=0)`` (torch's count on an idle
+    machine, fewer when other jobs keep cores busy), or None (torch's own setting) when
+    ``OMP_NUM_THREADS``/``MKL_NUM_THREADS`` chose it (``torchrun`` sets one per process)."""
+    if any(os.environ.get(v, "").strip() for v in ENV_VARS):
+        return None
+    return pick(reserve=0)

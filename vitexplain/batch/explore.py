@@ -31,6 +31,7 @@ from .options import (POSITIVE, BatchOptions, Number, SharedOptions, collect_met
                       validate)
 from .run import EXIT_FAILED, EXIT_OK, EXIT_OUTPUT, say
 from .outfolder import check_writable
+from .setup import with_threads
 
 __all__ = ["ExploreOptions", "explore_inputs", "DEFAULT_MAX_IMAGES", "GROUPS"]
 
@@ -60,6 +61,7 @@ class ExploreOptions:
         max_len: longest generated caption (captioners).
         title: page title (default: ``vitexplain explorer: MODEL``).
         device: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+        threads: torch intra-op threads during the run (restored after it); None: as they are.
         quiet: no summary line.
     """
 
@@ -91,6 +93,7 @@ class ExploreOptions:
     max_len: int = same(SharedOptions, "max_len")
     title: Optional[str] = option(None, flags="--title", metavar="TEXT", group="explanation", help="page title")
     device: str = same(BatchOptions, "device")
+    threads: Optional[int] = same(BatchOptions, "threads")
     quiet: bool = option(False, flags=("--quiet", "-q"), action="store_true", group="running", help="no summary line")
 
 
@@ -116,6 +119,7 @@ def _check_page_path(out: Path, text: str) -> None:
     check_writable(out.parent, f"the folder of --out {text!r}")
 
 
+@with_threads
 def explore_inputs(opts: ExploreOptions) -> int:
     """Write the explorer page of every image found under ``opts.inputs``.
 
