@@ -52,7 +52,7 @@ def test_explore_leaves_out_unreadable_images_with_exit_1(folder, tmp_path, caps
     [
         ("p.png", [], "--out must name the .html file"),
         ("p.html", ["--max-images", "2"], "more than --max-images 2"),
-        ("p.html", ["--method", "cross"], "is for caption models"),
+        ("p.html", ["--method", "cross"], "is for caption/vlm models"),
         ("p.html", ["--option", "rollout.head_fusion=median", "--method", "rollout"], "head_fusion"),
     ],
 )
