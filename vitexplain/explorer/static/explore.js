@@ -184,39 +184,81 @@
   }
 
   /* --- attention: layer x head, query patches/tokens, rollout row, matrix ---------------- */
-  function tokenLabel(att, i) {
-    if (i < att.prefix) return att.tokens[i];
-    var p = i - att.prefix;
-    return "patch (" + Math.floor(p / att.grid[1]) + "," + (p % att.grid[1]) + ")";
+  /* A token set is [prefix, rows, cols]. ViT pages (attention.py) hold one N x N set for every
+   * layer (att.grid) in one block of rows; hierarchical pages (stages.py) give every layer its
+   * own query and key sets (att.sets), its own rows and, per layer, its heads. */
+  function setSize(s) { return s[0] + s[1] * s[2]; }
+
+  function layerGeometry(att) {
+    var base = [att.prefix, att.grid[0], att.grid[1]], perLayer = Array.isArray(att.heads[0]);
+    var sets = att.sets || att.layers.map(function () { return { q: base, k: base, stage: null }; });
+    var heads = function (l) { return perLayer ? att.heads[l] : att.heads; };
+    var probs, roll;
+    if (Array.isArray(att.probs)) {
+      probs = att.probs.map(decodeSplit); roll = att.rollout.map(decodeSplit);
+    } else {
+      var p = decodeSplit(att.probs), r = decodeSplit(att.rollout), n = setSize(base), H = att.heads.length;
+      probs = sets.map(function (s, l) { return { full: function (i) { return p.full(l * H * n + i); } }; });
+      roll = sets.map(function (s, l) { return { full: function (i) { return r.full(l * n + i); } }; });
+    }
+    return { sets: sets, heads: heads, probs: probs, roll: roll };
+  }
+
+  function tokenLabel(att, set, i) {
+    if (i < set[0]) return att.tokens[i];
+    var p = i - set[0];
+    return "patch (" + Math.floor(p / set[2]) + "," + (p % set[2]) + ")";
+  }
+
+  /* The query of layer l for a selection: a prefix token {token: i} or a point {pos: [x, y]}
+   * (fractions of the image), so a selection survives a switch to a layer on another grid. */
+  function queryIndex(set, sel) {
+    if (sel.token !== undefined && sel.token < set[0]) return sel.token;
+    var pos = sel.pos || [0.5 / set[2], 0.5 / set[1]];
+    var r = Math.max(0, Math.min(set[1] - 1, Math.floor(pos[1] * set[1])));
+    var c = Math.max(0, Math.min(set[2] - 1, Math.floor(pos[0] * set[2])));
+    return set[0] + r * set[2] + c;
+  }
+
+  function selectionOf(set, q) {
+    if (q < set[0]) return { token: q };
+    var p = q - set[0];
+    return { pos: [((p % set[2]) + 0.5) / set[2], (Math.floor(p / set[2]) + 0.5) / set[1]] };
   }
 
   function attentionPanel(data) {
     var att = data.attention;
     if (!att) return null;
     if (!att.probs) return panel("Attention", [el("p", { class: "vx-note", text: att.note })]);
-    var probs = decodeSplit(att.probs), roll = decodeSplit(att.rollout);
-    var n = att.prefix + att.grid[0] * att.grid[1], H = att.heads.length;
-    var state = { layer: att.layers.length - 1, head: 0, query: att.prefix > 0 ? 0 : att.prefix, pinned: att.prefix > 0 ? 0 : att.prefix };
-    var headOptions = att.heads.map(function (h, i) { return [String(i), h === "mean" ? "mean" : "head " + h]; });
-    if (H > 1) headOptions.push(["mean", "mean of heads"]);
+    var geo = layerGeometry(att);
+    var first = att.prefix > 0 ? { token: 0 } : { pos: null };
+    var state = { layer: att.layers.length - 1, head: 0, sel: first, pinned: first };
     var layerSel = el("select", { "data-vx": "layer" }, att.layers.map(function (name, i) {
-      return el("option", { value: String(i), text: "layer " + att.layerIndex[i] + " (" + name + ")" });
+      var s = geo.sets[i], where = s.stage === null || s.stage === undefined ? "" :
+        ", stage " + s.stage + ": " + s.q[1] + "\u00d7" + s.q[2] + " queries, " + s.k[1] + "\u00d7" + s.k[2] + " keys";
+      return el("option", { value: String(i), text: "layer " + att.layerIndex[i] + " (" + name + where + ")" });
     }));
-    var headSel = el("select", { "data-vx": "head" }, headOptions.map(function (o) { return el("option", { value: o[0], text: o[1] }); }));
+    var headSel = el("select", { "data-vx": "head" });
+    function headOptions() {
+      var labels = geo.heads(state.layer), H = labels.length;
+      var options = labels.map(function (h, i) { return [String(i), h === "mean" ? "mean" : "head " + h]; });
+      if (H > 1) options.push(["mean", "mean of heads"]);
+      headSel.replaceChildren.apply(headSel, options.map(function (o) { return el("option", { value: o[0], text: o[1] }); }));
+      if (state.head !== "mean" && state.head >= H) state.head = H > 1 ? "mean" : 0;
+      headSel.value = String(state.head);
+    }
+    headOptions();
     layerSel.value = String(state.layer);
-    layerSel.addEventListener("change", function () { state.layer = +layerSel.value; draw(); });
+    layerSel.addEventListener("change", function () { state.layer = +layerSel.value; headOptions(); draw(); });
     headSel.addEventListener("change", function () { state.head = headSel.value === "mean" ? "mean" : +headSel.value; draw(); });
     var prefixButtons = att.tokens.map(function (t, i) {
       var b = el("button", { type: "button", "data-vx": "token", "data-index": String(i), text: t });
-      b.addEventListener("click", function () { state.pinned = state.query = i; draw(); });
+      b.addEventListener("click", function () { state.pinned = state.sel = { token: i }; draw(); });
       return b;
     });
     function onPatch(pos, pin) {
-      if (pos === null) { state.query = state.pinned; draw(); return; }
-      var r = Math.min(att.grid[0] - 1, Math.floor(pos[1] * att.grid[0]));
-      var c = Math.min(att.grid[1] - 1, Math.floor(pos[0] * att.grid[1]));
-      state.query = att.prefix + r * att.grid[1] + c;
-      if (pin) state.pinned = state.query;
+      state.sel = pos === null ? state.pinned : { pos: pos };
+      if (pin) state.pinned = state.sel;
       draw();
     }
     var attView = heatView(data, "attn", onPatch), rollView = heatView(data, "rollout", onPatch);
@@ -224,58 +266,71 @@
     var rowMark = el("div", { class: "vx-rowmark" });
     var matrixBox = el("div", { class: "vx-matrix-box" }, [matrix, rowMark]);
     var matrixInfo = el("p", { class: "vx-info", text: "hover the matrix: query \u2192 key" });
+    var matrixCaption = el("figcaption");
     var info = el("p", { class: "vx-info", "data-vx": "query-info" });
 
     function headRow(layer, head, q) {
-      if (head !== "mean") return probs.full((layer * H + head) * n + q);
-      var acc = new Float32Array(n);
+      var nq = setSize(geo.sets[layer].q), H = geo.heads(layer).length, rows = geo.probs[layer];
+      if (head !== "mean") return rows.full(head * nq + q);
+      var acc = null;
       for (var h = 0; h < H; h++) {
-        var r = probs.full((layer * H + h) * n + q);
-        for (var j = 0; j < n; j++) acc[j] += r[j] / H;
+        var r = rows.full(h * nq + q);
+        if (!acc) acc = new Float32Array(r.length);
+        for (var j = 0; j < r.length; j++) acc[j] += r[j] / H;
       }
       return acc;
     }
     function drawMatrix() {
-      var rows = [];
-      for (var q = 0; q < n; q++) rows.push(headRow(state.layer, state.head, q));
-      drawValues(matrix, n, n, rows, false, true);
+      var s = geo.sets[state.layer], nq = setSize(s.q), nk = setSize(s.k), rows = [];
+      for (var q = 0; q < nq; q++) rows.push(headRow(state.layer, state.head, q));
+      drawValues(matrix, nq, nk, rows, false, true);
+      matrixCaption.textContent = "attention matrix: rows are queries (" + matrixTicks(att, s.q) + "), columns keys (" +
+        matrixTicks(att, s.k) + "); each row scaled to its largest value";
     }
     var drawn = null;
     function draw() {
-      var key = state.layer + ":" + state.head;
+      var key = state.layer + ":" + state.head, s = geo.sets[state.layer];
       if (drawn !== key) { drawMatrix(); drawn = key; }
-      var q = state.query, row = headRow(state.layer, state.head, q);
-      var patches = row.subarray(att.prefix), rrow = roll.full(state.layer * n + q);
-      drawMap(attView.canvas, att.grid, patches, false);
+      var q = queryIndex(s.q, state.sel), row = headRow(state.layer, state.head, q);
+      var pinned = queryIndex(s.q, state.pinned) === q;
+      var patches = row.subarray(s.k[0]), rrow = geo.roll[state.layer].full(q);
+      drawMap(attView.canvas, [s.k[1], s.k[2]], patches, false);
       drawMap(rollView.canvas, att.grid, rrow.subarray(att.prefix), false);
-      var patch = q - att.prefix;
-      mark(attView.marker, att.grid, patch); mark(rollView.marker, att.grid, patch);
-      prefixButtons.forEach(function (b, i) { b.classList.toggle("vx-on", i === q); });
-      rowMark.style.top = (100 * q / n) + "%"; rowMark.style.height = Math.max(100 / n, 0.4) + "%";
+      var patch = q - s.q[0], qgrid = [s.q[1], s.q[2]];
+      mark(attView.marker, qgrid, patch); mark(rollView.marker, qgrid, patch);
+      prefixButtons.forEach(function (b, i) { b.classList.toggle("vx-on", i === q && q < s.q[0]); });
+      var nq = setSize(s.q);
+      rowMark.style.top = (100 * q / nq) + "%"; rowMark.style.height = Math.max(100 / nq, 0.4) + "%";
       var onPrefix = 0;
-      for (var i = 0; i < att.prefix; i++) onPrefix += row[i];
-      info.textContent = "query " + tokenLabel(att, q) + (q === state.pinned ? " (pinned)" : "") +
+      for (var i = 0; i < s.k[0]; i++) onPrefix += row[i];
+      var grids = s.stage === null || s.stage === undefined ? "" : "; stage " + s.stage + ": queries on a " + s.q[1] +
+        "\u00d7" + s.q[2] + " grid, keys on " + s.k[1] + "\u00d7" + s.k[2] + ", rollout on the " + att.grid[0] +
+        "\u00d7" + att.grid[1] + " input grid";
+      info.textContent = "query " + tokenLabel(att, s.q, q) + (pinned ? " (pinned)" : "") +
         ": largest patch weight " + maxAbs(patches).toPrecision(3) +
-        (att.prefix ? ", on prefix tokens " + onPrefix.toFixed(3) : "") + "; colours scaled to each row's largest patch value";
+        (s.k[0] ? ", on prefix tokens " + onPrefix.toFixed(3) : "") + "; colours scaled to each row's largest patch value" +
+        grids;
+    }
+    function matrixCell(ev) {
+      var r = matrix.getBoundingClientRect(), s = geo.sets[state.layer], nq = setSize(s.q), nk = setSize(s.k);
+      return [Math.min(nq - 1, Math.floor((ev.clientY - r.top) / r.height * nq)),
+              Math.min(nk - 1, Math.floor((ev.clientX - r.left) / r.width * nk))];
     }
     matrix.addEventListener("mousemove", function (ev) {
-      var r = matrix.getBoundingClientRect();
-      var q = Math.min(n - 1, Math.floor((ev.clientY - r.top) / r.height * n));
-      var k = Math.min(n - 1, Math.floor((ev.clientX - r.left) / r.width * n));
-      var v = headRow(state.layer, state.head, q)[k];
-      matrixInfo.textContent = "query " + tokenLabel(att, q) + " \u2192 key " + tokenLabel(att, k) + ": " + v.toFixed(4);
+      var cell = matrixCell(ev), s = geo.sets[state.layer];
+      var v = headRow(state.layer, state.head, cell[0])[cell[1]];
+      matrixInfo.textContent = "query " + tokenLabel(att, s.q, cell[0]) + " \u2192 key " + tokenLabel(att, s.k, cell[1]) +
+        ": " + v.toFixed(4);
     });
     matrix.addEventListener("click", function (ev) {
-      var r = matrix.getBoundingClientRect();
-      state.pinned = state.query = Math.min(n - 1, Math.floor((ev.clientY - r.top) / r.height * n));
+      state.pinned = state.sel = selectionOf(geo.sets[state.layer].q, matrixCell(ev)[0]);
       draw();
     });
     draw();
     var views = el("div", { class: "vx-pair" }, [
-      el("figure", {}, [attView.view, el("figcaption", { text: "attention of the query (layer, head)" })]),
+      el("figure", {}, [attView.view, el("figcaption", { text: "attention of the query (layer, head), on the layer's key grid" })]),
       el("figure", {}, [rollView.view, el("figcaption", { text: "rollout row of the query (up to this layer)" })]),
-      el("figure", {}, [matrixBox, el("figcaption", { text: "attention matrix: rows are queries, columns keys (" +
-        matrixTicks(att) + "); each row scaled to its largest value" }), matrixInfo])
+      el("figure", {}, [matrixBox, matrixCaption, matrixInfo])
     ]);
     var controls = el("div", { class: "vx-controls" }, [layerSel, headSel].concat(
       prefixButtons.length ? [el("span", { text: " query: " })].concat(prefixButtons) : []));
@@ -283,9 +338,9 @@
     return panel("Attention", [controls, views, info, el("div", { class: "vx-pair" }, [legend(false, 0), legend(false, 0, true)]), note]);
   }
 
-  function matrixTicks(att) {
-    var parts = att.tokens.map(function (t, i) { return t + " = " + i; });
-    parts.push("patch (r,c) = " + att.prefix + " + r\u00b7" + att.grid[1] + " + c");
+  function matrixTicks(att, set) {
+    var parts = att.tokens.slice(0, set[0]).map(function (t, i) { return t + " = " + i; });
+    parts.push("patch (r,c) = " + set[0] + " + r\u00b7" + set[2] + " + c");
     return parts.join(", ");
   }
 
