@@ -190,22 +190,59 @@
     return "patch (" + Math.floor(p / att.grid[1]) + "," + (p % att.grid[1]) + ")";
   }
 
+  /* A small opaque heat tile (sequential table, scaled to its own largest value). */
+  function drawTile(canvas, grid, values) {
+    canvas.width = grid[1]; canvas.height = grid[0];
+    var ctx = canvas.getContext("2d"), img = ctx.createImageData(grid[1], grid[0]), m = maxAbs(values);
+    for (var j = 0; j < values.length; j++) {
+      var c = colour(values[j], m, false, SEQ, false), o = 4 * j;
+      img.data[o] = c[0]; img.data[o + 1] = c[1]; img.data[o + 2] = c[2]; img.data[o + 3] = 255;
+    }
+    ctx.putImageData(img, 0, 0);
+  }
+
+  function pairName(att, pair) {
+    return "L" + att.layerIndex[pair[0]] + (att.heads[pair[1]] === "mean" ? " mean" : "H" + att.heads[pair[1]]);
+  }
+
   function attentionPanel(data) {
     var att = data.attention;
     if (!att) return null;
     if (!att.probs) return panel("Attention", [el("p", { class: "vx-note", text: att.note })]);
     var probs = decodeSplit(att.probs), roll = decodeSplit(att.rollout);
-    var n = att.prefix + att.grid[0] * att.grid[1], H = att.heads.length;
-    var state = { layer: att.layers.length - 1, head: 0, query: att.prefix > 0 ? 0 : att.prefix, pinned: att.prefix > 0 ? 0 : att.prefix };
+    var n = att.prefix + att.grid[0] * att.grid[1], H = att.heads.length, L = att.layers.length;
+    /* sel: the (layer, head) pairs whose mean the views show; set by the layer and head menus
+     * (one pair, or every head of the layer for "mean of heads") or by the overview (click: one
+     * pair; ctrl/shift-click or "select several": add or remove a pair, across layers too). */
+    var state = { layer: L - 1, head: 0, query: att.prefix > 0 ? 0 : att.prefix, pinned: att.prefix > 0 ? 0 : att.prefix,
+                  sel: [[L - 1, 0]] };
     var headOptions = att.heads.map(function (h, i) { return [String(i), h === "mean" ? "mean" : "head " + h]; });
     if (H > 1) headOptions.push(["mean", "mean of heads"]);
+    headOptions.push(["sel", "selected heads"]);
     var layerSel = el("select", { "data-vx": "layer" }, att.layers.map(function (name, i) {
       return el("option", { value: String(i), text: "layer " + att.layerIndex[i] + " (" + name + ")" });
     }));
     var headSel = el("select", { "data-vx": "head" }, headOptions.map(function (o) { return el("option", { value: o[0], text: o[1] }); }));
+    var selOption = headSel.lastChild;
+    selOption.disabled = true;
     layerSel.value = String(state.layer);
-    layerSel.addEventListener("change", function () { state.layer = +layerSel.value; draw(); });
-    headSel.addEventListener("change", function () { state.head = headSel.value === "mean" ? "mean" : +headSel.value; draw(); });
+    function fromMenus() {
+      if (state.head === "mean") { state.sel = []; for (var h = 0; h < H; h++) state.sel.push([state.layer, h]); }
+      else state.sel = [[state.layer, state.head]];
+    }
+    function syncMenus() {
+      var one = state.sel.length === 1;
+      selOption.disabled = one;
+      if (one) { state.layer = state.sel[0][0]; state.head = state.sel[0][1]; }
+      layerSel.value = String(state.layer);
+      headSel.value = one ? String(state.head) : (state.head === "mean" && state.sel.length === H &&
+        state.sel.every(function (p) { return p[0] === state.layer; })) ? "mean" : "sel";
+    }
+    layerSel.addEventListener("change", function () { state.layer = +layerSel.value; fromMenus(); draw(); });
+    headSel.addEventListener("change", function () {
+      if (headSel.value === "sel") return;
+      state.head = headSel.value === "mean" ? "mean" : +headSel.value; fromMenus(); draw();
+    });
     var prefixButtons = att.tokens.map(function (t, i) {
       var b = el("button", { type: "button", "data-vx": "token", "data-index": String(i), text: t });
       b.addEventListener("click", function () { state.pinned = state.query = i; draw(); });
@@ -226,28 +263,66 @@
     var matrixInfo = el("p", { class: "vx-info", text: "hover the matrix: query \u2192 key" });
     var info = el("p", { class: "vx-info", "data-vx": "query-info" });
 
-    function headRow(layer, head, q) {
-      if (head !== "mean") return probs.full((layer * H + head) * n + q);
-      var acc = new Float32Array(n);
-      for (var h = 0; h < H; h++) {
-        var r = probs.full((layer * H + h) * n + q);
-        for (var j = 0; j < n; j++) acc[j] += r[j] / H;
+    /* --- overview: every layer x head for the chosen query ------------------------------ */
+    var several = el("input", { type: "checkbox", "data-vx": "several" });
+    var tiles = [], grid = el("div", { class: "vx-overview", "data-vx": "overview",
+      style: "grid-template-columns:auto repeat(" + H + ", 1fr)" });
+    grid.appendChild(el("span"));
+    att.heads.forEach(function (h) { grid.appendChild(el("span", { class: "vx-ov-label", text: h === "mean" ? "mean" : "h" + h })); });
+    for (var li = 0; li < L; li++) {
+      grid.appendChild(el("span", { class: "vx-ov-label", text: "L" + att.layerIndex[li] }));
+      for (var hi = 0; hi < H; hi++) {
+        (function (layer, head) {
+          var c = el("canvas", { class: "vx-tile", "data-vx": "overview-tile", "data-layer": String(layer),
+            "data-head": String(head), title: pairName(att, [layer, head]) });
+          c.addEventListener("click", function (ev) { pick([layer, head], ev.ctrlKey || ev.metaKey || ev.shiftKey || several.checked); });
+          tiles.push({ canvas: c, pair: [layer, head] });
+          grid.appendChild(c);
+        })(li, hi);
       }
+    }
+    function pick(pair, add) {
+      var at = -1;
+      state.sel.forEach(function (p, i) { if (p[0] === pair[0] && p[1] === pair[1]) at = i; });
+      if (!add) state.sel = [pair];
+      else if (at >= 0 && state.sel.length > 1) state.sel.splice(at, 1);
+      else if (at < 0) state.sel.push(pair);
+      var last = state.sel[state.sel.length - 1];  /* the menus follow the latest pair still selected */
+      state.layer = last[0];
+      state.head = last[1];
+      syncMenus();
+      draw();
+    }
+    var selInfo = el("p", { class: "vx-info", "data-vx": "selection" });
+
+    function pairRow(pair, q) { return probs.full((pair[0] * H + pair[1]) * n + q); }
+    /* The views' row of query q: the mean over the selected (layer, head) pairs. */
+    function selRow(q) {
+      if (state.sel.length === 1) return pairRow(state.sel[0], q);
+      var acc = new Float32Array(n), k = state.sel.length;
+      state.sel.forEach(function (pair) {
+        var r = pairRow(pair, q);
+        for (var j = 0; j < n; j++) acc[j] += r[j] / k;
+      });
       return acc;
     }
     function drawMatrix() {
       var rows = [];
-      for (var q = 0; q < n; q++) rows.push(headRow(state.layer, state.head, q));
+      for (var q = 0; q < n; q++) rows.push(selRow(q));
       drawValues(matrix, n, n, rows, false, true);
     }
     var drawn = null;
     function draw() {
-      var key = state.layer + ":" + state.head;
+      var key = JSON.stringify(state.sel);
       if (drawn !== key) { drawMatrix(); drawn = key; }
-      var q = state.query, row = headRow(state.layer, state.head, q);
+      var q = state.query, row = selRow(q);
       var patches = row.subarray(att.prefix), rrow = roll.full(state.layer * n + q);
       drawMap(attView.canvas, att.grid, patches, false);
       drawMap(rollView.canvas, att.grid, rrow.subarray(att.prefix), false);
+      tiles.forEach(function (t) {
+        drawTile(t.canvas, att.grid, pairRow(t.pair, q).subarray(att.prefix));
+        t.canvas.classList.toggle("vx-on", state.sel.some(function (p) { return p[0] === t.pair[0] && p[1] === t.pair[1]; }));
+      });
       var patch = q - att.prefix;
       mark(attView.marker, att.grid, patch); mark(rollView.marker, att.grid, patch);
       prefixButtons.forEach(function (b, i) { b.classList.toggle("vx-on", i === q); });
@@ -257,12 +332,14 @@
       info.textContent = "query " + tokenLabel(att, q) + (q === state.pinned ? " (pinned)" : "") +
         ": largest patch weight " + maxAbs(patches).toPrecision(3) +
         (att.prefix ? ", on prefix tokens " + onPrefix.toFixed(3) : "") + "; colours scaled to each row's largest patch value";
+      selInfo.textContent = "showing " + state.sel.map(function (p) { return pairName(att, p); }).join(" + ") +
+        (state.sel.length > 1 ? " (mean of " + state.sel.length + ")" : "");
     }
     matrix.addEventListener("mousemove", function (ev) {
       var r = matrix.getBoundingClientRect();
       var q = Math.min(n - 1, Math.floor((ev.clientY - r.top) / r.height * n));
       var k = Math.min(n - 1, Math.floor((ev.clientX - r.left) / r.width * n));
-      var v = headRow(state.layer, state.head, q)[k];
+      var v = selRow(q)[k];
       matrixInfo.textContent = "query " + tokenLabel(att, q) + " \u2192 key " + tokenLabel(att, k) + ": " + v.toFixed(4);
     });
     matrix.addEventListener("click", function (ev) {
@@ -272,15 +349,19 @@
     });
     draw();
     var views = el("div", { class: "vx-pair" }, [
-      el("figure", {}, [attView.view, el("figcaption", { text: "attention of the query (layer, head)" })]),
+      el("figure", {}, [attView.view, el("figcaption", { text: "attention of the query (selected layers and heads)" })]),
       el("figure", {}, [rollView.view, el("figcaption", { text: "rollout row of the query (up to this layer)" })]),
       el("figure", {}, [matrixBox, el("figcaption", { text: "attention matrix: rows are queries, columns keys (" +
         matrixTicks(att) + "); each row scaled to its largest value" }), matrixInfo])
     ]);
     var controls = el("div", { class: "vx-controls" }, [layerSel, headSel].concat(
       prefixButtons.length ? [el("span", { text: " query: " })].concat(prefixButtons) : []));
+    var overview = el("div", { class: "vx-ov-box" }, [
+      el("h4", { text: "all layers \u00d7 heads for this query (click: show one; ctrl/shift-click or \u201cselect several\u201d: add or remove)" }),
+      el("label", { class: "vx-info" }, [several, el("span", { text: " select several" })]), grid, selInfo]);
     var note = att.note ? el("p", { class: "vx-note", text: att.note }) : null;
-    return panel("Attention", [controls, views, info, el("div", { class: "vx-pair" }, [legend(false, 0), legend(false, 0, true)]), note]);
+    return panel("Attention", [controls, views, info, overview,
+      el("div", { class: "vx-pair" }, [legend(false, 0), legend(false, 0, true)]), note]);
   }
 
   function matrixTicks(att) {
