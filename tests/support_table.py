@@ -4,7 +4,7 @@ A test and documentation harness, not part of the package. One table (:func:`row
 both the sweep test (``tests/test_support_matrix.py``), which asserts that every method the
 model's plan lists (``vx.Explainer(model).methods()``) gives a finite map per image or raises a
 :class:`~vitexplain.errors.VitexplainError`, and that every method the plan refuses says why,
-and the script that writes the README's support matrix and ``docs/support.md``
+and the script that writes the support matrix, ``docs/support.md``
 (``python tools/support_matrix.py``).
 Each family names the test that checks its maps against an independent oracle.
 
@@ -41,10 +41,10 @@ CHEAP: dict[str, dict[str, Any]] = {
 
 @dataclass(frozen=True)
 class Row:
-    """One row of the support matrix: a model family as the README names it.
+    """One row of the support matrix: a model family as the support matrix names it.
 
     Attributes:
-        name: how the README names it.
+        name: how the support matrix names it.
         group: ``"ViT"``, ``"Hugging Face"``, ``"CNN"``, ``"hybrid"``, ``"captioner"``, ``"Swin"``.
         build: returns the tiny model (eval mode, random init, offline).
         size: (H, W) of the inputs.
@@ -239,7 +239,7 @@ _TIMM_TEST = "tests/test_families_timm.py"
 
 
 def rows() -> list[Row]:
-    """Every family of the support matrix, in README order."""
+    """Every family of the support matrix, in the matrix's order."""
     s32, s64 = (32, 32), (64, 64)
     return [
         Row("timm ViT (class token)", "ViT", _timm_vit(), s32, "tests/test_methods.py"),
@@ -387,7 +387,7 @@ def _default(ex: Any, x: torch.Tensor, target: Any, batch: int) -> Outcome:
 
 
 # -- tables ------------------------------------------------------------------------------------
-#: README columns: (heading, methods), in the registry's order.
+#: The matrix's columns: (heading, methods), in the registry's order.
 GROUPS: list[tuple[str, tuple[str, ...]]] = [
     ("attention", ("raw", "rollout")),
     ("gradient x attention", ("grad_rollout", "generic", "attn_gradcam")),
@@ -412,7 +412,7 @@ def _cell(group: tuple[str, ...], family: Family, outcomes: dict[str, Outcome]) 
 
 
 def readme_table(results: list[Sweep]) -> str:
-    """The README's support matrix (markdown) from :func:`run` results."""
+    """The support matrix's table (markdown) from :func:`run` results."""
     head = "| family | " + " | ".join(name for name, _ in GROUPS) + " |"
     lines = [head, "|" + "---|" * (len(GROUPS) + 1)]
     for sweep in results:

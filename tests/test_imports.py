@@ -136,6 +136,7 @@ RANK = {
     "methods": 5, "metrics": 5,
     "adapters": 6,
     "plan": 7,
+    "vlm": 7.5,  # explain_caption of vision-language models (the explainer calls it)
     "explainer": 8, "facade": 8,
     "explorer": 9,
     "batch": 10,

@@ -2,8 +2,8 @@
 
 Each listed method must give finite maps, one per image, that are not constant (the heads
 that libraries zero-initialise are re-initialised first), or raise a VitexplainError; any
-other exception fails. Every method the plan refuses must say why. The README's matrix and
-docs/support.md must be what ``python tools/support_matrix.py`` writes from these results.
+other exception fails. Every method the plan refuses must say why. docs/support.md must be
+what ``python tools/support_matrix.py`` writes from these results.
 """
 
 from __future__ import annotations
@@ -62,13 +62,10 @@ def test_the_default_method_works_for_every_family(results, name):
     assert sweep.default.method in sweep.family.defaults + tuple(o.method for o in sweep.outcomes if o.status == "ok")
 
 
-def test_readme_matrix_and_support_doc_are_generated_from_the_sweep(results):
+def test_support_doc_is_generated_from_the_sweep(results):
     failed = [n for n, r in results.items() if isinstance(r, BaseException)]
     if failed:
         pytest.fail(f"the sweep failed for {failed}")
     pairs = [results[row.name] for row in ROWS]
-    readme = (ROOT / "README.md").read_text()
-    block = readme.split("<!-- support-matrix:start -->\n", 1)[1].split("\n<!-- support-matrix:end -->", 1)[0]
     hint = "out of date: run python tools/support_matrix.py"
-    assert block == support.readme_table(pairs), hint
     assert (ROOT / "docs" / "support.md").read_text() == support.support_doc(pairs) + "\n", hint

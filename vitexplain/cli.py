@@ -29,7 +29,7 @@ __all__ = ["main", "run", "build_parser", "EXIT_STATUS"]
 
 _PROG = "vitexplain"
 
-#: The exit status of ``export`` and ``caption`` (shown in their --help and the README).
+#: The exit status of ``export`` and ``caption`` (shown in their --help and docs/batch.md).
 EXIT_STATUS = """\
 exit status:
   0    every image done (or already current)

@@ -48,8 +48,10 @@ class Explainer:
     a method applies (and why not), the declared options, and what the capture records.
 
     Args:
-        model: a ViT (timm, torchvision, Hugging Face), a CNN, a zoo model, or a captioner.
+        model: a ViT (timm, torchvision, Hugging Face), a CNN, a zoo model, a captioner, or a
+            vision-language model (LLaVA, ...; give its ``processor``).
         adapter: override the automatically chosen adapter.
+        processor: a vision-language model's processor (tokenizer + image processor).
         attention_mode: how the capture gets attention probabilities (see ``vx.capture``).
             ``"auto"`` (default): when a requested method reads every layer's attention
             without gradients (rollout) and the model runs on a CPU, attention is computed
@@ -58,12 +60,18 @@ class Explainer:
             ``"fused"`` or ``"materialize"`` force one way.
     """
 
-    def __init__(self, model: nn.Module, *, adapter: Optional[Adapter] = None, attention_mode: str = "auto") -> None:
+    def __init__(self, model: nn.Module, *, adapter: Optional[Adapter] = None, attention_mode: str = "auto",
+                 processor: Any = None) -> None:
         self.model = model
         # a torch.compile-d model is explained through its original module, run eagerly
         # (see vx.capture); the compiled code is neither called nor recompiled
         self.adapter = adapter or adapter_for(model)
         self.attention_mode = check_mode(attention_mode)
+        if processor is not None:
+            if not hasattr(self.adapter, "with_processor"):
+                raise UsageError(f"processor= is for vision-language models; {type(model).__name__} is a "
+                                 f"{self.family.name} model and takes preprocessed images")
+            self.adapter = self.adapter.with_processor(processor)
 
     @property
     def family(self) -> Family:
@@ -208,7 +216,7 @@ class Explainer:
                     logits=logits,
                     signed=step.spec.signed,
                     input_size=(int(x.shape[-2]), int(x.shape[-1])),
-                    layout=layout,
+                    layout=layout.for_map(tuple(maps.shape[-2:]), tuple(x.shape[-2:])) if layout is not None else None,
                     images=images_seen,
                     sources=sources,
                     label_names=self.adapter.label_names,
@@ -220,11 +228,11 @@ class Explainer:
 
     @overload
     def explain_caption(self, images: Any, method: Optional[str] = None, caption: Union[None, str, Sequence[Any]] = None,
-                        *, max_len: int = 16, **options: Any) -> CaptionExplanation: ...
+                        *, prompt: Union[None, str, Sequence[str]] = None, max_len: int = 16, **options: Any) -> CaptionExplanation: ...
 
     @overload
     def explain_caption(self, images: Any, method: Sequence[str], caption: Union[None, str, Sequence[Any]] = None,
-                        *, max_len: int = 16, **options: Any) -> list[CaptionExplanation]: ...
+                        *, prompt: Union[None, str, Sequence[str]] = None, max_len: int = 16, **options: Any) -> list[CaptionExplanation]: ...
 
     def explain_caption(
         self,
@@ -232,6 +240,7 @@ class Explainer:
         method: MethodArg = None,
         caption: Union[None, str, Sequence[Any]] = None,
         *,
+        prompt: Union[None, str, Sequence[str]] = None,
         max_len: int = 16,
         **options: Any,
     ) -> Union[CaptionExplanation, list[CaptionExplanation]]:
@@ -245,6 +254,9 @@ class Explainer:
             caption: None to generate greedily (with the model's KV cache; the steps are
                 stitched into one map per word), or the caption(s) to explain teacher-forced:
                 one string for all images, one per image, or token-id lists.
+            prompt: vision-language models only: the prompt (one, or one per image; the image
+                token is put in front unless the prompt has it). A question plus
+                ``caption=`` answer words explains visual question answering.
             max_len: most tokens to generate.
             **options: method options (single method), or ``name={...}`` per method.
                 ``cross`` takes ``layers`` (None = mean over all decoder layers, an index or
@@ -256,6 +268,13 @@ class Explainer:
         plan = self._plan_for("explain_caption", method, options)
         if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1:
             raise UsageError(f"max_len must be a positive number of tokens to generate, got {max_len!r}")
+        if hasattr(self.adapter, "lm_records"):  # a vision-language model
+            from .vlm import explain_vlm
+
+            vlm_results = explain_vlm(self.adapter, plan, images, caption, prompt, max_len)
+            return vlm_results[0] if plan.single else vlm_results
+        if prompt is not None:
+            raise UsageError(f"prompt= is for vision-language models; {type(self.model).__name__} captions without one")
         x, regions, _, sources = self._inputs(images)
         adapter = self.adapter
         generated = None

@@ -13,7 +13,7 @@ This module is the geometry only. The layout of a given model comes from its ada
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, Optional
 
 import torch
@@ -92,6 +92,22 @@ class TokenLayout:
                 f"{self.grid[0]}x{self.grid[1]} patches) or {self.num_patches} patches, got {n}"
             )
         return tokens.reshape(*tokens.shape[:-1], *self.grid)
+
+    def for_map(self, grid: tuple[int, int], input_size: tuple[int, int]) -> "TokenLayout":
+        """This layout as it describes a map on ``grid`` of an input of ``input_size`` pixels.
+
+        A map on another grid than this layout's (a stage grid of a hierarchical model) gets
+        that grid; ``patch_size`` becomes the pixels one map cell covers when it is unknown or
+        does not fit the grid (hybrid stems whose patch embedding reads a feature map)."""
+        grid = (int(grid[0]), int(grid[1]))
+        patch = self.patch_size
+        fits = patch is not None and all(abs(p * g - s) < p for p, g, s in zip(patch, grid, input_size))
+        if grid == self.grid and fits:
+            return self
+        stride = patch if fits else (max(1, round(input_size[0] / grid[0])), max(1, round(input_size[1] / grid[1])))
+        if grid == self.grid:
+            return replace(self, patch_size=stride)
+        return replace(self, num_prefix_tokens=0, grid=grid, has_class_token=False, patch_size=stride)
 
     def check(self, num_tokens: int) -> None:
         """Raise a clear error if a recorded sequence length does not fit this layout."""

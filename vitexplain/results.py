@@ -18,7 +18,7 @@ from torch import Tensor
 from .errors import CaptureError, UsageError
 from .layout import TokenLayout
 
-__all__ = ["Explanation", "CaptionExplanation"]
+__all__ = ["Explanation", "CaptionExplanation", "VLMCaptionExplanation"]
 
 
 @dataclass
@@ -213,6 +213,37 @@ class CaptionExplanation:
             image = self.images[index]
         words = self.tokens[index]
         return caption_figure(image, words, self.maps[index, : len(words)], **kwargs)
+
+
+@dataclass
+class VLMCaptionExplanation(CaptionExplanation):
+    """Per-word maps of a vision-language model, per image at its original resolution.
+
+    ``maps`` is (B, T, H, W) with (H, W) the largest original height and width of the batch: image
+    b's map is ``maps[b, :, :H_b, :W_b]`` (zero elsewhere), the same as ``image_maps[b]``.
+
+    Attributes:
+        prompts: per image, the prompt it was asked with.
+        image_maps: per image, (T, H_b, W_b) float32 at the original resolution.
+        token_scores: per image, (T, n_b) float32: the method's raw score of each pixel-bearing image
+            token (in the model's token order), before mapping to pixels.
+        layers: per image, one (T, H_b, W_b) map per token grid (``"image"``, ``"thumbnail"``,
+            ``"tile r,c"``), whose sum is ``image_maps[b]``.
+    """
+
+    prompts: list[str] = field(default_factory=list)
+    image_maps: list[Tensor] = field(default_factory=list, repr=False)
+    token_scores: list[Tensor] = field(default_factory=list, repr=False)
+    layers: list[dict[str, Tensor]] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        batch = len(self)
+        if len(self.image_maps) != batch or len(self.token_scores) != batch:
+            raise CaptureError(
+                f"{self.method}: {len(self.image_maps)} image maps and {len(self.token_scores)} token scores for a "
+                f"batch of {batch} images; a VLM explanation holds one of each per image"
+            )
 
 
 def _image_index(index: Any, count: int) -> int:

@@ -74,7 +74,7 @@ Registering your own adapter
     def _detect(model):
         return MyAdapter(model) if isinstance(model, MyViT) else None
 
-See the README ("Your own model") for a complete, tested example.
+See docs/guide.md ("Your own model") for a complete, tested example.
 """
 
 from __future__ import annotations
@@ -241,7 +241,7 @@ def adapter_for(model: nn.Module) -> Adapter:
         "conv/attention hybrids from timm and torchvision (Grad-CAM family, SE/ECA/CBAM "
         "gates), the zoo captioner and encoder-decoder captioners. vx.capture(model) still "
         "records the attention of any model using SDPA; vitexplain.adapters.register_adapter "
-        "adds your own model (see the README, 'Your own model')."
+        "adds your own model (see docs/guide.md, 'Your own model')."
     )
 
 

@@ -66,7 +66,7 @@ class SwinAdapter(Adapter):
     """
 
     family = SWIN
-    capabilities = frozenset({"grid", "tokens", "attention", "rollout", "tail", "head", "pixels"})
+    capabilities = frozenset({"grid", "tokens", "attention", "rollout", "tail", "head", "pixels", "lrp"})
     windowed_input = True
 
     def __init__(self, model: nn.Module, swin_blocks: list[SwinBlock], post_norm: bool) -> None:

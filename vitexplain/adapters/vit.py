@@ -38,7 +38,7 @@ from .base import Adapter, register_adapter
 
 __all__ = ["ViTAdapter", "TimmViTAdapter", "CaitAdapter", "XcitAdapter", "ConvitAdapter", "TorchvisionViTAdapter"]
 
-_FULL = frozenset({"grid", "tokens", "attention", "rollout", "tail", "head", "pixels"})
+_FULL = frozenset({"grid", "tokens", "attention", "rollout", "tail", "head", "pixels", "lrp"})
 
 
 class ViTAdapter(Adapter):
@@ -104,6 +104,8 @@ class ViTAdapter(Adapter):
         """Remove a capability, remembering why (for refusal messages)."""
         self.capabilities = self.capabilities - {capability}
         self.notes[capability] = why
+        if capability == "rollout" and "lrp" in self.capabilities:  # attention the LRP rules do not cover
+            self._drop("lrp", why)
 
 
 # -- timm -------------------------------------------------------------------------------------

@@ -7,14 +7,14 @@ implementation) it follows. Importing this package registers every built-in meth
 order below (which is the order of every listing).
 """
 
-from .families import CAPTION, CNN, SWIN, VIT, Family, families, family, register_family
+from .families import CAPTION, CNN, HIER, SWIN, VIT, VLM, Family, families, family, register_family
 from .options import Option
 from .registry import CAPABILITIES, MethodSpec, check_options, get, names, register, specs
 
 # built-in methods, registered on import, in listing order
-from . import attention, gradients, tokens, legrad, captum_methods, swin, cnn, caption  # noqa: E402,F401
+from . import attention, gradients, tokens, legrad, captum_methods, swin, hier, lrp, cnn, caption, vlm  # noqa: E402,F401
 
 __all__ = [
     "MethodSpec", "Option", "Family", "names", "get", "register", "specs", "check_options", "families", "family",
-    "register_family", "CAPABILITIES", "VIT", "SWIN", "CNN", "CAPTION",
+    "register_family", "CAPABILITIES", "VIT", "SWIN", "HIER", "CNN", "CAPTION", "VLM",
 ]

@@ -24,9 +24,10 @@ from typing import Any, Mapping, Union
 from ..errors import NotFoundError, UsageError
 from ..results import CaptionExplanation, Explanation
 from .context import CaptionContext, Context
+from .vlm_context import VLMContext
 from .options import Option
 
-__all__ = ["Family", "register_family", "family", "families", "VIT", "SWIN", "CNN", "CAPTION"]
+__all__ = ["Family", "register_family", "family", "families", "VIT", "SWIN", "HIER", "CNN", "CAPTION", "VLM"]
 
 _ENTRIES = ("explain", "explain_caption")
 
@@ -157,5 +158,17 @@ CAPTION = register_family(Family(
     "caption", "image captioners: per-word maps through the decoder's attention to the image",
     CaptionContext, CaptionExplanation, entry="explain_caption", defaults=("cross", "cross_generic"),
     conventions={"layers": Option(int, optional=True, sequence=True, help="decoder layers (None = all)"),
+                 "head_fusion": _HEAD_FUSION},
+))
+HIER = register_family(Family(
+    "hier", "hierarchical and pooling transformers (PVTv2, Twins, SAM's ViT, PiT, MaxViT, LeViT, MViTv2, TNT): "
+    "attention carried through every token resampling",
+    Context, Explanation, defaults=("generic", "cdam"), conventions=_TOKEN_CONVENTIONS,
+))
+VLM = register_family(Family(
+    "vlm", "vision-language models whose image tokens sit in the language model's sequence (LLaVA, PaliGemma, "
+    "Qwen-VL, Gemma 3, ...): per-word maps over the image tokens, mapped back to the pixels",
+    VLMContext, CaptionExplanation, entry="explain_caption", defaults=("cross", "cross_generic"),
+    conventions={"layers": Option(int, optional=True, sequence=True, help="language-model layers (None = all)"),
                  "head_fusion": _HEAD_FUSION},
 ))

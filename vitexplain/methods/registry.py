@@ -34,6 +34,9 @@ CAPABILITIES: Mapping[str, str] = {
     "channel_gates": "channel attention gates (SE, ECA, CBAM, ...)",
     "spatial_gates": "spatial attention gates (CBAM-style)",
     "cross": "cross-attention from the text to the image tokens",
+    "lrp": ("every non-linearity from the pixels to the score is one the LRP rules cover: attention by "
+            "scaled_dot_product_attention or nn.MultiheadAttention, LayerNorm/RMSNorm, element-wise activations"),
+    "joint": "image tokens inside the language model's self-attention sequence, each mapped back to its pixels",
 }
 
 

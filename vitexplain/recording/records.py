@@ -228,8 +228,8 @@ class AttentionRecord:
 
     @property
     def num_heads(self) -> int:
-        """H, the number of query heads."""
-        return int(self.q_shape[1])
+        """H, the number of query heads (1 for an SDPA call on (B, N, E) without a head dimension)."""
+        return int(self.q_shape[1]) if len(self.q_shape) > 3 else 1
 
     @property
     def num_queries(self) -> int:
@@ -392,6 +392,8 @@ class AttentionRecord:
             raise CaptureError(f"record {self.name!r} holds no gradient or values (released, or no backward yet)")
         d_out = d_out[..., rows, :].float()
         v = self._v.float()
+        if v.dim() == 3:  # SDPA on (B, N, E) without a head dimension (e.g. SAM folds heads into B)
+            v = v[:, None]
         if v.shape[-3] != d_out.shape[-3]:
             v = v.repeat_interleave(d_out.shape[-3] // v.shape[-3], dim=-3)
         return torch.matmul(d_out, v.transpose(-2, -1))

@@ -1,4 +1,5 @@
-"""The README's "Your own model" example runs as written and does what it says.
+"""The user guide's "Your own model" example runs as written and does what it says, and the
+README quotes no figure that its benchmarks did not produce.
 
 It registers an adapter for the whole process, so it runs in a child process: the registry
 of this test session is never changed, whatever order the tests run in.
@@ -11,7 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+GUIDE = ROOT / "docs" / "guide.md"
 
 CHECKS = '''
 import json
@@ -31,8 +33,8 @@ print("REPORT " + json.dumps(report))
 
 
 def _example() -> str:
-    text = README.read_text()
-    section = text[text.index("### Your own model") :]
+    text = GUIDE.read_text()
+    section = text[text.index("## Your own model") :]
     start = section.index("```python\n") + len("```python\n")
     return section[start : section.index("```", start)]
 
@@ -47,3 +49,18 @@ def test_own_model_example_registers_an_adapter_and_explains():
     for shape, finite, std in report["maps"]:
         assert shape == [2, 4, 4] and finite and std > 0
     assert "does not reproduce" in report["wrong_head"]
+
+
+def test_every_figure_in_the_readme_comes_from_the_benchmarks():
+    """A measured figure (a decimal such as 0.989 or 1.08x) in the README's prose must appear in
+    docs/benchmarks.md, which only the benchmark scripts write: hand-copied numbers drift."""
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    prose = re.sub(r"```.*?```", "", readme, flags=re.S)  # code blocks hold calls, not measurements
+    prose = re.sub(r"\]\([^)]*\)", "]", prose)  # link targets
+    figures = set(re.findall(r"(?<![\w.])\d+\.\d+(?![\w.])", prose)) - {"3.9"}  # 3.9: the Python version
+    benchmarks = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert figures, "the README quotes no measured figure: this test would check nothing"
+    missing = sorted(f for f in figures if f not in benchmarks)
+    assert not missing, f"README figures not in docs/benchmarks.md: {missing}"

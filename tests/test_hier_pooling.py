@@ -1,0 +1,208 @@
+"""Pooling transformers (PiT, MaxViT, LeViT, MViTv2, TNT): the footprint rule against dense float64
+oracles built here from the models' own softmax outputs (an eager float64 copy, taped), the
+libraries' own partition functions and average-pooling footprints (tests/hier_oracle.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+import vitexplain as vx
+from hier_oracle import DenseCall, carry, pool_matrix, scatter_windows, taped_attention
+
+timm = pytest.importorskip("timm")
+from timm.models.maxxvit import grid_partition, window_partition  # noqa: E402
+
+SIZE = (64, 64)
+CLASSES = 5
+KINDS = {
+    "pit": ("pit_ti_224", dict(img_size=64, depth=(1, 2, 1))),
+    "pit_distilled": ("pit_ti_distilled_224", dict(img_size=64, depth=(1, 1, 1))),
+    "maxvit": ("maxvit_pico_rw", dict(embed_dim=(16, 32, 32, 32), depths=(1, 2, 1, 1), stem_width=(16, 16))),
+    "levit": ("levit_128s", dict(img_size=64, embed_dim=(32, 48, 64), depth=(1, 2, 1), num_heads=(2, 2, 2), key_dim=8)),
+    "mvit": ("mvitv2", dict(depths=(1, 2, 1, 2), embed_dim=16, num_heads=1)),
+    "tnt": ("tnt_s_patch16_224", dict(img_size=64, depth=2)),
+}
+
+
+def build(kind: str) -> nn.Module:
+    name, kwargs = KINDS[kind]
+    torch.manual_seed(0)
+    if kind == "maxvit":  # a tiny MaxViT: timm's pico config, narrower and shallower
+        from timm.models.maxxvit import MaxxVit, model_cfgs
+        base = model_cfgs[name]
+        cfg = dataclasses.replace(base, **kwargs, transformer_cfg=dataclasses.replace(base.transformer_cfg, dim_head=8))
+        model = MaxxVit(cfg, img_size=SIZE, num_classes=CLASSES).eval()
+    elif kind == "mvit":
+        from timm.models.mvitv2 import MultiScaleVit, MultiScaleVitCfg
+        model = MultiScaleVit(MultiScaleVitCfg(**kwargs), img_size=SIZE, num_classes=CLASSES).eval()
+    else:
+        model = timm.create_model(name, pretrained=False, num_classes=CLASSES, **kwargs).eval()
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.Linear) and module.out_features == CLASSES:
+                module.weight.normal_(0, 0.5)
+    return model
+
+
+def _out(grid, k, s, p):
+    k, s, p = (v if isinstance(v, (tuple, list)) else (v, v) for v in (k, s, p))
+    return tuple((grid[i] + 2 * p[i] - k[i]) // s[i] + 1 for i in range(2))
+
+
+def _eye(n):
+    return torch.eye(n, dtype=torch.float64)
+
+
+def _windows(a, g, part, grid, size, batch):
+    """Scatter (B * nW, H, n, n) window attention onto the grid via timm's own partition."""
+    n = grid[0] * grid[1]
+    idx = part(torch.arange(n).view(1, *grid, 1), list(size)).reshape(-1, size[0] * size[1])
+    a = a.reshape(batch, idx.shape[0], *a.shape[1:])
+    g = g.reshape(batch, idx.shape[0], *g.shape[1:])
+    return scatter_windows(a, idx, idx, n, n), scatter_windows(g, idx, idx, n, n)
+
+
+def dense_chain(kind, model, x, target):
+    """(items, index of the last stage's first item inside the stage, readout row)."""
+    taped = taped_attention(model, x, target)
+    if kind == "tnt":
+        taped = taped[1::2]  # inner (pixel) attention, then outer, per block
+    seen = iter(taped)
+    b = x.shape[0]
+    items, last_start = [], 0
+    if kind.startswith("pit"):
+        p = model.cls_token.shape[1]
+        conv = model.patch_embed.conv
+        grid = _out(SIZE, conv.kernel_size, conv.stride, conv.padding)
+        for stage in model.transformers:
+            if stage.pool is not None:
+                c = stage.pool.conv
+                items.append(pool_matrix(grid, c.kernel_size, c.stride, c.padding, prefix=p))
+                grid = _out(grid, c.kernel_size, c.stride, c.padding)
+            last_start = len(items)
+            n = p + grid[0] * grid[1]
+            for _ in stage.blocks:
+                a, g = next(seen)
+                items.append(DenseCall(a, g, _eye(n), _eye(n)))
+        u = torch.zeros(b, n, dtype=torch.float64)
+        u[:, :p] = 1.0 / p
+        return items, last_start, u
+    if kind == "maxvit":
+        grid = SIZE
+        for conv in (m for m in model.stem.modules() if isinstance(m, nn.Conv2d)):
+            grid = _out(grid, conv.kernel_size, conv.stride, conv.padding)
+        first = True
+        for stage in model.stages:
+            for i, block in enumerate(stage.blocks):
+                dw = block.conv.conv2_kxk
+                if dw.stride != (1, 1):
+                    if not first:
+                        items.append(pool_matrix(grid, dw.kernel_size, dw.stride, dw.padding))
+                    grid = _out(grid, dw.kernel_size, dw.stride, dw.padding)
+                first = False
+                if i == 0:
+                    last_start = len(items)
+                n = grid[0] * grid[1]
+                for part in (block.attn_block, block.attn_grid):
+                    a, g = next(seen)
+                    fn = window_partition if part.partition_block else grid_partition
+                    a, g = _windows(a, g, fn, grid, part.partition_size, b)
+                    items.append(DenseCall(a, g, _eye(n), _eye(n)))
+        return items, last_start, torch.full((b, n), 1.0 / n, dtype=torch.float64)
+    if kind == "levit":
+        grid = SIZE
+        for conv in (m for m in model.stem.modules() if isinstance(m, nn.Conv2d)):
+            grid = _out(grid, conv.kernel_size, conv.stride, conv.padding)
+        for stage in model.stages:
+            n_in = grid[0] * grid[1]
+            if not isinstance(stage.downsample, nn.Identity):
+                a, g = next(seen)  # queries on every other row and column, keys on the whole grid
+                items.append(DenseCall(a, g, _eye(n_in), None))
+                grid = ((grid[0] + 1) // 2, (grid[1] + 1) // 2)
+            last_start = len(items)
+            n = grid[0] * grid[1]
+            for _ in stage.blocks:
+                a, g = next(seen)
+                items.append(DenseCall(a, g, _eye(n), _eye(n)))
+        return items, last_start, torch.full((b, n), 1.0 / n, dtype=torch.float64)
+    if kind == "mvit":
+        conv = model.patch_embed.proj
+        grid = _out(SIZE, conv.kernel_size, conv.stride, conv.padding)
+        for stage in model.stages:
+            for i, block in enumerate(stage.blocks):
+                attn = block.attn
+                a, g = next(seen)
+                pq, pk = attn.pool_q, attn.pool_k
+                keys = pool_matrix(grid, pk.kernel_size, pk.stride, pk.padding) if pk is not None else _eye(grid[0] * grid[1])
+                new = _out(grid, pq.kernel_size, pq.stride, pq.padding) if pq is not None else grid
+                sp = block.shortcut_pool_attn
+                skip = pool_matrix(grid, sp.kernel_size, sp.stride, sp.padding) if sp is not None else _eye(grid[0] * grid[1])
+                if i == 0 and new == grid:
+                    last_start = len(items)
+                items.append(DenseCall(a, g, keys, skip))
+                if i == 0 and new != grid:
+                    last_start = len(items)
+                grid = new
+        n = grid[0] * grid[1]
+        return items, last_start, torch.full((b, n), 1.0 / n, dtype=torch.float64)
+    grid = (SIZE[0] // 16, SIZE[1] // 16)  # TNT
+    n = 1 + grid[0] * grid[1]
+    for _ in model.blocks:
+        a, g = next(seen)
+        items.append(DenseCall(a, g, _eye(n), _eye(n)))
+    u = torch.zeros(b, n, dtype=torch.float64)
+    u[:, 0] = 1.0
+    return items, 0, u
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_attention_methods_match_the_dense_float64_oracle(kind):
+    model = build(kind)
+    x = torch.randn(2, 3, *SIZE, generator=torch.Generator().manual_seed(1))
+    items, last_start, u = dense_chain(kind, model, x, target=1)
+    ex = vx.Explainer(model)
+    assert ex.family == "hier"
+    methods = ("rollout", "generic", "grad_rollout")
+    for method, e in zip(methods, ex.explain(x, method=list(methods), target=1)):
+        full = carry(items, u, method)
+        prefix = full.shape[1] - e.maps.shape[1] * e.maps.shape[2]
+        want = full[:, prefix:].reshape(e.maps.shape)
+        scale = float(want.abs().max())
+        assert scale > 0
+        error = float((e.maps.double() - want).abs().max())
+        assert error <= 1e-4 * scale, (method, error, scale)
+        assert tuple(e.maps.shape[1:]) == e.layout.grid and e.maps.shape[0] == 2
+    e = ex.explain(x, method="generic", target=1, stage=-1)
+    full = carry(items, u, "generic", start=last_start)
+    want = full[:, full.shape[1] - e.maps[0].numel():].reshape(e.maps.shape)
+    assert float((e.maps.double() - want).abs().max()) <= 1e-4 * float(want.abs().max())
+    for method in ("cdam", "raw"):  # every stage with a grid, B maps on the grid the layout says
+        e = ex.explain(x, method=method, target=1)
+        assert e.maps.shape[0] == 2 and tuple(e.maps.shape[1:]) == e.layout.grid
+
+
+def test_a_stage_without_attention_on_its_own_grid_is_refused():
+    from timm.models.mvitv2 import MultiScaleVit, MultiScaleVitCfg
+
+    torch.manual_seed(0)
+    model = MultiScaleVit(MultiScaleVitCfg(depths=(1, 2, 1, 1), embed_dim=16, num_heads=1), img_size=SIZE,
+                          num_classes=CLASSES).eval()
+    ex = vx.Explainer(model)
+    x = torch.randn(1, 3, *SIZE)
+    assert ex.explain(x, method="generic", stage=2).maps.shape == (1, 4, 4)  # stage 3's call reads stage 2's grid
+    with pytest.raises(vx.UnsupportedMethodError, match=r"stage 3 .* no attention call on its own grid.*\[0, 1, 2\]"):
+        ex.explain(x, method="generic", stage=-1)
+
+
+def test_tnt_gives_one_map_per_image():
+    model = build("tnt")
+    x = torch.randn(3, 3, *SIZE)
+    for method in vx.Explainer(model).methods():
+        if method in ("integrated_gradients", "occlusion", "smoothgrad"):
+            continue
+        e = vx.Explainer(model).explain(x, method=method)
+        assert e.maps.shape == (3, 4, 4), method

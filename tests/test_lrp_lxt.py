@@ -1,0 +1,150 @@
+"""attnlrp / cp_lrp equal lxt 2.1 (the AttnLRP authors' implementation) on the same weights.
+
+lxt patches classes process-wide (``nn.GELU``, ``nn.LayerNorm``, ``nn.MultiheadAttention``,
+transformers' attention functions), so it runs in a subprocess on weights and inputs saved here;
+nothing of it reaches this process. ``lxt.efficient``'s package ``__init__`` imports its
+language-model patches, which fail with transformers 5.x, so the subprocess loads the modules it
+needs (``patches``, ``rules``, ``models.vit_torch``) without running that ``__init__``.
+
+- torchvision ViT: lxt's own ``vit_torch.cp_LRP`` patch map (what ``monkey_patch`` applies; lxt
+  has CP-LRP only for torchvision) vs ``cp_lrp``;
+- Hugging Face ViT: lxt's building blocks (``wrap_attention_forward`` on the SDPA attention
+  function, ``layer_norm_forward`` on ``nn.LayerNorm``, ``non_linear_forward`` on the GELU) vs
+  ``attnlrp``, and ``cp_wrap_attention_forward`` vs ``cp_lrp``.
+
+Floor: 1e-5 relative (max abs difference over the largest relevance), the issue's.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import vitexplain as vx
+from peers import require
+
+require("lxt", "pip install --no-deps lxt==2.1 zennit (test-only peer; .ci/run installs it)")
+
+RTOL = 1e-5
+
+_PRELUDE = textwrap.dedent("""
+    import os, sys, types, torch
+    import lxt
+    root = os.path.join(os.path.dirname(lxt.__file__), "efficient")
+    for name, path in (("lxt.efficient", root), ("lxt.efficient.models", os.path.join(root, "models"))):
+        stub = types.ModuleType(name)
+        stub.__path__ = [path]
+        sys.modules[name] = stub
+    from lxt.efficient import patches
+    model, x, target = torch.load(sys.argv[1], weights_only=False)
+""")
+
+_TORCHVISION = _PRELUDE + textwrap.dedent("""
+    from lxt.efficient.models import vit_torch
+    for cls, patch in vit_torch.cp_LRP.items():
+        assert patch(cls)
+    x = x.clone().requires_grad_(True)
+    y = model(x)
+    y[torch.arange(len(x)), target].sum().backward()
+    torch.save((x * x.grad).detach().sum(1), sys.argv[2])
+""")
+
+_HF = _PRELUDE + textwrap.dedent("""
+    from transformers import activations
+    from transformers.models.vit import modeling_vit
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    wrap = patches.wrap_attention_forward if sys.argv[3] == "attnlrp" else patches.cp_wrap_attention_forward
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = wrap(ALL_ATTENTION_FUNCTIONS["sdpa"])
+    assert patches.patch_method(patches.layer_norm_forward, torch.nn.LayerNorm)
+    assert patches.patch_method(patches.non_linear_forward, activations.GELUActivation, keep_original=True)
+    x = x.clone().requires_grad_(True)
+    y = model(pixel_values=x).logits
+    y[torch.arange(len(x)), target].sum().backward()
+    torch.save((x * x.grad).detach().sum(1), sys.argv[2])
+""")
+
+
+def _lxt(tmp_path, code: str, model, x, target, *extra: str) -> torch.Tensor:
+    """lxt's relevance (B, H, W) of ``model`` on ``x`` for ``target`` (B,), computed in a subprocess."""
+    inputs, out = tmp_path / "inputs.pt", tmp_path / "relevance.pt"
+    torch.save((model, x, target), inputs)
+    done = subprocess.run([sys.executable, "-c", code, str(inputs), str(out), *extra], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return torch.load(out)
+
+
+def _close(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    return float((ours - theirs).abs().max() / theirs.abs().max())
+
+
+def _torchvision_vit() -> torch.nn.Module:
+    import torchvision
+
+    torch.manual_seed(0)
+    model = torchvision.models.VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2,
+                                                 hidden_dim=32, mlp_dim=64, num_classes=5)
+    torch.nn.init.normal_(model.heads.head.weight, std=0.2)  # torchvision initialises the head to zero
+    return model.eval()
+
+
+def _hf_vit() -> torch.nn.Module:
+    from transformers import ViTConfig, ViTForImageClassification
+
+    torch.manual_seed(0)
+    config = ViTConfig(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                       intermediate_size=64, num_labels=5, attn_implementation="sdpa")
+    return ViTForImageClassification(config).eval()
+
+
+def test_cp_lrp_equals_lxt_on_torchvision_vit(tmp_path):
+    model = _torchvision_vit()
+    x = torch.randn(3, 3, 32, 32)
+    target = torch.tensor([0, 3, 4])
+    theirs = _lxt(tmp_path, _TORCHVISION, model, x, target)
+    ours = vx.Explainer(model).explain(x, method="cp_lrp", target=target).maps
+    assert ours.shape == theirs.shape == (3, 32, 32)
+    assert _close(ours, theirs) < RTOL
+
+
+@pytest.mark.parametrize("method", ["attnlrp", "cp_lrp"])
+def test_equals_lxt_building_blocks_on_hf_vit(tmp_path, method):
+    model = _hf_vit()
+    x = torch.randn(2, 3, 32, 32)
+    target = torch.tensor([1, 2])
+    theirs = _lxt(tmp_path, _HF, model, x, target, method)
+    ours = vx.Explainer(model).explain(x, method=method, target=target).maps
+    assert ours.shape == theirs.shape == (2, 32, 32)
+    assert _close(ours, theirs) < RTOL
+
+
+@pytest.mark.parametrize("gamma", [0.1, 0.25, 2.0])
+def test_gamma_rules_equal_zennit(gamma):
+    """The Gamma option equals zennit's ``rules.Gamma`` on linears and convolutions (ReLU passes the gradient
+    in both), on a small CNN + MLP with biases and signed inputs."""
+    require("zennit", "pip install --no-deps zennit (test-only peer; .ci/run installs it)")
+    from zennit.composites import LayerMapComposite
+    from zennit.rules import Gamma
+
+    from test_lrp import _relevance
+
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 6, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(6, 4, 3, stride=2),
+        torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(4 * 7 * 7, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3),
+    ).eval()
+    x = torch.randn(2, 3, 16, 16)
+    target = torch.tensor([2, 0])
+    ours, _ = _relevance(model, x, "cp_lrp", target, attention=False, linear_gamma=gamma,
+                          conv_gamma=gamma)
+    composite = LayerMapComposite([(torch.nn.Conv2d, Gamma(gamma)), (torch.nn.Linear, Gamma(gamma))])
+    xg = x.clone().requires_grad_(True)
+    with composite.context(model) as modified:
+        out = modified(xg)
+        (grad,) = torch.autograd.grad(out, xg, torch.nn.functional.one_hot(target, 3).float() * out)
+    theirs = grad  # zennit's rules propagate the relevance itself as the "gradient"
+    assert _close(ours, theirs) < RTOL

@@ -1,0 +1,313 @@
+"""Tiny random-init vision-language models with their processors, and an eager-attention oracle.
+
+Offline: the tokenizer is a word-level ``PreTrainedTokenizerFast`` built here (the family's special
+tokens added), the image processors are the families' own classes with tiny sizes. Shared by
+``tests/test_vlm*.py`` and the support matrix (``tests/support_table.py``).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+WORDS = "a the red green blue circle square triangle on left right top bottom what is color shape there and of".split()
+
+
+def tokenizer(special: tuple[str, ...] = ("<image>",), bos: bool = False) -> Any:
+    """A word-level fast tokenizer: ``<pad>`` 0, ``<s>`` 1, ``</s>`` 2, ``<unk>`` 3, the special tokens, WORDS."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    for word in list(special) + WORDS:
+        vocab.setdefault(word, len(vocab))
+    inner = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    inner.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=inner, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                  unk_token="<unk>")
+    tok.add_special_tokens({"additional_special_tokens": list(special)})
+    return tok
+
+
+def reinit_small(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Give (near-)zero weights (projectors, gates, heads that start at zero) random values, in place."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 1 and p.numel() > 1 and bool(p.abs().max() < 1e-6):
+                if p.dim() >= 2:
+                    p.copy_(torch.randn(p.shape, generator=generator) / math.sqrt(p.shape[-1]))
+                elif "gate" in name:
+                    p.fill_(1.0)
+    return model
+
+
+def _text(**extra: Any) -> dict[str, Any]:
+    return dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=256, head_dim=8, **extra)
+
+
+def llava() -> tuple[nn.Module, Any]:
+    """LLaVA: CLIP vision tower (32 px crop, 8 px patches: 4 x 4 tokens), Llama LM with GQA."""
+    import transformers
+
+    tok = tokenizer(("<image>",))
+    image = transformers.CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    proc = transformers.LlavaProcessor(image_processor=image, tokenizer=tok, patch_size=8,
+                                       vision_feature_select_strategy="default", num_additional_image_tokens=1)
+    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                           image_size=32, patch_size=8)
+    cfg = transformers.LlavaConfig(vision_config=vision, text_config=dict(model_type="llama", vocab_size=len(tok), **_text()),
+                                   image_token_id=tok.convert_tokens_to_ids("<image>"), vision_feature_select_strategy="default",
+                                   vision_feature_layer=-1)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return reinit_small(transformers.LlavaForConditionalGeneration(cfg).eval()), proc
+
+
+#: name -> builder of (model, processor)
+BUILDERS: dict[str, Callable[[], tuple[nn.Module, Any]]] = {"llava": llava}
+
+
+def eager_copy(model: nn.Module) -> nn.Module:
+    """An independent copy of ``model`` with eager attention everywhere (the oracle's model)."""
+    other = copy.deepcopy(model)
+    other.set_attn_implementation("eager")
+    return other
+
+
+def images(seed: int, sizes: tuple[tuple[int, int], ...] = ((40, 52), (30, 30))) -> list[np.ndarray]:
+    """Random uint8 RGB images of the given (H, W) sizes."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in sizes]
+
+
+def isolated_tokens(model: nn.Module) -> nn.Module:
+    """A copy whose vision tower attention adds nothing (its output projections zeroed): each image
+    token then depends only on its own pixels (the footprint probe's model)."""
+    other = copy.deepcopy(model)
+    vision = next(m for n, m in other.named_modules() if n.endswith(("vision_tower", "vision_model", "visual")))
+    with torch.no_grad():
+        for name, module in vision.named_modules():
+            if name.endswith(("self_attn.out_proj", "self_attn.o_proj", "attn.proj", "attention.output.dense")):
+                module.weight.zero_()
+                if module.bias is not None:
+                    module.bias.zero_()
+    return other
+
+
+def _llava_features(model: nn.Module, proc: Any, image: np.ndarray) -> torch.Tensor:
+    pixels = proc.image_processor(images=[image], return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        return model.get_image_features(pixel_values=pixels).pooler_output[0]
+
+
+def _positions_from_mask(kwargs: dict, batch: Any, ids: torch.Tensor) -> None:
+    kwargs["position_ids"] = (kwargs["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+
+
+#: per family, what the oracle needs: the prompt as the processor wants it, the teacher-forced extras,
+#: the image token id, and the probe's per-token features of one image
+ORACLE: dict[str, dict[str, Any]] = {
+    "llava": dict(prompt=lambda p: "<image>" + p, extend=_positions_from_mask,
+                  image_token=lambda m: m.config.image_token_id, features=_llava_features,
+                  placeholders=lambda m: [m.config.image_token_id]),
+}
+
+
+def paligemma() -> tuple[nn.Module, Any]:
+    """PaliGemma: SigLIP (32 px, 8 px patches: 4 x 4 tokens), Gemma LM with GQA, prefix-LM mask."""
+    import transformers
+
+    tok = tokenizer(("<image>",))
+    image = transformers.SiglipImageProcessor(size={"height": 32, "width": 32})
+    image.image_seq_length = 16
+    proc = transformers.PaliGemmaProcessor(image_processor=image, tokenizer=tok)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+                  patch_size=8, projection_dim=32)
+    cfg = transformers.PaliGemmaConfig(vision_config=vision, text_config=dict(model_type="gemma", vocab_size=len(tok), **_text()),
+                                       image_token_id=tok.convert_tokens_to_ids("<image>"), projection_dim=32)
+    cfg.text_config.num_image_tokens = 16
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return reinit_small(transformers.PaliGemmaForConditionalGeneration(cfg).eval()), proc
+
+
+def gemma3() -> tuple[nn.Module, Any]:
+    """Gemma 3: SigLIP (32 px, 4 px patches: 8 x 8) average-pooled to 4 x 4 tokens, sliding-window layers."""
+    import transformers
+
+    specials = ("<start_of_image>", "<image_soft_token>", "<end_of_image>")
+    tok = tokenizer(specials)
+    tok.boi_token, tok.image_token, tok.eoi_token = specials
+    tok.boi_token_id, tok.image_token_id, tok.eoi_token_id = tok.convert_tokens_to_ids(list(specials))
+    image = transformers.Gemma3ImageProcessor(size={"height": 32, "width": 32})
+    proc = transformers.Gemma3Processor(image_processor=image, tokenizer=tok, image_seq_length=16)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+                  patch_size=4)
+    text = dict(model_type="gemma3_text", vocab_size=len(tok), sliding_window=8,
+                layer_types=["sliding_attention", "full_attention"], **_text())
+    cfg = transformers.Gemma3Config(vision_config=vision, text_config=text, mm_tokens_per_image=16,
+                                    image_token_id=tok.image_token_id, boi_token_id=tok.boi_token_id,
+                                    eoi_token_id=tok.eoi_token_id)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return reinit_small(transformers.Gemma3ForConditionalGeneration(cfg).eval()), proc
+
+
+def paligemma2() -> tuple[nn.Module, Any]:
+    """PaliGemma 2: as :func:`paligemma` with a Gemma 2 LM (logit soft-capping, sliding window): eager attention,
+    the only one Gemma 2 has (its softmax is recorded)."""
+    import transformers
+
+    model, proc = paligemma()
+    text = dict(model_type="gemma2", vocab_size=model.config.text_config.vocab_size, sliding_window=8,
+                attn_logit_softcapping=50.0, final_logit_softcapping=30.0, **_text())
+    cfg = transformers.PaliGemmaConfig(vision_config=model.config.vision_config.to_dict(), text_config=text,
+                                       image_token_id=model.config.image_token_id, projection_dim=32)
+    cfg.text_config.num_image_tokens = 16
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return reinit_small(transformers.PaliGemmaForConditionalGeneration(cfg).eval()), proc
+
+
+BUILDERS.update(paligemma=paligemma, gemma3=gemma3, paligemma2=paligemma2)
+
+
+def _pooled_features(model: nn.Module, proc: Any, image: np.ndarray) -> torch.Tensor:
+    pixels = proc.image_processor(images=[image], return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        out = model.get_image_features(pixel_values=pixels)
+    out = getattr(out, "pooler_output", out)
+    return out[0]
+
+
+def _paligemma_extend(kwargs: dict, batch: Any, ids: torch.Tensor) -> None:
+    kwargs["position_ids"] = (kwargs["attention_mask"].cumsum(-1) - 1).clamp(min=0) + 1  # 1-indexed
+    kwargs["token_type_ids"] = torch.cat([batch["token_type_ids"], torch.ones_like(ids)], 1)  # answer = causal suffix
+
+
+def _gemma3_extend(kwargs: dict, batch: Any, ids: torch.Tensor) -> None:
+    _positions_from_mask(kwargs, batch, ids)
+    kwargs["token_type_ids"] = torch.cat([batch["token_type_ids"], torch.zeros_like(ids)], 1)  # answer = text
+
+
+ORACLE.update(
+    paligemma2=dict(prompt=lambda p: "<image>" + p, extend=_paligemma_extend, image_token=lambda m: m.config.image_token_id,
+                    features=_pooled_features, placeholders=lambda m: [m.config.image_token_id]),
+    paligemma=dict(prompt=lambda p: "<image>" + p, extend=_paligemma_extend, image_token=lambda m: m.config.image_token_id,
+                   features=_pooled_features, placeholders=lambda m: [m.config.image_token_id]),
+    gemma3=dict(nested=True, prompt=lambda p: "<start_of_image>" + p, extend=_gemma3_extend, image_token=lambda m: m.config.image_token_id,
+                features=_pooled_features, placeholders=lambda m: [m.config.image_token_id]),
+)
+
+
+QWEN_SPECIALS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
+
+
+def _qwen(kind: str) -> tuple[nn.Module, Any]:
+    """Qwen2-VL / Qwen2.5-VL / Qwen3-VL: 4 px patches merged 2 x 2, dynamic resolution (<= 32 x 32 px), M-RoPE."""
+    import transformers
+
+    tok = tokenizer(QWEN_SPECIALS)
+    ids = dict(zip(("vision_start_token_id", "image_token_id", "vision_end_token_id", "video_token_id"),
+                   tok.convert_tokens_to_ids(list(QWEN_SPECIALS))))
+    pixels = dict(size={"shortest_edge": 8 * 8, "longest_edge": 32 * 32}, patch_size=4, merge_size=2, temporal_patch_size=2)
+    rope = {"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 10000.0}
+    text = dict(vocab_size=len(tok), rope_parameters=rope, **_text())
+    video = transformers.Qwen2VLVideoProcessor(**pixels)
+    if kind == "qwen2_vl":
+        image = transformers.Qwen2VLImageProcessor(**pixels)
+        proc = transformers.Qwen2VLProcessor(image_processor=image, tokenizer=tok, video_processor=video)
+        vision = dict(depth=2, embed_dim=32, hidden_size=32, num_heads=2, patch_size=4, spatial_merge_size=2)
+        cfg = transformers.Qwen2VLConfig(vision_config=vision, text_config=text, **ids)
+        cls = transformers.Qwen2VLForConditionalGeneration
+    elif kind == "qwen2_5_vl":
+        image = transformers.Qwen2VLImageProcessor(**pixels)
+        proc = transformers.Qwen2_5_VLProcessor(image_processor=image, tokenizer=tok, video_processor=video)
+        vision = dict(depth=2, hidden_size=32, out_hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
+                      spatial_merge_size=2, window_size=16, fullatt_block_indexes=[1])
+        cfg = transformers.Qwen2_5_VLConfig(vision_config=vision, text_config=text, **ids)
+        cls = transformers.Qwen2_5_VLForConditionalGeneration
+    else:
+        image = transformers.Qwen2VLImageProcessor(**pixels)
+        proc = transformers.Qwen3VLProcessor(image_processor=image, tokenizer=tok, video_processor=video)
+        vision = dict(depth=2, hidden_size=32, out_hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
+                      spatial_merge_size=2, num_position_embeddings=16, deepstack_visual_indexes=[0])
+        cfg = transformers.Qwen3VLConfig(vision_config=vision, text_config=dict(text, rope_parameters=dict(rope, mrope_interleaved=True)), **ids)
+        cls = transformers.Qwen3VLForConditionalGeneration
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return reinit_small(cls(cfg).eval()), proc
+
+
+BUILDERS.update(qwen2_vl=lambda: _qwen("qwen2_vl"), qwen2_5_vl=lambda: _qwen("qwen2_5_vl"), qwen3_vl=lambda: _qwen("qwen3_vl"))
+
+
+def _qwen_features(model: nn.Module, proc: Any, image: np.ndarray) -> torch.Tensor:
+    batch = proc.image_processor(images=[image], return_tensors="pt")
+    with torch.no_grad():
+        out = model.get_image_features(pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"])
+    return out.pooler_output[0]
+
+
+def _qwen_extend(kwargs: dict, batch: Any, ids: torch.Tensor) -> None:
+    kwargs["mm_token_type_ids"] = torch.cat([batch["mm_token_type_ids"], torch.zeros_like(ids)], 1)
+
+
+_QWEN_ORACLE = dict(prompt=lambda p: "<|vision_start|><|image_pad|><|vision_end|>" + p, extend=_qwen_extend,
+                    image_token=lambda m: m.config.image_token_id, features=_qwen_features,
+                    placeholders=lambda m: [m.config.image_token_id])
+ORACLE.update(qwen2_vl=_QWEN_ORACLE, qwen2_5_vl=_QWEN_ORACLE, qwen3_vl=_QWEN_ORACLE)
+
+
+IDEFICS_SPECIALS = ("<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>") + tuple(
+    f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7))
+
+
+def _idefics(kind: str) -> tuple[nn.Module, Any]:
+    """Idefics3 / SmolVLM: 16 px tiles of 4 px patches, pixel shuffle 2 (2 x 2 tokens per tile), tiles + a global image."""
+    import transformers
+
+    tok = tokenizer(IDEFICS_SPECIALS)
+    sizes = dict(size={"longest_edge": 32}, max_image_size={"longest_edge": 16})
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=16, patch_size=4)
+    text = dict(model_type="llama", vocab_size=len(tok), **_text())
+    image_id = tok.convert_tokens_to_ids("<image>")
+    if kind == "idefics3":
+        proc = transformers.Idefics3Processor(image_processor=transformers.Idefics3ImageProcessor(**sizes), tokenizer=tok,
+                                              image_seq_len=4)
+        cfg = transformers.Idefics3Config(vision_config=vision, text_config=text, scale_factor=2, image_token_id=image_id)
+        cls = transformers.Idefics3ForConditionalGeneration
+    else:
+        video = transformers.SmolVLMVideoProcessor(**sizes)
+        proc = transformers.SmolVLMProcessor(image_processor=transformers.SmolVLMImageProcessor(**sizes), tokenizer=tok,
+                                             video_processor=video, image_seq_len=4)
+        cfg = transformers.SmolVLMConfig(vision_config=vision, text_config=text, scale_factor=2, image_token_id=image_id)
+        cls = transformers.SmolVLMForConditionalGeneration
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return reinit_small(cls(cfg).eval()), proc
+
+
+BUILDERS.update(idefics3=lambda: _idefics("idefics3"), smolvlm=lambda: _idefics("smolvlm"))
+
+
+def _idefics_features(model: nn.Module, proc: Any, image: np.ndarray) -> torch.Tensor:
+    batch = proc.image_processor(images=[[image]], return_tensors="pt")
+    with torch.no_grad():
+        out = model.get_image_features(pixel_values=batch["pixel_values"], pixel_attention_mask=batch.get("pixel_attention_mask"))
+    out = getattr(out, "pooler_output", out)
+    out = torch.cat(list(out)) if isinstance(out, (list, tuple)) else out
+    return out.reshape(-1, out.shape[-1])
+
+
+_IDEFICS_ORACLE = dict(nested=True, prompt=lambda p: "<image>" + p, extend=_positions_from_mask,
+                       image_token=lambda m: m.config.image_token_id, features=_idefics_features,
+                       placeholders=lambda m: [m.config.image_token_id])
+ORACLE.update(idefics3=_IDEFICS_ORACLE, smolvlm=_IDEFICS_ORACLE)

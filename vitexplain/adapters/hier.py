@@ -1,0 +1,242 @@
+"""Adapters for hierarchical and pooling transformers (family ``"hier"``): the base class and
+timm's spatial-reduction models (PVTv2, Twins) and SAM's image encoder.
+
+A hierarchical adapter describes its model for an input size as a *chain*
+(:mod:`vitexplain.methods.resample`): per attention call its input and output token sets,
+its window slots and the footprints of its keys and residual path, and between calls the
+transitions (patch embeddings, merges, strided convs, necks) with their footprints. It names,
+per stage, the module whose output is the tokens entering the stage's last attention call
+(``token_sites``: CDAM, token Grad-CAM). It reads the model's own modules (kernel sizes,
+strides, windows) and never changes the model.
+
+What the rule leaves out (docs/methods.md, "Hierarchical transformers"): token mixing outside
+attention (depthwise convs inside MLPs, Twins' positional conv, MBConv blocks at stride 1) is
+taken as token-wise, and a conv or pooling distributes relevance evenly over its footprint.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, Union
+
+from torch import Tensor, nn
+
+from ..layout import TokenLayout, _pair
+from ..methods.families import HIER
+from ..methods.resample import CallSpec, Footprint, TokenSet, Transition, full_slots, window_slots
+from .base import Adapter, register_adapter
+
+__all__ = ["HierAdapter", "conv_grid", "global_call", "PVTv2Adapter", "TwinsAdapter", "SamViTAdapter",
+           "module_family"]
+
+Chain = list[Union[CallSpec, Transition]]
+
+
+def module_family(model: nn.Module, prefix: str) -> bool:
+    """Whether the model's class, or a class it derives from, is defined in module ``prefix``."""
+    return any(cls.__module__.startswith(prefix) for cls in type(model).__mro__)
+
+
+def conv_grid(grid: tuple[int, int], kernel: Any, stride: Any, padding: Any = 0, ceil: bool = False) -> tuple[int, int]:
+    """The output grid of a convolution or pooling (PyTorch's size rule)."""
+    k, s, p = _pair(kernel), _pair(stride), _pair(padding)
+    if ceil:
+        return tuple(-(-(g + 2 * pp - kk) // ss) + 1 for g, kk, ss, pp in zip(grid, k, s, p))  # type: ignore[return-value]
+    return tuple((g + 2 * pp - kk) // ss + 1 for g, kk, ss, pp in zip(grid, k, s, p))  # type: ignore[return-value]
+
+
+def global_call(name: str, tokens: TokenSet, stage: int, keys: Optional[Footprint] = None,
+                out: Optional[TokenSet] = None, skip: Union[Footprint, None, str] = "identity") -> CallSpec:
+    """A call whose queries are every token of ``out`` (default: the input set) and whose keys
+    are every token of ``keys.coarse`` (default: the input set itself)."""
+    out = out or tokens
+    keys = keys or Footprint.identity(tokens)
+    residual = Footprint.identity(tokens) if skip == "identity" else skip
+    return CallSpec(name, tokens, out, full_slots(out), full_slots(keys.coarse), keys, residual,  # type: ignore[arg-type]
+                    in_stage=stage, out_stage=stage)
+
+
+class HierAdapter(Adapter):
+    """A hierarchical transformer, described as a chain of attention calls and transitions.
+
+    Attributes:
+        readout: the row the head reads on the last token set: ``"mean"`` (average pooling
+            over the grid) or ``"class"`` (the class token).
+        token_sites: per stage, the module whose output (B, N, C) or (B, H, W, C) is the
+            tokens entering the stage's last attention call, or None (no such call).
+    """
+
+    family = HIER
+    capabilities = frozenset({"grid", "tokens", "attention", "rollout", "pixels"})
+    readout = "mean"
+    token_sites: list[Optional[str]]
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self._built: dict[tuple[int, int], tuple[Chain, list[TokenSet]]] = {}
+        self.has_head = int(getattr(model, "num_classes", 1) or 0) > 0
+
+    def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
+        """(chain, first token set of every stage) for an input of ``input_size`` pixels."""
+        raise self.not_implemented("build()")
+
+    def _cached(self, input_size: Sequence[int]) -> tuple[Chain, list[TokenSet]]:
+        size = _pair(input_size)
+        if size not in self._built:
+            self._built[size] = self.build(size)
+        return self._built[size]
+
+    def chain(self, input_size: Sequence[int]) -> Chain:
+        """The chain for this input size, input side first."""
+        return self._cached(input_size)[0]
+
+    def stage_sets(self, input_size: Sequence[int]) -> list[TokenSet]:
+        """The first token set of every stage (stage 0 = the finest grid)."""
+        return self._cached(input_size)[1]
+
+    def site_grid(self, stage: int, output: Tensor, input_size: Sequence[int]) -> Tensor:
+        """A token site's output as (B, H_s, W_s, C) on the stage grid (prefix tokens dropped)."""
+        tokens = self.stage_sets(input_size)[stage]
+        if output.dim() == 4:
+            return output
+        return output[:, tokens.prefix:].reshape(output.shape[0], *tokens.grid, output.shape[-1])
+
+    def layout(self, input_size: Sequence[int]) -> TokenLayout:
+        """The layout of the finest token grid (stage 0), the grid of the default maps."""
+        size = _pair(input_size)
+        first = self.stage_sets(size)[0]
+        stride = (max(1, size[0] // first.grid[0]), max(1, size[1] // first.grid[1]))
+        return TokenLayout(first.prefix, first.grid, first.prefix > 0, self.readout, patch_size=stride)
+
+    def preprocess_kwargs(self) -> dict[str, Any]:
+        kwargs = super().preprocess_kwargs()
+        size = getattr(self, "fixed_size", None)
+        if size is not None:
+            kwargs["input_size"] = size
+        return kwargs
+
+
+def _set(grid: Sequence[int], prefix: int = 0) -> TokenSet:
+    return TokenSet(prefix, (int(grid[0]), int(grid[1])))
+
+
+# -- PVTv2 -------------------------------------------------------------------------------------
+def _sr_keys(attn: nn.Module, tokens: TokenSet) -> Footprint:
+    """The keys' footprint of a spatial-reduction attention (PVTv2, Twins' GSA)."""
+    pool = getattr(attn, "pool", None)
+    if pool is not None:  # PVTv2 linear: adaptive average pooling, then a 1 x 1 conv
+        out = _pair(pool.output_size)
+        return Footprint.adaptive(tokens, _set(out))
+    sr = getattr(attn, "sr", None)
+    if sr is None:
+        return Footprint.identity(tokens)
+    grid = conv_grid(tokens.grid, sr.kernel_size, sr.stride, sr.padding)
+    return Footprint.pool(tokens, _set(grid), sr.kernel_size, sr.stride, sr.padding)
+
+
+class PVTv2Adapter(HierAdapter):
+    """timm ``PyramidVisionTransformerV2``: overlapping conv patch embeddings between stages,
+    spatial-reduction attention (keys and values from a strided conv, or adaptive pooling in
+    the linear variant), average pooling."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self.token_sites = [f"stages.{s}.blocks.{len(st.blocks) - 1}.norm1" for s, st in enumerate(model.stages)]
+
+    def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
+        conv = self.model.patch_embed.proj
+        grid = conv_grid(input_size, conv.kernel_size, conv.stride, conv.padding)
+        chain: Chain = []
+        sets: list[TokenSet] = []
+        tokens = _set(grid)
+        for s, stage in enumerate(self.model.stages):
+            if stage.downsample is not None and s > 0:
+                c = stage.downsample.proj
+                coarse = _set(conv_grid(tokens.grid, c.kernel_size, c.stride, c.padding))
+                chain.append(Transition(Footprint.pool(tokens, coarse, c.kernel_size, c.stride, c.padding), s - 1, s,
+                                        f"stages.{s}.downsample"))
+                tokens = coarse
+            sets.append(tokens)
+            for b, block in enumerate(stage.blocks):
+                chain.append(global_call(f"stages.{s}.blocks.{b}.attn", tokens, s, _sr_keys(block.attn, tokens)))
+        return chain, sets
+
+
+# -- Twins -------------------------------------------------------------------------------------
+class TwinsAdapter(HierAdapter):
+    """timm ``Twins`` (PCPVT and SVT): non-overlapping conv patch embeddings per stage,
+    global sub-sampled attention (keys from a strided conv), SVT's locally-grouped (windowed)
+    attention with zero padding, average pooling. The positional conv after each stage's
+    first block is taken as token-wise."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self.token_sites = [f"blocks.{s}.{len(st) - 1}.norm1" for s, st in enumerate(model.blocks)]
+
+    def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
+        chain: Chain = []
+        sets: list[TokenSet] = []
+        tokens: Optional[TokenSet] = None
+        size = input_size
+        for s, (embed, blocks) in enumerate(zip(self.model.patch_embeds, self.model.blocks)):
+            conv = embed.proj
+            grid = conv_grid(tokens.grid if tokens else size, conv.kernel_size, conv.stride, conv.padding)
+            if tokens is not None:
+                coarse = _set(grid)
+                chain.append(Transition(Footprint.pool(tokens, coarse, conv.kernel_size, conv.stride, conv.padding),
+                                        s - 1, s, f"patch_embeds.{s}"))
+            tokens = _set(grid)
+            sets.append(tokens)
+            for b, block in enumerate(blocks):
+                attn, name = block.attn, f"blocks.{s}.{b}.attn"
+                window = getattr(attn, "ws", None)
+                if window is not None and type(attn).__name__ == "LocallyGroupedAttn":
+                    slots = window_slots(tokens, _pair(window))
+                    chain.append(CallSpec(name, tokens, tokens, slots, slots, Footprint.identity(tokens),
+                                          Footprint.identity(tokens), s, s))
+                else:
+                    chain.append(global_call(name, tokens, s, _sr_keys(attn, tokens)))
+        return chain, sets
+
+
+# -- SAM ---------------------------------------------------------------------------------------
+class SamViTAdapter(HierAdapter):
+    """timm ``VisionTransformerSAM`` (SAM's image encoder, ViT-Det style): windowed attention
+    (zero-padded windows) and global attention on one patch grid, then a conv neck (its 3 x 3
+    conv is a transition on the same grid), average pooling when it has a head."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self.token_sites = [f"blocks.{len(model.blocks) - 1}.norm1"]
+        self.fixed_size = tuple(_pair(model.patch_embed.img_size))
+
+    def site_grid(self, stage: int, output: Tensor, input_size: Sequence[int]) -> Tensor:
+        return output  # SAM's blocks keep tokens as (B, H, W, C)
+
+    def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
+        patch = _pair(self.model.patch_embed.patch_size)
+        tokens = _set((input_size[0] // patch[0], input_size[1] // patch[1]))
+        chain: Chain = []
+        for b, block in enumerate(self.model.blocks):
+            name, window = f"blocks.{b}.attn", int(getattr(block, "window_size", 0) or 0)
+            slots = window_slots(tokens, (window, window)) if window > 0 else full_slots(tokens)
+            identity = Footprint.identity(tokens)  # heads are folded into SDPA's batch: (B * nW * heads, n, d)
+            chain.append(CallSpec(name, tokens, tokens, slots, slots, identity, identity, 0, 0,
+                                  folded_heads=int(block.attn.num_heads)))
+        for k, layer in enumerate(getattr(self.model, "neck", [])):
+            if isinstance(layer, nn.Conv2d) and _pair(layer.kernel_size) != (1, 1):
+                out = _set(conv_grid(tokens.grid, layer.kernel_size, layer.stride, layer.padding))
+                chain.append(Transition(Footprint.pool(tokens, out, layer.kernel_size, layer.stride, layer.padding),
+                                        0, 0, f"neck.{k}"))
+                tokens = out
+        return chain, [chain[0].inp]  # type: ignore[union-attr]
+
+
+@register_adapter(priority=15, family=HIER)
+def _detect_timm_hier(model: nn.Module) -> Optional[Adapter]:
+    if module_family(model, "timm.models.pvt_v2") and hasattr(model, "stages"):
+        return PVTv2Adapter(model)
+    if module_family(model, "timm.models.twins") and hasattr(model, "patch_embeds"):
+        return TwinsAdapter(model)
+    if module_family(model, "timm.models.vision_transformer_sam") and hasattr(model, "blocks"):
+        return SamViTAdapter(model)
+    return None

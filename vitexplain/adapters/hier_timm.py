@@ -1,0 +1,235 @@
+"""Hierarchical adapters for timm's pooling transformers: PiT, MaxViT, LeViT and MViTv2.
+
+Each describes its model as a chain (:mod:`vitexplain.methods.resample`) read from the
+model's own modules:
+
+- PiT: ViT blocks with a class token per stage; between stages a depthwise conv of kernel
+  s + 1, stride s (the class token through a linear layer: prefix kept).
+- MaxViT: per block an MBConv (its stride-2 depthwise conv is the stage transition), block
+  attention in windows and grid attention in dilated windows, each with a residual.
+- LeViT: attention blocks on one grid per stage; between stages an attention whose queries
+  are subsampled (no residual around it), keys over the whole previous grid.
+- MViTv2: pooled queries, keys and values (each a conv or pooling); the first block of a
+  stage pools its queries (the stage transition) and its residual through a max pooling.
+- TNT: the outer (patch) tokens with their class token, one grid; the inner attention runs
+  inside each patch's pixels and mixes no patches, so it is left out of the chain.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from torch import Tensor, nn
+
+from ..layout import _pair
+from ..methods.families import HIER
+from ..methods.resample import CallSpec, Footprint, TokenSet, Transition, full_slots, grid_slots, window_slots
+from .base import Adapter, register_adapter
+from .hier import Chain, HierAdapter, conv_grid, global_call, module_family
+
+__all__ = ["PiTAdapter", "MaxViTAdapter", "LeViTAdapter", "MViTv2Adapter", "TNTAdapter"]
+
+
+def _set(grid: Sequence[int], prefix: int = 0) -> TokenSet:
+    return TokenSet(prefix, (int(grid[0]), int(grid[1])))
+
+
+def _pool_of(tokens: TokenSet, module: Optional[nn.Module]) -> Footprint:
+    """The footprint of a conv / pooling module applied to the set's grid (identity if None)."""
+    if module is None:
+        return Footprint.identity(tokens)
+    k, s, p = module.kernel_size, module.stride, module.padding
+    coarse = TokenSet(tokens.prefix, conv_grid(tokens.grid, k, s, p))
+    return Footprint.pool(tokens, coarse, k, s, p)
+
+
+# -- PiT ---------------------------------------------------------------------------------------
+class PiTAdapter(HierAdapter):
+    """timm ``PoolingVisionTransformer`` (PiT, also distilled): class-token readout."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self.prefix = int(model.cls_token.shape[1])
+        self.readout = "prefix" if self.prefix > 1 else "class"  # distilled: mean of the two heads
+        self.token_sites = [f"transformers.{s}.blocks.{len(t.blocks) - 1}.norm1" for s, t in enumerate(model.transformers)]
+        self.fixed_size = tuple(_pair(model.patch_embed.img_size)) if hasattr(model.patch_embed, "img_size") else None
+
+    def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
+        conv = self.model.patch_embed.conv
+        tokens = _set(conv_grid(input_size, conv.kernel_size, conv.stride, conv.padding), self.prefix)
+        chain: Chain = []
+        sets: list[TokenSet] = []
+        for s, stage in enumerate(self.model.transformers):
+            if stage.pool is not None:
+                footprint = _pool_of(tokens, stage.pool.conv)
+                chain.append(Transition(footprint, s - 1, s, f"transformers.{s}.pool"))
+                tokens = footprint.coarse
+            sets.append(tokens)
+            chain += [global_call(f"transformers.{s}.blocks.{b}.attn", tokens, s) for b in range(len(stage.blocks))]
+        return chain, sets
+
+
+def _same_padding(conv: nn.Conv2d, grid: tuple[int, int]) -> tuple[int, int]:
+    """The padding before the first row / column: TF-style 'same' convs (``Conv2dSame``) pad
+    ``total // 2`` before and the rest after; others pad symmetrically."""
+    k, s = _pair(conv.kernel_size), _pair(conv.stride)
+    if "Same" not in type(conv).__name__:
+        return _pair(conv.padding) if any(_pair(conv.padding)) else (k[0] // 2, k[1] // 2)
+    return tuple(max((-(-g // ss) - 1) * ss + kk - g, 0) // 2 for g, kk, ss in zip(grid, k, s))  # type: ignore[return-value]
+
+
+# -- MaxViT ------------------------------------------------------------------------------------
+class MaxViTAdapter(HierAdapter):
+    """timm ``MaxxVit`` with MaxViT blocks (``maxvit_*``): window and grid attention after an
+    MBConv; channels-last (``*_rw``) and NCHW (``*_tf``) partitions."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self.token_sites = [f"stages.{s}.blocks.{len(st.blocks) - 1}.attn_grid.norm1" for s, st in enumerate(model.stages)]
+        self.fixed_size = None
+
+    def site_grid(self, stage: int, output: Tensor, input_size: Sequence[int]) -> Tensor:
+        last = self.model.stages[stage].blocks[-1].attn_grid
+        return output if type(last).__name__.endswith("Cl") else output.permute(0, 2, 3, 1)
+
+    def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
+        grid = _pair(input_size)
+        for conv in (m for m in self.model.stem.modules() if isinstance(m, nn.Conv2d)):
+            grid = conv_grid(grid, conv.kernel_size, conv.stride, conv.kernel_size[0] // 2)
+        chain: Chain = []
+        sets: list[TokenSet] = []
+        tokens: Optional[TokenSet] = None
+        for s, stage in enumerate(self.model.stages):
+            for b, block in enumerate(stage.blocks):
+                dw = next((m for m in block.conv.modules() if isinstance(m, nn.Conv2d) and _pair(m.stride) != (1, 1)), None)
+                if dw is not None:  # the strided (depthwise) conv resamples the grid
+                    k, st = dw.kernel_size, dw.stride
+                    pad = _same_padding(dw, tokens.grid if tokens else grid)
+                    fine = tokens.grid if tokens else grid
+                    same = "Same" in type(dw).__name__  # output ceil(g / s)
+                    coarse = _set(tuple(-(-g // ss) for g, ss in zip(fine, st)) if same else conv_grid(fine, k, st, pad))
+                    if tokens is not None:
+                        chain.append(Transition(Footprint.pool(tokens, coarse, k, st, pad), s - 1, s, f"stages.{s}.blocks.{b}.conv"))
+                    tokens = coarse
+                elif tokens is None:
+                    tokens = _set(grid)
+                if b == 0:
+                    sets.append(tokens)
+                for part in ("attn_block", "attn_grid"):
+                    module = getattr(block, part)
+                    size = _pair(module.partition_size)
+                    slots = window_slots(tokens, size) if module.partition_block else grid_slots(tokens, size)
+                    identity = Footprint.identity(tokens)
+                    chain.append(CallSpec(f"stages.{s}.blocks.{b}.{part}.attn", tokens, tokens, slots, slots, identity,
+                                          identity, s, s))
+        return chain, sets
+
+
+# -- LeViT -------------------------------------------------------------------------------------
+class LeViTAdapter(HierAdapter):
+    """timm ``Levit`` / ``LevitDistilled`` (linear mode): the tokens entering a stage's last
+    attention are its block input (LeViT's attention has no norm before it), so CDAM's
+    gradient there also runs through that block's residual."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self.fixed_size = None
+        sites: list[Optional[str]] = []
+        for s, stage in enumerate(model.stages):
+            n = len(stage.blocks)
+            if n >= 2:
+                sites.append(f"stages.{s}.blocks.{n - 2}")
+            elif not isinstance(stage.downsample, nn.Identity):
+                sites.append(f"stages.{s}.downsample")
+            else:
+                sites.append(None)
+        self.token_sites = sites
+
+    def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
+        grid = _pair(input_size)
+        for conv in (m for m in self.model.stem.modules() if isinstance(m, nn.Conv2d)):
+            grid = conv_grid(grid, conv.kernel_size, conv.stride, conv.padding)
+        tokens = _set(grid)
+        chain: Chain = []
+        sets: list[TokenSet] = []
+        for s, stage in enumerate(self.model.stages):
+            if not isinstance(stage.downsample, nn.Identity):
+                down = stage.downsample.attn_downsample
+                stride = int(down.q.down.stride)
+                coarse = _set(tuple((g - 1) // stride + 1 for g in tokens.grid))
+                chain.append(CallSpec(f"stages.{s}.downsample.attn_downsample", tokens, coarse, full_slots(coarse),
+                                      full_slots(tokens), Footprint.identity(tokens), None, s - 1, s))
+                tokens = coarse
+            sets.append(tokens)
+            chain += [global_call(f"stages.{s}.blocks.{b}.attn", tokens, s) for b in range(len(stage.blocks))]
+        return chain, sets
+
+
+# -- MViTv2 ------------------------------------------------------------------------------------
+class MViTv2Adapter(HierAdapter):
+    """timm ``MultiScaleVit`` (MViTv2): pooled q / k / v, pooled residual, class token if any."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self.prefix = 1 if getattr(model, "cls_token", None) is not None else 0
+        self.readout = "class" if model.global_pool == "token" else "mean"
+        self.token_sites = [f"stages.{s}.blocks.{len(st.blocks) - 1}.norm1" for s, st in enumerate(model.stages)]
+        self.fixed_size = None
+
+    def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
+        conv = self.model.patch_embed.proj
+        tokens = _set(conv_grid(input_size, conv.kernel_size, conv.stride, conv.padding), self.prefix)
+        chain: Chain = []
+        sets: list[TokenSet] = []
+        for s, stage in enumerate(self.model.stages):
+            for b, block in enumerate(stage.blocks):
+                attn = block.attn
+                out = _pool_of(tokens, attn.pool_q).coarse
+                keys = _pool_of(tokens, attn.pool_v if attn.pool_v is not None else attn.pool_k)
+                pool = block.shortcut_pool_attn
+                skip = _pool_of(tokens, pool) if pool is not None else Footprint.identity(tokens)
+                stage_in = s - 1 if out != tokens and s > 0 else s
+                if b == 0:
+                    sets.append(out)
+                chain.append(CallSpec(f"stages.{s}.blocks.{b}.attn", tokens, out, full_slots(out),
+                                      full_slots(keys.coarse), keys, skip, stage_in, s))
+                tokens = out
+        return chain, sets
+
+    def site_grid(self, stage: int, output: Tensor, input_size: Sequence[int]) -> Tensor:
+        last = [c for c in self.chain(input_size) if isinstance(c, CallSpec) and c.out_stage == stage][-1]
+        return output[:, last.inp.prefix:].reshape(output.shape[0], *last.inp.grid, output.shape[-1])
+
+
+# -- TNT ---------------------------------------------------------------------------------------
+class TNTAdapter(HierAdapter):
+    """timm ``TNT`` (Transformer in Transformer): outer attention over [class] + patches."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self.readout = "class" if model.global_pool == "token" else "mean"
+        self.token_sites = [f"blocks.{len(model.blocks) - 1}.norm_out"]
+        self.fixed_size = tuple(_pair(model.pixel_embed.img_size))
+
+    def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
+        patch = _pair(self.model.pixel_embed.patch_size)
+        tokens = _set((input_size[0] // patch[0], input_size[1] // patch[1]), 1)
+        return [global_call(f"blocks.{b}.attn_out", tokens, 0) for b in range(len(self.model.blocks))], [tokens]
+
+
+@register_adapter(priority=15, family=HIER)
+def _detect_timm_pooling(model: nn.Module) -> Optional[Adapter]:
+    if module_family(model, "timm.models.pit") and hasattr(model, "transformers"):
+        return PiTAdapter(model)
+    if module_family(model, "timm.models.maxxvit") and hasattr(model, "stages"):
+        blocks = [blk for st in model.stages for blk in st.blocks]
+        if blocks and all(hasattr(b, "attn_block") and hasattr(b, "attn_grid") and hasattr(b, "conv") for b in blocks):
+            return MaxViTAdapter(model)
+        return None  # CoAtNet / MaxxViT-v2 mixes: the CNN adapter's Grad-CAM family
+    if module_family(model, "timm.models.levit") and hasattr(model, "stages") and not getattr(model, "use_conv", False):
+        return LeViTAdapter(model)
+    if module_family(model, "timm.models.mvitv2") and hasattr(model, "stages"):
+        return MViTv2Adapter(model)
+    if module_family(model, "timm.models.tnt") and hasattr(model, "pixel_embed"):
+        return TNTAdapter(model)
+    return None

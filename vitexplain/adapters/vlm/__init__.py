@@ -1,0 +1,10 @@
+"""Adapters of decoder-only vision-language models (VLMs), one module per model family; the
+shared geometry and interface are in :mod:`~vitexplain.adapters.vlm.base`."""
+
+from __future__ import annotations
+
+from .base import ImageView, Piece, VLMAdapter, render
+
+from . import llava, paligemma, qwen, idefics  # noqa: E402,F401  (registers its detector)
+
+__all__ = ["ImageView", "Piece", "VLMAdapter", "render"]

@@ -1,0 +1,285 @@
+"""Decoder-only vision-language models: what every VLM adapter knows, and the image-token geometry.
+
+A VLM adapter (:class:`VLMAdapter`) runs the model's own processor on images and prompts (left
+padding, so every prompt ends at the same position), generates greedily, runs the teacher-forced
+forward on prompt + answer, says which sequence positions hold each image's pixel-bearing tokens
+(:meth:`VLMAdapter.image_columns`), which records are the language model's layers, and where each
+image token's pixels are in the original image (:class:`ImageView`: one or more token grids, each
+covering a box of the original image: the processed image, or tiles and a thumbnail).
+
+Token scores become maps at the original resolution by :func:`render`: every original pixel takes
+the score of the token whose grid cell covers its centre (the token's footprint), summed over the
+pieces that cover it (tiles and a thumbnail both cover a pixel).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from ...errors import UnsupportedModelError, UsageError
+from ...methods.families import VLM
+from ..base import Adapter
+
+__all__ = ["Piece", "ImageView", "VLMAdapter", "render", "processed_box", "submodule_named"]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One grid of image tokens over a box of the original image.
+
+    Attributes:
+        name: ``"image"``, ``"thumbnail"``, ``"tile r,c"``.
+        grid: (gh, gw) tokens, in row-major order in the sequence.
+        box: (y0, x0, y1, x1) the region of the original image the grid covers, in original pixels
+            (may reach outside the image where the processor padded it).
+        start: index of the grid's first token among the image's pixel-bearing tokens.
+    """
+
+    name: str
+    grid: tuple[int, int]
+    box: tuple[float, float, float, float]
+    start: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.grid[0] * self.grid[1]
+
+
+@dataclass(frozen=True)
+class ImageView:
+    """Where one image's tokens are: its original size and its token grids.
+
+    Attributes:
+        size: (H, W) of the original image.
+        pieces: the token grids, in sequence order.
+    """
+
+    size: tuple[int, int]
+    pieces: tuple[Piece, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        """How many pixel-bearing tokens the image has."""
+        return max(p.start + p.num_tokens for p in self.pieces)
+
+
+def _cells(length: int, low: float, high: float, cells: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """For each of ``length`` pixels (centres at i + 0.5), its grid cell over [low, high) and whether it is inside."""
+    centres = torch.arange(length, device=device, dtype=torch.float64) + 0.5
+    index = torch.floor((centres - low) / (high - low) * cells).long()
+    inside = (index >= 0) & (index < cells)
+    return index.clamp(0, cells - 1), inside
+
+
+def render(scores: Tensor, view: ImageView) -> tuple[Tensor, list[Tensor]]:
+    """Token scores as maps at the original resolution.
+
+    Args:
+        scores: (T, n) scores of the image's pixel-bearing tokens.
+        view: the image's token geometry (n == ``view.num_tokens``).
+
+    Returns:
+        ((T, H, W) the sum of the pieces' maps, per piece its (T, H, W) map, zero outside its box).
+    """
+    if scores.shape[-1] != view.num_tokens:
+        raise UnsupportedModelError(
+            f"the image has {scores.shape[-1]} image tokens in the sequence, but its processed geometry has "
+            f"{view.num_tokens}; the processor and the model disagree (pass the model's own processor)"
+        )
+    height, width = view.size
+    layers = []
+    for piece in view.pieces:
+        gh, gw = piece.grid
+        grid = scores[:, piece.start : piece.start + piece.num_tokens].reshape(-1, gh, gw)
+        y0, x0, y1, x1 = piece.box
+        rows, row_in = _cells(height, y0, y1, gh, scores.device)
+        cols, col_in = _cells(width, x0, x1, gw, scores.device)
+        layer = grid[:, rows][:, :, cols] * (row_in[:, None] & col_in[None, :]).to(scores.dtype)
+        layers.append(layer)
+    return torch.stack(layers).sum(dim=0), layers
+
+
+def processed_box(image_processor: Any, height: int, width: int) -> tuple[float, float, float, float]:
+    """The box of an (H, W) original image that a resize (+ centre crop) image processor keeps.
+
+    Follows transformers' processors: ``size={"shortest_edge": S}`` scales the short side to S and
+    the long side to ``int(S * long / short)``; ``size={"height", "width"}`` resizes to that size;
+    then ``crop_size`` (when ``do_center_crop``) cuts the centre, padding first where the crop is larger.
+    """
+    size = dict(getattr(image_processor, "size", None) or {})
+    if not getattr(image_processor, "do_resize", True) or not size:
+        rh, rw = height, width
+    elif size.get("shortest_edge") and not size.get("longest_edge"):
+        short = size["shortest_edge"]
+        if height <= width:
+            rh, rw = short, int(short * width / height)
+        else:
+            rh, rw = int(short * height / width), short
+    elif size.get("height") and size.get("width"):
+        rh, rw = size["height"], size["width"]
+    else:
+        raise UnsupportedModelError(f"cannot follow this image processor's resize (size={size}); its geometry is unknown")
+    top, left, ch, cw = 0.0, 0.0, rh, rw
+    crop = dict(getattr(image_processor, "crop_size", None) or {})
+    if getattr(image_processor, "do_center_crop", False) and crop:
+        ch, cw = crop["height"], crop["width"]
+        top = -((ch - rh) // 2) if ch > rh else int((rh - ch) / 2.0)
+        left = -((cw - rw) // 2) if cw > rw else int((rw - cw) / 2.0)
+    sy, sx = height / rh, width / rw
+    return (top * sy, left * sx, (top + ch) * sy, (left + cw) * sx)
+
+
+def submodule_named(model: nn.Module, *suffixes: str) -> str:
+    """The name of the first submodule whose name ends with one of ``suffixes`` ("" when none)."""
+    for name, _ in model.named_modules():
+        if any(name == s or name.endswith("." + s) for s in suffixes):
+            return name
+    return ""
+
+
+class VLMAdapter(Adapter):
+    """A decoder-only VLM whose image tokens sit in the language model's sequence.
+
+    Subclasses say where the image tokens are (:meth:`views`, :meth:`image_columns`) and add the
+    model's own inputs to the teacher-forced forward (:meth:`teacher_inputs`).
+
+    Attributes:
+        processor: the model's processor (tokenizer + image processor).
+        lm_prefix: module name of the language model (its self-attention records are read).
+    """
+
+    family = VLM
+    #: the token that stands for the image in a prompt (the processor expands it)
+    image_token: str = "<image>"
+    #: the first position id (PaliGemma counts from 1)
+    position_offset: int = 0
+    #: the processor takes one list of images per prompt
+    nested_images: bool = False
+
+    def __init__(self, model: nn.Module, processor: Any = None) -> None:
+        super().__init__(model)
+        self.processor = processor
+        self.capabilities = frozenset({"joint"})
+        self.lm_prefix = submodule_named(model, "language_model", "text_model")
+
+    # -- what the Explainer needs -------------------------------------------------------------
+    def with_processor(self, processor: Any) -> "VLMAdapter":
+        """This adapter with the model's processor."""
+        self.processor = processor
+        return self
+
+    @property
+    def tokenizer(self) -> Any:
+        return getattr(self.processor, "tokenizer", None)
+
+    def require_processor(self) -> Any:
+        if self.processor is None or self.tokenizer is None:
+            raise UsageError(
+                f"{type(self.model).__name__} is a vision-language model: pass its processor, "
+                "vx.Explainer(model, processor=AutoProcessor.from_pretrained(path))"
+            )
+        return self.processor
+
+    @property
+    def image_token_id(self) -> int:
+        config = self.model.config
+        for name in ("image_token_id", "image_token_index"):
+            value = getattr(config, name, None)
+            if isinstance(value, int):
+                return value
+        raise UnsupportedModelError(f"{type(self.model).__name__}'s config names no image token id")
+
+    @property
+    def end_ids(self) -> list[int]:
+        """Token ids that end an answer."""
+        end = getattr(self.model.generation_config, "eos_token_id", None)
+        if end is None and self.tokenizer is not None:
+            end = self.tokenizer.eos_token_id
+        return [] if end is None else [int(e) for e in (end if isinstance(end, (list, tuple)) else [end])]
+
+    @property
+    def pad_id(self) -> int:
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        if pad is None:
+            pad = (self.end_ids or [0])[0]
+        return int(pad)
+
+    def format_prompt(self, prompt: str) -> str:
+        """The text given to the processor: the prompt with the image token in front unless it has one."""
+        token = getattr(self.processor, "image_token", None) or self.image_token
+        return prompt if token in prompt else f"{token}{prompt}"
+
+    def prepare(self, images: Sequence[Any], prompts: Sequence[str]) -> Any:
+        """The processor's batch for (H, W, 3) uint8 images and prompts, left-padded (tensors on the model's device)."""
+        processor = self.require_processor()
+        texts = [self.format_prompt(p) for p in prompts]
+        tokenizer = self.tokenizer
+        side = tokenizer.padding_side
+        tokenizer.padding_side = "left"
+        try:
+            given = [[image] for image in images] if self.nested_images else list(images)
+            batch = processor(images=given, text=texts, return_tensors="pt", padding=True)
+        finally:
+            tokenizer.padding_side = side
+        device = next(self.model.parameters()).device
+        return batch.to(device)
+
+    @property
+    def placeholder_ids(self) -> list[int]:
+        """Token ids that stand for image content (never an answer word: generation suppresses them)."""
+        return [self.image_token_id]
+
+    def generate(self, inputs: Any, max_len: int) -> Tensor:
+        """Greedy answer ids (B, T) after the prompt (padded after each answer's end); image
+        placeholder tokens are suppressed (fed back, they would ask for an image that is not there)."""
+        ends = self.end_ids
+        out = self.model.generate(**inputs, max_new_tokens=max_len, do_sample=False, num_beams=1,
+                                  pad_token_id=self.pad_id, suppress_tokens=self.placeholder_ids,
+                                  **({"eos_token_id": ends} if ends else {}))
+        return out[:, inputs["input_ids"].shape[1]:]
+
+    def teacher_inputs(self, inputs: Any, ids: Tensor) -> dict[str, Any]:
+        """The teacher-forced forward's keyword arguments: prompt + answer ids, the mask extended,
+        and positions that skip the left padding (as ``generate`` counts them)."""
+        kwargs = {k: v for k, v in inputs.items() if k != "labels"}  # (PaliGemma's processor adds labels)
+        mask = inputs["attention_mask"]
+        kwargs["input_ids"] = torch.cat([inputs["input_ids"], ids], dim=1)
+        kwargs["attention_mask"] = torch.cat([mask, torch.ones_like(ids, dtype=mask.dtype)], dim=1)
+        kwargs["position_ids"] = (kwargs["attention_mask"].long().cumsum(-1) - 1).clamp(min=0) + self.position_offset
+        return kwargs
+
+    def forward_logits(self, kwargs: dict[str, Any]) -> Tensor:
+        """(B, N, V) logits of one forward."""
+        return self.model(**kwargs, use_cache=False).logits
+
+    def image_columns(self, input_ids: Tensor) -> list[Tensor]:
+        """Per image, the sequence positions of its image tokens, in sequence order."""
+        found = input_ids == self.image_token_id
+        return [row.nonzero()[:, 0] for row in found]
+
+    def lm_records(self, records: Sequence[Any]) -> list[Any]:
+        """The language model's self-attention records (one per layer of one forward)."""
+        prefix = self.lm_prefix + "."
+        return [r for r in records if r.kind == "self" and r.name.startswith(prefix)]
+
+    def views(self, images: Sequence[Any], inputs: Any) -> list[ImageView]:
+        """Per image, where its tokens' pixels are."""
+        raise self.not_implemented("views()")
+
+    def word(self, token_id: int) -> str:
+        return self.tokenizer.decode([int(token_id)]).strip()
+
+    def encode_answer(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    @property
+    def vocab_size(self) -> Optional[int]:
+        size = getattr(self.model.config.get_text_config(), "vocab_size", None)
+        return size if isinstance(size, int) else None
+
+    def describe(self) -> str:
+        return f"{type(self).__name__}({type(self.model).__name__})"

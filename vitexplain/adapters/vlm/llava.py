@@ -1,0 +1,45 @@
+"""LLaVA (``LlavaForConditionalGeneration``): one image token per vision-tower patch.
+
+The processor resizes (shortest edge) and centre-crops the image; the vision tower's patch grid
+over that crop is the token grid, in row-major order (the class token is dropped by the
+``"default"`` feature strategy and kept, without pixels, by ``"full"``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+from torch import nn
+
+from ...errors import UnsupportedModelError
+from ...methods.families import VLM
+from ..base import Adapter, register_adapter
+from .base import ImageView, Piece, VLMAdapter, processed_box
+
+__all__ = ["LlavaAdapter"]
+
+
+class LlavaAdapter(VLMAdapter):
+    """LLaVA-1.5-style models (also VipLlava-free LLaVA variants built on ``LlavaForConditionalGeneration``)."""
+
+    def views(self, images: Sequence[Any], inputs: Any) -> list[ImageView]:
+        config = self.model.config
+        patch = config.vision_config.patch_size
+        pixels = inputs["pixel_values"]
+        gh, gw = pixels.shape[-2] // patch, pixels.shape[-1] // patch
+        extra = 1 if config.vision_feature_select_strategy == "full" else 0  # the class token, no pixels
+        if not isinstance(config.vision_feature_layer, int) and len(config.vision_feature_layer) == 0:
+            raise UnsupportedModelError("LLaVA config without a vision feature layer")
+        views = []
+        for image in images:
+            h, w = int(image.shape[0]), int(image.shape[1])
+            box = processed_box(self.processor.image_processor, h, w)
+            views.append(ImageView((h, w), (Piece("image", (gh, gw), box, extra),)))
+        return views
+
+
+@register_adapter(priority=20, family=VLM)
+def _detect_llava(model: nn.Module) -> Optional[Adapter]:
+    if type(model).__name__ in ("LlavaForConditionalGeneration",):
+        return LlavaAdapter(model)
+    return None

@@ -1,0 +1,95 @@
+"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL: dynamic resolution, 2 x 2 patch merge, M-RoPE.
+
+The processor resizes the whole image (no crop) to multiples of ``patch_size * merge_size`` and
+gives ``image_grid_thw`` (1, gh, gw) in patches; the language model sees one token per 2 x 2
+block of patches, in row-major order of the blocks. Qwen2.5-VL's vision tower runs its window
+attention on patches reordered window by window and restores the row-major order before the
+language model (checked by the footprint probe in ``tests/test_vlm.py``). Qwen3-VL adds the
+"deepstack" features of the same tokens to early language-model layers.
+
+Positions are the model's 3-D M-RoPE positions, computed from ``mm_token_type_ids``: the
+processor must give them (without them ``generate`` falls back to 1-D positions and, for
+Qwen3-VL, changes the answer), so their absence is an error. The teacher-forced forward passes
+them extended with 0 (text) for the answer and lets the model compute its own positions, as it
+does for ``generate``'s first step. The model's ``rope_deltas`` state, which its forward sets,
+is restored afterwards.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from ...errors import UnsupportedModelError
+from ...methods.families import VLM
+from ..base import Adapter, register_adapter
+from .base import ImageView, Piece, VLMAdapter
+
+__all__ = ["QwenVLAdapter"]
+
+_NAMES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
+
+
+class QwenVLAdapter(VLMAdapter):
+    """Qwen2-VL, Qwen2.5-VL and Qwen3-VL (``*ForConditionalGeneration``)."""
+
+    image_token = "<|image_pad|>"
+
+    def format_prompt(self, prompt: str) -> str:
+        token = getattr(self.processor, "image_token", None) or self.image_token
+        return prompt if token in prompt else f"<|vision_start|>{token}<|vision_end|>{prompt}"
+
+    def prepare(self, images: Sequence[Any], prompts: Sequence[str]) -> Any:
+        batch = super().prepare(images, prompts)
+        if "mm_token_type_ids" not in batch:
+            raise UnsupportedModelError(
+                f"the processor gave no mm_token_type_ids, which {type(self.model).__name__} needs for its 3-D "
+                "(M-RoPE) positions; without them generate silently uses 1-D positions and the answer changes. "
+                "Use the model's own processor from transformers >= 5"
+            )
+        return batch
+
+    @contextmanager
+    def _rope_state(self) -> Iterator[None]:
+        inner = getattr(self.model, "model", self.model)
+        saved = getattr(inner, "rope_deltas", None)
+        try:
+            yield
+        finally:
+            inner.rope_deltas = saved
+
+    def generate(self, inputs: Any, max_len: int) -> Tensor:
+        with self._rope_state():
+            return super().generate(inputs, max_len)
+
+    def teacher_inputs(self, inputs: Any, ids: Tensor) -> dict[str, Any]:
+        kwargs = super().teacher_inputs(inputs, ids)
+        del kwargs["position_ids"]  # the model computes its 3-D positions from the ids and mm_token_type_ids
+        types = inputs["mm_token_type_ids"]
+        kwargs["mm_token_type_ids"] = torch.cat([types, torch.zeros_like(ids, dtype=types.dtype)], dim=1)
+        return kwargs
+
+    def forward_logits(self, kwargs: dict[str, Any]) -> Tensor:
+        with self._rope_state():
+            return super().forward_logits(kwargs)
+
+    def views(self, images: Sequence[Any], inputs: Any) -> list[ImageView]:
+        merge = int(self.model.config.vision_config.spatial_merge_size)
+        grids = inputs["image_grid_thw"].tolist()
+        if len(grids) != len(images):
+            raise UnsupportedModelError(f"{len(grids)} image grids for {len(images)} images")
+        views = []
+        for image, (frames, gh, gw) in zip(images, grids):
+            if frames != 1:
+                raise UnsupportedModelError("Qwen-VL video inputs are not supported; explain single images")
+            h, w = int(image.shape[0]), int(image.shape[1])
+            views.append(ImageView((h, w), (Piece("image", (gh // merge, gw // merge), (0.0, 0.0, float(h), float(w)), 0),)))
+        return views
+
+
+@register_adapter(priority=20, family=VLM)
+def _detect_qwen(model: nn.Module) -> Optional[Adapter]:
+    return QwenVLAdapter(model) if type(model).__name__ in _NAMES else None

@@ -1,0 +1,226 @@
+"""Methods for hierarchical and pooling transformers (family ``"hier"``).
+
+The adapter describes the model as a chain of attention calls and token-set transitions
+(:mod:`.resample`); the attention methods carry a readout row back through that chain by the
+footprint rule (raw attention of one call, rollout, gradient rollout, Chefer's rule), onto the
+grid of any stage (option ``stage``, 0 = the finest token grid). Token methods (CDAM, token
+Grad-CAM) read the tokens entering the last attention call of a stage and their gradient,
+recorded in the explained forward (``adapter.token_sites``), so nothing is re-run. The captum
+methods attribute pixels, pooled to the finest grid. Definitions: docs/methods.md,
+"Hierarchical transformers".
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..errors import CaptureError, UnsupportedMethodError
+from . import captum_methods
+from .context import Context
+from .families import HIER, VIT
+from .options import Option, check_index
+from .registry import get, register
+from .resample import Call, Item, bind, calls, propagate, readout
+from .tokens import cdam_scores
+
+__all__ = ["raw", "rollout", "grad_rollout", "generic", "cdam", "gradcam", "chain_of", "stage_tokens"]
+
+
+def chain_of(ctx: Context) -> list[Item]:
+    """The model's chain for this input, bound to the captured attention records."""
+    spec = ctx.adapter.chain(tuple(ctx.x.shape[-2:]))
+    return bind(spec, ctx.recorder.records, ctx.batch_size, ctx.method)
+
+
+def _stages(ctx: Context) -> list:
+    return ctx.adapter.stage_sets(tuple(ctx.x.shape[-2:]))
+
+
+def _attention_stage(ctx: Context, items: list[Item], stage: int) -> int:
+    """``stage`` checked against the stages an attention row can be carried back to: those
+    with an attention call on their own grid (a stage whose only block pools its queries
+    has none; its map would be the readout alone)."""
+    sets = _stages(ctx)
+    stage = check_index(ctx.method, "stage", stage, len(sets), "stages")
+    if not any(c.in_stage >= stage for c in calls(items)):
+        usable = sorted({s for s in range(len(sets)) if any(c.in_stage >= s for c in calls(items))})
+        raise UnsupportedMethodError(
+            f"stage {stage} of {type(ctx.adapter.model).__name__} has no attention call on its own grid, so "
+            f"{ctx.method!r} has nothing to carry there; choose a stage in {usable}")
+    return stage
+
+
+def _start(ctx: Context, items: list[Item]) -> Tensor:
+    last = items[-1]
+    tokens = last.spec.out if isinstance(last, Call) else last.footprint.coarse
+    return readout(tokens, ctx.batch_size, ctx.x.device, ctx.adapter.readout)
+
+
+def _carry(ctx: Context, matrix, *, mode: str, stage: int, discard_ratio: float = 0.0, deviation: bool = False) -> Tensor:
+    items = chain_of(ctx)
+    stage = _attention_stage(ctx, items, stage)
+    r = propagate(items, _start(ctx, items), matrix, mode=mode, to_stage=stage, discard_ratio=discard_ratio,
+                  deviation=deviation)
+    return _stages(ctx)[stage].on_grid(r)
+
+
+_FUSION = Option(str, choices=("mean", "max", "min"), help="how heads are fused")
+_STAGE = Option(int, help="stage whose grid the map is on (0 = the patch grid; negative counts from the last)")
+_DISCARD = Option(float, low=0, high=1, high_open=True, help="fraction of smallest entries zeroed per call")
+
+
+@register(
+    "raw", HIER, class_sensitive=False, requires=("grid", "attention"),
+    options={
+        "layer": Option(int, help="attention call index over all stages, negative counts from the last"),
+        "head": Option(int, optional=True, help="one head, negative counts from the last (None = fuse heads)"),
+        "head_fusion": _FUSION,
+    },
+    summary="raw attention of one call, on its input grid through the keys' footprint (mean over its queries)",
+    reference="Dosovitskiy et al. 2021 on resampled keys; docs/methods.md, Hierarchical transformers",
+)
+def raw(ctx: Context, *, layer: int = -1, head: Optional[int] = None, head_fusion: str = "mean") -> Tensor:
+    """``map = q S_q^T A S_k D_k`` for call ``layer``: q the mean over its query tokens (the
+    class token when the model reads one and the call has it), placed on the grid of the
+    call's input set.
+
+    Returns:
+        (B, H_I, W_I) float32 on the call's input grid.
+    """
+    chosen = calls(chain_of(ctx))
+    call = chosen[check_index(ctx.method, "layer", layer, len(chosen), "attention calls over all stages")]
+    if head is not None:
+        head = check_index(ctx.method, "head", head, call.record.num_heads, "heads")
+    q = readout(call.spec.out, ctx.batch_size, ctx.x.device, ctx.adapter.readout)
+    return call.spec.inp.on_grid(call.vec_mat(q, call.fused(head_fusion, head)))
+
+
+@register(
+    "rollout", HIER, class_sensitive=False, requires=("grid", "attention", "rollout"),
+    options={"head_fusion": _FUSION, "discard_ratio": _DISCARD, "stage": _STAGE},
+    summary="attention rollout through every token resampling (footprint rule), on a stage grid",
+    reference="Abnar & Zuidema 2020 with resampling footprints; docs/methods.md, Hierarchical transformers",
+)
+def rollout(ctx: Context, *, head_fusion: str = "mean", discard_ratio: float = 0.0, stage: int = 0) -> Tensor:
+    """Rollout of ``rownorm(0.5 M_l + 0.5 D_q,l)`` over every call, transitions pulled through
+    their footprints, read from the model's readout row.
+
+    Returns:
+        (B, H_s, W_s) float32; sums to (at most) 1 per image.
+    """
+    return _carry(ctx, lambda c: c.fused(head_fusion), mode="rollout", stage=stage, discard_ratio=discard_ratio)
+
+
+def _grad_weighted(call: Call) -> Tensor:
+    return (call.probs() * call.grad_probs()).mean(dim=2).clamp(min=0)
+
+
+def _chefer(call: Call) -> Tensor:
+    return (call.grad_probs() * call.probs()).clamp(min=0).mean(dim=2)
+
+
+@register(
+    "grad_rollout", HIER, grads=True, requires=("grid", "attention", "rollout"),
+    options={"discard_ratio": _DISCARD, "stage": _STAGE},
+    summary="gradient rollout through every token resampling, on a stage grid",
+    reference="vit-explain (fixed) with resampling footprints; docs/methods.md, Hierarchical transformers",
+)
+def grad_rollout(ctx: Context, *, discard_ratio: float = 0.0, stage: int = 0) -> Tensor:
+    """As ``rollout`` with ``clamp(mean_h(A * dy/dA), 0)``, read as ``u (R - R_identity)``.
+
+    Returns:
+        (B, H_s, W_s) float32.
+    """
+    return _carry(ctx, _grad_weighted, mode="rollout", stage=stage, discard_ratio=discard_ratio, deviation=True)
+
+
+@register(
+    "generic", HIER, grads=True, requires=("grid", "attention", "rollout"), options={"stage": _STAGE},
+    summary="Chefer's rule through every token resampling (identity path removed), on a stage grid",
+    reference="Chefer, Gur & Wolf, ICCV 2021 with resampling footprints; docs/methods.md, Hierarchical transformers",
+)
+def generic(ctx: Context, *, stage: int = 0) -> Tensor:
+    """``r <- r D_q + r mean_h(clamp(dy/dA * A, 0)) S_k D_k`` over every call, minus the
+    readout of the identity path.
+
+    Returns:
+        (B, H_s, W_s) float32, non-negative.
+    """
+    return _carry(ctx, _chefer, mode="generic", stage=stage, deviation=True)
+
+
+# -- tokens at a stage -----------------------------------------------------------------------
+def _sites(adapter) -> list[str]:
+    return [s for s in adapter.token_sites if s]
+
+
+def stage_tokens(ctx: Context, stage: int) -> tuple[Tensor, Tensor]:
+    """T, the tokens entering the last attention call of ``stage``, and dy/dT, from the
+    explained forward (the site's output and its recorded gradient).
+
+    Returns:
+        (T, dy/dT), each (B, H_s, W_s, C) float32 on the stage's grid.
+
+    Raises:
+        UnsupportedMethodError: the stage has no attention call with a spatial grid.
+    """
+    sites = ctx.adapter.token_sites
+    stage = check_index(ctx.method, "stage", stage, len(sites), "stages")
+    if sites[stage] is None:
+        usable = [i for i, s in enumerate(sites) if s]
+        raise UnsupportedMethodError(
+            f"stage {stage} of {type(ctx.adapter.model).__name__} has no attention call over a token grid; "
+            f"{ctx.method!r} applies at stages {usable}")
+    act = ctx.recorder.activation(sites[stage])
+    if act.grad is None:
+        raise CaptureError(f"no gradient reached {sites[stage]!r}; the target score does not depend on it")
+    size = tuple(ctx.x.shape[-2:])
+    tokens = ctx.adapter.site_grid(stage, act.output.detach(), size)
+    grad = ctx.adapter.site_grid(stage, act.grad, size)
+    return tokens.float(), grad.float()
+
+
+_TOKEN_STAGE = Option(int, help="stage whose grid the map is on (0 = the patch grid; negative counts from the last)")
+
+
+@register(
+    "cdam", HIER, grads=True, activations=_sites, signed=True, requires=("grid", "tokens"),
+    options={"stage": _TOKEN_STAGE},
+    summary="CDAM on the tokens entering a stage's last attention (default: the last stage; signed)",
+    reference="Brocki, Binda & Chung 2023; docs/methods.md, Hierarchical transformers",
+)
+def cdam(ctx: Context, *, stage: int = -1) -> Tensor:
+    """``S_i = sum_d T_id dy/dT_id`` on the grid of ``stage``.
+
+    Returns:
+        (B, H_s, W_s) float32, signed.
+    """
+    tokens, grad = stage_tokens(ctx, stage)
+    return cdam_scores(tokens, grad)
+
+
+@register(
+    "gradcam", HIER, grads=True, activations=_sites, requires=("grid", "tokens"),
+    options={"stage": _TOKEN_STAGE},
+    summary="token Grad-CAM on the tokens entering a stage's last attention (default: the last stage)",
+    reference="Selvaraju et al. 2017 on stage tokens; docs/methods.md, Hierarchical transformers",
+)
+def gradcam(ctx: Context, *, stage: int = -1) -> Tensor:
+    """``ReLU(sum_d w_d T_d)``, ``w_d`` the grid mean of dy/dT_d.
+
+    Returns:
+        (B, H_s, W_s) float32, non-negative.
+    """
+    tokens, grad = stage_tokens(ctx, stage)
+    weights = grad.mean(dim=(1, 2), keepdim=True)
+    return torch.relu((tokens * weights).sum(dim=-1))
+
+
+# captum methods need only the finest grid (the layout's)
+for _fn in (captum_methods.integrated_gradients, captum_methods.occlusion, captum_methods.smoothgrad):
+    _spec = get(_fn.__name__, VIT)
+    register(_spec.name, HIER, attention=False, signed=_spec.signed, options=_spec.options, requires=_spec.requires,
+             summary=f"{_spec.summary} (finest grid)", reference=_spec.reference)(_fn)

@@ -1,0 +1,318 @@
+"""LRP rules for transformers as a scoped torch function mode: AttnLRP and CP-LRP on the unchanged model.
+
+LRP in the Gradient x Input framework (Achtibat et al., "AttnLRP", ICML 2024, section 3.3): the
+model's forward is run with some operations' *gradients* changed, then ``x * dy/dx`` at the
+input is the relevance. :class:`LRPRules` is a :class:`~torch.overrides.TorchFunctionMode` (the
+mechanism ``vx.capture`` uses): while it is active, the torch calls the model makes go through it,
+and it applies the rules below to those calls only. Nothing of the model or of torch is patched:
+no class, no module attribute, no hook; leaving the ``with`` block ends every effect (the autograd
+graph built inside keeps the rules for its backward). Forward values are unchanged (up to the
+rounding of a norm recomputed in Python).
+
+Rules (docs/methods.md, "AttnLRP and CP-LRP"):
+
+- ``F.scaled_dot_product_attention`` (the fused kernel runs forward and backward): AttnLRP scales
+  the gradient by 1/4 at q, 1/4 at k and 1/2 at v (the uniform rule on the two matmuls; the
+  softmax keeps its gradient, AttnLRP eq. 13-14, lxt's ``wrap_attention_forward``); CP-LRP
+  detaches q and k (Ali et al., ICML 2022: attention weights are constants);
+- ``F.multi_head_attention_forward`` (``nn.MultiheadAttention``): computed here by projections and
+  SDPA (with the rule above), the same arithmetic as torch's;
+- ``F.layer_norm`` / ``F.rms_norm``: the standard deviation is detached (the identity rule on the
+  normalisation, AttnLRP eq. 15; lxt's ``layer_norm_forward``);
+- element-wise activations (GELU, SiLU, sigmoid, tanh, ...): the gradient becomes ``f(x) / x``
+  (the identity rule, AttnLRP eq. 9; lxt's ``identity_rule_implicit``, same epsilon);
+- attention computed in Python (timm's default Swin, ``fused_attn=False``, Hugging Face "eager"):
+  the two matmuls get the uniform rule below (equal to 1/4, 1/4, 1/2 at q, k, v); AttnLRP keeps
+  the softmax's gradient, CP-LRP detaches the attention weights;
+- the product of two activations (gated MLPs, ``a * b`` or ``a @ b`` with both computed from the
+  input): the gradient is halved at each (the uniform rule, AttnLRP eq. 7);
+- ``F.cosine_similarity`` (``vx.targets.similarity``): the norms are detached, so the relevance
+  of a headless backbone sums to the cosine (plain gradients would sum to 0);
+- ``F.linear`` and convolutions: as they are (the epsilon rule, with epsilon -> 0), or with
+  ``linear_gamma`` / ``conv_gamma`` > 0 zennit's generalised Gamma rule (``zennit.rules.Gamma``:
+  positive and negative contributions separated, weights ``w + gamma * w+`` / ``w + gamma * w-``).
+
+A softmax that is not attention's (not over the last dim of a >= 3-D tensor) or FlexAttention is
+not covered: :class:`LRPRules` counts what it saw and :func:`check_coverage` raises instead of
+returning maps that are not LRP.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd import Function
+from torch.overrides import TorchFunctionMode
+
+from ..errors import UnsupportedModelError
+
+__all__ = ["LRPRules", "VARIANTS", "IDENTITY_EPSILON", "GAMMA_STABILIZER", "check_coverage"]
+
+#: The attention variants: ``"attnlrp"`` (AttnLRP) and ``"cp"`` (CP-LRP).
+VARIANTS = ("attnlrp", "cp")
+
+#: lxt's ``identity_rule_implicit`` epsilon: the gradient is ``f(x) / (x + 1e-10)``.
+IDENTITY_EPSILON = 1e-10
+
+#: zennit's default stabilizer of the Gamma rule's denominators.
+GAMMA_STABILIZER = 1e-6
+
+_SDPA = F.scaled_dot_product_attention
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_MHA = F.multi_head_attention_forward
+_MHA_SIGNATURE = inspect.signature(_MHA)
+_ACTIVATIONS = {
+    F.gelu, F.silu, F.mish, F.elu, F.celu, F.selu, F.leaky_relu, F.hardswish, F.softplus,
+    torch.sigmoid, torch.Tensor.sigmoid, F.sigmoid, torch.tanh, torch.Tensor.tanh, F.tanh,
+}
+_PRODUCTS = {torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__,
+             torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm}
+_SOFTMAX = {torch.softmax, torch.Tensor.softmax, F.softmax, torch.special.softmax}
+_CONVS = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}
+
+
+class _ScaleGrad(Function):
+    """Identity forward; the gradient multiplied by ``factor`` (lxt's ``divide_gradient``)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, factor: float) -> Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad * ctx.factor, None
+
+
+class _Identity(Function):
+    """``fn(x)`` forward; the gradient ``fn(x) / (x + eps)`` times the incoming one (identity rule)."""
+
+    @staticmethod
+    def forward(ctx: Any, fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
+        out = fn(x)
+        ctx.save_for_backward(out / (x + IDENTITY_EPSILON))
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[None, Tensor]:
+        (ratio,) = ctx.saved_tensors
+        return None, ratio * grad
+
+
+def _live(t: Any) -> bool:
+    """A tensor computed in the graph (not a parameter or constant): both factors of a product of activations."""
+    return isinstance(t, Tensor) and t.requires_grad and t.grad_fn is not None
+
+
+def _stabilize(z: Tensor) -> Tensor:
+    """zennit's stabilizer: ``z + eps * sign(z)`` with sign(0) = 1."""
+    return z + GAMMA_STABILIZER * torch.where(z >= 0, 1.0, -1.0).to(z.dtype)
+
+
+def gamma_rule(layer: Callable[..., Tensor], x: Tensor, weight: Tensor, bias: Optional[Tensor], gamma: float,
+               channel_dim: int = -1) -> Tensor:
+    """zennit's generalised Gamma rule on one linear or convolution call, in Gradient x Input form.
+
+    The output equals ``layer(x, weight, bias)``; its gradient is such that ``x * dx`` is
+    zennit's ``Gamma(gamma)`` relevance of the output relevance ``y * dy``: for outputs y > 0,
+    ``R_in = x+ * (w + g w+)^T s+ + x- * (w + g w-)^T s+`` with
+    ``s+ = R / (layer(x+, w + g w+, b + g b+) + layer(x-, w + g w-))``; for y < 0 likewise with
+    the roles of w+ and w- exchanged (zennit ``rules.Gamma``, stabilizer 1e-6).
+
+    Args:
+        layer: ``fn(input, weight, bias)`` (F.linear or a convolution with its other arguments bound).
+        x: the layer's input.
+        weight, bias: its parameters.
+        gamma: the Gamma rule's gamma (> 0).
+        channel_dim: the output dimension the bias runs along (-1 linear, 1 convolution).
+
+    Returns:
+        the layer's output, of the shape ``layer`` returns.
+    """
+    y = layer(x, weight, bias)
+    w_pos = weight + gamma * weight.clamp(min=0)
+    w_neg = weight + gamma * weight.clamp(max=0)
+    b_pos = None if bias is None else bias + gamma * bias.clamp(min=0)
+    b_neg = None if bias is None else bias + gamma * bias.clamp(max=0)
+    x_pos, x_neg = x.clamp(min=0), x.clamp(max=0)
+    w_pos, w_neg = w_pos.detach(), w_neg.detach()
+    plus = layer(x_pos, w_pos, None) + layer(x_neg, w_neg, None)  # the x-dependent part of z+ (y > 0)
+    minus = layer(x_pos, w_neg, None) + layer(x_neg, w_pos, None)  # of z- (y < 0)
+    with torch.no_grad():
+        z_plus = plus if b_pos is None else plus + _along(b_pos, plus, channel_dim)
+        z_minus = minus if b_neg is None else minus + _along(b_neg, minus, channel_dim)
+        c_plus = torch.where(y > 0, y / _stabilize(z_plus), 0.0)
+        c_minus = torch.where(y < 0, y / _stabilize(z_minus), 0.0)
+    path = c_plus * plus + c_minus * minus
+    return y.detach() + (path - path.detach())
+
+
+def _along(b: Tensor, like: Tensor, dim: int) -> Tensor:
+    """A bias (C,) shaped to broadcast along dimension ``dim`` of ``like``."""
+    shape = [1] * like.dim()
+    shape[dim] = -1
+    return b.view(shape)
+
+
+class LRPRules(TorchFunctionMode):
+    """Applies the LRP rules to the torch calls made while it is active (see the module docstring).
+
+    Args:
+        variant: ``"attnlrp"`` or ``"cp"`` (what happens at attention).
+        linear_gamma: Gamma rule's gamma for ``F.linear`` calls (0 = as they are, epsilon).
+        conv_gamma: Gamma rule's gamma for convolutions (0 = as they are).
+
+    Attributes:
+        seen: how many calls of each kind the rules were applied to (``"attention"``,
+            ``"norm"``, ``"activation"``, ``"product"``, ``"gamma"``), and ``"uncovered"``:
+            descriptions of non-linear calls no rule covers (see :func:`check_coverage`).
+    """
+
+    def __init__(self, variant: str = "attnlrp", *, linear_gamma: float = 0.0, conv_gamma: float = 0.0) -> None:
+        super().__init__()
+        if variant not in VARIANTS:
+            raise UnsupportedModelError(f"unknown LRP variant {variant!r}; choose from {VARIANTS}")
+        self.variant = variant
+        self.linear_gamma = float(linear_gamma)
+        self.conv_gamma = float(conv_gamma)
+        self.seen: dict[str, Any] = {"attention": 0, "norm": 0, "activation": 0, "product": 0, "gamma": 0,
+                                     "uncovered": []}
+
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        if func is _SDPA:
+            return self._sdpa(args, kwargs)
+        if func is _MHA:
+            return self._mha(args, kwargs)
+        if func is F.layer_norm:
+            return self._layer_norm(*args, **kwargs)
+        if func is getattr(F, "rms_norm", None):
+            return self._rms_norm(*args, **kwargs)
+        if func in _ACTIVATIONS and args and isinstance(args[0], Tensor) and args[0].requires_grad:
+            self.seen["activation"] += 1
+            rest = args[1:]
+            return _Identity.apply(lambda t: func(t, *rest, **kwargs), args[0])
+        if func in _PRODUCTS and len(args) == 2 and _live(args[0]) and _live(args[1]):
+            self.seen["product"] += 1
+            return _ScaleGrad.apply(func(*args, **kwargs), 0.5)
+        if func in _SOFTMAX:
+            return self._softmax(func, args, kwargs)
+        if func is F.cosine_similarity:
+            return self._cosine(*args, **kwargs)
+        if func is F.linear and self.linear_gamma > 0:
+            return self.linear(*args, **kwargs)
+        if func in _CONVS and self.conv_gamma > 0:
+            return self._conv(func, args, kwargs)
+        if getattr(func, "__name__", "") in ("flex_attention", "flex_attention_hop"):
+            self.seen["uncovered"].append("FlexAttention")
+        return func(*args, **kwargs)
+
+    # -- attention ----------------------------------------------------------------------
+    def _qkv(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        self.seen["attention"] += 1
+        if self.variant == "cp":
+            return q.detach(), k.detach(), v
+        return _ScaleGrad.apply(q, 0.25), _ScaleGrad.apply(k, 0.25), _ScaleGrad.apply(v, 0.5)
+
+    def _softmax(self, func: Callable, args: tuple, kwargs: dict) -> Tensor:
+        """Attention computed in Python: ``softmax(q k^T + bias) @ v``, over the last dim of a >= 3-D tensor.
+
+        Its two matmuls get the uniform rule (the products of two activations, which halves the
+        gradient at q, k, p and v: the same as 1/4, 1/4, 1/2 at SDPA); AttnLRP keeps the softmax's
+        gradient, CP-LRP detaches its output (q and k detached). Any other softmax on the path is
+        not covered.
+        """
+        x = args[0]
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+        out = func(*args, **kwargs)
+        if not _live(x):
+            return out
+        if x.dim() >= 3 and dim in (-1, x.dim() - 1):
+            self.seen["attention"] += 1
+            return out.detach() if self.variant == "cp" else out
+        self.seen["uncovered"].append(f"softmax over dim {dim} of a {x.dim()}-D tensor (not attention)")
+        return out
+
+    def _sdpa(self, args: tuple, kwargs: dict) -> Tensor:
+        bound = dict(zip(_SDPA_ARGS, args))
+        bound.update(kwargs)
+        bound["query"], bound["key"], bound["value"] = self._qkv(bound["query"], bound["key"], bound["value"])
+        return _SDPA(**bound)
+
+    def _mha(self, args: tuple, kwargs: dict) -> tuple[Tensor, Optional[Tensor]]:
+        """``F.multi_head_attention_forward`` as projections + SDPA (the rule applied at SDPA)."""
+        from .lrp_mha import multi_head_attention
+
+        bound = _MHA_SIGNATURE.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return multi_head_attention(self, **bound.arguments)
+
+    def linear(self, input: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+        """``F.linear`` under the rules: as it is, or the Gamma rule when ``linear_gamma`` > 0."""
+        if self.linear_gamma <= 0:
+            return F.linear(input, weight, bias)
+        self.seen["gamma"] += 1
+        return gamma_rule(F.linear, input, weight, bias, self.linear_gamma)
+
+    # -- norms ----------------------------------------------------------------------------
+    def _layer_norm(self, x: Tensor, normalized_shape: Any, weight: Optional[Tensor] = None,
+                    bias: Optional[Tensor] = None, eps: float = 1e-5) -> Tensor:
+        self.seen["norm"] += 1
+        dims = tuple(range(-len(tuple(normalized_shape)), 0))
+        mean = x.mean(dim=dims, keepdim=True)
+        var = ((x - mean) ** 2).mean(dim=dims, keepdim=True)
+        y = (x - mean) / (var + eps).sqrt().detach()
+        if weight is not None:
+            y = y * weight
+        if bias is not None:
+            y = y + bias
+        return y
+
+    def _rms_norm(self, x: Tensor, normalized_shape: Any, weight: Optional[Tensor] = None,
+                  eps: Optional[float] = None) -> Tensor:
+        self.seen["norm"] += 1
+        dims = tuple(range(-len(tuple(normalized_shape)), 0))
+        eps = torch.finfo(x.dtype).eps if eps is None else eps
+        y = x * torch.rsqrt(x.pow(2).mean(dim=dims, keepdim=True) + eps).detach()
+        return y if weight is None else y * weight
+
+    def _cosine(self, x1: Tensor, x2: Tensor, dim: int = 1, eps: float = 1e-8) -> Tensor:
+        n1 = x1.norm(dim=dim).clamp(min=eps).detach()
+        n2 = x2.norm(dim=dim).clamp(min=eps).detach()
+        return (x1 * x2).sum(dim=dim) / (n1 * n2)
+
+    # -- convolutions -----------------------------------------------------------------------
+    def _conv(self, func: Callable, args: tuple, kwargs: dict) -> Tensor:
+        names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+        bound = dict(zip(names, args))
+        bound.update(kwargs)
+        x, weight, bias = bound.pop("input"), bound.pop("weight"), bound.pop("bias", None)
+        self.seen["gamma"] += 1
+
+        def layer(inp: Tensor, w: Tensor, b: Optional[Tensor]) -> Tensor:
+            return func(inp, w, b, **bound)
+
+        return gamma_rule(layer, x, weight, bias, self.conv_gamma, channel_dim=1)
+
+
+def check_coverage(rules: LRPRules, method: str, model: str, *, attention: bool = True) -> None:
+    """Raise when the forward held a non-linearity no rule covers, or (``attention``) no attention at all.
+
+    Raises:
+        UnsupportedModelError: the relevance would not be LRP's (the message says what to do).
+    """
+    uncovered = sorted(set(rules.seen["uncovered"]))
+    if uncovered:
+        raise UnsupportedModelError(
+            f"method {method!r}: {model}'s forward calls {', '.join(uncovered)}, which the LRP rules do not cover, "
+            "so its maps would not be LRP relevance; use 'generic' or 'integrated_gradients'"
+        )
+    if attention and rules.seen["attention"] == 0:
+        raise UnsupportedModelError(
+            f"method {method!r}: {model} made no attention call (scaled_dot_product_attention, nn.MultiheadAttention "
+            "or a softmax over attention scores) during its forward, so the attention rules could not be applied; use 'integrated_gradients' or 'smoothgrad'"
+        )

@@ -1,0 +1,447 @@
+"""Attention and relevance through token resampling: one rule for hierarchical transformers.
+
+A hierarchical vision transformer moves its tokens between *token sets*: ``prefix`` tokens
+(class, distillation) followed by a row-major grid (H_s, W_s). Two things change sets:
+
+- an **attention call** maps a query set onto a key set. Its queries are the tokens of the
+  block's output set Q, grouped in G windows of n_q slots (G = 1 for global attention;
+  windows, shifted windows, dilated grids and padding are only a choice of slots); its keys
+  are n_k slots per window over a key set K made from the block's input set I by a
+  resampling (identity for ordinary attention; a strided conv or pooling for the pooled keys
+  and values of PVT, Twins' GSA, SegFormer and MViTv2). The residual path of the block maps
+  Q onto I through its own resampling (identity; MViTv2's pooled skip; none for LeViT's
+  attention-subsample block).
+- a **transition** between blocks maps one set onto another (patch merging, a strided conv or
+  pooling, a conv neck on the same grid).
+
+Each resampling is read through its *footprint*: the linear map from the coarse token set to
+the fine one, ``D[m, c] = 1 / |F(m)|`` for the fine tokens c in the receptive field F(m) of
+coarse token m that are real (not padding), prefix tokens mapping onto themselves. D is
+row-stochastic, so relevance is conserved: ``r_fine = r_coarse @ D``.
+
+The dense matrix of an attention call from its output set to its input set is
+
+    M = S_q^T A S_k D_k            (n_Q x n_I),
+
+with A the per-window probabilities, S_q / S_k the slot placements and D_k the keys'
+footprint, and the residual path is D_q (n_Q x n_I). Rollout multiplies
+``rownorm(0.5 M + 0.5 D_q)`` (``rownorm(M)`` without a residual); Chefer's rule adds
+``r @ M_bar`` to ``r @ D_q``; transitions multiply by their footprint. For ViTs
+(D = I, G = 1) this is the usual rule; for Swin (windows, shift, 2 x 2 merges) it is the rule
+of :mod:`.windowed`. Nothing dense is ever formed: ``r @ M`` gathers r into windows, multiplies
+each window, scatters onto the key set and pulls through D_k: O(B N_k K) per call.
+docs/methods.md ("Hierarchical transformers") states the rule, its sources and its assumptions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+from ..errors import CaptureError, OptionError, UnsupportedMethodError, UsageError
+from ..recording import AttentionRecord
+from ..recording.records import fuse_heads
+
+__all__ = ["TokenSet", "Footprint", "CallSpec", "Transition", "Call", "bind", "propagate", "readout",
+           "window_slots", "grid_slots", "full_slots"]
+
+
+@dataclass(frozen=True)
+class TokenSet:
+    """``prefix`` tokens followed by a row-major grid.
+
+    Attributes:
+        prefix: number of prefix tokens (class, distillation) before the grid.
+        grid: (H, W).
+    """
+
+    prefix: int
+    grid: tuple[int, int]
+
+    @property
+    def n(self) -> int:
+        """prefix + H * W."""
+        return self.prefix + self.grid[0] * self.grid[1]
+
+    def on_grid(self, r: Tensor) -> Tensor:
+        """(B, n) values over the set -> (B, H, W) over its grid (prefix dropped)."""
+        return r[:, self.prefix:].reshape(r.shape[0], *self.grid)
+
+
+def _axis(fine: int, coarse: int, kernel: int, stride: int, padding: int) -> list[list[int]]:
+    """Per coarse index, the fine indices of its receptive field that are real."""
+    return [[c for c in range(o * stride - padding, o * stride - padding + kernel) if 0 <= c < fine]
+            for o in range(coarse)]
+
+
+def _adaptive_axis(fine: int, coarse: int) -> list[list[int]]:
+    """Per coarse index, its bin of ``adaptive_avg_pool`` (PyTorch's start/end rule)."""
+    return [list(range((o * fine) // coarse, -(-((o + 1) * fine) // coarse))) for o in range(coarse)]
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """A row-stochastic footprint D (coarse set x fine set), stored sparsely.
+
+    Attributes:
+        coarse: the coarse token set (rows).
+        fine: the fine token set (columns).
+        index: (n_coarse, K) long, the fine tokens of each coarse token (-1 = none).
+        weight: (n_coarse, K) float64, their weights (each row sums to 1 where it has tokens).
+    """
+
+    coarse: TokenSet
+    fine: TokenSet
+    index: Tensor = field(repr=False)
+    weight: Tensor = field(repr=False)
+
+    @classmethod
+    def identity(cls, tokens: TokenSet) -> "Footprint":
+        """D = I on one set."""
+        return cls(tokens, tokens, torch.arange(tokens.n)[:, None], torch.ones(tokens.n, 1, dtype=torch.float64))
+
+    @classmethod
+    def _from_axes(cls, fine: TokenSet, coarse: TokenSet, rows: list[list[int]], cols: list[list[int]]) -> "Footprint":
+        if coarse.prefix not in (fine.prefix, 0):
+            raise UsageError(f"a resampling from {fine} to {coarse} must keep or drop the prefix tokens")
+        k = max(1, max(len(r) for r in rows) * max(len(c) for c in cols))
+        index = torch.full((coarse.n, k), -1, dtype=torch.long)
+        weight = torch.zeros(coarse.n, k, dtype=torch.float64)
+        for p in range(coarse.prefix):
+            index[p, 0], weight[p, 0] = p, 1.0
+        w_fine = fine.grid[1]
+        for i, rr in enumerate(rows):
+            for j, cc in enumerate(cols):
+                cells = [fine.prefix + a * w_fine + b for a in rr for b in cc]
+                row = coarse.prefix + i * coarse.grid[1] + j
+                if cells:
+                    index[row, :len(cells)] = torch.tensor(cells)
+                    weight[row, :len(cells)] = 1.0 / len(cells)
+        return cls(coarse, fine, index, weight)
+
+    @classmethod
+    def pool(cls, fine: TokenSet, coarse: TokenSet, kernel: Union[int, Sequence[int]], stride: Union[int, Sequence[int]],
+             padding: Union[int, Sequence[int]] = 0) -> "Footprint":
+        """The footprint of a convolution or pooling with this kernel, stride and padding.
+
+        Coarse token (i, j) covers the fine rows ``i * s - p ... i * s - p + k - 1`` (and
+        columns likewise) that exist; prefix tokens map onto themselves (or are dropped when
+        the coarse set has none).
+        """
+        (kh, kw), (sh, sw), (ph, pw) = (_two(v) for v in (kernel, stride, padding))
+        return cls._from_axes(fine, coarse, _axis(fine.grid[0], coarse.grid[0], kh, sh, ph),
+                              _axis(fine.grid[1], coarse.grid[1], kw, sw, pw))
+
+    @classmethod
+    def adaptive(cls, fine: TokenSet, coarse: TokenSet) -> "Footprint":
+        """The footprint of ``adaptive_avg_pool2d`` from the fine grid to the coarse grid."""
+        return cls._from_axes(fine, coarse, _adaptive_axis(fine.grid[0], coarse.grid[0]),
+                              _adaptive_axis(fine.grid[1], coarse.grid[1]))
+
+    @property
+    def is_identity(self) -> bool:
+        return self.coarse == self.fine and self.index.shape[1] == 1 and bool(
+            (self.index[:, 0] == torch.arange(self.fine.n)).all())
+
+    def pull(self, r: Tensor) -> Tensor:
+        """``r @ D``: (B, n_coarse) -> (B, n_fine)."""
+        if self.is_identity:
+            return r
+        index = self.index.to(r.device)
+        weight = self.weight.to(device=r.device, dtype=r.dtype)
+        real = index >= 0
+        contrib = (r[:, :, None] * weight[None]).masked_select(real[None]).view(r.shape[0], -1)
+        out = r.new_zeros(r.shape[0], self.fine.n)
+        return out.index_add_(1, index[real], contrib)
+
+    def dense(self) -> Tensor:
+        """D as a dense (n_coarse, n_fine) float64 matrix (for tests and small sets)."""
+        out = torch.zeros(self.coarse.n, self.fine.n, dtype=torch.float64)
+        real = self.index >= 0
+        rows = torch.arange(self.coarse.n)[:, None].expand_as(self.index)
+        out[rows[real], self.index[real]] = self.weight[real]
+        return out
+
+
+def _two(value: Union[int, Sequence[int]]) -> tuple[int, int]:
+    if isinstance(value, (tuple, list)):
+        return int(value[0]), int(value[1])
+    return int(value), int(value)
+
+
+# -- slots ------------------------------------------------------------------------------------
+def full_slots(tokens: TokenSet) -> Tensor:
+    """One window holding every token of the set in order: (1, n)."""
+    return torch.arange(tokens.n)[None]
+
+
+def window_slots(tokens: TokenSet, window: tuple[int, int], shift: tuple[int, int] = (0, 0),
+                 pad_first: bool = True) -> Tensor:
+    """Windows of the grid, row-major, padded at the bottom/right to window multiples:
+    (nW, wh * ww) indices into the set (-1 = padding). See
+    :class:`~vitexplain.layout.WindowGeometry` (shift = cyclic roll by minus the shift)."""
+    from ..layout import WindowGeometry
+
+    idx = WindowGeometry(tokens.grid, window, shift, pad_first).index()
+    return torch.where(idx < 0, idx, idx + tokens.prefix)
+
+
+def grid_slots(tokens: TokenSet, cells: tuple[int, int]) -> Tensor:
+    """MaxViT's dilated *grid* partition: a (g_h, g_w) grid of cells, each window holding the
+    tokens at the same offset in every cell. Token (i, j) with ``i = a * (H / g_h) + u`` sits
+    in window ``u * (W / g_w) + v`` at slot ``a * g_w + b``: (nW, g_h * g_w)."""
+    (h, w), (gh, gw) = tokens.grid, cells
+    if h % gh or w % gw:
+        raise UnsupportedMethodError(f"the grid {tokens.grid} is not a multiple of the attention grid {cells}")
+    idx = torch.arange(h * w).view(gh, h // gh, gw, w // gw).permute(1, 3, 0, 2).reshape(-1, gh * gw)
+    return idx + tokens.prefix
+
+
+# -- the chain --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CallSpec:
+    """One attention call of a hierarchical model, as its adapter describes it (no record yet).
+
+    Attributes:
+        name: the attention module that issues the call (its last call in the forward is read).
+        inp: the block's input token set I.
+        out: the block's output (query) set Q.
+        q_slots: (G, n_q) indices into Q of each window's query slots (-1 = padding).
+        k_slots: (G, n_k) indices into the key set of each window's key slots (-1 = padding).
+        keys: the footprint from the key set onto I (the values' resampling).
+        skip: the residual path's footprint from Q onto I, or None (no residual).
+        in_stage: stage of I; out_stage: stage of Q.
+        folded_heads: heads folded into the call's batch dimension (SAM calls SDPA on
+            (B * G * heads, n, d)); 1 when the record has a head dimension of its own.
+    """
+
+    name: str
+    inp: TokenSet
+    out: TokenSet
+    q_slots: Tensor = field(repr=False)
+    k_slots: Tensor = field(repr=False)
+    keys: Footprint = field(repr=False)
+    skip: Optional[Footprint] = field(repr=False)
+    in_stage: int = 0
+    out_stage: int = 0
+    folded_heads: int = 1
+
+    @property
+    def windows(self) -> int:
+        return int(self.q_slots.shape[0])
+
+
+@dataclass(frozen=True)
+class Transition:
+    """A resampling between blocks (patch merging, a strided conv, a conv neck).
+
+    Attributes:
+        footprint: from the later (coarse) set onto the earlier (fine) set.
+        in_stage: stage of the fine set; out_stage: stage of the coarse set.
+        name: what it is (for messages).
+    """
+
+    footprint: Footprint
+    in_stage: int
+    out_stage: int
+    name: str = ""
+
+
+class Call:
+    """A :class:`CallSpec` bound to its attention record of one batch of B images."""
+
+    def __init__(self, spec: CallSpec, record: AttentionRecord, batch: int, index: int) -> None:
+        self.spec, self.record, self.batch, self.index = spec, record, batch, index
+        device = record.device
+        self.q_slots, self.k_slots = spec.q_slots.to(device), spec.k_slots.to(device)
+        self.pairs = (self.q_slots >= 0)[:, :, None] & (self.k_slots >= 0)[:, None, :]
+
+    @property
+    def in_stage(self) -> int:
+        return self.spec.in_stage
+
+    @property
+    def out_stage(self) -> int:
+        return self.spec.out_stage
+
+    def _per_window(self, x: Tensor) -> Tensor:
+        """(B * G, H, n_q, n_k) -> (B, G, H, n_q, n_k), padding rows and columns zeroed."""
+        heads = self.spec.folded_heads
+        if heads > 1:  # (B * G * heads, [1,] n_q, n_k) -> (B * G, heads, n_q, n_k)
+            x = x.reshape(-1, heads, *x.shape[-2:])
+        x = x.reshape(self.batch, self.spec.windows, *x.shape[1:])
+        return x * self.pairs[None, :, None].to(x.dtype)
+
+    def probs(self) -> Tensor:
+        """(B, G, H, n_q, n_k) float32 probabilities per window."""
+        return self._per_window(self.record.probs())
+
+    def grad_probs(self, d_out: Optional[Tensor] = None) -> Tensor:
+        """(B, G, H, n_q, n_k) float32 dy/dA per window."""
+        return self._per_window(self.record.grad_probs(d_out=d_out))
+
+    def fused(self, head_fusion: str = "mean", head: Optional[int] = None) -> Tensor:
+        """(B, G, n_q, n_k): one head, or the heads fused."""
+        p = self.probs()
+        if head is not None:
+            return p[:, :, head]
+        return fuse_heads(p.flatten(0, 1), head_fusion).view(p.shape[0], p.shape[1], *p.shape[3:])  # type: ignore[arg-type]
+
+    def _gather(self, r: Tensor, slots: Tensor) -> Tensor:
+        padded = torch.cat([r, r.new_zeros(r.shape[0], 1)], dim=1)
+        return padded[:, torch.where(slots < 0, r.shape[1], slots)]
+
+    def _scatter(self, v: Tensor, slots: Tensor, n: int) -> Tensor:
+        real = slots >= 0
+        return v.new_zeros(v.shape[0], n).index_add_(1, slots[real], v[:, real])
+
+    def vec_mat(self, r: Tensor, m: Tensor) -> Tensor:
+        """``r @ M`` with M = S_q^T m S_k D_k: (B, n_Q) -> (B, n_I) for blocks m (B, G, n_q, n_k)."""
+        per_key = torch.einsum("bgq,bgqk->bgk", self._gather(r, self.q_slots), m)
+        return self.spec.keys.pull(self._scatter(per_key, self.k_slots, self.spec.keys.coarse.n))
+
+    def on_keys(self, r: Tensor, m: Tensor) -> Tensor:
+        """``r @ S_q^T m S_k`` on the key set (before the keys' footprint): (B, n_K)."""
+        per_key = torch.einsum("bgq,bgqk->bgk", self._gather(r, self.q_slots), m)
+        return self._scatter(per_key, self.k_slots, self.spec.keys.coarse.n)
+
+    def row_sums(self, m: Tensor) -> Tensor:
+        """Row sums of M over the output set: (B, G, n_q, n_k) -> (B, n_Q)."""
+        return self._scatter(m.sum(dim=-1), self.q_slots, self.spec.out.n)
+
+    def skip(self, r: Tensor) -> Tensor:
+        """``r @ D_q`` (the residual path), or zeros on I without a residual."""
+        if self.spec.skip is None:
+            return r.new_zeros(r.shape[0], self.spec.inp.n)
+        return self.spec.skip.pull(r)
+
+
+Item = Union[Call, Transition]
+
+
+def bind(chain: Sequence[Union[CallSpec, Transition]], records: Sequence[AttentionRecord], batch: int,
+         method: str) -> list[Item]:
+    """Attach to each call of ``chain`` the last attention record its module issued.
+
+    Raises:
+        UnsupportedMethodError: a module issued no attention call.
+        CaptureError: a record's shape is not the one its spec implies (input size, windows).
+    """
+    selfs = [r for r in records if r.kind == "self"]
+    items: list[Item] = []
+    count = 0
+    for spec in chain:
+        if isinstance(spec, Transition):
+            items.append(spec)
+            continue
+        inside = [r for r in selfs if r.name == spec.name or r.name.startswith(spec.name + ".")]
+        if not inside:
+            raise UnsupportedMethodError(
+                f"{spec.name!r} issued no attention call during the forward; method {method!r} needs one per block")
+        record = inside[-1]
+        want = (batch * spec.windows * spec.folded_heads, spec.q_slots.shape[1], spec.k_slots.shape[1])
+        got = (record.batch_size, record.num_queries, record.num_keys)
+        if got != want:
+            raise CaptureError(
+                f"the attention of {spec.name!r} is {got[0]} x {got[1]} queries x {got[2]} keys, but the model's "
+                f"geometry (input set {spec.inp}, output set {spec.out}) implies {want}; explain the model at "
+                "the input size it was built for")
+        items.append(Call(spec, record, batch, count))
+        count += 1
+    return items
+
+
+def calls(items: Sequence[Item]) -> list[Call]:
+    """The attention calls of a bound chain, input side first."""
+    return [i for i in items if isinstance(i, Call)]
+
+
+def discard(m: Tensor, pairs: Tensor, ratio: float) -> Tensor:
+    """Rollout's discard: zero the smallest ``ratio`` of each image's entries among the real
+    (query, key) pairs. m: (B, G, n_q, n_k); pairs: (G, n_q, n_k) bool."""
+    if not 0.0 <= ratio < 1.0:
+        raise OptionError(f"discard_ratio must be in [0, 1), got {ratio}")
+    count = int(int(pairs.sum()) * ratio)
+    if count == 0:
+        return m
+    flat = m.flatten(1).clone()
+    ranked = flat.masked_fill(~pairs.flatten()[None], float("inf"))
+    _, indices = ranked.topk(count, dim=1, largest=False)
+    return flat.scatter_(1, indices, 0.0).view_as(m)
+
+
+Matrix = Callable[[Call], Tensor]
+"""Per-window blocks (B, G, n_q, n_k) of a call's matrix."""
+
+
+def readout(tokens: TokenSet, batch: int, device: torch.device, kind: str = "mean") -> Tensor:
+    """The row the head reads on the last set: the class token (``"class"``), the mean over the
+    prefix tokens (``"prefix"``: class and distillation heads averaged) or the mean over the
+    grid tokens (``"mean"``): (B, n)."""
+    vector = torch.zeros(batch, tokens.n, device=device)
+    if kind == "class" and tokens.prefix:
+        vector[:, 0] = 1.0
+    elif kind == "prefix" and tokens.prefix:  # the mean of the heads on every prefix token (distilled)
+        vector[:, :tokens.prefix] = 1.0 / tokens.prefix
+    else:
+        vector[:, tokens.prefix:] = 1.0 / (tokens.n - tokens.prefix)
+    return vector
+
+
+def propagate(items: Sequence[Item], start: Tensor, matrix: Matrix, *, mode: str, to_stage: int,
+              discard_ratio: float = 0.0, deviation: bool = False) -> Tensor:
+    """Carry a readout row from the last token set back to the set of ``to_stage``.
+
+    Walking the chain last item first, an item is applied when its input stage is at least
+    ``to_stage`` (so the result is on the first set of that stage). Per call, ``mode="rollout"``:
+    ``r <- r @ rownorm(0.5 M + 0.5 D_q)`` (``rownorm(M)`` without a residual); ``"generic"``
+    (Chefer): ``r <- r @ D_q + r @ M``; transitions: ``r <- r @ D``. The row is carried as the
+    residual path's part ``r0`` (the readout through skips and transitions alone) plus the
+    deviation ``d``, so reading ``d`` alone (``deviation=True``, ``u (R - R_identity)``) loses
+    no precision.
+
+    Args:
+        items: the bound chain, input side first.
+        start: (B, n_last) the readout row.
+        matrix: the blocks of M per call (fused attention, or gradient-weighted).
+        mode: ``"rollout"`` or ``"generic"``.
+        to_stage: stage whose first set the result is on.
+        discard_ratio: rollout's discard, over each call's real (query, key) pairs.
+        deviation: return ``d`` instead of ``r0 + d``.
+
+    Returns:
+        (B, n) over the token set of ``to_stage``.
+    """
+    if mode not in ("rollout", "generic"):
+        raise UsageError(f"unknown propagation mode {mode!r}; choose 'rollout' or 'generic'")
+    r0, d = start, torch.zeros_like(start)
+    for item in reversed(items):
+        if item.in_stage < to_stage:
+            break
+        if isinstance(item, Transition):
+            r0, d = item.footprint.pull(r0), item.footprint.pull(d)
+            continue
+        m = matrix(item)
+        if mode == "generic":
+            d = item.skip(d) + item.vec_mat(r0 + d, m)
+            r0 = item.skip(r0)
+            continue
+        if discard_ratio > 0:
+            m = discard(m, item.pairs, discard_ratio)
+        sums = item.row_sums(m)
+        if item.spec.skip is None:
+            d = item.vec_mat((r0 + d) / sums.clamp(min=1e-30), m)
+            r0 = torch.zeros_like(d)
+            continue
+        w = (r0 + d) / (0.5 * sums + 0.5)
+        d = 0.5 * item.vec_mat(w, m) + item.skip(d - 0.5 * w * sums)
+        r0 = item.skip(r0)
+    return d if deviation else r0 + d
+
+
+def stage_count(items: Sequence[Item]) -> int:
+    """Number of stages a chain spans."""
+    return max(max(i.in_stage, i.out_stage) for i in items) + 1

@@ -1,0 +1,167 @@
+"""Per-word maps of decoder-only vision-language models, over their image tokens.
+
+The map of answer word t reads row ``start - 1 + t`` of the language model's attention (the row
+that predicts word t) at the image-token columns (docs/methods.md, "Vision-language models"):
+
+- ``cross``: that row's attention, fused over heads and layers (or over chosen ``(layer, head)``
+  pairs: Kang et al. 2025 find a few localisation heads);
+- ``cross_grad``: the gradient-weighted attention of that row, ``mean_h clamp(A * dlog p(w_t)/dA, 0)``,
+  averaged over layers (the per-layer term of Chefer et al. 2021; ViCrop's gradient-weighted map);
+- ``cross_generic``: Chefer, Gur & Wolf (ICCV 2021) over the whole multimodal sequence:
+  ``R = I; R += Abar_l @ R`` for every layer, the map is ``R[row, image columns]``.
+
+Every method returns, per image b, a (T, n_b) tensor of scores over its image tokens; the
+adapter maps them to pixels. Batched: prompts are left-padded to one length, so every image
+reads the same rows; each image keeps its own columns. Only the teacher-forced forward is read
+(the default runs generation first and then teacher-forces the generated ids).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+from ..errors import OptionError
+from ..recording import AttentionRecord
+from ..recording.records import fuse_heads
+from .families import VLM
+from .options import Option, check_index
+from .registry import register
+from .vlm_context import VLMContext
+
+__all__ = ["cross", "cross_grad", "cross_generic", "pick_layers"]
+
+_LAYERS = Option(int, optional=True, sequence=True, help="language-model layers (None = all)")
+_REFERENCE = "docs/methods.md 'Vision-language models'"
+
+
+def pick_layers(method: str, records: Sequence[AttentionRecord], layers: Union[None, int, Sequence[int]]) -> list[AttentionRecord]:
+    """The records of the chosen language-model layers (indices, negatives count from the last)."""
+    if layers is None:
+        return list(records)
+    chosen = [layers] if isinstance(layers, int) else list(layers)
+    return [records[check_index(method, "layers", i, len(records), "language-model layers")] for i in chosen]
+
+
+def _head_pairs(records: Sequence[AttentionRecord], heads: Sequence[tuple]) -> dict[int, list[int]]:
+    """``[(layer, head), ...]`` checked against the model, grouped by layer."""
+    grouped: dict[int, list[int]] = {}
+    for pair in heads:
+        if len(pair) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in pair):
+            raise OptionError(f"cross option 'heads' takes (layer, head) pairs of integers, got {pair!r}")
+        layer = check_index("cross", "heads", pair[0], len(records), "language-model layers")
+        head = check_index("cross", "heads", pair[1], records[layer].num_heads, f"heads in layer {layer}")
+        grouped.setdefault(layer, []).append(head)
+    return grouped
+
+
+@register(
+    "cross", VLM,
+    options={
+        "layers": _LAYERS,
+        "heads": Option(tuple, optional=True, sequence=True,
+                        help="(layer, head) pairs to average instead of all heads (None = fuse heads and layers)"),
+        "head_fusion": Option(str, choices=("mean", "max", "min"), help="how heads are fused"),
+    },
+    requires=("joint",), class_sensitive=False,
+    summary="attention of the row predicting each word over the image tokens (heads and layers fused)",
+    reference=_REFERENCE,
+)
+def cross(ctx: VLMContext, *, layers: Union[None, int, Sequence[int]] = None,
+          heads: Optional[Sequence[tuple]] = None, head_fusion: str = "mean") -> list[Tensor]:
+    """Attention of the predicting rows over the image tokens.
+
+    Args:
+        ctx: the teacher-forced forward.
+        layers: language-model layers to average (None = all); ignored when ``heads`` is given.
+        heads: ``[(layer, head), ...]``: average exactly these heads (e.g. localisation heads).
+        head_fusion: ``"mean"``, ``"max"`` or ``"min"`` over heads.
+
+    Returns:
+        Per image b, (T, n_b) float32.
+    """
+    records = ctx.layers()
+    if heads is not None:
+        total, count = None, 0
+        for layer, chosen in _head_pairs(records, heads).items():
+            probs = records[layer].probs(queries=ctx.rows)[:, chosen]  # (B, h, T, N)
+            part = probs.sum(dim=1)
+            total = part if total is None else total + part
+            count += len(chosen)
+        return ctx.gather(total / count)
+    chosen_records = pick_layers("cross", records, layers)
+    fused = sum(fuse_heads(r.probs(queries=ctx.rows), head_fusion) for r in chosen_records)
+    return ctx.gather(fused / len(chosen_records))
+
+
+@register(
+    "cross_grad", VLM,
+    options={"layers": _LAYERS},
+    grads=True, requires=("joint",), class_sensitive=False,
+    summary="gradient-weighted attention of the row predicting each word (gradient of its log-probability)",
+    reference="Chefer et al. 2021 (per-layer term); Zhang et al. 2025 (ViCrop); " + _REFERENCE,
+)
+def cross_grad(ctx: VLMContext, *, layers: Union[None, int, Sequence[int]] = None) -> list[Tensor]:
+    """``mean_l mean_h clamp(A_l * d log p(w_t) / dA_l, 0)`` at the row predicting word t.
+
+    One backward pass per word position, batched over images.
+
+    Args:
+        ctx: the teacher-forced forward, with gradients.
+        layers: language-model layers to average (None = all).
+
+    Returns:
+        Per image b, (T, n_b) float32.
+    """
+    chosen = pick_layers("cross_grad", ctx.layers(), layers)
+    rows = ctx.rows
+    probs = [r.probs(queries=rows) for r in chosen]  # (B, H, T, N) each
+    out = torch.zeros(ctx.batch_size, ctx.num_words, probs[0].shape[-1], device=probs[0].device)
+    recorder = ctx.recorder
+    for word in range(ctx.num_words):
+        recorder.zero_grad()
+        recorder.backward(ctx.word_scores(word).sum(), retain_graph=True)
+        row = ctx.start - 1 + word
+        for record, a in zip(chosen, probs):
+            grad = record.grad_probs(queries=row)  # (B, H, 1, N)
+            out[:, word] += (a[:, :, word : word + 1] * grad).clamp(min=0).mean(dim=1)[:, 0]
+    recorder.zero_grad()
+    return ctx.gather(out / len(chosen))
+
+
+@register(
+    "cross_generic", VLM,
+    grads=True, requires=("joint",), class_sensitive=False, dense_attention=True,
+    summary="Chefer's relevance over the whole multimodal sequence, per word (gradient of its log-probability)",
+    reference="Chefer, Gur & Wolf, ICCV 2021 (self-attention rules); " + _REFERENCE,
+)
+def cross_generic(ctx: VLMContext) -> list[Tensor]:
+    """Chefer et al. (2021) relevance of the image tokens for each answer word.
+
+    With ``Abar_l = mean_h clamp(A_l * d log p(w_t) / dA_l, 0)`` for every language-model layer,
+    ``R = (I + Abar_L) ... (I + Abar_1)`` (the rule ``R += Abar_l @ R`` from ``R = I``), and the
+    map is ``R[row_t, image columns]``. Only that row is needed, so it is propagated as a row
+    vector from the last layer down (``v <- v + v @ Abar_l``): O(L N^2) per word, never N^3.
+    The vision tower's own attention is not propagated: each image token is mapped to its
+    pixels by the adapter.
+
+    Returns:
+        Per image b, (T, n_b) float32.
+    """
+    records = ctx.layers()
+    recorder = ctx.recorder
+    b, n = ctx.batch_size, records[0].num_keys
+    out = torch.zeros(b, ctx.num_words, n, device=records[0].device)
+    for word in range(ctx.num_words):
+        recorder.zero_grad()
+        recorder.backward(ctx.word_scores(word).sum(), retain_graph=True)
+        v = torch.zeros(b, 1, n, device=out.device)
+        v[:, 0, ctx.start - 1 + word] = 1.0
+        for record in reversed(records):
+            abar = (record.probs() * record.grad_probs()).clamp(min=0).mean(dim=1)  # (B, N, N)
+            v = v + torch.bmm(v, abar)
+        out[:, word] = v[:, 0]
+    recorder.zero_grad()
+    return ctx.gather(out)

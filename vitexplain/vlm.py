@@ -1,0 +1,158 @@
+"""``Explainer.explain_caption`` for vision-language models: images + prompt -> per-word maps.
+
+One way through: the model's processor (left padding) -> greedy generation (no capture) or the
+given answer words -> one teacher-forced forward of prompt + answer under ``vx.capture`` (the
+model's SDPA kept; with gradients when a method needs them) -> each method's per-token scores
+(:mod:`vitexplain.methods.vlm`) -> the adapter's token-to-pixel geometry -> maps per image at its
+original resolution (:class:`~vitexplain.results.VLMCaptionExplanation`).
+
+Maps are always read from the teacher-forced forward, never stitched from generation steps: on
+the generated ids it issues the same attention as generation did (the same ids, positions and
+masks), in one call per layer, also for sliding-window layers.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .adapters.vlm.base import VLMAdapter, render
+from .checks import check_finite_maps
+from .errors import InputError, UsageError
+from .methods.vlm_context import VLMContext
+from .plan import Plan
+from .recording import capture
+from .results import VLMCaptionExplanation
+
+__all__ = ["explain_vlm"]
+
+
+def _images(images: Any) -> tuple[list[Any], list[Any]]:
+    """(H, W, 3) uint8 RGB arrays of the images, and their sources (paths or None)."""
+    from .data.arrays import as_rgb
+    from .data.images import load_image
+
+    if isinstance(images, Tensor):
+        raise InputError(
+            "a vision-language model takes images (paths, PIL images or (H, W, 3) uint8 arrays), which its "
+            "processor resizes and tiles itself; a preprocessed tensor cannot be mapped back to the image"
+        )
+    if getattr(images, "ndim", None) == 4:
+        images = list(images)
+    items = list(images) if isinstance(images, (list, tuple)) else [images]
+    if not items:
+        raise InputError("no images given")
+    arrays, sources = [], []
+    for item in items:
+        is_path = isinstance(item, (str, Path))
+        sources.append(item if is_path else None)
+        arrays.append(load_image(item) if is_path else as_rgb(item, "each image"))
+    return arrays, sources
+
+
+def _per_image(value: Union[None, str, Sequence[Any]], count: int, what: str, default: Any) -> list[Any]:
+    if value is None:
+        return [default] * count
+    if isinstance(value, str):
+        return [value] * count
+    items = list(value)
+    if items and isinstance(items[0], int):  # one list of token ids for every image
+        return [items] * count
+    if len(items) != count:
+        raise UsageError(f"got {len(items)} {what}s for {count} images; pass one {what} or one per image")
+    return items
+
+
+def _answer_ids(adapter: VLMAdapter, caption: Any, count: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """(B, T) given answer ids (padded) and (B,) lengths."""
+    seqs = [adapter.encode_answer(c) if isinstance(c, str) else list(c) for c in _per_image(caption, count, "caption", None)]
+    vocab = adapter.vocab_size
+    for i, seq in enumerate(seqs):
+        if not seq:
+            raise UsageError(f"caption {i} is empty; give the answer words to explain, or caption=None to generate")
+        bad = [t for t in seq if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab is not None and t >= vocab)
+               or t in adapter.placeholder_ids]
+        if bad:
+            raise UsageError(f"caption {i} holds token ids {bad[:5]} outside the vocabulary (0..{vocab - 1 if vocab else '?'}) "
+                             "or standing for the image; pass text, or ids the model's tokenizer produced")
+    length = max(len(s) for s in seqs)
+    ids = torch.tensor([s + [adapter.pad_id] * (length - len(s)) for s in seqs], dtype=torch.long, device=device)
+    return ids, torch.tensor([len(s) for s in seqs], device=device)
+
+
+def _generated(adapter: VLMAdapter, inputs: Any, max_len: int) -> tuple[Tensor, Tensor]:
+    """Greedy answers: (B, T) ids and (B,) lengths up to (excluding) the first end token."""
+    with torch.no_grad():
+        ids = adapter.generate(inputs, max_len)
+    ends = torch.zeros_like(ids, dtype=torch.bool)
+    for end in adapter.end_ids:
+        ends |= ids == end
+    lengths = torch.where(ends.any(dim=1), ends.float().argmax(dim=1), torch.full_like(ends[:, 0], ids.shape[1], dtype=torch.long))
+    return ids, lengths.long()
+
+
+def explain_vlm(adapter: VLMAdapter, plan: Plan, images: Any, caption: Any, prompt: Any,
+                max_len: int) -> list[VLMCaptionExplanation]:
+    """Per-word maps of a VLM, one explanation per method of ``plan`` (see ``Explainer.explain_caption``).
+
+    Raises:
+        UsageError: no processor, or prompts/captions that are not one or one per image.
+        InputError: a tensor instead of images.
+    """
+    adapter.require_processor()
+    model = adapter.model
+    if model.training:
+        warnings.warn("the model is in training mode: dropout makes explanations random; call model.eval() first", stacklevel=3)
+    arrays, sources = _images(images)
+    prompts = _per_image(prompt, len(arrays), "prompt", "")
+    if any(not isinstance(p, str) for p in prompts):
+        raise UsageError("prompt must be a string or one string per image")
+    inputs = adapter.prepare(arrays, prompts)
+    views = adapter.views(arrays, inputs)
+    if caption is None:
+        ids, lengths = _generated(adapter, inputs, max_len)
+    else:
+        ids, lengths = _answer_ids(adapter, caption, len(arrays), inputs["input_ids"].device)
+    t = max(int(lengths.max()), 1)
+    ids = ids[:, :t]
+    if ids.shape[1] < t:
+        ids = F.pad(ids, (0, t - ids.shape[1]), value=adapter.pad_id)
+    start = int(inputs["input_ids"].shape[1])
+    columns = adapter.image_columns(inputs["input_ids"])
+    kwargs = adapter.teacher_inputs(inputs, ids)
+    grads = plan.capture.grads
+    if grads and isinstance(kwargs.get("pixel_values"), Tensor) and kwargs["pixel_values"].is_floating_point():
+        kwargs["pixel_values"] = kwargs["pixel_values"].detach().clone().requires_grad_(True)
+    with torch.set_grad_enabled(grads), capture(model, **plan.capture.capture_kwargs()) as rec:
+        logits = adapter.forward_logits(kwargs)
+    words = [[adapter.word(i) for i in row[: int(n)].tolist()] for row, n in zip(ids, lengths)]
+    captions = [adapter.tokenizer.decode(row[: int(n)].tolist(), skip_special_tokens=True).strip() for row, n in zip(ids, lengths)]
+    height = max(v.size[0] for v in views)
+    width = max(v.size[1] for v in views)
+    results = []
+    for step in plan.steps:
+        ctx = VLMContext(adapter, rec, ids, lengths, start, columns, logits if grads else None, step.name)
+        with torch.set_grad_enabled(grads):
+            scores = step.spec.fn(ctx, **step.options)
+        maps = torch.zeros(len(arrays), t, height, width, device=ids.device)
+        image_maps, token_scores, layers = [], [], []
+        for b, (score, view) in enumerate(zip(scores, views)):
+            score = check_finite_maps(score.detach().float(), step.name).clone()
+            score[int(lengths[b]):] = 0.0
+            pixel_map, pieces = render(score, view)
+            maps[b, :, : view.size[0], : view.size[1]] = pixel_map
+            image_maps.append(pixel_map)
+            token_scores.append(score)
+            layers.append({p.name: layer for p, layer in zip(view.pieces, pieces)})
+        results.append(VLMCaptionExplanation(
+            maps=maps, tokens=words, ids=ids.detach(), captions=captions, method=step.name,
+            options=dict(step.options), input_size=(height, width), layout=None, images=arrays, sources=sources,
+            prompts=prompts, image_maps=image_maps, token_scores=token_scores, layers=layers,
+        ))
+    rec.clear()
+    return results
