@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from ..errors import UsageError
-from .caption_vlm import check_prompt, probe_vlm, vlm_process
+from .caption_vlm import check_answer, check_prompt, probe_vlm, vlm_process
 from .driver import drive
 from .run import Command, ExportResult
 from .checks import finite_rows, not_finite_error
@@ -199,7 +199,10 @@ def export_captions(opts: CaptionOptions, *, argv: Optional[Sequence[str]] = Non
     pre_kwargs = ex.adapter.preprocess_kwargs()
     if opts.caption is not None:
         try:
-            (ex.adapter.encode_answer if vlm else ex.adapter.encode_caption)(opts.caption)
+            if vlm:
+                check_answer(ex.adapter, opts.caption)
+            else:
+                ex.adapter.encode_caption(opts.caption)
         except (KeyError, ValueError) as e:
             reason = e.args[0] if isinstance(e, KeyError) and e.args else e
             raise UsageError(f"--caption {opts.caption!r}: {reason}") from None

@@ -127,28 +127,47 @@ def vision_layers(model: nn.Module) -> nn.ModuleList:
 
 
 def init_vision_from_vit(model: nn.Module, vit: nn.Module) -> None:
-    """Copy a trained timm ViT trunk (``shapes-vit``) into the LLaVA's SigLIP vision tower.
+    """Copy a trained timm ViT trunk (``shapes-vit``) into the LLaVA's vision tower (CLIP or SigLIP).
 
-    Same widths, depth, heads, patch size, GELU and pre-norm blocks; timm's fused ``qkv`` is split
-    into ``q/k/v_proj``, its patch tokens' position embeddings (``pos_embed[:, 1:]``) become SigLIP's,
-    and its final norm the tower's ``post_layernorm``. The class token has no counterpart (SigLIP has
-    none): the patch tokens no longer see it, which training adapts to.
+    Same widths, depth, heads, patch size, GELU and pre-norm blocks: timm's fused ``qkv`` is split
+    into ``q/k/v_proj``, ``proj`` is ``out_proj``, the final norm is ``post_layernorm``. A CLIP tower
+    gets the class token (``class_embedding``) and all position embeddings; its patch embedding has
+    no bias, so timm's is added to the patch tokens' position embeddings (the same sum). CLIP also
+    normalises the embeddings before the first block (``pre_layrnorm``), which timm does not: its
+    weight is set to the embeddings' mean standard deviation (measured on shapes images) and its bias
+    to 0, so the first block's own norm sees exactly what it saw in timm and the residual stream
+    keeps its scale; training adapts to the rest. A SigLIP tower has no class token: the patch
+    tokens' position embeddings are copied and the class token is dropped.
 
     Raises:
         UsageError: the shapes differ.
     """
+    from ..data.synthetic import shapes as _shapes
+
     tower = model.model.vision_tower
     if hasattr(tower, "vision_model"):
         tower = tower.vision_model
     src = vit.state_dict()
     prefix = vit.num_prefix_tokens
     dim = int(src["pos_embed"].shape[-1])
+    clip = hasattr(tower.embeddings, "class_embedding")
     state: dict[str, torch.Tensor] = {
         "embeddings.patch_embedding.weight": src["patch_embed.proj.weight"],
-        "embeddings.patch_embedding.bias": src["patch_embed.proj.bias"],
-        "embeddings.position_embedding.weight": src["pos_embed"][0, prefix:],
         "post_layernorm.weight": src["norm.weight"], "post_layernorm.bias": src["norm.bias"],
     }
+    if clip:
+        pos = src["pos_embed"][0].clone()
+        pos[prefix:] += src["patch_embed.proj.bias"]
+        state["embeddings.class_embedding"] = src["cls_token"].reshape(dim)
+        state["embeddings.position_embedding.weight"] = pos
+        with torch.no_grad():  # the embeddings' typical scale (timm: patches + bias + positions, class token)
+            x = vit.patch_embed(_shapes(16, seed=MAX_TRAIN_SEED - 1).tensor)
+            x = vit._pos_embed(x)
+        state["pre_layrnorm.weight"] = torch.full((dim,), float(x.std(-1).mean()))
+        state["pre_layrnorm.bias"] = torch.zeros(dim)
+    else:
+        state["embeddings.patch_embedding.bias"] = src["patch_embed.proj.bias"]
+        state["embeddings.position_embedding.weight"] = src["pos_embed"][0, prefix:]
     for i in range(len(tower.encoder.layers)):
         b, o = f"blocks.{i}.", f"encoder.layers.{i}."
         for name, part in zip(("q_proj", "k_proj", "v_proj"), range(3)):

@@ -3,10 +3,11 @@
 The model is a plain :class:`transformers.LlavaForConditionalGeneration` (nothing custom, so it
 runs every transformers code path a real LLaVA runs, SDPA included):
 
-* a tiny SigLIP vision tower (64 px, patch 8 -> 8 x 8 patch tokens, no class token; all of the
-  last layer's tokens are used: ``vision_feature_select_strategy="full"``, ``vision_feature_layer=-1``),
-  of the shape of ``shapes-vit``'s trunk (training starts from it, :mod:`vitexplain.zoo.train_vlm`);
-  ``vision_type="clip"`` in ``model_args`` builds a CLIP tower instead (class token dropped);
+* a tiny CLIP vision tower (64 px, patch 8 -> class token + 8 x 8 patch tokens; LLaVA-1.5's
+  layout: the class token is dropped, ``vision_feature_select_strategy="default"``, and the last
+  layer's tokens are used, ``vision_feature_layer=-1``), of the shape of ``shapes-vit``'s trunk
+  (training starts from it, :mod:`vitexplain.zoo.train_vlm`); ``vision_type="siglip"`` in
+  ``model_args`` builds a SigLIP tower instead (no class token, ``"full"`` strategy);
 * LLaVA's two-layer MLP projector;
 * a tiny Llama causal language model (grouped-query attention, RoPE).
 
@@ -72,14 +73,15 @@ def vlm_words() -> list[str]:
     return words
 
 
-#: Architecture of shapes-vlm (the ``model_args`` of its zoo config). The vision tower is a SigLIP
-#: encoder (no class token, no pre-norm: LLaVA reads all 64 patch tokens of its last layer) of the
-#: same shape as ``shapes-vit``'s trunk, which training starts it from.
+#: Architecture of shapes-vlm (the ``model_args`` of its zoo config). The vision tower is a CLIP
+#: encoder (LLaVA-1.5's layout: class token + 64 patch tokens, the class token dropped by the
+#: ``"default"`` feature strategy) of the same shape as ``shapes-vit``'s trunk, which training
+#: starts it from.
 VLM_ARGS: dict[str, Any] = {
     "words": vlm_words(),
     "img_size": 64,
     "patch_size": 8,
-    "vision_type": "siglip",
+    "vision_type": "clip",
     "vision": {"hidden_size": 96, "intermediate_size": 192, "num_hidden_layers": 4, "num_attention_heads": 4,
                "layer_norm_eps": 1e-6},
     "text": {
