@@ -77,7 +77,9 @@ def explore(
             ``rollout={"head_fusion": "max"}``), as for ``Explainer.explain``.
 
     Returns:
-        The path written.
+        The path written, an :class:`~vitexplain.explorer.page.ExplorerPage` (a ``pathlib.Path``):
+        as the last expression of a Jupyter cell it shows the page inline (``_repr_html_``: the
+        page in a sandboxed ``<iframe srcdoc>``).
 
     Raises:
         UsageError: no images, bad ``top_k``/``names``/``attention_budget``.
