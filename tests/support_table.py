@@ -51,6 +51,7 @@ class Row:
         size: (H, W) of the inputs.
         oracle: the test that checks this family's maps against an independent oracle.
         target: ``"norm"`` for headless backbones (explained with ``vx.targets.norm()``).
+        options: per method, options of this row's sweep (over :data:`CHEAP`).
     """
 
     name: str
@@ -59,6 +60,7 @@ class Row:
     size: tuple[int, int]
     oracle: str
     target: Optional[str] = None
+    options: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass
@@ -150,6 +152,24 @@ def _maxvit() -> nn.Module:
         transformer_cfg=MaxxVitTransformerCfg(dim_head=8, window_size=(4, 4), grid_size=(4, 4)),
     )
     return MaxxVit(cfg, img_size=64, num_classes=5)
+
+
+def _levit() -> nn.Module:
+    """A tiny LeViT whose linear and conv layers get N(0, 1 / fan_in) and attention biases N(0, 1):
+    with timm's init (zero biases) each subsampling attention is near uniform, its outputs near
+    identical, and by the last stage every token is the same (std 2e-9): every map there is flat."""
+    from timm.models.levit import LevitDistilled
+
+    model = LevitDistilled(img_size=128, embed_dim=(32, 48, 64), key_dim=8, depth=(1, 1, 1), num_heads=(2, 2, 2),
+                           num_classes=5)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, (nn.Linear, nn.Conv2d)):
+                module.weight.normal_(0, module.weight[0].numel() ** -0.5)
+            if isinstance(getattr(module, "attention_biases", None), nn.Parameter):
+                module.attention_biases.normal_(0, 1)
+                module.attention_bias_cache = {}
+    return model
 
 
 def _mvitv2() -> nn.Module:
@@ -280,7 +300,8 @@ def rows() -> list[Row]:
         Row("timm MaxViT", "hierarchical", _maxvit, s64, _POOL_TEST),
         Row("timm MViTv2", "hierarchical", _mvitv2, s64, _POOL_TEST),
         Row("timm PiT", "hierarchical", _timm_class("pit", "PoolingVisionTransformer", img_size=64, patch_size=8, stride=4, base_dims=(8, 8, 8), depth=(1, 1, 1), heads=(2, 2, 2), mlp_ratio=2, num_classes=5), s64, _POOL_TEST),
-        Row("timm LeViT", "hierarchical", _timm_class("levit", "LevitDistilled", img_size=128, embed_dim=(32, 48, 64), key_dim=8, depth=(1, 1, 1), num_heads=(2, 2, 2), num_classes=5), (128, 128), _POOL_TEST),
+        # raw reads the first call: the random model's last-stage tokens are identical, its attention uniform
+        Row("timm LeViT", "hierarchical", _levit, (128, 128), _POOL_TEST, options={"raw": {"layer": 0}}),
         Row("torchvision MaxViT", "hierarchical", _torchvision_maxvit, s64, "tests/test_hier_more.py"),
         Row("timm Hiera (SAM 2's encoder family)", "hierarchical", _timm_class("hiera", "Hiera", img_size=64, embed_dim=16, num_heads=1, stages=(1, 2, 2, 1), mask_unit_size=(4, 4), q_pool=2, num_classes=5), s64, "tests/test_hier_more.py"),
         Row("timm CrossViT (two branches)", "hierarchical", _timm_class("crossvit", "CrossVit", img_size=48, img_scale=(1.0, 32 / 48), patch_size=(8, 16), embed_dim=(16, 32), depth=((1, 2, 0), (1, 1, 0)), num_heads=(2, 2), mlp_ratio=(2, 2, 1), num_classes=5), (48, 48), "tests/test_hier_more.py"),
@@ -311,7 +332,8 @@ def reinit_heads(model: nn.Module, seed: int = 0) -> None:
     """Give (near-)zero-initialised heads and residual-branch norms random values (in place).
 
     torchvision's ViT head and timm's EVA/BEiT heads start at (or within 1e-3 of) zero, and
-    timm ResNets zero the last norm of each residual branch (``zero_init_last``): every
+    timm ResNets zero the last norm of each residual branch (``zero_init_last``; LeViT its
+    attention projections' BatchNorm1d): every
     gradient or gate map of such a model is constant (or 1e-8 small). Linear layers whose
     weights are all below 1e-3 get ``N(0, 1 / fan_in)``; norms with zero weight get 1.
     """
@@ -323,7 +345,7 @@ def reinit_heads(model: nn.Module, seed: int = 0) -> None:
                 continue
             if isinstance(module, nn.Linear) and bool(weight.abs().max() < 1e-3):
                 weight.copy_(torch.randn(weight.shape, generator=generator) / math.sqrt(weight.shape[1]))
-            elif isinstance(module, (nn.BatchNorm2d, nn.LayerNorm, nn.GroupNorm)) and not bool(weight.abs().max() > 0):
+            elif isinstance(module, (nn.BatchNorm1d, nn.BatchNorm2d, nn.LayerNorm, nn.GroupNorm)) and not bool(weight.abs().max() > 0):
                 weight.fill_(1.0)
 
 
@@ -366,7 +388,7 @@ def run(row: Row, batch: int = 4, seed: int = 0) -> Sweep:
     for name, why in refused.items():
         outcomes.append(Outcome(name, "n/a", why))
     for name in available:
-        options = CHEAP.get(name, {})
+        options = {**CHEAP.get(name, {}), **row.options.get(name, {})}
         try:
             if ex.family.entry == "explain_caption":
                 e = ex.explain_caption(x, method=name, max_len=3, **options)
