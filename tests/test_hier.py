@@ -19,7 +19,7 @@ SIZE = (64, 64)
 CLASSES = 5
 
 KINDS = {
-    "pvt": ("pvt_v2_b0", dict(depths=(1, 2, 1, 1))),
+    "pvt": ("pvt_v2_b0", dict(depths=(1, 2, 1, 1), embed_dims=(16, 32, 48, 64), num_heads=(1, 2, 2, 4))),
     "pvt_linear": ("pvt_v2_b2_li", dict(depths=(1, 1, 1, 1), embed_dims=(16, 32, 48, 64), num_heads=(1, 2, 2, 4))),
     "pcpvt": ("twins_pcpvt_small", dict(depths=(1, 1, 1, 1), embed_dims=(16, 32, 48, 64), num_heads=(1, 2, 2, 4),
                                         img_size=64)),
