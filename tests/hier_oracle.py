@@ -163,12 +163,19 @@ class SoftmaxTape(torch.overrides.TorchFunctionMode):
         return out
 
 
-def taped_attention(model: nn.Module, x: Tensor, target: int) -> list[tuple[Tensor, Tensor]]:
-    """(A, dy/dA) of every softmax of an eager float64 copy of ``model``, in call order."""
+def taped_attention(model: nn.Module, x: Tensor, target: Union[int, Callable[[nn.Module, Tensor], Tensor]]
+                    ) -> list[tuple[Tensor, Tensor]]:
+    """(A, dy/dA) of every softmax of an eager float64 copy of ``model``, in call order.
+
+    ``target`` is a class index of ``model(x)``'s logits, or ``score(model, x) -> (B,)``.
+    Hugging Face copies are switched to their eager attention (``set_attn_implementation``).
+    """
     eager = copy.deepcopy(model).double().eval()
     unfuse_all(eager)
+    if hasattr(eager, "set_attn_implementation"):
+        eager.set_attn_implementation("eager")
     tape = SoftmaxTape()
     with tape:
-        logits = eager(x.double())
-    logits[:, target].sum().backward()
+        score = target(eager, x.double()) if callable(target) else eager(x.double())[:, target]
+    score.sum().backward()
     return [(a.detach(), a.grad.detach()) for a in tape.outputs]

@@ -55,6 +55,7 @@ class Row:
 
     A vision-language row's ``build`` returns ``(model, processor)``; it is explained on uint8 images
     of ``size`` with a prompt.
+        options: per method, options of this row's sweep (over :data:`CHEAP`).
     """
 
     name: str
@@ -64,6 +65,7 @@ class Row:
     oracle: str
     target: Optional[str] = None
     refused: bool = False
+    options: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass
@@ -155,6 +157,24 @@ def _maxvit() -> nn.Module:
         transformer_cfg=MaxxVitTransformerCfg(dim_head=8, window_size=(4, 4), grid_size=(4, 4)),
     )
     return MaxxVit(cfg, img_size=64, num_classes=5)
+
+
+def _levit() -> nn.Module:
+    """A tiny LeViT whose linear and conv layers get N(0, 1 / fan_in) and attention biases N(0, 1):
+    with timm's init (zero biases) each subsampling attention is near uniform, its outputs near
+    identical, and by the last stage every token is the same (std 2e-9): every map there is flat."""
+    from timm.models.levit import LevitDistilled
+
+    model = LevitDistilled(img_size=128, embed_dim=(32, 48, 64), key_dim=8, depth=(1, 1, 1), num_heads=(2, 2, 2),
+                           num_classes=5)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, (nn.Linear, nn.Conv2d)):
+                module.weight.normal_(0, module.weight[0].numel() ** -0.5)
+            if isinstance(getattr(module, "attention_biases", None), nn.Parameter):
+                module.attention_biases.normal_(0, 1)
+                module.attention_bias_cache = {}
+    return model
 
 
 def _mvitv2() -> nn.Module:
@@ -304,10 +324,14 @@ def rows() -> list[Row]:
         Row("timm MaxViT", "hierarchical", _maxvit, s64, _POOL_TEST),
         Row("timm MViTv2", "hierarchical", _mvitv2, s64, _POOL_TEST),
         Row("timm PiT", "hierarchical", _timm_class("pit", "PoolingVisionTransformer", img_size=64, patch_size=8, stride=4, base_dims=(8, 8, 8), depth=(1, 1, 1), heads=(2, 2, 2), mlp_ratio=2, num_classes=5), s64, _POOL_TEST),
-        Row("timm LeViT", "hierarchical", _timm_class("levit", "LevitDistilled", img_size=128, embed_dim=(32, 48, 64), key_dim=8, depth=(1, 1, 1), num_heads=(2, 2, 2), num_classes=5), (128, 128), _POOL_TEST),
+        # raw reads the first call: the random model's last-stage tokens are identical, its attention uniform
+        Row("timm LeViT", "hierarchical", _levit, (128, 128), _POOL_TEST, options={"raw": {"layer": 0}}),
         Row("torchvision MaxViT", "hierarchical", _torchvision_maxvit, s64, "tests/test_hier_more.py"),
         Row("timm Hiera (SAM 2's encoder family)", "hierarchical", _timm_class("hiera", "Hiera", img_size=64, embed_dim=16, num_heads=1, stages=(1, 2, 2, 1), mask_unit_size=(4, 4), q_pool=2, num_classes=5), s64, "tests/test_hier_more.py"),
         Row("timm CrossViT (two branches)", "hierarchical", _timm_class("crossvit", "CrossVit", img_size=48, img_scale=(1.0, 32 / 48), patch_size=(8, 16), embed_dim=(16, 32), depth=((1, 2, 0), (1, 1, 0)), num_heads=(2, 2), mlp_ratio=(2, 2, 1), num_classes=5), (48, 48), "tests/test_hier_more.py"),
+        Row("HF PvtV2 classifier", "hierarchical", _hf("PvtV2Config", "PvtV2ForImageClassification", image_size=64, hidden_sizes=[16, 32, 48, 64], depths=[1, 1, 1, 1], num_attention_heads=[1, 2, 2, 4], num_labels=5), s64, "tests/test_hier_hf.py"),
+        Row("HF Segformer classifier (MiT)", "hierarchical", _hf("SegformerConfig", "SegformerForImageClassification", image_size=64, hidden_sizes=[16, 32, 48, 64], depths=[1, 1, 1, 1], num_attention_heads=[1, 2, 2, 4], decoder_hidden_size=32, num_labels=5), s64, "tests/test_hier_hf.py"),
+        Row("HF SamVisionModel (headless)", "hierarchical", _hf("SamVisionConfig", "SamVisionModel", image_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, global_attn_indexes=[1], window_size=3, output_channels=16, mlp_dim=64), s64, "tests/test_hier_hf.py", "norm"),
         Row("timm TNT (outer tokens)", "hierarchical", lambda: _timm("tnt_s_patch16_224", img_size=64, depth=2, num_classes=5), s64, _POOL_TEST),
         Row("timm Swin", "Swin", _timm_class("swin_transformer", "SwinTransformer", **_SWIN), s32, _SWIN_TEST),
         Row("timm SwinV2", "Swin", _timm_class("swin_transformer_v2", "SwinTransformerV2", **_SWIN), s32, _SWIN_TEST),
@@ -349,7 +373,8 @@ def reinit_heads(model: nn.Module, seed: int = 0) -> None:
     """Give (near-)zero-initialised heads and residual-branch norms random values (in place).
 
     torchvision's ViT head and timm's EVA/BEiT heads start at (or within 1e-3 of) zero, and
-    timm ResNets zero the last norm of each residual branch (``zero_init_last``): every
+    timm ResNets zero the last norm of each residual branch (``zero_init_last``; LeViT its
+    attention projections' BatchNorm1d): every
     gradient or gate map of such a model is constant (or 1e-8 small). Linear layers whose
     weights are all below 1e-3 get ``N(0, 1 / fan_in)``; norms with zero weight get 1.
     """
@@ -361,7 +386,7 @@ def reinit_heads(model: nn.Module, seed: int = 0) -> None:
                 continue
             if isinstance(module, nn.Linear) and bool(weight.abs().max() < 1e-3):
                 weight.copy_(torch.randn(weight.shape, generator=generator) / math.sqrt(weight.shape[1]))
-            elif isinstance(module, (nn.BatchNorm2d, nn.LayerNorm, nn.GroupNorm)) and not bool(weight.abs().max() > 0):
+            elif isinstance(module, (nn.BatchNorm1d, nn.BatchNorm2d, nn.LayerNorm, nn.GroupNorm)) and not bool(weight.abs().max() > 0):
                 weight.fill_(1.0)
 
 
@@ -410,7 +435,7 @@ def run(row: Row, batch: int = 4, seed: int = 0) -> Sweep:
     for name, why in refused.items():
         outcomes.append(Outcome(name, "n/a", why))
     for name in available:
-        options = CHEAP.get(name, {})
+        options = {**CHEAP.get(name, {}), **row.options.get(name, {})}
         try:
             if ex.family.entry == "explain_caption":
                 e = ex.explain_caption(x, method=name, max_len=3, **prompt, **options)

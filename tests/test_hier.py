@@ -19,7 +19,7 @@ SIZE = (64, 64)
 CLASSES = 5
 
 KINDS = {
-    "pvt": ("pvt_v2_b0", dict(depths=(1, 2, 1, 1))),
+    "pvt": ("pvt_v2_b0", dict(depths=(1, 2, 1, 1), embed_dims=(16, 32, 48, 64), num_heads=(1, 2, 2, 4))),
     "pvt_linear": ("pvt_v2_b2_li", dict(depths=(1, 1, 1, 1), embed_dims=(16, 32, 48, 64), num_heads=(1, 2, 2, 4))),
     "pcpvt": ("twins_pcpvt_small", dict(depths=(1, 1, 1, 1), embed_dims=(16, 32, 48, 64), num_heads=(1, 2, 2, 4),
                                         img_size=64)),
@@ -241,3 +241,10 @@ def test_layout_says_the_grid_and_the_pixels_a_cell_covers():
     for stage, grid in ((0, (16, 16)), (1, (8, 8))):
         e = ex.explain(images(2), method="rollout", stage=stage)
         assert e.maps.shape == (2, *grid) and e.layout.grid == grid and e.layout.patch_size == (64 // grid[0],) * 2
+
+
+def test_methods_not_defined_across_stages_are_refused_with_the_reason():
+    ex = vx.Explainer(build("pvt"))
+    for method in ("legrad", "attn_gradcam", "cdam_integrated"):
+        with pytest.raises(vx.UnsupportedMethodError, match="is a hier model.*none of these is defined across the stages' resampling"):
+            ex.explain(images(1), method=method)

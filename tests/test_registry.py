@@ -26,6 +26,9 @@ EXPECTED = {
     "vlm": ["cross", "cross_grad", "cross_generic"],
 }
 EXPECTED["swin"] = list(EXPECTED["vit"])  # the same methods, on windowed attention (methods/swin.py)
+# through token resampling (methods/hier.py): no method that re-runs the model or reads the head per block
+EXPECTED["hier"] = ["raw", "rollout", "grad_rollout", "generic", "cdam", "gradcam", "integrated_gradients", "occlusion",
+                    "smoothgrad"]
 
 # cheap settings for the methods that run many forwards
 CHEAP: dict[str, dict[str, Any]] = {
@@ -191,6 +194,17 @@ def _swin_case() -> tuple[nn.Module, torch.Tensor, str]:
     return model, torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(2)), "layers.1.blocks.1"
 
 
+def _hier_case() -> tuple[nn.Module, torch.Tensor, str]:
+    import timm
+
+    torch.manual_seed(1)
+    model = timm.create_model("pvt_v2_b0", pretrained=False, num_classes=6, embed_dims=(16, 32, 48, 64),
+                              depths=(1, 2, 1, 1), num_heads=(1, 2, 2, 4)).eval()
+    with torch.no_grad():
+        model.head.weight.normal_()
+    return model, torch.randn(3, 3, 64, 64, generator=torch.Generator().manual_seed(2)), "stages.1.blocks.1"
+
+
 def _cnn_case() -> tuple[nn.Module, torch.Tensor, str]:
     return vx.zoo.load("shapes-cnn"), vx.data.shapes(3, seed=9, num_objects=2).tensor, "layer4"
 
@@ -214,7 +228,8 @@ def _vlm_case() -> tuple[nn.Module, Any, str]:
 
 
 CASES: dict[str, Callable[[], tuple[nn.Module, Any, str]]] = {
-    "vit": _vit_case, "swin": _swin_case, "cnn": _cnn_case, "caption": _caption_case, "vlm": _vlm_case,
+    "vit": _vit_case, "swin": _swin_case, "hier": _hier_case, "cnn": _cnn_case, "caption": _caption_case,
+    "vlm": _vlm_case,
 }
 _BUILT: dict[str, tuple[nn.Module, torch.Tensor, str]] = {}
 

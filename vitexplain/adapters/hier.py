@@ -74,6 +74,13 @@ class HierAdapter(Adapter):
         super().__init__(model)
         self._built: dict[tuple[int, int], tuple[Chain, list[TokenSet]]] = {}
         self.has_head = int(getattr(model, "num_classes", 1) or 0) > 0
+        self.notes["family"] = (
+            "a hierarchical model: attention is carried through its token resampling (raw, rollout, grad_rollout, "
+            "generic on any stage's grid; cdam and gradcam at any stage). LeGrad and attention Grad-CAM read the "
+            "head or one readout row on every block's tokens, and smooth/integrated CDAM re-run the last block; "
+            "none of these is defined across the stages' resampling, so they are not offered: use 'generic' or "
+            "'grad_rollout' (stage=...), or 'cdam' with stage=..."
+        )
 
     def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
         """(chain, first token set of every stage) for an input of ``input_size`` pixels."""

@@ -1,0 +1,143 @@
+"""Hierarchical adapters for Hugging Face models: PVTv2, SegFormer (MiT) and SAM's vision encoder.
+
+The same chains as timm's (:mod:`vitexplain.adapters.hier`), read from the Hugging Face module
+trees: spatial-reduction attention (a strided conv, or adaptive pooling in PVTv2's linear mode)
+with overlapping conv patch embeddings between stages; SAM's windowed and global attention on
+one grid with a conv neck. Classifiers return their logits; headless models (``PvtV2Model``,
+``SegformerModel``, ``SamVisionModel``) return the mean of their last feature map, the pooled
+embedding that ``vx.targets.similarity`` / ``vx.targets.norm`` score.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+from torch import Tensor, nn
+
+from ..layout import _pair
+from ..methods.families import HIER
+from ..methods.resample import CallSpec, Footprint, TokenSet, Transition, full_slots, window_slots
+from .base import Adapter, register_adapter
+from .hier import Chain, HierAdapter, conv_grid, global_call
+
+__all__ = ["HFSpatialReductionAdapter", "HFSamVisionAdapter"]
+
+
+def _set(grid: Sequence[int]) -> TokenSet:
+    return TokenSet(0, (int(grid[0]), int(grid[1])))
+
+
+def _keys(attn: nn.Module, tokens: TokenSet, sr_name: str) -> Footprint:
+    pool = getattr(attn, "pool", None)
+    if isinstance(pool, nn.AdaptiveAvgPool2d):  # PVTv2 linear attention
+        return Footprint.adaptive(tokens, _set(_pair(pool.output_size)))
+    sr: Optional[nn.Module] = attn
+    for part in sr_name.split("."):
+        sr = getattr(sr, part, None) if sr is not None else None
+    if not isinstance(sr, nn.Conv2d):
+        return Footprint.identity(tokens)
+    grid = conv_grid(tokens.grid, sr.kernel_size, sr.stride, sr.padding)
+    return Footprint.pool(tokens, _set(grid), sr.kernel_size, sr.stride, sr.padding)
+
+
+class _HFForward:
+    """Logits for classifiers; the mean of the last feature map for headless models."""
+
+    model: nn.Module
+    has_head: bool
+
+    def forward(self, x: Tensor) -> Any:
+        out = self.model(pixel_values=x)
+        logits = getattr(out, "logits", None)
+        if logits is not None:
+            return logits
+        hidden = out.last_hidden_state
+        return hidden.mean(dim=(2, 3)) if hidden.dim() == 4 else hidden.mean(dim=1)
+
+
+class HFSpatialReductionAdapter(_HFForward, HierAdapter):
+    """Hugging Face ``PvtV2Model`` / ``PvtV2ForImageClassification`` and ``SegformerModel`` /
+    ``SegformerForImageClassification``: stages of an overlapping conv patch embedding and
+    blocks of spatial-reduction attention; the classifier averages the last stage."""
+
+    def __init__(self, model: nn.Module, stages: str, embed: str, sr_name: str, norm: str) -> None:
+        super().__init__(model)
+        self.stages_name, self.embed, self.sr_name = stages, embed, sr_name
+        self.stage_modules = model.get_submodule(stages)
+        self.token_sites = [f"{stages}.{s}.blocks.{len(st.blocks) - 1}.{norm}" for s, st in enumerate(self.stage_modules)]
+        self.has_head = getattr(model, "classifier", None) is not None
+        size = getattr(model.config, "image_size", None)
+        self.fixed_size = None if size is None else _pair(size)
+
+    def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
+        chain: Chain = []
+        sets: list[TokenSet] = []
+        tokens: Optional[TokenSet] = None
+        for s, stage in enumerate(self.stage_modules):
+            conv = stage.get_submodule(self.embed)
+            grid = conv_grid(tokens.grid if tokens else input_size, conv.kernel_size, conv.stride, conv.padding)
+            if tokens is not None:
+                chain.append(Transition(Footprint.pool(tokens, _set(grid), conv.kernel_size, conv.stride, conv.padding),
+                                        s - 1, s, f"{self.stages_name}.{s}.{self.embed}"))
+            tokens = _set(grid)
+            sets.append(tokens)
+            for b, block in enumerate(stage.blocks):
+                chain.append(global_call(f"{self.stages_name}.{s}.blocks.{b}.attention", tokens, s,
+                                         _keys(block.attention, tokens, self.sr_name)))
+        return chain, sets
+
+
+class HFSamVisionAdapter(_HFForward, HierAdapter):
+    """Hugging Face ``SamVisionModel`` (SAM's image encoder, headless): windowed (zero-padded)
+    and global attention on one patch grid, then the neck (its 3 x 3 conv a transition)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self.encoder = "vision_encoder" if hasattr(model, "vision_encoder") else ""
+        prefix = f"{self.encoder}." if self.encoder else ""
+        self.prefix = prefix
+        enc = model.get_submodule(self.encoder) if self.encoder else model
+        self.enc = enc
+        self.token_sites = [f"{prefix}layers.{len(enc.layers) - 1}.layer_norm1"]
+        self.has_head = False
+        self.fixed_size = _pair(model.config.image_size)
+
+    def site_grid(self, stage: int, output: Tensor, input_size: Sequence[int]) -> Tensor:
+        return output  # (B, H, W, C)
+
+    def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
+        conv = self.enc.patch_embed.projection
+        tokens = _set(conv_grid(input_size, conv.kernel_size, conv.stride, conv.padding))
+        chain: Chain = []
+        for i, layer in enumerate(self.enc.layers):
+            window = int(getattr(layer, "window_size", 0) or 0)
+            identity = Footprint.identity(tokens)
+            slots = window_slots(tokens, (window, window)) if window > 0 else full_slots(tokens)
+            chain.append(CallSpec(f"{self.prefix}layers.{i}.attn", tokens, tokens, slots, slots, identity, identity, 0, 0))
+        for name, layer in self.enc.neck.named_children():
+            if isinstance(layer, nn.Conv2d) and _pair(layer.kernel_size) != (1, 1):
+                out = _set(conv_grid(tokens.grid, layer.kernel_size, layer.stride, layer.padding))
+                chain.append(Transition(Footprint.pool(tokens, out, layer.kernel_size, layer.stride, layer.padding),
+                                        0, 0, f"{self.prefix}neck.{name}"))
+                tokens = out
+        return chain, [chain[0].inp]  # type: ignore[union-attr]
+
+
+def _in(model: nn.Module, package: str) -> bool:
+    return any(c.__module__.startswith(f"transformers.models.{package}") for c in type(model).__mro__)
+
+
+@register_adapter(priority=15, family=HIER)
+def _detect_hf_hier(model: nn.Module) -> Optional[Adapter]:
+    name = type(model).__name__
+    if _in(model, "pvt_v2") and name in ("PvtV2Model", "PvtV2ForImageClassification"):
+        base = "pvt_v2." if name.endswith("Classification") else ""
+        return HFSpatialReductionAdapter(model, f"{base}encoder.layers", "patch_embedding.proj", "spatial_reduction",
+                                         "layer_norm_1")
+    if _in(model, "segformer") and name in ("SegformerModel", "SegformerForImageClassification"):
+        base = "segformer." if name.endswith("Classification") else ""
+        return HFSpatialReductionAdapter(model, f"{base}stages", "patch_embeddings.proj",
+                                         "sequence_reduction.sequence_reduction", "layernorm_before")
+    if _in(model, "sam") and name == "SamVisionModel":
+        return HFSamVisionAdapter(model)
+    return None
