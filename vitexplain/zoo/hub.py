@@ -21,14 +21,15 @@ __all__ = ["names", "info", "load", "load_checkpoint", "save_checkpoint", "WEIGH
 
 #: Directory of the bundled checkpoints.
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
-_NAMES: tuple[str, ...] = ("shapes-vit", "shapes-cnn", "shapes-captioner", "shapes-sat")
+_NAMES: tuple[str, ...] = ("shapes-vit", "shapes-cnn", "shapes-captioner", "shapes-sat", "shapes-hier")
 FORMAT_VERSION = 1
 
 PathLike = Union[str, "os.PathLike[str]"]
 
 
 def names() -> list[str]:
-    """Names of the bundled zoo models: ``["shapes-vit", "shapes-cnn", "shapes-captioner", "shapes-sat"]``."""
+    """Names of the bundled zoo models: ``["shapes-vit", "shapes-cnn", "shapes-captioner", "shapes-sat",
+    "shapes-hier"]``."""
     return list(_NAMES)
 
 
@@ -147,7 +148,7 @@ def load(name: str, device: str | torch.device = "cpu", *, weights_dir: PathLike
 
     Args:
         name: one of :func:`names` (``"shapes-vit"``, ``"shapes-cnn"``, ``"shapes-captioner"``,
-            ``"shapes-sat"``).
+            ``"shapes-sat"``, ``"shapes-hier"``).
         device: where to put the model.
         weights_dir: folder to load from instead of the bundled weights (same file names).
 
