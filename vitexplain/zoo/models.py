@@ -19,6 +19,8 @@ model for training (:mod:`vitexplain.zoo.train`) and for loading (:func:`vitexpl
 * ``shapes-captioner``: :class:`vitexplain.zoo.captioner.Captioner`.
 * ``shapes-sat``: :class:`vitexplain.zoo.sat.ShowAttendTell` (Show, Attend and Tell: CNN grid
   encoder, LSTM decoder with additive attention).
+* ``shapes-vlm``: a Hugging Face ``LlavaForConditionalGeneration`` (:mod:`vitexplain.zoo.vlm`;
+  needs transformers).
 """
 
 from __future__ import annotations
@@ -170,17 +172,24 @@ def _build_sat(args: dict[str, Any]) -> nn.Module:
     return ShowAttendTell(**args)
 
 
-ARCHS = {"vit": _build_vit, "cnn": _build_cnn, "pvt": _build_pvt, "captioner": _build_captioner, "sat": _build_sat}
+def _build_llava(args: dict[str, Any]) -> nn.Module:
+    from .vlm import build_llava
+
+    return build_llava(args)
+
+
+ARCHS = {"vit": _build_vit, "cnn": _build_cnn, "pvt": _build_pvt, "captioner": _build_captioner, "sat": _build_sat,
+         "llava": _build_llava}
 
 #: Architectures that write captions (their labels are the vocabulary).
-CAPTION_ARCHS = ("captioner", "sat")
+CAPTION_ARCHS = ("captioner", "sat", "llava")
 
 
 def build(config: dict[str, Any]) -> nn.Module:
     """Build an untrained model from a zoo config.
 
     Args:
-        config: ``{"arch": "vit" | "cnn" | "pvt" | "captioner" | "sat", "model_args": {...}}``.
+        config: ``{"arch": "vit" | "cnn" | "pvt" | "captioner" | "sat" | "llava", "model_args": {...}}``.
 
     Returns:
         The model (train mode, random init).
@@ -200,7 +209,11 @@ def pretrained_cfg(config: dict[str, Any]) -> dict[str, Any]:
     """
     args = config["model_args"]
     size = int(args.get("img_size", 64))
-    if config["arch"] in CAPTION_ARCHS:
+    if config["arch"] == "llava":
+        from .vlm import SPECIALS
+
+        labels = [*SPECIALS, *args["words"]]
+    elif config["arch"] in CAPTION_ARCHS:
         from .captioner import BOS, EOS, PAD
 
         labels = [PAD, BOS, EOS, *args["words"]]

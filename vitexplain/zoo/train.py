@@ -7,10 +7,12 @@ Usage::
     python -m vitexplain.zoo.train shapes-captioner --out vitexplain/zoo/weights --threads 1  # needs shapes-vit
     python -m vitexplain.zoo.train shapes-sat --out vitexplain/zoo/weights --threads 1
     python -m vitexplain.zoo.train shapes-hier --out vitexplain/zoo/weights --threads 1
+    python -m vitexplain.zoo.train_vlm --out vitexplain/zoo/weights --threads 1  # shapes-vlm, its own script
     python -m vitexplain.zoo.train NAME --out DIR --steps N [--resume CKPT.json]  # one stage, overrides
 
 The first five commands reproduce the bundled weights (in this order: the ViT mimics the CNN's
-features, the captioner starts from the ViT; ``shapes-sat`` and ``shapes-hier`` start from scratch); a run without ``--steps/--batch-size/--lr/--resume``
+features, the captioner starts from the ViT; ``shapes-sat`` and ``shapes-hier`` start from scratch;
+``shapes-vlm`` has its own script); a run without ``--steps/--batch-size/--lr/--resume``
 follows the model's full recipe (all stages). With any of them, one stage runs: the recipe's first
 stage with those changes (loss-weight flags such as ``--value-weight`` change every stage). Each
 checkpoint records, under ``training.command``, the command that trains its stage alone.
@@ -534,7 +536,8 @@ def _timm_version() -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Command line entry point (see the module docstring)."""
     p = argparse.ArgumentParser(prog="python -m vitexplain.zoo.train", description=__doc__.split("\n")[0])
-    p.add_argument("name", choices=names())
+    p.add_argument("name", choices=[n for n in names() if n in RECIPES],
+                   help="zoo model (shapes-vlm: python -m vitexplain.zoo.train_vlm)")
     p.add_argument("--out", required=True, help="output folder for <name>.safetensors and <name>.json")
     p.add_argument("--seed", type=int, default=0, help=f"training seed, 0..{MAX_TRAIN_SEED - 1}")
     p.add_argument("--steps", type=int, default=None)
