@@ -15,8 +15,10 @@ Memory (CPU allocator events of ``torch.profiler``, ``profile_memory=True``): th
 allocated during the plain forward and during rollout, and next to them the bytes of the dense
 per-layer ``N_q x N_k`` attention of every layer of the batch, ``4 B sum_l heads_l N_q,l N_k,l``
 (what a method that kept every layer's attention would hold at once) and the dense
-``N_0 x N_0`` on the finest grid of every layer, ``4 B L N_0^2``: rollout's extra peak stays far
-below both.
+``N_0 x N_0`` on the finest grid of every layer, ``4 B L N_0^2``. Rollout's extra peak (the
+records' queries, keys and masks of every layer plus one layer's probabilities) stays far below the
+latter; SAM's relative-position bias, kept per layer as an additive mask, is as large as its
+attention.
 
 Usage::
 
@@ -153,8 +155,11 @@ def main() -> int:
     body = table(header, rows) + (
         "\n\nMedian of interleaved runs. Peaks: bytes of CPU tensors alive at once (torch.profiler memory "
         "events). The last two columns are what a method holding every layer's attention at once would "
-        "need: on each layer's own grids, and on the finest grid; rollout's extra peak is the few "
-        "matrices of one layer at a time.")
+        "need: on each layer's own grids, and as dense N0 x N0 on the finest grid. Rollout's extra peak is "
+        "what the records keep of every layer to recompute its probabilities (queries, keys and any "
+        "additive mask: SAM's relative-position bias is as large as its attention, so SAM's extra exceeds "
+        "the attention of all layers) plus one layer's probabilities at a time; it stays far below the "
+        "dense N0 x N0 of all layers.")
     if a.no_report:
         print(body)
     else:
