@@ -312,7 +312,10 @@ def test_every_method_keeps_fused_attention_and_leaves_model_as_found(model, x, 
     assert [(len(m._forward_hooks), len(m._forward_pre_hooks)) for m in model.modules()] == hooks
     assert all(p.grad is None for p in model.parameters())
     assert not model.training
-    assert torch.isfinite(e.maps).all() and e.maps.shape == (2, *GRID)
+    # maps on the patch grid, or at the input's pixels for the pixel-resolution LRP methods;
+    # either way the shape e.layout says
+    expected = tuple(x.shape[-2:]) if name in ("attnlrp", "cp_lrp") else GRID
+    assert torch.isfinite(e.maps).all() and e.maps.shape == (2, *expected) and e.layout.grid == expected
 
 
 def test_several_methods_share_one_pass(model, x):
