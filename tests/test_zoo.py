@@ -17,7 +17,7 @@ from vitexplain.zoo import evaluate as zoo_eval
 from vitexplain.zoo.hub import WEIGHTS_DIR
 
 FLOOR_SEED = zoo_eval.EVAL_SEED + 1  # fresh: training uses seeds < 9_000
-NAMES = ["shapes-vit", "shapes-cnn", "shapes-captioner", "shapes-sat"]
+NAMES = ["shapes-vit", "shapes-cnn", "shapes-captioner", "shapes-sat", "shapes-hier"]
 CAPTIONERS = ("shapes-captioner", "shapes-sat")
 
 
@@ -91,6 +91,26 @@ def test_vit_is_a_plain_timm_vit(models) -> None:
         out = vit(x)
     assert out.shape == (2, len(SHAPES))
     assert len(spy.calls) == len(vit.blocks) and spy.calls[0]["q"][2] == 65
+
+
+def test_hier_is_a_timm_pvt_v2_with_pooled_keys_and_fused_attention(models) -> None:
+    """shapes-hier: a plain timm PVTv2 (issue 23's trained hierarchical model), at most 3 MB, whose
+    attention runs fused (SDPA) on three stage grids, the first stage's keys pooled 2 x 2."""
+    from timm.models.pvt_v2 import PyramidVisionTransformerV2
+
+    hier = models["shapes-hier"]
+    assert type(hier) is PyramidVisionTransformerV2
+    assert (WEIGHTS_DIR / "shapes-hier.safetensors").stat().st_size <= 3 * 2**20
+    blocks = [blk for stage in hier.stages for blk in stage.blocks]
+    assert all(blk.attn.fused_attn for blk in blocks)
+    x = shapes(2, seed=FLOOR_SEED).tensor
+    with _SDPASpy() as spy, torch.no_grad():
+        out = hier(x)
+    assert out.shape == (2, len(SHAPES))
+    assert len(spy.calls) == len(blocks)
+    queries = [c["q"][2] for c in spy.calls]
+    keys = [c["k"][2] for c in spy.calls]
+    assert queries == [256, 64, 16, 16] and keys == [64, 64, 16, 16]  # 16x16 -> 8x8 -> 4x4; stage 0 keys pooled
 
 
 def test_cnn_has_timm_channel_and_spatial_gates(models) -> None:
@@ -190,6 +210,7 @@ def test_captioner_cache_matches_teacher_forcing(models) -> None:
     [
         ("shapes-vit", 0.97, 0.91),  # measured label 0.988 (n = 1000), exact 0.955 (n = 200)
         ("shapes-cnn", 0.99, 0.98),  # measured label 1.000 (n = 1000), exact 1.000 (n = 200)
+        ("shapes-hier", 0.99, 0.96),  # measured label 0.997 (n = 1000), exact 0.990 (n = 200)
     ],
 )
 def test_classifier_floors(models, floor_batch, name, label_floor, exact_floor) -> None:

@@ -21,7 +21,7 @@ __all__ = ["names", "info", "load", "load_checkpoint", "save_checkpoint", "proce
 
 #: Directory of the bundled checkpoints.
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
-_NAMES: tuple[str, ...] = ("shapes-vit", "shapes-cnn", "shapes-captioner", "shapes-sat", "shapes-vlm")
+_NAMES: tuple[str, ...] = ("shapes-vit", "shapes-cnn", "shapes-captioner", "shapes-sat", "shapes-hier", "shapes-vlm")
 FORMAT_VERSION = 1
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -29,7 +29,7 @@ PathLike = Union[str, "os.PathLike[str]"]
 
 def names() -> list[str]:
     """Names of the bundled zoo models: ``["shapes-vit", "shapes-cnn", "shapes-captioner", "shapes-sat",
-    "shapes-vlm"]`` (``shapes-vlm`` needs transformers)."""
+    "shapes-hier", "shapes-vlm"]`` (``shapes-vlm`` needs transformers)."""
     return list(_NAMES)
 
 
@@ -152,7 +152,7 @@ def load(name: str, device: str | torch.device = "cpu", *, weights_dir: PathLike
 
     Args:
         name: one of :func:`names` (``"shapes-vit"``, ``"shapes-cnn"``, ``"shapes-captioner"``,
-            ``"shapes-sat"``).
+            ``"shapes-sat"``, ``"shapes-hier"``, ``"shapes-vlm"``).
         device: where to put the model.
         weights_dir: folder to load from instead of the bundled weights (same file names).
 

@@ -23,6 +23,7 @@ __all__ = [
     "DeepTokenLabels",
     "StageTokenLabels",
     "ValueLabels",
+    "HeadTokenLabels",
     "FeatureDistill",
     "TrainingSignals",
     "sincos_init",
@@ -192,6 +193,31 @@ class ValueLabels(nn.Module):
         return F.binary_cross_entropy_with_logits(z, cover)
 
 
+class HeadTokenLabels(nn.Module):
+    """Training-only *head token labels* for a mean-pooled hierarchical classifier (``shapes-hier``).
+
+    PVTv2's logits are its head applied to the mean of the last stage's tokens, so (the head being
+    linear) they are the mean of the per-token logits ``z_i = W_head T_i + b``. This loss asks each
+    per-token logit (with a learned scale and bias, training-only) to predict the shape classes
+    covering token i's region (binary cross-entropy against the soft coverage), so each class is
+    read from the tokens of its own object; without it the model reads a class partly from the
+    other objects' tokens, and the class-discriminative maps (generic, gradients) spread onto them.
+    The model itself is unchanged in form; its own head is trained by this loss.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = [model]  # a list: not a submodule (its head is trained by the main group)
+        self.scale = nn.Parameter(torch.tensor(1.0))
+        self.bias = nn.Parameter(torch.full((int(model.num_classes),), -2.0))
+
+    def forward(self, feats: torch.Tensor, batch: Any) -> torch.Tensor:
+        """``feats``: the last stage's (B, C, h, w) output; ``batch``: the ShapesBatch."""
+        z = self.model[0].head(feats.flatten(2).transpose(1, 2)) * self.scale + self.bias  # (B, N, C)
+        cover = patch_targets(batch, batch.size[0] // feats.shape[-2])[0][:, :-1].flatten(2).transpose(1, 2)
+        return F.binary_cross_entropy_with_logits(z, cover)
+
+
 class FeatureDistill(nn.Module):
     """Training-only feature mimicking: a ViT block's patch tokens predict a trained CNN's 8 x 8 map.
 
@@ -268,7 +294,7 @@ class TrainingSignals(nn.Module):
         self.arch = arch
         self.aux: Optional[AuxHeads] = None
         self.deep: Optional[DeepTokenLabels | StageTokenLabels] = None
-        self.value: Optional[ValueLabels] = None
+        self.value: Optional[ValueLabels | HeadTokenLabels] = None
         self.distill: Optional[FeatureDistill] = None
         vit = model.encoder if is_captioner(model) else model
         try:  # the order of construction fixes the random initialisation of the heads
@@ -281,6 +307,8 @@ class TrainingSignals(nn.Module):
                     self.deep = DeepTokenLabels(vit, aux_blocks, len(SHAPES), len(COLORS))
             if value_weight > 0 and arch == "vit":
                 self.value = ValueLabels(model)
+            elif value_weight > 0 and arch == "pvt":
+                self.value = HeadTokenLabels(model)
             if distill_weight > 0 and arch == "vit":
                 self.distill = FeatureDistill(model, teacher(), distill_block)
         except BaseException:
@@ -300,7 +328,7 @@ class TrainingSignals(nn.Module):
     def remove(self) -> None:
         """Take every hook these heads put on the model off it (safe to call twice)."""
         for part in (self.deep, self.value, self.distill):
-            if part is not None:
+            if part is not None and hasattr(part, "remove"):
                 part.remove()
 
     def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
@@ -348,7 +376,8 @@ class TrainingSignals(nn.Module):
 
     def _pvt_loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
         """PVTv2 (``shapes-hier``): binary cross-entropy plus token labeling of the last stage's
-        tokens (``aux_weight``) and of the listed stages' outputs (``aux_blocks``: stage indices)."""
+        tokens (``aux_weight``), of the listed stages' outputs (``aux_blocks``: stage indices) and
+        head token labels (``value_weight``, :class:`HeadTokenLabels`)."""
         feats = model.forward_features(batch.tensor)  # (B, C, h, w)
         loss = F.binary_cross_entropy_with_logits(model.forward_head(feats), batch.labels)
         if self.aux is not None:
@@ -356,6 +385,8 @@ class TrainingSignals(nn.Module):
             loss = loss + self.aux_weight * self.aux(feats.flatten(2).transpose(1, 2), targets)
             if self.deep is not None:
                 loss = loss + self.aux_weight * self.deep(batch)
+        if self.value is not None:
+            loss = loss + self.value_weight * self.value(feats, batch)
         return loss
 
     def _sat_loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
