@@ -111,3 +111,56 @@ def test_inline_notebook_frame_draws_the_page_and_requests_nothing(browser, vit_
     assert not errors, errors
     assert [u for u in requests if u != wrapper.as_uri() and not u.startswith(("data:", "about:"))] == []
     assert html.unescape(frame_html.split('srcdoc="', 1)[1].rsplit('"></iframe>', 1)[0]) == path.read_text("utf-8")
+
+
+# -- a vision-language model's page --------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def vlm_page(tmp_path_factory):
+    from test_explorer_vlm import PROMPT, tiny_llava
+
+    model, processor = tiny_llava()
+    image = vx.data.shapes(1, seed=10_905, num_objects=2).images[0]
+    path = vx.explore(model, [image], tmp_path_factory.mktemp("vlm") / "vlm.html", processor=processor,
+                      prompt=PROMPT, max_len=4, method=["cross", "cross_generic"])
+    ex = vx.Explainer(model, processor=processor)
+    expected = ex.explain_caption([image], method=["cross", "cross_generic"], prompt=PROMPT, max_len=4)
+    ids = expected[0].ids[:, : len(expected[0].tokens[0])]
+    with torch.no_grad(), vx.capture(model) as rec:  # the attention rows, straight from the records
+        inputs = ex.adapter.prepare([image], [PROMPT])
+        ex.adapter.forward_logits(ex.adapter.teacher_inputs(inputs, ids))
+    start = inputs["input_ids"].shape[1]
+    rows = torch.arange(start - 1, start - 1 + ids.shape[1])
+    cols = ex.adapter.image_columns(torch.cat([inputs["input_ids"], ids], 1))[0]
+    att = np.stack([r.probs(queries=rows)[0][..., cols].double().numpy() for r in ex.adapter.lm_records(rec.records)])
+    return path, expected, att  # att: (L, H, T, 64)
+
+
+def test_vlm_page_steps_through_words_layers_and_selected_heads(browser, vlm_page) -> None:
+    path, expected, att = vlm_page
+    words = expected[0].tokens[0]
+    page = Page(browser, path)
+    for t in range(len(words)):  # cross, word by word, over the 8 x 8 token grid
+        page.page.click(f'button[data-vx="vlm-word"][data-index="{t}"]')
+        assert_overlay(page.pixels("piece-map"), expected[0].token_scores[0][t].numpy().reshape(8, 8))
+    page.page.click('button[data-vx="vlm-tab"]:text-is("cross_generic")')
+    page.page.click('button[data-vx="vlm-word"][data-index="1"]')
+    assert_overlay(page.pixels("piece-map"), expected[1].token_scores[0][1].numpy().reshape(8, 8))
+    # the overview: every layer x head of word 1's row; two heads at once show their mean
+    assert page.page.locator('canvas[data-vx="vlm-tile"]').count() == att.shape[0] * att.shape[1]
+    got = page.page.evaluate(
+        """() => { const c = document.querySelector('canvas[data-vx="vlm-tile"][data-layer="0"][data-head="2"]');
+             const d = c.getContext('2d').getImageData(0, 0, c.width, c.height); return Array.from(d.data); }""")
+    assert_tile(np.array(got, dtype=int).reshape(8, 8, 4), att[0, 2, 1].reshape(8, 8))
+    page.page.click('canvas[data-vx="vlm-tile"][data-layer="0"][data-head="2"]')
+    assert_overlay(page.pixels("piece-map"), att[0, 2, 1].reshape(8, 8))
+    page.page.click('canvas[data-vx="vlm-tile"][data-layer="1"][data-head="3"]', modifiers=["Shift"])
+    assert_overlay(page.pixels("piece-map"), ((att[0, 2, 1] + att[1, 3, 1]) / 2).reshape(8, 8))
+    assert "mean of 2" in page.page.text_content('[data-vx="vlm-selection"]')
+    page.page.click('button[data-vx="vlm-next"]')  # the same heads, the next word
+    assert_overlay(page.pixels("piece-map"), ((att[0, 2, 2] + att[1, 3, 2]) / 2).reshape(8, 8))
+    page.page.click('button[data-vx="piece"][data-index="0"]')  # the grid as a layer: hidden, shown
+    assert not page.page.locator('canvas[data-vx="piece-map"]').is_visible()
+    page.page.click('button[data-vx="piece"][data-index="0"]')
+    assert page.page.locator('canvas[data-vx="piece-map"]').is_visible()
+    assert page.close() == []
