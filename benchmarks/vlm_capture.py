@@ -15,7 +15,7 @@ they reference (``_q, _k, _v, _mask, _probs``), next to the bytes that every cal
 probabilities would take (``B x H x N_q x N_k`` float32 summed over records: what a capture that
 kept attention matrices would hold), and how many records hold probabilities (0: no N x N kept).
 
-Usage: python benchmarks/vlm_capture.py [--reps 15] [--batch 4] [--new 8] [--no-report]
+Usage: python benchmarks/vlm_capture.py [--reps 15] [--batch 4] [--new 8] [--models shapes-vlm,tiny] [--no-report]
 (``--no-report`` prints without rewriting docs/benchmarks.md; by default the table replaces its
 section there.)
 """
@@ -101,14 +101,18 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--new", type=int, default=8)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--models", default="shapes-vlm,tiny", help="comma separated: shapes-vlm, tiny")
     p.add_argument("--no-report", action="store_true")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     rows = []
-    model = vx.zoo.load("shapes-vlm")
-    rows.append(bench("shapes-vlm", model, model.vx_processor, batch=a.batch, new=a.new, reps=a.reps))
-    tiny, proc = tiny_llava()
-    rows.append(bench("tiny LLaVA (CLIP 224/14, Llama GQA)", tiny, proc, batch=a.batch, new=a.new, reps=a.reps))
+    chosen = a.models.split(",")
+    if "shapes-vlm" in chosen:
+        model = vx.zoo.load("shapes-vlm")
+        rows.append(bench("shapes-vlm", model, model.vx_processor, batch=a.batch, new=a.new, reps=a.reps))
+    if "tiny" in chosen:
+        tiny, proc = tiny_llava()
+        rows.append(bench("tiny LLaVA (CLIP 224/14, Llama GQA)", tiny, proc, batch=a.batch, new=a.new, reps=a.reps))
     header = ["model", "batch x (prompt + new)", "plain ms", "captured ms", "ratio", "records", "records with N x N",
               "held by records MB", "all N_q x N_k MB", "same ids"]
     body = (f"Median of {a.reps} interleaved repetitions, greedy generate, torch.no_grad, SDPA, "
