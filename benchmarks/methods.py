@@ -7,8 +7,8 @@ Prints, in one run (median wall times, interleaved):
    (the class row pushed through the layers as a vector, no N x N products), run one image
    at a time (what vit-explain / Chefer's code do) and batched; the speed-ups must be >= 1;
 2. each method's time as a ratio to one plain fused forward (``raw`` <= 1.02x, ``rollout``
-   <= 1.05x) or one plain forward+backward (``generic`` <= 1.10x, and the other gradient
-   methods), with timm's own eager forward and vitexplain's capture modes for context;
+   <= 1.05x) or one plain forward+backward (``generic`` <= 1.10x, ``attnlrp`` and ``cp_lrp``
+   <= 1.5x, and the other gradient methods), with timm's own eager forward and vitexplain's capture modes for context;
 3. checks: the model's outputs under each capture mode equal the plain fused forward's
    within 1e-5, and the maps equal the eager reference's within 1e-5 (relative to the
    largest map value);
@@ -34,7 +34,8 @@ import torch
 import vitexplain as vx
 from _common import median_times, report, table
 
-FLOORS = {"raw": ("x plain forward", 1.02), "rollout": ("x plain forward", 1.05), "generic": ("x plain fwd+bwd", 1.10)}
+FLOORS = {"raw": ("x plain forward", 1.02), "rollout": ("x plain forward", 1.05), "generic": ("x plain fwd+bwd", 1.10),
+          "attnlrp": ("x plain fwd+bwd", 1.5), "cp_lrp": ("x plain fwd+bwd", 1.5)}
 
 
 class EagerReference:
@@ -216,7 +217,7 @@ def main() -> None:
     for name in compared:
         fns[f"eager {name}, 1 image at a time"] = lambda name=name: getattr(ref, name)(x, per_image=True)
         fns[f"eager {name}, batched"] = lambda name=name: getattr(ref, name)(x, per_image=False)
-    methods = ["raw", "rollout", "attn_gradcam", "gradcam", "cdam", "generic", "grad_rollout", "legrad"]
+    methods = ["raw", "rollout", "attn_gradcam", "gradcam", "cdam", "generic", "grad_rollout", "legrad", "attnlrp", "cp_lrp"]
     for name in methods:
         fns[name] = lambda name=name: ex.explain(x, method=name)
     fns["rollout+cdam+generic (one call)"] = lambda: ex.explain(x, method=["rollout", "cdam", "generic"])

@@ -1,4 +1,5 @@
-"""The explorer's layers x heads overview, several heads at once, and the page inline in a notebook
+"""The explorer's layers x heads overview, several heads at once (on a ViT page and on a hierarchical
+one, where each layer has its own heads and grids), and the page inline in a notebook
 (``_repr_html_``), in a real browser (see tests/test_explorer_browser.py for the set-up, the skip
 rule and the colour oracle)."""
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 import vitexplain as vx
-from test_explorer_browser import SEQ, Page, _candidates, assert_overlay, browser  # noqa: F401  (fixture)
+from test_explorer_browser import SEQ, Page, _candidates, assert_matrix_row, assert_overlay, browser  # noqa: F401  (fixture)
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +90,62 @@ def test_several_heads_at_once_show_their_mean(browser, vit_page) -> None:
     page.page.select_option('select[data-vx="head"]', "2")
     assert_overlay(page.pixels("attn"), probs[3][2, q, p:].reshape(grid))
     assert page.page.locator('canvas[data-vx="overview-tile"].vx-on').count() == 1
+    assert page.close() == []
+
+
+@pytest.fixture(scope="module")
+def hier_page(tmp_path_factory):
+    """The small timm PVTv2 of tests/test_explorer_stages.py (stages on 16 x 16, 8 x 8, 4 x 4; the
+    first stage's keys pooled to 8 x 8; 1, 2, 4, 4 heads) and its per-layer attention from capture."""
+    pytest.importorskip("vitexplain.methods.resample", reason="needs the hierarchical family (issue 23)")
+    from test_explorer_stages import _oracle, _pvt
+
+    model = _pvt()
+    image = vx.data.shapes(1, seed=10_883, num_objects=2).images[0]
+    path = vx.explore(model, [image], tmp_path_factory.mktemp("hier-heads") / "hier.html", method=["rollout"], top_k=1)
+    geometry, probs, _ = _oracle(model, vx.Explainer(model).preprocess(image)[0])
+    return path, geometry, probs
+
+
+def test_overview_and_several_heads_on_a_hierarchical_page(browser, hier_page) -> None:
+    path, geometry, probs = hier_page
+    page = Page(browser, path)
+    assert page.page.locator('canvas[data-vx="overview-tile"]').count() == sum(p.shape[0] for p in probs) == 11
+    # one point of the image: on each layer the query is the patch of its own query grid under it
+    page.click_patch("attn", (16, 16), 5, 9)
+    point = ((5 + 0.5) / 16, (9 + 0.5) / 16)
+    query = [int(point[0] * g[0]) * g[1] + int(point[1] * g[1]) for g, _ in geometry]
+    for layer, (_, keys) in enumerate(geometry):  # every tile on its layer's own key grid
+        for head in range(probs[layer].shape[0]):
+            assert_tile(_tile(page, layer, head), probs[layer][head, query[layer]].reshape(keys))
+    # a tile click shows that pair alone, on its key grid (8 x 8 keys pooled from 16 x 16 queries)
+    page.page.click('canvas[data-vx="overview-tile"][data-layer="0"][data-head="0"]')
+    assert_overlay(page.pixels("attn"), probs[0][0, query[0]].reshape(8, 8))
+    assert page.page.input_value('select[data-vx="layer"]') == "0"
+    # several pairs of the last stage (same 4 x 4 query and key sets), across two layers: their mean
+    page.page.click('canvas[data-vx="overview-tile"][data-layer="2"][data-head="1"]')
+    page.page.click('canvas[data-vx="overview-tile"][data-layer="3"][data-head="3"]', modifiers=["Control"])
+    page.page.check('input[data-vx="several"]')
+    page.page.click('canvas[data-vx="overview-tile"][data-layer="3"][data-head="0"]')
+    mean = np.mean([probs[l][h, query[l]] for l, h in ((2, 1), (3, 3), (3, 0))], axis=0)
+    assert_overlay(page.pixels("attn"), mean.reshape(4, 4))
+    matrix = page.pixels("matrix")
+    assert matrix.shape[:2] == (16, 16)
+    assert_matrix_row(matrix[query[3]], mean)
+    assert page.page.input_value('select[data-vx="head"]') == "sel"
+    assert "mean of 3" in page.page.text_content('[data-vx="selection"]')
+    # a pair on other grids (layer 1: 8 x 8) is not averaged in: refused, said, the view unchanged
+    page.page.click('canvas[data-vx="overview-tile"][data-layer="1"][data-head="1"]')
+    assert "not added" in page.page.text_content('[data-vx="selection"]')
+    assert page.page.locator('canvas[data-vx="overview-tile"].vx-on').count() == 3
+    assert page.page.locator('canvas[data-vx="overview-tile"].vx-apart').count() == 1 + 2
+    assert_overlay(page.pixels("attn"), mean.reshape(4, 4))
+    # the menus go back to one layer: layer 1's head menu has its 2 heads and their mean
+    page.page.select_option('select[data-vx="layer"]', "1")
+    page.page.select_option('select[data-vx="head"]', "mean")
+    assert_overlay(page.pixels("attn"), probs[1][:, query[1]].mean(0).reshape(8, 8))
+    assert "mean of 2" in page.page.text_content('[data-vx="selection"]')
+    assert page.page.locator('canvas[data-vx="overview-tile"].vx-on').count() == 2
     assert page.close() == []
 
 

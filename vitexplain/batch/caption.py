@@ -38,7 +38,8 @@ from .checks import finite_rows, not_finite_error
 from .manifest import GALLERY
 from .models import load_model, model_id, zoo_weights_id
 from .options import NON_NEGATIVE, POSITIVE, BatchOptions, SharedOptions, collect_methods, option, parse_methods, same
-from .setup import config_hash, new_run, one_by_one_on_numerical_errors, plan_run, prepare, probe, summary_fields
+from .setup import (config_hash, new_run, one_by_one_on_numerical_errors, plan_run, prepare, probe, summary_fields,
+                    with_threads)
 from ..files import Writer, encode_npz, encode_png, json_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -148,6 +149,7 @@ def _write_caption(
     files["caption"] = {"json": rel}
 
 
+@with_threads
 def export_captions(opts: CaptionOptions, *, argv: Optional[Sequence[str]] = None) -> ExportResult:
     """Caption every input image and write per-word figures, maps, JSON, manifest and summary.
 

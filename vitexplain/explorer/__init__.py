@@ -39,6 +39,7 @@ def explore(
     title: str = "vitexplain explorer",
     attention_budget: float = DEFAULT_ATTENTION_BUDGET_MB,
     max_len: int = 16,
+    crop: bool = True,
     prompt: Optional[str] = None,
     processor: Any = None,
     **options: Any,
@@ -75,6 +76,10 @@ def explore(
             then only the head-mean, are embedded, and the page says so. The default (5 MB)
             holds every layer and head of a 224 px ViT-S/16 (197 tokens, 12 x 6 heads).
         max_len: longest caption generated (captioners and vision-language models).
+        crop: resize and center-crop each image as the model's eval transform does (True), or
+            resize the whole image to the input size (False: nothing is cut off, the aspect
+            ratio is not kept; also takes images too elongated for the crop). Vision-language
+            models give whole images to their processor.
         prompt: vision-language models: the prompt (None: the model's default).
         processor: vision-language models: the processor (default: ``model.vx_processor`` when the
             model carries one, as zoo VLMs do).
@@ -127,7 +132,7 @@ def explore(
                                  notes=notes))
             data.append(page)
             continue
-        x, regions, _, _ = explainer.preprocess(item)
+        x, regions, _, _ = explainer.preprocess(item, crop=crop)
         page = {"name": label, "family": plan.family.name, "image": png_data_uri(regions[0]),
                 "size": [int(x.shape[-2]), int(x.shape[-1])], "notes": notes, "attention": None,
                 "caption": None, "methods": []}

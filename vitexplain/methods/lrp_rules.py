@@ -103,6 +103,25 @@ class _Identity(Function):
         return None, ratio * grad
 
 
+class _LayerNorm(Function):
+    """``F.layer_norm`` forward (the fused kernel); the gradient of ``(x - mean(x)) * w / std`` with the
+    standard deviation held constant (lxt's ``layer_norm_forward``): ``(g w - mean(g w)) / std``.
+    Only the input gets a gradient (the relevance needs no parameter gradients)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, shape: tuple, weight: Optional[Tensor], bias: Optional[Tensor], eps: float) -> Tensor:
+        out, _, rstd = torch.native_layer_norm(x, list(shape), weight, bias, eps)
+        ctx.save_for_backward(rstd, weight)
+        ctx.dims = tuple(range(-len(shape), 0))
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
+        rstd, weight = ctx.saved_tensors
+        g = grad if weight is None else grad * weight
+        return (g - g.mean(dim=ctx.dims, keepdim=True)) * rstd, None, None, None, None
+
+
 def _live(t: Any) -> bool:
     """A tensor computed in the graph (not a parameter or constant): both factors of a product of activations."""
     return isinstance(t, Tensor) and t.requires_grad and t.grad_fn is not None
@@ -262,15 +281,7 @@ class LRPRules(TorchFunctionMode):
     def _layer_norm(self, x: Tensor, normalized_shape: Any, weight: Optional[Tensor] = None,
                     bias: Optional[Tensor] = None, eps: float = 1e-5) -> Tensor:
         self.seen["norm"] += 1
-        dims = tuple(range(-len(tuple(normalized_shape)), 0))
-        mean = x.mean(dim=dims, keepdim=True)
-        var = ((x - mean) ** 2).mean(dim=dims, keepdim=True)
-        y = (x - mean) / (var + eps).sqrt().detach()
-        if weight is not None:
-            y = y * weight
-        if bias is not None:
-            y = y + bias
-        return y
+        return _LayerNorm.apply(x, tuple(normalized_shape), weight, bias, eps)
 
     def _rms_norm(self, x: Tensor, normalized_shape: Any, weight: Optional[Tensor] = None,
                   eps: Optional[float] = None) -> Tensor:
