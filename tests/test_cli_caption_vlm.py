@@ -151,3 +151,18 @@ def test_usage_errors_exit_2(case: str, message: str, folder: Path, images: Path
     assert _run("caption", images / "a.png", "--out", out, "--model", model, "-q", *extra) == 2
     assert message in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_explore_command_with_a_model_folder_and_prompt(folder: Path, images: Path, tmp_path: Path) -> None:
+    import re
+
+    out = tmp_path / "page.html"
+    assert _run("explore", images, "--out", out, "--model", folder, "--prompt", PROMPT, "--max-len", "2", "-q") == 0
+    data = json.loads(re.search(r'<script type="application/json" id="vx-data">(.*?)</script>',
+                                out.read_text(encoding="utf-8"), re.S).group(1))
+    assert [d["name"] for d in data["images"]] == ["a.png", "b c.png"]
+    expected = _reference(folder, [images / "a.png"])
+    for d in data["images"]:
+        assert d["family"] == "vlm" and d["vlm"]["prompt"] == PROMPT
+    assert data["images"][0]["vlm"]["words"] == expected[0].tokens[0][:2]
+    assert _run("explore", images, "--out", tmp_path / "x.html", "--model", "shapes-captioner", "--prompt", "hi") == 2

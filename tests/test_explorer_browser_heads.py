@@ -168,3 +168,110 @@ def test_inline_notebook_frame_draws_the_page_and_requests_nothing(browser, vit_
     assert not errors, errors
     assert [u for u in requests if u != wrapper.as_uri() and not u.startswith(("data:", "about:"))] == []
     assert html.unescape(frame_html.split('srcdoc="', 1)[1].rsplit('"></iframe>', 1)[0]) == path.read_text("utf-8")
+
+
+# -- a vision-language model's page --------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def vlm_page(tmp_path_factory):
+    from test_explorer_vlm import PROMPT, tiny_llava
+
+    model, processor = tiny_llava()
+    image = vx.data.shapes(1, seed=10_905, num_objects=2).images[0]
+    path = vx.explore(model, [image], tmp_path_factory.mktemp("vlm") / "vlm.html", processor=processor,
+                      prompt=PROMPT, max_len=4, method=["cross", "cross_generic"])
+    ex = vx.Explainer(model, processor=processor)
+    expected = ex.explain_caption([image], method=["cross", "cross_generic"], prompt=PROMPT, max_len=4)
+    ids = expected[0].ids[:, : len(expected[0].tokens[0])]
+    with torch.no_grad(), vx.capture(model) as rec:  # the attention rows, straight from the records
+        inputs = ex.adapter.prepare([image], [PROMPT])
+        ex.adapter.forward_logits(ex.adapter.teacher_inputs(inputs, ids))
+    start = inputs["input_ids"].shape[1]
+    rows = torch.arange(start - 1, start - 1 + ids.shape[1])
+    cols = ex.adapter.image_columns(torch.cat([inputs["input_ids"], ids], 1))[0]
+    att = np.stack([r.probs(queries=rows)[0][..., cols].double().numpy() for r in ex.adapter.lm_records(rec.records)])
+    return path, expected, att  # att: (L, H, T, 64)
+
+
+def test_vlm_page_steps_through_words_layers_and_selected_heads(browser, vlm_page) -> None:
+    path, expected, att = vlm_page
+    words = expected[0].tokens[0]
+    page = Page(browser, path)
+    for t in range(len(words)):  # cross, word by word, over the 8 x 8 token grid
+        page.page.click(f'button[data-vx="vlm-word"][data-index="{t}"]')
+        assert_overlay(page.pixels("piece-map"), expected[0].token_scores[0][t].numpy().reshape(8, 8))
+    page.page.click('button[data-vx="vlm-tab"]:text-is("cross_generic")')
+    page.page.click('button[data-vx="vlm-word"][data-index="1"]')
+    assert_overlay(page.pixels("piece-map"), expected[1].token_scores[0][1].numpy().reshape(8, 8))
+    # the overview: every layer x head of word 1's row; two heads at once show their mean
+    assert page.page.locator('canvas[data-vx="vlm-tile"]').count() == att.shape[0] * att.shape[1]
+    got = page.page.evaluate(
+        """() => { const c = document.querySelector('canvas[data-vx="vlm-tile"][data-layer="0"][data-head="2"]');
+             const d = c.getContext('2d').getImageData(0, 0, c.width, c.height); return Array.from(d.data); }""")
+    assert_tile(np.array(got, dtype=int).reshape(8, 8, 4), att[0, 2, 1].reshape(8, 8))
+    page.page.click('canvas[data-vx="vlm-tile"][data-layer="0"][data-head="2"]')
+    assert_overlay(page.pixels("piece-map"), att[0, 2, 1].reshape(8, 8))
+    page.page.click('canvas[data-vx="vlm-tile"][data-layer="1"][data-head="3"]', modifiers=["Shift"])
+    assert_overlay(page.pixels("piece-map"), ((att[0, 2, 1] + att[1, 3, 1]) / 2).reshape(8, 8))
+    assert "mean of 2" in page.page.text_content('[data-vx="vlm-selection"]')
+    page.page.click('button[data-vx="vlm-next"]')  # the same heads, the next word
+    assert_overlay(page.pixels("piece-map"), ((att[0, 2, 2] + att[1, 3, 2]) / 2).reshape(8, 8))
+    page.page.click('button[data-vx="piece"][data-index="0"]')  # the grid as a layer: hidden, shown
+    assert not page.page.locator('canvas[data-vx="piece-map"]').is_visible()
+    page.page.click('button[data-vx="piece"][data-index="0"]')
+    assert page.page.locator('canvas[data-vx="piece-map"]').is_visible()
+    assert page.close() == []
+
+
+def _overlay_in_scale(pixels: np.ndarray, values: np.ndarray, m: float) -> None:
+    """An overlay canvas drawn with a given largest value ``m`` (several grids in one colour scale)."""
+    from test_explorer_browser import _round
+
+    k = np.clip(np.stack([_round(255 * values / m) + d for d in (-1, 0, 1)], -1), 0, 255)
+    alpha = pixels[..., 3]
+    ok = [any(alpha[idx] == 51 + _round(np.array(0.8 * kk)) and np.abs(pixels[idx][:3] - SEQ[kk]).max()
+              <= int(np.ceil(255 / (2 * max(alpha[idx], 1)))) + 1 for kk in k[idx]) for idx in np.ndindex(values.shape)]
+    assert all(ok), f"{ok.count(False)} of {values.size} cells differ"
+
+
+def test_vlm_tiles_and_thumbnail_are_layers_over_their_boxes(browser, tmp_path) -> None:
+    """Idefics3 (tiles plus a global image): each token grid is drawn over its own box of the image,
+    all visible grids in one colour scale; hiding one rescales the others."""
+    from vlm_helpers import BUILDERS, images
+
+    model, processor = BUILDERS["idefics3"]()
+    image = images(3, ((40, 52),))[0]
+    path = vx.explore(model, [image], tmp_path / "tiles.html", processor=processor, prompt="what is it", max_len=3,
+                      method="cross")
+    ex = vx.Explainer(model, processor=processor)
+    e = ex.explain_caption([image], method="cross", prompt="what is it", max_len=3)
+    view = ex.adapter.views([image], ex.adapter.prepare([image], ["what is it"]))[0]
+    assert len(view.pieces) > 1
+    scores = e.token_scores[0][0].numpy()  # word 0
+    page = Page(browser, path)
+    canvases = page.page.locator('canvas[data-vx="piece-map"]')
+    assert canvases.count() == len(view.pieces)
+    img_box = page.page.locator(".vx-vlm-view img").first.bounding_box()
+    m = np.abs(scores).max()
+    for i, piece in enumerate(view.pieces):
+        box = canvases.nth(i).bounding_box()  # drawn over the piece's box of the image
+        y0, x0, y1, x1 = piece.box
+        assert abs(box["x"] - img_box["x"] - x0 / 52 * img_box["width"]) < 1.5
+        assert abs(box["width"] - (x1 - x0) / 52 * img_box["width"]) < 1.5
+        assert abs(box["y"] - img_box["y"] - y0 / 40 * img_box["height"]) < 1.5
+        got = page.page.evaluate(
+            """i => { const c = document.querySelectorAll('canvas[data-vx="piece-map"]')[i];
+                 const d = c.getContext('2d').getImageData(0, 0, c.width, c.height);
+                 return [c.height, c.width, Array.from(d.data)]; }""", i)
+        pixels = np.array(got[2], dtype=int).reshape(got[0], got[1], 4)
+        _overlay_in_scale(pixels, scores[piece.start: piece.start + piece.num_tokens].reshape(piece.grid), m)
+    # hide every grid but the last: it is drawn in its own scale
+    for i in range(len(view.pieces) - 1):
+        page.page.click(f'button[data-vx="piece"][data-index="{i}"]')
+    last = view.pieces[-1]
+    part = scores[last.start: last.start + last.num_tokens]
+    got = page.page.evaluate(
+        """() => { const cs = document.querySelectorAll('canvas[data-vx="piece-map"]'); const c = cs[cs.length - 1];
+             const d = c.getContext('2d').getImageData(0, 0, c.width, c.height); return [c.height, c.width, Array.from(d.data)]; }""")
+    _overlay_in_scale(np.array(got[2], dtype=int).reshape(got[0], got[1], 4), part.reshape(last.grid), np.abs(part).max())
+    assert page.close() == []

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..errors import ImageLoadError, InputError, UsageError, VitexplainError
+from .caption_vlm import check_prompt
 from .inputs import scan_inputs
 from .models import load_model
 from .options import (POSITIVE, BatchOptions, Number, SharedOptions, collect_methods, option, parse_methods, same,
@@ -58,7 +59,8 @@ class ExploreOptions:
         top_k: classes offered for class-discriminative methods.
         max_images: refuse more inputs than this (the page embeds every image's data).
         attention_budget: most MB of attention data per image.
-        max_len: longest generated caption (captioners).
+        max_len: longest generated caption (captioners and vision-language models).
+        prompt: vision-language models: the prompt (None: the model's default).
         title: page title (default: ``vitexplain explorer: MODEL``).
         device: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
         threads: torch intra-op threads during the run (restored after it); None: as they are.
@@ -91,6 +93,8 @@ class ExploreOptions:
         help="most MB of attention data per image; past it fewer layers, then only the head mean, are "
              "embedded (default {default})")
     max_len: int = same(SharedOptions, "max_len")
+    prompt: Optional[str] = option(None, flags="--prompt", metavar="TEXT", group="explanation",
+                                   help="vision-language models: the prompt (default: the model's)")
     title: Optional[str] = option(None, flags="--title", metavar="TEXT", group="explanation", help="page title")
     device: str = same(BatchOptions, "device")
     threads: Optional[int] = same(BatchOptions, "threads")
@@ -152,7 +156,9 @@ def explore_inputs(opts: ExploreOptions) -> int:
     model, _ = load_model(opts.model, checkpoint=opts.checkpoint, num_classes=opts.num_classes,
                           model_args=opts.model_args, labels=opts.labels,
                           device=resolve_device(opts.device, Dist()))
-    explainer = Explainer(model)
+    processor = getattr(model, "vx_processor", None)  # zoo VLMs and model folders carry theirs
+    explainer = Explainer(model, processor=processor) if processor is not None else Explainer(model)
+    check_prompt(opts.prompt, explainer.family.name, opts.model)
     pre_kwargs = explainer.adapter.preprocess_kwargs()
     for u in scan.unreadable:
         say(f"vitexplain explore: cannot read folder {u.path} ({u.error}); its images are not on the page")
@@ -160,7 +166,7 @@ def explore_inputs(opts: ExploreOptions) -> int:
     for item in items:
         try:
             image = load_image(item.path)
-            if opts.crop:
+            if opts.crop and explainer.family.name != "vlm":  # a VLM's processor resizes and tiles the image itself
                 check_resizable(*image.shape[:2], **pre_kwargs,
                                 advice="Crop or pad it first, or resize it whole without cropping (--no-crop)")
         except (ImageLoadError, InputError) as err:
@@ -175,7 +181,8 @@ def explore_inputs(opts: ExploreOptions) -> int:
         path = explore(
             explainer, images, out, method=opts.methods, top_k=opts.top_k, target=_target(opts.target), names=names,
             title=opts.title or f"vitexplain explorer: {opts.model}", attention_budget=opts.attention_budget,
-            max_len=opts.max_len, crop=opts.crop, **opts.method_options,
+            max_len=opts.max_len, crop=opts.crop, **({"prompt": opts.prompt} if opts.prompt is not None else {}),
+            **opts.method_options,
         )
     except OSError as err:  # the page cannot be written (OutputError: a full disk, an I/O error...)
         say(f"vitexplain explore: error: cannot write {opts.out}: {err.strerror or err}; nothing was written. "

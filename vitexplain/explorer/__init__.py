@@ -40,6 +40,8 @@ def explore(
     attention_budget: float = DEFAULT_ATTENTION_BUDGET_MB,
     max_len: int = 16,
     crop: bool = True,
+    prompt: Optional[str] = None,
+    processor: Any = None,
     **options: Any,
 ) -> Path:
     """Write an interactive, self-contained HTML page that explains ``model`` on ``images``.
@@ -50,7 +52,11 @@ def explore(
     click a patch (or pick ``[CLS]``/register tokens) to see that query's attention over the
     image and its rollout row, plus the layer's query x key attention matrix. Captioners also
     get a word-by-word view of ``cross``/``cross_generic`` and the word x patch alignment
-    matrix. CNNs get their methods without the attention views. When drawn, the page sets
+    matrix. Vision-language models get their answer word by word, each method's per-token scores
+    drawn over each token grid (the image, or a thumbnail and tiles, shown as layers that can be
+    hidden), and the language model's attention from the row that predicts the word, per layer and
+    head, with an overview of all layers x heads and several heads selectable at once. CNNs get their
+    methods without the attention views. When drawn, the page sets
     ``data-vx-ready="1"`` on ``<body>``.
 
     Args:
@@ -69,10 +75,14 @@ def explore(
         attention_budget: most MB of attention data per image (base64); past it fewer layers,
             then only the head-mean, are embedded, and the page says so. The default (5 MB)
             holds every layer and head of a 224 px ViT-S/16 (197 tokens, 12 x 6 heads).
-        max_len: longest caption generated (captioners).
+        max_len: longest caption generated (captioners and vision-language models).
         crop: resize and center-crop each image as the model's eval transform does (True), or
             resize the whole image to the input size (False: nothing is cut off, the aspect
-            ratio is not kept; also takes images too elongated for the crop).
+            ratio is not kept; also takes images too elongated for the crop). Vision-language
+            models give whole images to their processor.
+        prompt: vision-language models: the prompt (None: the model's default).
+        processor: vision-language models: the processor (default: ``model.vx_processor`` when the
+            model carries one, as zoo VLMs do).
         **options: options of a single named method, or per method as ``name={...}`` (e.g.
             ``rollout={"head_fusion": "max"}``), as for ``Explainer.explain``.
 
@@ -89,9 +99,15 @@ def explore(
     from .caption import caption_data
     from .extract import classifier_data
     from .page import render_page, write_page
+    from .vlm import vlm_data
+    from ..data.arrays import as_rgb
+    from ..data.images import load_image
     from ..viz.notebook import png_data_uri
 
-    explainer = model if isinstance(model, Explainer) else Explainer(model)
+    if not isinstance(model, Explainer):
+        processor = processor if processor is not None else getattr(model, "vx_processor", None)
+    explainer = model if isinstance(model, Explainer) else (
+        Explainer(model, processor=processor) if processor is not None else Explainer(model))
     items = list(images) if isinstance(images, (list, tuple)) else [images]
     if not items:
         raise UsageError("no images to explore; pass a path, an image or a list of them")
@@ -106,8 +122,17 @@ def explore(
     budget = int(attention_budget * 1e6)
     data = []
     for item, label in zip(items, labels):
-        x, regions, _, _ = explainer.preprocess(item, crop=crop)
         notes = [f"{name} left out: {why}" for name, why in plan.skipped.items()]
+        if plan.family.name == "vlm":  # whole images to the processor; maps over its token grids
+            image = load_image(item) if isinstance(item, (str, os.PathLike)) else as_rgb(item, "each image")
+            page = {"name": label, "family": plan.family.name, "image": png_data_uri(image),
+                    "size": [int(image.shape[0]), int(image.shape[1])], "notes": notes, "attention": None,
+                    "caption": None, "methods": []}
+            page.update(vlm_data(explainer, plan, image, prompt=prompt, max_len=max_len, attention_budget=budget,
+                                 notes=notes))
+            data.append(page)
+            continue
+        x, regions, _, _ = explainer.preprocess(item, crop=crop)
         page = {"name": label, "family": plan.family.name, "image": png_data_uri(regions[0]),
                 "size": [int(x.shape[-2]), int(x.shape[-1])], "notes": notes, "attention": None,
                 "caption": None, "methods": []}
