@@ -2,7 +2,7 @@
 
 The processor resizes (shortest edge) and centre-crops the image; the vision tower's patch grid
 over that crop is the token grid, in row-major order (the class token is dropped by the
-``"default"`` feature strategy and kept, without pixels, by ``"full"``).
+``"default"`` feature strategy and kept, without pixels, by ``"full"``; a SigLIP tower has none).
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ class LlavaAdapter(VLMAdapter):
         patch = config.vision_config.patch_size
         pixels = inputs["pixel_values"]
         gh, gw = pixels.shape[-2] // patch, pixels.shape[-1] // patch
-        extra = 1 if config.vision_feature_select_strategy == "full" else 0  # the class token, no pixels
+        # "full" keeps the tower's class token (no pixels); a tower without one (SigLIP) keeps none
+        extra = 1 if config.vision_feature_select_strategy == "full" and self._tower_has_class_token() else 0
         if not isinstance(config.vision_feature_layer, int) and len(config.vision_feature_layer) == 0:
             raise UnsupportedModelError("LLaVA config without a vision feature layer")
         views = []
@@ -36,6 +37,14 @@ class LlavaAdapter(VLMAdapter):
             box = processed_box(self.processor.image_processor, h, w)
             views.append(ImageView((h, w), (Piece("image", (gh, gw), box, extra),)))
         return views
+
+    def _tower_has_class_token(self) -> bool:
+        """Whether the vision tower prepends a class token (CLIP does, SigLIP does not)."""
+        tower = getattr(getattr(self.model, "model", self.model), "vision_tower", None)
+        tower = tower if tower is not None else getattr(self.model, "vision_tower", None)
+        if tower is None:
+            raise UnsupportedModelError(f"{type(self.model).__name__} has no vision_tower to read the image tokens from")
+        return any(hasattr(module, "class_embedding") for module in tower.modules())
 
 
 @register_adapter(priority=20, family=VLM)

@@ -1,0 +1,42 @@
+"""LLaVA with either vision tower and either feature strategy: the image tokens the adapter maps
+are exactly those the language model sees (a CLIP tower's class token is kept without pixels by
+the "full" strategy; a SigLIP tower has no class token, so "full" keeps only its patches)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import vitexplain as vx
+
+transformers = pytest.importorskip("transformers")
+import vlm_helpers  # noqa: E402
+
+
+def _llava(tower: str, strategy: str):
+    tok = vlm_helpers.tokenizer(("<image>",))
+    image = transformers.CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    extra = 1 if tower == "clip" and strategy == "full" else 0
+    proc = transformers.LlavaProcessor(image_processor=image, tokenizer=tok, patch_size=8,
+                                       vision_feature_select_strategy=strategy,
+                                       num_additional_image_tokens=1 if tower == "clip" else 0)
+    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=8)
+    vision = transformers.CLIPVisionConfig(**small) if tower == "clip" else transformers.SiglipVisionConfig(**small)
+    cfg = transformers.LlavaConfig(vision_config=vision, text_config=dict(model_type="llama", vocab_size=len(tok), **vlm_helpers._text()),
+                                   image_token_id=tok.convert_tokens_to_ids("<image>"), vision_feature_select_strategy=strategy,
+                                   vision_feature_layer=-1)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return vlm_helpers.reinit_small(transformers.LlavaForConditionalGeneration(cfg).eval()), proc, 16 + extra
+
+
+@pytest.mark.parametrize("tower, strategy", [("clip", "default"), ("clip", "full"), ("siglip", "default"), ("siglip", "full")])
+def test_image_tokens_match_what_the_language_model_sees(tower, strategy):
+    model, proc, tokens = _llava(tower, strategy)
+    images = vlm_helpers.images(3, ((32, 32),))
+    inputs = proc(images=images, text=["<image>a"], return_tensors="pt")
+    assert int((inputs["input_ids"] == model.config.image_token_id).sum()) == tokens  # the processor's count
+    e = vx.Explainer(model, processor=proc).explain_caption(images, method="cross", prompt="a", max_len=2)
+    scores = e.token_scores[0]
+    assert scores.shape[-1] == 16  # the 4 x 4 patches that bear pixels, class token or not
+    assert torch.isfinite(e.image_maps[0]).all() and e.image_maps[0].shape[-2:] == (32, 32)
