@@ -430,3 +430,51 @@ def onevision() -> tuple[nn.Module, Any]:
 BUILDERS["onevision"] = onevision
 ORACLE["onevision"] = dict(ORACLE["llava_next"])
 REFUSED = tuple(n for n in REFUSED if n != "onevision")
+
+
+def _qformer(kind: str) -> tuple[nn.Module, Any]:
+    """BLIP-2 / InstructBLIP: a 32 px ViT (8 px patches: 4 x 4), a 2-layer Q-Former with 4 queries, an OPT LM."""
+    import transformers
+
+    tok = tokenizer(("<image>",))
+    image = transformers.BlipImageProcessor(size={"height": 32, "width": 32})
+    qformer = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, encoder_hidden_size=32,
+                   vocab_size=len(tok), cross_attention_frequency=1)
+    text = dict(model_type="opt", hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=2, vocab_size=len(tok),
+                word_embed_proj_dim=32, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    common = dict(vision_config=_V, qformer_config=qformer, text_config=text, num_query_tokens=4,
+                  image_token_index=tok.convert_tokens_to_ids("<image>"))
+    if kind == "blip2":
+        proc = transformers.Blip2Processor(image_processor=image, tokenizer=tok, num_query_tokens=4)
+        cfg, cls = transformers.Blip2Config(**common), transformers.Blip2ForConditionalGeneration
+    else:
+        proc = transformers.InstructBlipProcessor(image_processor=image, tokenizer=tok, qformer_tokenizer=tokenizer(("<image>",)),
+                                                  num_query_tokens=4)
+        cfg, cls = transformers.InstructBlipConfig(**common), transformers.InstructBlipForConditionalGeneration
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return reinit_small(cls(cfg).eval()), proc
+
+
+def _qformer_features(model: nn.Module, proc: Any, image: np.ndarray) -> torch.Tensor:
+    """The vision tower's patch tokens (the class token dropped): what the Q-Former's cross-attention reads."""
+    pixels = proc.image_processor(images=[image], return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        return model.vision_model(pixel_values=pixels).last_hidden_state[0, 1:]
+
+
+def _qformer_transport(model: nn.Module) -> tuple[list, list]:
+    """Forward hooks on an eager model's Q-Former cross-attention modules that keep the weights each returns
+    (its ``output_attentions`` does not reach the Q-Former); the oracle averages them over layers and heads."""
+    store: list = []
+    handles = [m.register_forward_hook(lambda module, args, out: store.append(out[1]))
+               for n, m in model.named_modules() if n.startswith("qformer.") and n.endswith("crossattention.attention")]
+    return store, handles
+
+
+BUILDERS.update(blip2=lambda: _qformer("blip2"), instructblip=lambda: _qformer("instructblip"))
+_QFORMER_ORACLE = dict(prompt=lambda p: p, extend=_positions_from_mask, image_token=lambda m: m.config.image_token_id,
+                       features=_qformer_features, placeholders=lambda m: [m.config.image_token_id],
+                       lm_attentions=lambda out: out.language_model_outputs.attentions, transport=_qformer_transport)
+ORACLE.update(blip2=_QFORMER_ORACLE, instructblip=_QFORMER_ORACLE)
+REFUSED = tuple(n for n in REFUSED if n not in ("blip2", "instructblip"))

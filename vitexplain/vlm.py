@@ -139,12 +139,15 @@ def explain_vlm(adapter: VLMAdapter, plan: Plan, images: Any, caption: Any, prom
         ctx = VLMContext(adapter, rec, ids, lengths, start, columns, logits if grads else None, step.name)
         with torch.set_grad_enabled(grads):
             scores = step.spec.fn(ctx, **step.options)
+        scores = [check_finite_maps(score.detach().float(), step.name).clone() for score in scores]
+        for b, score in enumerate(scores):
+            score[int(lengths[b]):] = 0.0
+        with torch.no_grad():
+            pixel_scores = adapter.to_pixel_tokens(scores, rec)
         maps = torch.zeros(len(arrays), t, height, width, device=ids.device)
         image_maps, token_scores, layers = [], [], []
         for b, (score, view) in enumerate(zip(scores, views)):
-            score = check_finite_maps(score.detach().float(), step.name).clone()
-            score[int(lengths[b]):] = 0.0
-            pixel_map, pieces = render(score, view)
+            pixel_map, pieces = render(pixel_scores[b], view)
             maps[b, :, : view.size[0], : view.size[1]] = pixel_map
             image_maps.append(pixel_map)
             token_scores.append(score)

@@ -57,11 +57,15 @@ class ImageView:
         size: (H, W) of the original image.
         pieces: the token grids, in sequence order.
         skip: indices, among the image's image-token positions, of tokens without pixels.
+        sequence_tokens: how many image tokens the sequence holds when they are not the pixel-bearing
+            tokens themselves (a Q-Former's queries, mapped to the patches by
+            :meth:`VLMAdapter.to_pixel_tokens`); None: ``num_tokens + len(skip)``.
     """
 
     size: tuple[int, int]
     pieces: tuple[Piece, ...]
     skip: tuple[int, ...] = ()
+    sequence_tokens: Optional[int] = None
 
     @property
     def num_tokens(self) -> int:
@@ -75,10 +79,11 @@ class ImageView:
         Raises:
             UnsupportedModelError: the sequence holds another number of image tokens than the geometry.
         """
-        if columns.numel() != self.num_tokens + len(self.skip):
+        expected = self.sequence_tokens if self.sequence_tokens is not None else self.num_tokens + len(self.skip)
+        if columns.numel() != expected:
             raise UnsupportedModelError(
                 f"the sequence holds {columns.numel()} image tokens, but the processed geometry of a {self.size[0]}x"
-                f"{self.size[1]} image has {self.num_tokens + len(self.skip)}; the processor and the model disagree "
+                f"{self.size[1]} image has {expected}; the processor and the model disagree "
                 "(pass the model's own processor)"
             )
         if not self.skip:
@@ -231,7 +236,7 @@ class VLMAdapter(Adapter):
 
     def format_prompt(self, prompt: str) -> str:
         """The text given to the processor: the prompt with the image token in front unless it has one."""
-        token = getattr(self.processor, "image_token", None) or self.image_token
+        token = str(getattr(self.processor, "image_token", None) or self.image_token)  # (may be an AddedToken)
         return prompt if token in prompt else f"{token}{prompt}"
 
     def prepare(self, images: Sequence[Any], prompts: Sequence[str]) -> Any:
@@ -290,6 +295,11 @@ class VLMAdapter(Adapter):
     def views(self, images: Sequence[Any], inputs: Any) -> list[ImageView]:
         """Per image, where its tokens' pixels are."""
         raise self.not_implemented("views()")
+
+    def to_pixel_tokens(self, scores: list[Tensor], recorder: Any) -> list[Tensor]:
+        """Per image, (T, n_b) scores of its image tokens in the sequence as scores of its pixel-bearing
+        tokens (the identity, except where a Q-Former or resampler sits between the two)."""
+        return scores
 
     def word(self, token_id: int) -> str:
         return self.tokenizer.decode([int(token_id)]).strip()

@@ -26,8 +26,6 @@ REASONS: dict[str, str] = {
         "mllama's image enters through cross-attention layers (cross_attention_states), not as tokens in the language "
         "model's self-attention sequence, so the joint-sequence methods do not apply; its cross-attention per tile "
         "is not mapped to pixels yet"),
-    "Blip2ForConditionalGeneration": _QFORMER.format(n="32", what="Q-Former"),
-    "InstructBlipForConditionalGeneration": _QFORMER.format(n="32", what="Q-Former"),
     "Kosmos2ForConditionalGeneration": _QFORMER.format(n="64", what="latent-query resampler (image_to_text_projection)"),
     "Florence2ForConditionalGeneration": (
         "Florence-2 is an encoder-decoder (DaViT + BART): its decoder reads the image through cross-attention to an "
