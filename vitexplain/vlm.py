@@ -148,7 +148,8 @@ def explain_vlm(adapter: VLMAdapter, plan: Plan, images: Any, caption: Any, prom
         image_maps, token_scores, layers = [], [], []
         for b, (score, view) in enumerate(zip(scores, views)):
             pixel_map, pieces = render(pixel_scores[b], view)
-            maps[b, :, : view.size[0], : view.size[1]] = pixel_map
+            same = view.size == (height, width)  # others are resampled: overlays resize a map back onto its image
+            maps[b] = pixel_map if same else F.interpolate(pixel_map[None], size=(height, width), mode="nearest-exact")[0]
             image_maps.append(pixel_map)
             token_scores.append(score)
             layers.append({p.name: layer for p, layer in zip(view.pieces, pieces)})
