@@ -55,7 +55,10 @@ def _oracle_inputs(name, model, proc, images, prompts, answers):
     kwargs["input_ids"] = torch.cat([batch["input_ids"], ids], 1)
     kwargs["attention_mask"] = torch.cat([batch["attention_mask"], torch.ones_like(ids)], 1)
     spec["extend"](kwargs, batch, ids)
-    columns = [row.nonzero()[:, 0] for row in batch["input_ids"] == spec["image_token"](model)]
+    if "columns" in spec:
+        columns = spec["columns"](batch)
+    else:
+        columns = [row.nonzero()[:, 0] for row in batch["input_ids"] == spec["image_token"](model)]
     if "pixel_tokens" in spec:  # which image tokens carry pixels (LLaVA-NeXT: not the row newlines)
         columns = [cols[keep] for cols, keep in zip(columns, spec["pixel_tokens"](model, batch))]
     return kwargs, batch["input_ids"].shape[1], ids, columns
@@ -93,7 +96,8 @@ def oracle(name, model, proc, images, prompts, answers):
         scores["cross_generic"][:, word] = r[:, start - 1 + word]
     transport = None  # Q-Former: queries -> patches, the mean cross-attention without the class token's column
     if store:
-        transport = torch.stack([a.detach().float().mean(1) for a in store]).mean(0)[..., 1:]
+        patches = spec.get("patches")  # (Kosmos-2's keys end with its latent queries)
+        transport = torch.stack([a.detach().float().mean(1) for a in store]).mean(0)[..., 1 : None if patches is None else 1 + patches]
     result = {}
     for method, value in scores.items():
         per_image = [value[b, :, cols].detach() for b, cols in enumerate(columns)]
@@ -166,7 +170,7 @@ def test_the_default_answer_is_the_models_greedy_generation(built):
     for b, image in enumerate(images):
         batch = proc(images=[image], text=[spec["prompt"](PROMPTS[b])], return_tensors="pt")
         with torch.no_grad():
-            out = model.generate(**batch, max_new_tokens=5, do_sample=False, suppress_tokens=spec["placeholders"](model))
+            out = model.generate(**batch, max_new_tokens=5, do_sample=False, suppress_tokens=spec["placeholders"](model) or None)
         out = out[0, batch["input_ids"].shape[1]:].tolist()
         ends = proc.tokenizer.eos_token_id
         out = out[: out.index(ends)] if ends in out else out

@@ -478,3 +478,4 @@ _QFORMER_ORACLE = dict(prompt=lambda p: p, extend=_positions_from_mask, image_to
                        lm_attentions=lambda out: out.language_model_outputs.attentions, transport=_qformer_transport)
 ORACLE.update(blip2=_QFORMER_ORACLE, instructblip=_QFORMER_ORACLE)
 REFUSED = tuple(n for n in REFUSED if n not in ("blip2", "instructblip"))
+

@@ -264,7 +264,7 @@ class VLMAdapter(Adapter):
         placeholder tokens are suppressed (fed back, they would ask for an image that is not there)."""
         ends = self.end_ids
         out = self.model.generate(**inputs, max_new_tokens=max_len, do_sample=False, num_beams=1,
-                                  pad_token_id=self.pad_id, suppress_tokens=self.placeholder_ids,
+                                  pad_token_id=self.pad_id, suppress_tokens=self.placeholder_ids or None,
                                   **({"eos_token_id": ends} if ends else {}))
         return out[:, inputs["input_ids"].shape[1]:]
 
@@ -282,9 +282,9 @@ class VLMAdapter(Adapter):
         """(B, N, V) logits of one forward."""
         return self.model(**kwargs, use_cache=False).logits
 
-    def image_columns(self, input_ids: Tensor) -> list[Tensor]:
-        """Per image, the sequence positions of its image tokens, in sequence order."""
-        found = input_ids == self.image_token_id
+    def image_columns(self, inputs: Any) -> list[Tensor]:
+        """Per image, the sequence positions of its image tokens in the processor's batch, in sequence order."""
+        found = inputs["input_ids"] == self.image_token_id
         return [row.nonzero()[:, 0] for row in found]
 
     def lm_records(self, records: Sequence[Any]) -> list[Any]:
