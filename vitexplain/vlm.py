@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Sequence, Union
 
 import torch
 import torch.nn.functional as F
