@@ -79,3 +79,34 @@ def test_a_vlm_needs_its_processor_and_images():
         from timm.models.vision_transformer import VisionTransformer
 
         vx.Explainer(VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2), processor=proc)
+
+
+def test_cross_options_pick_layers_and_heads_as_the_eager_oracle_does():
+    """``heads=[(layer, head), ...]`` averages exactly those heads; ``layers`` and ``head_fusion`` as documented."""
+    import vlm_checks as checks
+
+    model, proc = helpers.BUILDERS["llava"]()
+    images = helpers.images(10)
+    answers = checks._answer_ids(proc, checks.ANSWERS)
+    kwargs, start, ids, columns = checks._oracle_inputs("llava", model, proc, images, PROMPTS, answers)
+    with torch.no_grad():
+        atts = helpers.eager_copy(model)(**kwargs, output_attentions=True, use_cache=False).attentions
+    rows = slice(start - 1, start - 1 + ids.shape[1])
+    lengths = [len(a) for a in answers]
+    ex = vx.Explainer(model, processor=proc)
+    cases = {
+        "heads": (dict(heads=[(0, 1), (1, 3), (-1, 0)]),
+                  (atts[0][:, 1, rows] + atts[1][:, 3, rows] + atts[1][:, 0, rows]) / 3),
+        "last layer, max": (dict(layers=-1, head_fusion="max"), atts[1][:, :, rows].amax(1)),
+        "layers": (dict(layers=[0, 1], head_fusion="min"), (atts[0][:, :, rows].amin(1) + atts[1][:, :, rows].amin(1)) / 2),
+    }
+    for label, (options, want) in cases.items():
+        e = ex.explain_caption(images, method="cross", caption=answers, prompt=PROMPTS, **options)
+        for b, cols in enumerate(columns):
+            expected = want[b][:, cols].clone()
+            expected[lengths[b]:] = 0
+            torch.testing.assert_close(e.token_scores[b], expected, atol=1e-5, rtol=1e-4, msg=lambda m: f"{label}: {m}")
+    with pytest.raises(vx.OptionError, match="heads"):
+        ex.explain_caption(images, method="cross", caption=answers, prompt=PROMPTS, heads=[(0, 9)])
+    with pytest.raises(vx.OptionError, match="layers"):
+        ex.explain_caption(images, method="cross", caption=answers, prompt=PROMPTS, layers=5)
