@@ -47,7 +47,11 @@ def _oracle_inputs(name, model, proc, images, prompts, answers):
     spec = helpers.ORACLE[name]
     texts = [spec["prompt"](p) for p in prompts]
     given = [[image] for image in images] if spec.get("nested") else images
-    batch = proc(images=given, text=texts, padding=True, padding_side="left", return_tensors="pt")
+    side, proc.tokenizer.padding_side = proc.tokenizer.padding_side, "left"  # (Kosmos-2's processor reads the attribute)
+    try:
+        batch = proc(images=given, text=texts, padding=True, padding_side="left", return_tensors="pt")
+    finally:
+        proc.tokenizer.padding_side = side
     pad = proc.tokenizer.pad_token_id
     t = max(len(a) for a in answers)
     ids = torch.tensor([a + [pad] * (t - len(a)) for a in answers])
@@ -151,12 +155,16 @@ def test_a_padded_batch_equals_each_image_alone(built):
     name, model, proc = built
     images = helpers.images(3)
     ex = vx.Explainer(model, processor=proc)
-    together = ex.explain_caption(images, method=list(METHODS), prompt=PROMPTS, max_len=4)
+    # generated answers, except where the model's own generate differs under left padding (Kosmos-2 in
+    # transformers 5: its forward does not, so its teacher-forced maps are checked on given answers)
+    answers = _answer_ids(proc, ANSWERS) if helpers.ORACLE[name].get("padded_generate_differs") else None
+    together = ex.explain_caption(images, method=list(METHODS), caption=answers, prompt=PROMPTS, max_len=4)
     for b, image in enumerate(images):
-        alone = ex.explain_caption([image], method=list(METHODS), prompt=PROMPTS[b], max_len=4)
+        alone = ex.explain_caption([image], method=list(METHODS), caption=None if answers is None else [answers[b]],
+                                   prompt=PROMPTS[b], max_len=4)
         for e_all, e_one in zip(together, alone):
             n = len(e_one.tokens[0])
-            assert e_all.tokens[b] == e_one.tokens[0]
+            assert e_all.ids[b, :n].tolist() == e_one.ids[0, :n].tolist() and e_all.tokens[b] == e_one.tokens[0]
             torch.testing.assert_close(e_all.token_scores[b][:n], e_one.token_scores[0][:n], atol=1e-5, rtol=1e-4)
             torch.testing.assert_close(e_all.image_maps[b][:n], e_one.image_maps[0][:n], atol=1e-5, rtol=1e-4)
 
@@ -164,9 +172,11 @@ def test_a_padded_batch_equals_each_image_alone(built):
 def test_the_default_answer_is_the_models_greedy_generation(built):
     name, model, proc = built
     images = helpers.images(4)
-    e = vx.Explainer(model, processor=proc).explain_caption(images, prompt=PROMPTS, max_len=5)
-    assert e.method == "cross"
     spec = helpers.ORACLE[name]
+    if spec.get("padded_generate_differs"):  # the model's generate depends on the padding: one image at a time
+        images = images[:1]
+    e = vx.Explainer(model, processor=proc).explain_caption(images, prompt=PROMPTS[: len(images)], max_len=5)
+    assert e.method == "cross"
     for b, image in enumerate(images):
         batch = proc(images=[image], text=[spec["prompt"](PROMPTS[b])], return_tensors="pt")
         with torch.no_grad():

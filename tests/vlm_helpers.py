@@ -479,3 +479,39 @@ _QFORMER_ORACLE = dict(prompt=lambda p: p, extend=_positions_from_mask, image_to
 ORACLE.update(blip2=_QFORMER_ORACLE, instructblip=_QFORMER_ORACLE)
 REFUSED = tuple(n for n in REFUSED if n not in ("blip2", "instructblip"))
 
+
+
+def kosmos2() -> tuple[nn.Module, Any]:
+    """Kosmos-2: a 32 px CLIP tower (8 px patches: 4 x 4), 64 latent queries over [class, patches, latents]."""
+    import transformers
+
+    tok = tokenizer(())
+    image = transformers.CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    proc = transformers.Kosmos2Processor(image_processor=image, tokenizer=tok, num_patch_index_tokens=16)
+    text = dict(embed_dim=32, ffn_dim=64, layers=2, attention_heads=2, vocab_size=len(tok) + 64, pad_token_id=0, bos_token_id=1,
+                eos_token_id=2)  # (+64: the processor writes ids 4..67 at the image positions)
+    cfg = transformers.Kosmos2Config(vision_config=_V, text_config=text, latent_query_num=64)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = reinit_small(transformers.Kosmos2ForConditionalGeneration(cfg).eval())
+    with torch.no_grad():  # random latent queries (norm ~ 4) would attend only to themselves: give the patches weight
+        model.image_to_text_projection.dense.weight.mul_(30.0)
+    return model, proc
+
+
+def _kosmos_extend(kwargs: dict, batch: Any, ids: torch.Tensor) -> None:
+    kwargs["image_embeds_position_mask"] = torch.cat([batch["image_embeds_position_mask"], torch.zeros_like(ids)], 1)
+
+
+def _kosmos_transport(model: nn.Module) -> tuple[list, list]:
+    store: list = []
+    module = model.image_to_text_projection.x_attn
+    return store, [module.register_forward_hook(lambda m, args, out: store.append(out[1]))]
+
+
+BUILDERS["kosmos2"] = kosmos2
+ORACLE["kosmos2"] = dict(prompt=lambda p: p, extend=_kosmos_extend, image_token=None,
+                         columns=lambda batch: [row.nonzero()[:, 0] for row in batch["image_embeds_position_mask"].bool()],
+                         features=_qformer_features, placeholders=lambda m: [m.config.text_config.pad_token_id],
+                         transport=_kosmos_transport, patches=16, padded_generate_differs=True)
+REFUSED = tuple(n for n in REFUSED if n != "kosmos2")

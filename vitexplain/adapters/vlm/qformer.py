@@ -1,4 +1,4 @@
-"""BLIP-2 and InstructBLIP: a Q-Former between the vision tower and the language model.
+"""BLIP-2, InstructBLIP and Kosmos-2: learned queries between the vision tower and the language model.
 
 The language model's image tokens are the Q-Former's learned queries (``num_query_tokens`` of
 them, in the sequence where the processor put its ``<image>`` tokens); each query reads every patch
@@ -9,6 +9,11 @@ patches through the Q-Former's cross-attention of the same forward:
 column is dropped: it carries no pixels). The patch grid covers the whole resized image (the BLIP
 image processor resizes without cropping). InstructBLIP's Q-Former also reads the prompt
 (``qformer_input_ids``); its cross-attention is issued by the queries alone, as in BLIP-2.
+
+Kosmos-2 does the same with one cross-attention (``image_to_text_projection.x_attn``) of its latent
+queries over [class token, patches, latent queries]: only the patch columns reach pixels. Its image
+tokens are marked by ``image_embeds_position_mask``, and it counts its positions itself (from the
+ids, skipping padding).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from .base import ImageView, Piece, VLMAdapter, processed_box
 
 __all__ = ["QFormerAdapter"]
 
-_NAMES = ("Blip2ForConditionalGeneration", "InstructBlipForConditionalGeneration")
+_NAMES = ("Blip2ForConditionalGeneration", "InstructBlipForConditionalGeneration", "Kosmos2ForConditionalGeneration")
 
 
 class QFormerAdapter(VLMAdapter):
@@ -34,10 +39,33 @@ class QFormerAdapter(VLMAdapter):
     def format_prompt(self, prompt: str) -> str:
         return prompt  # the processor puts the query tokens in front
 
+    @property
+    def kosmos(self) -> bool:
+        return type(self.model).__name__ == "Kosmos2ForConditionalGeneration"
+
+    @property
+    def placeholder_ids(self) -> list[int]:
+        if self.kosmos:  # its image positions hold ordinary ids; it reads a pad id as padding (no position)
+            return [self.pad_id]
+        return super().placeholder_ids
+
+    def image_columns(self, inputs: Any) -> list[Tensor]:
+        if not self.kosmos:
+            return super().image_columns(inputs)
+        return [row.nonzero()[:, 0] for row in inputs["image_embeds_position_mask"].bool()]
+
+    def teacher_inputs(self, inputs: Any, ids: Tensor) -> dict[str, Any]:
+        kwargs = super().teacher_inputs(inputs, ids)
+        if self.kosmos:
+            del kwargs["position_ids"]  # Kosmos-2 counts positions from the ids, as its generate does
+            mask = inputs["image_embeds_position_mask"]
+            kwargs["image_embeds_position_mask"] = torch.cat([mask, torch.zeros_like(ids, dtype=mask.dtype)], dim=1)
+        return kwargs
+
     def views(self, images: Sequence[Any], inputs: Any) -> list[ImageView]:
         vision = self.model.config.vision_config
         grid = (vision.image_size // vision.patch_size, vision.image_size // vision.patch_size)
-        queries = int(self.model.config.num_query_tokens)
+        queries = int(self.model.config.latent_query_num if self.kosmos else self.model.config.num_query_tokens)
         views = []
         for image in images:
             h, w = int(image.shape[0]), int(image.shape[1])
@@ -47,13 +75,16 @@ class QFormerAdapter(VLMAdapter):
 
     def to_pixel_tokens(self, scores: list[Tensor], recorder: Any) -> list[Tensor]:
         """(T, queries) scores -> (T, patches) through the mean Q-Former cross-attention of each image."""
-        cross = [r for r in recorder.records if r.kind == "cross" and r.name.startswith("qformer.")]
+        prefix = "image_to_text_projection." if self.kosmos else "qformer."
+        cross = [r for r in recorder.records if r.kind == "cross" and r.name.startswith(prefix)]
         if not cross:
             raise UnsupportedMethodError(
                 "no Q-Former cross-attention was recorded, so the query tokens cannot be mapped to the patches; "
                 "load the model with attn_implementation='sdpa' (or 'eager')"
             )
-        attention = torch.stack([r.probs().mean(dim=1) for r in cross]).mean(dim=0)[..., 1:]  # (B, Q, P): no class token
+        vision = self.model.config.vision_config
+        patches = (vision.image_size // vision.patch_size) ** 2  # keys: class token, patches (Kosmos-2: then the queries)
+        attention = torch.stack([r.probs().mean(dim=1) for r in cross]).mean(dim=0)[..., 1 : 1 + patches]  # (B, Q, P)
         return [score @ attention[b].to(score.dtype) for b, score in enumerate(scores)]
 
 

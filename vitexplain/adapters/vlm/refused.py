@@ -23,10 +23,6 @@ REASONS: dict[str, str] = {
         "mllama's image enters through cross-attention layers (cross_attention_states), not as tokens in the language "
         "model's self-attention sequence, so the joint-sequence methods do not apply; its cross-attention per tile "
         "is not mapped to pixels yet"),
-    "Kosmos2ForConditionalGeneration": (
-        "its image reaches the language model as 64 latent queries from a resampler (image_to_text_projection) whose "
-        "every query depends on every pixel; mapping them through its cross-attention was tried, but on left-padded "
-        "batches its gradient maps disagree with an eager oracle, so it is refused until that is understood"),
     "Florence2ForConditionalGeneration": (
         "Florence-2 is an encoder-decoder (DaViT + BART): its decoder reads the image through cross-attention to an "
         "encoder sequence that mixes the image tokens with the prompt, which is not mapped to pixels yet"),
