@@ -360,9 +360,9 @@ def rows() -> list[Row]:
         Row("HF LLaVA-NeXT", "VLM", _vlm("llava_next"), s32, _VLM_TEST),
         Row("HF LLaVA-OneVision", "VLM", _vlm("onevision"), s32, _VLM_TEST),
         Row("HF mllama (Llama 3.2 Vision)", "VLM", _vlm_refused("mllama"), s32, _VLM_TEST, refused=True),
-        Row("HF BLIP-2", "VLM", _vlm_refused("blip2"), s32, _VLM_TEST, refused=True),
-        Row("HF InstructBLIP", "VLM", _vlm_refused("instructblip"), s32, _VLM_TEST, refused=True),
-        Row("HF Kosmos-2", "VLM", _vlm_refused("kosmos2"), s32, _VLM_TEST, refused=True),
+        Row("HF BLIP-2", "VLM", _vlm("blip2"), s32, _VLM_TEST),
+        Row("HF InstructBLIP", "VLM", _vlm("instructblip"), s32, _VLM_TEST),
+        Row("HF Kosmos-2", "VLM", _vlm("kosmos2"), s32, _VLM_TEST),
         Row("HF Florence-2", "VLM", _vlm_refused("florence2"), s32, _VLM_TEST, refused=True),
         Row("HF Pix2Struct", "VLM", _vlm_refused("pix2struct"), s32, _VLM_TEST, refused=True),
     ]

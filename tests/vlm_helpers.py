@@ -430,3 +430,88 @@ def onevision() -> tuple[nn.Module, Any]:
 BUILDERS["onevision"] = onevision
 ORACLE["onevision"] = dict(ORACLE["llava_next"])
 REFUSED = tuple(n for n in REFUSED if n != "onevision")
+
+
+def _qformer(kind: str) -> tuple[nn.Module, Any]:
+    """BLIP-2 / InstructBLIP: a 32 px ViT (8 px patches: 4 x 4), a 2-layer Q-Former with 4 queries, an OPT LM."""
+    import transformers
+
+    tok = tokenizer(("<image>",))
+    image = transformers.BlipImageProcessor(size={"height": 32, "width": 32})
+    qformer = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, encoder_hidden_size=32,
+                   vocab_size=len(tok), cross_attention_frequency=1)
+    text = dict(model_type="opt", hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=2, vocab_size=len(tok),
+                word_embed_proj_dim=32, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    common = dict(vision_config=_V, qformer_config=qformer, text_config=text, num_query_tokens=4,
+                  image_token_index=tok.convert_tokens_to_ids("<image>"))
+    if kind == "blip2":
+        proc = transformers.Blip2Processor(image_processor=image, tokenizer=tok, num_query_tokens=4)
+        cfg, cls = transformers.Blip2Config(**common), transformers.Blip2ForConditionalGeneration
+    else:
+        proc = transformers.InstructBlipProcessor(image_processor=image, tokenizer=tok, qformer_tokenizer=tokenizer(("<image>",)),
+                                                  num_query_tokens=4)
+        cfg, cls = transformers.InstructBlipConfig(**common), transformers.InstructBlipForConditionalGeneration
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return reinit_small(cls(cfg).eval()), proc
+
+
+def _qformer_features(model: nn.Module, proc: Any, image: np.ndarray) -> torch.Tensor:
+    """The vision tower's patch tokens (the class token dropped): what the Q-Former's cross-attention reads."""
+    pixels = proc.image_processor(images=[image], return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        return model.vision_model(pixel_values=pixels).last_hidden_state[0, 1:]
+
+
+def _qformer_transport(model: nn.Module) -> tuple[list, list]:
+    """Forward hooks on an eager model's Q-Former cross-attention modules that keep the weights each returns
+    (its ``output_attentions`` does not reach the Q-Former); the oracle averages them over layers and heads."""
+    store: list = []
+    handles = [m.register_forward_hook(lambda module, args, out: store.append(out[1]))
+               for n, m in model.named_modules() if n.startswith("qformer.") and n.endswith("crossattention.attention")]
+    return store, handles
+
+
+BUILDERS.update(blip2=lambda: _qformer("blip2"), instructblip=lambda: _qformer("instructblip"))
+_QFORMER_ORACLE = dict(prompt=lambda p: p, extend=_positions_from_mask, image_token=lambda m: m.config.image_token_id,
+                       features=_qformer_features, placeholders=lambda m: [m.config.image_token_id],
+                       lm_attentions=lambda out: out.language_model_outputs.attentions, transport=_qformer_transport)
+ORACLE.update(blip2=_QFORMER_ORACLE, instructblip=_QFORMER_ORACLE)
+REFUSED = tuple(n for n in REFUSED if n not in ("blip2", "instructblip"))
+
+
+
+def kosmos2() -> tuple[nn.Module, Any]:
+    """Kosmos-2: a 32 px CLIP tower (8 px patches: 4 x 4), 64 latent queries over [class, patches, latents]."""
+    import transformers
+
+    tok = tokenizer(())
+    image = transformers.CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    proc = transformers.Kosmos2Processor(image_processor=image, tokenizer=tok, num_patch_index_tokens=16)
+    text = dict(embed_dim=32, ffn_dim=64, layers=2, attention_heads=2, vocab_size=len(tok) + 64, pad_token_id=0, bos_token_id=1,
+                eos_token_id=2)  # (+64: the processor writes ids 4..67 at the image positions)
+    cfg = transformers.Kosmos2Config(vision_config=_V, text_config=text, latent_query_num=64)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = reinit_small(transformers.Kosmos2ForConditionalGeneration(cfg).eval())
+    with torch.no_grad():  # random latent queries (norm ~ 4) would attend only to themselves: give the patches weight
+        model.image_to_text_projection.dense.weight.mul_(30.0)
+    return model, proc
+
+
+def _kosmos_extend(kwargs: dict, batch: Any, ids: torch.Tensor) -> None:
+    kwargs["image_embeds_position_mask"] = torch.cat([batch["image_embeds_position_mask"], torch.zeros_like(ids)], 1)
+
+
+def _kosmos_transport(model: nn.Module) -> tuple[list, list]:
+    store: list = []
+    module = model.image_to_text_projection.x_attn
+    return store, [module.register_forward_hook(lambda m, args, out: store.append(out[1]))]
+
+
+BUILDERS["kosmos2"] = kosmos2
+ORACLE["kosmos2"] = dict(prompt=lambda p: p, extend=_kosmos_extend, image_token=None,
+                         columns=lambda batch: [row.nonzero()[:, 0] for row in batch["image_embeds_position_mask"].bool()],
+                         features=_qformer_features, placeholders=lambda m: [m.config.text_config.pad_token_id],
+                         transport=_kosmos_transport, patches=16, padded_generate_differs=True)
+REFUSED = tuple(n for n in REFUSED if n != "kosmos2")

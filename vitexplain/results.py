@@ -220,7 +220,9 @@ class VLMCaptionExplanation(CaptionExplanation):
     """Per-word maps of a vision-language model, per image at its original resolution.
 
     ``maps`` is (B, T, H, W) with (H, W) the largest original height and width of the batch: image
-    b's map is ``maps[b, :, :H_b, :W_b]`` (zero elsewhere), the same as ``image_maps[b]``.
+    b's map at its original resolution is ``image_maps[b]``; ``maps[b]`` is that map resampled
+    (nearest) to (H, W) when the image is smaller, so that an overlay, which resizes a map onto its
+    image, lines up.
 
     Attributes:
         prompts: per image, the prompt it was asked with.

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -123,7 +123,7 @@ def explain_vlm(adapter: VLMAdapter, plan: Plan, images: Any, caption: Any, prom
     if ids.shape[1] < t:
         ids = F.pad(ids, (0, t - ids.shape[1]), value=adapter.pad_id)
     start = int(inputs["input_ids"].shape[1])
-    columns = [view.pixel_columns(cols) for view, cols in zip(views, adapter.image_columns(inputs["input_ids"]))]
+    columns = [view.pixel_columns(cols) for view, cols in zip(views, adapter.image_columns(inputs))]
     kwargs = adapter.teacher_inputs(inputs, ids)
     grads = plan.capture.grads
     if grads and isinstance(kwargs.get("pixel_values"), Tensor) and kwargs["pixel_values"].is_floating_point():
@@ -139,13 +139,17 @@ def explain_vlm(adapter: VLMAdapter, plan: Plan, images: Any, caption: Any, prom
         ctx = VLMContext(adapter, rec, ids, lengths, start, columns, logits if grads else None, step.name)
         with torch.set_grad_enabled(grads):
             scores = step.spec.fn(ctx, **step.options)
+        scores = [check_finite_maps(score.detach().float(), step.name).clone() for score in scores]
+        for b, score in enumerate(scores):
+            score[int(lengths[b]):] = 0.0
+        with torch.no_grad():
+            pixel_scores = adapter.to_pixel_tokens(scores, rec)
         maps = torch.zeros(len(arrays), t, height, width, device=ids.device)
         image_maps, token_scores, layers = [], [], []
         for b, (score, view) in enumerate(zip(scores, views)):
-            score = check_finite_maps(score.detach().float(), step.name).clone()
-            score[int(lengths[b]):] = 0.0
-            pixel_map, pieces = render(score, view)
-            maps[b, :, : view.size[0], : view.size[1]] = pixel_map
+            pixel_map, pieces = render(pixel_scores[b], view)
+            same = view.size == (height, width)  # others are resampled: overlays resize a map back onto its image
+            maps[b] = pixel_map if same else F.interpolate(pixel_map[None], size=(height, width), mode="nearest-exact")[0]
             image_maps.append(pixel_map)
             token_scores.append(score)
             layers.append({p.name: layer for p, layer in zip(view.pieces, pieces)})

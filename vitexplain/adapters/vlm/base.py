@@ -57,11 +57,15 @@ class ImageView:
         size: (H, W) of the original image.
         pieces: the token grids, in sequence order.
         skip: indices, among the image's image-token positions, of tokens without pixels.
+        sequence_tokens: how many image tokens the sequence holds when they are not the pixel-bearing
+            tokens themselves (a Q-Former's queries, mapped to the patches by
+            :meth:`VLMAdapter.to_pixel_tokens`); None: ``num_tokens + len(skip)``.
     """
 
     size: tuple[int, int]
     pieces: tuple[Piece, ...]
     skip: tuple[int, ...] = ()
+    sequence_tokens: Optional[int] = None
 
     @property
     def num_tokens(self) -> int:
@@ -75,10 +79,11 @@ class ImageView:
         Raises:
             UnsupportedModelError: the sequence holds another number of image tokens than the geometry.
         """
-        if columns.numel() != self.num_tokens + len(self.skip):
+        expected = self.sequence_tokens if self.sequence_tokens is not None else self.num_tokens + len(self.skip)
+        if columns.numel() != expected:
             raise UnsupportedModelError(
                 f"the sequence holds {columns.numel()} image tokens, but the processed geometry of a {self.size[0]}x"
-                f"{self.size[1]} image has {self.num_tokens + len(self.skip)}; the processor and the model disagree "
+                f"{self.size[1]} image has {expected}; the processor and the model disagree "
                 "(pass the model's own processor)"
             )
         if not self.skip:
@@ -231,7 +236,7 @@ class VLMAdapter(Adapter):
 
     def format_prompt(self, prompt: str) -> str:
         """The text given to the processor: the prompt with the image token in front unless it has one."""
-        token = getattr(self.processor, "image_token", None) or self.image_token
+        token = str(getattr(self.processor, "image_token", None) or self.image_token)  # (may be an AddedToken)
         return prompt if token in prompt else f"{token}{prompt}"
 
     def prepare(self, images: Sequence[Any], prompts: Sequence[str]) -> Any:
@@ -259,7 +264,7 @@ class VLMAdapter(Adapter):
         placeholder tokens are suppressed (fed back, they would ask for an image that is not there)."""
         ends = self.end_ids
         out = self.model.generate(**inputs, max_new_tokens=max_len, do_sample=False, num_beams=1,
-                                  pad_token_id=self.pad_id, suppress_tokens=self.placeholder_ids,
+                                  pad_token_id=self.pad_id, suppress_tokens=self.placeholder_ids or None,
                                   **({"eos_token_id": ends} if ends else {}))
         return out[:, inputs["input_ids"].shape[1]:]
 
@@ -277,9 +282,9 @@ class VLMAdapter(Adapter):
         """(B, N, V) logits of one forward."""
         return self.model(**kwargs, use_cache=False).logits
 
-    def image_columns(self, input_ids: Tensor) -> list[Tensor]:
-        """Per image, the sequence positions of its image tokens, in sequence order."""
-        found = input_ids == self.image_token_id
+    def image_columns(self, inputs: Any) -> list[Tensor]:
+        """Per image, the sequence positions of its image tokens in the processor's batch, in sequence order."""
+        found = inputs["input_ids"] == self.image_token_id
         return [row.nonzero()[:, 0] for row in found]
 
     def lm_records(self, records: Sequence[Any]) -> list[Any]:
@@ -290,6 +295,11 @@ class VLMAdapter(Adapter):
     def views(self, images: Sequence[Any], inputs: Any) -> list[ImageView]:
         """Per image, where its tokens' pixels are."""
         raise self.not_implemented("views()")
+
+    def to_pixel_tokens(self, scores: list[Tensor], recorder: Any) -> list[Tensor]:
+        """Per image, (T, n_b) scores of its image tokens in the sequence as scores of its pixel-bearing
+        tokens (the identity, except where a Q-Former or resampler sits between the two)."""
+        return scores
 
     def word(self, token_id: int) -> str:
         return self.tokenizer.decode([int(token_id)]).strip()

@@ -17,18 +17,12 @@ from .base import VLMAdapter
 
 __all__ = ["RefusedVLMAdapter", "REASONS"]
 
-_QFORMER = ("its image reaches the language model as {n} learned query tokens from a {what}, each of which depends on "
-            "every pixel; a map must go through that module's cross-attention to the patches, which is not implemented")
-
 #: model class -> why the VLM methods do not apply
 REASONS: dict[str, str] = {
     "MllamaForConditionalGeneration": (
         "mllama's image enters through cross-attention layers (cross_attention_states), not as tokens in the language "
         "model's self-attention sequence, so the joint-sequence methods do not apply; its cross-attention per tile "
         "is not mapped to pixels yet"),
-    "Blip2ForConditionalGeneration": _QFORMER.format(n="32", what="Q-Former"),
-    "InstructBlipForConditionalGeneration": _QFORMER.format(n="32", what="Q-Former"),
-    "Kosmos2ForConditionalGeneration": _QFORMER.format(n="64", what="latent-query resampler (image_to_text_projection)"),
     "Florence2ForConditionalGeneration": (
         "Florence-2 is an encoder-decoder (DaViT + BART): its decoder reads the image through cross-attention to an "
         "encoder sequence that mixes the image tokens with the prompt, which is not mapped to pixels yet"),

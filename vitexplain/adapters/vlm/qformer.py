@@ -1,0 +1,93 @@
+"""BLIP-2, InstructBLIP and Kosmos-2: learned queries between the vision tower and the language model.
+
+The language model's image tokens are the Q-Former's learned queries (``num_query_tokens`` of
+them, in the sequence where the processor put its ``<image>`` tokens); each query reads every patch
+through the Q-Former's cross-attention, so a query has no footprint of its own. The methods score
+the query tokens in the language model's sequence (``token_scores``); those scores reach the
+patches through the Q-Former's cross-attention of the same forward:
+``patch scores = query scores @ mean_{layers, heads} A_cross[queries, patches]`` (the class token's
+column is dropped: it carries no pixels). The patch grid covers the whole resized image (the BLIP
+image processor resizes without cropping). InstructBLIP's Q-Former also reads the prompt
+(``qformer_input_ids``); its cross-attention is issued by the queries alone, as in BLIP-2.
+
+Kosmos-2 does the same with one cross-attention (``image_to_text_projection.x_attn``) of its latent
+queries over [class token, patches, latent queries]: only the patch columns reach pixels. Its image
+tokens are marked by ``image_embeds_position_mask``, and it counts its positions itself (from the
+ids, skipping padding).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from ...errors import UnsupportedMethodError
+from ...methods.families import VLM
+from ..base import Adapter, register_adapter
+from .base import ImageView, Piece, VLMAdapter, processed_box
+
+__all__ = ["QFormerAdapter"]
+
+_NAMES = ("Blip2ForConditionalGeneration", "InstructBlipForConditionalGeneration", "Kosmos2ForConditionalGeneration")
+
+
+class QFormerAdapter(VLMAdapter):
+    """``Blip2ForConditionalGeneration`` and ``InstructBlipForConditionalGeneration``."""
+
+    def format_prompt(self, prompt: str) -> str:
+        return prompt  # the processor puts the query tokens in front
+
+    @property
+    def kosmos(self) -> bool:
+        return type(self.model).__name__ == "Kosmos2ForConditionalGeneration"
+
+    @property
+    def placeholder_ids(self) -> list[int]:
+        if self.kosmos:  # its image positions hold ordinary ids; it reads a pad id as padding (no position)
+            return [self.pad_id]
+        return super().placeholder_ids
+
+    def image_columns(self, inputs: Any) -> list[Tensor]:
+        if not self.kosmos:
+            return super().image_columns(inputs)
+        return [row.nonzero()[:, 0] for row in inputs["image_embeds_position_mask"].bool()]
+
+    def teacher_inputs(self, inputs: Any, ids: Tensor) -> dict[str, Any]:
+        kwargs = super().teacher_inputs(inputs, ids)
+        if self.kosmos:
+            del kwargs["position_ids"]  # Kosmos-2 counts positions from the ids, as its generate does
+            mask = inputs["image_embeds_position_mask"]
+            kwargs["image_embeds_position_mask"] = torch.cat([mask, torch.zeros_like(ids, dtype=mask.dtype)], dim=1)
+        return kwargs
+
+    def views(self, images: Sequence[Any], inputs: Any) -> list[ImageView]:
+        vision = self.model.config.vision_config
+        grid = (vision.image_size // vision.patch_size, vision.image_size // vision.patch_size)
+        queries = int(self.model.config.latent_query_num if self.kosmos else self.model.config.num_query_tokens)
+        views = []
+        for image in images:
+            h, w = int(image.shape[0]), int(image.shape[1])
+            box = processed_box(self.processor.image_processor, h, w)
+            views.append(ImageView((h, w), (Piece("image", grid, box, 0),), sequence_tokens=queries))
+        return views
+
+    def to_pixel_tokens(self, scores: list[Tensor], recorder: Any) -> list[Tensor]:
+        """(T, queries) scores -> (T, patches) through the mean Q-Former cross-attention of each image."""
+        prefix = "image_to_text_projection." if self.kosmos else "qformer."
+        cross = [r for r in recorder.records if r.kind == "cross" and r.name.startswith(prefix)]
+        if not cross:
+            raise UnsupportedMethodError(
+                "no Q-Former cross-attention was recorded, so the query tokens cannot be mapped to the patches; "
+                "load the model with attn_implementation='sdpa' (or 'eager')"
+            )
+        vision = self.model.config.vision_config
+        patches = (vision.image_size // vision.patch_size) ** 2  # keys: class token, patches (Kosmos-2: then the queries)
+        attention = torch.stack([r.probs().mean(dim=1) for r in cross]).mean(dim=0)[..., 1 : 1 + patches]  # (B, Q, P)
+        return [score @ attention[b].to(score.dtype) for b, score in enumerate(scores)]
+
+
+@register_adapter(priority=20, family=VLM)
+def _detect_qformer(model: nn.Module) -> Optional[Adapter]:
+    return QFormerAdapter(model) if type(model).__name__ in _NAMES else None
