@@ -397,6 +397,7 @@ GROUPS: list[tuple[str, tuple[str, ...]]] = [
     ("CNN stage", ("gradcam", "gradcam++", "layercam")),
     ("gates", ("spatial", "channel")),
     ("caption", ("cross", "cross_generic")),
+    ("LRP", ("attnlrp", "cp_lrp")),
 ]
 
 
