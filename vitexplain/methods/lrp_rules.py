@@ -73,6 +73,9 @@ _PRODUCTS = {torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__r
              torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm}
 _SOFTMAX = {torch.softmax, torch.Tensor.softmax, F.softmax, torch.special.softmax}
 _CONVS = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}
+#: Recurrent cells: their gates multiply activations inside one fused call no rule can reach.
+_RECURRENT = {getattr(torch, n) for n in ("lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell", "lstm", "gru",
+                                          "rnn_tanh", "rnn_relu") if hasattr(torch, n)}
 
 
 class _ScaleGrad(Function):
@@ -226,7 +229,9 @@ class LRPRules(TorchFunctionMode):
             return self.linear(*args, **kwargs)
         if func in _CONVS and self.conv_gamma > 0:
             return self._conv(func, args, kwargs)
-        if getattr(func, "__name__", "") in ("flex_attention", "flex_attention_hop"):
+        if func in _RECURRENT:
+            self.seen["uncovered"].append("a recurrent cell (LSTM/GRU)")
+        elif getattr(func, "__name__", "") in ("flex_attention", "flex_attention_hop"):
             self.seen["uncovered"].append("FlexAttention")
         return func(*args, **kwargs)
 
