@@ -48,7 +48,7 @@ from torch import Tensor
 from torch.autograd import Function
 from torch.overrides import TorchFunctionMode
 
-from ..errors import UnsupportedModelError
+from ..errors import UnsupportedModelError, UsageError
 
 __all__ = ["LRPRules", "VARIANTS", "IDENTITY_EPSILON", "GAMMA_STABILIZER", "check_coverage"]
 
@@ -197,7 +197,7 @@ class LRPRules(TorchFunctionMode):
     def __init__(self, variant: str = "attnlrp", *, linear_gamma: float = 0.0, conv_gamma: float = 0.0) -> None:
         super().__init__()
         if variant not in VARIANTS:
-            raise UnsupportedModelError(f"unknown LRP variant {variant!r}; choose from {VARIANTS}")
+            raise UsageError(f"unknown LRP variant {variant!r}; choose from {VARIANTS}")
         self.variant = variant
         self.linear_gamma = float(linear_gamma)
         self.conv_gamma = float(conv_gamma)
@@ -216,8 +216,13 @@ class LRPRules(TorchFunctionMode):
             return self._rms_norm(*args, **kwargs)
         if func in _ACTIVATIONS and args and isinstance(args[0], Tensor) and args[0].requires_grad:
             self.seen["activation"] += 1
-            rest = args[1:]
-            return _Identity.apply(lambda t: func(t, *rest, **kwargs), args[0])
+            # out of place (the identity rule reads the input after the call): a positional bool is `inplace`
+            rest = tuple(False if isinstance(a, bool) else a for a in args[1:])
+            kw = {k: v for k, v in kwargs.items() if k != "inplace"}
+            out = _Identity.apply(lambda t: func(t, *rest, **kw), args[0])
+            if kwargs.get("inplace") or any(isinstance(a, bool) and a for a in args[1:]):
+                return args[0].copy_(out)
+            return out
         if func in _PRODUCTS and len(args) == 2 and _live(args[0]) and _live(args[1]):
             self.seen["product"] += 1
             return _ScaleGrad.apply(func(*args, **kwargs), 0.5)
