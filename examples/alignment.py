@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import argparse
 import time
+import warnings
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 
 import vitexplain as vx
 
@@ -59,10 +61,12 @@ class Reverser(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, dim)
         self.pos = nn.Parameter(torch.randn(MAX_LEN + 1, dim) * 0.1)
-        self.transformer = nn.Transformer(
-            dim, heads, num_encoder_layers=1, num_decoder_layers=1, dim_feedforward=2 * dim,
-            dropout=0.0, batch_first=True,
-        )
+        with warnings.catch_warnings():  # "enable_nested_tensor is True, but ... num_heads is odd": harmless
+            warnings.filterwarnings("ignore", message="enable_nested_tensor", category=UserWarning)
+            self.transformer = nn.Transformer(
+                dim, heads, num_encoder_layers=1, num_decoder_layers=1, dim_feedforward=2 * dim,
+                dropout=0.0, batch_first=True,
+            )
         self.head = nn.Linear(dim, VOCAB)
 
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
@@ -82,13 +86,13 @@ def decoder_inputs(tgt: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.full_like(tgt[:, :1], BOS), tgt[:, :-1]], dim=1)
 
 
-def train(model: Reverser, steps: int, seed: int = 0) -> float:
+def train(model: Reverser, steps: int, seed: int = 0, progress: bool = False) -> float:
     """AdamW, one-cycle schedule, 128 fresh sequences per step; returns the last loss."""
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps, pct_start=0.1)
     model.train()
-    for _ in range(steps):
+    for _ in tqdm(range(steps), desc="training", unit="step", disable=not progress, mininterval=1.0):
         src, tgt, _ = batch(128, g)
         logits = model(src, decoder_inputs(tgt))
         loss = F.cross_entropy(logits.transpose(1, 2), tgt, ignore_index=PAD)
@@ -97,7 +101,7 @@ def train(model: Reverser, steps: int, seed: int = 0) -> float:
         opt.step()
         sched.step()
     model.eval()
-    return float(loss)
+    return float(loss.detach())
 
 
 def alignment_accuracy(model: Reverser, n: int, seed: int) -> tuple[float, float, torch.Tensor, tuple]:
@@ -132,10 +136,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="CI smoke mode (fewer training steps)")
     args = parser.parse_args()
     steps = 300 if args.quick else args.steps
+    vx.threads.limit()  # leave a core to other jobs: threads that outnumber free cores only wait (docs/benchmarks.md)
     torch.manual_seed(args.seed)
     model = Reverser(heads=args.heads)
     start = time.perf_counter()
-    loss = train(model, steps, seed=args.seed)
+    loss = train(model, steps, seed=args.seed, progress=True)
     print(f"trained {steps} steps in {time.perf_counter() - start:.1f} s (final loss {loss:.4f})")
 
     accuracy, seq_acc, attention, (src, tgt, lengths) = alignment_accuracy(model, 500, seed=10_000 + args.seed)

@@ -24,6 +24,7 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=4)
     parser.add_argument("--quick", action="store_true", help="CI smoke mode")
     args = parser.parse_args()
+    vx.threads.limit()  # leave a core to other jobs: threads that outnumber free cores only wait (docs/benchmarks.md)
     n = 2 if args.quick else args.images
 
     model = vx.zoo.load("shapes-captioner")

@@ -108,6 +108,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--quick", action="store_true", help="smoke mode: 2 images, 64 px")
     args = parser.parse_args(argv)
+    vx.threads.limit()  # leave a core to other jobs: threads that outnumber free cores only wait (docs/benchmarks.md)
     n, size = (2, 64) if args.quick else (args.n, args.size)
     start = time.perf_counter()
     explain_shapes_cnn(args.out, n, args.device)

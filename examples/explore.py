@@ -54,6 +54,7 @@ def main() -> None:
     parser.add_argument("--screenshot", type=Path, help="also save a PNG of the first card (needs chromium)")
     parser.add_argument("--quick", action="store_true", help="CI smoke mode")
     args = parser.parse_args()
+    vx.threads.limit()  # leave a core to other jobs: threads that outnumber free cores only wait (docs/benchmarks.md)
 
     images = sorted(SAMPLES.glob("*.png"))
     images = images[3:4] if args.quick else images[3:6]

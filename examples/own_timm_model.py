@@ -41,6 +41,7 @@ def main() -> None:
     parser.add_argument("--offline", action="store_true", help="do not try to download weights")
     parser.add_argument("--quick", action="store_true", help="CI smoke mode: a tiny model at 64 px")
     args = parser.parse_args()
+    vx.threads.limit()  # leave a core to other jobs: threads that outnumber free cores only wait (docs/benchmarks.md)
 
     kwargs = dict(img_size=64, depth=2) if args.quick else {}
     model, pretrained = build(args.model, args.offline or args.quick, **kwargs)

@@ -22,6 +22,7 @@ def main() -> None:
     parser.add_argument("--out", default="out/quickstart", help="output folder")
     parser.add_argument("--quick", action="store_true", help="CI smoke mode")
     args = parser.parse_args()
+    vx.threads.limit()  # leave a core to other jobs: threads that outnumber free cores only wait (docs/benchmarks.md)
 
     model = vx.zoo.load("shapes-vit")
     ex = vx.Explainer(model)

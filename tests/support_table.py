@@ -45,19 +45,25 @@ class Row:
 
     Attributes:
         name: how the support matrix names it.
-        group: ``"ViT"``, ``"Hugging Face"``, ``"CNN"``, ``"hybrid"``, ``"captioner"``, ``"Swin"``.
+        group: ``"ViT"``, ``"Hugging Face"``, ``"CNN"``, ``"hybrid"``, ``"hierarchical"``, ``"captioner"``,
+            ``"Swin"``, ``"VLM"``.
         build: returns the tiny model (eval mode, random init, offline).
         size: (H, W) of the inputs.
         oracle: the test that checks this family's maps against an independent oracle.
         target: ``"norm"`` for headless backbones (explained with ``vx.targets.norm()``).
+        refused: a family vitexplain recognises and refuses (every method ``n/a``, with the reason).
+
+    A vision-language row's ``build`` returns ``(model, processor)``; it is explained on uint8 images
+    of ``size`` with a prompt.
     """
 
     name: str
     group: str
-    build: Callable[[], nn.Module]
+    build: Callable[[], Any]
     size: tuple[int, int]
     oracle: str
     target: Optional[str] = None
+    refused: bool = False
 
 
 @dataclass
@@ -234,7 +240,28 @@ def _hf_swin(config: str, model: str, **kwargs: Any) -> Callable[[], nn.Module]:
     return build
 
 
+def _vlm(name: str) -> Callable[[], Any]:
+    def build() -> Any:
+        import vlm_helpers
+
+        return vlm_helpers.BUILDERS[name]()
+
+    return build
+
+
+def _vlm_refused(name: str) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        import vlm_helpers
+
+        return vlm_helpers.refused(name)
+
+    return build
+
+
+_VLM_TEST = "tests/test_vlm.py"
 _HF_TEST = "tests/test_families_hf.py::test_hf_family_matches_eager_oracle"
+_HIER_TEST = "tests/test_hier.py"
+_POOL_TEST = "tests/test_hier_pooling.py"
 _TIMM_TEST = "tests/test_families_timm.py"
 
 
@@ -269,14 +296,19 @@ def rows() -> list[Row]:
         Row("timm ResNet + CBAM", "CNN", lambda: _timm("resnet10t", num_classes=5, block_args=dict(attn_layer="cbam")), s32, "tests/test_cnn.py"),
         Row("torchvision MobileNetV3 (SE)", "CNN", _torchvision_mobilenet, s32, "tests/test_cnn.py"),
         Row("zoo shapes-cnn", "CNN", _zoo("shapes-cnn"), s64, "tests/test_cnn.py"),
-        Row("timm MaxViT", "hybrid", _maxvit, s64, "tests/test_hybrids.py"),
         Row("timm EfficientFormerV2", "hybrid", _timm_class("efficientformer_v2", "EfficientFormerV2", depths=(1, 1, 2, 2), embed_dims=(16, 24, 32, 48), img_size=64, num_vit=2, num_classes=5), s64, "tests/test_hybrids.py"),
-        Row("timm Twins (PCPVT)", "hybrid", lambda: _timm("twins_pcpvt_small", img_size=64, embed_dims=(16, 32, 48, 64), depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4), num_classes=5), s64, "tests/test_hybrids.py"),
-        Row("timm Twins (SVT)", "hybrid", lambda: _timm("twins_svt_small", img_size=64, embed_dims=(16, 32, 48, 64), depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4), wss=(4, 4, 4, 4), num_classes=5), s64, "tests/test_hybrids.py"),
-        Row("timm MViTv2", "hybrid", _mvitv2, s64, "tests/test_hybrids.py"),
-        Row("timm PiT", "hybrid", _timm_class("pit", "PoolingVisionTransformer", img_size=64, patch_size=8, stride=4, base_dims=(8, 8, 8), depth=(1, 1, 1), heads=(2, 2, 2), mlp_ratio=2, num_classes=5), s64, "tests/test_hybrids.py"),
-        Row("timm LeViT", "hybrid", _timm_class("levit", "LevitDistilled", img_size=128, embed_dim=(32, 48, 64), key_dim=8, depth=(1, 1, 1), num_heads=(2, 2, 2), num_classes=5), (128, 128), "tests/test_hybrids.py"),
-        Row("torchvision MaxViT", "hybrid", _torchvision_maxvit, s64, "tests/test_hybrids.py"),
+        Row("timm PVTv2", "hierarchical", lambda: _timm("pvt_v2_b0", embed_dims=(16, 32, 48, 64), depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4), num_classes=5), s64, _HIER_TEST),
+        Row("timm Twins (PCPVT)", "hierarchical", lambda: _timm("twins_pcpvt_small", img_size=64, embed_dims=(16, 32, 48, 64), depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4), num_classes=5), s64, _HIER_TEST),
+        Row("timm Twins (SVT)", "hierarchical", lambda: _timm("twins_svt_small", img_size=64, embed_dims=(16, 32, 48, 64), depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4), wss=(4, 4, 4, 4), num_classes=5), s64, _HIER_TEST),
+        Row("timm SAM ViT (samvit: windowed + global, conv neck)", "hierarchical", lambda: _timm("samvit_base_patch16", img_size=64, depth=3, embed_dim=32, num_heads=2, global_attn_indexes=(1,), window_size=3, neck_chans=16, num_classes=5), s64, _HIER_TEST),
+        Row("timm MaxViT", "hierarchical", _maxvit, s64, _POOL_TEST),
+        Row("timm MViTv2", "hierarchical", _mvitv2, s64, _POOL_TEST),
+        Row("timm PiT", "hierarchical", _timm_class("pit", "PoolingVisionTransformer", img_size=64, patch_size=8, stride=4, base_dims=(8, 8, 8), depth=(1, 1, 1), heads=(2, 2, 2), mlp_ratio=2, num_classes=5), s64, _POOL_TEST),
+        Row("timm LeViT", "hierarchical", _timm_class("levit", "LevitDistilled", img_size=128, embed_dim=(32, 48, 64), key_dim=8, depth=(1, 1, 1), num_heads=(2, 2, 2), num_classes=5), (128, 128), _POOL_TEST),
+        Row("torchvision MaxViT", "hierarchical", _torchvision_maxvit, s64, "tests/test_hier_more.py"),
+        Row("timm Hiera (SAM 2's encoder family)", "hierarchical", _timm_class("hiera", "Hiera", img_size=64, embed_dim=16, num_heads=1, stages=(1, 2, 2, 1), mask_unit_size=(4, 4), q_pool=2, num_classes=5), s64, "tests/test_hier_more.py"),
+        Row("timm CrossViT (two branches)", "hierarchical", _timm_class("crossvit", "CrossVit", img_size=48, img_scale=(1.0, 32 / 48), patch_size=(8, 16), embed_dim=(16, 32), depth=((1, 2, 0), (1, 1, 0)), num_heads=(2, 2), mlp_ratio=(2, 2, 1), num_classes=5), (48, 48), "tests/test_hier_more.py"),
+        Row("timm TNT (outer tokens)", "hierarchical", lambda: _timm("tnt_s_patch16_224", img_size=64, depth=2, num_classes=5), s64, _POOL_TEST),
         Row("timm Swin", "Swin", _timm_class("swin_transformer", "SwinTransformer", **_SWIN), s32, _SWIN_TEST),
         Row("timm SwinV2", "Swin", _timm_class("swin_transformer_v2", "SwinTransformerV2", **_SWIN), s32, _SWIN_TEST),
         Row("timm SwinV2-CR", "Swin", _timm_class("swin_transformer_v2_cr", "SwinTransformerV2Cr", **_SWIN), s32, _SWIN_TEST),
@@ -292,6 +324,23 @@ def rows() -> list[Row]:
         Row("HF VisionEncoderDecoder (ViT + GPT-2)", "captioner", _vision_encoder_decoder, s32, "tests/test_captioning.py"),
         Row("HF BLIP", "captioner", _blip, s32, "tests/test_captioning.py"),
         Row("HF GIT", "captioner", _git, s32, "tests/test_git.py"),
+        Row("HF LLaVA", "VLM", _vlm("llava"), s32, _VLM_TEST),
+        Row("HF PaliGemma", "VLM", _vlm("paligemma"), s32, _VLM_TEST),
+        Row("HF PaliGemma 2 (Gemma 2 LM: eager attention, its only one)", "VLM", _vlm("paligemma2"), s32, _VLM_TEST),
+        Row("HF Gemma 3", "VLM", _vlm("gemma3"), s32, _VLM_TEST),
+        Row("HF Qwen2-VL", "VLM", _vlm("qwen2_vl"), s32, _VLM_TEST),
+        Row("HF Qwen2.5-VL", "VLM", _vlm("qwen2_5_vl"), s32, _VLM_TEST),
+        Row("HF Qwen3-VL", "VLM", _vlm("qwen3_vl"), s32, _VLM_TEST),
+        Row("HF Idefics3", "VLM", _vlm("idefics3"), s32, _VLM_TEST),
+        Row("HF SmolVLM", "VLM", _vlm("smolvlm"), s32, _VLM_TEST),
+        Row("HF LLaVA-NeXT", "VLM", _vlm("llava_next"), s32, _VLM_TEST),
+        Row("HF LLaVA-OneVision", "VLM", _vlm("onevision"), s32, _VLM_TEST),
+        Row("HF mllama (Llama 3.2 Vision)", "VLM", _vlm_refused("mllama"), s32, _VLM_TEST, refused=True),
+        Row("HF BLIP-2", "VLM", _vlm_refused("blip2"), s32, _VLM_TEST, refused=True),
+        Row("HF InstructBLIP", "VLM", _vlm_refused("instructblip"), s32, _VLM_TEST, refused=True),
+        Row("HF Kosmos-2", "VLM", _vlm_refused("kosmos2"), s32, _VLM_TEST, refused=True),
+        Row("HF Florence-2", "VLM", _vlm_refused("florence2"), s32, _VLM_TEST, refused=True),
+        Row("HF Pix2Struct", "VLM", _vlm_refused("pix2struct"), s32, _VLM_TEST, refused=True),
     ]
 
 
@@ -343,11 +392,17 @@ def run(row: Row, batch: int = 4, seed: int = 0) -> Sweep:
     a listed method whose maps are not finite or not one per image (AssertionError).
     """
     torch.manual_seed(seed)
-    model = row.build().eval()
+    built = row.build()
+    model, processor = built if isinstance(built, tuple) else (built, None)
+    model = model.eval()
     reinit_heads(model, seed)
-    ex = vx.Explainer(model)
+    ex = vx.Explainer(model, processor=processor)
     available, refused = applicable(ex.adapter)
-    x = torch.randn(batch, 3, *row.size, generator=torch.Generator().manual_seed(seed))
+    x: Any = torch.randn(batch, 3, *row.size, generator=torch.Generator().manual_seed(seed))
+    prompt = {}
+    if ex.family.name == "vlm":  # vision-language models take images and a prompt
+        x = list((x.clamp(-2, 2) * 60 + 128).to(torch.uint8).permute(0, 2, 3, 1).numpy())
+        prompt = {"prompt": "what is"}
     target = vx.targets.norm() if row.target == "norm" else None
     outcomes = []
     if ex.adapter.notes.get("family"):  # why a family has none of another family's methods
@@ -358,7 +413,7 @@ def run(row: Row, batch: int = 4, seed: int = 0) -> Sweep:
         options = CHEAP.get(name, {})
         try:
             if ex.family.entry == "explain_caption":
-                e = ex.explain_caption(x, method=name, max_len=3, **options)
+                e = ex.explain_caption(x, method=name, max_len=3, **prompt, **options)
             else:
                 e = ex.explain(x, method=name, target=target, **options)
         except VitexplainError as err:
@@ -370,14 +425,14 @@ def run(row: Row, batch: int = 4, seed: int = 0) -> Sweep:
         outcomes.append(Outcome(name, "ok", f"{zero}{tuple(e.maps.shape)}", float(e.maps.float().std())))
     order = {spec.name: i for i, spec in enumerate(vx.methods.specs(ex.family))}
     outcomes.sort(key=lambda o: order.get(o.method, -1))
-    return Sweep(row, ex.family, outcomes, _default(ex, x, target, batch))
+    return Sweep(row, ex.family, outcomes, _default(ex, x, target, batch, prompt))
 
 
-def _default(ex: Any, x: torch.Tensor, target: Any, batch: int) -> Outcome:
+def _default(ex: Any, x: Any, target: Any, batch: int, prompt: dict[str, Any]) -> Outcome:
     """The explanation asked for with no method: the family's default (whatever applies)."""
     try:
         if ex.family.entry == "explain_caption":
-            e = ex.explain_caption(x, max_len=3)
+            e = ex.explain_caption(x, max_len=3, **prompt)
         else:
             e = ex.explain(x, target=target)
     except VitexplainError as err:
@@ -396,7 +451,7 @@ GROUPS: list[tuple[str, tuple[str, ...]]] = [
     ("captum", ("integrated_gradients", "occlusion", "smoothgrad")),
     ("CNN stage", ("gradcam", "gradcam++", "layercam")),
     ("gates", ("spatial", "channel")),
-    ("caption", ("cross", "cross_generic")),
+    ("caption / VLM (per word)", ("cross", "cross_grad", "cross_generic")),
     ("LRP", ("attnlrp", "cp_lrp")),
 ]
 
@@ -438,6 +493,11 @@ def support_doc(results: list[Sweep]) -> str:
     ]
     for sweep in results:
         ok = [o.method for o in sweep.outcomes if o.status == "ok"]
+        if sweep.row.refused:  # one reason for every method
+            reason = sweep.outcomes[0].detail if sweep.outcomes else sweep.default.detail
+            out += [f"## {sweep.row.name}", "", f"- refused (every method, with `UnsupportedModelError`): {reason}",
+                    f"- the refusal is checked in `{sweep.row.oracle}`", ""]
+            continue
         out += [f"## {sweep.row.name}", "", f"- runs: {', '.join(f'`{m}`' for m in ok) or 'nothing'}"]
         for o in sweep.outcomes:
             if o.status != "ok":

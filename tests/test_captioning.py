@@ -122,7 +122,7 @@ def test_given_caption_and_errors(captioner, images):
         ex.explain_caption(images[:1], method="cross", caption="purple dog")
     with pytest.raises(UnsupportedMethodError, match="explain_caption"):
         ex.explain(images, method="cdam")
-    with pytest.raises(UnsupportedMethodError, match="is for vit/swin models.*is a caption model"):
+    with pytest.raises(UnsupportedMethodError, match="is for vit/swin/hier models.*is a caption model"):
         ex.explain_caption(images, method="rollout")
 
 

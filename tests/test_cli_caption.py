@@ -196,7 +196,7 @@ def test_given_caption_is_teacher_forced(tree: Path, ckpt: str, tmp_path: Path) 
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (("--method", "cross,rollout"), "method 'rollout' is for vit/swin models"),
+        (("--method", "cross,rollout"), "method 'rollout' is for vit/swin/hier models"),
         (("--method", "nope"), "unknown method 'nope'"),
         (("--caption", "red hexagon"), "'hexagon' is not in the vocabulary"),
         (("--caption", " "), "--caption is empty"),

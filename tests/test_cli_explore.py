@@ -52,7 +52,7 @@ def test_explore_leaves_out_unreadable_images_with_exit_1(folder, tmp_path, caps
     [
         ("p.png", [], "--out must name the .html file"),
         ("p.html", ["--max-images", "2"], "more than --max-images 2"),
-        ("p.html", ["--method", "cross"], "is for caption models"),
+        ("p.html", ["--method", "cross"], "is for caption/vlm models"),
         ("p.html", ["--option", "rollout.head_fusion=median", "--method", "rollout"], "head_fusion"),
     ],
 )
@@ -97,7 +97,64 @@ def test_explore_skips_an_image_too_thin_to_crop_and_keeps_the_others(tiny, tmp_
     assert [d["name"] for d in _images(page)] == ["a.png", "b.png"]
     err = capsys.readouterr().err
     assert "skipped" in err and "strip.png" in err and "aspect ratio" in err
-    assert "--no-crop" not in err  # explore has no such flag
+    assert "--no-crop" in err  # the advice names a flag explore has
+
+    # --no-crop resizes it whole: every image is on the page, exit 0
+    assert _explore(src, page, tiny, "--no-crop") == 0
+    assert [d["name"] for d in _images(page)] == ["a.png", "b.png", "strip.png"]
+
+
+def _page_image(entry: dict):
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    png = base64.b64decode(entry["image"].split(",", 1)[1])
+    return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
+
+
+def test_explore_no_crop_shows_and_explains_the_whole_image(tiny, tmp_path) -> None:
+    """A 3:1 image in three bands, red | green | blue: the center crop sees only green; without
+    cropping the image the page shows (the pixels the model saw) keeps all three, left to right."""
+    import numpy as np
+    from PIL import Image
+
+    src = tmp_path / "in"
+    src.mkdir()
+    bands = np.zeros((40, 120, 3), np.uint8)
+    bands[:, :40, 0] = bands[:, 40:80, 1] = bands[:, 80:, 2] = 255
+    Image.fromarray(bands).save(src / "bands.png")
+    page = tmp_path / "p.html"
+
+    assert _explore(src, page, tiny) == 0
+    cropped = _page_image(_images(page)[0])
+    assert (cropped[:, :, 1] > 200).all() and (cropped[:, :, [0, 2]] < 60).all()  # all green
+
+    assert _explore(src, page, tiny, "--no-crop") == 0
+    (entry,) = _images(page)
+    whole = _page_image(entry)
+    h, w = whole.shape[:2]
+    assert [h, w] == entry["size"]  # resized to the model's input, aspect ratio not kept
+    for band, colour in enumerate((0, 1, 2)):  # the middle column of each band has its colour
+        column = whole[:, (2 * band + 1) * w // 6]
+        assert (column[:, colour] > 200).all() and (np.delete(column, colour, axis=1) < 60).all(), band
+
+
+def test_the_explore_api_takes_crop_false(tmp_path) -> None:
+    import numpy as np
+
+    import vitexplain as vx
+    from batch_helpers import save_tiny
+
+    model = vx.zoo.load_checkpoint(save_tiny(tmp_path / "ckpt"))
+    strip = np.full((1, 300_000, 3), 90, np.uint8)
+    with pytest.raises(vx.InputError, match="--no-crop|crop=False"):
+        vx.explore(model, [strip], tmp_path / "a.html", method="rollout")
+    page = vx.explore(model, [strip], tmp_path / "b.html", method="rollout", crop=False)
+    (entry,) = _images(page)
+    assert (_page_image(entry) == 90).all()
 
 
 def test_explore_reports_an_unreadable_folder_with_exit_1(tiny, tmp_path, monkeypatch, capsys) -> None:

@@ -186,6 +186,20 @@ def test_explore_writes_one_self_contained_page(shapes_vit, images, tmp_path) ->
     assert out.stat().st_size <= 1_000_000  # the issue's budget: one shapes image <= 1 MB
 
 
+def test_explore_returns_a_path_that_jupyter_shows_inline(shapes_vit, images, tmp_path) -> None:
+    import html
+    from pathlib import Path
+
+    out = vx.explore(shapes_vit, images[:1], tmp_path / "inline.html", top_k=1)
+    assert isinstance(out, Path) and out == tmp_path / "inline.html"  # still the path it always was
+    frame = out._repr_html_()
+    assert frame.startswith("<iframe") and frame.endswith("</iframe>")
+    assert 'sandbox="allow-scripts"' in frame  # scripts run; no same-origin access to the notebook
+    srcdoc = re.search(r'srcdoc="([^"]*)"', frame).group(1)  # one attribute: no raw quote escaped it
+    assert html.unescape(srcdoc) == out.read_text(encoding="utf-8")
+    assert "<" not in srcdoc and external_references(frame) == []
+
+
 def test_explore_page_of_vit_small_224_fits_six_megabytes(tmp_path) -> None:
     """Budget: one 224 px vit_small image <= 6 MB (every layer and head embedded)."""
     model = timm.create_model("vit_small_patch16_224", pretrained=False, num_classes=10).eval()

@@ -25,7 +25,8 @@ import support_table as support
 
 FAMILIES = {f.name: f for f in support.rows()}
 #: one cheap method per group (the support sweep covers every method)
-METHOD = {"ViT": "cdam", "Hugging Face": "cdam", "Swin": "cdam", "CNN": "gradcam", "hybrid": "gradcam", "captioner": "cross"}
+METHOD = {"ViT": "cdam", "Hugging Face": "cdam", "Swin": "cdam", "hierarchical": "cdam", "CNN": "gradcam", "hybrid": "gradcam",
+          "captioner": "cross"}
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -43,11 +44,17 @@ def test_explore_family(name, tmp_path) -> None:
     data = json.loads(re.search(r'id="vx-data">(.*?)</script>', page, re.S).group(1))["images"][0]
     entries = data["caption"]["methods"] if data["family"] == "caption" else data["methods"]
     assert [m["name"] for m in entries] == [method]
+    if callable(getattr(vx.Explainer(model).adapter, "chain", None)):  # hierarchical: each layer on its stage grid
+        _check_stage_views(model, image, data)
+        return
     if family.group in ("CNN", "hybrid", "Swin"):
         assert data["attention"] is None
         assert family.group != "Swin" or any("windowed attention" in note for note in data["notes"])
         return
     att = data["attention"]
+    if att is None and family.group == "hierarchical":  # views per stage grid: the explorer's part of issue 23
+        assert any("no attention views" in note for note in data["notes"]), data["notes"]
+        return
     if att is None:  # CaiT / XCiT: every attention layer is class attention; a CNN captioner's encoder has none
         why = "no self-attention" if data["family"] == "caption" else "class attention"
         assert any(why in note for note in data["notes"]), data["notes"]
@@ -65,3 +72,33 @@ def test_explore_family(name, tmp_path) -> None:
     p, n = att["prefix"], exact.shape[0]
     rows = dequantize_rows(att["probs"]["patches"]).reshape(len(att["layerIndex"]), len(att["heads"]), n, n - p)
     assert np.abs(rows[-1, 0, 0] - exact[p:]).max() <= exact[p:].max() / 510 * 1.001
+
+
+def _check_stage_views(model, image, data) -> None:
+    """A hierarchical model's views: per layer its own query and key sets; the last layer's rows
+    are its record's (a global call: query 0 of head 0, or the head mean, equal within the
+    quantisation step; a windowed call, placed by its slots: every query's row holds at most one
+    window's keys and sums to at most 1)."""
+    att = data["attention"]
+    assert att is not None and att["probs"] is not None, data["notes"]
+    assert len(att["sets"]) == len(att["layers"]) == len(att["probs"]) == len(att["rollout"])
+    ex = vx.Explainer(model)
+    x = ex.preprocess(image)[0]
+    with torch.no_grad(), vx.capture(model) as rec:
+        ex.adapter.forward(x)
+    record = [r for r in rec.records if r.name == att["layers"][-1]][-1]
+    q, k = att["sets"][-1]["q"], att["sets"][-1]["k"]
+    nq, nk = q[0] + q[1] * q[2], k[0] + k[1] * k[2]
+    heads = att["heads"][-1]
+    patches = dequantize_rows(att["probs"][-1]["patches"]).reshape(len(heads), nq, nk - k[0])
+    prefix = (dequantize_rows(att["probs"][-1]["prefix"]).reshape(len(heads), nq, k[0]) if k[0]
+              else np.zeros((len(heads), nq, 0)))
+    rows = np.concatenate([prefix, patches], axis=-1)
+    if (record.batch_size, record.num_queries, record.num_keys) == (1, nq, nk):
+        probs = record.probs()[0]
+        exact = (probs.mean(0) if heads == ["mean"] else probs[0])[0].numpy()
+        assert np.abs(rows[0, 0] - exact).max() <= exact.max() / 255 * 1.001
+    else:
+        assert (rows > 0).sum(-1).max() <= record.num_keys
+    sums = rows.sum(-1)
+    assert sums.max() <= 1.02 and sums.min() > 0

@@ -223,3 +223,21 @@ def test_stage_option_and_layout_for_every_method():
     e = ex.explain(x, method="rollout")
     torch.testing.assert_close(e.maps.sum(dim=(1, 2)), torch.ones(2), atol=1e-5, rtol=0)  # a distribution
     assert e.maps.min() >= 0
+
+
+def test_layout_says_the_grid_and_the_pixels_a_cell_covers():
+    """A Swin map on stage 0 has the stage-0 grid in e.layout (the layout used to say the last
+    stage's); a hybrid-stem ViT (vitamin) says 16 px per token, not its patch embedding's 1 px."""
+    torch.manual_seed(0)
+    vitamin = timm.create_model("vitamin_small_224", pretrained=False, num_classes=CLASSES, depth=1, img_size=64).eval()
+    assert vx.token_layout(vitamin, 64).patch_size == (16, 16)
+    e = vx.Explainer(vitamin).explain(images(1), method="rollout")
+    assert e.maps.shape == (1, 4, 4) and e.layout.grid == (4, 4) and e.layout.patch_size == (16, 16)
+    from timm.models.swin_transformer import SwinTransformer
+
+    swin = SwinTransformer(img_size=64, patch_size=4, window_size=4, embed_dim=16, depths=(2, 2), num_heads=(2, 4),
+                           num_classes=CLASSES).eval()
+    ex = vx.Explainer(swin)
+    for stage, grid in ((0, (16, 16)), (1, (8, 8))):
+        e = ex.explain(images(2), method="rollout", stage=stage)
+        assert e.maps.shape == (2, *grid) and e.layout.grid == grid and e.layout.patch_size == (64 // grid[0],) * 2

@@ -22,13 +22,14 @@ import support_table as support
 from vitexplain.adapters.cnn import calls_attention
 
 FAMILIES = {f.name: f for f in support.rows() if f.group == "hybrid"}
+ROWS = {f.name: f for f in support.rows()}  # Twins and timm MaxViT are hierarchical now (tests/test_hier*.py)
 
 
 def _build(name):
     torch.manual_seed(0)
-    model = FAMILIES[name].build().eval()
+    model = ROWS[name].build().eval()
     support.reinit_heads(model)
-    return model, torch.randn(2, 3, *FAMILIES[name].size, generator=torch.Generator().manual_seed(1))
+    return model, torch.randn(2, 3, *ROWS[name].size, generator=torch.Generator().manual_seed(1))
 
 
 class Mixer(nn.Module):  # attention under a name that does not end in "Attention"
@@ -154,3 +155,12 @@ def test_twins_fused_and_eager_window_attention_agree():
     for a, b in zip(fused_rec.records, eager_rec.records):
         assert a.name == b.name and a.q_shape[:3] == b.q_shape[:3]
         torch.testing.assert_close(a.probs(), b.probs(), atol=1e-6, rtol=1e-5)
+
+
+def test_efficientformer_v2_refuses_attention_methods_with_the_reason():
+    """Its heads are mixed after the softmax (talking heads) and a value conv is added: no rule holds."""
+    model, x = _build("timm EfficientFormerV2")
+    ex = vx.Explainer(model)
+    assert ex.family == "cnn"
+    with pytest.raises(vx.UnsupportedMethodError, match="talking heads"):
+        ex.explain(x, method="rollout")

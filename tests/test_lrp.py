@@ -113,10 +113,11 @@ def test_fused_attention_equals_attention_computed_in_python(method):
 def test_maps_are_pixels_and_the_grid_sums_them():
     model = vx.zoo.load("shapes-vit")
     batch = vx.data.shapes(3, seed=10_300)
-    e = vx.Explainer(model).explain(batch.tensor, method="attnlrp")
+    ex = vx.Explainer(model)
+    e = ex.explain(batch.tensor, method="attnlrp")
     size = tuple(batch.tensor.shape[-2:])
-    grid = vx.Explainer(model).adapter.layout(size).grid  # the patch grid the other methods' maps are on
-    assert e.maps.shape == (3, *size) and e.signed
+    grid = ex.adapter.layout(size).grid  # the model's patch grid; e.layout describes the pixel map
+    assert e.maps.shape == (3, *size) and e.signed and e.layout.grid == size
     assert torch.equal(e.maps, e.extras["pixels"])
     assert e.extras["grid"].shape == (3, *grid)
     assert torch.allclose(e.extras["grid"].flatten(1).sum(1), e.maps.flatten(1).sum(1), rtol=1e-4)

@@ -23,6 +23,7 @@ EXPECTED = {
             "cdam_integrated", "legrad", "integrated_gradients", "occlusion", "smoothgrad", "attnlrp", "cp_lrp"],
     "cnn": ["spatial", "channel", "gradcam", "gradcam++", "layercam"],
     "caption": ["cross", "cross_generic", "attnlrp", "cp_lrp"],
+    "vlm": ["cross", "cross_grad", "cross_generic"],
 }
 EXPECTED["swin"] = list(EXPECTED["vit"])  # the same methods, on windowed attention (methods/swin.py)
 
@@ -198,8 +199,22 @@ def _caption_case() -> tuple[nn.Module, torch.Tensor, str]:
     return vx.zoo.load("shapes-captioner"), vx.data.shapes(3, seed=9, num_objects=2).tensor, "layers.1"
 
 
-CASES: dict[str, Callable[[], tuple[nn.Module, torch.Tensor, str]]] = {
-    "vit": _vit_case, "swin": _swin_case, "cnn": _cnn_case, "caption": _caption_case,
+_PROCESSORS: dict[int, Any] = {}  # a VLM case's processor, by id(model)
+
+
+def _vlm_case() -> tuple[nn.Module, Any, str]:
+    import vlm_helpers
+
+    model, proc = vlm_helpers.llava()
+    _PROCESSORS[id(model)] = proc
+    images = vlm_helpers.images(2, ((32, 40), (30, 30), (36, 32)))
+    with torch.no_grad():  # transformers installs its own output-capturing hooks on a model's first call
+        model(**proc(images=images[:1], text=["<image>a"], return_tensors="pt"))
+    return model, images, "model.language_model.layers.1"
+
+
+CASES: dict[str, Callable[[], tuple[nn.Module, Any, str]]] = {
+    "vit": _vit_case, "swin": _swin_case, "cnn": _cnn_case, "caption": _caption_case, "vlm": _vlm_case,
 }
 _BUILT: dict[str, tuple[nn.Module, torch.Tensor, str]] = {}
 
@@ -232,8 +247,12 @@ def _state(model: nn.Module) -> dict[str, Any]:
 
 
 def _explain(model: nn.Module, family: str, x: torch.Tensor, name: str) -> torch.Tensor:
-    ex = vx.Explainer(model)
     options = CHEAP.get(name, {})
+    if family == "vlm":  # images and a prompt; per image its words' maps at the original resolution
+        e = vx.Explainer(model, processor=_PROCESSORS[id(model)]).explain_caption(x, method=name, prompt="what is",
+                                                                                  max_len=3)
+        return [m[: len(words)] for m, words in zip(e.image_maps, e.tokens)]
+    ex = vx.Explainer(model)
     if family == "caption":
         e = ex.explain_caption(x, method=name, **options)
         return [e.maps[i, : len(words)] for i, words in enumerate(e.tokens)]
@@ -248,9 +267,9 @@ def test_every_method_is_finite_batch_invariant_and_leaves_the_model_as_found(fa
     model, x, deep = _case(family)
     before = _state(model)
     batch = _explain(model, family, x, name)
-    singles = [_explain(model, family, x[i : i + 1], name) for i in range(x.shape[0])]
+    singles = [_explain(model, family, x[i : i + 1], name) for i in range(len(x))]
     assert _state(model) == before
-    if family == "caption":
+    if family in ("caption", "vlm"):
         for i, single in enumerate(singles):
             assert torch.isfinite(batch[i]).all()
             torch.testing.assert_close(batch[i], single[0], rtol=1e-4, atol=1e-5)

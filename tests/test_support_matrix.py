@@ -44,6 +44,10 @@ def test_every_listed_method_runs_or_refuses_clearly(results, name):
     if isinstance(sweep, BaseException):
         raise sweep
     outcomes = sweep.outcomes
+    if sweep.row.refused:  # a recognised family that is refused: nothing listed, every method says why
+        assert all(o.status == "n/a" and o.detail for o in outcomes), f"{name}: a refused family lists a method"
+        assert sweep.default.status == "refused" and "no vlm method applies" in sweep.default.detail
+        return
     listed = [o for o in outcomes if o.status != "n/a"]
     assert listed and any(o.status == "ok" for o in listed), f"{name}: nothing runs"
     for o in outcomes:
@@ -58,6 +62,9 @@ def test_the_default_method_works_for_every_family(results, name):
     sweep = results[name]
     if isinstance(sweep, BaseException):
         raise sweep
+    if sweep.row.refused:
+        assert sweep.default.status == "refused", f"{name}: a refused family explained something"
+        return
     assert sweep.default.status == "ok", f"{name}: explain() without a method: {sweep.default.detail}"
     assert sweep.default.method in sweep.family.defaults + tuple(o.method for o in sweep.outcomes if o.status == "ok")
 

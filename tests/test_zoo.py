@@ -47,7 +47,7 @@ class _SDPASpy(TorchFunctionMode):
 
 
 def test_names_and_unknown() -> None:
-    assert vx.zoo.names() == NAMES
+    assert vx.zoo.names() == [*NAMES, "shapes-vlm"]  # shapes-vlm (a Hugging Face LLaVA): tests/test_zoo_vlm.py
     with pytest.raises(KeyError) as err:
         vx.zoo.load("shapes-nope")
     for name in NAMES:

@@ -311,3 +311,122 @@ _IDEFICS_ORACLE = dict(nested=True, prompt=lambda p: "<image>" + p, extend=_posi
                        image_token=lambda m: m.config.image_token_id, features=_idefics_features,
                        placeholders=lambda m: [m.config.image_token_id])
 ORACLE.update(idefics3=_IDEFICS_ORACLE, smolvlm=_IDEFICS_ORACLE)
+
+
+_V = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=8)
+_TX = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+           vocab_size=64, max_position_embeddings=256)
+
+
+def refused(name: str) -> nn.Module:
+    """A tiny build of a VLM family that vitexplain recognises and refuses (``vitexplain/adapters/vlm/refused.py``)."""
+    import transformers as T
+
+    V, TX = _V, _TX
+
+    if name == "llava_next":
+        cfg = T.LlavaNextConfig(vision_config=T.CLIPVisionConfig(**V), text_config=dict(model_type="llama", **TX), image_token_id=5, image_grid_pinpoints=[[32, 32], [32, 64], [64, 32]])
+        return T.LlavaNextForConditionalGeneration(cfg)
+    if name == "onevision":
+        cfg = T.LlavaOnevisionConfig(vision_config=dict(model_type="siglip_vision_model", **V), text_config=dict(model_type="qwen2", **TX), image_token_id=5, image_grid_pinpoints=[[32, 32], [32, 64], [64, 32]])
+        return T.LlavaOnevisionForConditionalGeneration(cfg)
+    if name == "mllama":
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_global_layers=1, attention_heads=2, image_size=32, patch_size=8, max_num_tiles=4, vision_output_dim=64, intermediate_layers_indices=[0])
+        text = dict(TX, cross_attention_layers=[1], num_hidden_layers=2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+        text.pop("head_dim")
+        cfg = T.MllamaConfig(vision_config=vision, text_config=text, image_token_index=5)
+        return T.MllamaForConditionalGeneration(cfg)
+    if name == "blip2":
+        cfg = T.Blip2Config(vision_config=V, qformer_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, encoder_hidden_size=32, vocab_size=64), text_config=dict(model_type="opt", hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=2, vocab_size=64, word_embed_proj_dim=32), num_query_tokens=4, image_token_index=5)
+        return T.Blip2ForConditionalGeneration(cfg)
+    if name == "instructblip":
+        cfg = T.InstructBlipConfig(vision_config=V, qformer_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, encoder_hidden_size=32, vocab_size=64), text_config=dict(model_type="opt", hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=2, vocab_size=64, word_embed_proj_dim=32), num_query_tokens=4, image_token_index=5)
+        return T.InstructBlipForConditionalGeneration(cfg)
+    if name == "kosmos2":
+        cfg = T.Kosmos2Config(vision_config=V, text_config=dict(embed_dim=32, ffn_dim=64, layers=2, attention_heads=2, vocab_size=64), latent_query_num=4)
+        return T.Kosmos2ForConditionalGeneration(cfg)
+    if name == "florence2":
+        cfg = T.Florence2Config(vision_config=dict(embed_dim=[16, 32], depths=[1, 1], num_heads=[2, 2], num_groups=[2, 2], patch_size=[7, 3], patch_stride=[4, 2], patch_padding=[3, 1], patch_prenorm=[False, True], window_size=4, projection_dim=32, drop_path_rate=0.0), text_config=dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=64, max_position_embeddings=64), image_token_id=5)
+        return T.Florence2ForConditionalGeneration(cfg)
+    if name == "pix2struct":
+        cfg = T.Pix2StructConfig(vision_config=dict(hidden_size=32, d_ff=64, num_hidden_layers=2, num_attention_heads=2, d_kv=16, patch_embed_hidden_size=48), text_config=dict(hidden_size=32, d_ff=64, num_layers=2, num_heads=2, d_kv=16, vocab_size=64))
+        return T.Pix2StructForConditionalGeneration(cfg)
+    raise KeyError(name)
+
+
+REFUSED = ("llava_next", "onevision", "mllama", "blip2", "instructblip", "kosmos2", "florence2", "pix2struct")
+
+
+def llava_next() -> tuple[nn.Module, Any]:
+    """LLaVA-NeXT: 16 px tiles of 4 px patches (4 x 4 tokens each), pinpoints 16x32, 32x16, 32x32, a thumbnail, newlines."""
+    import transformers
+
+    tok = tokenizer(("<image>",))
+    pinpoints = [[16, 32], [32, 16], [32, 32]]
+    image = transformers.LlavaNextImageProcessor(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16},
+                                                 image_grid_pinpoints=pinpoints)
+    proc = transformers.LlavaNextProcessor(image_processor=image, tokenizer=tok, patch_size=4,
+                                           vision_feature_select_strategy="default", num_additional_image_tokens=1)
+    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                           image_size=16, patch_size=4)
+    cfg = transformers.LlavaNextConfig(vision_config=vision, text_config=dict(model_type="llama", vocab_size=len(tok), **_text()),
+                                       image_token_id=tok.convert_tokens_to_ids("<image>"), image_grid_pinpoints=pinpoints,
+                                       vision_feature_select_strategy="default", vision_feature_layer=-1)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return reinit_small(transformers.LlavaNextForConditionalGeneration(cfg).eval()), proc
+
+
+def _llava_next_features(model: nn.Module, proc: Any, image: np.ndarray) -> torch.Tensor:
+    """The packed image features without the newline tokens (rows equal to the model's image_newline)."""
+    batch = proc.image_processor(images=[image], return_tensors="pt")
+    with torch.no_grad():
+        out = model.get_image_features(pixel_values=batch["pixel_values"], image_sizes=batch["image_sizes"])
+    features = out.pooler_output[0]
+    newline = model.model.image_newline.to(features.dtype)
+    return features[~(features == newline).all(-1)]
+
+
+def _llava_next_pixel_tokens(model: nn.Module, batch: Any) -> list[torch.Tensor]:
+    """Per image, which of its image tokens are not newlines (their features differ from image_newline)."""
+    with torch.no_grad():
+        out = model.get_image_features(pixel_values=batch["pixel_values"], image_sizes=batch["image_sizes"])
+    newline = model.model.image_newline
+    return [~(f == newline.to(f.dtype)).all(-1) for f in out.pooler_output]
+
+
+BUILDERS["llava_next"] = llava_next
+ORACLE["llava_next"] = dict(prompt=lambda p: "<image>" + p, extend=_positions_from_mask,
+                            image_token=lambda m: m.config.image_token_id, features=_llava_next_features,
+                            pixel_tokens=_llava_next_pixel_tokens,
+                            placeholders=lambda m: [m.config.image_token_id])
+REFUSED = tuple(n for n in REFUSED if n != "llava_next")
+
+
+def onevision() -> tuple[nn.Module, Any]:
+    """LLaVA-OneVision: as :func:`llava_next` with SigLIP (no class token) and ``anyres_max_1``, so the stitched grid is
+    interpolated down."""
+    import transformers
+
+    tok = tokenizer(("<image>", "<video>"))
+    pinpoints = [[16, 32], [32, 16], [32, 32]]
+    image = transformers.LlavaOnevisionImageProcessor(size={"height": 16, "width": 16}, image_grid_pinpoints=pinpoints)
+    video = transformers.LlavaOnevisionVideoProcessor(size={"height": 16, "width": 16})
+    proc = transformers.LlavaOnevisionProcessor(image_processor=image, tokenizer=tok, video_processor=video,
+                                                num_image_tokens=16, vision_feature_select_strategy="full",
+                                                vision_aspect_ratio="anyres_max_1")
+    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=16, patch_size=4)
+    cfg = transformers.LlavaOnevisionConfig(vision_config=vision, text_config=dict(model_type="qwen2", vocab_size=len(tok), **_text()),
+                                            image_token_id=tok.convert_tokens_to_ids("<image>"),
+                                            video_token_id=tok.convert_tokens_to_ids("<video>"), image_grid_pinpoints=pinpoints,
+                                            vision_feature_select_strategy="full", vision_feature_layer=-1,
+                                            vision_aspect_ratio="anyres_max_1")
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return reinit_small(transformers.LlavaOnevisionForConditionalGeneration(cfg).eval()), proc
+
+
+BUILDERS["onevision"] = onevision
+ORACLE["onevision"] = dict(ORACLE["llava_next"])
+REFUSED = tuple(n for n in REFUSED if n != "onevision")

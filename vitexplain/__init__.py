@@ -11,6 +11,7 @@ Public surface (stable names)::
     vx.explore(model, images, out="explore.html")   # one self-contained interactive page
     vx.load_image(path)                 # (H, W, 3) uint8 RGB, raises vx.ImageLoadError
     vx.token_layout(model, (H, W))      # prefix tokens and patch grid
+    vx.threads.limit()                  # torch threads for a shared CPU (see vitexplain.threads)
     vx.zoo, vx.data, vx.metrics, vx.methods, vx.targets, vx.viz
 """
 
@@ -54,6 +55,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "zoo": ("vitexplain.zoo", None),
     "data": ("vitexplain.data", None),
     "adapters": ("vitexplain.adapters", None),
+    "threads": ("vitexplain.threads", None),
 }
 
 __all__ = sorted(

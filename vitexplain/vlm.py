@@ -123,7 +123,7 @@ def explain_vlm(adapter: VLMAdapter, plan: Plan, images: Any, caption: Any, prom
     if ids.shape[1] < t:
         ids = F.pad(ids, (0, t - ids.shape[1]), value=adapter.pad_id)
     start = int(inputs["input_ids"].shape[1])
-    columns = adapter.image_columns(inputs["input_ids"])
+    columns = [view.pixel_columns(cols) for view, cols in zip(views, adapter.image_columns(inputs["input_ids"]))]
     kwargs = adapter.teacher_inputs(inputs, ids)
     grads = plan.capture.grads
     if grads and isinstance(kwargs.get("pixel_values"), Tensor) and kwargs["pixel_values"].is_floating_point():

@@ -11,10 +11,10 @@ default target layer of Grad-CAM, Grad-CAM++ and LayerCAM. How the stages are fo
   torchvision MaxViT: its ``blocks``.
 - anything else: the last top-level child holding a ``Conv2d`` before global pooling.
 
-Conv/attention hybrids (timm MaxViT, EfficientFormerV2, Twins, MViTv2, PiT, LeViT,
-torchvision MaxViT, ...) get the same adapter: their token grid changes between stages, so
-the ViT methods (one grid through all layers) do not apply, while the Grad-CAM family reads
-the last stage. A stage may output tokens (B, N, C) (prefix tokens first), channels-last
+Conv/attention hybrids that no attention family describes (EfficientFormerV2, CoAtNet,
+...) get the same adapter: the Grad-CAM family reads the last stage. Hierarchical
+transformers (PVTv2, Twins, SAM's ViT, PiT, MaxViT, LeViT, MViTv2, Hiera, CrossViT, TNT)
+are recognised first by :mod:`vitexplain.adapters.hier` (priority 15). A stage may output tokens (B, N, C) (prefix tokens first), channels-last
 maps or a tuple; :meth:`CNNAdapter.feature_map` turns each into (B, C, h, w).
 
 Whether a model calls attention is decided from what its modules' code calls (the source of
@@ -43,6 +43,19 @@ from ..errors import UsageError
 __all__ = ["CNNAdapter", "cnn_stages"]
 
 _POOLS = (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)
+
+
+def _hybrid_note(model: nn.Module) -> str:
+    """Why a conv/attention hybrid gets the Grad-CAM family and not the attention methods."""
+    name = type(model).__name__
+    tail = ("the Grad-CAM family explains its last stage, and vx.capture(model) records every attention call "
+            "(rec.records[i].probs())")
+    if any(c.__module__.startswith("timm.models.efficientformer_v2") for c in type(model).__mro__):
+        return (f"{name} mixes its heads with a linear map after the softmax (talking heads) and adds a local "
+                "conv of the values to the attention output, so no recorded softmax is the attention applied "
+                "to the values and neither the ViT nor the hierarchical rules hold; " + tail)
+    return (f"{name} is a conv/attention hybrid that no attention family describes (the hierarchical family "
+            "covers PVTv2, Twins, SAM's ViT, PiT, MaxViT, LeViT, MViTv2, Hiera, CrossViT and TNT); " + tail)
 
 
 class CNNAdapter(Adapter):
@@ -74,12 +87,7 @@ class CNNAdapter(Adapter):
         self.hybrid = calls_attention(model)
         self._info = _timm_stage_info(model)
         if self.hybrid:
-            self.notes["family"] = (
-                f"{type(model).__name__} is a conv/attention hybrid whose token grid changes between "
-                "stages, so the ViT methods (one patch grid through every layer) do not apply; the "
-                "Grad-CAM family explains its last stage, and vx.capture(model) records every "
-                "attention call (rec.records[i].probs())"
-            )
+            self.notes["family"] = _hybrid_note(model)
 
     @property
     def capabilities(self) -> frozenset[str]:  # type: ignore[override]

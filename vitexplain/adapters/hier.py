@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from ..layout import TokenLayout, _pair
 from ..methods.families import HIER
-from ..methods.resample import CallSpec, Footprint, TokenSet, Transition, full_slots, window_slots
+from ..methods.resample import CallSpec, Footprint, TokenSet, Transition, full_slots, readout, window_slots
 from .base import Adapter, register_adapter
 
 __all__ = ["HierAdapter", "conv_grid", "global_call", "PVTv2Adapter", "TwinsAdapter", "SamViTAdapter",
@@ -92,6 +92,22 @@ class HierAdapter(Adapter):
     def stage_sets(self, input_size: Sequence[int]) -> list[TokenSet]:
         """The first token set of every stage (stage 0 = the finest grid)."""
         return self._cached(input_size)[1]
+
+    def readout_row(self, tokens: TokenSet, batch: int, device: Any) -> Tensor:
+        """The row the head reads on the last token set: (B, n) (see :func:`readout`)."""
+        return readout(tokens, batch, device, self.readout)
+
+    def chain_stage(self, stage: int) -> int:
+        """The chain stage whose first set a map of ``stage`` is read from (the stage itself)."""
+        return stage
+
+    def finish(self, r: Tensor, stage: int, input_size: Sequence[int]) -> Any:
+        """A row carried back to ``stage``'s set as maps: (B, H_s, W_s), or (maps, extras)."""
+        return self.stage_sets(input_size)[stage].on_grid(r)
+
+    def finish_call(self, spec: CallSpec, r: Tensor, input_size: Sequence[int]) -> Any:
+        """A row over a call's input set (``raw``) as maps on that set's grid."""
+        return spec.inp.on_grid(r)
 
     def site_grid(self, stage: int, output: Tensor, input_size: Sequence[int]) -> Tensor:
         """A token site's output as (B, H_s, W_s, C) on the stage grid (prefix tokens dropped)."""

@@ -119,7 +119,8 @@ def _timm_layout(model: nn.Module, size: tuple[int, int]) -> TokenLayout:
     has_cls = getattr(model, "cls_token", None) is not None
     pool = getattr(model, "global_pool", "token")
     readout = "class" if has_cls and pool in ("token", "") else "mean"
-    return TokenLayout(int(model.num_prefix_tokens), (int(grid[0]), int(grid[1])), has_cls, readout, patch_size=patch)
+    layout = TokenLayout(int(model.num_prefix_tokens), (int(grid[0]), int(grid[1])), has_cls, readout, patch_size=patch)
+    return layout.for_map(layout.grid, size)  # hybrid stems (vitamin): the patch embedding reads a feature map
 
 
 class TimmViTAdapter(ViTAdapter):

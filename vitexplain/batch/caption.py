@@ -24,19 +24,22 @@ Output layout (``OUT`` = ``--out``, ``KEY`` = the input's output key)::
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from ..errors import UsageError
+from .caption_vlm import check_answer, check_prompt, probe_vlm, vlm_process
 from .driver import drive
 from .run import Command, ExportResult
 from .checks import finite_rows, not_finite_error
 from .manifest import GALLERY
 from .models import load_model, model_id, zoo_weights_id
 from .options import NON_NEGATIVE, POSITIVE, BatchOptions, SharedOptions, collect_methods, option, parse_methods, same
-from .setup import config_hash, new_run, one_by_one_on_numerical_errors, plan_run, prepare, probe, summary_fields
+from .setup import (config_hash, new_run, one_by_one_on_numerical_errors, plan_run, prepare, probe, summary_fields,
+                    with_threads)
 from ..files import Writer, encode_npz, encode_png, json_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -56,7 +59,9 @@ class CaptionOptions(BatchOptions):
     Besides :class:`~vitexplain.batch.options.BatchOptions`:
 
     Attributes:
-        model: a zoo captioner name or the path of a zoo-format checkpoint ``.json``.
+        model: a zoo captioner or VLM name, the path of a zoo-format checkpoint ``.json``, or a
+            folder with a Hugging Face vision-language model and its processor (``save_pretrained``).
+        prompt: vision-language models: the prompt (None: the adapter's default).
         caption: None to let the model generate each image's caption; a text to explain
             that caption (teacher-forced) for every image.
         max_len: most tokens generated (the model's own limit applies too).
@@ -64,7 +69,12 @@ class CaptionOptions(BatchOptions):
     """
 
     model: str = option(DEFAULT_CAPTION_MODEL, flags=("--model", "-m"), metavar="NAME", group="model", outputs=True,
-                        help="zoo captioner (see `vitexplain models`) or a zoo checkpoint .json (default: {default})")
+                        help="zoo captioner or VLM (see `vitexplain models`), a zoo checkpoint .json, or a folder "
+                             "holding a Hugging Face vision-language model and its processor (save_pretrained) "
+                             "(default: {default})")
+    prompt: Optional[str] = option(None, flags="--prompt", metavar="TEXT", group="explanation", outputs=True,
+                                   help="vision-language models: the prompt (question or instruction; the image "
+                                        "token is put in front unless it holds one); default: the model's")
     methods: Optional[list[str]] = option(
         None, flags="--method", metavar="M1,M2", group="explanation", outputs=True, action="append",
         parse=parse_methods, collect=collect_methods,
@@ -139,6 +149,7 @@ def _write_caption(
     files["caption"] = {"json": rel}
 
 
+@with_threads
 def export_captions(opts: CaptionOptions, *, argv: Optional[Sequence[str]] = None) -> ExportResult:
     """Caption every input image and write per-word figures, maps, JSON, manifest and summary.
 
@@ -178,8 +189,11 @@ def export_captions(opts: CaptionOptions, *, argv: Optional[Sequence[str]] = Non
         raise UsageError("--caption is empty; give the words to explain, or leave it out to generate")
     setup = prepare(opts)
     model, model_info = load_model(opts.model, device=setup.device)
-    ex = Explainer(model)
+    processor = getattr(model, "vx_processor", None)
+    ex = Explainer(model, processor=processor) if processor is not None else Explainer(model)
     plan = plan_run(ex, opts.methods, opts.method_options, command="caption", model=opts.model)
+    vlm = plan.family.name == "vlm"
+    check_prompt(opts.prompt, plan.family.name, opts.model)
     methods = plan.names
     method_options = {s.name: dict(s.options) for s in plan.steps}
     signed = {s.name: s.spec.signed for s in plan.steps}
@@ -187,20 +201,30 @@ def export_captions(opts: CaptionOptions, *, argv: Optional[Sequence[str]] = Non
     pre_kwargs = ex.adapter.preprocess_kwargs()
     if opts.caption is not None:
         try:
-            ex.adapter.encode_caption(opts.caption)
+            if vlm:
+                check_answer(ex.adapter, opts.caption)
+            else:
+                ex.adapter.encode_caption(opts.caption)
         except (KeyError, ValueError) as e:
             reason = e.args[0] if isinstance(e, KeyError) and e.args else e
             raise UsageError(f"--caption {opts.caption!r}: {reason}") from None
 
     what = f"the caption {opts.caption!r}" if opts.caption is not None else "generated captions"
-    probe(lambda x: ex.explain_caption(x, method=methods, caption=opts.caption, max_len=opts.max_len, **per_method),
-          f"{what} of this model with {', '.join(methods)}", setup, pre_kwargs)
+    if vlm:  # whole images to the processor (no crop), maps per image at its resolution
+        prompt_kw = {"prompt": opts.prompt}
+        probe_vlm(lambda images: ex.explain_caption(images, method=methods, caption=opts.caption, max_len=opts.max_len,
+                                                    **prompt_kw, **per_method),
+                  f"{what} of this model with {', '.join(methods)}", pre_kwargs["input_size"])
+    else:
+        probe(lambda x: ex.explain_caption(x, method=methods, caption=opts.caption, max_len=opts.max_len, **per_method),
+              f"{what} of this model with {', '.join(methods)}", setup, pre_kwargs)
 
     config, digest_ = config_hash(opts, {
         "command": "caption", "model": model_id(opts.model), "weights": zoo_weights_id(opts.model, model_info),
         "methods": methods, "method_options": method_options,
     })
-    run = new_run("caption", opts, setup, pre_kwargs, digest_, max_side=opts.tile_size if opts.tile_size > 0 else 512)
+    run = new_run("caption", dataclasses.replace(opts, crop=False) if vlm else opts, setup, pre_kwargs, digest_,
+                  max_side=0 if vlm else opts.tile_size if opts.tile_size > 0 else 512)
     model_doc = {"name": opts.model, "source": model_info.get("source"), "input_size": list(pre_kwargs["input_size"])}
     generated = opts.caption is None
     paths = {it.key: it.path for it in run.items}
@@ -228,12 +252,19 @@ def export_captions(opts: CaptionOptions, *, argv: Optional[Sequence[str]] = Non
             jobs.append((fields, write))
         return jobs
 
+    if vlm:
+        process = vlm_process(  # noqa: F811  (the VLM's process replaces the captioners')
+            ex, methods=methods, per_method=per_method, caption=opts.caption, prompt=opts.prompt,
+            max_len=opts.max_len, generated=generated, paths=paths, make_item=_Caption,
+            write=functools.partial(_write_caption, opts=opts, signed=signed, method_options=method_options,
+                                    model=model_doc))
+
     def gallery(records: list[dict[str, Any]]) -> None:
         _write_caption_gallery(Writer(setup.out), records, methods, title=f"vitexplain caption: {opts.model}")
 
     fields = summary_fields(opts, argv, config, methods=methods,
                             model={**model_info, "family": plan.family.name, "input_size": list(pre_kwargs["input_size"])},
-                            caption=opts.caption, max_len=opts.max_len)
+                            caption=opts.caption, prompt=opts.prompt, max_len=opts.max_len)
     return drive(run, Command(process=process, fields=fields, gallery=gallery if opts.html else None), t_start)
 
 

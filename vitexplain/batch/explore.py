@@ -10,7 +10,8 @@ as export loads it (:mod:`.models`); the options that mean the same thing are th
 declarations (flag, help, check), taken field by field from
 :class:`~vitexplain.batch.options.SharedOptions`. The page itself is :func:`vitexplain.explore`'s.
 An image that cannot be read, an image whose aspect ratio is too extreme for the model's center
-crop and a folder that cannot be listed are reported and left out of the page (exit status 1);
+crop (``--no-crop`` resizes whole images instead, which takes it) and a folder that cannot be
+listed are reported and left out of the page (exit status 1);
 the page holds the others. ``--out`` is checked writable before the
 model loads; a write that fails at the end (a full disk) is reported with exit status 74. One
 page is one file, written atomically; there is no manifest, resume or torchrun sharding as for
@@ -30,6 +31,7 @@ from .options import (POSITIVE, BatchOptions, Number, SharedOptions, collect_met
                       validate)
 from .run import EXIT_FAILED, EXIT_OK, EXIT_OUTPUT, say
 from .outfolder import check_writable
+from .setup import with_threads
 
 __all__ = ["ExploreOptions", "explore_inputs", "DEFAULT_MAX_IMAGES", "GROUPS"]
 
@@ -50,6 +52,8 @@ class ExploreOptions:
         model, checkpoint, num_classes, model_args, labels: the model, as for ``export``.
         methods: method names (None: the model family's defaults, as ``Explainer.plan()`` lists them).
         method_options: per method, keyword options.
+        crop: resize + center-crop like the model's eval transform (False: resize whole images,
+            which also takes images too elongated for the crop).
         target: ``"pred"`` (the top-k classes), or one class index or label name to explain.
         top_k: classes offered for class-discriminative methods.
         max_images: refuse more inputs than this (the page embeds every image's data).
@@ -57,6 +61,7 @@ class ExploreOptions:
         max_len: longest generated caption (captioners).
         title: page title (default: ``vitexplain explorer: MODEL``).
         device: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+        threads: torch intra-op threads during the run (restored after it); None: as they are.
         quiet: no summary line.
     """
 
@@ -73,6 +78,7 @@ class ExploreOptions:
         help="methods, one tab each (default: the model family's defaults that apply, as `vitexplain methods "
              "--model NAME` lists them)")
     method_options: dict[str, dict[str, Any]] = same(BatchOptions, "method_options")
+    crop: bool = same(BatchOptions, "crop")
     target: str = option("pred", flags="--target", metavar="pred|INDEX|LABEL", group="explanation",
                          help="explain the top-k classes (pred, default) or this one class")
     top_k: int = option(3, flags="--top-k", metavar="K", parse=POSITIVE, group="explanation",
@@ -87,6 +93,7 @@ class ExploreOptions:
     max_len: int = same(SharedOptions, "max_len")
     title: Optional[str] = option(None, flags="--title", metavar="TEXT", group="explanation", help="page title")
     device: str = same(BatchOptions, "device")
+    threads: Optional[int] = same(BatchOptions, "threads")
     quiet: bool = option(False, flags=("--quiet", "-q"), action="store_true", group="running", help="no summary line")
 
 
@@ -112,6 +119,7 @@ def _check_page_path(out: Path, text: str) -> None:
     check_writable(out.parent, f"the folder of --out {text!r}")
 
 
+@with_threads
 def explore_inputs(opts: ExploreOptions) -> int:
     """Write the explorer page of every image found under ``opts.inputs``.
 
@@ -152,8 +160,9 @@ def explore_inputs(opts: ExploreOptions) -> int:
     for item in items:
         try:
             image = load_image(item.path)
-            check_resizable(*image.shape[:2], **pre_kwargs,
-                            advice="Crop or pad it first: the model sees the center crop of its eval transform")
+            if opts.crop:
+                check_resizable(*image.shape[:2], **pre_kwargs,
+                                advice="Crop or pad it first, or resize it whole without cropping (--no-crop)")
         except (ImageLoadError, InputError) as err:
             failed += 1
             say(f"vitexplain explore: skipped {item.path}: {err}")
@@ -166,7 +175,7 @@ def explore_inputs(opts: ExploreOptions) -> int:
         path = explore(
             explainer, images, out, method=opts.methods, top_k=opts.top_k, target=_target(opts.target), names=names,
             title=opts.title or f"vitexplain explorer: {opts.model}", attention_budget=opts.attention_budget,
-            max_len=opts.max_len, **opts.method_options,
+            max_len=opts.max_len, crop=opts.crop, **opts.method_options,
         )
     except OSError as err:  # the page cannot be written (OutputError: a full disk, an I/O error...)
         say(f"vitexplain explore: error: cannot write {opts.out}: {err.strerror or err}; nothing was written. "

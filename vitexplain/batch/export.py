@@ -32,7 +32,8 @@ from .run import Command, ExportResult
 from .manifest import GALLERY
 from .models import checkpoint_id, digest, load_model, model_id, zoo_weights_id
 from .options import NON_NEGATIVE, BatchOptions, SharedOptions, collect_methods, option, parse_methods, same
-from .setup import config_hash, new_run, one_by_one_on_numerical_errors, plan_run, prepare, probe, summary_fields
+from .setup import (config_hash, new_run, one_by_one_on_numerical_errors, plan_run, prepare, probe, summary_fields,
+                    with_threads)
 from ..files import Writer, encode_npy, encode_png
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -161,6 +162,7 @@ def _write_overlays(
         files[name] = entry
 
 
+@with_threads
 def export(opts: ExportOptions, *, argv: Optional[Sequence[str]] = None) -> ExportResult:
     """Explain every input image and write overlays, maps, manifest, summary and gallery.
 

@@ -1,7 +1,9 @@
 """Model loading for the batch commands (offline), and the model's part of the resume key.
 
-``--model`` is a zoo name, the path of a zoo-format checkpoint ``.json``, or a timm model name
-(created with ``pretrained=False``; weights from ``--checkpoint``). Every problem (unknown
+``--model`` is a zoo name, the path of a zoo-format checkpoint ``.json``, a folder holding a Hugging
+Face vision-language model and its processor (``save_pretrained``; loaded offline with SDPA
+attention, the processor attached as ``model.vx_processor``), or a timm model name (created with
+``pretrained=False``; weights from ``--checkpoint``). Every problem (unknown
 name, unreadable or mismatching checkpoint, a zoo ``.json`` whose config cannot build a
 model) is a :class:`~vitexplain.errors.UsageError`: the command exits with status 2 before
 writing anything.
@@ -20,7 +22,7 @@ from ..errors import UsageError
 if TYPE_CHECKING:  # pragma: no cover
     from torch import nn
 
-__all__ = ["load_model", "model_id", "checkpoint_id", "zoo_weights_id", "digest"]
+__all__ = ["load_model", "load_hf_folder", "model_id", "checkpoint_id", "zoo_weights_id", "digest"]
 
 
 def _read_state_dict(path: str) -> dict[str, Any]:
@@ -97,6 +99,11 @@ def load_model(
 
     info: dict[str, Any] = {"name": spec, "checkpoint": checkpoint, "random_weights": False}
     model_args = dict(model_args or {})
+    if os.path.isdir(spec):
+        if checkpoint or model_args or num_classes is not None:
+            raise UsageError("--checkpoint, --num-classes and --model-arg apply to timm models, not to a model folder")
+        info["source"] = "folder"
+        return load_hf_folder(spec).eval().to(device), info
     if spec in zoo.names() or spec.endswith(".json"):
         if model_args or num_classes is not None:
             raise UsageError("--num-classes and --model-arg apply to timm models, not to zoo checkpoints")
@@ -153,6 +160,49 @@ def load_model(
     return model.eval().to(device), info
 
 
+def load_hf_folder(path: str) -> "nn.Module":
+    """A Hugging Face vision-language model and its processor from a ``save_pretrained`` folder, offline.
+
+    The model is loaded with ``attn_implementation="sdpa"`` (its fused attention) and its
+    processor is attached as ``model.vx_processor`` (what ``vx.Explainer(model, processor=...)``
+    takes).
+
+    Raises:
+        UsageError: no ``config.json``, transformers missing, not an image-text-to-text model, or no
+            processor saved with it.
+    """
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise UsageError(f"--model {path!r} is a folder without config.json; save the model there with "
+                         "model.save_pretrained(DIR) and its processor with processor.save_pretrained(DIR)")
+    try:
+        import transformers
+    except ImportError:
+        raise UsageError(f"--model {path!r} is a Hugging Face model folder: pip install transformers") from None
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    except Exception as e:
+        raise UsageError(f"--model {path!r}: cannot read its config.json ({type(e).__name__}: {e})") from None
+    auto = transformers.AutoModelForImageTextToText
+    if type(config) not in auto._model_mapping:
+        raise UsageError(f"--model {path!r} holds a {type(config).__name__} ({config.model_type}), not a "
+                         "vision-language (image-text-to-text) model; `vitexplain caption` takes a VLM folder")
+    try:
+        model = auto.from_pretrained(str(folder), local_files_only=True, attn_implementation="sdpa")
+    except Exception as e:
+        raise UsageError(f"--model {path!r}: cannot load the model ({type(e).__name__}: {e})") from None
+    try:
+        processor = transformers.AutoProcessor.from_pretrained(str(folder), local_files_only=True)
+    except Exception as e:
+        raise UsageError(f"--model {path!r}: no processor could be loaded from it ({type(e).__name__}: {e}); save "
+                         "it next to the model with processor.save_pretrained(DIR)") from None
+    if not hasattr(processor, "tokenizer") or not hasattr(processor, "image_processor"):
+        raise UsageError(f"--model {path!r}: the processor saved there ({type(processor).__name__}) has no tokenizer "
+                         "and image processor; save the model's full processor with processor.save_pretrained(DIR)")
+    model.vx_processor = processor
+    return model
+
+
 def _fix_input_size(model: "nn.Module") -> None:
     """Make ``pretrained_cfg["input_size"]`` agree with a ViT built for another ``img_size``.
 
@@ -190,6 +240,9 @@ def checkpoint_id(path: Optional[str]) -> Optional[dict[str, Any]]:
 
 def zoo_weights_id(spec: str, info: dict[str, Any]) -> Optional[dict[str, Any]]:
     """Size and mtime of a zoo model's weights file (so updated weights make outputs stale)."""
+    if info.get("source") == "folder":  # every file of the folder (weights, config, processor)
+        files = sorted(p for p in Path(spec).rglob("*") if p.is_file())
+        return {"path": os.path.abspath(spec), "files": [[p.relative_to(spec).as_posix(), *_stat(p)] for p in files]}
     if info.get("source") == "zoo":
         from ..zoo import WEIGHTS_DIR
 
@@ -204,6 +257,11 @@ def zoo_weights_id(spec: str, info: dict[str, Any]) -> Optional[dict[str, Any]]:
         return None
 
 
+def _stat(path: Path) -> list[int]:
+    st = path.stat()
+    return [int(st.st_size), int(st.st_mtime_ns)]
+
+
 def digest(value: Any) -> Optional[str]:
     """A short digest of a JSON-able value (e.g. the label names), None for None."""
     if value is None:
@@ -212,5 +270,5 @@ def digest(value: Any) -> Optional[str]:
 
 
 def model_id(spec: str) -> str:
-    """``--model`` as recorded in the resume key: a checkpoint ``.json`` by absolute path."""
-    return os.path.abspath(spec) if spec.endswith(".json") and os.path.exists(spec) else spec
+    """``--model`` as recorded in the resume key: a checkpoint ``.json`` or a model folder by absolute path."""
+    return os.path.abspath(spec) if (spec.endswith(".json") and os.path.exists(spec)) or os.path.isdir(spec) else spec

@@ -46,6 +46,7 @@ __all__ = [
     "validate",
     "default_workers",
     "default_write_threads",
+    "default_threads",
 ]
 
 
@@ -154,6 +155,13 @@ def default_workers() -> int:
     return max(0, min(4, (os.cpu_count() or 1) - 1))
 
 
+def default_threads() -> Optional[int]:
+    """torch threads on the command line (:func:`vitexplain.threads.default_for_cli`)."""
+    from ..threads import default_for_cli
+
+    return default_for_cli()
+
+
 def default_write_threads() -> int:
     """Writer threads: half the CPUs, 2 to 8."""
     return max(2, min(8, (os.cpu_count() or 2) // 2))
@@ -230,6 +238,8 @@ class BatchOptions:
         device: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
         amp: ``None``, ``"bf16"`` or ``"fp16"`` (CUDA autocast).
         write_threads: threads drawing and writing files while the model runs.
+        threads: torch intra-op threads during the run (restored after it); None leaves torch's
+            setting (the command line's default: :func:`vitexplain.threads.default_for_cli`).
         overwrite: redo images whose outputs are already complete and current.
         quiet: no progress bar and no final summary line (errors are still printed).
     """
@@ -273,6 +283,11 @@ class BatchOptions:
                                 parse=POSITIVE, group="running",
                                 help="threads drawing and writing files while the model runs "
                                      "(default: CPUs / 2, 2 to 8)")
+    threads: Optional[int] = option(None, flags="--threads", metavar="N", parse=POSITIVE, group="running",
+                                    cli_default=default_threads,
+                                    help="torch threads while the model runs (default: the CPUs that other jobs "
+                                         "leave idle (CPUs less the load average, at least 1), or OMP_NUM_THREADS "
+                                         "when set: threads on busy cores only wait)")
     overwrite: bool = option(False, flags="--overwrite", action="store_true", group="running",
                              help="redo images whose outputs are already current")
     quiet: bool = option(False, flags=("--quiet", "-q"), action="store_true", group="running",

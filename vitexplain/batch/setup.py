@@ -7,6 +7,7 @@ any output is written -- the output folder is checked writable but not created.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import asdict, dataclass
@@ -25,7 +26,7 @@ from .outfolder import check_own_names, check_writable
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["Setup", "prepare", "plan_run", "one_by_one_on_numerical_errors", "probe", "config_hash", "new_run",
+__all__ = ["Setup", "with_threads", "prepare", "plan_run", "one_by_one_on_numerical_errors", "probe", "config_hash", "new_run",
            "summary_fields"]
 
 
@@ -46,6 +47,21 @@ class Setup:
     autocast_dtype: Any
     out: Path
     scan: InputScan
+
+
+def with_threads(command: Callable[..., Any]) -> Callable[..., Any]:
+    """A batch command ``command(opts, ...)`` run with torch's intra-op threads set to
+    ``opts.threads`` (None: as they are) and restored afterwards
+    (:func:`vitexplain.threads.using`); the options are validated first."""
+    from ..threads import using
+
+    @functools.wraps(command)
+    def run(opts: Any, *args: Any, **kwargs: Any) -> Any:
+        validate(opts)
+        with using(getattr(opts, "threads", None)):
+            return command(opts, *args, **kwargs)
+
+    return run
 
 
 def prepare(opts: Any) -> Setup:

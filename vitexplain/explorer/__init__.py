@@ -39,6 +39,7 @@ def explore(
     title: str = "vitexplain explorer",
     attention_budget: float = DEFAULT_ATTENTION_BUDGET_MB,
     max_len: int = 16,
+    crop: bool = True,
     **options: Any,
 ) -> Path:
     """Write an interactive, self-contained HTML page that explains ``model`` on ``images``.
@@ -69,11 +70,16 @@ def explore(
             then only the head-mean, are embedded, and the page says so. The default (5 MB)
             holds every layer and head of a 224 px ViT-S/16 (197 tokens, 12 x 6 heads).
         max_len: longest caption generated (captioners).
+        crop: resize and center-crop each image as the model's eval transform does (True), or
+            resize the whole image to the input size (False: nothing is cut off, the aspect
+            ratio is not kept; also takes images too elongated for the crop).
         **options: options of a single named method, or per method as ``name={...}`` (e.g.
             ``rollout={"head_fusion": "max"}``), as for ``Explainer.explain``.
 
     Returns:
-        The path written.
+        The path written, an :class:`~vitexplain.explorer.page.ExplorerPage` (a ``pathlib.Path``):
+        as the last expression of a Jupyter cell it shows the page inline (``_repr_html_``: the
+        page in a sandboxed ``<iframe srcdoc>``).
 
     Raises:
         UsageError: no images, bad ``top_k``/``names``/``attention_budget``.
@@ -100,7 +106,7 @@ def explore(
     budget = int(attention_budget * 1e6)
     data = []
     for item, label in zip(items, labels):
-        x, regions, _, _ = explainer.preprocess(item)
+        x, regions, _, _ = explainer.preprocess(item, crop=crop)
         notes = [f"{name} left out: {why}" for name, why in plan.skipped.items()]
         page = {"name": label, "family": plan.family.name, "image": png_data_uri(regions[0]),
                 "size": [int(x.shape[-2]), int(x.shape[-1])], "notes": notes, "attention": None,

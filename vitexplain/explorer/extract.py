@@ -2,7 +2,8 @@
 
 ``classifier_data(explainer, plan, x, ...)`` runs the model once under :func:`vitexplain.capture`
 for the predictions and, when the model's blocks issue token attention over a grid, the
-attention views; then the plan's methods (:mod:`.methods`: class-discriminative ones once per
+attention views (hierarchical models: :mod:`.stages`, each layer on its stage grid); then the
+plan's methods (:mod:`.methods`: class-discriminative ones once per
 top-k class, class-agnostic ones once). It returns the JSON-ready part of the page data whose
 arrays are quantised (:mod:`.quantize`). Captioners are handled by :mod:`.caption`;
 :func:`vitexplain.explore` chooses between the two by the family's entry point.
@@ -22,6 +23,7 @@ from ..plan import Plan
 from ..recording import capture
 from ..targets import TargetSpec, logits_of, norm
 from .attention import attention_views, prefix_labels
+from .stages import stage_payload
 from .methods import method_entries
 
 __all__ = ["classifier_data", "top_predictions"]
@@ -93,6 +95,14 @@ def classifier_data(explainer: Any, plan: Plan, x: Tensor, *, top_k: int, target
     data["methods"] = method_entries(explainer, x, plan, targets, notes)
     if views:
         layout = adapter.layout(tuple(x.shape[-2:]))
+        if callable(getattr(adapter, "chain", None)):  # hierarchical: every layer on its own stage grid
+            try:
+                data["attention"] = stage_payload(adapter, rec.records, tuple(x.shape[-2:]),
+                                                  prefix_labels(explainer.model, layout), budget=attention_budget,
+                                                  batch=x.shape[0])
+            except VitexplainError as err:
+                notes.append(f"no attention views: {err}")
+            return data
         if layout.windowed:
             notes.append("windowed attention (Swin-style): each layer attends inside local windows, so there is no "
                          "single query x key matrix to explore; the methods' maps are shown")

@@ -19,7 +19,7 @@ from typing import Any, Union
 
 from ..errors import CaptureError
 
-__all__ = ["render_page", "write_page", "external_references", "COLORMAPS"]
+__all__ = ["render_page", "write_page", "external_references", "ExplorerPage", "COLORMAPS"]
 
 #: Colormaps of the page (names of :func:`vitexplain.viz.colormap_lut`): overlays of
 #: non-negative maps, of signed maps (zero at the centre, drawn transparent), and matrices.
@@ -120,9 +120,29 @@ def render_page(images: list[dict[str, Any]], *, title: str = "vitexplain explor
     return page
 
 
+class ExplorerPage(type(Path())):  # type: ignore[misc]  # PosixPath / WindowsPath (Python 3.11 cannot subclass Path)
+    """The path of a written explorer page, which Jupyter shows inline.
+
+    It is a :class:`pathlib.Path` (``vx.explore`` returned a plain path before): open it, copy it, pass
+    it on. ``_repr_html_`` (what a notebook cell displays) is the page itself in an ``<iframe
+    srcdoc=...>``: the file as written, HTML-escaped into the attribute, sandboxed with scripts
+    allowed and nothing else (no same-origin access, no navigation of the notebook), so its
+    Content-Security-Policy still forbids every request.
+    """
+
+    #: height of the inline frame in CSS pixels (the page scrolls inside it)
+    frame_height = 900
+
+    def _repr_html_(self) -> str:
+        page = self.read_text(encoding="utf-8")
+        return (f'<iframe class="vx-explorer" sandbox="allow-scripts" title="{html.escape(self.name)}" '
+                f'style="width:100%;height:{int(self.frame_height)}px;border:1px solid #ddd" '
+                f'srcdoc="{html.escape(page, quote=True)}"></iframe>')
+
+
 def write_page(path: Union[str, "os.PathLike[str]"], page: str) -> Path:
     """Write the page atomically (temp file + ``os.replace``; a link at ``path`` is replaced, never
-    written through); returns the path.
+    written through); returns the path (an :class:`ExplorerPage`, shown inline by Jupyter).
 
     Raises:
         OutputError: the folder cannot be written (full disk, read-only, ...).
@@ -130,4 +150,4 @@ def write_page(path: Union[str, "os.PathLike[str]"], page: str) -> Path:
     """
     from ..files import write_file
 
-    return write_file(path, page.encode("utf-8"))
+    return ExplorerPage(write_file(path, page.encode("utf-8")))

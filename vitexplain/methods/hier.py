@@ -23,7 +23,7 @@ from .context import Context
 from .families import HIER, VIT
 from .options import Option, check_index
 from .registry import get, register
-from .resample import Call, Item, bind, calls, propagate, readout
+from .resample import Call, Item, bind, calls, propagate
 from .tokens import cdam_scores
 
 __all__ = ["raw", "rollout", "grad_rollout", "generic", "cdam", "gradcam", "chain_of", "stage_tokens"]
@@ -45,8 +45,9 @@ def _attention_stage(ctx: Context, items: list[Item], stage: int) -> int:
     has none; its map would be the readout alone)."""
     sets = _stages(ctx)
     stage = check_index(ctx.method, "stage", stage, len(sets), "stages")
-    if not any(c.in_stage >= stage for c in calls(items)):
-        usable = sorted({s for s in range(len(sets)) if any(c.in_stage >= s for c in calls(items))})
+    chain_stage = ctx.adapter.chain_stage
+    if not any(c.in_stage >= chain_stage(stage) for c in calls(items)):
+        usable = sorted({s for s in range(len(sets)) if any(c.in_stage >= chain_stage(s) for c in calls(items))})
         raise UnsupportedMethodError(
             f"stage {stage} of {type(ctx.adapter.model).__name__} has no attention call on its own grid, so "
             f"{ctx.method!r} has nothing to carry there; choose a stage in {usable}")
@@ -56,15 +57,15 @@ def _attention_stage(ctx: Context, items: list[Item], stage: int) -> int:
 def _start(ctx: Context, items: list[Item]) -> Tensor:
     last = items[-1]
     tokens = last.spec.out if isinstance(last, Call) else last.footprint.coarse
-    return readout(tokens, ctx.batch_size, ctx.x.device, ctx.adapter.readout)
+    return ctx.adapter.readout_row(tokens, ctx.batch_size, ctx.x.device)
 
 
-def _carry(ctx: Context, matrix, *, mode: str, stage: int, discard_ratio: float = 0.0, deviation: bool = False) -> Tensor:
+def _carry(ctx: Context, matrix, *, mode: str, stage: int, discard_ratio: float = 0.0, deviation: bool = False):
     items = chain_of(ctx)
     stage = _attention_stage(ctx, items, stage)
-    r = propagate(items, _start(ctx, items), matrix, mode=mode, to_stage=stage, discard_ratio=discard_ratio,
-                  deviation=deviation)
-    return _stages(ctx)[stage].on_grid(r)
+    r = propagate(items, _start(ctx, items), matrix, mode=mode, to_stage=ctx.adapter.chain_stage(stage),
+                  discard_ratio=discard_ratio, deviation=deviation)
+    return ctx.adapter.finish(r, stage, tuple(ctx.x.shape[-2:]))
 
 
 _FUSION = Option(str, choices=("mean", "max", "min"), help="how heads are fused")
@@ -83,9 +84,9 @@ _DISCARD = Option(float, low=0, high=1, high_open=True, help="fraction of smalle
     reference="Dosovitskiy et al. 2021 on resampled keys; docs/methods.md, Hierarchical transformers",
 )
 def raw(ctx: Context, *, layer: int = -1, head: Optional[int] = None, head_fusion: str = "mean") -> Tensor:
-    """``map = q S_q^T A S_k D_k`` for call ``layer``: q the mean over its query tokens (the
-    class token when the model reads one and the call has it), placed on the grid of the
-    call's input set.
+    """``map = q S_q^T A S_k D_k`` for call ``layer``: q the model's readout row restricted to
+    the call's queries and renormalised (the mean over its query tokens, or the class token when
+    the model reads one and the call has it), placed on the grid of the call's input set.
 
     Returns:
         (B, H_I, W_I) float32 on the call's input grid.
@@ -94,8 +95,12 @@ def raw(ctx: Context, *, layer: int = -1, head: Optional[int] = None, head_fusio
     call = chosen[check_index(ctx.method, "layer", layer, len(chosen), "attention calls over all stages")]
     if head is not None:
         head = check_index(ctx.method, "head", head, call.record.num_heads, "heads")
-    q = readout(call.spec.out, ctx.batch_size, ctx.x.device, ctx.adapter.readout)
-    return call.spec.inp.on_grid(call.vec_mat(q, call.fused(head_fusion, head)))
+    q = ctx.adapter.readout_row(call.spec.out, ctx.batch_size, ctx.x.device)
+    asked = torch.zeros_like(q)  # the readout restricted to this call's queries, renormalised
+    slots = call.q_slots[call.q_slots >= 0]
+    asked[:, slots] = q[:, slots]
+    q = asked / asked.sum(dim=1, keepdim=True).clamp(min=1e-30)
+    return ctx.adapter.finish_call(call.spec, call.vec_mat(q, call.fused(head_fusion, head)), tuple(ctx.x.shape[-2:]))
 
 
 @register(

@@ -18,6 +18,10 @@ Relevance is pushed from a merged token to its children with the distribution ma
 ``D[m, c] = 1 / |children(m)|`` (row-stochastic): ``r_fine = r_coarse @ D``. It conserves
 relevance (the children's total equals the parent's), so rollout rows stay distributions;
 docs/methods.md derives the rule and compares it with a 0/1 gathering matrix.
+
+Swin is one case of the general resampling rule (:mod:`.resample`): windows are the slots of
+each call, the merge is a 2 x 2 footprint, and propagation is
+:func:`~vitexplain.methods.resample.propagate` on :func:`swin_chain`.
 """
 
 from __future__ import annotations
@@ -33,8 +37,10 @@ from ..layout import WindowGeometry
 from ..recording import AttentionRecord
 from ..recording.records import fuse_heads
 from .context import Context
+from .resample import Call, CallSpec, Footprint, Item, TokenSet, Transition, propagate, readout
 
-__all__ = ["WindowedLayer", "window_layers", "distribute", "propagate_windows", "discard_in_windows", "stage_vector"]
+__all__ = ["WindowedLayer", "window_layers", "distribute", "merge_footprint", "swin_chain", "propagate_windows",
+           "stage_vector"]
 
 
 @dataclass
@@ -145,11 +151,19 @@ def window_layers(ctx: Context) -> list[WindowedLayer]:
     return layers
 
 
-def distribute(r: Tensor, fine: tuple[int, int], coarse: tuple[int, int]) -> Tensor:
-    """Push relevance of merged tokens to their children: ``r_fine = r_coarse @ D``.
+def merge_footprint(fine: tuple[int, int], coarse: tuple[int, int]) -> Footprint:
+    """Patch merging as a resampling footprint: merged token m covers its (up to) 2 x 2
+    children, ``D[m, c] = 1 / |children(m)|`` (a 2 x 2 pooling, stride 2, no padding; odd
+    edges have fewer children). A grid that did not merge maps onto itself."""
+    fine_set, coarse_set = TokenSet(0, fine), TokenSet(0, coarse)
+    if fine == coarse:
+        return Footprint.identity(fine_set)
+    return Footprint.pool(fine_set, coarse_set, 2, 2, 0)
 
-    ``D[m, c] = 1 / |children(m)|`` for the (up to) 2 x 2 children c of merged token m
-    (child (i, j) merges into (i // 2, j // 2)); a grid that did not merge passes through.
+
+def distribute(r: Tensor, fine: tuple[int, int], coarse: tuple[int, int]) -> Tensor:
+    """Push relevance of merged tokens to their children: ``r_fine = r_coarse @ D``
+    (:func:`merge_footprint`).
 
     Args:
         r: (B, H_c * W_c) relevance over the coarse grid.
@@ -159,41 +173,40 @@ def distribute(r: Tensor, fine: tuple[int, int], coarse: tuple[int, int]) -> Ten
     Returns:
         (B, H_f * W_f).
     """
-    if fine == coarse:
-        return r
-    rows = torch.arange(fine[0], device=r.device) // 2
-    cols = torch.arange(fine[1], device=r.device) // 2
-    parent = (rows[:, None] * coarse[1] + cols[None, :]).flatten()
-    count = torch.bincount(parent, minlength=coarse[0] * coarse[1]).to(r.dtype)
-    return (r / count)[:, parent]
-
-
-def discard_in_windows(m: Tensor, pairs: Tensor, ratio: float) -> Tensor:
-    """Rollout's discard on a windowed matrix: zero the smallest ``ratio`` of each image's
-    entries among the token pairs that share a window (the dense matrix's support).
-
-    Args:
-        m: (B, nW, n, n) fused matrix blocks.
-        pairs: (nW, n, n) bool, both slots are tokens.
-        ratio: fraction in [0, 1).
-
-    Returns:
-        (B, nW, n, n) copy with the smallest entries zeroed.
-    """
-    if not 0.0 <= ratio < 1.0:
-        raise OptionError(f"discard_ratio must be in [0, 1), got {ratio}")
-    count = int(int(pairs.sum()) * ratio)
-    if count == 0:
-        return m
-    flat = m.flatten(1).clone()
-    ranked = flat.masked_fill(~pairs.flatten()[None], float("inf"))
-    _, indices = ranked.topk(count, dim=1, largest=False)
-    flat.scatter_(1, indices, 0.0)
-    return flat.view_as(m)
+    return merge_footprint(fine, coarse).pull(r)
 
 
 Matrix = Callable[[WindowedLayer], Tensor]
 """Per-window blocks (B, nW, n, n) of a layer's dense matrix M_l."""
+
+
+def swin_chain(layers: Sequence[WindowedLayer], grids: Sequence[tuple[int, int]]) -> list[Item]:
+    """Swin as a chain of the resampling rule (:mod:`.resample`): each block one call whose
+    query and key slots are its (shifted, padded) windows with identity footprints and an
+    identity residual; between stages a merge (:func:`merge_footprint`)."""
+    items: list[Item] = []
+    stage = 0
+    for layer in layers:
+        while stage < layer.stage:
+            items.append(Transition(merge_footprint(grids[stage], grids[stage + 1]), stage, stage + 1, "merge"))
+            stage += 1
+        tokens = TokenSet(0, grids[layer.stage])
+        identity = Footprint.identity(tokens)
+        spec = CallSpec(layer.record.name, tokens, tokens, layer.slots, layer.slots, identity, identity,
+                        layer.stage, layer.stage)
+        items.append(_SwinCall(spec, layer))
+    while stage < len(grids) - 1:
+        items.append(Transition(merge_footprint(grids[stage], grids[stage + 1]), stage, stage + 1, "merge"))
+        stage += 1
+    return items
+
+
+class _SwinCall(Call):
+    """A resampling call that remembers its :class:`WindowedLayer` (what Swin matrices read)."""
+
+    def __init__(self, spec: CallSpec, layer: WindowedLayer) -> None:
+        super().__init__(spec, layer.record, layer.batch, layer.index)
+        self.layer = layer
 
 
 def propagate_windows(
@@ -206,15 +219,14 @@ def propagate_windows(
     discard_ratio: float = 0.0,
     deviation: bool = False,
 ) -> Tensor:
-    """Push the mean-pooling readout row through the layers, last first, down to a stage grid.
+    """Push the mean-pooling readout row through the layers, last first, down to a stage grid:
+    :func:`vitexplain.methods.resample.propagate` on :func:`swin_chain`.
 
     The readout u is uniform over the last stage's tokens (the head averages them). Per block,
     ``mode="rollout"``: ``r <- r @ rownorm(0.5 M_l + 0.5 I)``; ``mode="generic"`` (Chefer):
     ``r <- r + r @ M_l``; between stages r is distributed to the children
     (:func:`distribute`). The row is carried as the identity path ``r0`` (u through the merges
-    alone) plus the deviation ``d`` from it, each block adding its increment to ``d``
-    (``(r0 + d) @ M_l``, or rollout's ``0.5 w @ M_l - 0.5 w * rowsum(M_l)`` with
-    ``w = r / (0.5 rowsum(M_l) + 0.5)``), so reading ``d`` alone loses no precision.
+    alone) plus the deviation ``d`` from it, so reading ``d`` alone loses no precision.
 
     Args:
         layers: all blocks' windowed attention, input side first.
@@ -234,28 +246,10 @@ def propagate_windows(
     if not -len(grids) <= to_stage <= last:
         raise OptionError(f"stage {to_stage} is out of range for a model with {len(grids)} stages")
     to_stage %= len(grids)
-    batch, device = layers[-1].batch, layers[-1].record.device
-    n_last = grids[last][0] * grids[last][1]
-    r0 = torch.full((batch, n_last), 1.0 / n_last, device=device)
-    d = torch.zeros_like(r0)
-    stage = last
-    for layer in reversed([l for l in layers if l.stage >= to_stage]):
-        while stage > layer.stage:
-            r0, d = (distribute(v, grids[stage - 1], grids[stage]) for v in (r0, d))
-            stage -= 1
-        m = matrix(layer)
-        if mode == "generic":
-            d = d + layer.vec_mat(r0 + d, m)
-            continue
-        if discard_ratio > 0:
-            m = discard_in_windows(m, layer.pairs, discard_ratio)
-        sums = layer.row_sums(m)
-        w = (r0 + d) / (0.5 * sums + 0.5)
-        d = d + 0.5 * layer.vec_mat(w, m) - 0.5 * w * sums
-    while stage > to_stage:
-        r0, d = (distribute(v, grids[stage - 1], grids[stage]) for v in (r0, d))
-        stage -= 1
-    return d if deviation else r0 + d
+    items = swin_chain(layers, grids)
+    start = readout(TokenSet(0, grids[last]), layers[-1].batch, layers[-1].record.device, "mean")
+    return propagate(items, start, lambda call: matrix(call.layer), mode=mode, to_stage=to_stage,  # type: ignore[attr-defined]
+                     discard_ratio=discard_ratio, deviation=deviation)
 
 
 def stage_vector(grid: tuple[int, int], batch: int, device: torch.device, query: object = None) -> Tensor:

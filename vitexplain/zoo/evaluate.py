@@ -48,6 +48,10 @@ def evaluate(
         ``exact_acc`` needs the whole label set right). Captioner: ``{"n", "caption_acc",
         "word_acc"}`` (exact caption match; fraction of reference words reproduced in place).
     """
+    if getattr(model, "vx_processor", None) is not None:  # shapes-vlm: prompt + generate through its processor
+        from .vlm import caption_accuracy
+
+        return caption_accuracy(model, model.vx_processor, n, seed)
     was_training = model.training
     model.eval()
     device = device or next(model.parameters()).device

@@ -17,18 +17,19 @@ import torch
 import torch.nn as nn
 from ..errors import NotFoundError, UsageError
 
-__all__ = ["names", "info", "load", "load_checkpoint", "save_checkpoint", "WEIGHTS_DIR"]
+__all__ = ["names", "info", "load", "load_checkpoint", "save_checkpoint", "processor", "WEIGHTS_DIR"]
 
 #: Directory of the bundled checkpoints.
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
-_NAMES: tuple[str, ...] = ("shapes-vit", "shapes-cnn", "shapes-captioner", "shapes-sat")
+_NAMES: tuple[str, ...] = ("shapes-vit", "shapes-cnn", "shapes-captioner", "shapes-sat", "shapes-vlm")
 FORMAT_VERSION = 1
 
 PathLike = Union[str, "os.PathLike[str]"]
 
 
 def names() -> list[str]:
-    """Names of the bundled zoo models: ``["shapes-vit", "shapes-cnn", "shapes-captioner", "shapes-sat"]``."""
+    """Names of the bundled zoo models: ``["shapes-vit", "shapes-cnn", "shapes-captioner", "shapes-sat",
+    "shapes-vlm"]`` (``shapes-vlm`` needs transformers)."""
     return list(_NAMES)
 
 
@@ -78,6 +79,10 @@ def _attach(model: nn.Module, cfg: dict[str, Any]) -> nn.Module:
     pcfg["std"] = tuple(pcfg["std"])
     model.pretrained_cfg = pcfg
     model.zoo_name = cfg["name"]
+    if cfg.get("arch") == "llava":  # a Hugging Face VLM carries its processor (rebuilt offline)
+        from .vlm import build_processor
+
+        model.vx_processor = build_processor(cfg["model_args"])
     return model
 
 
@@ -155,7 +160,9 @@ def load(name: str, device: str | torch.device = "cpu", *, weights_dir: PathLike
         An eval-mode model with ``model.pretrained_cfg`` (``input_size``, ``mean``, ``std``,
         ``interpolation``, ``crop_pct``, ``label_names``, ``num_classes``) and ``model.zoo_name``.
         Classifiers take (B, 3, 64, 64) images normalised with ``vx.data.MEAN/STD`` and return
-        (B, 5) multi-label logits over ``vx.data.SHAPES``.
+        (B, 5) multi-label logits over ``vx.data.SHAPES``. ``shapes-vlm`` is a Hugging Face
+        ``LlavaForConditionalGeneration`` (SDPA attention) with its processor attached as
+        ``model.vx_processor`` (also :func:`processor`); see :mod:`vitexplain.zoo.vlm`.
 
     Raises:
         KeyError: unknown name (the message lists :func:`names`).
@@ -164,6 +171,39 @@ def load(name: str, device: str | torch.device = "cpu", *, weights_dir: PathLike
     _check_name(name)
     json_path, _ = _paths(name, weights_dir)
     return load_checkpoint(json_path, device=device)
+
+
+def processor(name: str | nn.Module, *, weights_dir: PathLike | None = None) -> Any:
+    """The processor of a zoo vision-language model (``shapes-vlm``), built offline.
+
+    Args:
+        name: ``"shapes-vlm"``, or a model returned by :func:`load` / :func:`load_checkpoint`
+            (its ``vx_processor``).
+        weights_dir: folder holding the checkpoint config (default: the bundled weights).
+
+    Returns:
+        A ``transformers.LlavaProcessor`` (word-level tokenizer over the shapes vocabulary and a
+        ``CLIPImageProcessor`` with ``vx.data.MEAN/STD``); pass it as ``vx.Explainer(model,
+        processor=...)``.
+
+    Raises:
+        UsageError: the model is not a zoo vision-language model, or transformers is missing.
+        NotFoundError: unknown zoo name.
+    """
+    if isinstance(name, nn.Module):
+        proc = getattr(name, "vx_processor", None)
+        if proc is None:
+            raise UsageError("this model carries no processor: only zoo vision-language models "
+                             "(vx.zoo.load('shapes-vlm')) do")
+        return proc
+    _check_name(name)
+    cfg = _read_config(_paths(name, weights_dir)[0], name)
+    if cfg.get("arch") != "llava":
+        raise UsageError(f"{name!r} is not a vision-language model and has no processor; "
+                         f"try vx.zoo.processor('shapes-vlm')")
+    from .vlm import build_processor
+
+    return build_processor(cfg["model_args"])
 
 
 def save_checkpoint(model: nn.Module, config: dict[str, Any], out_dir: PathLike) -> Path:

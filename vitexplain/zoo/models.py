@@ -11,9 +11,16 @@ model for training (:mod:`vitexplain.zoo.train`) and for loading (:func:`vitexpl
   max-pool is removed and the last stage is dilated (``output_stride=16``), so at 64 px input
   the stages run at 32, 16, 8 and 8 px: the CBAM spatial gates of the two deepest stages are
   8 x 8 maps.
+* ``shapes-hier``: a hierarchical ViT, timm ``PyramidVisionTransformerV2`` (PVTv2: overlapping
+  patch embedding of stride 4, then stages at strides 4, 8, 16 -> 16 x 16, 8 x 8 and 4 x 4 token
+  grids at 64 px; spatial-reduction attention whose keys and values are pooled by a strided conv
+  in the first stage; a depthwise conv in every MLP; mean-pooled tokens into the head; default
+  fused attention), multi-label head over ``SHAPES``.
 * ``shapes-captioner``: :class:`vitexplain.zoo.captioner.Captioner`.
 * ``shapes-sat``: :class:`vitexplain.zoo.sat.ShowAttendTell` (Show, Attend and Tell: CNN grid
   encoder, LSTM decoder with additive attention).
+* ``shapes-vlm``: a Hugging Face ``LlavaForConditionalGeneration`` (:mod:`vitexplain.zoo.vlm`;
+  needs transformers).
 """
 
 from __future__ import annotations
@@ -59,6 +66,18 @@ DEFAULT_CONFIGS: dict[str, dict[str, Any]] = {
             "stem_pool": False,
             "output_stride": 16,
             "stage_attn": ["eca", "se", "cbam", "cbam"],
+            "num_classes": len(SHAPES),
+        },
+    },
+    "shapes-hier": {
+        "arch": "pvt",
+        "model_args": {
+            "img_size": 64,
+            "depths": [1, 1, 2],
+            "embed_dims": [32, 64, 128],
+            "num_heads": [1, 2, 4],
+            "sr_ratios": [2, 1, 1],
+            "mlp_ratios": [2.0, 2.0, 2.0],
             "num_classes": len(SHAPES),
         },
     },
@@ -132,6 +151,15 @@ def _build_cnn(args: dict[str, Any]) -> nn.Module:
     return model
 
 
+def _build_pvt(args: dict[str, Any]) -> nn.Module:
+    from timm.models.pvt_v2 import PyramidVisionTransformerV2
+
+    args = dict(args)
+    args.pop("img_size", None)  # PVTv2 takes any size; kept in the config for the preprocessing
+    tuples = {k: tuple(args.pop(k)) for k in ("depths", "embed_dims", "num_heads", "sr_ratios", "mlp_ratios")}
+    return PyramidVisionTransformerV2(**tuples, **args)
+
+
 def _build_captioner(args: dict[str, Any]) -> nn.Module:
     from .captioner import Captioner
 
@@ -144,17 +172,24 @@ def _build_sat(args: dict[str, Any]) -> nn.Module:
     return ShowAttendTell(**args)
 
 
-ARCHS = {"vit": _build_vit, "cnn": _build_cnn, "captioner": _build_captioner, "sat": _build_sat}
+def _build_llava(args: dict[str, Any]) -> nn.Module:
+    from .vlm import build_llava
+
+    return build_llava(args)
+
+
+ARCHS = {"vit": _build_vit, "cnn": _build_cnn, "pvt": _build_pvt, "captioner": _build_captioner, "sat": _build_sat,
+         "llava": _build_llava}
 
 #: Architectures that write captions (their labels are the vocabulary).
-CAPTION_ARCHS = ("captioner", "sat")
+CAPTION_ARCHS = ("captioner", "sat", "llava")
 
 
 def build(config: dict[str, Any]) -> nn.Module:
     """Build an untrained model from a zoo config.
 
     Args:
-        config: ``{"arch": "vit" | "cnn" | "captioner" | "sat", "model_args": {...}}``.
+        config: ``{"arch": "vit" | "cnn" | "pvt" | "captioner" | "sat" | "llava", "model_args": {...}}``.
 
     Returns:
         The model (train mode, random init).
@@ -174,7 +209,11 @@ def pretrained_cfg(config: dict[str, Any]) -> dict[str, Any]:
     """
     args = config["model_args"]
     size = int(args.get("img_size", 64))
-    if config["arch"] in CAPTION_ARCHS:
+    if config["arch"] == "llava":
+        from .vlm import SPECIALS
+
+        labels = [*SPECIALS, *args["words"]]
+    elif config["arch"] in CAPTION_ARCHS:
         from .captioner import BOS, EOS, PAD
 
         labels = [PAD, BOS, EOS, *args["words"]]

@@ -21,6 +21,7 @@ __all__ = [
     "patch_targets",
     "AuxHeads",
     "DeepTokenLabels",
+    "StageTokenLabels",
     "ValueLabels",
     "FeatureDistill",
     "TrainingSignals",
@@ -111,6 +112,44 @@ class DeepTokenLabels(nn.Module):
     def forward(self, targets: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         losses = [head(norm(self._out[b][:, self.num_prefix:]), targets)
                   for b, norm, head in zip(self.blocks, self.norms, self.heads)]
+        return torch.stack(losses).mean()
+
+
+class StageTokenLabels(nn.Module):
+    """Token labeling on the outputs of a hierarchical model's stages (training-only).
+
+    The hierarchical counterpart of :class:`DeepTokenLabels` for the zoo's PVTv2
+    (``shapes-hier``): each listed stage's output, a (B, C_s, h_s, w_s) map, gets a LayerNorm and
+    its own heads, and predicts the shape and color coverage of the image region each of its
+    tokens covers (``patch_targets`` at that stage's stride). Keeps every stage's tokens about
+    their own region of the image.
+    """
+
+    def __init__(self, model: nn.Module, stages: Sequence[int], num_shapes: int, num_colors: int) -> None:
+        super().__init__()
+        self.stages = list(stages)
+        dims = [int(model.stages[s].blocks[-1].norm1.normalized_shape[0]) for s in self.stages]
+        self.norms = nn.ModuleList(nn.LayerNorm(d) for d in dims)
+        self.heads = nn.ModuleList(AuxHeads(d, num_shapes, num_colors) for d in dims)
+        self._out: dict[int, torch.Tensor] = {}
+        self._hooks = [model.stages[s].register_forward_hook(self._grabber(s)) for s in self.stages]
+
+    def _grabber(self, s: int) -> Any:
+        def grab(module: nn.Module, args: Any, out: torch.Tensor) -> None:
+            self._out[s] = out
+        return grab
+
+    def remove(self) -> None:
+        """Detach the hooks from the model."""
+        for h in self._hooks:
+            h.remove()
+
+    def forward(self, batch: Any) -> torch.Tensor:
+        losses = []
+        for s, norm, head in zip(self.stages, self.norms, self.heads):
+            out = self._out[s]  # (B, C, h, w)
+            targets = patch_targets(batch, batch.size[0] // out.shape[-2])
+            losses.append(head(norm(out.flatten(2).transpose(1, 2)), targets))
         return torch.stack(losses).mean()
 
 
@@ -226,15 +265,19 @@ class TrainingSignals(nn.Module):
         super().__init__()
         self.aux_weight, self.value_weight, self.distill_weight = aux_weight, value_weight, distill_weight
         self.label_smoothing, self.attention_reg = label_smoothing, attention_reg
+        self.arch = arch
         self.aux: Optional[AuxHeads] = None
-        self.deep: Optional[DeepTokenLabels] = None
+        self.deep: Optional[DeepTokenLabels | StageTokenLabels] = None
         self.value: Optional[ValueLabels] = None
         self.distill: Optional[FeatureDistill] = None
         vit = model.encoder if is_captioner(model) else model
         try:  # the order of construction fixes the random initialisation of the heads
             if aux_weight > 0:
-                self.aux = AuxHeads(int(vit.embed_dim), len(SHAPES), len(COLORS))
-                if aux_blocks:
+                dim = int(vit.num_features if arch == "pvt" else vit.embed_dim)
+                self.aux = AuxHeads(dim, len(SHAPES), len(COLORS))
+                if aux_blocks and arch == "pvt":  # stage indices
+                    self.deep = StageTokenLabels(vit, aux_blocks, len(SHAPES), len(COLORS))
+                elif aux_blocks:
                     self.deep = DeepTokenLabels(vit, aux_blocks, len(SHAPES), len(COLORS))
             if value_weight > 0 and arch == "vit":
                 self.value = ValueLabels(model)
@@ -273,6 +316,8 @@ class TrainingSignals(nn.Module):
         x = batch.tensor
         if hasattr(model, "run_decoder"):  # shapes-sat
             return self._sat_loss(model, batch)
+        if self.arch == "pvt":  # shapes-hier
+            return self._pvt_loss(model, batch)
         if is_captioner(model):
             seq = model.tokenize(batch.captions)
             memory = model.encode(x)
@@ -300,6 +345,18 @@ class TrainingSignals(nn.Module):
             loss = loss + self.distill_weight * self.distill(x)
         return loss
 
+
+    def _pvt_loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        """PVTv2 (``shapes-hier``): binary cross-entropy plus token labeling of the last stage's
+        tokens (``aux_weight``) and of the listed stages' outputs (``aux_blocks``: stage indices)."""
+        feats = model.forward_features(batch.tensor)  # (B, C, h, w)
+        loss = F.binary_cross_entropy_with_logits(model.forward_head(feats), batch.labels)
+        if self.aux is not None:
+            targets = patch_targets(batch, batch.size[0] // feats.shape[-2])
+            loss = loss + self.aux_weight * self.aux(feats.flatten(2).transpose(1, 2), targets)
+            if self.deep is not None:
+                loss = loss + self.aux_weight * self.deep(batch)
+        return loss
 
     def _sat_loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
         """Show, Attend and Tell's loss (Xu et al. 2015, eq. 14), averaged over the batch.

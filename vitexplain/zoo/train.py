@@ -6,6 +6,7 @@ Usage::
     python -m vitexplain.zoo.train shapes-vit --out vitexplain/zoo/weights --threads 1  # needs shapes-cnn
     python -m vitexplain.zoo.train shapes-captioner --out vitexplain/zoo/weights --threads 1  # needs shapes-vit
     python -m vitexplain.zoo.train shapes-sat --out vitexplain/zoo/weights --threads 1
+    python -m vitexplain.zoo.train_vlm --out vitexplain/zoo/weights --threads 1  # shapes-vlm, its own script
     python -m vitexplain.zoo.train NAME --out DIR --steps N [--resume CKPT.json]  # one stage, overrides
 
 The first four commands reproduce the bundled weights (in this order: the ViT mimics the CNN's
@@ -513,7 +514,8 @@ def _timm_version() -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Command line entry point (see the module docstring)."""
     p = argparse.ArgumentParser(prog="python -m vitexplain.zoo.train", description=__doc__.split("\n")[0])
-    p.add_argument("name", choices=names())
+    p.add_argument("name", choices=[n for n in names() if n in RECIPES],
+                   help="zoo model (shapes-vlm: python -m vitexplain.zoo.train_vlm)")
     p.add_argument("--out", required=True, help="output folder for <name>.safetensors and <name>.json")
     p.add_argument("--seed", type=int, default=0, help=f"training seed, 0..{MAX_TRAIN_SEED - 1}")
     p.add_argument("--steps", type=int, default=None)

@@ -56,15 +56,36 @@ class ImageView:
     Attributes:
         size: (H, W) of the original image.
         pieces: the token grids, in sequence order.
+        skip: indices, among the image's image-token positions, of tokens without pixels.
     """
 
     size: tuple[int, int]
     pieces: tuple[Piece, ...]
+    skip: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
         """How many pixel-bearing tokens the image has."""
         return max(p.start + p.num_tokens for p in self.pieces)
+
+    def pixel_columns(self, columns: Tensor) -> Tensor:
+        """The image's pixel-bearing token positions among all its image-token positions ``columns``
+        (``skip``: indices of tokens without pixels, e.g. LLaVA-NeXT's row newlines).
+
+        Raises:
+            UnsupportedModelError: the sequence holds another number of image tokens than the geometry.
+        """
+        if columns.numel() != self.num_tokens + len(self.skip):
+            raise UnsupportedModelError(
+                f"the sequence holds {columns.numel()} image tokens, but the processed geometry of a {self.size[0]}x"
+                f"{self.size[1]} image has {self.num_tokens + len(self.skip)}; the processor and the model disagree "
+                "(pass the model's own processor)"
+            )
+        if not self.skip:
+            return columns
+        keep = torch.ones(columns.numel(), dtype=torch.bool, device=columns.device)
+        keep[list(self.skip)] = False
+        return columns[keep]
 
 
 def _cells(length: int, low: float, high: float, cells: int, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -80,7 +101,7 @@ def render(scores: Tensor, view: ImageView) -> tuple[Tensor, list[Tensor]]:
 
     Args:
         scores: (T, n) scores of the image's pixel-bearing tokens.
-        view: the image's token geometry (n == ``view.num_tokens``).
+        view: the image's token geometry (n == ``view.num_tokens``, the pixel-bearing tokens).
 
     Returns:
         ((T, H, W) the sum of the pieces' maps, per piece its (T, H, W) map, zero outside its box).

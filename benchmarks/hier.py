@@ -1,0 +1,162 @@
+"""Cost of attention methods on hierarchical vision transformers, side by side with the plain forward.
+
+Rows: the bundled ``shapes-hier`` (PVTv2), timm ``pvt_v2_b0``, ``swin_tiny_patch4_window7_224`` and
+SAM's image encoder ``samvit_base_patch16`` (at ``--sam-size`` px, random weights), each where
+vitexplain supports it. Per model (median wall time over ``--reps`` interleaved runs, one torch
+thread unless ``--threads``):
+
+* ``forward``: the plain model, fused attention, no grad;
+* ``rollout``: ``vx.Explainer(model).explain(x, method="rollout")`` (capture + recomputed
+  probabilities + propagation), and its ratio to the forward (target: at most 1.15x);
+* ``forward+backward``: the plain model's forward and backward of the target logits;
+* ``generic``: ``explain(x, method="generic")`` and its ratio to forward+backward.
+
+Memory (CPU allocator events of ``torch.profiler``, ``profile_memory=True``): the peak bytes
+allocated during the plain forward and during rollout, and next to them the bytes of the dense
+per-layer ``N_q x N_k`` attention of every layer of the batch, ``4 B sum_l heads_l N_q,l N_k,l``
+(what a method that kept every layer's attention would hold at once) and the dense
+``N_0 x N_0`` on the finest grid of every layer, ``4 B L N_0^2``: rollout's extra peak stays far
+below both.
+
+Usage::
+
+    python benchmarks/hier.py [--batch 2] [--reps 7] [--threads 1] [--sam-size 256] [--no-report]
+
+Writes its table to docs/benchmarks.md (section "Hierarchical ViTs: rollout and generic vs forward
+(cpu)") unless ``--no-report``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Callable, Optional
+
+import timm
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+import vitexplain as vx
+from _common import median_times, report, table
+
+SECTION = "Hierarchical ViTs: rollout and generic vs forward (cpu)"
+
+
+def peak_bytes(fn: Callable[[], object]) -> int:
+    """Peak bytes of CPU tensors allocated (and not yet freed) while ``fn`` runs."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    current = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        current += int(e.nbytes())
+        peak = max(peak, current)
+    return peak
+
+
+def attention_sizes(model: nn.Module, x: torch.Tensor) -> tuple[int, int, int]:
+    """(bytes of every layer's attention as computed (windows, pooled keys), of the dense N_0 x N_0
+    of every layer on the finest token grid, number of attention calls)."""
+    with torch.no_grad(), vx.capture(model) as rec:
+        model(x)
+    records = rec.records
+    own = sum(4 * r.batch_size * r.num_heads * r.num_queries * r.num_keys for r in records)
+    finest = max(r.batch_size * r.num_queries // x.shape[0] for r in records)  # windows fold into the batch
+    fine = 4 * x.shape[0] * len(records) * finest * finest
+    return own, fine, len(records)
+
+
+def models(sam_size: int) -> list[tuple[str, Callable[[], nn.Module], tuple[int, int]]]:
+    """(label, builder, input size) of every model in the table."""
+    out: list[tuple[str, Callable[[], nn.Module], tuple[int, int]]] = []
+    if "shapes-hier" in vx.zoo.names():
+        out.append(("shapes-hier (zoo, 64 px)", lambda: vx.zoo.load("shapes-hier"), (64, 64)))
+    out.append(("pvt_v2_b0", lambda: timm.create_model("pvt_v2_b0", pretrained=False), (224, 224)))
+    out.append(("swin_tiny_patch4_window7_224",
+                lambda: timm.create_model("swin_tiny_patch4_window7_224", pretrained=False), (224, 224)))
+    out.append((f"samvit_base_patch16 ({sam_size} px)",
+                lambda: timm.create_model("samvit_base_patch16", pretrained=False, img_size=sam_size),
+                (sam_size, sam_size)))
+    return out
+
+
+def measure(label: str, build: Callable[[], nn.Module], size: tuple[int, int], batch: int,
+            reps: int) -> Optional[list[object]]:
+    """One table row, or None (printed why) when vitexplain does not support the model."""
+    torch.manual_seed(0)
+    model = build().eval()
+    x = torch.randn(batch, 3, *size)
+    ex = vx.Explainer(model)
+    supported = ex.methods()
+    missing = [m for m in ("rollout", "generic") if m not in supported]
+    if "rollout" in missing:
+        print(f"{label}: rollout not supported here ({supported}); left out")
+        return None
+    with torch.no_grad():
+        target = model(x).argmax(-1)
+
+    def forward() -> None:
+        with torch.no_grad():
+            model(x)
+
+    def forward_backward() -> None:
+        model.zero_grad(set_to_none=True)
+        model(x).gather(1, target[:, None]).sum().backward()
+
+    fns: dict[str, Callable[[], object]] = {
+        "forward": forward,
+        "rollout": lambda: ex.explain(x, method="rollout"),
+    }
+    if "generic" not in missing:
+        fns["forward+backward"] = forward_backward
+        fns["generic"] = lambda: ex.explain(x, method="generic", target=target)
+    times = median_times(fns, reps=reps, warmup=1)
+    model.zero_grad(set_to_none=True)
+    peak_forward = peak_bytes(forward)
+    peak_rollout = peak_bytes(lambda: ex.explain(x, method="rollout"))
+    own, fine, layers = attention_sizes(model, x)
+    ms = {k: 1000 * v for k, v in times.items()}
+    generic = (f"{ms['generic']:.1f} ms ({ms['generic'] / ms['forward+backward']:.2f}x of {ms['forward+backward']:.1f})"
+               if "generic" in ms else "not supported")
+    mb = 1e6
+    return [label, f"{batch} x {size[0]} px", layers, f"{ms['forward']:.1f}",
+            f"{ms['rollout']:.1f}", f"{ms['rollout'] / ms['forward']:.2f}x", generic,
+            f"{peak_forward / mb:.1f}", f"{peak_rollout / mb:.1f}", f"{(peak_rollout - peak_forward) / mb:.1f}",
+            f"{own / mb:.1f}", f"{fine / mb:.1f}"]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--sam-size", type=int, default=256)
+    p.add_argument("--only", default=None, help="run only the models whose label contains this text")
+    p.add_argument("--no-report", action="store_true", help="print only; do not rewrite docs/benchmarks.md")
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    rows = []
+    for label, build, size in models(a.sam_size):
+        if a.only and a.only not in label:
+            continue
+        row = measure(label, build, size, a.batch, a.reps)
+        if row is not None:
+            rows.append(row)
+            print(" | ".join(str(v) for v in row), flush=True)
+    header = ["model", "input", "attention calls", "forward ms", "rollout ms", "rollout / forward",
+              "generic ms (/ forward+backward)", "forward peak MB", "rollout peak MB", "rollout extra MB",
+              "dense attention of all layers MB", "dense N0 x N0 of all layers MB"]
+    body = table(header, rows) + (
+        "\n\nMedian of interleaved runs. Peaks: bytes of CPU tensors alive at once (torch.profiler memory "
+        "events). The last two columns are what a method holding every layer's attention at once would "
+        "need: on each layer's own grids, and on the finest grid; rollout's extra peak is the few "
+        "matrices of one layer at a time.")
+    if a.no_report:
+        print(body)
+    else:
+        report(SECTION, body)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

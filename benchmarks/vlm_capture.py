@@ -1,0 +1,125 @@
+"""Cost of vx.capture during a VLM's ``generate``, side by side with a plain ``generate``.
+
+Models: the bundled ``shapes-vlm`` (a Hugging Face LLaVA, SDPA) and a tiny random-init LLaVA of a
+more usual shape (CLIP tower at 224 px / patch 14: 256 image tokens, Llama with GQA). For each,
+greedy ``generate`` of ``--new`` tokens on a batch of images, timed as medians of interleaved
+repetitions (plain, captured, plain, captured, ...), under ``torch.no_grad``:
+
+* ``plain``: ``model.generate(**inputs)``;
+* ``captured``: the same inside ``with vx.capture(model) as rec`` (records only: the fused kernel
+  runs, each record keeps the call's q, k, v and mask by reference, no probabilities);
+* ratio = captured / plain (the issue's target: <= 1.10).
+
+Memory: what the records hold after the captured ``generate``: the bytes of the distinct tensors
+they reference (``_q, _k, _v, _mask, _probs``), next to the bytes that every call's N_q x N_k
+probabilities would take (``B x H x N_q x N_k`` float32 summed over records: what a capture that
+kept attention matrices would hold), and how many records hold probabilities (0: no N x N kept).
+
+Usage: python benchmarks/vlm_capture.py [--reps 15] [--batch 4] [--new 8] [--no-report]
+(``--no-report`` prints without rewriting docs/benchmarks.md; by default the table replaces its
+section there.)
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import vitexplain as vx
+from _common import median_times, report, table
+
+
+def tiny_llava() -> tuple[torch.nn.Module, object]:
+    """A random-init LLaVA of a common shape (CLIP 224/14 tower, Llama GQA) and its processor."""
+    import transformers
+
+    from vitexplain.zoo.vlm import build_processor, build_tokenizer
+
+    torch.manual_seed(0)
+    vision = transformers.CLIPVisionConfig(image_size=224, patch_size=14, hidden_size=128, intermediate_size=256,
+                                           num_hidden_layers=4, num_attention_heads=4)
+    words = [f"w{i}" for i in range(500)]
+    text = transformers.LlamaConfig(vocab_size=505, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                                    num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
+                                    pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_index=4,
+                                      image_seq_length=256, vision_feature_select_strategy="default",
+                                      vision_feature_layer=-2)
+    model = transformers.LlavaForConditionalGeneration._from_config(config, attn_implementation="sdpa").eval()
+    args = {"words": words, "img_size": 224, "patch_size": 14, "vision_type": "clip"}
+    processor = build_processor(args)
+    assert processor.tokenizer.get_vocab() == build_tokenizer(words).get_vocab()
+    return model, processor
+
+
+def _held_bytes(records) -> tuple[int, int, int]:
+    """(bytes of distinct tensors the records reference, bytes of their N_q x N_k probabilities, records with probs)."""
+    seen: dict[int, int] = {}
+    dense = with_probs = 0
+    for r in records:
+        for t in (r._q, r._k, r._v, r._mask, r._probs):
+            if isinstance(t, torch.Tensor):
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        with_probs += r._probs is not None
+        b, h, nq, _ = r.q_shape
+        dense += b * h * nq * r.k_shape[2] * 4
+    return sum(seen.values()), dense, with_probs
+
+
+def bench(name: str, model: torch.nn.Module, processor, *, batch: int, new: int, reps: int) -> list[object]:
+    size = processor.image_processor.crop_size["height"]
+    images = list(vx.data.shapes(batch, seed=10_000, size=max(size, 16)).images)
+    prompt = "<image> " + " ".join(processor.tokenizer.convert_ids_to_tokens([5, 6, 7]))
+    inputs = processor(images=images, text=[prompt] * batch, return_tensors="pt", padding=True)
+    kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+
+    def plain() -> None:
+        with torch.no_grad():
+            model.generate(**inputs, **kw)
+
+    def captured() -> None:
+        with torch.no_grad(), vx.capture(model):
+            model.generate(**inputs, **kw)
+
+    times = median_times({"plain": plain, "captured": captured}, reps=reps, warmup=2)
+    with torch.no_grad(), vx.capture(model) as rec:
+        out = model.generate(**inputs, **kw)
+    held, dense, with_probs = _held_bytes(rec.records)
+    with torch.no_grad():
+        again = model.generate(**inputs, **kw)
+    same = torch.equal(out, again)
+    seq = int(inputs["input_ids"].shape[1])
+    return [name, f"{batch} x ({seq} + {new})", f"{times['plain'] * 1e3:.1f}", f"{times['captured'] * 1e3:.1f}",
+            f"{times['captured'] / times['plain']:.3f}", len(rec.records), with_probs,
+            f"{held / 2**20:.2f}", f"{dense / 2**20:.2f}", "yes" if same else "NO"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--new", type=int, default=8)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--no-report", action="store_true")
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    rows = []
+    model = vx.zoo.load("shapes-vlm")
+    rows.append(bench("shapes-vlm", model, model.vx_processor, batch=a.batch, new=a.new, reps=a.reps))
+    tiny, proc = tiny_llava()
+    rows.append(bench("tiny LLaVA (CLIP 224/14, Llama GQA)", tiny, proc, batch=a.batch, new=a.new, reps=a.reps))
+    header = ["model", "batch x (prompt + new)", "plain ms", "captured ms", "ratio", "records", "records with N x N",
+              "held by records MB", "all N_q x N_k MB", "same ids"]
+    body = (f"Median of {a.reps} interleaved repetitions, greedy generate, torch.no_grad, SDPA, "
+            f"{a.threads} thread(s). 'held by records': distinct tensors the records reference (q, k, v, masks; "
+            "k and v of a decode step are the KV cache's own tensors when it grows in place); 'all N_q x N_k': what "
+            "keeping every call's probabilities would take. Target: ratio <= 1.10.\n\n" + table(header, rows))
+    if a.no_report:
+        print(body)
+    else:
+        report("VLM capture during generate", body)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,262 @@
+"""Hierarchical adapters whose token order is the model's own: torchvision MaxViT, timm Hiera
+and timm CrossViT (two branches in one joint token set).
+
+Both keep tokens in an order of their own making (torchvision's window and grid partitions with
+an axis swap; Hiera's *unrolled* order, in which pooling a 2 x 2 neighbourhood is a max over
+contiguous chunks). Rather than re-deriving those orders, the adapters run the model's own
+reordering code on a tensor of token indices (no weights involved, the model is not changed)
+and read the window slots from it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from ..layout import TokenLayout, _pair
+from ..methods.families import HIER
+from ..methods.resample import CallSpec, Footprint, TokenSet, Transition
+from .base import Adapter, register_adapter
+from .hier import Chain, HierAdapter, conv_grid, module_family
+
+__all__ = ["TorchvisionMaxViTAdapter", "HieraAdapter", "CrossViTAdapter"]
+
+
+def _set(grid: Sequence[int], prefix: int = 0) -> TokenSet:
+    return TokenSet(prefix, (int(grid[0]), int(grid[1])))
+
+
+# -- torchvision MaxViT --------------------------------------------------------------------------
+def _tv_slots(layer: nn.Module, grid: tuple[int, int]) -> Tensor:
+    """(G, n) grid indices of each window slot: the layer's own partition ops on token indices."""
+    idx = torch.arange(grid[0] * grid[1], dtype=torch.float64).view(1, 1, *grid)
+    parts = layer.partition_swap(layer.partition_op(idx, layer.p))  # (1, G, n, 1)
+    return parts[0, ..., 0].round().long()
+
+
+class TorchvisionMaxViTAdapter(HierAdapter):
+    """torchvision ``MaxVit``: per layer an MBConv (stride 2 in a stage's first layer), window
+    attention and grid attention (torchvision's partition + axis swap), average pooling."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self.layers = [(s, f"blocks.{s}.layers.{i}", layer) for s, block in enumerate(model.blocks)
+                       for i, layer in enumerate(block.layers)]
+        self.token_sites = [f"blocks.{s}.layers.{len(b.layers) - 1}.layers.grid_attention.attn_layer.0"
+                            for s, b in enumerate(model.blocks)]
+        self.has_head = True
+
+    def _attention(self, name: str) -> nn.Module:
+        return self.model.get_submodule(name)
+
+    def site_grid(self, stage: int, output: Tensor, input_size: Sequence[int]) -> Tensor:
+        """(B, G, n, C) partitioned tokens -> (B, H, W, C) through the layer's own slots."""
+        grid = self.stage_sets(input_size)[stage].grid
+        layer = self.model.get_submodule(self.token_sites[stage].rsplit(".attn_layer", 1)[0])
+        slots = _tv_slots(layer, grid).to(output.device)
+        out = output.new_zeros(output.shape[0], grid[0] * grid[1], output.shape[-1])
+        out[:, slots.flatten()] = output.reshape(output.shape[0], -1, output.shape[-1])
+        return out.view(output.shape[0], *grid, output.shape[-1])
+
+    def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
+        grid = _pair(input_size)
+        for conv in (m for m in self.model.stem.modules() if isinstance(m, nn.Conv2d)):
+            grid = conv_grid(grid, conv.kernel_size, conv.stride, conv.padding)
+        chain: Chain = []
+        sets: list[TokenSet] = []
+        tokens: Optional[TokenSet] = None
+        for s, name, layer in self.layers:
+            conv = layer.layers.MBconv.layers.conv_b[0]
+            if _pair(conv.stride) != (1, 1):
+                fine = tokens or _set(grid)
+                coarse = _set(conv_grid(fine.grid, conv.kernel_size, conv.stride, conv.padding))
+                if tokens is not None:
+                    chain.append(Transition(Footprint.pool(fine, coarse, conv.kernel_size, conv.stride, conv.padding),
+                                            s - 1, s, f"{name}.layers.MBconv"))
+                tokens = coarse
+            tokens = tokens or _set(grid)
+            if len(sets) == s:
+                sets.append(tokens)
+            for part in ("window_attention", "grid_attention"):
+                attention = layer.layers.get_submodule(part)
+                slots = _tv_slots(attention, tokens.grid)
+                identity = Footprint.identity(tokens)
+                chain.append(CallSpec(f"{name}.layers.{part}.attn_layer.1", tokens, tokens, slots, slots, identity,
+                                      identity, s, s))
+        return chain, sets
+
+
+# -- Hiera ---------------------------------------------------------------------------------------
+class HieraAdapter(HierAdapter):
+    """timm ``Hiera`` (SAM 2's image encoder family): mask-unit attention in the unrolled
+    token order, global attention in later stages, queries and residual max-pooled over
+    2 x 2 neighbourhoods at each stage's first block, average pooling.
+
+    The unrolled order of each stage is read by running the model's own ``unroll`` on token
+    indices; pooling keeps the first of each chunk of ``q_stride`` entries, so a stage's order is
+    the previous one's first chunk, coarsened.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        blocks = list(model.blocks)
+        self.stage_of = []
+        stage = 0
+        for i, block in enumerate(blocks):
+            if i > 0 and block.attn.q_stride > 1:
+                stage += 1
+            self.stage_of.append(stage)
+        last = {s: i for i, s in enumerate(self.stage_of)}
+        self.token_sites = [f"blocks.{last[s]}.norm1" for s in range(stage + 1)]
+        stride = _pair(model.patch_embed.proj.stride)
+        self.fixed_size = tuple(int(t) * st for t, st in zip(model.tokens_spatial_shape, stride))
+
+    def _orders(self, input_size: tuple[int, int]) -> list[tuple[tuple[int, int], Tensor]]:
+        """Per stage: (grid, the row-major grid index of each token in the unrolled order)."""
+        model = self.model
+        grid = tuple(int(g) for g in model.unroll.size)
+        n = grid[0] * grid[1]
+        order = model.unroll(torch.arange(n, dtype=torch.float64).view(1, n, 1))[0, :, 0].round().long()
+        out = [(grid, order)]
+        q_stride = int(model.blocks[[i for i, s in enumerate(self.stage_of) if s == 1][0]].attn.q_stride) \
+            if max(self.stage_of) > 0 else 1
+        for _ in range(max(self.stage_of)):
+            (h, w), order = out[-1]
+            first = order[: order.numel() // q_stride]
+            coarse = ((h + 1) // 2, (w + 1) // 2)
+            out.append((coarse, (first // w // 2) * coarse[1] + (first % w) // 2))
+        return out
+
+    def site_grid(self, stage: int, output: Tensor, input_size: Sequence[int]) -> Tensor:
+        grid, order = self._orders(_pair(input_size))[stage]
+        out = output.new_zeros(output.shape[0], grid[0] * grid[1], output.shape[-1])
+        out[:, order.to(output.device)] = output
+        return out.view(output.shape[0], *grid, output.shape[-1])
+
+    def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
+        orders = self._orders(input_size)
+        chain: Chain = []
+        sets = [_set(grid) for grid, _ in orders]
+        for i, block in enumerate(self.model.blocks):
+            s, attn = self.stage_of[i], block.attn
+            pooled = i > 0 and attn.q_stride > 1
+            inp = sets[s - 1] if pooled else sets[s]
+            in_order = orders[s - 1][1] if pooled else orders[s][1]
+            n = inp.n
+            windows = n // (attn.q_stride * attn.window_size) if attn.use_mask_unit_attn else 1
+            # token t of the unrolled sequence sits in window t % windows, slot t // windows
+            k_slots = in_order.view(-1, windows).T.contiguous()
+            out_order = orders[s][1]
+            q_slots = out_order.view(-1, windows).T.contiguous()
+            skip = Footprint.pool(inp, sets[s], 2, 2, 0) if pooled else Footprint.identity(inp)
+            chain.append(CallSpec(f"blocks.{i}.attn", inp, sets[s], q_slots, k_slots, Footprint.identity(inp), skip,
+                                  s - 1 if pooled else s, s, window_dim_inside=bool(attn.use_mask_unit_attn)))
+        return chain, sets
+
+
+# -- CrossViT ------------------------------------------------------------------------------------
+class CrossViTAdapter(HierAdapter):
+    """timm ``CrossVit``: two ViT branches (small and large patches, each with a class token)
+    whose class tokens attend to the other branch's patches in each block's fusion.
+
+    The chain runs on one joint token set ``[cls_0, patches_0, cls_1, patches_1]`` (a flat
+    1 x N "grid"): a branch's blocks attend inside its part, a fusion call's query is one class
+    token and its keys are that (projected) class token and the other branch's patches, each
+    with the class token's residual. The readout is the mean of the two class tokens (the head
+    averages the branches' logits). "Stage" s is branch s: maps on its grid; the attention
+    methods also return, in ``extras``, both branch maps and their combination (see
+    :meth:`finish`).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self.readout = "class" if model.global_pool == "token" else "mean"
+        self.grids = [tuple(int(s) // int(p) for s, p in zip(_pair(size), _pair(embed.patch_size)))
+                      for size, embed in zip(model.img_size_scaled, model.patch_embed)]
+        self.offsets = [0, 1 + self.grids[0][0] * self.grids[0][1]]
+        self.total = self.offsets[1] + 1 + self.grids[1][0] * self.grids[1][1]
+        last = model.blocks[-1]
+        self.token_sites = [f"blocks.{len(model.blocks) - 1}.blocks.{b}.{len(last.blocks[b]) - 1}.norm1" for b in range(2)]
+        self.fixed_size = tuple(_pair(model.img_size))
+
+    def readout_row(self, tokens: TokenSet, batch: int, device: object) -> Tensor:
+        row = torch.zeros(batch, tokens.n, device=device)
+        for b, off in enumerate(self.offsets):
+            if self.readout == "class":
+                row[:, off] = 0.5
+            else:
+                n = self.grids[b][0] * self.grids[b][1]
+                row[:, off + 1: off + 1 + n] = 0.5 / n
+        return row
+
+    def chain_stage(self, stage: int) -> int:
+        return 0
+
+    def _branch(self, r: Tensor, b: int) -> Tensor:
+        n = self.grids[b][0] * self.grids[b][1]
+        return r[:, self.offsets[b] + 1: self.offsets[b] + 1 + n].reshape(r.shape[0], *self.grids[b])
+
+    def finish(self, r: Tensor, stage: int, input_size: Sequence[int]) -> object:
+        """Branch ``stage``'s map, with ``extras``: ``branches`` (both maps), ``combined`` (on the
+        small-patch grid: branch 0 plus branch 1 resized bilinearly and scaled by the cell-area
+        ratio, so each branch keeps its total) and ``combination`` (that rule, in words)."""
+        maps = [self._branch(r, b) for b in range(2)]
+        extras: dict = {"branches": {f"branch {b} ({g[0]}x{g[1]})": m for b, (g, m) in enumerate(zip(self.grids, maps))}}
+        if not getattr(self.model, "crop_scale", False):
+            fine, coarse = self.grids[0], self.grids[1]
+            area = (coarse[0] * coarse[1]) / (fine[0] * fine[1])
+            resized = torch.nn.functional.interpolate(maps[1][:, None], size=fine, mode="bilinear", align_corners=False)[:, 0]
+            extras["combined"] = maps[0] + resized * area
+            extras["combination"] = (f"branch 0 ({fine[0]}x{fine[1]}) + branch 1 ({coarse[0]}x{coarse[1]}) resized "
+                                     f"bilinearly to {fine[0]}x{fine[1]} and scaled by {area:.3f} (cell areas); "
+                                     "the head averages the two branches' class-token logits")
+        return maps[stage], extras
+
+    def finish_call(self, spec: CallSpec, r: Tensor, input_size: Sequence[int]) -> Tensor:
+        keys = spec.k_slots[spec.k_slots >= 0]
+        branch = int((keys >= self.offsets[1]).float().mean() > 0.5)
+        return self._branch(r, branch)
+
+    def stage_sets(self, input_size: Sequence[int]) -> list[TokenSet]:
+        return [TokenSet(1, self.grids[0]), TokenSet(1, self.grids[1])]
+
+    def site_grid(self, stage: int, output: Tensor, input_size: Sequence[int]) -> Tensor:
+        return output[:, 1:].reshape(output.shape[0], *self.grids[stage], output.shape[-1])
+
+    def layout(self, input_size: Sequence[int]) -> "TokenLayout":
+        size = _pair(input_size)
+        grid = self.grids[0]
+        return TokenLayout(1, grid, True, self.readout, patch_size=(size[0] // grid[0], size[1] // grid[1]))
+
+    def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
+        joint = TokenSet(0, (1, self.total))
+        identity = Footprint.identity(joint)
+        parts = [torch.arange(self.offsets[b], (self.offsets[1] if b == 0 else self.total)) for b in range(2)]
+        chain: Chain = []
+        for i, block in enumerate(self.model.blocks):
+            for b, branch in enumerate(block.blocks):
+                for j in range(len(branch)):
+                    chain.append(CallSpec(f"blocks.{i}.blocks.{b}.{j}.attn", joint, joint, parts[b][None], parts[b][None],
+                                          identity, identity, 0, 0))
+            for b, fusion in enumerate(block.fusion):
+                other = parts[1 - b][1:]
+                keys = torch.cat([torch.tensor([self.offsets[b]]), other])[None]
+                names = [n for n, m in fusion.named_modules() if type(m).__name__ == "CrossAttentionBlock"]
+                for n in names:
+                    name = f"blocks.{i}.fusion.{b}" + (f".{n}" if n else "") + ".attn"
+                    chain.append(CallSpec(name, joint, joint, torch.tensor([[self.offsets[b]]]), keys, identity,
+                                          identity, 0, 0))
+        return chain, [joint]
+
+
+@register_adapter(priority=15, family=HIER)
+def _detect_more(model: nn.Module) -> Optional[Adapter]:
+    if module_family(model, "torchvision.models.maxvit") and hasattr(model, "blocks") and hasattr(model, "stem"):
+        return TorchvisionMaxViTAdapter(model)
+    if module_family(model, "timm.models.hiera") and hasattr(model, "unroll") and hasattr(model, "blocks"):
+        return HieraAdapter(model)
+    if module_family(model, "timm.models.crossvit") and getattr(model, "num_branches", 0) == 2:
+        return CrossViTAdapter(model)
+    return None

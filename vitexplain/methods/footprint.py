@@ -1,0 +1,171 @@
+"""Token sets, resampling footprints and window slots: the geometry of :mod:`.resample`.
+
+A token set is ``prefix`` tokens followed by a row-major grid. A footprint is the
+row-stochastic map from a coarse set to the fine set it was made from (a conv, a pooling, an
+adaptive pooling, patch merging), ``D[m, c] = 1 / |F(m)|`` over the real fine tokens c in the
+receptive field F(m); slots say which token of a set sits in each window position of an
+attention call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence, Union
+
+import torch
+from torch import Tensor
+
+from ..errors import UnsupportedMethodError, UsageError
+
+__all__ = ["TokenSet", "Footprint", "full_slots", "window_slots", "grid_slots"]
+
+
+@dataclass(frozen=True)
+class TokenSet:
+    """``prefix`` tokens followed by a row-major grid.
+
+    Attributes:
+        prefix: number of prefix tokens (class, distillation) before the grid.
+        grid: (H, W).
+    """
+
+    prefix: int
+    grid: tuple[int, int]
+
+    @property
+    def n(self) -> int:
+        """prefix + H * W."""
+        return self.prefix + self.grid[0] * self.grid[1]
+
+    def on_grid(self, r: Tensor) -> Tensor:
+        """(B, n) values over the set -> (B, H, W) over its grid (prefix dropped)."""
+        return r[:, self.prefix:].reshape(r.shape[0], *self.grid)
+
+
+def _axis(fine: int, coarse: int, kernel: int, stride: int, padding: int) -> list[list[int]]:
+    """Per coarse index, the fine indices of its receptive field that are real."""
+    return [[c for c in range(o * stride - padding, o * stride - padding + kernel) if 0 <= c < fine]
+            for o in range(coarse)]
+
+
+def _adaptive_axis(fine: int, coarse: int) -> list[list[int]]:
+    """Per coarse index, its bin of ``adaptive_avg_pool`` (PyTorch's start/end rule)."""
+    return [list(range((o * fine) // coarse, -(-((o + 1) * fine) // coarse))) for o in range(coarse)]
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """A row-stochastic footprint D (coarse set x fine set), stored sparsely.
+
+    Attributes:
+        coarse: the coarse token set (rows).
+        fine: the fine token set (columns).
+        index: (n_coarse, K) long, the fine tokens of each coarse token (-1 = none).
+        weight: (n_coarse, K) float64, their weights (each row sums to 1 where it has tokens).
+    """
+
+    coarse: TokenSet
+    fine: TokenSet
+    index: Tensor = field(repr=False)
+    weight: Tensor = field(repr=False)
+
+    @classmethod
+    def identity(cls, tokens: TokenSet) -> "Footprint":
+        """D = I on one set."""
+        return cls(tokens, tokens, torch.arange(tokens.n)[:, None], torch.ones(tokens.n, 1, dtype=torch.float64))
+
+    @classmethod
+    def _from_axes(cls, fine: TokenSet, coarse: TokenSet, rows: list[list[int]], cols: list[list[int]]) -> "Footprint":
+        if coarse.prefix not in (fine.prefix, 0):
+            raise UsageError(f"a resampling from {fine} to {coarse} must keep or drop the prefix tokens")
+        k = max(1, max(len(r) for r in rows) * max(len(c) for c in cols))
+        index = torch.full((coarse.n, k), -1, dtype=torch.long)
+        weight = torch.zeros(coarse.n, k, dtype=torch.float64)
+        for p in range(coarse.prefix):
+            index[p, 0], weight[p, 0] = p, 1.0
+        w_fine = fine.grid[1]
+        for i, rr in enumerate(rows):
+            for j, cc in enumerate(cols):
+                cells = [fine.prefix + a * w_fine + b for a in rr for b in cc]
+                row = coarse.prefix + i * coarse.grid[1] + j
+                if cells:
+                    index[row, :len(cells)] = torch.tensor(cells)
+                    weight[row, :len(cells)] = 1.0 / len(cells)
+        return cls(coarse, fine, index, weight)
+
+    @classmethod
+    def pool(cls, fine: TokenSet, coarse: TokenSet, kernel: Union[int, Sequence[int]], stride: Union[int, Sequence[int]],
+             padding: Union[int, Sequence[int]] = 0) -> "Footprint":
+        """The footprint of a convolution or pooling with this kernel, stride and padding.
+
+        Coarse token (i, j) covers the fine rows ``i * s - p ... i * s - p + k - 1`` (and
+        columns likewise) that exist; prefix tokens map onto themselves (or are dropped when
+        the coarse set has none).
+        """
+        (kh, kw), (sh, sw), (ph, pw) = (_two(v) for v in (kernel, stride, padding))
+        return cls._from_axes(fine, coarse, _axis(fine.grid[0], coarse.grid[0], kh, sh, ph),
+                              _axis(fine.grid[1], coarse.grid[1], kw, sw, pw))
+
+    @classmethod
+    def adaptive(cls, fine: TokenSet, coarse: TokenSet) -> "Footprint":
+        """The footprint of ``adaptive_avg_pool2d`` from the fine grid to the coarse grid."""
+        return cls._from_axes(fine, coarse, _adaptive_axis(fine.grid[0], coarse.grid[0]),
+                              _adaptive_axis(fine.grid[1], coarse.grid[1]))
+
+    @property
+    def is_identity(self) -> bool:
+        return self.coarse == self.fine and self.index.shape[1] == 1 and bool(
+            (self.index[:, 0] == torch.arange(self.fine.n)).all())
+
+    def pull(self, r: Tensor) -> Tensor:
+        """``r @ D``: (B, n_coarse) -> (B, n_fine)."""
+        if self.is_identity:
+            return r
+        index = self.index.to(r.device)
+        weight = self.weight.to(device=r.device, dtype=r.dtype)
+        real = index >= 0
+        contrib = (r[:, :, None] * weight[None]).masked_select(real[None]).view(r.shape[0], -1)
+        out = r.new_zeros(r.shape[0], self.fine.n)
+        return out.index_add_(1, index[real], contrib)
+
+    def dense(self) -> Tensor:
+        """D as a dense (n_coarse, n_fine) float64 matrix (for tests and small sets)."""
+        out = torch.zeros(self.coarse.n, self.fine.n, dtype=torch.float64)
+        real = self.index >= 0
+        rows = torch.arange(self.coarse.n)[:, None].expand_as(self.index)
+        out[rows[real], self.index[real]] = self.weight[real]
+        return out
+
+
+def _two(value: Union[int, Sequence[int]]) -> tuple[int, int]:
+    if isinstance(value, (tuple, list)):
+        return int(value[0]), int(value[1])
+    return int(value), int(value)
+
+
+# -- slots ------------------------------------------------------------------------------------
+def full_slots(tokens: TokenSet) -> Tensor:
+    """One window holding every token of the set in order: (1, n)."""
+    return torch.arange(tokens.n)[None]
+
+
+def window_slots(tokens: TokenSet, window: tuple[int, int], shift: tuple[int, int] = (0, 0),
+                 pad_first: bool = True) -> Tensor:
+    """Windows of the grid, row-major, padded at the bottom/right to window multiples:
+    (nW, wh * ww) indices into the set (-1 = padding). See
+    :class:`~vitexplain.layout.WindowGeometry` (shift = cyclic roll by minus the shift)."""
+    from ..layout import WindowGeometry
+
+    idx = WindowGeometry(tokens.grid, window, shift, pad_first).index()
+    return torch.where(idx < 0, idx, idx + tokens.prefix)
+
+
+def grid_slots(tokens: TokenSet, cells: tuple[int, int]) -> Tensor:
+    """MaxViT's dilated *grid* partition: a (g_h, g_w) grid of cells, each window holding the
+    tokens at the same offset in every cell. Token (i, j) with ``i = a * (H / g_h) + u`` sits
+    in window ``u * (W / g_w) + v`` at slot ``a * g_w + b``: (nW, g_h * g_w)."""
+    (h, w), (gh, gw) = tokens.grid, cells
+    if h % gh or w % gw:
+        raise UnsupportedMethodError(f"the grid {tokens.grid} is not a multiple of the attention grid {cells}")
+    idx = torch.arange(h * w).view(gh, h // gh, gw, w // gw).permute(1, 3, 0, 2).reshape(-1, gh * gw)
+    return idx + tokens.prefix
