@@ -477,6 +477,7 @@ GROUPS: list[tuple[str, tuple[str, ...]]] = [
     ("CNN stage", ("gradcam", "gradcam++", "layercam")),
     ("gates", ("spatial", "channel")),
     ("caption / VLM (per word)", ("cross", "cross_grad", "cross_generic")),
+    ("LRP", ("attnlrp", "cp_lrp")),
 ]
 
 

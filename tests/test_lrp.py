@@ -126,6 +126,9 @@ def test_maps_are_pixels_and_the_grid_sums_them():
     assert torch.allclose(e.extras["grid"][:, 0, 1], cell, rtol=1e-4, atol=1e-6)
     patches = vx.Explainer(model).explain(batch.tensor, method="attnlrp", resolution="patches")
     assert torch.allclose(patches.maps, e.extras["grid"])
+    # with another method in the same call attnlrp runs its own forward: the same maps
+    both = vx.Explainer(model).explain(batch.tensor, method=["generic", "attnlrp"])[1]
+    assert torch.allclose(both.maps, e.maps, rtol=1e-5, atol=1e-6 * float(e.maps.abs().max()))
 
 
 @pytest.mark.parametrize("method", ["attnlrp", "cp_lrp"])
@@ -203,3 +206,33 @@ def test_the_model_is_left_as_found_after_an_error():
     assert not torch.overrides._get_current_function_mode_stack()
     assert [p.requires_grad for p in model.parameters()] == flags
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_explore_and_export_offer_the_pixel_maps(tmp_path):
+    """The explorer page gets attnlrp's pixel maps (average-pooled to at most MAX_MAP_SIDE per side), the
+    export command writes its overlays."""
+    import json
+    import re
+
+    import numpy as np
+
+    from vitexplain.cli import main
+    from vitexplain.explorer.methods import MAX_MAP_SIDE
+
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=256, patch_size=32, depth=1,
+                              num_classes=3).eval()
+    image = (np.random.default_rng(0).random((256, 256, 3)) * 255).astype(np.uint8)
+    page = vx.explore(model, image, tmp_path / "page.html", method=["attnlrp", "generic"], top_k=2)
+    data = json.loads(re.search(r'id="vx-data">(.*?)</script>', page.read_text(), re.S).group(1))
+    entries = {m["name"]: m for m in data["images"][0]["methods"]}
+    assert entries["attnlrp"]["grid"] == [MAX_MAP_SIDE, MAX_MAP_SIDE] and entries["generic"]["grid"] == [8, 8]
+    assert entries["attnlrp"]["maps"]["rows"] == 2 and entries["attnlrp"]["maps"]["cols"] == MAX_MAP_SIDE ** 2
+
+    shapes = vx.data.shapes(1, seed=10_600)
+    from PIL import Image
+
+    Image.fromarray(np.asarray(shapes.images[0])).save(tmp_path / "a.png")
+    assert main(["export", str(tmp_path / "a.png"), "--out", str(tmp_path / "out"), "--model", "shapes-vit",
+                 "--method", "cp_lrp"]) == 0
+    assert (tmp_path / "out" / "a.png.cp_lrp.png").exists()

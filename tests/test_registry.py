@@ -20,9 +20,9 @@ from vitexplain.methods import Option, registry
 # What `vx.methods.names(family)` lists, in this order (design.md's method list).
 EXPECTED = {
     "vit": ["raw", "rollout", "grad_rollout", "generic", "attn_gradcam", "cdam", "gradcam", "cdam_smooth",
-            "cdam_integrated", "legrad", "integrated_gradients", "occlusion", "smoothgrad"],
+            "cdam_integrated", "legrad", "integrated_gradients", "occlusion", "smoothgrad", "attnlrp", "cp_lrp"],
     "cnn": ["spatial", "channel", "gradcam", "gradcam++", "layercam"],
-    "caption": ["cross", "cross_generic"],
+    "caption": ["cross", "cross_generic", "attnlrp", "cp_lrp"],
     "vlm": ["cross", "cross_grad", "cross_generic"],
 }
 EXPECTED["swin"] = list(EXPECTED["vit"])  # the same methods, on windowed attention (methods/swin.py)

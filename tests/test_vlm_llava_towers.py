@@ -30,13 +30,14 @@ def _llava(tower: str, strategy: str):
     return vlm_helpers.reinit_small(transformers.LlavaForConditionalGeneration(cfg).eval()), proc, 16 + extra
 
 
-@pytest.mark.parametrize("tower, strategy", [("clip", "default"), ("clip", "full"), ("siglip", "default"), ("siglip", "full")])
+# a SigLIP tower with the "default" strategy is a misconfiguration (LLaVA drops its first real patch)
+@pytest.mark.parametrize("tower, strategy", [("clip", "default"), ("clip", "full"), ("siglip", "full")])
 def test_image_tokens_match_what_the_language_model_sees(tower, strategy):
     model, proc, tokens = _llava(tower, strategy)
     images = vlm_helpers.images(3, ((32, 32),))
     inputs = proc(images=images, text=["<image>a"], return_tensors="pt")
     assert int((inputs["input_ids"] == model.config.image_token_id).sum()) == tokens  # the processor's count
     e = vx.Explainer(model, processor=proc).explain_caption(images, method="cross", prompt="a", max_len=2)
-    scores = e.token_scores[0]
-    assert scores.shape[-1] == 16  # the 4 x 4 patches that bear pixels, class token or not
-    assert torch.isfinite(e.image_maps[0]).all() and e.image_maps[0].shape[-2:] == (32, 32)
+    assert e.token_scores[0].shape[-1] == tokens  # every image token the language model sees
+    maps = e.image_maps[0]  # the 4 x 4 pixel-bearing tokens drawn over the 32 x 32 image
+    assert torch.isfinite(maps).all() and maps.shape[-2:] == (32, 32) and float(maps.std()) > 0

@@ -13,6 +13,7 @@ The model is never modified: no eval()/train() switch, no eager attention, no ho
 
 from __future__ import annotations
 
+import contextlib
 import re
 import warnings
 from pathlib import Path
@@ -184,15 +185,21 @@ class Explainer:
                 stacklevel=2,
             )
         settings = plan.capture
+        # a method with forward rules (LRP) alone in the call: the forward runs under its rules
+        alone = plan.steps[0].spec if len(plan.steps) == 1 and plan.steps[0].spec.forward_rules else None
+        rules = alone.forward_rules(plan.steps[0].options) if alone else contextlib.nullcontext()
+        grads = settings.grads or alone is not None
         x_in = x.detach()
-        if settings.grads:
+        if grads:
             x_in.requires_grad_(True)
-        with torch.set_grad_enabled(settings.grads), capture(model, **settings.capture_kwargs()) as rec:
-            outputs = self._forward(x_in)
+        with torch.set_grad_enabled(grads), capture(model, **settings.capture_kwargs()) as rec:
+            with rules:
+                outputs = self._forward(x_in)
         resolved = resolve(target, outputs, self.adapter.label_names, has_head=self.adapter.has_head)
-        with torch.set_grad_enabled(settings.grads):
+        with torch.set_grad_enabled(grads), rules:
             score = resolved.score(outputs)
         check_finite_scores(score, outputs)
+        shared = (rules, score) if alone else None
         if settings.grads:
             rec.backward(checked_score(score), retain_graph=settings.retain_graph)
         layout = self.adapter.layout(tuple(x.shape[-2:])) if hasattr(self.adapter, "layout") else None
@@ -203,6 +210,8 @@ class Explainer:
         results = []
         for step in plan.steps:
             ctx = plan.family.context(self.adapter, x_in, outputs, resolved, rec, layout, method=step.name)
+            if shared is not None:
+                ctx.shared = shared
             maps = step.spec.fn(ctx, **step.options)
             extras: dict[str, Any] = {}
             if isinstance(maps, tuple):  # a method may return (maps, extras)

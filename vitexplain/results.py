@@ -227,8 +227,9 @@ class VLMCaptionExplanation(CaptionExplanation):
     Attributes:
         prompts: per image, the prompt it was asked with.
         image_maps: per image, (T, H_b, W_b) float32 at the original resolution.
-        token_scores: per image, (T, n_b) float32: the method's raw score of each pixel-bearing image
-            token (in the model's token order), before mapping to pixels.
+        token_scores: per image, (T, n_b) float32: the method's raw score of each image token the
+            language model sees (in its order; also one without pixels, such as the class token
+            LLaVA's "full" strategy keeps), before mapping to pixels.
         layers: per image, one (T, H_b, W_b) map per token grid (``"image"``, ``"thumbnail"``,
             ``"tile r,c"``), whose sum is ``image_maps[b]``.
     """

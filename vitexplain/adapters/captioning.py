@@ -59,7 +59,7 @@ class CaptionAdapter(Adapter):
     def __init__(self, model: nn.Module, tokenizer: Any = None) -> None:
         super().__init__(model)
         self.tokenizer = tokenizer
-        self.capabilities = frozenset({"cross"})
+        self.capabilities = frozenset({"cross", "lrp"})
 
     def layout(self, input_size: tuple[int, int]) -> TokenLayout:
         """Token layout of the image encoder for a (H, W) input."""
@@ -392,7 +392,12 @@ def _detect_zoo_captioner(model: nn.Module) -> Optional[Adapter]:
     from ..zoo.sat import ShowAttendTell
 
     if isinstance(model, (Captioner, ShowAttendTell)):
-        return ZooCaptionAdapter(model)
+        adapter = ZooCaptionAdapter(model)
+        if isinstance(model, ShowAttendTell):
+            adapter.capabilities = adapter.capabilities - {"lrp"}
+            adapter.notes["lrp"] = ("Show, Attend and Tell decodes with an LSTM (gates multiply activations inside one "
+                                    "fused cell) and additive attention, which the LRP rules do not cover")
+        return adapter
     return None
 
 

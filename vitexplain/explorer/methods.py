@@ -12,13 +12,19 @@ from functools import partial
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ..errors import VitexplainError
 from ..plan import Plan
 from .quantize import quantize_rows
 
-__all__ = ["explain_all", "method_entries", "entry"]
+__all__ = ["explain_all", "method_entries", "entry", "MAX_MAP_SIDE"]
+
+#: Maps finer than this per side (pixel-resolution maps, e.g. attnlrp's at 224 x 224) are
+#: average-pooled to at most this many cells per side for the page (its size budget); the page
+#: draws them over the image as it draws a patch grid.
+MAX_MAP_SIDE = 112
 
 
 def explain_all(run: Callable[..., Any], plan: Plan, names: list[str], notes: list[str]) -> dict[str, Any]:
@@ -51,8 +57,15 @@ def explain_all(run: Callable[..., Any], plan: Plan, names: list[str], notes: li
 
 
 def entry(name: str, plan: Plan, maps: Tensor, per_class: bool) -> dict[str, Any]:
-    """The page entry of one method: its rows (K, n) quantised, with how to show them."""
+    """The page entry of one method: its rows (K, n) quantised, with how to show them.
+
+    ``maps`` (K, h, w); maps larger than :data:`MAX_MAP_SIDE` per side are average-pooled to fit."""
     spec = plan.step(name).spec
+    h, w = maps.shape[-2:]
+    if max(h, w) > MAX_MAP_SIDE:
+        scale = MAX_MAP_SIDE / max(h, w)
+        size = (max(1, int(h * scale)), max(1, int(w * scale)))
+        maps = F.adaptive_avg_pool2d(maps[:, None].float(), size)[:, 0]
     return {
         "name": name,
         "summary": spec.summary,

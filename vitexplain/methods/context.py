@@ -59,6 +59,9 @@ class Context:
         recorder: the capture of that forward (records, activations, grads if asked).
         layout: token layout for ViTs, None for CNNs.
         method: the method being computed (for error messages).
+        shared: ``(rules, scores)`` when the explained forward and its (B,) target scores ran
+            under the method's ``forward_rules`` (the method alone in a call; ``x`` requires grad):
+            the method differentiates those scores instead of running the model again.
     """
 
     adapter: Any
@@ -68,6 +71,7 @@ class Context:
     recorder: Recorder
     layout: Optional[TokenLayout] = None
     method: str = ""
+    shared: Optional[tuple[Any, Tensor]] = None
     _checked: dict = field(default_factory=dict, repr=False)
 
     @property

@@ -45,6 +45,9 @@ def lrp_relevance(ctx: Context, variant: str, *, linear_gamma: float = DEFAULT_G
                   conv_gamma: float = DEFAULT_GAMMA, attention: bool = True) -> tuple[Tensor, Tensor]:
     """Pixel relevance of the explained targets under the LRP rules.
 
+    When the Explainer's forward already ran under this method's rules (``ctx.shared``, the method
+    alone in a call), its scores are differentiated; otherwise the model runs once more under them.
+
     Args:
         ctx: the explained batch (its input, target and adapter).
         variant: ``"attnlrp"`` or ``"cp"``.
@@ -59,14 +62,26 @@ def lrp_relevance(ctx: Context, variant: str, *, linear_gamma: float = DEFAULT_G
         UnsupportedModelError: the forward held a non-linearity the rules do not cover.
     """
     adapter = ctx.adapter
-    x = ctx.x.detach().clone().requires_grad_(True)
-    rules = LRPRules(variant, linear_gamma=linear_gamma, conv_gamma=conv_gamma)
-    with torch.enable_grad():
-        with rules:
+    if ctx.shared is not None and ctx.x.requires_grad:
+        (rules, score), x = ctx.shared, ctx.x
+    else:
+        x = ctx.x.detach().clone().requires_grad_(True)
+        rules = LRPRules(variant, linear_gamma=linear_gamma, conv_gamma=conv_gamma)
+        with torch.enable_grad(), rules:
             score = ctx.score(adapter.forward(x))
-        check_coverage(rules, ctx.method, type(adapter.model).__name__, attention=attention)
+    check_coverage(rules, ctx.method, type(adapter.model).__name__, attention=attention)
+    with torch.enable_grad():
         (grad,) = torch.autograd.grad(score.sum(), x)
     return (x.detach() * grad).float(), score.detach().float()
+
+
+def _rules(variant: str) -> Any:
+    """The ``forward_rules`` of a variant: options -> a fresh :class:`LRPRules`."""
+    def make(options: Any) -> LRPRules:
+        return LRPRules(variant, linear_gamma=options.get("linear_gamma", DEFAULT_GAMMA),
+                        conv_gamma=options.get("conv_gamma", DEFAULT_GAMMA))
+
+    return make
 
 
 def _grid(ctx: Context, pixels: Tensor) -> Tensor:
@@ -89,13 +104,11 @@ def _explain(ctx: Context, variant: str, resolution: str, linear_gamma: float, c
     return (pixels if resolution == "pixels" else grid), extras
 
 
-_COMMON = dict(
-    options=_OPTIONS, attention=False, signed=True, requires=("pixels", "lrp"),
-)
+_COMMON = dict(options=_OPTIONS, attention=False, signed=True, requires=("pixels", "lrp"))
 
 
 @register(
-    "attnlrp", VIT, **_COMMON,
+    "attnlrp", VIT, **_COMMON, forward_rules=_rules("attnlrp"),
     summary="AttnLRP: LRP through attention (q, k, v gradients x 1/4, 1/4, 1/2), identity rule on norms and activations",
     reference="Achtibat et al., AttnLRP, ICML 2024 (lxt 2.1 efficient rules); docs/methods.md",
 )
@@ -122,7 +135,7 @@ def attnlrp(ctx: Context, *, resolution: str = "pixels", linear_gamma: float = D
 
 
 @register(
-    "cp_lrp", VIT, **_COMMON,
+    "cp_lrp", VIT, **_COMMON, forward_rules=_rules("cp"),
     summary="CP-LRP: LRP with attention weights held constant (q and k detached), identity rule on norms",
     reference="Ali et al., ICML 2022 (lxt 2.1 CP-LRP); docs/methods.md",
 )
@@ -146,7 +159,7 @@ def cp_lrp(ctx: Context, *, resolution: str = "pixels", linear_gamma: float = DE
 
 
 # the same functions for the windowed family (Swin's attention is SDPA with a mask)
-register("attnlrp", SWIN, **_COMMON, summary="AttnLRP (see the vit family)",
+register("attnlrp", SWIN, **_COMMON, forward_rules=_rules("attnlrp"), summary="AttnLRP (see the vit family)",
          reference="Achtibat et al., AttnLRP, ICML 2024; docs/methods.md")(attnlrp)
-register("cp_lrp", SWIN, **_COMMON, summary="CP-LRP (see the vit family)",
+register("cp_lrp", SWIN, **_COMMON, forward_rules=_rules("cp"), summary="CP-LRP (see the vit family)",
          reference="Ali et al., ICML 2022; docs/methods.md")(cp_lrp)

@@ -48,7 +48,7 @@ from torch import Tensor
 from torch.autograd import Function
 from torch.overrides import TorchFunctionMode
 
-from ..errors import UnsupportedModelError
+from ..errors import UnsupportedModelError, UsageError
 
 __all__ = ["LRPRules", "VARIANTS", "IDENTITY_EPSILON", "GAMMA_STABILIZER", "check_coverage"]
 
@@ -73,6 +73,9 @@ _PRODUCTS = {torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__r
              torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm}
 _SOFTMAX = {torch.softmax, torch.Tensor.softmax, F.softmax, torch.special.softmax}
 _CONVS = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}
+#: Recurrent cells: their gates multiply activations inside one fused call no rule can reach.
+_RECURRENT = {getattr(torch, n) for n in ("lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell", "lstm", "gru",
+                                          "rnn_tanh", "rnn_relu") if hasattr(torch, n)}
 
 
 class _ScaleGrad(Function):
@@ -194,7 +197,7 @@ class LRPRules(TorchFunctionMode):
     def __init__(self, variant: str = "attnlrp", *, linear_gamma: float = 0.0, conv_gamma: float = 0.0) -> None:
         super().__init__()
         if variant not in VARIANTS:
-            raise UnsupportedModelError(f"unknown LRP variant {variant!r}; choose from {VARIANTS}")
+            raise UsageError(f"unknown LRP variant {variant!r}; choose from {VARIANTS}")
         self.variant = variant
         self.linear_gamma = float(linear_gamma)
         self.conv_gamma = float(conv_gamma)
@@ -213,8 +216,13 @@ class LRPRules(TorchFunctionMode):
             return self._rms_norm(*args, **kwargs)
         if func in _ACTIVATIONS and args and isinstance(args[0], Tensor) and args[0].requires_grad:
             self.seen["activation"] += 1
-            rest = args[1:]
-            return _Identity.apply(lambda t: func(t, *rest, **kwargs), args[0])
+            # out of place (the identity rule reads the input after the call): a positional bool is `inplace`
+            rest = tuple(False if isinstance(a, bool) else a for a in args[1:])
+            kw = {k: v for k, v in kwargs.items() if k != "inplace"}
+            out = _Identity.apply(lambda t: func(t, *rest, **kw), args[0])
+            if kwargs.get("inplace") or any(isinstance(a, bool) and a for a in args[1:]):
+                return args[0].copy_(out)
+            return out
         if func in _PRODUCTS and len(args) == 2 and _live(args[0]) and _live(args[1]):
             self.seen["product"] += 1
             return _ScaleGrad.apply(func(*args, **kwargs), 0.5)
@@ -226,7 +234,9 @@ class LRPRules(TorchFunctionMode):
             return self.linear(*args, **kwargs)
         if func in _CONVS and self.conv_gamma > 0:
             return self._conv(func, args, kwargs)
-        if getattr(func, "__name__", "") in ("flex_attention", "flex_attention_hop"):
+        if func in _RECURRENT:
+            self.seen["uncovered"].append("a recurrent cell (LSTM/GRU)")
+        elif getattr(func, "__name__", "") in ("flex_attention", "flex_attention_hop"):
             self.seen["uncovered"].append("FlexAttention")
         return func(*args, **kwargs)
 
