@@ -29,7 +29,7 @@ that ratio is the method's own cost (capture + rollout recompute), the rest is t
 Usage::
 
     python benchmarks/export_throughput.py [--images 256] [--big-images 64] [--reps 3]
-        [--batch-size 32] [--workers N] [--device cpu|cuda] [--with-cdam]
+        [--batch-size 32] [--workers N] [--device cpu|cuda] [--with-cdam] [--threads N]
 
 Target (issues 14 and 24): export with rollout >= 0.80x plain on vit_small 224 px, end to end,
 median of 5 interleaved reps (``--reps 5``). Rewrites its section of docs/benchmarks.md.
@@ -201,7 +201,11 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=max(0, min(4, (os.cpu_count() or 1) - 1)))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--with-cdam", action="store_true", help="also export rollout+cdam (adds a backward pass)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads for both plain and export (default: torch's own count)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     import timm
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -122,3 +123,31 @@ def test_the_command_line_default_is_pick_unless_the_environment_chose(monkeypat
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # torchrun sets it for each process
     args = build_parser().parse_args([command, "in", "--out", out])
     assert from_args(cls, args).threads is None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread priorities are Linux's")
+def test_export_draws_and_writes_below_the_models_priority(tmp_path, monkeypatch):
+    """The writer threads run WRITER_NICE steps below the model's thread; the process is left as it was."""
+    import threading
+
+    from batch_helpers import images, save_tiny
+
+    import vitexplain.batch.export as export_module
+    from vitexplain.batch.export import ExportOptions, export
+    from vitexplain.batch.shard import WRITER_NICE
+
+    seen = []
+    real = export_module._write_overlays
+
+    def write(*args, **kwargs):
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(export_module, "_write_overlays", write)
+    src = images(tmp_path / "in", ["a.png", "b.png"])
+    main_before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    opts = ExportOptions(inputs=[str(src)], out=str(tmp_path / "out"), model=save_tiny(tmp_path / "ckpt"),
+                         methods=["rollout"], quiet=True, write_threads=2)
+    assert export(opts).exit_code == 0
+    assert seen and set(seen) == {min(19, main_before + WRITER_NICE)}
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main_before

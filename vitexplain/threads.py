@@ -4,9 +4,9 @@ torch starts one intra-op thread per core and its parallel regions wait for ever
 a job whose threads outnumber the cores it really gets (another job, decode workers, writer
 threads) waits on the descheduled ones at every kernel. ``benchmarks/threads.py`` measures it
 (docs/benchmarks.md, "Torch threads on a shared CPU"): on 2 cores with one competing
-process, the zoo ViT's ``explain`` ran 17x slower with 2 threads than with 1, and training
-the tiny transformer of ``examples/alignment.py`` 9x slower, while a second thread gains at
-most 2x when the machine is idle. So the rule leaves one core to someone else::
+process, 2 threads ran the zoo ViT's ``explain`` 14x and the training of the tiny transformer
+of ``examples/alignment.py`` 18x slower than 1 thread, while a second thread can at most
+halve the time. So the rule leaves one core to someone else::
 
     import vitexplain as vx
     vx.threads.limit()          # torch.set_num_threads(vx.threads.pick()) unless chosen already
