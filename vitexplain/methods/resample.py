@@ -152,12 +152,19 @@ class Call:
         return p * self.pairs[None].to(p.dtype) if self.padded else p
 
     def _gather(self, r: Tensor, slots: Tensor) -> Tensor:
+        """(B, n) per token -> (B, G, n_slots) per slot (0 at padding)."""
+        if not self.padded:
+            return r[:, slots]
         padded = torch.cat([r, r.new_zeros(r.shape[0], 1)], dim=1)
         return padded[:, torch.where(slots < 0, r.shape[1], slots)]
 
     def _scatter(self, v: Tensor, slots: Tensor, n: int) -> Tensor:
+        """(B, G, n_slots) per slot -> (B, n) per token, summed over the slots of a token."""
+        out = v.new_zeros(v.shape[0], n)
+        if not self.padded:
+            return out.index_add_(1, slots.flatten(), v.flatten(1))
         real = slots >= 0
-        return v.new_zeros(v.shape[0], n).index_add_(1, slots[real], v[:, real])
+        return out.index_add_(1, slots[real], v[:, real])
 
     def vec_mat(self, r: Tensor, m: Tensor) -> Tensor:
         """``r @ M`` with M = S_q^T m S_k D_k: (B, n_Q) -> (B, n_I) for blocks m (B, G, n_q, n_k)."""

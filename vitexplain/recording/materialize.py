@@ -9,6 +9,12 @@ matmul scaled by the GEMM (``baddbmm`` with ``alpha``), one softmax (in place wh
 gradient is taken), one matmul. The model's outputs equal the fused kernel's to float32
 rounding (about 1e-6; the tests check 1e-5).
 
+A float mask that is an additive bias (SAM's decomposed relative positions) is added by the
+score GEMM itself (``baddbmm`` with the bias as its input), and when it holds no ``-inf`` the
+softmax runs in place as for an unmasked call. SDPA calls without a head dimension, (B, N, E)
+(SAM folds its heads into the batch), are computed as one head. A materialized record does
+not keep the call's mask (only that it had one): its probabilities already include it.
+
 With gradients, P stays in the autograd graph and the record's tensor hook sits on P, so
 the backward pass computes ``dy/dP`` itself (it needs it for the softmax backward anyway)
 and ``grad_probs()`` returns it: no ``dO V^T`` product afterwards.
