@@ -15,10 +15,11 @@ Memory (CPU allocator events of ``torch.profiler``, ``profile_memory=True``): th
 allocated during the plain forward and during rollout, and next to them the bytes of the dense
 per-layer ``N_q x N_k`` attention of every layer of the batch, ``4 B sum_l heads_l N_q,l N_k,l``
 (what a method that kept every layer's attention would hold at once) and the dense
-``N_0 x N_0`` on the finest grid of every layer, ``4 B L N_0^2``. Rollout's extra peak (the
-records' queries, keys and masks of every layer plus one layer's probabilities) stays far below the
-latter; SAM's relative-position bias, kept per layer as an additive mask, is as large as its
-attention.
+``N_0 x N_0`` on the finest grid of every layer, ``4 B L N_0^2``. On CPU, rollout's capture
+computes each call's attention once and keeps its probabilities (``attention_mode="auto"``, within
+the budget of ``vitexplain.recording.materialize``), so its extra peak is about the attention of
+all layers as computed (windows, pooled keys), not a recomputation; SAM's relative-position bias is
+then not kept. This stays far below the dense ``N_0 x N_0`` of all layers.
 
 Usage::
 
@@ -31,6 +32,7 @@ Writes its table to docs/benchmarks.md (section "Hierarchical ViTs: rollout and 
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Callable, Optional
 
 import timm
@@ -137,6 +139,7 @@ def main() -> int:
     p.add_argument("--no-report", action="store_true", help="print only; do not rewrite docs/benchmarks.md")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
+    load = " / ".join(f"{v:.1f}" for v in os.getloadavg()) if hasattr(os, "getloadavg") else "unknown"
     rows = []
     for label, build, size in models(a.sam_size):
         if a.only and a.only not in label:
@@ -155,11 +158,13 @@ def main() -> int:
     body = table(header, rows) + (
         "\n\nMedian of interleaved runs. Peaks: bytes of CPU tensors alive at once (torch.profiler memory "
         "events). The last two columns are what a method holding every layer's attention at once would "
-        "need: on each layer's own grids, and as dense N0 x N0 on the finest grid. Rollout's extra peak is "
-        "what the records keep of every layer to recompute its probabilities (queries, keys and any "
-        "additive mask: SAM's relative-position bias is as large as its attention, so SAM's extra exceeds "
-        "the attention of all layers) plus one layer's probabilities at a time; it stays far below the "
-        "dense N0 x N0 of all layers.")
+        "need: on each layer's own grids, and as dense N0 x N0 on the finest grid. On CPU rollout's capture "
+        "computes each call's attention once and keeps the probabilities (attention_mode='auto', within "
+        "the budget of vitexplain.recording.materialize; eager models such as timm's Swin keep their own), "
+        "so rollout's extra peak is about the attention of all layers on their own grids (SAM's "
+        "relative-position bias is not kept); it stays far below the dense N0 x N0 of all layers. "
+        "Machine load (1-minute load average) at the start of the run: see the line below the table.")
+    body += f"\n\nLoad average at the start: {load}; {a.reps} reps, {a.threads} thread(s)."
     if a.no_report:
         print(body)
     else:

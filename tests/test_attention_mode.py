@@ -69,6 +69,11 @@ def sdpa_cases():
         "causal": ((torch.randn(b, h, n, e), torch.randn(b, h, n, e), torch.randn(b, h, n, e)), {"is_causal": True}),
         "gqa": ((torch.randn(b, 6, n, e), torch.randn(b, 2, n, e), torch.randn(b, 2, n, e)), {"enable_gqa": True}),
         "windows": ((torch.randn(b, 4, h, n, e), torch.randn(b, 4, h, n, e), torch.randn(b, 4, h, n, e)), {}),
+        # heads folded into the batch, SDPA on (B * H, N, E) (timm's SAM), with and without its
+        # relative-position bias as a per-call float mask
+        "no_heads": ((torch.randn(b * h, n, e), torch.randn(b * h, n, e), torch.randn(b * h, n, e)), {}),
+        "no_heads_bias": ((torch.randn(b * h, n, e), torch.randn(b * h, n, e), torch.randn(b * h, n, e)),
+                          {"attn_mask": torch.randn(b * h, n, n)}),
     }
     return cases
 
@@ -91,7 +96,7 @@ def test_sdpa_call_equals_fused_kernel(case, grads, path):
     (record,) = rec.records
     assert record.materialized and not fused.records[0].materialized
     torch.testing.assert_close(record.probs(), fused.records[0].probs(), atol=1e-6, rtol=0)
-    assert record.rows_sum_to_one == (case in ("plain", "strided", "scale", "gqa", "windows"))
+    assert record.rows_sum_to_one == (case in ("plain", "strided", "scale", "gqa", "windows", "no_heads"))
     if grads:  # the model's gradients are the fused kernel's
         cotangent = torch.randn_like(want)
         expected = torch.autograd.grad(want, inputs, cotangent)

@@ -61,7 +61,7 @@ def vlm_attention(adapter: Any, inputs: Any, ids: torch.Tensor, *, budget: int) 
     layers = adapter.lm_records(rec.records)
     if not layers:
         return None
-    columns = adapter.image_columns(kwargs["input_ids"])[0]
+    columns = adapter.image_columns(kwargs)[0]
     rows = torch.arange(start - 1, start - 1 + t, device=columns.device)
     n, heads = int(columns.numel()), layers[0].num_heads
     chosen = _layers_that_fit(len(layers), heads * payload_bytes(t, n), budget)

@@ -10,6 +10,7 @@ attention call.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Sequence, Union
 
 import torch
@@ -112,21 +113,34 @@ class Footprint:
         return cls._from_axes(fine, coarse, _adaptive_axis(fine.grid[0], coarse.grid[0]),
                               _adaptive_axis(fine.grid[1], coarse.grid[1]))
 
-    @property
+    @cached_property
     def is_identity(self) -> bool:
+        """D = I (checked once per footprint: the adapter caches its chain per input size)."""
         return self.coarse == self.fine and self.index.shape[1] == 1 and bool(
             (self.index[:, 0] == torch.arange(self.fine.n)).all())
+
+    @cached_property
+    def _entries(self) -> tuple[Tensor, Tensor, Tensor]:
+        """The nonzero entries of D once: (rows, columns, weights) of its real (index, weight) pairs."""
+        real = self.index >= 0
+        rows = torch.arange(self.coarse.n)[:, None].expand_as(self.index)
+        return rows[real], self.index[real], self.weight[real]
+
+    def _on(self, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+        """:attr:`_entries` on ``device`` with weights in ``dtype``, converted once per (device, dtype)."""
+        cache = self.__dict__.setdefault("_entries_on", {})
+        key = (device, dtype)
+        if key not in cache:
+            rows, cols, weights = self._entries
+            cache[key] = (rows.to(device), cols.to(device), weights.to(device=device, dtype=dtype))
+        return cache[key]
 
     def pull(self, r: Tensor) -> Tensor:
         """``r @ D``: (B, n_coarse) -> (B, n_fine)."""
         if self.is_identity:
             return r
-        index = self.index.to(r.device)
-        weight = self.weight.to(device=r.device, dtype=r.dtype)
-        real = index >= 0
-        contrib = (r[:, :, None] * weight[None]).masked_select(real[None]).view(r.shape[0], -1)
-        out = r.new_zeros(r.shape[0], self.fine.n)
-        return out.index_add_(1, index[real], contrib)
+        rows, cols, weights = self._on(r.device, r.dtype)
+        return r.new_zeros(r.shape[0], self.fine.n).index_add_(1, cols, r[:, rows] * weights)
 
     def dense(self) -> Tensor:
         """D as a dense (n_coarse, n_fine) float64 matrix (for tests and small sets)."""

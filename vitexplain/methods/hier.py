@@ -106,6 +106,10 @@ def raw(ctx: Context, *, layer: int = -1, head: Optional[int] = None, head_fusio
 @register(
     "rollout", HIER, class_sensitive=False, requires=("grid", "attention", "rollout"),
     options={"head_fusion": _FUSION, "discard_ratio": _DISCARD, "stage": _STAGE},
+    # every call is read whole and no gradient is taken: on CPU the capture computes attention
+    # once (materialize.py). Every head is kept: a call may fold heads into its batch (SAM) or
+    # hold windows where heads are (Hiera), so the fusion is taken per window here, not there.
+    dense_attention=True,
     summary="attention rollout through every token resampling (footprint rule), on a stage grid",
     reference="Abnar & Zuidema 2020 with resampling footprints; docs/methods.md, Hierarchical transformers",
 )

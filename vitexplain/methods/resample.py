@@ -108,9 +108,7 @@ class Call:
 
     def __init__(self, spec: CallSpec, record: AttentionRecord, batch: int, index: int) -> None:
         self.spec, self.record, self.batch, self.index = spec, record, batch, index
-        device = record.device
-        self.q_slots, self.k_slots = spec.q_slots.to(device), spec.k_slots.to(device)
-        self.pairs = (self.q_slots >= 0)[:, :, None] & (self.k_slots >= 0)[:, None, :]
+        self.q_slots, self.k_slots, self.pairs, self.padded = _geometry(spec, record.device)
 
     @property
     def in_stage(self) -> int:
@@ -120,8 +118,9 @@ class Call:
     def out_stage(self) -> int:
         return self.spec.out_stage
 
-    def _per_window(self, x: Tensor) -> Tensor:
-        """(B * G, H, n_q, n_k) -> (B, G, H, n_q, n_k), padding rows and columns zeroed."""
+    def _per_window(self, x: Tensor, mask: bool = True) -> Tensor:
+        """(B * G, H, n_q, n_k) -> (B, G, H, n_q, n_k), padding rows and columns zeroed (unless
+        ``mask`` is False)."""
         heads = self.spec.folded_heads
         if heads > 1:  # (B * G * heads, [1,] n_q, n_k) -> (B * G, heads, n_q, n_k)
             x = x.reshape(-1, heads, *x.shape[-2:])
@@ -129,6 +128,8 @@ class Call:
             x = x.reshape(self.batch, -1, *x.shape[1:]).transpose(1, 2)
         else:
             x = x.reshape(self.batch, self.spec.windows, *x.shape[1:])
+        if not mask or not self.padded:  # no padding slots: nothing to zero (no copy of A)
+            return x
         return x * self.pairs[None, :, None].to(x.dtype)
 
     def probs(self) -> Tensor:
@@ -141,18 +142,29 @@ class Call:
 
     def fused(self, head_fusion: str = "mean", head: Optional[int] = None) -> Tensor:
         """(B, G, n_q, n_k): one head, or the heads fused."""
-        p = self.probs()
+        p = self._per_window(self.record.probs(), mask=False)
         if head is not None:
-            return p[:, :, head]
-        return fuse_heads(p.flatten(0, 1), head_fusion).view(p.shape[0], p.shape[1], *p.shape[3:])  # type: ignore[arg-type]
+            p = p[:, :, head]
+        else:
+            p = fuse_heads(p.flatten(0, 1), head_fusion).view(p.shape[0], p.shape[1], *p.shape[3:])  # type: ignore[arg-type]
+        # padding is zeroed after fusing (a padded pair is 0 in every head, so the fusion is 0
+        # either way): the mask multiplies one (B, G, n_q, n_k) block, not every head
+        return p * self.pairs[None].to(p.dtype) if self.padded else p
 
     def _gather(self, r: Tensor, slots: Tensor) -> Tensor:
+        """(B, n) per token -> (B, G, n_slots) per slot (0 at padding)."""
+        if not self.padded:
+            return r[:, slots]
         padded = torch.cat([r, r.new_zeros(r.shape[0], 1)], dim=1)
         return padded[:, torch.where(slots < 0, r.shape[1], slots)]
 
     def _scatter(self, v: Tensor, slots: Tensor, n: int) -> Tensor:
+        """(B, G, n_slots) per slot -> (B, n) per token, summed over the slots of a token."""
+        out = v.new_zeros(v.shape[0], n)
+        if not self.padded:
+            return out.index_add_(1, slots.flatten(), v.flatten(1))
         real = slots >= 0
-        return v.new_zeros(v.shape[0], n).index_add_(1, slots[real], v[:, real])
+        return out.index_add_(1, slots[real], v[:, real])
 
     def vec_mat(self, r: Tensor, m: Tensor) -> Tensor:
         """``r @ M`` with M = S_q^T m S_k D_k: (B, n_Q) -> (B, n_I) for blocks m (B, G, n_q, n_k)."""
@@ -176,6 +188,17 @@ class Call:
 
 
 Item = Union[Call, Transition]
+
+
+def _geometry(spec: CallSpec, device: torch.device) -> tuple[Tensor, Tensor, Tensor, bool]:
+    """A call's slots on ``device``, its real (query, key) pairs (G, n_q, n_k) and whether any
+    slot is padding; built once per spec and device (the adapter caches its chain per input size)."""
+    cache = spec.__dict__.setdefault("_on_device", {})
+    if device not in cache:
+        q_slots, k_slots = spec.q_slots.to(device), spec.k_slots.to(device)
+        pairs = (q_slots >= 0)[:, :, None] & (k_slots >= 0)[:, None, :]
+        cache[device] = (q_slots, k_slots, pairs, bool((q_slots < 0).any() or (k_slots < 0).any()))
+    return cache[device]
 
 
 def bind(chain: Sequence[Union[CallSpec, Transition]], records: Sequence[AttentionRecord], batch: int,

@@ -101,6 +101,9 @@ def raw(ctx: Context, *, layer: int = -1, head: Optional[int] = None, head_fusio
 @register(
     "rollout", SWIN, class_sensitive=False, requires=("grid", "attention", "rollout"),
     options={"head_fusion": _FUSION, "discard_ratio": _DISCARD, "stage": _STAGE},
+    # every window of every block is read, without gradients, through one head fusion: on CPU
+    # the capture computes attention once and keeps only that fusion (materialize.py)
+    dense_attention=True, reads_fused=lambda options: options["head_fusion"],
     summary="attention rollout through shifted windows and patch merging (mean readout), on a stage grid",
     reference="Abnar & Zuidema 2020 on Swin's dense windowed matrices; docs/methods.md, Swin",
 )

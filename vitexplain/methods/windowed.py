@@ -64,11 +64,13 @@ class WindowedLayer:
     batch: int
     slots: Tensor = field(init=False, repr=False)
     pairs: Tensor = field(init=False, repr=False)
+    padded: bool = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.slots = self.geometry.index(self.record.device)
         real = self.slots >= 0
         self.pairs = real[:, :, None] & real[:, None, :]
+        self.padded = not bool(real.all())
 
     @property
     def num_tokens(self) -> int:
@@ -77,6 +79,8 @@ class WindowedLayer:
     def _per_window(self, x: Tensor) -> Tensor:
         """(B * nW, H, n, n) -> (B, nW, H, n, n) with padding rows and columns zeroed."""
         x = x.view(self.batch, self.geometry.num_windows, *x.shape[1:])
+        if not self.padded:  # no padding slots: nothing to zero (no copy of A)
+            return x
         return x * self.pairs[None, :, None].to(x.dtype)
 
     def probs(self) -> Tensor:
@@ -110,6 +114,10 @@ class WindowedLayer:
 
     def fused(self, head_fusion: str = "mean", head: Optional[int] = None) -> Tensor:
         """(B, nW, n, n): one head's probabilities, or the heads fused (mean / max / min)."""
+        if head is None and self.record.heads == head_fusion:  # the capture kept only this fusion
+            fused = self.record.fused_probs(head_fusion)  # type: ignore[arg-type]
+            fused = fused.view(self.batch, self.geometry.num_windows, *fused.shape[1:])
+            return fused * self.pairs[None].to(fused.dtype) if self.padded else fused
         p = self.probs()
         if head is not None:
             return p[:, :, head]

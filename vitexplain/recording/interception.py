@@ -126,12 +126,24 @@ class AttentionMode(TorchFunctionMode):
             _mask=mask.detach() if mask is not None else None, _scale=bound.get("scale"),
             _causal=bool(bound.get("is_causal", False)),
         )
-        if self._materialize(q, k, v, mask, dropout_p, gqa):
+        if q.dim() == 3 and k.dim() == 3 and v.dim() == 3:  # (B, N, E) without heads (SAM folds them into B)
+            q4, k4, v4 = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
+            mask4 = mask.unsqueeze(-3) if mask is not None and mask.dim() == 3 else mask
+        else:
+            q4, k4, v4, mask4 = q, k, v, mask
+        if self._materialize(q4, k4, v4, mask4, dropout_p, gqa):
+            one_head = q4 is not q
             out, probs = attention_with_probs(
-                q, k, v, attn_mask=mask, scale=fields["_scale"], is_causal=fields["_causal"], heads=self.heads
+                q4, k4, v4, attn_mask=mask4, scale=fields["_scale"], is_causal=fields["_causal"],
+                heads="all" if one_head else self.heads,
             )
-            heads = self.heads if probs.dim() == 3 else "all"
-            record = self.sink.add_record(issuer, materialized=True, heads=heads, _probs=probs.detach(), **fields)
+            # kept as a recomputed record of a call without heads would give them: (B, N_q, N_k)
+            kept = probs.detach().squeeze(1) if one_head else probs.detach()
+            heads = self.heads if probs.dim() == 3 and not one_head else "all"
+            # the probabilities are kept, so the mask (SAM's relative-position bias: as large as
+            # the attention itself) is not: the record only notes that the call had one
+            fields.update(_mask=None, _masked=mask is not None)
+            record = self.sink.add_record(issuer, materialized=True, heads=heads, _probs=kept, **fields)
             if self.sink.grads:
                 record._attach_grad_hook(probs, self.sink.hooks_enabled)
             return out.reshape(*query.shape[:-1], out.shape[-1])

@@ -9,6 +9,12 @@ matmul scaled by the GEMM (``baddbmm`` with ``alpha``), one softmax (in place wh
 gradient is taken), one matmul. The model's outputs equal the fused kernel's to float32
 rounding (about 1e-6; the tests check 1e-5).
 
+A float mask that is an additive bias (SAM's decomposed relative positions) is added by the
+score GEMM itself (``baddbmm`` with the bias as its input), and when it holds no ``-inf`` the
+softmax runs in place as for an unmasked call. SDPA calls without a head dimension, (B, N, E)
+(SAM folds its heads into the batch), are computed as one head. A materialized record does
+not keep the call's mask (only that it had one): its probabilities already include it.
+
 With gradients, P stays in the autograd graph and the record's tensor hook sits on P, so
 the backward pass computes ``dy/dP`` itself (it needs it for the softmax backward anyway)
 and ``grad_probs()`` returns it: no ``dO V^T`` product afterwards.
@@ -160,11 +166,20 @@ def attention_with_probs(
     masked = is_causal or attn_mask is not None
     if not grad and not masked and q.shape[1] * q.shape[2] * k.shape[2] >= PER_IMAGE_MIN:
         return _per_image(q, k, v, score_scale(q, scale), heads)
-    scores = attention_scores(q, k, attn_mask=attn_mask, scale=scale, is_causal=is_causal)
-    if not masked and not scores.requires_grad:
-        probs = torch.softmax(scores, dim=-1, out=scores)  # in place: no second N x N buffer
+    biased = (not grad and not is_causal and attn_mask is not None and attn_mask.dtype == torch.float32
+              and k.shape[1] == q.shape[1])
+    if biased:  # an additive bias (SAM's relative positions): added by the GEMM itself
+        scores = _biased_scores(q, k, attn_mask, score_scale(q, scale))  # type: ignore[arg-type]
+        if bool(torch.isfinite(attn_mask).all()):  # no key masked out: a plain softmax, in place
+            probs = torch.softmax(scores, dim=-1, out=scores)
+        else:
+            probs = masked_softmax(scores, True)
     else:
-        probs = masked_softmax(scores, masked)
+        scores = attention_scores(q, k, attn_mask=attn_mask, scale=scale, is_causal=is_causal)
+        if not masked and not scores.requires_grad:
+            probs = torch.softmax(scores, dim=-1, out=scores)  # in place: no second N x N buffer
+        else:
+            probs = masked_softmax(scores, masked)
     b, h, n_q, n_k = probs.shape
     values = _repeat_heads(v, h)
     out = torch.bmm(probs.view(b * h, n_q, n_k), values.reshape(b * h, n_k, values.shape[-1]))
@@ -174,6 +189,26 @@ def attention_with_probs(
     if _heads_inside_tokens(q):  # the fused kernel's layout, so the model's .view()s work alike
         out = out.transpose(1, 2).contiguous().transpose(1, 2)
     return out, probs
+
+
+def _biased_scores(q: Tensor, k: Tensor, bias: Tensor, scale: float) -> Tensor:
+    """``q k^T * scale + bias`` as one ``baddbmm`` (no separate pass adding the bias).
+
+    Args:
+        q: (B, H, N_q, E); k: (B, H, N_k, E) (as many heads as q).
+        bias: float32, broadcastable to (B, H, N_q, N_k).
+
+    Returns:
+        (B, H, N_q, N_k) float32 scores.
+    """
+    b, h, n_q, _ = q.shape
+    n_k = k.shape[2]
+    if bias.dim() <= 2:
+        bias3 = bias  # broadcast by baddbmm itself
+    else:
+        bias3 = bias.expand(b, h, n_q, n_k).reshape(b * h, n_q, n_k)  # a view when B x H are kept
+    q3, k3 = q.reshape(b * h, n_q, -1), k.reshape(b * h, n_k, -1)
+    return torch.baddbmm(bias3, q3, k3.transpose(1, 2), alpha=scale).view(b, h, n_q, n_k)
 
 
 def _heads_inside_tokens(q: Tensor) -> bool:

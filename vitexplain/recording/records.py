@@ -215,6 +215,7 @@ class AttentionRecord:
     _mask: Optional[Tensor] = field(default=None, repr=False)
     _scale: Optional[float] = field(default=None, repr=False)
     _causal: bool = field(default=False, repr=False)
+    _masked: bool = field(default=False, repr=False)
     _probs: Optional[Tensor] = field(default=None, repr=False)
     _out: Optional[Tensor] = field(default=None, repr=False)
     _grad_out: Optional[Tensor] = field(default=None, repr=False)
@@ -250,7 +251,7 @@ class AttentionRecord:
         zeros, and an eager model's softmax may be masked in ways the capture does not see,
         so their sums must be computed.
         """
-        return self.source == "sdpa" and self._mask is None and not self._causal
+        return self.source == "sdpa" and self._mask is None and not self._masked and not self._causal
 
     @property
     def _holds_probs(self) -> bool:
