@@ -188,7 +188,7 @@ def vlm_page(tmp_path_factory):
         ex.adapter.forward_logits(ex.adapter.teacher_inputs(inputs, ids))
     start = inputs["input_ids"].shape[1]
     rows = torch.arange(start - 1, start - 1 + ids.shape[1])
-    cols = ex.adapter.image_columns(torch.cat([inputs["input_ids"], ids], 1))[0]
+    cols = ex.adapter.image_columns({"input_ids": torch.cat([inputs["input_ids"], ids], 1)})[0]
     att = np.stack([r.probs(queries=rows)[0][..., cols].double().numpy() for r in ex.adapter.lm_records(rec.records)])
     return path, expected, att  # att: (L, H, T, 64)
 

@@ -26,13 +26,16 @@ import support_table as support
 FAMILIES = {f.name: f for f in support.rows()}
 #: one cheap method per group (the support sweep covers every method)
 METHOD = {"ViT": "cdam", "Hugging Face": "cdam", "Swin": "cdam", "hierarchical": "cdam", "CNN": "gradcam", "hybrid": "gradcam",
-          "captioner": "cross"}
+          "captioner": "cross", "VLM": "cross"}
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_explore_family(name, tmp_path) -> None:
     family = FAMILIES[name]
     torch.manual_seed(0)
+    if family.group == "VLM":
+        _explore_vlm(family, tmp_path)
+        return
     model = family.build().eval()
     support.reinit_heads(model)
     cfg = getattr(model, "pretrained_cfg", None)
@@ -104,3 +107,23 @@ def _check_stage_views(model, image, data) -> None:
         assert (rows > 0).sum(-1).max() <= record.num_keys
     sums = rows.sum(-1)
     assert sums.max() <= 1.02 and sums.max() > 0
+
+
+def _explore_vlm(family, tmp_path) -> None:
+    """A vision-language row: the page steps through the answer's words with the method's maps over
+    the image and the language model's attention; a family vitexplain refuses is refused by the
+    explorer with the same clear error as by the Explainer."""
+    image = (np.random.default_rng(1).random((*family.size, 3)) * 255).astype(np.uint8)
+    if family.refused:
+        model = family.build().eval()
+        with pytest.raises((vx.UnsupportedModelError, vx.UnsupportedMethodError), match="does not apply|refus|not"):
+            vx.explore(model, image, tmp_path / "p.html", method=["cross"], max_len=3)
+        return
+    model, processor = family.build()
+    support.reinit_heads(model.eval())
+    page = vx.explore(model, image, tmp_path / "p.html", processor=processor, method=["cross"], max_len=3).read_text()
+    data = json.loads(re.search(r'id="vx-data">(.*?)</script>', page, re.S).group(1))["images"][0]
+    assert data["family"] == "vlm"
+    vlm = data["vlm"]
+    assert [m["name"] for m in vlm["methods"]] == ["cross"]  # a random model may answer with no word at all
+    assert vlm["pieces"], "the page draws each token grid over its box of the image"

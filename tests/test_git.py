@@ -47,7 +47,7 @@ def _eager(model):
 
 def test_git_is_a_captioner_with_cross_methods(model):
     ex = vx.Explainer(model)
-    assert ex.family == "caption" and ex.methods() == ["cross", "cross_generic"]
+    assert ex.family == "caption" and ex.methods() == ["cross", "cross_generic", "attnlrp", "cp_lrp"]
     layout = ex.adapter.layout((32, 32))
     assert (layout.num_prefix_tokens, layout.grid) == (1, (4, 4))
 
