@@ -251,6 +251,11 @@ class VLMAdapter(Adapter):
             batch = processor(images=given, text=texts, return_tensors="pt", padding=True)
         finally:
             tokenizer.padding_side = side
+        for key in list(batch.keys()):
+            # an empty prompt gives a second tokenizer (InstructBLIP's Q-Former) no token at all,
+            # and the processor builds that empty batch as float: ids and masks are integers
+            if key.endswith(("input_ids", "attention_mask")) and batch[key].is_floating_point():
+                batch[key] = batch[key].long()
         device = next(self.model.parameters()).device
         return batch.to(device)
 
