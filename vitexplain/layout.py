@@ -22,7 +22,7 @@ from torch import Tensor
 
 from .errors import UnsupportedModelError, UsageError
 
-__all__ = ["TokenLayout", "WindowGeometry"]
+__all__ = ["TokenLayout", "WindowGeometry", "pair"]
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,8 @@ class TokenLayout:
             )
 
 
-def _pair(value: object) -> tuple[int, int]:
+def pair(value: object) -> tuple[int, int]:
+    """``(h, w)`` from an int (square) or a 2-sequence (a size, patch, stride or kernel): ``(int, int)``."""
     if isinstance(value, (tuple, list)):
         return int(value[0]), int(value[1])
     return int(value), int(value)  # type: ignore[arg-type]

@@ -85,7 +85,7 @@ from typing import Any, Callable, Optional, Union
 from torch import Tensor, nn
 
 from ..errors import UnsupportedModelError
-from ..layout import TokenLayout, _pair
+from ..layout import TokenLayout, pair
 from ..methods.families import Family, family as _family
 from ..methods.registry import CAPABILITIES
 from ..recording.compiled import unwrap_compiled
@@ -266,7 +266,7 @@ def find_layout_module(model: nn.Module, input_size: tuple[int, int]) -> tuple[s
     Raises:
         UnsupportedModelError: neither the model nor any submodule has a known layout.
     """
-    size = _pair(input_size)
+    size = pair(input_size)
     model = unwrap_compiled(model)
     for name, module in model.named_modules():
         layout = _own_layout(module, size, adapter=name == "")
@@ -298,4 +298,4 @@ def token_layout(model: nn.Module, input_size: Union[tuple[int, int], int]) -> T
     Raises:
         UnsupportedModelError: the model family is not recognised.
     """
-    return find_layout_module(model, _pair(input_size))[2]
+    return find_layout_module(model, pair(input_size))[2]

@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor, nn
 
-from ..layout import TokenLayout, _pair
+from ..layout import TokenLayout, pair
 from ..methods.families import VIT
 from .base import Adapter, register_adapter
 from .vit import ViTAdapter
@@ -158,8 +158,8 @@ class HFViTAdapter(ViTAdapter):
 
     def layout(self, input_size: tuple[int, int]) -> TokenLayout:
         config = _vision_config(self.model)
-        patch = _pair(config.patch_size)
-        size = _pair(input_size)
+        patch = pair(config.patch_size)
+        size = pair(input_size)
         prefix = self.kind.prefix + int(getattr(config, "num_register_tokens", 0) or 0)
         readout = self.kind.readout if isinstance(self.kind.readout, str) else self.kind.readout(self.model)
         grid = (size[0] // patch[0], size[1] // patch[1])
@@ -185,7 +185,7 @@ class HFViTAdapter(ViTAdapter):
         return self.kind.pooled(self.model, tower, tokens)
 
     def preprocess_kwargs(self) -> dict[str, Any]:
-        size = _pair(_vision_config(self.model).image_size)
+        size = pair(_vision_config(self.model).image_size)
         mean, std, crop_pct, interpolation = self.kind.stats
         return dict(input_size=size, mean=mean, std=std, crop_pct=crop_pct, interpolation=interpolation)
 

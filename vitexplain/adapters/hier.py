@@ -20,7 +20,7 @@ from typing import Any, Optional, Sequence, Union
 
 from torch import Tensor, nn
 
-from ..layout import TokenLayout, _pair
+from ..layout import TokenLayout, pair
 from ..methods.families import HIER
 from ..methods.resample import CallSpec, Footprint, TokenSet, Transition, full_slots, readout, window_slots
 from .base import Adapter, register_adapter
@@ -38,7 +38,7 @@ def module_family(model: nn.Module, prefix: str) -> bool:
 
 def conv_grid(grid: tuple[int, int], kernel: Any, stride: Any, padding: Any = 0, ceil: bool = False) -> tuple[int, int]:
     """The output grid of a convolution or pooling (PyTorch's size rule)."""
-    k, s, p = _pair(kernel), _pair(stride), _pair(padding)
+    k, s, p = pair(kernel), pair(stride), pair(padding)
     if ceil:
         return tuple(-(-(g + 2 * pp - kk) // ss) + 1 for g, kk, ss, pp in zip(grid, k, s, p))  # type: ignore[return-value]
     return tuple((g + 2 * pp - kk) // ss + 1 for g, kk, ss, pp in zip(grid, k, s, p))  # type: ignore[return-value]
@@ -87,7 +87,7 @@ class HierAdapter(Adapter):
         raise self.not_implemented("build()")
 
     def _cached(self, input_size: Sequence[int]) -> tuple[Chain, list[TokenSet]]:
-        size = _pair(input_size)
+        size = pair(input_size)
         if size not in self._built:
             self._built[size] = self.build(size)
         return self._built[size]
@@ -125,7 +125,7 @@ class HierAdapter(Adapter):
 
     def layout(self, input_size: Sequence[int]) -> TokenLayout:
         """The layout of the finest token grid (stage 0), the grid of the default maps."""
-        size = _pair(input_size)
+        size = pair(input_size)
         first = self.stage_sets(size)[0]
         stride = (max(1, size[0] // first.grid[0]), max(1, size[1] // first.grid[1]))
         return TokenLayout(first.prefix, first.grid, first.prefix > 0, self.readout, patch_size=stride)
@@ -147,7 +147,7 @@ def _sr_keys(attn: nn.Module, tokens: TokenSet) -> Footprint:
     """The keys' footprint of a spatial-reduction attention (PVTv2, Twins' GSA)."""
     pool = getattr(attn, "pool", None)
     if pool is not None:  # PVTv2 linear: adaptive average pooling, then a 1 x 1 conv
-        out = _pair(pool.output_size)
+        out = pair(pool.output_size)
         return Footprint.adaptive(tokens, _set(out))
     sr = getattr(attn, "sr", None)
     if sr is None:
@@ -213,7 +213,7 @@ class TwinsAdapter(HierAdapter):
                 attn, name = block.attn, f"blocks.{s}.{b}.attn"
                 window = getattr(attn, "ws", None)
                 if window is not None and type(attn).__name__ == "LocallyGroupedAttn":
-                    slots = window_slots(tokens, _pair(window))
+                    slots = window_slots(tokens, pair(window))
                     chain.append(CallSpec(name, tokens, tokens, slots, slots, Footprint.identity(tokens),
                                           Footprint.identity(tokens), s, s))
                 else:
@@ -230,13 +230,13 @@ class SamViTAdapter(HierAdapter):
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
         self.token_sites = [f"blocks.{len(model.blocks) - 1}.norm1"]
-        self.fixed_size = tuple(_pair(model.patch_embed.img_size))
+        self.fixed_size = tuple(pair(model.patch_embed.img_size))
 
     def site_grid(self, stage: int, output: Tensor, input_size: Sequence[int]) -> Tensor:
         return output  # SAM's blocks keep tokens as (B, H, W, C)
 
     def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
-        patch = _pair(self.model.patch_embed.patch_size)
+        patch = pair(self.model.patch_embed.patch_size)
         tokens = _set((input_size[0] // patch[0], input_size[1] // patch[1]))
         chain: Chain = []
         for b, block in enumerate(self.model.blocks):
@@ -246,7 +246,7 @@ class SamViTAdapter(HierAdapter):
             chain.append(CallSpec(name, tokens, tokens, slots, slots, identity, identity, 0, 0,
                                   folded_heads=int(block.attn.num_heads)))
         for k, layer in enumerate(getattr(self.model, "neck", [])):
-            if isinstance(layer, nn.Conv2d) and _pair(layer.kernel_size) != (1, 1):
+            if isinstance(layer, nn.Conv2d) and pair(layer.kernel_size) != (1, 1):
                 out = _set(conv_grid(tokens.grid, layer.kernel_size, layer.stride, layer.padding))
                 chain.append(Transition(Footprint.pool(tokens, out, layer.kernel_size, layer.stride, layer.padding),
                                         0, 0, f"neck.{k}"))

@@ -14,7 +14,7 @@ from typing import Any, Optional, Sequence
 
 from torch import Tensor, nn
 
-from ..layout import _pair
+from ..layout import pair
 from ..methods.families import HIER
 from ..methods.resample import CallSpec, Footprint, TokenSet, Transition, full_slots, window_slots
 from .base import Adapter, register_adapter
@@ -30,7 +30,7 @@ def _set(grid: Sequence[int]) -> TokenSet:
 def _keys(attn: nn.Module, tokens: TokenSet, sr_name: str) -> Footprint:
     pool = getattr(attn, "pool", None)
     if isinstance(pool, nn.AdaptiveAvgPool2d):  # PVTv2 linear attention
-        return Footprint.adaptive(tokens, _set(_pair(pool.output_size)))
+        return Footprint.adaptive(tokens, _set(pair(pool.output_size)))
     sr: Optional[nn.Module] = attn
     for part in sr_name.split("."):
         sr = getattr(sr, part, None) if sr is not None else None
@@ -67,7 +67,7 @@ class HFSpatialReductionAdapter(_HFForward, HierAdapter):
         self.token_sites = [f"{stages}.{s}.blocks.{len(st.blocks) - 1}.{norm}" for s, st in enumerate(self.stage_modules)]
         self.has_head = getattr(model, "classifier", None) is not None
         size = getattr(model.config, "image_size", None)
-        self.fixed_size = None if size is None else _pair(size)
+        self.fixed_size = None if size is None else pair(size)
 
     def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
         chain: Chain = []
@@ -100,7 +100,7 @@ class HFSamVisionAdapter(_HFForward, HierAdapter):
         self.enc = enc
         self.token_sites = [f"{prefix}layers.{len(enc.layers) - 1}.layer_norm1"]
         self.has_head = False
-        self.fixed_size = _pair(model.config.image_size)
+        self.fixed_size = pair(model.config.image_size)
 
     def site_grid(self, stage: int, output: Tensor, input_size: Sequence[int]) -> Tensor:
         return output  # (B, H, W, C)
@@ -115,7 +115,7 @@ class HFSamVisionAdapter(_HFForward, HierAdapter):
             slots = window_slots(tokens, (window, window)) if window > 0 else full_slots(tokens)
             chain.append(CallSpec(f"{self.prefix}layers.{i}.attn", tokens, tokens, slots, slots, identity, identity, 0, 0))
         for name, layer in self.enc.neck.named_children():
-            if isinstance(layer, nn.Conv2d) and _pair(layer.kernel_size) != (1, 1):
+            if isinstance(layer, nn.Conv2d) and pair(layer.kernel_size) != (1, 1):
                 out = _set(conv_grid(tokens.grid, layer.kernel_size, layer.stride, layer.padding))
                 chain.append(Transition(Footprint.pool(tokens, out, layer.kernel_size, layer.stride, layer.padding),
                                         0, 0, f"{self.prefix}neck.{name}"))

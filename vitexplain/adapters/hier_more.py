@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from ..layout import TokenLayout, _pair
+from ..layout import TokenLayout, pair
 from ..methods.families import HIER
 from ..methods.resample import CallSpec, Footprint, TokenSet, Transition
 from .base import Adapter, register_adapter
@@ -61,7 +61,7 @@ class TorchvisionMaxViTAdapter(HierAdapter):
         return out.view(output.shape[0], *grid, output.shape[-1])
 
     def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
-        grid = _pair(input_size)
+        grid = pair(input_size)
         for conv in (m for m in self.model.stem.modules() if isinstance(m, nn.Conv2d)):
             grid = conv_grid(grid, conv.kernel_size, conv.stride, conv.padding)
         chain: Chain = []
@@ -69,7 +69,7 @@ class TorchvisionMaxViTAdapter(HierAdapter):
         tokens: Optional[TokenSet] = None
         for s, name, layer in self.layers:
             conv = layer.layers.MBconv.layers.conv_b[0]
-            if _pair(conv.stride) != (1, 1):
+            if pair(conv.stride) != (1, 1):
                 fine = tokens or _set(grid)
                 coarse = _set(conv_grid(fine.grid, conv.kernel_size, conv.stride, conv.padding))
                 if tokens is not None:
@@ -110,7 +110,7 @@ class HieraAdapter(HierAdapter):
             self.stage_of.append(stage)
         last = {s: i for i, s in enumerate(self.stage_of)}
         self.token_sites = [f"blocks.{last[s]}.norm1" for s in range(stage + 1)]
-        stride = _pair(model.patch_embed.proj.stride)
+        stride = pair(model.patch_embed.proj.stride)
         self.fixed_size = tuple(int(t) * st for t, st in zip(model.tokens_spatial_shape, stride))
 
     def _orders(self, input_size: tuple[int, int]) -> list[tuple[tuple[int, int], Tensor]]:
@@ -130,7 +130,7 @@ class HieraAdapter(HierAdapter):
         return out
 
     def site_grid(self, stage: int, output: Tensor, input_size: Sequence[int]) -> Tensor:
-        grid, order = self._orders(_pair(input_size))[stage]
+        grid, order = self._orders(pair(input_size))[stage]
         out = output.new_zeros(output.shape[0], grid[0] * grid[1], output.shape[-1])
         out[:, order.to(output.device)] = output
         return out.view(output.shape[0], *grid, output.shape[-1])
@@ -173,13 +173,13 @@ class CrossViTAdapter(HierAdapter):
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
         self.readout = "class" if model.global_pool == "token" else "mean"
-        self.grids = [tuple(int(s) // int(p) for s, p in zip(_pair(size), _pair(embed.patch_size)))
+        self.grids = [tuple(int(s) // int(p) for s, p in zip(pair(size), pair(embed.patch_size)))
                       for size, embed in zip(model.img_size_scaled, model.patch_embed)]
         self.offsets = [0, 1 + self.grids[0][0] * self.grids[0][1]]
         self.total = self.offsets[1] + 1 + self.grids[1][0] * self.grids[1][1]
         last = model.blocks[-1]
         self.token_sites = [f"blocks.{len(model.blocks) - 1}.blocks.{b}.{len(last.blocks[b]) - 1}.norm1" for b in range(2)]
-        self.fixed_size = tuple(_pair(model.img_size))
+        self.fixed_size = tuple(pair(model.img_size))
 
     def readout_row(self, tokens: TokenSet, batch: int, device: object) -> Tensor:
         row = torch.zeros(batch, tokens.n, device=device)
@@ -226,7 +226,7 @@ class CrossViTAdapter(HierAdapter):
         return output[:, 1:].reshape(output.shape[0], *self.grids[stage], output.shape[-1])
 
     def layout(self, input_size: Sequence[int]) -> "TokenLayout":
-        size = _pair(input_size)
+        size = pair(input_size)
         grid = self.grids[0]
         return TokenLayout(1, grid, True, self.readout, patch_size=(size[0] // grid[0], size[1] // grid[1]))
 

@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 
 from torch import Tensor, nn
 
-from ..layout import _pair
+from ..layout import pair
 from ..methods.families import HIER
 from ..methods.resample import CallSpec, Footprint, TokenSet, Transition, full_slots, grid_slots, window_slots
 from .base import Adapter, register_adapter
@@ -52,7 +52,7 @@ class PiTAdapter(HierAdapter):
         self.prefix = int(model.cls_token.shape[1])
         self.readout = "prefix" if self.prefix > 1 else "class"  # distilled: mean of the two heads
         self.token_sites = [f"transformers.{s}.blocks.{len(t.blocks) - 1}.norm1" for s, t in enumerate(model.transformers)]
-        self.fixed_size = tuple(_pair(model.patch_embed.img_size)) if hasattr(model.patch_embed, "img_size") else None
+        self.fixed_size = tuple(pair(model.patch_embed.img_size)) if hasattr(model.patch_embed, "img_size") else None
 
     def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
         conv = self.model.patch_embed.conv
@@ -72,9 +72,9 @@ class PiTAdapter(HierAdapter):
 def _same_padding(conv: nn.Conv2d, grid: tuple[int, int]) -> tuple[int, int]:
     """The padding before the first row / column: TF-style 'same' convs (``Conv2dSame``) pad
     ``total // 2`` before and the rest after; others pad symmetrically."""
-    k, s = _pair(conv.kernel_size), _pair(conv.stride)
+    k, s = pair(conv.kernel_size), pair(conv.stride)
     if "Same" not in type(conv).__name__:
-        return _pair(conv.padding) if any(_pair(conv.padding)) else (k[0] // 2, k[1] // 2)
+        return pair(conv.padding) if any(pair(conv.padding)) else (k[0] // 2, k[1] // 2)
     return tuple(max((-(-g // ss) - 1) * ss + kk - g, 0) // 2 for g, kk, ss in zip(grid, k, s))  # type: ignore[return-value]
 
 
@@ -93,7 +93,7 @@ class MaxViTAdapter(HierAdapter):
         return output if type(last).__name__.endswith("Cl") else output.permute(0, 2, 3, 1)
 
     def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
-        grid = _pair(input_size)
+        grid = pair(input_size)
         for conv in (m for m in self.model.stem.modules() if isinstance(m, nn.Conv2d)):
             grid = conv_grid(grid, conv.kernel_size, conv.stride, conv.kernel_size[0] // 2)
         chain: Chain = []
@@ -101,7 +101,7 @@ class MaxViTAdapter(HierAdapter):
         tokens: Optional[TokenSet] = None
         for s, stage in enumerate(self.model.stages):
             for b, block in enumerate(stage.blocks):
-                dw = next((m for m in block.conv.modules() if isinstance(m, nn.Conv2d) and _pair(m.stride) != (1, 1)), None)
+                dw = next((m for m in block.conv.modules() if isinstance(m, nn.Conv2d) and pair(m.stride) != (1, 1)), None)
                 if dw is not None:  # the strided (depthwise) conv resamples the grid
                     k, st = dw.kernel_size, dw.stride
                     pad = _same_padding(dw, tokens.grid if tokens else grid)
@@ -117,7 +117,7 @@ class MaxViTAdapter(HierAdapter):
                     sets.append(tokens)
                 for part in ("attn_block", "attn_grid"):
                     module = getattr(block, part)
-                    size = _pair(module.partition_size)
+                    size = pair(module.partition_size)
                     slots = window_slots(tokens, size) if module.partition_block else grid_slots(tokens, size)
                     identity = Footprint.identity(tokens)
                     chain.append(CallSpec(f"stages.{s}.blocks.{b}.{part}.attn", tokens, tokens, slots, slots, identity,
@@ -146,7 +146,7 @@ class LeViTAdapter(HierAdapter):
         self.token_sites = sites
 
     def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
-        grid = _pair(input_size)
+        grid = pair(input_size)
         for conv in (m for m in self.model.stem.modules() if isinstance(m, nn.Conv2d)):
             grid = conv_grid(grid, conv.kernel_size, conv.stride, conv.padding)
         tokens = _set(grid)
@@ -209,10 +209,10 @@ class TNTAdapter(HierAdapter):
         super().__init__(model)
         self.readout = "class" if model.global_pool == "token" else "mean"
         self.token_sites = [f"blocks.{len(model.blocks) - 1}.norm_out"]
-        self.fixed_size = tuple(_pair(model.pixel_embed.img_size))
+        self.fixed_size = tuple(pair(model.pixel_embed.img_size))
 
     def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
-        patch = _pair(self.model.pixel_embed.patch_size)
+        patch = pair(self.model.pixel_embed.patch_size)
         tokens = _set((input_size[0] // patch[0], input_size[1] // patch[1]), 1)
         return [global_call(f"blocks.{b}.attn_out", tokens, 0) for b in range(len(self.model.blocks))], [tokens]
 

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import UnsupportedMethodError
-from ..layout import TokenLayout, _pair
+from ..layout import TokenLayout, pair
 from ..recording.records import ActivationRecord
 from ..methods.families import VIT
 from .base import Adapter, register_adapter
@@ -111,7 +111,7 @@ class ViTAdapter(Adapter):
 # -- timm -------------------------------------------------------------------------------------
 def _timm_layout(model: nn.Module, size: tuple[int, int]) -> TokenLayout:
     embed = model.patch_embed
-    patch = _pair(embed.patch_size)
+    patch = pair(embed.patch_size)
     if hasattr(embed, "dynamic_feat_size"):
         grid = tuple(embed.dynamic_feat_size(size))
     else:
@@ -135,7 +135,7 @@ class TimmViTAdapter(ViTAdapter):
         self.has_head = int(getattr(model, "num_classes", 1) or 0) > 0
 
     def layout(self, input_size: tuple[int, int]) -> TokenLayout:
-        return _timm_layout(self.model, _pair(input_size))
+        return _timm_layout(self.model, pair(input_size))
 
     def head(self, tokens: Tensor) -> Tensor:
         return self.model.forward_head(self.model.norm(tokens))
@@ -144,9 +144,9 @@ class TimmViTAdapter(ViTAdapter):
         kwargs = super().preprocess_kwargs()
         embed = self.model.patch_embed
         fixed = getattr(embed, "img_size", None) and not getattr(self.model, "dynamic_img_size", False)
-        if fixed and tuple(_pair(embed.img_size)) != tuple(kwargs["input_size"]):
+        if fixed and tuple(pair(embed.img_size)) != tuple(kwargs["input_size"]):
             # built without a config, or with another img_size than its config's
-            kwargs["input_size"] = tuple(_pair(embed.img_size))
+            kwargs["input_size"] = tuple(pair(embed.img_size))
         return kwargs
 
 
@@ -191,8 +191,8 @@ class XcitAdapter(TimmViTAdapter):
             self._drop("head", "this XCiT has no class-attention blocks")
 
     def layout(self, input_size: tuple[int, int]) -> TokenLayout:
-        size = _pair(input_size)
-        patch = _pair(self.model.patch_embed.patch_size)
+        size = pair(input_size)
+        patch = pair(self.model.patch_embed.patch_size)
         grid = (size[0] // patch[0], size[1] // patch[1])
         has_cls = self.model.cls_attn_blocks is not None
         readout = "class" if has_cls and self.model.global_pool == "token" else "mean"
@@ -228,7 +228,7 @@ class TorchvisionViTAdapter(ViTAdapter):
         self.norm1 = f"{self.blocks[-1]}.ln_1"
 
     def layout(self, input_size: tuple[int, int]) -> TokenLayout:
-        size, p = _pair(input_size), int(self.model.patch_size)
+        size, p = pair(input_size), int(self.model.patch_size)
         return TokenLayout(1, (size[0] // p, size[1] // p), True, "class", patch_size=(p, p))
 
     def head(self, tokens: Tensor) -> Tensor:
