@@ -30,7 +30,7 @@ from ..layout import TokenLayout
 from ..recording import AttentionRecord
 from .quantize import payload_bytes, quantize_rows
 
-__all__ = ["rollout_matrices", "prefix_labels", "attention_payload", "attention_views", "DEFAULT_ATTENTION_BUDGET_MB"]
+__all__ = ["rollout_matrices", "prefix_labels", "attention_payload", "attention_views", "layers_that_fit", "DEFAULT_ATTENTION_BUDGET_MB"]
 
 #: MB of base64 the attention views of one image may take by default (a 224 px ViT-S page's
 #: budget is 6 MB; the image, maps and script take the rest).
@@ -94,7 +94,8 @@ def attention_views(
     return attention_payload(square, layout, prefix_names, budget=budget)
 
 
-def _layers_that_fit(num_layers: int, per_layer: int, budget: int) -> list[int]:
+def layers_that_fit(num_layers: int, per_layer: int, budget: int) -> list[int]:
+    """Indices of at most ``budget // per_layer`` layers, spread evenly and always with the last."""
     fit = budget // max(per_layer, 1)
     if fit >= num_layers:
         return list(range(num_layers))
@@ -141,13 +142,13 @@ def attention_payload(
     n, prefix = layout.num_tokens, layout.num_prefix_tokens
     heads = records[0].num_heads
     one_matrix = _split_bytes(n, n, prefix)
-    chosen = _layers_that_fit(len(records), (heads + 1) * one_matrix, budget)
+    chosen = layers_that_fit(len(records), (heads + 1) * one_matrix, budget)
     head_labels = [str(h) for h in range(heads)]
     note = ""
     if len(chosen) < len(records):
         note = f"{len(chosen)} of {len(records)} layers embedded (page budget {budget / 1e6:.1f} MB)"
     if not chosen:
-        chosen = _layers_that_fit(len(records), 2 * one_matrix, budget)
+        chosen = layers_that_fit(len(records), 2 * one_matrix, budget)
         head_labels = ["mean"]
         note = (
             f"heads fused (mean) and {len(chosen)} of {len(records)} layers embedded (page budget {budget / 1e6:.1f} MB)"

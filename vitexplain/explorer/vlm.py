@@ -25,19 +25,11 @@ import torch
 from ..errors import CaptureError
 from ..plan import Plan
 from ..recording import capture
+from .attention import layers_that_fit
 from .methods import explain_all
 from .quantize import payload_bytes, quantize_rows
 
 __all__ = ["vlm_data", "vlm_attention"]
-
-
-def _layers_that_fit(num_layers: int, per_layer: int, budget: int) -> list[int]:
-    fit = budget // max(per_layer, 1)
-    if fit >= num_layers:
-        return list(range(num_layers))
-    if fit < 1:
-        return []
-    return sorted({int(round(i)) for i in np.linspace(num_layers - 1, 0, int(fit))})
 
 
 def vlm_attention(adapter: Any, inputs: Any, ids: torch.Tensor, *, budget: int) -> Optional[dict[str, Any]]:
@@ -64,12 +56,12 @@ def vlm_attention(adapter: Any, inputs: Any, ids: torch.Tensor, *, budget: int) 
     columns = adapter.image_columns(kwargs)[0]
     rows = torch.arange(start - 1, start - 1 + t, device=columns.device)
     n, heads = int(columns.numel()), layers[0].num_heads
-    chosen = _layers_that_fit(len(layers), heads * payload_bytes(t, n), budget)
+    chosen = layers_that_fit(len(layers), heads * payload_bytes(t, n), budget)
     labels, note = [str(h) for h in range(heads)], ""
     if len(chosen) < len(layers):
         note = f"{len(chosen)} of {len(layers)} layers embedded (page budget {budget / 1e6:.1f} MB)"
     if not chosen:
-        chosen = _layers_that_fit(len(layers), payload_bytes(t, n), budget)
+        chosen = layers_that_fit(len(layers), payload_bytes(t, n), budget)
         labels = ["mean"]
         note = f"heads fused (mean) and {len(chosen)} of {len(layers)} layers embedded (page budget {budget / 1e6:.1f} MB)"
     out: dict[str, Any] = {"layers": [layers[i].name for i in chosen], "layerIndex": chosen, "heads": labels,
