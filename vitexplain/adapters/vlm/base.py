@@ -189,7 +189,7 @@ class VLMAdapter(Adapter):
     def __init__(self, model: nn.Module, processor: Any = None) -> None:
         super().__init__(model)
         self.processor = processor
-        self.capabilities = frozenset({"joint"})
+        self.capabilities = frozenset({"joint", "image_attention"})
         self.lm_prefix = submodule_named(model, "language_model", "text_model")
 
     # -- what the Explainer needs -------------------------------------------------------------
