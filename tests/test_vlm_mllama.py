@@ -163,6 +163,7 @@ def test_the_model_is_left_as_found(built):
     flags = {n: p.requires_grad for n, p in model.named_parameters()}
     implementations = {n: getattr(m.config, "_attn_implementation", None) for n, m in model.named_modules()
                        if hasattr(m, "config")}
+    hooks = {n: (list(m._forward_hooks), list(m._forward_pre_hooks), list(m._backward_hooks)) for n, m in model.named_modules()}
     vx.Explainer(model, processor=proc).explain_caption(helpers.images(8, SIZES[:1]), method=["cross", "cross_generic"],
                                                         prompt="what is", max_len=3)
     assert not model.training
@@ -170,6 +171,7 @@ def test_the_model_is_left_as_found(built):
     assert all(p.grad is None for p in model.parameters())
     assert {n: getattr(m.config, "_attn_implementation", None) for n, m in model.named_modules()
             if hasattr(m, "config")} == implementations
-    assert not any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks for m in model.modules())
+    assert {n: (list(m._forward_hooks), list(m._forward_pre_hooks), list(m._backward_hooks))
+            for n, m in model.named_modules()} == hooks
     for name, value in model.state_dict().items():
         assert torch.equal(value, state[name]), name
