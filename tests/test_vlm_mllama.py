@@ -175,3 +175,32 @@ def test_the_model_is_left_as_found(built):
             for n, m in model.named_modules()} == hooks
     for name, value in model.state_dict().items():
         assert torch.equal(value, state[name]), name
+
+
+def test_the_explorer_page_shows_the_cross_attention_over_the_tiles(built, tmp_path):
+    """The page's attention views: per cross-attention layer and head, the predicting rows over the pixel-bearing
+    keys (class tokens dropped), in the order of the per-token scores drawn over the tiles."""
+    import json
+    import re
+
+    from vitexplain.explorer.quantize import dequantize_rows
+
+    _, model, proc = built
+    image = helpers.images(9, SIZES[:1])[0]
+    path = vx.explore(model, [image], tmp_path / "mllama.html", processor=proc, prompt="what is", max_len=3)
+    text = path.read_text(encoding="utf-8")
+    v = json.loads(re.search(r'<script type="application/json" id="vx-data">(.*?)</script>', text, re.S).group(1))
+    v = v["images"][0]["vlm"]
+    assert [p["name"] for p in v["pieces"]] == ["tile 0,0", "tile 0,1", "tile 0,2"] and v["tokens"] == 48
+    ids = _answer_ids(proc, [v["words"]])
+    kwargs, start, ids, _ = _oracle_inputs("mllama", model, proc, [image], ["what is"], ids)
+    with torch.no_grad():
+        out = helpers.eager_copy(model)(**kwargs, output_attentions=True, use_cache=False)
+    keys = torch.arange(3 * 17)
+    rows = torch.arange(start - 1, start - 1 + ids.shape[1])
+    cross = model.config.text_config.cross_attention_layers
+    oracle = torch.stack([out.attentions[i][0][:, rows][:, :, keys[keys % 17 != 0]] for i in cross]).numpy()
+    att = v["attention"]
+    assert att["layerIndex"] == [0, 1] and att["words"] == ids.shape[1]
+    got = dequantize_rows(att["probs"]).reshape(oracle.shape)
+    assert abs(got - oracle).max() <= oracle.max(axis=-1, keepdims=True).max() / 255 * 0.5 + 1e-5
