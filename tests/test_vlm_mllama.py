@@ -157,6 +157,15 @@ def test_each_token_covers_the_pixels_that_change_it_in_a_row_of_tiles(built):
     check_footprints(built, (22, 70))
 
 
+def test_each_token_covers_the_pixels_that_change_it_with_the_pil_image_processor(built):
+    """The processor's other backend (PIL resize) tiles the same way."""
+    import transformers
+
+    name, model, proc = built
+    image = transformers.MllamaImageProcessorPil(size=dict(proc.image_processor.size), max_image_tiles=4)
+    check_footprints((name, model, transformers.MllamaProcessor(image_processor=image, tokenizer=proc.tokenizer)), (50, 22))
+
+
 def test_the_model_is_left_as_found(built):
     _, model, proc = built
     state = copy.deepcopy(model.state_dict())

@@ -42,7 +42,7 @@ def tiled_view(height: int, width: int, tile: int, patch: int, max_tiles: int) -
     Returns:
         One :class:`Piece` per real tile (``"tile r,c"``), the class tokens in ``skip``.
     """
-    from transformers.models.mllama.image_processing_mllama import (
+    from transformers.models.mllama.image_processing_pil_mllama import (  # (the PIL module: no torchvision needed)
         get_image_size_fit_to_canvas, get_optimal_tiled_canvas)
 
     canvas_h, canvas_w = (int(v) for v in get_optimal_tiled_canvas(height, width, max_tiles, tile))
