@@ -167,7 +167,8 @@ HIER = register_family(Family(
 ))
 VLM = register_family(Family(
     "vlm", "vision-language models whose image tokens sit in the language model's sequence (LLaVA, PaliGemma, "
-    "Qwen-VL, Gemma 3, ...): per-word maps over the image tokens, mapped back to the pixels",
+    "Qwen-VL, Gemma 3, ...) or reach it through cross-attention layers (mllama): per-word maps over the image "
+    "tokens, mapped back to the pixels",
     VLMContext, CaptionExplanation, entry="explain_caption", defaults=("cross", "cross_generic"),
     conventions={"layers": Option(int, optional=True, sequence=True, help="language-model layers (None = all)"),
                  "head_fusion": _HEAD_FUSION},

@@ -67,7 +67,7 @@ class VLMContext:
     def cross_layers(self) -> bool:
         """The image enters the language model through cross-attention layers (mllama): :meth:`layers`
         are those layers' calls and ``columns`` index their keys."""
-        return bool(getattr(self.adapter, "cross_layers", False))
+        return bool(getattr(self.adapter, "cross_layers", False))  # (adapters of other families have none)
 
     def layers(self) -> list[AttentionRecord]:
         """The language model's attention calls over the image tokens in the explained forward, one per

@@ -185,6 +185,9 @@ class VLMAdapter(Adapter):
     position_offset: int = 0
     #: the processor takes one list of images per prompt
     nested_images: bool = False
+    #: the image reaches the language model through cross-attention layers (mllama): :meth:`lm_records`
+    #: are those layers' calls and :meth:`image_columns` index their keys
+    cross_layers: bool = False
 
     def __init__(self, model: nn.Module, processor: Any = None) -> None:
         super().__init__(model)
