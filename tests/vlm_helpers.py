@@ -330,12 +330,6 @@ def refused(name: str) -> nn.Module:
     if name == "onevision":
         cfg = T.LlavaOnevisionConfig(vision_config=dict(model_type="siglip_vision_model", **V), text_config=dict(model_type="qwen2", **TX), image_token_id=5, image_grid_pinpoints=[[32, 32], [32, 64], [64, 32]])
         return T.LlavaOnevisionForConditionalGeneration(cfg)
-    if name == "mllama":
-        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_global_layers=1, attention_heads=2, image_size=32, patch_size=8, max_num_tiles=4, vision_output_dim=64, intermediate_layers_indices=[0])
-        text = dict(TX, cross_attention_layers=[1], num_hidden_layers=2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-        text.pop("head_dim")
-        cfg = T.MllamaConfig(vision_config=vision, text_config=text, image_token_index=5)
-        return T.MllamaForConditionalGeneration(cfg)
     if name == "blip2":
         cfg = T.Blip2Config(vision_config=V, qformer_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, encoder_hidden_size=32, vocab_size=64), text_config=dict(model_type="opt", hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=2, vocab_size=64, word_embed_proj_dim=32), num_query_tokens=4, image_token_index=5)
         return T.Blip2ForConditionalGeneration(cfg)
