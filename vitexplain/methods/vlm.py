@@ -140,7 +140,8 @@ def cross_grad(ctx: VLMContext, *, layers: Union[None, int, Sequence[int]] = Non
     "cross_generic", VLM,
     grads=True, requires=("image_attention",), class_sensitive=False, dense_attention=True,
     summary="Chefer's relevance over the whole multimodal sequence, per word (gradient of its log-probability)",
-    reference="Chefer, Gur & Wolf, ICCV 2021 (self-attention rules); " + _REFERENCE,
+    reference="Chefer, Gur & Wolf, ICCV 2021 (self-attention rules; encoder-decoder rules for cross-attention layers); "
+              + _REFERENCE,
 )
 def cross_generic(ctx: VLMContext) -> list[Tensor]:
     """Chefer et al. (2021) relevance of the image tokens for each answer word.
