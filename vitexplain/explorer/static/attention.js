@@ -44,16 +44,6 @@
   }
 
   /* A small opaque heat tile (sequential table, scaled to its own largest value). */
-  function drawTile(canvas, grid, values) {
-    canvas.width = grid[1]; canvas.height = grid[0];
-    var ctx = canvas.getContext("2d"), img = ctx.createImageData(grid[1], grid[0]), m = maxAbs(values);
-    for (var j = 0; j < values.length; j++) {
-      var c = colour(values[j], m, false, SEQ, false), o = 4 * j;
-      img.data[o] = c[0]; img.data[o + 1] = c[1]; img.data[o + 2] = c[2]; img.data[o + 3] = 255;
-    }
-    ctx.putImageData(img, 0, 0);
-  }
-
   function pairName(att, geo, pair) {
     var h = geo.heads(pair[0])[pair[1]];
     return "L" + att.layerIndex[pair[0]] + (h === "mean" ? " mean" : " H" + h);

@@ -66,8 +66,8 @@
 
   /* Draw rows x cols values into a canvas of that many pixels, each row scaled by its own
    * largest |value| (matrices: rowwise, opaque, the matrix table) or all by the largest of the
-   * whole block (overlays). */
-  function drawValues(canvas, rows, cols, valueRows, signed, matrix, fixedMax) {
+   * whole block (overlays; opaque: without the overlay's fading, for small tiles). */
+  function drawValues(canvas, rows, cols, valueRows, signed, matrix, fixedMax, opaque) {
     canvas.width = cols; canvas.height = rows;
     var ctx = canvas.getContext("2d"), img = ctx.createImageData(cols, rows), m = 0;
     var lut = signed ? DIV : matrix ? MAT : SEQ;
@@ -76,7 +76,7 @@
     valueRows.forEach(function (r, i) {
       var mi = matrix ? maxAbs(r) : m;
       for (var j = 0; j < cols; j++) {
-        var c = colour(r[j], mi, signed, lut, !matrix), o = 4 * (i * cols + j);
+        var c = colour(r[j], mi, signed, lut, !matrix && !opaque), o = 4 * (i * cols + j);
         img.data[o] = c[0]; img.data[o + 1] = c[1]; img.data[o + 2] = c[2]; img.data[o + 3] = c[3];
       }
     });
@@ -85,6 +85,11 @@
 
   function drawMap(canvas, grid, values, signed) {
     drawValues(canvas, grid[0], grid[1], splitRows(values, grid[0], grid[1]), signed, false);
+  }
+
+  /* An opaque tile of a layers x heads overview, in one scale. */
+  function drawTile(canvas, grid, values) {
+    drawValues(canvas, grid[0], grid[1], splitRows(values, grid[0], grid[1]), false, false, undefined, true);
   }
 
   function splitRows(values, rows, cols) {
