@@ -176,7 +176,24 @@ def paligemma2() -> tuple[nn.Module, Any]:
     return reinit_small(transformers.PaliGemmaForConditionalGeneration(cfg).eval()), proc
 
 
-BUILDERS.update(paligemma=paligemma, gemma3=gemma3, paligemma2=paligemma2)
+#: Gemma 3 pan-and-scan settings of the tests (crops of at least 8 px, so that the tiny images are cut)
+PAN_AND_SCAN = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 8}
+
+
+def gemma3_pan_and_scan() -> tuple[nn.Module, Any]:
+    """Gemma 3 whose processor cuts images with an aspect ratio >= 1.2 into crops (pan-and-scan) by default:
+    the whole image's 16 tokens, then 16 per crop."""
+    import transformers
+
+    model, proc = gemma3()
+
+    class PanAndScanProcessor(transformers.Gemma3Processor):
+        images_kwargs = {**transformers.Gemma3Processor.images_kwargs, **PAN_AND_SCAN}
+
+    return model, PanAndScanProcessor(image_processor=proc.image_processor, tokenizer=proc.tokenizer, image_seq_length=16)
+
+
+BUILDERS.update(paligemma=paligemma, gemma3=gemma3, paligemma2=paligemma2, gemma3_pan_and_scan=gemma3_pan_and_scan)
 
 
 def _pooled_features(model: nn.Module, proc: Any, image: np.ndarray) -> torch.Tensor:
@@ -185,6 +202,16 @@ def _pooled_features(model: nn.Module, proc: Any, image: np.ndarray) -> torch.Te
         out = model.get_image_features(pixel_values=pixels)
     out = getattr(out, "pooler_output", out)
     return out[0]
+
+
+def _crop_features(model: nn.Module, proc: Any, image: np.ndarray) -> torch.Tensor:
+    """Every image token of one image with pan-and-scan: the whole image's, then each crop's."""
+    settings = {**proc.images_kwargs, **PAN_AND_SCAN}  # (the image processor alone has no defaults for them)
+    settings = {k: v for k, v in settings.items() if k.startswith("pan_and_scan") or k == "do_pan_and_scan"}
+    pixels = proc.image_processor(images=[image], return_tensors="pt", **settings)["pixel_values"]
+    with torch.no_grad():
+        out = model.get_image_features(pixel_values=pixels)
+    return getattr(out, "pooler_output", out).flatten(0, 1)
 
 
 def _paligemma_extend(kwargs: dict, batch: Any, ids: torch.Tensor) -> None:
@@ -204,6 +231,9 @@ ORACLE.update(
                    features=_pooled_features, placeholders=lambda m: [m.config.image_token_id]),
     gemma3=dict(nested=True, prompt=lambda p: "<start_of_image>" + p, extend=_gemma3_extend, image_token=lambda m: m.config.image_token_id,
                 features=_pooled_features, placeholders=lambda m: [m.config.image_token_id]),
+    gemma3_pan_and_scan=dict(nested=True, prompt=lambda p: "<start_of_image>" + p, extend=_gemma3_extend,
+                             image_token=lambda m: m.config.image_token_id, features=_crop_features,
+                             placeholders=lambda m: [m.config.image_token_id]),
 )
 
 
