@@ -361,7 +361,7 @@ def rows() -> list[Row]:
         Row("HF SmolVLM", "VLM", _vlm("smolvlm"), s32, _VLM_TEST),
         Row("HF LLaVA-NeXT", "VLM", _vlm("llava_next"), s32, _VLM_TEST),
         Row("HF LLaVA-OneVision", "VLM", _vlm("onevision"), s32, _VLM_TEST),
-        Row("HF mllama (Llama 3.2 Vision)", "VLM", _vlm_refused("mllama"), s32, _VLM_TEST, refused=True),
+        Row("HF mllama (Llama 3.2 Vision: cross-attention layers)", "VLM", _vlm("mllama"), s32, "tests/test_vlm_mllama.py"),
         Row("HF BLIP-2", "VLM", _vlm("blip2"), s32, _VLM_TEST),
         Row("HF InstructBLIP", "VLM", _vlm("instructblip"), s32, _VLM_TEST),
         Row("HF Kosmos-2", "VLM", _vlm("kosmos2"), s32, _VLM_TEST),

@@ -545,3 +545,52 @@ ORACLE["kosmos2"] = dict(prompt=lambda p: p, extend=_kosmos_extend, image_token=
                          features=_qformer_features, placeholders=lambda m: [m.config.text_config.pad_token_id],
                          transport=_kosmos_transport, patches=16, padded_generate_differs=True)
 REFUSED = tuple(n for n in REFUSED if n != "kosmos2")
+
+
+def mllama() -> tuple[nn.Module, Any]:
+    """mllama (Llama 3.2 Vision): 16 px tiles of 4 px patches (4 x 4 tokens + a class token each), at most 4 tiles;
+    4 LM layers, 1 and 3 cross-attention layers (GQA), the others self-attention. Its zero-initialised tanh gates
+    (cross-attention, tile and position embeddings) are set to 1 so that the image reaches the logits."""
+    import transformers
+
+    tok = tokenizer(("<|image|>", "<|python_tag|>"))
+    image = transformers.MllamaImageProcessor(size={"height": 16, "width": 16}, max_image_tiles=4)
+    proc = transformers.MllamaProcessor(image_processor=image, tokenizer=tok)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_global_layers=1, attention_heads=2,
+                  image_size=16, patch_size=4, max_num_tiles=4, vision_output_dim=64, intermediate_layers_indices=[0])
+    text = dict(_text(), cross_attention_layers=[1, 3], num_hidden_layers=4, vocab_size=len(tok), bos_token_id=1,
+                eos_token_id=2, pad_token_id=0)
+    text.pop("head_dim")
+    cfg = transformers.MllamaConfig(vision_config=vision, text_config=text,
+                                    image_token_index=tok.convert_tokens_to_ids("<|image|>"))
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = reinit_small(transformers.MllamaForConditionalGeneration(cfg).eval())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("gate", "_gate")) and p.numel() == 1 and float(p.abs()) < 1e-6:
+                p.fill_(1.0)
+    return model, proc
+
+
+def _mllama_features(model: nn.Module, proc: Any, image: np.ndarray) -> torch.Tensor:
+    """The vision tokens of the image's real tiles, class tokens dropped: (tiles * patches, D)."""
+    batch = proc.image_processor(images=[[image]], return_tensors="pt")
+    with torch.no_grad():
+        out = model.model.vision_model(pixel_values=batch["pixel_values"], aspect_ratio_ids=batch["aspect_ratio_ids"],
+                                       aspect_ratio_mask=batch["aspect_ratio_mask"]).last_hidden_state[0, 0]
+    tiles = int(batch["aspect_ratio_mask"][0, 0].sum())
+    return out[:tiles, 1:].reshape(-1, out.shape[-1])
+
+
+def _mllama_extend(kwargs: dict, batch: Any, ids: torch.Tensor) -> None:
+    _positions_from_mask(kwargs, batch, ids)
+    mask = batch["cross_attention_mask"]  # each answer position reads what the last prompt position reads
+    kwargs["cross_attention_mask"] = torch.cat([mask, mask[:, -1:].expand(-1, ids.shape[1], -1, -1)], 1)
+
+
+BUILDERS["mllama"] = mllama
+ORACLE["mllama"] = dict(nested=True, prompt=lambda p: "<|image|>" + p, extend=_mllama_extend,
+                        image_token=lambda m: m.config.image_token_id,  # (the one <|image|> position: no vision token there)
+                        features=_mllama_features, placeholders=lambda m: [m.config.image_token_id])
+REFUSED = tuple(n for n in REFUSED if n != "mllama")

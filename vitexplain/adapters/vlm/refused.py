@@ -19,10 +19,6 @@ __all__ = ["RefusedVLMAdapter", "REASONS"]
 
 #: model class -> why the VLM methods do not apply
 REASONS: dict[str, str] = {
-    "MllamaForConditionalGeneration": (
-        "mllama's image enters through cross-attention layers (cross_attention_states), not as tokens in the language "
-        "model's self-attention sequence, so the joint-sequence methods do not apply; its cross-attention per tile "
-        "is not mapped to pixels yet"),
     "Florence2ForConditionalGeneration": (
         "Florence-2 is an encoder-decoder (DaViT + BART): its decoder reads the image through cross-attention to an "
         "encoder sequence that mixes the image tokens with the prompt, which is not mapped to pixels yet"),
@@ -33,12 +29,12 @@ REASONS: dict[str, str] = {
 
 
 class RefusedVLMAdapter(VLMAdapter):
-    """A recognised VLM that no method applies to; ``notes["joint"]`` says why."""
+    """A recognised VLM that no method applies to; ``notes["image_attention"]`` says why."""
 
     def __init__(self, model: nn.Module, processor: Any = None) -> None:
         super().__init__(model, processor)
         self.capabilities = frozenset()
-        self.notes["joint"] = REASONS[type(model).__name__]
+        self.notes["joint"] = self.notes["image_attention"] = REASONS[type(model).__name__]
 
 
 @register_adapter(priority=20, family=VLM)
