@@ -30,6 +30,7 @@ from .families import VLM
 from .options import Option, check_index
 from .registry import register
 from .vlm_context import VLMContext
+from .vlm_encdec import encoder_decoder_generic
 
 __all__ = ["cross", "cross_grad", "cross_generic", "pick_layers"]
 
@@ -150,6 +151,8 @@ def cross_generic(ctx: VLMContext) -> list[Tensor]:
     Returns:
         Per image b, (T, n_b) float32.
     """
+    if getattr(ctx.adapter, "encoder_decoder", False):  # Florence-2, Pix2Struct: Chefer's encoder-decoder rules
+        return encoder_decoder_generic(ctx)
     records = ctx.layers()
     recorder = ctx.recorder
     b, n = ctx.batch_size, records[0].num_keys

@@ -75,7 +75,7 @@ class VLMContext:
             )
         n = self.start + self.num_words - 1
         for record in records:
-            if record.num_queries < n or record.num_keys < n:
+            if record.num_queries < n or (record.kind == "self" and record.num_keys < n):
                 raise UnsupportedMethodError(
                     f"{self.method}: the language-model call {record.name!r} covers {record.num_queries} queries, "
                     f"but the explained sequence has {n}; the forward was not teacher-forced in one call"

@@ -23,12 +23,6 @@ REASONS: dict[str, str] = {
         "mllama's image enters through cross-attention layers (cross_attention_states), not as tokens in the language "
         "model's self-attention sequence, so the joint-sequence methods do not apply; its cross-attention per tile "
         "is not mapped to pixels yet"),
-    "Florence2ForConditionalGeneration": (
-        "Florence-2 is an encoder-decoder (DaViT + BART): its decoder reads the image through cross-attention to an "
-        "encoder sequence that mixes the image tokens with the prompt, which is not mapped to pixels yet"),
-    "Pix2StructForConditionalGeneration": (
-        "Pix2Struct is an encoder-decoder over variable-resolution patches: its decoder's cross-attention to the "
-        "flattened patches is not mapped back to the image yet"),
 }
 
 
