@@ -191,7 +191,7 @@ def test_florence_tokens_sit_on_davit_receptive_fields():
     probe = copy.deepcopy(model)
     with torch.no_grad():
         for name, module in probe.model.vision_tower.named_modules():
-            if name.endswith(("attn.proj", "conv1", "conv2")) or name.endswith("block.conv1"):
+            if name.endswith(("attn.proj", "conv1", "conv2")):
                 module.weight.zero_()
                 if module.bias is not None:
                     module.bias.zero_()
