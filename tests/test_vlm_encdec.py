@@ -264,3 +264,17 @@ def test_pix2struct_vqa_is_refused_with_the_reason():
     assert ex.family.name == "vlm" and ex.methods() == []
     with pytest.raises(vx.UnsupportedMethodError, match="header"):
         ex.explain_caption(helpers.images(7), method="cross", prompt="what is")
+
+
+def test_the_explorer_shows_the_decoders_cross_attention(tmp_path):
+    """``vx.explore``: the page's per-word attention is the decoder's cross-attention over the image's patches."""
+    import json
+    import re
+
+    model, proc = encdec_helpers.pix2struct()
+    image = helpers.images(8, ((40, 52),))[0]
+    path = vx.explore(model, [image], tmp_path / "p.html", processor=proc, prompt="what is", max_len=3)
+    data = json.loads(re.search(r'<script type="application/json" id="vx-data">(.*?)</script>', path.read_text(), re.S).group(1))
+    vlm = data["images"][0]["vlm"]
+    assert vlm["attention"]["layers"] == [f"decoder.layer.{i}.encoder_decoder_attention.attention" for i in range(2)]
+    assert vlm["tokens"] == 20 and vlm["pieces"][0]["grid"] == [4, 5] and len(vlm["words"]) >= 1
