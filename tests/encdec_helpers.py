@@ -2,7 +2,7 @@
 and their eager-attention oracle (definitions in docs/methods.md, "Vision-language models").
 
 Offline: the word-level tokenizer of ``tests/vlm_helpers.py`` (Florence-2's processor reads
-``tokenizer.image_token``/``image_token_id``, set here as a BART tokenizer's extra special token would),
+``tokenizer.image_token``: an extra special token, as a BART tokenizer's),
 the families' own image processors with tiny sizes. Shared by ``tests/test_vlm_encdec.py`` and the
 support matrix (``tests/support_table.py``).
 """
@@ -21,8 +21,9 @@ def florence2() -> tuple[nn.Module, Any]:
     """Florence-2: a 2-stage DaViT (7x7 stride 4, 3x3 stride 2: 32 px -> 4 x 4 grid, + 1 pooled token), BART 2+2 layers."""
     import transformers
 
-    tok = helpers.tokenizer(("<image>",))
-    tok.image_token, tok.image_token_id = "<image>", tok.convert_tokens_to_ids("<image>")
+    words = helpers.tokenizer(("<image>",))  # its image token as a BART tokenizer names it (saved and loaded with it)
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=words.backend_tokenizer, bos_token="<s>", eos_token="</s>",
+                                               pad_token="<pad>", unk_token="<unk>", extra_special_tokens={"image_token": "<image>"})
     image = transformers.CLIPImageProcessor(size={"height": 32, "width": 32}, do_center_crop=False, image_seq_length=17)
     proc = transformers.Florence2Processor(image_processor=image, tokenizer=tok)
     vision = dict(embed_dim=[16, 32], depths=[1, 1], num_heads=[2, 2], num_groups=[2, 2], patch_size=[7, 3], patch_stride=[4, 2],

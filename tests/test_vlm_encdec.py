@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
+
 import pytest
 import torch
 
@@ -278,3 +280,22 @@ def test_the_explorer_shows_the_decoders_cross_attention(tmp_path):
     vlm = data["images"][0]["vlm"]
     assert vlm["attention"]["layers"] == [f"decoder.layer.{i}.encoder_decoder_attention.attention" for i in range(2)]
     assert vlm["tokens"] == 20 and vlm["pieces"][0]["grid"] == [4, 5] and len(vlm["words"]) >= 1
+
+
+@pytest.mark.parametrize("name", list(encdec_helpers.BUILDERS))
+def test_the_caption_command_takes_a_saved_folder(name, tmp_path):
+    """``vitexplain caption --model DIR --prompt ...`` on a ``save_pretrained`` folder (model + processor), offline."""
+    from PIL import Image
+
+    from vitexplain import cli
+
+    model, proc = encdec_helpers.BUILDERS[name]()
+    model.save_pretrained(tmp_path / "model")
+    proc.save_pretrained(tmp_path / "model")
+    (tmp_path / "in").mkdir()
+    Image.fromarray(helpers.images(9, ((40, 52),))[0]).save(tmp_path / "in" / "a.png")
+    rc = cli.main(["caption", str(tmp_path / "in"), "--out", str(tmp_path / "out"), "--model", str(tmp_path / "model"),
+                   "--prompt", "what is", "--method", "cross", "--max-len", "3", "-j", "0"])
+    assert rc == 0
+    with np.load(tmp_path / "out" / "a.png.cross.npz") as saved:
+        assert saved["maps"].shape[1:] == (40, 52) and len(saved["tokens"]) == saved["maps"].shape[0]  # per word, own size
