@@ -278,7 +278,17 @@ def _vlm_refused(name: str) -> Callable[[], nn.Module]:
     return build
 
 
+def _encdec(name: str) -> Callable[[], Any]:
+    def build() -> Any:
+        import encdec_helpers
+
+        return encdec_helpers.BUILDERS[name]()
+
+    return build
+
+
 _VLM_TEST = "tests/test_vlm.py"
+_ENCDEC_TEST = "tests/test_vlm_encdec.py"
 _HF_TEST = "tests/test_families_hf.py::test_hf_family_matches_eager_oracle"
 _HIER_TEST = "tests/test_hier.py"
 _POOL_TEST = "tests/test_hier_pooling.py"
@@ -365,8 +375,8 @@ def rows() -> list[Row]:
         Row("HF BLIP-2", "VLM", _vlm("blip2"), s32, _VLM_TEST),
         Row("HF InstructBLIP", "VLM", _vlm("instructblip"), s32, _VLM_TEST),
         Row("HF Kosmos-2", "VLM", _vlm("kosmos2"), s32, _VLM_TEST),
-        Row("HF Florence-2", "VLM", _vlm_refused("florence2"), s32, _VLM_TEST, refused=True),
-        Row("HF Pix2Struct", "VLM", _vlm_refused("pix2struct"), s32, _VLM_TEST, refused=True),
+        Row("HF Florence-2", "VLM", _encdec("florence2"), s32, _ENCDEC_TEST),
+        Row("HF Pix2Struct (captioning checkpoints)", "VLM", _encdec("pix2struct"), s32, _ENCDEC_TEST),
     ]
 
 

@@ -19,12 +19,6 @@ __all__ = ["RefusedVLMAdapter", "REASONS"]
 
 #: model class -> why the VLM methods do not apply
 REASONS: dict[str, str] = {
-    "Florence2ForConditionalGeneration": (
-        "Florence-2 is an encoder-decoder (DaViT + BART): its decoder reads the image through cross-attention to an "
-        "encoder sequence that mixes the image tokens with the prompt, which is not mapped to pixels yet"),
-    "Pix2StructForConditionalGeneration": (
-        "Pix2Struct is an encoder-decoder over variable-resolution patches: its decoder's cross-attention to the "
-        "flattened patches is not mapped back to the image yet"),
 }
 
 
