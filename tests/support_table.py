@@ -51,7 +51,6 @@ class Row:
         size: (H, W) of the inputs.
         oracle: the test that checks this family's maps against an independent oracle.
         target: ``"norm"`` for headless backbones (explained with ``vx.targets.norm()``).
-        refused: a family vitexplain recognises and refuses (every method ``n/a``, with the reason).
 
     A vision-language row's ``build`` returns ``(model, processor)``; it is explained on uint8 images
     of ``size`` with a prompt.
@@ -64,7 +63,6 @@ class Row:
     size: tuple[int, int]
     oracle: str
     target: Optional[str] = None
-    refused: bool = False
     options: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
@@ -265,15 +263,6 @@ def _vlm(name: str) -> Callable[[], Any]:
         import vlm_helpers
 
         return vlm_helpers.BUILDERS[name]()
-
-    return build
-
-
-def _vlm_refused(name: str) -> Callable[[], nn.Module]:
-    def build() -> nn.Module:
-        import vlm_helpers
-
-        return vlm_helpers.refused(name)
 
     return build
 
@@ -530,11 +519,6 @@ def support_doc(results: list[Sweep]) -> str:
     ]
     for sweep in results:
         ok = [o.method for o in sweep.outcomes if o.status == "ok"]
-        if sweep.row.refused:  # one reason for every method
-            reason = sweep.outcomes[0].detail if sweep.outcomes else sweep.default.detail
-            out += [f"## {sweep.row.name}", "", f"- refused (every method, with `UnsupportedModelError`): {reason}",
-                    f"- the refusal is checked in `{sweep.row.oracle}`", ""]
-            continue
         out += [f"## {sweep.row.name}", "", f"- runs: {', '.join(f'`{m}`' for m in ok) or 'nothing'}"]
         for o in sweep.outcomes:
             if o.status != "ok":

@@ -52,6 +52,10 @@ def _text(**extra: Any) -> dict[str, Any]:
                 max_position_embeddings=256, head_dim=8, **extra)
 
 
+#: a tiny vision tower (32 px, 8 px patches) of the Q-Former families
+_V = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=8)
+
+
 def llava() -> tuple[nn.Module, Any]:
     """LLaVA: CLIP vision tower (32 px crop, 8 px patches: 4 x 4 tokens), Llama LM with GQA."""
     import transformers
@@ -343,43 +347,6 @@ _IDEFICS_ORACLE = dict(nested=True, prompt=lambda p: "<image>" + p, extend=_posi
 ORACLE.update(idefics3=_IDEFICS_ORACLE, smolvlm=_IDEFICS_ORACLE)
 
 
-_V = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=8)
-_TX = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-           vocab_size=64, max_position_embeddings=256)
-
-
-def refused(name: str) -> nn.Module:
-    """A tiny build of a VLM family that vitexplain recognises and refuses (``vitexplain/adapters/vlm/refused.py``)."""
-    import transformers as T
-
-    V, TX = _V, _TX
-
-    if name == "llava_next":
-        cfg = T.LlavaNextConfig(vision_config=T.CLIPVisionConfig(**V), text_config=dict(model_type="llama", **TX), image_token_id=5, image_grid_pinpoints=[[32, 32], [32, 64], [64, 32]])
-        return T.LlavaNextForConditionalGeneration(cfg)
-    if name == "onevision":
-        cfg = T.LlavaOnevisionConfig(vision_config=dict(model_type="siglip_vision_model", **V), text_config=dict(model_type="qwen2", **TX), image_token_id=5, image_grid_pinpoints=[[32, 32], [32, 64], [64, 32]])
-        return T.LlavaOnevisionForConditionalGeneration(cfg)
-    if name == "mllama":
-        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_global_layers=1, attention_heads=2, image_size=32, patch_size=8, max_num_tiles=4, vision_output_dim=64, intermediate_layers_indices=[0])
-        text = dict(TX, cross_attention_layers=[1], num_hidden_layers=2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-        text.pop("head_dim")
-        cfg = T.MllamaConfig(vision_config=vision, text_config=text, image_token_index=5)
-        return T.MllamaForConditionalGeneration(cfg)
-    if name == "blip2":
-        cfg = T.Blip2Config(vision_config=V, qformer_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, encoder_hidden_size=32, vocab_size=64), text_config=dict(model_type="opt", hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=2, vocab_size=64, word_embed_proj_dim=32), num_query_tokens=4, image_token_index=5)
-        return T.Blip2ForConditionalGeneration(cfg)
-    if name == "instructblip":
-        cfg = T.InstructBlipConfig(vision_config=V, qformer_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, encoder_hidden_size=32, vocab_size=64), text_config=dict(model_type="opt", hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=2, vocab_size=64, word_embed_proj_dim=32), num_query_tokens=4, image_token_index=5)
-        return T.InstructBlipForConditionalGeneration(cfg)
-    if name == "kosmos2":
-        cfg = T.Kosmos2Config(vision_config=V, text_config=dict(embed_dim=32, ffn_dim=64, layers=2, attention_heads=2, vocab_size=64), latent_query_num=4)
-        return T.Kosmos2ForConditionalGeneration(cfg)
-    raise KeyError(name)
-
-
-REFUSED = ("llava_next", "onevision", "mllama", "blip2", "instructblip", "kosmos2", "florence2", "pix2struct")
-REFUSED = tuple(n for n in REFUSED if n not in ("florence2", "pix2struct"))  # tests/test_vlm_encdec.py
 
 
 def llava_next() -> tuple[nn.Module, Any]:
@@ -425,7 +392,6 @@ ORACLE["llava_next"] = dict(prompt=lambda p: "<image>" + p, extend=_positions_fr
                             image_token=lambda m: m.config.image_token_id, features=_llava_next_features,
                             pixel_tokens=_llava_next_pixel_tokens,
                             placeholders=lambda m: [m.config.image_token_id])
-REFUSED = tuple(n for n in REFUSED if n != "llava_next")
 
 
 def onevision() -> tuple[nn.Module, Any]:
@@ -454,7 +420,6 @@ def onevision() -> tuple[nn.Module, Any]:
 
 BUILDERS["onevision"] = onevision
 ORACLE["onevision"] = dict(ORACLE["llava_next"])
-REFUSED = tuple(n for n in REFUSED if n != "onevision")
 
 
 def _qformer(kind: str) -> tuple[nn.Module, Any]:
@@ -502,7 +467,6 @@ _QFORMER_ORACLE = dict(prompt=lambda p: p, extend=_positions_from_mask, image_to
                        features=_qformer_features, placeholders=lambda m: [m.config.image_token_id],
                        lm_attentions=lambda out: out.language_model_outputs.attentions, transport=_qformer_transport)
 ORACLE.update(blip2=_QFORMER_ORACLE, instructblip=_QFORMER_ORACLE)
-REFUSED = tuple(n for n in REFUSED if n not in ("blip2", "instructblip"))
 
 
 
@@ -539,7 +503,6 @@ ORACLE["kosmos2"] = dict(prompt=lambda p: p, extend=_kosmos_extend, image_token=
                          columns=lambda batch: [row.nonzero()[:, 0] for row in batch["image_embeds_position_mask"].bool()],
                          features=_qformer_features, placeholders=lambda m: [m.config.text_config.pad_token_id],
                          transport=_kosmos_transport, patches=16, padded_generate_differs=True)
-REFUSED = tuple(n for n in REFUSED if n != "kosmos2")
 
 
 def mllama() -> tuple[nn.Module, Any]:
@@ -588,4 +551,3 @@ BUILDERS["mllama"] = mllama
 ORACLE["mllama"] = dict(nested=True, prompt=lambda p: "<|image|>" + p, extend=_mllama_extend,
                         image_token=lambda m: m.config.image_token_id,  # (the one <|image|> position: no vision token there)
                         features=_mllama_features, placeholders=lambda m: [m.config.image_token_id])
-REFUSED = tuple(n for n in REFUSED if n != "mllama")

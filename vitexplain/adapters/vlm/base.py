@@ -199,7 +199,7 @@ class VLMAdapter(Adapter):
         super().__init__(model)
         self.processor = processor
         self.processor_kwargs: dict[str, Any] = {}
-        self.capabilities = frozenset({"joint", "image_attention"})
+        self.capabilities = frozenset({"image_attention"})
         self.lm_prefix = submodule_named(model, "language_model", "text_model")
 
     # -- what the Explainer needs -------------------------------------------------------------

@@ -39,11 +39,6 @@ class EncoderDecoderVLMAdapter(VLMAdapter):
     encoder_prefix: str = "encoder"
     decoder_prefix: str = "decoder"
 
-    def __init__(self, model: nn.Module, processor: Any = None) -> None:
-        super().__init__(model, processor)
-        self.notes["joint"] = ("the image tokens sit in the encoder's sequence; the decoder reads them through "
-                               "cross-attention, whose rows predicting the words are read")
-
     @property
     def decoder_start_id(self) -> int:
         start = getattr(self.model.generation_config, "decoder_start_token_id", None)
@@ -102,5 +97,5 @@ def refused_variant(model: nn.Module, reason: str) -> VLMAdapter:
     """A recognised model variant that no method applies to, with the reason (the plan quotes it)."""
     adapter = VLMAdapter(model)
     adapter.capabilities = frozenset()
-    adapter.notes["joint"] = reason
+    adapter.notes["image_attention"] = reason
     return adapter
