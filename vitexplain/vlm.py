@@ -117,12 +117,12 @@ def explain_vlm(adapter: VLMAdapter, plan: Plan, images: Any, caption: Any, prom
     if caption is None:
         ids, lengths = _generated(adapter, inputs, max_len)
     else:
-        ids, lengths = _answer_ids(adapter, caption, len(arrays), inputs["input_ids"].device)
+        ids, lengths = _answer_ids(adapter, caption, len(arrays), next(model.parameters()).device)
     t = max(int(lengths.max()), 1)
     ids = ids[:, :t]
     if ids.shape[1] < t:
         ids = F.pad(ids, (0, t - ids.shape[1]), value=adapter.pad_id)
-    start = int(inputs["input_ids"].shape[1])
+    start = adapter.answer_start(inputs)
     columns = [view.pixel_columns(cols) for view, cols in zip(views, adapter.image_columns(inputs))]
     kwargs = adapter.teacher_inputs(inputs, ids)
     grads = plan.capture.grads

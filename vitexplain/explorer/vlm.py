@@ -49,7 +49,7 @@ def vlm_attention(adapter: Any, inputs: Any, ids: torch.Tensor, *, budget: int,
         ``(l * H' + h) * T + t``), or None when the model issued no language-model attention.
     """
     kwargs = adapter.teacher_inputs(inputs, ids)
-    start = int(inputs["input_ids"].shape[1])
+    start = adapter.answer_start(inputs)
     t = int(ids.shape[1])
     with torch.no_grad(), capture(adapter.model) as rec:
         adapter.forward_logits(kwargs)

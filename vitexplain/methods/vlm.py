@@ -35,6 +35,7 @@ from .options import Option, check_index
 from .registry import register
 from .vlm_context import VLMContext
 from .vlm_cross import cross_layer_relevance
+from .vlm_encdec import encoder_decoder_generic
 
 __all__ = ["cross", "cross_grad", "cross_generic", "pick_layers"]
 
@@ -157,7 +158,9 @@ def cross_generic(ctx: VLMContext) -> list[Tensor]:
     Returns:
         Per image b, (T, n_b) float32.
     """
-    if ctx.cross_layers:
+    if getattr(ctx.adapter, "encoder_decoder", False):  # Florence-2, Pix2Struct: Chefer's encoder-decoder rules
+        return encoder_decoder_generic(ctx)
+    if ctx.cross_layers:  # mllama: the image only through cross-attention layers
         return cross_layer_relevance(ctx)
     records = ctx.layers()
     recorder = ctx.recorder

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from .base import ImageView, Piece, VLMAdapter, render
 
-from . import llava, llava_next, paligemma, qwen, idefics, qformer, refused  # noqa: E402,F401  (registers its detector)
-from . import mllama  # noqa: E402,F401  (cross-attention layers: registers its detector)
+# each module registers its detector
+from . import llava, llava_next, paligemma, qwen, idefics, qformer, mllama, florence, pix2struct  # noqa: E402,F401
 
 __all__ = ["ImageView", "Piece", "VLMAdapter", "render"]

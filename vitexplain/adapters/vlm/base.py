@@ -37,12 +37,15 @@ class Piece:
         box: (y0, x0, y1, x1) the region of the original image the grid covers, in original pixels
             (may reach outside the image where the processor padded it).
         start: index of the grid's first token among the image's pixel-bearing tokens.
+        clamp: pixels outside the box take the nearest edge cell instead of nothing (the edge tokens'
+            receptive fields reach past the box: Florence-2's overlapping convolutions).
     """
 
     name: str
     grid: tuple[int, int]
     box: tuple[float, float, float, float]
     start: int
+    clamp: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -124,7 +127,9 @@ def render(scores: Tensor, view: ImageView) -> tuple[Tensor, list[Tensor]]:
         y0, x0, y1, x1 = piece.box
         rows, row_in = _cells(height, y0, y1, gh, scores.device)
         cols, col_in = _cells(width, x0, x1, gw, scores.device)
-        layer = grid[:, rows][:, :, cols] * (row_in[:, None] & col_in[None, :]).to(scores.dtype)
+        layer = grid[:, rows][:, :, cols]
+        if not piece.clamp:
+            layer = layer * (row_in[:, None] & col_in[None, :]).to(scores.dtype)
         layers.append(layer)
     return torch.stack(layers).sum(dim=0), layers
 
@@ -175,6 +180,8 @@ class VLMAdapter(Adapter):
 
     Attributes:
         processor: the model's processor (tokenizer + image processor).
+        processor_kwargs: extra keyword arguments of every processor call (e.g. Gemma 3's
+            ``{"do_pan_and_scan": True}``, Qwen's ``{"max_pixels": ...}``).
         lm_prefix: module name of the language model (its self-attention records are read).
     """
 
@@ -188,17 +195,21 @@ class VLMAdapter(Adapter):
     #: the image reaches the language model through cross-attention layers (mllama): :meth:`lm_records`
     #: are those layers' calls and :meth:`image_columns` index their keys
     cross_layers: bool = False
+    #: how the processor pads prompts ("left": every prompt ends at the same position)
+    padding_side: str = "left"
 
     def __init__(self, model: nn.Module, processor: Any = None) -> None:
         super().__init__(model)
         self.processor = processor
-        self.capabilities = frozenset({"joint", "image_attention"})
+        self.processor_kwargs: dict[str, Any] = {}
+        self.capabilities = frozenset({"image_attention"})
         self.lm_prefix = submodule_named(model, "language_model", "text_model")
 
     # -- what the Explainer needs -------------------------------------------------------------
-    def with_processor(self, processor: Any) -> "VLMAdapter":
-        """This adapter with the model's processor."""
+    def with_processor(self, processor: Any, kwargs: Optional[dict[str, Any]] = None) -> "VLMAdapter":
+        """This adapter with the model's processor (and extra keyword arguments for its calls)."""
         self.processor = processor
+        self.processor_kwargs = dict(kwargs or {})
         return self
 
     @property
@@ -248,10 +259,10 @@ class VLMAdapter(Adapter):
         texts = [self.format_prompt(p) for p in prompts]
         tokenizer = self.tokenizer
         side = tokenizer.padding_side
-        tokenizer.padding_side = "left"
+        tokenizer.padding_side = self.padding_side
         try:
             given = [[image] for image in images] if self.nested_images else list(images)
-            batch = processor(images=given, text=texts, return_tensors="pt", padding=True)
+            batch = processor(images=given, text=texts, return_tensors="pt", padding=True, **self.processor_kwargs)
         finally:
             tokenizer.padding_side = side
         for key in list(batch.keys()):
@@ -275,6 +286,11 @@ class VLMAdapter(Adapter):
                                   pad_token_id=self.pad_id, suppress_tokens=self.placeholder_ids or None,
                                   **({"eos_token_id": ends} if ends else {}))
         return out[:, inputs["input_ids"].shape[1]:]
+
+    def answer_start(self, inputs: Any) -> int:
+        """L: the position of answer word 0 in the sequence whose row ``L - 1 + t`` predicts word t
+        (the left-padded prompt's length)."""
+        return int(inputs["input_ids"].shape[1])
 
     def teacher_inputs(self, inputs: Any, ids: Tensor) -> dict[str, Any]:
         """The teacher-forced forward's keyword arguments: prompt + answer ids, the mask extended,

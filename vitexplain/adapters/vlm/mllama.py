@@ -68,12 +68,6 @@ class MllamaAdapter(VLMAdapter):
     #: the methods read the cross-attention layers; image columns index their keys
     cross_layers = True
 
-    def __init__(self, model: nn.Module, processor: Any = None) -> None:
-        super().__init__(model, processor)
-        self.capabilities = frozenset({"image_attention"})
-        self.notes["joint"] = ("mllama's image enters through cross-attention layers (cross_attention_states), "
-                               "not as tokens in the language model's self-attention sequence")
-
     @property
     def tokens_per_tile(self) -> int:
         """A tile's vision tokens: its class token and its patches."""
