@@ -548,6 +548,6 @@ def _mllama_extend(kwargs: dict, batch: Any, ids: torch.Tensor) -> None:
 
 
 BUILDERS["mllama"] = mllama
-ORACLE["mllama"] = dict(nested=True, prompt=lambda p: "<|image|>" + p, extend=_mllama_extend,
+ORACLE["mllama"] = dict(nested=True, prompt=lambda p: p if "<|image|>" in p else "<|image|>" + p, extend=_mllama_extend,
                         image_token=lambda m: m.config.image_token_id,  # (the one <|image|> position: no vision token there)
                         features=_mllama_features, placeholders=lambda m: [m.config.image_token_id])

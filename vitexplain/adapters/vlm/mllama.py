@@ -13,6 +13,11 @@ So the image's tokens are the keys of its real tiles, in order; the class tokens
 their own (skipped), and each tile's patch grid covers the tile's box of the original image (the
 canvas box mapped back through the resize: a tile may reach past the image where the canvas is
 padding). The methods read the cross-attention calls (:attr:`MllamaAdapter.cross_layers`).
+
+Text before ``<|image|>`` (a chat template's header) sees no tile in ``cross_attention_mask``;
+transformers then unmasks the whole row, so those positions read every key, padding tiles included,
+and pass it on through self-attention: ``cross_generic`` follows that as the model runs it (the rows
+that predict answer words read only their image's real tiles).
 """
 
 from __future__ import annotations
