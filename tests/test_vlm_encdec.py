@@ -299,3 +299,19 @@ def test_the_caption_command_takes_a_saved_folder(name, tmp_path):
     assert rc == 0
     with np.load(tmp_path / "out" / "a.png.cross.npz") as saved:
         assert saved["maps"].shape[1:] == (40, 52) and len(saved["tokens"]) == saved["maps"].shape[0]  # per word, own size
+
+
+def test_a_forced_first_token_is_part_of_the_decoder_prefix():
+    """BART-style generation configs force ``<s>`` after the decoder start token: that token is no answer word;
+    the explained words are what ``generate`` gives after it."""
+    model, proc = encdec_helpers.florence2()
+    model.generation_config.forced_bos_token_id = proc.tokenizer.bos_token_id
+    image = helpers.images(4)[0]
+    e = vx.Explainer(model, processor=proc).explain_caption([image], prompt="what is", max_len=4)
+    batch = proc(images=[image], text=["what is"], return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**batch, max_new_tokens=5, do_sample=False, suppress_tokens=[model.config.image_token_id])[0]
+    assert out[:2].tolist() == [model.config.get_text_config(decoder=True).decoder_start_token_id, proc.tokenizer.bos_token_id]
+    words = out[2:].tolist()
+    words = words[: words.index(proc.tokenizer.eos_token_id)] if proc.tokenizer.eos_token_id in words else words
+    assert words and e.ids[0, : len(words)].tolist() == words

@@ -52,18 +52,26 @@ class EncoderDecoderVLMAdapter(VLMAdapter):
         return int(start)
 
     def decoder_prefix_ids(self, inputs: Any) -> tuple[Tensor, Tensor]:
-        """(B, L) ids the decoder starts from (left-padded) and their (B, L) mask."""
+        """(B, L) ids the decoder starts from (left-padded) and their (B, L) mask: the decoder start token,
+        then the token ``generate`` forces first where the generation config forces one (BART's
+        ``forced_bos_token_id``), which is no answer word."""
         device = next(self.model.parameters()).device
         batch = next(v for v in inputs.values() if isinstance(v, Tensor)).shape[0]
-        ids = torch.full((batch, 1), self.decoder_start_id, dtype=torch.long, device=device)
+        prefix = [self.decoder_start_id]
+        forced = getattr(self.model.generation_config, "forced_bos_token_id", None)
+        if forced is not None:
+            prefix.append(int(forced))
+        ids = torch.tensor([prefix] * batch, dtype=torch.long, device=device)
         return ids, torch.ones_like(ids)
 
     def answer_start(self, inputs: Any) -> int:
         return int(self.decoder_prefix_ids(inputs)[0].shape[1])
 
     def generate_kwargs(self, inputs: Any) -> dict[str, Any]:
-        """The keyword arguments ``model.generate`` takes for the processor's batch."""
-        return dict(inputs)
+        """The keyword arguments ``model.generate`` takes for the processor's batch (the decoder prefix included)."""
+        kwargs = dict(inputs)
+        kwargs["decoder_input_ids"] = self.decoder_prefix_ids(inputs)[0]
+        return kwargs
 
     def generate(self, inputs: Any, max_len: int) -> Tensor:
         ends = self.end_ids
