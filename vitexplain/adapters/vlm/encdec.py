@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from .base import VLMAdapter
 
-__all__ = ["EncoderDecoderVLMAdapter", "refused_variant"]
+__all__ = ["EncoderDecoderVLMAdapter"]
 
 
 class EncoderDecoderVLMAdapter(VLMAdapter):
@@ -105,10 +105,3 @@ class EncoderDecoderVLMAdapter(VLMAdapter):
         """The decoder's self- and cross-attention calls, in call order."""
         return self._under(records, self.decoder_prefix)
 
-
-def refused_variant(model: nn.Module, reason: str) -> VLMAdapter:
-    """A recognised model variant that no method applies to, with the reason (the plan quotes it)."""
-    adapter = VLMAdapter(model)
-    adapter.capabilities = frozenset()
-    adapter.notes["joint"] = reason
-    return adapter
