@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from .base import VLMAdapter
 
@@ -38,11 +38,6 @@ class EncoderDecoderVLMAdapter(VLMAdapter):
     encoder_decoder = True
     encoder_prefix: str = "encoder"
     decoder_prefix: str = "decoder"
-
-    def __init__(self, model: nn.Module, processor: Any = None) -> None:
-        super().__init__(model, processor)
-        self.notes["joint"] = ("the image tokens sit in the encoder's sequence; the decoder reads them through "
-                               "cross-attention, whose rows predicting the words are read")
 
     @property
     def decoder_start_id(self) -> int:
@@ -81,8 +76,8 @@ class EncoderDecoderVLMAdapter(VLMAdapter):
         return out[:, self.answer_start(inputs):]
 
     def teacher_inputs(self, inputs: Any, ids: Tensor) -> dict[str, Any]:
-        """The encoder's inputs as the processor gave them; the decoder's: prefix + answer ids
-        (the decoder mask only where the prefix is padded, as ``generate`` passes it)."""
+        """The encoder's inputs as the processor gave them; the decoder's: prefix + answer ids (the decoder
+        mask extended where the batch has one: Pix2Struct's left-padded prompts), as ``generate`` is given them."""
         kwargs = self.generate_kwargs(inputs)
         prefix, mask = self.decoder_prefix_ids(inputs)
         kwargs["decoder_input_ids"] = torch.cat([prefix, ids], dim=1)
