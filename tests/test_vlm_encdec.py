@@ -321,3 +321,26 @@ def test_a_forced_first_token_is_part_of_the_decoder_prefix():
     words = out[2:].tolist()
     words = words[: words.index(proc.tokenizer.eos_token_id)] if proc.tokenizer.eos_token_id in words else words
     assert words and e.ids[0, : len(words)].tolist() == words
+
+
+def test_cross_heads_and_layers_index_the_decoders_cross_attention():
+    """``cross`` options on an encoder-decoder: ``layers`` and ``heads=[(layer, head)]`` pick decoder cross-attention
+    layers and heads (eager oracle)."""
+    model, proc = encdec_helpers.florence2()
+    images = helpers.images(10)
+    answers = _ids(proc, ANSWERS)
+    kwargs, start, ids, columns = _oracle_inputs("florence2", model, proc, images, PROMPTS, answers)
+    with torch.no_grad():
+        atts = helpers.eager_copy(model)(**kwargs, output_attentions=True, use_cache=False).cross_attentions
+    rows = slice(start - 1, start - 1 + ids.shape[1])
+    ex = vx.Explainer(model, processor=proc)
+    cases = {"heads": (dict(heads=[(0, 1), (-1, 0)]), (atts[0][:, 1, rows] + atts[1][:, 0, rows]) / 2),
+             "last layer, max": (dict(layers=-1, head_fusion="max"), atts[1][:, :, rows].amax(1))}
+    for label, (options, want) in cases.items():
+        e = ex.explain_caption(images, method="cross", caption=answers, prompt=PROMPTS, **options)
+        for b, cols in enumerate(columns):
+            expected = want[b][:, cols].clone()
+            expected[len(answers[b]):] = 0
+            torch.testing.assert_close(e.token_scores[b], expected, atol=1e-5, rtol=1e-4, msg=lambda m: f"{label}: {m}")
+    with pytest.raises(vx.OptionError, match="layers"):
+        ex.explain_caption(images, method="cross", caption=answers, prompt=PROMPTS, layers=2)
