@@ -10,7 +10,8 @@ against source tokens (columns). Reversal aligns target position t with source p
 The check: on fresh sequences, the maximum of each target token's row of the decoder layer's
 cross-attention (its single head; the mean over heads with ``--heads``) lies on its aligned source
 token; the script prints
-that accuracy and fails if it is below 0.95::
+that accuracy and fails if it is below 0.95 (0.90 with ``--quick``, whose 300 training steps leave
+the attention less sharp)::
 
     python examples/alignment.py --out out/alignment
     python examples/alignment.py --out /tmp/align --quick        # CI smoke mode (fewer steps)
@@ -158,7 +159,10 @@ def main() -> None:
     )
     path = vx.viz.save_png(Path(args.out) / "alignment.png", figure)
     print(f"wrote {path}")
-    floor = 0.95
+    # Floors from measured runs (seeds 0-5, 2026-12-01): 600 steps gave 0.968-0.993 (mean 0.980, SD across
+    # seeds 0.008: mean - 3 SD = 0.956); --quick (300 steps, seeds 0-3) gave 0.928-0.964 (mean 0.951, SD 0.017:
+    # mean - 3 SD = 0.90). Seed-to-seed training spread dominates the sampling SE (about 0.004 on ~3,700 digits).
+    floor = 0.90 if args.quick else 0.95
     if accuracy < floor:
         raise SystemExit(f"alignment accuracy {accuracy:.3f} is below {floor}")
 

@@ -51,7 +51,6 @@ class Row:
         size: (H, W) of the inputs.
         oracle: the test that checks this family's maps against an independent oracle.
         target: ``"norm"`` for headless backbones (explained with ``vx.targets.norm()``).
-        refused: a family vitexplain recognises and refuses (every method ``n/a``, with the reason).
 
     A vision-language row's ``build`` returns ``(model, processor)``; it is explained on uint8 images
     of ``size`` with a prompt.
@@ -64,7 +63,6 @@ class Row:
     size: tuple[int, int]
     oracle: str
     target: Optional[str] = None
-    refused: bool = False
     options: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
@@ -269,15 +267,6 @@ def _vlm(name: str) -> Callable[[], Any]:
     return build
 
 
-def _vlm_refused(name: str) -> Callable[[], nn.Module]:
-    def build() -> nn.Module:
-        import vlm_helpers
-
-        return vlm_helpers.refused(name)
-
-    return build
-
-
 def _encdec(name: str) -> Callable[[], Any]:
     def build() -> Any:
         import encdec_helpers
@@ -362,6 +351,8 @@ def rows() -> list[Row]:
         Row("HF PaliGemma", "VLM", _vlm("paligemma"), s32, _VLM_TEST),
         Row("HF PaliGemma 2 (Gemma 2 LM: eager attention, its only one)", "VLM", _vlm("paligemma2"), s32, _VLM_TEST),
         Row("HF Gemma 3", "VLM", _vlm("gemma3"), s32, _VLM_TEST),
+        Row("HF Gemma 3 with pan-and-scan crops (processor_kwargs)", "VLM", _vlm("gemma3_pan_and_scan"), s32,
+            "tests/test_vlm_gemma.py"),
         Row("HF Qwen2-VL", "VLM", _vlm("qwen2_vl"), s32, _VLM_TEST),
         Row("HF Qwen2.5-VL", "VLM", _vlm("qwen2_5_vl"), s32, _VLM_TEST),
         Row("HF Qwen3-VL", "VLM", _vlm("qwen3_vl"), s32, _VLM_TEST),
@@ -369,7 +360,7 @@ def rows() -> list[Row]:
         Row("HF SmolVLM", "VLM", _vlm("smolvlm"), s32, _VLM_TEST),
         Row("HF LLaVA-NeXT", "VLM", _vlm("llava_next"), s32, _VLM_TEST),
         Row("HF LLaVA-OneVision", "VLM", _vlm("onevision"), s32, _VLM_TEST),
-        Row("HF mllama (Llama 3.2 Vision)", "VLM", _vlm_refused("mllama"), s32, _VLM_TEST, refused=True),
+        Row("HF mllama (Llama 3.2 Vision: cross-attention layers)", "VLM", _vlm("mllama"), s32, "tests/test_vlm_mllama.py"),
         Row("HF BLIP-2", "VLM", _vlm("blip2"), s32, _VLM_TEST),
         Row("HF InstructBLIP", "VLM", _vlm("instructblip"), s32, _VLM_TEST),
         Row("HF Kosmos-2", "VLM", _vlm("kosmos2"), s32, _VLM_TEST),
@@ -528,11 +519,6 @@ def support_doc(results: list[Sweep]) -> str:
     ]
     for sweep in results:
         ok = [o.method for o in sweep.outcomes if o.status == "ok"]
-        if sweep.row.refused:  # one reason for every method
-            reason = sweep.outcomes[0].detail if sweep.outcomes else sweep.default.detail
-            out += [f"## {sweep.row.name}", "", f"- refused (every method, with `UnsupportedModelError`): {reason}",
-                    f"- the refusal is checked in `{sweep.row.oracle}`", ""]
-            continue
         out += [f"## {sweep.row.name}", "", f"- runs: {', '.join(f'`{m}`' for m in ok) or 'nothing'}"]
         for o in sweep.outcomes:
             if o.status != "ok":

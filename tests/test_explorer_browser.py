@@ -4,7 +4,7 @@ Each test loads a page from a file:// URL, waits for ``data-vx-ready``, clicks w
 clicks, and reads the drawn canvas pixels back (``getImageData``). The oracle is the attention
 the Python side computes independently (``vx.capture`` records' ``probs()``, rollout written
 out here with numpy, the Explainer's maps), passed through the page's documented colouring
-(explore.js, ``colour``): lookup index ``k = round(255 v / max)`` of the page's colormap, and
+(static/common.js, ``colour``): lookup index ``k = round(255 v / max)`` of the page's colormap, and
 for overlays alpha ``51 + round(0.8 k)``. The tolerance comes from the quantisation step: the
 page stores ``round(255 v / s)`` per row part, so its index may differ by one from the one
 computed here from float values; overlay pixels with alpha < 255 also go through the canvas's

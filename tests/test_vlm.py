@@ -1,4 +1,4 @@
-"""Vision-language models: what is refused and why, input errors, and the model left as found.
+"""Vision-language models: input errors, options, and the model left as found.
 
 The per-family checks (eager-attention oracle, padded batches, greedy generation, token footprints)
 are in tests/vlm_checks.py and run by tests/test_vlm_*.py, one file per group of families.
@@ -32,21 +32,6 @@ def test_the_model_is_left_as_found(name):
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
-@pytest.mark.parametrize("name", helpers.REFUSED)
-def test_families_not_supported_are_refused_with_the_reason(name):
-    from vitexplain.adapters.vlm.refused import REASONS
-
-    torch.manual_seed(0)
-    model = helpers.refused(name).eval()
-    ex = vx.Explainer(model)
-    assert ex.family.name == "vlm" and ex.methods() == []
-    reason = REASONS[type(model).__name__]
-    with pytest.raises(vx.UnsupportedModelError, match="no vlm method applies") as err:
-        ex.explain_caption(helpers.images(7), prompt="what is")
-    assert reason in str(err.value)
-    with pytest.raises(vx.UnsupportedMethodError) as err:
-        ex.explain_caption(helpers.images(7), method="cross_generic", prompt="what is")
-    assert reason in str(err.value)
 
 
 def test_qwen_without_mm_token_type_ids_is_an_error():

@@ -191,10 +191,15 @@ def test_each_token_covers_the_pixels_that_change_it(built):
     """Footprint probe: perturb one original pixel at a time (vision attention off) and find, in each token
     grid (the image, or each tile and the thumbnail), the token that changes most; the adapter's rendered
     geometry must put that pixel in that token's cell, and a grid that does not cover the pixel must not change."""
+    check_footprints(built, (74, 90))
+
+
+def check_footprints(built, size):
+    """The footprint probe of :func:`test_each_token_covers_the_pixels_that_change_it` on an image of ``size``."""
     name, model, proc = built
     probe = helpers.isolated_tokens(model)
     spec = helpers.ORACLE[name]
-    image = helpers.images(6, ((74, 90),))[0]
+    image = helpers.images(6, (size,))[0]
     ex = vx.Explainer(model, processor=proc)
     inputs = ex.adapter.prepare([image], [""])
     view = ex.adapter.views([image], inputs)[0]

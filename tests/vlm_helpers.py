@@ -52,6 +52,10 @@ def _text(**extra: Any) -> dict[str, Any]:
                 max_position_embeddings=256, head_dim=8, **extra)
 
 
+#: a tiny vision tower (32 px, 8 px patches) of the Q-Former families
+_V = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=8)
+
+
 def llava() -> tuple[nn.Module, Any]:
     """LLaVA: CLIP vision tower (32 px crop, 8 px patches: 4 x 4 tokens), Llama LM with GQA."""
     import transformers
@@ -176,7 +180,24 @@ def paligemma2() -> tuple[nn.Module, Any]:
     return reinit_small(transformers.PaliGemmaForConditionalGeneration(cfg).eval()), proc
 
 
-BUILDERS.update(paligemma=paligemma, gemma3=gemma3, paligemma2=paligemma2)
+#: Gemma 3 pan-and-scan settings of the tests (crops of at least 8 px, so that the tiny images are cut)
+PAN_AND_SCAN = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 8}
+
+
+def gemma3_pan_and_scan() -> tuple[nn.Module, Any]:
+    """Gemma 3 whose processor cuts images with an aspect ratio >= 1.2 into crops (pan-and-scan) by default:
+    the whole image's 16 tokens, then 16 per crop."""
+    import transformers
+
+    model, proc = gemma3()
+
+    class PanAndScanProcessor(transformers.Gemma3Processor):
+        images_kwargs = {**transformers.Gemma3Processor.images_kwargs, **PAN_AND_SCAN}
+
+    return model, PanAndScanProcessor(image_processor=proc.image_processor, tokenizer=proc.tokenizer, image_seq_length=16)
+
+
+BUILDERS.update(paligemma=paligemma, gemma3=gemma3, paligemma2=paligemma2, gemma3_pan_and_scan=gemma3_pan_and_scan)
 
 
 def _pooled_features(model: nn.Module, proc: Any, image: np.ndarray) -> torch.Tensor:
@@ -185,6 +206,16 @@ def _pooled_features(model: nn.Module, proc: Any, image: np.ndarray) -> torch.Te
         out = model.get_image_features(pixel_values=pixels)
     out = getattr(out, "pooler_output", out)
     return out[0]
+
+
+def _crop_features(model: nn.Module, proc: Any, image: np.ndarray) -> torch.Tensor:
+    """Every image token of one image with pan-and-scan: the whole image's, then each crop's."""
+    settings = {**proc.images_kwargs, **PAN_AND_SCAN}  # (the image processor alone has no defaults for them)
+    settings = {k: v for k, v in settings.items() if k.startswith("pan_and_scan") or k == "do_pan_and_scan"}
+    pixels = proc.image_processor(images=[image], return_tensors="pt", **settings)["pixel_values"]
+    with torch.no_grad():
+        out = model.get_image_features(pixel_values=pixels)
+    return getattr(out, "pooler_output", out).flatten(0, 1)
 
 
 def _paligemma_extend(kwargs: dict, batch: Any, ids: torch.Tensor) -> None:
@@ -204,6 +235,9 @@ ORACLE.update(
                    features=_pooled_features, placeholders=lambda m: [m.config.image_token_id]),
     gemma3=dict(nested=True, prompt=lambda p: "<start_of_image>" + p, extend=_gemma3_extend, image_token=lambda m: m.config.image_token_id,
                 features=_pooled_features, placeholders=lambda m: [m.config.image_token_id]),
+    gemma3_pan_and_scan=dict(nested=True, prompt=lambda p: "<start_of_image>" + p, extend=_gemma3_extend,
+                             image_token=lambda m: m.config.image_token_id, features=_crop_features,
+                             placeholders=lambda m: [m.config.image_token_id]),
 )
 
 
@@ -313,43 +347,6 @@ _IDEFICS_ORACLE = dict(nested=True, prompt=lambda p: "<image>" + p, extend=_posi
 ORACLE.update(idefics3=_IDEFICS_ORACLE, smolvlm=_IDEFICS_ORACLE)
 
 
-_V = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=8)
-_TX = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-           vocab_size=64, max_position_embeddings=256)
-
-
-def refused(name: str) -> nn.Module:
-    """A tiny build of a VLM family that vitexplain recognises and refuses (``vitexplain/adapters/vlm/refused.py``)."""
-    import transformers as T
-
-    V, TX = _V, _TX
-
-    if name == "llava_next":
-        cfg = T.LlavaNextConfig(vision_config=T.CLIPVisionConfig(**V), text_config=dict(model_type="llama", **TX), image_token_id=5, image_grid_pinpoints=[[32, 32], [32, 64], [64, 32]])
-        return T.LlavaNextForConditionalGeneration(cfg)
-    if name == "onevision":
-        cfg = T.LlavaOnevisionConfig(vision_config=dict(model_type="siglip_vision_model", **V), text_config=dict(model_type="qwen2", **TX), image_token_id=5, image_grid_pinpoints=[[32, 32], [32, 64], [64, 32]])
-        return T.LlavaOnevisionForConditionalGeneration(cfg)
-    if name == "mllama":
-        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_global_layers=1, attention_heads=2, image_size=32, patch_size=8, max_num_tiles=4, vision_output_dim=64, intermediate_layers_indices=[0])
-        text = dict(TX, cross_attention_layers=[1], num_hidden_layers=2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-        text.pop("head_dim")
-        cfg = T.MllamaConfig(vision_config=vision, text_config=text, image_token_index=5)
-        return T.MllamaForConditionalGeneration(cfg)
-    if name == "blip2":
-        cfg = T.Blip2Config(vision_config=V, qformer_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, encoder_hidden_size=32, vocab_size=64), text_config=dict(model_type="opt", hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=2, vocab_size=64, word_embed_proj_dim=32), num_query_tokens=4, image_token_index=5)
-        return T.Blip2ForConditionalGeneration(cfg)
-    if name == "instructblip":
-        cfg = T.InstructBlipConfig(vision_config=V, qformer_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, encoder_hidden_size=32, vocab_size=64), text_config=dict(model_type="opt", hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=2, vocab_size=64, word_embed_proj_dim=32), num_query_tokens=4, image_token_index=5)
-        return T.InstructBlipForConditionalGeneration(cfg)
-    if name == "kosmos2":
-        cfg = T.Kosmos2Config(vision_config=V, text_config=dict(embed_dim=32, ffn_dim=64, layers=2, attention_heads=2, vocab_size=64), latent_query_num=4)
-        return T.Kosmos2ForConditionalGeneration(cfg)
-    raise KeyError(name)
-
-
-REFUSED = ("llava_next", "onevision", "mllama", "blip2", "instructblip", "kosmos2", "florence2", "pix2struct")
-REFUSED = tuple(n for n in REFUSED if n not in ("florence2", "pix2struct"))  # tests/test_vlm_encdec.py
 
 
 def llava_next() -> tuple[nn.Module, Any]:
@@ -395,7 +392,6 @@ ORACLE["llava_next"] = dict(prompt=lambda p: "<image>" + p, extend=_positions_fr
                             image_token=lambda m: m.config.image_token_id, features=_llava_next_features,
                             pixel_tokens=_llava_next_pixel_tokens,
                             placeholders=lambda m: [m.config.image_token_id])
-REFUSED = tuple(n for n in REFUSED if n != "llava_next")
 
 
 def onevision() -> tuple[nn.Module, Any]:
@@ -424,7 +420,6 @@ def onevision() -> tuple[nn.Module, Any]:
 
 BUILDERS["onevision"] = onevision
 ORACLE["onevision"] = dict(ORACLE["llava_next"])
-REFUSED = tuple(n for n in REFUSED if n != "onevision")
 
 
 def _qformer(kind: str) -> tuple[nn.Module, Any]:
@@ -472,7 +467,6 @@ _QFORMER_ORACLE = dict(prompt=lambda p: p, extend=_positions_from_mask, image_to
                        features=_qformer_features, placeholders=lambda m: [m.config.image_token_id],
                        lm_attentions=lambda out: out.language_model_outputs.attentions, transport=_qformer_transport)
 ORACLE.update(blip2=_QFORMER_ORACLE, instructblip=_QFORMER_ORACLE)
-REFUSED = tuple(n for n in REFUSED if n not in ("blip2", "instructblip"))
 
 
 
@@ -509,4 +503,51 @@ ORACLE["kosmos2"] = dict(prompt=lambda p: p, extend=_kosmos_extend, image_token=
                          columns=lambda batch: [row.nonzero()[:, 0] for row in batch["image_embeds_position_mask"].bool()],
                          features=_qformer_features, placeholders=lambda m: [m.config.text_config.pad_token_id],
                          transport=_kosmos_transport, patches=16, padded_generate_differs=True)
-REFUSED = tuple(n for n in REFUSED if n != "kosmos2")
+
+
+def mllama() -> tuple[nn.Module, Any]:
+    """mllama (Llama 3.2 Vision): 16 px tiles of 4 px patches (4 x 4 tokens + a class token each), at most 4 tiles;
+    4 LM layers, 1 and 3 cross-attention layers (GQA), the others self-attention. Its zero-initialised tanh gates
+    (cross-attention, tile and position embeddings) are set to 1 so that the image reaches the logits."""
+    import transformers
+
+    tok = tokenizer(("<|image|>", "<|python_tag|>"))
+    image = transformers.MllamaImageProcessor(size={"height": 16, "width": 16}, max_image_tiles=4)
+    proc = transformers.MllamaProcessor(image_processor=image, tokenizer=tok)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_global_layers=1, attention_heads=2,
+                  image_size=16, patch_size=4, max_num_tiles=4, vision_output_dim=64, intermediate_layers_indices=[0])
+    text = dict(_text(), cross_attention_layers=[1, 3], num_hidden_layers=4, vocab_size=len(tok), bos_token_id=1,
+                eos_token_id=2, pad_token_id=0)
+    text.pop("head_dim")
+    cfg = transformers.MllamaConfig(vision_config=vision, text_config=text,
+                                    image_token_index=tok.convert_tokens_to_ids("<|image|>"))
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = reinit_small(transformers.MllamaForConditionalGeneration(cfg).eval())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("gate", "_gate")) and p.numel() == 1 and float(p.abs()) < 1e-6:
+                p.fill_(1.0)
+    return model, proc
+
+
+def _mllama_features(model: nn.Module, proc: Any, image: np.ndarray) -> torch.Tensor:
+    """The vision tokens of the image's real tiles, class tokens dropped: (tiles * patches, D)."""
+    batch = proc.image_processor(images=[[image]], return_tensors="pt")
+    with torch.no_grad():
+        out = model.model.vision_model(pixel_values=batch["pixel_values"], aspect_ratio_ids=batch["aspect_ratio_ids"],
+                                       aspect_ratio_mask=batch["aspect_ratio_mask"]).last_hidden_state[0, 0]
+    tiles = int(batch["aspect_ratio_mask"][0, 0].sum())
+    return out[:tiles, 1:].reshape(-1, out.shape[-1])
+
+
+def _mllama_extend(kwargs: dict, batch: Any, ids: torch.Tensor) -> None:
+    _positions_from_mask(kwargs, batch, ids)
+    mask = batch["cross_attention_mask"]  # each answer position reads what the last prompt position reads
+    kwargs["cross_attention_mask"] = torch.cat([mask, mask[:, -1:].expand(-1, ids.shape[1], -1, -1)], 1)
+
+
+BUILDERS["mllama"] = mllama
+ORACLE["mllama"] = dict(nested=True, prompt=lambda p: "<|image|>" + p, extend=_mllama_extend,
+                        image_token=lambda m: m.config.image_token_id,  # (the one <|image|> position: no vision token there)
+                        features=_mllama_features, placeholders=lambda m: [m.config.image_token_id])

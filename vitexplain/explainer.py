@@ -53,6 +53,8 @@ class Explainer:
             vision-language model (LLaVA, ...; give its ``processor``).
         adapter: override the automatically chosen adapter.
         processor: a vision-language model's processor (tokenizer + image processor).
+        processor_kwargs: extra keyword arguments for every call of ``processor`` (e.g. Gemma 3's
+            ``{"do_pan_and_scan": True}``); the maps follow the geometry they give.
         attention_mode: how the capture gets attention probabilities (see ``vx.capture``).
             ``"auto"`` (default): when a requested method reads every layer's attention
             without gradients (rollout) and the model runs on a CPU, attention is computed
@@ -62,7 +64,7 @@ class Explainer:
     """
 
     def __init__(self, model: nn.Module, *, adapter: Optional[Adapter] = None, attention_mode: str = "auto",
-                 processor: Any = None) -> None:
+                 processor: Any = None, processor_kwargs: Optional[dict[str, Any]] = None) -> None:
         self.model = model
         # a torch.compile-d model is explained through its original module, run eagerly
         # (see vx.capture); the compiled code is neither called nor recompiled
@@ -72,7 +74,9 @@ class Explainer:
             if not hasattr(self.adapter, "with_processor"):
                 raise UsageError(f"processor= is for vision-language models; {type(model).__name__} is a "
                                  f"{self.family.name} model and takes preprocessed images")
-            self.adapter = self.adapter.with_processor(processor)
+            self.adapter = self.adapter.with_processor(processor, processor_kwargs)
+        elif processor_kwargs:
+            raise UsageError("processor_kwargs= needs processor= (the vision-language model's processor)")
 
     @property
     def family(self) -> Family:

@@ -65,8 +65,17 @@ def external_references(page: str) -> list[str]:
     return parser.found
 
 
+#: the page's script files, inlined in this order into one closure (later files use earlier ones)
+SCRIPTS = ("common.js", "attention.js", "words.js", "explore.js")
+
+
 def _static(name: str) -> str:
     return resources.files("vitexplain.explorer").joinpath("static", name).read_text(encoding="utf-8")
+
+
+def _script() -> str:
+    """The page's script: :data:`SCRIPTS` inside one strict-mode closure."""
+    return '(function () {\n  "use strict";\n' + "\n".join(_static(n) for n in SCRIPTS) + "})();\n"
 
 
 def _json(data: Any) -> str:
@@ -109,7 +118,7 @@ def render_page(images: list[dict[str, Any]], *, title: str = "vitexplain explor
         '<label><input id="vx-smooth" type="checkbox"> smooth</label></div>\n'
         '<main id="vx-root"></main>\n'
         f'<script type="application/json" id="vx-data">{_json(payload)}</script>\n'
-        f"<script>{_static('explore.js')}</script>\n</body></html>\n"
+        f"<script>{_script()}</script>\n</body></html>\n"
     )
     outside = external_references(page)
     if outside:

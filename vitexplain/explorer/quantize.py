@@ -8,7 +8,7 @@ Each row (the last axis) is stored as uint8 codes with one float32 scale per row
   exactly and ``v ~= (code - 128) * s / 127``.
 
 An all-zero row has scale 0 (and decodes to zeros). Codes and scales travel as base64
-(little-endian float32), decoded by the page's script (``static/explore.js``, ``decodeQ``).
+(little-endian float32), decoded by the page's script (``static/common.js``, ``decodeQ``).
 """
 
 from __future__ import annotations

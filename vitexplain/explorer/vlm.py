@@ -32,7 +32,8 @@ from .quantize import payload_bytes, quantize_rows
 __all__ = ["vlm_data", "vlm_attention"]
 
 
-def vlm_attention(adapter: Any, inputs: Any, ids: torch.Tensor, *, budget: int) -> Optional[dict[str, Any]]:
+def vlm_attention(adapter: Any, inputs: Any, ids: torch.Tensor, *, budget: int,
+                  view: Optional[Any] = None) -> Optional[dict[str, Any]]:
     """Attention of each answer word's predicting row over one image's tokens, per layer and head.
 
     Args:
@@ -40,6 +41,8 @@ def vlm_attention(adapter: Any, inputs: Any, ids: torch.Tensor, *, budget: int) 
         inputs: the processor's batch of one image (``adapter.prepare``).
         ids: (1, T) the answer ids.
         budget: most base64 bytes to embed.
+        view: the image's token geometry; when given, only its pixel-bearing tokens are kept (the
+            order of ``token_scores``: no newline tokens, no mllama class tokens).
 
     Returns:
         ``{"layers", "layerIndex", "heads", "probs": rows (L' * H' * T, n), "note"}`` (row
@@ -54,6 +57,8 @@ def vlm_attention(adapter: Any, inputs: Any, ids: torch.Tensor, *, budget: int) 
     if not layers:
         return None
     columns = adapter.image_columns(kwargs)[0]
+    if view is not None:
+        columns = view.pixel_columns(columns)
     rows = torch.arange(start - 1, start - 1 + t, device=columns.device)
     n, heads = int(columns.numel()), layers[0].num_heads
     chosen = layers_that_fit(len(layers), heads * payload_bytes(t, n), budget)
@@ -110,7 +115,7 @@ def vlm_data(explainer: Any, plan: Plan, image: np.ndarray, *, prompt: Optional[
         spec = plan.step(name).spec
         scores = e.token_scores[0][:t].float()  # (T, n)
         methods.append({"name": name, "summary": spec.summary, "maps": quantize_rows(scores, signed=spec.signed)})
-    attention = vlm_attention(adapter, inputs, first.ids[:, :t], budget=attention_budget)
+    attention = vlm_attention(adapter, inputs, first.ids[:, :t], budget=attention_budget, view=view)
     if attention is None:
         notes.append("the language model issued no attention call that vitexplain could see: no attention views")
     return {

@@ -36,7 +36,8 @@ CAPABILITIES: Mapping[str, str] = {
     "cross": "cross-attention from the text to the image tokens",
     "lrp": ("every non-linearity from the pixels to the score is one the LRP rules cover: attention by "
             "scaled_dot_product_attention or nn.MultiheadAttention, LayerNorm/RMSNorm, element-wise activations"),
-    "joint": "image tokens inside the language model's self-attention sequence, each mapped back to its pixels",
+    "image_attention": ("attention of the language model's text positions over image tokens (in its own sequence or in "
+                        "cross-attention layers), each image token mapped back to its pixels"),
 }
 
 

@@ -8,7 +8,11 @@ that predicts word t) at the image-token columns (docs/methods.md, "Vision-langu
 - ``cross_grad``: the gradient-weighted attention of that row, ``mean_h clamp(A * dlog p(w_t)/dA, 0)``,
   averaged over layers (the per-layer term of Chefer et al. 2021; ViCrop's gradient-weighted map);
 - ``cross_generic``: Chefer, Gur & Wolf (ICCV 2021) over the whole multimodal sequence:
-  ``R = I; R += Abar_l @ R`` for every layer, the map is ``R[row, image columns]``.
+  ``R = I; R += Abar_l @ R`` for every layer, the map is ``R[row, image columns]`` (their
+  encoder-decoder rules where the image enters through cross-attention layers: mllama).
+
+With cross-attention layers (mllama) the "layers" are those layers and the image columns are
+their keys: ``cross`` and ``cross_grad`` read the predicting row of each cross-attention call.
 
 Every method returns, per image b, a (T, n_b) tensor of scores over its image tokens; the
 adapter maps them to pixels. Batched: prompts are left-padded to one length, so every image
@@ -30,6 +34,7 @@ from .families import VLM
 from .options import Option, check_index
 from .registry import register
 from .vlm_context import VLMContext
+from .vlm_cross import cross_layer_relevance
 from .vlm_encdec import encoder_decoder_generic
 
 __all__ = ["cross", "cross_grad", "cross_generic", "pick_layers"]
@@ -66,7 +71,7 @@ def _head_pairs(records: Sequence[AttentionRecord], heads: Sequence[tuple]) -> d
                         help="(layer, head) pairs to average instead of all heads (None = fuse heads and layers)"),
         "head_fusion": Option(str, choices=("mean", "max", "min"), help="how heads are fused"),
     },
-    requires=("joint",), class_sensitive=False,
+    requires=("image_attention",), class_sensitive=False,
     summary="attention of the row predicting each word over the image tokens (heads and layers fused)",
     reference=_REFERENCE,
 )
@@ -100,7 +105,7 @@ def cross(ctx: VLMContext, *, layers: Union[None, int, Sequence[int]] = None,
 @register(
     "cross_grad", VLM,
     options={"layers": _LAYERS},
-    grads=True, requires=("joint",), class_sensitive=False,
+    grads=True, requires=("image_attention",), class_sensitive=False,
     summary="gradient-weighted attention of the row predicting each word (gradient of its log-probability)",
     reference="Chefer et al. 2021 (per-layer term); Zhang et al. 2025 (ViCrop); " + _REFERENCE,
 )
@@ -134,7 +139,7 @@ def cross_grad(ctx: VLMContext, *, layers: Union[None, int, Sequence[int]] = Non
 
 @register(
     "cross_generic", VLM,
-    grads=True, requires=("joint",), class_sensitive=False, dense_attention=True,
+    grads=True, requires=("image_attention",), class_sensitive=False, dense_attention=True,
     summary="Chefer's relevance over the whole multimodal sequence, per word (gradient of its log-probability)",
     reference="Chefer, Gur & Wolf, ICCV 2021 (self-attention rules); " + _REFERENCE,
 )
@@ -146,13 +151,16 @@ def cross_generic(ctx: VLMContext) -> list[Tensor]:
     map is ``R[row_t, image columns]``. Only that row is needed, so it is propagated as a row
     vector from the last layer down (``v <- v + v @ Abar_l``): O(L N^2) per word, never N^3.
     The vision tower's own attention is not propagated: each image token is mapped to its
-    pixels by the adapter.
+    pixels by the adapter. A model whose image enters through cross-attention layers (mllama)
+    takes Chefer's encoder-decoder rules instead (:mod:`~vitexplain.methods.vlm_cross`).
 
     Returns:
         Per image b, (T, n_b) float32.
     """
     if getattr(ctx.adapter, "encoder_decoder", False):  # Florence-2, Pix2Struct: Chefer's encoder-decoder rules
         return encoder_decoder_generic(ctx)
+    if ctx.cross_layers:  # mllama: the image only through cross-attention layers
+        return cross_layer_relevance(ctx)
     records = ctx.layers()
     recorder = ctx.recorder
     b, n = ctx.batch_size, records[0].num_keys

@@ -6,7 +6,8 @@ answer words teacher-forced in one sequence; prompts are left-padded to one leng
 answer word ``t`` of every image sits at position ``L + t`` and is predicted by row ``L - 1 + t``
 of every language-model attention call. ``columns[b]`` are the positions of image ``b``'s
 pixel-bearing image tokens (newline and separator tokens excluded), in the order the adapter's
-token-to-pixel map reads them.
+token-to-pixel map reads them. A model whose image enters through cross-attention layers (mllama)
+has no image tokens in its sequence: ``columns[b]`` then index the keys of those layers' calls.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ class VLMContext:
         ids: (B, T) long, the explained answer token ids (padded after each answer's end).
         lengths: (B,) long, how many of the T words each image has.
         start: L, the position of answer word 0 (so row ``start - 1 + t`` predicts word t).
-        columns: per image, (n_b,) long positions of its pixel-bearing image tokens.
+        columns: per image, (n_b,) long positions of its pixel-bearing image tokens (with cross-attention
+            layers: their indices among the cross-attention keys).
         logits: (B, N, V) logits of the teacher-forced forward, in the autograd graph for
             gradient methods (None otherwise).
         method: the method name (for messages).
@@ -61,8 +63,15 @@ class VLMContext:
         """The query rows that predict words 0..T-1 (the same for every image: prompts are left-padded)."""
         return slice(self.start - 1, self.start - 1 + self.num_words)
 
+    @property
+    def cross_layers(self) -> bool:
+        """The image enters the language model through cross-attention layers (mllama): :meth:`layers`
+        are those layers' calls and ``columns`` index their keys."""
+        return bool(getattr(self.adapter, "cross_layers", False))
+
     def layers(self) -> list[AttentionRecord]:
-        """The language model's self-attention calls of the explained forward, one per layer in order.
+        """The language model's attention calls over the image tokens in the explained forward, one per
+        layer in order: its self-attention calls, or its cross-attention calls (:attr:`cross_layers`).
 
         Raises:
             UnsupportedMethodError: no language-model attention was recorded.
@@ -70,7 +79,7 @@ class VLMContext:
         records = self.adapter.lm_records(self.recorder.records)
         if not records:
             raise UnsupportedMethodError(
-                f"{self.method}: no self-attention call of {type(self.adapter.model).__name__}'s language model "
+                f"{self.method}: no attention call of {type(self.adapter.model).__name__}'s language model "
                 "was recorded; load the model with attn_implementation='sdpa' (or 'eager')"
             )
         n = self.start + self.num_words - 1

@@ -1,10 +1,11 @@
-"""Adapters of decoder-only vision-language models (VLMs), one module per model family; the
+"""Adapters of vision-language models (VLMs), one module per model family; the
 shared geometry and interface are in :mod:`~vitexplain.adapters.vlm.base`."""
 
 from __future__ import annotations
 
 from .base import ImageView, Piece, VLMAdapter, render
 
-from . import llava, llava_next, paligemma, qwen, idefics, qformer, florence, pix2struct, refused  # noqa: E402,F401  (registers its detector)
+# each module registers its detector
+from . import llava, llava_next, paligemma, qwen, idefics, qformer, mllama, florence, pix2struct  # noqa: E402,F401
 
 __all__ = ["ImageView", "Piece", "VLMAdapter", "render"]

@@ -180,6 +180,8 @@ class VLMAdapter(Adapter):
 
     Attributes:
         processor: the model's processor (tokenizer + image processor).
+        processor_kwargs: extra keyword arguments of every processor call (e.g. Gemma 3's
+            ``{"do_pan_and_scan": True}``, Qwen's ``{"max_pixels": ...}``).
         lm_prefix: module name of the language model (its self-attention records are read).
     """
 
@@ -196,13 +198,15 @@ class VLMAdapter(Adapter):
     def __init__(self, model: nn.Module, processor: Any = None) -> None:
         super().__init__(model)
         self.processor = processor
-        self.capabilities = frozenset({"joint"})
+        self.processor_kwargs: dict[str, Any] = {}
+        self.capabilities = frozenset({"image_attention"})
         self.lm_prefix = submodule_named(model, "language_model", "text_model")
 
     # -- what the Explainer needs -------------------------------------------------------------
-    def with_processor(self, processor: Any) -> "VLMAdapter":
-        """This adapter with the model's processor."""
+    def with_processor(self, processor: Any, kwargs: Optional[dict[str, Any]] = None) -> "VLMAdapter":
+        """This adapter with the model's processor (and extra keyword arguments for its calls)."""
         self.processor = processor
+        self.processor_kwargs = dict(kwargs or {})
         return self
 
     @property
@@ -255,7 +259,7 @@ class VLMAdapter(Adapter):
         tokenizer.padding_side = self.padding_side
         try:
             given = [[image] for image in images] if self.nested_images else list(images)
-            batch = processor(images=given, text=texts, return_tensors="pt", padding=True)
+            batch = processor(images=given, text=texts, return_tensors="pt", padding=True, **self.processor_kwargs)
         finally:
             tokenizer.padding_side = side
         for key in list(batch.keys()):

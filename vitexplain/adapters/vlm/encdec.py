@@ -99,4 +99,3 @@ class EncoderDecoderVLMAdapter(VLMAdapter):
     def decoder_records(self, records: Sequence[Any]) -> list[Any]:
         """The decoder's self- and cross-attention calls, in call order."""
         return self._under(records, self.decoder_prefix)
-

@@ -23,7 +23,7 @@ from ...methods.families import VLM
 from ..base import Adapter, register_adapter
 from .base import ImageView, Piece, VLMAdapter, processed_box
 
-__all__ = ["PrefixLMAdapter"]
+__all__ = ["PrefixLMAdapter", "pan_and_scan_boxes"]
 
 
 class PrefixLMAdapter(VLMAdapter):
@@ -68,13 +68,34 @@ class PrefixLMAdapter(VLMAdapter):
 
     def views(self, images: Sequence[Any], inputs: Any) -> list[ImageView]:
         grid = self.grid()
+        per_image = grid[0] * grid[1]
         views = []
-        for image in images:
+        for b, image in enumerate(images):
             h, w = int(image.shape[0]), int(image.shape[1])
-            if getattr(self.processor.image_processor, "do_pan_and_scan", False):
-                raise UnsupportedModelError("Gemma 3 with do_pan_and_scan=True (crops) is not supported; use the processor's default")
-            views.append(ImageView((h, w), (Piece("image", grid, processed_box(self.processor.image_processor, h, w), 0),)))
+            pieces = [Piece("image", grid, processed_box(self.processor.image_processor, h, w), 0)]
+            if self.kind == "gemma3":  # pan-and-scan crops follow the whole image in the sequence
+                held = int((inputs["input_ids"][b] == self.image_token_id).sum())
+                for k, box in enumerate(pan_and_scan_boxes(h, w, max(held // per_image - 1, 0))):
+                    pieces.append(Piece(f"crop {k + 1}", grid, box, (k + 1) * per_image))
+            views.append(ImageView((h, w), tuple(pieces)))
         return views
+
+
+def pan_and_scan_boxes(height: int, width: int, crops: int) -> list[tuple[float, float, float, float]]:
+    """The (y0, x0, y1, x1) boxes of the ``crops`` pieces Gemma 3's pan-and-scan cuts from an (H, W) image.
+
+    As transformers' ``Gemma3ImageProcessor.pan_and_scan_batched``: a landscape (or square) image is
+    cut along its width into crops ``ceil(W / crops)`` wide, a portrait one along its height; the last
+    crop ends at the image's edge. How many crops there are is read from the sequence (each crop adds
+    one grid of tokens), so the processor's settings need not be known here.
+    """
+    if crops <= 0:
+        return []
+    if width >= height:
+        step = math.ceil(width / crops)
+        return [(0, i * step, height, min((i + 1) * step, width)) for i in range(crops)]
+    step = math.ceil(height / crops)
+    return [(i * step, 0, min((i + 1) * step, height), width) for i in range(crops)]
 
 
 @register_adapter(priority=20, family=VLM)
