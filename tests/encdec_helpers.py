@@ -38,20 +38,39 @@ def florence2() -> tuple[nn.Module, Any]:
     return helpers.reinit_small(transformers.Florence2ForConditionalGeneration(cfg).eval()), proc
 
 
-def pix2struct() -> tuple[nn.Module, Any]:
-    """Pix2Struct (captioning, not VQA): 8 px patches, at most 24 of them; T5-style decoder 2 layers."""
+def pix2struct(vqa: bool = False) -> tuple[nn.Module, Any]:
+    """Pix2Struct: 8 px patches, at most 24 of them; T5-style decoder 2 layers. ``vqa``: a VQA checkpoint (the
+    question rendered above the image: needs :func:`local_font`), 48 patches."""
     import transformers
 
     tok = helpers.tokenizer(())
-    image = transformers.Pix2StructImageProcessor(max_patches=24, patch_size={"height": 8, "width": 8})
+    image = transformers.Pix2StructImageProcessor(max_patches=48 if vqa else 24, patch_size={"height": 8, "width": 8},
+                                                  is_vqa=vqa)
     proc = transformers.Pix2StructProcessor(image_processor=image, tokenizer=tok)
     vision = dict(hidden_size=32, d_ff=64, num_hidden_layers=2, num_attention_heads=2, d_kv=16, patch_embed_hidden_size=3 * 64)
     text = dict(hidden_size=32, d_ff=64, num_layers=2, num_heads=2, d_kv=16, vocab_size=len(tok), pad_token_id=0,
                 eos_token_id=2, decoder_start_token_id=0, bos_token_id=1)
-    cfg = transformers.Pix2StructConfig(vision_config=vision, text_config=text)
+    cfg = transformers.Pix2StructConfig(vision_config=vision, text_config=text, is_vqa=vqa)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     return helpers.reinit_small(transformers.Pix2StructForConditionalGeneration(cfg).eval()), proc
 
 
-BUILDERS: dict[str, Callable[[], tuple[nn.Module, Any]]] = {"florence2": florence2, "pix2struct": pix2struct}
+def local_font(monkeypatch: Any) -> None:
+    """Make Pix2Struct's header rendering use matplotlib's DejaVu Sans instead of the font it downloads (offline)."""
+    import os
+
+    import matplotlib
+    from transformers.models.pix2struct import image_processing_pix2struct as module
+
+    path = os.path.join(os.path.dirname(matplotlib.__file__), "mpl-data", "fonts", "ttf", "DejaVuSans.ttf")
+    original = module.render_text
+
+    def render_text(text: str, *args: Any, font_bytes: Any = None, font_path: Any = None, **kwargs: Any) -> Any:
+        return original(text, *args, font_path=path, **kwargs)
+
+    monkeypatch.setattr(module, "render_text", render_text)
+
+
+BUILDERS: dict[str, Callable[[], tuple[nn.Module, Any]]] = {"florence2": florence2, "pix2struct": pix2struct,
+                                                           "pix2struct_vqa": lambda: pix2struct(vqa=True)}

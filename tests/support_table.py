@@ -365,7 +365,7 @@ def rows() -> list[Row]:
         Row("HF InstructBLIP", "VLM", _vlm("instructblip"), s32, _VLM_TEST),
         Row("HF Kosmos-2", "VLM", _vlm("kosmos2"), s32, _VLM_TEST),
         Row("HF Florence-2", "VLM", _encdec("florence2"), s32, _ENCDEC_TEST),
-        Row("HF Pix2Struct (captioning checkpoints)", "VLM", _encdec("pix2struct"), s32, _ENCDEC_TEST),
+        Row("HF Pix2Struct", "VLM", _encdec("pix2struct"), s32, _ENCDEC_TEST),
     ]
 
 

@@ -29,7 +29,10 @@ ANSWERS = [["red", "circle", "on", "the"], ["blue", "square"]]
 @pytest.fixture(scope="module", params=list(encdec_helpers.BUILDERS))
 def built(request):
     model, proc = encdec_helpers.BUILDERS[request.param]()
-    return request.param, model, proc
+    with pytest.MonkeyPatch.context() as patch:
+        if request.param == "pix2struct_vqa":
+            encdec_helpers.local_font(patch)  # (offline: no font download)
+        yield request.param, model, proc
 
 
 def _ids(proc, words):
@@ -47,6 +50,10 @@ def _oracle_inputs(name, model, proc, images, prompts, answers):
         kwargs["decoder_input_ids"] = torch.cat([torch.full((len(images), 1), start), ids], 1)
         columns = [row.nonzero()[:, 0] for row in kwargs["input_ids"] == model.config.image_token_id]
         return kwargs, 1, ids, columns
+    if name == "pix2struct_vqa":  # the question is rendered above the image; the decoder starts from its start token
+        kwargs = dict(proc(images=images, text=prompts, return_tensors="pt", max_patches=proc.image_processor.max_patches))
+        kwargs["decoder_input_ids"] = torch.cat([torch.full((len(images), 1), start), ids], 1)
+        return kwargs, 1, ids, [torch.arange(int(m.sum())) for m in kwargs["attention_mask"]]
     kwargs = dict(proc(images=images, return_tensors="pt", max_patches=proc.image_processor.max_patches))
     prefixes = [[start] + proc.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
     length = max(len(p) for p in prefixes)
@@ -224,20 +231,29 @@ def test_florence_tokens_sit_on_davit_receptive_fields():
             assert abs(float(xs.min() + xs.max()) / 2 - float(cxs.min() + cxs.max()) / 2) <= 0.5
 
 
-def test_pix2struct_patches_cover_the_pixels_that_change_them():
-    """Probe: perturb one original pixel of a 74 x 90 image (the processor resizes it to 4 x 5 patches of 8 px) and
-    read the patch embeddings (before any attention): the patch that changes most is the one the adapter draws
-    that pixel on (pixels within 4 px of a cell border skipped: the antialiased resize blends across it)."""
-    model, proc = encdec_helpers.pix2struct()
+@pytest.mark.parametrize("vqa", [False, True])
+def test_pix2struct_patches_cover_the_pixels_that_change_them(vqa, monkeypatch):
+    """Probe: perturb one original pixel of a 74 x 90 image (captioning: the processor resizes it to 4 x 5 patches of
+    8 px; VQA: the question is rendered above it first, and the canvas is cut into 7 x 6 patches) and read the patch
+    embeddings (before any attention): the patch that changes most is the one the adapter draws that pixel on
+    (pixels within 4 px of a cell border skipped: the resizes blend across it); VQA: the header's patches (above
+    the image) hold no pixel of it."""
+    model, proc = encdec_helpers.pix2struct(vqa=vqa)
+    if vqa:
+        encdec_helpers.local_font(monkeypatch)
     image = helpers.images(6, ((74, 90),))[0]
     ex = vx.Explainer(model, processor=proc)
-    view, (grid,) = _token_map(ex.adapter, [image], [""])
-    assert view.pieces[0].grid == (4, 5)
+    view, (grid,) = _token_map(ex.adapter, [image], ["what is"])
+    rows, cols = view.pieces[0].grid
+    assert (rows, cols) == ((7, 6) if vqa else (4, 5))
+    header = int(grid.min()) - 1  # tokens before the first one drawn on the image: the header's
+    assert (header > 0) == vqa
 
     def embeddings(img):
-        batch = proc(images=[img], return_tensors="pt", max_patches=proc.image_processor.max_patches)
+        batch = proc(images=[img], text=["what is"] if vqa else None, return_tensors="pt",
+                     max_patches=proc.image_processor.max_patches)
         with torch.no_grad():
-            return model.encoder.embeddings(batch["flattened_patches"])[0, :20]
+            return model.encoder.embeddings(batch["flattened_patches"])[0, : rows * cols]
 
     base = embeddings(image)
     rng = torch.Generator().manual_seed(0)
@@ -250,22 +266,12 @@ def test_pix2struct_patches_cover_the_pixels_that_change_them():
         bumped[y, x] = 255 - bumped[y, x]
         change = (embeddings(bumped) - base).abs().sum(-1)
         assert int(change.argmax()) + 1 == int(grid[y, x]), f"pixel {(y, x)}"
+        if header > cols:  # the header's rows, a row above the image: (almost) unchanged
+            assert float(change[: header - cols].max()) < 0.1 * float(change.max())
         checked += 1
         if checked == 15:
             break
     assert checked >= 10
-
-
-def test_pix2struct_vqa_is_refused_with_the_reason():
-    import transformers
-
-    cfg = encdec_helpers.pix2struct()[0].config
-    cfg.is_vqa = True
-    model = transformers.Pix2StructForConditionalGeneration(cfg).eval()
-    ex = vx.Explainer(model)
-    assert ex.family.name == "vlm" and ex.methods() == []
-    with pytest.raises(vx.UnsupportedMethodError, match="header"):
-        ex.explain_caption(helpers.images(7), method="cross", prompt="what is")
 
 
 def test_the_explorer_shows_the_decoders_cross_attention(tmp_path):
@@ -299,3 +305,42 @@ def test_the_caption_command_takes_a_saved_folder(name, tmp_path):
     assert rc == 0
     with np.load(tmp_path / "out" / "a.png.cross.npz") as saved:
         assert saved["maps"].shape[1:] == (40, 52) and len(saved["tokens"]) == saved["maps"].shape[0]  # per word, own size
+
+
+def test_a_forced_first_token_is_part_of_the_decoder_prefix():
+    """BART-style generation configs force ``<s>`` after the decoder start token: that token is no answer word;
+    the explained words are what ``generate`` gives after it."""
+    model, proc = encdec_helpers.florence2()
+    model.generation_config.forced_bos_token_id = proc.tokenizer.bos_token_id
+    image = helpers.images(4)[0]
+    e = vx.Explainer(model, processor=proc).explain_caption([image], prompt="what is", max_len=4)
+    batch = proc(images=[image], text=["what is"], return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**batch, max_new_tokens=5, do_sample=False, suppress_tokens=[model.config.image_token_id])[0]
+    assert out[:2].tolist() == [model.config.get_text_config(decoder=True).decoder_start_token_id, proc.tokenizer.bos_token_id]
+    words = out[2:].tolist()
+    words = words[: words.index(proc.tokenizer.eos_token_id)] if proc.tokenizer.eos_token_id in words else words
+    assert words and e.ids[0, : len(words)].tolist() == words
+
+
+def test_cross_heads_and_layers_index_the_decoders_cross_attention():
+    """``cross`` options on an encoder-decoder: ``layers`` and ``heads=[(layer, head)]`` pick decoder cross-attention
+    layers and heads (eager oracle)."""
+    model, proc = encdec_helpers.florence2()
+    images = helpers.images(10)
+    answers = _ids(proc, ANSWERS)
+    kwargs, start, ids, columns = _oracle_inputs("florence2", model, proc, images, PROMPTS, answers)
+    with torch.no_grad():
+        atts = helpers.eager_copy(model)(**kwargs, output_attentions=True, use_cache=False).cross_attentions
+    rows = slice(start - 1, start - 1 + ids.shape[1])
+    ex = vx.Explainer(model, processor=proc)
+    cases = {"heads": (dict(heads=[(0, 1), (-1, 0)]), (atts[0][:, 1, rows] + atts[1][:, 0, rows]) / 2),
+             "last layer, max": (dict(layers=-1, head_fusion="max"), atts[1][:, :, rows].amax(1))}
+    for label, (options, want) in cases.items():
+        e = ex.explain_caption(images, method="cross", caption=answers, prompt=PROMPTS, **options)
+        for b, cols in enumerate(columns):
+            expected = want[b][:, cols].clone()
+            expected[len(answers[b]):] = 0
+            torch.testing.assert_close(e.token_scores[b], expected, atol=1e-5, rtol=1e-4, msg=lambda m: f"{label}: {m}")
+    with pytest.raises(vx.OptionError, match="layers"):
+        ex.explain_caption(images, method="cross", caption=answers, prompt=PROMPTS, layers=2)

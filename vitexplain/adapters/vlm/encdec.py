@@ -20,11 +20,11 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from .base import VLMAdapter
 
-__all__ = ["EncoderDecoderVLMAdapter", "refused_variant"]
+__all__ = ["EncoderDecoderVLMAdapter"]
 
 
 class EncoderDecoderVLMAdapter(VLMAdapter):
@@ -47,18 +47,26 @@ class EncoderDecoderVLMAdapter(VLMAdapter):
         return int(start)
 
     def decoder_prefix_ids(self, inputs: Any) -> tuple[Tensor, Tensor]:
-        """(B, L) ids the decoder starts from (left-padded) and their (B, L) mask."""
+        """(B, L) ids the decoder starts from (left-padded) and their (B, L) mask: the decoder start token,
+        then the token ``generate`` forces first where the generation config forces one (BART's
+        ``forced_bos_token_id``), which is no answer word."""
         device = next(self.model.parameters()).device
         batch = next(v for v in inputs.values() if isinstance(v, Tensor)).shape[0]
-        ids = torch.full((batch, 1), self.decoder_start_id, dtype=torch.long, device=device)
+        prefix = [self.decoder_start_id]
+        forced = getattr(self.model.generation_config, "forced_bos_token_id", None)
+        if forced is not None:
+            prefix.append(int(forced))
+        ids = torch.tensor([prefix] * batch, dtype=torch.long, device=device)
         return ids, torch.ones_like(ids)
 
     def answer_start(self, inputs: Any) -> int:
         return int(self.decoder_prefix_ids(inputs)[0].shape[1])
 
     def generate_kwargs(self, inputs: Any) -> dict[str, Any]:
-        """The keyword arguments ``model.generate`` takes for the processor's batch."""
-        return dict(inputs)
+        """The keyword arguments ``model.generate`` takes for the processor's batch (the decoder prefix included)."""
+        kwargs = dict(inputs)
+        kwargs["decoder_input_ids"] = self.decoder_prefix_ids(inputs)[0]
+        return kwargs
 
     def generate(self, inputs: Any, max_len: int) -> Tensor:
         ends = self.end_ids
@@ -68,8 +76,8 @@ class EncoderDecoderVLMAdapter(VLMAdapter):
         return out[:, self.answer_start(inputs):]
 
     def teacher_inputs(self, inputs: Any, ids: Tensor) -> dict[str, Any]:
-        """The encoder's inputs as the processor gave them; the decoder's: prefix + answer ids
-        (the decoder mask only where the prefix is padded, as ``generate`` passes it)."""
+        """The encoder's inputs as the processor gave them; the decoder's: prefix + answer ids (the decoder
+        mask extended where the batch has one: Pix2Struct's left-padded prompts), as ``generate`` is given them."""
         kwargs = self.generate_kwargs(inputs)
         prefix, mask = self.decoder_prefix_ids(inputs)
         kwargs["decoder_input_ids"] = torch.cat([prefix, ids], dim=1)
@@ -91,11 +99,3 @@ class EncoderDecoderVLMAdapter(VLMAdapter):
     def decoder_records(self, records: Sequence[Any]) -> list[Any]:
         """The decoder's self- and cross-attention calls, in call order."""
         return self._under(records, self.decoder_prefix)
-
-
-def refused_variant(model: nn.Module, reason: str) -> VLMAdapter:
-    """A recognised model variant that no method applies to, with the reason (the plan quotes it)."""
-    adapter = VLMAdapter(model)
-    adapter.capabilities = frozenset()
-    adapter.notes["image_attention"] = reason
-    return adapter

@@ -8,8 +8,13 @@ of the original image, and its encoder position is ``r * cols + c``; rows and co
 the ids the processor wrote. The prompt (captioning checkpoints) is the decoder's prefix after the
 decoder start token, left-padded (the decoder's relative position bias does not see the shift).
 
-VQA checkpoints (``is_vqa``) render the question as a header above the image, which needs a font and
-moves the image inside the rendered canvas: refused with that reason.
+VQA checkpoints (``is_vqa``) take the prompt as a header: the processor renders the question (with
+its font) above the image, scaled to the wider of the two, into one canvas whose patches the encoder
+reads, and the decoder starts from its start token alone. The patch grid then covers the canvas: in
+the original image's coordinates it starts ``header height * H / scaled image height`` above the
+image; the header's patches hold no pixels of the image (their scores stay in ``token_scores``), a
+patch across the border covers the image pixels under it. The header's size comes from the image
+processor's own ``render_header`` (which loads the processor's font, as its preprocessing does).
 """
 
 from __future__ import annotations
@@ -19,21 +24,24 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from ...errors import UnsupportedModelError
+from ...errors import UnsupportedModelError, UsageError
 from ...methods.families import VLM
 from ..base import Adapter, register_adapter
 from .base import ImageView, Piece
-from .encdec import EncoderDecoderVLMAdapter, refused_variant
+from .encdec import EncoderDecoderVLMAdapter
 
-__all__ = ["Pix2StructAdapter", "VQA_REASON"]
+__all__ = ["Pix2StructAdapter"]
 
-VQA_REASON = ("Pix2Struct VQA checkpoints (is_vqa) render the question as a header above the image (with a font "
-              "downloaded at run time) and rescale the image inside that canvas; that geometry is not mapped back to "
-              "the image yet: explain a captioning checkpoint, or pass the question as the decoder prompt of one")
+def _vqa(model: nn.Module) -> bool:
+    return bool(getattr(model.config, "is_vqa", False) or getattr(model.config.vision_config, "is_vqa", False))
 
 
 class Pix2StructAdapter(EncoderDecoderVLMAdapter):
-    """``Pix2StructForConditionalGeneration`` with ``is_vqa=False`` (encoder: the patch encoder)."""
+    """``Pix2StructForConditionalGeneration`` (encoder: the patch encoder; VQA checkpoints: the question as a header)."""
+
+    def __init__(self, model: nn.Module, processor: Any = None) -> None:
+        super().__init__(model, processor)
+        self._headers: list[str] = []  # the VQA questions of the last prepare() (views() measures their header)
 
     @property
     def image_token_id(self) -> int:
@@ -50,10 +58,16 @@ class Pix2StructAdapter(EncoderDecoderVLMAdapter):
         """The processor's patches (its own ``max_patches``) and the decoder prefix ``[start] + prompt``, left-padded."""
         processor = self.require_processor()
         image_processor = processor.image_processor
-        if getattr(image_processor, "is_vqa", False):
-            raise UnsupportedModelError(VQA_REASON)
-        batch = processor(images=list(images), return_tensors="pt", max_patches=image_processor.max_patches)
-        prefixes = [[self.decoder_start_id] + self.encode_answer(p) if p else [self.decoder_start_id] for p in prompts]
+        vqa = _vqa(self.model)
+        if bool(getattr(image_processor, "is_vqa", False)) != vqa:
+            raise UnsupportedModelError(
+                f"the model is {'a' if vqa else 'not a'} Pix2Struct VQA checkpoint but its image processor has "
+                f"is_vqa={getattr(image_processor, 'is_vqa', False)}; pass the model's own processor")
+        text = {"text": list(prompts)} if vqa else {}  # VQA: the question is rendered above the image
+        self._headers = list(prompts) if vqa else []
+        batch = processor(images=list(images), return_tensors="pt", max_patches=image_processor.max_patches, **text)
+        start = [self.decoder_start_id]
+        prefixes = [start + self.encode_answer(p) if p and not vqa else start for p in prompts]
         length = max(len(p) for p in prefixes)
         ids = [[self.pad_id] * (length - len(p)) + p for p in prefixes]
         mask = [[0] * (length - len(p)) + [1] * len(p) for p in prefixes]
@@ -85,14 +99,24 @@ class Pix2StructAdapter(EncoderDecoderVLMAdapter):
         views = []
         for b, image in enumerate(images):
             h, w = int(image.shape[0]), int(image.shape[1])
-            views.append(ImageView((h, w), (Piece("image", self._grid(inputs, b), (0.0, 0.0, float(h), float(w)), 0),)))
+            if _vqa(self.model) and len(self._headers) != len(images):
+                raise UsageError("Pix2Struct VQA: call prepare() with these images' questions before views()")
+            top = -self._header_height(h, w, self._headers[b]) if _vqa(self.model) else 0.0
+            views.append(ImageView((h, w), (Piece("image", self._grid(inputs, b), (top, 0.0, float(h), float(w)), 0),)))
         return views
+
+    def _header_height(self, height: int, width: int, prompt: str) -> float:
+        """How far above an (H, W) image, in its own pixels, the VQA canvas starts (the rendered header's height)."""
+        image_processor = self.processor.image_processor
+        blank = torch.zeros(3, height, width, dtype=torch.uint8)
+        canvas = image_processor.render_header(blank.numpy() if "Pil" in type(image_processor).__name__ else blank, prompt)
+        canvas_height, canvas_width = int(canvas.shape[-2]), int(canvas.shape[-1])
+        scaled = int(height * (canvas_width / width))  # the image's height in the canvas (transformers' rounding)
+        return (canvas_height - scaled) * height / scaled
 
 
 @register_adapter(priority=20, family=VLM)
 def _detect_pix2struct(model: nn.Module) -> Optional[Adapter]:
     if type(model).__name__ != "Pix2StructForConditionalGeneration":
         return None
-    if getattr(model.config, "is_vqa", False) or getattr(model.config.vision_config, "is_vqa", False):
-        return refused_variant(model, VQA_REASON)
     return Pix2StructAdapter(model)
