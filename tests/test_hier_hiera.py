@@ -160,3 +160,16 @@ def test_cdam_on_a_stage_of_one_pooling_block_matches_finite_differences(kind):
         numeric = (score(1e-5) - score(-1e-5)) / 2e-5
         (i, j), = (where == t).nonzero().tolist()
         assert abs(float(e.maps[0, i, j]) - numeric) <= 1e-6 + 1e-5 * abs(numeric), (t, numeric)
+
+
+def test_segformer_for_semantic_segmentation_is_refused_with_the_reason_and_what_to_do():
+    """Its decode head reads every stage, which a readout of the last stage cannot describe; the
+    encoder it points to is explained."""
+    config = transformers.SegformerConfig(image_size=64, hidden_sizes=[16, 32, 48, 64], depths=[1, 1, 1, 1],
+                                          num_attention_heads=[1, 2, 2, 4], decoder_hidden_size=32, num_labels=3)
+    torch.manual_seed(0)
+    model = transformers.SegformerForSemanticSegmentation(config).eval()
+    with pytest.raises(vx.UnsupportedModelError, match=r"reads the feature maps of all four stages.*model\.segformer"):
+        vx.Explainer(model)
+    e = vx.Explainer(model.segformer).explain(torch.randn(1, 3, *SIZE), method="generic", target=vx.targets.norm())
+    assert e.maps.shape == (1, 16, 16) == (1, *e.layout.grid)

@@ -18,6 +18,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
+from ..errors import UnsupportedModelError
 from ..layout import pair
 from ..methods.families import HIER
 from ..methods.resample import CallSpec, Footprint, TokenSet, Transition, full_slots, window_slots
@@ -175,6 +176,15 @@ def _detect_hf_hier(model: nn.Module) -> Optional[Adapter]:
         base = "pvt_v2." if name.endswith("Classification") else ""
         return HFSpatialReductionAdapter(model, f"{base}encoder.layers", "patch_embedding.proj", "spatial_reduction",
                                          "layer_norm_1")
+    if _in(model, "segformer") and name == "SegformerForSemanticSegmentation":
+        raise UnsupportedModelError(
+            "SegformerForSemanticSegmentation is not supported: its decode head reads the feature maps of all four "
+            "stages (each upsampled and fused by an MLP) and outputs per-pixel logits, so relevance carried back "
+            "from the last stage's tokens (how rollout, generic and the token methods read a hierarchical model) "
+            "would leave out the stages the head reads directly. Explain its encoder instead, "
+            "vx.Explainer(model.segformer) (a headless SegformerModel: pass target=vx.targets.norm(), "
+            "vx.targets.similarity(vector) or a callable score of its pooled last stage), or record its attention "
+            "with vx.capture(model)")
     if _in(model, "segformer") and name in ("SegformerModel", "SegformerForImageClassification"):
         base = "segformer." if name.endswith("Classification") else ""
         return HFSpatialReductionAdapter(model, f"{base}stages", "patch_embeddings.proj",
