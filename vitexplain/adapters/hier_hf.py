@@ -1,26 +1,32 @@
-"""Hierarchical adapters for Hugging Face models: PVTv2, SegFormer (MiT) and SAM's vision encoder.
+"""Hierarchical adapters for Hugging Face models: PVTv2, SegFormer (MiT), SAM's vision encoder and Hiera.
 
-The same chains as timm's (:mod:`vitexplain.adapters.hier`), read from the Hugging Face module
-trees: spatial-reduction attention (a strided conv, or adaptive pooling in PVTv2's linear mode)
-with overlapping conv patch embeddings between stages; SAM's windowed and global attention on
-one grid with a conv neck. Classifiers return their logits; headless models (``PvtV2Model``,
-``SegformerModel``, ``SamVisionModel``) return the mean of their last feature map, the pooled
-embedding that ``vx.targets.similarity`` / ``vx.targets.norm`` score.
+The same chains as timm's (:mod:`vitexplain.adapters.hier`, :mod:`vitexplain.adapters.hier_more`),
+read from the Hugging Face module trees: spatial-reduction attention (a strided conv, or adaptive
+pooling in PVTv2's linear mode) with overlapping conv patch embeddings between stages; SAM's
+windowed and global attention on one grid with a conv neck; Hiera's mask-unit and global
+attention in its unrolled token order with max-pooled queries and residuals (the timm adapter's
+chain, with Hugging Face's module names and its ``unroll`` function). Classifiers return their
+logits; headless models (``PvtV2Model``, ``SegformerModel``, ``SamVisionModel``, ``HieraModel``)
+return the mean of their last feature map (Hiera: of its last tokens), the pooled embedding that
+``vx.targets.similarity`` / ``vx.targets.norm`` score.
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
+import torch
 from torch import Tensor, nn
 
+from ..errors import UnsupportedModelError
 from ..layout import pair
 from ..methods.families import HIER
 from ..methods.resample import CallSpec, Footprint, TokenSet, Transition, full_slots, window_slots
 from .base import Adapter, register_adapter
 from .hier import Chain, HierAdapter, conv_grid, global_call
+from .hier_more import HieraAdapter
 
-__all__ = ["HFSpatialReductionAdapter", "HFSamVisionAdapter"]
+__all__ = ["HFSpatialReductionAdapter", "HFSamVisionAdapter", "HFHieraAdapter"]
 
 
 def _set(grid: Sequence[int]) -> TokenSet:
@@ -123,6 +129,42 @@ class HFSamVisionAdapter(_HFForward, HierAdapter):
         return chain, [chain[0].inp]  # type: ignore[union-attr]
 
 
+class HFHieraAdapter(_HFForward, HieraAdapter):
+    """Hugging Face ``HieraModel`` / ``HieraForImageClassification``: timm Hiera's chain
+    (:class:`~vitexplain.adapters.hier_more.HieraAdapter`) on the layers of
+    ``encoder.stages``; the unrolled order is Hugging Face's own ``unroll`` run on token indices.
+    The classifier averages the last tokens (then a LayerNorm and the linear head)."""
+
+    norm_name = "layernorm_before"
+    windows_always = True  # Hugging Face keeps the window dimension (of size 1) in global attention
+
+    def __init__(self, model: nn.Module) -> None:
+        self.base = "hiera." if hasattr(model, "hiera") else ""
+        super().__init__(model)
+        self.has_head = isinstance(getattr(model, "classifier", None), nn.Linear)
+
+    def _block_names(self) -> list[str]:
+        stages = self.model.get_submodule(f"{self.base}encoder.stages")
+        return [f"{self.base}encoder.stages.{s}.layers.{i}" for s, st in enumerate(stages) for i in range(len(st.layers))]
+
+    def _q_stride(self, attn: nn.Module) -> int:
+        return int(attn.query_stride)
+
+    def _fixed_size(self) -> Optional[tuple[int, ...]]:
+        return pair(self.model.config.image_size)
+
+    def _unrolled(self, input_size: tuple[int, int]) -> tuple[tuple[int, int], Tensor]:
+        from transformers.models.hiera.modeling_hiera import unroll
+
+        config = self.model.config
+        hiera = self.model.get_submodule(self.base[:-1]) if self.base else self.model
+        grid = (input_size[0] // int(config.patch_stride[0]), input_size[1] // int(config.patch_stride[1]))
+        n = grid[0] * grid[1]
+        order = unroll(torch.arange(n, dtype=torch.float64).view(1, n, 1), image_shape=tuple(input_size),
+                       patch_stride=config.patch_stride, schedule=hiera.unroll_schedule)
+        return grid, order[0, :, 0].round().long()
+
+
 def _in(model: nn.Module, package: str) -> bool:
     return any(c.__module__.startswith(f"transformers.models.{package}") for c in type(model).__mro__)
 
@@ -134,10 +176,21 @@ def _detect_hf_hier(model: nn.Module) -> Optional[Adapter]:
         base = "pvt_v2." if name.endswith("Classification") else ""
         return HFSpatialReductionAdapter(model, f"{base}encoder.layers", "patch_embedding.proj", "spatial_reduction",
                                          "layer_norm_1")
+    if _in(model, "segformer") and name == "SegformerForSemanticSegmentation":
+        raise UnsupportedModelError(
+            "SegformerForSemanticSegmentation is not supported: its decode head reads the feature maps of all four "
+            "stages (each upsampled and fused by an MLP) and outputs per-pixel logits, so relevance carried back "
+            "from the last stage's tokens (how rollout, generic and the token methods read a hierarchical model) "
+            "would leave out the stages the head reads directly. Explain its encoder instead, "
+            "vx.Explainer(model.segformer) (a headless SegformerModel: pass target=vx.targets.norm(), "
+            "vx.targets.similarity(vector) or a callable score of its pooled last stage), or record its attention "
+            "with vx.capture(model)")
     if _in(model, "segformer") and name in ("SegformerModel", "SegformerForImageClassification"):
         base = "segformer." if name.endswith("Classification") else ""
         return HFSpatialReductionAdapter(model, f"{base}stages", "patch_embeddings.proj",
                                          "sequence_reduction.sequence_reduction", "layernorm_before")
     if _in(model, "sam") and name == "SamVisionModel":
         return HFSamVisionAdapter(model)
+    if _in(model, "hiera") and name in ("HieraModel", "HieraForImageClassification"):
+        return HFHieraAdapter(model)
     return None

@@ -96,32 +96,58 @@ class HieraAdapter(HierAdapter):
 
     The unrolled order of each stage is read by running the model's own ``unroll`` on token
     indices; pooling keeps the first of each chunk of ``q_stride`` entries, so a stage's order is
-    the previous one's first chunk, coarsened.
+    the previous one's first chunk, coarsened. Subclasses for other implementations of the same
+    model (Hugging Face's) override where the blocks, their names and the unroll come from.
     """
+
+    norm_name = "norm1"
+    #: every call is (B, heads, windows, n, d), global ones with one window (timm: only mask units)
+    windows_always = False
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
-        blocks = list(model.blocks)
+        self.block_names = self._block_names()
+        blocks = [model.get_submodule(n) for n in self.block_names]
+        self.q_strides = [int(self._q_stride(b.attn)) for b in blocks]
         self.stage_of = []
         stage = 0
-        for i, block in enumerate(blocks):
-            if i > 0 and block.attn.q_stride > 1:
+        for i, q in enumerate(self.q_strides):
+            if i > 0 and q > 1:
                 stage += 1
             self.stage_of.append(stage)
         last = {s: i for i, s in enumerate(self.stage_of)}
-        self.token_sites = [f"blocks.{last[s]}.norm1" for s in range(stage + 1)]
-        stride = pair(model.patch_embed.proj.stride)
-        self.fixed_size = tuple(int(t) * st for t, st in zip(model.tokens_spatial_shape, stride))
+        # per stage, the tokens entering the last attention call that reads that stage's grid: the
+        # stage's last block, or, when that block is the stage's pooling block (it reads the
+        # previous grid), the next stage's pooling block; none after a last stage of one such block
+        self.token_sites = []
+        for s in range(stage + 1):
+            i = last[s]
+            if i == 0 or self.q_strides[i] == 1:
+                self.token_sites.append(f"{self.block_names[i]}.{self.norm_name}")
+            else:
+                self.token_sites.append(f"{self.block_names[i + 1]}.{self.norm_name}" if s < stage else None)
+        self.fixed_size = self._fixed_size()
+
+    def _block_names(self) -> list[str]:
+        return [f"blocks.{i}" for i in range(len(self.model.blocks))]
+
+    def _q_stride(self, attn: nn.Module) -> int:
+        return int(attn.q_stride)
+
+    def _fixed_size(self) -> Optional[tuple[int, ...]]:
+        stride = pair(self.model.patch_embed.proj.stride)
+        return tuple(int(t) * st for t, st in zip(self.model.tokens_spatial_shape, stride))
+
+    def _unrolled(self, input_size: tuple[int, int]) -> tuple[tuple[int, int], Tensor]:
+        """(stage-0 grid, the row-major grid index of each token in the unrolled order)."""
+        grid = tuple(int(g) for g in self.model.unroll.size)
+        n = grid[0] * grid[1]
+        return grid, self.model.unroll(torch.arange(n, dtype=torch.float64).view(1, n, 1))[0, :, 0].round().long()
 
     def _orders(self, input_size: tuple[int, int]) -> list[tuple[tuple[int, int], Tensor]]:
         """Per stage: (grid, the row-major grid index of each token in the unrolled order)."""
-        model = self.model
-        grid = tuple(int(g) for g in model.unroll.size)
-        n = grid[0] * grid[1]
-        order = model.unroll(torch.arange(n, dtype=torch.float64).view(1, n, 1))[0, :, 0].round().long()
-        out = [(grid, order)]
-        q_stride = int(model.blocks[[i for i, s in enumerate(self.stage_of) if s == 1][0]].attn.q_stride) \
-            if max(self.stage_of) > 0 else 1
+        out = [self._unrolled(input_size)]
+        q_stride = self.q_strides[self.stage_of.index(1)] if max(self.stage_of) > 0 else 1
         for _ in range(max(self.stage_of)):
             (h, w), order = out[-1]
             first = order[: order.numel() // q_stride]
@@ -139,20 +165,21 @@ class HieraAdapter(HierAdapter):
         orders = self._orders(input_size)
         chain: Chain = []
         sets = [_set(grid) for grid, _ in orders]
-        for i, block in enumerate(self.model.blocks):
-            s, attn = self.stage_of[i], block.attn
-            pooled = i > 0 and attn.q_stride > 1
+        for i, name in enumerate(self.block_names):
+            s, attn = self.stage_of[i], self.model.get_submodule(name).attn
+            q_stride = self.q_strides[i]
+            pooled = i > 0 and q_stride > 1
             inp = sets[s - 1] if pooled else sets[s]
             in_order = orders[s - 1][1] if pooled else orders[s][1]
             n = inp.n
-            windows = n // (attn.q_stride * attn.window_size) if attn.use_mask_unit_attn else 1
+            windows = n // (q_stride * attn.window_size) if attn.use_mask_unit_attn else 1
             # token t of the unrolled sequence sits in window t % windows, slot t // windows
             k_slots = in_order.view(-1, windows).T.contiguous()
             out_order = orders[s][1]
             q_slots = out_order.view(-1, windows).T.contiguous()
             skip = Footprint.pool(inp, sets[s], 2, 2, 0) if pooled else Footprint.identity(inp)
-            chain.append(CallSpec(f"blocks.{i}.attn", inp, sets[s], q_slots, k_slots, Footprint.identity(inp), skip,
-                                  s - 1 if pooled else s, s, window_dim_inside=bool(attn.use_mask_unit_attn)))
+            chain.append(CallSpec(f"{name}.attn", inp, sets[s], q_slots, k_slots, Footprint.identity(inp), skip,
+                                  s - 1 if pooled else s, s, window_dim_inside=self.windows_always or bool(attn.use_mask_unit_attn)))
         return chain, sets
 
 
