@@ -6,10 +6,18 @@ its pooled neck so that ``generic`` has a class to explain), each where vitexpla
 thread unless ``--threads``):
 
 * ``forward``: the plain model, fused attention, no grad;
-* ``rollout``: ``vx.Explainer(model).explain(x, method="rollout")`` (capture + recomputed
-  probabilities + propagation), and its ratio to the forward (target: at most 1.15x);
-* ``forward+backward``: the plain model's forward and backward of the target logits;
+* ``capture``: the same forward inside ``vx.capture(model)`` recording attention and nothing
+  else (fused kernel, no method): what the capture alone costs;
+* ``rollout``: ``vx.Explainer(model).explain(x, method="rollout")`` (plan, capture with
+  attention computed once, propagation through the footprints, the Explanation), and its
+  ratio to the forward (target: at most 1.15x);
+* ``forward+backward``: the plain model's forward and the gradient of the target logits to
+  the input (``torch.autograd.grad``, no parameter gradients: what benchmarks/methods.py
+  compares ViT methods with; an explanation's backward takes no parameter gradients either);
 * ``generic``: ``explain(x, method="generic")`` and its ratio to forward+backward.
+
+Models whose forward takes under 10 ms run ten times ``--reps`` (a median of a few runs of a
+2 ms forward on a shared machine says little).
 
 Memory (CPU allocator events of ``torch.profiler``, ``profile_memory=True``): the peak bytes
 allocated during the plain forward and during rollout, and next to them the bytes of the dense
@@ -103,19 +111,24 @@ def measure(label: str, build: Callable[[], nn.Module], size: tuple[int, int], b
         with torch.no_grad():
             model(x)
 
+    def captured() -> None:
+        with torch.no_grad(), vx.capture(model):
+            model(x)
+
     def forward_backward() -> None:
-        model.zero_grad(set_to_none=True)
-        model(x).gather(1, target[:, None]).sum().backward()
+        xg = x.clone().requires_grad_()
+        torch.autograd.grad(model(xg).gather(1, target[:, None]).sum(), xg)
 
     fns: dict[str, Callable[[], object]] = {
         "forward": forward,
+        "capture": captured,
         "rollout": lambda: ex.explain(x, method="rollout"),
     }
     if "generic" not in missing:
         fns["forward+backward"] = forward_backward
         fns["generic"] = lambda: ex.explain(x, method="generic", target=target)
-    times = median_times(fns, reps=reps, warmup=1)
-    model.zero_grad(set_to_none=True)
+    first = median_times({"forward": forward}, reps=3, warmup=1)["forward"]
+    times = median_times(fns, reps=reps * 10 if first < 0.010 else reps, warmup=1)
     peak_forward = peak_bytes(forward)
     peak_rollout = peak_bytes(lambda: ex.explain(x, method="rollout"))
     own, fine, layers = attention_sizes(model, x)
@@ -123,8 +136,10 @@ def measure(label: str, build: Callable[[], nn.Module], size: tuple[int, int], b
     generic = (f"{ms['generic']:.1f} ms ({ms['generic'] / ms['forward+backward']:.2f}x of {ms['forward+backward']:.1f})"
                if "generic" in ms else "not supported")
     mb = 1e6
-    return [label, f"{batch} x {size[0]} px", layers, f"{ms['forward']:.1f}",
-            f"{ms['rollout']:.1f}", f"{ms['rollout'] / ms['forward']:.2f}x", generic,
+    digits = 2 if ms["forward"] < 10 else 1
+    return [label, f"{batch} x {size[0]} px", layers, f"{ms['forward']:.{digits}f}",
+            f"{ms['capture']:.{digits}f} ({ms['capture'] / ms['forward']:.2f}x)",
+            f"{ms['rollout']:.{digits}f}", f"{ms['rollout'] / ms['forward']:.2f}x", generic,
             f"{peak_forward / mb:.1f}", f"{peak_rollout / mb:.1f}", f"{(peak_rollout - peak_forward) / mb:.1f}",
             f"{own / mb:.1f}", f"{fine / mb:.1f}"]
 
@@ -152,11 +167,14 @@ def main() -> int:
         if row is not None:
             rows.append(row)
             print(" | ".join(str(v) for v in row), flush=True)
-    header = ["model", "input", "attention calls", "forward ms", "rollout ms", "rollout / forward",
-              "generic ms (/ forward+backward)", "forward peak MB", "rollout peak MB", "rollout extra MB",
+    header = ["model", "input", "attention calls", "forward ms", "capture ms (/ forward)", "rollout ms",
+              "rollout / forward", "generic ms (/ forward+backward to the input)", "forward peak MB", "rollout peak MB", "rollout extra MB",
               "dense attention of all layers MB", "dense N0 x N0 of all layers MB"]
     body = table(header, rows) + (
-        "\n\nMedian of interleaved runs. Peaks: bytes of CPU tensors alive at once (torch.profiler memory "
+        "\n\nMedian of interleaved runs. 'capture' is the forward inside vx.capture(model) recording "
+        "attention and nothing else: the capture's own cost, paid by every attention method; rollout's "
+        "cost beyond it is the method's (plan, attention computed once, propagation, the Explanation). "
+        "forward+backward takes the gradient of the target logits to the input (no parameter gradients). Peaks: bytes of CPU tensors alive at once (torch.profiler memory "
         "events). The last two columns are what a method holding every layer's attention at once would "
         "need: on each layer's own grids, and as dense N0 x N0 on the finest grid. On CPU rollout's capture "
         "computes each call's attention once and keeps the probabilities (attention_mode='auto', within "

@@ -248,3 +248,31 @@ def test_methods_not_defined_across_stages_are_refused_with_the_reason():
     for method in ("legrad", "attn_gradcam", "cdam_integrated"):
         with pytest.raises(vx.UnsupportedMethodError, match="is a hier model.*none of these is defined across the stages' resampling"):
             ex.explain(images(1), method=method)
+
+
+@pytest.mark.parametrize("dense_limit", [0, 2**30])  # through D's entries / as one dense GEMM
+def test_footprint_pull_equals_pooling_matrix_either_way(monkeypatch, dense_limit):
+    """``r @ D`` of a footprint, both ways Footprint.pull computes it, against the pooling matrix of
+    avg_pool2d (count_include_pad=False) / adaptive_avg_pool2d of one-hot images (hier_oracle)."""
+    from vitexplain.methods import footprint as fp
+
+    monkeypatch.setattr(fp, "DENSE_PULL_ENTRIES", dense_limit)
+    cases = [  # (fine grid, coarse grid, kernel, stride, padding, prefix), or None for adaptive
+        ((9, 7), (5, 4), 3, 2, 1, 0),       # overlapping conv, padded edges
+        ((8, 8), (2, 2), 4, 4, 0, 1),       # non-overlapping, a class token kept
+        ((7, 5), (3, 2), (3, 2), (2, 2), 0, 0),
+        ((10, 6), (3, 4), None, None, None, 0),
+    ]
+    torch.manual_seed(1)
+    for fine, coarse, kernel, stride, padding, prefix in cases:
+        fine_set, coarse_set = fp.TokenSet(prefix, fine), fp.TokenSet(prefix, coarse)
+        if kernel is None:
+            footprint, expected = fp.Footprint.adaptive(fine_set, coarse_set), adaptive_matrix(fine, coarse)
+        else:
+            footprint = fp.Footprint.pool(fine_set, coarse_set, kernel, stride, padding)
+            expected = pool_matrix(fine, kernel, stride, padding, prefix)
+        assert expected.shape == (coarse_set.n, fine_set.n)
+        r = torch.rand(3, coarse_set.n, dtype=torch.float64)
+        torch.testing.assert_close(footprint.pull(r), r @ expected, rtol=1e-12, atol=1e-12)
+        r32 = r.float()
+        torch.testing.assert_close(footprint.pull(r32), (r @ expected).float(), rtol=1e-6, atol=1e-7)

@@ -108,7 +108,7 @@ class Call:
 
     def __init__(self, spec: CallSpec, record: AttentionRecord, batch: int, index: int) -> None:
         self.spec, self.record, self.batch, self.index = spec, record, batch, index
-        self.q_slots, self.k_slots, self.pairs, self.padded = _geometry(spec, record.device)
+        self.q_slots, self.k_slots, self.pairs, self.padded, self.q_whole, self.k_whole = _geometry(spec, record.device)
 
     @property
     def in_stage(self) -> int:
@@ -145,40 +145,47 @@ class Call:
         p = self._per_window(self.record.probs(), mask=False)
         if head is not None:
             p = p[:, :, head]
+        elif p.shape[2] == 1:  # one head: its mean, max and min are itself (a view, no pass over A)
+            p = p[:, :, 0]
         else:
             p = fuse_heads(p.flatten(0, 1), head_fusion).view(p.shape[0], p.shape[1], *p.shape[3:])  # type: ignore[arg-type]
         # padding is zeroed after fusing (a padded pair is 0 in every head, so the fusion is 0
         # either way): the mask multiplies one (B, G, n_q, n_k) block, not every head
         return p * self.pairs[None].to(p.dtype) if self.padded else p
 
-    def _gather(self, r: Tensor, slots: Tensor) -> Tensor:
-        """(B, n) per token -> (B, G, n_slots) per slot (0 at padding)."""
+    def _gather(self, r: Tensor, slots: Tensor, whole: bool = False) -> Tensor:
+        """(B, n) per token -> (B, G, n_slots) per slot (0 at padding); a view when the call
+        is ``whole`` (one window holding every token in order)."""
+        if whole:
+            return r.unsqueeze(1)
         if not self.padded:
             return r[:, slots]
         padded = torch.cat([r, r.new_zeros(r.shape[0], 1)], dim=1)
         return padded[:, torch.where(slots < 0, r.shape[1], slots)]
 
-    def _scatter(self, v: Tensor, slots: Tensor, n: int) -> Tensor:
-        """(B, G, n_slots) per slot -> (B, n) per token, summed over the slots of a token."""
+    def _scatter(self, v: Tensor, slots: Tensor, n: int, whole: bool = False) -> Tensor:
+        """(B, G, n_slots) per slot -> (B, n) per token, summed over the slots of a token
+        (a view of v when the call is ``whole``)."""
+        if whole:
+            return v.reshape(v.shape[0], n)
         out = v.new_zeros(v.shape[0], n)
         if not self.padded:
             return out.index_add_(1, slots.flatten(), v.flatten(1))
         real = slots >= 0
         return out.index_add_(1, slots[real], v[:, real])
 
-    def vec_mat(self, r: Tensor, m: Tensor) -> Tensor:
-        """``r @ M`` with M = S_q^T m S_k D_k: (B, n_Q) -> (B, n_I) for blocks m (B, G, n_q, n_k)."""
-        per_key = torch.einsum("bgq,bgqk->bgk", self._gather(r, self.q_slots), m)
-        return self.spec.keys.pull(self._scatter(per_key, self.k_slots, self.spec.keys.coarse.n))
-
     def on_keys(self, r: Tensor, m: Tensor) -> Tensor:
         """``r @ S_q^T m S_k`` on the key set (before the keys' footprint): (B, n_K)."""
-        per_key = torch.einsum("bgq,bgqk->bgk", self._gather(r, self.q_slots), m)
-        return self._scatter(per_key, self.k_slots, self.spec.keys.coarse.n)
+        per_key = torch.matmul(self._gather(r, self.q_slots, self.q_whole).unsqueeze(-2), m).squeeze(-2)
+        return self._scatter(per_key, self.k_slots, self.spec.keys.coarse.n, self.k_whole)
+
+    def vec_mat(self, r: Tensor, m: Tensor) -> Tensor:
+        """``r @ M`` with M = S_q^T m S_k D_k: (B, n_Q) -> (B, n_I) for blocks m (B, G, n_q, n_k)."""
+        return self.spec.keys.pull(self.on_keys(r, m))
 
     def row_sums(self, m: Tensor) -> Tensor:
         """Row sums of M over the output set: (B, G, n_q, n_k) -> (B, n_Q)."""
-        return self._scatter(m.sum(dim=-1), self.q_slots, self.spec.out.n)
+        return self._scatter(m.sum(dim=-1), self.q_slots, self.spec.out.n, self.q_whole)
 
     def skip(self, r: Tensor) -> Tensor:
         """``r @ D_q`` (the residual path), or zeros on I without a residual."""
@@ -190,14 +197,22 @@ class Call:
 Item = Union[Call, Transition]
 
 
-def _geometry(spec: CallSpec, device: torch.device) -> tuple[Tensor, Tensor, Tensor, bool]:
-    """A call's slots on ``device``, its real (query, key) pairs (G, n_q, n_k) and whether any
-    slot is padding; built once per spec and device (the adapter caches its chain per input size)."""
+def _whole(slots: Tensor, n: int) -> bool:
+    """Whether ``slots`` is one window holding each of the set's n tokens in order."""
+    return tuple(slots.shape) == (1, n) and bool((slots[0] == torch.arange(n)).all())
+
+
+def _geometry(spec: CallSpec, device: torch.device) -> tuple[Tensor, Tensor, Tensor, bool, bool, bool]:
+    """A call's slots on ``device``, its real (query, key) pairs (G, n_q, n_k), whether any
+    slot is padding, and whether its queries / keys are whole sets in order (global attention:
+    gathering and scattering are then views); built once per spec and device (the adapter
+    caches its chain per input size)."""
     cache = spec.__dict__.setdefault("_on_device", {})
     if device not in cache:
         q_slots, k_slots = spec.q_slots.to(device), spec.k_slots.to(device)
         pairs = (q_slots >= 0)[:, :, None] & (k_slots >= 0)[:, None, :]
-        cache[device] = (q_slots, k_slots, pairs, bool((q_slots < 0).any() or (k_slots < 0).any()))
+        cache[device] = (q_slots, k_slots, pairs, bool((q_slots < 0).any() or (k_slots < 0).any()),
+                         _whole(spec.q_slots, spec.out.n), _whole(spec.k_slots, spec.keys.coarse.n))
     return cache[device]
 
 
@@ -299,6 +314,8 @@ def propagate(items: Sequence[Item], start: Tensor, matrix: Matrix, *, mode: str
     """
     if mode not in ("rollout", "generic"):
         raise UsageError(f"unknown propagation mode {mode!r}; choose 'rollout' or 'generic'")
+    if mode == "rollout" and not deviation:
+        return _rollout_row(items, start, matrix, to_stage, discard_ratio)
     r0, d = start, torch.zeros_like(start)
     for item in reversed(items):
         if item.in_stage < to_stage:
@@ -322,6 +339,30 @@ def propagate(items: Sequence[Item], start: Tensor, matrix: Matrix, *, mode: str
         d = 0.5 * item.vec_mat(w, m) + item.skip(d - 0.5 * w * sums)
         r0 = item.skip(r0)
     return d if deviation else r0 + d
+
+
+def _rollout_row(items: Sequence[Item], start: Tensor, matrix: Matrix, to_stage: int, discard_ratio: float) -> Tensor:
+    """``u R`` of :func:`propagate`'s rollout carried as one row (when the deviation is not
+    read, nothing is lost: every term is non-negative). The split form's update sums to
+    ``r0 + d = 0.5 (w @ M + w @ D_q)`` with ``w = r / (0.5 s + 0.5)`` (``r0 + d - 0.5 w s =
+    0.5 w``), half the vector operations per call."""
+    r = start
+    for item in reversed(items):
+        if item.in_stage < to_stage:
+            break
+        if isinstance(item, Transition):
+            r = item.footprint.pull(r)
+            continue
+        m = matrix(item)
+        if discard_ratio > 0:
+            m = discard(m, item.pairs, discard_ratio)
+        sums = item.row_sums(m)
+        if item.spec.skip is None:
+            r = item.vec_mat(r / sums.clamp(min=1e-30), m)
+            continue
+        w = r / (0.5 * sums + 0.5)
+        r = (item.vec_mat(w, m) + item.skip(w)).mul_(0.5)
+    return r
 
 
 def stage_count(items: Sequence[Item]) -> int:
