@@ -95,3 +95,11 @@ def test_cross_options_pick_layers_and_heads_as_the_eager_oracle_does():
         ex.explain_caption(images, method="cross", caption=answers, prompt=PROMPTS, heads=[(0, 9)])
     with pytest.raises(vx.OptionError, match="layers"):
         ex.explain_caption(images, method="cross", caption=answers, prompt=PROMPTS, layers=5)
+
+
+def test_a_prompt_the_processor_refuses_is_an_input_error_that_says_why():
+    model, proc = helpers.BUILDERS["llava"]()
+    ex = vx.Explainer(model, processor=proc)
+    with pytest.raises(vx.InputError, match="refused the prompts .* with 2 image.*number of <image> tokens") as err:
+        ex.explain_caption(helpers.images(1), prompt=["<image> <image> what", "what"], max_len=2)
+    assert isinstance(err.value.__cause__, ValueError)  # the processor's own message is kept

@@ -20,7 +20,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from ...errors import UnsupportedModelError, UsageError
+from ...errors import InputError, UnsupportedModelError, UsageError
 from ...methods.families import VLM
 from ..base import Adapter
 
@@ -263,6 +263,12 @@ class VLMAdapter(Adapter):
         try:
             given = [[image] for image in images] if self.nested_images else list(images)
             batch = processor(images=given, text=texts, return_tensors="pt", padding=True, **self.processor_kwargs)
+        except (ValueError, TypeError, KeyError) as err:  # the processor's own checks (image tokens, kwargs)
+            raise InputError(
+                f"{type(processor).__name__} refused the prompts {texts!r} with {len(images)} image(s)"
+                f"{' and processor_kwargs=' + repr(self.processor_kwargs) if self.processor_kwargs else ''}: {str(err).rstrip('.')}. "
+                "Give one image per prompt and at most one image token in it (vitexplain adds it when missing)"
+            ) from err
         finally:
             tokenizer.padding_side = side
         for key in list(batch.keys()):
