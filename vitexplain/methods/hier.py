@@ -60,11 +60,12 @@ def _start(ctx: Context, items: list[Item]) -> Tensor:
     return ctx.adapter.readout_row(tokens, ctx.batch_size, ctx.x.device)
 
 
-def _carry(ctx: Context, matrix, *, mode: str, stage: int, discard_ratio: float = 0.0, deviation: bool = False):
+def _carry(ctx: Context, matrix, *, mode: str, stage: int, discard_ratio: float = 0.0, deviation: bool = False,
+           stochastic: bool = False):
     items = chain_of(ctx)
     stage = _attention_stage(ctx, items, stage)
     r = propagate(items, _start(ctx, items), matrix, mode=mode, to_stage=ctx.adapter.chain_stage(stage),
-                  discard_ratio=discard_ratio, deviation=deviation)
+                  discard_ratio=discard_ratio, deviation=deviation, stochastic=stochastic)
     return ctx.adapter.finish(r, stage, tuple(ctx.x.shape[-2:]))
 
 
@@ -120,15 +121,21 @@ def rollout(ctx: Context, *, head_fusion: str = "mean", discard_ratio: float = 0
     Returns:
         (B, H_s, W_s) float32; sums to (at most) 1 per image.
     """
-    return _carry(ctx, lambda c: c.fused(head_fusion), mode="rollout", stage=stage, discard_ratio=discard_ratio)
+    return _carry(ctx, lambda c: c.fused(head_fusion), mode="rollout", stage=stage, discard_ratio=discard_ratio,
+                  stochastic=head_fusion == "mean")  # a head mean of softmax rows: rows of 1
+
+
+def _head_mean(x: Tensor) -> Tensor:
+    """(B, G, H, n_q, n_k) -> (B, G, n_q, n_k), the mean over heads (one head: a view, not a copy)."""
+    return x.squeeze(2) if x.shape[2] == 1 else x.mean(dim=2)
 
 
 def _grad_weighted(call: Call) -> Tensor:
-    return (call.probs() * call.grad_probs()).mean(dim=2).clamp(min=0)
+    return _head_mean(call.probs() * call.grad_probs()).clamp_(min=0)  # a fresh product: clamped in place
 
 
 def _chefer(call: Call) -> Tensor:
-    return (call.grad_probs() * call.probs()).clamp(min=0).mean(dim=2)
+    return _head_mean((call.grad_probs() * call.probs()).clamp_(min=0))
 
 
 @register(

@@ -108,7 +108,8 @@ class Call:
 
     def __init__(self, spec: CallSpec, record: AttentionRecord, batch: int, index: int) -> None:
         self.spec, self.record, self.batch, self.index = spec, record, batch, index
-        self.q_slots, self.k_slots, self.pairs, self.padded, self.q_whole, self.k_whole = _geometry(spec, record.device)
+        (self.q_slots, self.k_slots, self.pairs, self.padded, self.q_whole, self.k_whole,
+         self.q_once) = _geometry(spec, record.device)
 
     @property
     def in_stage(self) -> int:
@@ -117,6 +118,14 @@ class Call:
     @property
     def out_stage(self) -> int:
         return self.spec.out_stage
+
+    @property
+    def rows_sum_to_one(self) -> bool:
+        """Every row of M over the output set sums to 1: each output token is a query exactly
+        once (not so for a call whose queries are only some tokens, as CrossViT's class token),
+        no padding slot is zeroed, and the probability rows sum to 1 (an SDPA call without
+        mask, see ``AttentionRecord.rows_sum_to_one``)."""
+        return self.q_once and not self.padded and bool(self.record.rows_sum_to_one)
 
     def _per_window(self, x: Tensor, mask: bool = True) -> Tensor:
         """(B * G, H, n_q, n_k) -> (B, G, H, n_q, n_k), padding rows and columns zeroed (unless
@@ -176,8 +185,11 @@ class Call:
 
     def on_keys(self, r: Tensor, m: Tensor) -> Tensor:
         """``r @ S_q^T m S_k`` on the key set (before the keys' footprint): (B, n_K)."""
-        per_key = torch.matmul(self._gather(r, self.q_slots, self.q_whole).unsqueeze(-2), m).squeeze(-2)
-        return self._scatter(per_key, self.k_slots, self.spec.keys.coarse.n, self.k_whole)
+        rows = r.reshape(r.shape[0], 1, 1, -1) if self.q_whole else self._gather(r, self.q_slots).unsqueeze(-2)
+        per_key = torch.matmul(rows, m)  # (B, G, 1, n_k)
+        if self.k_whole:
+            return per_key.reshape(r.shape[0], -1)
+        return self._scatter(per_key.squeeze(-2), self.k_slots, self.spec.keys.coarse.n)
 
     def vec_mat(self, r: Tensor, m: Tensor) -> Tensor:
         """``r @ M`` with M = S_q^T m S_k D_k: (B, n_Q) -> (B, n_I) for blocks m (B, G, n_q, n_k)."""
@@ -202,17 +214,24 @@ def _whole(slots: Tensor, n: int) -> bool:
     return tuple(slots.shape) == (1, n) and bool((slots[0] == torch.arange(n)).all())
 
 
-def _geometry(spec: CallSpec, device: torch.device) -> tuple[Tensor, Tensor, Tensor, bool, bool, bool]:
+def _once(slots: Tensor, n: int) -> bool:
+    """Whether each of the set's n tokens sits in exactly one slot."""
+    counts = torch.bincount(slots[slots >= 0], minlength=n)
+    return counts.numel() == n and bool((counts == 1).all())
+
+
+def _geometry(spec: CallSpec, device: torch.device) -> tuple[Tensor, Tensor, Tensor, bool, bool, bool, bool]:
     """A call's slots on ``device``, its real (query, key) pairs (G, n_q, n_k), whether any
-    slot is padding, and whether its queries / keys are whole sets in order (global attention:
-    gathering and scattering are then views); built once per spec and device (the adapter
-    caches its chain per input size)."""
+    slot is padding, whether its queries / keys are whole sets in order (global attention:
+    gathering and scattering are then views), and whether every output token is a query
+    exactly once; built once per spec and device (the adapter caches its chain per input size)."""
     cache = spec.__dict__.setdefault("_on_device", {})
     if device not in cache:
         q_slots, k_slots = spec.q_slots.to(device), spec.k_slots.to(device)
         pairs = (q_slots >= 0)[:, :, None] & (k_slots >= 0)[:, None, :]
         cache[device] = (q_slots, k_slots, pairs, bool((q_slots < 0).any() or (k_slots < 0).any()),
-                         _whole(spec.q_slots, spec.out.n), _whole(spec.k_slots, spec.keys.coarse.n))
+                         _whole(spec.q_slots, spec.out.n), _whole(spec.k_slots, spec.keys.coarse.n),
+                         _once(spec.q_slots, spec.out.n))
     return cache[device]
 
 
@@ -289,7 +308,7 @@ def readout(tokens: TokenSet, batch: int, device: torch.device, kind: str = "mea
 
 
 def propagate(items: Sequence[Item], start: Tensor, matrix: Matrix, *, mode: str, to_stage: int,
-              discard_ratio: float = 0.0, deviation: bool = False) -> Tensor:
+              discard_ratio: float = 0.0, deviation: bool = False, stochastic: bool = False) -> Tensor:
     """Carry a readout row from the last token set back to the set of ``to_stage``.
 
     Walking the chain last item first, an item is applied when its input stage is at least
@@ -308,6 +327,9 @@ def propagate(items: Sequence[Item], start: Tensor, matrix: Matrix, *, mode: str
         to_stage: stage whose first set the result is on.
         discard_ratio: rollout's discard, over each call's real (query, key) pairs.
         deviation: return ``d`` instead of ``r0 + d``.
+        stochastic: ``matrix`` keeps row sums (one head, or the head mean): a call whose
+            probability rows sum to 1 (:attr:`Call.rows_sum_to_one`) gives M rows summing to 1,
+            so rollout does not compute them (as the ViT rollout, to float rounding).
 
     Returns:
         (B, n) over the token set of ``to_stage``.
@@ -315,7 +337,7 @@ def propagate(items: Sequence[Item], start: Tensor, matrix: Matrix, *, mode: str
     if mode not in ("rollout", "generic"):
         raise UsageError(f"unknown propagation mode {mode!r}; choose 'rollout' or 'generic'")
     if mode == "rollout" and not deviation:
-        return _rollout_row(items, start, matrix, to_stage, discard_ratio)
+        return _rollout_row(items, start, matrix, to_stage, discard_ratio, stochastic)
     r0, d = start, torch.zeros_like(start)
     for item in reversed(items):
         if item.in_stage < to_stage:
@@ -341,11 +363,13 @@ def propagate(items: Sequence[Item], start: Tensor, matrix: Matrix, *, mode: str
     return d if deviation else r0 + d
 
 
-def _rollout_row(items: Sequence[Item], start: Tensor, matrix: Matrix, to_stage: int, discard_ratio: float) -> Tensor:
+def _rollout_row(items: Sequence[Item], start: Tensor, matrix: Matrix, to_stage: int, discard_ratio: float,
+                 stochastic: bool) -> Tensor:
     """``u R`` of :func:`propagate`'s rollout carried as one row (when the deviation is not
     read, nothing is lost: every term is non-negative). The split form's update sums to
     ``r0 + d = 0.5 (w @ M + w @ D_q)`` with ``w = r / (0.5 s + 0.5)`` (``r0 + d - 0.5 w s =
-    0.5 w``), half the vector operations per call."""
+    0.5 w``), which is ``w' @ M + w' @ D_q`` with ``w' = r / (s + 1)`` bit for bit (scaling by
+    2 is exact): a third of the vector operations per call."""
     r = start
     for item in reversed(items):
         if item.in_stage < to_stage:
@@ -356,12 +380,19 @@ def _rollout_row(items: Sequence[Item], start: Tensor, matrix: Matrix, to_stage:
         m = matrix(item)
         if discard_ratio > 0:
             m = discard(m, item.pairs, discard_ratio)
+        elif stochastic and item.rows_sum_to_one:  # row sums 1: w = r / 2 (no pass over m)
+            if item.spec.skip is None:
+                r = item.vec_mat(r, m)
+            else:
+                w = 0.5 * r
+                r = item.vec_mat(w, m) + item.skip(w)
+            continue
         sums = item.row_sums(m)
         if item.spec.skip is None:
             r = item.vec_mat(r / sums.clamp(min=1e-30), m)
             continue
-        w = r / (0.5 * sums + 0.5)
-        r = (item.vec_mat(w, m) + item.skip(w)).mul_(0.5)
+        w = r / (sums + 1.0)
+        r = item.vec_mat(w, m) + item.skip(w)
     return r
 
 

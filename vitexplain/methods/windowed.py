@@ -27,6 +27,7 @@ each call, the merge is a 2 x 2 footprint, and propagation is
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -162,7 +163,15 @@ def window_layers(ctx: Context) -> list[WindowedLayer]:
 def merge_footprint(fine: tuple[int, int], coarse: tuple[int, int]) -> Footprint:
     """Patch merging as a resampling footprint: merged token m covers its (up to) 2 x 2
     children, ``D[m, c] = 1 / |children(m)|`` (a 2 x 2 pooling, stride 2, no padding; odd
-    edges have fewer children). A grid that did not merge maps onto itself."""
+    edges have fewer children). A grid that did not merge maps onto itself.
+
+    Made once per pair of grids (a footprint depends on nothing else and is never changed;
+    its per-device copies are cached on it), not on every explained batch."""
+    return _merge((int(fine[0]), int(fine[1])), (int(coarse[0]), int(coarse[1])))
+
+
+@lru_cache(maxsize=64)
+def _merge(fine: tuple[int, int], coarse: tuple[int, int]) -> Footprint:
     fine_set, coarse_set = TokenSet(0, fine), TokenSet(0, coarse)
     if fine == coarse:
         return Footprint.identity(fine_set)
@@ -199,7 +208,7 @@ def swin_chain(layers: Sequence[WindowedLayer], grids: Sequence[tuple[int, int]]
             items.append(Transition(merge_footprint(grids[stage], grids[stage + 1]), stage, stage + 1, "merge"))
             stage += 1
         tokens = TokenSet(0, grids[layer.stage])
-        identity = Footprint.identity(tokens)
+        identity = merge_footprint(tokens.grid, tokens.grid)  # D = I on the stage grid (made once)
         spec = CallSpec(layer.record.name, tokens, tokens, layer.slots, layer.slots, identity, identity,
                         layer.stage, layer.stage)
         items.append(_SwinCall(spec, layer))
