@@ -18,7 +18,7 @@ walked from the frame that made it:
 from __future__ import annotations
 
 import inspect
-from types import FrameType
+from types import CodeType, FrameType
 from typing import Any, Iterable, Literal, Mapping, Optional
 
 from torch import Tensor, nn
@@ -45,6 +45,29 @@ CROSS_PARAMETER_NAMES = ("cross_attention_states",)
 _CALL_IMPL = nn.Module._call_impl.__code__
 
 
+_SELF_CODES: dict[int, tuple[CodeType, bool]] = {}  # by id: generated code can hold unhashable constants
+
+
+def _binds_self(code: CodeType) -> bool:
+    """Whether frames of ``code`` can hold a local named ``self`` (an argument, a local or a closure cell)."""
+    known = _SELF_CODES.get(id(code))
+    if known is not None and known[0] is code:  # the code is held, so its id is not reused
+        return known[1]
+    binds = "self" in code.co_varnames or "self" in code.co_freevars or "self" in code.co_cellvars
+    if len(_SELF_CODES) > 100_000:  # e.g. code generated again and again: start over rather than grow
+        _SELF_CODES.clear()
+    _SELF_CODES[id(code)] = (code, binds)
+    return binds
+
+
+def _flag(module: nn.Module) -> Any:
+    """``module.is_cross_attention``, or None (without nn.Module.__getattr__'s exception when it has none)."""
+    if "is_cross_attention" in module.__dict__:
+        return module.__dict__["is_cross_attention"]
+    declared = getattr(type(module), "is_cross_attention", None)
+    return declared if declared is None or isinstance(declared, bool) else getattr(module, "is_cross_attention", None)
+
+
 def kind_of(module: nn.Module, arguments: Mapping[str, Any], parameters: Iterable[str]) -> Literal["self", "cross"]:
     """Whether an attention call issued by ``module`` is self- or cross-attention.
 
@@ -58,7 +81,7 @@ def kind_of(module: nn.Module, arguments: Mapping[str, Any], parameters: Iterabl
         arguments: the arguments of its call, by name.
         parameters: the parameter names of the called method.
     """
-    flag = getattr(module, "is_cross_attention", None)
+    flag = _flag(module)
     if isinstance(flag, bool):
         return "cross" if flag else "self"
     if isinstance(module, nn.MultiheadAttention):
@@ -119,11 +142,12 @@ class Attribution:
         names = self._names
         frame = start
         while frame is not None:
-            obj = frame.f_locals.get("self")
-            if obj is not None:
-                name = names.get(id(obj))
-                if name is not None and isinstance(obj, nn.Module) and not isinstance(obj, nn.Softmax):
-                    return Issuer(name, obj, frame)
+            if _binds_self(frame.f_code):  # reading f_locals builds a dict: only where a `self` can be
+                obj = frame.f_locals.get("self")
+                if obj is not None:
+                    name = names.get(id(obj))
+                    if name is not None and isinstance(obj, nn.Module) and not isinstance(obj, nn.Softmax):
+                        return Issuer(name, obj, frame)
             frame = frame.f_back
         return None
 
@@ -143,7 +167,11 @@ class Attribution:
         """
         top = None
         frame: Optional[FrameType] = issuer.frame
+        known = self._top if self._top is not None and self._top.f_code is _CALL_IMPL else None
         while frame is not None:
+            if frame is known:  # the current top-level call: nothing under it is a captured call
+                top = known
+                break
             if frame.f_code is _CALL_IMPL and id(frame.f_locals.get("self")) in self._names:
                 top = frame
             frame = frame.f_back

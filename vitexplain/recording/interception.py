@@ -17,7 +17,7 @@ captures dO (``dy/dA = dO @ V^T``); on the probabilities for eager and materiali
 from __future__ import annotations
 
 import sys
-from types import FrameType
+from types import CodeType, FrameType
 from typing import Any, Callable, Optional
 
 import torch
@@ -51,14 +51,6 @@ def _bind_sdpa(args: tuple, kwargs: dict) -> dict[str, Any]:
     return bound
 
 
-def _caller() -> Optional[FrameType]:
-    """The frame that made the torch call being handled (called from ``__torch_function__``)."""
-    try:
-        return sys._getframe(2)
-    except ValueError:  # no Python caller (called from C++)
-        return None
-
-
 class AttentionMode(TorchFunctionMode):
     """Routes attention-related torch calls to records; everything else runs as is.
 
@@ -78,26 +70,73 @@ class AttentionMode(TorchFunctionMode):
         self.attention_mode = attention_mode
         self.heads = heads
         self._materialized_bytes = 0
+        #: while not None (set by the recorder's narrowing): the code objects of every frame on the stack
+        #: at any torch call (:meth:`_note`), by id (the codes are held, so their ids are not reused)
+        self.codes: Optional[dict[int, CodeType]] = None
+        self._chain: list[FrameType] = []  # the stack at the last torch call, outermost first
+        self._at: dict[int, int] = {}  # id of a frame in _chain -> its index
+
+    def forget_frames(self) -> None:
+        """Drop the frames kept by :meth:`_note` (at the end of discovery)."""
+        self._chain, self._at = [], {}
+
+    def _note(self, caller: Optional[FrameType], codes: dict) -> None:
+        """Add the code of every frame on the stack from ``caller`` down to ``codes``.
+
+        The walk stops at the first frame that is on the stack kept from the last call (the same
+        object: the kept frames are held, so their ids are not reused); below it, every code is
+        noted already. Usually that is ``caller`` itself, or a frame or two above it.
+        """
+        chain, at = self._chain, self._at
+        new = []
+        frame = caller
+        top = -1
+        while frame is not None:
+            i = at.get(id(frame))
+            if i is not None and chain[i] is frame:
+                top = i
+                break
+            new.append(frame)
+            frame = frame.f_back
+        while len(chain) > top + 1:
+            del at[id(chain.pop())]
+        for frame in reversed(new):
+            at[id(frame)] = len(chain)
+            chain.append(frame)
+            code = frame.f_code
+            codes[id(code)] = code  # by identity: generated code (FX, dynamo) can hold unhashable constants
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         if kwargs is None:
             kwargs = {}
-        if func is _SDPA:
-            return self._on_sdpa(func, args, kwargs, _caller())
-        if func in _SOFTMAX:
-            return self._on_softmax(func, args, kwargs, _caller())
-        if func is _MHA_FORWARD:
-            return self._on_mha(func, args, kwargs)
         flex = self.flex
         if flex.op is not None and func is flex.op:
             # reached while dynamo traces FlexAttention (eager flex_attention compiles its op, and so
             # does torch.compile): dynamo replays this append with the real arguments on every call
             flex.traced(args)
             return func(*args, **kwargs)
-        # nothing else of the recorder can run while dynamo traces
-        if flex.code is not None and not torch.compiler.is_dynamo_compiling():
-            caller = _caller()
-            if caller is not None:
+        compiling = torch.compiler.is_dynamo_compiling()
+        if compiling and func is not _SDPA and func is not _MHA_FORWARD and func not in _SOFTMAX:
+            return func(*args, **kwargs)  # nothing else of the recorder can run while dynamo traces
+        try:
+            caller: Optional[FrameType] = sys._getframe(1)  # the frame that made the torch call
+        except ValueError:  # no Python caller (called from C++)
+            caller = None
+        codes = self.codes
+        if codes is not None and not compiling:  # discovery (narrowing.py): the code of every frame on the stack ran
+            self._note(caller, codes)
+        if func is _SDPA:
+            return self._on_sdpa(func, args, kwargs, caller)
+        if func in _SOFTMAX:
+            return self._on_softmax(func, args, kwargs, caller)
+        if func is _MHA_FORWARD:
+            return self._on_mha(func, args, kwargs)
+        code = flex.code
+        if code is not None and caller is not None:
+            back = caller.f_back
+            # only calls from a flex_attention frame, or while the watcher waits for one, concern it
+            if caller.f_code is code or (back is not None and back.f_code is code) or flex._traced \
+                    or flex._pending is not None:
                 flex.watch(caller, args, kwargs)
         return func(*args, **kwargs)
 
@@ -217,3 +256,4 @@ class AttentionMode(TorchFunctionMode):
             return func(*args, **kwargs)
         finally:
             F.scaled_dot_product_attention, F.softmax = original_sdpa, original_softmax
+
