@@ -325,3 +325,66 @@ def test_everything_is_restored_after_an_exception(at):
         handle.remove()
     assert rec._narrowing.narrowed == (at > 0)
     assert _state(model) == before
+
+
+# -- one forward: layers after the first of their class run narrowed -----------------------------
+class Layer(nn.Module):
+    def __init__(self, extra: bool) -> None:
+        super().__init__()
+        self.attn = Fused()
+        self.mlp = nn.Linear(8, 8)
+        self.extra = Helper() if extra else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(x)
+        if self.extra is not None:
+            x = x + self.extra(x)
+        return self.mlp(x)
+
+
+class Layers(nn.Module):
+    """Three layers of one class; the last holds a module unlike anything in the first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([Layer(False), Layer(False), Layer(True)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _single(build, size):
+    def case():
+        torch.manual_seed(0)
+        model = build()
+        x = torch.randn(2, 5, 8) if size is None else torch.randn(2, 3, *size)
+        return model, x
+    return case
+
+
+SINGLE = {
+    "layers unlike the first": _single(Layers, None),
+    "timm ViT": _single(lambda: timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=3, num_classes=5), (32, 32)),
+    "timm Swin": _single(lambda: timm.create_model("swin_tiny_patch4_window7_224", img_size=56, depths=(2, 2), num_heads=(2, 4),
+                                                   embed_dim=16, num_classes=5), (56, 56)),
+    "zoo shapes-hier (PVT)": lambda: (vx.zoo.load("shapes-hier"), torch.randn(2, 3, 64, 64)),
+    "HF ViT (sdpa)": _single(lambda: transformers.ViTForImageClassification(transformers.ViTConfig(
+        hidden_size=32, num_hidden_layers=3, num_attention_heads=2, intermediate_size=64, image_size=32, patch_size=8)), (32, 32)),
+}
+
+
+@pytest.mark.parametrize("name", list(SINGLE))
+def test_one_forward_records_equal_full_interception(name):
+    model, x = SINGLE[name]()
+    def run():
+        out = model(x)
+        return getattr(out, "logits", out)
+
+    check(model, run, narrows=False)
+    if name == "layers unlike the first":
+        rec = _capture(model, lambda: model(x), full=False)[0]
+        assert rec._narrowing.gated_types == {Fused}  # layers 1 and 2 ran with the mode inside their attention only
+        names = [r.name for r in rec.records]
+        assert names == ["layers.0.attn", "layers.1.attn", "layers.2.attn", "layers.2.extra"]

@@ -36,6 +36,8 @@ __all__ = ["AttentionMode"]
 _SDPA = F.scaled_dot_product_attention
 _MHA_FORWARD = F.multi_head_attention_forward
 _SOFTMAX = (torch.softmax, torch.Tensor.softmax, F.softmax, torch.special.softmax)
+#: ids of the functions the mode handles itself (module-level objects: their ids are stable)
+_WATCHED = frozenset(id(f) for f in (_SDPA, _MHA_FORWARD, *_SOFTMAX))
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
@@ -110,27 +112,29 @@ class AttentionMode(TorchFunctionMode):
         if kwargs is None:
             kwargs = {}
         flex = self.flex
-        if flex.op is not None and func is flex.op:
+        if func is flex.op and func is not None:
             # reached while dynamo traces FlexAttention (eager flex_attention compiles its op, and so
             # does torch.compile): dynamo replays this append with the real arguments on every call
             flex.traced(args)
             return func(*args, **kwargs)
-        compiling = torch.compiler.is_dynamo_compiling()
-        if compiling and func is not _SDPA and func is not _MHA_FORWARD and func not in _SOFTMAX:
+        watched = id(func) in _WATCHED
+        if not watched and torch.compiler.is_dynamo_compiling():
             return func(*args, **kwargs)  # nothing else of the recorder can run while dynamo traces
         try:
             caller: Optional[FrameType] = sys._getframe(1)  # the frame that made the torch call
         except ValueError:  # no Python caller (called from C++)
             caller = None
         codes = self.codes
-        if codes is not None and not compiling:  # discovery (narrowing.py): the code of every frame on the stack ran
-            self._note(caller, codes)
-        if func is _SDPA:
-            return self._on_sdpa(func, args, kwargs, caller)
-        if func in _SOFTMAX:
+        if codes is not None:  # discovery (narrowing.py): the code of every frame on the stack ran
+            chain = self._chain
+            if (not chain or chain[-1] is not caller) and not (watched and torch.compiler.is_dynamo_compiling()):
+                self._note(caller, codes)  # (not when it is the frame of the last call: nothing new)
+        if watched:
+            if func is _SDPA:
+                return self._on_sdpa(func, args, kwargs, caller)
+            if func is _MHA_FORWARD:
+                return self._on_mha(func, args, kwargs)
             return self._on_softmax(func, args, kwargs, caller)
-        if func is _MHA_FORWARD:
-            return self._on_mha(func, args, kwargs)
         code = flex.code
         if code is not None and caller is not None:
             back = caller.f_back

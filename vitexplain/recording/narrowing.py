@@ -1,16 +1,17 @@
-"""Where a capture intercepts torch calls: everywhere until the model's second forward, then only where
-attention is issued.
+"""Where a capture intercepts torch calls: everywhere at first, then only where attention is issued.
 
 A torch function mode costs a few microseconds on *every* torch call it sees, and a ``generate``
 makes thousands of calls outside attention. So the capture's mode (:class:`AttentionMode`) is
 active, in the capture's thread:
 
 1. **Discovery.** From the start of the scope until the model's second forward starts (calls of
-   the model itself, through ``__call__``; a capture of one forward never leaves this stage), the
-   mode sees every torch call, as a capture always did. It notes the classes of the modules that
-   issued attention *not* through Hugging Face's attention interface, and the code of every frame
-   on the stack at a torch call (which modules ran).
-2. **Narrowed.** From then on, the mode is active only
+   the model itself, through ``__call__``), the mode sees every torch call, as a capture always
+   did, except inside *layers*: modules of a class with several instances that hold submodules
+   (the outermost such, e.g. ``LlamaDecoderLayer``, timm ``Block``). Once one layer of a class has
+   run whole with the mode on, the next layers of that class run narrowed (below). Meanwhile the
+   mode notes the classes of the modules that issued attention *not* through Hugging Face's
+   attention interface, and the code of every frame on the stack at a torch call (which code ran).
+2. **Narrowed.** From the second forward on (and inside those layers), the mode is active only
 
    - inside every module of a class that issued attention outside the interface, or whose own
      forward names an attention function (SDPA, softmax, FlexAttention, MHA's functional
@@ -19,27 +20,27 @@ active, in the capture's thread:
    - inside Hugging Face's attention function itself (``"sdpa"``, ``"flex_attention"``), through the
      registry's taps (:mod:`vitexplain.recording.interface`): only its reshapes and the attention
      call are seen;
-   - inside every module whose forward did not run during discovery, for its first call, so that
-     attention on a path the first forward did not take (another tower, a branch) is recorded; a
-     class that issues attention there is then gated like the others from the next forward on.
+   - inside every module whose forward code did not run before, for its first call, so that
+     attention on a path not taken before (another tower, a branch, a layer unlike the others) is
+     recorded; a class that issues attention there is then gated like the others.
 
-   Modules of classes that ran during discovery without issuing attention outside the interface
-   (MLPs, norms, embeddings; the generate loop's own torch calls) are not intercepted again.
+   Modules of classes that ran without issuing attention outside the interface (MLPs, norms,
+   embeddings; the generate loop's own torch calls) are not intercepted again.
 
-What this cannot see, and full interception would: a module of a class that ran during discovery
-without issuing attention, whose forward names no attention function, and that later issues
-attention outside the interface through a helper, on a branch the first forward did not take.
+What this cannot see, and full interception would: a module of a class that ran before without
+issuing attention, whose forward names no attention function, and that issues attention outside
+the interface through a helper, on a branch its earlier calls did not take (e.g. a layer whose
+attention depends on its index, computed in a helper the layer calls).
 
-Narrowing does not happen, and the mode stays on for the whole scope, when: the model itself
-issued attention (a bare attention module, which could be called through ``.forward`` and skip
-the hooks); no forward of the model returned without raising; another torch function mode is
-above the capture's when the second forward starts (e.g. LRP's rules: the capture's mode must see
-calls after them, as at the bottom of the stack); or the model is never called through
-``__call__`` (``generate`` of BLIP-2 or Kosmos-2, which call their towers and their LM's
-``generate``). When the mode is entered later, it goes back to its place on the stack, under any
-mode entered after the scope began. The records are those of full interception
-(tests/test_capture_narrowing.py compares them for every kind of model that runs several
-forwards).
+Narrowing does not happen, and the mode stays on, when: the model itself issued attention (a bare
+attention module, which could be called through ``.forward`` and skip the hooks); no forward of the
+model returned without raising; another torch function mode is above the capture's (e.g. LRP's
+rules: the capture's mode must see calls after them, as at the bottom of the stack); or the model
+is never called through ``__call__`` (``generate`` of BLIP-2 or Kosmos-2, which call their towers
+and their LM's ``generate``: their layers are still narrowed). When the mode is entered later, it
+goes back to its place on the stack, under any mode entered after the scope began. The records are
+those of full interception (tests/test_capture_narrowing.py compares them for every kind of model
+that runs several forwards).
 """
 
 from __future__ import annotations
@@ -59,6 +60,28 @@ from ..errors import CaptureError
 from . import interface
 
 __all__ = ["Narrowing"]
+
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)  # no forward of their own, or one per content
+
+
+def _blocks(model: nn.Module, by_type: Mapping[type, list]) -> list[nn.Module]:
+    """The outermost modules of a class with several instances that hold submodules (layers, blocks)."""
+    repeated = {kind for kind, instances in by_type.items()
+                if len(instances) > 1 and instances[0]._modules and not issubclass(kind, _CONTAINERS)}
+    found: list[nn.Module] = []
+    seen: set[int] = set()
+    stack = [model]
+    while stack:
+        for child in stack.pop()._modules.values():
+            if child is None or id(child) in seen:
+                continue
+            seen.add(id(child))
+            if type(child) in repeated:
+                found.append(child)
+            else:
+                stack.append(child)
+    return found
 
 #: Names whose presence in a module's forward code gates its class even if it issued nothing in discovery.
 _ATTENTION_NAMES = frozenset(("scaled_dot_product_attention", "softmax", "flex_attention", "multi_head_attention_forward"))
@@ -166,6 +189,10 @@ class Narrowing:
         self._spent: list[int] = []  # tripwires that fired: removed at the next root forward
         self._pending: set[type] = set()  # issuer classes seen after narrowing: gated at the next root forward
         self._handles: list[RemovableHandle] = []
+        self._by_type: dict[type, list[nn.Module]] = {}
+        self._named: Optional[set[type]] = None  # classes whose forward names an attention function
+        self._known: set[type] = set()  # block classes one of whose calls ran fully intercepted
+        self._calls: dict[int, list[str]] = {}  # block id -> what each call in progress did ("full", "suspended", "")
 
     # -- scope --------------------------------------------------------------------------
     def start(self, modules: Mapping[str, nn.Module]) -> None:
@@ -181,6 +208,11 @@ class Narrowing:
         if not self.enabled:
             return
         self.codes = self.stack.mode.codes = {}
+        for module in modules.values():
+            self._by_type.setdefault(type(module), []).append(module)
+        for block in _blocks(self.model, self._by_type):
+            self._handles.append(block.register_forward_pre_hook(self._block_pre, prepend=True))
+            self._handles.append(block.register_forward_hook(self._block_post, always_call=True))
         self._handles.append(self.model.register_forward_pre_hook(self._root_pre, prepend=True))
         self._handles.append(self.model.register_forward_hook(self._root_post, always_call=True))
         interface.open_taps(self)
@@ -201,6 +233,10 @@ class Narrowing:
             self._gated.clear()
             self._spent.clear()
             self._pending.clear()
+            self._by_type.clear()
+            self._known.clear()
+            self._calls.clear()
+            self._named = None
             self.codes = self.stack.mode.codes = None
             self.stack.mode.forget_frames()
             self._interface = self._root_depth = 0
@@ -263,29 +299,60 @@ class Narrowing:
         if self._root_depth == 0 and not self._ready:
             self._ready = sys.exc_info()[0] is None  # a forward that raised may not have run every module
 
+    def _block_pre(self, module: nn.Module, args: tuple) -> None:
+        """A layer/block of a class already seen whole: run it with the mode only where attention is issued."""
+        if threading.get_ident() != self._thread:
+            return
+        state = ""
+        if self.full and not self._narrowed:
+            kind = type(module)
+            if kind in self._known and kind not in self._issuer_types and self.stack.top_is_mode():
+                self._prepare(list(module.modules())[1:])
+                self.stack.pop()
+                self.full, state = False, "suspended"
+            else:
+                state = "full"
+        self._calls.setdefault(id(module), []).append(state)
+
+    def _block_post(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if threading.get_ident() != self._thread or not self._calls.get(id(module)):
+            return
+        state = self._calls[id(module)].pop()
+        if state == "suspended":
+            self.full = True
+            if self._depth == 0:
+                self.stack.push()
+        elif state == "full" and sys.exc_info()[0] is None:
+            self._known.add(type(module))
+
     def _narrow(self) -> None:
-        """The first forward returned: the mode only where attention is issued (or stays on, see the module docstring)."""
+        """At the second forward: the mode only where attention is issued (or stays on, see the module docstring)."""
         if not self.stack.top_is_mode() or type(self.model) in self._issuer_types:
             return
-        codes = self.codes or {}
-        ran = {}
-        for module in self._modules.values():
-            code = _forward_code(module)
-            ran[id(module)] = code is not None and codes.get(id(code)) is code
-        kinds = set(self._issuer_types)
-        for module in self._modules.values():  # classes whose forward calls an attention function itself
-            code = _forward_code(module)
-            if code is not None and not _ATTENTION_NAMES.isdisjoint(code.co_names):
-                kinds.add(type(module))
+        self._prepare(self._modules.values())
         self.stack.pop()
         self.full, self._narrowed, self.narrowed = False, True, True
         self.codes = self.stack.mode.codes = None
         self.stack.mode.forget_frames()
-        self._gate(kinds)
-        for module in self._modules.values():
-            if not ran[id(module)] and id(module) not in self._gated and module is not self.model:
-                handles = self._hooks(module)
-                self._tripwires[id(module)] = handles
+
+    def _prepare(self, modules: Iterable[nn.Module]) -> None:
+        """Before ``modules`` run without the mode everywhere: gates on the classes that need one, and
+        tripwires on those of ``modules`` whose code has not run."""
+        if self._named is None:  # classes whose forward calls an attention function itself
+            self._named = set()
+            for kind, instances in self._by_type.items():
+                code = _forward_code(instances[0])
+                if code is not None and not _ATTENTION_NAMES.isdisjoint(code.co_names):
+                    self._named.add(kind)
+        self._gate(self._issuer_types | self._named)
+        codes = self.codes or {}
+        for module in modules:
+            key = id(module)
+            if key in self._gated or key in self._tripwires or module is self.model:
+                continue
+            code = _forward_code(module)
+            if code is None or codes.get(id(code)) is not code:
+                self._tripwires[key] = self._hooks(module)
 
     def _settle(self) -> None:
         """At the start of a later forward: fired tripwires removed, newly seen issuer classes gated."""
@@ -298,14 +365,14 @@ class Narrowing:
             self._gate(kinds)
 
     def _gate(self, kinds: Iterable[type]) -> None:
-        kinds = set(kinds)
-        if not kinds:
-            return
-        for module in self._modules.values():
-            if type(module) in kinds and id(module) not in self._gated and module is not self.model:
-                self._gated.add(id(module))
-                self.gated_types.add(type(module))
-                self._gates.extend(self._hooks(module))
+        for kind in kinds:
+            if kind in self.gated_types:
+                continue
+            self.gated_types.add(kind)
+            for module in self._by_type.get(kind, ()):
+                if id(module) not in self._gated and module is not self.model:
+                    self._gated.add(id(module))
+                    self._gates.extend(self._hooks(module))
 
     def _hooks(self, module: nn.Module) -> list[RemovableHandle]:
         """A pre-hook that enters the mode (first, before other pre-hooks) and a hook that always leaves it."""
@@ -313,7 +380,7 @@ class Narrowing:
         key = id(module)
 
         def pre(m: nn.Module, args: tuple) -> None:
-            if threading.get_ident() != self._thread or not self._narrowed:
+            if threading.get_ident() != self._thread or self.full:
                 return
             entered[0] += 1
             self._enter()
