@@ -22,6 +22,7 @@ probabilities would take (``B x H x N_q x N_k`` float32 summed over records: wha
 kept attention matrices would hold), and how many records hold probabilities (0: no N x N kept).
 
 Usage: python benchmarks/vlm_capture.py [--reps 15] [--batch 4] [--new 8] [--models shapes-vlm,tiny] [--no-report]
+[--cpu-time] (``--cpu-time``: the process's CPU time instead of wall time, for a machine shared with other work)
 (``--no-report`` prints without rewriting docs/benchmarks.md; by default the table replaces its
 section there.)
 """
@@ -29,6 +30,9 @@ section there.)
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
+from typing import Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -81,7 +85,22 @@ def _held_bytes(records) -> tuple[int, int, int]:
     return sum(seen.values()), dense, with_probs
 
 
-def bench(name: str, model: torch.nn.Module, processor, *, batch: int, new: int, reps: int) -> list[object]:
+def cpu_median_times(fns: dict[str, Callable[[], object]], *, reps: int, warmup: int = 2) -> dict[str, float]:
+    """Median CPU time (s) of this process per call, interleaved: with one thread, the work done, which
+    other processes on a shared machine do not inflate as they inflate wall time."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            start = time.process_time()
+            fn()
+            times[name].append(time.process_time() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def bench(name: str, model: torch.nn.Module, processor, *, batch: int, new: int, reps: int, cpu: bool) -> list[object]:
     size = processor.image_processor.crop_size["height"]
     images = list(vx.data.shapes(batch, seed=10_000, size=max(size, 16)).images)
     prompt = "<image> " + " ".join(processor.tokenizer.convert_ids_to_tokens([5, 6, 7]))
@@ -106,7 +125,8 @@ def bench(name: str, model: torch.nn.Module, processor, *, batch: int, new: int,
         with torch.no_grad(), _PassThrough():
             model.generate(**inputs, **kw)
 
-    times = median_times({"plain": plain, "captured": captured, "full": captured_full, "empty": empty_mode}, reps=reps, warmup=2)
+    fns = {"plain": plain, "captured": captured, "full": captured_full, "empty": empty_mode}
+    times = cpu_median_times(fns, reps=reps) if cpu else median_times(fns, reps=reps, warmup=2)
     with torch.no_grad(), vx.capture(model) as rec:
         out = model.generate(**inputs, **kw)
     held, dense, with_probs = _held_bytes(rec.records)
@@ -128,21 +148,24 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--models", default="shapes-vlm,tiny", help="comma separated: shapes-vlm, tiny")
     p.add_argument("--no-report", action="store_true")
+    p.add_argument("--cpu-time", action="store_true",
+                   help="time with this process's CPU time instead of wall time (one thread; for a shared machine)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     rows = []
     chosen = a.models.split(",")
     if "shapes-vlm" in chosen:
         model = vx.zoo.load("shapes-vlm")
-        rows.append(bench("shapes-vlm", model, model.vx_processor, batch=a.batch, new=a.new, reps=a.reps))
+        rows.append(bench("shapes-vlm", model, model.vx_processor, batch=a.batch, new=a.new, reps=a.reps, cpu=a.cpu_time))
     if "tiny" in chosen:
         tiny, proc = tiny_llava()
-        rows.append(bench("tiny LLaVA (CLIP 224/14, Llama GQA)", tiny, proc, batch=a.batch, new=a.new, reps=a.reps))
+        rows.append(bench("tiny LLaVA (CLIP 224/14, Llama GQA)", tiny, proc, batch=a.batch, new=a.new, reps=a.reps, cpu=a.cpu_time))
     header = ["model", "batch x (prompt + new)", "plain ms", "captured ms", "ratio", "full interception ratio",
               "empty mode ratio", "narrowed", "records",
               "records with N x N",
               "held by records MB", "all N_q x N_k MB", "same ids"]
-    body = (f"Median of {a.reps} interleaved repetitions, greedy generate, torch.no_grad, SDPA, "
+    clock = "CPU time" if a.cpu_time else "wall time"
+    body = (f"Median {clock} of {a.reps} interleaved repetitions, greedy generate, torch.no_grad, SDPA, "
             f"{a.threads} thread(s). 'held by records': distinct tensors the records reference (q, k, v, masks; "
             "k and v of a decode step are the KV cache's own tensors when it grows in place); 'all N_q x N_k': what "
             "keeping every call's probabilities would take; 'full interception': the capture with its mode on every torch "

@@ -43,6 +43,7 @@ CROSS_ARGUMENT_NAMES = (
 CROSS_PARAMETER_NAMES = ("cross_attention_states",)
 
 _CALL_IMPL = nn.Module._call_impl.__code__
+_CROSS_PARAMETERS = frozenset(CROSS_PARAMETER_NAMES)
 
 
 _SELF_CODES: dict[int, tuple[CodeType, bool]] = {}  # by id: generated code can hold unhashable constants
@@ -87,9 +88,10 @@ def kind_of(module: nn.Module, arguments: Mapping[str, Any], parameters: Iterabl
     if isinstance(module, nn.MultiheadAttention):
         query, key = arguments.get("query"), arguments.get("key")
         return "cross" if isinstance(key, Tensor) and key is not query else "self"
-    if any(isinstance(arguments.get(arg), Tensor) for arg in CROSS_ARGUMENT_NAMES):
-        return "cross"
-    return "cross" if any(p in CROSS_PARAMETER_NAMES for p in parameters) else "self"
+    for arg in CROSS_ARGUMENT_NAMES:
+        if isinstance(arguments.get(arg), Tensor):
+            return "cross"
+    return "cross" if not _CROSS_PARAMETERS.isdisjoint(parameters) else "self"
 
 
 def frame_kind(module: nn.Module, frame: FrameType) -> Literal["self", "cross"]:

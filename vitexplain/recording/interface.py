@@ -65,9 +65,13 @@ def _make_tap(original: Callable) -> Callable:
     def tap(module: Any, *args: Any, **kwargs: Any) -> Any:
         owners = getattr(_local, "owners", None)
         if owners:
-            mine = [o for o in owners if o.owns(module)]
-            if mine:
-                return _through(mine, original, module, args, kwargs)
+            if len(owners) == 1:  # the usual case: one capture open in this thread
+                if owners[0].owns(module):
+                    return owners[0].through_interface(original, module, args, kwargs)
+            else:
+                mine = [o for o in owners if o.owns(module)]
+                if mine:
+                    return _through(mine, original, module, args, kwargs)
         return original(module, *args, **kwargs)
 
     tap.__wrapped__ = original  # type: ignore[attr-defined]

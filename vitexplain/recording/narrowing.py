@@ -189,6 +189,7 @@ class Narrowing:
         self._spent: list[int] = []  # tripwires that fired: removed at the next root forward
         self._pending: set[type] = set()  # issuer classes seen after narrowing: gated at the next root forward
         self._handles: list[RemovableHandle] = []
+        self._block_handles: list[RemovableHandle] = []  # on the layers (see _blocks), until narrowing
         self._by_type: dict[type, list[nn.Module]] = {}
         self._named: Optional[set[type]] = None  # classes whose forward names an attention function
         self._known: set[type] = set()  # block classes one of whose calls ran fully intercepted
@@ -211,8 +212,8 @@ class Narrowing:
         for module in modules.values():
             self._by_type.setdefault(type(module), []).append(module)
         for block in _blocks(self.model, self._by_type):
-            self._handles.append(block.register_forward_pre_hook(self._block_pre, prepend=True))
-            self._handles.append(block.register_forward_hook(self._block_post, always_call=True))
+            self._block_handles.append(block.register_forward_pre_hook(self._block_pre, prepend=True))
+            self._block_handles.append(block.register_forward_hook(self._block_post, always_call=True))
         self._handles.append(self.model.register_forward_pre_hook(self._root_pre, prepend=True))
         self._handles.append(self.model.register_forward_hook(self._root_post, always_call=True))
         interface.open_taps(self)
@@ -225,9 +226,11 @@ class Narrowing:
                 self.full, self._depth = False, 0
                 self.stack.pop()
         finally:
-            for handle in (*self._handles, *self._gates, *(h for hs in self._tripwires.values() for h in hs)):
+            for handle in (*self._handles, *self._block_handles, *self._gates,
+                           *(h for hs in self._tripwires.values() for h in hs)):
                 handle.remove()
             self._handles.clear()
+            self._block_handles.clear()
             self._gates.clear()
             self._tripwires.clear()
             self._gated.clear()
@@ -330,6 +333,9 @@ class Narrowing:
         if not self.stack.top_is_mode() or type(self.model) in self._issuer_types:
             return
         self._prepare(self._modules.values())
+        for handle in self._block_handles:  # (at the root's pre-hook: no layer runs now)
+            handle.remove()
+        self._block_handles.clear()
         self.stack.pop()
         self.full, self._narrowed, self.narrowed = False, True, True
         self.codes = self.stack.mode.codes = None
