@@ -388,3 +388,44 @@ def test_one_forward_records_equal_full_interception(name):
         assert rec._narrowing.gated_types == {Fused}  # layers 1 and 2 ran with the mode inside their attention only
         names = [r.name for r in rec.records]
         assert names == ["layers.0.attn", "layers.1.attn", "layers.2.attn", "layers.2.extra"]
+
+
+def _eager_vit() -> nn.Module:
+    from timm.models.vision_transformer import VisionTransformer
+
+    torch.manual_seed(0)
+    model = VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=5).eval()
+    for m in model.modules():
+        if hasattr(m, "fused_attn"):
+            m.fused_attn = False
+    return model
+
+
+def test_a_mode_entered_after_narrowing_stays_above_the_capture():
+    """LRP's rules entered after the capture narrowed: the capture's mode goes back under them, as with full interception."""
+    from vitexplain.methods.lrp_rules import LRPRules
+
+    model, x = _eager_vit(), torch.randn(2, 3, 32, 32)
+
+    def run():
+        outs = [model(x), model(x)]
+        with LRPRules("cp"):
+            outs.append(model(x))
+        return outs
+
+    check(model, run)
+
+
+def test_nested_captures_of_one_model_both_record_everything():
+    model, x = _eager_vit(), torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        expected = _capture(model, lambda: [model(x) for _ in range(3)], full=True)[0]
+        with vx.capture(model) as outer:
+            model(x)
+            with vx.capture(model) as inner:
+                for _ in range(3):
+                    model(x)
+            model(x)
+    assert inner._narrowing.narrowed and outer._narrowing.narrowed
+    assert [_key(r) for r in inner.records] == [_key(r) for r in expected.records]
+    assert [(r.name, r.step) for r in outer.records] == [(f"blocks.{i % 2}.attn", i // 2) for i in range(10)]

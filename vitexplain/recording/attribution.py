@@ -167,13 +167,15 @@ class Attribution:
         The latest top-level frame is kept (frames are compared by identity, and keeping it
         prevents a later call's frame from reusing its address) until :meth:`stop`.
         """
-        top = None
-        frame: Optional[FrameType] = issuer.frame
         known = self._top if self._top is not None and self._top.f_code is _CALL_IMPL else None
+        frame: Optional[FrameType] = issuer.frame
+        while known is not None and frame is not None:  # first by identity only (no f_locals read)
+            if frame is known:  # inside the current top-level call: nothing under it is a captured call
+                return self._forward_index
+            frame = frame.f_back
+        top = None
+        frame = issuer.frame
         while frame is not None:
-            if frame is known:  # the current top-level call: nothing under it is a captured call
-                top = known
-                break
             if frame.f_code is _CALL_IMPL and id(frame.f_locals.get("self")) in self._names:
                 top = frame
             frame = frame.f_back

@@ -35,6 +35,7 @@ __all__ = ["AttentionMode"]
 
 _SDPA = F.scaled_dot_product_attention
 _MHA_FORWARD = F.multi_head_attention_forward
+_compiling = torch.compiler.is_dynamo_compiling
 _SOFTMAX = (torch.softmax, torch.Tensor.softmax, F.softmax, torch.special.softmax)
 #: ids of the functions the mode handles itself (module-level objects: their ids are stable)
 _WATCHED = frozenset(id(f) for f in (_SDPA, _MHA_FORWARD, *_SOFTMAX))
@@ -118,7 +119,7 @@ class AttentionMode(TorchFunctionMode):
             flex.traced(args)
             return func(*args, **kwargs)
         watched = id(func) in _WATCHED
-        if not watched and torch.compiler.is_dynamo_compiling():
+        if not watched and _compiling():
             return func(*args, **kwargs)  # nothing else of the recorder can run while dynamo traces
         try:
             caller: Optional[FrameType] = sys._getframe(1)  # the frame that made the torch call
@@ -127,7 +128,7 @@ class AttentionMode(TorchFunctionMode):
         codes = self.codes
         if codes is not None:  # discovery (narrowing.py): the code of every frame on the stack ran
             chain = self._chain
-            if (not chain or chain[-1] is not caller) and not (watched and torch.compiler.is_dynamo_compiling()):
+            if (not chain or chain[-1] is not caller) and not (watched and _compiling()):
                 self._note(caller, codes)  # (not when it is the frame of the last call: nothing new)
         if watched:
             if func is _SDPA:
