@@ -36,6 +36,25 @@ __all__ = ["AttentionMode"]
 _SDPA = F.scaled_dot_product_attention
 _MHA_FORWARD = F.multi_head_attention_forward
 _compiling = torch.compiler.is_dynamo_compiling
+
+
+def _wrapper_codes() -> frozenset[int]:
+    """Ids of the code of torch's Python wrappers that torch calls go through (``F.*``, ``torch.functional``,
+    ``Tensor`` methods written in Python, ``handle_torch_function``): shared by every caller, so a frame
+    of one of them says nothing about which module ran."""
+    import torch.functional
+    import torch.overrides
+
+    found = {id(torch.overrides.handle_torch_function.__code__)}
+    for namespace in (vars(F), vars(torch.functional), vars(torch.Tensor), vars(torch._tensor.Tensor)):
+        for value in namespace.values():
+            code = getattr(getattr(value, "__func__", value), "__code__", None)
+            if code is not None:
+                found.add(id(code))
+    return frozenset(found)
+
+
+_TORCH_WRAPPERS = _wrapper_codes()
 _SOFTMAX = (torch.softmax, torch.Tensor.softmax, F.softmax, torch.special.softmax)
 #: ids of the functions the mode handles itself (module-level objects: their ids are stable)
 _WATCHED = frozenset(id(f) for f in (_SDPA, _MHA_FORWARD, *_SOFTMAX))
@@ -73,41 +92,27 @@ class AttentionMode(TorchFunctionMode):
         self.attention_mode = attention_mode
         self.heads = heads
         self._materialized_bytes = 0
-        #: while not None (set by the recorder's narrowing): the code objects of every frame on the stack
-        #: at any torch call (:meth:`_note`), by id (the codes are held, so their ids are not reused)
+        #: while not None (set by the recorder's narrowing): the code objects that ran (:meth:`_note`), by id
+        #: (the codes are held, so their ids are not reused; generated code can hold unhashable constants)
         self.codes: Optional[dict[int, CodeType]] = None
-        self._chain: list[FrameType] = []  # the stack at the last torch call, outermost first
-        self._at: dict[int, int] = {}  # id of a frame in _chain -> its index
 
-    def forget_frames(self) -> None:
-        """Drop the frames kept by :meth:`_note` (at the end of discovery)."""
-        self._chain, self._at = [], {}
+    @staticmethod
+    def _note(caller: FrameType, codes: dict) -> None:
+        """Note the code of ``caller`` and of the frames under it, down to the first code noted before.
 
-    def _note(self, caller: Optional[FrameType], codes: dict) -> None:
-        """Add the code of every frame on the stack from ``caller`` down to ``codes``.
-
-        The walk stops at the first frame that is on the stack kept from the last call (the same
-        object: the kept frames are held, so their ids are not reused); below it, every code is
-        noted already. Usually that is ``caller`` itself, or a frame or two above it.
+        A torch call from a new function notes it and its callers not noted yet; most calls cost one
+        lookup. Code that made no torch call itself and sits only under noted code (e.g. a container
+        whose forward only calls its children) may stay unnoted: narrowing then treats its modules as
+        not run, which only intercepts their next call in full.
         """
-        chain, at = self._chain, self._at
-        new = []
-        frame = caller
-        top = -1
+        frame: Optional[FrameType] = caller
         while frame is not None:
-            i = at.get(id(frame))
-            if i is not None and chain[i] is frame:
-                top = i
-                break
-            new.append(frame)
-            frame = frame.f_back
-        while len(chain) > top + 1:
-            del at[id(chain.pop())]
-        for frame in reversed(new):
-            at[id(frame)] = len(chain)
-            chain.append(frame)
             code = frame.f_code
-            codes[id(code)] = code  # by identity: generated code (FX, dynamo) can hold unhashable constants
+            if id(code) not in _TORCH_WRAPPERS:  # torch's own wrappers are walked through, not noted
+                if codes.get(id(code)) is code:
+                    return
+                codes[id(code)] = code
+            frame = frame.f_back
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         if kwargs is None:
@@ -126,10 +131,10 @@ class AttentionMode(TorchFunctionMode):
         except ValueError:  # no Python caller (called from C++)
             caller = None
         codes = self.codes
-        if codes is not None:  # discovery (narrowing.py): the code of every frame on the stack ran
-            chain = self._chain
-            if (not chain or chain[-1] is not caller) and not (watched and _compiling()):
-                self._note(caller, codes)  # (not when it is the frame of the last call: nothing new)
+        if codes is not None and caller is not None:  # discovery (narrowing.py): which code ran
+            code = caller.f_code
+            if (codes.get(id(code)) is not code or id(code) in _TORCH_WRAPPERS) and not (watched and _compiling()):
+                self._note(caller, codes)
         if watched:
             if func is _SDPA:
                 return self._on_sdpa(func, args, kwargs, caller)

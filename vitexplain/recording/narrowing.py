@@ -10,7 +10,7 @@ active, in the capture's thread:
    (the outermost such, e.g. ``LlamaDecoderLayer``, timm ``Block``). Once one layer of a class has
    run whole with the mode on, the next layers of that class run narrowed (below). Meanwhile the
    mode notes the classes of the modules that issued attention *not* through Hugging Face's
-   attention interface, and the code of every frame on the stack at a torch call (which code ran).
+   attention interface, and which code ran (the code that made torch calls and its callers).
 2. **Narrowed.** From the second forward on (and inside those layers), the mode is active only
 
    - inside every module of a class that issued attention outside the interface, or whose own
@@ -30,7 +30,9 @@ active, in the capture's thread:
 What this cannot see, and full interception would: a module of a class that ran before without
 issuing attention, whose forward names no attention function, and that issues attention outside
 the interface through a helper, on a branch its earlier calls did not take (e.g. a layer whose
-attention depends on its index, computed in a helper the layer calls).
+attention depends on its index, computed in a helper the layer calls); and a module of a gated class
+called through ``module.forward(...)`` instead of ``module(...)``, which skips its hooks (Hugging Face
+attention is seen at the interface either way).
 
 Narrowing does not happen, and the mode stays on, when: the model itself issued attention (a bare
 attention module, which could be called through ``.forward`` and skip the hooks); no forward of the
@@ -87,14 +89,17 @@ def _blocks(model: nn.Module, by_type: Mapping[type, list]) -> list[nn.Module]:
 _ATTENTION_NAMES = frozenset(("scaled_dot_product_attention", "softmax", "flex_attention", "multi_head_attention_forward"))
 
 
-_FORWARDS: dict[type, Optional[CodeType]] = {}
+_FORWARDS: dict[type, tuple[Any, Optional[CodeType]]] = {}  # class -> (its forward, that forward's code)
 
 
 def _forward_code(module: nn.Module) -> Optional[CodeType]:
     """The code of a module's forward, under its decorators (None: not Python code)."""
     own = "forward" in module.__dict__  # an instance's own forward (e.g. a hook library's wrapper)
-    if not own and type(module) in _FORWARDS:
-        return _FORWARDS[type(module)]
+    declared = type(module).forward
+    if not own:
+        cached = _FORWARDS.get(type(module))
+        if cached is not None and cached[0] is declared:
+            return cached[1]
     forward = getattr(module.forward, "__func__", module.forward)
     try:
         forward = inspect.unwrap(forward)
@@ -102,8 +107,17 @@ def _forward_code(module: nn.Module) -> Optional[CodeType]:
         pass
     code = getattr(forward, "__code__", None)
     if not own:
-        _FORWARDS[type(module)] = code
+        _FORWARDS[type(module)] = (declared, code)
     return code
+
+
+_UNIMPLEMENTED = nn.Module.forward.__code__  # torch.nn.modules.module._forward_unimplemented
+
+
+def _inert(code: CodeType) -> bool:
+    """Whether a forward cannot issue attention: ``nn.ModuleList``'s (none: never called), or one that names
+    no global or attribute at all (``nn.Identity``: it can only return or combine its arguments)."""
+    return code is _UNIMPLEMENTED or not code.co_names
 
 
 class _Stack:
@@ -241,7 +255,6 @@ class Narrowing:
             self._calls.clear()
             self._named = None
             self.codes = self.stack.mode.codes = None
-            self.stack.mode.forget_frames()
             self._interface = self._root_depth = 0
             self._narrowed = self._ready = False
 
@@ -339,7 +352,6 @@ class Narrowing:
         self.stack.pop()
         self.full, self._narrowed, self.narrowed = False, True, True
         self.codes = self.stack.mode.codes = None
-        self.stack.mode.forget_frames()
 
     def _prepare(self, modules: Iterable[nn.Module]) -> None:
         """Before ``modules`` run without the mode everywhere: gates on the classes that need one, and
@@ -357,7 +369,7 @@ class Narrowing:
             if key in self._gated or key in self._tripwires or module is self.model:
                 continue
             code = _forward_code(module)
-            if code is None or codes.get(id(code)) is not code:
+            if code is None or (codes.get(id(code)) is not code and not _inert(code)):
                 self._tripwires[key] = self._hooks(module)
 
     def _settle(self) -> None:
