@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from .sink import Issuer
 
-__all__ = ["Attribution", "kind_of", "frame_kind", "call_kind", "is_inside", "CROSS_ARGUMENT_NAMES", "CROSS_PARAMETER_NAMES"]
+__all__ = ["Attribution", "never_issues", "kind_of", "frame_kind", "call_kind", "is_inside", "CROSS_ARGUMENT_NAMES", "CROSS_PARAMETER_NAMES"]
 
 #: Argument names that, when a tensor is passed, mean the keys come from another sequence.
 CROSS_ARGUMENT_NAMES = (
@@ -50,15 +50,26 @@ _SELF_CODES: dict[int, tuple[CodeType, bool]] = {}  # by id: generated code can 
 
 
 def _binds_self(code: CodeType) -> bool:
-    """Whether frames of ``code`` can hold a local named ``self`` (an argument, a local or a closure cell)."""
+    """Whether frames of ``code`` can hold a local named ``self`` (an argument, a local or a closure cell)
+    that may be the issuer (not the capture's own methods, see :func:`never_issues`)."""
     known = _SELF_CODES.get(id(code))
     if known is not None and known[0] is code:  # the code is held, so its id is not reused
         return known[1]
-    binds = "self" in code.co_varnames or "self" in code.co_freevars or "self" in code.co_cellvars
+    binds = ("self" in code.co_varnames or "self" in code.co_freevars or "self" in code.co_cellvars) \
+        and _NEVER.get(id(code)) is not code
     if len(_SELF_CODES) > 100_000:  # e.g. code generated again and again: start over rather than grow
         _SELF_CODES.clear()
     _SELF_CODES[id(code)] = (code, binds)
     return binds
+
+
+_NEVER: dict[int, CodeType] = {}
+
+
+def never_issues(code: CodeType) -> None:
+    """Frames of ``code`` (the capture's own methods with a ``self``) are passed by the issuer search
+    without reading their locals."""
+    _NEVER[id(code)] = code
 
 
 def _flag(module: nn.Module) -> Any:

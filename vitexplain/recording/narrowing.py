@@ -60,6 +60,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..errors import CaptureError
 from . import interface
+from .attribution import never_issues
 
 __all__ = ["Narrowing"]
 
@@ -424,3 +425,6 @@ class _Closer:
         if self.owner is not None:
             owner, self.owner = self.owner, None
             interface.close_taps(owner)
+
+
+never_issues(Narrowing.through_interface.__code__)  # on the stack between an HF attention module and SDPA
