@@ -9,6 +9,10 @@ Rows (median wall time, ratio to the plain fused model):
 - forward+backward: plain vs ``grads=True`` capture (plus reading every layer's dy/dA).
 
 Usage: python benchmarks/capture_overhead.py [--model vit_small_patch16_224] [--batch 8] [--reps 10]
+
+``--single shapes-hier,pvt_v2_b0``: instead, the cost of capturing one forward (records only) of each
+named model (a zoo name or a timm name, random init, batch 2 at the model's input size), as the median
+of interleaved plain / captured forwards under ``torch.no_grad``; printed only, docs/ not rewritten.
 """
 
 from __future__ import annotations
@@ -23,13 +27,50 @@ import vitexplain as vx
 from _common import median_times, report, table
 
 
+def single_forward(names: list[str], reps: int, device: str) -> None:
+    """Print plain vs captured time of one forward for each named model (see the module docstring)."""
+    rows = []
+    for name in names:
+        if name in vx.zoo.names():
+            model = vx.zoo.load(name).eval().to(device)
+            size = vx.zoo.info(name)["pretrained_cfg"]["input_size"][1:]
+        else:
+            torch.manual_seed(0)
+            model = timm.create_model(name, pretrained=False).eval().to(device)
+            size = model.pretrained_cfg["input_size"][1:]
+        x = torch.randn(2, 3, *size, device=device)
+
+        def plain() -> None:
+            with torch.no_grad():
+                model(x)
+
+        def captured() -> None:
+            with torch.no_grad(), vx.capture(model):
+                model(x)
+
+        with torch.no_grad(), vx.capture(model) as rec:
+            model(x)
+        times = median_times({"plain": plain, "captured": captured}, reps=reps, warmup=3, device=device)
+        rows.append([name, f"2 x 3 x {size[0]} x {size[1]}", times["plain"] * 1e3, times["captured"] * 1e3,
+                     times["captured"] / times["plain"], len(rec.records)])
+    print(f"one forward, {device}, {torch.get_num_threads()} thread(s), median of {reps} interleaved runs\n")
+    print(table(["model", "input", "plain ms", "captured ms", "ratio", "records"], rows))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="vit_small_patch16_224")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--single", default="", help="comma separated models: time one captured forward of each")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.single:
+        single_forward(args.single.split(","), args.reps, args.device)
+        return
 
     torch.manual_seed(0)
     model = timm.create_model(args.model, pretrained=False).eval().to(args.device)

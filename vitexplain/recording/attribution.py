@@ -18,14 +18,14 @@ walked from the frame that made it:
 from __future__ import annotations
 
 import inspect
-from types import FrameType
+from types import CodeType, FrameType
 from typing import Any, Iterable, Literal, Mapping, Optional
 
 from torch import Tensor, nn
 
 from .sink import Issuer
 
-__all__ = ["Attribution", "kind_of", "frame_kind", "call_kind", "is_inside", "CROSS_ARGUMENT_NAMES", "CROSS_PARAMETER_NAMES"]
+__all__ = ["Attribution", "never_issues", "kind_of", "frame_kind", "call_kind", "is_inside", "CROSS_ARGUMENT_NAMES", "CROSS_PARAMETER_NAMES"]
 
 #: Argument names that, when a tensor is passed, mean the keys come from another sequence.
 CROSS_ARGUMENT_NAMES = (
@@ -43,6 +43,41 @@ CROSS_ARGUMENT_NAMES = (
 CROSS_PARAMETER_NAMES = ("cross_attention_states",)
 
 _CALL_IMPL = nn.Module._call_impl.__code__
+_CROSS_PARAMETERS = frozenset(CROSS_PARAMETER_NAMES)
+
+
+_SELF_CODES: dict[int, tuple[CodeType, bool]] = {}  # by id: generated code can hold unhashable constants
+
+
+def _binds_self(code: CodeType) -> bool:
+    """Whether frames of ``code`` can hold a local named ``self`` (an argument, a local or a closure cell)
+    that may be the issuer (not the capture's own methods, see :func:`never_issues`)."""
+    known = _SELF_CODES.get(id(code))
+    if known is not None and known[0] is code:  # the code is held, so its id is not reused
+        return known[1]
+    binds = ("self" in code.co_varnames or "self" in code.co_freevars or "self" in code.co_cellvars) \
+        and _NEVER.get(id(code)) is not code
+    if len(_SELF_CODES) > 100_000:  # e.g. code generated again and again: start over rather than grow
+        _SELF_CODES.clear()
+    _SELF_CODES[id(code)] = (code, binds)
+    return binds
+
+
+_NEVER: dict[int, CodeType] = {}
+
+
+def never_issues(code: CodeType) -> None:
+    """Frames of ``code`` (the capture's own methods with a ``self``) are passed by the issuer search
+    without reading their locals."""
+    _NEVER[id(code)] = code
+
+
+def _flag(module: nn.Module) -> Any:
+    """``module.is_cross_attention``, or None (without nn.Module.__getattr__'s exception when it has none)."""
+    if "is_cross_attention" in module.__dict__:
+        return module.__dict__["is_cross_attention"]
+    declared = getattr(type(module), "is_cross_attention", None)
+    return declared if declared is None or isinstance(declared, bool) else getattr(module, "is_cross_attention", None)
 
 
 def kind_of(module: nn.Module, arguments: Mapping[str, Any], parameters: Iterable[str]) -> Literal["self", "cross"]:
@@ -58,15 +93,16 @@ def kind_of(module: nn.Module, arguments: Mapping[str, Any], parameters: Iterabl
         arguments: the arguments of its call, by name.
         parameters: the parameter names of the called method.
     """
-    flag = getattr(module, "is_cross_attention", None)
+    flag = _flag(module)
     if isinstance(flag, bool):
         return "cross" if flag else "self"
     if isinstance(module, nn.MultiheadAttention):
         query, key = arguments.get("query"), arguments.get("key")
         return "cross" if isinstance(key, Tensor) and key is not query else "self"
-    if any(isinstance(arguments.get(arg), Tensor) for arg in CROSS_ARGUMENT_NAMES):
-        return "cross"
-    return "cross" if any(p in CROSS_PARAMETER_NAMES for p in parameters) else "self"
+    for arg in CROSS_ARGUMENT_NAMES:
+        if isinstance(arguments.get(arg), Tensor):
+            return "cross"
+    return "cross" if not _CROSS_PARAMETERS.isdisjoint(parameters) else "self"
 
 
 def frame_kind(module: nn.Module, frame: FrameType) -> Literal["self", "cross"]:
@@ -119,11 +155,12 @@ class Attribution:
         names = self._names
         frame = start
         while frame is not None:
-            obj = frame.f_locals.get("self")
-            if obj is not None:
-                name = names.get(id(obj))
-                if name is not None and isinstance(obj, nn.Module) and not isinstance(obj, nn.Softmax):
-                    return Issuer(name, obj, frame)
+            if _binds_self(frame.f_code):  # reading f_locals builds a dict: only where a `self` can be
+                obj = frame.f_locals.get("self")
+                if obj is not None:
+                    name = names.get(id(obj))
+                    if name is not None and isinstance(obj, nn.Module) and not isinstance(obj, nn.Softmax):
+                        return Issuer(name, obj, frame)
             frame = frame.f_back
         return None
 
@@ -141,8 +178,14 @@ class Attribution:
         The latest top-level frame is kept (frames are compared by identity, and keeping it
         prevents a later call's frame from reusing its address) until :meth:`stop`.
         """
-        top = None
+        known = self._top if self._top is not None and self._top.f_code is _CALL_IMPL else None
         frame: Optional[FrameType] = issuer.frame
+        while known is not None and frame is not None:  # first by identity only (no f_locals read)
+            if frame is known:  # inside the current top-level call: nothing under it is a captured call
+                return self._forward_index
+            frame = frame.f_back
+        top = None
+        frame = issuer.frame
         while frame is not None:
             if frame.f_code is _CALL_IMPL and id(frame.f_locals.get("self")) in self._names:
                 top = frame

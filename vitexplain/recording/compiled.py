@@ -34,6 +34,7 @@ def eager_stance(compiled: bool, modules: Iterable[nn.Module]) -> Optional[Any]:
     Returns:
         The stance now in force (leave it with ``__exit__(None, None, None)``), or None.
     """
-    if not (compiled or any(hasattr(m, "_orig_mod") for m in modules)):
+    # an OptimizedModule keeps its original in its __dict__ and its _modules (no nn.Module.__getattr__ miss)
+    if not (compiled or any("_orig_mod" in m.__dict__ or "_orig_mod" in m._modules for m in modules)):
         return None
     return torch.compiler.set_stance("force_eager")  # in force now; its __exit__ restores the previous one

@@ -301,13 +301,14 @@ def in_graph(weights: Tensor, output: Any, inputs: ModuleInputs) -> bool:
 
 
 def declared_modules(
-    model: nn.Module, attention: Union[bool, dict[str, Extractor]]
+    model: nn.Module, attention: Union[bool, dict[str, Extractor]], modules: Optional[dict[str, nn.Module]] = None
 ) -> dict[str, tuple[nn.Module, Extractor]]:
     """The modules whose attention an extractor reads: named in ``attention`` or registered.
 
     Args:
         model: the captured model.
         attention: ``vx.capture``'s ``attention`` argument.
+        modules: ``dict(model.named_modules())`` when the caller has it already.
 
     Returns:
         module name -> (module, extractor), in ``named_modules()`` order; the submodules of
@@ -317,7 +318,9 @@ def declared_modules(
         CaptureError: a named module does not exist or its extractor is not callable.
     """
     explicit = dict(attention) if isinstance(attention, dict) else {}
-    modules = dict(model.named_modules())
+    if not explicit and not _REGISTRY:  # nothing declared: no module to look for
+        return {}
+    modules = dict(model.named_modules()) if modules is None else modules
     missing = [n for n in explicit if n not in modules]
     if missing:
         raise CaptureError(

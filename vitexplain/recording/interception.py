@@ -17,7 +17,7 @@ captures dO (``dy/dA = dO @ V^T``); on the probabilities for eager and materiali
 from __future__ import annotations
 
 import sys
-from types import FrameType
+from types import CodeType, FrameType
 from typing import Any, Callable, Optional
 
 import torch
@@ -35,7 +35,29 @@ __all__ = ["AttentionMode"]
 
 _SDPA = F.scaled_dot_product_attention
 _MHA_FORWARD = F.multi_head_attention_forward
+_compiling = torch.compiler.is_dynamo_compiling
+
+
+def _wrapper_codes() -> frozenset[int]:
+    """Ids of the code of torch's Python wrappers that torch calls go through (``F.*``, ``torch.functional``,
+    ``Tensor`` methods written in Python, ``handle_torch_function``): shared by every caller, so a frame
+    of one of them says nothing about which module ran."""
+    import torch.functional
+    import torch.overrides
+
+    found = {id(torch.overrides.handle_torch_function.__code__)}
+    for namespace in (vars(F), vars(torch.functional), vars(torch.Tensor), vars(torch._tensor.Tensor)):
+        for value in namespace.values():
+            code = getattr(getattr(value, "__func__", value), "__code__", None)
+            if code is not None:
+                found.add(id(code))
+    return frozenset(found)
+
+
+_TORCH_WRAPPERS = _wrapper_codes()
 _SOFTMAX = (torch.softmax, torch.Tensor.softmax, F.softmax, torch.special.softmax)
+#: ids of the functions the mode handles itself (module-level objects: their ids are stable)
+_WATCHED = frozenset(id(f) for f in (_SDPA, _MHA_FORWARD, *_SOFTMAX))
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
@@ -49,14 +71,6 @@ def _bind_sdpa(args: tuple, kwargs: dict) -> dict[str, Any]:
     bound = dict(zip(_SDPA_ARGS, args))
     bound.update(kwargs)
     return bound
-
-
-def _caller() -> Optional[FrameType]:
-    """The frame that made the torch call being handled (called from ``__torch_function__``)."""
-    try:
-        return sys._getframe(2)
-    except ValueError:  # no Python caller (called from C++)
-        return None
 
 
 class AttentionMode(TorchFunctionMode):
@@ -78,26 +92,61 @@ class AttentionMode(TorchFunctionMode):
         self.attention_mode = attention_mode
         self.heads = heads
         self._materialized_bytes = 0
+        #: while not None (set by the recorder's narrowing): the code objects that ran (:meth:`_note`), by id
+        #: (the codes are held, so their ids are not reused; generated code can hold unhashable constants)
+        self.codes: Optional[dict[int, CodeType]] = None
+
+    @staticmethod
+    def _note(caller: FrameType, codes: dict) -> None:
+        """Note the code of ``caller`` and of the frames under it, down to the first code noted before.
+
+        A torch call from a new function notes it and its callers not noted yet; most calls cost one
+        lookup. Code that made no torch call itself and sits only under noted code (e.g. a container
+        whose forward only calls its children) may stay unnoted: narrowing then treats its modules as
+        not run, which only intercepts their next call in full.
+        """
+        frame: Optional[FrameType] = caller
+        while frame is not None:
+            code = frame.f_code
+            if id(code) not in _TORCH_WRAPPERS:  # torch's own wrappers are walked through, not noted
+                if codes.get(id(code)) is code:
+                    return
+                codes[id(code)] = code
+            frame = frame.f_back
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         if kwargs is None:
             kwargs = {}
-        if func is _SDPA:
-            return self._on_sdpa(func, args, kwargs, _caller())
-        if func in _SOFTMAX:
-            return self._on_softmax(func, args, kwargs, _caller())
-        if func is _MHA_FORWARD:
-            return self._on_mha(func, args, kwargs)
         flex = self.flex
-        if flex.op is not None and func is flex.op:
+        if func is flex.op and func is not None:
             # reached while dynamo traces FlexAttention (eager flex_attention compiles its op, and so
             # does torch.compile): dynamo replays this append with the real arguments on every call
             flex.traced(args)
             return func(*args, **kwargs)
-        # nothing else of the recorder can run while dynamo traces
-        if flex.code is not None and not torch.compiler.is_dynamo_compiling():
-            caller = _caller()
-            if caller is not None:
+        watched = id(func) in _WATCHED
+        if not watched and _compiling():
+            return func(*args, **kwargs)  # nothing else of the recorder can run while dynamo traces
+        try:
+            caller: Optional[FrameType] = sys._getframe(1)  # the frame that made the torch call
+        except ValueError:  # no Python caller (called from C++)
+            caller = None
+        codes = self.codes
+        if codes is not None and caller is not None:  # discovery (narrowing.py): which code ran
+            code = caller.f_code
+            if (codes.get(id(code)) is not code or id(code) in _TORCH_WRAPPERS) and not (watched and _compiling()):
+                self._note(caller, codes)
+        if watched:
+            if func is _SDPA:
+                return self._on_sdpa(func, args, kwargs, caller)
+            if func is _MHA_FORWARD:
+                return self._on_mha(func, args, kwargs)
+            return self._on_softmax(func, args, kwargs, caller)
+        code = flex.code
+        if code is not None and caller is not None:
+            back = caller.f_back
+            # only calls from a flex_attention frame, or while the watcher waits for one, concern it
+            if caller.f_code is code or (back is not None and back.f_code is code) or flex._traced \
+                    or flex._pending is not None:
                 flex.watch(caller, args, kwargs)
         return func(*args, **kwargs)
 
@@ -217,3 +266,4 @@ class AttentionMode(TorchFunctionMode):
             return func(*args, **kwargs)
         finally:
             F.scaled_dot_product_attention, F.softmax = original_sdpa, original_softmax
+

@@ -41,6 +41,7 @@ from .flex import FlexWatcher
 from .gates import GateHooks, GateRecord, checked_gates
 from .interception import AttentionMode
 from .materialize import check_heads, check_mode
+from .narrowing import Narrowing
 from .records import ActivationRecord, AttentionRecord, weak_grad_hook
 from .sink import Issuer
 
@@ -74,6 +75,11 @@ class Recorder:
         input_size: (H, W) of the last image tensor the model received, if any.
         forward_count: how many times the model's own forward ran inside the scope.
     """
+
+    #: Intercept every torch call in the scope (True), or narrow interception to where attention is
+    #: issued after the first forward (False, the default; recording/narrowing.py). Private: the
+    #: tests' oracle sets it on a recorder before entering it.
+    _full_interception = False
 
     def __init__(
         self,
@@ -109,6 +115,7 @@ class Recorder:
         self._attribution = Attribution()
         self._flex = FlexWatcher(self)
         self._mode = AttentionMode(self, self._flex, self.attention_mode, self.heads)
+        self._narrowing = Narrowing(self._mode, self.model)
         self._mode_entered = False
         self._handles: list[RemovableHandle] = []
         self._fastpath: Optional[bool] = None
@@ -139,7 +146,7 @@ class Recorder:
             if self.capture_gates:
                 self._gate_hooks = GateHooks(self.model, self._gates)
                 self._handles.extend(self._gate_hooks.register())
-            declared = declared_modules(self.model, self._extractors) if self.attention else {}
+            declared = declared_modules(self.model, self._extractors, modules) if self.attention else {}
             self._attribution.start(modules, declared)
             if self.attention:
                 for name, (module, extractor) in declared.items():
@@ -150,8 +157,9 @@ class Recorder:
                     self._fastpath = torch.backends.mha.get_fastpath_enabled()
                     torch.backends.mha.set_fastpath_enabled(False)
                 self._flex.start()
-                self._mode.__enter__()
                 self._mode_entered = True
+                self._narrowing.enabled = not self._full_interception
+                self._narrowing.start(modules)
         except BaseException:
             self._restore()
             raise
@@ -166,8 +174,10 @@ class Recorder:
         try:
             if self._mode_entered:
                 self._mode_entered = False
-                self._mode.__exit__(None, None, None)
-                self._flex.stop()
+                try:
+                    self._narrowing.stop()
+                finally:
+                    self._flex.stop()
         finally:
             self._attribution.stop()
             for handle in self._handles:
@@ -192,6 +202,8 @@ class Recorder:
         """Create, number and keep a record of ``issuer`` (kind: from the issuer unless given)."""
         step = self._steps.get(issuer.name, 0)
         self._steps[issuer.name] = step + 1
+        if fields.get("source") != "module":  # attention seen by the mode: it stays on inside this class
+            self._narrowing.issued(issuer.module)
         record = record_type(
             name=issuer.name,
             kind=kind or frame_kind(issuer.module, issuer.frame),

@@ -1,0 +1,430 @@
+"""Where a capture intercepts torch calls: everywhere at first, then only where attention is issued.
+
+A torch function mode costs a few microseconds on *every* torch call it sees, and a ``generate``
+makes thousands of calls outside attention. So the capture's mode (:class:`AttentionMode`) is
+active, in the capture's thread:
+
+1. **Discovery.** From the start of the scope until the model's second forward starts (calls of
+   the model itself, through ``__call__``), the mode sees every torch call, as a capture always
+   did, except inside *layers*: modules of a class with several instances that hold submodules
+   (the outermost such, e.g. ``LlamaDecoderLayer``, timm ``Block``). Once one layer of a class has
+   run whole with the mode on, the next layers of that class run narrowed (below). Meanwhile the
+   mode notes the classes of the modules that issued attention *not* through Hugging Face's
+   attention interface, and which code ran (the code that made torch calls and its callers).
+2. **Narrowed.** From the second forward on (and inside those layers), the mode is active only
+
+   - inside every module of a class that issued attention outside the interface, or whose own
+     forward names an attention function (SDPA, softmax, FlexAttention, MHA's functional
+     forward): a forward pre-hook enters the mode, a forward hook with ``always_call=True``
+     leaves it (timm ``Attention``, ``nn.MultiheadAttention``, eager Hugging Face attention, ...);
+   - inside Hugging Face's attention function itself (``"sdpa"``, ``"flex_attention"``), through the
+     registry's taps (:mod:`vitexplain.recording.interface`): only its reshapes and the attention
+     call are seen;
+   - inside every module whose forward code did not run before, for its first call, so that
+     attention on a path not taken before (another tower, a branch, a layer unlike the others) is
+     recorded; a class that issues attention there is then gated like the others.
+
+   Modules of classes that ran without issuing attention outside the interface (MLPs, norms,
+   embeddings; the generate loop's own torch calls) are not intercepted again.
+
+What this cannot see, and full interception would: a module of a class that ran before without
+issuing attention, whose forward names no attention function, and that issues attention outside
+the interface through a helper, on a branch its earlier calls did not take (e.g. a layer whose
+attention depends on its index, computed in a helper the layer calls); and a module of a gated class
+called through ``module.forward(...)`` instead of ``module(...)``, which skips its hooks (Hugging Face
+attention is seen at the interface either way).
+
+Narrowing does not happen, and the mode stays on, when: the model itself issued attention (a bare
+attention module, which could be called through ``.forward`` and skip the hooks); no forward of the
+model returned without raising; another torch function mode is above the capture's (e.g. LRP's
+rules: the capture's mode must see calls after them, as at the bottom of the stack); or the model
+is never called through ``__call__`` (``generate`` of BLIP-2 or Kosmos-2, which call their towers
+and their LM's ``generate``: their layers are still narrowed). When the mode is entered later, it
+goes back to its place on the stack, under any mode entered after the scope began. The records are
+those of full interception (tests/test_capture_narrowing.py compares them for every kind of model
+that runs several forwards).
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import threading
+from types import CodeType
+from typing import Any, Callable, Iterable, Mapping, Optional
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils.hooks import RemovableHandle
+
+from ..errors import CaptureError
+from . import interface
+from .attribution import never_issues
+
+__all__ = ["Narrowing"]
+
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)  # no forward of their own, or one per content
+
+
+def _blocks(model: nn.Module, by_type: Mapping[type, list]) -> list[nn.Module]:
+    """The outermost modules of a class with several instances that hold submodules (layers, blocks)."""
+    repeated = {kind for kind, instances in by_type.items()
+                if len(instances) > 1 and instances[0]._modules and not issubclass(kind, _CONTAINERS)}
+    found: list[nn.Module] = []
+    seen: set[int] = set()
+    stack = [model]
+    while stack:
+        for child in stack.pop()._modules.values():
+            if child is None or id(child) in seen:
+                continue
+            seen.add(id(child))
+            if type(child) in repeated:
+                found.append(child)
+            else:
+                stack.append(child)
+    return found
+
+#: Names whose presence in a module's forward code gates its class even if it issued nothing in discovery.
+_ATTENTION_NAMES = frozenset(("scaled_dot_product_attention", "softmax", "flex_attention", "multi_head_attention_forward"))
+
+
+_FORWARDS: dict[type, tuple[Any, Optional[CodeType]]] = {}  # class -> (its forward, that forward's code)
+
+
+def _forward_code(module: nn.Module) -> Optional[CodeType]:
+    """The code of a module's forward, under its decorators (None: not Python code)."""
+    own = "forward" in module.__dict__  # an instance's own forward (e.g. a hook library's wrapper)
+    declared = type(module).forward
+    if not own:
+        cached = _FORWARDS.get(type(module))
+        if cached is not None and cached[0] is declared:
+            return cached[1]
+    forward = getattr(module.forward, "__func__", module.forward)
+    try:
+        forward = inspect.unwrap(forward)
+    except ValueError:  # a __wrapped__ cycle
+        pass
+    code = getattr(forward, "__code__", None)
+    if not own:
+        _FORWARDS[type(module)] = (declared, code)
+    return code
+
+
+_UNIMPLEMENTED = nn.Module.forward.__code__  # torch.nn.modules.module._forward_unimplemented
+
+
+def _inert(code: CodeType) -> bool:
+    """Whether a forward cannot issue attention: ``nn.ModuleList``'s (none: never called), or one that names
+    no global or attribute at all (``nn.Identity``: it can only return or combine its arguments)."""
+    return code is _UNIMPLEMENTED or not code.co_names
+
+
+class _Stack:
+    """The capture's mode on the thread's torch function mode stack, at its place.
+
+    ``base`` is the stack's height when the scope began: the mode goes there (under modes
+    entered later), as it was when it was entered at the start of the scope.
+    """
+
+    def __init__(self, mode: TorchFunctionMode) -> None:
+        self.mode = mode
+        self.base = 0
+
+    def start(self) -> None:
+        self.base = torch._C._len_torch_function_stack()
+
+    def top_is_mode(self) -> bool:
+        n = torch._C._len_torch_function_stack()
+        return n > 0 and torch._C._get_function_stack_at(n - 1) is self.mode
+
+    def push(self) -> None:
+        if torch._C._len_torch_function_stack() <= self.base:  # the usual case: nothing above
+            torch._C._push_on_torch_function_stack(self.mode)
+            return
+        above = []
+        while torch._C._len_torch_function_stack() > self.base:
+            above.append(torch._C._pop_torch_function_stack())
+        torch._C._push_on_torch_function_stack(self.mode)
+        for mode in reversed(above):
+            torch._C._push_on_torch_function_stack(mode)
+
+    def pop(self) -> None:
+        n = torch._C._len_torch_function_stack()
+        if n > 0 and torch._C._get_function_stack_at(n - 1) is self.mode:  # the usual case
+            torch._C._pop_torch_function_stack()
+            return
+        at = next((i for i in range(n - 1, -1, -1) if torch._C._get_function_stack_at(i) is self.mode), None)
+        if at is None:
+            raise CaptureError(
+                "vx.capture's torch function mode is no longer on the mode stack: a torch function mode was "
+                "left without being exited inside the capture (enter and leave modes with `with`)"
+            )
+        above = [torch._C._pop_torch_function_stack() for _ in range(n - 1 - at)]
+        torch._C._pop_torch_function_stack()
+        for mode in reversed(above):
+            torch._C._push_on_torch_function_stack(mode)
+
+
+class Narrowing:
+    """Decides where the capture's mode is active (see the module docstring). Owned by the recorder.
+
+    Args:
+        mode: the capture's mode.
+        model: the captured model.
+
+    Attributes:
+        codes: code objects that made torch calls during discovery (None when not noting them).
+        full: whether the mode is active everywhere now.
+        narrowed: whether the last scope narrowed interception (kept after the scope).
+        gated_types: the classes whose modules the mode was entered in after narrowing (kept after the scope).
+    """
+
+    def __init__(self, mode: TorchFunctionMode, model: nn.Module) -> None:
+        self.model = model
+        self.stack = _Stack(mode)
+        self.enabled = True
+        self.full = False
+        self.narrowed = False  # whether the last scope narrowed (kept after it, for tests and benchmarks)
+        self.gated_types: set[type] = set()  # the classes the mode was entered in (kept after the scope)
+        self.codes: Optional[dict[int, CodeType]] = None
+        self._modules: Mapping[str, nn.Module] = {}
+        self._ids: frozenset[int] = frozenset()
+        self._thread = 0
+        self._depth = 0  # narrowed entries in progress (gates and taps)
+        self._interface = 0  # tap calls in progress
+        self._root_depth = 0
+        self._narrowed = False
+        self._ready = False  # the first forward returned
+        self._issuer_types: set[type] = set()  # classes that issued attention outside the interface
+        self._gated: set[int] = set()
+        self._gates: list[RemovableHandle] = []
+        self._tripwires: dict[int, list[RemovableHandle]] = {}
+        self._spent: list[int] = []  # tripwires that fired: removed at the next root forward
+        self._pending: set[type] = set()  # issuer classes seen after narrowing: gated at the next root forward
+        self._handles: list[RemovableHandle] = []
+        self._block_handles: list[RemovableHandle] = []  # on the layers (see _blocks), until narrowing
+        self._by_type: dict[type, list[nn.Module]] = {}
+        self._named: Optional[set[type]] = None  # classes whose forward names an attention function
+        self._known: set[type] = set()  # block classes one of whose calls ran fully intercepted
+        self._calls: dict[int, list[str]] = {}  # block id -> what each call in progress did ("full", "suspended", "")
+
+    # -- scope --------------------------------------------------------------------------
+    def start(self, modules: Mapping[str, nn.Module]) -> None:
+        """At the start of the scope: the mode everywhere; the root's hooks; the interface's taps."""
+        self._modules = modules
+        self._ids = frozenset(id(m) for m in modules.values())
+        self._thread = threading.get_ident()
+        self.narrowed = False
+        self.gated_types = set()
+        self.stack.start()
+        self.stack.push()
+        self.full = True
+        if not self.enabled:
+            return
+        self.codes = self.stack.mode.codes = {}
+        for module in modules.values():
+            self._by_type.setdefault(type(module), []).append(module)
+        for block in _blocks(self.model, self._by_type):
+            self._block_handles.append(block.register_forward_pre_hook(self._block_pre, prepend=True))
+            self._block_handles.append(block.register_forward_hook(self._block_post, always_call=True))
+        self._handles.append(self.model.register_forward_pre_hook(self._root_pre, prepend=True))
+        self._handles.append(self.model.register_forward_hook(self._root_post, always_call=True))
+        interface.open_taps(self)
+        self._handles.append(_Closer(self))
+
+    def stop(self) -> None:
+        """At the end of the scope (also after an exception): the mode off, every hook and tap removed."""
+        try:
+            if self.full or self._depth > 0:
+                self.full, self._depth = False, 0
+                self.stack.pop()
+        finally:
+            for handle in (*self._handles, *self._block_handles, *self._gates,
+                           *(h for hs in self._tripwires.values() for h in hs)):
+                handle.remove()
+            self._handles.clear()
+            self._block_handles.clear()
+            self._gates.clear()
+            self._tripwires.clear()
+            self._gated.clear()
+            self._spent.clear()
+            self._pending.clear()
+            self._by_type.clear()
+            self._known.clear()
+            self._calls.clear()
+            self._named = None
+            self.codes = self.stack.mode.codes = None
+            self._interface = self._root_depth = 0
+            self._narrowed = self._ready = False
+
+    # -- what the recorder and the taps tell it ------------------------------------------------
+    def issued(self, module: nn.Module) -> None:
+        """A record was made for ``module`` (its class is gated unless the call came through a tap)."""
+        if self._interface == 0:
+            kind = type(module)
+            if kind not in self._issuer_types:
+                self._issuer_types.add(kind)
+                if self._narrowed:
+                    self._pending.add(kind)
+
+    def owns(self, module: nn.Module) -> bool:
+        """Whether ``module`` is one of the captured model's (for the interface's taps)."""
+        return id(module) in self._ids
+
+    def through_interface(self, original: Callable, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        """A Hugging Face attention function called for one of the model's modules, in this thread."""
+        self._interface += 1
+        try:
+            if self.full or self._depth > 0:
+                return original(module, *args, **kwargs)
+            self._enter()
+            try:
+                return original(module, *args, **kwargs)
+            finally:
+                self._leave()
+        finally:
+            self._interface -= 1
+
+    # -- the mode in and out ------------------------------------------------------------------
+    def _enter(self) -> None:
+        if self._depth == 0 and not self.full:
+            self.stack.push()
+        self._depth += 1
+
+    def _leave(self) -> None:
+        self._depth -= 1
+        if self._depth == 0 and not self.full:
+            self.stack.pop()
+
+    # -- hooks --------------------------------------------------------------------------
+    def _root_pre(self, module: nn.Module, args: tuple) -> None:
+        if threading.get_ident() != self._thread:
+            return
+        self._root_depth += 1
+        if self._root_depth == 1:
+            if self._narrowed:
+                self._settle()
+            elif self._ready and self.full:
+                self._narrow()  # at the second forward, so that a capture of one forward pays nothing for it
+
+    def _root_post(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if threading.get_ident() != self._thread or self._root_depth == 0:
+            return
+        self._root_depth -= 1
+        if self._root_depth == 0 and not self._ready:
+            self._ready = sys.exc_info()[0] is None  # a forward that raised may not have run every module
+
+    def _block_pre(self, module: nn.Module, args: tuple) -> None:
+        """A layer/block of a class already seen whole: run it with the mode only where attention is issued."""
+        if threading.get_ident() != self._thread:
+            return
+        state = ""
+        if self.full and not self._narrowed:
+            kind = type(module)
+            if kind in self._known and kind not in self._issuer_types and self.stack.top_is_mode():
+                self._prepare(list(module.modules())[1:])
+                self.stack.pop()
+                self.full, state = False, "suspended"
+            else:
+                state = "full"
+        self._calls.setdefault(id(module), []).append(state)
+
+    def _block_post(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if threading.get_ident() != self._thread or not self._calls.get(id(module)):
+            return
+        state = self._calls[id(module)].pop()
+        if state == "suspended":
+            self.full = True
+            if self._depth == 0:
+                self.stack.push()
+        elif state == "full" and sys.exc_info()[0] is None:
+            self._known.add(type(module))
+
+    def _narrow(self) -> None:
+        """At the second forward: the mode only where attention is issued (or stays on, see the module docstring)."""
+        if not self.stack.top_is_mode() or type(self.model) in self._issuer_types:
+            return
+        self._prepare(self._modules.values())
+        for handle in self._block_handles:  # (at the root's pre-hook: no layer runs now)
+            handle.remove()
+        self._block_handles.clear()
+        self.stack.pop()
+        self.full, self._narrowed, self.narrowed = False, True, True
+        self.codes = self.stack.mode.codes = None
+
+    def _prepare(self, modules: Iterable[nn.Module]) -> None:
+        """Before ``modules`` run without the mode everywhere: gates on the classes that need one, and
+        tripwires on those of ``modules`` whose code has not run."""
+        if self._named is None:  # classes whose forward calls an attention function itself
+            self._named = set()
+            for kind, instances in self._by_type.items():
+                code = _forward_code(instances[0])
+                if code is not None and not _ATTENTION_NAMES.isdisjoint(code.co_names):
+                    self._named.add(kind)
+        self._gate(self._issuer_types | self._named)
+        codes = self.codes or {}
+        for module in modules:
+            key = id(module)
+            if key in self._gated or key in self._tripwires or module is self.model:
+                continue
+            code = _forward_code(module)
+            if code is None or (codes.get(id(code)) is not code and not _inert(code)):
+                self._tripwires[key] = self._hooks(module)
+
+    def _settle(self) -> None:
+        """At the start of a later forward: fired tripwires removed, newly seen issuer classes gated."""
+        for key in self._spent:
+            for handle in self._tripwires.pop(key, ()):
+                handle.remove()
+        self._spent.clear()
+        if self._pending:
+            kinds, self._pending = set(self._pending), set()
+            self._gate(kinds)
+
+    def _gate(self, kinds: Iterable[type]) -> None:
+        for kind in kinds:
+            if kind in self.gated_types:
+                continue
+            self.gated_types.add(kind)
+            for module in self._by_type.get(kind, ()):
+                if id(module) not in self._gated and module is not self.model:
+                    self._gated.add(id(module))
+                    self._gates.extend(self._hooks(module))
+
+    def _hooks(self, module: nn.Module) -> list[RemovableHandle]:
+        """A pre-hook that enters the mode (first, before other pre-hooks) and a hook that always leaves it."""
+        entered: list[int] = [0]
+        key = id(module)
+
+        def pre(m: nn.Module, args: tuple) -> None:
+            if threading.get_ident() != self._thread or self.full:
+                return
+            entered[0] += 1
+            self._enter()
+            if key in self._tripwires and key not in self._gated:
+                self._spent.append(key)
+
+        def post(m: nn.Module, args: tuple, output: Any) -> None:
+            if threading.get_ident() != self._thread or entered[0] == 0:
+                return
+            entered[0] -= 1
+            self._leave()
+
+        return [module.register_forward_pre_hook(pre, prepend=True), module.register_forward_hook(post, always_call=True)]
+
+
+class _Closer:
+    """A handle that closes the capture's taps (removed with the others)."""
+
+    def __init__(self, owner: Narrowing) -> None:
+        self.owner = owner
+
+    def remove(self) -> None:
+        if self.owner is not None:
+            owner, self.owner = self.owner, None
+            interface.close_taps(owner)
+
+
+never_issues(Narrowing.through_interface.__code__)  # on the stack between an HF attention module and SDPA
