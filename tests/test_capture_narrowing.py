@@ -113,7 +113,6 @@ def test_shapes_vlm_generate():
 # BLIP-2, InstructBLIP and Kosmos-2: generate never calls the model itself (it calls its towers and
 # its LM's generate), so the capture never narrows; their records are still compared.
 VLMS = {name: name not in ("blip2", "instructblip", "kosmos2") for name in helpers.BUILDERS}
-NESTED = ("gemma3", "smolvlm")  # processors that take a list of images per prompt
 
 
 @pytest.mark.parametrize("name", sorted(VLMS))
@@ -123,7 +122,8 @@ def test_vlm_generate(name):
     oracle = helpers.ORACLE[name]
     texts = [oracle["prompt"]("what is"), oracle["prompt"]("what color is the shape")]
     images = helpers.images(5)
-    inputs = proc(images=[[i] for i in images] if name in NESTED else images, text=texts, return_tensors="pt", padding=True)
+    nested = oracle.get("nested")  # processors that take a list of images per prompt
+    inputs = proc(images=[[i] for i in images] if nested else images, text=texts, return_tensors="pt", padding=True)
     check(model, _generate(model, dict(inputs), suppress_tokens=oracle["placeholders"](model)), narrows=VLMS[name])
 
 
