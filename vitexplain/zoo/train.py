@@ -75,8 +75,8 @@ the hooks they put on the model are removed in a ``finally`` block, also when tr
   patch embeddings between stages, a 7 x 7 stem), which no rule that carries attention sees, and
   the result depends on how the strided convs' footprints are read: the same attention carried
   with each coarse token the mean of its 2 x 2 children (the benchmark's oracle) moves the peaks to
-  1.8 px down, 0.4 px right and pointing to 0.836. So the maps' placement is set by the model's
-  convolutions, not by the method's resampling rule.
+  1.8 px down, 0.4 px right and pointing to 0.836. The displacement comes from the model's
+  convolutions; no reading of the footprints removes it (these two shift it opposite ways).
 
   Tried in its place, ``--arch hiera`` (:data:`~vitexplain.zoo.models.HIERA_CONFIG`, same size,
   same losses, :data:`HIERA_RECIPE`): a timm Hiera whose tokens mix only in attention and 2 x 2
