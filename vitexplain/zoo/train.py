@@ -133,7 +133,8 @@ from .hub import names, save_checkpoint
 from .models import DEFAULT_CONFIGS, HIERA_CONFIG, build
 from .signals import TrainingSignals, mimetic_init, sincos_init
 
-__all__ = ["Stage", "Recipe", "RunOptions", "RECIPES", "HIERA_RECIPE", "model_config", "train", "train_schedule", "main"]
+__all__ = ["Stage", "Recipe", "RunOptions", "RECIPES", "HIERA_RECIPE", "model_config", "train", "train_schedule",
+           "main"]
 
 
 @dataclass(frozen=True)
