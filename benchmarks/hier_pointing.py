@@ -269,7 +269,11 @@ def main() -> int:
     if a.model == "shapes-hier" and report is not None:
         body = (f"{a.n} two-object images (seed {a.seed}); class-discriminative pointing (each image's two classes "
                 "targeted in turn; rollout, class-agnostic, against either object). Oracle rows: this script's "
-                "dense float64 maps; vitexplain rows: `vx.Explainer(model).explain`.\n\n"
+                "dense float64 maps; vitexplain rows: `vx.Explainer(model).explain`."
+                + ("" if hasattr(model, "unroll") else
+                   " PVTv2's oracle reads each stage transition as the mean of 2 x 2 children, not the 3 x 3 "
+                   "footprints of the strided convs that vitexplain uses: the two generic rows differ by that choice.")
+                + "\n\n"
                 + table(["maps", "pointing", "n", "SE"], rows))
         report("Hierarchical pointing (shapes-hier)", body)
     return 0

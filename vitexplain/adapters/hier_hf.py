@@ -145,7 +145,8 @@ class HFHieraAdapter(_HFForward, HieraAdapter):
 
     def _block_names(self) -> list[str]:
         stages = self.model.get_submodule(f"{self.base}encoder.stages")
-        return [f"{self.base}encoder.stages.{s}.layers.{i}" for s, st in enumerate(stages) for i in range(len(st.layers))]
+        return [f"{self.base}encoder.stages.{s}.layers.{i}"
+                for s, st in enumerate(stages) for i in range(len(st.layers))]
 
     def _q_stride(self, attn: nn.Module) -> int:
         return int(attn.query_stride)

@@ -178,8 +178,9 @@ class HieraAdapter(HierAdapter):
             out_order = orders[s][1]
             q_slots = out_order.view(-1, windows).T.contiguous()
             skip = Footprint.pool(inp, sets[s], 2, 2, 0) if pooled else Footprint.identity(inp)
+            inside = self.windows_always or bool(attn.use_mask_unit_attn)
             chain.append(CallSpec(f"{name}.attn", inp, sets[s], q_slots, k_slots, Footprint.identity(inp), skip,
-                                  s - 1 if pooled else s, s, window_dim_inside=self.windows_always or bool(attn.use_mask_unit_attn)))
+                                  s - 1 if pooled else s, s, window_dim_inside=inside))
         return chain, sets
 
 

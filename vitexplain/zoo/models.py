@@ -16,6 +16,15 @@ model for training (:mod:`vitexplain.zoo.train`) and for loading (:func:`vitexpl
   grids at 64 px; spatial-reduction attention whose keys and values are pooled by a strided conv
   in the first stage; a depthwise conv in every MLP; mean-pooled tokens into the head; default
   fused attention), multi-label head over ``SHAPES``.
+* :data:`HIERA_CONFIG` (``arch="hiera"``, not bundled): a timm ``Hiera`` (the image encoder family
+  of SAM 2) of the same size, tried as ``shapes-hier`` (see :mod:`vitexplain.zoo.train`): a
+  non-overlapping 4 x 4 patch embedding with a learned absolute position embedding, then three
+  stages on 16 x 16, 8 x 8 and 4 x 4 token grids at 64 px (1, 1 and 2 blocks; widths 32, 64, 128;
+  1, 2 and 4 heads); each later stage starts with a block that max-pools its queries and residual
+  over 2 x 2 neighbourhoods; mask-unit attention inside 16 x 16 px windows in the first three
+  blocks (the third, pooling into stage 2, attends from each new token to its 2 x 2 children),
+  global attention over the 4 x 4 grid in the last; plain MLPs; mean-pooled tokens into the head.
+  Its tokens mix across positions only in attention and the 2 x 2 pooling.
 * ``shapes-captioner``: :class:`vitexplain.zoo.captioner.Captioner`.
 * ``shapes-sat``: :class:`vitexplain.zoo.sat.ShowAttendTell` (Show, Attend and Tell: CNN grid
   encoder, LSTM decoder with additive attention).
@@ -33,7 +42,7 @@ import torch.nn as nn
 from ..data.synthetic import COLORS, MEAN, SHAPES, STD
 from ..errors import UsageError
 
-__all__ = ["DEFAULT_CONFIGS", "ARCHS", "CAPTION_ARCHS", "build", "caption_words", "pretrained_cfg"]
+__all__ = ["DEFAULT_CONFIGS", "HIERA_CONFIG", "ARCHS", "CAPTION_ARCHS", "build", "caption_words", "pretrained_cfg"]
 
 
 def caption_words() -> list[str]:
@@ -117,6 +126,26 @@ DEFAULT_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
+#: The Hiera tried as ``shapes-hier`` (not bundled): ``python -m vitexplain.zoo.train shapes-hier --arch hiera``.
+HIERA_CONFIG: dict[str, Any] = {
+    "arch": "hiera",
+    "model_args": {
+        "img_size": 64,
+        "embed_dim": 32,
+        "num_heads": 1,
+        "stages": [1, 1, 2],
+        "q_pool": 2,
+        "mask_unit_size": [4, 4],
+        "mask_unit_attn": [True, True, False],
+        "patch_kernel": [4, 4],
+        "patch_stride": [4, 4],
+        "patch_padding": [0, 0],
+        "mlp_ratio": 2.0,
+        "num_classes": len(SHAPES),
+    },
+}
+
+
 def _build_vit(args: dict[str, Any]) -> nn.Module:
     from timm.models.vision_transformer import VisionTransformer
 
@@ -160,6 +189,15 @@ def _build_pvt(args: dict[str, Any]) -> nn.Module:
     return PyramidVisionTransformerV2(**tuples, **args)
 
 
+def _build_hiera(args: dict[str, Any]) -> nn.Module:
+    from timm.models.hiera import Hiera
+
+    args = dict(args)
+    for k in ("stages", "mask_unit_size", "mask_unit_attn", "patch_kernel", "patch_stride", "patch_padding"):
+        args[k] = tuple(args[k])
+    return Hiera(**args)
+
+
 def _build_captioner(args: dict[str, Any]) -> nn.Module:
     from .captioner import Captioner
 
@@ -178,8 +216,8 @@ def _build_llava(args: dict[str, Any]) -> nn.Module:
     return build_llava(args)
 
 
-ARCHS = {"vit": _build_vit, "cnn": _build_cnn, "pvt": _build_pvt, "captioner": _build_captioner, "sat": _build_sat,
-         "llava": _build_llava}
+ARCHS = {"vit": _build_vit, "cnn": _build_cnn, "pvt": _build_pvt, "hiera": _build_hiera, "captioner": _build_captioner,
+         "sat": _build_sat, "llava": _build_llava}
 
 #: Architectures that write captions (their labels are the vocabulary).
 CAPTION_ARCHS = ("captioner", "sat", "llava")
@@ -189,7 +227,7 @@ def build(config: dict[str, Any]) -> nn.Module:
     """Build an untrained model from a zoo config.
 
     Args:
-        config: ``{"arch": "vit" | "cnn" | "pvt" | "captioner" | "sat" | "llava", "model_args": {...}}``.
+        config: ``{"arch": "vit" | "cnn" | "pvt" | "hiera" | "captioner" | "sat" | "llava", "model_args": {...}}``.
 
     Returns:
         The model (train mode, random init).

@@ -119,21 +119,27 @@ class DeepTokenLabels(nn.Module):
 class StageTokenLabels(nn.Module):
     """Token labeling on the outputs of a hierarchical model's stages (training-only).
 
-    The hierarchical counterpart of :class:`DeepTokenLabels` for the zoo's PVTv2
-    (``shapes-hier``): each listed stage's output, a (B, C_s, h_s, w_s) map, gets a LayerNorm and
-    its own heads, and predicts the shape and color coverage of the image region each of its
-    tokens covers (``patch_targets`` at that stage's stride). Keeps every stage's tokens about
-    their own region of the image.
+    The hierarchical counterpart of :class:`DeepTokenLabels` for the zoo's hierarchical models:
+    each listed stage's output, a (B, C_s, h_s, w_s) map, gets a LayerNorm and its own heads, and
+    predicts the shape and color coverage of the image region each of its tokens covers
+    (``patch_targets`` at that stage's stride). Keeps every stage's tokens about their own region
+    of the image. A PVTv2's stage outputs are read by forward hooks on ``model.stages``; a timm
+    Hiera's (``shapes-hier``) are passed to :meth:`forward` (its ``forward_features`` returns them
+    in row-major order with ``return_intermediates=True``), so no hook is needed.
     """
 
     def __init__(self, model: nn.Module, stages: Sequence[int], num_shapes: int, num_colors: int) -> None:
         super().__init__()
         self.stages = list(stages)
-        dims = [int(model.stages[s].blocks[-1].norm1.normalized_shape[0]) for s in self.stages]
+        if hasattr(model, "stage_ends"):  # timm Hiera
+            dims = [int(model.blocks[model.stage_ends[s]].dim_out) for s in self.stages]
+        else:
+            dims = [int(model.stages[s].blocks[-1].norm1.normalized_shape[0]) for s in self.stages]
         self.norms = nn.ModuleList(nn.LayerNorm(d) for d in dims)
         self.heads = nn.ModuleList(AuxHeads(d, num_shapes, num_colors) for d in dims)
         self._out: dict[int, torch.Tensor] = {}
-        self._hooks = [model.stages[s].register_forward_hook(self._grabber(s)) for s in self.stages]
+        self._hooks = [] if hasattr(model, "stage_ends") else [
+            model.stages[s].register_forward_hook(self._grabber(s)) for s in self.stages]
 
     def _grabber(self, s: int) -> Any:
         def grab(module: nn.Module, args: Any, out: torch.Tensor) -> None:
@@ -145,10 +151,12 @@ class StageTokenLabels(nn.Module):
         for h in self._hooks:
             h.remove()
 
-    def forward(self, batch: Any) -> torch.Tensor:
+    def forward(self, batch: Any, outs: Optional[dict[int, torch.Tensor]] = None) -> torch.Tensor:
+        """``outs``: stage index -> (B, C, h, w) output (default: what the hooks caught)."""
+        outs = self._out if outs is None else outs
         losses = []
         for s, norm, head in zip(self.stages, self.norms, self.heads):
-            out = self._out[s]  # (B, C, h, w)
+            out = outs[s]  # (B, C, h, w)
             targets = patch_targets(batch, batch.size[0] // out.shape[-2])
             losses.append(head(norm(out.flatten(2).transpose(1, 2)), targets))
         return torch.stack(losses).mean()
@@ -273,7 +281,7 @@ class TrainingSignals(nn.Module):
 
     Args:
         model: the model being trained (a timm ViT, the zoo CNN or the zoo captioner).
-        arch: its zoo architecture (``"vit"``, ``"cnn"``, ``"captioner"``, ``"sat"``).
+        arch: its zoo architecture (``"vit"``, ``"cnn"``, ``"pvt"``, ``"hiera"``, ``"captioner"``, ``"sat"``).
         aux_weight: weight of token labeling.
         aux_blocks: inner blocks whose outputs also get token labeling.
         value_weight: weight of the value-path token labels.
@@ -299,9 +307,9 @@ class TrainingSignals(nn.Module):
         vit = model.encoder if is_captioner(model) else model
         try:  # the order of construction fixes the random initialisation of the heads
             if aux_weight > 0:
-                dim = int(vit.num_features if arch == "pvt" else vit.embed_dim)
+                dim = int(vit.num_features if arch in ("pvt", "hiera") else vit.embed_dim)
                 self.aux = AuxHeads(dim, len(SHAPES), len(COLORS))
-                if aux_blocks and arch == "pvt":  # stage indices
+                if aux_blocks and arch in ("pvt", "hiera"):  # stage indices
                     self.deep = StageTokenLabels(vit, aux_blocks, len(SHAPES), len(COLORS))
                 elif aux_blocks:
                     self.deep = DeepTokenLabels(vit, aux_blocks, len(SHAPES), len(COLORS))
@@ -344,8 +352,10 @@ class TrainingSignals(nn.Module):
         x = batch.tensor
         if hasattr(model, "run_decoder"):  # shapes-sat
             return self._sat_loss(model, batch)
-        if self.arch == "pvt":  # shapes-hier
+        if self.arch == "pvt":
             return self._pvt_loss(model, batch)
+        if self.arch == "hiera":  # shapes-hier
+            return self._hiera_loss(model, batch)
         if is_captioner(model):
             seq = model.tokenize(batch.captions)
             memory = model.encode(x)
@@ -387,6 +397,22 @@ class TrainingSignals(nn.Module):
                 loss = loss + self.aux_weight * self.deep(batch)
         if self.value is not None:
             loss = loss + self.value_weight * self.value(feats, batch)
+        return loss
+
+    def _hiera_loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        """timm Hiera (``shapes-hier``): binary cross-entropy plus token labeling of the last stage's
+        tokens (``aux_weight``, layer-normalised without affine: the model's own norm comes after its
+        average pooling) and of the listed stages' outputs (``aux_blocks``: stage indices)."""
+        feats, stages = model.forward_features(batch.tensor, return_intermediates=True)  # stages: (B, h, w, C)
+        loss = F.binary_cross_entropy_with_logits(model.forward_head(feats), batch.labels)
+        if self.aux is not None:
+            last = stages[-1]
+            targets = patch_targets(batch, batch.size[0] // last.shape[1])
+            tokens = F.layer_norm(last.flatten(1, 2), last.shape[-1:])
+            loss = loss + self.aux_weight * self.aux(tokens, targets)
+            if self.deep is not None:
+                outs = {s: stages[s].permute(0, 3, 1, 2) for s in self.deep.stages}
+                loss = loss + self.aux_weight * self.deep(batch, outs)
         return loss
 
     def _sat_loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
