@@ -21,8 +21,9 @@ def sync(device: str | torch.device = "cpu") -> None:
         torch.cuda.synchronize()
 
 
-def median_times(fns: dict[str, Callable[[], object]], *, reps: int = 10, warmup: int = 2, device="cpu") -> dict[str, float]:
-    """Median wall time (s) of each function; runs are interleaved so drift hits all alike."""
+def interleaved_times(fns: dict[str, Callable[[], object]], *, reps: int = 10, warmup: int = 2,
+                      device="cpu") -> dict[str, list[float]]:
+    """Wall times (s) of ``reps`` runs of each function, interleaved so drift hits all alike."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -34,7 +35,13 @@ def median_times(fns: dict[str, Callable[[], object]], *, reps: int = 10, warmup
             fn()
             sync(device)
             times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
+
+
+def median_times(fns: dict[str, Callable[[], object]], *, reps: int = 10, warmup: int = 2, device="cpu") -> dict[str, float]:
+    """Median wall time (s) of each function; runs are interleaved so drift hits all alike."""
+    return {name: statistics.median(t) for name, t in interleaved_times(fns, reps=reps, warmup=warmup,
+                                                                          device=device).items()}
 
 
 def machine() -> str:

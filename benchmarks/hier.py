@@ -17,7 +17,8 @@ thread unless ``--threads``):
 * ``generic``: ``explain(x, method="generic")`` and its ratio to forward+backward.
 
 Models whose forward takes under 10 ms run ten times ``--reps`` (a median of a few runs of a
-2 ms forward on a shared machine says little).
+2 ms forward on a shared machine says little). Beside the medians, the ratios of the fastest
+run of each (what a quiet machine gives; other processes only ever slow a run down).
 
 Memory (CPU allocator events of ``torch.profiler``, ``profile_memory=True``): the peak bytes
 allocated during the plain forward and during rollout, and next to them the bytes of the dense
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 from typing import Callable, Optional
 
 import timm
@@ -49,7 +51,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 import vitexplain as vx
-from _common import median_times, report, table
+from _common import interleaved_times, median_times, report, table
 
 SECTION = "Hierarchical ViTs: rollout and generic vs forward (cpu)"
 
@@ -128,7 +130,9 @@ def measure(label: str, build: Callable[[], nn.Module], size: tuple[int, int], b
         fns["forward+backward"] = forward_backward
         fns["generic"] = lambda: ex.explain(x, method="generic", target=target)
     first = median_times({"forward": forward}, reps=3, warmup=1)["forward"]
-    times = median_times(fns, reps=reps * 10 if first < 0.010 else reps, warmup=1)
+    runs = interleaved_times(fns, reps=reps * 10 if first < 0.010 else reps, warmup=1)
+    times = {k: statistics.median(v) for k, v in runs.items()}
+    best = {k: min(v) for k, v in runs.items()}  # the fastest run: what a quiet machine gives
     peak_forward = peak_bytes(forward)
     peak_rollout = peak_bytes(lambda: ex.explain(x, method="rollout"))
     own, fine, layers = attention_sizes(model, x)
@@ -139,7 +143,8 @@ def measure(label: str, build: Callable[[], nn.Module], size: tuple[int, int], b
     digits = 2 if ms["forward"] < 10 else 1
     return [label, f"{batch} x {size[0]} px", layers, f"{ms['forward']:.{digits}f}",
             f"{ms['capture']:.{digits}f} ({ms['capture'] / ms['forward']:.2f}x)",
-            f"{ms['rollout']:.{digits}f}", f"{ms['rollout'] / ms['forward']:.2f}x", generic,
+            f"{ms['rollout']:.{digits}f}", f"{ms['rollout'] / ms['forward']:.2f}x",
+            f"{best['capture'] / best['forward']:.2f}x / {best['rollout'] / best['forward']:.2f}x", generic,
             f"{peak_forward / mb:.1f}", f"{peak_rollout / mb:.1f}", f"{(peak_rollout - peak_forward) / mb:.1f}",
             f"{own / mb:.1f}", f"{fine / mb:.1f}"]
 
@@ -168,13 +173,16 @@ def main() -> int:
             rows.append(row)
             print(" | ".join(str(v) for v in row), flush=True)
     header = ["model", "input", "attention calls", "forward ms", "capture ms (/ forward)", "rollout ms",
-              "rollout / forward", "generic ms (/ forward+backward to the input)", "forward peak MB", "rollout peak MB", "rollout extra MB",
+              "rollout / forward", "fastest runs: capture / forward, rollout / forward",
+              "generic ms (/ forward+backward to the input)", "forward peak MB", "rollout peak MB", "rollout extra MB",
               "dense attention of all layers MB", "dense N0 x N0 of all layers MB"]
     body = table(header, rows) + (
         "\n\nMedian of interleaved runs. 'capture' is the forward inside vx.capture(model) recording "
         "attention and nothing else: the capture's own cost, paid by every attention method; rollout's "
         "cost beyond it is the method's (plan, attention computed once, propagation, the Explanation). "
-        "forward+backward takes the gradient of the target logits to the input (no parameter gradients). Peaks: bytes of CPU tensors alive at once (torch.profiler memory "
+        "forward+backward takes the gradient of the target logits to the input (no parameter gradients). "
+        "'fastest runs' divides the fastest run of each (other processes on a shared machine only ever "
+        "slow a run down). Peaks: bytes of CPU tensors alive at once (torch.profiler memory "
         "events). The last two columns are what a method holding every layer's attention at once would "
         "need: on each layer's own grids, and as dense N0 x N0 on the finest grid. On CPU rollout's capture "
         "computes each call's attention once and keeps the probabilities (attention_mode='auto', within "
