@@ -30,9 +30,7 @@ section there.)
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
-from typing import Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -85,21 +83,6 @@ def _held_bytes(records) -> tuple[int, int, int]:
     return sum(seen.values()), dense, with_probs
 
 
-def cpu_median_times(fns: dict[str, Callable[[], object]], *, reps: int, warmup: int = 2) -> dict[str, float]:
-    """Median CPU time (s) of this process per call, interleaved: with one thread, the work done, which
-    other processes on a shared machine do not inflate as they inflate wall time."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
-            start = time.process_time()
-            fn()
-            times[name].append(time.process_time() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
 def bench(name: str, model: torch.nn.Module, processor, *, batch: int, new: int, reps: int, cpu: bool) -> list[object]:
     size = processor.image_processor.crop_size["height"]
     images = list(vx.data.shapes(batch, seed=10_000, size=max(size, 16)).images)
@@ -126,7 +109,7 @@ def bench(name: str, model: torch.nn.Module, processor, *, batch: int, new: int,
             model.generate(**inputs, **kw)
 
     fns = {"plain": plain, "captured": captured, "full": captured_full, "empty": empty_mode}
-    times = cpu_median_times(fns, reps=reps) if cpu else median_times(fns, reps=reps, warmup=2)
+    times = median_times(fns, reps=reps, warmup=2, clock=time.process_time if cpu else time.perf_counter)
     with torch.no_grad(), vx.capture(model) as rec:
         out = model.generate(**inputs, **kw)
     held, dense, with_probs = _held_bytes(rec.records)

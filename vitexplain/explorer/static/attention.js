@@ -153,13 +153,8 @@
         title: "queries " + gridText(s0.q) + ", keys " + gridText(s0.k) }));
       for (var hi = 0; hi < cols; hi++) {
         if (hi >= Hl) { grid.appendChild(el("span")); continue; }  /* this layer has fewer heads */
-        (function (layer, head) {
-          var c = el("canvas", { class: "vx-tile", "data-vx": "overview-tile", "data-layer": String(layer),
-            "data-head": String(head), title: pairName(att, geo, [layer, head]) + ", keys " + gridText(geo.sets[layer].k) });
-          c.addEventListener("click", function (ev) { pick([layer, head], ev.ctrlKey || ev.metaKey || ev.shiftKey || several.checked); });
-          tiles.push({ canvas: c, pair: [layer, head] });
-          grid.appendChild(c);
-        })(li, hi);
+        overviewTile(grid, tiles, "overview-tile", [li, hi], pairName(att, geo, [li, hi]) + ", keys " + gridText(s0.k),
+          function (pair, ev) { pick(pair, ev.ctrlKey || ev.metaKey || ev.shiftKey || several.checked); });
       }
     }
     function pick(pair, add) {

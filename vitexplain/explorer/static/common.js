@@ -92,6 +92,16 @@
     drawValues(canvas, grid[0], grid[1], splitRows(values, grid[0], grid[1]), false, false, undefined, true);
   }
 
+  /* One tile of a layers x heads overview: a canvas for (layer, head) = pair, appended to the grid and
+   * to tiles ({canvas, pair}); a click calls onClick(pair, event). */
+  function overviewTile(grid, tiles, kind, pair, title, onClick) {
+    var c = el("canvas", { class: "vx-tile", "data-vx": kind, "data-layer": String(pair[0]), "data-head": String(pair[1]),
+      title: title });
+    c.addEventListener("click", function (ev) { onClick(pair, ev); });
+    tiles.push({ canvas: c, pair: pair });
+    grid.appendChild(c);
+  }
+
   function splitRows(values, rows, cols) {
     var out = [];
     for (var i = 0; i < rows; i++) out.push(values.subarray(i * cols, (i + 1) * cols));

@@ -124,13 +124,8 @@
       for (var li = 0; li < L; li++) {
         grid.appendChild(el("span", { class: "vx-ov-label", text: "L" + att.layerIndex[li] }));
         for (var hi = 0; hi < H; hi++) {
-          (function (layer, head) {
-            var c = el("canvas", { class: "vx-tile", "data-vx": "vlm-tile", "data-layer": String(layer), "data-head": String(head),
-              title: vlmPair(att, [layer, head]) });
-            c.addEventListener("click", function (ev) { pick([layer, head], ev.ctrlKey || ev.metaKey || ev.shiftKey || several.checked); });
-            tiles.push({ canvas: c, pair: [layer, head] });
-            grid.appendChild(c);
-          })(li, hi);
+          overviewTile(grid, tiles, "vlm-tile", [li, hi], vlmPair(att, [li, hi]),
+            function (pair, ev) { pick(pair, ev.ctrlKey || ev.metaKey || ev.shiftKey || several.checked); });
         }
       }
     }
