@@ -78,6 +78,25 @@ def scatter_windows(a: Tensor, q_index: Tensor, k_index: Tensor, n_out: int, n_k
     return out.permute(2, 3, 0, 1)
 
 
+def hiera_call(a: Tensor, g: Tensor, n: int, query_stride: int, windows: int) -> DenseCall:
+    """One Hiera attention call as a dense call on the unrolled token order.
+
+    Args:
+        a: (B, nW, heads, n_q, n_k) probabilities per mask unit (nW = 1 for global calls); g: their gradients.
+        n: tokens before the call; query_stride: q (the pooled query keeps n / q tokens);
+        windows: nW. Token t of a unit is slot t // nW of window t % nW; the residual's max over
+        the q chunks is read evenly (1 / q each).
+    """
+    n_out = n // query_stride
+    t_in = torch.arange(n).view(-1, windows).T  # [w, slot] -> unrolled position slot * nW + w
+    t_out = torch.arange(n_out).view(-1, windows).T
+    skip = torch.zeros(n_out, n, dtype=torch.float64)
+    for c in range(query_stride):
+        skip[torch.arange(n_out), torch.arange(n_out) + c * n_out] = 1.0 / query_stride
+    return DenseCall(scatter_windows(a, t_out, t_in, n_out, n), scatter_windows(g, t_out, t_in, n_out, n),
+                     torch.eye(n, dtype=torch.float64), skip)
+
+
 def eager_attention(model: nn.Module, x: Tensor, target: int, modules: list[str],
                     unfuse: Callable[[nn.Module], None]) -> list[tuple[Tensor, Tensor]]:
     """(A, dA/dy) as each attention module's ``attn_drop`` saw them, in ``modules`` order, from

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import vitexplain as vx
-from hier_oracle import DenseCall, carry, scatter_windows, taped_attention
+from hier_oracle import carry, hiera_call, taped_attention
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.hiera.modeling_hiera import unroll  # noqa: E402
@@ -71,14 +71,7 @@ def dense_chain(model, x, score):
             windows = n // (q * attn.window_size) if attn.use_mask_unit_attn else 1
             assert a.shape[:3] == (b, attn.num_heads, windows)
             a, g = a.transpose(1, 2), g.transpose(1, 2)
-            t_in = torch.arange(n).view(-1, windows).T  # [w, slot] -> unrolled position slot * nW + w
-            t_out = torch.arange(n_out).view(-1, windows).T
-            a = scatter_windows(a, t_out, t_in, n_out, n)
-            g = scatter_windows(g, t_out, t_in, n_out, n)
-            skip = torch.zeros(n_out, n, dtype=torch.float64)  # the residual's max over chunks, read evenly
-            for c in range(q):
-                skip[torch.arange(n_out), torch.arange(n_out) + c * n_out] = 1.0 / q
-            items.append(DenseCall(a, g, torch.eye(n, dtype=torch.float64), skip))
+            items.append(hiera_call(a, g, n, q, windows))
             n = n_out
     u = torch.full((b, n), 1.0 / n, dtype=torch.float64)
     order = unroll(torch.arange(grid[0] * grid[1], dtype=torch.float64).view(1, -1, 1), image_shape=SIZE,

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import vitexplain as vx
-from hier_oracle import DenseCall, carry, pool_matrix, scatter_windows, taped_attention
+from hier_oracle import DenseCall, carry, hiera_call, pool_matrix, scatter_windows, taped_attention
 
 timm = pytest.importorskip("timm")
 import support_table as support  # noqa: E402
@@ -67,14 +67,7 @@ def hiera_chain(model, x, target):
             g = g.reshape(b, attn.heads, windows, *g.shape[-2:]).transpose(1, 2)
         else:
             a, g = a[:, None], g[:, None]
-        t_in = torch.arange(n).view(-1, windows).T  # [w, slot] -> unrolled position slot * nW + w
-        t_out = torch.arange(n_out).view(-1, windows).T
-        a = scatter_windows(a, t_out, t_in, n_out, n)
-        g = scatter_windows(g, t_out, t_in, n_out, n)
-        skip = torch.zeros(n_out, n, dtype=torch.float64)  # the residual's max over chunks, read evenly
-        for c in range(q):
-            skip[torch.arange(n_out), torch.arange(n_out) + c * n_out] = 1.0 / q
-        items.append(DenseCall(a, g, _eye(n), skip))
+        items.append(hiera_call(a, g, n, q, windows))
         n = n_out
     u = torch.full((b, n), 1.0 / n, dtype=torch.float64)
     order = model.unroll(torch.arange(grid[0] * grid[1], dtype=torch.float64).view(1, -1, 1))[0, :, 0].long()
