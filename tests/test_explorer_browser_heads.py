@@ -275,3 +275,43 @@ def test_vlm_tiles_and_thumbnail_are_layers_over_their_boxes(browser, tmp_path) 
              const d = c.getContext('2d').getImageData(0, 0, c.width, c.height); return [c.height, c.width, Array.from(d.data)]; }""")
     _overlay_in_scale(np.array(got[2], dtype=int).reshape(got[0], got[1], 4), part.reshape(last.grid), np.abs(part).max())
     assert page.close() == []
+
+
+def test_a_clamped_grid_covers_the_strip_past_its_last_cells(browser, tmp_path) -> None:
+    """Florence-2: its token grid sits on DaViT's receptive-field centres (``Piece.clamp``: pixels past the
+    box take the edge cells). The page draws that grid one edge-replicated cell larger on every side, so
+    the strip past the last centres is overlaid with the edge tokens' colours, as in the saved maps."""
+    import encdec_helpers
+    from vlm_helpers import images
+
+    model, processor = encdec_helpers.florence2()
+    image = images(3, ((40, 52),))[0]
+    path = vx.explore(model, [image], tmp_path / "florence.html", processor=processor, prompt="what is it", max_len=2,
+                      method="cross")
+    ex = vx.Explainer(model, processor=processor)
+    e = ex.explain_caption([image], method="cross", prompt="what is it", max_len=2)
+    view = ex.adapter.views([image], ex.adapter.prepare([image], ["what is it"]))[0]
+    piece = next(p for p in view.pieces if p.clamp)
+    gh, gw = piece.grid
+    assert piece.box[2] < image.shape[0] or piece.box[3] < image.shape[1]  # a strip past the last centres
+    pooled = next(p for p in view.pieces if not p.clamp)
+    scores = e.token_scores[0][0].numpy()  # word 0: the pooled token first, then the grid
+    grid = scores[piece.start : piece.start + gh * gw].reshape(gh, gw)
+    expected = np.pad(grid, 1, mode="edge")  # the edge cells replicated on every side
+    page = Page(browser, path)
+    canvases = page.page.locator('canvas[data-vx="piece-map"]')
+    i = list(view.pieces).index(piece)
+    got = page.page.evaluate(
+        """i => { const c = document.querySelectorAll('canvas[data-vx="piece-map"]')[i];
+             const d = c.getContext('2d').getImageData(0, 0, c.width, c.height); return [c.height, c.width, Array.from(d.data)]; }""", i)
+    pixels = np.array(got[2], dtype=int).reshape(got[0], got[1], 4)
+    both = np.abs(np.concatenate([grid.ravel(), scores[pooled.start : pooled.start + 1]])).max()  # one scale
+    _overlay_in_scale(pixels, expected, both)
+    img = page.page.locator(".vx-vlm-view img").first.bounding_box()
+    box = canvases.nth(i).bounding_box()
+    h, w = image.shape[:2]
+    ch, cw = (piece.box[2] - piece.box[0]) / gh, (piece.box[3] - piece.box[1]) / gw
+    assert abs(box["x"] - img["x"] - (piece.box[1] - cw) / w * img["width"]) < 1.5  # one cell beyond the box
+    assert abs(box["y"] + box["height"] - img["y"] - (piece.box[2] + ch) / h * img["height"]) < 1.5
+    assert box["x"] + box["width"] >= img["x"] + img["width"] - 0.5  # reaches the image's right edge
+    assert page.close() == []

@@ -3,8 +3,9 @@
 A VLM's image becomes one or more token grids (:class:`vitexplain.adapters.vlm.base.Piece`: the
 whole image, or a thumbnail plus tiles), each over a box of the original image. The page gets:
 
-* ``pieces``: per grid its name, (gh, gw), its first token and its box as fractions of the image
-  (the page draws each grid as a layer over its box, and can hide any of them);
+* ``pieces``: per grid its name, (gh, gw), its first token, its box as fractions of the image and
+  ``clamp`` (pixels past the box take the edge cells: the page draws such a grid one replicated
+  cell larger on every side, clipped by the image) (each grid is a layer over its box, and can be hidden);
 * per method (``cross``, ``cross_generic``, ...): the raw per-token scores of each word,
   (T, n) over the image's n pixel-bearing tokens in the model's order (``token_scores``);
 * ``attention``: for each word, the language model's attention from the row that predicts it to
@@ -108,7 +109,7 @@ def vlm_data(explainer: Any, plan: Plan, image: np.ndarray, *, prompt: Optional[
     inputs = adapter.prepare([image], [first.prompts[0] if first.prompts else (prompt or "")])
     view = adapter.views([image], inputs)[0]
     h, w = view.size
-    pieces = [{"name": p.name, "grid": list(p.grid), "start": p.start,
+    pieces = [{"name": p.name, "grid": list(p.grid), "start": p.start, "clamp": p.clamp,
                "box": [p.box[0] / h, p.box[1] / w, p.box[2] / h, p.box[3] / w]} for p in view.pieces]
     methods = []
     for name, e in got.items():

@@ -66,6 +66,23 @@
     return "L" + att.layerIndex[pair[0]] + (h === "mean" ? " mean" : " H" + h);
   }
 
+  /* A grid's box on the page: a clamped grid (pixels past its box take the edge cells, Florence-2) is drawn
+   * one cell larger on every side, its edge cells replicated, and the view clips it to the image. */
+  function drawnBox(p) {
+    if (!p.clamp) return p.box;
+    var ch = (p.box[2] - p.box[0]) / p.grid[0], cw = (p.box[3] - p.box[1]) / p.grid[1];
+    return [p.box[0] - ch, p.box[1] - cw, p.box[2] + ch, p.box[3] + cw];
+  }
+
+  function replicateEdges(rows) {
+    var out = rows.map(function (r) {
+      var x = new Float32Array(r.length + 2);
+      x.set(r, 1); x[0] = r[0]; x[r.length + 1] = r[r.length - 1];
+      return x;
+    });
+    return [out[0]].concat(out, [out[out.length - 1]]);
+  }
+
   function vlmPanel(data) {
     var v = data.vlm;
     if (!v) return null;
@@ -78,10 +95,10 @@
     var state = { m: 0, w: 0, sel: att ? [[L - 1, 0]] : [], hidden: {} };
     var h = data.size[0], w = data.size[1];
     var layers = v.pieces.map(function (p, i) {
-      var c = el("canvas", { class: "vx-heat vx-piece", "data-vx": "piece-map", "data-piece": String(i),
-        style: "left:" + (100 * p.box[1]) + "%;top:" + (100 * p.box[0]) + "%;width:" + (100 * (p.box[3] - p.box[1])) +
-          "%;height:" + (100 * (p.box[2] - p.box[0])) + "%" });
-      return c;
+      var b = drawnBox(p);
+      return el("canvas", { class: "vx-heat vx-piece", "data-vx": "piece-map", "data-piece": String(i),
+        style: "left:" + (100 * b[1]) + "%;top:" + (100 * b[0]) + "%;width:" + (100 * (b[3] - b[1])) +
+          "%;height:" + (100 * (b[2] - b[0])) + "%" });
     });
     var view = el("div", { class: "vx-view vx-vlm-view", style: "aspect-ratio:" + w + "/" + h },
       [el("img", { src: data.image, alt: data.name, draggable: "false" })].concat(layers));
@@ -149,7 +166,9 @@
       v.pieces.forEach(function (p, i) {
         var part = vals.subarray(p.start, p.start + p.grid[0] * p.grid[1]);
         /* every visible grid in one scale: the word's largest |value| over the visible grids */
-        drawValues(layers[i], p.grid[0], p.grid[1], splitRows(part, p.grid[0], p.grid[1]), signed, false, m);
+        var rows = splitRows(part, p.grid[0], p.grid[1]), e = p.clamp ? 1 : 0;
+        if (e) rows = replicateEdges(rows);
+        drawValues(layers[i], p.grid[0] + 2 * e, p.grid[1] + 2 * e, rows, signed, false, m);
         layers[i].style.display = state.hidden[i] ? "none" : "block";
         pieceButtons[i].classList.toggle("vx-on", !state.hidden[i]);
       });
