@@ -70,7 +70,8 @@ def test_vlm_page_holds_words_token_scores_and_attention(page) -> None:
     words = expected[0].tokens[0]
     assert v["words"] == words and data["predictions"][0]["label"] == " ".join(words)
     assert v["prompt"] == PROMPT and data["family"] == "vlm"
-    assert v["pieces"] == [{"name": "image", "grid": [8, 8], "start": 0, "box": [0.0, 0.0, 1.0, 1.0]}]
+    assert v["pieces"] == [{"name": "image", "grid": [8, 8], "start": 0, "clamp": False,
+                           "box": [0.0, 0.0, 1.0, 1.0]}]
     assert v["tokens"] == 64 and data["size"] == [64, 64]
     for entry, e in zip(v["methods"], expected):
         assert entry["name"] == e.method
