@@ -234,18 +234,23 @@ def _overlay_in_scale(pixels: np.ndarray, values: np.ndarray, m: float) -> None:
     assert all(ok), f"{ok.count(False)} of {values.size} cells differ"
 
 
+def _vlm_page(build, image, tmp_path, max_len):
+    """A VLM's explorer page of one image ("cross", prompt "what is it"), its explanation and token geometry."""
+    model, processor = build()
+    path = vx.explore(model, [image], tmp_path / "vlm.html", processor=processor, prompt="what is it", max_len=max_len,
+                      method="cross")
+    ex = vx.Explainer(model, processor=processor)
+    e = ex.explain_caption([image], method="cross", prompt="what is it", max_len=max_len)
+    view = ex.adapter.views([image], ex.adapter.prepare([image], ["what is it"]))[0]
+    return path, e, view, image
+
+
 def test_vlm_tiles_and_thumbnail_are_layers_over_their_boxes(browser, tmp_path) -> None:
     """Idefics3 (tiles plus a global image): each token grid is drawn over its own box of the image,
     all visible grids in one colour scale; hiding one rescales the others."""
     from vlm_helpers import BUILDERS, images
 
-    model, processor = BUILDERS["idefics3"]()
-    image = images(3, ((40, 52),))[0]
-    path = vx.explore(model, [image], tmp_path / "tiles.html", processor=processor, prompt="what is it", max_len=3,
-                      method="cross")
-    ex = vx.Explainer(model, processor=processor)
-    e = ex.explain_caption([image], method="cross", prompt="what is it", max_len=3)
-    view = ex.adapter.views([image], ex.adapter.prepare([image], ["what is it"]))[0]
+    path, e, view, image = _vlm_page(BUILDERS["idefics3"], images(3, ((40, 52),))[0], tmp_path, max_len=3)
     assert len(view.pieces) > 1
     scores = e.token_scores[0][0].numpy()  # word 0
     page = Page(browser, path)
@@ -284,13 +289,7 @@ def test_a_clamped_grid_covers_the_strip_past_its_last_cells(browser, tmp_path) 
     import encdec_helpers
     from vlm_helpers import images
 
-    model, processor = encdec_helpers.florence2()
-    image = images(3, ((40, 52),))[0]
-    path = vx.explore(model, [image], tmp_path / "florence.html", processor=processor, prompt="what is it", max_len=2,
-                      method="cross")
-    ex = vx.Explainer(model, processor=processor)
-    e = ex.explain_caption([image], method="cross", prompt="what is it", max_len=2)
-    view = ex.adapter.views([image], ex.adapter.prepare([image], ["what is it"]))[0]
+    path, e, view, image = _vlm_page(encdec_helpers.florence2, images(3, ((40, 52),))[0], tmp_path, max_len=2)
     piece = next(p for p in view.pieces if p.clamp)
     gh, gw = piece.grid
     assert piece.box[2] < image.shape[0] or piece.box[3] < image.shape[1]  # a strip past the last centres
