@@ -17,6 +17,7 @@ from torch import nn
 
 import vitexplain as vx
 from hier_oracle import carry, hiera_call, taped_attention
+from test_hier_more import CLASSES, _reinit
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.hiera.modeling_hiera import unroll  # noqa: E402
@@ -24,7 +25,6 @@ from transformers.models.hiera.modeling_hiera import unroll  # noqa: E402
 import support_table as support  # noqa: E402
 
 SIZE = (64, 64)
-CLASSES = 5
 
 
 def hf_hiera(head: bool = True, depths=(1, 2, 2)) -> nn.Module:
@@ -34,13 +34,7 @@ def hf_hiera(head: bool = True, depths=(1, 2, 2)) -> nn.Module:
     config = transformers.HieraConfig(
         image_size=list(SIZE), embed_dim=16, num_heads=[1, 2, 4], depths=list(depths), num_query_pool=2,
         masked_unit_size=[4, 4], masked_unit_attention=[True, True, False], mlp_ratio=2.0, num_labels=CLASSES)
-    model = transformers.HieraForImageClassification(config) if head else transformers.HieraModel(config)
-    support.reinit_heads(model)
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, nn.Linear) and module.out_features == CLASSES:
-                module.weight.normal_(0, 0.5)
-    return model.eval()
+    return _reinit(transformers.HieraForImageClassification(config) if head else transformers.HieraModel(config))
 
 
 def _logit(model, x):
