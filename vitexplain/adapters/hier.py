@@ -25,8 +25,8 @@ from ..methods.families import HIER
 from ..methods.resample import CallSpec, Footprint, TokenSet, Transition, full_slots, readout, window_slots
 from .base import Adapter, register_adapter
 
-__all__ = ["HierAdapter", "conv_grid", "global_call", "PVTv2Adapter", "TwinsAdapter", "SamViTAdapter",
-           "module_family"]
+__all__ = ["HierAdapter", "conv_grid", "global_call", "token_set", "sam_chain", "PVTv2Adapter", "TwinsAdapter",
+           "SamViTAdapter", "module_family"]
 
 Chain = list[Union[CallSpec, Transition]]
 
@@ -138,7 +138,8 @@ class HierAdapter(Adapter):
         return kwargs
 
 
-def _set(grid: Sequence[int], prefix: int = 0) -> TokenSet:
+def token_set(grid: Sequence[int], prefix: int = 0) -> TokenSet:
+    """A token set of ``prefix`` tokens and a (gh, gw) grid (ints, whatever the grid's number type)."""
     return TokenSet(prefix, (int(grid[0]), int(grid[1])))
 
 
@@ -148,12 +149,12 @@ def _sr_keys(attn: nn.Module, tokens: TokenSet) -> Footprint:
     pool = getattr(attn, "pool", None)
     if pool is not None:  # PVTv2 linear: adaptive average pooling, then a 1 x 1 conv
         out = pair(pool.output_size)
-        return Footprint.adaptive(tokens, _set(out))
+        return Footprint.adaptive(tokens, token_set(out))
     sr = getattr(attn, "sr", None)
     if sr is None:
         return Footprint.identity(tokens)
     grid = conv_grid(tokens.grid, sr.kernel_size, sr.stride, sr.padding)
-    return Footprint.pool(tokens, _set(grid), sr.kernel_size, sr.stride, sr.padding)
+    return Footprint.pool(tokens, token_set(grid), sr.kernel_size, sr.stride, sr.padding)
 
 
 class PVTv2Adapter(HierAdapter):
@@ -170,11 +171,11 @@ class PVTv2Adapter(HierAdapter):
         grid = conv_grid(input_size, conv.kernel_size, conv.stride, conv.padding)
         chain: Chain = []
         sets: list[TokenSet] = []
-        tokens = _set(grid)
+        tokens = token_set(grid)
         for s, stage in enumerate(self.model.stages):
             if stage.downsample is not None and s > 0:
                 c = stage.downsample.proj
-                coarse = _set(conv_grid(tokens.grid, c.kernel_size, c.stride, c.padding))
+                coarse = token_set(conv_grid(tokens.grid, c.kernel_size, c.stride, c.padding))
                 chain.append(Transition(Footprint.pool(tokens, coarse, c.kernel_size, c.stride, c.padding), s - 1, s,
                                         f"stages.{s}.downsample"))
                 tokens = coarse
@@ -204,10 +205,10 @@ class TwinsAdapter(HierAdapter):
             conv = embed.proj
             grid = conv_grid(tokens.grid if tokens else size, conv.kernel_size, conv.stride, conv.padding)
             if tokens is not None:
-                coarse = _set(grid)
+                coarse = token_set(grid)
                 chain.append(Transition(Footprint.pool(tokens, coarse, conv.kernel_size, conv.stride, conv.padding),
                                         s - 1, s, f"patch_embeds.{s}"))
-            tokens = _set(grid)
+            tokens = token_set(grid)
             sets.append(tokens)
             for b, block in enumerate(blocks):
                 attn, name = block.attn, f"blocks.{s}.{b}.attn"
@@ -237,21 +238,34 @@ class SamViTAdapter(HierAdapter):
 
     def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
         patch = pair(self.model.patch_embed.patch_size)
-        tokens = _set((input_size[0] // patch[0], input_size[1] // patch[1]))
-        chain: Chain = []
-        for b, block in enumerate(self.model.blocks):
-            name, window = f"blocks.{b}.attn", int(getattr(block, "window_size", 0) or 0)
-            slots = window_slots(tokens, (window, window)) if window > 0 else full_slots(tokens)
-            identity = Footprint.identity(tokens)  # heads are folded into SDPA's batch: (B * nW * heads, n, d)
-            chain.append(CallSpec(name, tokens, tokens, slots, slots, identity, identity, 0, 0,
-                                  folded_heads=int(block.attn.num_heads)))
-        for k, layer in enumerate(getattr(self.model, "neck", [])):
-            if isinstance(layer, nn.Conv2d) and pair(layer.kernel_size) != (1, 1):
-                out = _set(conv_grid(tokens.grid, layer.kernel_size, layer.stride, layer.padding))
-                chain.append(Transition(Footprint.pool(tokens, out, layer.kernel_size, layer.stride, layer.padding),
-                                        0, 0, f"neck.{k}"))
-                tokens = out
-        return chain, [chain[0].inp]  # type: ignore[union-attr]
+        tokens = token_set((input_size[0] // patch[0], input_size[1] // patch[1]))
+        # heads are folded into SDPA's batch: (B * nW * heads, n, d)
+        calls = [(f"blocks.{b}.attn", int(getattr(block, "window_size", 0) or 0), int(block.attn.num_heads))
+                 for b, block in enumerate(self.model.blocks)]
+        neck = [(f"neck.{k}", layer) for k, layer in enumerate(getattr(self.model, "neck", []))]
+        return sam_chain(tokens, calls, neck), [tokens]
+
+
+def sam_chain(tokens: TokenSet, calls: Sequence[tuple[str, int, int]], neck: Sequence[tuple[str, nn.Module]]) -> Chain:
+    """SAM's image encoder as a chain: windowed (window > 0, zero-padded) and global attention calls
+    on one grid, then the neck's convolutions wider than 1 x 1 as transitions.
+
+    Args:
+        tokens: the patch grid.
+        calls: per attention call (module name, window size or 0, heads folded into its batch).
+        neck: the neck's (module name, layer) in order.
+    """
+    chain: Chain = []
+    for name, window, heads in calls:
+        slots = window_slots(tokens, (window, window)) if window > 0 else full_slots(tokens)
+        identity = Footprint.identity(tokens)
+        chain.append(CallSpec(name, tokens, tokens, slots, slots, identity, identity, 0, 0, folded_heads=heads))
+    for name, layer in neck:
+        if isinstance(layer, nn.Conv2d) and pair(layer.kernel_size) != (1, 1):
+            out = token_set(conv_grid(tokens.grid, layer.kernel_size, layer.stride, layer.padding))
+            chain.append(Transition(Footprint.pool(tokens, out, layer.kernel_size, layer.stride, layer.padding), 0, 0, name))
+            tokens = out
+    return chain
 
 
 @register_adapter(priority=15, family=HIER)

@@ -21,29 +21,25 @@ from torch import Tensor, nn
 from ..errors import UnsupportedModelError
 from ..layout import pair
 from ..methods.families import HIER
-from ..methods.resample import CallSpec, Footprint, TokenSet, Transition, full_slots, window_slots
+from ..methods.resample import Footprint, TokenSet, Transition
 from .base import Adapter, register_adapter
-from .hier import Chain, HierAdapter, conv_grid, global_call
+from .hier import Chain, HierAdapter, conv_grid, global_call, sam_chain, token_set
 from .hier_more import HieraAdapter
 
 __all__ = ["HFSpatialReductionAdapter", "HFSamVisionAdapter", "HFHieraAdapter"]
 
 
-def _set(grid: Sequence[int]) -> TokenSet:
-    return TokenSet(0, (int(grid[0]), int(grid[1])))
-
-
 def _keys(attn: nn.Module, tokens: TokenSet, sr_name: str) -> Footprint:
     pool = getattr(attn, "pool", None)
     if isinstance(pool, nn.AdaptiveAvgPool2d):  # PVTv2 linear attention
-        return Footprint.adaptive(tokens, _set(pair(pool.output_size)))
+        return Footprint.adaptive(tokens, token_set(pair(pool.output_size)))
     sr: Optional[nn.Module] = attn
     for part in sr_name.split("."):
         sr = getattr(sr, part, None) if sr is not None else None
     if not isinstance(sr, nn.Conv2d):
         return Footprint.identity(tokens)
     grid = conv_grid(tokens.grid, sr.kernel_size, sr.stride, sr.padding)
-    return Footprint.pool(tokens, _set(grid), sr.kernel_size, sr.stride, sr.padding)
+    return Footprint.pool(tokens, token_set(grid), sr.kernel_size, sr.stride, sr.padding)
 
 
 class _HFForward:
@@ -83,9 +79,9 @@ class HFSpatialReductionAdapter(_HFForward, HierAdapter):
             conv = stage.get_submodule(self.embed)
             grid = conv_grid(tokens.grid if tokens else input_size, conv.kernel_size, conv.stride, conv.padding)
             if tokens is not None:
-                chain.append(Transition(Footprint.pool(tokens, _set(grid), conv.kernel_size, conv.stride, conv.padding),
+                chain.append(Transition(Footprint.pool(tokens, token_set(grid), conv.kernel_size, conv.stride, conv.padding),
                                         s - 1, s, f"{self.stages_name}.{s}.{self.embed}"))
-            tokens = _set(grid)
+            tokens = token_set(grid)
             sets.append(tokens)
             for b, block in enumerate(stage.blocks):
                 chain.append(global_call(f"{self.stages_name}.{s}.blocks.{b}.attention", tokens, s,
@@ -113,20 +109,11 @@ class HFSamVisionAdapter(_HFForward, HierAdapter):
 
     def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
         conv = self.enc.patch_embed.projection
-        tokens = _set(conv_grid(input_size, conv.kernel_size, conv.stride, conv.padding))
-        chain: Chain = []
-        for i, layer in enumerate(self.enc.layers):
-            window = int(getattr(layer, "window_size", 0) or 0)
-            identity = Footprint.identity(tokens)
-            slots = window_slots(tokens, (window, window)) if window > 0 else full_slots(tokens)
-            chain.append(CallSpec(f"{self.prefix}layers.{i}.attn", tokens, tokens, slots, slots, identity, identity, 0, 0))
-        for name, layer in self.enc.neck.named_children():
-            if isinstance(layer, nn.Conv2d) and pair(layer.kernel_size) != (1, 1):
-                out = _set(conv_grid(tokens.grid, layer.kernel_size, layer.stride, layer.padding))
-                chain.append(Transition(Footprint.pool(tokens, out, layer.kernel_size, layer.stride, layer.padding),
-                                        0, 0, f"{self.prefix}neck.{name}"))
-                tokens = out
-        return chain, [chain[0].inp]  # type: ignore[union-attr]
+        tokens = token_set(conv_grid(input_size, conv.kernel_size, conv.stride, conv.padding))
+        calls = [(f"{self.prefix}layers.{i}.attn", int(getattr(layer, "window_size", 0) or 0), 1)
+                 for i, layer in enumerate(self.enc.layers)]
+        neck = [(f"{self.prefix}neck.{name}", layer) for name, layer in self.enc.neck.named_children()]
+        return sam_chain(tokens, calls, neck), [tokens]
 
 
 class HFHieraAdapter(_HFForward, HieraAdapter):

@@ -19,13 +19,9 @@ from ..layout import TokenLayout, pair
 from ..methods.families import HIER
 from ..methods.resample import CallSpec, Footprint, TokenSet, Transition
 from .base import Adapter, register_adapter
-from .hier import Chain, HierAdapter, conv_grid, module_family
+from .hier import Chain, HierAdapter, conv_grid, token_set, module_family
 
 __all__ = ["TorchvisionMaxViTAdapter", "HieraAdapter", "CrossViTAdapter"]
-
-
-def _set(grid: Sequence[int], prefix: int = 0) -> TokenSet:
-    return TokenSet(prefix, (int(grid[0]), int(grid[1])))
 
 
 # -- torchvision MaxViT --------------------------------------------------------------------------
@@ -70,13 +66,13 @@ class TorchvisionMaxViTAdapter(HierAdapter):
         for s, name, layer in self.layers:
             conv = layer.layers.MBconv.layers.conv_b[0]
             if pair(conv.stride) != (1, 1):
-                fine = tokens or _set(grid)
-                coarse = _set(conv_grid(fine.grid, conv.kernel_size, conv.stride, conv.padding))
+                fine = tokens or token_set(grid)
+                coarse = token_set(conv_grid(fine.grid, conv.kernel_size, conv.stride, conv.padding))
                 if tokens is not None:
                     chain.append(Transition(Footprint.pool(fine, coarse, conv.kernel_size, conv.stride, conv.padding),
                                             s - 1, s, f"{name}.layers.MBconv"))
                 tokens = coarse
-            tokens = tokens or _set(grid)
+            tokens = tokens or token_set(grid)
             if len(sets) == s:
                 sets.append(tokens)
             for part in ("window_attention", "grid_attention"):
@@ -164,7 +160,7 @@ class HieraAdapter(HierAdapter):
     def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
         orders = self._orders(input_size)
         chain: Chain = []
-        sets = [_set(grid) for grid, _ in orders]
+        sets = [token_set(grid) for grid, _ in orders]
         for i, name in enumerate(self.block_names):
             s, attn = self.stage_of[i], self.model.get_submodule(name).attn
             q_stride = self.q_strides[i]

@@ -25,13 +25,9 @@ from ..layout import pair
 from ..methods.families import HIER
 from ..methods.resample import CallSpec, Footprint, TokenSet, Transition, full_slots, grid_slots, window_slots
 from .base import Adapter, register_adapter
-from .hier import Chain, HierAdapter, conv_grid, global_call, module_family
+from .hier import Chain, HierAdapter, conv_grid, token_set, global_call, module_family
 
 __all__ = ["PiTAdapter", "MaxViTAdapter", "LeViTAdapter", "MViTv2Adapter", "TNTAdapter"]
-
-
-def _set(grid: Sequence[int], prefix: int = 0) -> TokenSet:
-    return TokenSet(prefix, (int(grid[0]), int(grid[1])))
 
 
 def _pool_of(tokens: TokenSet, module: Optional[nn.Module]) -> Footprint:
@@ -56,7 +52,7 @@ class PiTAdapter(HierAdapter):
 
     def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
         conv = self.model.patch_embed.conv
-        tokens = _set(conv_grid(input_size, conv.kernel_size, conv.stride, conv.padding), self.prefix)
+        tokens = token_set(conv_grid(input_size, conv.kernel_size, conv.stride, conv.padding), self.prefix)
         chain: Chain = []
         sets: list[TokenSet] = []
         for s, stage in enumerate(self.model.transformers):
@@ -107,12 +103,12 @@ class MaxViTAdapter(HierAdapter):
                     pad = _same_padding(dw, tokens.grid if tokens else grid)
                     fine = tokens.grid if tokens else grid
                     same = "Same" in type(dw).__name__  # output ceil(g / s)
-                    coarse = _set(tuple(-(-g // ss) for g, ss in zip(fine, st)) if same else conv_grid(fine, k, st, pad))
+                    coarse = token_set(tuple(-(-g // ss) for g, ss in zip(fine, st)) if same else conv_grid(fine, k, st, pad))
                     if tokens is not None:
                         chain.append(Transition(Footprint.pool(tokens, coarse, k, st, pad), s - 1, s, f"stages.{s}.blocks.{b}.conv"))
                     tokens = coarse
                 elif tokens is None:
-                    tokens = _set(grid)
+                    tokens = token_set(grid)
                 if b == 0:
                     sets.append(tokens)
                 for part in ("attn_block", "attn_grid"):
@@ -149,14 +145,14 @@ class LeViTAdapter(HierAdapter):
         grid = pair(input_size)
         for conv in (m for m in self.model.stem.modules() if isinstance(m, nn.Conv2d)):
             grid = conv_grid(grid, conv.kernel_size, conv.stride, conv.padding)
-        tokens = _set(grid)
+        tokens = token_set(grid)
         chain: Chain = []
         sets: list[TokenSet] = []
         for s, stage in enumerate(self.model.stages):
             if not isinstance(stage.downsample, nn.Identity):
                 down = stage.downsample.attn_downsample
                 stride = int(down.q.down.stride)
-                coarse = _set(tuple((g - 1) // stride + 1 for g in tokens.grid))
+                coarse = token_set(tuple((g - 1) // stride + 1 for g in tokens.grid))
                 chain.append(CallSpec(f"stages.{s}.downsample.attn_downsample", tokens, coarse, full_slots(coarse),
                                       full_slots(tokens), Footprint.identity(tokens), None, s - 1, s))
                 tokens = coarse
@@ -178,7 +174,7 @@ class MViTv2Adapter(HierAdapter):
 
     def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
         conv = self.model.patch_embed.proj
-        tokens = _set(conv_grid(input_size, conv.kernel_size, conv.stride, conv.padding), self.prefix)
+        tokens = token_set(conv_grid(input_size, conv.kernel_size, conv.stride, conv.padding), self.prefix)
         chain: Chain = []
         sets: list[TokenSet] = []
         for s, stage in enumerate(self.model.stages):
@@ -213,7 +209,7 @@ class TNTAdapter(HierAdapter):
 
     def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
         patch = pair(self.model.pixel_embed.patch_size)
-        tokens = _set((input_size[0] // patch[0], input_size[1] // patch[1]), 1)
+        tokens = token_set((input_size[0] // patch[0], input_size[1] // patch[1]), 1)
         return [global_call(f"blocks.{b}.attn_out", tokens, 0) for b in range(len(self.model.blocks))], [tokens]
 
 
