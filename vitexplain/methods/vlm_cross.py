@@ -19,12 +19,11 @@ word t is ``R_ti[row_t, image keys]``, ``row_t`` the position that predicts it.
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from ..errors import UnsupportedMethodError
-from .caption import normbar
 from .vlm_context import VLMContext
+from .vlm_encdec import decoder_relevance
 
 __all__ = ["cross_layer_relevance"]
 
@@ -52,23 +51,4 @@ def cross_layer_relevance(ctx: VLMContext) -> list[Tensor]:
             "recorded; load the model with attn_implementation='sdpa' (or 'eager')"
         )
     n = next(r.num_keys for r in decoder if r.kind == "self")
-    k = cross[0].num_keys
-    b = ctx.batch_size
-    device = cross[0].device
-    recorder = ctx.recorder
-    out = torch.zeros(b, ctx.num_words, k, device=device)
-    eye = torch.eye(n, device=device).expand(b, n, n)
-    for word in range(ctx.num_words):
-        recorder.zero_grad()
-        recorder.backward(ctx.word_scores(word).sum(), retain_graph=True)
-        r_tt = eye.clone()
-        r_ti = torch.zeros(b, n, k, device=device)
-        for record in decoder:
-            abar = (record.probs() * record.grad_probs()).clamp(min=0).mean(dim=1)  # (B, N, N) or (B, N, K)
-            if record.kind == "self":
-                r_tt, r_ti = r_tt + abar @ r_tt, r_ti + abar @ r_ti
-            else:
-                r_ti = r_ti + normbar(r_tt).transpose(1, 2) @ abar
-        out[:, word] = r_ti[:, ctx.start - 1 + word]
-    recorder.zero_grad()
-    return ctx.gather(out)
+    return decoder_relevance(ctx, (), decoder, n, cross[0].num_keys)

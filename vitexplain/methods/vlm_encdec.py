@@ -18,6 +18,8 @@ token (Pix2Struct's decoder, left-padded) adds nothing to a real token's row.
 
 from __future__ import annotations
 
+from typing import Any, Sequence
+
 import torch
 from torch import Tensor
 
@@ -25,7 +27,7 @@ from ..errors import UnsupportedMethodError
 from .caption import normbar
 from .vlm_context import VLMContext
 
-__all__ = ["encoder_decoder_generic"]
+__all__ = ["encoder_decoder_generic", "decoder_relevance"]
 
 
 def _abar(record) -> Tensor:
@@ -54,22 +56,42 @@ def encoder_decoder_generic(ctx: VLMContext) -> list[Tensor]:
     n_d = decoder[0].num_queries
     if any(r.num_queries != n_d for r in decoder):
         raise UnsupportedMethodError(f"{ctx.method}: the decoder was not run teacher-forced in one call per layer")
-    b, n_e = ctx.batch_size, encoder[0].num_keys
+    return decoder_relevance(ctx, encoder, decoder, n_d, encoder[0].num_keys)
+
+
+def decoder_relevance(ctx: VLMContext, encoder: Sequence[Any], decoder: Sequence[Any], n_d: int, k: int) -> list[Tensor]:
+    """The rules above for every answer word: one backward per word position, batched over images.
+
+    Args:
+        ctx: the teacher-forced forward with gradients.
+        encoder: the encoder's self-attention calls, in order; none when the keys of the decoder's
+            cross-attention are not propagated (``R_ee = I``: mllama's vision tokens, each mapped to its
+            pixels by the adapter).
+        decoder: the decoder's self- and cross-attention calls, in call order.
+        n_d: decoder positions; k: keys of the cross-attention (encoder tokens).
+
+    Returns:
+        Per image b, (T, n_b) float32: ``R_de[row_t, image columns]``.
+    """
+    recorder, b = ctx.recorder, ctx.batch_size
     device = decoder[0].device
-    out = torch.zeros(b, ctx.num_words, n_e, device=device)
+    out = torch.zeros(b, ctx.num_words, k, device=device)
     for word in range(ctx.num_words):
         recorder.zero_grad()
         recorder.backward(ctx.word_scores(word).sum(), retain_graph=True)
-        r_ee = torch.eye(n_e, device=device).expand(b, n_e, n_e).clone()
-        for record in encoder:
-            r_ee = r_ee + _abar(record) @ r_ee
-        r_ee = normbar(r_ee)
+        r_ee = None
+        if encoder:
+            r_ee = torch.eye(k, device=device).expand(b, k, k).clone()
+            for record in encoder:
+                r_ee = r_ee + _abar(record) @ r_ee
+            r_ee = normbar(r_ee)
         r_dd = torch.eye(n_d, device=device).expand(b, n_d, n_d).clone()
-        r_de = torch.zeros(b, n_d, n_e, device=device)
+        r_de = torch.zeros(b, n_d, k, device=device)
         for record in decoder:
             abar = _abar(record)
             if record.kind == "cross":
-                r_de = r_de + normbar(r_dd).transpose(1, 2) @ abar @ r_ee
+                gained = normbar(r_dd).transpose(1, 2) @ abar
+                r_de = r_de + (gained if r_ee is None else gained @ r_ee)
             else:
                 r_dd, r_de = r_dd + abar @ r_dd, r_de + abar @ r_de
         out[:, word] = r_de[:, ctx.start - 1 + word]
