@@ -20,6 +20,7 @@ from torch import nn
 
 import vitexplain as vx
 import vlm_helpers as helpers
+from vitexplain.recording import discovery
 from support_table import _blip, _git, _torch_decoder_captioner, _vision_encoder_decoder
 
 transformers = pytest.importorskip("transformers")
@@ -68,6 +69,10 @@ def _capture(model: nn.Module, run, full: bool):
 def check(model: nn.Module, run, *, narrows: bool = True, mha: bool = False):
     """Run ``run`` plain, fully intercepted and narrowed; compare; return the narrowed recorder.
 
+    The narrowed capture discovers the model (``narrows``: whether it narrowed after the first
+    forward); a second one starts narrowed from what the first learned (recording/discovery.py) and
+    must record the same.
+
     ``mha``: the model has nn.MultiheadAttention, whose fast path every capture turns off (it hides
     the attention), so the plain run is made without it too.
     """
@@ -81,15 +86,19 @@ def check(model: nn.Module, run, *, narrows: bool = True, mha: bool = False):
     finally:
         torch.backends.mha.set_fastpath_enabled(fastpath)
     before = _state(model)
+    discovery.forget(model)
     full, out_full = _capture(model, run, full=True)
     assert not full._narrowing.narrowed
     rec, out = _capture(model, run, full=False)
+    again, out_again = _capture(model, run, full=False)
     assert _state(model) == before
-    assert _same(out, plain) and _same(out_full, plain)  # bitwise: no computation changed
+    assert _same(out, plain) and _same(out_full, plain) and _same(out_again, plain)  # bitwise: no computation changed
     assert rec._narrowing.narrowed == narrows
-    assert [_key(r) for r in rec.records] == [_key(r) for r in full.records]
-    for r, s in zip(rec.records, full.records):
-        torch.testing.assert_close(r.probs(), s.probs(), atol=1e-6, rtol=0)
+    assert again._narrowing.narrowed != (type(model) in again._narrowing._issuer_types)  # from its first call
+    for narrowed in (rec, again):
+        assert [_key(r) for r in narrowed.records] == [_key(r) for r in full.records]
+        for r, s in zip(narrowed.records, full.records):
+            torch.testing.assert_close(r.probs(), s.probs(), atol=1e-6, rtol=0)
     return rec
 
 
@@ -384,6 +393,7 @@ def test_one_forward_records_equal_full_interception(name):
 
     check(model, run, narrows=False)
     if name == "layers unlike the first":
+        discovery.forget(model)
         rec = _capture(model, lambda: model(x), full=False)[0]
         assert rec._narrowing.gated_types == {Fused}  # layers 1 and 2 ran with the mode inside their attention only
         names = [r.name for r in rec.records]

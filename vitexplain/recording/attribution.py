@@ -8,7 +8,8 @@ walked from the frame that made it:
   other models are not recorded;
 - the *kind* is decided from the issuer and its arguments (:func:`kind_of`);
 - the *top-level call* is the outermost call of a captured module on the stack (the frame of
-  ``nn.Module._call_impl``): the model's own forward, or a submodule that code outside the
+  ``nn.Module._call_impl``): the model's own forward (known without a walk: the recorder's hooks
+  on the model say when one is in progress, :meth:`Attribution.enter_root`), or a submodule that code outside the
   model called directly (e.g. the image encoder that Hugging Face ``generate`` runs through
   ``get_image_features`` before the first forward). Records are numbered by it
   (``record.forward_index``): 0 for the first top-level call that recorded attention, one more
@@ -105,9 +106,34 @@ def kind_of(module: nn.Module, arguments: Mapping[str, Any], parameters: Iterabl
     return "cross" if not _CROSS_PARAMETERS.isdisjoint(parameters) else "self"
 
 
+_LOCAL_KINDS: dict[int, tuple[CodeType, Optional[str]]] = {}  # by id, code held (see _binds_self)
+_CROSS_NAMES = frozenset(CROSS_ARGUMENT_NAMES)
+
+
+def _kind_without_locals(code: CodeType) -> Optional[str]:
+    """What :func:`kind_of` answers from a frame of ``code`` whatever its locals hold, for a module that is
+    not an ``nn.MultiheadAttention`` and has no ``is_cross_attention`` flag; None when a local named in
+    :data:`CROSS_ARGUMENT_NAMES` could decide it."""
+    known = _LOCAL_KINDS.get(id(code))
+    if known is not None and known[0] is code:
+        return known[1]
+    names = (*code.co_varnames, *code.co_cellvars, *code.co_freevars)
+    parameters = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+    kind = None if not _CROSS_NAMES.isdisjoint(names) else "cross" if not _CROSS_PARAMETERS.isdisjoint(parameters) else "self"
+    if len(_LOCAL_KINDS) > 100_000:
+        _LOCAL_KINDS.clear()
+    _LOCAL_KINDS[id(code)] = (code, kind)
+    return kind
+
+
 def frame_kind(module: nn.Module, frame: FrameType) -> Literal["self", "cross"]:
-    """:func:`kind_of` for a call made while the module's method runs in ``frame``."""
+    """:func:`kind_of` for a call made while the module's method runs in ``frame`` (its locals are read
+    only when a cross-attention argument name is among them)."""
     code = frame.f_code
+    if not isinstance(module, nn.MultiheadAttention) and not isinstance(_flag(module), bool):
+        kind = _kind_without_locals(code)
+        if kind is not None:
+            return kind  # type: ignore[return-value]
     return kind_of(module, frame.f_locals, code.co_varnames[: code.co_argcount + code.co_kwonlyargcount])
 
 
@@ -136,8 +162,23 @@ class Attribution:
     def __init__(self) -> None:
         self._names: dict[int, str] = {}
         self._declared: Mapping[str, Any] = {}
-        self._top: Optional[FrameType] = None
+        self._top: Optional[object] = None  # a frame, or the token of the model's call in progress
         self._forward_index = -1
+        self._root: Optional[object] = None  # a token for the model's own call in progress (enter_root)
+        self._root_depth = 0
+
+    def enter_root(self) -> None:
+        """The model's own forward starts (its pre-hook, in the capture's thread): it is the top-level call."""
+        self._root_depth += 1
+        if self._root_depth == 1:
+            self._root = object()
+
+    def exit_root(self) -> None:
+        """The model's own forward ended (its hook, also after an exception)."""
+        if self._root_depth > 0:
+            self._root_depth -= 1
+            if self._root_depth == 0:
+                self._root = None
 
     def start(self, modules: Mapping[str, nn.Module], declared: Mapping[str, Any]) -> None:
         """Attribute calls to ``modules`` (the model's ``named_modules()``) from now on.
@@ -176,9 +217,15 @@ class Attribution:
         """The number of the top-level call a record issued by ``issuer`` belongs to.
 
         The latest top-level frame is kept (frames are compared by identity, and keeping it
-        prevents a later call's frame from reusing its address) until :meth:`stop`.
+        prevents a later call's frame from reusing its address) until :meth:`stop`. While the model's
+        own forward is in progress, that call is the top-level one (no frame is walked).
         """
-        known = self._top if self._top is not None and self._top.f_code is _CALL_IMPL else None
+        if self._root is not None:
+            if self._root is not self._top:
+                self._top = self._root
+                self._forward_index += 1
+            return self._forward_index
+        known = self._top if isinstance(self._top, FrameType) and self._top.f_code is _CALL_IMPL else None
         frame: Optional[FrameType] = issuer.frame
         while known is not None and frame is not None:  # first by identity only (no f_locals read)
             if frame is known:  # inside the current top-level call: nothing under it is a captured call
@@ -198,7 +245,8 @@ class Attribution:
 
     def stop(self) -> None:
         """At the end of a scope: drop the kept frame (the next record starts a new top-level call)."""
-        self._top = None
+        self._top = self._root = None
+        self._root_depth = 0
 
     def reset(self) -> None:
         """Number top-level calls from 0 again (``Recorder.clear()``)."""

@@ -59,7 +59,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from ..errors import CaptureError
-from . import interface
+from . import discovery, interface
 from .attribution import never_issues
 
 __all__ = ["Narrowing"]
@@ -209,10 +209,15 @@ class Narrowing:
         self._named: Optional[set[type]] = None  # classes whose forward names an attention function
         self._known: set[type] = set()  # block classes one of whose calls ran fully intercepted
         self._calls: dict[int, list[str]] = {}  # block id -> what each call in progress did ("full", "suspended", "")
+        self._key: Optional[tuple] = None  # the model's fingerprint at the start of the scope (discovery.py)
+        self._discovered: Optional[dict[int, CodeType]] = None  # the codes known when narrowing began
+        self._learned: dict[int, CodeType] = {}  # codes of modules that ran whole under a tripwire
+        self._failed = False  # the last forward of the model raised
 
     # -- scope --------------------------------------------------------------------------
     def start(self, modules: Mapping[str, nn.Module]) -> None:
-        """At the start of the scope: the mode everywhere; the root's hooks; the interface's taps."""
+        """At the start of the scope: the mode everywhere (or narrowed at once when the model was
+        discovered by an earlier capture, :mod:`~vitexplain.recording.discovery`); the root's hooks; the taps."""
         self._modules = modules
         self._ids = frozenset(id(m) for m in modules.values())
         self._thread = threading.get_ident()
@@ -223,20 +228,31 @@ class Narrowing:
         self.full = True
         if not self.enabled:
             return
-        self.codes = self.stack.mode.codes = {}
         for module in modules.values():
             self._by_type.setdefault(type(module), []).append(module)
-        for block in _blocks(self.model, self._by_type):
-            self._block_handles.append(block.register_forward_pre_hook(self._block_pre, prepend=True))
-            self._block_handles.append(block.register_forward_hook(self._block_post, always_call=True))
+        self._key = discovery.fingerprint(self.model, modules)
+        learned = discovery.recall(self.model, self._key)
+        if learned is None:
+            self.codes = self.stack.mode.codes = {}
+            for block in _blocks(self.model, self._by_type):
+                self._block_handles.append(block.register_forward_pre_hook(self._block_pre, prepend=True))
+                self._block_handles.append(block.register_forward_hook(self._block_post, always_call=True))
         self._handles.append(self.model.register_forward_pre_hook(self._root_pre, prepend=True))
         self._handles.append(self.model.register_forward_hook(self._root_post, always_call=True))
         interface.open_taps(self)
         self._handles.append(_Closer(self))
+        if learned is not None:
+            self._issuer_types |= learned.issuer_types
+            self.codes = learned.codes  # read by _prepare only: the mode notes nothing
+            self._narrow()
 
-    def stop(self) -> None:
-        """At the end of the scope (also after an exception): the mode off, every hook and tap removed."""
+    def stop(self, clean: bool = False) -> None:
+        """At the end of the scope (also after an exception): the mode off, every hook and tap removed;
+        what was learned about the model kept for its next capture when the scope ended ``clean``
+        (without an exception) and the model's last forward did not raise."""
         try:
+            if clean:
+                self._remember()
             if self.full or self._depth > 0:
                 self.full, self._depth = False, 0
                 self.stack.pop()
@@ -256,8 +272,19 @@ class Narrowing:
             self._calls.clear()
             self._named = None
             self.codes = self.stack.mode.codes = None
+            self._key = self._discovered = None
+            self._learned = {}
+            self._failed = False
             self._interface = self._root_depth = 0
             self._narrowed = self._ready = False
+
+    def _remember(self) -> None:
+        if self._key is None or self._failed:
+            return
+        codes = dict((self._discovered if self._narrowed else self.codes) or {})
+        codes.update(self._learned)
+        if codes:  # (nothing ran: nothing learned)
+            discovery.remember(self.model, self._key, codes, self._issuer_types)
 
     # -- what the recorder and the taps tell it ------------------------------------------------
     def issued(self, module: nn.Module) -> None:
@@ -313,8 +340,9 @@ class Narrowing:
         if threading.get_ident() != self._thread or self._root_depth == 0:
             return
         self._root_depth -= 1
-        if self._root_depth == 0 and not self._ready:
-            self._ready = sys.exc_info()[0] is None  # a forward that raised may not have run every module
+        if self._root_depth == 0:
+            self._failed = sys.exc_info()[0] is not None  # a forward that raised may not have run every module
+            self._ready = self._ready or not self._failed
 
     def _block_pre(self, module: nn.Module, args: tuple) -> None:
         """A layer/block of a class already seen whole: run it with the mode only where attention is issued."""
@@ -352,6 +380,7 @@ class Narrowing:
         self._block_handles.clear()
         self.stack.pop()
         self.full, self._narrowed, self.narrowed = False, True, True
+        self._discovered = self.codes
         self.codes = self.stack.mode.codes = None
 
     def _prepare(self, modules: Iterable[nn.Module]) -> None:
@@ -411,6 +440,10 @@ class Narrowing:
                 return
             entered[0] -= 1
             self._leave()
+            if key in self._tripwires and sys.exc_info()[0] is None:  # it ran whole with the mode on
+                code = _forward_code(m)
+                if code is not None:
+                    self._learned[id(code)] = code
 
         return [module.register_forward_pre_hook(pre, prepend=True), module.register_forward_hook(post, always_call=True)]
 

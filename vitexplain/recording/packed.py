@@ -37,7 +37,7 @@ def packed_groups(start: Optional[FrameType], stop: Optional[FrameType], query: 
     module = sys.modules.get(_SDPA_MODULE)
     forward = getattr(module, "sdpa_attention_forward", None)
     code = getattr(forward, "__code__", None)
-    if code is None or query.dim() != 4:
+    if code is None or query.dim() != 4 or query.shape[-2] == 1:  # (one row: nothing packed into rows)
         return 1
     frame = start
     while frame is not None and frame is not stop:

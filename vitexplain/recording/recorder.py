@@ -25,6 +25,7 @@ The recorder does not recognise models: ``rec.layout`` comes from the ``layout_f
 from __future__ import annotations
 
 import sys
+import threading
 from types import FrameType
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
@@ -122,6 +123,7 @@ class Recorder:
         self._stance: Any = None
         self._active = False
         self._in_backward = False
+        self._thread = 0  # the thread the scope was entered in
 
     # -- context manager --------------------------------------------------------------
     def __enter__(self) -> "Recorder":
@@ -136,9 +138,11 @@ class Recorder:
             )
         try:
             self._stance = eager_stance(self._compiled, modules.values())
+            self._thread = threading.get_ident()
             self._handles.append(
                 self.model.register_forward_pre_hook(self._on_model_input, with_kwargs=True)
             )
+            self._handles.append(self.model.register_forward_hook(self._on_model_output, always_call=True))
             for name in self.activation_names:
                 self._handles.append(
                     modules[name].register_forward_hook(self._activation_hook(name), with_kwargs=True)
@@ -167,15 +171,15 @@ class Recorder:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        self._restore()
+        self._restore(clean=exc_type is None)
         return None  # never swallow exceptions
 
-    def _restore(self) -> None:
+    def _restore(self, clean: bool = False) -> None:
         try:
             if self._mode_entered:
                 self._mode_entered = False
                 try:
-                    self._narrowing.stop()
+                    self._narrowing.stop(clean)
                 finally:
                     self._flex.stop()
         finally:
@@ -379,11 +383,17 @@ class Recorder:
     # -- hooks ------------------------------------------------------------------------
     def _on_model_input(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         self.forward_count += 1
+        if threading.get_ident() == self._thread:
+            self._attribution.enter_root()
         candidates: Iterable[Any] = (*args, kwargs.get("pixel_values"), kwargs.get("x"), kwargs.get("images"))
         for value in candidates:
             if isinstance(value, Tensor) and value.dim() == 4 and value.is_floating_point():
                 self.input_size = (int(value.shape[-2]), int(value.shape[-1]))
                 return
+
+    def _on_model_output(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if threading.get_ident() == self._thread:
+            self._attribution.exit_root()
 
     def _activation_hook(self, name: str) -> Callable:
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
