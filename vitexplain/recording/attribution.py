@@ -205,6 +205,14 @@ class Attribution:
             frame = frame.f_back
         return None
 
+    def issuer_of(self, module: nn.Module, frame: FrameType) -> Optional[Issuer]:
+        """``module`` as the issuer of a call made from its method's ``frame``, known without a walk (the
+        caller says which module issued it), or None when not recorded there (as :meth:`attention_issuer`)."""
+        name = self._names.get(id(module))
+        if name is None or (self._declared and is_inside(name, self._declared)):
+            return None
+        return Issuer(name, module, frame)
+
     def attention_issuer(self, start: Optional[FrameType]) -> Optional[Issuer]:
         """The issuer of an SDPA/softmax/FlexAttention call, or None when it is not recorded there:
         calls from outside the model, and calls inside a declared module (whose record replaces them)."""

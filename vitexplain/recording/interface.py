@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional, Protocol
 
 from torch import nn
 
-__all__ = ["TapOwner", "open_taps", "close_taps", "KEYS"]
+__all__ = ["TapOwner", "open_taps", "close_taps", "KEYS", "TAP_CODE"]
 
 #: The registry entries tapped, with the module and name of transformers' own function for each.
 KEYS = {
@@ -78,6 +78,10 @@ def _make_tap(original: Callable) -> Callable:
     tap.__name__ = getattr(original, "__name__", "attention")
     tap.__doc__ = original.__doc__
     return tap
+
+
+#: The code of every tap (one ``def``): a frame of it is a tap's, called by the issuing module's method.
+TAP_CODE = _make_tap(lambda *args, **kwargs: None).__code__
 
 
 def _through(owners: list, original: Callable, module: Any, args: tuple, kwargs: dict) -> Any:

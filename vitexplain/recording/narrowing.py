@@ -50,6 +50,7 @@ from __future__ import annotations
 import inspect
 import sys
 import threading
+from functools import partial
 from types import CodeType
 from typing import Any, Callable, Iterable, Mapping, Optional
 
@@ -60,6 +61,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..errors import CaptureError
 from . import discovery, interface
+from .direct import DirectSDPA
 from .attribution import never_issues
 
 __all__ = ["Narrowing"]
@@ -173,6 +175,7 @@ class Narrowing:
     Args:
         mode: the capture's mode.
         model: the captured model.
+        direct: records tapped SDPA calls from their arguments where checked (None: always through the mode).
 
     Attributes:
         codes: code objects that made torch calls during discovery (None when not noting them).
@@ -181,8 +184,9 @@ class Narrowing:
         gated_types: the classes whose modules the mode was entered in after narrowing (kept after the scope).
     """
 
-    def __init__(self, mode: TorchFunctionMode, model: nn.Module) -> None:
+    def __init__(self, mode: TorchFunctionMode, model: nn.Module, direct: Optional[DirectSDPA] = None) -> None:
         self.model = model
+        self.direct = direct
         self.stack = _Stack(mode)
         self.enabled = True
         self.full = False
@@ -301,18 +305,26 @@ class Narrowing:
         return id(module) in self._ids
 
     def through_interface(self, original: Callable, module: nn.Module, args: tuple, kwargs: dict) -> Any:
-        """A Hugging Face attention function called for one of the model's modules, in this thread."""
+        """A Hugging Face attention function called for one of the model's modules, in this thread: with the
+        mode on for its duration, or recorded from its arguments (:mod:`~vitexplain.recording.direct`)."""
         self._interface += 1
         try:
             if self.full or self._depth > 0:
                 return original(module, *args, **kwargs)
-            self._enter()
-            try:
-                return original(module, *args, **kwargs)
-            finally:
-                self._leave()
+            through_mode = partial(self._through_mode, original, module, args, kwargs)
+            tap = sys._getframe(1)
+            if self.direct is not None and tap.f_code is interface.TAP_CODE:  # (not several captures' taps in a chain)
+                return self.direct.call(original, module, args, kwargs, tap.f_back, through_mode)
+            return through_mode()
         finally:
             self._interface -= 1
+
+    def _through_mode(self, original: Callable, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        self._enter()
+        try:
+            return original(module, *args, **kwargs)
+        finally:
+            self._leave()
 
     # -- the mode in and out ------------------------------------------------------------------
     def _enter(self) -> None:
@@ -394,12 +406,23 @@ class Narrowing:
                     self._named.add(kind)
         self._gate(self._issuer_types | self._named)
         codes = self.codes or {}
+        ran: dict[type, bool] = {}  # by class: whether its forward ran (instances share it unless they have their own)
+
+        def has_run(module: nn.Module) -> bool:
+            code = _forward_code(module)
+            return code is not None and (codes.get(id(code)) is code or _inert(code))
+
         for module in modules:
             key = id(module)
             if key in self._gated or key in self._tripwires or module is self.model:
                 continue
-            code = _forward_code(module)
-            if code is None or (codes.get(id(code)) is not code and not _inert(code)):
+            if "forward" in module.__dict__:
+                known = has_run(module)
+            else:
+                known = ran.get(type(module))
+                if known is None:
+                    known = ran[type(module)] = has_run(module)
+            if not known:
                 self._tripwires[key] = self._hooks(module)
 
     def _settle(self) -> None:
@@ -460,4 +483,5 @@ class _Closer:
             interface.close_taps(owner)
 
 
-never_issues(Narrowing.through_interface.__code__)  # on the stack between an HF attention module and SDPA
+for _method in (Narrowing.through_interface, Narrowing._through_mode):  # between an HF attention module and SDPA
+    never_issues(_method.__code__)

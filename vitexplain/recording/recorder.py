@@ -38,6 +38,7 @@ from ..layout import TokenLayout
 from .attribution import Attribution, frame_kind
 from .compiled import eager_stance, unwrap_compiled
 from .custom import Extractor, declared_modules, module_hook
+from .direct import DirectSDPA
 from .flex import FlexWatcher
 from .gates import GateHooks, GateRecord, checked_gates
 from .interception import AttentionMode
@@ -116,7 +117,7 @@ class Recorder:
         self._attribution = Attribution()
         self._flex = FlexWatcher(self)
         self._mode = AttentionMode(self, self._flex, self.attention_mode, self.heads)
-        self._narrowing = Narrowing(self._mode, self.model)
+        self._narrowing = Narrowing(self._mode, self.model, DirectSDPA(self, not self.grads and self.attention_mode == "fused"))
         self._mode_entered = False
         self._handles: list[RemovableHandle] = []
         self._fastpath: Optional[bool] = None
@@ -199,6 +200,10 @@ class Recorder:
     def issuer(self, start: FrameType) -> Optional[Issuer]:
         """The captured module that issued a call made from ``start`` (None: not recorded)."""
         return self._attribution.attention_issuer(start)
+
+    def issuer_of(self, module: nn.Module, frame: FrameType) -> Optional[Issuer]:
+        """``module`` as the issuer of a call made from ``frame`` (see :class:`RecordSink`)."""
+        return self._attribution.issuer_of(module, frame)
 
     def add_record(
         self, issuer: Issuer, record_type: type = AttentionRecord, *, kind: Optional[str] = None, **fields: Any

@@ -45,6 +45,10 @@ class RecordSink(Protocol):
         """The module that issued a call made from frame ``start``, or None when the call is not
         recorded there (not from the captured model, or inside a module an extractor declares)."""
 
+    def issuer_of(self, module: nn.Module, frame: FrameType) -> Optional[Issuer]:
+        """``module`` as the issuer of a call made from ``frame`` (its method), when the caller knows the
+        module (Hugging Face's attention interface passes it); None when not recorded there."""
+
     def add_record(
         self, issuer: Issuer, record_type: type = AttentionRecord, *, kind: Optional[str] = None, **fields: Any
     ) -> AttentionRecord:

@@ -1,0 +1,190 @@
+"""Records of Hugging Face SDPA attention made from the attention function's own arguments.
+
+After narrowing (``narrowing.py``), a Hugging Face attention module's call reaches the capture
+through the ``"sdpa"`` tap of transformers' attention interface (``interface.py``), and the
+capture's torch function mode is entered for the duration of transformers'
+``sdpa_attention_forward`` so that its SDPA call is seen. That costs the mode's dispatch on each
+of the function's torch calls (shape reads, reshapes) on every layer and decoding step.
+
+This module computes, from the function's arguments, the arguments that function passes to
+SDPA, as transformers does (``repeat_kv``, packed grouped-query decoding, the causal flag, the
+key slice for an empty static cache), and makes the same record the mode would make, while the
+function runs without the mode. It is trusted only where it was *checked*: the first call of each
+kind (the function itself, the module's class, and every condition the function branches on or
+that this module reads: mask or not, one query row or more, grouped-query handling, causal flag,
+key slice, which keyword arguments are set) runs through the mode as before, and the record the
+mode made is compared with the one computed here (name, shapes, causal flag, scale, dropout,
+and q, k and mask values). Equal: later calls of that kind are recorded from the arguments.
+Different (another transformers version that prepares SDPA's arguments otherwise): that kind
+keeps going through the mode. Calls this module does not follow (a position bias, softcap,
+``output_attentions``, a capture with gradients or materialized attention, tracing or
+compiling) always go through the mode.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from types import FrameType
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor, nn
+
+from .attribution import frame_kind
+from .sink import Issuer, RecordSink
+
+__all__ = ["DirectSDPA"]
+
+_MODULE = "transformers.integrations.sdpa_attention"
+
+# (function, module class, conditions) -> whether records computed here equal the mode's
+_CHECKED: dict[tuple, bool] = {}
+_lock = threading.Lock()
+
+
+class _Source:
+    """transformers' ``sdpa_attention_forward`` and the helpers it uses, read once per function object."""
+
+    def __init__(self, original: Callable, source: Any) -> None:
+        code = original.__code__
+        names = code.co_varnames[1: code.co_argcount]  # after ``module``
+        defaults = original.__defaults__ or ()
+        self.names = names
+        self.position = {name: i for i, name in enumerate(names)}
+        self.defaults = dict(zip(names[len(names) - len(defaults):], defaults))
+        self.use_gqa = getattr(source, "use_gqa_in_sdpa", None)
+        self.repeat = getattr(source, "repeat_kv", None)
+        self.usable = not getattr(source, "_is_torch_npu_available", True) and {"query", "key", "value"} <= set(names)
+
+    def get(self, name: str, args: tuple, kwargs: dict) -> Any:
+        i = self.position.get(name)
+        if i is not None and i < len(args):
+            return args[i]
+        return kwargs.get(name, self.defaults.get(name))
+
+
+_SOURCES: dict[int, tuple[Callable, Optional[_Source]]] = {}  # by id(original), the function held
+
+
+def _source(original: Callable) -> Optional[_Source]:
+    known = _SOURCES.get(id(original))
+    if known is not None and known[0] is original:
+        return known[1]
+    module = sys.modules.get(_MODULE)
+    found = None
+    if module is not None and getattr(module, "sdpa_attention_forward", None) is original:
+        found = _Source(original, module)
+        found = found if found.usable else None
+    _SOURCES[id(original)] = (original, found)
+    return found
+
+
+def _held(t: Optional[Tensor]) -> Optional[Tensor]:
+    """What a record keeps of a tensor: the tensor itself unless it is part of an autograd graph."""
+    return t.detach() if t is not None and t.requires_grad else t
+
+
+_ARGUMENTS = frozenset(("query", "key", "value", "attention_mask"))
+
+
+def _plan(original: Callable, module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict[str, Any]]]:
+    """(the call's kind, the record's fields) as ``sdpa_attention_forward`` would pass SDPA its
+    arguments, or None where this is not followed."""
+    source = _source(original)
+    if source is None or len(args) > len(source.names):
+        return None
+    get = source.get
+    if get("softcap", args, kwargs) is not None or get("position_bias", args, kwargs) is not None \
+            or get("output_attentions", args, kwargs):
+        return None
+    query, key, mask = get("query", args, kwargs), get("key", args, kwargs), get("attention_mask", args, kwargs)
+    if not isinstance(query, Tensor) or not isinstance(key, Tensor) or query.dim() != 4 or key.dim() != 4:
+        return None
+    if (mask is not None and not isinstance(mask, Tensor)) or torch.jit.is_tracing() or torch.compiler.is_compiling():
+        return None
+    groups = getattr(module, "num_key_value_groups", 1)
+    q_length = query.shape[2]
+    handling = "none"
+    if isinstance(groups, int) and groups > 1:
+        if source.use_gqa is None or source.repeat is None:
+            return None
+        if source.use_gqa(mask, key, get("value", args, kwargs)):
+            handling = "enable_gqa"
+        elif q_length == 1:
+            handling = "packed"  # the record holds the query heads as heads, as the mode's (packed.py)
+        else:
+            handling = "repeat"
+            key = source.repeat(key, groups)
+    causal = get("is_causal", args, kwargs)
+    causal = causal if causal is not None else getattr(module, "is_causal", True)
+    causal = bool(q_length > 1 and mask is None and causal)
+    sliced = causal and key.shape[2] > q_length
+    if sliced:
+        key = key[:, :, :q_length, :]
+    dropout = float(get("dropout", args, kwargs) or 0.0)
+    scaling = get("scaling", args, kwargs)
+    given = tuple(name for name in source.names[len(args):] if name not in _ARGUMENTS and get(name, args, kwargs) is not None) \
+        + tuple(name for name, value in kwargs.items() if name not in source.position and value is not None)
+    kind = (original, type(module), handling, None if mask is None else mask.dim(), q_length == 1, causal, sliced,
+            dropout != 0.0, scaling is None, len(args), given)
+    fields = dict(source="sdpa", q_shape=query.shape, k_shape=key.shape, dropout_p=dropout, _mask=_held(mask),
+                  _scale=scaling, _causal=causal, _q=_held(query), _k=_held(key))
+    return kind, fields
+
+
+def _same(record: Any, issuer: Issuer, fields: dict[str, Any]) -> bool:
+    """Whether the mode's record of a call equals the one computed from its arguments and its caller."""
+    if record.name != issuer.name or record.kind != frame_kind(issuer.module, issuer.frame) or record.q_shape != fields["q_shape"] or record.k_shape != fields["k_shape"]:
+        return False
+    if record.dropout_p != fields["dropout_p"] or record._scale != fields["_scale"] or record._causal != fields["_causal"]:
+        return False
+    mask, expected = record._mask, fields["_mask"]
+    if (mask is None) != (expected is None) or (mask is not None and (mask.shape != expected.shape or not torch.equal(mask, expected))):
+        return False
+    return torch.equal(record._q, fields["_q"]) and torch.equal(record._k, fields["_k"])
+
+
+class DirectSDPA:
+    """Records a capture's tapped SDPA calls from their arguments where that was checked (module docstring).
+
+    Args:
+        sink: the recorder.
+        enabled: False for captures whose records need the SDPA call itself (gradients, materialized attention).
+    """
+
+    def __init__(self, sink: RecordSink, enabled: bool) -> None:
+        self.sink = sink
+        self.enabled = enabled
+
+    def call(self, original: Callable, module: nn.Module, args: tuple, kwargs: dict, frame: Optional[FrameType],
+             through_mode: Callable[[], Any]) -> Any:
+        """Run ``original(module, *args, **kwargs)`` and record its SDPA call.
+
+        Args:
+            original: the interface's attention function.
+            module: the issuing module (one of the captured model's).
+            args, kwargs: the call's other arguments.
+            frame: the frame that called the interface (the module's forward).
+            through_mode: runs the call with the capture's mode on (the record is then the mode's).
+        """
+        plan = _plan(original, module, args, kwargs) if self.enabled else None
+        if plan is None or frame is None:
+            return through_mode()
+        kind, fields = plan
+        checked = _CHECKED.get(kind)
+        if checked is False:
+            return through_mode()
+        issuer = self.sink.issuer_of(module, frame)
+        if issuer is None:
+            return through_mode()
+        if checked is None:
+            before = self.sink.last_record()
+            out = through_mode()
+            record = self.sink.last_record()
+            with _lock:
+                _CHECKED[kind] = record is not before and record is not None and _same(record, issuer, fields)
+            return out
+        out = original(module, *args, **kwargs)
+        self.sink.add_record(issuer, **fields)
+        return out
