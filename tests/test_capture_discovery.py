@@ -1,0 +1,123 @@
+"""What a capture learns about a model and keeps for the next (recording/discovery.py), and Hugging Face
+SDPA calls recorded from their arguments (recording/direct.py): records always equal full interception's.
+
+The oracle is full interception (``rec._full_interception = True``), compared by ``check`` of
+test_capture_narrowing.py (names, kinds, steps, top-level calls, shapes, probabilities to 1e-6).
+"""
+
+from __future__ import annotations
+
+import gc
+import types
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import vitexplain as vx
+import vlm_helpers as helpers
+from test_capture_narrowing import _capture, _generate, _key, check
+from vitexplain.recording import direct, discovery
+
+transformers = pytest.importorskip("transformers")
+sdpa_module = pytest.importorskip("transformers.integrations.sdpa_attention")
+from transformers.modeling_utils import AttentionInterface  # noqa: E402
+
+
+def _llava():
+    torch.manual_seed(0)
+    model, proc = helpers.BUILDERS["llava"]()
+    oracle = helpers.ORACLE["llava"]
+    inputs = dict(proc(images=helpers.images(5)[:2], text=[oracle["prompt"]("what is")] * 2, return_tensors="pt", padding=True))
+    return model.eval(), _generate(model, inputs, suppress_tokens=oracle["placeholders"](model))
+
+
+def _after_a_change(model: nn.Module, run):
+    """A capture of a model changed since a capture learned it (no ``forget``): equal to full interception."""
+    full, _ = _capture(model, run, full=True)
+    rec, _ = _capture(model, run, full=False)
+    assert [_key(r) for r in rec.records] == [_key(r) for r in full.records]
+    for r, s in zip(rec.records, full.records):
+        torch.testing.assert_close(r.probs(), s.probs(), atol=1e-6, rtol=0)
+    return rec
+
+
+def _checked(model: nn.Module) -> dict:
+    """The checks made for the attention classes of ``model`` (kind -> whether records from arguments held)."""
+    classes = {type(m) for m in model.modules()}
+    return {kind: ok for kind, ok in direct._CHECKED.items() if kind[1] in classes}
+
+
+def test_a_later_capture_starts_narrowed_and_records_sdpa_calls_from_their_arguments():
+    model, run = _llava()
+    check(model, run)  # a discovering capture, then one that starts narrowed: both equal full interception
+    checked = _checked(model)
+    assert checked and all(checked.values())  # every kind of call this transformers makes was checked and held
+    again, _ = _capture(model, run, full=False)
+    assert again._narrowing.narrowed and not again._narrowing.gated_types
+    assert discovery.recall(model, discovery.fingerprint(model, dict(model.named_modules()))) is not None
+
+
+def test_another_attention_implementation_is_discovered_again():
+    """Switching the model to eager attention (softmax outside the interface) between captures: the
+    learned entry no longer holds, the next capture discovers the model and gates its attention classes."""
+    model, run = _llava()
+    check(model, run)
+    model.set_attn_implementation("eager")
+    rec = _after_a_change(model, run)
+    assert rec._narrowing.gated_types  # eager softmax is issued by the attention modules themselves
+    assert all(r.source == "eager" for r in rec.records)
+
+
+def test_a_changed_forward_is_discovered_again():
+    """A layer's attention given its own forward (same modules, same names) after a capture learned the
+    model: it now also issues a softmax outside the interface, which the next capture records."""
+    model, run = _llava()
+    check(model, run)
+    attn = model.model.language_model.layers[1].self_attn
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        out, weights = type(self).forward(self, hidden_states, *args, **kwargs)
+        scores = hidden_states @ hidden_states.transpose(-1, -2) / hidden_states.shape[-1] ** 0.5
+        return out + 0 * torch.softmax(scores.unsqueeze(1), dim=-1).sum(), weights
+
+    attn.forward = types.MethodType(forward, attn)
+    rec = _after_a_change(model, run)
+    assert any(r.name.endswith("layers.1.self_attn") and r.source == "eager" for r in rec.records)
+
+
+def test_what_a_capture_learned_does_not_keep_the_model_alive_nor_survives_a_forward_that_raised():
+    model, run = _llava()
+    with torch.no_grad(), pytest.raises(RuntimeError, match="boom"), vx.capture(model):
+        handle = model.model.language_model.layers[0].register_forward_pre_hook(lambda m, a: (_ for _ in ()).throw(RuntimeError("boom")))
+        try:
+            run()
+        finally:
+            handle.remove()
+    key = discovery.fingerprint(model, dict(model.named_modules()))
+    assert discovery.recall(model, key) is None  # nothing learned from a forward that raised
+    with torch.no_grad(), vx.capture(model):
+        run()
+    assert discovery.recall(model, key) is not None
+    alive = weakref.ref(model)
+    del model, run
+    gc.collect()
+    assert alive() is None
+
+
+def test_a_transformers_that_prepares_sdpa_arguments_otherwise_is_recorded_through_the_mode(monkeypatch):
+    """An ``sdpa_attention_forward`` that passes SDPA other arguments than the ones computed from its own
+    (here: half the scale) fails the first check of each kind of call: those go through the mode."""
+    original = sdpa_module.sdpa_attention_forward
+
+    def sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        scaling = (query.shape[-1] ** -0.5 if scaling is None else scaling) / 2
+        return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+    monkeypatch.setattr(sdpa_module, "sdpa_attention_forward", sdpa_attention_forward)
+    monkeypatch.setitem(AttentionInterface._global_mapping, "sdpa", sdpa_attention_forward)
+    model, run = _llava()
+    check(model, run)
+    checked = {kind: ok for kind, ok in direct._CHECKED.items() if kind[0] is sdpa_attention_forward}
+    assert checked and not any(checked.values())
