@@ -43,6 +43,10 @@ and their LM's ``generate``: their layers are still narrowed). When the mode is 
 goes back to its place on the stack, under any mode entered after the scope began. The records are
 those of full interception (tests/test_capture_narrowing.py compares them for every kind of model
 that runs several forwards).
+
+A capture of a model that an earlier capture discovered starts narrowed (:mod:`~vitexplain.recording.discovery`
+keeps what discovery learned while the model is unchanged), and inside the ``"sdpa"`` tap the record is
+made from the attention function's arguments where that was checked (:mod:`~vitexplain.recording.direct`).
 """
 
 from __future__ import annotations
