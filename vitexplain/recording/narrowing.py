@@ -51,126 +51,23 @@ made from the attention function's arguments where that was checked (:mod:`~vite
 
 from __future__ import annotations
 
-import inspect
 import sys
 import threading
 from functools import partial
 from types import CodeType
 from typing import Any, Callable, Iterable, Mapping, Optional
 
-import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-from ..errors import CaptureError
 from . import discovery, interface
 from .direct import DirectSDPA
 from .attribution import never_issues
+from .forwards import ATTENTION_NAMES, blocks, forward_code, inert
+from .modestack import ModeStack
 
 __all__ = ["Narrowing"]
-
-
-_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)  # no forward of their own, or one per content
-
-
-def _blocks(model: nn.Module, by_type: Mapping[type, list]) -> list[nn.Module]:
-    """The outermost modules of a class with several instances that hold submodules (layers, blocks)."""
-    repeated = {kind for kind, instances in by_type.items()
-                if len(instances) > 1 and instances[0]._modules and not issubclass(kind, _CONTAINERS)}
-    found: list[nn.Module] = []
-    seen: set[int] = set()
-    stack = [model]
-    while stack:
-        for child in stack.pop()._modules.values():
-            if child is None or id(child) in seen:
-                continue
-            seen.add(id(child))
-            if type(child) in repeated:
-                found.append(child)
-            else:
-                stack.append(child)
-    return found
-
-#: Names whose presence in a module's forward code gates its class even if it issued nothing in discovery.
-_ATTENTION_NAMES = frozenset(("scaled_dot_product_attention", "softmax", "flex_attention", "multi_head_attention_forward"))
-
-
-_FORWARDS: dict[type, tuple[Any, Optional[CodeType]]] = {}  # class -> (its forward, that forward's code)
-
-
-def _forward_code(module: nn.Module) -> Optional[CodeType]:
-    """The code of a module's forward, under its decorators (None: not Python code)."""
-    own = "forward" in module.__dict__  # an instance's own forward (e.g. a hook library's wrapper)
-    declared = type(module).forward
-    if not own:
-        cached = _FORWARDS.get(type(module))
-        if cached is not None and cached[0] is declared:
-            return cached[1]
-    forward = getattr(module.forward, "__func__", module.forward)
-    try:
-        forward = inspect.unwrap(forward)
-    except ValueError:  # a __wrapped__ cycle
-        pass
-    code = getattr(forward, "__code__", None)
-    if not own:
-        _FORWARDS[type(module)] = (declared, code)
-    return code
-
-
-_UNIMPLEMENTED = nn.Module.forward.__code__  # torch.nn.modules.module._forward_unimplemented
-
-
-def _inert(code: CodeType) -> bool:
-    """Whether a forward cannot issue attention: ``nn.ModuleList``'s (none: never called), or one that names
-    no global or attribute at all (``nn.Identity``: it can only return or combine its arguments)."""
-    return code is _UNIMPLEMENTED or not code.co_names
-
-
-class _Stack:
-    """The capture's mode on the thread's torch function mode stack, at its place.
-
-    ``base`` is the stack's height when the scope began: the mode goes there (under modes
-    entered later), as it was when it was entered at the start of the scope.
-    """
-
-    def __init__(self, mode: TorchFunctionMode) -> None:
-        self.mode = mode
-        self.base = 0
-
-    def start(self) -> None:
-        self.base = torch._C._len_torch_function_stack()
-
-    def top_is_mode(self) -> bool:
-        n = torch._C._len_torch_function_stack()
-        return n > 0 and torch._C._get_function_stack_at(n - 1) is self.mode
-
-    def push(self) -> None:
-        if torch._C._len_torch_function_stack() <= self.base:  # the usual case: nothing above
-            torch._C._push_on_torch_function_stack(self.mode)
-            return
-        above = []
-        while torch._C._len_torch_function_stack() > self.base:
-            above.append(torch._C._pop_torch_function_stack())
-        torch._C._push_on_torch_function_stack(self.mode)
-        for mode in reversed(above):
-            torch._C._push_on_torch_function_stack(mode)
-
-    def pop(self) -> None:
-        n = torch._C._len_torch_function_stack()
-        if n > 0 and torch._C._get_function_stack_at(n - 1) is self.mode:  # the usual case
-            torch._C._pop_torch_function_stack()
-            return
-        at = next((i for i in range(n - 1, -1, -1) if torch._C._get_function_stack_at(i) is self.mode), None)
-        if at is None:
-            raise CaptureError(
-                "vx.capture's torch function mode is no longer on the mode stack: a torch function mode was "
-                "left without being exited inside the capture (enter and leave modes with `with`)"
-            )
-        above = [torch._C._pop_torch_function_stack() for _ in range(n - 1 - at)]
-        torch._C._pop_torch_function_stack()
-        for mode in reversed(above):
-            torch._C._push_on_torch_function_stack(mode)
 
 
 class Narrowing:
@@ -191,7 +88,7 @@ class Narrowing:
     def __init__(self, mode: TorchFunctionMode, model: nn.Module, direct: Optional[DirectSDPA] = None) -> None:
         self.model = model
         self.direct = direct
-        self.stack = _Stack(mode)
+        self.stack = ModeStack(mode)
         self.enabled = True
         self.full = False
         self.narrowed = False  # whether the last scope narrowed (kept after it, for tests and benchmarks)
@@ -218,6 +115,7 @@ class Narrowing:
         self._known: set[type] = set()  # block classes one of whose calls ran fully intercepted
         self._calls: dict[int, list[str]] = {}  # block id -> what each call in progress did ("full", "suspended", "")
         self._key: Optional[tuple] = None  # the model's fingerprint at the start of the scope (discovery.py)
+        self._recalled: Optional[discovery.Learned] = None  # what the scope started from, if anything
         self._discovered: Optional[dict[int, CodeType]] = None  # the codes known when narrowing began
         self._learned: dict[int, CodeType] = {}  # codes of modules that ran whole under a tripwire
         self._failed = False  # the last forward of the model raised
@@ -239,10 +137,10 @@ class Narrowing:
         for module in modules.values():
             self._by_type.setdefault(type(module), []).append(module)
         self._key = discovery.fingerprint(self.model, modules)
-        learned = discovery.recall(self.model, self._key)
+        learned = self._recalled = discovery.recall(self.model, self._key)
         if learned is None:
             self.codes = self.stack.mode.codes = {}
-            for block in _blocks(self.model, self._by_type):
+            for block in blocks(self.model, self._by_type):
                 self._block_handles.append(block.register_forward_pre_hook(self._block_pre, prepend=True))
                 self._block_handles.append(block.register_forward_hook(self._block_post, always_call=True))
         self._handles.append(self.model.register_forward_pre_hook(self._root_pre, prepend=True))
@@ -280,7 +178,7 @@ class Narrowing:
             self._calls.clear()
             self._named = None
             self.codes = self.stack.mode.codes = None
-            self._key = self._discovered = None
+            self._key = self._discovered = self._recalled = None
             self._learned = {}
             self._failed = False
             self._interface = self._root_depth = 0
@@ -289,6 +187,9 @@ class Narrowing:
     def _remember(self) -> None:
         if self._key is None or self._failed:
             return
+        recalled = self._recalled
+        if recalled is not None and not self._learned and self._issuer_types <= recalled.issuer_types:
+            return  # nothing new since the entry this scope started from
         codes = dict((self._discovered if self._narrowed else self.codes) or {})
         codes.update(self._learned)
         if codes:  # (nothing ran: nothing learned)
@@ -405,16 +306,16 @@ class Narrowing:
         if self._named is None:  # classes whose forward calls an attention function itself
             self._named = set()
             for kind, instances in self._by_type.items():
-                code = _forward_code(instances[0])
-                if code is not None and not _ATTENTION_NAMES.isdisjoint(code.co_names):
+                code = forward_code(instances[0])
+                if code is not None and not ATTENTION_NAMES.isdisjoint(code.co_names):
                     self._named.add(kind)
         self._gate(self._issuer_types | self._named)
         codes = self.codes or {}
         ran: dict[type, bool] = {}  # by class: whether its forward ran (instances share it unless they have their own)
 
         def has_run(module: nn.Module) -> bool:
-            code = _forward_code(module)
-            return code is not None and (codes.get(id(code)) is code or _inert(code))
+            code = forward_code(module)
+            return code is not None and (codes.get(id(code)) is code or inert(code))
 
         for module in modules:
             key = id(module)
@@ -468,7 +369,7 @@ class Narrowing:
             entered[0] -= 1
             self._leave()
             if key in self._tripwires and sys.exc_info()[0] is None:  # it ran whole with the mode on
-                code = _forward_code(m)
+                code = forward_code(m)
                 if code is not None:
                     self._learned[id(code)] = code
 
