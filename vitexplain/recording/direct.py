@@ -85,9 +85,6 @@ def _held(t: Optional[Tensor]) -> Optional[Tensor]:
     return t.detach() if t is not None and t.requires_grad else t
 
 
-_ARGUMENTS = frozenset(("query", "key", "value", "attention_mask"))
-
-
 def _plan(original: Callable, module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict[str, Any]]]:
     """(the call's kind, the record's fields) as ``sdpa_attention_forward`` would pass SDPA its
     arguments, or None where this is not followed."""
@@ -95,8 +92,7 @@ def _plan(original: Callable, module: nn.Module, args: tuple, kwargs: dict) -> O
     if source is None or len(args) > len(source.names):
         return None
     get = source.get
-    if get("softcap", args, kwargs) is not None or get("position_bias", args, kwargs) is not None \
-            or get("output_attentions", args, kwargs):
+    if kwargs.get("softcap") is not None or kwargs.get("output_attentions") or get("position_bias", args, kwargs) is not None:
         return None
     query, key, mask = get("query", args, kwargs), get("key", args, kwargs), get("attention_mask", args, kwargs)
     if not isinstance(query, Tensor) or not isinstance(key, Tensor) or query.dim() != 4 or key.dim() != 4:
@@ -124,10 +120,9 @@ def _plan(original: Callable, module: nn.Module, args: tuple, kwargs: dict) -> O
         key = key[:, :, :q_length, :]
     dropout = float(get("dropout", args, kwargs) or 0.0)
     scaling = get("scaling", args, kwargs)
-    given = tuple(name for name in source.names[len(args):] if name not in _ARGUMENTS and get(name, args, kwargs) is not None) \
-        + tuple(name for name, value in kwargs.items() if name not in source.position and value is not None)
+    given = tuple(name for name, value in kwargs.items() if value is not None)  # (defaults: the function's own)
     kind = (original, type(module), handling, None if mask is None else mask.dim(), q_length == 1, causal, sliced,
-            dropout != 0.0, scaling is None, len(args), given)
+            dropout != 0.0, scaling is None, tuple(a is None for a in args[4:]), given)
     fields = dict(source="sdpa", q_shape=query.shape, k_shape=key.shape, dropout_p=dropout, _mask=_held(mask),
                   _scale=scaling, _causal=causal, _q=_held(query), _k=_held(key))
     return kind, fields

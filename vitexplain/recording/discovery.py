@@ -36,11 +36,14 @@ class Learned:
         key: the model's :func:`fingerprint` when it was learned.
         codes: the code objects that ran with the mode on, by id (held, so ids are not reused).
         issuer_types: classes whose modules issued attention outside the interface.
+        prepared: what narrowing decided from them, kept until they change: the classes whose
+            forward names an attention function, and the names of the modules that get a tripwire.
     """
 
     key: tuple
     codes: dict[int, CodeType] = field(default_factory=dict)
     issuer_types: frozenset[type] = frozenset()
+    prepared: Optional[tuple[frozenset[type], tuple[str, ...]]] = None
 
 
 _MEMO: "weakref.WeakKeyDictionary[nn.Module, Learned]" = weakref.WeakKeyDictionary()
@@ -87,6 +90,7 @@ def remember(model: nn.Module, key: tuple, codes: Mapping[int, CodeType], issuer
             learned = _MEMO[model] = Learned(key)
         learned.codes = {**learned.codes, **codes}
         learned.issuer_types = learned.issuer_types | frozenset(issuer_types)
+        learned.prepared = None
 
 
 def forget(model: nn.Module) -> None:

@@ -291,7 +291,7 @@ class Narrowing:
         """At the second forward: the mode only where attention is issued (or stays on, see the module docstring)."""
         if not self.stack.top_is_mode() or type(self.model) in self._issuer_types:
             return
-        self._prepare(self._modules.values())
+        self._prepare(self._modules.values(), whole=True)
         for handle in self._block_handles:  # (at the root's pre-hook: no layer runs now)
             handle.remove()
         self._block_handles.clear()
@@ -300,9 +300,19 @@ class Narrowing:
         self._discovered = self.codes
         self.codes = self.stack.mode.codes = None
 
-    def _prepare(self, modules: Iterable[nn.Module]) -> None:
+    def _prepare(self, modules: Iterable[nn.Module], whole: bool = False) -> None:
         """Before ``modules`` run without the mode everywhere: gates on the classes that need one, and
-        tripwires on those of ``modules`` whose code has not run."""
+        tripwires on those of ``modules`` whose code has not run (for a scope that started from a learned
+        entry, decided once per entry: :attr:`discovery.Learned.prepared`)."""
+        recalled = self._recalled if whole else None  # (whole: ``modules`` are all the model's)
+        if recalled is not None and recalled.prepared is not None:
+            self._named, tripwires = set(recalled.prepared[0]), recalled.prepared[1]
+            self._gate(self._issuer_types | self._named)
+            for name in tripwires:
+                module = self._modules[name]
+                if id(module) not in self._gated:
+                    self._tripwires[id(module)] = self._hooks(module)
+            return
         if self._named is None:  # classes whose forward calls an attention function itself
             self._named = set()
             for kind, instances in self._by_type.items():
@@ -317,6 +327,8 @@ class Narrowing:
             code = forward_code(module)
             return code is not None and (codes.get(id(code)) is code or inert(code))
 
+        names = {id(m): n for n, m in self._modules.items()} if recalled is not None else {}
+        placed = []
         for module in modules:
             key = id(module)
             if key in self._gated or key in self._tripwires or module is self.model:
@@ -329,6 +341,9 @@ class Narrowing:
                     known = ran[type(module)] = has_run(module)
             if not known:
                 self._tripwires[key] = self._hooks(module)
+                placed.append(names.get(key))
+        if recalled is not None:
+            recalled.prepared = (frozenset(self._named), tuple(placed))
 
     def _settle(self) -> None:
         """At the start of a later forward: fired tripwires removed, newly seen issuer classes gated."""
