@@ -1,0 +1,155 @@
+"""Hugging Face LeViT and SAM 2's Hiera backbone: the footprint rule against dense float64 oracles
+built here from an eager float64 copy's own softmax outputs (taped, tests/hier_oracle.py), with
+the layer order read from the models' module trees; CDAM against finite differences; a batch
+against its images one by one.
+
+LeViT: per stage its attention layers on one grid (identity keys and residual), then the
+subsampling attention whose queries are every other row and column of the grid and whose keys
+are the whole grid, with no residual.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import vitexplain as vx
+from hier_oracle import DenseCall, carry, taped_attention
+
+transformers = pytest.importorskip("transformers")
+
+CLASSES = 5
+LEVIT_SIZE = (128, 128)
+
+
+def _unit_gain(model: nn.Module) -> nn.Module:
+    """Linear and conv weights N(0, 1 / fan_in), attention biases N(0, 1): Hugging Face's init
+    (std 0.02, zero attention biases) makes every LeViT attention near uniform and the last
+    stage's tokens near identical (every map there flat)."""
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, (nn.Linear, nn.Conv2d)):
+                module.weight.normal_(0, module.weight[0].numel() ** -0.5)
+            if isinstance(getattr(module, "attention_biases", None), nn.Parameter):
+                module.attention_biases.normal_(0, 1)
+                module.attention_bias_cache = {}
+    return model.eval()
+
+
+def levit(kind: str = "classifier", depths=(1, 2, 1)) -> nn.Module:
+    """A tiny random-init Hugging Face LeViT at 128 px: grids 8 x 8, 4 x 4, 2 x 2."""
+    torch.manual_seed(0)
+    config = transformers.LevitConfig(image_size=LEVIT_SIZE[0], hidden_sizes=[32, 48, 64], num_attention_heads=[2, 2, 2],
+                                      depths=list(depths), key_dim=[8, 8, 8], num_labels=CLASSES)
+    cls = {"classifier": transformers.LevitForImageClassification, "teacher": transformers.LevitForImageClassificationWithTeacher,
+           "headless": transformers.LevitModel}[kind]
+    return _unit_gain(cls(config))
+
+
+VECTOR = torch.randn(64, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+
+
+def _logit(model, x):
+    return model(pixel_values=x).logits[:, 1]
+
+
+def _pooled_score(model, x):  # headless: a projection of the mean of the last tokens
+    return model(pixel_values=x).last_hidden_state.mean(dim=1) @ VECTOR.to(x.dtype)
+
+
+def _eye(n):
+    return torch.eye(n, dtype=torch.float64)
+
+
+def levit_dense(model, x, score):
+    """(items, index of the first item on the last grid, last grid); the grid halves (rounding up)
+    at each subsampling attention, read from the module tree."""
+    taped = iter(taped_attention(model, x, score))
+    base = getattr(model, "levit", model)
+    grid = (LEVIT_SIZE[0] // 16, LEVIT_SIZE[1] // 16)
+    items, last_start = [], 0
+    for stage in base.encoder.stages:
+        for layer in stage.layers:
+            name = type(getattr(layer, "module", layer)).__name__
+            if name == "LevitAttention":
+                a, g = next(taped)
+                n = grid[0] * grid[1]
+                assert a.shape[-2:] == (n, n)
+                items.append(DenseCall(a, g, _eye(n), _eye(n)))
+            elif name == "LevitAttentionSubsample":
+                a, g = next(taped)
+                n_in = grid[0] * grid[1]
+                grid = ((grid[0] + 1) // 2, (grid[1] + 1) // 2)
+                assert a.shape[-2:] == (grid[0] * grid[1], n_in)
+                items.append(DenseCall(a, g, _eye(n_in), None))
+                last_start = len(items)
+    return items, last_start, grid
+
+
+@pytest.mark.parametrize("kind", ["classifier", "teacher", "headless"])
+def test_hugging_face_levit_matches_the_dense_float64_oracle(kind):
+    model = levit(kind)
+    x = torch.randn(2, 3, *LEVIT_SIZE, generator=torch.Generator().manual_seed(1))
+    score = _pooled_score if kind == "headless" else _logit
+    items, last_start, grid = levit_dense(model, x, score)
+    ex = vx.Explainer(model)
+    assert ex.family == "hier" and type(ex.adapter).__name__ == "HFLeViTAdapter"
+    target = (lambda pooled: pooled @ VECTOR.float()) if kind == "headless" else 1
+    n = grid[0] * grid[1]
+    u = torch.full((2, n), 1.0 / n, dtype=torch.float64)
+    # headless: the score's gradient on the last (residual-free) call can be negative everywhere, so
+    # grad_rollout (positive part) is 0 there, in the oracle as in vitexplain; the classifiers check it
+    methods = ["rollout", "generic"] + (["grad_rollout"] if kind != "headless" else [])
+    for method, e in zip(methods, ex.explain(x, method=methods, target=target)):
+        want = carry(items, u, method).view(e.maps.shape)
+        scale = float(want.abs().max())
+        assert scale > 0 and e.maps.shape == (2, 8, 8) == (2, *e.layout.grid), method
+        assert e.layout.patch_size == (16, 16)
+        assert float((e.maps.double() - want).abs().max()) <= 1e-4 * scale, method
+    e = ex.explain(x, method="generic", target=target, stage=-1)
+    want = carry(items, u, "generic", start=last_start).view(e.maps.shape)
+    assert e.maps.shape == (2, *grid)
+    assert float((e.maps.double() - want).abs().max()) <= 1e-4 * float(want.abs().max())
+
+
+def test_hugging_face_levit_batch_equals_its_images_one_by_one():
+    model = levit()
+    x = torch.randn(3, 3, *LEVIT_SIZE, generator=torch.Generator().manual_seed(2))
+    ex = vx.Explainer(model)
+    for method, options in (("rollout", {}), ("generic", {}), ("grad_rollout", {"stage": 1}), ("cdam", {}),
+                            ("cdam", {"stage": 0}), ("raw", {"layer": 1})):
+        together = ex.explain(x, method=method, target=2, **options).maps
+        alone = torch.cat([ex.explain(x[i:i + 1], method=method, target=2, **options).maps for i in range(3)])
+        assert together.shape[0] == 3
+        torch.testing.assert_close(together, alone, atol=1e-5 * float(alone.abs().max()) + 1e-9, rtol=1e-4)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_hugging_face_levit_cdam_matches_finite_differences(stage):
+    """S_i = d/de y when token i of the tokens entering the stage's last attention layer is scaled
+    by (1 + e): stage 0's are the patch embedding's output (its one layer is first), stage 1's the
+    MLP layer's before its second attention layer, stage 2's the previous stage's output."""
+    model = levit().double()
+    x = torch.randn(1, 3, *LEVIT_SIZE, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    e = vx.Explainer(model).explain(x, method="cdam", target=0, stage=stage)
+    grid = [(8, 8), (4, 4), (2, 2)][stage]
+    assert e.maps.shape == (1, *grid)
+    module = model.get_submodule(["levit.patch_embeddings", "levit.encoder.stages.1.layers.1",
+                                  "levit.encoder.stages.1"][stage])
+    n = grid[0] * grid[1]
+    for t in torch.randperm(n, generator=torch.Generator().manual_seed(0))[:8].tolist():
+        def score(eps: float) -> float:
+            def scale(mod, inp, out):
+                out = out.clone()
+                out[:, t] *= 1 + eps
+                return out
+            handle = module.register_forward_hook(scale)
+            try:
+                with torch.no_grad():
+                    return float(model(pixel_values=x).logits[0, 0])
+            finally:
+                handle.remove()
+        numeric = (score(1e-5) - score(-1e-5)) / 2e-5
+        got = float(e.maps[0, t // grid[1], t % grid[1]])
+        assert abs(got - numeric) <= 1e-6 + 1e-5 * abs(numeric), (t, got, numeric)

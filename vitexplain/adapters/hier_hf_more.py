@@ -1,0 +1,102 @@
+"""Hierarchical adapters for more Hugging Face models: LeViT and SAM 2's Hiera image encoder.
+
+- LeViT (``LevitModel``, ``LevitForImageClassification``, ``...WithTeacher``): timm LeViT's chain
+  (:class:`~vitexplain.adapters.hier_timm.LeViTAdapter`) with Hugging Face's module names. Each of
+  ``encoder.stages[s]`` holds the attention layers on grid s and, at its end, the subsampling
+  attention (``LevitAttentionSubsample``: queries on every ``stride``-th row and column, keys over
+  the whole grid s, no residual) that produces grid s + 1. The attention is eager (``softmax``).
+- SAM 2's image encoder backbone (``Sam2HieraDetModel``): a Hiera that keeps tokens on their
+  (H, W) grid (no unrolled order, unlike Hugging Face's ``HieraModel``): windowed attention in
+  zero-padded windows (the model's own ``window_partition``) or global attention, and at the
+  first block of each pooling stage max-pooled queries (2 x 2 inside each window of the previous
+  stage's size) with a max-pooled residual. ``Sam2VisionModel`` and ``Sam2Model`` are refused:
+  their FPN neck fuses the feature maps of several stages, so no one readout of the last tokens
+  describes what they output; explain their backbone.
+
+Classifiers return their logits; headless models return the mean of their last tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import UnsupportedModelError
+from ..layout import pair
+from ..methods.families import HIER
+from ..methods.resample import CallSpec, Footprint, TokenSet, full_slots
+from .base import Adapter, register_adapter
+from .hier import Chain, HierAdapter, conv_grid, global_call, token_set
+
+__all__ = ["HFLeViTAdapter", "HFSam2HieraAdapter"]
+
+
+# -- LeViT -------------------------------------------------------------------------------------
+class HFLeViTAdapter(HierAdapter):
+    """Hugging Face LeViT: attention layers on one grid per stage, the subsampling attention at
+    the end of each stage but the last. The tokens entering a grid's last attention call are the
+    output of the layer before it (LeViT's attention has no norm before it), so CDAM's gradient
+    there also runs through that layer's residual."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self.base = "levit." if hasattr(model, "levit") else ""
+        self.stage_modules = model.get_submodule(f"{self.base}encoder.stages")
+        self.has_head = not isinstance(getattr(model, "classifier", nn.Identity()), nn.Identity)
+        self.fixed_size = pair(model.config.image_size)
+        sites: list[Optional[str]] = []
+        for s, stage in enumerate(self.stage_modules):
+            attention = [j for j, layer in enumerate(stage.layers) if _is(getattr(layer, "module", None), "LevitAttention")]
+            if not attention:
+                sites.append(None)
+            elif attention[-1] > 0:
+                sites.append(f"{self.base}encoder.stages.{s}.layers.{attention[-1] - 1}")
+            else:
+                sites.append(f"{self.base}encoder.stages.{s - 1}" if s > 0 else f"{self.base}patch_embeddings")
+        self.token_sites = sites
+
+    def forward(self, x: Tensor) -> Any:
+        out = self.model(pixel_values=x)
+        logits = getattr(out, "logits", None)
+        return logits if logits is not None else out.last_hidden_state.mean(dim=1)
+
+    def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
+        grid = pair(input_size)
+        embed = self.model.get_submodule(f"{self.base}patch_embeddings")
+        for conv in (m for m in embed.modules() if isinstance(m, nn.Conv2d)):
+            grid = conv_grid(grid, conv.kernel_size, conv.stride, conv.padding)
+        tokens = token_set(grid)
+        chain: Chain = []
+        sets: list[TokenSet] = [tokens]
+        for s, stage in enumerate(self.stage_modules):
+            for j, layer in enumerate(stage.layers):
+                name = f"{self.base}encoder.stages.{s}.layers.{j}"
+                if _is(getattr(layer, "module", None), "LevitAttention"):
+                    chain.append(global_call(f"{name}.module", tokens, s))
+                elif _is(layer, "LevitAttentionSubsample"):
+                    stride = int(layer.queries_subsample.stride)
+                    coarse = token_set(tuple((g - 1) // stride + 1 for g in tokens.grid))
+                    chain.append(CallSpec(name, tokens, coarse, full_slots(coarse), full_slots(tokens),
+                                          Footprint.identity(tokens), None, s, s + 1))
+                    tokens = coarse
+                    sets.append(tokens)
+        return chain, sets
+
+
+def _is(module: Optional[nn.Module], name: str) -> bool:
+    return module is not None and type(module).__name__ == name
+
+
+def _in(model: nn.Module, package: str) -> bool:
+    return any(c.__module__.startswith(f"transformers.models.{package}.") for c in type(model).__mro__)
+
+
+@register_adapter(priority=15, family=HIER)
+def _detect_hf_hier_more(model: nn.Module) -> Optional[Adapter]:
+    name = type(model).__name__
+    if _in(model, "levit") and name in ("LevitModel", "LevitForImageClassification",
+                                        "LevitForImageClassificationWithTeacher"):
+        return HFLeViTAdapter(model)
+    return None
