@@ -10,6 +10,8 @@ are the whole grid, with no residual.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -153,3 +155,179 @@ def test_hugging_face_levit_cdam_matches_finite_differences(stage):
         numeric = (score(1e-5) - score(-1e-5)) / 2e-5
         got = float(e.maps[0, t // grid[1], t % grid[1]])
         assert abs(got - numeric) <= 1e-6 + 1e-5 * abs(numeric), (t, got, numeric)
+
+
+# -- SAM 2's Hiera backbone --------------------------------------------------------------------
+SAM2_SIZE = (64, 64)
+SAM2_VECTOR = torch.randn(64, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+
+
+def sam2_config():
+    """Grids 16 x 16, 8 x 8, 4 x 4: windows of 4 (block 0), pooled in windows of 4 -> 2 (block 1),
+    windows of 2 (block 2), pooled in windows of 2 -> 1 (block 3), zero-padded windows of 3 on the
+    4 x 4 grid (block 4), global attention (block 5)."""
+    return transformers.Sam2HieraDetConfig(
+        image_size=list(SAM2_SIZE), hidden_size=16, embed_dim_per_stage=[16, 32, 64], blocks_per_stage=[1, 2, 3],
+        num_attention_heads_per_stage=[1, 2, 4], window_size_per_stage=[4, 2, 3], global_attention_blocks=[5],
+        num_query_pool_stages=2, window_positional_embedding_background_size=[4, 4], mlp_ratio=2.0)
+
+
+def sam2() -> nn.Module:
+    torch.manual_seed(0)
+    model = transformers.Sam2HieraDetModel(sam2_config())
+    with torch.no_grad():  # unit-ish gain for every weight matrix (as tests/test_hier_hf.py does for SAM)
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 1.0 / p[0].numel() ** 0.5)
+    return model.eval()
+
+
+def _sam2_score(model, x):
+    return model(pixel_values=x).last_hidden_state.mean(dim=(1, 2)) @ SAM2_VECTOR.to(x.dtype)
+
+
+def _sam2_target(pooled):
+    return pooled @ SAM2_VECTOR.to(pooled.dtype)
+
+
+def _used_softmax(model, x, score):
+    """(A, dy/dA) of the softmaxes of an eager float64 copy that reach the output: Hugging Face's
+    ``Sam2MultiScaleAttention`` also computes a softmax it never uses (no gradient), then the
+    attention function's own."""
+    from hier_oracle import SoftmaxTape
+
+    eager = copy.deepcopy(model).double().eval()
+    eager.set_attn_implementation("eager")
+    tape = SoftmaxTape()
+    with tape:
+        y = score(eager, x.double())
+    y.sum().backward()
+    used = [(a.detach(), a.grad.detach().to(a.dtype)) for a in tape.outputs if a.grad is not None]
+    assert len(used) == len(model.blocks) and len(tape.outputs) == 2 * len(model.blocks)
+    return used
+
+
+def _partition_index(grid, window):
+    """(nW, window^2) grid index of each window slot, -1 = padding: the model's own window_partition
+    of token indices (+1, so padding reads 0)."""
+    from transformers.models.sam2.modeling_sam2 import window_partition
+
+    n = grid[0] * grid[1]
+    idx, _ = window_partition((torch.arange(n) + 1).view(1, *grid, 1).double(), window)
+    return idx.reshape(idx.shape[0], -1).round().long() - 1
+
+
+def _unpartition_index(coarse, window, windows):
+    """(nW, window^2) coarse-grid index of each pooled query slot, -1 = cropped: the model's own
+    window_unpartition of slot numbers."""
+    from transformers.models.sam2.modeling_sam2 import window_unpartition
+
+    pad = tuple(g + (-g) % window for g in coarse)
+    slots = (torch.arange(windows * window * window) + 1).double().view(windows, window, window, 1)
+    placed = window_unpartition(slots, window, pad, coarse).reshape(-1).round().long() - 1  # slot at each coarse token
+    index = torch.full((windows * window * window,), -1, dtype=torch.long)
+    index[placed] = torch.arange(placed.numel())
+    return index.view(windows, -1)
+
+
+def sam2_dense(model, x):
+    """Dense calls on each stage's row-major grid, forward order."""
+    from hier_oracle import pool_matrix, scatter_windows
+
+    taped = iter(_used_softmax(model, x, _sam2_score))
+    b = x.shape[0]
+    grid = (SAM2_SIZE[0] // 4, SAM2_SIZE[1] // 4)
+    items = []
+    for block in model.blocks:
+        a, g = next(taped)  # (B * nW, heads, n_q, n_k)
+        n = grid[0] * grid[1]
+        if block.query_stride:
+            coarse = (grid[0] // 2, grid[1] // 2)
+            k_idx = _partition_index(grid, block.window_size)
+            q_idx = _unpartition_index(coarse, block.window_size // 2, k_idx.shape[0])
+            skip = pool_matrix(grid, 2, 2, 0)  # the residual's 2 x 2 max pooling, read evenly
+        else:
+            coarse = grid
+            k_idx = _partition_index(grid, block.window_size) if block.window_size > 0 else torch.arange(n)[None]
+            q_idx, skip = k_idx, _eye(n)
+        m = coarse[0] * coarse[1]
+        a = a.reshape(b, k_idx.shape[0], *a.shape[1:])
+        g = g.reshape(b, k_idx.shape[0], *g.shape[1:])
+        items.append(DenseCall(scatter_windows(a, q_idx, k_idx, m, n), scatter_windows(g, q_idx, k_idx, m, n), _eye(n), skip))
+        grid = coarse
+    return items, grid
+
+
+def test_sam2_hiera_backbone_matches_the_dense_float64_oracle():
+    model = sam2()
+    x = torch.randn(2, 3, *SAM2_SIZE, generator=torch.Generator().manual_seed(1))
+    items, grid = sam2_dense(model, x)
+    ex = vx.Explainer(model)
+    assert ex.family == "hier" and type(ex.adapter).__name__ == "HFSam2HieraAdapter"
+    n = grid[0] * grid[1]
+    u = torch.full((2, n), 1.0 / n, dtype=torch.float64)
+    methods = ["rollout", "generic", "grad_rollout"]
+    for method, e in zip(methods, ex.explain(x, method=methods, target=_sam2_target)):
+        want = carry(items, u, method).view(e.maps.shape)
+        scale = float(want.abs().max())
+        assert scale > 0 and e.maps.shape == (2, 16, 16) == (2, *e.layout.grid), method
+        assert e.layout.patch_size == (4, 4)
+        assert float((e.maps.double() - want).abs().max()) <= 1e-4 * scale, method
+    for stage, start, shape in ((1, 1, (8, 8)), (2, 3, (4, 4))):  # items[1] / items[3] pool onto the stage's grid
+        e = ex.explain(x, method="generic", target=_sam2_target, stage=stage)
+        want = carry(items, u, "generic", start=start + 1)
+        assert e.maps.shape == (2, *shape)
+        assert float((e.maps.double() - want.view(e.maps.shape)).abs().max()) <= 1e-4 * float(want.abs().max())
+
+
+def test_sam2_hiera_backbone_batch_equals_its_images_one_by_one():
+    model = sam2()
+    x = torch.randn(3, 3, *SAM2_SIZE, generator=torch.Generator().manual_seed(2))
+    ex = vx.Explainer(model)
+    for method, options in (("rollout", {}), ("generic", {"stage": 1}), ("cdam", {}), ("cdam", {"stage": 0}),
+                            ("raw", {"layer": 1})):
+        together = ex.explain(x, method=method, target=_sam2_target, **options).maps
+        alone = torch.cat([ex.explain(x[i:i + 1], method=method, target=_sam2_target, **options).maps for i in range(3)])
+        assert together.shape[0] == 3 and tuple(together.shape[1:]) in ((16, 16), (8, 8), (4, 4))
+        torch.testing.assert_close(together, alone, atol=1e-5 * float(alone.abs().max()) + 1e-9, rtol=1e-4)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_sam2_hiera_backbone_cdam_matches_finite_differences(stage):
+    """S_(i,j) = d/de score when token (i, j) of the (B, H, W, C) tokens entering the last attention
+    reading the stage's grid is scaled by (1 + e): block 1's (pools stage 0), block 3's (pools
+    stage 1), block 5's."""
+    model = sam2().double()
+    x = torch.randn(1, 3, *SAM2_SIZE, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    e = vx.Explainer(model).explain(x, method="cdam", target=_sam2_target, stage=stage)
+    grid = [(16, 16), (8, 8), (4, 4)][stage]
+    assert e.maps.shape == (1, *grid)
+    module = model.get_submodule(f"blocks.{[1, 3, 5][stage]}.layer_norm1")
+    for t in torch.randperm(grid[0] * grid[1], generator=torch.Generator().manual_seed(0))[:8].tolist():
+        i, j = divmod(t, grid[1])
+
+        def score(eps: float) -> float:
+            def scale(mod, inp, out):
+                out = out.clone()
+                out[:, i, j] *= 1 + eps
+                return out
+            handle = module.register_forward_hook(scale)
+            try:
+                with torch.no_grad():
+                    return float(_sam2_score(model, x)[0])
+            finally:
+                handle.remove()
+        numeric = (score(1e-5) - score(-1e-5)) / 2e-5
+        got = float(e.maps[0, i, j])
+        assert abs(got - numeric) <= 1e-6 + 1e-5 * abs(numeric), (t, got, numeric)
+
+
+def test_sam2_vision_model_is_refused_with_the_reason_and_its_backbone_is_explained():
+    config = transformers.Sam2VisionConfig(backbone_config=sam2_config(), backbone_channel_list=[64, 32, 16],
+                                           fpn_hidden_size=16)
+    torch.manual_seed(0)
+    model = transformers.Sam2VisionModel(config).eval()
+    with pytest.raises(vx.UnsupportedModelError, match=r"FPN neck fuses the feature maps.*model\.backbone"):
+        vx.Explainer(model)
+    e = vx.Explainer(model.backbone).explain(torch.randn(2, 3, *SAM2_SIZE), method="generic", target=vx.targets.norm())
+    assert e.maps.shape == (2, 16, 16) == (2, *e.layout.grid)

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from ..errors import UnsupportedModelError
 from ..layout import pair
 from ..methods.families import HIER
-from ..methods.resample import CallSpec, Footprint, TokenSet, full_slots
+from ..methods.resample import CallSpec, Footprint, TokenSet, full_slots, window_slots
 from .base import Adapter, register_adapter
 from .hier import Chain, HierAdapter, conv_grid, global_call, token_set
 
@@ -85,6 +85,83 @@ class HFLeViTAdapter(HierAdapter):
         return chain, sets
 
 
+# -- SAM 2 (Hiera with windows on the grid) ------------------------------------------------------
+class HFSam2HieraAdapter(HierAdapter):
+    """Hugging Face ``Sam2HieraDetModel`` (SAM 2's image encoder backbone): blocks on a (B, H, W, C)
+    grid; windowed attention in the model's zero-padded windows (slots of grid s) or global
+    attention; a pooling block (``query_stride``, the first of a pooling stage) reads grid s - 1
+    in windows of the previous stage's size and writes its max-pooled queries on grid s, in
+    windows half that size (the same window count), with its residual max-pooled 2 x 2. The
+    readout is the mean of the last tokens (``last_hidden_state``); a stage's token site is the
+    ``layer_norm1`` of the last block reading its grid."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self.blocks = list(model.blocks)
+        self.stage_of: list[int] = []
+        for block in self.blocks:
+            self.stage_of.append((self.stage_of[-1] if self.stage_of else 0) + int(self._pools(block)))
+        reads = [s - int(self._pools(b)) for s, b in zip(self.stage_of, self.blocks)]
+        self.token_sites = [next((f"blocks.{i}.layer_norm1" for i in reversed(range(len(reads))) if reads[i] == s), None)
+                            for s in range(self.stage_of[-1] + 1)]
+        self.has_head = False
+        self.fixed_size = pair(model.config.image_size)
+
+    @staticmethod
+    def _pools(block: nn.Module) -> bool:
+        return bool(block.query_stride)
+
+    def forward(self, x: Tensor) -> Any:
+        return self.model(pixel_values=x).last_hidden_state.mean(dim=(1, 2))
+
+    def site_grid(self, stage: int, output: Tensor, input_size: Sequence[int]) -> Tensor:
+        return output  # (B, H, W, C)
+
+    def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
+        conv = self.model.patch_embed.projection
+        tokens = token_set(conv_grid(input_size, conv.kernel_size, conv.stride, conv.padding))
+        chain: Chain = []
+        sets = [tokens]
+        for i, block in enumerate(self.blocks):
+            name, window = f"blocks.{i}.attn", int(block.window_size)
+            if not self._pools(block):
+                slots = window_slots(tokens, (window, window)) if window > 0 else full_slots(tokens)
+                skip = Footprint.identity(tokens)
+                chain.append(CallSpec(name, tokens, tokens, slots, slots, Footprint.identity(tokens), skip,
+                                      self.stage_of[i], self.stage_of[i]))
+                continue
+            stride = pair(block.query_stride)
+            coarse = token_set(conv_grid(tokens.grid, stride, stride))
+            small = (window // stride[0], window // stride[1])
+            k_slots, q_slots = window_slots(tokens, (window, window)), window_slots(coarse, small)
+            if window % stride[0] or window % stride[1] or k_slots.shape[0] != q_slots.shape[0]:
+                raise UnsupportedModelError(
+                    f"block {i} of {type(self.model).__name__} pools its queries by {stride} in windows of "
+                    f"{window} on a {tokens.grid[0]}x{tokens.grid[1]} grid, which do not tile the pooled "
+                    f"{coarse.grid[0]}x{coarse.grid[1]} grid in the same number of windows; explain it at an "
+                    f"input size whose token grid is a multiple of every window (e.g. its configured "
+                    f"{self.fixed_size})")
+            skip = Footprint.pool(tokens, coarse, stride, stride, 0) if block.dim != block.dim_out else None
+            if skip is None:
+                raise UnsupportedModelError(
+                    f"block {i} of {type(self.model).__name__} pools its queries but not its residual (its input and "
+                    "output widths are equal), which the model itself cannot add; check its configuration")
+            chain.append(CallSpec(name, tokens, coarse, q_slots, k_slots, Footprint.identity(tokens), skip,
+                                  self.stage_of[i] - 1, self.stage_of[i]))
+            tokens = coarse
+            sets.append(tokens)
+        return chain, sets
+
+
+_SAM2_NECK = (
+    "{name} is not supported: its FPN neck fuses the feature maps of several backbone stages (a lateral 1 x 1 conv "
+    "of each, plus the coarser level upsampled), so the maps it outputs do not come from one readout of the last "
+    "stage's tokens, which is how rollout, generic and the token methods read a hierarchical model. Explain its "
+    "Hiera backbone instead, vx.Explainer({backbone}) (a Sam2HieraDetModel, headless: pass "
+    "target=vx.targets.norm(), vx.targets.similarity(vector) or a callable score of the mean of its last tokens), "
+    "or record its attention with vx.capture(model)")
+
+
 def _is(module: Optional[nn.Module], name: str) -> bool:
     return module is not None and type(module).__name__ == name
 
@@ -99,4 +176,10 @@ def _detect_hf_hier_more(model: nn.Module) -> Optional[Adapter]:
     if _in(model, "levit") and name in ("LevitModel", "LevitForImageClassification",
                                         "LevitForImageClassificationWithTeacher"):
         return HFLeViTAdapter(model)
+    if _in(model, "sam2") and name == "Sam2HieraDetModel":
+        return HFSam2HieraAdapter(model)
+    if _in(model, "sam2") and name == "Sam2VisionModel":
+        raise UnsupportedModelError(_SAM2_NECK.format(name=name, backbone="model.backbone"))
+    if _in(model, "sam2") and name == "Sam2Model":
+        raise UnsupportedModelError(_SAM2_NECK.format(name=name, backbone="model.vision_encoder.backbone"))
     return None
