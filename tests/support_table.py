@@ -175,6 +175,36 @@ def _levit() -> nn.Module:
     return model
 
 
+def _hf_levit(model: str) -> Callable[[], nn.Module]:
+    """A tiny Hugging Face LeViT (grids 8 x 8, 4 x 4, 2 x 2) with ``_levit``'s gains, for the same reason."""
+    def build() -> nn.Module:
+        import transformers
+
+        config = transformers.LevitConfig(image_size=128, hidden_sizes=[32, 48, 64], num_attention_heads=[2, 2, 2],
+                                          depths=[1, 1, 1], key_dim=[8, 8, 8], num_labels=5)
+        built = getattr(transformers, model)(config)
+        with torch.no_grad():
+            for module in built.modules():
+                if isinstance(module, (nn.Linear, nn.Conv2d)):
+                    module.weight.normal_(0, module.weight[0].numel() ** -0.5)
+                if isinstance(getattr(module, "attention_biases", None), nn.Parameter):
+                    module.attention_biases.normal_(0, 1)
+                    module.attention_bias_cache = {}
+        return built
+
+    return build
+
+
+def _hf_sam2_hiera() -> nn.Module:
+    """SAM 2's Hiera backbone, tiny: grids 16, 8, 4; windows 4, 2 (pooled), 3 (zero-padded), global."""
+    import transformers
+
+    return transformers.Sam2HieraDetModel(transformers.Sam2HieraDetConfig(
+        image_size=[64, 64], hidden_size=16, embed_dim_per_stage=[16, 32, 64], blocks_per_stage=[1, 2, 3],
+        num_attention_heads_per_stage=[1, 2, 4], window_size_per_stage=[4, 2, 3], global_attention_blocks=[5],
+        num_query_pool_stages=2, window_positional_embedding_background_size=[4, 4], mlp_ratio=2.0))
+
+
 def _mvitv2() -> nn.Module:
     from timm.models.mvitv2 import MultiScaleVit, MultiScaleVitCfg
 
@@ -281,6 +311,7 @@ _ENCDEC_TEST = "tests/test_vlm_encdec.py"
 _HF_TEST = "tests/test_families_hf.py::test_hf_family_matches_eager_oracle"
 _HIER_TEST = "tests/test_hier.py"
 _POOL_TEST = "tests/test_hier_pooling.py"
+_HF_MORE_TEST = "tests/test_hier_hf_more.py"
 _TIMM_TEST = "tests/test_families_timm.py"
 
 
@@ -333,6 +364,10 @@ def rows() -> list[Row]:
         Row("HF Hiera classifier", "hierarchical", _hf("HieraConfig", "HieraForImageClassification", image_size=[64, 64], embed_dim=16, num_heads=[1, 2, 4], depths=[1, 2, 2], num_query_pool=2, masked_unit_size=[4, 4], masked_unit_attention=[True, True, False], patch_size=[7, 7], mlp_ratio=2.0, num_labels=5), s64, "tests/test_hier_hiera.py"),
         Row("HF HieraModel (headless)", "hierarchical", _hf("HieraConfig", "HieraModel", image_size=[64, 64], embed_dim=16, num_heads=[1, 2, 4], depths=[1, 2, 2], num_query_pool=2, masked_unit_size=[4, 4], masked_unit_attention=[True, True, False], patch_size=[7, 7], mlp_ratio=2.0), s64, "tests/test_hier_hiera.py", "norm"),
         Row("HF SamVisionModel (headless)", "hierarchical", _hf("SamVisionConfig", "SamVisionModel", image_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, global_attn_indexes=[1], window_size=3, output_channels=16, mlp_dim=64), s64, "tests/test_hier_hf.py", "norm"),
+        Row("HF LeViT classifier", "hierarchical", _hf_levit("LevitForImageClassification"), (128, 128), _HF_MORE_TEST),
+        Row("HF LeViT with teacher", "hierarchical", _hf_levit("LevitForImageClassificationWithTeacher"), (128, 128), _HF_MORE_TEST),
+        Row("HF LevitModel (headless)", "hierarchical", _hf_levit("LevitModel"), (128, 128), _HF_MORE_TEST, "norm"),
+        Row("HF Sam2HieraDetModel (SAM 2's image encoder backbone, headless)", "hierarchical", _hf_sam2_hiera, s64, _HF_MORE_TEST, "norm"),
         Row("timm TNT (outer tokens)", "hierarchical", lambda: _timm("tnt_s_patch16_224", img_size=64, depth=2, num_classes=5), s64, _POOL_TEST),
         Row("timm Swin", "Swin", _timm_class("swin_transformer", "SwinTransformer", **_SWIN), s32, _SWIN_TEST),
         Row("timm SwinV2", "Swin", _timm_class("swin_transformer_v2", "SwinTransformerV2", **_SWIN), s32, _SWIN_TEST),

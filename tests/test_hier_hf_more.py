@@ -331,3 +331,6 @@ def test_sam2_vision_model_is_refused_with_the_reason_and_its_backbone_is_explai
         vx.Explainer(model)
     e = vx.Explainer(model.backbone).explain(torch.randn(2, 3, *SAM2_SIZE), method="generic", target=vx.targets.norm())
     assert e.maps.shape == (2, 16, 16) == (2, *e.layout.grid)
+    full = transformers.Sam2Model(transformers.Sam2Config(vision_config=config))
+    with pytest.raises(vx.UnsupportedModelError, match=r"masks decoded from prompts.*FPN neck.*model\.vision_encoder\.backbone"):
+        vx.Explainer(full)

@@ -154,7 +154,7 @@ class HFSam2HieraAdapter(HierAdapter):
 
 
 _SAM2_NECK = (
-    "{name} is not supported: its FPN neck fuses the feature maps of several backbone stages (a lateral 1 x 1 conv "
+    "{name} is not supported: {what}FPN neck fuses the feature maps of several backbone stages (a lateral 1 x 1 conv "
     "of each, plus the coarser level upsampled), so the maps it outputs do not come from one readout of the last "
     "stage's tokens, which is how rollout, generic and the token methods read a hierarchical model. Explain its "
     "Hiera backbone instead, vx.Explainer({backbone}) (a Sam2HieraDetModel, headless: pass "
@@ -179,7 +179,9 @@ def _detect_hf_hier_more(model: nn.Module) -> Optional[Adapter]:
     if _in(model, "sam2") and name == "Sam2HieraDetModel":
         return HFSam2HieraAdapter(model)
     if _in(model, "sam2") and name == "Sam2VisionModel":
-        raise UnsupportedModelError(_SAM2_NECK.format(name=name, backbone="model.backbone"))
+        raise UnsupportedModelError(_SAM2_NECK.format(name=name, what="its ", backbone="model.backbone"))
     if _in(model, "sam2") and name == "Sam2Model":
-        raise UnsupportedModelError(_SAM2_NECK.format(name=name, backbone="model.vision_encoder.backbone"))
+        raise UnsupportedModelError(_SAM2_NECK.format(
+            name=name, what="its output is masks decoded from prompts, and its image encoder's ",
+            backbone="model.vision_encoder.backbone"))
     return None
