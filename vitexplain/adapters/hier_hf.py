@@ -8,7 +8,8 @@ attention in its unrolled token order with max-pooled queries and residuals (the
 chain, with Hugging Face's module names and its ``unroll`` function). Classifiers return their
 logits; headless models (``PvtV2Model``, ``SegformerModel``, ``SamVisionModel``, ``HieraModel``)
 return the mean of their last feature map (Hiera: of its last tokens), the pooled embedding that
-``vx.targets.similarity`` / ``vx.targets.norm`` score.
+``vx.targets.similarity`` / ``vx.targets.norm`` score. Hugging Face LeViT and SAM 2's Hiera backbone:
+:mod:`vitexplain.adapters.hier_hf_more`.
 """
 
 from __future__ import annotations
