@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -175,13 +175,14 @@ def _levit() -> nn.Module:
     return model
 
 
-def _hf_levit(model: str) -> Callable[[], nn.Module]:
-    """A tiny Hugging Face LeViT (grids 8 x 8, 4 x 4, 2 x 2) with ``_levit``'s gains, for the same reason."""
+def _hf_levit(model: str, depths: Sequence[int] = (1, 1, 1)) -> Callable[[], nn.Module]:
+    """A tiny Hugging Face LeViT at 128 px (grids 8 x 8, 4 x 4, 2 x 2) with ``_levit``'s gains, for
+    the same reason (Hugging Face's init also leaves attention biases zero)."""
     def build() -> nn.Module:
         import transformers
 
         config = transformers.LevitConfig(image_size=128, hidden_sizes=[32, 48, 64], num_attention_heads=[2, 2, 2],
-                                          depths=[1, 1, 1], key_dim=[8, 8, 8], num_labels=5)
+                                          depths=list(depths), key_dim=[8, 8, 8], num_labels=5)
         built = getattr(transformers, model)(config)
         with torch.no_grad():
             for module in built.modules():
@@ -195,14 +196,22 @@ def _hf_levit(model: str) -> Callable[[], nn.Module]:
     return build
 
 
-def _hf_sam2_hiera() -> nn.Module:
-    """SAM 2's Hiera backbone, tiny: grids 16, 8, 4; windows 4, 2 (pooled), 3 (zero-padded), global."""
+def hf_sam2_hiera_config() -> Any:
+    """SAM 2's Hiera backbone, tiny, at 64 px: grids 16 x 16, 8 x 8, 4 x 4; windows of 4 (block 0),
+    pooled in windows of 4 -> 2 (block 1), windows of 2 (block 2), pooled in windows of 2 -> 1
+    (block 3), zero-padded windows of 3 on the 4 x 4 grid (block 4), global attention (block 5)."""
     import transformers
 
-    return transformers.Sam2HieraDetModel(transformers.Sam2HieraDetConfig(
+    return transformers.Sam2HieraDetConfig(
         image_size=[64, 64], hidden_size=16, embed_dim_per_stage=[16, 32, 64], blocks_per_stage=[1, 2, 3],
         num_attention_heads_per_stage=[1, 2, 4], window_size_per_stage=[4, 2, 3], global_attention_blocks=[5],
-        num_query_pool_stages=2, window_positional_embedding_background_size=[4, 4], mlp_ratio=2.0))
+        num_query_pool_stages=2, window_positional_embedding_background_size=[4, 4], mlp_ratio=2.0)
+
+
+def _hf_sam2_hiera() -> nn.Module:
+    import transformers
+
+    return transformers.Sam2HieraDetModel(hf_sam2_hiera_config())
 
 
 def _mvitv2() -> nn.Module:

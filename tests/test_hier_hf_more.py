@@ -21,32 +21,19 @@ from hier_oracle import DenseCall, carry, taped_attention
 
 transformers = pytest.importorskip("transformers")
 
-CLASSES = 5
+import support_table as support  # noqa: E402
+
 LEVIT_SIZE = (128, 128)
 
 
-def _unit_gain(model: nn.Module) -> nn.Module:
-    """Linear and conv weights N(0, 1 / fan_in), attention biases N(0, 1): Hugging Face's init
-    (std 0.02, zero attention biases) makes every LeViT attention near uniform and the last
-    stage's tokens near identical (every map there flat)."""
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, (nn.Linear, nn.Conv2d)):
-                module.weight.normal_(0, module.weight[0].numel() ** -0.5)
-            if isinstance(getattr(module, "attention_biases", None), nn.Parameter):
-                module.attention_biases.normal_(0, 1)
-                module.attention_bias_cache = {}
-    return model.eval()
-
-
 def levit(kind: str = "classifier", depths=(1, 2, 1)) -> nn.Module:
-    """A tiny random-init Hugging Face LeViT at 128 px: grids 8 x 8, 4 x 4, 2 x 2."""
+    """A tiny random-init Hugging Face LeViT at 128 px (grids 8 x 8, 4 x 4, 2 x 2), linear and conv
+    weights N(0, 1 / fan_in) and attention biases N(0, 1): Hugging Face's init (std 0.02, zero
+    attention biases) makes every attention near uniform and the last stage's tokens near identical."""
     torch.manual_seed(0)
-    config = transformers.LevitConfig(image_size=LEVIT_SIZE[0], hidden_sizes=[32, 48, 64], num_attention_heads=[2, 2, 2],
-                                      depths=list(depths), key_dim=[8, 8, 8], num_labels=CLASSES)
-    cls = {"classifier": transformers.LevitForImageClassification, "teacher": transformers.LevitForImageClassificationWithTeacher,
-           "headless": transformers.LevitModel}[kind]
-    return _unit_gain(cls(config))
+    cls = {"classifier": "LevitForImageClassification", "teacher": "LevitForImageClassificationWithTeacher",
+           "headless": "LevitModel"}[kind]
+    return support._hf_levit(cls, depths)().eval()
 
 
 VECTOR = torch.randn(64, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
@@ -162,19 +149,10 @@ SAM2_SIZE = (64, 64)
 SAM2_VECTOR = torch.randn(64, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
 
 
-def sam2_config():
-    """Grids 16 x 16, 8 x 8, 4 x 4: windows of 4 (block 0), pooled in windows of 4 -> 2 (block 1),
-    windows of 2 (block 2), pooled in windows of 2 -> 1 (block 3), zero-padded windows of 3 on the
-    4 x 4 grid (block 4), global attention (block 5)."""
-    return transformers.Sam2HieraDetConfig(
-        image_size=list(SAM2_SIZE), hidden_size=16, embed_dim_per_stage=[16, 32, 64], blocks_per_stage=[1, 2, 3],
-        num_attention_heads_per_stage=[1, 2, 4], window_size_per_stage=[4, 2, 3], global_attention_blocks=[5],
-        num_query_pool_stages=2, window_positional_embedding_background_size=[4, 4], mlp_ratio=2.0)
-
-
 def sam2() -> nn.Module:
+    """support_table's tiny SAM 2 backbone (windows, pooled windows, zero-padded windows, global)."""
     torch.manual_seed(0)
-    model = transformers.Sam2HieraDetModel(sam2_config())
+    model = transformers.Sam2HieraDetModel(support.hf_sam2_hiera_config())
     with torch.no_grad():  # unit-ish gain for every weight matrix (as tests/test_hier_hf.py does for SAM)
         for p in model.parameters():
             if p.dim() >= 2:
@@ -323,7 +301,7 @@ def test_sam2_hiera_backbone_cdam_matches_finite_differences(stage):
 
 
 def test_sam2_vision_model_is_refused_with_the_reason_and_its_backbone_is_explained():
-    config = transformers.Sam2VisionConfig(backbone_config=sam2_config(), backbone_channel_list=[64, 32, 16],
+    config = transformers.Sam2VisionConfig(backbone_config=support.hf_sam2_hiera_config(), backbone_channel_list=[64, 32, 16],
                                            fpn_hidden_size=16)
     torch.manual_seed(0)
     model = transformers.Sam2VisionModel(config).eval()

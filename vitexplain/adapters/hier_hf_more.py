@@ -28,7 +28,7 @@ from ..layout import pair
 from ..methods.families import HIER
 from ..methods.resample import CallSpec, Footprint, TokenSet, full_slots, window_slots
 from .base import Adapter, register_adapter
-from .hier import Chain, HierAdapter, conv_grid, global_call, token_set
+from .hier import Chain, HierAdapter, conv_grid, global_call, module_family, token_set
 
 __all__ = ["HFLeViTAdapter", "HFSam2HieraAdapter"]
 
@@ -166,21 +166,17 @@ def _is(module: Optional[nn.Module], name: str) -> bool:
     return module is not None and type(module).__name__ == name
 
 
-def _in(model: nn.Module, package: str) -> bool:
-    return any(c.__module__.startswith(f"transformers.models.{package}.") for c in type(model).__mro__)
-
-
 @register_adapter(priority=15, family=HIER)
 def _detect_hf_hier_more(model: nn.Module) -> Optional[Adapter]:
     name = type(model).__name__
-    if _in(model, "levit") and name in ("LevitModel", "LevitForImageClassification",
+    if module_family(model, "transformers.models.levit.") and name in ("LevitModel", "LevitForImageClassification",
                                         "LevitForImageClassificationWithTeacher"):
         return HFLeViTAdapter(model)
-    if _in(model, "sam2") and name == "Sam2HieraDetModel":
+    if module_family(model, "transformers.models.sam2.") and name == "Sam2HieraDetModel":
         return HFSam2HieraAdapter(model)
-    if _in(model, "sam2") and name == "Sam2VisionModel":
+    if module_family(model, "transformers.models.sam2.") and name == "Sam2VisionModel":
         raise UnsupportedModelError(_SAM2_NECK.format(name=name, what="its ", backbone="model.backbone"))
-    if _in(model, "sam2") and name == "Sam2Model":
+    if module_family(model, "transformers.models.sam2.") and name == "Sam2Model":
         raise UnsupportedModelError(_SAM2_NECK.format(
             name=name, what="its output is masks decoded from prompts, and its image encoder's ",
             backbone="model.vision_encoder.backbone"))
