@@ -141,11 +141,7 @@ class HFSam2HieraAdapter(HierAdapter):
                     f"{coarse.grid[0]}x{coarse.grid[1]} grid in the same number of windows; explain it at an "
                     f"input size whose token grid is a multiple of every window (e.g. its configured "
                     f"{self.fixed_size})")
-            skip = Footprint.pool(tokens, coarse, stride, stride, 0) if block.dim != block.dim_out else None
-            if skip is None:
-                raise UnsupportedModelError(
-                    f"block {i} of {type(self.model).__name__} pools its queries but not its residual (its input and "
-                    "output widths are equal), which the model itself cannot add; check its configuration")
+            skip = Footprint.pool(tokens, coarse, stride, stride, 0)  # the residual's max pooling, read evenly
             chain.append(CallSpec(name, tokens, coarse, q_slots, k_slots, Footprint.identity(tokens), skip,
                                   self.stage_of[i] - 1, self.stage_of[i]))
             tokens = coarse
@@ -169,14 +165,16 @@ def _is(module: Optional[nn.Module], name: str) -> bool:
 @register_adapter(priority=15, family=HIER)
 def _detect_hf_hier_more(model: nn.Module) -> Optional[Adapter]:
     name = type(model).__name__
-    if module_family(model, "transformers.models.levit.") and name in ("LevitModel", "LevitForImageClassification",
-                                        "LevitForImageClassificationWithTeacher"):
+    levit = ("LevitModel", "LevitForImageClassification", "LevitForImageClassificationWithTeacher")
+    if module_family(model, "transformers.models.levit.") and name in levit:
         return HFLeViTAdapter(model)
-    if module_family(model, "transformers.models.sam2.") and name == "Sam2HieraDetModel":
+    if not module_family(model, "transformers.models.sam2."):
+        return None
+    if name == "Sam2HieraDetModel":
         return HFSam2HieraAdapter(model)
-    if module_family(model, "transformers.models.sam2.") and name == "Sam2VisionModel":
+    if name == "Sam2VisionModel":
         raise UnsupportedModelError(_SAM2_NECK.format(name=name, what="its ", backbone="model.backbone"))
-    if module_family(model, "transformers.models.sam2.") and name == "Sam2Model":
+    if name == "Sam2Model":
         raise UnsupportedModelError(_SAM2_NECK.format(
             name=name, what="its output is masks decoded from prompts, and its image encoder's ",
             backbone="model.vision_encoder.backbone"))
