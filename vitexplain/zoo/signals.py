@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from ..data.synthetic import COLORS, SHAPES
 from .evaluate import is_captioner
+from .hiera_signals import HieraValueLabels
 
 __all__ = [
     "patch_targets",
@@ -302,7 +303,7 @@ class TrainingSignals(nn.Module):
         self.arch = arch
         self.aux: Optional[AuxHeads] = None
         self.deep: Optional[DeepTokenLabels | StageTokenLabels] = None
-        self.value: Optional[ValueLabels | HeadTokenLabels] = None
+        self.value: Optional[nn.Module] = None  # ValueLabels, HeadTokenLabels or HieraValueLabels
         self.distill: Optional[FeatureDistill] = None
         vit = model.encoder if is_captioner(model) else model
         try:  # the order of construction fixes the random initialisation of the heads
@@ -317,6 +318,8 @@ class TrainingSignals(nn.Module):
                 self.value = ValueLabels(model)
             elif value_weight > 0 and arch == "pvt":
                 self.value = HeadTokenLabels(model)
+            elif value_weight > 0 and arch == "hiera":
+                self.value = HieraValueLabels(model)
             if distill_weight > 0 and arch == "vit":
                 self.distill = FeatureDistill(model, teacher(), distill_block)
         except BaseException:
@@ -402,7 +405,8 @@ class TrainingSignals(nn.Module):
     def _hiera_loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
         """timm Hiera (``shapes-hier``): binary cross-entropy plus token labeling of the last stage's
         tokens (``aux_weight``, layer-normalised without affine: the model's own norm comes after its
-        average pooling) and of the listed stages' outputs (``aux_blocks``: stage indices)."""
+        average pooling), of the listed stages' outputs (``aux_blocks``: stage indices) and value-path
+        token labels (``value_weight``, :class:`~vitexplain.zoo.hiera_signals.HieraValueLabels`)."""
         feats, stages = model.forward_features(batch.tensor, return_intermediates=True)  # stages: (B, h, w, C)
         loss = F.binary_cross_entropy_with_logits(model.forward_head(feats), batch.labels)
         if self.aux is not None:
@@ -413,6 +417,8 @@ class TrainingSignals(nn.Module):
             if self.deep is not None:
                 outs = {s: stages[s].permute(0, 3, 1, 2) for s in self.deep.stages}
                 loss = loss + self.aux_weight * self.deep(batch, outs)
+        if self.value is not None:
+            loss = loss + self.value_weight * self.value(lambda g: patch_targets(batch, batch.size[0] // g)[0])
         return loss
 
     def _sat_loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
