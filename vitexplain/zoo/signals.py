@@ -286,6 +286,8 @@ class TrainingSignals(nn.Module):
         aux_weight: weight of token labeling.
         aux_blocks: inner blocks whose outputs also get token labeling.
         value_weight: weight of the value-path token labels.
+        value_blocks: Hiera: the blocks whose keys get them (empty: those at the head's width).
+        value_per_head: Hiera: label each head's share of a key's value on its own.
         distill_weight: weight of feature mimicking.
         teacher: loads the teacher model (called only when ``distill_weight > 0`` for a ViT).
         distill_block: the student block whose tokens mimic the teacher.
@@ -295,8 +297,10 @@ class TrainingSignals(nn.Module):
     """
 
     def __init__(self, model: nn.Module, arch: str, *, aux_weight: float = 0.0, aux_blocks: Sequence[int] = (),
-                 value_weight: float = 0.0, distill_weight: float = 0.0, teacher: Any = None,
-                 distill_block: int = 1, label_smoothing: float = 0.0, attention_reg: float = 0.0) -> None:
+                 value_weight: float = 0.0, value_blocks: Sequence[int] = (),
+                 value_per_head: bool = False, distill_weight: float = 0.0,
+                 teacher: Any = None, distill_block: int = 1, label_smoothing: float = 0.0,
+                 attention_reg: float = 0.0) -> None:
         super().__init__()
         self.aux_weight, self.value_weight, self.distill_weight = aux_weight, value_weight, distill_weight
         self.label_smoothing, self.attention_reg = label_smoothing, attention_reg
@@ -319,7 +323,7 @@ class TrainingSignals(nn.Module):
             elif value_weight > 0 and arch == "pvt":
                 self.value = HeadTokenLabels(model)
             elif value_weight > 0 and arch == "hiera":
-                self.value = HieraValueLabels(model)
+                self.value = HieraValueLabels(model, tuple(value_blocks) or None, value_per_head)
             if distill_weight > 0 and arch == "vit":
                 self.distill = FeatureDistill(model, teacher(), distill_block)
         except BaseException:
