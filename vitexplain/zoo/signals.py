@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from ..data.synthetic import COLORS, SHAPES
 from .evaluate import is_captioner
+from .hiera_signals import HieraValueLabels
 
 __all__ = [
     "patch_targets",
@@ -285,6 +286,8 @@ class TrainingSignals(nn.Module):
         aux_weight: weight of token labeling.
         aux_blocks: inner blocks whose outputs also get token labeling.
         value_weight: weight of the value-path token labels.
+        value_blocks: Hiera: the blocks whose keys get them (empty: those at the head's width).
+        value_per_head: Hiera: label each head's share of a key's value on its own.
         distill_weight: weight of feature mimicking.
         teacher: loads the teacher model (called only when ``distill_weight > 0`` for a ViT).
         distill_block: the student block whose tokens mimic the teacher.
@@ -294,15 +297,17 @@ class TrainingSignals(nn.Module):
     """
 
     def __init__(self, model: nn.Module, arch: str, *, aux_weight: float = 0.0, aux_blocks: Sequence[int] = (),
-                 value_weight: float = 0.0, distill_weight: float = 0.0, teacher: Any = None,
-                 distill_block: int = 1, label_smoothing: float = 0.0, attention_reg: float = 0.0) -> None:
+                 value_weight: float = 0.0, value_blocks: Sequence[int] = (),
+                 value_per_head: bool = False, distill_weight: float = 0.0,
+                 teacher: Any = None, distill_block: int = 1, label_smoothing: float = 0.0,
+                 attention_reg: float = 0.0) -> None:
         super().__init__()
         self.aux_weight, self.value_weight, self.distill_weight = aux_weight, value_weight, distill_weight
         self.label_smoothing, self.attention_reg = label_smoothing, attention_reg
         self.arch = arch
         self.aux: Optional[AuxHeads] = None
         self.deep: Optional[DeepTokenLabels | StageTokenLabels] = None
-        self.value: Optional[ValueLabels | HeadTokenLabels] = None
+        self.value: Optional[nn.Module] = None  # ValueLabels, HeadTokenLabels or HieraValueLabels
         self.distill: Optional[FeatureDistill] = None
         vit = model.encoder if is_captioner(model) else model
         try:  # the order of construction fixes the random initialisation of the heads
@@ -317,6 +322,8 @@ class TrainingSignals(nn.Module):
                 self.value = ValueLabels(model)
             elif value_weight > 0 and arch == "pvt":
                 self.value = HeadTokenLabels(model)
+            elif value_weight > 0 and arch == "hiera":
+                self.value = HieraValueLabels(model, tuple(value_blocks) or None, value_per_head)
             if distill_weight > 0 and arch == "vit":
                 self.distill = FeatureDistill(model, teacher(), distill_block)
         except BaseException:
@@ -402,7 +409,8 @@ class TrainingSignals(nn.Module):
     def _hiera_loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
         """timm Hiera (``shapes-hier``): binary cross-entropy plus token labeling of the last stage's
         tokens (``aux_weight``, layer-normalised without affine: the model's own norm comes after its
-        average pooling) and of the listed stages' outputs (``aux_blocks``: stage indices)."""
+        average pooling), of the listed stages' outputs (``aux_blocks``: stage indices) and value-path
+        token labels (``value_weight``, :class:`~vitexplain.zoo.hiera_signals.HieraValueLabels`)."""
         feats, stages = model.forward_features(batch.tensor, return_intermediates=True)  # stages: (B, h, w, C)
         loss = F.binary_cross_entropy_with_logits(model.forward_head(feats), batch.labels)
         if self.aux is not None:
@@ -413,6 +421,8 @@ class TrainingSignals(nn.Module):
             if self.deep is not None:
                 outs = {s: stages[s].permute(0, 3, 1, 2) for s in self.deep.stages}
                 loss = loss + self.aux_weight * self.deep(batch, outs)
+        if self.value is not None:
+            loss = loss + self.value_weight * self.value(lambda g: patch_targets(batch, batch.size[0] // g)[0])
         return loss
 
     def _sat_loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
