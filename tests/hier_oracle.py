@@ -198,3 +198,30 @@ def taped_attention(model: nn.Module, x: Tensor, target: Union[int, Callable[[nn
         score = target(eager, x.double()) if callable(target) else eager(x.double())[:, target]
     score.sum().backward()
     return [(a.detach(), a.grad.detach()) for a in tape.outputs]
+
+
+def token_derivative(module: nn.Module, index: Union[tuple, Callable[[Tensor], tuple]], score: Callable[[], Tensor],
+                     eps: float = 1e-5) -> float:
+    """d score / de when the output of ``module`` at ``index`` (after the batch dim: a token ``(t,)`` of
+    (B, N, C) tokens, or a cell ``(i, j)`` of (B, H, W, C) ones) is scaled by (1 + e): a central difference.
+
+    Args:
+        module: where the token is scaled (a forward hook on its output).
+        index: the token's index after the batch dimension, or a function of the output giving it.
+        score: runs the model, returns a one-element tensor (no gradient taken).
+        eps: the step.
+    """
+    def at(step: float) -> float:
+        def scale(mod: nn.Module, inputs: tuple, out: Tensor) -> Tensor:
+            out = out.clone()
+            out[(slice(None), *(index(out) if callable(index) else index))] *= 1 + step
+            return out
+
+        handle = module.register_forward_hook(scale)
+        try:
+            with torch.no_grad():
+                return float(score())
+        finally:
+            handle.remove()
+
+    return (at(eps) - at(-eps)) / (2 * eps)

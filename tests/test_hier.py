@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import vitexplain as vx
-from hier_oracle import (DenseCall, adaptive_matrix, carry, eager_attention, pool_matrix, scatter_windows,
+from hier_oracle import (DenseCall, adaptive_matrix, carry, eager_attention, pool_matrix, scatter_windows, token_derivative,
                          unfuse_all)
 
 timm = pytest.importorskip("timm")
@@ -186,24 +186,8 @@ def test_cdam_matches_finite_differences(kind, stage):
     picks = torch.randperm(grid[0] * grid[1], generator=torch.Generator().manual_seed(0))[:4].tolist()
     for flat in picks:
         i, j = divmod(flat, grid[1])
-
-        def score(eps: float) -> float:
-            def scale(mod, inp, out):
-                out = out.clone()
-                if out.dim() == 4:
-                    out[:, i, j] *= 1 + eps
-                else:
-                    out[:, flat] *= 1 + eps
-                return out
-            handle = module.register_forward_hook(scale)
-            try:
-                with torch.no_grad():
-                    return float(model(x)[0, 0])
-            finally:
-                handle.remove()
-
-        eps = 1e-5
-        numeric = (score(eps) - score(-eps)) / (2 * eps)
+        numeric = token_derivative(module, lambda out: (i, j) if out.dim() == 4 else (flat,),  # cells or positions
+                                   lambda: model(x)[0, 0])
         assert abs(float(e.maps[0, i, j]) - numeric) <= 1e-6 + 1e-5 * abs(numeric), (flat, numeric)
 
 

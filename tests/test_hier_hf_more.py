@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import vitexplain as vx
-from hier_oracle import DenseCall, carry, taped_attention
+from hier_oracle import DenseCall, carry, taped_attention, token_derivative
 
 transformers = pytest.importorskip("transformers")
 
@@ -128,18 +128,7 @@ def test_hugging_face_levit_cdam_matches_finite_differences(stage):
                                   "levit.encoder.stages.1"][stage])
     n = grid[0] * grid[1]
     for t in torch.randperm(n, generator=torch.Generator().manual_seed(0))[:8].tolist():
-        def score(eps: float) -> float:
-            def scale(mod, inp, out):
-                out = out.clone()
-                out[:, t] *= 1 + eps
-                return out
-            handle = module.register_forward_hook(scale)
-            try:
-                with torch.no_grad():
-                    return float(model(pixel_values=x).logits[0, 0])
-            finally:
-                handle.remove()
-        numeric = (score(1e-5) - score(-1e-5)) / 2e-5
+        numeric = token_derivative(module, (t,), lambda: model(pixel_values=x).logits[0, 0])
         got = float(e.maps[0, t // grid[1], t % grid[1]])
         assert abs(got - numeric) <= 1e-6 + 1e-5 * abs(numeric), (t, got, numeric)
 
@@ -283,19 +272,7 @@ def test_sam2_hiera_backbone_cdam_matches_finite_differences(stage):
     module = model.get_submodule(f"blocks.{[1, 3, 5][stage]}.layer_norm1")
     for t in torch.randperm(grid[0] * grid[1], generator=torch.Generator().manual_seed(0))[:8].tolist():
         i, j = divmod(t, grid[1])
-
-        def score(eps: float) -> float:
-            def scale(mod, inp, out):
-                out = out.clone()
-                out[:, i, j] *= 1 + eps
-                return out
-            handle = module.register_forward_hook(scale)
-            try:
-                with torch.no_grad():
-                    return float(_sam2_score(model, x)[0])
-            finally:
-                handle.remove()
-        numeric = (score(1e-5) - score(-1e-5)) / 2e-5
+        numeric = token_derivative(module, (i, j), lambda: _sam2_score(model, x)[0])
         got = float(e.maps[0, i, j])
         assert abs(got - numeric) <= 1e-6 + 1e-5 * abs(numeric), (t, got, numeric)
 

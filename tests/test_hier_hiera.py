@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import vitexplain as vx
-from hier_oracle import carry, hiera_call, taped_attention
+from hier_oracle import carry, hiera_call, taped_attention, token_derivative
 from test_hier_more import CLASSES, _reinit
 
 transformers = pytest.importorskip("transformers")
@@ -133,18 +133,7 @@ def test_cdam_on_a_stage_of_one_pooling_block_matches_finite_differences(kind):
     reroll = model.reroll if kind == "timm" else model.hiera.encoder.reroll
     where = reroll(torch.arange(64, dtype=torch.float64).view(1, 64, 1), 1)[0, ..., 0]  # (8, 8): unrolled index
     for t in torch.randperm(64, generator=torch.Generator().manual_seed(0))[:12].tolist():
-        def score(eps: float) -> float:
-            def scale(mod, inp, out):
-                out = out.clone()
-                out[:, t] *= 1 + eps
-                return out
-            handle = module.register_forward_hook(scale)
-            try:
-                with torch.no_grad():
-                    return float(logits()[0, 0])
-            finally:
-                handle.remove()
-        numeric = (score(1e-5) - score(-1e-5)) / 2e-5
+        numeric = token_derivative(module, (t,), lambda: logits()[0, 0])
         (i, j), = (where == t).nonzero().tolist()
         assert abs(float(e.maps[0, i, j]) - numeric) <= 1e-6 + 1e-5 * abs(numeric), (t, numeric)
 
