@@ -165,20 +165,14 @@ class Attribution:
         self._top: Optional[object] = None  # a frame, or the token of the model's call in progress
         self._forward_index = -1
         self._root: Optional[object] = None  # a token for the model's own call in progress (enter_root)
-        self._root_depth = 0
 
     def enter_root(self) -> None:
-        """The model's own forward starts (its pre-hook, in the capture's thread): it is the top-level call."""
-        self._root_depth += 1
-        if self._root_depth == 1:
-            self._root = object()
+        """The model's own (outermost) forward starts, in the capture's thread: it is the top-level call."""
+        self._root = object()
 
     def exit_root(self) -> None:
-        """The model's own forward ended (its hook, also after an exception)."""
-        if self._root_depth > 0:
-            self._root_depth -= 1
-            if self._root_depth == 0:
-                self._root = None
+        """The model's own (outermost) forward ended (also after an exception)."""
+        self._root = None
 
     def start(self, modules: Mapping[str, nn.Module], declared: Mapping[str, Any]) -> None:
         """Attribute calls to ``modules`` (the model's ``named_modules()``) from now on.
@@ -209,17 +203,17 @@ class Attribution:
         """``module`` as the issuer of a call made from its method's ``frame``, known without a walk (the
         caller says which module issued it), or None when not recorded there (as :meth:`attention_issuer`)."""
         name = self._names.get(id(module))
-        if name is None or (self._declared and is_inside(name, self._declared)):
-            return None
-        return Issuer(name, module, frame)
+        return Issuer(name, module, frame) if name is not None and not self._declared_inside(name) else None
 
     def attention_issuer(self, start: Optional[FrameType]) -> Optional[Issuer]:
         """The issuer of an SDPA/softmax/FlexAttention call, or None when it is not recorded there:
         calls from outside the model, and calls inside a declared module (whose record replaces them)."""
         issuer = self.issuer(start)
-        if issuer is None or (self._declared and is_inside(issuer.name, self._declared)):
-            return None
-        return issuer
+        return issuer if issuer is not None and not self._declared_inside(issuer.name) else None
+
+    def _declared_inside(self, name: str) -> bool:
+        """Whether module ``name`` is inside a declared module (an extractor records its attention)."""
+        return bool(self._declared) and is_inside(name, self._declared)
 
     def forward_index(self, issuer: Issuer) -> int:
         """The number of the top-level call a record issued by ``issuer`` belongs to.
@@ -254,7 +248,6 @@ class Attribution:
     def stop(self) -> None:
         """At the end of a scope: drop the kept frame (the next record starts a new top-level call)."""
         self._top = self._root = None
-        self._root_depth = 0
 
     def reset(self) -> None:
         """Number top-level calls from 0 again (``Recorder.clear()``)."""

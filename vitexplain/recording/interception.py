@@ -266,4 +266,3 @@ class AttentionMode(TorchFunctionMode):
             return func(*args, **kwargs)
         finally:
             F.scaled_dot_product_attention, F.softmax = original_sdpa, original_softmax
-

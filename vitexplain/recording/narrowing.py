@@ -95,11 +95,10 @@ class Narrowing:
         self.gated_types: set[type] = set()  # the classes the mode was entered in (kept after the scope)
         self.codes: Optional[dict[int, CodeType]] = None
         self._modules: Mapping[str, nn.Module] = {}
-        self._ids: frozenset[int] = frozenset()
+        self._names: dict[int, str] = {}  # id of each of the model's modules -> its name
         self._thread = 0
         self._depth = 0  # narrowed entries in progress (gates and taps)
         self._interface = 0  # tap calls in progress
-        self._root_depth = 0
         self._narrowed = False
         self._ready = False  # the first forward returned
         self._issuer_types: set[type] = set()  # classes that issued attention outside the interface
@@ -123,9 +122,10 @@ class Narrowing:
     # -- scope --------------------------------------------------------------------------
     def start(self, modules: Mapping[str, nn.Module]) -> None:
         """At the start of the scope: the mode everywhere (or narrowed at once when the model was
-        discovered by an earlier capture, :mod:`~vitexplain.recording.discovery`); the root's hooks; the taps."""
+        discovered by an earlier capture, :mod:`~vitexplain.recording.discovery`); the interface's taps.
+        The recorder says when the model's forward starts and ends (:meth:`root_started`, :meth:`root_ended`)."""
         self._modules = modules
-        self._ids = frozenset(id(m) for m in modules.values())
+        self._names = {id(m): n for n, m in modules.items()}
         self._thread = threading.get_ident()
         self.narrowed = False
         self.gated_types = set()
@@ -143,8 +143,6 @@ class Narrowing:
             for block in blocks(self.model, self._by_type):
                 self._block_handles.append(block.register_forward_pre_hook(self._block_pre, prepend=True))
                 self._block_handles.append(block.register_forward_hook(self._block_post, always_call=True))
-        self._handles.append(self.model.register_forward_pre_hook(self._root_pre, prepend=True))
-        self._handles.append(self.model.register_forward_hook(self._root_post, always_call=True))
         interface.open_taps(self)
         self._handles.append(_Closer(self))
         if learned is not None:
@@ -181,7 +179,7 @@ class Narrowing:
             self._key = self._discovered = self._recalled = None
             self._learned = {}
             self._failed = False
-            self._interface = self._root_depth = 0
+            self._interface = 0
             self._narrowed = self._ready = False
 
     def _remember(self) -> None:
@@ -207,7 +205,7 @@ class Narrowing:
 
     def owns(self, module: nn.Module) -> bool:
         """Whether ``module`` is one of the captured model's (for the interface's taps)."""
-        return id(module) in self._ids
+        return id(module) in self._names
 
     def through_interface(self, original: Callable, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         """A Hugging Face attention function called for one of the model's modules, in this thread: with the
@@ -243,23 +241,19 @@ class Narrowing:
             self.stack.pop()
 
     # -- hooks --------------------------------------------------------------------------
-    def _root_pre(self, module: nn.Module, args: tuple) -> None:
-        if threading.get_ident() != self._thread:
+    def root_started(self) -> None:
+        """The model's own forward starts, in the capture's thread (the recorder's hook on the model)."""
+        if not self.enabled:
             return
-        self._root_depth += 1
-        if self._root_depth == 1:
-            if self._narrowed:
-                self._settle()
-            elif self._ready and self.full:
-                self._narrow()  # at the second forward, so that a capture of one forward pays nothing for it
+        if self._narrowed:
+            self._settle()
+        elif self._ready and self.full:
+            self._narrow()  # at the second forward, so that a capture of one forward pays nothing for it
 
-    def _root_post(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if threading.get_ident() != self._thread or self._root_depth == 0:
-            return
-        self._root_depth -= 1
-        if self._root_depth == 0:
-            self._failed = sys.exc_info()[0] is not None  # a forward that raised may not have run every module
-            self._ready = self._ready or not self._failed
+    def root_ended(self, failed: bool) -> None:
+        """The model's own forward ended; ``failed``: it raised (it may not have run every module)."""
+        self._failed = failed
+        self._ready = self._ready or not failed
 
     def _block_pre(self, module: nn.Module, args: tuple) -> None:
         """A layer/block of a class already seen whole: run it with the mode only where attention is issued."""
@@ -292,7 +286,7 @@ class Narrowing:
         if not self.stack.top_is_mode() or type(self.model) in self._issuer_types:
             return
         self._prepare(self._modules.values(), whole=True)
-        for handle in self._block_handles:  # (at the root's pre-hook: no layer runs now)
+        for handle in self._block_handles:  # (as the model's forward starts: no layer runs now)
             handle.remove()
         self._block_handles.clear()
         self.stack.pop()
@@ -327,7 +321,6 @@ class Narrowing:
             code = forward_code(module)
             return code is not None and (codes.get(id(code)) is code or inert(code))
 
-        names = {id(m): n for n, m in self._modules.items()} if recalled is not None else {}
         placed = []
         for module in modules:
             key = id(module)
@@ -341,7 +334,7 @@ class Narrowing:
                     known = ran[type(module)] = has_run(module)
             if not known:
                 self._tripwires[key] = self._hooks(module)
-                placed.append(names.get(key))
+                placed.append(self._names[key])
         if recalled is not None:
             recalled.prepared = (frozenset(self._named), tuple(placed))
 

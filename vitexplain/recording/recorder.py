@@ -125,6 +125,7 @@ class Recorder:
         self._active = False
         self._in_backward = False
         self._thread = 0  # the thread the scope was entered in
+        self._root_depth = 0  # calls of the model itself in progress in that thread
 
     # -- context manager --------------------------------------------------------------
     def __enter__(self) -> "Recorder":
@@ -143,7 +144,8 @@ class Recorder:
             self._handles.append(
                 self.model.register_forward_pre_hook(self._on_model_input, with_kwargs=True)
             )
-            self._handles.append(self.model.register_forward_hook(self._on_model_output, always_call=True))
+            self._handles.append(self.model.register_forward_pre_hook(self._on_root_start, prepend=True))
+            self._handles.append(self.model.register_forward_hook(self._on_root_end, always_call=True))
             for name in self.activation_names:
                 self._handles.append(
                     modules[name].register_forward_hook(self._activation_hook(name), with_kwargs=True)
@@ -185,6 +187,7 @@ class Recorder:
                     self._flex.stop()
         finally:
             self._attribution.stop()
+            self._root_depth = 0
             for handle in self._handles:
                 handle.remove()
             self._handles.clear()
@@ -388,17 +391,29 @@ class Recorder:
     # -- hooks ------------------------------------------------------------------------
     def _on_model_input(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         self.forward_count += 1
-        if threading.get_ident() == self._thread:
-            self._attribution.enter_root()
         candidates: Iterable[Any] = (*args, kwargs.get("pixel_values"), kwargs.get("x"), kwargs.get("images"))
         for value in candidates:
             if isinstance(value, Tensor) and value.dim() == 4 and value.is_floating_point():
                 self.input_size = (int(value.shape[-2]), int(value.shape[-1]))
                 return
 
-    def _on_model_output(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if threading.get_ident() == self._thread:
+    def _on_root_start(self, module: nn.Module, args: tuple) -> None:
+        """The model's forward starts (first of its pre-hooks): in the scope's thread, the outermost one is
+        the top-level call of its records, and where narrowing decides (recording/narrowing.py)."""
+        if threading.get_ident() != self._thread:
+            return
+        self._root_depth += 1
+        if self._root_depth == 1:
+            self._attribution.enter_root()
+            self._narrowing.root_started()
+
+    def _on_root_end(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if threading.get_ident() != self._thread or self._root_depth == 0:
+            return
+        self._root_depth -= 1
+        if self._root_depth == 0:
             self._attribution.exit_root()
+            self._narrowing.root_ended(failed=sys.exc_info()[0] is not None)
 
     def _activation_hook(self, name: str) -> Callable:
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
