@@ -7,13 +7,14 @@ removed by :meth:`HieraValueLabels.remove` (called by ``TrainingSignals.remove``
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import UsageError
+from .outputs import Outputs
 
 __all__ = ["HieraValueLabels", "head_width_blocks"]
 
@@ -81,18 +82,11 @@ class HieraValueLabels(nn.Module):
             raise UsageError(f"value-label blocks {self.blocks} are not all blocks of this "
                              f"{len(model.blocks)}-block Hiera")
         self.log_scale = nn.Parameter(torch.zeros(len(self.blocks)))  # a positive scale: the sign is the model's
-        self._tokens: dict[int, torch.Tensor] = {}
-        self._hooks = [model.blocks[b].norm1.register_forward_hook(self._grabber(b)) for b in self.blocks]
-
-    def _grabber(self, b: int) -> Any:
-        def grab(module: nn.Module, args: Any, out: torch.Tensor) -> None:
-            self._tokens[b] = out
-        return grab
+        self._tokens = Outputs({b: model.blocks[b].norm1 for b in self.blocks})
 
     def remove(self) -> None:
         """Detach the hooks from the model."""
-        for h in self._hooks:
-            h.remove()
+        self._tokens.remove()
 
     def per_key_logits(self, k: int) -> torch.Tensor:
         """The k-th listed block's per-key logits on the key grid: (B, h, w, H', num_classes), H' = the

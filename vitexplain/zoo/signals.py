@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from ..data.synthetic import COLORS, SHAPES
 from .evaluate import is_captioner
 from .hiera_signals import HieraValueLabels
+from .outputs import Outputs
 
 __all__ = [
     "patch_targets",
@@ -98,18 +99,11 @@ class DeepTokenLabels(nn.Module):
         self.norms = nn.ModuleList(nn.LayerNorm(dim) for _ in self.blocks)
         self.heads = nn.ModuleList(AuxHeads(dim, num_shapes, num_colors) for _ in self.blocks)
         self.num_prefix = int(vit.num_prefix_tokens)
-        self._out: dict[int, torch.Tensor] = {}
-        self._hooks = [vit.blocks[b].register_forward_hook(self._grabber(b)) for b in self.blocks]
-
-    def _grabber(self, b: int) -> Any:
-        def grab(module: nn.Module, args: Any, out: torch.Tensor) -> None:
-            self._out[b] = out
-        return grab
+        self._out = Outputs({b: vit.blocks[b] for b in self.blocks})
 
     def remove(self) -> None:
         """Detach the hooks from the model."""
-        for h in self._hooks:
-            h.remove()
+        self._out.remove()
 
     def forward(self, targets: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         losses = [head(norm(self._out[b][:, self.num_prefix:]), targets)
@@ -138,19 +132,11 @@ class StageTokenLabels(nn.Module):
             dims = [int(model.stages[s].blocks[-1].norm1.normalized_shape[0]) for s in self.stages]
         self.norms = nn.ModuleList(nn.LayerNorm(d) for d in dims)
         self.heads = nn.ModuleList(AuxHeads(d, num_shapes, num_colors) for d in dims)
-        self._out: dict[int, torch.Tensor] = {}
-        self._hooks = [] if hasattr(model, "stage_ends") else [
-            model.stages[s].register_forward_hook(self._grabber(s)) for s in self.stages]
-
-    def _grabber(self, s: int) -> Any:
-        def grab(module: nn.Module, args: Any, out: torch.Tensor) -> None:
-            self._out[s] = out
-        return grab
+        self._out = Outputs({} if hasattr(model, "stage_ends") else {s: model.stages[s] for s in self.stages})
 
     def remove(self) -> None:
         """Detach the hooks from the model."""
-        for h in self._hooks:
-            h.remove()
+        self._out.remove()
 
     def forward(self, batch: Any, outs: Optional[dict[int, torch.Tensor]] = None) -> torch.Tensor:
         """``outs``: stage index -> (B, C, h, w) output (default: what the hooks caught)."""
@@ -181,20 +167,16 @@ class ValueLabels(nn.Module):
         self.vit = [vit]  # a list: not a submodule (its parameters are trained by the main group)
         self.scale = nn.Parameter(torch.tensor(1.0))
         self.bias = nn.Parameter(torch.full((int(vit.num_classes),), -2.0))
-        self._tokens: Optional[torch.Tensor] = None
-        self._hook = vit.blocks[-1].norm1.register_forward_hook(self._grab)
+        self._out = Outputs({"tokens": vit.blocks[-1].norm1})
 
     def remove(self) -> None:
         """Detach the hook from the model."""
-        self._hook.remove()
-
-    def _grab(self, module: nn.Module, args: Any, out: torch.Tensor) -> None:
-        self._tokens = out
+        self._out.remove()
 
     def forward(self, targets: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         vit = self.vit[0]
         attn, dim = vit.blocks[-1].attn, int(vit.embed_dim)
-        tokens = self._tokens[:, vit.num_prefix_tokens:]
+        tokens = self._out["tokens"][:, vit.num_prefix_tokens:]
         o = F.linear(F.linear(tokens, attn.qkv.weight[2 * dim:]), attn.proj.weight)
         o = o - o.mean(dim=-1, keepdim=True)
         z = F.linear(o * vit.norm.weight, vit.head.weight) * self.scale + self.bias  # (B, N, C)
@@ -244,16 +226,12 @@ class FeatureDistill(nn.Module):
         self.block = block
         chans = int(teacher.layer4[-1].conv2.out_channels)
         self.proj = nn.Linear(int(vit.embed_dim), chans)
-        self._tokens: Optional[torch.Tensor] = None
-        self._hook = vit.blocks[block].register_forward_hook(self._grab)
+        self._out = Outputs({"tokens": vit.blocks[block]})
         self.num_prefix = int(vit.num_prefix_tokens)
 
     def remove(self) -> None:
         """Detach the hook from the student."""
-        self._hook.remove()
-
-    def _grab(self, module: nn.Module, args: Any, out: torch.Tensor) -> None:
-        self._tokens = out
+        self._out.remove()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         teacher = self.teacher[0]
@@ -266,7 +244,7 @@ class FeatureDistill(nn.Module):
                 h.remove()
             t = feats[0].flatten(2).transpose(1, 2)  # (B, 64, C)
             t = F.layer_norm(t, t.shape[-1:])
-        pred = self.proj(self._tokens[:, self.num_prefix:])
+        pred = self.proj(self._out["tokens"][:, self.num_prefix:])
         return F.mse_loss(pred, t)
 
 
