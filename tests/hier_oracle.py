@@ -225,3 +225,11 @@ def token_derivative(module: nn.Module, index: Union[tuple, Callable[[Tensor], t
             handle.remove()
 
     return (at(eps) - at(-eps)) / (2 * eps)
+
+
+def assert_matches_oracle(maps: Tensor, want: Tensor, label: object = None) -> None:
+    """vitexplain's float32 ``maps`` equal the float64 oracle ``want`` (same shape) to 1e-4 of its
+    largest magnitude, which must not be 0 (a map of zeros would match anything)."""
+    scale = float(want.abs().max())
+    error = float((maps.double() - want).abs().max())
+    assert scale > 0 and error <= 1e-4 * scale, (label, error, scale)
