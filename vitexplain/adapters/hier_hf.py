@@ -43,7 +43,7 @@ def _keys(attn: nn.Module, tokens: TokenSet, sr_name: str) -> Footprint:
     return Footprint.pool(tokens, token_set(grid), sr.kernel_size, sr.stride, sr.padding)
 
 
-class _HFForward:
+class HFForward:
     """Logits for classifiers; the mean of the last feature map for headless models."""
 
     model: nn.Module
@@ -58,7 +58,7 @@ class _HFForward:
         return hidden.mean(dim=(2, 3)) if hidden.dim() == 4 else hidden.mean(dim=1)
 
 
-class HFSpatialReductionAdapter(_HFForward, HierAdapter):
+class HFSpatialReductionAdapter(HFForward, HierAdapter):
     """Hugging Face ``PvtV2Model`` / ``PvtV2ForImageClassification`` and ``SegformerModel`` /
     ``SegformerForImageClassification``: stages of an overlapping conv patch embedding and
     blocks of spatial-reduction attention; the classifier averages the last stage."""
@@ -90,7 +90,7 @@ class HFSpatialReductionAdapter(_HFForward, HierAdapter):
         return chain, sets
 
 
-class HFSamVisionAdapter(_HFForward, HierAdapter):
+class HFSamVisionAdapter(HFForward, HierAdapter):
     """Hugging Face ``SamVisionModel`` (SAM's image encoder, headless): windowed (zero-padded)
     and global attention on one patch grid, then the neck (its 3 x 3 conv a transition)."""
 
@@ -117,7 +117,7 @@ class HFSamVisionAdapter(_HFForward, HierAdapter):
         return sam_chain(tokens, calls, neck), [tokens]
 
 
-class HFHieraAdapter(_HFForward, HieraAdapter):
+class HFHieraAdapter(HFForward, HieraAdapter):
     """Hugging Face ``HieraModel`` / ``HieraForImageClassification``: timm Hiera's chain
     (:class:`~vitexplain.adapters.hier_more.HieraAdapter`) on the layers of
     ``encoder.stages``; the unrolled order is Hugging Face's own ``unroll`` run on token indices.

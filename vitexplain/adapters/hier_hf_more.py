@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-import torch
 from torch import Tensor, nn
 
 from ..errors import UnsupportedModelError
@@ -29,12 +28,13 @@ from ..methods.families import HIER
 from ..methods.resample import CallSpec, Footprint, TokenSet, full_slots, window_slots
 from .base import Adapter, register_adapter
 from .hier import Chain, HierAdapter, conv_grid, global_call, module_family, token_set
+from .hier_hf import HFForward
 
 __all__ = ["HFLeViTAdapter", "HFSam2HieraAdapter"]
 
 
 # -- LeViT -------------------------------------------------------------------------------------
-class HFLeViTAdapter(HierAdapter):
+class HFLeViTAdapter(HFForward, HierAdapter):
     """Hugging Face LeViT: attention layers on one grid per stage, the subsampling attention at
     the end of each stage but the last. The tokens entering a grid's last attention call are the
     output of the layer before it (LeViT's attention has no norm before it), so CDAM's gradient
@@ -56,11 +56,6 @@ class HFLeViTAdapter(HierAdapter):
             else:
                 sites.append(f"{self.base}encoder.stages.{s - 1}" if s > 0 else f"{self.base}patch_embeddings")
         self.token_sites = sites
-
-    def forward(self, x: Tensor) -> Any:
-        out = self.model(pixel_values=x)
-        logits = getattr(out, "logits", None)
-        return logits if logits is not None else out.last_hidden_state.mean(dim=1)
 
     def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
         grid = pair(input_size)
