@@ -185,6 +185,11 @@ class Attribution:
         self._names = {id(m): n for n, m in modules.items()}
         self._declared = declared
 
+    @property
+    def names(self) -> Mapping[int, str]:
+        """The id of each module of the model -> its name (from :meth:`start`)."""
+        return self._names
+
     def issuer(self, start: Optional[FrameType]) -> Optional[Issuer]:
         """The innermost captured module on the stack from ``start``, with its frame."""
         names = self._names

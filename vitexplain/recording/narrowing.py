@@ -95,7 +95,7 @@ class Narrowing:
         self.gated_types: set[type] = set()  # the classes the mode was entered in (kept after the scope)
         self.codes: Optional[dict[int, CodeType]] = None
         self._modules: Mapping[str, nn.Module] = {}
-        self._names: dict[int, str] = {}  # id of each of the model's modules -> its name
+        self._names: Mapping[int, str] = {}  # id of each of the model's modules -> its name
         self._thread = 0
         self._depth = 0  # narrowed entries in progress (gates and taps)
         self._interface = 0  # tap calls in progress
@@ -120,12 +120,17 @@ class Narrowing:
         self._failed = False  # the last forward of the model raised
 
     # -- scope --------------------------------------------------------------------------
-    def start(self, modules: Mapping[str, nn.Module]) -> None:
+    def start(self, modules: Mapping[str, nn.Module], names: Mapping[int, str]) -> None:
         """At the start of the scope: the mode everywhere (or narrowed at once when the model was
         discovered by an earlier capture, :mod:`~vitexplain.recording.discovery`); the interface's taps.
-        The recorder says when the model's forward starts and ends (:meth:`root_started`, :meth:`root_ended`)."""
+        The recorder says when the model's forward starts and ends (:meth:`root_started`, :meth:`root_ended`).
+
+        Args:
+            modules: the model's ``named_modules()``.
+            names: the id of each of those modules -> its name.
+        """
         self._modules = modules
-        self._names = {id(m): n for n, m in modules.items()}
+        self._names = names
         self._thread = threading.get_ident()
         self.narrowed = False
         self.gated_types = set()

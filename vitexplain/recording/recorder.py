@@ -166,7 +166,7 @@ class Recorder:
                 self._flex.start()
                 self._mode_entered = True
                 self._narrowing.enabled = not self._full_interception
-                self._narrowing.start(modules)
+                self._narrowing.start(modules, self._attribution.names)
         except BaseException:
             self._restore()
             raise
