@@ -42,7 +42,7 @@ import torch.nn as nn
 from ..data.synthetic import COLORS, MEAN, SHAPES, STD
 from ..errors import UsageError
 
-__all__ = ["DEFAULT_CONFIGS", "HIERA_CONFIG", "ARCHS", "CAPTION_ARCHS", "build", "caption_words", "pretrained_cfg"]
+__all__ = ["DEFAULT_CONFIGS", "HIERA_CONFIG", "HIERA_GLOBAL_CONFIG", "HIER_VARIANTS", "ARCHS", "CAPTION_ARCHS", "build", "caption_words", "pretrained_cfg"]
 
 
 def caption_words() -> list[str]:
@@ -144,6 +144,18 @@ HIERA_CONFIG: dict[str, Any] = {
         "num_classes": len(SHAPES),
     },
 }
+
+
+#: The same Hiera with global attention in every block (``mask_unit_attn`` False in every stage; the
+#: blocks pooling into stages 1 and 2 then attend from each new token to all the previous stage's
+#: tokens, not to the 2 x 2 children inside its 16 x 16 px mask unit): ``--arch hiera-global``.
+HIERA_GLOBAL_CONFIG: dict[str, Any] = {
+    "arch": "hiera",
+    "model_args": {**HIERA_CONFIG["model_args"], "mask_unit_attn": [False, False, False]},
+}
+
+#: The variants ``shapes-hier`` can be trained as (``python -m vitexplain.zoo.train shapes-hier --arch NAME``).
+HIER_VARIANTS: dict[str, dict[str, Any]] = {"hiera": HIERA_CONFIG, "hiera-global": HIERA_GLOBAL_CONFIG}
 
 
 def _build_vit(args: dict[str, Any]) -> nn.Module:

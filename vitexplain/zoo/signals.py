@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from ..data.synthetic import COLORS, SHAPES
 from .evaluate import is_captioner
 from .hiera_signals import HieraValueLabels
+from .pvt_signals import PvtValueLabels
 from .outputs import Outputs
 
 __all__ = [
@@ -25,7 +26,6 @@ __all__ = [
     "DeepTokenLabels",
     "StageTokenLabels",
     "ValueLabels",
-    "HeadTokenLabels",
     "FeatureDistill",
     "TrainingSignals",
     "sincos_init",
@@ -184,31 +184,6 @@ class ValueLabels(nn.Module):
         return F.binary_cross_entropy_with_logits(z, cover)
 
 
-class HeadTokenLabels(nn.Module):
-    """Training-only *head token labels* for a mean-pooled hierarchical classifier (``shapes-hier``).
-
-    PVTv2's logits are its head applied to the mean of the last stage's tokens, so (the head being
-    linear) they are the mean of the per-token logits ``z_i = W_head T_i + b``. This loss asks each
-    per-token logit (with a learned scale and bias, training-only) to predict the shape classes
-    covering token i's region (binary cross-entropy against the soft coverage), so each class is
-    read from the tokens of its own object; without it the model reads a class partly from the
-    other objects' tokens, and the class-discriminative maps (generic, gradients) spread onto them.
-    The model itself is unchanged in form; its own head is trained by this loss.
-    """
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = [model]  # a list: not a submodule (its head is trained by the main group)
-        self.scale = nn.Parameter(torch.tensor(1.0))
-        self.bias = nn.Parameter(torch.full((int(model.num_classes),), -2.0))
-
-    def forward(self, feats: torch.Tensor, batch: Any) -> torch.Tensor:
-        """``feats``: the last stage's (B, C, h, w) output; ``batch``: the ShapesBatch."""
-        z = self.model[0].head(feats.flatten(2).transpose(1, 2)) * self.scale + self.bias  # (B, N, C)
-        cover = patch_targets(batch, batch.size[0] // feats.shape[-2])[0][:, :-1].flatten(2).transpose(1, 2)
-        return F.binary_cross_entropy_with_logits(z, cover)
-
-
 class FeatureDistill(nn.Module):
     """Training-only feature mimicking: a ViT block's patch tokens predict a trained CNN's 8 x 8 map.
 
@@ -264,7 +239,8 @@ class TrainingSignals(nn.Module):
         aux_weight: weight of token labeling.
         aux_blocks: inner blocks whose outputs also get token labeling.
         value_weight: weight of the value-path token labels.
-        value_blocks: Hiera: the blocks whose keys get them (empty: those at the head's width).
+        value_blocks: Hiera and PVTv2: the blocks whose keys get them (empty: those at the head's width;
+            PVTv2: flat block indices, :func:`~vitexplain.zoo.pvt_signals.pvt_blocks`).
         value_per_head: Hiera: label each head's share of a key's value on its own.
         distill_weight: weight of feature mimicking.
         teacher: loads the teacher model (called only when ``distill_weight > 0`` for a ViT).
@@ -285,7 +261,7 @@ class TrainingSignals(nn.Module):
         self.arch = arch
         self.aux: Optional[AuxHeads] = None
         self.deep: Optional[DeepTokenLabels | StageTokenLabels] = None
-        self.value: Optional[nn.Module] = None  # ValueLabels, HeadTokenLabels or HieraValueLabels
+        self.value: Optional[nn.Module] = None  # ValueLabels, PvtValueLabels or HieraValueLabels
         self.distill: Optional[FeatureDistill] = None
         vit = model.encoder if is_captioner(model) else model
         try:  # the order of construction fixes the random initialisation of the heads
@@ -299,7 +275,7 @@ class TrainingSignals(nn.Module):
             if value_weight > 0 and arch == "vit":
                 self.value = ValueLabels(model)
             elif value_weight > 0 and arch == "pvt":
-                self.value = HeadTokenLabels(model)
+                self.value = PvtValueLabels(model, tuple(value_blocks) or None)
             elif value_weight > 0 and arch == "hiera":
                 self.value = HieraValueLabels(model, tuple(value_blocks) or None, value_per_head)
             if distill_weight > 0 and arch == "vit":
@@ -372,7 +348,7 @@ class TrainingSignals(nn.Module):
     def _pvt_loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
         """PVTv2 (``shapes-hier``): binary cross-entropy plus token labeling of the last stage's
         tokens (``aux_weight``), of the listed stages' outputs (``aux_blocks``: stage indices) and
-        head token labels (``value_weight``, :class:`HeadTokenLabels`)."""
+        value-path token labels (``value_weight``, :class:`~vitexplain.zoo.pvt_signals.PvtValueLabels`)."""
         feats = model.forward_features(batch.tensor)  # (B, C, h, w)
         loss = F.binary_cross_entropy_with_logits(model.forward_head(feats), batch.labels)
         if self.aux is not None:
@@ -381,7 +357,7 @@ class TrainingSignals(nn.Module):
             if self.deep is not None:
                 loss = loss + self.aux_weight * self.deep(batch)
         if self.value is not None:
-            loss = loss + self.value_weight * self.value(feats, batch)
+            loss = loss + self.value_weight * self.value(lambda g: patch_targets(batch, batch.size[0] // g)[0])
         return loss
 
     def _hiera_loss(self, model: nn.Module, batch: Any) -> torch.Tensor:

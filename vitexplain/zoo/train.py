@@ -160,7 +160,7 @@ from ..data.synthetic import shapes
 from ..errors import NotFoundError, UsageError
 from .evaluate import EVAL_SEED, VAL_SEED, evaluate, is_captioner
 from .hub import names, save_checkpoint
-from .models import DEFAULT_CONFIGS, HIERA_CONFIG, build
+from .models import DEFAULT_CONFIGS, HIER_VARIANTS, build
 from .signals import TrainingSignals, mimetic_init, sincos_init
 
 __all__ = ["Stage", "Recipe", "RunOptions", "RECIPES", "HIERA_RECIPE", "model_config", "train", "train_schedule",
@@ -332,13 +332,14 @@ def _param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]
 
 def model_config(name: str, arch: Optional[str] = None) -> dict[str, Any]:
     """The zoo config a model is trained with: ``DEFAULT_CONFIGS[name]``, or for ``shapes-hier``
-    with ``arch="hiera"`` the Hiera tried in its place (:data:`~vitexplain.zoo.models.HIERA_CONFIG`)."""
+    with ``arch="hiera"`` / ``"hiera-global"`` a Hiera tried in its place
+    (:data:`~vitexplain.zoo.models.HIER_VARIANTS`)."""
     if arch is None or arch == DEFAULT_CONFIGS[name]["arch"]:
         return {"name": name, **DEFAULT_CONFIGS[name]}
-    if name == "shapes-hier" and arch == "hiera":
-        return {"name": name, **HIERA_CONFIG}
+    if name == "shapes-hier" and arch in HIER_VARIANTS:
+        return {"name": name, **HIER_VARIANTS[arch]}
     raise UsageError(f"{name} is a {DEFAULT_CONFIGS[name]['arch']!r} model; only shapes-hier can be trained as "
-                     f"arch='hiera', got arch={arch!r}")
+                     f"arch={' or '.join(repr(v) for v in HIER_VARIANTS)}, got arch={arch!r}")
 
 
 def _resume(model: nn.Module, path: str, config: dict[str, Any], log: Callable[[str], Any]) -> dict[str, Any]:
@@ -451,12 +452,13 @@ def train(
             or a checkpoint ``.json``); ``"default"``: the recipe's (the bundled ``shapes-vit``);
             None or ``"none"``: random init.
         run: logging and evaluation (:class:`RunOptions`).
-        arch: ``"hiera"``: train ``shapes-hier`` as the Hiera tried in its place (:func:`model_config`).
+        arch: ``"hiera"`` / ``"hiera-global"``: train ``shapes-hier`` as a Hiera tried in its place
+            (:func:`model_config`).
 
     Returns:
         Path of the written JSON config.
     """
-    recipe = HIERA_RECIPE if arch == "hiera" else _recipe(name)
+    recipe = HIERA_RECIPE if arch in HIER_VARIANTS else _recipe(name)
     stage = recipe.stages[0] if stage is None else stage
     if not 0 <= seed < MAX_TRAIN_SEED:
         raise UsageError(f"training seeds are 0..{MAX_TRAIN_SEED - 1} (higher seeds are held out)")
@@ -596,7 +598,7 @@ def train_schedule(
         name: zoo model name.
         out: output folder.
         seed: training seed; stage k trains on stream ``seed + stage.seed_offset``.
-        recipe: the stages to run (default: ``RECIPES[name]``; :data:`HIERA_RECIPE` for ``arch="hiera"``).
+        recipe: the stages to run (default: ``RECIPES[name]``; :data:`HIERA_RECIPE` for a Hiera ``arch``).
         init_encoder: see :func:`train` (first stage only).
         run: logging and evaluation.
         arch: see :func:`train`.
@@ -605,7 +607,7 @@ def train_schedule(
         Path of the final JSON config.
     """
     if recipe is None:
-        recipe = HIERA_RECIPE if arch == "hiera" else _recipe(name)
+        recipe = HIERA_RECIPE if arch in HIER_VARIANTS else _recipe(name)
     out = Path(out)
     resume: Optional[str] = None
     for k, stage in enumerate(recipe.stages, start=1):
@@ -666,8 +668,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="shapes-sat: weight of the doubly stochastic attention penalty (default: the recipe's)")
     p.add_argument("--resume", default=None,
                    help="a further training stage: start from this checkpoint (.json) of the same model")
-    p.add_argument("--arch", default=None, choices=["hiera"],
-                   help="shapes-hier only: train the Hiera tried in its place (not bundled; see the module docstring)")
+    p.add_argument("--arch", default=None, choices=list(HIER_VARIANTS),
+                   help="shapes-hier only: train a Hiera tried in its place (not bundled; see the module docstring)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's default, all cores); on a machine shared with "
                         "other jobs, 1 thread per training run is faster than oversubscribed threads")
@@ -684,7 +686,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         value_blocks=None if a.value_blocks is None else tuple(int(v) for v in a.value_blocks.split(",") if v),
     ).items() if v is not None}
     model_config(a.name, a.arch)  # a wrong --arch fails before any training
-    recipe = HIERA_RECIPE if a.arch == "hiera" else RECIPES[a.name]
+    recipe = HIERA_RECIPE if a.arch in HIER_VARIANTS else RECIPES[a.name]
     init_encoder = None if a.init_encoder.lower() == "none" else a.init_encoder
     single = {k: v for k, v in dict(steps=a.steps, batch_size=a.batch_size, lr=a.lr).items() if v is not None}
     if single or a.resume:  # one stage, as asked: the recipe's first stage with these changes
