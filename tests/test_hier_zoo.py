@@ -46,18 +46,22 @@ def test_generic_points_at_the_targeted_object(setup) -> None:
     assert accuracy >= GENERIC_FLOOR
 
 
-def test_the_hiera_tried_in_its_place_trains_reloads_and_is_explained(tmp_path) -> None:
-    """``python -m vitexplain.zoo.train shapes-hier --arch hiera`` (vitexplain/zoo/train.py says why it
-    was tried): two steps train, the checkpoint reloads as a timm Hiera, and the hierarchical family
-    explains it on its three stage grids."""
+@pytest.mark.parametrize("arch, windowed", [("hiera", [True, True, True, False]),
+                                             ("hiera-global", [False, False, False, False])])
+def test_the_hieras_tried_in_its_place_train_reload_and_are_explained(arch, windowed, tmp_path) -> None:
+    """``python -m vitexplain.zoo.train shapes-hier --arch hiera`` / ``hiera-global``
+    (vitexplain/zoo/train.py says why they were tried): two steps train, the checkpoint reloads as a
+    timm Hiera whose blocks attend in mask units or globally as the variant says, and the
+    hierarchical family explains it on its three stage grids."""
     from timm.models.hiera import Hiera
 
     from vitexplain.zoo import train as zoo_train
 
-    assert zoo_train.main(["shapes-hier", "--arch", "hiera", "--out", str(tmp_path), "--steps", "2", "--batch-size",
+    assert zoo_train.main(["shapes-hier", "--arch", arch, "--out", str(tmp_path), "--steps", "2", "--batch-size",
                            "4", "--val-images", "0", "--final-eval-images", "0"]) == 0
     model = vx.zoo.load_checkpoint(str(tmp_path / "shapes-hier.json"))
     assert type(model) is Hiera and not model.training
+    assert [blk.attn.use_mask_unit_attn for blk in model.blocks] == windowed
     ex = vx.Explainer(model)
     assert ex.family == "hier"
     assert [st.grid for st in ex.adapter.stage_sets((64, 64))] == [(16, 16), (8, 8), (4, 4)]
