@@ -378,7 +378,7 @@ SINGLE = {
     "timm ViT": _single(lambda: timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=3, num_classes=5), (32, 32)),
     "timm Swin": _single(lambda: timm.create_model("swin_tiny_patch4_window7_224", img_size=56, depths=(2, 2), num_heads=(2, 4),
                                                    embed_dim=16, num_classes=5), (56, 56)),
-    "zoo shapes-hier (PVT)": lambda: (vx.zoo.load("shapes-hier"), torch.randn(2, 3, 64, 64)),
+    "zoo shapes-hier (Hiera)": lambda: (vx.zoo.load("shapes-hier"), torch.randn(2, 3, 64, 64)),
     "HF ViT (sdpa)": _single(lambda: transformers.ViTForImageClassification(transformers.ViTConfig(
         hidden_size=32, num_hidden_layers=3, num_attention_heads=2, intermediate_size=64, image_size=32, patch_size=8)), (32, 32)),
 }

@@ -1,6 +1,6 @@
 """The explorer's attention views of a hierarchical model: every layer on its own stage grid.
 
-A small timm PVTv2 (the ``shapes-hier`` architecture, random weights, 64 px: stages on 16 x 16,
+A small timm PVTv2 (the architecture of ``shapes-hier --arch pvt``, random weights, 64 px: stages on 16 x 16,
 8 x 8 and 4 x 4 grids; the first stage's keys pooled 2 x 2) is explored. The oracle is written
 out here from the model's own modules: the grids from its convs' kernel, stride and padding, the
 attention from ``vx.capture`` records, and the rollout with the footprints of the strided convs
@@ -19,15 +19,15 @@ import torch
 
 import vitexplain as vx
 from vitexplain.explorer.quantize import dequantize_rows
-from vitexplain.zoo.models import DEFAULT_CONFIGS, build, pretrained_cfg
+from vitexplain.zoo.models import PVT_CONFIG, build, pretrained_cfg
 
 pytest.importorskip("vitexplain.methods.resample", reason="needs the hierarchical family (issue 23, branch hier)")
 
 
 def _pvt() -> torch.nn.Module:
-    """The shapes-hier architecture with random weights and the zoo's preprocessing (64 px)."""
+    """The PVTv2 of shapes-hier --arch pvt with random weights and the zoo's preprocessing (64 px)."""
     torch.manual_seed(0)
-    config = {"arch": "pvt", "model_args": DEFAULT_CONFIGS["shapes-hier"]["model_args"]}
+    config = PVT_CONFIG
     model = build(config).eval()
     model.pretrained_cfg = pretrained_cfg(config)
     return model

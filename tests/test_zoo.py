@@ -93,24 +93,24 @@ def test_vit_is_a_plain_timm_vit(models) -> None:
     assert len(spy.calls) == len(vit.blocks) and spy.calls[0]["q"][2] == 65
 
 
-def test_hier_is_a_timm_pvt_v2_with_pooled_keys_and_fused_attention(models) -> None:
-    """shapes-hier: a plain timm PVTv2 (issue 23's trained hierarchical model), at most 3 MB, whose
-    attention runs fused (SDPA) on three stage grids, the first stage's keys pooled 2 x 2."""
-    from timm.models.pvt_v2 import PyramidVisionTransformerV2
+def test_hier_is_a_timm_hiera_with_global_pooled_attention_fused(models) -> None:
+    """shapes-hier: a plain timm Hiera (issue 23's trained hierarchical model), at most 3 MB, whose
+    attention runs fused (SDPA) and globally on three stage grids, the blocks that open stages 1 and
+    2 pooling their queries 2 x 2 and attending to all the previous stage's tokens."""
+    from timm.models.hiera import Hiera
 
     hier = models["shapes-hier"]
-    assert type(hier) is PyramidVisionTransformerV2
+    assert type(hier) is Hiera
     assert (WEIGHTS_DIR / "shapes-hier.safetensors").stat().st_size <= 3 * 2**20
-    blocks = [blk for stage in hier.stages for blk in stage.blocks]
-    assert all(blk.attn.fused_attn for blk in blocks)
+    assert all(blk.attn.fused_attn and not blk.attn.use_mask_unit_attn for blk in hier.blocks)
     x = shapes(2, seed=FLOOR_SEED).tensor
     with _SDPASpy() as spy, torch.no_grad():
         out = hier(x)
     assert out.shape == (2, len(SHAPES))
-    assert len(spy.calls) == len(blocks)
+    assert len(spy.calls) == len(hier.blocks)
     queries = [c["q"][2] for c in spy.calls]
     keys = [c["k"][2] for c in spy.calls]
-    assert queries == [256, 64, 16, 16] and keys == [64, 64, 16, 16]  # 16x16 -> 8x8 -> 4x4; stage 0 keys pooled
+    assert queries == [256, 64, 16, 16] and keys == [256, 256, 64, 16]  # 16x16 -> 8x8 -> 4x4, global keys
 
 
 def test_cnn_has_timm_channel_and_spatial_gates(models) -> None:
@@ -210,7 +210,7 @@ def test_captioner_cache_matches_teacher_forcing(models) -> None:
     [
         ("shapes-vit", 0.97, 0.91),  # measured label 0.988 (n = 1000), exact 0.955 (n = 200)
         ("shapes-cnn", 0.99, 0.98),  # measured label 1.000 (n = 1000), exact 1.000 (n = 200)
-        ("shapes-hier", 0.99, 0.96),  # measured label 0.997 (n = 1000), exact 0.990 (n = 200)
+        ("shapes-hier", 0.95, 0.81),  # measured label 0.973 (n = 1000), exact 0.885 (n = 200)
     ],
 )
 def test_classifier_floors(models, floor_batch, name, label_floor, exact_floor) -> None:

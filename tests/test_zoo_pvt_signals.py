@@ -1,4 +1,4 @@
-"""The value-path token labels of the zoo's PVTv2 (``vitexplain/zoo/pvt_signals.py``): each key's
+"""The value-path token labels of the zoo's PVTv2 (``shapes-hier --arch pvt``; ``vitexplain/zoo/pvt_signals.py``): each key's
 per-key logits are the head's reading of that key's value, written by hand here from the model's
 weights and its last stage's input, and training with them leaves no hook behind."""
 
@@ -11,14 +11,14 @@ import torch
 import torch.nn.functional as F
 
 import vitexplain as vx
-from vitexplain.zoo.models import DEFAULT_CONFIGS, build
+from vitexplain.zoo.models import PVT_CONFIG, build
 from vitexplain.zoo.pvt_signals import PvtValueLabels, last_stage_blocks, pvt_blocks
 from vitexplain.zoo.signals import patch_targets
 
 
 def _pvt() -> torch.nn.Module:
     torch.manual_seed(0)
-    model = build(DEFAULT_CONFIGS["shapes-hier"]).eval()
+    model = build(PVT_CONFIG).eval()
     with torch.no_grad():  # non-trivial norm scales and value biases, so that each term is checked
         for m in model.modules():
             if isinstance(m, torch.nn.LayerNorm):
@@ -90,11 +90,11 @@ def test_blocks_outside_the_last_stage_are_refused() -> None:
 def test_a_stage_with_value_labels_trains_records_them_and_removes_its_hooks(tmp_path) -> None:
     from vitexplain.zoo import train as zoo_train
 
-    assert zoo_train.main(["shapes-hier", "--out", str(tmp_path), "--steps", "2", "--batch-size", "4",
+    assert zoo_train.main(["shapes-hier", "--arch", "pvt", "--out", str(tmp_path), "--steps", "2", "--batch-size", "4",
                            "--value-weight", "2", "--value-blocks", "3", "--val-images", "0",
                            "--final-eval-images", "0"]) == 0
     training = json.loads((tmp_path / "shapes-hier.json").read_text())["training"]
     assert training["value_weight"] == 2.0 and training["value_blocks"] == [3]
-    assert "--value-weight 2 --value-blocks 3" in training["command"]
+    assert "--arch pvt --batch-size 4 --value-weight 2 --value-blocks 3" in training["command"]
     model = vx.zoo.load_checkpoint(str(tmp_path / "shapes-hier.json"))
     assert not any(m._forward_hooks for m in model.modules())

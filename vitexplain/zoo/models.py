@@ -11,20 +11,21 @@ model for training (:mod:`vitexplain.zoo.train`) and for loading (:func:`vitexpl
   max-pool is removed and the last stage is dilated (``output_stride=16``), so at 64 px input
   the stages run at 32, 16, 8 and 8 px: the CBAM spatial gates of the two deepest stages are
   8 x 8 maps.
-* ``shapes-hier``: a hierarchical ViT, timm ``PyramidVisionTransformerV2`` (PVTv2: overlapping
-  patch embedding of stride 4, then stages at strides 4, 8, 16 -> 16 x 16, 8 x 8 and 4 x 4 token
-  grids at 64 px; spatial-reduction attention whose keys and values are pooled by a strided conv
-  in the first stage; a depthwise conv in every MLP; mean-pooled tokens into the head; default
-  fused attention), multi-label head over ``SHAPES``.
-* :data:`HIERA_CONFIG` (``arch="hiera"``, not bundled): a timm ``Hiera`` (the image encoder family
-  of SAM 2) of the same size, tried as ``shapes-hier`` (see :mod:`vitexplain.zoo.train`): a
-  non-overlapping 4 x 4 patch embedding with a learned absolute position embedding, then three
-  stages on 16 x 16, 8 x 8 and 4 x 4 token grids at 64 px (1, 1 and 2 blocks; widths 32, 64, 128;
-  1, 2 and 4 heads); each later stage starts with a block that max-pools its queries and residual
-  over 2 x 2 neighbourhoods; mask-unit attention inside 16 x 16 px windows in the first three
-  blocks (the third, pooling into stage 2, attends from each new token to its 2 x 2 children),
-  global attention over the 4 x 4 grid in the last; plain MLPs; mean-pooled tokens into the head.
-  Its tokens mix across positions only in attention and the 2 x 2 pooling.
+* ``shapes-hier``: a hierarchical ViT, a timm ``Hiera`` (the image encoder family of SAM 2;
+  :data:`HIERA_GLOBAL_CONFIG`): a non-overlapping 4 x 4 patch embedding with a learned absolute
+  position embedding, then three stages on 16 x 16, 8 x 8 and 4 x 4 token grids at 64 px (1, 1 and
+  2 blocks; widths 32, 64, 128; 1, 2 and 4 heads); each later stage starts with a block that
+  max-pools its queries and residual over 2 x 2 neighbourhoods; global attention in every block
+  (``mask_unit_attn`` off); plain MLPs; mean-pooled tokens into the head; default fused attention.
+  Its tokens mix across positions only in attention and the 2 x 2 pooling. Multi-label head over
+  ``SHAPES``.
+* Tried as ``shapes-hier`` before (not bundled; :data:`HIER_VARIANTS`, see
+  :mod:`vitexplain.zoo.train`): :data:`HIERA_CONFIG`, the same Hiera with mask-unit attention inside
+  16 x 16 px windows in its first three blocks (the third, pooling into stage 2, attends from each
+  new token to its 2 x 2 children); and :data:`PVT_CONFIG`, a timm ``PyramidVisionTransformerV2``
+  (overlapping patch embedding of stride 4, then stages at strides 4, 8, 16 -> 16 x 16, 8 x 8 and
+  4 x 4 token grids at 64 px; spatial-reduction attention whose keys and values are pooled by a
+  strided conv in the first stage; a depthwise conv in every MLP; mean-pooled tokens into the head).
 * ``shapes-captioner``: :class:`vitexplain.zoo.captioner.Captioner`.
 * ``shapes-sat``: :class:`vitexplain.zoo.sat.ShowAttendTell` (Show, Attend and Tell: CNN grid
   encoder, LSTM decoder with additive attention).
@@ -42,7 +43,7 @@ import torch.nn as nn
 from ..data.synthetic import COLORS, MEAN, SHAPES, STD
 from ..errors import UsageError
 
-__all__ = ["DEFAULT_CONFIGS", "HIERA_CONFIG", "HIERA_GLOBAL_CONFIG", "HIER_VARIANTS", "ARCHS", "CAPTION_ARCHS", "build", "caption_words", "pretrained_cfg"]
+__all__ = ["DEFAULT_CONFIGS", "PVT_CONFIG", "HIERA_CONFIG", "HIERA_GLOBAL_CONFIG", "HIER_VARIANTS", "ARCHS", "CAPTION_ARCHS", "build", "caption_words", "pretrained_cfg"]
 
 
 def caption_words() -> list[str]:
@@ -75,18 +76,6 @@ DEFAULT_CONFIGS: dict[str, dict[str, Any]] = {
             "stem_pool": False,
             "output_stride": 16,
             "stage_attn": ["eca", "se", "cbam", "cbam"],
-            "num_classes": len(SHAPES),
-        },
-    },
-    "shapes-hier": {
-        "arch": "pvt",
-        "model_args": {
-            "img_size": 64,
-            "depths": [1, 1, 2],
-            "embed_dims": [32, 64, 128],
-            "num_heads": [1, 2, 4],
-            "sr_ratios": [2, 1, 1],
-            "mlp_ratios": [2.0, 2.0, 2.0],
             "num_classes": len(SHAPES),
         },
     },
@@ -126,7 +115,23 @@ DEFAULT_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
-#: The Hiera tried as ``shapes-hier`` (not bundled): ``python -m vitexplain.zoo.train shapes-hier --arch hiera``.
+#: The PVTv2 bundled as ``shapes-hier`` before the Hiera (not bundled now):
+#: ``python -m vitexplain.zoo.train shapes-hier --arch pvt``.
+PVT_CONFIG: dict[str, Any] = {
+    "arch": "pvt",
+    "model_args": {
+        "img_size": 64,
+        "depths": [1, 1, 2],
+        "embed_dims": [32, 64, 128],
+        "num_heads": [1, 2, 4],
+        "sr_ratios": [2, 1, 1],
+        "mlp_ratios": [2.0, 2.0, 2.0],
+        "num_classes": len(SHAPES),
+    },
+}
+
+#: A Hiera with mask-unit attention, tried as ``shapes-hier`` (not bundled):
+#: ``python -m vitexplain.zoo.train shapes-hier --arch hiera``.
 HIERA_CONFIG: dict[str, Any] = {
     "arch": "hiera",
     "model_args": {
@@ -146,16 +151,20 @@ HIERA_CONFIG: dict[str, Any] = {
 }
 
 
-#: The same Hiera with global attention in every block (``mask_unit_attn`` False in every stage; the
-#: blocks pooling into stages 1 and 2 then attend from each new token to all the previous stage's
-#: tokens, not to the 2 x 2 children inside its 16 x 16 px mask unit): ``--arch hiera-global``.
+#: The bundled ``shapes-hier``: the same Hiera with global attention in every block
+#: (``mask_unit_attn`` False in every stage; the blocks pooling into stages 1 and 2 then attend from
+#: each new token to all the previous stage's tokens, not to the 2 x 2 children inside its 16 x 16 px
+#: mask unit): ``--arch hiera-global`` (the default).
 HIERA_GLOBAL_CONFIG: dict[str, Any] = {
     "arch": "hiera",
     "model_args": {**HIERA_CONFIG["model_args"], "mask_unit_attn": [False, False, False]},
 }
 
-#: The variants ``shapes-hier`` can be trained as (``python -m vitexplain.zoo.train shapes-hier --arch NAME``).
-HIER_VARIANTS: dict[str, dict[str, Any]] = {"hiera": HIERA_CONFIG, "hiera-global": HIERA_GLOBAL_CONFIG}
+#: The variants ``shapes-hier`` can be trained as (``python -m vitexplain.zoo.train shapes-hier --arch NAME``);
+#: the first is the bundled one.
+HIER_VARIANTS: dict[str, dict[str, Any]] = {"hiera-global": HIERA_GLOBAL_CONFIG, "hiera": HIERA_CONFIG,
+                                            "pvt": PVT_CONFIG}
+DEFAULT_CONFIGS["shapes-hier"] = copy.deepcopy(HIERA_GLOBAL_CONFIG)
 
 
 def _build_vit(args: dict[str, Any]) -> nn.Module:

@@ -143,6 +143,7 @@ under ``training``.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import math
@@ -163,8 +164,8 @@ from .hub import names, save_checkpoint
 from .models import DEFAULT_CONFIGS, HIER_VARIANTS, build
 from .signals import TrainingSignals, mimetic_init, sincos_init
 
-__all__ = ["Stage", "Recipe", "RunOptions", "RECIPES", "HIERA_RECIPE", "model_config", "train", "train_schedule",
-           "main"]
+__all__ = ["Stage", "Recipe", "RunOptions", "RECIPES", "HIERA_RECIPE", "PVT_RECIPE", "HIER_RECIPES", "model_config",
+           "train", "train_schedule", "main"]
 
 
 @dataclass(frozen=True)
@@ -259,6 +260,28 @@ class RunOptions:
 _VIT_STAGE = Stage(steps=4000, batch_size=32, lr=1e-3, aux_weight=0.5, distill_weight=1.0)
 _HIER_STAGE = Stage(steps=1500, batch_size=64, lr=1e-3, aux_weight=0.5, aux_blocks=(0, 1))
 
+#: How the mask-unit Hiera tried as ``shapes-hier`` (``--arch hiera``, not bundled) was trained: the
+#: same losses as the bundled one, three stages on new images, all at lr 1e-3, then a fourth with
+#: value-path token labels (``HieraValueLabels`` on the keys of the two blocks at the head's width) at lr 5e-4.
+HIERA_RECIPE = Recipe(
+    stages=(
+        _HIER_STAGE,
+        dataclasses.replace(_HIER_STAGE, steps=2500, seed_offset=1),
+        dataclasses.replace(_HIER_STAGE, steps=2500, seed_offset=2),
+        dataclasses.replace(_HIER_STAGE, steps=1500, lr=5e-4, seed_offset=3, value_weight=2.0),
+    ),
+    weight_decay=0.05, warmup=100,
+)
+#: How the PVTv2 bundled as ``shapes-hier`` before the Hiera (``--arch pvt``) was trained: binary
+#: cross-entropy + token labeling of the last stage's tokens and of stages 0 and 1, two stages.
+PVT_RECIPE = Recipe(
+    stages=(
+        _HIER_STAGE,
+        dataclasses.replace(_HIER_STAGE, steps=2500, seed_offset=1),
+    ),
+    weight_decay=0.05, warmup=100,
+)
+
 #: The recipe of every zoo model: exactly how the bundled weights were trained (``training`` in
 #: each bundled JSON records every stage; ``tests/test_zoo.py`` checks the two agree).
 RECIPES: dict[str, Recipe] = {
@@ -279,11 +302,14 @@ RECIPES: dict[str, Recipe] = {
         stages=(Stage(steps=2000, batch_size=64, lr=5e-4, aux_weight=0.5),),
         weight_decay=0.05, warmup=100, init_encoder="shapes-vit",
     ),
-    # PVTv2: binary cross-entropy + token labeling of the last stage's tokens and of stages 0 and 1
+    # Hiera with global attention: binary cross-entropy + token labeling of the last stage's tokens and
+    # of stages 0 and 1; four stages on new images, three at lr 1e-3, the last at 5e-4
     "shapes-hier": Recipe(
         stages=(
             _HIER_STAGE,
             dataclasses.replace(_HIER_STAGE, steps=2500, seed_offset=1),
+            dataclasses.replace(_HIER_STAGE, steps=2500, seed_offset=2),
+            dataclasses.replace(_HIER_STAGE, steps=1500, lr=5e-4, seed_offset=3),
         ),
         weight_decay=0.05, warmup=100,
     ),
@@ -294,18 +320,8 @@ RECIPES: dict[str, Recipe] = {
         weight_decay=0.01, warmup=100,
     ),
 }
-#: How the Hiera tried as ``shapes-hier`` (``--arch hiera``, not bundled) was trained: the same
-#: losses, three stages on new images, all at lr 1e-3, then a fourth with value-path token labels
-#: (``HieraValueLabels`` on the keys of the two blocks at the head's width) at lr 5e-4.
-HIERA_RECIPE = Recipe(
-    stages=(
-        _HIER_STAGE,
-        dataclasses.replace(_HIER_STAGE, steps=2500, seed_offset=1),
-        dataclasses.replace(_HIER_STAGE, steps=2500, seed_offset=2),
-        dataclasses.replace(_HIER_STAGE, steps=1500, lr=5e-4, seed_offset=3, value_weight=2.0),
-    ),
-    weight_decay=0.05, warmup=100,
-)
+#: The recipe of each variant of ``shapes-hier`` (``--arch``, :data:`~vitexplain.zoo.models.HIER_VARIANTS`).
+HIER_RECIPES: dict[str, Recipe] = {"hiera-global": RECIPES["shapes-hier"], "hiera": HIERA_RECIPE, "pvt": PVT_RECIPE}
 MAX_TRAIN_SEED = 9_000
 
 
@@ -332,12 +348,12 @@ def _param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]
 
 def model_config(name: str, arch: Optional[str] = None) -> dict[str, Any]:
     """The zoo config a model is trained with: ``DEFAULT_CONFIGS[name]``, or for ``shapes-hier``
-    with ``arch="hiera"`` / ``"hiera-global"`` a Hiera tried in its place
+    with ``arch="hiera-global"`` (the bundled one), ``"hiera"`` or ``"pvt"`` that variant
     (:data:`~vitexplain.zoo.models.HIER_VARIANTS`)."""
+    if name == "shapes-hier" and arch in HIER_VARIANTS:
+        return {"name": name, **copy.deepcopy(HIER_VARIANTS[arch])}
     if arch is None or arch == DEFAULT_CONFIGS[name]["arch"]:
         return {"name": name, **DEFAULT_CONFIGS[name]}
-    if name == "shapes-hier" and arch in HIER_VARIANTS:
-        return {"name": name, **HIER_VARIANTS[arch]}
     raise UsageError(f"{name} is a {DEFAULT_CONFIGS[name]['arch']!r} model; only shapes-hier can be trained as "
                      f"arch={' or '.join(repr(v) for v in HIER_VARIANTS)}, got arch={arch!r}")
 
@@ -388,6 +404,11 @@ def _recipe(name: str) -> Recipe:
     if name not in DEFAULT_CONFIGS or name not in RECIPES:
         raise NotFoundError(f"unknown zoo model {name!r}; available: {', '.join(names())}")
     return RECIPES[name]
+
+
+def _arch_recipe(name: str, arch: Optional[str]) -> Recipe:
+    """The recipe of ``name`` trained as ``arch`` (a ``shapes-hier`` variant, or None: the model's own)."""
+    return HIER_RECIPES[arch] if name == "shapes-hier" and arch in HIER_VARIANTS else _recipe(name)
 
 
 def _command(name: str, stage: Stage, seed: int, resume: Optional[str], recipe: Recipe,
@@ -452,13 +473,13 @@ def train(
             or a checkpoint ``.json``); ``"default"``: the recipe's (the bundled ``shapes-vit``);
             None or ``"none"``: random init.
         run: logging and evaluation (:class:`RunOptions`).
-        arch: ``"hiera"`` / ``"hiera-global"``: train ``shapes-hier`` as a Hiera tried in its place
-            (:func:`model_config`).
+        arch: ``shapes-hier`` only: ``"hiera-global"`` (the bundled variant), ``"hiera"`` or ``"pvt"``
+            (:func:`model_config`; that variant's recipe, :data:`HIER_RECIPES`).
 
     Returns:
         Path of the written JSON config.
     """
-    recipe = HIERA_RECIPE if arch in HIER_VARIANTS else _recipe(name)
+    recipe = _arch_recipe(name, arch)
     stage = recipe.stages[0] if stage is None else stage
     if not 0 <= seed < MAX_TRAIN_SEED:
         raise UsageError(f"training seeds are 0..{MAX_TRAIN_SEED - 1} (higher seeds are held out)")
@@ -598,7 +619,7 @@ def train_schedule(
         name: zoo model name.
         out: output folder.
         seed: training seed; stage k trains on stream ``seed + stage.seed_offset``.
-        recipe: the stages to run (default: ``RECIPES[name]``; :data:`HIERA_RECIPE` for a Hiera ``arch``).
+        recipe: the stages to run (default: ``RECIPES[name]``; :data:`HIER_RECIPES` ``[arch]`` with ``arch``).
         init_encoder: see :func:`train` (first stage only).
         run: logging and evaluation.
         arch: see :func:`train`.
@@ -607,7 +628,7 @@ def train_schedule(
         Path of the final JSON config.
     """
     if recipe is None:
-        recipe = HIERA_RECIPE if arch in HIER_VARIANTS else _recipe(name)
+        recipe = _arch_recipe(name, arch)
     out = Path(out)
     resume: Optional[str] = None
     for k, stage in enumerate(recipe.stages, start=1):
@@ -669,7 +690,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--resume", default=None,
                    help="a further training stage: start from this checkpoint (.json) of the same model")
     p.add_argument("--arch", default=None, choices=list(HIER_VARIANTS),
-                   help="shapes-hier only: train a Hiera tried in its place (not bundled; see the module docstring)")
+                   help="shapes-hier only: the variant to train (hiera-global: the bundled one; hiera, pvt: tried "
+                        "before, see the module docstring)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's default, all cores); on a machine shared with "
                         "other jobs, 1 thread per training run is faster than oversubscribed threads")
@@ -686,7 +708,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         value_blocks=None if a.value_blocks is None else tuple(int(v) for v in a.value_blocks.split(",") if v),
     ).items() if v is not None}
     model_config(a.name, a.arch)  # a wrong --arch fails before any training
-    recipe = HIERA_RECIPE if a.arch in HIER_VARIANTS else RECIPES[a.name]
+    recipe = _arch_recipe(a.name, a.arch)
     init_encoder = None if a.init_encoder.lower() == "none" else a.init_encoder
     single = {k: v for k, v in dict(steps=a.steps, batch_size=a.batch_size, lr=a.lr).items() if v is not None}
     if single or a.resume:  # one stage, as asked: the recipe's first stage with these changes
