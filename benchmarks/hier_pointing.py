@@ -17,7 +17,7 @@ Hiera's max over chunks, read evenly); the stage-0 vector is put on the grid by 
 (the model's average pooling), minus the readout of the residual path alone; rollout:
 ``R <- rownorm(0.5 mean_h(A) + 0.5 S) R``.
 
-timm PVTv2 (the earlier ``shapes-hier``): from the captured attention (``vx.capture(model,
+timm PVTv2 (the earlier ``shapes-hier``, ``--arch pvt``): from the captured attention (``vx.capture(model,
 grads=True)``: probabilities and dy/dA of every spatial-reduction attention call, fused
 attention left on):
 
@@ -96,7 +96,7 @@ def oracle_maps(model: torch.nn.Module, x: Tensor, target: Tensor) -> dict[str, 
 
     Args:
         model: a timm ``PyramidVisionTransformerV2`` (eval mode), e.g. a checkpoint of the earlier
-            ``shapes-hier`` (``python -m vitexplain.zoo.train`` at an earlier commit).
+            ``shapes-hier`` (``python -m vitexplain.zoo.train shapes-hier --arch pvt``).
         x: (B, 3, H, W) images.
         target: (B,) class indices.
 

@@ -1,6 +1,7 @@
-"""The value-path token labels of the zoo's PVTv2 (``shapes-hier --arch pvt``; ``vitexplain/zoo/pvt_signals.py``): each key's
-per-key logits are the head's reading of that key's value, written by hand here from the model's
-weights and its last stage's input, and training with them leaves no hook behind."""
+"""The value-path token labels of the zoo's PVTv2 (``shapes-hier --arch pvt``;
+``vitexplain/zoo/pvt_signals.py``): each key's per-key logits are the head's reading of that key's
+value, written by hand here from the model's weights and its last stage's input, and training with
+them leaves no hook behind."""
 
 from __future__ import annotations
 

@@ -43,7 +43,8 @@ import torch.nn as nn
 from ..data.synthetic import COLORS, MEAN, SHAPES, STD
 from ..errors import UsageError
 
-__all__ = ["DEFAULT_CONFIGS", "PVT_CONFIG", "HIERA_CONFIG", "HIERA_GLOBAL_CONFIG", "HIER_VARIANTS", "ARCHS", "CAPTION_ARCHS", "build", "caption_words", "pretrained_cfg"]
+__all__ = ["DEFAULT_CONFIGS", "PVT_CONFIG", "HIERA_CONFIG", "HIERA_GLOBAL_CONFIG", "HIER_VARIANTS", "ARCHS",
+           "CAPTION_ARCHS", "build", "caption_words", "pretrained_cfg"]
 
 
 def caption_words() -> list[str]:

@@ -53,71 +53,55 @@ the hooks they put on the model are removed in a ``finally`` block, also when tr
 * ``shapes-captioner``: next-token cross-entropy (teacher forcing) plus the same token labeling
   on the encoder; the encoder starts from the trained ``shapes-vit`` trunk (``--init-encoder``,
   default: the bundled checkpoint), the decoder from scratch.
-* ``shapes-hier`` (timm PVTv2, :mod:`vitexplain.zoo.models`), from scratch: binary cross-entropy
-  plus token labeling (weight 0.5) of the last stage's 4 x 4 tokens and of the outputs of stages 0
-  and 1 (16 x 16 and 8 x 8; ``StageTokenLabels``, ``aux_blocks`` = stage indices). Two stages on
-  new images: 1,500 steps x 64 images at lr 1e-3, then 2,500 more at 1e-3 (seed + 1). Measured
-  with ``benchmarks/hier_pointing.py`` (two-object images, seed 20,000): after the first stage
-  (label accuracy 0.88) ``generic`` points at the targeted object 0.60 of the time; after the
-  second (0.996) 0.89. Also tried: a first stage of 600 steps at lr 2e-3 (label accuracy 0.71:
-  the model needs the longer schedule, not a larger step) and, in the second stage, head token
-  labels (``HeadTokenLabels``, weight 1: the head applied to each
-  last-stage token predicts that token's classes), which left accuracy unchanged but lowered
-  ``generic`` pointing to 0.77; and a third stage (1,500 steps at 5e-4, seed + 2), which raised
-  label accuracy to 0.999 but lowered ``generic`` pointing to 0.865 (0.855 on seed 21,000).
+* ``shapes-hier`` (a timm Hiera with global attention in every block,
+  :data:`~vitexplain.zoo.models.HIERA_GLOBAL_CONFIG`; ``--arch hiera-global``, the default), from
+  scratch: binary cross-entropy plus token labeling (weight 0.5) of the last stage's 4 x 4 tokens
+  and of the outputs of stages 0 and 1 (16 x 16 and 8 x 8; ``StageTokenLabels``, ``aux_blocks`` =
+  stage indices). Four stages on new images: 1,500 steps x 64 images at lr 1e-3, 2,500 (seed + 1)
+  and 2,500 (seed + 2) at 1e-3, 1,500 at 5e-4 (seed + 3); 23 CPU minutes in all. ``generic``
+  pointing (``python benchmarks/hier_pointing.py --model CKPT.json --n 400 --seed S``: two-object
+  images, each class targeted in turn, 800 targets, SE 0.006-0.007) on seeds 20,000 / 21,000 /
+  22,000: 0.966 / 0.959 / 0.962 (vitexplain's maps point exactly as the benchmark's dense float64
+  oracle's; rollout 1.000 against either object); held-out label accuracy 0.976 (exact set 0.895).
+  After each stage (seed 20,000, validation label accuracy in brackets; n 400 targets for the
+  first two): 0.745 (0.80), 0.915 (0.92), 0.947 (0.966; 0.949 / 0.946 on 21,000 / 22,000), 0.966
+  (0.977). In place of the last stage, value-path token labels (``--value-weight 2``,
+  ``HieraValueLabels``, as below) lowered pointing to 0.919 / 0.934 / 0.934 (label accuracy 0.975).
 
-  Where its maps miss (``benchmarks/hier_pointing.py --n 400``: 800 targets; 0.897, SE 0.011, on
-  seed 20,000; 0.880 on seed 21,000): the model is right about the missed objects (1 of 82 missed
-  targets below p = 0.5; 8 peaks on the other object); the misses are smaller objects (mean area
-  170 px against 216 for hits) and the peaks are displaced: on average 2.7 px up and 3.9 px left of
-  the targeted object's centre (6.8 and 9.1 px for the misses). PVTv2 mixes tokens across
-  positions outside attention (a 3 x 3 depthwise conv in every MLP, overlapping 3 x 3 stride-2
-  patch embeddings between stages, a 7 x 7 stem), which no rule that carries attention sees, and
-  the result depends on how the strided convs' footprints are read: the same attention carried
-  with each coarse token the mean of its 2 x 2 children (the benchmark's oracle) moves the peaks to
-  1.8 px down, 0.4 px right and pointing to 0.836. The displacement comes from the model's
-  convolutions; no reading of the footprints removes it (these two shift it opposite ways).
+  Tried before, each trainable with ``--arch`` (:data:`HIER_RECIPES`), both below 0.90:
 
-  Tried in its place, ``--arch hiera`` (:data:`~vitexplain.zoo.models.HIERA_CONFIG`, same size,
-  same losses, :data:`HIERA_RECIPE`): a timm Hiera whose tokens mix only in attention and 2 x 2
-  pooling (non-overlapping 4 x 4 patch embedding, plain MLPs). Its maps are hardly displaced (mean
-  peak offset 0.8 px up, 0.1 px left after the third stage), but it learns more slowly and reads part of a class from
-  the other object: after each stage label accuracy / ``generic`` pointing (seed 20,000) were
-  0.80 / 0.65 (n 200), 0.94 / 0.822, 0.969 / 0.851 (n 800; of its 119 misses 63 peak on the other
-  object); a fourth stage (2,500 steps, seed + 3) raised label accuracy to 0.983 but lowered
-  pointing to 0.830 (47 of 136 misses on the other object). Nor is the reading across objects the
-  global last block's: the third stage's weights with that block restricted to mask units too and
-  fine-tuned 1,500 steps point 0.819 (76 of 145 misses on the other object). About 7 CPU minutes
-  per 160,000 images.
-
-  Then, in place of that fourth stage, *value-path token labels* as for ``shapes-vit``
-  (``HieraValueLabels``, :mod:`vitexplain.zoo.hiera_signals`; the last stage of
-  :data:`HIERA_RECIPE`: 1,500 steps at lr 5e-4, weight 2, seed + 3; 4.5 CPU minutes): what each
-  key's value adds through the two blocks at the head's width (the block pooling into the last
-  stage, whose new tokens attend to their 2 x 2 children, and the global block), value bias
-  included and read by the head's norm and classifier, times a positive scale and with no bias,
-  must predict the classes of the key's own region (binary cross-entropy, its positive term
-  weighted by the batch's negative-to-positive ratio). ``generic`` pointing
-  (``python benchmarks/hier_pointing.py --model CKPT.json --n 400 --seed S``, 800 targets each, SE
-  0.011-0.012) on seeds 20,000 / 21,000 / 22,000: 0.869 / 0.880 / 0.877, against 0.851 / 0.844 / 0.871
-  for the three-stage Hiera and 0.897 / 0.880 / 0.890 for the bundled PVTv2; label accuracy 0.980
-  (seed 9,000). 58 of its 105 misses on seed 20,000 still peak on the other object. Without the
-  weighting (0.869 / 0.859 / 0.876) the labels were met by making nearly every key's logit
-  negative: in the pooling block only 6% of the own-class keys read positive (0.40 before the
-  stage; with the weighting 100%, but also 81% of the keys on the other object). Split by block
-  (the benchmark's oracle with every block's ``A * dy/dA`` but one zeroed; the unweighted model,
-  200 images, the first class targeted), the global block alone points 0.885 and leaves little
-  relevance on the other object, while the mask-unit blocks inside 16 x 16 px windows (the two
-  pooling blocks) carry the larger values and, in the missed images, more of them on the other
-  object than on the target. Other variants, all from the three-stage weights (seed 20,000): the
-  ViT's form (no value bias, a learned bias) 0.871 (0.865 / 0.876 on 21,000 / 22,000), followed by a
-  second stage at weight 4: 0.838; unweighted labels on all four blocks' keys (the narrower blocks
-  carried to the head's width through the later blocks' widening projections, ``--value-blocks
-  0,1,2,3``) 0.849; the same per head (``--value-per-head 1``: ``generic`` clamps each head's
-  ``A * dy/dA`` before the mean over heads) 0.864; per head on the two head-width blocks 0.869;
-  each of the own-class, other-object and background key groups given equal weight 0.861 (0.861 /
-  0.859). Neither architecture reaches 0.90; the bundled ``shapes-hier`` stays the PVTv2, better
-  than or equal to every Hiera on all three seeds.
+  - ``--arch pvt`` (timm PVTv2, :data:`PVT_RECIPE`; bundled before the Hiera): the first two
+    stages above; 0.897 / 0.880 / 0.890, label accuracy 0.996. Its misses are small objects (mean
+    area 170 px against 216 for hits) whose peaks are displaced (6.8 px up and 9.1 px left of the
+    object's centre on average; 2.7 and 3.9 px over all targets), not on the other object: PVTv2
+    mixes tokens across positions outside attention (a 3 x 3 depthwise conv in every MLP,
+    overlapping stride-2 patch embeddings, a 7 x 7 stem), which no rule that carries attention
+    sees; reading its strided convs' footprints as 2 x 2 means (the benchmark's oracle) instead of
+    3 x 3 moves the peaks the other way (0.836). Further training lowered pointing: a third stage
+    (1,500 steps at 5e-4) 0.865 (0.855 on seed 21,000; label accuracy 0.999); head token labels
+    (the head applied to each last-stage token predicts its classes; removed since) 0.77;
+    value-path token labels
+    (:class:`~vitexplain.zoo.pvt_signals.PvtValueLabels`, the PVTv2 form of the Hiera's below, on
+    the last stage's two blocks: ``python -m vitexplain.zoo.train shapes-hier --arch pvt --out DIR
+    --seed 2 --steps 1500 --lr 5e-4 --value-weight 2 --resume shapes-hier.json`` from the bundled
+    PVTv2, 3.9 CPU min) 0.770 (n 400 targets, seed 20,000; label accuracy 0.998; ``gradcam`` rose
+    from 0.42 to 0.71).
+  - ``--arch hiera`` (:data:`~vitexplain.zoo.models.HIERA_CONFIG`, :data:`HIERA_RECIPE`): the same
+    Hiera with mask-unit attention inside 16 x 16 px windows in its first three blocks (those
+    pooling into stages 1 and 2 attend from each new token to its 2 x 2 children only). Three
+    stages: 0.851 / 0.844 / 0.871 (label accuracy 0.969); a fourth, plain (2,500 steps), 0.830 on
+    seed 20,000; the last block also restricted to mask units, 0.819; a fourth with
+    *value-path token labels* (``HieraValueLabels``, :mod:`vitexplain.zoo.hiera_signals`: what
+    each key's value adds through the blocks at the head's width, read by the head's norm and
+    classifier, times a positive scale, must predict the classes of the key's own region; binary
+    cross-entropy, the positive term weighted by the batch's negative-to-positive ratio) 0.869 /
+    0.880 / 0.877 (label accuracy 0.980). About half its misses peaked on the other object. Split
+    by block (the oracle with all blocks' ``A * dy/dA`` but one zeroed), the global last block alone
+    pointed 0.885, while the two mask-unit pooling blocks carried the larger values and, in the
+    missed images, more of them on the other object: hence the global variant, which points
+    higher after every stage. Variants of the value labels (the ViT's form with a learned bias;
+    all four blocks; per head; equal weight per key group; a second stage at weight 4) all pointed
+    0.838-0.871.
 * ``shapes-sat`` (Show, Attend and Tell, :mod:`vitexplain.zoo.sat`), from scratch: the paper's loss
   (Xu et al. 2015, eq. 14), ``-log P(caption | image)`` summed over the words plus the doubly
   stochastic attention regularisation ``lambda * sum_i (1 - sum_t alpha_ti)^2`` (``attention_reg``
