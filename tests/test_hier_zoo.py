@@ -28,9 +28,9 @@ def setup():
 
 
 # Floor: measured on 400 images of seed 21,000 (n = 800 (image, target) pairs; these 200 images are
-# its first half): 0.959 (python benchmarks/hier_pointing.py --seed 21000 --n 400; 0.966 on seed
-# 20,000, 0.962 on 22,000), minus three binomial standard errors of this test's n = 400 pairs,
-# 3 sqrt(0.959 * 0.041 / 400) = 3 * 0.0099 = 0.030 -> 0.929, rounded down to 2 decimals.
+# its first half): 0.957 (python benchmarks/hier_pointing.py --seed 21000 --n 400; 0.967 on seed
+# 20,000, 0.950 on 22,000), minus three binomial standard errors of this test's n = 400 pairs,
+# 3 sqrt(0.957 * 0.043 / 400) = 3 * 0.0101 = 0.030 -> 0.927, rounded down to 2 decimals.
 GENERIC_FLOOR = 0.92
 
 

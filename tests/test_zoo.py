@@ -210,7 +210,7 @@ def test_captioner_cache_matches_teacher_forcing(models) -> None:
     [
         ("shapes-vit", 0.97, 0.91),  # measured label 0.988 (n = 1000), exact 0.955 (n = 200)
         ("shapes-cnn", 0.99, 0.98),  # measured label 1.000 (n = 1000), exact 1.000 (n = 200)
-        ("shapes-hier", 0.95, 0.81),  # measured label 0.973 (n = 1000), exact 0.885 (n = 200)
+        ("shapes-hier", 0.96, 0.85),  # measured label 0.981 (n = 1000), exact 0.915 (n = 200)
     ],
 )
 def test_classifier_floors(models, floor_batch, name, label_floor, exact_floor) -> None:
