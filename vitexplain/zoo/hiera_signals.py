@@ -47,8 +47,9 @@ class HieraValueLabels(nn.Module):
     :class:`~vitexplain.zoo.signals.ValueLabels`.
 
     In each listed block (default :func:`head_width_blocks`: the blocks whose attention writes at
-    the head's width; in ``shapes-hier`` the block pooling into the last stage, whose new tokens
-    attend to their 2 x 2 children, and the last stage's global block) what key token j adds to the
+    the head's width; in the mask-unit Hiera tried as ``shapes-hier`` (``--arch hiera``) the block
+    pooling into the last stage, whose new tokens attend to their 2 x 2 children, and the last
+    stage's global block) what key token j adds to the
     tokens it is attended from is its value through the output projection,
     ``o_j = W_proj (W_v LN_1(x_j) + b_v)`` (a (B, N_k, C_b) map; this is also what the gradient of an
     attention weight, ``dy / dA_ij = <dy / d out_i, o_j>``, reads). A block narrower than the head

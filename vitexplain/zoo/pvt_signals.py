@@ -1,4 +1,4 @@
-"""Training-only value-path token labels for the zoo's timm PVTv2 (``shapes-hier``).
+"""Training-only value-path token labels for the zoo's timm PVTv2 (``shapes-hier --arch pvt``).
 
 Like everything in :mod:`vitexplain.zoo.signals`, nothing here is saved with the model: the
 learned scales live beside it, and the forward hooks it puts on the model's blocks are removed by

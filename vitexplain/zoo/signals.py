@@ -346,7 +346,7 @@ class TrainingSignals(nn.Module):
 
 
     def _pvt_loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
-        """PVTv2 (``shapes-hier``): binary cross-entropy plus token labeling of the last stage's
+        """PVTv2 (``shapes-hier --arch pvt``): binary cross-entropy plus token labeling of the last stage's
         tokens (``aux_weight``), of the listed stages' outputs (``aux_blocks``: stage indices) and
         value-path token labels (``value_weight``, :class:`~vitexplain.zoo.pvt_signals.PvtValueLabels`)."""
         feats = model.forward_features(batch.tensor)  # (B, C, h, w)
