@@ -33,12 +33,12 @@ def _reinit(model: nn.Module) -> nn.Module:
     return model.eval()
 
 
-def hiera() -> nn.Module:
+def hiera(mask_unit_attn: tuple[bool, ...] = (True, True, False, False)) -> nn.Module:
     from timm.models.hiera import Hiera
 
     torch.manual_seed(0)
     return _reinit(Hiera(img_size=64, embed_dim=16, num_heads=1, num_classes=CLASSES, stages=(1, 2, 2, 1),
-                         mask_unit_size=(4, 4), q_pool=2))
+                         mask_unit_size=(4, 4), q_pool=2, mask_unit_attn=mask_unit_attn))
 
 
 def tv_maxvit() -> nn.Module:
@@ -74,8 +74,12 @@ def hiera_chain(model, x, target):
     return items, u, order, grid
 
 
-def test_hiera_matches_the_dense_float64_oracle():
-    model = hiera()
+# timm's default (mask units in the first two stages), and global attention in every block, whose
+# pooling blocks attend from each new token to all the previous stage's tokens (zoo shapes-hier)
+@pytest.mark.parametrize("mask_unit_attn", [(True, True, False, False), (False, False, False, False)],
+                         ids=["mask-units", "global"])
+def test_hiera_matches_the_dense_float64_oracle(mask_unit_attn):
+    model = hiera(mask_unit_attn)
     x = torch.randn(2, 3, *SIZE, generator=torch.Generator().manual_seed(1))
     items, u, order, grid = hiera_chain(model, x, target=1)
     ex = vx.Explainer(model)
