@@ -1,6 +1,6 @@
 """Cost of attention methods on hierarchical vision transformers, side by side with the plain forward.
 
-Rows: the bundled ``shapes-hier`` (a timm Hiera), timm ``pvt_v2_b0``, ``swin_tiny_patch4_window7_224`` and
+Rows: the bundled ``shapes-hier`` (PVTv2), timm ``pvt_v2_b0``, ``swin_tiny_patch4_window7_224`` and
 SAM's image encoder ``samvit_base_patch16`` (at ``--sam-size`` px, random weights, a 5-class head on
 its pooled neck so that ``generic`` has a class to explain), each where vitexplain supports it. Per model (median wall time over ``--reps`` interleaved runs, one torch
 thread unless ``--threads``):
