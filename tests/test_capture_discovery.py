@@ -57,7 +57,7 @@ def test_a_later_capture_starts_narrowed_and_records_sdpa_calls_from_their_argum
     for _ in range(2):  # (the second starts from the decisions the first made from the learned entry)
         again = _after_a_change(model, run)
         assert again._narrowing.narrowed and not again._narrowing.gated_types
-    assert discovery.recall(model, discovery.fingerprint(model, dict(model.named_modules()))) is not None
+    assert discovery.recall(model, discovery.fingerprint(model)) is not None
 
 
 def test_another_attention_implementation_is_discovered_again():
@@ -96,7 +96,7 @@ def test_what_a_capture_learned_does_not_keep_the_model_alive_nor_survives_a_for
             run()
         finally:
             handle.remove()
-    key = discovery.fingerprint(model, dict(model.named_modules()))
+    key = discovery.fingerprint(model)
     assert discovery.recall(model, key) is None  # nothing learned from a forward that raised
     with torch.no_grad(), vx.capture(model):
         run()
@@ -122,3 +122,30 @@ def test_a_transformers_that_prepares_sdpa_arguments_otherwise_is_recorded_throu
     check(model, run)
     checked = {kind: ok for kind, ok in direct._CHECKED.items() if kind[0] is sdpa_attention_forward}
     assert checked and not any(checked.values())
+
+
+@pytest.mark.parametrize("change", ["local override", "global registration"])
+def test_a_changed_attention_registry_is_discovered_again(change):
+    """The function the model's attention implementation resolves to changed between captures: an entry of
+    ``ALL_ATTENTION_FUNCTIONS``'s own mapping (even with transformers' own function: the modules then call it
+    without the interface's tap) or a function registered in place of the global one. The learned entry no
+    longer holds; the next capture records every call, as full interception does."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    model, run = _llava()
+    check(model, run)
+    original = AttentionInterface._global_mapping["sdpa"]
+
+    def wrapper(*args, **kwargs):  # not transformers' own: never tapped
+        return original(*args, **kwargs)
+
+    try:
+        if change == "local override":
+            ALL_ATTENTION_FUNCTIONS["sdpa"] = original
+        else:
+            AttentionInterface.register("sdpa", wrapper)
+        rec = _after_a_change(model, run)
+        assert len(rec.records) > 0
+    finally:
+        ALL_ATTENTION_FUNCTIONS._local_mapping.pop("sdpa", None)
+        AttentionInterface._global_mapping["sdpa"] = original

@@ -38,6 +38,7 @@ from ..layout import TokenLayout
 from .attribution import Attribution, frame_kind
 from .compiled import eager_stance, unwrap_compiled
 from .custom import Extractor, declared_modules, module_hook
+from . import discovery
 from .direct import DirectSDPA
 from .flex import FlexWatcher
 from .gates import GateHooks, GateRecord, checked_gates
@@ -131,7 +132,8 @@ class Recorder:
     def __enter__(self) -> "Recorder":
         if self._active:
             raise CaptureError("this recorder is already active; create a new vx.capture(...)")
-        modules = dict(self.model.named_modules())
+        surveyed = discovery.survey(self.model)  # (the one walk over the modules)
+        modules = surveyed.modules
         missing = [n for n in self.activation_names if n not in modules]
         if missing:
             raise CaptureError(
@@ -139,7 +141,7 @@ class Recorder:
                 f"look like {list(modules)[1:6]} (see model.named_modules())"
             )
         try:
-            self._stance = eager_stance(self._compiled, modules.values())
+            self._stance = eager_stance(self._compiled or surveyed.compiled)
             self._thread = threading.get_ident()
             self._handles.append(
                 self.model.register_forward_pre_hook(self._on_model_input, with_kwargs=True)
@@ -154,7 +156,7 @@ class Recorder:
                 self._gate_hooks = GateHooks(self.model, self._gates)
                 self._handles.extend(self._gate_hooks.register())
             declared = declared_modules(self.model, self._extractors, modules) if self.attention else {}
-            self._attribution.start(modules, declared)
+            self._attribution.start(surveyed.names, declared)
             if self.attention:
                 for name, (module, extractor) in declared.items():
                     self._handles.append(
@@ -166,7 +168,7 @@ class Recorder:
                 self._flex.start()
                 self._mode_entered = True
                 self._narrowing.enabled = not self._full_interception
-                self._narrowing.start(modules, self._attribution.names)
+                self._narrowing.start(surveyed)
         except BaseException:
             self._restore()
             raise
