@@ -185,7 +185,7 @@ class DirectSDPA:
                 _CHECKED[kind] = record is not before and record is not None and _same(record, issuer, fields)
             return out
         out = original(module, *args, **kwargs)
-        self.sink.add_record(issuer, **fields)
+        self.sink.add_draft(issuer, fields)
         return out
 
 

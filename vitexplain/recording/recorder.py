@@ -110,7 +110,8 @@ class Recorder:
         self.capture_gates = bool(gates)
         self.input_size: Optional[tuple[int, int]] = None
         self.forward_count = 0
-        self._records: list[AttentionRecord] = []
+        self._made: list[AttentionRecord] = []
+        self._drafts: list[tuple] = []  # records to make (add_draft), in call order after _made
         self._steps: dict[str, int] = {}
         self.activations: dict[str, list[ActivationRecord]] = {n: [] for n in self.activation_names}
         self._gates: list[GateRecord] = []
@@ -228,6 +229,25 @@ class Recorder:
         )
         self._records.append(record)
         return record
+
+    def add_draft(self, issuer: Issuer, fields: dict[str, Any]) -> None:
+        """Keep a record of ``issuer`` to be made when the records are next read (see :class:`RecordSink`)."""
+        name = issuer.name
+        step = self._steps.get(name, 0)
+        self._steps[name] = step + 1
+        self._drafts.append((name, frame_kind(issuer.module, issuer.frame), step,
+                             self._attribution.forward_index(issuer), fields))
+
+    @property
+    def _records(self) -> list[AttentionRecord]:
+        """Every record so far, in call order (drafts made into records first)."""
+        if self._drafts:
+            drafts, self._drafts = self._drafts, []
+            made = self._made
+            for name, kind, step, forward_index, fields in drafts:
+                made.append(AttentionRecord(name=name, kind=kind, index=len(made), step=step,
+                                            forward_index=forward_index, **fields))
+        return self._made
 
     def last_record(self) -> Optional[AttentionRecord]:
         """The latest record, or None."""
