@@ -156,7 +156,7 @@ class Recorder:
             if self.capture_gates:
                 self._gate_hooks = GateHooks(self.model, self._gates)
                 self._handles.extend(self._gate_hooks.register())
-            declared = declared_modules(self.model, self._extractors, modules) if self.attention else {}
+            declared = declared_modules(self.model, self._extractors, modules, surveyed.by_type) if self.attention else {}
             self._attribution.start(surveyed.names, declared)
             if self.attention:
                 for name, (module, extractor) in declared.items():
