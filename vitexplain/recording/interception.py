@@ -124,6 +124,8 @@ class AttentionMode(TorchFunctionMode):
             flex.traced(args)
             return func(*args, **kwargs)
         watched = id(func) in _WATCHED
+        if not watched and self.codes is None and flex.code is None:
+            return func(*args, **kwargs)  # (narrowed, no FlexAttention imported: nothing to note or watch)
         if not watched and _compiling():
             return func(*args, **kwargs)  # nothing else of the recorder can run while dynamo traces
         try:
