@@ -235,6 +235,7 @@ class Recorder:
         name = issuer.name
         step = self._steps.get(name, 0)
         self._steps[name] = step + 1
+        self._narrowing.issued(issuer.module)
         self._drafts.append((name, frame_kind(issuer.module, issuer.frame), step,
                              self._attribution.forward_index(issuer), fields))
 
