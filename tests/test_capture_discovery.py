@@ -149,3 +149,27 @@ def test_a_changed_attention_registry_is_discovered_again(change):
     finally:
         ALL_ATTENTION_FUNCTIONS._local_mapping.pop("sdpa", None)
         AttentionInterface._global_mapping["sdpa"] = original
+
+
+def test_records_read_between_calls_keep_call_order():
+    """Records made from call arguments are made into record objects when read (direct.py's drafts):
+    reading them between two generates of one scope, and interleaving records the mode made (the first
+    call of a kind never seen, checked through the mode), keeps the records in call order, numbered as
+    one capture of both generates with full interception numbers them."""
+    model, run = _llava()
+    check(model, run)
+    full = vx.capture(model)
+    full._full_interception = True
+    with torch.no_grad(), full:
+        run()
+        run()
+    direct._CHECKED.clear()  # (every first call of a kind goes through the mode again, between drafts)
+    with torch.no_grad(), vx.capture(model) as rec:
+        run()
+        first = [_key(r) for r in rec.records]
+        run()
+    assert first and [_key(r) for r in rec.records][: len(first)] == first
+    assert [r.index for r in rec.records] == list(range(len(rec.records)))
+    assert [_key(r) for r in rec.records] == [_key(r) for r in full.records]
+    for r, s in zip(rec.records, full.records):
+        torch.testing.assert_close(r.probs(), s.probs(), atol=1e-6, rtol=0)
