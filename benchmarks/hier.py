@@ -1,9 +1,13 @@
 """Cost of attention methods on hierarchical vision transformers, side by side with the plain forward.
 
-Rows: the bundled ``shapes-hier`` (PVTv2), timm ``pvt_v2_b0``, ``swin_tiny_patch4_window7_224`` and
-SAM's image encoder ``samvit_base_patch16`` (at ``--sam-size`` px, random weights, a 5-class head on
-its pooled neck so that ``generic`` has a class to explain), each where vitexplain supports it. Per model (median wall time over ``--reps`` interleaved runs, one torch
-thread unless ``--threads``):
+Rows: the bundled ``shapes-hier``, timm ``pvt_v2_b0``, ``swin_tiny_patch4_window7_224``,
+``hiera_tiny_224`` (SAM 2's backbone family), ``mvitv2_tiny`` and SAM's image encoder
+``samvit_base_patch16`` (at ``--sam-size`` px, random weights, a 5-class head on
+its pooled neck so that ``generic`` has a class to explain), each where vitexplain supports it.
+``shapes-hier`` (a 2 ms forward at batch 2, where an explanation's fixed Python costs, about 1 ms for
+the scope, the plan and the Explanation, weigh most) also runs at ``vitexplain export``'s default
+batch (32). Per model (median wall time over ``--reps`` interleaved runs, one torch thread unless
+``--threads``):
 
 * ``forward``: the plain model, fused attention, no grad;
 * ``capture``: the same forward inside ``vx.capture(model)`` recording attention and nothing
@@ -45,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import os
 import statistics
 from typing import Callable, Optional
@@ -55,8 +60,12 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 import vitexplain as vx
+from vitexplain.batch.options import BatchOptions
 from vitexplain.recording import discovery
 from _common import interleaved_times, median_times, report, table
+
+#: ``vitexplain export``'s default batch (its ``--batch-size``)
+_CLI_BATCH = next(f.default for f in dataclasses.fields(BatchOptions) if f.name == "batch_size")
 
 SECTION = "Hierarchical ViTs: rollout and generic vs forward (cpu)"
 
@@ -85,17 +94,22 @@ def attention_sizes(model: nn.Module, x: torch.Tensor) -> tuple[int, int, int]:
     return own, fine, len(records)
 
 
-def models(sam_size: int) -> list[tuple[str, Callable[[], nn.Module], tuple[int, int]]]:
-    """(label, builder, input size) of every model in the table."""
-    out: list[tuple[str, Callable[[], nn.Module], tuple[int, int]]] = []
+def models(sam_size: int, batch: int) -> list[tuple[str, Callable[[], nn.Module], tuple[int, int], int]]:
+    """(label, builder, input size, batch) of every model in the table."""
+    out: list[tuple[str, Callable[[], nn.Module], tuple[int, int], int]] = []
     if "shapes-hier" in vx.zoo.names():
-        out.append(("shapes-hier (zoo, 64 px)", lambda: vx.zoo.load("shapes-hier"), (64, 64)))
-    out.append(("pvt_v2_b0", lambda: timm.create_model("pvt_v2_b0", pretrained=False), (224, 224)))
+        out.append(("shapes-hier (zoo, 64 px)", lambda: vx.zoo.load("shapes-hier"), (64, 64), batch))
+        # the batch `vitexplain export` runs by default: a 64 px model's explanations come in batches
+        out.append(("shapes-hier (zoo, 64 px), the CLI's batch", lambda: vx.zoo.load("shapes-hier"), (64, 64),
+                    _CLI_BATCH))
+    out.append(("pvt_v2_b0", lambda: timm.create_model("pvt_v2_b0", pretrained=False), (224, 224), batch))
     out.append(("swin_tiny_patch4_window7_224",
-                lambda: timm.create_model("swin_tiny_patch4_window7_224", pretrained=False), (224, 224)))
+                lambda: timm.create_model("swin_tiny_patch4_window7_224", pretrained=False), (224, 224), batch))
+    out.append(("hiera_tiny_224", lambda: timm.create_model("hiera_tiny_224", pretrained=False), (224, 224), batch))
+    out.append(("mvitv2_tiny", lambda: timm.create_model("mvitv2_tiny", pretrained=False), (224, 224), batch))
     out.append((f"samvit_base_patch16 ({sam_size} px)",
                 lambda: timm.create_model("samvit_base_patch16", pretrained=False, img_size=sam_size, num_classes=5),
-                (sam_size, sam_size)))
+                (sam_size, sam_size), batch))
     return out
 
 
@@ -174,11 +188,11 @@ def main() -> int:
     torch.set_num_threads(a.threads)
     load = " / ".join(f"{v:.1f}" for v in os.getloadavg()) if hasattr(os, "getloadavg") else "unknown"
     rows = []
-    for label, build, size in models(a.sam_size):
+    for label, build, size, batch in models(a.sam_size, a.batch):
         if a.only and a.only not in label:
             continue
         try:
-            row = measure(label, build, size, a.batch, a.reps)
+            row = measure(label, build, size, batch, a.reps)
         except vx.VitexplainError as err:  # say why the row is missing, keep the others
             print(f"{label}: left out: {type(err).__name__}: {str(err).splitlines()[0]}")
             continue

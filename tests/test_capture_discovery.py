@@ -57,7 +57,7 @@ def test_a_later_capture_starts_narrowed_and_records_sdpa_calls_from_their_argum
     for _ in range(2):  # (the second starts from the decisions the first made from the learned entry)
         again = _after_a_change(model, run)
         assert again._narrowing.narrowed and not again._narrowing.gated_types
-    assert discovery.recall(model, discovery.fingerprint(model, dict(model.named_modules()))) is not None
+    assert discovery.recall(model, discovery.fingerprint(model)) is not None
 
 
 def test_another_attention_implementation_is_discovered_again():
@@ -96,7 +96,7 @@ def test_what_a_capture_learned_does_not_keep_the_model_alive_nor_survives_a_for
             run()
         finally:
             handle.remove()
-    key = discovery.fingerprint(model, dict(model.named_modules()))
+    key = discovery.fingerprint(model)
     assert discovery.recall(model, key) is None  # nothing learned from a forward that raised
     with torch.no_grad(), vx.capture(model):
         run()
@@ -122,3 +122,54 @@ def test_a_transformers_that_prepares_sdpa_arguments_otherwise_is_recorded_throu
     check(model, run)
     checked = {kind: ok for kind, ok in direct._CHECKED.items() if kind[0] is sdpa_attention_forward}
     assert checked and not any(checked.values())
+
+
+@pytest.mark.parametrize("change", ["local override", "global registration"])
+def test_a_changed_attention_registry_is_discovered_again(change):
+    """The function the model's attention implementation resolves to changed between captures: an entry of
+    ``ALL_ATTENTION_FUNCTIONS``'s own mapping (even with transformers' own function: the modules then call it
+    without the interface's tap) or a function registered in place of the global one. The learned entry no
+    longer holds; the next capture records every call, as full interception does."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    model, run = _llava()
+    check(model, run)
+    original = AttentionInterface._global_mapping["sdpa"]
+
+    def wrapper(*args, **kwargs):  # not transformers' own: never tapped
+        return original(*args, **kwargs)
+
+    try:
+        if change == "local override":
+            ALL_ATTENTION_FUNCTIONS["sdpa"] = original
+        else:
+            AttentionInterface.register("sdpa", wrapper)
+        rec = _after_a_change(model, run)
+        assert len(rec.records) > 0
+    finally:
+        ALL_ATTENTION_FUNCTIONS._local_mapping.pop("sdpa", None)
+        AttentionInterface._global_mapping["sdpa"] = original
+
+
+def test_records_read_between_calls_keep_call_order():
+    """Records made from call arguments are made into record objects when read (direct.py's drafts):
+    reading them between two generates of one scope, and interleaving records the mode made (the first
+    call of a kind never seen, checked through the mode), keeps the records in call order, numbered as
+    one capture of both generates with full interception numbers them."""
+    model, run = _llava()
+    check(model, run)
+    full = vx.capture(model)
+    full._full_interception = True
+    with torch.no_grad(), full:
+        run()
+        run()
+    direct._CHECKED.clear()  # (every first call of a kind goes through the mode again, between drafts)
+    with torch.no_grad(), vx.capture(model) as rec:
+        run()
+        first = [_key(r) for r in rec.records]
+        run()
+    assert first and [_key(r) for r in rec.records][: len(first)] == first
+    assert [r.index for r in rec.records] == list(range(len(rec.records)))
+    assert [_key(r) for r in rec.records] == [_key(r) for r in full.records]
+    for r, s in zip(rec.records, full.records):
+        torch.testing.assert_close(r.probs(), s.probs(), atol=1e-6, rtol=0)

@@ -174,15 +174,15 @@ class Attribution:
         """The model's own (outermost) forward ended (also after an exception)."""
         self._root = None
 
-    def start(self, modules: Mapping[str, nn.Module], declared: Mapping[str, Any]) -> None:
-        """Attribute calls to ``modules`` (the model's ``named_modules()``) from now on.
+    def start(self, names: Mapping[int, str], declared: Mapping[str, Any]) -> None:
+        """Attribute calls to the model's modules from now on.
 
         Args:
-            modules: module name -> module.
+            names: the id of each of the model's modules (``named_modules()``) -> its name.
             declared: names of the modules whose attention an extractor reads (calls inside
                 them are recorded by the extractor, not here).
         """
-        self._names = {id(m): n for n, m in modules.items()}
+        self._names = names
         self._declared = declared
 
     @property

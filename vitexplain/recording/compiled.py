@@ -9,7 +9,7 @@ unchanged after the scope.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -24,17 +24,16 @@ def unwrap_compiled(model: nn.Module) -> nn.Module:
     return model
 
 
-def eager_stance(compiled: bool, modules: Iterable[nn.Module]) -> Optional[Any]:
+def eager_stance(compiled: bool) -> Optional[Any]:
     """Enter the ``"force_eager"`` compiler stance when the model or one of its submodules is compiled.
 
     Args:
-        compiled: the captured model was a compiled one (unwrapped by :func:`unwrap_compiled`).
-        modules: the original model's modules (a compiled submodule has ``_orig_mod``).
+        compiled: the captured model was a compiled one (unwrapped by :func:`unwrap_compiled`), or one
+            of its submodules is (``discovery.Survey.compiled``).
 
     Returns:
         The stance now in force (leave it with ``__exit__(None, None, None)``), or None.
     """
-    # an OptimizedModule keeps its original in its __dict__ and its _modules (no nn.Module.__getattr__ miss)
-    if not (compiled or any("_orig_mod" in m.__dict__ or "_orig_mod" in m._modules for m in modules)):
+    if not compiled:
         return None
     return torch.compiler.set_stance("force_eager")  # in force now; its __exit__ restores the previous one

@@ -36,7 +36,7 @@ issued inside a declared module are not recorded separately.
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable, Literal, NamedTuple, Optional, Union
+from typing import Any, Callable, Iterable, Literal, NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -53,6 +53,7 @@ __all__ = [
     "unregister_attention",
     "registered_attention",
     "extractor_for",
+    "extractor_for_class",
     "from_output",
     "from_attribute",
     "as_weights",
@@ -134,7 +135,12 @@ def registered_attention() -> list[str]:
 
 def extractor_for(module: nn.Module) -> Optional[Extractor]:
     """The registered extractor of ``module``'s class (nearest in the MRO), or None."""
-    for cls in type(module).__mro__:
+    return extractor_for_class(type(module))
+
+
+def extractor_for_class(module_type: type) -> Optional[Extractor]:
+    """The registered extractor of the modules of class ``module_type`` (nearest in the MRO), or None."""
+    for cls in module_type.__mro__:
         fn = _REGISTRY.get(cls)
         if fn is not None:
             return fn
@@ -301,7 +307,8 @@ def in_graph(weights: Tensor, output: Any, inputs: ModuleInputs) -> bool:
 
 
 def declared_modules(
-    model: nn.Module, attention: Union[bool, dict[str, Extractor]], modules: Optional[dict[str, nn.Module]] = None
+    model: nn.Module, attention: Union[bool, dict[str, Extractor]], modules: Optional[dict[str, nn.Module]] = None,
+    classes: Optional[Iterable[type]] = None,
 ) -> dict[str, tuple[nn.Module, Extractor]]:
     """The modules whose attention an extractor reads: named in ``attention`` or registered.
 
@@ -309,6 +316,8 @@ def declared_modules(
         model: the captured model.
         attention: ``vx.capture``'s ``attention`` argument.
         modules: ``dict(model.named_modules())`` when the caller has it already.
+        classes: the classes of those modules, when the caller has them already (when none has a
+            registered extractor and none is named, no module is looked at).
 
     Returns:
         module name -> (module, extractor), in ``named_modules()`` order; the submodules of
@@ -319,6 +328,8 @@ def declared_modules(
     """
     explicit = dict(attention) if isinstance(attention, dict) else {}
     if not explicit and not _REGISTRY:  # nothing declared: no module to look for
+        return {}
+    if not explicit and classes is not None and not any(extractor_for_class(c) for c in classes):
         return {}
     modules = dict(model.named_modules()) if modules is None else modules
     missing = [n for n in explicit if n not in modules]

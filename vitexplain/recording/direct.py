@@ -85,9 +85,14 @@ def _held(t: Optional[Tensor]) -> Optional[Tensor]:
     return t.detach() if t is not None and t.requires_grad else t
 
 
-def _plan(original: Callable, module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict[str, Any]]]:
+def _plan(original: Callable, module: nn.Module, args: tuple, kwargs: dict,
+          gqa: dict[tuple, bool]) -> Optional[tuple[tuple, dict[str, Any]]]:
     """(the call's kind, the record's fields) as ``sdpa_attention_forward`` would pass SDPA its
-    arguments, or None where this is not followed."""
+    arguments, or None where this is not followed.
+
+    ``gqa``: what ``use_gqa_in_sdpa`` answered in this capture, by (mask or not, key and value head
+    sizes, device): it reads the environment on every call, and answers the same for the same of these.
+    """
     source = _source(original)
     if source is None or len(args) > len(source.names):
         return None
@@ -105,7 +110,12 @@ def _plan(original: Callable, module: nn.Module, args: tuple, kwargs: dict) -> O
     if isinstance(groups, int) and groups > 1:
         if source.use_gqa is None or source.repeat is None:
             return None
-        if source.use_gqa(mask, key, get("value", args, kwargs)):
+        value = get("value", args, kwargs)
+        asked = (source.use_gqa, mask is None, key.shape[-1], getattr(value, "shape", (None,))[-1], key.device.type)
+        use = gqa.get(asked)
+        if use is None:
+            use = gqa[asked] = bool(source.use_gqa(mask, key, value))
+        if use:
             handling = "enable_gqa"
         elif q_length == 1:
             handling = "packed"  # the record holds the query heads as heads, as the mode's (packed.py)
@@ -120,9 +130,9 @@ def _plan(original: Callable, module: nn.Module, args: tuple, kwargs: dict) -> O
         key = key[:, :, :q_length, :]
     dropout = float(get("dropout", args, kwargs) or 0.0)
     scaling = get("scaling", args, kwargs)
-    given = tuple(name for name, value in kwargs.items() if value is not None)  # (defaults: the function's own)
+    given = tuple([name for name, v in kwargs.items() if v is not None])  # (defaults: the function's own)
     kind = (original, type(module), handling, None if mask is None else mask.dim(), q_length == 1, causal, sliced,
-            dropout != 0.0, scaling is None, tuple(a is None for a in args[4:]), given)
+            dropout != 0.0, scaling is None, tuple([a is None for a in args[4:]]), given)
     fields = dict(source="sdpa", q_shape=query.shape, k_shape=key.shape, dropout_p=dropout, _mask=_held(mask),
                   _scale=scaling, _causal=causal, _q=_held(query), _k=_held(key))
     return kind, fields
@@ -155,6 +165,7 @@ class DirectSDPA:
     def __init__(self, sink: RecordSink, enabled: bool) -> None:
         self.sink = sink
         self.enabled = enabled
+        self._gqa: dict[tuple, bool] = {}  # see _plan
 
     def call(self, original: Callable, module: nn.Module, args: tuple, kwargs: dict, frame: Optional[FrameType],
              through_mode: Callable[[], Any]) -> Any:
@@ -167,7 +178,7 @@ class DirectSDPA:
             frame: the frame that called the interface (the module's forward).
             through_mode: runs the call with the capture's mode on (the record is then the mode's).
         """
-        plan = _plan(original, module, args, kwargs) if self.enabled else None
+        plan = _plan(original, module, args, kwargs, self._gqa) if self.enabled else None
         if plan is None or frame is None:
             return through_mode()
         kind, fields = plan
@@ -185,7 +196,7 @@ class DirectSDPA:
                 _CHECKED[kind] = record is not before and record is not None and _same(record, issuer, fields)
             return out
         out = original(module, *args, **kwargs)
-        self.sink.add_record(issuer, **fields)
+        self.sink.add_draft(issuer, fields)
         return out
 
 

@@ -10,22 +10,27 @@ starts narrowed from its first torch call.
 The entry is used only while the model is as it was: the same modules under the same names
 (identity and class), the same forward for each (an instance's own ``forward``, its class's),
 the same Hugging Face attention implementation (``config._attn_implementation`` of each module's
-config: ``"eager"`` issues attention outside the interface) and the same train/eval mode.
-Anything else makes the capture discover again. A capture that narrowed still learns: code that
+config: ``"eager"`` issues attention outside the interface), resolved to the same function by the
+attention registries the model's classes read (a function registered in place of transformers' own,
+or an entry of a registry's own mapping, is called without the capture's tap), and the same
+train/eval mode. Anything else makes the capture discover again. A capture that narrowed still learns: code that
 ran for the first time under its tripwires, and classes that issued attention there, are added.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 from dataclasses import dataclass, field
 from types import CodeType
-from typing import Any, Mapping, Optional
+from typing import Any, Iterable, Mapping, NamedTuple, Optional
 
 from torch import nn
 
-__all__ = ["Learned", "fingerprint", "recall", "remember", "forget"]
+from .interface import TAP_CODE
+
+__all__ = ["Learned", "Survey", "survey", "fingerprint", "recall", "remember", "forget"]
 
 
 @dataclass
@@ -58,22 +63,81 @@ def _implementation(config: Any) -> Any:
         return None
 
 
-def fingerprint(model: nn.Module, modules: Mapping[str, nn.Module]) -> tuple:
-    """What must not change for a learned entry to hold (see the module docstring).
+class Survey(NamedTuple):
+    """What a capture reads of a model's modules as its scope starts, read in one walk (:func:`survey`).
 
-    Args:
-        model: the captured model.
-        modules: its ``named_modules()``.
+    Attributes:
+        modules: ``dict(model.named_modules())``.
+        names: the id of each of those modules -> its name.
+        by_type: each module class -> its modules, in ``named_modules()`` order.
+        key: the model's :func:`fingerprint`.
+        compiled: whether one of the modules is a ``torch.compile`` wrapper (``OptimizedModule``).
     """
+
+    modules: dict[str, nn.Module]
+    names: dict[int, str]
+    by_type: dict[type, list[nn.Module]]
+    key: tuple
+    compiled: bool
+
+
+def survey(model: nn.Module) -> Survey:
+    """Read :class:`Survey` of ``model``: one pass over ``named_modules()`` (a capture opens once per
+    batch, right after the model's work has left the modules out of the CPU's caches, so each pass
+    over them costs; this is the only one)."""
+    modules: dict[str, nn.Module] = {}
+    names: dict[int, str] = {}
+    by_type: dict[type, list[nn.Module]] = {}
     entries = []
     configs: dict[int, Any] = {}
-    for name, module in modules.items():
+    compiled = False
+    for name, module in model.named_modules():
+        modules[name] = module
+        names[id(module)] = name
+        kind = type(module)
+        found = by_type.get(kind)
+        if found is None:
+            by_type[kind] = [module]
+        else:
+            found.append(module)
         own = module.__dict__
-        entries.append((name, id(module), type(module), type(module).forward, own.get("forward")))
+        entries.append((name, id(module), kind, kind.forward, own.get("forward")))
+        # an OptimizedModule keeps its original in its __dict__ and its _modules (no nn.Module.__getattr__ miss)
+        compiled = compiled or "_orig_mod" in own or "_orig_mod" in module._modules
         config = own.get("config")
         if config is not None and id(config) not in configs:
             configs[id(config)] = _implementation(config)
-    return tuple(entries), tuple(configs.items()), model.training
+    key = (tuple(entries), tuple(configs.items()), _registries(by_type, configs.values()), model.training)
+    return Survey(modules, names, by_type, key, compiled)
+
+
+def _untapped(function: Any) -> Any:
+    """``function``, or the original a capture's tap (interface.py) stands for."""
+    return getattr(function, "__wrapped__", function) if getattr(function, "__code__", None) is TAP_CODE else function
+
+
+def _registries(by_type: Mapping[type, Any], implementations: Iterable[Any]) -> tuple:
+    """What the Hugging Face attention implementations in use resolve to, in every attention registry the
+    model's classes read (their module's ``ALL_ATTENTION_FUNCTIONS``): the function, and whether it comes
+    from that registry's own mapping (which the capture's taps never reach) or the shared one."""
+    wanted = tuple(sorted({i for i in implementations if isinstance(i, str)}))
+    if not wanted:
+        return ()
+    found: dict[int, tuple] = {}
+    for kind in by_type:
+        registry = getattr(sys.modules.get(kind.__module__), "ALL_ATTENTION_FUNCTIONS", None)
+        if registry is None or id(registry) in found:
+            continue
+        own, shared = getattr(registry, "_local_mapping", None), getattr(registry, "_global_mapping", None)
+        if isinstance(own, dict) and isinstance(shared, dict):
+            found[id(registry)] = tuple((i, i in own, _untapped(own[i] if i in own else shared.get(i))) for i in wanted)
+    return tuple(found.items())
+
+
+def fingerprint(model: nn.Module) -> tuple:
+    """What must not change for a learned entry to hold (see the module docstring): the modules'
+    names, identities, classes and forwards, the Hugging Face attention implementations, train/eval."""
+    return survey(model).key
 
 
 def recall(model: nn.Module, key: tuple) -> Optional[Learned]:

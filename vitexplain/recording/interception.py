@@ -124,6 +124,8 @@ class AttentionMode(TorchFunctionMode):
             flex.traced(args)
             return func(*args, **kwargs)
         watched = id(func) in _WATCHED
+        if not watched and self.codes is None and flex.code is None:
+            return func(*args, **kwargs)  # (narrowed, no FlexAttention imported: nothing to note or watch)
         if not watched and _compiling():
             return func(*args, **kwargs)  # nothing else of the recorder can run while dynamo traces
         try:
@@ -191,16 +193,21 @@ class AttentionMode(TorchFunctionMode):
             heads = self.heads if probs.dim() == 3 and not one_head else "all"
             # the probabilities are kept, so the mask (SAM's relative-position bias: as large as
             # the attention itself) is not: the record only notes that the call had one
-            fields.update(_mask=None, _masked=mask is not None)
-            record = self.sink.add_record(issuer, materialized=True, heads=heads, _probs=kept, **fields)
+            fields.update(_mask=None, _masked=mask is not None, materialized=True, heads=heads, _probs=kept)
             if self.sink.grads:
+                record = self.sink.add_record(issuer, **fields)
                 record._attach_grad_hook(probs, self.sink.hooks_enabled)
+            else:  # nothing to hook: the record is made when the records are read
+                self.sink.add_draft(issuer, fields)
             return out.reshape(*query.shape[:-1], out.shape[-1])
         out = func(*args, **kwargs)
-        record = self.sink.add_record(issuer, _q=q.detach(), _k=k.detach(), **fields)
         if self.sink.grads:
+            record = self.sink.add_record(issuer, _q=q.detach(), _k=k.detach(), **fields)
             record._v = v.detach()
             record._attach_grad_hook(out, self.sink.hooks_enabled)
+        else:  # (detached only when part of an autograd graph: a detach costs a new tensor object per call)
+            self.sink.add_draft(issuer, dict(fields, _q=q.detach() if q.requires_grad else q,
+                                              _k=k.detach() if k.requires_grad else k))
         return out
 
     def _materialize(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], dropout_p: float, gqa: bool) -> bool:

@@ -5,13 +5,14 @@ fused kernel and methods recompute the probabilities they read from the recorded
 A method that reads every layer's probabilities (rollout, gradient rollout, Chefer's
 generic rule, LeGrad) then pays for attention twice. On a CPU it is cheaper to compute
 attention once the eager way, keep P, and hand ``O = P V`` back to the model: one batched
-matmul scaled by the GEMM (``baddbmm`` with ``alpha``), one softmax (in place when no
-gradient is taken), one matmul. The model's outputs equal the fused kernel's to float32
+matmul scaled by the GEMM (``baddbmm`` with ``alpha``), one softmax (into a second buffer of one
+image's scores: torch's in-place softmax takes twice as long on CPU; in place only above
+:data:`SOFTMAX_COPY_BYTES`), one matmul. The model's outputs equal the fused kernel's to float32
 rounding (about 1e-6; the tests check 1e-5).
 
 A float mask that is an additive bias (SAM's decomposed relative positions) is added by the
 score GEMM itself (``baddbmm`` with the bias as its input), and when it holds no ``-inf`` the
-softmax runs in place as for an unmasked call. SDPA calls without a head dimension, (B, N, E)
+softmax is a plain one as for an unmasked call. SDPA calls without a head dimension, (B, N, E)
 (SAM folds its heads into the batch), are computed as one head. A materialized record does
 not keep the call's mask (only that it had one): its probabilities already include it.
 
@@ -51,7 +52,7 @@ from ..errors import UsageError
 from .records import _repeat_heads, attention_scores, fuse_heads, masked_softmax, score_scale
 
 __all__ = [
-    "MODES", "HEADS", "AUTO_CALL_BYTES", "AUTO_TOTAL_BYTES", "PER_IMAGE_MIN", "check_mode", "check_heads", "can_materialize",
+    "MODES", "HEADS", "AUTO_CALL_BYTES", "AUTO_TOTAL_BYTES", "PER_IMAGE_MIN", "SOFTMAX_COPY_BYTES", "check_mode", "check_heads", "can_materialize",
     "attention_with_probs",
 ]
 
@@ -170,14 +171,14 @@ def attention_with_probs(
               and k.shape[1] == q.shape[1])
     if biased:  # an additive bias (SAM's relative positions): added by the GEMM itself
         scores = _biased_scores(q, k, attn_mask, score_scale(q, scale))  # type: ignore[arg-type]
-        if bool(torch.isfinite(attn_mask).all()):  # no key masked out: a plain softmax, in place
-            probs = torch.softmax(scores, dim=-1, out=scores)
+        if bool(torch.isfinite(attn_mask).all()):  # no key masked out: a plain softmax
+            probs = _softmax(scores)
         else:
             probs = masked_softmax(scores, True)
     else:
         scores = attention_scores(q, k, attn_mask=attn_mask, scale=scale, is_causal=is_causal)
         if not masked and not scores.requires_grad:
-            probs = torch.softmax(scores, dim=-1, out=scores)  # in place: no second N x N buffer
+            probs = _softmax(scores)
         else:
             probs = masked_softmax(scores, masked)
     b, h, n_q, n_k = probs.shape
@@ -217,6 +218,20 @@ def _heads_inside_tokens(q: Tensor) -> bool:
     return q.stride(1) < q.stride(2)
 
 
+#: Scores of up to this many bytes get their softmax in a new tensor; larger ones in place (no second
+#: buffer that large). On CPU torch's in-place softmax (``out=`` the input) takes about twice as long
+#: as one into another tensor (measured on the attention of timm's pvt_v2_b0, Swin and ViT-B: e.g.
+#: 481 against 260 us on 2 x 3136 x 49 scores, one thread).
+SOFTMAX_COPY_BYTES = 32 * 2**20
+
+
+def _softmax(scores: Tensor) -> Tensor:
+    """``softmax(scores, -1)``: a new tensor when ``scores`` take at most :data:`SOFTMAX_COPY_BYTES`, else in place."""
+    if scores.numel() * scores.element_size() > SOFTMAX_COPY_BYTES:
+        return torch.softmax(scores, dim=-1, out=scores)
+    return torch.softmax(scores, dim=-1)
+
+
 #: Per-image computation (no copies of q, k, v; scores in cache) when one image's scores
 #: H x N_q x N_k have at least this many entries; smaller calls (the zoo's 65-token ViT)
 #: are batched, where the per-image Python overhead would dominate.
@@ -235,12 +250,15 @@ def _per_image(q: Tensor, k: Tensor, v: Tensor, scale: float, heads: str) -> tup
     keep_all = heads == "all"
     probs = q.new_empty(b, h, n_q, n_k) if keep_all else q.new_empty(b, n_q, n_k)
     scratch = None if keep_all else q.new_empty(h, n_q, n_k)
+    one = h * n_q * n_k * q.element_size()  # bytes of one image's scores
+    scores = q.new_empty(h, n_q, n_k) if one <= SOFTMAX_COPY_BYTES else None  # (else: softmax in place)
     mean_weights = q.new_full((1, h), 1.0 / h)  # the head mean as one GEMV pass over the scratch
     zero = q.new_zeros(())
     for i in range(b):
         p = probs[i] if scratch is None else scratch
-        torch.baddbmm(zero, q[i], k[i].transpose(1, 2), beta=0.0, alpha=scale, out=p)
-        torch.softmax(p, dim=-1, out=p)
+        s = p if scores is None else scores
+        torch.baddbmm(zero, q[i], k[i].transpose(1, 2), beta=0.0, alpha=scale, out=s)
+        torch.softmax(s, dim=-1, out=p)
         torch.bmm(p, v[i], out=out[i])
         if heads == "mean":
             torch.mm(mean_weights, p.view(h, -1), out=probs[i].view(1, -1))

@@ -120,17 +120,16 @@ class Narrowing:
         self._failed = False  # the last forward of the model raised
 
     # -- scope --------------------------------------------------------------------------
-    def start(self, modules: Mapping[str, nn.Module], names: Mapping[int, str]) -> None:
+    def start(self, surveyed: discovery.Survey) -> None:
         """At the start of the scope: the mode everywhere (or narrowed at once when the model was
         discovered by an earlier capture, :mod:`~vitexplain.recording.discovery`); the interface's taps.
         The recorder says when the model's forward starts and ends (:meth:`root_started`, :meth:`root_ended`).
 
         Args:
-            modules: the model's ``named_modules()``.
-            names: the id of each of those modules -> its name.
+            surveyed: the model's modules as the scope starts.
         """
-        self._modules = modules
-        self._names = names
+        self._modules = surveyed.modules
+        self._names = surveyed.names
         self._thread = threading.get_ident()
         self.narrowed = False
         self.gated_types = set()
@@ -139,9 +138,8 @@ class Narrowing:
         self.full = True
         if not self.enabled:
             return
-        for module in modules.values():
-            self._by_type.setdefault(type(module), []).append(module)
-        self._key = discovery.fingerprint(self.model, modules)
+        self._by_type = surveyed.by_type
+        self._key = surveyed.key
         learned = self._recalled = discovery.recall(self.model, self._key)
         if learned is None:
             self.codes = self.stack.mode.codes = {}
@@ -176,7 +174,7 @@ class Narrowing:
             self._gated.clear()
             self._spent.clear()
             self._pending.clear()
-            self._by_type.clear()
+            self._by_type = {}
             self._known.clear()
             self._calls.clear()
             self._named = None

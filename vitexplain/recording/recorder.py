@@ -38,6 +38,7 @@ from ..layout import TokenLayout
 from .attribution import Attribution, frame_kind
 from .compiled import eager_stance, unwrap_compiled
 from .custom import Extractor, declared_modules, module_hook
+from . import discovery
 from .direct import DirectSDPA
 from .flex import FlexWatcher
 from .gates import GateHooks, GateRecord, checked_gates
@@ -109,7 +110,8 @@ class Recorder:
         self.capture_gates = bool(gates)
         self.input_size: Optional[tuple[int, int]] = None
         self.forward_count = 0
-        self._records: list[AttentionRecord] = []
+        self._made: list[AttentionRecord] = []
+        self._drafts: list[tuple] = []  # records to make (add_draft), in call order after _made
         self._steps: dict[str, int] = {}
         self.activations: dict[str, list[ActivationRecord]] = {n: [] for n in self.activation_names}
         self._gates: list[GateRecord] = []
@@ -131,7 +133,8 @@ class Recorder:
     def __enter__(self) -> "Recorder":
         if self._active:
             raise CaptureError("this recorder is already active; create a new vx.capture(...)")
-        modules = dict(self.model.named_modules())
+        surveyed = discovery.survey(self.model)  # (the one walk over the modules)
+        modules = surveyed.modules
         missing = [n for n in self.activation_names if n not in modules]
         if missing:
             raise CaptureError(
@@ -139,7 +142,7 @@ class Recorder:
                 f"look like {list(modules)[1:6]} (see model.named_modules())"
             )
         try:
-            self._stance = eager_stance(self._compiled, modules.values())
+            self._stance = eager_stance(self._compiled or surveyed.compiled)
             self._thread = threading.get_ident()
             self._handles.append(
                 self.model.register_forward_pre_hook(self._on_model_input, with_kwargs=True)
@@ -153,8 +156,8 @@ class Recorder:
             if self.capture_gates:
                 self._gate_hooks = GateHooks(self.model, self._gates)
                 self._handles.extend(self._gate_hooks.register())
-            declared = declared_modules(self.model, self._extractors, modules) if self.attention else {}
-            self._attribution.start(modules, declared)
+            declared = declared_modules(self.model, self._extractors, modules, surveyed.by_type) if self.attention else {}
+            self._attribution.start(surveyed.names, declared)
             if self.attention:
                 for name, (module, extractor) in declared.items():
                     self._handles.append(
@@ -166,7 +169,7 @@ class Recorder:
                 self._flex.start()
                 self._mode_entered = True
                 self._narrowing.enabled = not self._full_interception
-                self._narrowing.start(modules, self._attribution.names)
+                self._narrowing.start(surveyed)
         except BaseException:
             self._restore()
             raise
@@ -226,6 +229,26 @@ class Recorder:
         )
         self._records.append(record)
         return record
+
+    def add_draft(self, issuer: Issuer, fields: dict[str, Any]) -> None:
+        """Keep a record of ``issuer`` to be made when the records are next read (see :class:`RecordSink`)."""
+        name = issuer.name
+        step = self._steps.get(name, 0)
+        self._steps[name] = step + 1
+        self._narrowing.issued(issuer.module)
+        self._drafts.append((name, frame_kind(issuer.module, issuer.frame), step,
+                             self._attribution.forward_index(issuer), fields))
+
+    @property
+    def _records(self) -> list[AttentionRecord]:
+        """Every record so far, in call order (drafts made into records first)."""
+        if self._drafts:
+            drafts, self._drafts = self._drafts, []
+            made = self._made
+            for name, kind, step, forward_index, fields in drafts:
+                made.append(AttentionRecord(name=name, kind=kind, index=len(made), step=step,
+                                            forward_index=forward_index, **fields))
+        return self._made
 
     def last_record(self) -> Optional[AttentionRecord]:
         """The latest record, or None."""

@@ -55,6 +55,12 @@ class RecordSink(Protocol):
         """Create, number and keep a record issued by ``issuer``; its kind is decided from the
         issuer (:func:`vitexplain.recording.attribution.frame_kind`) unless given."""
 
+    def add_draft(self, issuer: Issuer, fields: dict[str, Any]) -> None:
+        """Keep a record issued by ``issuer`` whose fields are all known now (``AttentionRecord`` keyword
+        arguments other than name, kind, index, step and forward_index, which are decided now): the record
+        itself is made when the records are next read (out of the model's hot loop; records keep call order).
+        Nothing is held but ``fields`` (never the issuer's frame, which would keep its locals alive)."""
+
     def last_record(self) -> Optional[AttentionRecord]:
         """The latest record, or None."""
 
