@@ -15,7 +15,9 @@ import torch
 import vitexplain as vx
 
 N_IMAGES = 200
-SEED = 21_000  # the model was chosen on seed 20,000 (benchmarks/hier_pointing.py); the floor is measured here
+# candidates were screened on seed 20,000 and compared on 20,000 / 21,000 / 22,000
+# (benchmarks/hier_pointing.py; vitexplain/zoo/train.py); the floor is measured here
+SEED = 21_000
 
 
 @pytest.fixture(scope="module")
