@@ -89,7 +89,10 @@ def attention_sizes(model: nn.Module, x: torch.Tensor) -> tuple[int, int, int]:
         model(x)
     records = rec.records
     own = sum(4 * r.batch_size * r.num_heads * r.num_queries * r.num_keys for r in records)
-    finest = max(r.batch_size * r.num_queries // x.shape[0] for r in records)  # windows fold into the batch
+    # the finest grid: windows folded into a record's batch (Swin, SAM) or, in Hiera's mask units, into its heads
+    layout = vx.token_layout(model, tuple(x.shape[-2:]))
+    finest = max(max(r.batch_size * r.num_queries // x.shape[0] for r in records),
+                 layout.grid[0] * layout.grid[1] + layout.num_prefix_tokens)
     fine = 4 * x.shape[0] * len(records) * finest * finest
     return own, fine, len(records)
 
