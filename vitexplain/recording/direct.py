@@ -51,17 +51,10 @@ class _Source:
         names = code.co_varnames[1: code.co_argcount]  # after ``module``
         defaults = original.__defaults__ or ()
         self.names = names
-        self.position = {name: i for i, name in enumerate(names)}
         self.defaults = dict(zip(names[len(names) - len(defaults):], defaults))
         self.use_gqa = getattr(source, "use_gqa_in_sdpa", None)
         self.repeat = getattr(source, "repeat_kv", None)
         self.usable = not getattr(source, "_is_torch_npu_available", True) and {"query", "key", "value"} <= set(names)
-
-    def get(self, name: str, args: tuple, kwargs: dict) -> Any:
-        i = self.position.get(name)
-        if i is not None and i < len(args):
-            return args[i]
-        return kwargs.get(name, self.defaults.get(name))
 
 
 _SOURCES: dict[int, tuple[Callable, Optional[_Source]]] = {}  # by id(original), the function held
@@ -96,10 +89,14 @@ def _plan(original: Callable, module: nn.Module, args: tuple, kwargs: dict,
     source = _source(original)
     if source is None or len(args) > len(source.names):
         return None
-    get = source.get
-    if kwargs.get("softcap") is not None or kwargs.get("output_attentions") or get("position_bias", args, kwargs) is not None:
+    bound = dict(zip(source.names, args))  # the function's arguments by name (one lookup each: this runs per call)
+    if kwargs:
+        bound.update(kwargs)
+    get = bound.get
+    defaults = source.defaults
+    if get("softcap") is not None or get("output_attentions") or get("position_bias", defaults.get("position_bias")) is not None:
         return None
-    query, key, mask = get("query", args, kwargs), get("key", args, kwargs), get("attention_mask", args, kwargs)
+    query, key, mask = get("query"), get("key"), get("attention_mask")
     if not isinstance(query, Tensor) or not isinstance(key, Tensor) or query.dim() != 4 or key.dim() != 4:
         return None
     if (mask is not None and not isinstance(mask, Tensor)) or torch.jit.is_tracing() or torch.compiler.is_compiling():
@@ -110,7 +107,7 @@ def _plan(original: Callable, module: nn.Module, args: tuple, kwargs: dict,
     if isinstance(groups, int) and groups > 1:
         if source.use_gqa is None or source.repeat is None:
             return None
-        value = get("value", args, kwargs)
+        value = get("value")
         asked = (source.use_gqa, mask is None, key.shape[-1], getattr(value, "shape", (None,))[-1], key.device.type)
         use = gqa.get(asked)
         if use is None:
@@ -122,14 +119,14 @@ def _plan(original: Callable, module: nn.Module, args: tuple, kwargs: dict,
         else:
             handling = "repeat"
             key = source.repeat(key, groups)
-    causal = get("is_causal", args, kwargs)
+    causal = get("is_causal", defaults.get("is_causal"))
     causal = causal if causal is not None else getattr(module, "is_causal", True)
     causal = bool(q_length > 1 and mask is None and causal)
     sliced = causal and key.shape[2] > q_length
     if sliced:
         key = key[:, :, :q_length, :]
-    dropout = float(get("dropout", args, kwargs) or 0.0)
-    scaling = get("scaling", args, kwargs)
+    dropout = float(get("dropout", defaults.get("dropout")) or 0.0)
+    scaling = get("scaling", defaults.get("scaling"))
     given = tuple([name for name, v in kwargs.items() if v is not None])  # (defaults: the function's own)
     kind = (original, type(module), handling, None if mask is None else mask.dim(), q_length == 1, causal, sliced,
             dropout != 0.0, scaling is None, tuple([a is None for a in args[4:]]), given)
