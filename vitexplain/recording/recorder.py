@@ -215,29 +215,26 @@ class Recorder:
         self, issuer: Issuer, record_type: type = AttentionRecord, *, kind: Optional[str] = None, **fields: Any
     ) -> AttentionRecord:
         """Create, number and keep a record of ``issuer`` (kind: from the issuer unless given)."""
-        step = self._steps.get(issuer.name, 0)
-        self._steps[issuer.name] = step + 1
         if fields.get("source") != "module":  # attention seen by the mode: it stays on inside this class
             self._narrowing.issued(issuer.module)
-        record = record_type(
-            name=issuer.name,
-            kind=kind or frame_kind(issuer.module, issuer.frame),
-            index=len(self._records),
-            step=step,
-            forward_index=self._attribution.forward_index(issuer),
-            **fields,
-        )
+        name, kind, step, forward_index = self._numbered(issuer, kind)
+        record = record_type(name=name, kind=kind, index=len(self._records), step=step, forward_index=forward_index,
+                             **fields)
         self._records.append(record)
         return record
 
     def add_draft(self, issuer: Issuer, fields: dict[str, Any]) -> None:
         """Keep a record of ``issuer`` to be made when the records are next read (see :class:`RecordSink`)."""
+        self._narrowing.issued(issuer.module)
+        self._drafts.append((*self._numbered(issuer), fields))
+
+    def _numbered(self, issuer: Issuer, kind: Optional[str] = None) -> tuple[str, str, int, int]:
+        """(name, kind, step, top-level call) of a new record of ``issuer``, counted now (kind: from the
+        issuer's frame unless given)."""
         name = issuer.name
         step = self._steps.get(name, 0)
         self._steps[name] = step + 1
-        self._narrowing.issued(issuer.module)
-        self._drafts.append((name, frame_kind(issuer.module, issuer.frame), step,
-                             self._attribution.forward_index(issuer), fields))
+        return name, kind or frame_kind(issuer.module, issuer.frame), step, self._attribution.forward_index(issuer)
 
     @property
     def _records(self) -> list[AttentionRecord]:
