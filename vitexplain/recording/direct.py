@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from .attribution import frame_kind, never_issues
+from .records import held
 from .sink import Issuer, RecordSink
 
 __all__ = ["DirectSDPA"]
@@ -71,11 +72,6 @@ def _source(original: Callable) -> Optional[_Source]:
         found = found if found.usable else None
     _SOURCES[id(original)] = (original, found)
     return found
-
-
-def _held(t: Optional[Tensor]) -> Optional[Tensor]:
-    """What a record keeps of a tensor: the tensor itself unless it is part of an autograd graph."""
-    return t.detach() if t is not None and t.requires_grad else t
 
 
 def _plan(original: Callable, module: nn.Module, args: tuple, kwargs: dict,
@@ -130,8 +126,8 @@ def _plan(original: Callable, module: nn.Module, args: tuple, kwargs: dict,
     given = tuple([name for name, v in kwargs.items() if v is not None])  # (defaults: the function's own)
     kind = (original, type(module), handling, None if mask is None else mask.dim(), q_length == 1, causal, sliced,
             dropout != 0.0, scaling is None, tuple([a is None for a in args[4:]]), given)
-    fields = dict(source="sdpa", q_shape=query.shape, k_shape=key.shape, dropout_p=dropout, _mask=_held(mask),
-                  _scale=scaling, _causal=causal, _q=_held(query), _k=_held(key))
+    fields = dict(source="sdpa", q_shape=query.shape, k_shape=key.shape, dropout_p=dropout, _mask=held(mask),
+                  _scale=scaling, _causal=causal, _q=held(query), _k=held(key))
     return kind, fields
 
 

@@ -29,6 +29,7 @@ from . import materialize
 from .flex import FlexWatcher
 from .materialize import attention_with_probs, can_materialize
 from .packed import packed_groups, unpack_mask, unpack_query
+from .records import held
 from .sink import RecordSink
 
 __all__ = ["AttentionMode"]
@@ -205,9 +206,8 @@ class AttentionMode(TorchFunctionMode):
             record = self.sink.add_record(issuer, _q=q.detach(), _k=k.detach(), **fields)
             record._v = v.detach()
             record._attach_grad_hook(out, self.sink.hooks_enabled)
-        else:  # (detached only when part of an autograd graph: a detach costs a new tensor object per call)
-            self.sink.add_draft(issuer, dict(fields, _q=q.detach() if q.requires_grad else q,
-                                              _k=k.detach() if k.requires_grad else k))
+        else:
+            self.sink.add_draft(issuer, dict(fields, _q=held(q), _k=held(k)))
         return out
 
     def _materialize(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], dropout_p: float, gqa: bool) -> bool:

@@ -31,7 +31,7 @@ from torch import Tensor
 from ..errors import CaptureError, UsageError
 
 __all__ = [
-    "AttentionRecord", "ActivationRecord", "QuerySelect", "attention_probs", "attention_scores", "masked_softmax", "fuse_heads",
+    "AttentionRecord", "ActivationRecord", "QuerySelect", "held", "attention_probs", "attention_scores", "masked_softmax", "fuse_heads",
 ]
 
 QuerySelect = Union[None, int, slice, Tensor]
@@ -56,6 +56,12 @@ def _select_mask_rows(mask: Tensor, rows: Tensor | slice, n_q: int) -> Tensor:
     if mask.dim() >= 2 and mask.shape[-2] == n_q and n_q > 1:
         return mask[..., rows, :]
     return mask
+
+
+def held(t: Optional[Tensor]) -> Optional[Tensor]:
+    """What a record keeps of a tensor: the tensor itself unless it is part of an autograd graph
+    (then detached; a detach costs a new tensor object, so it is not made otherwise)."""
+    return t.detach() if t is not None and t.requires_grad else t
 
 
 def attention_scores(
