@@ -157,14 +157,9 @@ def _maxvit() -> nn.Module:
     return MaxxVit(cfg, img_size=64, num_classes=5)
 
 
-def _levit() -> nn.Module:
-    """A tiny LeViT whose linear and conv layers get N(0, 1 / fan_in) and attention biases N(0, 1):
-    with timm's init (zero biases) each subsampling attention is near uniform, its outputs near
-    identical, and by the last stage every token is the same (std 2e-9): every map there is flat."""
-    from timm.models.levit import LevitDistilled
-
-    model = LevitDistilled(img_size=128, embed_dim=(32, 48, 64), key_dim=8, depth=(1, 1, 1), num_heads=(2, 2, 2),
-                           num_classes=5)
+def _levit_gains(model: nn.Module) -> nn.Module:
+    """``model`` (a timm or Hugging Face LeViT) with its linear and conv weights drawn N(0, 1 / fan_in) and its
+    attention biases N(0, 1) (its attention-bias cache cleared), in place."""
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, (nn.Linear, nn.Conv2d)):
@@ -173,6 +168,17 @@ def _levit() -> nn.Module:
                 module.attention_biases.normal_(0, 1)
                 module.attention_bias_cache = {}
     return model
+
+
+def _levit() -> nn.Module:
+    """A tiny LeViT whose linear and conv layers get N(0, 1 / fan_in) and attention biases N(0, 1):
+    with timm's init (zero biases) each subsampling attention is near uniform, its outputs near
+    identical, and by the last stage every token is the same (std 2e-9): every map there is flat."""
+    from timm.models.levit import LevitDistilled
+
+    model = LevitDistilled(img_size=128, embed_dim=(32, 48, 64), key_dim=8, depth=(1, 1, 1), num_heads=(2, 2, 2),
+                           num_classes=5)
+    return _levit_gains(model)
 
 
 def _hf_levit(model: str, depths: Sequence[int] = (1, 1, 1)) -> Callable[[], nn.Module]:
@@ -184,14 +190,7 @@ def _hf_levit(model: str, depths: Sequence[int] = (1, 1, 1)) -> Callable[[], nn.
         config = transformers.LevitConfig(image_size=128, hidden_sizes=[32, 48, 64], num_attention_heads=[2, 2, 2],
                                           depths=list(depths), key_dim=[8, 8, 8], num_labels=5)
         built = getattr(transformers, model)(config)
-        with torch.no_grad():
-            for module in built.modules():
-                if isinstance(module, (nn.Linear, nn.Conv2d)):
-                    module.weight.normal_(0, module.weight[0].numel() ** -0.5)
-                if isinstance(getattr(module, "attention_biases", None), nn.Parameter):
-                    module.attention_biases.normal_(0, 1)
-                    module.attention_bias_cache = {}
-        return built
+        return _levit_gains(built)
 
     return build
 
