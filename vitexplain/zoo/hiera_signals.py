@@ -16,7 +16,15 @@ import torch.nn.functional as F
 from ..errors import UsageError
 from .outputs import Outputs
 
-__all__ = ["HieraValueLabels", "head_width_blocks"]
+__all__ = ["HieraValueLabels", "head_width_blocks", "balanced_bce"]
+
+
+def balanced_bce(logits: torch.Tensor, cover: torch.Tensor) -> torch.Tensor:
+    """Binary cross-entropy of per-key logits against soft class coverage (same shape), its positive
+    term weighted by the batch's ratio of negative to positive coverage, so that the few positives weigh
+    as much as all the negatives (the value-path token labels' loss)."""
+    pos_weight = ((1.0 - cover).sum() / cover.sum().clamp(min=1.0)).detach()
+    return F.binary_cross_entropy_with_logits(logits, cover, pos_weight=pos_weight)
 
 
 def head_width_blocks(model: nn.Module) -> list[int]:
@@ -119,6 +127,5 @@ class HieraValueLabels(nn.Module):
             z = self.per_key_logits(k)  # (B, h, w, H', C)
             cover = coverage(z.shape[1])[:, :-1].permute(0, 2, 3, 1)[:, :, :, None]  # (B, h, w, 1, C), no background
             cover = cover.expand_as(z)
-            pos_weight = ((1.0 - cover).sum() / cover.sum().clamp(min=1.0)).detach()  # positives weigh as all negatives
-            losses.append(F.binary_cross_entropy_with_logits(z, cover, pos_weight=pos_weight))
+            losses.append(balanced_bce(z, cover))
         return torch.stack(losses).mean()

@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import UsageError
+from .hiera_signals import balanced_bce
 from .outputs import Outputs
 
 __all__ = ["PvtValueLabels", "pvt_blocks", "last_stage_blocks"]
@@ -98,6 +99,5 @@ class PvtValueLabels(nn.Module):
             if g * g != z.shape[1]:
                 raise UsageError(f"value-path token labels need a square token grid, got {z.shape[1]} tokens")
             cover = coverage(g)[:, :-1].flatten(2).transpose(1, 2)  # (B, N, C), no background
-            pos_weight = ((1.0 - cover).sum() / cover.sum().clamp(min=1.0)).detach()  # positives weigh as all negatives
-            losses.append(F.binary_cross_entropy_with_logits(z, cover, pos_weight=pos_weight))
+            losses.append(balanced_bce(z, cover))
         return torch.stack(losses).mean()
