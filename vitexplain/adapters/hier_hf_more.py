@@ -18,17 +18,18 @@ Classifiers return their logits; headless models return the mean of their last t
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 from torch import Tensor, nn
 
 from ..errors import UnsupportedModelError
 from ..layout import pair
 from ..methods.families import HIER
-from ..methods.resample import CallSpec, Footprint, TokenSet, full_slots, window_slots
+from ..methods.resample import CallSpec, Footprint, TokenSet, full_slots
 from .base import Adapter, register_adapter
 from .hier import Chain, HierAdapter, conv_grid, global_call, module_family, token_set
 from .hier_hf import HFForward
+from .hier_sam2 import GridHieraAdapter
 
 __all__ = ["HFLeViTAdapter", "HFSam2HieraAdapter"]
 
@@ -81,67 +82,30 @@ class HFLeViTAdapter(HFForward, HierAdapter):
 
 
 # -- SAM 2 (Hiera with windows on the grid) ------------------------------------------------------
-class HFSam2HieraAdapter(HierAdapter):
-    """Hugging Face ``Sam2HieraDetModel`` (SAM 2's image encoder backbone): blocks on a (B, H, W, C)
-    grid; windowed attention in the model's zero-padded windows (slots of grid s) or global
-    attention; a pooling block (``query_stride``, the first of a pooling stage) reads grid s - 1
-    in windows of the previous stage's size and writes its max-pooled queries on grid s, in
-    windows half that size (the same window count), with its residual max-pooled 2 x 2. The
-    readout is the mean of the last tokens (``last_hidden_state``); a stage's token site is the
-    ``layer_norm1`` of the last block reading its grid."""
+class HFSam2HieraAdapter(GridHieraAdapter):
+    """Hugging Face ``Sam2HieraDetModel`` (SAM 2's image encoder backbone): SAM 2's Hiera
+    (:class:`~vitexplain.adapters.hier_sam2.GridHieraAdapter`) with Hugging Face's names; headless, its
+    readout is the mean of the last tokens (``last_hidden_state``)."""
+
+    norm_name = "layer_norm1"
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
-        self.blocks = list(model.blocks)
-        self.stage_of: list[int] = []
-        for block in self.blocks:
-            self.stage_of.append((self.stage_of[-1] if self.stage_of else 0) + int(self._pools(block)))
-        reads = [s - int(self._pools(b)) for s, b in zip(self.stage_of, self.blocks)]
-        self.token_sites = [next((f"blocks.{i}.layer_norm1" for i in reversed(range(len(reads))) if reads[i] == s), None)
-                            for s in range(self.stage_of[-1] + 1)]
         self.has_head = False
         self.fixed_size = pair(model.config.image_size)
 
-    @staticmethod
-    def _pools(block: nn.Module) -> bool:
-        return bool(block.query_stride)
+    def window(self, block: nn.Module) -> tuple[int, int]:
+        return pair(block.window_size)
+
+    def stride(self, block: nn.Module) -> Optional[tuple[int, int]]:
+        return pair(block.query_stride) if block.query_stride else None
+
+    def embed_grid(self, input_size: tuple[int, int]) -> tuple[int, int]:
+        conv = self.model.patch_embed.projection
+        return conv_grid(input_size, conv.kernel_size, conv.stride, conv.padding)
 
     def forward(self, x: Tensor) -> Any:
         return self.model(pixel_values=x).last_hidden_state.mean(dim=(1, 2))
-
-    def site_grid(self, stage: int, output: Tensor, input_size: Sequence[int]) -> Tensor:
-        return output  # (B, H, W, C)
-
-    def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
-        conv = self.model.patch_embed.projection
-        tokens = token_set(conv_grid(input_size, conv.kernel_size, conv.stride, conv.padding))
-        chain: Chain = []
-        sets = [tokens]
-        for i, block in enumerate(self.blocks):
-            name, window = f"blocks.{i}.attn", int(block.window_size)
-            if not self._pools(block):
-                slots = window_slots(tokens, (window, window)) if window > 0 else full_slots(tokens)
-                skip = Footprint.identity(tokens)
-                chain.append(CallSpec(name, tokens, tokens, slots, slots, Footprint.identity(tokens), skip,
-                                      self.stage_of[i], self.stage_of[i]))
-                continue
-            stride = pair(block.query_stride)
-            coarse = token_set(conv_grid(tokens.grid, stride, stride))
-            small = (window // stride[0], window // stride[1])
-            k_slots, q_slots = window_slots(tokens, (window, window)), window_slots(coarse, small)
-            if window % stride[0] or window % stride[1] or k_slots.shape[0] != q_slots.shape[0]:
-                raise UnsupportedModelError(
-                    f"block {i} of {type(self.model).__name__} pools its queries by {stride} in windows of "
-                    f"{window} on a {tokens.grid[0]}x{tokens.grid[1]} grid, which do not tile the pooled "
-                    f"{coarse.grid[0]}x{coarse.grid[1]} grid in the same number of windows; explain it at an "
-                    f"input size whose token grid is a multiple of every window (e.g. its configured "
-                    f"{self.fixed_size})")
-            skip = Footprint.pool(tokens, coarse, stride, stride, 0)  # the residual's max pooling, read evenly
-            chain.append(CallSpec(name, tokens, coarse, q_slots, k_slots, Footprint.identity(tokens), skip,
-                                  self.stage_of[i] - 1, self.stage_of[i]))
-            tokens = coarse
-            sets.append(tokens)
-        return chain, sets
 
 
 _SAM2_NECK = (

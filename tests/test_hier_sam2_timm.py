@@ -1,0 +1,152 @@
+"""timm ``HieraDet`` (SAM 2's Hiera, ``sam2_hiera_*``): the footprint rule against a dense float64 oracle
+built here from an eager float64 copy's own softmax outputs (tests/hier_oracle.py), with the windows read
+from timm's own ``window_partition`` / ``window_unpartition`` on token indices; CDAM against finite
+differences; a batch against its images one by one; the pretrained-size build recognised.
+
+The tiny model at 64 px has grids 16 x 16, 8 x 8 and 4 x 4: windows of 4 (block 0), queries pooled in windows
+of 4 -> 2 (block 1), windows of 2 (block 2), queries pooled in windows of 2 -> 1 (block 3), zero-padded windows
+of 3 on the 4 x 4 grid (block 4), global attention (block 5).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import vitexplain as vx
+from hier_oracle import DenseCall, assert_matches_oracle, carry, pool_matrix, scatter_windows, taped_attention, token_derivative
+
+timm = pytest.importorskip("timm")
+hieradet = pytest.importorskip("timm.models.hieradet_sam2")
+
+SIZE = (64, 64)
+GRIDS = [(16, 16), (8, 8), (4, 4)]
+
+
+def tiny() -> nn.Module:
+    """A random-init HieraDet with every weight matrix N(0, 1 / fan_in) (timm's init makes the attention
+    near uniform) and a 5-class head."""
+    torch.manual_seed(0)
+    model = hieradet.HieraDet(embed_dim=16, num_heads=1, stages=(1, 2, 3), q_pool=2, window_spec=(4, 2, 3),
+                              global_att_blocks=(5,), global_pos_size=(4, 4), num_classes=5)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 1.0 / p[0].numel() ** 0.5)
+    return model.eval()
+
+
+def _partition_index(grid, window):
+    """(nW, wh * ww) grid index of each window slot, -1 = padding: the block's padding and timm's
+    window_partition on token indices (+1, so padding reads 0)."""
+    n = grid[0] * grid[1]
+    idx = (torch.arange(n) + 1).view(1, *grid, 1).double()
+    pad_h, pad_w = (-grid[0]) % window[0], (-grid[1]) % window[1]
+    idx = F.pad(idx, (0, 0, 0, pad_w, 0, pad_h))
+    return hieradet.window_partition(idx, window).reshape(-1, window[0] * window[1]).round().long() - 1
+
+
+def _unpartition_index(coarse, window, windows):
+    """(nW, wh * ww) coarse-grid index of each pooled query slot, -1 = cropped: timm's window_unpartition
+    of slot numbers, then the block's crop."""
+    padded = tuple(g + (-g) % w for g, w in zip(coarse, window))
+    slots = (torch.arange(windows * window[0] * window[1]) + 1).double().view(windows, *window, 1)
+    placed = hieradet.window_unpartition(slots, window, padded)[:, :coarse[0], :coarse[1]].reshape(-1).round().long() - 1
+    index = torch.full((windows * window[0] * window[1],), -1, dtype=torch.long)
+    index[placed] = torch.arange(placed.numel())
+    return index.view(windows, -1)
+
+
+def dense(model, x, target):
+    """Dense calls on each stage's row-major grid, forward order; the last grid."""
+    taped = iter(taped_attention(model, x, target))
+    b = x.shape[0]
+    grid = GRIDS[0]
+    items = []
+    eye = lambda n: torch.eye(n, dtype=torch.float64)  # noqa: E731
+    for block in model.blocks:
+        a, g = next(taped)  # (B * nW, heads, n_q, n_k)
+        n = grid[0] * grid[1]
+        window = tuple(block.window_size)
+        if block.q_stride:
+            coarse = (grid[0] // 2, grid[1] // 2)
+            k_idx = _partition_index(grid, window)
+            q_idx = _unpartition_index(coarse, (window[0] // 2, window[1] // 2), k_idx.shape[0])
+            skip = pool_matrix(grid, 2, 2, 0)  # the residual's 2 x 2 max pooling, read evenly
+        else:
+            coarse = grid
+            k_idx = _partition_index(grid, window) if any(window) else torch.arange(n)[None]
+            q_idx, skip = k_idx, eye(n)
+        m = coarse[0] * coarse[1]
+        a = a.reshape(b, k_idx.shape[0], *a.shape[1:])
+        g = g.reshape(b, k_idx.shape[0], *g.shape[1:])
+        items.append(DenseCall(scatter_windows(a, q_idx, k_idx, m, n), scatter_windows(g, q_idx, k_idx, m, n), eye(n), skip))
+        grid = coarse
+    assert next(taped, None) is None  # one softmax per block
+    return items, grid
+
+
+def test_hieradet_matches_the_dense_float64_oracle():
+    model = tiny()
+    x = torch.randn(2, 3, *SIZE, generator=torch.Generator().manual_seed(1))
+    items, grid = dense(model, x, 1)
+    ex = vx.Explainer(model)
+    assert ex.family == "hier" and type(ex.adapter).__name__ == "TimmHieraDetAdapter"
+    assert {"rollout", "generic", "grad_rollout", "raw", "cdam"} <= set(ex.methods())
+    n = grid[0] * grid[1]
+    u = torch.full((2, n), 1.0 / n, dtype=torch.float64)
+    methods = ["rollout", "generic", "grad_rollout"]
+    for method, e in zip(methods, ex.explain(x, method=methods, target=1)):
+        want = carry(items, u, method).view(e.maps.shape)
+        assert e.maps.shape == (2, 16, 16) == (2, *e.layout.grid), method
+        assert e.layout.patch_size == (4, 4)
+        assert_matches_oracle(e.maps, want, method)
+    for stage, start, shape in ((1, 1, (8, 8)), (2, 3, (4, 4))):  # items[1] / items[3] pool onto the stage's grid
+        e = ex.explain(x, method="generic", target=1, stage=stage)
+        want = carry(items, u, "generic", start=start + 1)
+        assert e.maps.shape == (2, *shape)
+        assert_matches_oracle(e.maps, want.view(e.maps.shape), ("generic", stage))
+
+
+def test_hieradet_batch_equals_its_images_one_by_one():
+    model = tiny()
+    x = torch.randn(3, 3, *SIZE, generator=torch.Generator().manual_seed(2))
+    ex = vx.Explainer(model)
+    for method, options in (("rollout", {}), ("generic", {"stage": 1}), ("cdam", {}), ("cdam", {"stage": 0}),
+                            ("raw", {"layer": 1})):
+        together = ex.explain(x, method=method, target=2, **options).maps
+        alone = torch.cat([ex.explain(x[i:i + 1], method=method, target=2, **options).maps for i in range(3)])
+        assert together.shape[0] == 3 and tuple(together.shape[1:]) in GRIDS
+        torch.testing.assert_close(together, alone, atol=1e-5 * float(alone.abs().max()) + 1e-9, rtol=1e-4)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_hieradet_cdam_matches_finite_differences(stage):
+    """S_(i,j) = d/de logit when token (i, j) of the (B, H, W, C) tokens entering the last attention reading
+    the stage's grid is scaled by (1 + e): block 1's norm1 (it pools stage 0), block 3's, block 5's."""
+    model = tiny().double()
+    x = torch.randn(1, 3, *SIZE, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    e = vx.Explainer(model).explain(x, method="cdam", target=1, stage=stage)
+    grid = GRIDS[stage]
+    assert e.maps.shape == (1, *grid)
+    module = model.get_submodule(f"blocks.{[1, 3, 5][stage]}.norm1")
+    for t in torch.randperm(grid[0] * grid[1], generator=torch.Generator().manual_seed(0))[:8].tolist():
+        i, j = divmod(t, grid[1])
+        numeric = token_derivative(module, (i, j), lambda: model(x)[0, 1])
+        got = float(e.maps[0, i, j])
+        assert abs(got - numeric) <= 1e-6 + 1e-5 * abs(numeric), (t, got, numeric)
+
+
+def test_timm_sam2_hiera_is_recognised_and_max_pooling_heads_are_refused():
+    """The registered build at a size its windows tile (its smallest: 224 px; pretrained 896), and the
+    global_pool='max' build refused with the reason (the readout is no longer the tokens' mean)."""
+    model = timm.create_model("sam2_hiera_tiny", pretrained=False, num_classes=3).eval()
+    ex = vx.Explainer(model)
+    assert ex.family == "hier" and len(ex.adapter.token_sites) == 4
+    e = ex.explain(torch.randn(2, 3, 224, 224, generator=torch.Generator().manual_seed(4)), method="rollout", target=0)
+    assert e.maps.shape == (2, 56, 56) == (2, *e.layout.grid) and bool(torch.isfinite(e.maps).all())
+    maxed = timm.create_model("sam2_hiera_tiny", pretrained=False, num_classes=3, global_pool="max")
+    with pytest.raises(vx.UnsupportedModelError, match=r"global_pool='max'.*mean of its last tokens"):
+        vx.Explainer(maxed)
