@@ -203,3 +203,26 @@ def test_tnt_gives_one_map_per_image():
             continue
         e = vx.Explainer(model).explain(x, method=method)
         assert e.maps.shape == (3, 4, 4), method
+
+
+@pytest.mark.parametrize("kind", ["levit", "mvit", "torchvision-maxvit"])
+def test_a_model_built_for_one_size_gets_its_images_at_that_size_and_other_sizes_are_refused(kind):
+    """LeViT's attention biases, MViTv2's relative position tables and torchvision MaxViT's partitions are
+    built for one image size (64 px here, not their registered 224): images are preprocessed to it, and a
+    tensor of another size is refused with the size to use instead of the model's own shape error."""
+    if kind == "torchvision-maxvit":
+        import support_table
+
+        torch.manual_seed(0)
+        model = support_table._torchvision_maxvit().eval()
+    else:
+        model = build(kind)
+    ex = vx.Explainer(model)
+    assert tuple(ex.adapter.preprocess_kwargs()["input_size"]) == SIZE
+    images = [(torch.rand(50, 70, 3, generator=torch.Generator().manual_seed(i)) * 255).to(torch.uint8).numpy()
+              for i in range(2)]
+    e = ex.explain(images, method="rollout", target=1)
+    assert e.maps.shape == (2, *e.layout.grid) and bool(torch.isfinite(e.maps).all())
+    assert ex.explain(torch.rand(1, 3, *SIZE), method="rollout", target=1).maps.shape[1:] == e.maps.shape[1:]
+    with pytest.raises(vx.InputError, match=rf"does not take a 64x96 input .* expects {SIZE[0]}x{SIZE[1]} images"):
+        ex.explain(torch.rand(2, 3, 64, 96), method="rollout", target=1)

@@ -363,17 +363,21 @@ class Explainer:
 
     def _forward(self, x: Tensor) -> Any:
         """The adapter's forward; a model's own refusal of the input size (timm, torchvision and
-        Hugging Face ViTs with a fixed size) becomes an :class:`InputError` that says what to do."""
+        Hugging Face ViTs with a fixed size), or any failure of a model whose adapter says it takes one
+        size only on another size, becomes an :class:`InputError` that says what to do."""
         try:
             return self.adapter.forward(x)
-        except (RuntimeError, ValueError, AssertionError) as err:
-            if isinstance(err, VitexplainError) or not _SIZE_REFUSAL.search(str(err)):
+        except (RuntimeError, ValueError, AssertionError, IndexError) as err:
+            if isinstance(err, VitexplainError):
                 raise
-            expected = self.adapter.preprocess_kwargs().get("input_size")
+            fixed = getattr(self.adapter, "fixed_size", None)
+            if not _SIZE_REFUSAL.search(str(err)) and (fixed is None or tuple(fixed) == tuple(x.shape[-2:])):
+                raise
+            expected = fixed or self.adapter.preprocess_kwargs().get("input_size")
             raise InputError(
-                f"the model does not take a {x.shape[-2]}x{x.shape[-1]} input ({err}); it expects "
-                f"{expected[0]}x{expected[1]} images: resize to that size, or pass images (paths or uint8 arrays) "
-                "to have them preprocessed with the model's own settings"
+                f"the model does not take a {x.shape[-2]}x{x.shape[-1]} input ({type(err).__name__}: {err}); it "
+                f"expects {expected[0]}x{expected[1]} images: resize to that size, or pass images (paths or uint8 "
+                "arrays) to have them preprocessed with the model's own settings"
             ) from err
 
     def _caption_ids(self, caption: Any, batch: int, device: torch.device) -> Tensor:

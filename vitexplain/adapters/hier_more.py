@@ -43,6 +43,13 @@ class TorchvisionMaxViTAdapter(HierAdapter):
         self.token_sites = [f"blocks.{s}.layers.{len(b.layers) - 1}.layers.grid_attention.attn_layer.0"
                             for s, b in enumerate(model.blocks)]
         self.has_head = True
+        # its partitions are built for one image size: the first block's grid times the strides before it
+        stride = [1, 1]
+        for conv in [*(m for m in model.stem.modules() if isinstance(m, nn.Conv2d)),
+                     model.blocks[0].layers[0].layers.MBconv.layers.conv_b[0]]:
+            stride = [a * b for a, b in zip(stride, pair(conv.stride))]
+        grid = pair(model.blocks[0].grid_size)
+        self.fixed_size = (grid[0] * stride[0], grid[1] * stride[1])
 
     def _attention(self, name: str) -> nn.Module:
         return self.model.get_submodule(name)

@@ -129,7 +129,10 @@ class LeViTAdapter(HierAdapter):
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
-        self.fixed_size = None
+        # its attention biases are built for one token grid: the input size that makes it
+        grids = [pair(m.resolution) for m in model.stages.modules() if hasattr(m, "attention_bias_idxs")]
+        stride = int(getattr(model.stem, "stride", 16))
+        self.fixed_size = (grids[0][0] * stride, grids[0][1] * stride) if grids else None
         sites: list[Optional[str]] = []
         for s, stage in enumerate(model.stages):
             n = len(stage.blocks)
@@ -170,7 +173,11 @@ class MViTv2Adapter(HierAdapter):
         self.prefix = 1 if getattr(model, "cls_token", None) is not None else 0
         self.readout = "class" if model.global_pool == "token" else "mean"
         self.token_sites = [f"stages.{s}.blocks.{len(st.blocks) - 1}.norm1" for s, st in enumerate(model.stages)]
-        self.fixed_size = None
+        # relative (or absolute) position tables are built for the stages' feature sizes: the input size that makes them
+        fixed = getattr(model, "pos_embed", None) is not None or any(
+            hasattr(m, "rel_pos_h") for m in model.stages.modules())
+        feat, stride = getattr(model.stages[0], "feat_size", None), pair(model.patch_embed.proj.stride)
+        self.fixed_size = (feat[0] * stride[0], feat[1] * stride[1]) if fixed and feat is not None else None
 
     def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
         conv = self.model.patch_embed.proj
