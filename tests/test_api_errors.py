@@ -138,7 +138,7 @@ def test_small_integer_smooth_samples_equal_one_draw_batch_by_batch(ex, x):
         torch.testing.assert_close(both.maps[i : i + 1], alone.maps, rtol=1e-4, atol=1e-6)
 
 
-def test_a_model_that_fails_on_another_size_than_its_configured_one_gets_an_input_error():
+def test_a_hugging_face_vit_on_another_size_than_its_configured_one_gets_an_input_error():
     """Hugging Face SigLIP adds its fixed position embeddings without checking the size first: at another size
     its forward fails with a bare shape error, which becomes an InputError naming the configured size (the
     model's own message kept); at its configured size it runs."""
@@ -148,6 +148,6 @@ def test_a_model_that_fails_on_another_size_than_its_configured_one_gets_an_inpu
     torch.manual_seed(0)
     model = transformers.SiglipVisionModel(config).eval()
     ex = vx.Explainer(model)
-    with pytest.raises(vx.InputError, match=r"failed on a 32x48 input \(RuntimeError: .*configured input size is 32x32"):
+    with pytest.raises(vx.InputError, match=r"does not take a 32x48 input \(RuntimeError: .*expects 32x32 images"):
         ex.explain(torch.rand(2, 3, 32, 48), method="rollout", target=vx.targets.norm())
     assert ex.explain(torch.rand(2, 3, 32, 32), method="rollout", target=vx.targets.norm()).maps.shape == (2, 4, 4)

@@ -364,8 +364,7 @@ class Explainer:
     def _forward(self, x: Tensor) -> Any:
         """The adapter's forward; a model's own refusal of the input size (timm, torchvision and
         Hugging Face ViTs with a fixed size), or any failure of a model whose adapter says it takes one
-        size only on another size, becomes an :class:`InputError` that says what to do; so does any other
-        failure on an input of another size than the model's configured one (the model's message kept)."""
+        size only on another size, becomes an :class:`InputError` that says what to do (the model's message kept)."""
         try:
             return self.adapter.forward(x)
         except (RuntimeError, ValueError, AssertionError, IndexError) as err:
@@ -373,17 +372,14 @@ class Explainer:
                 raise
             size = tuple(x.shape[-2:])
             fixed = getattr(self.adapter, "fixed_size", None)
-            configured = self.adapter.preprocess_kwargs().get("input_size")
-            todo = ("resize to that size, or pass images (paths or uint8 arrays) to have them preprocessed with the "
-                    "model's own settings")
-            if _SIZE_REFUSAL.search(str(err)) or (fixed is not None and tuple(fixed) != size):
-                expected = fixed or configured
-                raise InputError(f"the model does not take a {size[0]}x{size[1]} input ({type(err).__name__}: "
-                                 f"{err}); it expects {expected[0]}x{expected[1]} images: {todo}") from err
-            if configured is not None and tuple(configured) != size:
-                raise InputError(f"the model failed on a {size[0]}x{size[1]} input ({type(err).__name__}: {err}); "
-                                 f"its configured input size is {configured[0]}x{configured[1]}: {todo}") from err
-            raise
+            if not _SIZE_REFUSAL.search(str(err)) and (fixed is None or tuple(fixed) == size):
+                raise
+            expected = fixed or self.adapter.preprocess_kwargs().get("input_size")
+            raise InputError(
+                f"the model does not take a {size[0]}x{size[1]} input ({type(err).__name__}: {err}); it expects "
+                f"{expected[0]}x{expected[1]} images: resize to that size, or pass images (paths or uint8 arrays) to "
+                "have them preprocessed with the model's own settings"
+            ) from err
 
     def _caption_ids(self, caption: Any, batch: int, device: torch.device) -> Tensor:
         """(B, T) ids of given captions, each followed by the end token.

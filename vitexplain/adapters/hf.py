@@ -155,6 +155,8 @@ class HFViTAdapter(ViTAdapter):
         self.norm1 = f"{blocks[-1]}.{kind.norm1}"
         self.tower = tower
         self.has_head = kind.logits is not None and (hasattr(model, "classifier") or hasattr(model, "cls_classifier"))
+        # called without interpolate_pos_encoding: position embeddings for the configured size only
+        self.fixed_size = pair(_vision_config(model).image_size)
 
     def layout(self, input_size: tuple[int, int]) -> TokenLayout:
         config = _vision_config(self.model)
