@@ -22,6 +22,7 @@ from hier_oracle import DenseCall, assert_matches_oracle, carry, taped_attention
 transformers = pytest.importorskip("transformers")
 
 import support_table as support  # noqa: E402
+from sam2_checks import check_batch_equals_one_by_one, check_dense_oracle  # noqa: E402
 
 LEVIT_SIZE = (128, 128)
 
@@ -230,31 +231,13 @@ def test_sam2_hiera_backbone_matches_the_dense_float64_oracle():
     items, grid = sam2_dense(model, x)
     ex = vx.Explainer(model)
     assert ex.family == "hier" and type(ex.adapter).__name__ == "HFSam2HieraAdapter"
-    n = grid[0] * grid[1]
-    u = torch.full((2, n), 1.0 / n, dtype=torch.float64)
-    methods = ["rollout", "generic", "grad_rollout"]
-    for method, e in zip(methods, ex.explain(x, method=methods, target=_sam2_target)):
-        want = carry(items, u, method).view(e.maps.shape)
-        assert e.maps.shape == (2, 16, 16) == (2, *e.layout.grid), method
-        assert e.layout.patch_size == (4, 4)
-        assert_matches_oracle(e.maps, want, method)
-    for stage, start, shape in ((1, 1, (8, 8)), (2, 3, (4, 4))):  # items[1] / items[3] pool onto the stage's grid
-        e = ex.explain(x, method="generic", target=_sam2_target, stage=stage)
-        want = carry(items, u, "generic", start=start + 1)
-        assert e.maps.shape == (2, *shape)
-        assert_matches_oracle(e.maps, want.view(e.maps.shape), ("generic", stage))
+    check_dense_oracle(ex, x, items, grid, _sam2_target)
 
 
 def test_sam2_hiera_backbone_batch_equals_its_images_one_by_one():
     model = sam2()
     x = torch.randn(3, 3, *SAM2_SIZE, generator=torch.Generator().manual_seed(2))
-    ex = vx.Explainer(model)
-    for method, options in (("rollout", {}), ("generic", {"stage": 1}), ("cdam", {}), ("cdam", {"stage": 0}),
-                            ("raw", {"layer": 1})):
-        together = ex.explain(x, method=method, target=_sam2_target, **options).maps
-        alone = torch.cat([ex.explain(x[i:i + 1], method=method, target=_sam2_target, **options).maps for i in range(3)])
-        assert together.shape[0] == 3 and tuple(together.shape[1:]) in ((16, 16), (8, 8), (4, 4))
-        torch.testing.assert_close(together, alone, atol=1e-5 * float(alone.abs().max()) + 1e-9, rtol=1e-4)
+    check_batch_equals_one_by_one(vx.Explainer(model), x, _sam2_target)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])

@@ -16,13 +16,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import vitexplain as vx
-from hier_oracle import DenseCall, assert_matches_oracle, carry, pool_matrix, scatter_windows, taped_attention, token_derivative
+from hier_oracle import DenseCall, pool_matrix, scatter_windows, taped_attention, token_derivative
+from sam2_checks import GRIDS, check_batch_equals_one_by_one, check_dense_oracle
 
 timm = pytest.importorskip("timm")
 hieradet = pytest.importorskip("timm.models.hieradet_sam2")
 
 SIZE = (64, 64)
-GRIDS = [(16, 16), (8, 8), (4, 4)]
 
 
 def tiny() -> nn.Module:
@@ -95,31 +95,13 @@ def test_hieradet_matches_the_dense_float64_oracle():
     ex = vx.Explainer(model)
     assert ex.family == "hier" and type(ex.adapter).__name__ == "TimmHieraDetAdapter"
     assert {"rollout", "generic", "grad_rollout", "raw", "cdam"} <= set(ex.methods())
-    n = grid[0] * grid[1]
-    u = torch.full((2, n), 1.0 / n, dtype=torch.float64)
-    methods = ["rollout", "generic", "grad_rollout"]
-    for method, e in zip(methods, ex.explain(x, method=methods, target=1)):
-        want = carry(items, u, method).view(e.maps.shape)
-        assert e.maps.shape == (2, 16, 16) == (2, *e.layout.grid), method
-        assert e.layout.patch_size == (4, 4)
-        assert_matches_oracle(e.maps, want, method)
-    for stage, start, shape in ((1, 1, (8, 8)), (2, 3, (4, 4))):  # items[1] / items[3] pool onto the stage's grid
-        e = ex.explain(x, method="generic", target=1, stage=stage)
-        want = carry(items, u, "generic", start=start + 1)
-        assert e.maps.shape == (2, *shape)
-        assert_matches_oracle(e.maps, want.view(e.maps.shape), ("generic", stage))
+    check_dense_oracle(ex, x, items, grid, 1)
 
 
 def test_hieradet_batch_equals_its_images_one_by_one():
     model = tiny()
     x = torch.randn(3, 3, *SIZE, generator=torch.Generator().manual_seed(2))
-    ex = vx.Explainer(model)
-    for method, options in (("rollout", {}), ("generic", {"stage": 1}), ("cdam", {}), ("cdam", {"stage": 0}),
-                            ("raw", {"layer": 1})):
-        together = ex.explain(x, method=method, target=2, **options).maps
-        alone = torch.cat([ex.explain(x[i:i + 1], method=method, target=2, **options).maps for i in range(3)])
-        assert together.shape[0] == 3 and tuple(together.shape[1:]) in GRIDS
-        torch.testing.assert_close(together, alone, atol=1e-5 * float(alone.abs().max()) + 1e-9, rtol=1e-4)
+    check_batch_equals_one_by_one(vx.Explainer(model), x, 2)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
