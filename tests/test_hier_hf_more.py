@@ -22,7 +22,7 @@ from hier_oracle import DenseCall, assert_matches_oracle, carry, taped_attention
 transformers = pytest.importorskip("transformers")
 
 import support_table as support  # noqa: E402
-from sam2_checks import check_batch_equals_one_by_one, check_dense_oracle  # noqa: E402
+from sam2_checks import check_batch_equals_one_by_one, check_dense_oracle, dense_calls  # noqa: E402
 
 LEVIT_SIZE = (128, 128)
 
@@ -198,31 +198,11 @@ def _unpartition_index(coarse, window, windows):
 
 
 def sam2_dense(model, x):
-    """Dense calls on each stage's row-major grid, forward order."""
-    from hier_oracle import pool_matrix, scatter_windows
-
-    taped = iter(_used_softmax(model, x, _sam2_score))
-    b = x.shape[0]
-    grid = (SAM2_SIZE[0] // 4, SAM2_SIZE[1] // 4)
-    items = []
-    for block in model.blocks:
-        a, g = next(taped)  # (B * nW, heads, n_q, n_k)
-        n = grid[0] * grid[1]
-        if block.query_stride:
-            coarse = (grid[0] // 2, grid[1] // 2)
-            k_idx = _partition_index(grid, block.window_size)
-            q_idx = _unpartition_index(coarse, block.window_size // 2, k_idx.shape[0])
-            skip = pool_matrix(grid, 2, 2, 0)  # the residual's 2 x 2 max pooling, read evenly
-        else:
-            coarse = grid
-            k_idx = _partition_index(grid, block.window_size) if block.window_size > 0 else torch.arange(n)[None]
-            q_idx, skip = k_idx, _eye(n)
-        m = coarse[0] * coarse[1]
-        a = a.reshape(b, k_idx.shape[0], *a.shape[1:])
-        g = g.reshape(b, k_idx.shape[0], *g.shape[1:])
-        items.append(DenseCall(scatter_windows(a, q_idx, k_idx, m, n), scatter_windows(g, q_idx, k_idx, m, n), _eye(n), skip))
-        grid = coarse
-    return items, grid
+    """Dense calls on each stage's row-major grid, forward order; the last grid."""
+    used = _used_softmax(model, x, _sam2_score)
+    return dense_calls(used, model.blocks, x.shape[0], lambda b: (b.window_size, b.window_size), lambda b: bool(b.query_stride),
+                       lambda grid, window: _partition_index(grid, window[0]),
+                       lambda coarse, window, windows: _unpartition_index(coarse, window[0], windows))
 
 
 def test_sam2_hiera_backbone_matches_the_dense_float64_oracle():

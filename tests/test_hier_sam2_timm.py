@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import vitexplain as vx
-from hier_oracle import DenseCall, pool_matrix, scatter_windows, taped_attention, token_derivative
-from sam2_checks import GRIDS, check_batch_equals_one_by_one, check_dense_oracle
+from hier_oracle import taped_attention, token_derivative
+from sam2_checks import GRIDS, check_batch_equals_one_by_one, check_dense_oracle, dense_calls
 
 timm = pytest.importorskip("timm")
 hieradet = pytest.importorskip("timm.models.hieradet_sam2")
@@ -61,31 +61,8 @@ def _unpartition_index(coarse, window, windows):
 
 def dense(model, x, target):
     """Dense calls on each stage's row-major grid, forward order; the last grid."""
-    taped = iter(taped_attention(model, x, target))
-    b = x.shape[0]
-    grid = GRIDS[0]
-    items = []
-    eye = lambda n: torch.eye(n, dtype=torch.float64)  # noqa: E731
-    for block in model.blocks:
-        a, g = next(taped)  # (B * nW, heads, n_q, n_k)
-        n = grid[0] * grid[1]
-        window = tuple(block.window_size)
-        if block.q_stride:
-            coarse = (grid[0] // 2, grid[1] // 2)
-            k_idx = _partition_index(grid, window)
-            q_idx = _unpartition_index(coarse, (window[0] // 2, window[1] // 2), k_idx.shape[0])
-            skip = pool_matrix(grid, 2, 2, 0)  # the residual's 2 x 2 max pooling, read evenly
-        else:
-            coarse = grid
-            k_idx = _partition_index(grid, window) if any(window) else torch.arange(n)[None]
-            q_idx, skip = k_idx, eye(n)
-        m = coarse[0] * coarse[1]
-        a = a.reshape(b, k_idx.shape[0], *a.shape[1:])
-        g = g.reshape(b, k_idx.shape[0], *g.shape[1:])
-        items.append(DenseCall(scatter_windows(a, q_idx, k_idx, m, n), scatter_windows(g, q_idx, k_idx, m, n), eye(n), skip))
-        grid = coarse
-    assert next(taped, None) is None  # one softmax per block
-    return items, grid
+    return dense_calls(taped_attention(model, x, target), model.blocks, x.shape[0], lambda b: tuple(b.window_size),
+                       lambda b: bool(b.q_stride), _partition_index, _unpartition_index)
 
 
 def test_hieradet_matches_the_dense_float64_oracle():
