@@ -22,6 +22,8 @@ KINDS = {
     "pit": ("pit_ti_224", dict(img_size=64, depth=(1, 2, 1))),
     "pit_distilled": ("pit_ti_distilled_224", dict(img_size=64, depth=(1, 1, 1))),
     "maxvit": ("maxvit_pico_rw", dict(embed_dim=(16, 32, 32, 32), depths=(1, 2, 1, 1), stem_width=(16, 16))),
+    # MaxxViT-V2: ConvNeXt blocks (strided depthwise conv) and grid attention only (no block attention)
+    "maxxvitv2": ("maxxvitv2_nano_rw", dict(embed_dim=(16, 32, 32, 32), depths=(1, 2, 1, 1), stem_width=(16, 16))),
     "levit": ("levit_128s", dict(img_size=64, embed_dim=(32, 48, 64), depth=(1, 2, 1), num_heads=(2, 2, 2), key_dim=8)),
     "mvit": ("mvitv2", dict(depths=(1, 2, 1, 2), embed_dim=16, num_heads=1)),
     "tnt": ("tnt_s_patch16_224", dict(img_size=64, depth=2)),
@@ -31,7 +33,7 @@ KINDS = {
 def build(kind: str) -> nn.Module:
     name, kwargs = KINDS[kind]
     torch.manual_seed(0)
-    if kind == "maxvit":  # a tiny MaxViT: timm's pico config, narrower and shallower
+    if kind in ("maxvit", "maxxvitv2"):  # a tiny MaxViT: timm's pico config, narrower and shallower
         from timm.models.maxxvit import MaxxVit, model_cfgs
         base = model_cfgs[name]
         cfg = dataclasses.replace(base, **kwargs, transformer_cfg=dataclasses.replace(base.transformer_cfg, dim_head=8))
@@ -91,14 +93,14 @@ def dense_chain(kind, model, x, target):
         u = torch.zeros(b, n, dtype=torch.float64)
         u[:, :p] = 1.0 / p
         return items, last_start, u
-    if kind == "maxvit":
+    if kind in ("maxvit", "maxxvitv2"):
         grid = SIZE
         for conv in (m for m in model.stem.modules() if isinstance(m, nn.Conv2d)):
             grid = _out(grid, conv.kernel_size, conv.stride, conv.padding)
         first = True
         for stage in model.stages:
             for i, block in enumerate(stage.blocks):
-                dw = block.conv.conv2_kxk
+                dw = block.conv.conv_dw if kind == "maxxvitv2" else block.conv.conv2_kxk
                 if dw.stride != (1, 1):
                     if not first:
                         items.append(pool_matrix(grid, dw.kernel_size, dw.stride, dw.padding))
@@ -108,6 +110,8 @@ def dense_chain(kind, model, x, target):
                     last_start = len(items)
                 n = grid[0] * grid[1]
                 for part in (block.attn_block, block.attn_grid):
+                    if part is None:  # (MaxxViT-V2)
+                        continue
                     a, g = next(seen)
                     fn = window_partition if part.partition_block else grid_partition
                     a, g = _windows(a, g, fn, grid, part.partition_size, b)

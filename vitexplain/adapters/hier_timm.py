@@ -76,8 +76,9 @@ def _same_padding(conv: nn.Conv2d, grid: tuple[int, int]) -> tuple[int, int]:
 
 # -- MaxViT ------------------------------------------------------------------------------------
 class MaxViTAdapter(HierAdapter):
-    """timm ``MaxxVit`` with MaxViT blocks (``maxvit_*``): window and grid attention after an
-    MBConv; channels-last (``*_rw``) and NCHW (``*_tf``) partitions."""
+    """timm ``MaxxVit`` with MaxViT blocks (``maxvit_*``, ``maxxvit*``): window and grid attention after an
+    MBConv or ConvNeXt block (MaxxViT-V2: grid attention only); channels-last (``*_rw``) and NCHW (``*_tf``)
+    partitions."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
@@ -113,6 +114,8 @@ class MaxViTAdapter(HierAdapter):
                     sets.append(tokens)
                 for part in ("attn_block", "attn_grid"):
                     module = getattr(block, part)
+                    if module is None:  # MaxxViT-V2 blocks have grid attention only (no_block_attn)
+                        continue
                     size = pair(module.partition_size)
                     slots = window_slots(tokens, size) if module.partition_block else grid_slots(tokens, size)
                     identity = Footprint.identity(tokens)
