@@ -24,7 +24,7 @@ from ...errors import InputError, UnsupportedModelError, UsageError
 from ...methods.families import VLM
 from ..base import Adapter
 
-__all__ = ["Piece", "ImageView", "VLMAdapter", "render", "processed_box", "submodule_named"]
+__all__ = ["Piece", "ImageView", "VLMAdapter", "render", "processed_box", "submodule_named", "processor_images"]
 
 
 @dataclass(frozen=True)
@@ -164,6 +164,16 @@ def processed_box(image_processor: Any, height: int, width: int) -> tuple[float,
     return (top * sy, left * sx, (top + ch) * sy, (left + cw) * sx)
 
 
+def processor_images(images: Sequence[Any]) -> list[Any]:
+    """(H, W, 3) uint8 arrays as PIL RGB images, the form a processor cannot misread: given an array
+    with a side of 1 or 3 pixels (e.g. (3, 45, 3), (1, 37, 3), (4, 3, 3)), transformers may guess that
+    the channels come first and process another image, silently."""
+    import numpy as np
+    from PIL import Image
+
+    return [Image.fromarray(np.ascontiguousarray(image), "RGB") for image in images]
+
+
 def submodule_named(model: nn.Module, *suffixes: str) -> str:
     """The name of the first submodule whose name ends with one of ``suffixes`` ("" when none)."""
     for name, _ in model.named_modules():
@@ -261,7 +271,8 @@ class VLMAdapter(Adapter):
         side = tokenizer.padding_side
         tokenizer.padding_side = self.padding_side
         try:
-            given = [[image] for image in images] if self.nested_images else list(images)
+            pils = processor_images(images)
+            given = [[image] for image in pils] if self.nested_images else pils
             batch = processor(images=given, text=texts, return_tensors="pt", padding=True, **self.processor_kwargs)
         except (ValueError, TypeError, KeyError) as err:  # the processor's own checks (image tokens, kwargs)
             raise InputError(

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from ...errors import UnsupportedModelError, UsageError
 from ...methods.families import VLM
 from ..base import Adapter, register_adapter
-from .base import ImageView, Piece
+from .base import ImageView, Piece, processor_images
 from .encdec import EncoderDecoderVLMAdapter
 
 __all__ = ["Pix2StructAdapter"]
@@ -65,7 +65,7 @@ class Pix2StructAdapter(EncoderDecoderVLMAdapter):
                 f"is_vqa={getattr(image_processor, 'is_vqa', False)}; pass the model's own processor")
         text = {"text": list(prompts)} if vqa else {}  # VQA: the question is rendered above the image
         self._headers = list(prompts) if vqa else []
-        batch = processor(images=list(images), return_tensors="pt", max_patches=image_processor.max_patches, **text)
+        batch = processor(images=processor_images(images), return_tensors="pt", max_patches=image_processor.max_patches, **text)
         start = [self.decoder_start_id]
         prefixes = [start + self.encode_answer(p) if p and not vqa else start for p in prompts]
         length = max(len(p) for p in prefixes)
