@@ -38,3 +38,38 @@ def test_an_image_one_or_three_pixels_thin_is_not_read_as_channels_first(name, s
     torch.testing.assert_close(got.token_scores[0], want[0], atol=1e-5, rtol=1e-4)
     assert got.image_maps[0].shape == (len(ANSWERS[0]), *size)
     assert bool(torch.isfinite(got.image_maps[0]).all())
+
+
+@pytest.fixture(scope="module")
+def llava():
+    torch.manual_seed(0)
+    model, proc = helpers.BUILDERS["llava"]()
+    return vx.Explainer(model, processor=proc)
+
+
+@pytest.mark.parametrize("images, kwargs, error, match", [
+    (np.zeros((0, 5, 3), np.uint8), {}, vx.UsageError, "empty"),
+    ([helpers.images(1)[0], np.zeros((4, 0, 3), np.uint8)], {}, vx.UsageError, "each image is empty"),
+    (Image.new("RGB", (7, 0)), {}, vx.UsageError, "empty"),
+    (None, {"prompt": 5}, vx.UsageError, "prompt must be a string or a list"),
+    (None, {"caption": 7}, vx.UsageError, "caption must be a string or a list"),
+])
+def test_bad_inputs_are_vitexplain_errors(llava, images, kwargs, error, match):
+    """An empty image or a prompt that is neither text nor a list: a UsageError naming it, not the
+    processor's ZeroDivisionError or a TypeError from deep inside."""
+    images = helpers.images(2)[0] if images is None else images
+    with pytest.raises(error, match=match):
+        llava.explain_caption(images, **kwargs)
+
+
+@pytest.mark.parametrize("name", ["blip2", "florence2"])
+def test_an_image_token_in_a_prompt_the_processor_prefixes_is_refused(name):
+    """BLIP-2 and Florence-2's processors put the image tokens in front of the prompt themselves: an
+    ``<image>`` of the user's would be one image token too many (BLIP-2's forward failed in masked_scatter)."""
+    torch.manual_seed(0)
+    model, proc = {**helpers.BUILDERS, **encdec_helpers.BUILDERS}[name]()
+    ex = vx.Explainer(model, processor=proc)
+    with pytest.raises(vx.InputError, match="puts in front of every prompt itself; remove it"):
+        ex.explain_caption(helpers.images(3)[:1], prompt="<image> what is", max_len=2)
+    e = ex.explain_caption(helpers.images(3)[:1], prompt="what is", max_len=2)  # without it: explained
+    assert bool(torch.isfinite(e.maps).all())

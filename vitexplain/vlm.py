@@ -60,7 +60,10 @@ def _per_image(value: Union[None, str, Sequence[Any]], count: int, what: str, de
         return [default] * count
     if isinstance(value, str):
         return [value] * count
-    items = list(value)
+    try:
+        items = list(value)
+    except TypeError:
+        raise UsageError(f"{what} must be a string or a list of one per image, got {type(value).__name__}") from None
     if items and isinstance(items[0], int):  # one list of token ids for every image
         return [items] * count
     if len(items) != count:

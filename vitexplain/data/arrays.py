@@ -56,7 +56,7 @@ def as_rgb(image: Any, what: str = "image") -> np.ndarray:
     if hasattr(image, "convert") and hasattr(image, "size"):  # a PIL image, without importing PIL up front
         from .decoding import to_rgb
 
-        return to_rgb(image)
+        return check_rgb(to_rgb(image), what)
     return check_rgb(image, what)
 
 
@@ -74,5 +74,7 @@ def check_rgb(image: Any, what: str = "image") -> np.ndarray:
         raise UsageError(
             f"{what} must be an (H, W, 3) uint8 RGB array, got shape {arr.shape} dtype {arr.dtype}{hint}"
         )
+    if not arr.size:
+        raise UsageError(f"{what} is empty ({arr.shape[0]}x{arr.shape[1]} pixels); leave it out of the input")
     return arr
 

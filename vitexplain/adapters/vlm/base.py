@@ -263,6 +263,22 @@ class VLMAdapter(Adapter):
         token = str(getattr(self.processor, "image_token", None) or self.image_token)  # (may be an AddedToken)
         return prompt if token in prompt else f"{token}{prompt}"
 
+    def bare_prompt(self, prompt: str) -> str:
+        """The prompt for a processor that puts the image tokens in front of it itself (BLIP-2,
+        InstructBLIP, Florence-2): unchanged, once checked to hold no image token of its own.
+
+        Raises:
+            InputError: the prompt holds the image token (the model would find more image tokens than
+                image features).
+        """
+        token = getattr(self.processor, "image_token", None)
+        if token is not None and str(token) in prompt:
+            raise InputError(
+                f"the prompt {prompt!r} holds the image token {str(token)!r}, which {type(self.processor).__name__} "
+                "puts in front of every prompt itself; remove it from the prompt"
+            )
+        return prompt
+
     def prepare(self, images: Sequence[Any], prompts: Sequence[str]) -> Any:
         """The processor's batch for (H, W, 3) uint8 images and prompts, left-padded (tensors on the model's device)."""
         processor = self.require_processor()

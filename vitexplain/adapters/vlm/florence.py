@@ -62,7 +62,7 @@ class Florence2Adapter(EncoderDecoderVLMAdapter):
         raise UnsupportedModelError(f"Florence-2 without a language_model.{part}: not a transformers Florence-2 build")
 
     def format_prompt(self, prompt: str) -> str:
-        return prompt  # the processor puts the image tokens and <s> in front and </s> after
+        return self.bare_prompt(prompt)  # the processor puts the image tokens and <s> in front and </s> after
 
     def views(self, images: Sequence[Any], inputs: Any) -> list[ImageView]:
         if getattr(self.processor.image_processor, "do_center_crop", False):

@@ -37,7 +37,7 @@ class QFormerAdapter(VLMAdapter):
     """``Blip2ForConditionalGeneration`` and ``InstructBlipForConditionalGeneration``."""
 
     def format_prompt(self, prompt: str) -> str:
-        return prompt  # the processor puts the query tokens in front
+        return self.bare_prompt(prompt)  # the processor puts the query tokens in front
 
     @property
     def kosmos(self) -> bool:
