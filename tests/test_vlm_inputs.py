@@ -73,3 +73,21 @@ def test_an_image_token_in_a_prompt_the_processor_prefixes_is_refused(name):
         ex.explain_caption(helpers.images(3)[:1], prompt="<image> what is", max_len=2)
     e = ex.explain_caption(helpers.images(3)[:1], prompt="what is", max_len=2)  # without it: explained
     assert bool(torch.isfinite(e.maps).all())
+
+
+@pytest.mark.parametrize("name", ["llava_next", "onevision"])
+def test_a_wide_image_whose_tiles_unpad_to_no_row(name):
+    """A 20 x 300 image: the model's unpadding keeps no row of the stitched tiles (0 tile tokens, the
+    thumbnail's only); the maps are the thumbnail's, equal to the oracle's, on the pixels that change its tokens."""
+    torch.manual_seed(0)
+    model, proc = helpers.BUILDERS[name]()
+    image = helpers.images(12, ((20, 300),))[0]
+    ex = vx.Explainer(model, processor=proc)
+    view = ex.adapter.views([image], ex.adapter.prepare([image], ["what is"]))[0]
+    assert [p.num_tokens for p in view.pieces if p.name == "tiles"] == [0]  # the case this test is about
+    answers = [[proc.tokenizer.convert_tokens_to_ids(w) for w in ws] for ws in ANSWERS]
+    got = ex.explain_caption([image], method="cross", caption=answers, prompt="what is")
+    want = vlm_checks.oracle(name, model, proc, [Image.fromarray(image)], ["what is"], answers)["cross"]
+    torch.testing.assert_close(got.token_scores[0], want[0], atol=1e-5, rtol=1e-4)
+    assert got.image_maps[0].shape == (2, 20, 300) and float(got.image_maps[0].abs().min()) > 0  # the thumbnail covers it all
+    vlm_checks.check_footprints((name, model, proc), (20, 300))

@@ -222,7 +222,7 @@ def check_footprints(built, size):
         bumped[y, x] = 255 - bumped[y, x]
         change = (spec["features"](probe, proc, bumped) - base).abs().sum(-1)
         parts = [(piece, change[piece.start : piece.start + piece.num_tokens], int(layer[0, y, x]))
-                 for piece, layer in zip(view.pieces, layers)]
+                 for piece, layer in zip(view.pieces, layers) if piece.num_tokens]  # (a grid unpadded to nothing)
         covering = [float(part.max()) for _, part, expected in parts if expected]
         for piece, part, expected in parts:
             if expected:

@@ -123,6 +123,9 @@ def render(scores: Tensor, view: ImageView) -> tuple[Tensor, list[Tensor]]:
     layers = []
     for piece in view.pieces:
         gh, gw = piece.grid
+        if not piece.num_tokens:  # no tokens: LLaVA-NeXT's unpadding leaves no row of a very wide image's tiles
+            layers.append(scores.new_zeros(scores.shape[0], height, width))
+            continue
         grid = scores[:, piece.start : piece.start + piece.num_tokens].reshape(-1, gh, gw)
         y0, x0, y1, x1 = piece.box
         rows, row_in = _cells(height, y0, y1, gh, scores.device)
