@@ -91,3 +91,32 @@ def test_a_wide_image_whose_tiles_unpad_to_no_row(name):
     torch.testing.assert_close(got.token_scores[0], want[0], atol=1e-5, rtol=1e-4)
     assert got.image_maps[0].shape == (2, 20, 300) and float(got.image_maps[0].abs().min()) > 0  # the thumbnail covers it all
     vlm_checks.check_footprints((name, model, proc), (20, 300))
+
+
+@pytest.mark.parametrize("name", ["blip2", "instructblip"])
+def test_an_empty_prompt_in_a_batch_of_a_query_token_model(name):
+    """BLIP-2's and InstructBLIP's processors put the query tokens in front of the left-padded prompt: an
+    empty prompt (this tokenizer adds no BOS) beside a longer one ended in padding, and the pad's row
+    predicted answer word 0. In a batch it now equals the image alone, generated answer and maps."""
+    torch.manual_seed(0)
+    model, proc = helpers.BUILDERS[name]()
+    ex = vx.Explainer(model, processor=proc)
+    images = helpers.images(13)
+    prompts = ["what is", ""]
+    answers = [[proc.tokenizer.convert_tokens_to_ids(w) for w in ws] for ws in [["red", "circle"], ["blue", "square"]]]
+    for caption in (answers, None):
+        together = ex.explain_caption(images, method=["cross", "cross_generic"], caption=caption, prompt=prompts, max_len=3)
+        alone = ex.explain_caption(images[1:], method=["cross", "cross_generic"], prompt="", max_len=3,
+                                   caption=None if caption is None else caption[1:])
+        for e_all, e_one in zip(together, alone):
+            n = len(e_one.tokens[0])
+            assert e_all.ids[1, :n].tolist() == e_one.ids[0, :n].tolist()
+            torch.testing.assert_close(e_all.token_scores[1][:n], e_one.token_scores[0][:n], atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(e_all.image_maps[1][:n], e_one.image_maps[0][:n], atol=1e-5, rtol=1e-4)
+
+
+def test_a_prompt_ending_in_padding_is_refused(llava):
+    """The rows that predict the answer are the same for every prompt only when no prompt ends in padding."""
+    inputs = {"input_ids": torch.ones(2, 3, dtype=torch.long), "attention_mask": torch.tensor([[1, 1, 1], [1, 1, 0]])}
+    with pytest.raises(vx.UnsupportedModelError, match=r"prompt\(s\) \[1\] at the end"):
+        llava.adapter.answer_start(inputs)

@@ -325,7 +325,17 @@ class VLMAdapter(Adapter):
 
     def answer_start(self, inputs: Any) -> int:
         """L: the position of answer word 0 in the sequence whose row ``L - 1 + t`` predicts word t
-        (the left-padded prompt's length)."""
+        (the left-padded prompt's length).
+
+        Raises:
+            UnsupportedModelError: a prompt ends in padding (its row ``L - 1`` would be a pad's).
+        """
+        mask = inputs.get("attention_mask")
+        if mask is not None and not bool(mask[:, -1].all()):
+            raise UnsupportedModelError(
+                f"the processor padded prompt(s) {(mask[:, -1] == 0).nonzero()[:, 0].tolist()} at the end, so the "
+                "position that predicts answer word 0 would be padding; give prompts of one length"
+            )
         return int(inputs["input_ids"].shape[1])
 
     def teacher_inputs(self, inputs: Any, ids: Tensor) -> dict[str, Any]:

@@ -49,6 +49,18 @@ class QFormerAdapter(VLMAdapter):
             return [self.pad_id]
         return super().placeholder_ids
 
+    def prepare(self, images: Sequence[Any], prompts: Sequence[str]) -> Any:
+        """The processor's batch, with each prompt's padding moved in front of its query tokens: BLIP-2's and
+        InstructBLIP's processors put the query tokens in front of the left-padded prompt, so in a batch an
+        empty prompt (no BOS token) would end in padding. Padding is masked and positions count the unmasked
+        tokens, so where it sits changes nothing else."""
+        batch = super().prepare(images, prompts)
+        if not self.kosmos:
+            order = torch.argsort(batch["attention_mask"], dim=1, stable=True)  # padding (0) first, tokens in order
+            batch["input_ids"] = batch["input_ids"].gather(1, order)
+            batch["attention_mask"] = batch["attention_mask"].gather(1, order)
+        return batch
+
     def image_columns(self, inputs: Any) -> list[Tensor]:
         if not self.kosmos:
             return super().image_columns(inputs)
