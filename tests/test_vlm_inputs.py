@@ -120,3 +120,14 @@ def test_a_prompt_ending_in_padding_is_refused(llava):
     inputs = {"input_ids": torch.ones(2, 3, dtype=torch.long), "attention_mask": torch.tensor([[1, 1, 1], [1, 1, 0]])}
     with pytest.raises(vx.UnsupportedModelError, match=r"prompt\(s\) \[1\] at the end"):
         llava.adapter.answer_start(inputs)
+
+
+def test_a_given_answer_word_the_tokenizer_does_not_know_is_refused(llava):
+    """A word-level tokenizer makes an unknown word its <unk> token, a word the user did not ask about:
+    refused through the API as the caption command refuses it (it explained '<unk>' instead)."""
+    image = helpers.images(14)[:1]
+    with pytest.raises(vx.UsageError, match=r"does not know \['zebra'\]"):
+        llava.explain_caption(image, caption="red zebra", prompt="what is")
+    with pytest.raises(vx.UsageError, match=r"does not know \['zebra'\]"):
+        llava.explain_caption(image * 2, caption=["red", "zebra"], prompt="what is")
+    assert llava.explain_caption(image, caption="red circle", prompt="what is").tokens == [["red", "circle"]]

@@ -29,7 +29,7 @@ from .plan import Plan
 from .recording import capture
 from .results import VLMCaptionExplanation
 
-__all__ = ["explain_vlm"]
+__all__ = ["explain_vlm", "check_answer"]
 
 
 def _images(images: Any) -> tuple[list[Any], list[Any]]:
@@ -71,9 +71,31 @@ def _per_image(value: Union[None, str, Sequence[Any]], count: int, what: str, de
     return items
 
 
+def check_answer(adapter: Any, caption: str) -> None:
+    """A given answer must be words the model's tokenizer knows.
+
+    A word-level tokenizer turns an unknown word into its unknown token, which the model was never
+    asked to explain; the run refuses it instead.
+
+    Raises:
+        UsageError: a word becomes the tokenizer's unknown token.
+    """
+    tokenizer = adapter.tokenizer
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is None or unk not in adapter.encode_answer(caption):
+        return
+    unknown = [w for w in caption.split() if w != tokenizer.unk_token and unk in adapter.encode_answer(w)]
+    raise UsageError(f"the tokenizer does not know {unknown or 'a word of it'} (it would become {tokenizer.unk_token}); "
+                     "use words of the model's vocabulary")
+
+
 def _answer_ids(adapter: VLMAdapter, caption: Any, count: int, device: torch.device) -> tuple[Tensor, Tensor]:
     """(B, T) given answer ids (padded) and (B,) lengths."""
-    seqs = [adapter.encode_answer(c) if isinstance(c, str) else list(c) for c in _per_image(caption, count, "caption", None)]
+    captions = _per_image(caption, count, "caption", None)
+    for c in captions:
+        if isinstance(c, str):
+            check_answer(adapter, c)
+    seqs = [adapter.encode_answer(c) if isinstance(c, str) else list(c) for c in captions]
     vocab = adapter.vocab_size
     for i, seq in enumerate(seqs):
         if not seq:
