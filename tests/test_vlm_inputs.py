@@ -131,3 +131,23 @@ def test_a_given_answer_word_the_tokenizer_does_not_know_is_refused(llava):
     with pytest.raises(vx.UsageError, match=r"does not know \['zebra'\]"):
         llava.explain_caption(image * 2, caption=["red", "zebra"], prompt="what is")
     assert llava.explain_caption(image, caption="red circle", prompt="what is").tokens == [["red", "circle"]]
+
+
+def test_prompts_and_answers_longer_than_learned_positions():
+    """Florence-2's BART has a learned table of 64 positions here (encoder and decoder): a sequence one
+    longer raised a raw IndexError. Now an encoder input of exactly 64 tokens and a decoder of 64
+    (start token + 63 words) are explained, one more is a vitexplain error, and generation stops there."""
+    torch.manual_seed(0)
+    model, proc = encdec_helpers.BUILDERS["florence2"]()
+    ex = vx.Explainer(model, processor=proc)
+    image = helpers.images(15)[:1]
+    assert ex.adapter.position_limit() == model.config.text_config.max_position_embeddings == 64
+    words = 64 - 17 - 2  # the encoder reads 17 image tokens, <s>, the prompt, </s>
+    e = ex.explain_caption(image, prompt=" ".join(["what"] * words), caption="red")
+    assert bool(torch.isfinite(e.maps).all())
+    with pytest.raises(vx.InputError, match="65 positions .* 64 learned positions"):
+        ex.explain_caption(image, prompt=" ".join(["what"] * (words + 1)), caption="red")
+    assert len(ex.explain_caption(image, prompt="what", caption=" ".join(["red"] * 63)).tokens[0]) == 63
+    with pytest.raises(vx.UsageError, match="64 tokens, but after this prompt the model has positions for 63"):
+        ex.explain_caption(image, prompt="what", caption=" ".join(["red"] * 64))
+    assert len(ex.explain_caption(image, prompt="what", max_len=500).tokens[0]) <= 63

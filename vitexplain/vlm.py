@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Any, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -121,6 +121,24 @@ def _generated(adapter: VLMAdapter, inputs: Any, max_len: int) -> tuple[Tensor, 
     return ids, lengths.long()
 
 
+def _answer_room(adapter: VLMAdapter, inputs: Any, start: int) -> Optional[int]:
+    """How many answer tokens fit in the model's learned position table after the prompt (None: no table).
+
+    Raises:
+        InputError: the prompt alone fills the table.
+    """
+    limit = adapter.position_limit()
+    if limit is None:
+        return None
+    ids = inputs.get("input_ids")  # (an encoder-decoder's encoder input: at most the whole table)
+    longest = 0 if ids is None else int(ids.shape[1])
+    if start >= limit or longest > limit:
+        raise InputError(f"the prompt takes {max(start, longest)} positions (image tokens included), but the model has "
+                         f"{limit} learned positions{', so no answer word fits' if start >= limit else ''}; "
+                         "give a shorter prompt")
+    return limit - start
+
+
 def explain_vlm(adapter: VLMAdapter, plan: Plan, images: Any, caption: Any, prompt: Any,
                 max_len: int) -> list[VLMCaptionExplanation]:
     """Per-word maps of a VLM, one explanation per method of ``plan`` (see ``Explainer.explain_caption``).
@@ -139,15 +157,19 @@ def explain_vlm(adapter: VLMAdapter, plan: Plan, images: Any, caption: Any, prom
         raise UsageError("prompt must be a string or one string per image")
     inputs = adapter.prepare(arrays, prompts)
     views = adapter.views(arrays, inputs)
+    start = adapter.answer_start(inputs)
+    room = _answer_room(adapter, inputs, start)
     if caption is None:
-        ids, lengths = _generated(adapter, inputs, max_len)
+        ids, lengths = _generated(adapter, inputs, max_len if room is None else min(max_len, room))
     else:
         ids, lengths = _answer_ids(adapter, caption, len(arrays), next(model.parameters()).device)
+        if room is not None and int(lengths.max()) > room:
+            raise UsageError(f"the answer has {int(lengths.max())} tokens, but after this prompt the model has positions "
+                             f"for {room} (its {adapter.position_limit()} learned positions); give a shorter answer or prompt")
     t = max(int(lengths.max()), 1)
     ids = ids[:, :t]
     if ids.shape[1] < t:
         ids = F.pad(ids, (0, t - ids.shape[1]), value=adapter.pad_id)
-    start = adapter.answer_start(inputs)
     columns = [view.pixel_columns(cols) for view, cols in zip(views, adapter.image_columns(inputs))]
     kwargs = adapter.teacher_inputs(inputs, ids)
     grads = plan.capture.grads

@@ -352,6 +352,14 @@ class VLMAdapter(Adapter):
         """(B, N, V) logits of one forward."""
         return self.model(**kwargs, use_cache=False).logits
 
+    def position_limit(self) -> Optional[int]:
+        """The most positions a sequence of the language model may take: the smallest learned position table's
+        (``embed_positions`` of BART, OPT, less their offset); None where positions are no table (rotary,
+        relative, sinusoidal)."""
+        sizes = [int(m.num_embeddings) - int(getattr(m, "offset", 0)) for name, m in self.model.named_modules()
+                 if name.endswith("embed_positions") and isinstance(m, nn.Embedding)]
+        return min(sizes) if sizes else None
+
     def image_columns(self, inputs: Any) -> list[Tensor]:
         """Per image, the sequence positions of its image tokens in the processor's batch, in sequence order."""
         found = inputs["input_ids"] == self.image_token_id
