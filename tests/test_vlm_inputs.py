@@ -151,3 +151,28 @@ def test_prompts_and_answers_longer_than_learned_positions():
     with pytest.raises(vx.UsageError, match="64 tokens, but after this prompt the model has positions for 63"):
         ex.explain_caption(image, prompt="what", caption=" ".join(["red"] * 64))
     assert len(ex.explain_caption(image, prompt="what", max_len=500).tokens[0]) <= 63
+
+
+@pytest.mark.parametrize("name, settings", [("llava", {"size": {"shortest_edge": 40}}),
+                                            ("idefics3", {"do_image_splitting": False})])
+def test_processor_kwargs_that_change_the_token_geometry(name, settings):
+    """``processor_kwargs`` override the image processor's settings in every processor call; the token
+    geometry followed the processor's own attributes instead (LLaVA: the crop of a 40 px resize mapped as
+    that of a 32 px one, silently; Idefics3 without splitting: refused as a processor mismatch). The maps
+    equal those of a processor built with these settings, whose geometry the footprint probe checks."""
+    import copy
+
+    torch.manual_seed(0)
+    model, proc = helpers.BUILDERS[name]()
+    image = helpers.images(16, ((40, 90),))
+    answers = [[proc.tokenizer.convert_tokens_to_ids(w) for w in ws] for ws in ANSWERS]
+    before = copy.deepcopy(proc.image_processor.to_dict())
+    given = vx.Explainer(model, processor=proc, processor_kwargs=settings).explain_caption(
+        image, method="cross", caption=answers, prompt="what is")
+    assert proc.image_processor.to_dict() == before  # the user's processor is left as found
+    built = copy.deepcopy(proc)
+    for key, value in settings.items():
+        setattr(built.image_processor, key, value)
+    vlm_checks.check_footprints((name, model, built), (40, 90))
+    want = vx.Explainer(model, processor=built).explain_caption(image, method="cross", caption=answers, prompt="what is")
+    torch.testing.assert_close(given.image_maps[0], want.image_maps[0], atol=1e-6, rtol=1e-5)

@@ -14,6 +14,7 @@ pieces that cover it (tiles and a thumbnail both cover a pixel).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -224,6 +225,20 @@ class VLMAdapter(Adapter):
         self.processor = processor
         self.processor_kwargs = dict(kwargs or {})
         return self
+
+    @property
+    def image_processor(self) -> Any:
+        """The processor's image processor as every processor call sees it: ``processor_kwargs`` that name its
+        settings (``size``, ``crop_size``, ``do_image_splitting``, ...) override them there, so the token
+        geometry reads them from a copy with those settings applied (the processor's own object is left as found)."""
+        found = self.require_processor().image_processor
+        settings = {k: v for k, v in self.processor_kwargs.items() if hasattr(found, k)}
+        if not settings:
+            return found
+        applied = copy.copy(found)
+        for key, value in settings.items():
+            setattr(applied, key, value)
+        return applied
 
     @property
     def tokenizer(self) -> Any:

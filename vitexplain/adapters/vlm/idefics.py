@@ -32,7 +32,7 @@ class TiledAdapter(VLMAdapter):
 
     def _tiles(self, image: Any) -> tuple[int, int]:
         """(rows, cols) of the processor's split of one image (0, 0: no split)."""
-        info = self.processor.image_processor(images=[processor_images([image])], return_row_col_info=True)
+        info = self.image_processor(images=[processor_images([image])], return_row_col_info=True)
         return int(info["rows"][0][0]), int(info["cols"][0][0])
 
     def views(self, images: Sequence[Any], inputs: Any) -> list[ImageView]:
