@@ -176,3 +176,22 @@ def test_processor_kwargs_that_change_the_token_geometry(name, settings):
     vlm_checks.check_footprints((name, model, built), (40, 90))
     want = vx.Explainer(model, processor=built).explain_caption(image, method="cross", caption=answers, prompt="what is")
     torch.testing.assert_close(given.image_maps[0], want.image_maps[0], atol=1e-6, rtol=1e-5)
+
+
+def test_pix2struct_takes_processor_kwargs():
+    """Pix2Struct's batch ignored ``processor_kwargs`` (max_patches=48 ran with the processor's 24). Now the
+    encoder reads up to 48 patches, and the maps equal those of a processor built with max_patches=48."""
+    import copy
+
+    torch.manual_seed(0)
+    model, proc = encdec_helpers.BUILDERS["pix2struct"]()
+    image = helpers.images(17, ((60, 90),))
+    answers = [[proc.tokenizer.convert_tokens_to_ids(w) for w in ws] for ws in ANSWERS]
+    given = vx.Explainer(model, processor=proc, processor_kwargs={"max_patches": 48}).explain_caption(
+        image, method="cross", caption=answers, prompt="what is")
+    built = copy.deepcopy(proc)
+    built.image_processor.max_patches = 48
+    want = vx.Explainer(model, processor=built).explain_caption(image, method="cross", caption=answers, prompt="what is")
+    assert 24 < given.token_scores[0].shape[-1] <= 48 and proc.image_processor.max_patches == 24
+    torch.testing.assert_close(given.token_scores[0], want.token_scores[0], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(given.image_maps[0], want.image_maps[0], atol=1e-6, rtol=1e-5)
