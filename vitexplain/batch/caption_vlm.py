@@ -97,7 +97,23 @@ def vlm_process(
     import numpy as np
 
     def process(x: "torch.Tensor", good: list[dict[str, Any]]) -> list[tuple[dict[str, Any], Any]]:
+        """The batch explained together; when that fails, each image alone (the images are explained
+        independently: one the processor or the model refuses must not fail the others)."""
         del x  # the processor preprocesses the images itself
+        try:
+            return explained(good)
+        except Exception:
+            if len(good) == 1:
+                raise  # (the run records it)
+        jobs: list[tuple[dict[str, Any], Any]] = []
+        for s in good:
+            try:
+                jobs.extend(explained([s]))
+            except Exception as e:  # noqa: BLE001 - recorded as this image's failure, as the run records a batch's
+                jobs.append(({}, f"explaining {paths[s['key']]} failed: {type(e).__name__}: {e}"))
+        return jobs
+
+    def explained(good: list[dict[str, Any]]) -> list[tuple[dict[str, Any], Any]]:
         images = [s["region"] for s in good]
         results = ex.explain_caption(images, method=methods, caption=caption, prompt=prompt, max_len=max_len,
                                      **per_method)

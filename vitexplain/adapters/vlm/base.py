@@ -312,7 +312,8 @@ class VLMAdapter(Adapter):
             raise InputError(
                 f"{type(processor).__name__} refused the prompts {texts!r} with {len(images)} image(s)"
                 f"{' and processor_kwargs=' + repr(self.processor_kwargs) if self.processor_kwargs else ''}: {str(err).rstrip('.')}. "
-                "Give one image per prompt and at most one image token in it (vitexplain adds it when missing)"
+                "Check the image (its size and aspect ratio) and the prompt (one image per prompt, at most one image token in it: "
+                "vitexplain adds it when missing)"
             ) from err
         finally:
             tokenizer.padding_side = side
