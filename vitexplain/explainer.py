@@ -52,7 +52,8 @@ class Explainer:
         model: a ViT (timm, torchvision, Hugging Face), a CNN, a zoo model, a captioner, or a
             vision-language model (LLaVA, ...; give its ``processor``).
         adapter: override the automatically chosen adapter.
-        processor: a vision-language model's processor (tokenizer + image processor).
+        processor: a vision-language model's processor (tokenizer + image processor); default: the
+            model's ``vx_processor`` where it carries one (the zoo's ``shapes-vlm``), as ``explore`` does.
         processor_kwargs: extra keyword arguments for every call of ``processor`` (e.g. Gemma 3's
             ``{"do_pan_and_scan": True}``); the maps follow the geometry they give.
         attention_mode: how the capture gets attention probabilities (see ``vx.capture``).
@@ -70,6 +71,8 @@ class Explainer:
         # (see vx.capture); the compiled code is neither called nor recompiled
         self.adapter = adapter or adapter_for(model)
         self.attention_mode = check_mode(attention_mode)
+        if processor is None and hasattr(self.adapter, "with_processor"):
+            processor = getattr(model, "vx_processor", None)  # (a zoo VLM carries its processor)
         if processor is not None:
             if not hasattr(self.adapter, "with_processor"):
                 raise UsageError(f"processor= is for vision-language models; {type(model).__name__} is a "
