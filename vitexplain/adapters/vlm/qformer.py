@@ -61,6 +61,23 @@ class QFormerAdapter(VLMAdapter):
             batch["attention_mask"] = batch["attention_mask"].gather(1, order)
         return batch
 
+    def generate(self, inputs: Any, max_len: int) -> Tensor:
+        """Greedy answers; Kosmos-2's, one image at a time without its padding: its ``generate`` answers a
+        left-padded prompt otherwise than the same prompt alone (transformers 5), its teacher-forced forward does not."""
+        ids = inputs["input_ids"]
+        if not self.kosmos or ids.shape[0] == 1 or bool(inputs["attention_mask"].all()):
+            return super().generate(inputs, max_len)
+        rows = []
+        for b in range(ids.shape[0]):
+            keep = inputs["attention_mask"][b].bool()
+            one = {k: (v[b : b + 1][:, keep] if v.dim() >= 2 and v.shape[:2] == ids.shape else v[b : b + 1])
+                   for k, v in inputs.items() if isinstance(v, Tensor)}
+            rows.append(super().generate(one, max_len)[0])
+        out = torch.full((len(rows), max(len(r) for r in rows)), self.pad_id, dtype=ids.dtype, device=ids.device)
+        for b, row in enumerate(rows):
+            out[b, : len(row)] = row
+        return out
+
     def image_columns(self, inputs: Any) -> list[Tensor]:
         if not self.kosmos:
             return super().image_columns(inputs)
