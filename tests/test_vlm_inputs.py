@@ -195,3 +195,24 @@ def test_pix2struct_takes_processor_kwargs():
     assert 24 < given.token_scores[0].shape[-1] <= 48 and proc.image_processor.max_patches == 24
     torch.testing.assert_close(given.token_scores[0], want.token_scores[0], atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(given.image_maps[0], want.image_maps[0], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["florence2", "pix2struct", "mllama"])
+def test_gradient_methods_on_a_frozen_model(name):
+    """``model.requires_grad_(False)`` (inference code often freezes): a decoder's first self-attention over
+    text alone, or Pix2Struct's patches, were in no autograd graph, and cross_grad / cross_generic raised.
+    They now equal the unfrozen model's (checked against the eager oracle in the family tests); the model
+    stays frozen, keeps no hook and gets no .grad."""
+    torch.manual_seed(0)
+    model, proc = {**helpers.BUILDERS, **encdec_helpers.BUILDERS}[name]()
+    images = helpers.images(18)
+    kwargs = dict(method=["cross_grad", "cross_generic"], prompt="what is", caption="red circle")
+    want = vx.Explainer(model, processor=proc).explain_caption(images, **kwargs)
+    model.requires_grad_(False)
+    got = vx.Explainer(model, processor=proc).explain_caption(images, **kwargs)
+    for e_got, e_want in zip(got, want):
+        for a, b in zip(e_got.token_scores, e_want.token_scores):
+            assert float(b.abs().max()) > 0
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert not any(p.requires_grad or p.grad is not None for p in model.parameters())
+    assert not any(m._forward_hooks for m in model.modules())
