@@ -30,6 +30,7 @@ from .errors import InputError, UnsupportedMethodError, UsageError, VitexplainEr
 from .methods.families import Family
 from .plan import MethodArg, Plan, applicable, capture_settings, make_plan, split_options
 from .recording import capture
+from .recording.graph import embeddings_in_graph
 from .recording.materialize import check_mode
 from .results import CaptionExplanation, Explanation
 from .targets import TargetSpec, logits_of, resolve
@@ -312,9 +313,9 @@ class Explainer:
             if step.spec.grads:
                 settings = capture_settings([step.spec], adapter, {step.name: dict(step.options)}, self.attention_mode)
                 x_in = x.detach().clone().requires_grad_(True)
-                with torch.enable_grad(), capture(self.model, grads=True, attention_mode=settings.attention_mode,
-                                                  heads=settings.heads) as rec:
-                    logits = adapter.teacher_forced(x_in, ids)
+                with torch.enable_grad(), embeddings_in_graph(self.model), \
+                        capture(self.model, grads=True, attention_mode=settings.attention_mode, heads=settings.heads) as rec:
+                    logits = adapter.teacher_forced(x_in, ids)  # (the caption's embeddings in the graph: frozen weights)
                 ctx = context(adapter, x_in, ids, rec, layout, True, logits, step.name)
             elif generated is not None:
                 ctx = context(adapter, x, ids, generated, layout, False, None, step.name)

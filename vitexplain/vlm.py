@@ -14,6 +14,7 @@ masks), in one call per layer, also for sliding-window layers.
 from __future__ import annotations
 
 import warnings
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
@@ -27,6 +28,7 @@ from .errors import InputError, UsageError
 from .methods.vlm_context import VLMContext
 from .plan import Plan
 from .recording import capture
+from .recording.graph import embeddings_in_graph
 from .results import VLMCaptionExplanation
 
 __all__ = ["explain_vlm", "check_answer"]
@@ -139,15 +141,6 @@ def _answer_room(adapter: VLMAdapter, inputs: Any, start: int) -> Optional[int]:
     return limit - start
 
 
-def _in_graph(module: torch.nn.Module, args: Any, output: Any) -> Any:
-    """Forward hook: an embedding's output that is no part of an autograd graph (frozen weights) as one
-    that is (a copy of a leaf: the model may write into it), so that attention over text tokens alone (a
-    decoder's first self-attention) has a gradient dy/dA; the gradient itself is unchanged."""
-    if isinstance(output, Tensor) and output.is_floating_point() and not output.requires_grad:
-        return output.detach().requires_grad_(True).clone()
-    return output
-
-
 def explain_vlm(adapter: VLMAdapter, plan: Plan, images: Any, caption: Any, prompt: Any,
                 max_len: int) -> list[VLMCaptionExplanation]:
     """Per-word maps of a VLM, one explanation per method of ``plan`` (see ``Explainer.explain_caption``).
@@ -182,18 +175,13 @@ def explain_vlm(adapter: VLMAdapter, plan: Plan, images: Any, caption: Any, prom
     columns = [view.pixel_columns(cols) for view, cols in zip(views, adapter.image_columns(inputs))]
     kwargs = adapter.teacher_inputs(inputs, ids)
     grads = plan.capture.grads
-    hooks: list[Any] = []
     if grads:  # every attention call in the graph, also with frozen weights (requires_grad_(False))
         for key in ("pixel_values", "flattened_patches"):  # (Pix2Struct's)
             if isinstance(kwargs.get(key), Tensor) and kwargs[key].is_floating_point():
                 kwargs[key] = kwargs[key].detach().clone().requires_grad_(True)
-        hooks = [m.register_forward_hook(_in_graph) for m in model.modules() if isinstance(m, torch.nn.Embedding)]
-    try:
-        with torch.set_grad_enabled(grads), capture(model, **plan.capture.capture_kwargs()) as rec:
-            logits = adapter.forward_logits(kwargs)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    with torch.set_grad_enabled(grads), embeddings_in_graph(model) if grads else nullcontext(), \
+            capture(model, **plan.capture.capture_kwargs()) as rec:
+        logits = adapter.forward_logits(kwargs)
     words = [[adapter.word(i) for i in row[: int(n)].tolist()] for row, n in zip(ids, lengths)]
     captions = [adapter.tokenizer.decode(row[: int(n)].tolist(), skip_special_tokens=True).strip() for row, n in zip(ids, lengths)]
     height = max(v.size[0] for v in views)
