@@ -274,3 +274,17 @@ def test_zoo_captioner_words_point_at_their_object(name, method, floor):
     accuracy = sum(hits) / len(hits)
     print(f"{name} {method} per-word pointing: {accuracy:.3f} over {len(hits)} words")
     assert accuracy >= floor, f"{method}: per-word pointing {accuracy:.3f} < {floor}"
+
+
+def test_cross_generic_on_a_frozen_captioner(captioner, images):
+    """``requires_grad_(False)``: the decoder's first self-attention over the caption's words was in no autograd
+    graph and ``cross_generic`` raised; it now equals the unfrozen captioner's, the copy stays frozen and hookless."""
+    import copy
+
+    frozen = copy.deepcopy(captioner).requires_grad_(False)
+    want = vx.Explainer(captioner).explain_caption(images, method="cross_generic", max_len=4)
+    got = vx.Explainer(frozen).explain_caption(images, method="cross_generic", max_len=4)
+    assert got.tokens == want.tokens and float(want.maps.abs().max()) > 0
+    torch.testing.assert_close(got.maps, want.maps, atol=1e-6, rtol=1e-5)
+    assert not any(p.requires_grad or p.grad is not None for p in frozen.parameters())
+    assert not any(m._forward_hooks for m in frozen.modules())

@@ -166,3 +166,29 @@ def test_explore_command_with_a_model_folder_and_prompt(folder: Path, images: Pa
         assert d["family"] == "vlm" and d["vlm"]["prompt"] == PROMPT
     assert data["images"][0]["vlm"]["words"] == expected[0].tokens[0][:2]
     assert _run("explore", images, "--out", tmp_path / "x.html", "--model", "shapes-captioner", "--prompt", "hi") == 2
+
+
+def test_an_image_the_processor_refuses_fails_alone(tmp_path: Path) -> None:
+    """Qwen2-VL's processor refuses an image with an aspect ratio over 200: that image is recorded as failed
+    with the processor's reason, and the images batched with it are explained (they all failed with its error)."""
+    import vlm_helpers
+
+    torch.manual_seed(0)
+    model, processor = vlm_helpers.BUILDERS["qwen2_vl"]()
+    folder = tmp_path / "qwen"
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    root = tmp_path / "in"
+    root.mkdir()
+    rng = np.random.default_rng(0)
+    for name, size in [("a.png", (64, 64)), ("b.png", (1, 300)), ("c.png", (40, 50))]:
+        Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8)).save(root / name)
+    out = tmp_path / "out"
+    assert _run("caption", root, "--out", out, "--model", folder, "--prompt", PROMPT, "--max-len", "2",
+                "--method", "cross", "-q", "-j", "0") == 1  # (some image failed)
+    manifest = _manifest(out)
+    assert manifest["a.png"]["status"] == manifest["c.png"]["status"] == "ok"
+    assert manifest["b.png"]["status"] == "failed" and "aspect ratio" in manifest["b.png"]["error"]
+    assert "b.png" in manifest["b.png"]["error"] and not manifest["a.png"].get("error")
+    with np.load(out / "c.png.cross.npz") as z:
+        assert z["maps"].shape[1:] == (40, 50)

@@ -383,3 +383,22 @@ def test_decoding_needs_at_most_about_the_decoded_image_plus_the_result(tmp_path
     got = json.loads(done.stdout)
     assert got["shape"] == [h, w, 3]
     assert got["grew"] <= 3.2 * got["result"], got["grew"] / got["result"]
+
+
+def test_as_rgb_converts_an_opened_image_as_its_file(tmp_path):
+    """``as_rgb`` (what explain, explain_caption and explore do with a PIL image) gives the pixels
+    ``load_image`` gives for the same file: alpha on white, a 16-bit image's high byte."""
+    from vitexplain.data.arrays import as_rgb
+
+    rgba = np.zeros((2, 3, 4), np.uint8)
+    rgba[0, 0] = (10, 20, 30, 0)  # fully transparent: white, not its hidden colour
+    rgba[1, 2] = (0, 0, 0, 128)
+    gray16 = np.array([[0, 256, 1000], [32768, 65535, 257 * 77]], np.uint16)
+    for name, im, first in [("a.png", Image.fromarray(rgba, "RGBA"), [255, 255, 255]),
+                            ("g16.png", Image.fromarray(gray16), [0, 0, 0])]:
+        path = _save(tmp_path / name, im)
+        with Image.open(path) as opened:
+            arr = as_rgb(opened)
+        np.testing.assert_array_equal(arr, load_image(path))
+        np.testing.assert_array_equal(arr[0, 0], first)
+    np.testing.assert_array_equal(arr[..., 1], [[0, 1, 3], [128, 255, 77]])  # the high byte, not 255 everywhere

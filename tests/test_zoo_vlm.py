@@ -133,3 +133,15 @@ def test_vlm_methods_point_at_the_word_s_object(model) -> None:
         floor = measured - 3 * (measured * (1 - measured) / len(hits[method])) ** 0.5  # measured - 3 SE of 200 words
         print(f"shapes-vlm {method} per-word pointing {got:.3f} over {len(hits[method])} words (floor {floor:.3f})")
         assert len(hits[method]) == 200 and got >= floor, method
+
+
+def test_explainer_takes_the_zoo_models_own_processor(model) -> None:
+    """``vx.Explainer(vx.zoo.load("shapes-vlm"))`` explains with ``model.vx_processor``, as ``explore`` and the
+    caption command do (it asked for ``AutoProcessor.from_pretrained(path)``, a path the zoo model has none of)."""
+    images = list(vx.data.shapes(2, seed=HELD_OUT + 7, num_objects=2).images)
+    got = vx.Explainer(model).explain_caption(images, method="cross", prompt=PROMPT, max_len=4)
+    want = vx.Explainer(model, processor=vx.zoo.processor("shapes-vlm")).explain_caption(images, method="cross",
+                                                                                         prompt=PROMPT, max_len=4)
+    assert got.tokens == want.tokens and all(len(t) for t in got.tokens)
+    for a, b in zip(got.image_maps, want.image_maps):
+        torch.testing.assert_close(a, b)

@@ -502,7 +502,7 @@ BUILDERS["kosmos2"] = kosmos2
 ORACLE["kosmos2"] = dict(prompt=lambda p: p, extend=_kosmos_extend, image_token=None,
                          columns=lambda batch: [row.nonzero()[:, 0] for row in batch["image_embeds_position_mask"].bool()],
                          features=_qformer_features, placeholders=lambda m: [m.config.text_config.pad_token_id],
-                         transport=_kosmos_transport, patches=16, padded_generate_differs=True)
+                         transport=_kosmos_transport, patches=16)
 
 
 def mllama() -> tuple[nn.Module, Any]:

@@ -30,6 +30,7 @@ from .errors import InputError, UnsupportedMethodError, UsageError, VitexplainEr
 from .methods.families import Family
 from .plan import MethodArg, Plan, applicable, capture_settings, make_plan, split_options
 from .recording import capture
+from .recording.graph import embeddings_in_graph
 from .recording.materialize import check_mode
 from .results import CaptionExplanation, Explanation
 from .targets import TargetSpec, logits_of, resolve
@@ -52,7 +53,8 @@ class Explainer:
         model: a ViT (timm, torchvision, Hugging Face), a CNN, a zoo model, a captioner, or a
             vision-language model (LLaVA, ...; give its ``processor``).
         adapter: override the automatically chosen adapter.
-        processor: a vision-language model's processor (tokenizer + image processor).
+        processor: a vision-language model's processor (tokenizer + image processor); default: the
+            model's ``vx_processor`` where it carries one (the zoo's ``shapes-vlm``), as ``explore`` does.
         processor_kwargs: extra keyword arguments for every call of ``processor`` (e.g. Gemma 3's
             ``{"do_pan_and_scan": True}``); the maps follow the geometry they give.
         attention_mode: how the capture gets attention probabilities (see ``vx.capture``).
@@ -70,6 +72,8 @@ class Explainer:
         # (see vx.capture); the compiled code is neither called nor recompiled
         self.adapter = adapter or adapter_for(model)
         self.attention_mode = check_mode(attention_mode)
+        if processor is None and hasattr(self.adapter, "with_processor"):
+            processor = getattr(model, "vx_processor", None)  # (a zoo VLM carries its processor)
         if processor is not None:
             if not hasattr(self.adapter, "with_processor"):
                 raise UsageError(f"processor= is for vision-language models; {type(model).__name__} is a "
@@ -309,9 +313,9 @@ class Explainer:
             if step.spec.grads:
                 settings = capture_settings([step.spec], adapter, {step.name: dict(step.options)}, self.attention_mode)
                 x_in = x.detach().clone().requires_grad_(True)
-                with torch.enable_grad(), capture(self.model, grads=True, attention_mode=settings.attention_mode,
-                                                  heads=settings.heads) as rec:
-                    logits = adapter.teacher_forced(x_in, ids)
+                with torch.enable_grad(), embeddings_in_graph(self.model), \
+                        capture(self.model, grads=True, attention_mode=settings.attention_mode, heads=settings.heads) as rec:
+                    logits = adapter.teacher_forced(x_in, ids)  # (the caption's embeddings in the graph: frozen weights)
                 ctx = context(adapter, x_in, ids, rec, layout, True, logits, step.name)
             elif generated is not None:
                 ctx = context(adapter, x, ids, generated, layout, False, None, step.name)

@@ -14,8 +14,9 @@ masks), in one call per layer, also for sliding-window layers.
 from __future__ import annotations
 
 import warnings
+from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -27,9 +28,10 @@ from .errors import InputError, UsageError
 from .methods.vlm_context import VLMContext
 from .plan import Plan
 from .recording import capture
+from .recording.graph import embeddings_in_graph
 from .results import VLMCaptionExplanation
 
-__all__ = ["explain_vlm"]
+__all__ = ["explain_vlm", "check_answer"]
 
 
 def _images(images: Any) -> tuple[list[Any], list[Any]]:
@@ -60,7 +62,10 @@ def _per_image(value: Union[None, str, Sequence[Any]], count: int, what: str, de
         return [default] * count
     if isinstance(value, str):
         return [value] * count
-    items = list(value)
+    try:
+        items = list(value)
+    except TypeError:
+        raise UsageError(f"{what} must be a string or a list of one per image, got {type(value).__name__}") from None
     if items and isinstance(items[0], int):  # one list of token ids for every image
         return [items] * count
     if len(items) != count:
@@ -68,9 +73,31 @@ def _per_image(value: Union[None, str, Sequence[Any]], count: int, what: str, de
     return items
 
 
+def check_answer(adapter: Any, caption: str) -> None:
+    """A given answer must be words the model's tokenizer knows.
+
+    A word-level tokenizer turns an unknown word into its unknown token, which the model was never
+    asked to explain; the run refuses it instead.
+
+    Raises:
+        UsageError: a word becomes the tokenizer's unknown token.
+    """
+    tokenizer = adapter.tokenizer
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is None or unk not in adapter.encode_answer(caption):
+        return
+    unknown = [w for w in caption.split() if w != tokenizer.unk_token and unk in adapter.encode_answer(w)]
+    raise UsageError(f"the tokenizer does not know {unknown or 'a word of it'} (it would become {tokenizer.unk_token}); "
+                     "use words of the model's vocabulary")
+
+
 def _answer_ids(adapter: VLMAdapter, caption: Any, count: int, device: torch.device) -> tuple[Tensor, Tensor]:
     """(B, T) given answer ids (padded) and (B,) lengths."""
-    seqs = [adapter.encode_answer(c) if isinstance(c, str) else list(c) for c in _per_image(caption, count, "caption", None)]
+    captions = _per_image(caption, count, "caption", None)
+    for c in captions:
+        if isinstance(c, str):
+            check_answer(adapter, c)
+    seqs = [adapter.encode_answer(c) if isinstance(c, str) else list(c) for c in captions]
     vocab = adapter.vocab_size
     for i, seq in enumerate(seqs):
         if not seq:
@@ -96,6 +123,24 @@ def _generated(adapter: VLMAdapter, inputs: Any, max_len: int) -> tuple[Tensor, 
     return ids, lengths.long()
 
 
+def _answer_room(adapter: VLMAdapter, inputs: Any, start: int) -> Optional[int]:
+    """How many answer tokens fit in the model's learned position table after the prompt (None: no table).
+
+    Raises:
+        InputError: the prompt alone fills the table.
+    """
+    limit = adapter.position_limit()
+    if limit is None:
+        return None
+    ids = inputs.get("input_ids")  # (an encoder-decoder's encoder input: at most the whole table)
+    longest = 0 if ids is None else int(ids.shape[1])
+    if start >= limit or longest > limit:
+        raise InputError(f"the prompt takes {max(start, longest)} positions (image tokens included), but the model has "
+                         f"{limit} learned positions{', so no answer word fits' if start >= limit else ''}; "
+                         "give a shorter prompt")
+    return limit - start
+
+
 def explain_vlm(adapter: VLMAdapter, plan: Plan, images: Any, caption: Any, prompt: Any,
                 max_len: int) -> list[VLMCaptionExplanation]:
     """Per-word maps of a VLM, one explanation per method of ``plan`` (see ``Explainer.explain_caption``).
@@ -114,21 +159,28 @@ def explain_vlm(adapter: VLMAdapter, plan: Plan, images: Any, caption: Any, prom
         raise UsageError("prompt must be a string or one string per image")
     inputs = adapter.prepare(arrays, prompts)
     views = adapter.views(arrays, inputs)
+    start = adapter.answer_start(inputs)
+    room = _answer_room(adapter, inputs, start)
     if caption is None:
-        ids, lengths = _generated(adapter, inputs, max_len)
+        ids, lengths = _generated(adapter, inputs, max_len if room is None else min(max_len, room))
     else:
         ids, lengths = _answer_ids(adapter, caption, len(arrays), next(model.parameters()).device)
+        if room is not None and int(lengths.max()) > room:
+            raise UsageError(f"the answer has {int(lengths.max())} tokens, but after this prompt the model has positions "
+                             f"for {room} (its {adapter.position_limit()} learned positions); give a shorter answer or prompt")
     t = max(int(lengths.max()), 1)
     ids = ids[:, :t]
     if ids.shape[1] < t:
         ids = F.pad(ids, (0, t - ids.shape[1]), value=adapter.pad_id)
-    start = adapter.answer_start(inputs)
     columns = [view.pixel_columns(cols) for view, cols in zip(views, adapter.image_columns(inputs))]
     kwargs = adapter.teacher_inputs(inputs, ids)
     grads = plan.capture.grads
-    if grads and isinstance(kwargs.get("pixel_values"), Tensor) and kwargs["pixel_values"].is_floating_point():
-        kwargs["pixel_values"] = kwargs["pixel_values"].detach().clone().requires_grad_(True)
-    with torch.set_grad_enabled(grads), capture(model, **plan.capture.capture_kwargs()) as rec:
+    if grads:  # every attention call in the graph, also with frozen weights (requires_grad_(False))
+        for key in ("pixel_values", "flattened_patches"):  # (Pix2Struct's)
+            if isinstance(kwargs.get(key), Tensor) and kwargs[key].is_floating_point():
+                kwargs[key] = kwargs[key].detach().clone().requires_grad_(True)
+    with torch.set_grad_enabled(grads), embeddings_in_graph(model) if grads else nullcontext(), \
+            capture(model, **plan.capture.capture_kwargs()) as rec:
         logits = adapter.forward_logits(kwargs)
     words = [[adapter.word(i) for i in row[: int(n)].tolist()] for row, n in zip(ids, lengths)]
     captions = [adapter.tokenizer.decode(row[: int(n)].tolist(), skip_special_tokens=True).strip() for row, n in zip(ids, lengths)]

@@ -18,6 +18,7 @@ import functools
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ..errors import UsageError
+from ..vlm import check_answer
 
 if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
@@ -42,24 +43,6 @@ def check_prompt(prompt: Optional[str], family: str, model: str) -> None:
                          "without one: leave --prompt out")
     if not prompt.strip():
         raise UsageError("--prompt is empty; give the question or instruction, or leave it out for the model's default")
-
-
-def check_answer(adapter: Any, caption: str) -> None:
-    """A given answer must be words the model's tokenizer knows.
-
-    A word-level tokenizer turns an unknown word into its unknown token, which the model was never
-    asked to explain; the run refuses it instead.
-
-    Raises:
-        UsageError: a word becomes the tokenizer's unknown token.
-    """
-    tokenizer = adapter.tokenizer
-    unk = getattr(tokenizer, "unk_token_id", None)
-    if unk is None or unk not in adapter.encode_answer(caption):
-        return
-    unknown = [w for w in caption.split() if w != tokenizer.unk_token and unk in adapter.encode_answer(w)]
-    raise UsageError(f"the tokenizer does not know {unknown or 'a word of it'} (it would become {tokenizer.unk_token}); "
-                     "use words of the model's vocabulary")
 
 
 def probe_vlm(explain: Callable[[list["np.ndarray"]], Any], what: str, size: tuple[int, int]) -> Any:
@@ -114,7 +97,23 @@ def vlm_process(
     import numpy as np
 
     def process(x: "torch.Tensor", good: list[dict[str, Any]]) -> list[tuple[dict[str, Any], Any]]:
+        """The batch explained together; when that fails, each image alone (the images are explained
+        independently: one the processor or the model refuses must not fail the others)."""
         del x  # the processor preprocesses the images itself
+        try:
+            return explained(good)
+        except Exception:
+            if len(good) == 1:
+                raise  # (the run records it)
+        jobs: list[tuple[dict[str, Any], Any]] = []
+        for s in good:
+            try:
+                jobs.extend(explained([s]))
+            except Exception as e:  # noqa: BLE001 - recorded as this image's failure, as the run records a batch's
+                jobs.append(({}, f"explaining {paths[s['key']]} failed: {type(e).__name__}: {e}"))
+        return jobs
+
+    def explained(good: list[dict[str, Any]]) -> list[tuple[dict[str, Any], Any]]:
         images = [s["region"] for s in good]
         results = ex.explain_caption(images, method=methods, caption=caption, prompt=prompt, max_len=max_len,
                                      **per_method)

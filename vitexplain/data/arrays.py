@@ -47,9 +47,16 @@ def map_to_numpy(map: Any) -> np.ndarray:  # noqa: A002 - the public argument is
 
 
 def as_rgb(image: Any, what: str = "image") -> np.ndarray:
-    """A PIL image (converted to RGB) or an array, as ``(H, W, 3)`` uint8 (checked by :func:`check_rgb`)."""
-    if hasattr(image, "convert") and hasattr(image, "size"):  # a PIL image, without importing PIL
-        return np.asarray(image.convert("RGB"))
+    """A PIL image or an array, as ``(H, W, 3)`` uint8 (an array is checked by :func:`check_rgb`).
+
+    A PIL image is converted as :func:`~vitexplain.data.decoding.load_image` converts a file (alpha
+    composited on white, 16-bit gray keeping its high byte, ...): an opened image and its path give
+    the same pixels (Pillow's own ``convert("RGB")`` drops alpha and saturates 16-bit images to white).
+    """
+    if hasattr(image, "convert") and hasattr(image, "size"):  # a PIL image, without importing PIL up front
+        from .decoding import to_rgb
+
+        return check_rgb(to_rgb(image), what)
     return check_rgb(image, what)
 
 
@@ -67,5 +74,7 @@ def check_rgb(image: Any, what: str = "image") -> np.ndarray:
         raise UsageError(
             f"{what} must be an (H, W, 3) uint8 RGB array, got shape {arr.shape} dtype {arr.dtype}{hint}"
         )
+    if not arr.size:
+        raise UsageError(f"{what} is empty ({arr.shape[0]}x{arr.shape[1]} pixels); leave it out of the input")
     return arr
 

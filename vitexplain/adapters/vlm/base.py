@@ -14,6 +14,7 @@ pieces that cover it (tiles and a thumbnail both cover a pixel).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -24,7 +25,7 @@ from ...errors import InputError, UnsupportedModelError, UsageError
 from ...methods.families import VLM
 from ..base import Adapter
 
-__all__ = ["Piece", "ImageView", "VLMAdapter", "render", "processed_box", "submodule_named"]
+__all__ = ["Piece", "ImageView", "VLMAdapter", "render", "processed_box", "submodule_named", "processor_images"]
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,9 @@ def render(scores: Tensor, view: ImageView) -> tuple[Tensor, list[Tensor]]:
     layers = []
     for piece in view.pieces:
         gh, gw = piece.grid
+        if not piece.num_tokens:  # no tokens: LLaVA-NeXT's unpadding leaves no row of a very wide image's tiles
+            layers.append(scores.new_zeros(scores.shape[0], height, width))
+            continue
         grid = scores[:, piece.start : piece.start + piece.num_tokens].reshape(-1, gh, gw)
         y0, x0, y1, x1 = piece.box
         rows, row_in = _cells(height, y0, y1, gh, scores.device)
@@ -162,6 +166,16 @@ def processed_box(image_processor: Any, height: int, width: int) -> tuple[float,
         left = -((cw - rw) // 2) if cw > rw else int((rw - cw) / 2.0)
     sy, sx = height / rh, width / rw
     return (top * sy, left * sx, (top + ch) * sy, (left + cw) * sx)
+
+
+def processor_images(images: Sequence[Any]) -> list[Any]:
+    """(H, W, 3) uint8 arrays as PIL RGB images, the form a processor cannot misread: given an array
+    with a side of 1 or 3 pixels (e.g. (3, 45, 3), (1, 37, 3), (4, 3, 3)), transformers may guess that
+    the channels come first and process another image, silently."""
+    import numpy as np
+    from PIL import Image
+
+    return [Image.fromarray(np.ascontiguousarray(image), "RGB") for image in images]
 
 
 def submodule_named(model: nn.Module, *suffixes: str) -> str:
@@ -213,6 +227,20 @@ class VLMAdapter(Adapter):
         return self
 
     @property
+    def image_processor(self) -> Any:
+        """The processor's image processor as every processor call sees it: ``processor_kwargs`` that name its
+        settings (``size``, ``crop_size``, ``do_image_splitting``, ...) override them there, so the token
+        geometry reads them from a copy with those settings applied (the processor's own object is left as found)."""
+        found = self.require_processor().image_processor
+        settings = {k: v for k, v in self.processor_kwargs.items() if hasattr(found, k)}
+        if not settings:
+            return found
+        applied = copy.copy(found)
+        for key, value in settings.items():
+            setattr(applied, key, value)
+        return applied
+
+    @property
     def tokenizer(self) -> Any:
         return getattr(self.processor, "tokenizer", None)
 
@@ -253,6 +281,22 @@ class VLMAdapter(Adapter):
         token = str(getattr(self.processor, "image_token", None) or self.image_token)  # (may be an AddedToken)
         return prompt if token in prompt else f"{token}{prompt}"
 
+    def bare_prompt(self, prompt: str) -> str:
+        """The prompt for a processor that puts the image tokens in front of it itself (BLIP-2,
+        InstructBLIP, Florence-2): unchanged, once checked to hold no image token of its own.
+
+        Raises:
+            InputError: the prompt holds the image token (the model would find more image tokens than
+                image features).
+        """
+        token = getattr(self.processor, "image_token", None)
+        if token is not None and str(token) in prompt:
+            raise InputError(
+                f"the prompt {prompt!r} holds the image token {str(token)!r}, which {type(self.processor).__name__} "
+                "puts in front of every prompt itself; remove it from the prompt"
+            )
+        return prompt
+
     def prepare(self, images: Sequence[Any], prompts: Sequence[str]) -> Any:
         """The processor's batch for (H, W, 3) uint8 images and prompts, left-padded (tensors on the model's device)."""
         processor = self.require_processor()
@@ -261,13 +305,15 @@ class VLMAdapter(Adapter):
         side = tokenizer.padding_side
         tokenizer.padding_side = self.padding_side
         try:
-            given = [[image] for image in images] if self.nested_images else list(images)
+            pils = processor_images(images)
+            given = [[image] for image in pils] if self.nested_images else pils
             batch = processor(images=given, text=texts, return_tensors="pt", padding=True, **self.processor_kwargs)
         except (ValueError, TypeError, KeyError) as err:  # the processor's own checks (image tokens, kwargs)
             raise InputError(
                 f"{type(processor).__name__} refused the prompts {texts!r} with {len(images)} image(s)"
                 f"{' and processor_kwargs=' + repr(self.processor_kwargs) if self.processor_kwargs else ''}: {str(err).rstrip('.')}. "
-                "Give one image per prompt and at most one image token in it (vitexplain adds it when missing)"
+                "Check the image (its size and aspect ratio) and the prompt (one image per prompt, at most one image token in it: "
+                "vitexplain adds it when missing)"
             ) from err
         finally:
             tokenizer.padding_side = side
@@ -295,7 +341,17 @@ class VLMAdapter(Adapter):
 
     def answer_start(self, inputs: Any) -> int:
         """L: the position of answer word 0 in the sequence whose row ``L - 1 + t`` predicts word t
-        (the left-padded prompt's length)."""
+        (the left-padded prompt's length).
+
+        Raises:
+            UnsupportedModelError: a prompt ends in padding (its row ``L - 1`` would be a pad's).
+        """
+        mask = inputs.get("attention_mask")
+        if mask is not None and not bool(mask[:, -1].all()):
+            raise UnsupportedModelError(
+                f"the processor padded prompt(s) {(mask[:, -1] == 0).nonzero()[:, 0].tolist()} at the end, so the "
+                "position that predicts answer word 0 would be padding; give prompts of one length"
+            )
         return int(inputs["input_ids"].shape[1])
 
     def teacher_inputs(self, inputs: Any, ids: Tensor) -> dict[str, Any]:
@@ -311,6 +367,14 @@ class VLMAdapter(Adapter):
     def forward_logits(self, kwargs: dict[str, Any]) -> Tensor:
         """(B, N, V) logits of one forward."""
         return self.model(**kwargs, use_cache=False).logits
+
+    def position_limit(self) -> Optional[int]:
+        """The most positions a sequence of the language model may take: the smallest learned position table's
+        (``embed_positions`` of BART, OPT, less their offset); None where positions are no table (rotary,
+        relative, sinusoidal)."""
+        sizes = [int(m.num_embeddings) - int(getattr(m, "offset", 0)) for name, m in self.model.named_modules()
+                 if name.endswith("embed_positions") and isinstance(m, nn.Embedding)]
+        return min(sizes) if sizes else None
 
     def image_columns(self, inputs: Any) -> list[Tensor]:
         """Per image, the sequence positions of its image tokens in the processor's batch, in sequence order."""

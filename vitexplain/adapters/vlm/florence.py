@@ -62,10 +62,10 @@ class Florence2Adapter(EncoderDecoderVLMAdapter):
         raise UnsupportedModelError(f"Florence-2 without a language_model.{part}: not a transformers Florence-2 build")
 
     def format_prompt(self, prompt: str) -> str:
-        return prompt  # the processor puts the image tokens and <s> in front and </s> after
+        return self.bare_prompt(prompt)  # the processor puts the image tokens and <s> in front and </s> after
 
     def views(self, images: Sequence[Any], inputs: Any) -> list[ImageView]:
-        if getattr(self.processor.image_processor, "do_center_crop", False):
+        if getattr(self.image_processor, "do_center_crop", False):
             raise UnsupportedModelError("Florence-2's processor resizes the whole image; this one centre-crops it, "
                                         "which the token geometry does not follow (set do_center_crop=False)")
         vision = self.model.config.vision_config
@@ -75,7 +75,7 @@ class Florence2Adapter(EncoderDecoderVLMAdapter):
         views = []
         for image in images:
             h, w = int(image.shape[0]), int(image.shape[1])
-            y0, x0, y1, x1 = processed_box(self.processor.image_processor, h, w)  # the original box the resize keeps
+            y0, x0, y1, x1 = processed_box(self.image_processor, h, w)  # the original box the resize keeps
             fy, fx = (y1 - y0) / rh, (x1 - x0) / rw
             cells = (y0 + (top - sy / 2) * fy, x0 + (left - sx / 2) * fx,
                      y0 + (top - sy / 2 + gh * sy) * fy, x0 + (left - sx / 2 + gw * sx) * fx)

@@ -20,7 +20,7 @@ from torch import nn
 from ...errors import UnsupportedModelError
 from ...methods.families import VLM
 from ..base import Adapter, register_adapter
-from .base import ImageView, Piece, VLMAdapter
+from .base import ImageView, Piece, VLMAdapter, processor_images
 
 __all__ = ["TiledAdapter"]
 
@@ -32,7 +32,7 @@ class TiledAdapter(VLMAdapter):
 
     def _tiles(self, image: Any) -> tuple[int, int]:
         """(rows, cols) of the processor's split of one image (0, 0: no split)."""
-        info = self.processor.image_processor(images=[[image]], return_row_col_info=True)
+        info = self.image_processor(images=[processor_images([image])], return_row_col_info=True)
         return int(info["rows"][0][0]), int(info["cols"][0][0])
 
     def views(self, images: Sequence[Any], inputs: Any) -> list[ImageView]:

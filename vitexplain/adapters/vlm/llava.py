@@ -34,7 +34,7 @@ class LlavaAdapter(VLMAdapter):
         views = []
         for image in images:
             h, w = int(image.shape[0]), int(image.shape[1])
-            box = processed_box(self.processor.image_processor, h, w)
+            box = processed_box(self.image_processor, h, w)
             views.append(ImageView((h, w), (Piece("image", (gh, gw), box, extra),)))
         return views
 

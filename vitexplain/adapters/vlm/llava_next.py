@@ -87,7 +87,7 @@ class LlavaNextAdapter(VLMAdapter):
             max_tiles = int(aspect[len("anyres_max_"):])
         elif config.vision_feature_select_strategy != "default":
             raise UnsupportedModelError("LLaVA-NeXT with the 'full' feature strategy (a class token per tile) is not supported")
-        processor = self.processor.image_processor
+        processor = self.image_processor
         crop = dict(getattr(processor, "crop_size", None) or {})
         if crop and crop.get("height") != tile:
             raise UnsupportedModelError(f"the processor's {crop} tiles differ from the vision tower's {tile} px input")

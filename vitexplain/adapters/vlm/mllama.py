@@ -80,7 +80,7 @@ class MllamaAdapter(VLMAdapter):
         return (vision.image_size // vision.patch_size) ** 2 + 1
 
     def _max_tiles(self) -> int:
-        processor = self.require_processor().image_processor
+        processor = self.image_processor
         vision = self.model.config.vision_config
         size = dict(getattr(processor, "size", None) or {})
         if size.get("height") != vision.image_size or size.get("width") != vision.image_size:

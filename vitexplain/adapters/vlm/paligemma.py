@@ -72,7 +72,7 @@ class PrefixLMAdapter(VLMAdapter):
         views = []
         for b, image in enumerate(images):
             h, w = int(image.shape[0]), int(image.shape[1])
-            pieces = [Piece("image", grid, processed_box(self.processor.image_processor, h, w), 0)]
+            pieces = [Piece("image", grid, processed_box(self.image_processor, h, w), 0)]
             if self.kind == "gemma3":  # pan-and-scan crops follow the whole image in the sequence
                 held = int((inputs["input_ids"][b] == self.image_token_id).sum())
                 for k, box in enumerate(pan_and_scan_boxes(h, w, max(held // per_image - 1, 0))):

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from ...errors import UnsupportedModelError, UsageError
 from ...methods.families import VLM
 from ..base import Adapter, register_adapter
-from .base import ImageView, Piece
+from .base import ImageView, Piece, processor_images
 from .encdec import EncoderDecoderVLMAdapter
 
 __all__ = ["Pix2StructAdapter"]
@@ -55,9 +55,9 @@ class Pix2StructAdapter(EncoderDecoderVLMAdapter):
         return prompt
 
     def prepare(self, images: Sequence[Any], prompts: Sequence[str]) -> Any:
-        """The processor's patches (its own ``max_patches``) and the decoder prefix ``[start] + prompt``, left-padded."""
+        """The processor's patches (its own ``max_patches``, or ``processor_kwargs``') and the decoder prefix ``[start] + prompt``, left-padded."""
         processor = self.require_processor()
-        image_processor = processor.image_processor
+        image_processor = self.image_processor  # (processor_kwargs applied)
         vqa = _vqa(self.model)
         if bool(getattr(image_processor, "is_vqa", False)) != vqa:
             raise UnsupportedModelError(
@@ -65,7 +65,8 @@ class Pix2StructAdapter(EncoderDecoderVLMAdapter):
                 f"is_vqa={getattr(image_processor, 'is_vqa', False)}; pass the model's own processor")
         text = {"text": list(prompts)} if vqa else {}  # VQA: the question is rendered above the image
         self._headers = list(prompts) if vqa else []
-        batch = processor(images=list(images), return_tensors="pt", max_patches=image_processor.max_patches, **text)
+        settings = {"max_patches": image_processor.max_patches, **self.processor_kwargs}
+        batch = processor(images=processor_images(images), return_tensors="pt", **settings, **text)
         start = [self.decoder_start_id]
         prefixes = [start + self.encode_answer(p) if p and not vqa else start for p in prompts]
         length = max(len(p) for p in prefixes)
@@ -107,7 +108,7 @@ class Pix2StructAdapter(EncoderDecoderVLMAdapter):
 
     def _header_height(self, height: int, width: int, prompt: str) -> float:
         """How far above an (H, W) image, in its own pixels, the VQA canvas starts (the rendered header's height)."""
-        image_processor = self.processor.image_processor
+        image_processor = self.image_processor
         blank = torch.zeros(3, height, width, dtype=torch.uint8)
         canvas = image_processor.render_header(blank.numpy() if "Pil" in type(image_processor).__name__ else blank, prompt)
         canvas_height, canvas_width = int(canvas.shape[-2]), int(canvas.shape[-1])

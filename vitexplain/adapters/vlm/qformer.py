@@ -37,7 +37,7 @@ class QFormerAdapter(VLMAdapter):
     """``Blip2ForConditionalGeneration`` and ``InstructBlipForConditionalGeneration``."""
 
     def format_prompt(self, prompt: str) -> str:
-        return prompt  # the processor puts the query tokens in front
+        return self.bare_prompt(prompt)  # the processor puts the query tokens in front
 
     @property
     def kosmos(self) -> bool:
@@ -48,6 +48,35 @@ class QFormerAdapter(VLMAdapter):
         if self.kosmos:  # its image positions hold ordinary ids; it reads a pad id as padding (no position)
             return [self.pad_id]
         return super().placeholder_ids
+
+    def prepare(self, images: Sequence[Any], prompts: Sequence[str]) -> Any:
+        """The processor's batch, with each prompt's padding moved in front of its query tokens: BLIP-2's and
+        InstructBLIP's processors put the query tokens in front of the left-padded prompt, so in a batch an
+        empty prompt (no BOS token) would end in padding. Padding is masked and positions count the unmasked
+        tokens, so where it sits changes nothing else."""
+        batch = super().prepare(images, prompts)
+        if not self.kosmos:
+            order = torch.argsort(batch["attention_mask"], dim=1, stable=True)  # padding (0) first, tokens in order
+            batch["input_ids"] = batch["input_ids"].gather(1, order)
+            batch["attention_mask"] = batch["attention_mask"].gather(1, order)
+        return batch
+
+    def generate(self, inputs: Any, max_len: int) -> Tensor:
+        """Greedy answers; Kosmos-2's, one image at a time without its padding: its ``generate`` answers a
+        left-padded prompt otherwise than the same prompt alone (transformers 5), its teacher-forced forward does not."""
+        ids = inputs["input_ids"]
+        if not self.kosmos or ids.shape[0] == 1 or bool(inputs["attention_mask"].all()):
+            return super().generate(inputs, max_len)
+        rows = []
+        for b in range(ids.shape[0]):
+            keep = inputs["attention_mask"][b].bool()
+            one = {k: (v[b : b + 1][:, keep] if v.dim() >= 2 and v.shape[:2] == ids.shape else v[b : b + 1])
+                   for k, v in inputs.items() if isinstance(v, Tensor)}
+            rows.append(super().generate(one, max_len)[0])
+        out = torch.full((len(rows), max(len(r) for r in rows)), self.pad_id, dtype=ids.dtype, device=ids.device)
+        for b, row in enumerate(rows):
+            out[b, : len(row)] = row
+        return out
 
     def image_columns(self, inputs: Any) -> list[Tensor]:
         if not self.kosmos:
@@ -69,7 +98,7 @@ class QFormerAdapter(VLMAdapter):
         views = []
         for image in images:
             h, w = int(image.shape[0]), int(image.shape[1])
-            box = processed_box(self.processor.image_processor, h, w)
+            box = processed_box(self.image_processor, h, w)
             views.append(ImageView((h, w), (Piece("image", grid, box, 0),), sequence_tokens=queries))
         return views
 
