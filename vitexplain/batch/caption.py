@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from ..errors import UsageError
-from .caption_vlm import check_answer, check_prompt, probe_vlm, vlm_process
+from .caption_vlm import check_prompt, probe_vlm, vlm_process
 from .driver import drive
 from .run import Command, ExportResult
 from .checks import finite_rows, not_finite_error
@@ -202,6 +202,8 @@ def export_captions(opts: CaptionOptions, *, argv: Optional[Sequence[str]] = Non
     if opts.caption is not None:
         try:
             if vlm:
+                from ..vlm import check_answer  # (torch: not at the CLI's import)
+
                 check_answer(ex.adapter, opts.caption)
             else:
                 ex.adapter.encode_caption(opts.caption)

@@ -18,13 +18,12 @@ import functools
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ..errors import UsageError
-from ..vlm import check_answer
 
 if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
     import torch
 
-__all__ = ["MAX_MAP_SIDE", "check_prompt", "check_answer", "probe_vlm", "vlm_process"]
+__all__ = ["MAX_MAP_SIDE", "check_prompt", "probe_vlm", "vlm_process"]
 
 #: Longest side, in pixels, of the maps a VLM run stores (``KEY.METHOD.npz``).
 MAX_MAP_SIDE = 512
