@@ -98,7 +98,8 @@ def attention_scores(
     kf = _repeat_heads(k.float(), qf.shape[-3])
     scale = score_scale(q, scale)
     if qf.shape[:-2] == kf.shape[:-2]:
-        q3, k3 = qf.reshape(-1, *qf.shape[-2:]), kf.reshape(-1, *kf.shape[-2:])
+        batch = math.prod(qf.shape[:-2])  # (not -1: ambiguous when N_q or N_k is 0)
+        q3, k3 = qf.reshape(batch, *qf.shape[-2:]), kf.reshape(batch, *kf.shape[-2:])
         scores = torch.baddbmm(q3.new_zeros(()), q3, k3.transpose(1, 2), beta=0.0, alpha=scale)
         scores = scores.view(*qf.shape[:-1], n_k)
     else:  # broadcast batch dims
