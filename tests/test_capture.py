@@ -548,3 +548,22 @@ def test_gradient_captures_are_freed_when_dropped(mode, monkeypatch) -> None:
     ex.explain(x, method=["generic", "gradcam", "legrad"])
     gc.collect()
     assert built and len(made) == 0, f"{len(made)} of {len(built)} records outlive the explain call"
+
+
+def test_a_model_run_only_in_another_thread_is_reported_as_such():
+    """The capture's mode is thread-local: a forward in another thread records nothing. The error used to
+    say that the model has no attention the capture can observe (advising CNN methods); it now says why."""
+    import threading
+
+    model = VisionTransformer(**TINY).eval()
+    x = torch.randn(1, 3, 32, 32)
+    with torch.no_grad(), vx.capture(model) as rec:
+        thread = threading.Thread(target=lambda: model(x))
+        thread.start()
+        thread.join()
+    with pytest.raises(NoAttentionError, match="another thread"):
+        rec.records
+    assert rec.forward_count == 0 and rec.input_size is None  # (the other thread's call is not this capture's)
+    with torch.no_grad(), vx.capture(model) as rec:  # the same model in the scope's thread: recorded
+        model(x)
+    assert len(rec.records) == 2 and rec.forward_count == 1

@@ -76,7 +76,8 @@ class Recorder:
         attention_mode: ``"fused"``, ``"materialize"`` or ``"auto"`` (see :func:`vitexplain.capture`).
         layout_fn: ``layout_fn(model, (H, W)) -> TokenLayout`` behind :attr:`layout`, or None.
         input_size: (H, W) of the last image tensor the model received, if any.
-        forward_count: how many times the model's own forward ran inside the scope.
+        forward_count: how many times the model's own forward ran inside the scope, in the thread that
+            entered it (calls from other threads are not this capture's).
     """
 
     #: Intercept every torch call in the scope (True), or narrow interception to where attention is
@@ -110,6 +111,7 @@ class Recorder:
         self.capture_gates = bool(gates)
         self.input_size: Optional[tuple[int, int]] = None
         self.forward_count = 0
+        self._other_thread_forwards = 0  # forwards of the model in other threads while the scope was active
         self._made: list[AttentionRecord] = []
         self._drafts: list[tuple] = []  # records to make (add_draft), in call order after _made
         self._steps: dict[str, int] = {}
@@ -268,6 +270,12 @@ class Recorder:
         self._flex.check()
         if not self._records:
             cls = type(self.model).__name__
+            if self.forward_count == 0 and self._other_thread_forwards:
+                raise NoAttentionError(
+                    f"{cls} ran inside vx.capture(...) only in another thread than the one that entered it; "
+                    "a capture sees the attention of its own thread only: enter vx.capture in the thread "
+                    "that calls the model"
+                )
             if self.forward_count == 0:
                 raise NoAttentionError(
                     f"no forward of {cls} ran inside vx.capture(...): call the model inside "
@@ -410,6 +418,9 @@ class Recorder:
 
     # -- hooks ------------------------------------------------------------------------
     def _on_model_input(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if threading.get_ident() != self._thread:  # not this capture's call (its mode is the scope thread's)
+            self._other_thread_forwards += 1
+            return
         self.forward_count += 1
         candidates: Iterable[Any] = (*args, kwargs.get("pixel_values"), kwargs.get("x"), kwargs.get("images"))
         for value in candidates:
