@@ -344,8 +344,10 @@ def declared_modules(
     found: dict[str, tuple[nn.Module, Extractor]] = {}
     inside: Optional[str] = None
     for name, module in modules.items():
-        if name in explicit:
+        if name in explicit:  # (a module named explicitly is declared even inside another declared one)
             found[name] = (module, explicit[name])
+            if inside is None or not (inside == "" or name.startswith(inside + ".")):
+                inside = name
             continue
         if inside is not None and (inside == "" or name.startswith(inside + ".")):
             continue
