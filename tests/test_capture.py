@@ -567,3 +567,56 @@ def test_a_model_run_only_in_another_thread_is_reported_as_such():
     with torch.no_grad(), vx.capture(model) as rec:  # the same model in the scope's thread: recorded
         model(x)
     assert len(rec.records) == 2 and rec.forward_count == 1
+
+
+@pytest.mark.parametrize("path", ["fused", "materialize", "eager"])
+def test_gradient_checkpointing_records_each_call_once(path):
+    """timm's set_grad_checkpointing (active in eval mode too) recomputes each block in the backward pass;
+    a backward inside the scope recorded every attention call again (4 records for 2 layers, the last
+    two in reverse order, their activations twice), and a materializing capture failed torch's check that
+    the recomputation equals the forward. Oracle: the same model without checkpointing."""
+    torch.manual_seed(0)
+    model = VisionTransformer(**TINY).eval()
+    if path == "eager":
+        for block in model.blocks:
+            block.attn.fused_attn = False
+    x = torch.randn(2, 3, 32, 32)
+    mode = "materialize" if path == "materialize" else "fused"
+    runs = []
+    for checkpointing in (False, True):
+        model.set_grad_checkpointing(checkpointing)
+        with vx.capture(model, grads=True, attention_mode=mode, activations=["blocks.1"]) as rec:
+            rec.backward(model(x)[:, 1])
+        runs.append(rec)
+    plain, checkpointed = runs
+    assert [(r.name, r.step) for r in checkpointed.records] == [("blocks.0.attn", 0), ("blocks.1.attn", 0)]
+    assert len(checkpointed.activations["blocks.1"]) == 1
+    for got, want in zip(checkpointed.records, plain.records):
+        torch.testing.assert_close(got.probs(), want.probs(), atol=1e-6, rtol=0)
+        torch.testing.assert_close(got.grad_probs(), want.grad_probs(), atol=1e-6, rtol=0)
+    torch.testing.assert_close(checkpointed.activations["blocks.1"][0].grad, plain.activations["blocks.1"][0].grad)
+
+
+def test_checkpointed_declared_module_is_recorded_once():
+    """torch.utils.checkpoint (reentrant or not) around a module declared with an extractor: one record per call."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(8, 2, batch_first=True).eval()
+
+    class Wrapped(nn.Module):
+        def __init__(self, reentrant: bool) -> None:
+            super().__init__()
+            self.attn, self.reentrant = mha, reentrant
+
+        def forward(self, x):
+            return checkpoint(lambda t: self.attn(t, t, t)[0], x, use_reentrant=self.reentrant)
+
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    for reentrant in (False, True):
+        model = Wrapped(reentrant)
+        with vx.capture(model, attention={"attn": lambda m, i, o: o[1]}) as rec:
+            model(x).sum().backward()  # (recomputes the checkpointed call)
+        (record,) = rec.records
+        want = mha(x, x, x, average_attn_weights=True)[1]
+        torch.testing.assert_close(record.probs()[:, 0], want, atol=1e-6, rtol=0)

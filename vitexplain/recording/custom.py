@@ -43,7 +43,7 @@ from torch import Tensor, nn
 
 from ..errors import CaptureError, InputError
 from .attribution import call_kind
-from .sink import Issuer, RecordSink
+from .sink import Issuer, RecordSink, in_backward
 
 __all__ = [
     "AttentionWeights",
@@ -242,6 +242,8 @@ def module_hook(sink: RecordSink, name: str, extractor: Extractor) -> Callable:
     """
 
     def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if in_backward():  # a checkpointed forward recomputed: this call was recorded when it first ran
+            return
         inputs = ModuleInputs(args, kwargs)
         checked = as_weights(extractor(module, inputs, output), name)
         if checked is None:

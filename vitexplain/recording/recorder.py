@@ -46,7 +46,7 @@ from .interception import AttentionMode
 from .materialize import check_heads, check_mode
 from .narrowing import Narrowing
 from .records import ActivationRecord, AttentionRecord, weak_grad_hook
-from .sink import Issuer
+from .sink import Issuer, in_backward
 
 __all__ = ["capture", "Recorder", "LayoutFn", "SUPPORTED"]
 
@@ -211,6 +211,8 @@ class Recorder:
 
     def issuer_of(self, module: nn.Module, frame: FrameType) -> Optional[Issuer]:
         """``module`` as the issuer of a call made from ``frame`` (see :class:`RecordSink`)."""
+        if in_backward():  # a checkpointed forward recomputed: through the mode, which does not record it again
+            return None
         return self._attribution.issuer_of(module, frame)
 
     def add_record(
@@ -449,7 +451,7 @@ class Recorder:
     def _activation_hook(self, name: str) -> Callable:
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             out = output[0] if isinstance(output, (tuple, list)) else output
-            if not isinstance(out, Tensor):
+            if not isinstance(out, Tensor) or in_backward():  # (a checkpointed forward recomputed: seen before)
                 return
             inp = next((a for a in args if isinstance(a, Tensor)), None)
             record = ActivationRecord(
