@@ -620,3 +620,27 @@ def test_checkpointed_declared_module_is_recorded_once():
         (record,) = rec.records
         want = mha(x, x, x, average_attn_weights=True)[1]
         torch.testing.assert_close(record.probs()[:, 0], want, atol=1e-6, rtol=0)
+
+
+def test_nested_captures_backward_passes_do_not_reach_each_other():
+    """An inner capture's rec.backward (e.g. an explainer's, inside a user's capture) reached the outer
+    capture's hooks too, and the outer's reached the inner's: both got twice dy/dA after one backward
+    each. Oracle: dy/dA on the eager twin's own probabilities (torch.autograd.grad)."""
+    torch.manual_seed(0)
+    model = VisionTransformer(**TINY).eval()
+    x = torch.randn(2, 3, 32, 32)
+    twin = copy.deepcopy(model)
+    probs = []
+    for block in twin.blocks:
+        block.attn.fused_attn = False
+        block.attn.attn_drop.register_forward_hook(lambda m, i, o: probs.append(o))
+    want = torch.autograd.grad(twin(x)[:, 1].sum(), probs)
+    with vx.capture(model, grads=True) as outer:
+        with vx.capture(model, grads=True) as inner:
+            out = model(x)
+            inner.backward(out[:, 1], retain_graph=True)
+        outer.backward(out[:, 1])
+    for rec in (outer, inner):
+        assert len(rec.records) == 2
+        for record, expected in zip(rec.records, want):
+            torch.testing.assert_close(record.grad_probs(), expected, atol=1e-6, rtol=1e-5)

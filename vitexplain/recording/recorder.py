@@ -62,6 +62,11 @@ SUPPORTED = (
 )
 
 
+#: how many :meth:`Recorder.backward` passes run now (any recorder): no record's hook collects meanwhile
+_BACKWARDS = [0]
+_BACKWARDS_LOCK = threading.Lock()
+
+
 class Recorder:
     """Records the attention calls (and optionally activations) of one model.
 
@@ -256,8 +261,10 @@ class Recorder:
         return self._records[-1] if self._records else None
 
     def hooks_enabled(self) -> bool:
-        """Whether gradient hooks collect (not while :meth:`backward` runs its own pass)."""
-        return not self._in_backward
+        """Whether gradient hooks collect: not while :meth:`backward` of this or of any other recorder runs
+        its own pass (a capture nested in another, e.g. an explainer's inside a user's: each recorder's
+        pass reaches the records it targets, not the other recorder's, whose hooks see the same graph)."""
+        return not self._in_backward and _BACKWARDS[0] == 0
 
     # -- results ----------------------------------------------------------------------
     @property
@@ -381,12 +388,16 @@ class Recorder:
                 "neither the input nor any parameter requires grad)"
             )
         self._in_backward = True
+        with _BACKWARDS_LOCK:
+            _BACKWARDS[0] += 1
         try:
             grads = torch.autograd.grad(
                 score.sum(), [t for _, t in targets], retain_graph=retain_graph, allow_unused=True
             )
         finally:
             self._in_backward = False
+            with _BACKWARDS_LOCK:
+                _BACKWARDS[0] -= 1
         for (obj, tensor), grad in zip(targets, grads):
             obj._add_grad(grad if grad is not None else torch.zeros_like(tensor))
 
