@@ -644,3 +644,32 @@ def test_nested_captures_backward_passes_do_not_reach_each_other():
         assert len(rec.records) == 2
         for record, expected in zip(rec.records, want):
             torch.testing.assert_close(record.grad_probs(), expected, atol=1e-6, rtol=1e-5)
+
+
+def test_misused_record_and_backward_arguments_are_clear_errors():
+    """These raised raw IndexError / TypeError / RuntimeError / AttributeError from inside vitexplain."""
+    from vitexplain.errors import InputError, UsageError
+
+    torch.manual_seed(0)
+    model = VisionTransformer(**TINY).eval()
+    with vx.capture(model, grads=True) as rec:
+        out = model(torch.randn(2, 3, 32, 32))
+    record = rec.records[0]  # 17 queries
+    for bad in (torch.tensor([17]), torch.tensor([-18]), 1.5, "cls", torch.tensor([0.5]), torch.ones(3, dtype=torch.bool)):
+        with pytest.raises(UsageError):
+            record.probs(queries=bad)
+    rows = torch.tensor([16, -17, 3])  # valid indices still select rows, as plain indexing does
+    torch.testing.assert_close(record.probs(queries=rows), record.probs()[..., rows, :])
+    keep = torch.zeros(17, dtype=torch.bool)
+    keep[[0, 5]] = True
+    torch.testing.assert_close(record.probs(queries=keep), record.probs()[..., [0, 5], :])
+    for bad in ("score", 3, torch.ones(2, dtype=torch.long)):
+        with pytest.raises(InputError):
+            rec.backward(bad)
+    with pytest.raises(CaptureError, match="not part of an autograd graph"):
+        rec.backward(torch.ones(2))
+    rec.backward(out[:, 0])
+    with pytest.raises(UsageError, match="shape of its output"):
+        record.grad_probs(d_out=torch.ones(3, 3))
+    with pytest.raises(CaptureError, match="retain_graph=True"):
+        rec.backward(out[:, 0])  # the graph was freed by the first backward

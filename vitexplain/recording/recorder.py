@@ -377,15 +377,28 @@ class Recorder:
         Args:
             score: a scalar (or a tensor, which is summed) computed from the model outputs.
             retain_graph: keep the graph for another backward.
+
+        Raises:
+            InputError: ``score`` is not a float tensor.
+            CaptureError: gradients were not captured, nothing captured or ``score`` is in no autograd
+                graph, or the graph was freed by an earlier backward.
         """
         if not self.grads:
             raise CaptureError("gradients were not captured: use vx.capture(model, grads=True)")
+        if not isinstance(score, Tensor) or not score.is_floating_point():
+            what = f"a {score.dtype} tensor" if isinstance(score, Tensor) else type(score).__name__
+            raise InputError(f"rec.backward expects a float tensor computed from the model outputs, got {what}")
         targets: list[tuple[Any, Tensor]] = [(r, r._out) for r in self._records if r._out is not None]
         targets += [(a, a.output) for calls in self.activations.values() for a in calls if a.output.requires_grad]
         if not targets:
             raise CaptureError(
                 "nothing captured is part of an autograd graph (the forward ran under torch.no_grad(), or "
                 "neither the input nor any parameter requires grad)"
+            )
+        if not score.requires_grad:
+            raise CaptureError(
+                "the score given to rec.backward is not part of an autograd graph: compute it from the outputs "
+                "of the captured forward, run with gradients enabled (not under torch.no_grad())"
             )
         self._in_backward = True
         with _BACKWARDS_LOCK:
@@ -394,6 +407,13 @@ class Recorder:
             grads = torch.autograd.grad(
                 score.sum(), [t for _, t in targets], retain_graph=retain_graph, allow_unused=True
             )
+        except RuntimeError as error:
+            if "second time" not in str(error):
+                raise
+            raise CaptureError(
+                "the autograd graph of this forward was freed by an earlier backward: pass retain_graph=True to "
+                "every rec.backward(...) on it but the last, or run the forward again"
+            ) from error
         finally:
             self._in_backward = False
             with _BACKWARDS_LOCK:

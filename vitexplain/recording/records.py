@@ -41,14 +41,37 @@ Fusion = Literal["mean", "max", "min"]
 
 
 def _rows(selector: QuerySelect, n: int) -> Tensor | slice:
-    """Normalise a query selector into something usable for indexing dim -2."""
+    """Normalise a query selector into something usable for indexing dim -2.
+
+    Raises:
+        UsageError: not an int, a slice or an integer/boolean index tensor, or an index out of range.
+    """
     if selector is None:
         return slice(None)
-    if isinstance(selector, int):
+    if isinstance(selector, slice):
+        return selector
+    if isinstance(selector, int) and not isinstance(selector, bool):
         if not -n <= selector < n:
             raise UsageError(f"query index {selector} is out of range for {n} queries")
         return slice(selector % n, selector % n + 1)
+    if not isinstance(selector, Tensor) or selector.dim() != 1 or selector.is_floating_point() \
+            or selector.is_complex():
+        raise UsageError(
+            f"queries must be None, an int, a slice or a 1-D integer or boolean index tensor, got {_described(selector)}"
+        )
+    if selector.dtype == torch.bool:
+        if selector.numel() != n:
+            raise UsageError(f"a boolean query mask must have one entry per query ({n}), got {selector.numel()}")
+    elif selector.numel() and not bool(((selector >= -n) & (selector < n)).all()):
+        raise UsageError(f"query indices {selector.tolist()} are out of range for {n} queries")
     return selector
+
+
+def _described(value: object) -> str:
+    """``value`` in an error message: a tensor by its shape and dtype, anything else by its repr."""
+    if isinstance(value, Tensor):
+        return f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
+    return repr(value)
 
 
 def _select_mask_rows(mask: Tensor, rows: Tensor | slice, n_q: int) -> Tensor:
@@ -418,6 +441,13 @@ class AttentionRecord:
         see :mod:`vitexplain.recording.packed`, are recorded as (B, H, N_q, ...))."""
         if grad.dim() == 4 and grad.shape[1] == self.num_heads:
             return grad
+        if grad.dim() == 0 or grad.numel() % (self.batch_size * self.num_heads * grad.shape[-1]) \
+                or (self._out is not None and grad.numel() != self._out.numel()):
+            shape = f" {tuple(self._out.shape)}" if self._out is not None else ""
+            raise UsageError(
+                f"the gradient given for {self.name!r} ({_described(grad)}) does not have the shape of its "
+                f"output{shape}: pass d_out = the gradient w.r.t. record.output"
+            )
         return grad.reshape(self.batch_size, self.num_heads, -1, grad.shape[-1])
 
     def _add_grad(self, grad: Tensor) -> None:
