@@ -673,3 +673,55 @@ def test_misused_record_and_backward_arguments_are_clear_errors():
         record.grad_probs(d_out=torch.ones(3, 3))
     with pytest.raises(CaptureError, match="retain_graph=True"):
         rec.backward(out[:, 0])  # the graph was freed by the first backward
+
+
+class _CachedAttention(nn.Module):
+    """One query per call against a KV buffer written in place, as Hugging Face's static caches do:
+    ``window`` slots used as a ring (sliding window), or ``None``: slots filled in order, the empty
+    ones masked out (a static cache). Keeps the probabilities of each call, computed by hand."""
+
+    def __init__(self, slots: int, window: int | None) -> None:
+        super().__init__()
+        self.window, self.calls = window, 0
+        self.register_buffer("keys", torch.zeros(1, 2, slots, 4))
+        self.register_buffer("values", torch.zeros(1, 2, slots, 4))
+        self.seen: list = []
+
+    def forward(self, q, k, v):  # (1, 2, 1, 4) each
+        slot = self.calls % self.keys.shape[2]
+        self.keys[:, :, slot] = k[:, :, 0]  # in place: the buffer's version counts up
+        self.values[:, :, slot] = v[:, :, 0]
+        self.calls += 1
+        filled = torch.arange(self.keys.shape[2]) < self.calls
+        mask = None if self.window is not None and self.calls >= self.window else filled
+        scores = (q @ self.keys.transpose(-2, -1)) / 2.0
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        weights = scores.exp()  # (not a softmax call, which the capture would record too)
+        self.seen.append(weights / weights.sum(-1, keepdim=True))
+        return F.scaled_dot_product_attention(q, self.keys, self.values, attn_mask=None if mask is None else mask[None, None, None])
+
+
+@pytest.mark.parametrize("window", [None, 3], ids=["static", "sliding"])
+def test_keys_overwritten_in_place_after_the_call_are_refused_not_misread(window):
+    """Records keep the keys without copying them. A sliding-window KV cache overwrites, in place, keys
+    that earlier calls attended to: their records then recomputed other probabilities, silently (HF's
+    Gemma-3 / Mistral with cache_implementation='static' during generate). Now such a record raises; a
+    static cache that only fills masked slots later stays readable. Oracle: the probabilities computed
+    by hand at each call."""
+    torch.manual_seed(0)
+    module = _CachedAttention(slots=3 if window else 6, window=window)
+    with torch.no_grad(), vx.capture(module) as rec:
+        for _ in range(6):
+            module(*(torch.randn(1, 2, 1, 4) for _ in range(3)))
+    records = rec.records
+    # static: later calls fill slots every earlier call masked out; ring: each later call overwrites a slot
+    # that every earlier call attended to (calls 0-2 attend slots 0-2 as they fill, call 3 rewrites slot 0)
+    readable = range(6) if window is None else [5]
+    assert len(records) == 6
+    for i, (record, expected) in enumerate(zip(records, module.seen)):
+        if i in readable:
+            torch.testing.assert_close(record.probs(), expected, atol=1e-6, rtol=0)
+        else:
+            with pytest.raises(CaptureError, match="overwritten in place"):
+                record.probs()

@@ -29,7 +29,7 @@ from . import materialize
 from .flex import FlexWatcher
 from .materialize import attention_with_probs, can_materialize
 from .packed import packed_groups, unpack_mask, unpack_query
-from .records import held
+from .records import held, key_witness
 from .sink import RecordSink, in_backward
 
 __all__ = ["AttentionMode"]
@@ -210,11 +210,11 @@ class AttentionMode(TorchFunctionMode):
             return out.reshape(*query.shape[:-1], out.shape[-1])
         out = func(*args, **kwargs)
         if self.sink.grads:
-            record = self.sink.add_record(issuer, _q=q.detach(), _k=k.detach(), **fields)
+            record = self.sink.add_record(issuer, _q=q.detach(), _k=k.detach(), **key_witness(k), **fields)
             record._v = v.detach()
             record._attach_grad_hook(out, self.sink.hooks_enabled)
         else:
-            self.sink.add_draft(issuer, dict(fields, _q=held(q), _k=held(k)))
+            self.sink.add_draft(issuer, dict(fields, _q=held(q), _k=held(k), **key_witness(k)))
         return out
 
     def _materialize(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], dropout_p: float, gqa: bool) -> bool:

@@ -31,7 +31,7 @@ from torch import Tensor
 from ..errors import CaptureError, UsageError
 
 __all__ = [
-    "AttentionRecord", "ActivationRecord", "QuerySelect", "held", "attention_probs", "attention_scores", "masked_softmax", "fuse_heads",
+    "AttentionRecord", "ActivationRecord", "QuerySelect", "held", "key_witness", "attention_probs", "attention_scores", "masked_softmax", "fuse_heads",
 ]
 
 QuerySelect = Union[None, int, slice, Tensor]
@@ -85,6 +85,31 @@ def held(t: Optional[Tensor]) -> Optional[Tensor]:
     """What a record keeps of a tensor: the tensor itself unless it is part of an autograd graph
     (then detached; a detach costs a new tensor object, so it is not made otherwise)."""
     return t.detach() if t is not None and t.requires_grad else t
+
+
+def key_witness(k: Optional[Tensor]) -> dict:
+    """What a record notes of its keys to tell, when it is read, whether the model wrote into them since.
+
+    Records keep the keys themselves (no copy). Keys that had been written in place before the call
+    (``_version`` not 0: a static or sliding-window KV cache buffer, updated by ``index_copy_``) may be
+    written again by later calls; for those, the per-key sums (B, H_kv, N_k) are kept as a witness
+    (E times smaller than the keys). Freshly computed keys (version 0) cost nothing.
+
+    Returns:
+        the record fields ``_k_version`` and ``_k_sums``.
+    """
+    version = _version(k)
+    if version <= 0:
+        return {"_k_version": version, "_k_sums": None}
+    return {"_k_version": version, "_k_sums": k.detach().float().sum(-1)}  # type: ignore[union-attr]
+
+
+def _version(t: Optional[Tensor]) -> int:
+    """``t._version``: how many times it was written in place; 0 for None, -1 for an inference tensor
+    (written only inside ``torch.inference_mode``, which keeps no count)."""
+    if t is None:
+        return 0
+    return -1 if t.is_inference() else t._version
 
 
 def attention_scores(
@@ -251,6 +276,8 @@ class AttentionRecord:
     _grad_out: Optional[Tensor] = field(default=None, repr=False)
     _grad_probs: Optional[Tensor] = field(default=None, repr=False)
     _grad_state: str = field(default="off", repr=False)
+    _k_version: int = field(default=0, repr=False)
+    _k_sums: Optional[Tensor] = field(default=None, repr=False)
 
     @property
     def batch_size(self) -> int:
@@ -316,6 +343,8 @@ class AttentionRecord:
             return self._probs[..., rows, :].float()
         if self._q is None or self._k is None:
             raise CaptureError(f"record {self.name!r} holds no queries/keys (it was released)")
+        if self._k_version >= 0 and _version(self._k) != self._k_version:
+            self._check_keys_kept()
         return attention_probs(
             self._q,
             self._k,
@@ -323,6 +352,27 @@ class AttentionRecord:
             scale=self._scale,
             is_causal=self._causal,
             queries=queries,
+        )
+
+    def _check_keys_kept(self) -> None:
+        """Raise when the model wrote, after this call, into keys this call attended to (written in place
+        before the call too, see :func:`key_witness`). Writes to keys the call masked out change nothing
+        (a static cache filled at later positions); a sliding-window cache overwrites attended ones."""
+        if self._k_sums is not None:
+            changed = self._k.detach().float().sum(-1) != self._k_sums  # (B, H_kv, N_k) keys written since
+            if not bool(changed.any()):
+                return
+            scores = attention_scores(self._q, self._k, attn_mask=self._mask, scale=self._scale, is_causal=self._causal)
+            attended = (scores > torch.finfo(torch.float32).min / 2).any(-2)  # (B, H, N_k): some query attends
+            if changed.shape != attended.shape:  # grouped-query keys
+                changed = _repeat_heads(changed[..., None], attended.shape[-2])[..., 0]
+            if not bool((attended & changed).any()):
+                return
+        raise CaptureError(
+            f"the keys of {self.name!r} (step {self.step}) were overwritten in place after the call, as a "
+            "static or sliding-window KV cache does, so its attention cannot be recomputed; read the records "
+            "before the next call overwrites them, or generate with a dynamic cache "
+            "(e.g. generate(..., cache_implementation='dynamic'))"
         )
 
     def fused_probs(self, fusion: Fusion = "mean", queries: QuerySelect = None) -> Tensor:
@@ -432,7 +482,7 @@ class AttentionRecord:
     def release(self) -> None:
         """Drop every tensor this record holds (frees memory; the record becomes empty)."""
         self._q = self._k = self._v = self._mask = self._out = None
-        self._probs = self._grad_out = self._grad_probs = None
+        self._probs = self._grad_out = self._grad_probs = self._k_sums = None
 
     # -- called by the recorder -------------------------------------------------------
     def _as_4d(self, grad: Tensor) -> Tensor:
