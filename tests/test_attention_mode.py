@@ -358,3 +358,21 @@ def test_label_names_are_parsed_once(monkeypatch):
             e = ex.explain(torch.randn(1, 3, 32, 32), method="raw")
     assert len(e.label_names) == 1000 and len(made) == 1
     base._imagenet_descriptions.cache_clear()
+
+
+@pytest.mark.parametrize("mode", ["fused", "materialize"])
+@pytest.mark.parametrize("n_q,n_k", [(5, 0), (0, 5)])
+def test_empty_query_or_key_set(mode, n_q, n_k):
+    """A call with no keys (or no queries) runs as the fused kernel does (zeros) and its record is empty.
+
+    Both used to raise a raw RuntimeError from a ``reshape(-1, ...)`` of zero elements: at
+    ``probs()`` (fused), and inside the model's own forward when materializing.
+    """
+    module = Attend()
+    q, k, v = torch.randn(2, 3, n_q, 4), torch.randn(2, 3, n_k, 4), torch.randn(2, 3, n_k, 4)
+    want = module(q, k, v)
+    with vx.capture(module, attention_mode=mode) as rec:
+        got = module(q, k, v)
+    assert torch.equal(got, want)
+    (record,) = rec.records
+    assert record.probs().shape == (2, 3, n_q, n_k)

@@ -548,3 +548,180 @@ def test_gradient_captures_are_freed_when_dropped(mode, monkeypatch) -> None:
     ex.explain(x, method=["generic", "gradcam", "legrad"])
     gc.collect()
     assert built and len(made) == 0, f"{len(made)} of {len(built)} records outlive the explain call"
+
+
+def test_a_model_run_only_in_another_thread_is_reported_as_such():
+    """The capture's mode is thread-local: a forward in another thread records nothing. The error used to
+    say that the model has no attention the capture can observe (advising CNN methods); it now says why."""
+    import threading
+
+    model = VisionTransformer(**TINY).eval()
+    x = torch.randn(1, 3, 32, 32)
+    with torch.no_grad(), vx.capture(model) as rec:
+        thread = threading.Thread(target=lambda: model(x))
+        thread.start()
+        thread.join()
+    with pytest.raises(NoAttentionError, match="another thread"):
+        rec.records
+    assert rec.forward_count == 0 and rec.input_size is None  # (the other thread's call is not this capture's)
+    with torch.no_grad(), vx.capture(model) as rec:  # the same model in the scope's thread: recorded
+        model(x)
+    assert len(rec.records) == 2 and rec.forward_count == 1
+
+
+@pytest.mark.parametrize("path", ["fused", "materialize", "eager"])
+def test_gradient_checkpointing_records_each_call_once(path):
+    """timm's set_grad_checkpointing (active in eval mode too) recomputes each block in the backward pass;
+    a backward inside the scope recorded every attention call again (4 records for 2 layers, the last
+    two in reverse order, their activations twice), and a materializing capture failed torch's check that
+    the recomputation equals the forward. Oracle: the same model without checkpointing."""
+    torch.manual_seed(0)
+    model = VisionTransformer(**TINY).eval()
+    if path == "eager":
+        for block in model.blocks:
+            block.attn.fused_attn = False
+    x = torch.randn(2, 3, 32, 32)
+    mode = "materialize" if path == "materialize" else "fused"
+    runs = []
+    for checkpointing in (False, True):
+        model.set_grad_checkpointing(checkpointing)
+        with vx.capture(model, grads=True, attention_mode=mode, activations=["blocks.1"]) as rec:
+            rec.backward(model(x)[:, 1])
+        runs.append(rec)
+    plain, checkpointed = runs
+    assert [(r.name, r.step) for r in checkpointed.records] == [("blocks.0.attn", 0), ("blocks.1.attn", 0)]
+    assert len(checkpointed.activations["blocks.1"]) == 1
+    for got, want in zip(checkpointed.records, plain.records):
+        torch.testing.assert_close(got.probs(), want.probs(), atol=1e-6, rtol=0)
+        torch.testing.assert_close(got.grad_probs(), want.grad_probs(), atol=1e-6, rtol=0)
+    torch.testing.assert_close(checkpointed.activations["blocks.1"][0].grad, plain.activations["blocks.1"][0].grad)
+
+
+def test_checkpointed_declared_module_is_recorded_once():
+    """torch.utils.checkpoint (reentrant or not) around a module declared with an extractor: one record per call."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(8, 2, batch_first=True).eval()
+
+    class Wrapped(nn.Module):
+        def __init__(self, reentrant: bool) -> None:
+            super().__init__()
+            self.attn, self.reentrant = mha, reentrant
+
+        def forward(self, x):
+            return checkpoint(lambda t: self.attn(t, t, t)[0], x, use_reentrant=self.reentrant)
+
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    for reentrant in (False, True):
+        model = Wrapped(reentrant)
+        with vx.capture(model, attention={"attn": lambda m, i, o: o[1]}) as rec:
+            model(x).sum().backward()  # (recomputes the checkpointed call)
+        (record,) = rec.records
+        want = mha(x, x, x, average_attn_weights=True)[1]
+        torch.testing.assert_close(record.probs()[:, 0], want, atol=1e-6, rtol=0)
+
+
+def test_nested_captures_backward_passes_do_not_reach_each_other():
+    """An inner capture's rec.backward (e.g. an explainer's, inside a user's capture) reached the outer
+    capture's hooks too, and the outer's reached the inner's: both got twice dy/dA after one backward
+    each. Oracle: dy/dA on the eager twin's own probabilities (torch.autograd.grad)."""
+    torch.manual_seed(0)
+    model = VisionTransformer(**TINY).eval()
+    x = torch.randn(2, 3, 32, 32)
+    twin = copy.deepcopy(model)
+    probs = []
+    for block in twin.blocks:
+        block.attn.fused_attn = False
+        block.attn.attn_drop.register_forward_hook(lambda m, i, o: probs.append(o))
+    want = torch.autograd.grad(twin(x)[:, 1].sum(), probs)
+    with vx.capture(model, grads=True) as outer:
+        with vx.capture(model, grads=True) as inner:
+            out = model(x)
+            inner.backward(out[:, 1], retain_graph=True)
+        outer.backward(out[:, 1])
+    for rec in (outer, inner):
+        assert len(rec.records) == 2
+        for record, expected in zip(rec.records, want):
+            torch.testing.assert_close(record.grad_probs(), expected, atol=1e-6, rtol=1e-5)
+
+
+def test_misused_record_and_backward_arguments_are_clear_errors():
+    """These raised raw IndexError / TypeError / RuntimeError / AttributeError from inside vitexplain."""
+    from vitexplain.errors import InputError, UsageError
+
+    torch.manual_seed(0)
+    model = VisionTransformer(**TINY).eval()
+    with vx.capture(model, grads=True) as rec:
+        out = model(torch.randn(2, 3, 32, 32))
+    record = rec.records[0]  # 17 queries
+    for bad in (torch.tensor([17]), torch.tensor([-18]), 1.5, "cls", torch.tensor([0.5]), torch.ones(3, dtype=torch.bool)):
+        with pytest.raises(UsageError):
+            record.probs(queries=bad)
+    rows = torch.tensor([16, -17, 3])  # valid indices still select rows, as plain indexing does
+    torch.testing.assert_close(record.probs(queries=rows), record.probs()[..., rows, :])
+    keep = torch.zeros(17, dtype=torch.bool)
+    keep[[0, 5]] = True
+    torch.testing.assert_close(record.probs(queries=keep), record.probs()[..., [0, 5], :])
+    for bad in ("score", 3, torch.ones(2, dtype=torch.long)):
+        with pytest.raises(InputError):
+            rec.backward(bad)
+    with pytest.raises(CaptureError, match="not part of an autograd graph"):
+        rec.backward(torch.ones(2))
+    rec.backward(out[:, 0])
+    with pytest.raises(UsageError, match="shape of its output"):
+        record.grad_probs(d_out=torch.ones(3, 3))
+    with pytest.raises(CaptureError, match="retain_graph=True"):
+        rec.backward(out[:, 0])  # the graph was freed by the first backward
+
+
+class _CachedAttention(nn.Module):
+    """One query per call against a KV buffer written in place, as Hugging Face's static caches do:
+    ``window`` slots used as a ring (sliding window), or ``None``: slots filled in order, the empty
+    ones masked out (a static cache). Keeps the probabilities of each call, computed by hand."""
+
+    def __init__(self, slots: int, window: int | None) -> None:
+        super().__init__()
+        self.window, self.calls = window, 0
+        self.register_buffer("keys", torch.zeros(1, 2, slots, 4))
+        self.register_buffer("values", torch.zeros(1, 2, slots, 4))
+        self.seen: list = []
+
+    def forward(self, q, k, v):  # (1, 2, 1, 4) each
+        slot = self.calls % self.keys.shape[2]
+        self.keys[:, :, slot] = k[:, :, 0]  # in place: the buffer's version counts up
+        self.values[:, :, slot] = v[:, :, 0]
+        self.calls += 1
+        filled = torch.arange(self.keys.shape[2]) < self.calls
+        mask = None if self.window is not None and self.calls >= self.window else filled
+        scores = (q @ self.keys.transpose(-2, -1)) / 2.0
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        weights = scores.exp()  # (not a softmax call, which the capture would record too)
+        self.seen.append(weights / weights.sum(-1, keepdim=True))
+        return F.scaled_dot_product_attention(q, self.keys, self.values, attn_mask=None if mask is None else mask[None, None, None])
+
+
+@pytest.mark.parametrize("window", [None, 3], ids=["static", "sliding"])
+def test_keys_overwritten_in_place_after_the_call_are_refused_not_misread(window):
+    """Records keep the keys without copying them. A sliding-window KV cache overwrites, in place, keys
+    that earlier calls attended to: their records then recomputed other probabilities, silently (HF's
+    Gemma-3 / Mistral with cache_implementation='static' during generate). Now such a record raises; a
+    static cache that only fills masked slots later stays readable. Oracle: the probabilities computed
+    by hand at each call."""
+    torch.manual_seed(0)
+    module = _CachedAttention(slots=3 if window else 6, window=window)
+    with torch.no_grad(), vx.capture(module) as rec:
+        for _ in range(6):
+            module(*(torch.randn(1, 2, 1, 4) for _ in range(3)))
+    records = rec.records
+    # static: later calls fill slots every earlier call masked out; ring: each later call overwrites a slot
+    # that every earlier call attended to (calls 0-2 attend slots 0-2 as they fill, call 3 rewrites slot 0)
+    readable = range(6) if window is None else [5]
+    assert len(records) == 6
+    for i, (record, expected) in enumerate(zip(records, module.seen)):
+        if i in readable:
+            torch.testing.assert_close(record.probs(), expected, atol=1e-6, rtol=0)
+        else:
+            with pytest.raises(CaptureError, match="overwritten in place"):
+                record.probs()

@@ -272,3 +272,32 @@ def test_a_plain_tensor_of_another_rank_is_a_clear_error(shape):
         with vx.capture(m, attention={"": lambda mod, i, o: torch.rand(shape)}):
             m(torch.randn(1, 6), torch.randn(1, 3, 4))
     assert not m._forward_hooks
+
+
+def test_a_registered_module_inside_a_named_module_is_not_recorded_again():
+    """A module named in ``attention={...}`` owns the attention inside it, as its SDPA/softmax calls are not
+    recorded separately: a registered attention class inside it was recorded too (two records per step)."""
+    torch.manual_seed(0)
+    model = Seq2Seq()
+    src, tokens = torch.randn(2, 4, 5), torch.randint(0, 7, (2, 3))
+
+    def whole(module, inputs, output):  # the named parent reads the weights of its (registered) child
+        return AttentionWeights(module.weights, "cross")
+
+    def keep(module, inputs, output):
+        model.weights = output[1]
+
+    handle = model.attention.register_forward_hook(keep)
+    vx.recording.register_attention(Additive, from_output(1, "cross"))
+    try:
+        with torch.no_grad(), vx.capture(model, attention={"": whole}) as rec:
+            model(src, tokens)
+        with torch.no_grad(), vx.capture(model) as registered_only:
+            model(src, tokens)
+    finally:
+        vx.recording.unregister_attention(Additive)
+        handle.remove()
+    (record,) = rec.records  # one call of the named module: one record, the last step's weights
+    assert record.name == "" and record.source == "module"
+    assert [r.name for r in registered_only.records] == ["attention"] * 3  # (the registry alone still works)
+    torch.testing.assert_close(record.probs()[:, 0, 0], registered_only.records[-1].probs()[:, 0, 0])

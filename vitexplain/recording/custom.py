@@ -43,7 +43,7 @@ from torch import Tensor, nn
 
 from ..errors import CaptureError, InputError
 from .attribution import call_kind
-from .sink import Issuer, RecordSink
+from .sink import Issuer, RecordSink, in_backward
 
 __all__ = [
     "AttentionWeights",
@@ -242,6 +242,8 @@ def module_hook(sink: RecordSink, name: str, extractor: Extractor) -> Callable:
     """
 
     def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if in_backward():  # a checkpointed forward recomputed: this call was recorded when it first ran
+            return
         inputs = ModuleInputs(args, kwargs)
         checked = as_weights(extractor(module, inputs, output), name)
         if checked is None:
@@ -344,8 +346,10 @@ def declared_modules(
     found: dict[str, tuple[nn.Module, Extractor]] = {}
     inside: Optional[str] = None
     for name, module in modules.items():
-        if name in explicit:
+        if name in explicit:  # (a module named explicitly is declared even inside another declared one)
             found[name] = (module, explicit[name])
+            if inside is None or not (inside == "" or name.startswith(inside + ".")):
+                inside = name
             continue
         if inside is not None and (inside == "" or name.startswith(inside + ".")):
             continue

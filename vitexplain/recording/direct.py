@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from .attribution import frame_kind, never_issues
-from .records import held
+from .records import held, key_witness
 from .sink import Issuer, RecordSink
 
 __all__ = ["DirectSDPA"]
@@ -127,7 +127,7 @@ def _plan(original: Callable, module: nn.Module, args: tuple, kwargs: dict,
     kind = (original, type(module), handling, None if mask is None else mask.dim(), q_length == 1, causal, sliced,
             dropout != 0.0, scaling is None, tuple([a is None for a in args[4:]]), given)
     fields = dict(source="sdpa", q_shape=query.shape, k_shape=key.shape, dropout_p=dropout, _mask=held(mask),
-                  _scale=scaling, _causal=causal, _q=held(query), _k=held(key))
+                  _scale=scaling, _causal=causal, _q=held(query), _k=held(key), **key_witness(key))
     return kind, fields
 
 

@@ -39,7 +39,7 @@ from torch import Tensor
 
 from ..errors import CaptureError
 from .records import AttentionRecord, QuerySelect, _rows
-from .sink import RecordSink
+from .sink import RecordSink, in_backward
 
 __all__ = [
     "FlexAttentionRecord",
@@ -357,7 +357,7 @@ class FlexWatcher:
 
     def _record(self, bound: dict[str, Any], caller: Optional[FrameType], traced: bool = False) -> None:
         issuer = self.sink.issuer(caller) if caller is not None else None
-        if issuer is None:
+        if issuer is None or in_backward():  # (in_backward: a checkpointed forward recomputed, recorded before)
             return
         if traced and _runs_compiled_code(issuer.frame):
             # the module found runs dynamo-compiled code: the submodules it called (and the one that

@@ -53,6 +53,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from ..errors import CaptureError, InputError
+from .sink import in_backward
 
 __all__ = [
     "GateSpec",
@@ -350,7 +351,7 @@ class GateHooks:
     def _post(self, plan: GatePlan) -> Callable:
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
             pending = self._pending.pop(plan.name, None)
-            if pending is None or pending["input"] is None:
+            if pending is None or pending["input"] is None or in_backward():  # (in_backward: recomputed)
                 return
             step = self._steps.get(plan.name, 0)
             self._steps[plan.name] = step + 1

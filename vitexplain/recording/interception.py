@@ -29,8 +29,8 @@ from . import materialize
 from .flex import FlexWatcher
 from .materialize import attention_with_probs, can_materialize
 from .packed import packed_groups, unpack_mask, unpack_query
-from .records import held
-from .sink import RecordSink
+from .records import held, key_witness
+from .sink import RecordSink, in_backward
 
 __all__ = ["AttentionMode"]
 
@@ -158,6 +158,11 @@ class AttentionMode(TorchFunctionMode):
         issuer = self.sink.issuer(caller) if caller is not None else None
         if issuer is None:
             return func(*args, **kwargs)
+        # a gradient-checkpointed forward recomputed in a backward pass was recorded when it ran: not again,
+        # but a materialized call is computed again as it was (the recomputation must equal the forward)
+        again = in_backward()
+        if again and self.attention_mode != "materialize":
+            return func(*args, **kwargs)
         bound = _bind_sdpa(args, kwargs)
         query, k, v = bound["query"], bound["key"], bound["value"]
         mask = bound.get("attn_mask")
@@ -195,7 +200,9 @@ class AttentionMode(TorchFunctionMode):
             # the probabilities are kept, so the mask (SAM's relative-position bias: as large as
             # the attention itself) is not: the record only notes that the call had one
             fields.update(_mask=None, _masked=mask is not None, materialized=True, heads=heads, _probs=kept)
-            if self.sink.grads:
+            if again:
+                pass
+            elif self.sink.grads:
                 record = self.sink.add_record(issuer, **fields)
                 record._attach_grad_hook(probs, self.sink.hooks_enabled)
             else:  # nothing to hook: the record is made when the records are read
@@ -203,11 +210,11 @@ class AttentionMode(TorchFunctionMode):
             return out.reshape(*query.shape[:-1], out.shape[-1])
         out = func(*args, **kwargs)
         if self.sink.grads:
-            record = self.sink.add_record(issuer, _q=q.detach(), _k=k.detach(), **fields)
+            record = self.sink.add_record(issuer, _q=q.detach(), _k=k.detach(), **key_witness(k), **fields)
             record._v = v.detach()
             record._attach_grad_hook(out, self.sink.hooks_enabled)
         else:
-            self.sink.add_draft(issuer, dict(fields, _q=held(q), _k=held(k)))
+            self.sink.add_draft(issuer, dict(fields, _q=held(q), _k=held(k), **key_witness(k)))
         return out
 
     def _materialize(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], dropout_p: float, gqa: bool) -> bool:
@@ -235,7 +242,7 @@ class AttentionMode(TorchFunctionMode):
         if dim not in (-1, out.dim() - 1):
             return out
         issuer = self.sink.issuer(caller)
-        if issuer is None:
+        if issuer is None or in_backward():  # (in_backward: a checkpointed forward recomputed, recorded before)
             return out
         probs = out
         if out.dim() == 3:

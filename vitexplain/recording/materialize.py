@@ -106,8 +106,8 @@ def can_materialize(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], dro
         enable_gqa: SDPA's grouped-query flag (fewer key/value heads).
     """
     tensors = (q, k, v)
-    if any(t.dtype != torch.float32 or t.is_nested or t.dim() != 4 for t in tensors):
-        return False
+    if any(t.dtype != torch.float32 or t.is_nested or t.dim() != 4 or t.numel() == 0 for t in tensors):
+        return False  # (an empty call, e.g. no keys: the fused kernel's own zeros, nothing to keep)
     if dropout_p != 0.0 or _autocast(q.device.type):
         return False
     if mask is not None and mask.dtype not in (torch.bool, torch.float32):

@@ -46,7 +46,7 @@ from .interception import AttentionMode
 from .materialize import check_heads, check_mode
 from .narrowing import Narrowing
 from .records import ActivationRecord, AttentionRecord, weak_grad_hook
-from .sink import Issuer
+from .sink import Issuer, in_backward
 
 __all__ = ["capture", "Recorder", "LayoutFn", "SUPPORTED"]
 
@@ -60,6 +60,11 @@ SUPPORTED = (
     "nn.MultiheadAttention / nn.Transformer* layers, and modules declared with "
     "vx.capture(model, attention={name: extractor}) or vx.recording.register_attention"
 )
+
+
+#: how many :meth:`Recorder.backward` passes run now (any recorder): no record's hook collects meanwhile
+_BACKWARDS = [0]
+_BACKWARDS_LOCK = threading.Lock()
 
 
 class Recorder:
@@ -76,7 +81,8 @@ class Recorder:
         attention_mode: ``"fused"``, ``"materialize"`` or ``"auto"`` (see :func:`vitexplain.capture`).
         layout_fn: ``layout_fn(model, (H, W)) -> TokenLayout`` behind :attr:`layout`, or None.
         input_size: (H, W) of the last image tensor the model received, if any.
-        forward_count: how many times the model's own forward ran inside the scope.
+        forward_count: how many times the model's own forward ran inside the scope, in the thread that
+            entered it (calls from other threads are not this capture's).
     """
 
     #: Intercept every torch call in the scope (True), or narrow interception to where attention is
@@ -110,6 +116,7 @@ class Recorder:
         self.capture_gates = bool(gates)
         self.input_size: Optional[tuple[int, int]] = None
         self.forward_count = 0
+        self._other_thread_forwards = 0  # forwards of the model in other threads while the scope was active
         self._made: list[AttentionRecord] = []
         self._drafts: list[tuple] = []  # records to make (add_draft), in call order after _made
         self._steps: dict[str, int] = {}
@@ -209,6 +216,8 @@ class Recorder:
 
     def issuer_of(self, module: nn.Module, frame: FrameType) -> Optional[Issuer]:
         """``module`` as the issuer of a call made from ``frame`` (see :class:`RecordSink`)."""
+        if in_backward():  # a checkpointed forward recomputed: through the mode, which does not record it again
+            return None
         return self._attribution.issuer_of(module, frame)
 
     def add_record(
@@ -252,8 +261,10 @@ class Recorder:
         return self._records[-1] if self._records else None
 
     def hooks_enabled(self) -> bool:
-        """Whether gradient hooks collect (not while :meth:`backward` runs its own pass)."""
-        return not self._in_backward
+        """Whether gradient hooks collect: not while :meth:`backward` of this or of any other recorder runs
+        its own pass (a capture nested in another, e.g. an explainer's inside a user's: each recorder's
+        pass reaches the records it targets, not the other recorder's, whose hooks see the same graph)."""
+        return not self._in_backward and _BACKWARDS[0] == 0
 
     # -- results ----------------------------------------------------------------------
     @property
@@ -268,6 +279,12 @@ class Recorder:
         self._flex.check()
         if not self._records:
             cls = type(self.model).__name__
+            if self.forward_count == 0 and self._other_thread_forwards:
+                raise NoAttentionError(
+                    f"{cls} ran inside vx.capture(...) only in another thread than the one that entered it; "
+                    "a capture sees the attention of its own thread only: enter vx.capture in the thread "
+                    "that calls the model"
+                )
             if self.forward_count == 0:
                 raise NoAttentionError(
                     f"no forward of {cls} ran inside vx.capture(...): call the model inside "
@@ -360,9 +377,17 @@ class Recorder:
         Args:
             score: a scalar (or a tensor, which is summed) computed from the model outputs.
             retain_graph: keep the graph for another backward.
+
+        Raises:
+            InputError: ``score`` is not a float tensor.
+            CaptureError: gradients were not captured, nothing captured or ``score`` is in no autograd
+                graph, or the graph was freed by an earlier backward.
         """
         if not self.grads:
             raise CaptureError("gradients were not captured: use vx.capture(model, grads=True)")
+        if not isinstance(score, Tensor) or not score.is_floating_point():
+            what = f"a {score.dtype} tensor" if isinstance(score, Tensor) else type(score).__name__
+            raise InputError(f"rec.backward expects a float tensor computed from the model outputs, got {what}")
         targets: list[tuple[Any, Tensor]] = [(r, r._out) for r in self._records if r._out is not None]
         targets += [(a, a.output) for calls in self.activations.values() for a in calls if a.output.requires_grad]
         if not targets:
@@ -370,13 +395,29 @@ class Recorder:
                 "nothing captured is part of an autograd graph (the forward ran under torch.no_grad(), or "
                 "neither the input nor any parameter requires grad)"
             )
+        if not score.requires_grad:
+            raise CaptureError(
+                "the score given to rec.backward is not part of an autograd graph: compute it from the outputs "
+                "of the captured forward, run with gradients enabled (not under torch.no_grad())"
+            )
         self._in_backward = True
+        with _BACKWARDS_LOCK:
+            _BACKWARDS[0] += 1
         try:
             grads = torch.autograd.grad(
                 score.sum(), [t for _, t in targets], retain_graph=retain_graph, allow_unused=True
             )
+        except RuntimeError as error:
+            if "second time" not in str(error):
+                raise
+            raise CaptureError(
+                "the autograd graph of this forward was freed by an earlier backward: pass retain_graph=True to "
+                "every rec.backward(...) on it but the last, or run the forward again"
+            ) from error
         finally:
             self._in_backward = False
+            with _BACKWARDS_LOCK:
+                _BACKWARDS[0] -= 1
         for (obj, tensor), grad in zip(targets, grads):
             obj._add_grad(grad if grad is not None else torch.zeros_like(tensor))
 
@@ -410,6 +451,9 @@ class Recorder:
 
     # -- hooks ------------------------------------------------------------------------
     def _on_model_input(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if threading.get_ident() != self._thread:  # not this capture's call (its mode is the scope thread's)
+            self._other_thread_forwards += 1
+            return
         self.forward_count += 1
         candidates: Iterable[Any] = (*args, kwargs.get("pixel_values"), kwargs.get("x"), kwargs.get("images"))
         for value in candidates:
@@ -438,7 +482,7 @@ class Recorder:
     def _activation_hook(self, name: str) -> Callable:
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             out = output[0] if isinstance(output, (tuple, list)) else output
-            if not isinstance(out, Tensor):
+            if not isinstance(out, Tensor) or in_backward():  # (a checkpointed forward recomputed: seen before)
                 return
             inp = next((a for a in args if isinstance(a, Tensor)), None)
             record = ActivationRecord(

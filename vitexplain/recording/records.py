@@ -31,7 +31,7 @@ from torch import Tensor
 from ..errors import CaptureError, UsageError
 
 __all__ = [
-    "AttentionRecord", "ActivationRecord", "QuerySelect", "held", "attention_probs", "attention_scores", "masked_softmax", "fuse_heads",
+    "AttentionRecord", "ActivationRecord", "QuerySelect", "held", "key_witness", "attention_probs", "attention_scores", "masked_softmax", "fuse_heads",
 ]
 
 QuerySelect = Union[None, int, slice, Tensor]
@@ -41,14 +41,37 @@ Fusion = Literal["mean", "max", "min"]
 
 
 def _rows(selector: QuerySelect, n: int) -> Tensor | slice:
-    """Normalise a query selector into something usable for indexing dim -2."""
+    """Normalise a query selector into something usable for indexing dim -2.
+
+    Raises:
+        UsageError: not an int, a slice or an integer/boolean index tensor, or an index out of range.
+    """
     if selector is None:
         return slice(None)
-    if isinstance(selector, int):
+    if isinstance(selector, slice):
+        return selector
+    if isinstance(selector, int) and not isinstance(selector, bool):
         if not -n <= selector < n:
             raise UsageError(f"query index {selector} is out of range for {n} queries")
         return slice(selector % n, selector % n + 1)
+    if not isinstance(selector, Tensor) or selector.dim() != 1 or selector.is_floating_point() \
+            or selector.is_complex():
+        raise UsageError(
+            f"queries must be None, an int, a slice or a 1-D integer or boolean index tensor, got {_described(selector)}"
+        )
+    if selector.dtype == torch.bool:
+        if selector.numel() != n:
+            raise UsageError(f"a boolean query mask must have one entry per query ({n}), got {selector.numel()}")
+    elif selector.numel() and not bool(((selector >= -n) & (selector < n)).all()):
+        raise UsageError(f"query indices {selector.tolist()} are out of range for {n} queries")
     return selector
+
+
+def _described(value: object) -> str:
+    """``value`` in an error message: a tensor by its shape and dtype, anything else by its repr."""
+    if isinstance(value, Tensor):
+        return f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
+    return repr(value)
 
 
 def _select_mask_rows(mask: Tensor, rows: Tensor | slice, n_q: int) -> Tensor:
@@ -62,6 +85,31 @@ def held(t: Optional[Tensor]) -> Optional[Tensor]:
     """What a record keeps of a tensor: the tensor itself unless it is part of an autograd graph
     (then detached; a detach costs a new tensor object, so it is not made otherwise)."""
     return t.detach() if t is not None and t.requires_grad else t
+
+
+def key_witness(k: Optional[Tensor]) -> dict:
+    """What a record notes of its keys to tell, when it is read, whether the model wrote into them since.
+
+    Records keep the keys themselves (no copy). Keys that had been written in place before the call
+    (``_version`` not 0: a static or sliding-window KV cache buffer, updated by ``index_copy_``) may be
+    written again by later calls; for those, the per-key sums (B, H_kv, N_k) are kept as a witness
+    (E times smaller than the keys). Freshly computed keys (version 0) cost nothing.
+
+    Returns:
+        the record fields ``_k_version`` and ``_k_sums``.
+    """
+    version = _version(k)
+    if version <= 0:
+        return {"_k_version": version, "_k_sums": None}
+    return {"_k_version": version, "_k_sums": k.detach().float().sum(-1)}  # type: ignore[union-attr]
+
+
+def _version(t: Optional[Tensor]) -> int:
+    """``t._version``: how many times it was written in place; 0 for None, -1 for an inference tensor
+    (written only inside ``torch.inference_mode``, which keeps no count)."""
+    if t is None:
+        return 0
+    return -1 if t.is_inference() else t._version
 
 
 def attention_scores(
@@ -98,7 +146,8 @@ def attention_scores(
     kf = _repeat_heads(k.float(), qf.shape[-3])
     scale = score_scale(q, scale)
     if qf.shape[:-2] == kf.shape[:-2]:
-        q3, k3 = qf.reshape(-1, *qf.shape[-2:]), kf.reshape(-1, *kf.shape[-2:])
+        batch = math.prod(qf.shape[:-2])  # (not -1: ambiguous when N_q or N_k is 0)
+        q3, k3 = qf.reshape(batch, *qf.shape[-2:]), kf.reshape(batch, *kf.shape[-2:])
         scores = torch.baddbmm(q3.new_zeros(()), q3, k3.transpose(1, 2), beta=0.0, alpha=scale)
         scores = scores.view(*qf.shape[:-1], n_k)
     else:  # broadcast batch dims
@@ -227,6 +276,8 @@ class AttentionRecord:
     _grad_out: Optional[Tensor] = field(default=None, repr=False)
     _grad_probs: Optional[Tensor] = field(default=None, repr=False)
     _grad_state: str = field(default="off", repr=False)
+    _k_version: int = field(default=0, repr=False)
+    _k_sums: Optional[Tensor] = field(default=None, repr=False)
 
     @property
     def batch_size(self) -> int:
@@ -292,6 +343,8 @@ class AttentionRecord:
             return self._probs[..., rows, :].float()
         if self._q is None or self._k is None:
             raise CaptureError(f"record {self.name!r} holds no queries/keys (it was released)")
+        if self._k_version >= 0 and _version(self._k) != self._k_version:
+            self._check_keys_kept()
         return attention_probs(
             self._q,
             self._k,
@@ -299,6 +352,27 @@ class AttentionRecord:
             scale=self._scale,
             is_causal=self._causal,
             queries=queries,
+        )
+
+    def _check_keys_kept(self) -> None:
+        """Raise when the model wrote, after this call, into keys this call attended to (written in place
+        before the call too, see :func:`key_witness`). Writes to keys the call masked out change nothing
+        (a static cache filled at later positions); a sliding-window cache overwrites attended ones."""
+        if self._k_sums is not None:
+            changed = self._k.detach().float().sum(-1) != self._k_sums  # (B, H_kv, N_k) keys written since
+            if not bool(changed.any()):
+                return
+            scores = attention_scores(self._q, self._k, attn_mask=self._mask, scale=self._scale, is_causal=self._causal)
+            attended = (scores > torch.finfo(torch.float32).min / 2).any(-2)  # (B, H, N_k): some query attends
+            if changed.shape != attended.shape:  # grouped-query keys
+                changed = _repeat_heads(changed[..., None], attended.shape[-2])[..., 0]
+            if not bool((attended & changed).any()):
+                return
+        raise CaptureError(
+            f"the keys of {self.name!r} (step {self.step}) were overwritten in place after the call, as a "
+            "static or sliding-window KV cache does, so its attention cannot be recomputed; read the records "
+            "before the next call overwrites them, or generate with a dynamic cache "
+            "(e.g. generate(..., cache_implementation='dynamic'))"
         )
 
     def fused_probs(self, fusion: Fusion = "mean", queries: QuerySelect = None) -> Tensor:
@@ -408,7 +482,7 @@ class AttentionRecord:
     def release(self) -> None:
         """Drop every tensor this record holds (frees memory; the record becomes empty)."""
         self._q = self._k = self._v = self._mask = self._out = None
-        self._probs = self._grad_out = self._grad_probs = None
+        self._probs = self._grad_out = self._grad_probs = self._k_sums = None
 
     # -- called by the recorder -------------------------------------------------------
     def _as_4d(self, grad: Tensor) -> Tensor:
@@ -417,6 +491,13 @@ class AttentionRecord:
         see :mod:`vitexplain.recording.packed`, are recorded as (B, H, N_q, ...))."""
         if grad.dim() == 4 and grad.shape[1] == self.num_heads:
             return grad
+        if grad.dim() == 0 or grad.numel() % (self.batch_size * self.num_heads * grad.shape[-1]) \
+                or (self._out is not None and grad.numel() != self._out.numel()):
+            shape = f" {tuple(self._out.shape)}" if self._out is not None else ""
+            raise UsageError(
+                f"the gradient given for {self.name!r} ({_described(grad)}) does not have the shape of its "
+                f"output{shape}: pass d_out = the gradient w.r.t. record.output"
+            )
         return grad.reshape(self.batch_size, self.num_heads, -1, grad.shape[-1])
 
     def _add_grad(self, grad: Tensor) -> None:

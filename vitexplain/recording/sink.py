@@ -11,11 +11,25 @@ from __future__ import annotations
 from types import FrameType
 from typing import Any, NamedTuple, Optional, Protocol
 
+import torch
 from torch import nn
 
 from .records import AttentionRecord
 
-__all__ = ["Issuer", "RecordSink"]
+__all__ = ["Issuer", "RecordSink", "in_backward"]
+
+
+_graph_task = getattr(torch._C, "_current_graph_task_id", None)
+
+
+def in_backward() -> bool:
+    """Whether autograd is running a backward pass in this thread.
+
+    Module code that runs then is a gradient-checkpointed forward being recomputed (timm's
+    ``set_grad_checkpointing``, ``torch.utils.checkpoint``): its attention calls and module calls
+    were recorded when the forward ran, so they are not recorded again.
+    """
+    return _graph_task is not None and _graph_task() != -1
 
 
 class Issuer(NamedTuple):
