@@ -154,3 +154,39 @@ def test_timm_headless_backbone_embedding_and_similarity():
     torch.testing.assert_close(e.maps, expected.detach(), atol=1e-6, rtol=1e-4)
     with pytest.raises(vx.TargetError, match="no classifier head"):
         ex.explain(x, method="gradcam")
+
+
+@pytest.mark.parametrize("kind", ["CLIP", "Siglip"])
+def test_dual_encoder_explains_its_image_tower(kind):
+    """CLIPModel / SiglipModel (image-text dual encoders): the explained score is a function of
+    get_image_features (the model's own forward needs text). They were read with the *text*
+    tower's layers (found first) and every method crashed in the model's forward."""
+    torch.manual_seed(0)
+    small = {k: v for k, v in TINY.items()}
+    text = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=99,
+                bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    extra = dict(projection_dim=32) if kind == "CLIP" else {}
+    config = getattr(transformers, f"{kind}Config")(vision_config=small, text_config=text, **extra)
+    model = getattr(transformers, f"{kind}Model")(config).eval()
+    ex = vx.Explainer(model)
+    assert ex.adapter.blocks[0].startswith("vision_model.") and not ex.adapter.has_head
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    target = vx.targets.similarity(VECTOR)
+    for e in ex.explain(x, method=ex.methods(), target=target):
+        want = (2, 32, 32) if e.method in ("attnlrp", "cp_lrp") else (2, *GRID)
+        assert e.maps.shape == want and torch.isfinite(e.maps).all(), e.method
+    # oracle: CDAM by plain autograd on the image embedding (the last vision layer's first norm)
+    prefix = 1 if kind == "CLIP" else 0
+    cdam = ex.explain(x, method="cdam", target=target).maps
+    kept = []
+    norm = model.vision_model.encoder.layers[-1].layer_norm1
+    handle = norm.register_forward_hook(lambda m, a, o: (o.retain_grad(), kept.append(o))[0])
+    try:
+        out = model.get_image_features(pixel_values=x)
+    finally:
+        handle.remove()
+    emb = out if isinstance(out, torch.Tensor) else out.pooler_output
+    torch.cosine_similarity(emb, VECTOR[None], dim=-1).sum().backward()
+    expected = (kept[0] * kept[0].grad).sum(-1)[:, prefix:].reshape(2, *GRID)
+    torch.testing.assert_close(cdam, expected.detach(), atol=1e-6, rtol=1e-4)
+    assert float(expected.detach().std()) > 0
