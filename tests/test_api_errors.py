@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 
@@ -49,6 +50,30 @@ def test_bad_input_tensors(ex, x, bad, error, message):
     (99, "out of range"),
 ])
 def test_bad_targets(ex, x, target, message):
+    with pytest.raises(vx.TargetError, match=message):
+        ex.explain(x, method="cdam", target=target)
+
+
+@pytest.mark.parametrize("target, same", [
+    (torch.tensor(2), 2),  # a 0-d tensor (e.g. logits.argmax()) crashed with a TypeError (len of an int)
+    (np.int64(2), 2),  # a NumPy integer is a class index; it was refused as "not a class index"
+    (np.array(1), 1),
+    (np.array([2, 0]), [2, 0]),
+])
+def test_tensor_and_numpy_class_indices_are_the_python_ints_they_hold(ex, x, target, same):
+    got = ex.explain(x, method="cdam", target=target)
+    want = ex.explain(x, method="cdam", target=same)
+    assert got.targets.tolist() == want.targets.tolist()
+    torch.testing.assert_close(got.maps, want.maps)
+
+
+@pytest.mark.parametrize("target, message", [
+    (torch.tensor(1.0), "got float 1.0"),
+    (torch.tensor(True), "got bool True"),
+    (np.array([0.5, 1.0]), "target 0.5 is a float"),
+    (np.float32(1.0), "got float 1.0"),
+])
+def test_non_integer_tensor_and_numpy_targets_are_refused(ex, x, target, message):
     with pytest.raises(vx.TargetError, match=message):
         ex.explain(x, method="cdam", target=target)
 

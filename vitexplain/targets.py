@@ -182,7 +182,8 @@ def resolve(
 
     Args:
         target: None (each image's top prediction), an int or label name (same for all
-            images), a sequence or tensor with one int/label per image, or a callable
+            images), a sequence or tensor with one int/label per image (0-d tensors and
+            NumPy scalars/arrays count as the Python values they hold), or a callable
             ``score(outputs) -> (B,)`` tensor.
         outputs: the model outputs of the explained forward (logits (B, C) or an object
             with ``.logits``).
@@ -224,6 +225,8 @@ def resolve(
     if logits.dim() != 2:
         raise TargetError(f"expected (B, C) logits, got shape {tuple(logits.shape)}; pass a callable target")
     batch, num_classes = logits.shape
+    if isinstance(target, Tensor) and target.dim() == 0 or type(target).__module__ == "numpy" and hasattr(target, "tolist"):
+        target = target.tolist()  # a 0-d tensor, a NumPy scalar or array: the Python value(s) it holds
     if target is None:
         classes = logits.detach().argmax(dim=1)
         description = "predicted"
