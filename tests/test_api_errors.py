@@ -176,3 +176,15 @@ def test_a_hugging_face_vit_on_another_size_than_its_configured_one_gets_an_inpu
     with pytest.raises(vx.InputError, match=r"does not take a 32x48 input \(RuntimeError: .*expects 32x32 images"):
         ex.explain(torch.rand(2, 3, 32, 48), method="rollout", target=vx.targets.norm())
     assert ex.explain(torch.rand(2, 3, 32, 32), method="rollout", target=vx.targets.norm()).maps.shape == (2, 4, 4)
+
+
+def test_a_model_on_the_meta_device_gets_a_clear_error():
+    """A model built under torch.device('meta') has no weight values; its explanation crashed
+    with a RuntimeError ('Tensor.item() cannot be called on meta tensors') in the score check."""
+    import timm
+
+    model = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=1, num_classes=3).to("meta")
+    with pytest.raises(vx.UnsupportedModelError, match="meta device.*load real weights"):
+        vx.Explainer(model).explain(torch.randn(1, 3, 32, 32), method="generic")
+    with pytest.raises(vx.UnsupportedModelError, match="meta device"):
+        vx.Explainer(model).explain(torch.randn(1, 3, 32, 32, device="meta"), method="rollout")

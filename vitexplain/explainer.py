@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from .adapters import Adapter, adapter_for
 from .checks import (channels_of, check_batch, check_finite_maps, check_finite_scores, check_tensor_input,
                      checked_score, model_device, model_dtype)
-from .errors import InputError, UnsupportedMethodError, UsageError, VitexplainError
+from .errors import InputError, UnsupportedMethodError, UnsupportedModelError, UsageError, VitexplainError
 from .methods.families import Family
 from .plan import MethodArg, Plan, applicable, capture_settings, make_plan, split_options
 from .recording import capture
@@ -356,7 +356,17 @@ class Explainer:
 
     def _inputs(self, images: Any) -> tuple[Tensor, Any, Any, Any]:
         """The model input for ``images`` (checked, on the model's device) and, when images were
-        given, the regions the model saw, their crop boxes and sources."""
+        given, the regions the model saw, their crop boxes and sources.
+
+        Raises:
+            UnsupportedModelError: the model's weights are on the meta device (no values).
+        """
+        if model_device(self.model).type == "meta":
+            raise UnsupportedModelError(
+                f"{type(self.model).__name__}'s weights are on the meta device: they have shapes but no values, so "
+                "nothing can be computed or explained; load real weights first (e.g. model.to_empty(device='cpu') then "
+                "model.load_state_dict(...), or build the model outside torch.device('meta'))"
+            )
         if isinstance(images, Tensor):
             x = check_tensor_input(images, channels_of(self.adapter.preprocess_kwargs()), model_dtype(self.model),
                                    model_device(self.model))
