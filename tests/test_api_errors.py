@@ -104,8 +104,10 @@ def test_nan_weights_say_the_outputs_are_not_finite(model, x):
 
 
 @pytest.mark.parametrize("method, options, message", [
-    ("rollout", {"start_layer": 99}, r"'start_layer' must be in .* \(4 layers\); got 99"),
-    ("generic", {"start_layer": 4}, r"'start_layer' must be in .*; got 4"),
+    # the range said is the one accepted: start_layer is non-negative (it said [-4, 3], and -4 is refused)
+    ("rollout", {"start_layer": 99}, r"'start_layer' must be in \[0, 3\] for this model \(4 layers\); got 99"),
+    ("generic", {"start_layer": 4}, r"'start_layer' must be in \[0, 3\] .*; got 4"),
+    ("grad_rollout", {"start_layer": -1}, r"'start_layer' must be an integer in \[0, inf\)"),
     ("cdam_smooth", {"samples": 10**9}, r"'samples' must be an integer in \[1, 10000\]"),
     ("cdam_integrated", {"steps": 10**9}, r"'steps' must be an integer in \[1, 10000\]"),
 ])
