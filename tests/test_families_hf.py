@@ -190,3 +190,18 @@ def test_dual_encoder_explains_its_image_tower(kind):
     expected = (kept[0] * kept[0].grad).sum(-1)[:, prefix:].reshape(2, *GRID)
     torch.testing.assert_close(cdam, expected.detach(), atol=1e-6, rtol=1e-4)
     assert float(expected.detach().std()) > 0
+
+
+def test_label_names_follow_the_class_index_when_id2label_keys_are_strings():
+    """config.id2label set from a JSON file has string keys; sorted as text ("10" < "2") the
+    label names were misordered and a label-name target explained another class, silently."""
+    model = _build("ViTConfig", "ViTForImageClassification", num_labels=12)
+    model.config.id2label = {str(i): f"class{i}" for i in range(12)}
+    ex = vx.Explainer(model)
+    assert ex.adapter.label_names == [f"class{i}" for i in range(12)]
+    x = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    by_name, by_index = ex.explain(x, method="cdam", target="class2"), ex.explain(x, method="cdam", target=2)
+    assert by_name.targets.tolist() == [2] and by_name.target_names() == ["class2"]
+    torch.testing.assert_close(by_name.maps, by_index.maps)
+    model.config.id2label = {str(i): f"class{i}" for i in (0, 1, 3)}  # not the indices 0..C-1: no names
+    assert vx.Explainer(model).adapter.label_names is None
