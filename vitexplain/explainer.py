@@ -42,6 +42,19 @@ __all__ = ["Explainer", "Explanation", "CaptionExplanation"]
 _SIZE_REFUSAL = re.compile(r"(?i)doesn't match model|wrong image (height|width)|divisible by patch|input image size")
 
 
+@contextlib.contextmanager
+def _buffers_kept(model: nn.Module) -> Any:
+    """Restores the buffers of a model in training mode on exit (batch-norm running statistics and
+    counters, which its forwards update): the user's model is left as found."""
+    saved = [(b, b.detach().clone()) for b in model.buffers()] if model.training else []
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)
+
+
 class Explainer:
     """Explains a model's decisions with any registered method.
 
@@ -189,9 +202,17 @@ class Explainer:
         model = self.adapter.model
         if model.training:
             warnings.warn(
-                "the model is in training mode: dropout makes explanations random; call model.eval() first",
+                "the model is in training mode: dropout makes explanations random (and batch norm makes each "
+                "image's depend on the batch); call model.eval() first",
                 stacklevel=2,
             )
+        with _buffers_kept(model):  # a training-mode forward updates batch-norm statistics: put them back
+            return self._explain_batch(plan, x, target, images_seen, boxes, sources)
+
+    def _explain_batch(self, plan: Plan, x: Tensor, target: TargetSpec, images_seen: Any, boxes: Any, sources: Any
+                       ) -> Union[Explanation, list[Explanation]]:
+        """:meth:`explain` on the checked (B, 3, H, W) input ``x``: one forward (and backward), then each step."""
+        model = self.adapter.model
         settings = plan.capture
         # a method with forward rules (LRP) alone in the call: the forward runs under its rules
         alone = plan.steps[0].spec if len(plan.steps) == 1 and plan.steps[0].spec.forward_rules else None
