@@ -152,9 +152,13 @@ def smoothgrad(ctx: Context, *, samples: int = 16, noise: float = 0.15, batch_si
     """
     from captum.attr import NoiseTunnel, Saliency
 
-    forward, target = _forward_and_target(ctx)
-    tunnel = NoiseTunnel(Saliency(forward))
+    model_forward, target = _forward_and_target(ctx)
     x = ctx.x.detach()
+
+    def forward(noisy: Tensor) -> Tensor:  # captum draws float32 noise: a bf16/fp16 image becomes float32
+        return model_forward(noisy.to(x.dtype))
+
+    tunnel = NoiseTunnel(Saliency(forward))
     maps = []
     for i in range(x.shape[0]):
         image = x[i : i + 1]
