@@ -205,3 +205,21 @@ def test_label_names_follow_the_class_index_when_id2label_keys_are_strings():
     torch.testing.assert_close(by_name.maps, by_index.maps)
     model.config.id2label = {str(i): f"class{i}" for i in (0, 1, 3)}  # not the indices 0..C-1: no names
     assert vx.Explainer(model).adapter.label_names is None
+
+
+def test_smoothgrad_with_one_target_vector_per_image_equals_the_images_one_by_one():
+    """smoothgrad scores each image's noisy copies on their own. With similarity to one vector per
+    image, (B, D), and as many copies as images, the copies of image 0 were each compared with a
+    different image's vector, silently; they are scored as image 0's now, for any number of copies."""
+    import timm
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=0).eval()
+    ex = vx.Explainer(model)
+    x = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(4))
+    vectors = torch.randn(3, 32, generator=torch.Generator().manual_seed(5))
+    for samples in (3, 2):  # as many copies as images (wrong maps), and not (it used to raise)
+        got = ex.explain(x, method="smoothgrad", target=vx.targets.similarity(vectors), samples=samples).maps
+        want = torch.cat([ex.explain(x[i:i + 1], method="smoothgrad", target=vx.targets.similarity(vectors[i]), samples=samples).maps
+                          for i in range(3)])
+        torch.testing.assert_close(got, want)
+        assert float(want.abs().max()) > 0
