@@ -194,6 +194,33 @@ def test_a_hugging_face_vit_on_another_size_than_its_configured_one_gets_an_inpu
     assert ex.explain(torch.rand(2, 3, 32, 32), method="rollout", target=vx.targets.norm()).maps.shape == (2, 4, 4)
 
 
+@pytest.mark.parametrize("channels", [1, 4])
+def test_a_model_built_for_other_than_three_channels_takes_its_own(channels):
+    """timm in_chans / Hugging Face num_channels: the input check took the channel count from
+    the normalisation mean (three values whatever in_chans), so the model's own input was refused
+    with advice to repeat it to 3 channels, and images (RGB) crashed inside the model."""
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=1, num_classes=3,
+                              in_chans=channels).eval()
+    ex = vx.Explainer(model)
+    x = torch.randn(2, channels, 32, 32)
+    e = ex.explain(x, method="cdam", target=1)
+    # oracle: CDAM by plain autograd at the last block's first norm
+    kept = []
+    handle = model.blocks[-1].norm1.register_forward_hook(lambda m, a, o: (o.retain_grad(), kept.append(o))[0])
+    try:
+        model(x)[:, 1].sum().backward()
+    finally:
+        handle.remove()
+    torch.testing.assert_close(e.maps, (kept[0] * kept[0].grad).sum(-1)[:, 1:].reshape(2, 4, 4).detach(), atol=1e-6, rtol=1e-4)
+    with pytest.raises(vx.InputError, match=f"takes {channels} channels, the input has shape \\(2, 3, 32, 32\\)"):
+        ex.explain(torch.randn(2, 3, 32, 32), method="cdam")
+    with pytest.raises(vx.InputError, match=f"takes {channels}-channel input.*preprocessed to 3 channels"):
+        ex.explain(np.full((32, 32, 3), 100, np.uint8), method="cdam")
+
+
 def test_a_model_on_the_meta_device_gets_a_clear_error():
     """A model built under torch.device('meta') has no weight values; its explanation crashed
     with a RuntimeError ('Tensor.item() cannot be called on meta tensors') in the score check."""

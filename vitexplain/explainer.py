@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .adapters import Adapter, adapter_for
-from .checks import (channels_of, check_batch, check_finite_maps, check_finite_scores, check_tensor_input,
+from .checks import (check_batch, input_channels, check_finite_maps, check_finite_scores, check_tensor_input,
                      checked_score, model_device, model_dtype)
 from .errors import InputError, UnsupportedMethodError, UnsupportedModelError, UsageError, VitexplainError
 from .methods.families import Family
@@ -388,12 +388,17 @@ class Explainer:
                 "nothing can be computed or explained; load real weights first (e.g. model.to_empty(device='cpu') then "
                 "model.load_state_dict(...), or build the model outside torch.device('meta'))"
             )
+        channels = input_channels(self.adapter.model, self.adapter.preprocess_kwargs())
         if isinstance(images, Tensor):
-            x = check_tensor_input(images, channels_of(self.adapter.preprocess_kwargs()), model_dtype(self.model),
-                                   model_device(self.model))
+            x = check_tensor_input(images, channels, model_dtype(self.model), model_device(self.model))
             return x, None, None, None
         x, regions, boxes, sources = self.preprocess(images)
         check_batch(x)
+        if x.shape[1] != channels:
+            raise InputError(
+                f"the model takes {channels}-channel input, but images are preprocessed to {x.shape[1]} channels "
+                f"(RGB); pass a preprocessed (B, {channels}, H, W) float tensor instead"
+            )
         return x, regions, boxes, sources
 
     def _forward(self, x: Tensor) -> Any:
