@@ -223,3 +223,16 @@ def test_smoothgrad_with_one_target_vector_per_image_equals_the_images_one_by_on
                           for i in range(3)])
         torch.testing.assert_close(got, want)
         assert float(want.abs().max()) > 0
+
+
+def test_a_config_with_return_dict_false_is_explained_like_the_default():
+    """config.return_dict=False makes the model return tuples; the adapter read attributes of
+    them and crashed with an AttributeError (ViTModel runs with it; most models of transformers
+    v5 do not, inside their own code)."""
+    model = _build("ViTConfig", "ViTModel")
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(3))
+    want = vx.Explainer(model).explain(x, method="cdam", target=vx.targets.norm()).maps
+    model.config.return_dict = False
+    assert isinstance(model(pixel_values=x), tuple)
+    got = vx.Explainer(model).explain(x, method="cdam", target=vx.targets.norm()).maps
+    torch.testing.assert_close(got, want)

@@ -171,9 +171,9 @@ class HFViTAdapter(ViTAdapter):
 
     def forward(self, x: Tensor) -> Any:
         if self.dual:  # the model's own forward needs text; its image embedding is get_image_features'
-            features = self.model.get_image_features(pixel_values=x)
+            features = self.model.get_image_features(pixel_values=x, return_dict=True)
             return features if isinstance(features, Tensor) else features.pooler_output
-        out = self.model(pixel_values=x)
+        out = self.model(pixel_values=x, return_dict=True)  # a config's return_dict=False gives tuples
         if self.has_head:
             return out.logits
         embeds = getattr(out, "image_embeds", None)
