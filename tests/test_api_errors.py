@@ -231,3 +231,22 @@ def test_a_model_on_the_meta_device_gets_a_clear_error():
         vx.Explainer(model).explain(torch.randn(1, 3, 32, 32), method="generic")
     with pytest.raises(vx.UnsupportedModelError, match="meta device"):
         vx.Explainer(model).explain(torch.randn(1, 3, 32, 32, device="meta"), method="rollout")
+
+
+def test_upsample_sizes_and_modes(ex, x, tmp_path):
+    """Explanation.upsample took only a (H, W) pair (an int, as torch's interpolate takes, was a
+    TypeError), and a zero size or an unknown mode escaped as torch errors; saving into a file
+    path was a FileExistsError."""
+    e = ex.explain(x, method="cdam")
+    square = e.upsample(40)
+    torch.testing.assert_close(square, torch.nn.functional.interpolate(e.maps[:, None], size=(40, 40), mode="bilinear",
+                                                                       align_corners=False)[:, 0])
+    assert e.upsample(np.int64(24), mode="nearest").shape == (2, 24, 24)
+    for size in ((0, 10), -3, (10, 2.5), True, "64"):
+        with pytest.raises(vx.UsageError, match="size must be"):
+            e.upsample(size)
+    with pytest.raises(vx.UsageError, match="mode must be one of"):
+        e.upsample(mode="cubic")
+    (tmp_path / "taken").write_text("")
+    with pytest.raises(vx.UsageError, match="it is a file"):
+        e.save(tmp_path / "taken")
