@@ -250,3 +250,16 @@ def test_upsample_sizes_and_modes(ex, x, tmp_path):
     (tmp_path / "taken").write_text("")
     with pytest.raises(vx.UsageError, match="it is a file"):
         e.save(tmp_path / "taken")
+
+
+def test_a_size_the_patch_does_not_divide_says_which_sizes_work():
+    """A timm ViT with dynamic_img_size takes any multiple of its patch size; refusing 50x70 the
+    error said it 'expects 224x224 images' (its pretrained config's size), which is not the problem."""
+    import timm
+
+    model = timm.create_model("vit_tiny_patch16_224", img_size=64, depth=1, num_classes=3, dynamic_img_size=True).eval()
+    ex = vx.Explainer(model)
+    with pytest.raises(vx.InputError, match="patch size 16x16 must divide the input.*e.g. 48x64") as info:
+        ex.explain(torch.randn(1, 3, 50, 70), method="rollout")
+    assert "224" not in str(info.value)
+    assert ex.explain(torch.randn(1, 3, 48, 64), method="rollout").maps.shape == (1, 3, 4)  # the size it suggested

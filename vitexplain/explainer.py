@@ -42,6 +42,18 @@ __all__ = ["Explainer", "Explanation", "CaptionExplanation"]
 _SIZE_REFUSAL = re.compile(r"(?i)doesn't match model|wrong image (height|width)|divisible by patch|input image size")
 
 
+def _patch_multiple(err: Exception, adapter: Adapter, size: tuple[int, int]) -> Optional[tuple[int, int]]:
+    """The (ph, pw) patch size when ``err`` is a model's refusal of an input its patch size does not
+    divide (the model takes other sizes), else None."""
+    if not re.search(r"(?i)divisible by patch", str(err)) or not hasattr(adapter, "layout"):
+        return None
+    try:
+        patch = adapter.layout(size).patch_size
+    except Exception:  # no layout for this size: the generic message
+        return None
+    return (int(patch[0]), int(patch[1])) if patch is not None else None
+
+
 @contextlib.contextmanager
 def _buffers_kept(model: nn.Module) -> Any:
     """Restores the buffers of a model in training mode on exit (batch-norm running statistics and
@@ -414,6 +426,13 @@ class Explainer:
             fixed = getattr(self.adapter, "fixed_size", None)
             if not _SIZE_REFUSAL.search(str(err)) and (fixed is None or tuple(fixed) == size):
                 raise
+            patch = _patch_multiple(err, self.adapter, size)
+            if patch is not None:  # a model that takes any size the patch divides (timm dynamic_img_size)
+                raise InputError(
+                    f"the model does not take a {size[0]}x{size[1]} input ({type(err).__name__}: {err}); its patch "
+                    f"size {patch[0]}x{patch[1]} must divide the input: resize or crop it to a multiple, e.g. "
+                    f"{max(patch[0], size[0] // patch[0] * patch[0])}x{max(patch[1], size[1] // patch[1] * patch[1])}"
+                ) from err
             expected = fixed or self.adapter.preprocess_kwargs().get("input_size")
             raise InputError(
                 f"the model does not take a {size[0]}x{size[1]} input ({type(err).__name__}: {err}); it expects "
