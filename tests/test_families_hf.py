@@ -236,3 +236,17 @@ def test_a_config_with_return_dict_false_is_explained_like_the_default():
     assert isinstance(model(pixel_values=x), tuple)
     got = vx.Explainer(model).explain(x, method="cdam", target=vx.targets.norm()).maps
     torch.testing.assert_close(got, want)
+
+
+def test_a_label_name_shared_by_several_classes_is_refused_not_guessed():
+    """ImageNet has two 'crane' classes (134, the bird; 517, the machine): the name resolved to
+    the first silently. A name that several classes share is a TargetError naming them."""
+    model = _build("ViTConfig", "ViTForImageClassification", num_labels=4)
+    model.config.id2label = {0: "crane", 1: "heron", 2: "crane", 3: "truck"}
+    ex = vx.Explainer(model)
+    x = torch.randn(1, 3, 32, 32)
+    with pytest.raises(vx.TargetError, match=r"'crane' names several classes \[0, 2\]; pass the class index"):
+        ex.explain(x, method="cdam", target="crane")
+    with pytest.raises(vx.TargetError, match="several classes"):
+        ex.explain(x, method="cdam", target=["crane"])
+    assert ex.explain(x, method="cdam", target="truck").targets.tolist() == [3]

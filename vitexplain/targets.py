@@ -168,7 +168,10 @@ def _index(value: Union[int, str], num_classes: int, label_names: Optional[Seque
             )
         if value not in label_names:
             raise TargetError(f"unknown label {value!r}; this model's labels are {list(label_names)}")
-        return list(label_names).index(value)
+        matches = [i for i, name in enumerate(label_names) if name == value]
+        if len(matches) > 1:  # e.g. ImageNet's two 'crane' classes (the bird, the machine)
+            raise TargetError(f"label {value!r} names several classes {matches}; pass the class index you mean")
+        return matches[0]
     index = int(value)
     if not 0 <= index < num_classes:
         raise TargetError(f"target class {index} is out of range for a model with {num_classes} classes (0..{num_classes - 1})")
