@@ -297,6 +297,34 @@ def test_no_gates_clear_errors():
         vx.Explainer(nn.Sequential(nn.Flatten(), nn.Linear(12, 3)))
 
 
+
+def test_a_module_without_a_feature_map_names_the_option_to_pass():
+    """gradcam on a module whose output is not (B, C, h, w) (the classifier) says to pass
+    module= (the option's name); it said layer=, which the method refuses as unknown."""
+    model = _timm("resnet10t", num_classes=5)
+    ex = vx.Explainer(model)
+    x = torch.randn(1, 3, 32, 32)
+    with pytest.raises(UnsupportedMethodError, match=r"'fc' has shape \(1, 5\).*pass module= a module") as info:
+        ex.explain(x, method="gradcam", module="fc")
+    advice = str(info.value).split("pass ")[-1].split("=")[0]
+    assert advice in ex.plan("gradcam").steps[0].spec.options  # the advice is an option the method takes
+
+
+def test_a_model_in_training_mode_keeps_its_batch_norm_statistics():
+    """The explained forward of a model in training mode updated its batch-norm running
+    statistics (and counters): the user's model was not left as found."""
+    model = _timm("resnet10t", num_classes=5).train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(2, 3, 32, 32)
+    with pytest.warns(UserWarning, match="training mode.*batch norm"):
+        vx.Explainer(model).explain(x, method=["gradcam", "layercam"])
+    with pytest.warns(UserWarning, match="training mode"):
+        vx.Explainer(model).explain(x, method="gradcam", module="layer2")  # a second forward of its own
+    after = model.state_dict()
+    assert model.training and before.keys() == after.keys()
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    assert not changed, changed
+
 # -- adapters ----------------------------------------------------------------------------------
 def test_target_layers():
     from vitexplain.adapters import adapter_for

@@ -154,3 +154,99 @@ def test_timm_headless_backbone_embedding_and_similarity():
     torch.testing.assert_close(e.maps, expected.detach(), atol=1e-6, rtol=1e-4)
     with pytest.raises(vx.TargetError, match="no classifier head"):
         ex.explain(x, method="gradcam")
+
+
+@pytest.mark.parametrize("kind", ["CLIP", "Siglip"])
+def test_dual_encoder_explains_its_image_tower(kind):
+    """CLIPModel / SiglipModel (image-text dual encoders): the explained score is a function of
+    get_image_features (the model's own forward needs text). They were read with the *text*
+    tower's layers (found first) and every method crashed in the model's forward."""
+    torch.manual_seed(0)
+    small = {k: v for k, v in TINY.items()}
+    text = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=99,
+                bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    extra = dict(projection_dim=32) if kind == "CLIP" else {}
+    config = getattr(transformers, f"{kind}Config")(vision_config=small, text_config=text, **extra)
+    model = getattr(transformers, f"{kind}Model")(config).eval()
+    ex = vx.Explainer(model)
+    assert ex.adapter.blocks[0].startswith("vision_model.") and not ex.adapter.has_head
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    target = vx.targets.similarity(VECTOR)
+    for e in ex.explain(x, method=ex.methods(), target=target):
+        want = (2, 32, 32) if e.method in ("attnlrp", "cp_lrp") else (2, *GRID)
+        assert e.maps.shape == want and torch.isfinite(e.maps).all(), e.method
+    # oracle: CDAM by plain autograd on the image embedding (the last vision layer's first norm)
+    prefix = 1 if kind == "CLIP" else 0
+    cdam = ex.explain(x, method="cdam", target=target).maps
+    kept = []
+    norm = model.vision_model.encoder.layers[-1].layer_norm1
+    handle = norm.register_forward_hook(lambda m, a, o: (o.retain_grad(), kept.append(o))[0])
+    try:
+        out = model.get_image_features(pixel_values=x)
+    finally:
+        handle.remove()
+    emb = out if isinstance(out, torch.Tensor) else out.pooler_output
+    torch.cosine_similarity(emb, VECTOR[None], dim=-1).sum().backward()
+    expected = (kept[0] * kept[0].grad).sum(-1)[:, prefix:].reshape(2, *GRID)
+    torch.testing.assert_close(cdam, expected.detach(), atol=1e-6, rtol=1e-4)
+    assert float(expected.detach().std()) > 0
+
+
+def test_label_names_follow_the_class_index_when_id2label_keys_are_strings():
+    """config.id2label set from a JSON file has string keys; sorted as text ("10" < "2") the
+    label names were misordered and a label-name target explained another class, silently."""
+    model = _build("ViTConfig", "ViTForImageClassification", num_labels=12)
+    model.config.id2label = {str(i): f"class{i}" for i in range(12)}
+    ex = vx.Explainer(model)
+    assert ex.adapter.label_names == [f"class{i}" for i in range(12)]
+    x = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    by_name, by_index = ex.explain(x, method="cdam", target="class2"), ex.explain(x, method="cdam", target=2)
+    assert by_name.targets.tolist() == [2] and by_name.target_names() == ["class2"]
+    torch.testing.assert_close(by_name.maps, by_index.maps)
+    model.config.id2label = {str(i): f"class{i}" for i in (0, 1, 3)}  # not the indices 0..C-1: no names
+    assert vx.Explainer(model).adapter.label_names is None
+
+
+def test_smoothgrad_with_one_target_vector_per_image_equals_the_images_one_by_one():
+    """smoothgrad scores each image's noisy copies on their own. With similarity to one vector per
+    image, (B, D), and as many copies as images, the copies of image 0 were each compared with a
+    different image's vector, silently; they are scored as image 0's now, for any number of copies."""
+    import timm
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=0).eval()
+    ex = vx.Explainer(model)
+    x = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(4))
+    vectors = torch.randn(3, 32, generator=torch.Generator().manual_seed(5))
+    for samples in (3, 2):  # as many copies as images (wrong maps), and not (it used to raise)
+        got = ex.explain(x, method="smoothgrad", target=vx.targets.similarity(vectors), samples=samples).maps
+        want = torch.cat([ex.explain(x[i:i + 1], method="smoothgrad", target=vx.targets.similarity(vectors[i]), samples=samples).maps
+                          for i in range(3)])
+        torch.testing.assert_close(got, want)
+        assert float(want.abs().max()) > 0
+
+
+def test_a_config_with_return_dict_false_is_explained_like_the_default():
+    """config.return_dict=False makes the model return tuples; the adapter read attributes of
+    them and crashed with an AttributeError (ViTModel runs with it; most models of transformers
+    v5 do not, inside their own code)."""
+    model = _build("ViTConfig", "ViTModel")
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(3))
+    want = vx.Explainer(model).explain(x, method="cdam", target=vx.targets.norm()).maps
+    model.config.return_dict = False
+    assert isinstance(model(pixel_values=x), tuple)
+    got = vx.Explainer(model).explain(x, method="cdam", target=vx.targets.norm()).maps
+    torch.testing.assert_close(got, want)
+
+
+def test_a_label_name_shared_by_several_classes_is_refused_not_guessed():
+    """ImageNet has two 'crane' classes (134, the bird; 517, the machine): the name resolved to
+    the first silently. A name that several classes share is a TargetError naming them."""
+    model = _build("ViTConfig", "ViTForImageClassification", num_labels=4)
+    model.config.id2label = {0: "crane", 1: "heron", 2: "crane", 3: "truck"}
+    ex = vx.Explainer(model)
+    x = torch.randn(1, 3, 32, 32)
+    with pytest.raises(vx.TargetError, match=r"'crane' names several classes \[0, 2\]; pass the class index"):
+        ex.explain(x, method="cdam", target="crane")
+    with pytest.raises(vx.TargetError, match="several classes"):
+        ex.explain(x, method="cdam", target=["crane"])
+    assert ex.explain(x, method="cdam", target="truck").targets.tolist() == [3]

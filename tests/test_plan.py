@@ -66,6 +66,10 @@ def test_the_plan_checks_options_and_settles_the_capture(vit):
         ex.plan(method=["rollout", "cdam"], discard_ratio=0.5)
     with pytest.raises(vx.UsageError, match="method must be a method name"):
         ex.plan(method=[3])
+    for bad in (3, 2.5, None.__class__):  # not a name nor a list of names: a TypeError escaped for 3
+        with pytest.raises(vx.UsageError, match="method must be a method name"):
+            ex.plan(method=bad)
+    assert ex.plan(method=iter(["rollout", "cdam"])).names == ["rollout", "cdam"]  # any iterable of names
 
 
 def test_default_method_of_each_entry_point(vit, resnet):

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from .errors import InputError, NumericalError, TargetError
 
-__all__ = ["channels_of", "check_batch", "check_tensor_input", "check_finite_scores", "check_finite_maps", "checked_score",
+__all__ = ["channels_of", "input_channels", "check_batch", "check_tensor_input", "check_finite_scores", "check_finite_maps", "checked_score",
            "model_dtype", "model_device"]
 
 
@@ -156,3 +156,11 @@ def channels_of(preprocess_kwargs: dict[str, Any]) -> int:
     """The number of channels of the model input (from its normalisation mean), 3 by default."""
     mean = preprocess_kwargs.get("mean")
     return len(mean) if isinstance(mean, (tuple, list)) and mean else 3
+
+
+def input_channels(model: nn.Module, preprocess_kwargs: dict[str, Any]) -> int:
+    """The number of channels the model takes: the input channels of its first 2-D convolution
+    (the patch embedding or stem; timm's ``in_chans`` and Hugging Face's ``num_channels`` set it,
+    while their normalisation settings keep three values), else :func:`channels_of`."""
+    first = next((m for m in model.modules() if isinstance(m, nn.Conv2d)), None)
+    return int(first.in_channels) if first is not None else channels_of(preprocess_kwargs)

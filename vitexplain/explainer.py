@@ -24,9 +24,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .adapters import Adapter, adapter_for
-from .checks import (channels_of, check_batch, check_finite_maps, check_finite_scores, check_tensor_input,
+from .checks import (check_batch, input_channels, check_finite_maps, check_finite_scores, check_tensor_input,
                      checked_score, model_device, model_dtype)
-from .errors import InputError, UnsupportedMethodError, UsageError, VitexplainError
+from .errors import InputError, UnsupportedMethodError, UnsupportedModelError, UsageError, VitexplainError
 from .methods.families import Family
 from .plan import MethodArg, Plan, applicable, capture_settings, make_plan, split_options
 from .recording import capture
@@ -40,6 +40,31 @@ __all__ = ["Explainer", "Explanation", "CaptionExplanation"]
 #: How timm ("Input height (64) doesn't match model (224)"), torchvision ("Wrong image height!")
 #: and Hugging Face ("Input image size (64*64) doesn't match model") ViTs refuse an input size.
 _SIZE_REFUSAL = re.compile(r"(?i)doesn't match model|wrong image (height|width)|divisible by patch|input image size")
+
+
+def _patch_multiple(err: Exception, adapter: Adapter, size: tuple[int, int]) -> Optional[tuple[int, int]]:
+    """The (ph, pw) patch size when ``err`` is a model's refusal of an input its patch size does not
+    divide (the model takes other sizes), else None."""
+    if not re.search(r"(?i)divisible by patch", str(err)) or not hasattr(adapter, "layout"):
+        return None
+    try:
+        patch = adapter.layout(size).patch_size
+    except Exception:  # no layout for this size: the generic message
+        return None
+    return (int(patch[0]), int(patch[1])) if patch is not None else None
+
+
+@contextlib.contextmanager
+def _buffers_kept(model: nn.Module) -> Any:
+    """Restores the buffers of a model in training mode on exit (batch-norm running statistics and
+    counters, which its forwards update): the user's model is left as found."""
+    saved = [(b, b.detach().clone()) for b in model.buffers()] if model.training else []
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)
 
 
 class Explainer:
@@ -189,9 +214,17 @@ class Explainer:
         model = self.adapter.model
         if model.training:
             warnings.warn(
-                "the model is in training mode: dropout makes explanations random; call model.eval() first",
+                "the model is in training mode: dropout makes explanations random (and batch norm makes each "
+                "image's depend on the batch); call model.eval() first",
                 stacklevel=2,
             )
+        with _buffers_kept(model):  # a training-mode forward updates batch-norm statistics: put them back
+            return self._explain_batch(plan, x, target, images_seen, boxes, sources)
+
+    def _explain_batch(self, plan: Plan, x: Tensor, target: TargetSpec, images_seen: Any, boxes: Any, sources: Any
+                       ) -> Union[Explanation, list[Explanation]]:
+        """:meth:`explain` on the checked (B, 3, H, W) input ``x``: one forward (and backward), then each step."""
+        model = self.adapter.model
         settings = plan.capture
         # a method with forward rules (LRP) alone in the call: the forward runs under its rules
         alone = plan.steps[0].spec if len(plan.steps) == 1 and plan.steps[0].spec.forward_rules else None
@@ -356,13 +389,28 @@ class Explainer:
 
     def _inputs(self, images: Any) -> tuple[Tensor, Any, Any, Any]:
         """The model input for ``images`` (checked, on the model's device) and, when images were
-        given, the regions the model saw, their crop boxes and sources."""
+        given, the regions the model saw, their crop boxes and sources.
+
+        Raises:
+            UnsupportedModelError: the model's weights are on the meta device (no values).
+        """
+        if model_device(self.model).type == "meta":
+            raise UnsupportedModelError(
+                f"{type(self.model).__name__}'s weights are on the meta device: they have shapes but no values, so "
+                "nothing can be computed or explained; load real weights first (e.g. model.to_empty(device='cpu') then "
+                "model.load_state_dict(...), or build the model outside torch.device('meta'))"
+            )
+        channels = input_channels(self.adapter.model, self.adapter.preprocess_kwargs())
         if isinstance(images, Tensor):
-            x = check_tensor_input(images, channels_of(self.adapter.preprocess_kwargs()), model_dtype(self.model),
-                                   model_device(self.model))
+            x = check_tensor_input(images, channels, model_dtype(self.model), model_device(self.model))
             return x, None, None, None
         x, regions, boxes, sources = self.preprocess(images)
         check_batch(x)
+        if x.shape[1] != channels:
+            raise InputError(
+                f"the model takes {channels}-channel input, but images are preprocessed to {x.shape[1]} channels "
+                f"(RGB); pass a preprocessed (B, {channels}, H, W) float tensor instead"
+            )
         return x, regions, boxes, sources
 
     def _forward(self, x: Tensor) -> Any:
@@ -378,6 +426,13 @@ class Explainer:
             fixed = getattr(self.adapter, "fixed_size", None)
             if not _SIZE_REFUSAL.search(str(err)) and (fixed is None or tuple(fixed) == size):
                 raise
+            patch = _patch_multiple(err, self.adapter, size)
+            if patch is not None:  # a model that takes any size the patch divides (timm dynamic_img_size)
+                raise InputError(
+                    f"the model does not take a {size[0]}x{size[1]} input ({type(err).__name__}: {err}); its patch "
+                    f"size {patch[0]}x{patch[1]} must divide the input: resize or crop it to a multiple, e.g. "
+                    f"{max(patch[0], size[0] // patch[0] * patch[0])}x{max(patch[1], size[1] // patch[1] * patch[1])}"
+                ) from err
             expected = fixed or self.adapter.preprocess_kwargs().get("input_size")
             raise InputError(
                 f"the model does not take a {size[0]}x{size[1]} input ({type(err).__name__}: {err}); it expects "

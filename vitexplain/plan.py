@@ -20,7 +20,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 from .errors import OptionError, UnsupportedMethodError, UnsupportedModelError, UsageError
 from .methods import registry
@@ -271,7 +271,7 @@ def make_plan(adapter: Any, method: MethodArg = None, options: Optional[Mapping[
         if not names and available:
             names = [available[0]]
     else:
-        names = [method] if isinstance(method, str) else list(method)
+        names = list(method) if isinstance(method, Iterable) and not isinstance(method, str) else [method]
         if any(not isinstance(n, str) for n in names):
             raise UsageError(f"method must be a method name or a list of names, got {method!r}; "
                              f"methods for this model: {list(available)}")

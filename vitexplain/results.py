@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from numbers import Integral
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -63,13 +64,22 @@ class Explanation:
     def __len__(self) -> int:
         return int(self.maps.shape[0])
 
-    def upsample(self, size: Optional[tuple[int, int]] = None, mode: str = "bilinear") -> Tensor:
-        """Maps resized to ``size`` (default: the model input size).
+    def upsample(self, size: Union[None, int, tuple[int, int]] = None, mode: str = "bilinear") -> Tensor:
+        """Maps resized to ``size`` (an int for a square; default: the model input size).
+
+        Args:
+            size: (H, W), an int, or None.
+            mode: ``"bilinear"``, ``"bicubic"``, ``"nearest"``, ``"nearest-exact"`` or ``"area"``.
 
         Returns:
             (B, H, W) float32.
+
+        Raises:
+            UsageError: a size that is not positive integers, or an unknown mode.
         """
-        size = tuple(size) if size is not None else self.input_size
+        size = _output_size(size, self.input_size)
+        if mode not in _MODES:
+            raise UsageError(f"upsample mode must be one of {list(_MODES)}, got {mode!r}")
         kwargs = {"align_corners": False} if mode in ("bilinear", "bicubic") else {}
         return F.interpolate(self.maps[:, None], size=size, mode=mode, **kwargs)[:, 0]
 
@@ -122,6 +132,8 @@ class Explanation:
         import numpy as np
 
         out = Path(directory)
+        if out.exists() and not out.is_dir():
+            raise UsageError(f"cannot save into {str(out)!r}: it is a file; pass a folder (it is created if missing)")
         out.mkdir(parents=True, exist_ok=True)
         np.save(out / "maps.npy", self.maps.detach().cpu().numpy())
         manifest = {
@@ -179,8 +191,8 @@ class CaptionExplanation:
         return int(self.maps.shape[0])
 
     def upsample(self, size: Optional[tuple[int, int]] = None) -> Tensor:
-        """Maps resized to ``size`` (default: the model input size): (B, T, H, W)."""
-        size = tuple(size) if size is not None else self.input_size
+        """Maps resized to ``size`` ((H, W) or an int; default: the model input size): (B, T, H, W)."""
+        size = _output_size(size, self.input_size)
         b, t = self.maps.shape[:2]
         flat = F.interpolate(self.maps.flatten(0, 1)[:, None], size=size, mode="bilinear", align_corners=False)
         return flat.view(b, t, *size)
@@ -247,6 +259,24 @@ class VLMCaptionExplanation(CaptionExplanation):
                 f"{self.method}: {len(self.image_maps)} image maps and {len(self.token_scores)} token scores for a "
                 f"batch of {batch} images; a VLM explanation holds one of each per image"
             )
+
+
+_MODES = ("bilinear", "bicubic", "nearest", "nearest-exact", "area")
+
+
+def _output_size(size: Any, default: tuple[int, int]) -> tuple[int, int]:
+    """``(H, W)`` of an upsample: ``default`` for None, a square for an int.
+
+    Raises:
+        UsageError: not one or two positive integers.
+    """
+    if size is None:
+        return (int(default[0]), int(default[1]))
+    values = [size] if isinstance(size, Integral) else list(size) if isinstance(size, (tuple, list)) else None
+    if values is None or len(values) not in (1, 2) or any(isinstance(v, bool) or not isinstance(v, Integral) or v < 1
+                                                           for v in values):
+        raise UsageError(f"size must be (H, W) or an int, in positive whole pixels; got {size!r}")
+    return (int(values[0]), int(values[-1]))
 
 
 def _image_index(index: Any, count: int) -> int:

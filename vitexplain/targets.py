@@ -168,7 +168,10 @@ def _index(value: Union[int, str], num_classes: int, label_names: Optional[Seque
             )
         if value not in label_names:
             raise TargetError(f"unknown label {value!r}; this model's labels are {list(label_names)}")
-        return list(label_names).index(value)
+        matches = [i for i, name in enumerate(label_names) if name == value]
+        if len(matches) > 1:  # e.g. ImageNet's two 'crane' classes (the bird, the machine)
+            raise TargetError(f"label {value!r} names several classes {matches}; pass the class index you mean")
+        return matches[0]
     index = int(value)
     if not 0 <= index < num_classes:
         raise TargetError(f"target class {index} is out of range for a model with {num_classes} classes (0..{num_classes - 1})")
@@ -182,7 +185,8 @@ def resolve(
 
     Args:
         target: None (each image's top prediction), an int or label name (same for all
-            images), a sequence or tensor with one int/label per image, or a callable
+            images), a sequence or tensor with one int/label per image (0-d tensors and
+            NumPy scalars/arrays count as the Python values they hold), or a callable
             ``score(outputs) -> (B,)`` tensor.
         outputs: the model outputs of the explained forward (logits (B, C) or an object
             with ``.logits``).
@@ -224,6 +228,8 @@ def resolve(
     if logits.dim() != 2:
         raise TargetError(f"expected (B, C) logits, got shape {tuple(logits.shape)}; pass a callable target")
     batch, num_classes = logits.shape
+    if isinstance(target, Tensor) and target.dim() == 0 or type(target).__module__ == "numpy" and hasattr(target, "tolist"):
+        target = target.tolist()  # a 0-d tensor, a NumPy scalar or array: the Python value(s) it holds
     if target is None:
         classes = logits.detach().argmax(dim=1)
         description = "predicted"

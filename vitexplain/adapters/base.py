@@ -141,7 +141,7 @@ class Adapter:
         config = getattr(self.model, "config", None)
         id2label = getattr(config, "id2label", None)
         if id2label and not all(str(v).startswith("LABEL_") for v in id2label.values()):
-            return [id2label[i] for i in sorted(id2label)]
+            return _names_by_index(id2label)
         return _timm_imagenet_names(self.model)
 
     def preprocess_kwargs(self) -> dict[str, Any]:
@@ -152,6 +152,19 @@ class Adapter:
 
     def describe(self) -> str:
         return f"{type(self).__name__}({type(self.model).__name__})"
+
+
+def _names_by_index(id2label: dict) -> Optional[list[str]]:
+    """A config's ``id2label`` as a list indexed by class, or None when its keys are not the
+    indices 0..C-1. Keys are ordered as integers: they may be strings ("10" sorts before "2" as
+    text) when the mapping was set from a JSON file."""
+    try:
+        order = sorted(id2label, key=int)
+    except (TypeError, ValueError):
+        return None
+    if [int(k) for k in order] != list(range(len(order))):
+        return None
+    return [id2label[k] for k in order]
 
 
 def _timm_imagenet_names(model: nn.Module) -> Optional[list[str]]:

@@ -180,7 +180,7 @@ class CNNAdapter(Adapter):
                 return output[:, prefix:].transpose(1, 2).reshape(output.shape[0], output.shape[2], h, w)
         raise UnsupportedMethodError(
             f"{type(self.model).__name__}: the output of {name!r} has shape {tuple(output.shape)}, "
-            "which vitexplain cannot read as a (B, C, h, w) feature map; pass layer= a module "
+            "which vitexplain cannot read as a (B, C, h, w) feature map; pass module= a module "
             "that outputs one"
         )
 

@@ -5,7 +5,8 @@ precede the patches (register tokens are added from ``config.num_register_tokens
 name of the layers' first norm, which token(s) the model reads out, and how the model turns
 the last layer's output tokens into logits (classifiers) or into its pooled embedding
 (headless backbones such as ``ViTModel``, ``Dinov2Model``, ``CLIPVisionModel``,
-``SiglipVisionModel``). The "tower" is the module that owns the layers and the final
+``SiglipVisionModel``, and the image side of the dual encoders ``CLIPModel`` / ``SiglipModel``,
+whose embedding is ``get_image_features``'s). The "tower" is the module that owns the layers and the final
 norms (``ViTModel``, ``CLIPVisionTransformer``, ...). Each head is written from the model's
 own code and is checked at run time against the model's outputs before a method uses it.
 """
@@ -155,6 +156,7 @@ class HFViTAdapter(ViTAdapter):
         self.norm1 = f"{blocks[-1]}.{kind.norm1}"
         self.tower = tower
         self.has_head = kind.logits is not None and (hasattr(model, "classifier") or hasattr(model, "cls_classifier"))
+        self.dual = _dual(model)  # CLIPModel / SiglipModel: the image tower of an image-text model
         # called without interpolate_pos_encoding: position embeddings for the configured size only
         self.fixed_size = pair(_vision_config(model).image_size)
 
@@ -168,7 +170,10 @@ class HFViTAdapter(ViTAdapter):
         return TokenLayout(prefix, grid, self.kind.prefix > 0, readout, patch_size=patch)
 
     def forward(self, x: Tensor) -> Any:
-        out = self.model(pixel_values=x)
+        if self.dual:  # the model's own forward needs text; its image embedding is get_image_features'
+            features = self.model.get_image_features(pixel_values=x, return_dict=True)
+            return features if isinstance(features, Tensor) else features.pooler_output
+        out = self.model(pixel_values=x, return_dict=True)  # a config's return_dict=False gives tuples
         if self.has_head:
             return out.logits
         embeds = getattr(out, "image_embeds", None)
@@ -192,9 +197,19 @@ class HFViTAdapter(ViTAdapter):
         return dict(input_size=size, mean=mean, std=std, crop_pct=crop_pct, interpolation=interpolation)
 
 
+def _dual(model: nn.Module) -> bool:
+    """Whether ``model`` is an image-text dual encoder (``CLIPModel``, ``SiglipModel``)."""
+    return isinstance(getattr(model, "vision_model", None), nn.Module) and isinstance(
+        getattr(model, "text_model", None), nn.Module) and hasattr(model, "get_image_features")
+
+
 def _layers(model: nn.Module, norm1: str) -> Optional[tuple[list[str], str]]:
-    """(layer names, tower name) of the first ModuleList whose children all have ``norm1``."""
+    """(layer names, tower name) of the first ModuleList whose children all have ``norm1``
+    (in a dual encoder, its vision tower's: the text tower's layers come first and have it too)."""
+    within = "vision_model." if _dual(model) else ""
     for name, module in model.named_modules():
+        if not name.startswith(within):
+            continue
         if isinstance(module, nn.ModuleList) and len(module) and all(hasattr(c, norm1) for c in module):
             parent = name.rpartition(".")[0] if "." in name else ""
             if parent == "encoder" or parent.endswith(".encoder"):

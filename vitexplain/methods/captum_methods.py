@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..errors import UnsupportedMethodError
 from ..targets import logits_of
 from .context import Context
 from .options import MAX_SAMPLES, Option
@@ -27,6 +28,25 @@ def _forward_and_target(ctx: Context) -> tuple[Callable[[Tensor], Tensor], Optio
     if ctx.target.custom:
         return (lambda inp: ctx.score(adapter.forward(inp))), None
     return (lambda inp: logits_of(adapter.forward(inp))), ctx.target.classes.tolist()
+
+
+def _as_image(ctx: Context, index: int) -> Callable[[Tensor], Tensor]:
+    """A custom target's (S,) scores of S copies of image ``index``, each scored standing at row
+    ``index`` of the explained batch's outputs: a target that scores rows by position (e.g.
+    ``similarity`` to one vector per image) then scores every copy as image ``index``'s, whatever S."""
+    clean = ctx.outputs.detach() if isinstance(ctx.outputs, Tensor) else None
+    if clean is None:
+        raise UnsupportedMethodError(
+            f"method {ctx.method!r} scores each image's copies with the target, but the model's outputs are a "
+            f"{type(ctx.outputs).__name__}; explain one image at a time"
+        )
+
+    def forward(inp: Tensor) -> Tensor:
+        out = ctx.adapter.forward(inp)
+        rows = [torch.cat([clean[:index], out[s : s + 1], clean[index + 1 :]]) for s in range(out.shape[0])]
+        return torch.stack([ctx.score(r)[index] for r in rows])
+
+    return forward
 
 
 def _to_grid(ctx: Context, attributions: Tensor) -> Tensor:
@@ -152,11 +172,16 @@ def smoothgrad(ctx: Context, *, samples: int = 16, noise: float = 0.15, batch_si
     """
     from captum.attr import NoiseTunnel, Saliency
 
-    forward, target = _forward_and_target(ctx)
-    tunnel = NoiseTunnel(Saliency(forward))
+    model_forward, target = _forward_and_target(ctx)
     x = ctx.x.detach()
     maps = []
     for i in range(x.shape[0]):
+        image_forward = _as_image(ctx, i) if ctx.target.custom and x.shape[0] > 1 else model_forward
+
+        def forward(noisy: Tensor, image_forward: Callable[[Tensor], Tensor] = image_forward) -> Tensor:
+            return image_forward(noisy.to(x.dtype))  # captum draws float32 noise: a bf16/fp16 image became float32
+
+        tunnel = NoiseTunnel(Saliency(forward))
         image = x[i : i + 1]
         stdev = float(noise * (image.max() - image.min()))
         with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else [], enabled=seed is not None):

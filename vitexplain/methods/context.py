@@ -30,10 +30,9 @@ import torch
 from torch import Tensor
 
 from ..recording import AttentionRecord, Recorder
-from ..errors import UnsupportedMethodError, UnsupportedModelError
+from ..errors import OptionError, UnsupportedMethodError, UnsupportedModelError
 from ..layout import TokenLayout
 from ..targets import Target
-from .options import check_index
 
 __all__ = [
     "Context", "CaptionContext", "query_blocks", "live_blocks", "nonzero_rows", "readout_vector", "DEFAULT_BLOCK_BYTES", "PARTIAL_RTOL",
@@ -168,8 +167,11 @@ class Context:
         layout = self.require_grid(rollout=True)
         for record in records:
             layout.check(record.num_keys)
-        if start:
-            check_index(self.method, "start_layer", start, len(records), "layers")
+        if start and not 0 <= start < len(records):  # (the option is declared non-negative: no index from the end)
+            raise OptionError(
+                f"{self.method} option 'start_layer' must be in [0, {len(records) - 1}] for this model "
+                f"({len(records)} layers); got {start}"
+            )
         return records[start:]
 
 
