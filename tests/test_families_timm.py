@@ -145,3 +145,32 @@ def test_a_partial_forward_that_does_not_reproduce_the_model_is_refused():
     for method in ("cdam_smooth", "cdam_integrated"):
         with pytest.raises(vx.UnsupportedModelError, match="does not reproduce the model's own outputs"):
             ex.explain(X, method=method)
+
+
+@pytest.mark.parametrize("pool", ["max", "avgmax"])
+def test_a_max_pooling_head_refuses_the_methods_that_carry_a_readout_row(pool):
+    """Each channel of a max-pooled head reads its own token, so no row of token weights (the class row, or 1/N
+    for average pooling) is what the head reads: the methods that carry one through the attention are refused
+    with the reason, and the gradient methods through the head itself still run (CDAM: its own definition, the
+    gradient of the score with respect to the tokens entering the last block, times those tokens, summed)."""
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", img_size=32, num_classes=3, global_pool=pool).eval()
+    ex = vx.Explainer(model)
+    refused = {"raw", "rollout", "grad_rollout", "generic", "attn_gradcam"}
+    assert refused.isdisjoint(ex.methods()) and "cdam" in ex.methods()
+    for method in sorted(refused):
+        with pytest.raises(vx.UnsupportedMethodError, match=rf"global_pool='{pool}'.*no one row of token weights"):
+            ex.plan(method)
+    x = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    kept = {}
+    handle = model.blocks[-1].norm1.register_forward_hook(lambda m, i, o: kept.update(t=o))
+    try:
+        out = model(x)
+        grad, = torch.autograd.grad(out[:, 1].sum(), kept["t"])
+    finally:
+        handle.remove()
+    want = (grad * kept["t"]).sum(-1)[:, model.num_prefix_tokens:].reshape(2, 2, 2).detach()
+    got = ex.explain(x, method="cdam", target=1).maps
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6 * float(want.abs().max()))
+    assert "rollout" in vx.Explainer(timm.create_model("vit_tiny_patch16_224", img_size=32, num_classes=3,
+                                                       global_pool="avg").eval()).methods()

@@ -133,6 +133,14 @@ class TimmViTAdapter(ViTAdapter):
         self.blocks = blocks or [f"blocks.{i}" for i in range(len(model.blocks))]
         self.norm1 = f"{self.blocks[-1]}.norm1"
         self.has_head = int(getattr(model, "num_classes", 1) or 0) > 0
+        pool = getattr(model, "global_pool", "token")
+        if pool in ("max", "avgmax"):
+            why = (f"its head pools the tokens with global_pool={pool!r}: each channel reads its own token, so no "
+                   "one row of token weights is what the head reads (raw, rollout, grad_rollout, generic and "
+                   "attention Grad-CAM carry such a row through the attention); cdam and the token Grad-CAM read "
+                   "the gradient through the head itself")
+            self._drop("rollout", why)
+            self._drop("attention", why)
 
     def layout(self, input_size: tuple[int, int]) -> TokenLayout:
         return _timm_layout(self.model, pair(input_size))
