@@ -286,3 +286,30 @@ def test_readable_enlarges_small_images_by_a_whole_factor():
     enlarged = readable(photo)
     assert enlarged.shape == (256, 343, 3) and (enlarged == 7).all()
     assert readable(np.zeros((64, 64, 3), np.uint8)).shape == (256, 256, 3)  # 64 px: a whole factor, 4
+
+
+def test_cells_that_reach_past_a_padded_input_are_placed_on_their_pixels():
+    """A ViT that pads its input up to whole patches (timm dynamic_img_pad) reads a 50 x 70 input as a 4 x 5 grid
+    over 64 x 80 pixels: upsample and overlay put each cell on its own 16 x 16 pixels and crop the padding, instead
+    of stretching the grid over the input (which shifts the last column by up to 14 px)."""
+    import numpy as np
+    import timm
+    import torch
+
+    import vitexplain as vx
+
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", img_size=32, num_classes=3, dynamic_img_size=True,
+                              dynamic_img_pad=True).eval()
+    e = vx.Explainer(model).explain(torch.rand(1, 3, 50, 70), method="cdam", target=1)
+    assert e.maps.shape == (1, 4, 5) and e.layout.patch_size == (16, 16)
+    cells = e.maps[0].repeat_interleave(16, 0).repeat_interleave(16, 1)  # (64, 80): each cell on its pixels
+    assert torch.equal(e.upsample(mode="nearest")[0], cells[:50, :70])
+    assert torch.equal(e.upsample((100, 140), mode="nearest")[0],
+                       e.maps[0].repeat_interleave(32, 0).repeat_interleave(32, 1)[:100, :140])
+    e.maps = torch.zeros_like(e.maps)
+    e.maps[0, :, -1] = 1.0  # only the last column of cells: pixels 64..69 of the input
+    image = np.full((50, 70, 3), 128, np.uint8)
+    drawn = e.overlay(0, image=image, interpolation="nearest", normalize="minmax")
+    assert drawn.shape == (50, 70, 3)
+    assert (drawn[:, :64] == drawn[0, 0]).all() and (drawn[:, 64:] != drawn[0, 0]).any(axis=-1).all()

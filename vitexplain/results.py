@@ -13,6 +13,7 @@ from numbers import Integral
 from pathlib import Path
 from typing import Any, Optional, Union
 
+import numpy as np
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -81,7 +82,21 @@ class Explanation:
         if mode not in _MODES:
             raise UsageError(f"upsample mode must be one of {list(_MODES)}, got {mode!r}")
         kwargs = {"align_corners": False} if mode in ("bilinear", "bicubic") else {}
-        return F.interpolate(self.maps[:, None], size=size, mode=mode, **kwargs)[:, 0]
+        covered = self._covered(size)  # the tokens reach past the input: resize onto their pixels, crop
+        out = F.interpolate(self.maps[:, None], size=covered or size, mode=mode, **kwargs)[:, 0]
+        return out[:, :size[0], :size[1]]
+
+    def _covered(self, size: tuple[int, int]) -> Optional[tuple[int, int]]:
+        """(H', W'): the pixels at the scale of ``size`` that the map's cells cover when they reach past the input's
+        bottom or right edge (a patch embedding that pads the image, timm ``dynamic_img_pad``: a 50 x 70 input in
+        16 px patches is a 4 x 5 grid over 64 x 80 pixels); None when the cells lie on the input."""
+        layout = self.layout
+        if layout is None or tuple(self.maps.shape[-2:]) != tuple(layout.grid):
+            return None
+        reach = [g * p for g, p in zip(layout.grid, layout.patch_size)]
+        if reach[0] <= self.input_size[0] and reach[1] <= self.input_size[1]:
+            return None
+        return tuple(max(s, round(s * r / i)) for s, r, i in zip(size, reach, self.input_size))  # type: ignore[return-value]
 
     def target_names(self) -> list[str]:
         """Per image, the target's label name (or its index as text)."""
@@ -108,7 +123,13 @@ class Explanation:
                 )
             image = self.images[index]
         kwargs.setdefault("normalize", "signed" if self.signed else "minmax")
-        return overlay(image, self.maps[index], **kwargs)
+        h, w = image.shape[:2]
+        covered = self._covered((h, w))
+        if covered is None:
+            return overlay(image, self.maps[index], **kwargs)
+        # the cells reach past the image: draw on the image padded to their pixels, then crop
+        padded = np.pad(np.asarray(image), ((0, covered[0] - h), (0, covered[1] - w), (0, 0)), mode="edge")
+        return overlay(padded, self.maps[index], **kwargs)[:h, :w]
 
     def _repr_html_(self) -> str:
         """Jupyter display: each image's overlay with a colour bar, its method and target."""
