@@ -121,3 +121,20 @@ def test_hugging_face_hierarchical_models_match_the_dense_float64_oracle(kind):
         want = carry(items, u, method).view(e.maps.shape)
         assert tuple(e.maps.shape[1:]) == e.layout.grid, method
         assert_matches_oracle(e.maps, want, method)
+
+
+@pytest.mark.parametrize("name", ["HF PvtV2 classifier", "HF Sam2HieraDetModel (SAM 2's image encoder backbone, headless)"])
+def test_a_config_with_return_dict_false_is_explained_like_the_default(name):
+    """config.return_dict=False makes the model return tuples; the hierarchical adapters read attributes of them
+    and crashed with an AttributeError. They ask for a ModelOutput, so the maps equal the default's."""
+    import support_table
+
+    row = next(r for r in support_table.rows() if r.name == name)
+    torch.manual_seed(0)
+    model = row.build().eval()
+    target = vx.targets.norm() if row.target == "norm" else 1
+    x = torch.rand(2, 3, *row.size, generator=torch.Generator().manual_seed(4))
+    want = vx.Explainer(model).explain(x, method="rollout", target=target).maps
+    model.config.return_dict = False
+    assert isinstance(model(pixel_values=x), tuple)
+    torch.testing.assert_close(vx.Explainer(model).explain(x, method="rollout", target=target).maps, want)

@@ -50,7 +50,7 @@ class HFForward:
     has_head: bool
 
     def forward(self, x: Tensor) -> Any:
-        out = self.model(pixel_values=x)
+        out = self.model(pixel_values=x, return_dict=True)  # a config's return_dict=False gives tuples
         logits = getattr(out, "logits", None)
         if logits is not None:
             return logits

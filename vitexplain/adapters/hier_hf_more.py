@@ -105,7 +105,7 @@ class HFSam2HieraAdapter(GridHieraAdapter):
         return conv_grid(input_size, conv.kernel_size, conv.stride, conv.padding)
 
     def forward(self, x: Tensor) -> Any:
-        return self.model(pixel_values=x).last_hidden_state.mean(dim=(1, 2))
+        return self.model(pixel_values=x, return_dict=True).last_hidden_state.mean(dim=(1, 2))
 
 
 _SAM2_NECK = (
