@@ -328,7 +328,10 @@ class Explainer:
         x, regions, _, sources = self._inputs(images)
         adapter = self.adapter
         generated = None
+        positions = getattr(adapter, "max_positions", None)
         if caption is None:
+            if positions is not None:  # the start token takes one position
+                max_len = max(1, min(max_len, positions - 1))
             with torch.no_grad(), capture(self.model) as generated:
                 ids = adapter.generate(x, max_len)
         else:
@@ -465,5 +468,11 @@ class Explainer:
                     "pass text, or ids the model's tokenizer produced"
                 )
         length = max(len(s) for s in seqs) + 1
+        positions = getattr(self.adapter, "max_positions", None)
+        if positions is not None and length > positions:
+            raise UsageError(
+                f"a caption of {length - 1} tokens does not fit the decoder: with the start token it needs {length} "
+                f"positions, and the model has {positions}; explain at most {positions - 1} tokens per caption"
+            )
         end = self.adapter.end_id
         return torch.tensor([s + [end] * (length - len(s)) for s in seqs], dtype=torch.long, device=device)

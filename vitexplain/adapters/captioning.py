@@ -91,6 +91,12 @@ class CaptionAdapter(Adapter):
         """Token id fed at the first decoding step."""
         raise self.not_implemented("start_id()")
 
+    @property
+    def max_positions(self) -> Optional[int]:
+        """Longest decoder input (start token included) the model has position embeddings for,
+        or None when unbounded or the model checks it itself."""
+        return None
+
     def generate(self, x: Tensor, max_len: int) -> Tensor:
         """Greedy generation; returns (B, T) generated ids (no start token)."""
         raise self.not_implemented("generate()")
@@ -236,6 +242,10 @@ class TorchDecoderCaptionAdapter(CaptionAdapter):
     def start_id(self) -> int:
         return int(self.model.start_id)
 
+    @property
+    def max_positions(self) -> Optional[int]:
+        return int(self.model.pos.shape[1])
+
     def generate(self, x: Tensor, max_len: int) -> Tensor:
         return self.model.generate(x, max_len=max_len)
 
@@ -272,6 +282,15 @@ class HFCaptionAdapter(CaptionAdapter):
             return int(self._text_config.bos_token_id)
         start = self.model.config.decoder_start_token_id
         return int(start if start is not None else self._text_config.bos_token_id)
+
+    @property
+    def max_positions(self) -> Optional[int]:
+        cfg = self._text_config
+        for name in ("max_position_embeddings", "n_positions"):
+            size = getattr(cfg, name, None)
+            if isinstance(size, int) and size > 0:
+                return size
+        return None
 
     def generate(self, x: Tensor, max_len: int) -> Tensor:
         kwargs = dict(max_new_tokens=max_len, do_sample=False, num_beams=1)

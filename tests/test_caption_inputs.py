@@ -1,0 +1,41 @@
+"""explain_caption on inputs at the edges: captions longer than the decoder's position
+embeddings, generation asked for more tokens than fit, and images of any size preprocessed for a
+captioner assembled over a timm ViT. Tiny random-init models (the checks are about plumbing)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import vitexplain as vx
+from vitexplain.errors import UsageError
+from support_table import rows
+
+_ROWS = {r.name: r for r in rows() if r.group == "captioner"}
+_BOUNDED = ["nn.TransformerDecoder over timm ViT", "HF VisionEncoderDecoder (ViT + GPT-2)", "HF BLIP"]
+
+
+def _positions(model: torch.nn.Module) -> int:
+    """Position embeddings of the decoder, read from the model itself (the oracle)."""
+    if hasattr(model, "pos"):
+        return int(model.pos.shape[1])
+    config = model.config
+    text = config.decoder if hasattr(config, "decoder") else config.text_config
+    return int(text.max_position_embeddings)
+
+
+@pytest.mark.parametrize("name", _BOUNDED)
+def test_caption_longer_than_the_decoder_is_a_usage_error(name):
+    torch.manual_seed(0)
+    model = _ROWS[name].build()
+    ex = vx.Explainer(model)
+    n = _positions(model)
+    x = torch.randn(2, 3, *_ROWS[name].size)
+    fits = ex.explain_caption(x, method="cross", caption=[[5] * (n - 1), [6]])  # start + n-1 tokens = n inputs
+    assert fits.maps.shape[:2] == (2, n - 1) and torch.isfinite(fits.maps).all()
+    with pytest.raises(UsageError, match="does not fit the decoder"):
+        ex.explain_caption(x, method="cross", caption=[[5] * n, [6]])
+    generated = ex.explain_caption(x, method="cross", max_len=n + 8)  # at most n-1 words fit after the start token
+    assert generated.maps.shape[1] <= n - 1 and torch.isfinite(generated.maps).all()
+
