@@ -39,3 +39,14 @@ def test_caption_longer_than_the_decoder_is_a_usage_error(name):
     generated = ex.explain_caption(x, method="cross", max_len=n + 8)  # at most n-1 words fit after the start token
     assert generated.maps.shape[1] <= n - 1 and torch.isfinite(generated.maps).all()
 
+
+
+def test_images_of_any_size_are_preprocessed_to_the_encoders_size():
+    torch.manual_seed(0)
+    row = _ROWS["nn.TransformerDecoder over timm ViT"]
+    model = row.build()
+    rng = np.random.default_rng(0)
+    images = [rng.integers(0, 256, (37, 51, 3), dtype=np.uint8), rng.integers(0, 256, (90, 20, 3), dtype=np.uint8)]
+    e = vx.Explainer(model).explain_caption(images, method="cross", caption=[[3], [4, 5]])
+    assert e.input_size == row.size  # the ViT's img_size, not timm's 224 default
+    assert e.maps.shape[:2] == (2, 2) and torch.isfinite(e.maps).all()

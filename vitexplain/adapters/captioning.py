@@ -26,7 +26,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from ..layout import TokenLayout
+from ..layout import TokenLayout, pair
 from ..methods.families import CAPTION
 from .base import Adapter, find_layout_module, register_adapter
 from ..errors import UsageError
@@ -252,6 +252,18 @@ class TorchDecoderCaptionAdapter(CaptionAdapter):
     def teacher_forced(self, x: Tensor, ids: Tensor) -> Tensor:
         start = torch.full_like(ids[:, :1], self.start_id)
         return self.model(x, torch.cat([start, ids[:, :-1]], dim=1))
+
+    def preprocess_kwargs(self) -> dict[str, Any]:
+        """The timm encoder's data config, at the size its patch embedding was built for (timm's
+        fallback 224 would not fit a ViT built with another ``img_size``)."""
+        from ..data.images import preprocess_kwargs
+
+        encoder = self.model.encoder
+        kwargs = preprocess_kwargs(encoder)
+        size = getattr(getattr(encoder, "patch_embed", None), "img_size", None)
+        if size is not None and not getattr(encoder, "dynamic_img_size", False):
+            kwargs["input_size"] = tuple(pair(size))
+        return kwargs
 
 
 class HFCaptionAdapter(CaptionAdapter):
