@@ -50,3 +50,19 @@ def test_images_of_any_size_are_preprocessed_to_the_encoders_size():
     e = vx.Explainer(model).explain_caption(images, method="cross", caption=[[3], [4, 5]])
     assert e.input_size == row.size  # the ViT's img_size, not timm's 224 default
     assert e.maps.shape[:2] == (2, 2) and torch.isfinite(e.maps).all()
+
+
+def test_token_ids_as_tensor_or_numpy_equal_the_same_ids_as_lists():
+    torch.manual_seed(0)
+    model = _ROWS["nn.TransformerDecoder over timm ViT"].build()
+    ex = vx.Explainer(model)
+    x = torch.randn(2, 3, 32, 32)
+    want = ex.explain_caption(x, method="cross", caption=[[3, 4], [5, 6]])
+    for given in (torch.tensor([[3, 4], [5, 6]]), np.array([[3, 4], [5, 6]]), [np.int64(3), np.int64(4)]):
+        got = ex.explain_caption(x, method="cross", caption=given)
+        rows_ = [[3, 4], [3, 4]] if isinstance(given, list) else [[3, 4], [5, 6]]
+        assert got.ids[:, :2].tolist() == rows_
+        if not isinstance(given, list):
+            torch.testing.assert_close(got.maps, want.maps)
+    with pytest.raises(UsageError, match="outside the vocabulary"):
+        ex.explain_caption(x, method="cross", caption=torch.tensor([[3, 99], [5, 6]]))

@@ -14,6 +14,7 @@ The model is never modified: no eval()/train() switch, no eager attention, no ho
 from __future__ import annotations
 
 import contextlib
+import numbers
 import re
 import warnings
 from pathlib import Path
@@ -450,12 +451,15 @@ class Explainer:
             UsageError: not one caption or one per image, an empty caption, or token ids that
                 are not in the vocabulary.
         """
+        if not isinstance(caption, str) and hasattr(caption, "tolist"):  # a tensor or array of token ids
+            caption = caption.tolist()
+            caption = [caption] if isinstance(caption, int) else caption
         items = [caption] * batch if isinstance(caption, str) else list(caption)
-        if items and isinstance(items[0], int):
+        if items and isinstance(items[0], numbers.Integral):
             items = [items] * batch
         if len(items) != batch:
             raise UsageError(f"got {len(items)} captions for {batch} images; pass one caption or one per image")
-        seqs = [list(c) if not isinstance(c, str) else self.adapter.encode_caption(c) for c in items]
+        seqs = [[_token_id(t) for t in c] if not isinstance(c, str) else self.adapter.encode_caption(c) for c in items]
         vocab = getattr(self.adapter, "vocab_size", None)
         for i, seq in enumerate(seqs):
             if not seq:
@@ -476,3 +480,13 @@ class Explainer:
             )
         end = self.adapter.end_id
         return torch.tensor([s + [end] * (length - len(s)) for s in seqs], dtype=torch.long, device=device)
+
+
+def _token_id(token: Any) -> Any:
+    """A token id as a Python int (NumPy and 0-d tensor integers included); anything else as
+    given, for the caller to refuse."""
+    if hasattr(token, "tolist") and not isinstance(token, (list, str)):
+        token = token.tolist()
+    if isinstance(token, numbers.Integral) and not isinstance(token, bool):
+        return int(token)
+    return token

@@ -246,6 +246,10 @@ class TorchDecoderCaptionAdapter(CaptionAdapter):
     def max_positions(self) -> Optional[int]:
         return int(self.model.pos.shape[1])
 
+    @property
+    def vocab_size(self) -> Optional[int]:
+        return int(self.model.embed.num_embeddings)
+
     def generate(self, x: Tensor, max_len: int) -> Tensor:
         return self.model.generate(x, max_len=max_len)
 
