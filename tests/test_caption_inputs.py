@@ -66,3 +66,14 @@ def test_token_ids_as_tensor_or_numpy_equal_the_same_ids_as_lists():
             torch.testing.assert_close(got.maps, want.maps)
     with pytest.raises(UsageError, match="outside the vocabulary"):
         ex.explain_caption(x, method="cross", caption=torch.tensor([[3, 99], [5, 6]]))
+
+
+def test_a_training_mode_captioner_is_left_as_found_and_warned_about():
+    model = vx.zoo.load("shapes-sat").train()  # its CNN encoder has batch norm
+    before = {k: v.clone() for k, v in model.named_buffers()}
+    assert any("running_mean" in k for k in before)
+    with pytest.warns(UserWarning, match="training mode"):
+        vx.Explainer(model).explain_caption(torch.randn(2, 3, 64, 64), method="cross_generic", caption="red circle")
+    assert model.training
+    for k, v in model.named_buffers():
+        assert torch.equal(v, before[k]), k

@@ -327,6 +327,19 @@ class Explainer:
         if prompt is not None:
             raise UsageError(f"prompt= is for vision-language models; {type(self.model).__name__} captions without one")
         x, regions, _, sources = self._inputs(images)
+        if self.adapter.model.training:
+            warnings.warn(
+                "the model is in training mode: dropout makes explanations random (and batch norm makes each "
+                "image's depend on the batch); call model.eval() first",
+                stacklevel=2,
+            )
+        with _buffers_kept(self.adapter.model):  # a training-mode forward updates batch-norm statistics: put them back
+            results = self._explain_caption_batch(plan, x, regions, sources, caption, max_len)
+        return results[0] if plan.single else results
+
+    def _explain_caption_batch(self, plan: Plan, x: Tensor, regions: Any, sources: Any, caption: Any,
+                               max_len: int) -> list[CaptionExplanation]:
+        """One :class:`CaptionExplanation` per step of ``plan`` for the (B, 3, H, W) input ``x``."""
         adapter = self.adapter
         generated = None
         positions = getattr(adapter, "max_positions", None)
@@ -377,7 +390,7 @@ class Explainer:
                     sources=sources,
                 )
             )
-        return results[0] if plan.single else results
+        return results
 
     def _plan_for(self, entry: str, method: MethodArg, options: dict[str, Any]) -> Plan:
         """The plan of an ``explain``/``explain_caption`` call: ``method`` None is the family's
