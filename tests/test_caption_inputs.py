@@ -28,7 +28,7 @@ def _positions(model: torch.nn.Module) -> int:
 @pytest.mark.parametrize("name", _BOUNDED)
 def test_caption_longer_than_the_decoder_is_a_usage_error(name):
     torch.manual_seed(0)
-    model = _ROWS[name].build()
+    model = _ROWS[name].build().eval()
     ex = vx.Explainer(model)
     n = _positions(model)
     x = torch.randn(2, 3, *_ROWS[name].size)
@@ -44,7 +44,7 @@ def test_caption_longer_than_the_decoder_is_a_usage_error(name):
 def test_images_of_any_size_are_preprocessed_to_the_encoders_size():
     torch.manual_seed(0)
     row = _ROWS["nn.TransformerDecoder over timm ViT"]
-    model = row.build()
+    model = row.build().eval()
     rng = np.random.default_rng(0)
     images = [rng.integers(0, 256, (37, 51, 3), dtype=np.uint8), rng.integers(0, 256, (90, 20, 3), dtype=np.uint8)]
     e = vx.Explainer(model).explain_caption(images, method="cross", caption=[[3], [4, 5]])
@@ -54,7 +54,7 @@ def test_images_of_any_size_are_preprocessed_to_the_encoders_size():
 
 def test_token_ids_as_tensor_or_numpy_equal_the_same_ids_as_lists():
     torch.manual_seed(0)
-    model = _ROWS["nn.TransformerDecoder over timm ViT"].build()
+    model = _ROWS["nn.TransformerDecoder over timm ViT"].build().eval()
     ex = vx.Explainer(model)
     x = torch.randn(2, 3, 32, 32)
     want = ex.explain_caption(x, method="cross", caption=[[3, 4], [5, 6]])
