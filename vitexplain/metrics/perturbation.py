@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..errors import TargetError, UsageError
+from ..errors import NumericalError, TargetError, UsageError
 from ..targets import logits_of, resolve
 from .localisation import upsample_maps
 from .validation import ArrayLike, Size2, as_tensor, check_images, check_maps, check_positive_int, size2
@@ -121,9 +121,18 @@ def _scorer(model: Callable[[Tensor], Any], score: ScoreFn, caller: str) -> Call
         )
 
     def run(x: Tensor) -> Tensor:
-        s = score_fn(_logits(model(x)))
+        logits = _logits(model(x))
+        s = score_fn(logits)
         if not isinstance(s, Tensor) or s.ndim != 2 or s.shape[0] != x.shape[0]:
             raise UsageError(f"score must return (N, C) scores, got {getattr(s, 'shape', type(s))}")
+        if s.is_floating_point() and not bool(torch.isfinite(s).all()):
+            bad = int((~torch.isfinite(s)).any(1).sum())
+            where = ("the model's logits are" if not bool(torch.isfinite(logits).all())
+                     else "the score function returns")
+            raise NumericalError(
+                f"{caller}: {where} NaN or inf for {bad} of {x.shape[0]} (perturbed) inputs, so the curve would be "
+                "meaningless: check the model's weights and the input's scale, or the score function's arithmetic"
+            )
         return s
 
     return run

@@ -1,0 +1,52 @@
+"""Perturbation metrics never return a silent NaN: a model whose logits are not finite, or a
+score function that returns NaN, is a NumericalError naming which of the two is at fault."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from vitexplain import metrics
+from vitexplain.errors import NumericalError
+
+
+class _Linear(nn.Module):
+    """A tiny classifier; ``poison`` makes its logits NaN for inputs whose mean is below it."""
+
+    def __init__(self, poison: float = -float("inf")) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(3 * 16 * 16, 4)
+        self.poison = poison
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.fc(x.flatten(1))
+        bad = x.flatten(1).mean(1) < self.poison
+        return torch.where(bad[:, None], torch.full_like(z, float("nan")), z)
+
+
+_X = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0)) + 1.0  # image means about 1
+_MAPS = torch.rand(2, 4, 4, generator=torch.Generator().manual_seed(1))
+
+
+def test_finite_model_scores_as_before():
+    model = _Linear().eval()
+    r = metrics.deletion_insertion(model, _X, _MAPS, baseline="zero", steps=4)
+    assert torch.isfinite(r.curves).all()
+
+
+@pytest.mark.parametrize("metric", ["deletion", "insertion", "road"])
+def test_nan_logits_on_perturbed_inputs_are_an_error(metric):
+    model = _Linear(poison=0.5).eval()  # the unmodified images score; the zero baseline (mean 0) gives NaN
+    with pytest.raises(NumericalError, match="logits are NaN or inf"):
+        if metric == "road":
+            metrics.road(model, _X * 0 + float(0.4), _MAPS)  # every input below the poison level
+        else:
+            metrics.deletion_insertion(model, _X, _MAPS, mode=metric, baseline="zero", steps=4)
+
+
+def test_a_score_function_returning_nan_is_an_error():
+    model = _Linear().eval()
+    with pytest.raises(NumericalError, match="score function"):
+        metrics.deletion_auc(model, _X, _MAPS, score=lambda z: torch.log(z))  # log of negative logits: NaN
