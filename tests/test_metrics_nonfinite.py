@@ -50,3 +50,19 @@ def test_a_score_function_returning_nan_is_an_error():
     model = _Linear().eval()
     with pytest.raises(NumericalError, match="score function"):
         metrics.deletion_auc(model, _X, _MAPS, score=lambda z: torch.log(z))  # log of negative logits: NaN
+
+
+def test_pointing_game_takes_a_numpy_tolerance_as_the_same_number():
+    import numpy as np
+
+    maps = torch.zeros(2, 8, 8)
+    maps[:, 2, 2] = 1.0  # peak near pixel (20, 20) of an 64x64 mask (cell 2 spans 16..23)
+    masks = torch.zeros(2, 64, 64, dtype=torch.bool)
+    masks[:, 20, 26] = True  # 6 px right of the peak's neighbourhood
+    for tol in (3, 8):
+        want = metrics.pointing_game(maps, masks, tolerance=tol)
+        assert torch.equal(metrics.pointing_game(maps, masks, tolerance=np.int64(tol)), want)
+        assert torch.equal(metrics.pointing_game(maps, masks, tolerance=np.float32(tol)), want)
+    assert not metrics.pointing_game(maps, masks, tolerance=3).any() and metrics.pointing_game(maps, masks, tolerance=8).all()
+    with pytest.raises(Exception, match="tolerance"):
+        metrics.pointing_game(maps, masks, tolerance=True)
