@@ -77,3 +77,19 @@ def test_a_training_mode_captioner_is_left_as_found_and_warned_about():
     assert model.training
     for k, v in model.named_buffers():
         assert torch.equal(v, before[k]), k
+
+
+@pytest.mark.parametrize("name,method", [("shapes-sat", "cross_generic"), ("shapes-vit", "rollout")])
+def test_images_given_to_a_float64_model_are_preprocessed_in_its_dtype(name, method):
+    from vitexplain.data.images import preprocess
+
+    rng = np.random.default_rng(0)
+    arrays = [rng.integers(0, 256, (50, 70, 3), dtype=np.uint8), rng.integers(0, 256, (64, 40, 3), dtype=np.uint8)]
+    model = vx.zoo.load(name).eval().double()
+    ex = vx.Explainer(model)
+    x, _ = preprocess(arrays, **ex.adapter.preprocess_kwargs())  # float32, as for a float32 model
+    run = (lambda imgs: ex.explain_caption(imgs, method=method, caption="red circle")) if name == "shapes-sat" \
+        else (lambda imgs: ex.explain(imgs, method=method, target=1))
+    want = run(x.double()).maps
+    got = run(arrays).maps
+    torch.testing.assert_close(got, want)

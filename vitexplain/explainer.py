@@ -156,7 +156,7 @@ class Explainer:
                 resize the whole image to the input size (False).
 
         Returns:
-            (x (B, 3, H, W) on the model's device, the uint8 RGB regions the model saw,
+            (x (B, 3, H, W) on the model's device, in its floating-point dtype, the uint8 RGB regions the model saw,
             crop boxes in original pixel coordinates, the sources as given).
         """
         from .data.arrays import as_rgb
@@ -173,7 +173,8 @@ class Explainer:
         x, boxes = preprocess(arrays, crop=crop, **self.adapter.preprocess_kwargs())
         size = tuple(x.shape[-2:])
         regions = [seen_region(a, b, size) for a, b in zip(arrays, boxes)]
-        return x.to(model_device(self.model)), regions, boxes, sources
+        dtype = model_dtype(self.model)  # a float64/half model takes its own dtype (preprocess gives float32)
+        return x.to(device=model_device(self.model), dtype=dtype or x.dtype), regions, boxes, sources
 
     # -- explaining ---------------------------------------------------------------------
     @overload
