@@ -93,3 +93,16 @@ def test_images_given_to_a_float64_model_are_preprocessed_in_its_dtype(name, met
     want = run(x.double()).maps
     got = run(arrays).maps
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("name", ["nn.TransformerDecoder over timm ViT", "HF VisionEncoderDecoder (ViT + GPT-2)", "HF BLIP"])
+@pytest.mark.parametrize("caption", [None, [[3, 4], [5]]], ids=["generated", "given"])
+def test_a_tensor_of_another_size_is_an_input_error(name, caption):
+    from vitexplain.errors import InputError
+
+    torch.manual_seed(0)
+    model = _ROWS[name].build().eval()
+    h, w = _ROWS[name].size
+    with pytest.raises(InputError, match=f"expects {h}x{w}"):
+        vx.Explainer(model).explain_caption(torch.randn(2, 3, h + 16, w + 16), method="cross_generic", caption=caption,
+                                            max_len=3)

@@ -18,7 +18,7 @@ import numbers
 import re
 import warnings
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union, overload
+from typing import Any, Callable, Optional, Sequence, Union, overload
 
 import torch
 import torch.nn.functional as F
@@ -348,7 +348,7 @@ class Explainer:
             if positions is not None:  # the start token takes one position
                 max_len = max(1, min(max_len, positions - 1))
             with torch.no_grad(), capture(self.model) as generated:
-                ids = adapter.generate(x, max_len)
+                ids = self._sized(x, lambda: adapter.generate(x, max_len))
         else:
             ids = self._caption_ids(caption, x.shape[0], x.device)
         lengths = [len(w) for w in adapter.words(ids)]
@@ -366,13 +366,14 @@ class Explainer:
                 x_in = x.detach().clone().requires_grad_(True)
                 with torch.enable_grad(), embeddings_in_graph(self.model), \
                         capture(self.model, grads=True, attention_mode=settings.attention_mode, heads=settings.heads) as rec:
-                    logits = adapter.teacher_forced(x_in, ids)  # (the caption's embeddings in the graph: frozen weights)
+                    # (the caption's embeddings in the graph: frozen weights)
+                    logits = self._sized(x, lambda: adapter.teacher_forced(x_in, ids))
                 ctx = context(adapter, x_in, ids, rec, layout, True, logits, step.name)
             elif generated is not None:
                 ctx = context(adapter, x, ids, generated, layout, False, None, step.name)
             else:
                 with torch.no_grad(), capture(self.model) as rec:
-                    adapter.teacher_forced(x, ids)
+                    self._sized(x, lambda: adapter.teacher_forced(x, ids))
                 ctx = context(adapter, x, ids, rec, layout, True, None, step.name)
             maps = check_finite_maps(step.spec.fn(ctx, **step.options).detach().float(), step.name)
             for i, n in enumerate(lengths):
@@ -432,11 +433,16 @@ class Explainer:
         return x, regions, boxes, sources
 
     def _forward(self, x: Tensor) -> Any:
-        """The adapter's forward; a model's own refusal of the input size (timm, torchvision and
-        Hugging Face ViTs with a fixed size), or any failure of a model whose adapter says it takes one
-        size only on another size, becomes an :class:`InputError` that says what to do (the model's message kept)."""
+        """The adapter's forward, its size refusals translated (:meth:`_sized`)."""
+        return self._sized(x, lambda: self.adapter.forward(x))
+
+    def _sized(self, x: Tensor, run: Callable[[], Any]) -> Any:
+        """``run()``, a call of the model on ``x`` (B, C, H, W); a model's own refusal of the input size
+        (timm, torchvision and Hugging Face ViTs with a fixed size), or any failure of a model whose
+        adapter says it takes one size only on another size, becomes an :class:`InputError` that says
+        what to do (the model's message kept)."""
         try:
-            return self.adapter.forward(x)
+            return run()
         except (RuntimeError, ValueError, AssertionError, IndexError) as err:
             if isinstance(err, VitexplainError):
                 raise

@@ -247,6 +247,11 @@ class TorchDecoderCaptionAdapter(CaptionAdapter):
         return int(self.model.pos.shape[1])
 
     @property
+    def fixed_size(self) -> Optional[tuple[int, int]]:
+        """The one input size of the timm encoder (None when it takes any size)."""
+        return self.preprocess_kwargs()["input_size"] if not getattr(self.model.encoder, "dynamic_img_size", False) else None
+
+    @property
     def vocab_size(self) -> Optional[int]:
         return int(self.model.embed.num_embeddings)
 
@@ -277,6 +282,9 @@ class HFCaptionAdapter(CaptionAdapter):
         super().__init__(model, tokenizer)
         self.kind = kind
         self.encoder_prefix = "encoder" if kind == "vision-encoder-decoder" else "vision_model"
+        vision = model.config.encoder if kind == "vision-encoder-decoder" else model.config.vision_config
+        #: the one input size the vision encoder takes (its position embeddings are not interpolated)
+        self.fixed_size = pair(vision.image_size)
 
     @property
     def _text_config(self) -> Any:
