@@ -13,7 +13,7 @@ from vitexplain.errors import UsageError
 from support_table import rows
 
 _ROWS = {r.name: r for r in rows() if r.group == "captioner"}
-_BOUNDED = ["nn.TransformerDecoder over timm ViT", "HF VisionEncoderDecoder (ViT + GPT-2)", "HF BLIP"]
+_BOUNDED = ["nn.TransformerDecoder over timm ViT", "HF VisionEncoderDecoder (ViT + GPT-2)", "HF BLIP", "HF GIT"]
 
 
 def _positions(model: torch.nn.Module) -> int:
@@ -21,7 +21,7 @@ def _positions(model: torch.nn.Module) -> int:
     if hasattr(model, "pos"):
         return int(model.pos.shape[1])
     config = model.config
-    text = config.decoder if hasattr(config, "decoder") else config.text_config
+    text = config.decoder if hasattr(config, "decoder") else getattr(config, "text_config", config)
     return int(text.max_position_embeddings)
 
 
@@ -32,12 +32,13 @@ def test_caption_longer_than_the_decoder_is_a_usage_error(name):
     ex = vx.Explainer(model)
     n = _positions(model)
     x = torch.randn(2, 3, *_ROWS[name].size)
-    fits = ex.explain_caption(x, method="cross", caption=[[5] * (n - 1), [6]])  # start + n-1 tokens = n inputs
-    assert fits.maps.shape[:2] == (2, n - 1) and torch.isfinite(fits.maps).all()
+    # n words are teacher-forced from n inputs (the start token and the first n - 1 words)
+    fits = ex.explain_caption(x, method="cross_generic", caption=[[5] * n, [6]])
+    assert fits.maps.shape[:2] == (2, n) and torch.isfinite(fits.maps).all()
     with pytest.raises(UsageError, match="does not fit the decoder"):
-        ex.explain_caption(x, method="cross", caption=[[5] * n, [6]])
-    generated = ex.explain_caption(x, method="cross", max_len=n + 8)  # at most n-1 words fit after the start token
-    assert generated.maps.shape[1] <= n - 1 and torch.isfinite(generated.maps).all()
+        ex.explain_caption(x, method="cross", caption=[[5] * (n + 1), [6]])
+    generated = ex.explain_caption(x, method="cross", max_len=n + 8)  # at most n words
+    assert generated.maps.shape[1] <= n and torch.isfinite(generated.maps).all()
 
 
 

@@ -345,8 +345,8 @@ class Explainer:
         generated = None
         positions = getattr(adapter, "max_positions", None)
         if caption is None:
-            if positions is not None:  # the start token takes one position
-                max_len = max(1, min(max_len, positions - 1))
+            if positions is not None:  # the last word is never fed back: max_len words take max_len positions
+                max_len = min(max_len, positions)
             with torch.no_grad(), capture(self.model) as generated:
                 ids = self._sized(x, lambda: adapter.generate(x, max_len))
         else:
@@ -493,10 +493,10 @@ class Explainer:
                 )
         length = max(len(s) for s in seqs) + 1
         positions = getattr(self.adapter, "max_positions", None)
-        if positions is not None and length > positions:
+        if positions is not None and length - 1 > positions:  # fed: the start token and all words but the last
             raise UsageError(
-                f"a caption of {length - 1} tokens does not fit the decoder: with the start token it needs {length} "
-                f"positions, and the model has {positions}; explain at most {positions - 1} tokens per caption"
+                f"a caption of {length - 1} tokens does not fit the decoder, which has {positions} positions; "
+                f"explain at most {positions} tokens per caption"
             )
         end = self.adapter.end_id
         return torch.tensor([s + [end] * (length - len(s)) for s in seqs], dtype=torch.long, device=device)

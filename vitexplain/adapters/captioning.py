@@ -401,6 +401,11 @@ class GitCaptionAdapter(CaptionAdapter):
     def start_id(self) -> int:
         return int(self.model.config.bos_token_id)
 
+    @property
+    def max_positions(self) -> Optional[int]:
+        size = getattr(self.model.config, "max_position_embeddings", None)  # text positions (image tokens apart)
+        return size if isinstance(size, int) and size > 0 else None
+
     def generate(self, x: Tensor, max_len: int) -> Tensor:
         pad = self.model.config.pad_token_id
         ids = self.model.generate(
