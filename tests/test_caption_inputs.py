@@ -107,3 +107,24 @@ def test_a_tensor_of_another_size_is_an_input_error(name, caption):
     with pytest.raises(InputError, match=f"expects {h}x{w}"):
         vx.Explainer(model).explain_caption(torch.randn(2, 3, h + 16, w + 16), method="cross_generic", caption=caption,
                                             max_len=3)
+
+
+def test_upsample_puts_a_padded_encoders_cells_on_their_own_pixels():
+    from timm.models.vision_transformer import VisionTransformer
+
+    from vitexplain.adapters.captioning import TransformerDecoderCaptioner
+
+    torch.manual_seed(0)
+    encoder = VisionTransformer(img_size=32, patch_size=16, embed_dim=32, depth=2, num_heads=2, num_classes=0,
+                                dynamic_img_size=True, dynamic_img_pad=True)
+    model = TransformerDecoderCaptioner(encoder, vocab_size=20, dim=32, depth=2, heads=2, max_len=8).eval()
+    e = vx.Explainer(model).explain_caption(torch.randn(1, 3, 50, 70), method="cross", caption=[[3, 4]])
+    assert tuple(e.maps.shape[-2:]) == (4, 5)  # a 50 x 70 input padded to 64 x 80: 4 x 5 cells of 16 px
+    e.maps.zero_()
+    e.maps[0, 0, :, -1] = 1.0  # the last column of cells: padded pixels 64..79, i.e. input columns 64..69
+    e.maps[0, 1, 0, :] = 1.0  # the first row of cells: input rows 0..15
+    up = e.upsample()
+    assert up.shape == (1, 2, 50, 70)
+    # bilinear: above one half on the cell's own 16 px (its centre +- 8 px), below it elsewhere
+    assert (up[0, 0].amax(0) > 0.5).nonzero().flatten().tolist() == list(range(64, 70))
+    assert (up[0, 1].amax(1) > 0.5).nonzero().flatten().tolist() == list(range(0, 16))
