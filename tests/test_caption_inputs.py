@@ -128,3 +128,20 @@ def test_upsample_puts_a_padded_encoders_cells_on_their_own_pixels():
     # bilinear: above one half on the cell's own 16 px (its centre +- 8 px), below it elsewhere
     assert (up[0, 0].amax(0) > 0.5).nonzero().flatten().tolist() == list(range(64, 70))
     assert (up[0, 1].amax(1) > 0.5).nonzero().flatten().tolist() == list(range(0, 16))
+
+
+def test_caption_figure_of_a_padded_encoder_matches_its_upsampled_maps():
+    from timm.models.vision_transformer import VisionTransformer
+
+    from vitexplain.adapters.captioning import TransformerDecoderCaptioner
+    from vitexplain.viz.caption import caption_figure
+
+    torch.manual_seed(0)
+    encoder = VisionTransformer(img_size=32, patch_size=16, embed_dim=32, depth=2, num_heads=2, num_classes=0,
+                                dynamic_img_size=True, dynamic_img_pad=True)
+    model = TransformerDecoderCaptioner(encoder, vocab_size=20, dim=32, depth=2, heads=2, max_len=8).eval()
+    image = np.random.default_rng(0).integers(0, 256, (50, 70, 3), dtype=np.uint8)
+    e = vx.Explainer(model).explain_caption(torch.randn(1, 3, 50, 70), method="cross", caption=[[3, 4]])
+    # the oracle: the figure of maps already on the image's pixels (upsample is checked above)
+    want = caption_figure(image, e.tokens[0], e.upsample((50, 70))[0])
+    np.testing.assert_array_equal(e.figure(0, image=image), want)

@@ -253,7 +253,11 @@ class CaptionExplanation:
                 raise UsageError("pass image=(H, W, 3) uint8 RGB: this explanation was computed from a tensor")
             image = self.images[index]
         words = self.tokens[index]
-        return caption_figure(image, words, self.maps[index, : len(words)], **kwargs)
+        maps = self.maps[index, : len(words)]
+        h, w = np.asarray(image).shape[:2]
+        if _covered_pixels(self.layout, tuple(self.maps.shape[-2:]), self.input_size, (h, w)) is not None:
+            maps = self.upsample((h, w))[index, : len(words)]  # a padded grid: its cells on their own pixels
+        return caption_figure(image, words, maps, **kwargs)
 
 
 @dataclass
