@@ -49,7 +49,30 @@ def test_nan_logits_on_perturbed_inputs_are_an_error(metric):
 def test_a_score_function_returning_nan_is_an_error():
     model = _Linear().eval()
     with pytest.raises(NumericalError, match="score function"):
-        metrics.deletion_auc(model, _X, _MAPS, score=lambda z: torch.log(z))  # log of negative logits: NaN
+        metrics.deletion_auc(model, _X, _MAPS, score=lambda z: torch.sqrt(-1.0 - z.abs()))  # NaN everywhere
+
+
+class _Confident(nn.Module):
+    """Logits (N, 3): class 0 about 0, class 1 at -1000 (probability 0 in float32), class 2 about 1."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = x.flatten(1).mean(1)
+        return torch.stack([m, torch.full_like(m, -1000.0), 1.0 + m], 1)
+
+
+@pytest.mark.parametrize("metric", ["deletion", "road"])
+def test_minus_inf_scores_of_other_classes_are_not_an_error(metric):
+    score = lambda z: torch.log_softmax(z, -1).exp().log()  # noqa: E731 - log(0) = -inf for class 1 only
+    model = _Confident().eval()
+    if metric == "road":
+        r = metrics.road(model, _X, _MAPS, target=2, score=score)
+    else:
+        r = metrics.deletion_insertion(model, _X, _MAPS, target=2, baseline="zero", steps=4, score=score)
+    assert torch.isfinite(r.curves).all()
+    with torch.no_grad():  # the curve's first point (nothing removed) is the target's own log-probability
+        want = torch.log_softmax(model(_X), -1)[:, 2]
+    if metric == "deletion":
+        torch.testing.assert_close(r.curves[:, 0], want)
 
 
 def test_pointing_game_takes_a_numpy_tolerance_as_the_same_number():
