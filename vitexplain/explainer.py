@@ -14,10 +14,11 @@ The model is never modified: no eval()/train() switch, no eager attention, no ho
 from __future__ import annotations
 
 import contextlib
+import numbers
 import re
 import warnings
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union, overload
+from typing import Any, Callable, Optional, Sequence, Union, overload
 
 import torch
 import torch.nn.functional as F
@@ -155,7 +156,7 @@ class Explainer:
                 resize the whole image to the input size (False).
 
         Returns:
-            (x (B, 3, H, W) on the model's device, the uint8 RGB regions the model saw,
+            (x (B, 3, H, W) on the model's device, in its floating-point dtype, the uint8 RGB regions the model saw,
             crop boxes in original pixel coordinates, the sources as given).
         """
         from .data.arrays import as_rgb
@@ -172,7 +173,8 @@ class Explainer:
         x, boxes = preprocess(arrays, crop=crop, **self.adapter.preprocess_kwargs())
         size = tuple(x.shape[-2:])
         regions = [seen_region(a, b, size) for a, b in zip(arrays, boxes)]
-        return x.to(model_device(self.model)), regions, boxes, sources
+        dtype = model_dtype(self.model)  # a float64/half model takes its own dtype (preprocess gives float32)
+        return x.to(device=model_device(self.model), dtype=dtype or x.dtype), regions, boxes, sources
 
     # -- explaining ---------------------------------------------------------------------
     @overload
@@ -326,11 +328,27 @@ class Explainer:
         if prompt is not None:
             raise UsageError(f"prompt= is for vision-language models; {type(self.model).__name__} captions without one")
         x, regions, _, sources = self._inputs(images)
+        if self.adapter.model.training:
+            warnings.warn(
+                "the model is in training mode: dropout makes explanations random (and batch norm makes each "
+                "image's depend on the batch); call model.eval() first",
+                stacklevel=2,
+            )
+        with _buffers_kept(self.adapter.model):  # a training-mode forward updates batch-norm statistics: put them back
+            results = self._explain_caption_batch(plan, x, regions, sources, caption, max_len)
+        return results[0] if plan.single else results
+
+    def _explain_caption_batch(self, plan: Plan, x: Tensor, regions: Any, sources: Any, caption: Any,
+                               max_len: int) -> list[CaptionExplanation]:
+        """One :class:`CaptionExplanation` per step of ``plan`` for the (B, 3, H, W) input ``x``."""
         adapter = self.adapter
         generated = None
+        positions = getattr(adapter, "max_positions", None)
         if caption is None:
+            if positions is not None:  # the last word is never fed back: max_len words take max_len positions
+                max_len = min(max_len, positions)
             with torch.no_grad(), capture(self.model) as generated:
-                ids = adapter.generate(x, max_len)
+                ids = self._sized(x, lambda: adapter.generate(x, max_len))
         else:
             ids = self._caption_ids(caption, x.shape[0], x.device)
         lengths = [len(w) for w in adapter.words(ids)]
@@ -348,13 +366,14 @@ class Explainer:
                 x_in = x.detach().clone().requires_grad_(True)
                 with torch.enable_grad(), embeddings_in_graph(self.model), \
                         capture(self.model, grads=True, attention_mode=settings.attention_mode, heads=settings.heads) as rec:
-                    logits = adapter.teacher_forced(x_in, ids)  # (the caption's embeddings in the graph: frozen weights)
+                    # (the caption's embeddings in the graph: frozen weights)
+                    logits = self._sized(x, lambda: adapter.teacher_forced(x_in, ids))
                 ctx = context(adapter, x_in, ids, rec, layout, True, logits, step.name)
             elif generated is not None:
                 ctx = context(adapter, x, ids, generated, layout, False, None, step.name)
             else:
                 with torch.no_grad(), capture(self.model) as rec:
-                    adapter.teacher_forced(x, ids)
+                    self._sized(x, lambda: adapter.teacher_forced(x, ids))
                 ctx = context(adapter, x, ids, rec, layout, True, None, step.name)
             maps = check_finite_maps(step.spec.fn(ctx, **step.options).detach().float(), step.name)
             for i, n in enumerate(lengths):
@@ -373,7 +392,7 @@ class Explainer:
                     sources=sources,
                 )
             )
-        return results[0] if plan.single else results
+        return results
 
     def _plan_for(self, entry: str, method: MethodArg, options: dict[str, Any]) -> Plan:
         """The plan of an ``explain``/``explain_caption`` call: ``method`` None is the family's
@@ -414,11 +433,16 @@ class Explainer:
         return x, regions, boxes, sources
 
     def _forward(self, x: Tensor) -> Any:
-        """The adapter's forward; a model's own refusal of the input size (timm, torchvision and
-        Hugging Face ViTs with a fixed size), or any failure of a model whose adapter says it takes one
-        size only on another size, becomes an :class:`InputError` that says what to do (the model's message kept)."""
+        """The adapter's forward, its size refusals translated (:meth:`_sized`)."""
+        return self._sized(x, lambda: self.adapter.forward(x))
+
+    def _sized(self, x: Tensor, run: Callable[[], Any]) -> Any:
+        """``run()``, a call of the model on ``x`` (B, C, H, W); a model's own refusal of the input size
+        (timm, torchvision and Hugging Face ViTs with a fixed size), or any failure of a model whose
+        adapter says it takes one size only on another size, becomes an :class:`InputError` that says
+        what to do (the model's message kept)."""
         try:
-            return self.adapter.forward(x)
+            return run()
         except (RuntimeError, ValueError, AssertionError, IndexError) as err:
             if isinstance(err, VitexplainError):
                 raise
@@ -447,12 +471,15 @@ class Explainer:
             UsageError: not one caption or one per image, an empty caption, or token ids that
                 are not in the vocabulary.
         """
+        if not isinstance(caption, str) and hasattr(caption, "tolist"):  # a tensor or array of token ids
+            caption = caption.tolist()
+            caption = [caption] if isinstance(caption, int) else caption
         items = [caption] * batch if isinstance(caption, str) else list(caption)
-        if items and isinstance(items[0], int):
+        if items and isinstance(items[0], numbers.Integral):
             items = [items] * batch
         if len(items) != batch:
             raise UsageError(f"got {len(items)} captions for {batch} images; pass one caption or one per image")
-        seqs = [list(c) if not isinstance(c, str) else self.adapter.encode_caption(c) for c in items]
+        seqs = [[_token_id(t) for t in c] if not isinstance(c, str) else self.adapter.encode_caption(c) for c in items]
         vocab = getattr(self.adapter, "vocab_size", None)
         for i, seq in enumerate(seqs):
             if not seq:
@@ -465,5 +492,21 @@ class Explainer:
                     "pass text, or ids the model's tokenizer produced"
                 )
         length = max(len(s) for s in seqs) + 1
+        positions = getattr(self.adapter, "max_positions", None)
+        if positions is not None and length - 1 > positions:  # fed: the start token and all words but the last
+            raise UsageError(
+                f"a caption of {length - 1} tokens does not fit the decoder, which has {positions} positions; "
+                f"explain at most {positions} tokens per caption"
+            )
         end = self.adapter.end_id
         return torch.tensor([s + [end] * (length - len(s)) for s in seqs], dtype=torch.long, device=device)
+
+
+def _token_id(token: Any) -> Any:
+    """A token id as a Python int (NumPy and 0-d tensor integers included); anything else as
+    given, for the caller to refuse."""
+    if hasattr(token, "tolist") and not isinstance(token, (list, str)):
+        token = token.tolist()
+    if isinstance(token, numbers.Integral) and not isinstance(token, bool):
+        return int(token)
+    return token

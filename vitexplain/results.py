@@ -87,16 +87,8 @@ class Explanation:
         return out[:, :size[0], :size[1]]
 
     def _covered(self, size: tuple[int, int]) -> Optional[tuple[int, int]]:
-        """(H', W'): the pixels at the scale of ``size`` that the map's cells cover when they reach past the input's
-        bottom or right edge (a patch embedding that pads the image, timm ``dynamic_img_pad``: a 50 x 70 input in
-        16 px patches is a 4 x 5 grid over 64 x 80 pixels); None when the cells lie on the input."""
-        layout = self.layout
-        if layout is None or tuple(self.maps.shape[-2:]) != tuple(layout.grid):
-            return None
-        reach = [g * p for g, p in zip(layout.grid, layout.patch_size)]
-        if reach[0] <= self.input_size[0] and reach[1] <= self.input_size[1]:
-            return None
-        return tuple(max(s, round(s * r / i)) for s, r, i in zip(size, reach, self.input_size))  # type: ignore[return-value]
+        """See :func:`_covered_pixels`."""
+        return _covered_pixels(self.layout, tuple(self.maps.shape[-2:]), self.input_size, size)
 
     def target_names(self) -> list[str]:
         """Per image, the target's label name (or its index as text)."""
@@ -171,6 +163,19 @@ class Explanation:
         return out
 
 
+def _covered_pixels(layout: Optional[TokenLayout], grid: tuple[int, ...], input_size: tuple[int, int],
+                    size: tuple[int, int]) -> Optional[tuple[int, int]]:
+    """(H', W'): the pixels at the scale of ``size`` that a map's cells (its ``grid``) cover when they reach past
+    the input's bottom or right edge (a patch embedding that pads the image, timm ``dynamic_img_pad``: a 50 x 70
+    input in 16 px patches is a 4 x 5 grid over 64 x 80 pixels); None when the cells lie on the input."""
+    if layout is None or tuple(grid) != tuple(layout.grid):
+        return None
+    reach = [g * p for g, p in zip(layout.grid, layout.patch_size)]
+    if reach[0] <= input_size[0] and reach[1] <= input_size[1]:
+        return None
+    return tuple(max(s, round(s * r / i)) for s, r, i in zip(size, reach, input_size))  # type: ignore[return-value]
+
+
 @dataclass
 class CaptionExplanation:
     """Per-word maps of a batch of captions.
@@ -215,8 +220,11 @@ class CaptionExplanation:
         """Maps resized to ``size`` ((H, W) or an int; default: the model input size): (B, T, H, W)."""
         size = _output_size(size, self.input_size)
         b, t = self.maps.shape[:2]
-        flat = F.interpolate(self.maps.flatten(0, 1)[:, None], size=size, mode="bilinear", align_corners=False)
-        return flat.view(b, t, *size)
+        # cells that reach past the input (a padding patch embedding): resize onto their pixels, then crop
+        covered = _covered_pixels(self.layout, tuple(self.maps.shape[-2:]), self.input_size, size)
+        flat = F.interpolate(self.maps.flatten(0, 1)[:, None], size=covered or size, mode="bilinear",
+                             align_corners=False)[..., :size[0], :size[1]]
+        return flat.reshape(b, t, *size)
 
     def _repr_html_(self) -> str:
         """Jupyter display: per image its caption, then each word under its overlay."""
@@ -245,7 +253,11 @@ class CaptionExplanation:
                 raise UsageError("pass image=(H, W, 3) uint8 RGB: this explanation was computed from a tensor")
             image = self.images[index]
         words = self.tokens[index]
-        return caption_figure(image, words, self.maps[index, : len(words)], **kwargs)
+        maps = self.maps[index, : len(words)]
+        h, w = np.asarray(image).shape[:2]
+        if _covered_pixels(self.layout, tuple(self.maps.shape[-2:]), self.input_size, (h, w)) is not None:
+            maps = self.upsample((h, w))[index, : len(words)]  # a padded grid: its cells on their own pixels
+        return caption_figure(image, words, maps, **kwargs)
 
 
 @dataclass

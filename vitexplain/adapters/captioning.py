@@ -26,7 +26,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from ..layout import TokenLayout
+from ..layout import TokenLayout, pair
 from ..methods.families import CAPTION
 from .base import Adapter, find_layout_module, register_adapter
 from ..errors import UsageError
@@ -90,6 +90,12 @@ class CaptionAdapter(Adapter):
     def start_id(self) -> int:
         """Token id fed at the first decoding step."""
         raise self.not_implemented("start_id()")
+
+    @property
+    def max_positions(self) -> Optional[int]:
+        """Longest decoder input (start token included) the model has position embeddings for,
+        or None when unbounded or the model checks it itself."""
+        return None
 
     def generate(self, x: Tensor, max_len: int) -> Tensor:
         """Greedy generation; returns (B, T) generated ids (no start token)."""
@@ -236,12 +242,37 @@ class TorchDecoderCaptionAdapter(CaptionAdapter):
     def start_id(self) -> int:
         return int(self.model.start_id)
 
+    @property
+    def max_positions(self) -> Optional[int]:
+        return int(self.model.pos.shape[1])
+
+    @property
+    def fixed_size(self) -> Optional[tuple[int, int]]:
+        """The one input size of the timm encoder (None when it takes any size)."""
+        return self.preprocess_kwargs()["input_size"] if not getattr(self.model.encoder, "dynamic_img_size", False) else None
+
+    @property
+    def vocab_size(self) -> Optional[int]:
+        return int(self.model.embed.num_embeddings)
+
     def generate(self, x: Tensor, max_len: int) -> Tensor:
         return self.model.generate(x, max_len=max_len)
 
     def teacher_forced(self, x: Tensor, ids: Tensor) -> Tensor:
         start = torch.full_like(ids[:, :1], self.start_id)
         return self.model(x, torch.cat([start, ids[:, :-1]], dim=1))
+
+    def preprocess_kwargs(self) -> dict[str, Any]:
+        """The timm encoder's data config, at the size its patch embedding was built for (timm's
+        fallback 224 would not fit a ViT built with another ``img_size``)."""
+        from ..data.images import preprocess_kwargs
+
+        encoder = self.model.encoder
+        kwargs = preprocess_kwargs(encoder)
+        size = getattr(getattr(encoder, "patch_embed", None), "img_size", None)
+        if size is not None and not getattr(encoder, "dynamic_img_size", False):
+            kwargs["input_size"] = tuple(pair(size))
+        return kwargs
 
 
 class HFCaptionAdapter(CaptionAdapter):
@@ -251,6 +282,9 @@ class HFCaptionAdapter(CaptionAdapter):
         super().__init__(model, tokenizer)
         self.kind = kind
         self.encoder_prefix = "encoder" if kind == "vision-encoder-decoder" else "vision_model"
+        vision = model.config.encoder if kind == "vision-encoder-decoder" else model.config.vision_config
+        #: the one input size the vision encoder takes (its position embeddings are not interpolated)
+        self.fixed_size = pair(vision.image_size)
 
     @property
     def _text_config(self) -> Any:
@@ -272,6 +306,15 @@ class HFCaptionAdapter(CaptionAdapter):
             return int(self._text_config.bos_token_id)
         start = self.model.config.decoder_start_token_id
         return int(start if start is not None else self._text_config.bos_token_id)
+
+    @property
+    def max_positions(self) -> Optional[int]:
+        cfg = self._text_config
+        for name in ("max_position_embeddings", "n_positions"):
+            size = getattr(cfg, name, None)
+            if isinstance(size, int) and size > 0:
+                return size
+        return None
 
     def generate(self, x: Tensor, max_len: int) -> Tensor:
         kwargs = dict(max_new_tokens=max_len, do_sample=False, num_beams=1)
@@ -357,6 +400,11 @@ class GitCaptionAdapter(CaptionAdapter):
     @property
     def start_id(self) -> int:
         return int(self.model.config.bos_token_id)
+
+    @property
+    def max_positions(self) -> Optional[int]:
+        size = getattr(self.model.config, "max_position_embeddings", None)  # text positions (image tokens apart)
+        return size if isinstance(size, int) and size > 0 else None
 
     def generate(self, x: Tensor, max_len: int) -> Tensor:
         pad = self.model.config.pad_token_id

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from ..errors import UsageError
 from .localisation import upsample_maps
-from .perturbation import ScoreFn, _resolve_targets, _scorer
+from .perturbation import ScoreFn, _resolve_targets, _scorer, _target_scores
 from .validation import ArrayLike, as_tensor, check_images, check_maps, check_masks, check_positive_int, exact_dtype
 
 __all__ = ["RoadResult", "noisy_linear_imputation", "road", "ROAD_FRACTIONS"]
@@ -301,7 +301,7 @@ def road(
             x = noisy_linear_imputation(images[items.to(dev)], removed, noise=noise, generator=generators)
             scores = run(x)
             t = tgt[items.to(dev)]
-            curves[pairs.to(dev)] = scores.gather(1, t[:, None])[:, 0].to(curves.dtype)
+            curves[pairs.to(dev)] = _target_scores(scores, t, "road").to(curves.dtype)
             correct[pairs.to(dev)] = scores.argmax(1) == t
     curves, correct = curves.view(B, n_frac), correct.view(B, n_frac)
     return RoadResult(curves=curves, correct=correct, fractions=frac.to(curves.dtype), targets=tgt, order=order)

@@ -15,6 +15,7 @@ resolution ``(H, W)``.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Optional
 
 import torch
@@ -164,7 +165,8 @@ def pointing_game(
     b, h, w = masks.shape
     if tolerance is None:
         tolerance = default_tolerance((h, w))
-    if not (isinstance(tolerance, (int, float)) and tolerance >= 0 and math.isfinite(tolerance)):
+    if not (isinstance(tolerance, numbers.Real) and not isinstance(tolerance, bool) and tolerance >= 0
+            and math.isfinite(tolerance)):  # NumPy scalars too
         raise UsageError(f"tolerance must be a finite number of pixels >= 0, got {tolerance!r}")
     empty = ~masks.flatten(1).any(1)
     if bool(empty.any()):

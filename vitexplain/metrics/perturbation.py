@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..errors import TargetError, UsageError
+from ..errors import NumericalError, TargetError, UsageError
 from ..targets import logits_of, resolve
 from .localisation import upsample_maps
 from .validation import ArrayLike, Size2, as_tensor, check_images, check_maps, check_positive_int, size2
@@ -121,12 +121,32 @@ def _scorer(model: Callable[[Tensor], Any], score: ScoreFn, caller: str) -> Call
         )
 
     def run(x: Tensor) -> Tensor:
-        s = score_fn(_logits(model(x)))
+        logits = _logits(model(x))
+        s = score_fn(logits)
         if not isinstance(s, Tensor) or s.ndim != 2 or s.shape[0] != x.shape[0]:
             raise UsageError(f"score must return (N, C) scores, got {getattr(s, 'shape', type(s))}")
+        if logits.is_floating_point() and not bool(torch.isfinite(logits).all()):
+            bad = int((~torch.isfinite(logits)).any(1).sum())
+            raise NumericalError(
+                f"{caller}: the model's logits are NaN or inf for {bad} of {x.shape[0]} (perturbed) inputs, so the "
+                "curve would be meaningless: check the model's weights and the input's scale"
+            )
         return s
 
     return run
+
+
+def _target_scores(scores: Tensor, targets: Tensor, caller: str) -> Tensor:
+    """``scores[n, targets[n]]`` (N,) of (N, C) scores; a NaN or inf among them is a NumericalError (the
+    model's logits were finite, so the score function is at fault; other classes' scores may be -inf)."""
+    vals = scores.gather(1, targets[:, None])[:, 0]
+    if vals.is_floating_point() and not bool(torch.isfinite(vals).all()):
+        raise NumericalError(
+            f"{caller}: the score function returns NaN or inf for the target class on "
+            f"{int((~torch.isfinite(vals)).sum())} of {vals.shape[0]} inputs, although the model's logits are "
+            "finite: check the score function's arithmetic (a log of 0, a division by 0, ...)"
+        )
+    return vals
 
 
 def _resolve_targets(run: Callable[[Tensor], Tensor], images: Tensor, target: Any, batch_size: int) -> Tensor:
@@ -135,7 +155,9 @@ def _resolve_targets(run: Callable[[Tensor], Tensor], images: Tensor, target: An
     are a TargetError). Call under ``torch.no_grad()``."""
     B = images.shape[0]
     unmodified = torch.cat([run(images[i : i + batch_size]) for i in range(0, B, batch_size)])
-    return resolve(_target_spec(target, B), unmodified).classes.to(images.device)
+    classes = resolve(_target_spec(target, B), unmodified).classes.to(images.device)
+    _target_scores(unmodified, classes.to(unmodified.device), "the unmodified images")
+    return classes
 
 
 def _patch_grid(maps: Tensor, size: Tuple[int, int], patch: Optional[Size2]) -> Tuple[Tensor, Tensor]:
@@ -267,7 +289,7 @@ def deletion_insertion(
                 x = torch.where(changed, base[b], images[b])
             else:
                 x = torch.where(changed, images[b], base[b])
-            vals = run(x).gather(1, tgt[b][:, None])[:, 0]
+            vals = _target_scores(run(x), tgt[b], "deletion_insertion")
             if flat is None:
                 flat = torch.empty(total, dtype=vals.dtype, device=vals.device)
             flat[idx.to(vals.device)] = vals
