@@ -334,6 +334,8 @@ def test_discover_inputs_keys_globs_and_safety(tmp_path: Path, monkeypatch) -> N
         (("--target", "hexagon"), "unknown label"),
         (("--batch-size", "0"), "positive integer"),
         (("--checkpoint", "missing.safetensors"), "no such file"),
+        (("--checkpoint", "."), "is a folder; pass the weights file in it"),
+        (("--model", "vit_tiny_patch16_224", "--model-arg", "pretrained=True"), "cannot be downloaded"),
         (("--method", "rollout", "--option", "rollout.nope=1"), "rollout has no option 'nope'"),
         (("--option", "cdam"), "METHOD.KEY=VALUE"),
     ],

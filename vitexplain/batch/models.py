@@ -29,6 +29,9 @@ def _read_state_dict(path: str) -> dict[str, Any]:
     import torch
 
     p = Path(path)
+    if p.is_dir():
+        raise UsageError(f"--checkpoint {path!r} is a folder; pass the weights file in it "
+                         "(.safetensors, or .pt/.pth)")
     if not p.is_file():
         raise UsageError(f"--checkpoint {path!r}: no such file")
     try:
@@ -131,6 +134,10 @@ def load_model(
                 f"unknown model {spec!r}: not a zoo model ({', '.join(zoo.names())}), not a "
                 f"zoo checkpoint .json and not a timm model name.{hint} See `vitexplain models`."
             )
+        if "pretrained" in model_args:
+            raise UsageError(
+                "--model-arg pretrained: pretrained weights cannot be downloaded (vitexplain runs "
+                f"offline); drop it and pass the weights of {spec!r} as --checkpoint FILE")
         state = _read_state_dict(checkpoint) if checkpoint else None
         if num_classes is None and state is not None:
             num_classes = _head_size(state)
