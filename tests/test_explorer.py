@@ -277,3 +277,19 @@ def test_explore_one_given_target(shapes_vit, images, tmp_path) -> None:
     expected = vx.Explainer(shapes_vit).explain(images[:1], method="generic", target="star").maps[0].flatten().numpy()
     got = dequantize_rows(first["methods"][0]["maps"])[0]
     assert np.abs(got - expected).max() <= expected.max() / 510 * 1.001
+
+
+@pytest.mark.parametrize("target, message", [("hexagon", "unknown label 'hexagon'"), (99, "out of range")])
+def test_explore_a_bad_target_raises_instead_of_leaving_every_default_method_out(shapes_vit, images, tmp_path,
+                                                                                 target, message) -> None:
+    # with the default methods a failing method is left out with a note; a bad target fails them all,
+    # which would give a page with no maps at all: the caller's mistake must raise instead
+    with pytest.raises(vx.errors.TargetError, match=message):
+        vx.explore(shapes_vit, images[:1], tmp_path / "t.html", target=target)
+    assert not (tmp_path / "t.html").exists()
+
+
+def test_explore_out_naming_a_folder_is_a_usage_error_before_any_work(shapes_vit, images, tmp_path) -> None:
+    with pytest.raises(vx.errors.UsageError, match="is a folder"):
+        vx.explore(shapes_vit, images[:1], tmp_path)
+    assert list(tmp_path.iterdir()) == []  # no page, no temporary file

@@ -108,6 +108,8 @@ def explore(
         processor = processor if processor is not None else getattr(model, "vx_processor", None)
     explainer = model if isinstance(model, Explainer) else (
         Explainer(model, processor=processor) if processor is not None else Explainer(model))
+    if os.path.isdir(out):  # checked before the work: the page would otherwise fail only when written
+        raise UsageError(f"out {os.fspath(out)!r} is a folder; pass the path of the .html file to write")
     items = list(images) if isinstance(images, (list, tuple)) else [images]
     if not items:
         raise UsageError("no images to explore; pass a path, an image or a list of them")
