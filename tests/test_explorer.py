@@ -293,3 +293,11 @@ def test_explore_out_naming_a_folder_is_a_usage_error_before_any_work(shapes_vit
     with pytest.raises(vx.errors.UsageError, match="is a folder"):
         vx.explore(shapes_vit, images[:1], tmp_path)
     assert list(tmp_path.iterdir()) == []  # no page, no temporary file
+
+
+@pytest.mark.parametrize("name", ["shapes-captioner", "shapes-vlm"])
+def test_explore_refuses_a_class_target_for_a_model_that_explains_its_words(name, images, tmp_path) -> None:
+    # a captioner's or VLM's page explains each generated word: a class target would be ignored silently
+    with pytest.raises(vx.errors.UsageError, match="is for classifiers"):
+        vx.explore(vx.zoo.load(name), images[:1], tmp_path / "t.html", target=3)
+    assert not (tmp_path / "t.html").exists()

@@ -121,6 +121,9 @@ def explore(
     if len(labels) != len(items):
         raise UsageError(f"got {len(labels)} names for {len(items)} images; pass one name per image")
     plan = explainer.plan(method, **options)
+    if target is not None and (plan.family.name == "vlm" or plan.family.entry == "explain_caption"):
+        raise UsageError(f"target={target!r} is for classifiers; the page of a {plan.family.name} model explains "
+                         "each word of its caption: leave target out")
     budget = int(attention_budget * 1e6)
     data = []
     for item, label in zip(items, labels):
