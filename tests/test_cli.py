@@ -350,6 +350,25 @@ def test_usage_errors_exit_2(extra, message, tree: Path, ckpt: str, tmp_path: Pa
     assert not out.exists()  # nothing written before the arguments are known to be good
 
 
+def test_labels_file_names_the_classes_and_must_have_one_name_per_class(tree: Path, ckpt: str, tmp_path: Path,
+                                                                       capsys) -> None:
+    classes = vx.zoo.load_checkpoint(ckpt).num_classes
+    names = [f"class {i}" for i in range(classes)]
+    short = tmp_path / "short.txt"
+    short.write_text("\n".join(names[:2]) + "\n", encoding="utf-8")
+    out = tmp_path / "short"
+    # fewer names than classes: the other classes would get no name and the file's order is in doubt
+    assert _run("export", tree / "a.png", "--out", out, "--model", ckpt, "--labels", short, "-q") == 2
+    assert f"has 2 names (non-empty lines) but the model has {classes} classes" in capsys.readouterr().err
+    assert not out.exists()
+    good = tmp_path / "labels.txt"
+    good.write_text("\n".join(names) + "\n", encoding="utf-8")
+    out = tmp_path / "good"
+    assert _run("export", tree / "a.png", "--out", out, "--model", ckpt, "--labels", good, "-q") == 0
+    record = json.loads((out / "manifest.jsonl").read_text(encoding="utf-8").splitlines()[0])
+    assert record["predictions"] and all(p["label"] == f"class {p['index']}" for p in record["predictions"])
+
+
 def test_out_inside_inputs(tree: Path, ckpt: str, capsys) -> None:
     assert _run("export", tree, "--out", tree, "--model", ckpt, "-q") == 2
     assert "next to the inputs" in capsys.readouterr().err

@@ -161,6 +161,10 @@ def load_model(
             names = [line.strip() for line in Path(labels).read_text(encoding="utf-8").splitlines() if line.strip()]
         except OSError as e:
             raise UsageError(f"--labels {labels!r}: cannot read it ({e.strerror or e})") from None
+        classes = getattr(model, "num_classes", None)
+        if isinstance(classes, int) and classes > 0 and len(names) != classes:  # else names land on wrong classes
+            raise UsageError(f"--labels {labels!r} has {len(names)} names (non-empty lines) but the model has "
+                             f"{classes} classes; give one name per class, in class-index order")
         cfg = dict(getattr(model, "pretrained_cfg", None) or {})
         cfg["label_names"] = names
         model.pretrained_cfg = cfg
