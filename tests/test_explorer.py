@@ -301,3 +301,12 @@ def test_explore_refuses_a_class_target_for_a_model_that_explains_its_words(name
     with pytest.raises(vx.errors.UsageError, match="is for classifiers"):
         vx.explore(vx.zoo.load(name), images[:1], tmp_path / "t.html", target=3)
     assert not (tmp_path / "t.html").exists()
+
+
+def test_explore_refuses_a_prompt_for_a_model_without_one_and_a_bad_max_len(shapes_vit, images, tmp_path) -> None:
+    # a prompt only reaches vision-language models: elsewhere it would be ignored silently
+    with pytest.raises(vx.errors.UsageError, match="prompt= is for vision-language models"):
+        vx.explore(shapes_vit, images[:1], tmp_path / "t.html", prompt="what is in the image ?")
+    with pytest.raises(vx.errors.UsageError, match="max_len must be a positive"):
+        vx.explore(vx.zoo.load("shapes-captioner"), images[:1], tmp_path / "t.html", max_len=0)
+    assert not (tmp_path / "t.html").exists()

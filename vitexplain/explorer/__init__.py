@@ -117,10 +117,14 @@ def explore(
         raise UsageError(f"top_k must be a positive integer, got {top_k!r}")
     if isinstance(attention_budget, bool) or not isinstance(attention_budget, (int, float)) or not 0 < attention_budget <= 10_000:
         raise UsageError(f"attention_budget is the most MB of attention data per image, in (0, 10000]; got {attention_budget!r}")
+    if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
+        raise UsageError(f"max_len must be a positive number of tokens to generate, got {max_len!r}")
     labels = list(names) if names is not None else [_name(item, i) for i, item in enumerate(items)]
     if len(labels) != len(items):
         raise UsageError(f"got {len(labels)} names for {len(items)} images; pass one name per image")
     plan = explainer.plan(method, **options)
+    if prompt is not None and plan.family.name != "vlm":
+        raise UsageError(f"prompt= is for vision-language models; a {plan.family.name} model takes none: leave it out")
     if target is not None and (plan.family.name == "vlm" or plan.family.entry == "explain_caption"):
         raise UsageError(f"target={target!r} is for classifiers; the page of a {plan.family.name} model explains "
                          "each word of its caption: leave target out")
