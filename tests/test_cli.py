@@ -336,6 +336,8 @@ def test_discover_inputs_keys_globs_and_safety(tmp_path: Path, monkeypatch) -> N
         (("--checkpoint", "missing.safetensors"), "no such file"),
         (("--checkpoint", "."), "is a folder; pass the weights file in it"),
         (("--model", "vit_tiny_patch16_224", "--model-arg", "pretrained=True"), "cannot be downloaded"),
+        (("--model", "vit_tiny_patch16_224", "--model-arg", "num_classes=0", "--model-arg", "depth=1",
+          "--model-arg", "img_size=64"), "has no classifier head (its output is an embedding)"),
         (("--method", "rollout", "--option", "rollout.nope=1"), "rollout has no option 'nope'"),
         (("--option", "cdam"), "METHOD.KEY=VALUE"),
     ],

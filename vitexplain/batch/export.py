@@ -217,6 +217,12 @@ def export(opts: ExportOptions, *, argv: Optional[Sequence[str]] = None) -> Expo
     methods = plan.names
     method_options = {s.name: dict(s.options) for s in plan.steps}
     signed = {s.name: s.spec.signed for s in plan.steps}
+    if not ex.adapter.has_head:  # the target advice of the Python API (a callable) has no flag here
+        raise UsageError(
+            f"--model {opts.model!r} has no classifier head (its output is an embedding), so there is no class "
+            "for `vitexplain export` to explain: give it a head (--num-classes N, with a --checkpoint that holds "
+            "one), or from Python explain a score of the embedding: "
+            "vx.Explainer(model).explain(x, target=vx.targets.norm())")
     label_names = ex.adapter.label_names
     num_classes = getattr(model, "num_classes", None)
     target = _parse_target(opts.target, label_names, num_classes if isinstance(num_classes, int) else None)
