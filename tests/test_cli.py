@@ -340,6 +340,10 @@ def test_discover_inputs_keys_globs_and_safety(tmp_path: Path, monkeypatch) -> N
           "--model-arg", "img_size=64"), "has no classifier head (its output is an embedding)"),
         (("--method", "rollout", "--option", "rollout.nope=1"), "rollout has no option 'nope'"),
         (("--option", "cdam"), "METHOD.KEY=VALUE"),
+        (("--method", "rollout", "--option", "rollout.discard_ratio=0.5", "--option", "rollout.discard_ratio=0.7"),
+         "--option rollout.discard_ratio is given twice, as 0.5 and 0.7"),
+        (("--model", "vit_tiny_patch16_224", "--model-arg", "depth=1", "--model-arg", "depth=2"),
+         "--model-arg depth is given twice"),
     ],
 )
 def test_usage_errors_exit_2(extra, message, tree: Path, ckpt: str, tmp_path: Path, capsys) -> None:
