@@ -375,6 +375,19 @@ def test_labels_file_names_the_classes_and_must_have_one_name_per_class(tree: Pa
     assert record["predictions"] and all(p["label"] == f"class {p['index']}" for p in record["predictions"])
 
 
+def test_overlays_enlarged_for_legibility_still_respect_max_side(ckpt: str, tmp_path: Path) -> None:
+    # --min-side (default 256) enlarges small regions; --max-side bounds the longer side of every overlay:
+    # a 64 px crop with --max-side 100, and a thin strip whose whole-factor enlargement would be 6000 px long
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(tmp_path / "square.png")
+    Image.fromarray(rng.integers(0, 256, (40, 900, 3), dtype=np.uint8)).save(tmp_path / "strip.png")
+    for name, extra, limit in (("square.png", ("--max-side", "100"), 100), ("strip.png", ("--no-crop",), 512)):
+        out = tmp_path / f"out-{name}"
+        assert _run("export", tmp_path / name, "--out", out, "--model", ckpt, "--method", "rollout", "-q", *extra) == 0
+        with Image.open(out / f"{name}.rollout.png") as im:
+            assert max(im.size) <= limit, (name, im.size)
+
+
 def test_out_inside_inputs(tree: Path, ckpt: str, capsys) -> None:
     assert _run("export", tree, "--out", tree, "--model", ckpt, "-q") == 2
     assert "next to the inputs" in capsys.readouterr().err

@@ -146,8 +146,11 @@ def _write_overlays(
 
     from ..viz.legend import with_colorbar
     from ..viz.overlays import overlay, readable
+    from .decoding import cap_size
 
     base = readable(region, opts.min_side) if opts.min_side > 0 else region
+    if base is not region:  # enlarged: --max-side still bounds the longer side (--max-side 128 or a thin strip)
+        base = cap_size(base, opts.max_side)
     for name, m in maps.items():
         normalize = "signed" if signed[name] else "minmax"
         cmap = opts.signed_colormap if signed[name] else opts.colormap
