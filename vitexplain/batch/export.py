@@ -83,8 +83,8 @@ class ExportOptions(BatchOptions):
                              help="also write each raw map as .npy")
     min_side: int = option(256, flags="--min-side", metavar="PX", parse=NON_NEGATIVE, group="overlays",
                            outputs=True, help="draw overlays of smaller images enlarged (tiny ones by a whole factor, crisp "
-                                              "pixels) to at least this many pixels on the shorter side "
-                                              "(default {default}; 0: never)")
+                                              "pixels) to at least this many pixels on the shorter side, "
+                                              "within --max-side (default {default}; 0: never)")
     top_k: int = option(5, flags="--top-k", metavar="K", parse=NON_NEGATIVE, group="overlays", outputs=True,
                        help="predictions recorded per image (default {default})")
 
