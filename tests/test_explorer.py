@@ -310,3 +310,13 @@ def test_explore_refuses_a_prompt_for_a_model_without_one_and_a_bad_max_len(shap
     with pytest.raises(vx.errors.UsageError, match="max_len must be a positive"):
         vx.explore(vx.zoo.load("shapes-captioner"), images[:1], tmp_path / "t.html", max_len=0)
     assert not (tmp_path / "t.html").exists()
+
+
+def test_explore_takes_an_nhwc_batch_array_as_that_many_images(shapes_vit, tmp_path) -> None:
+    batch = np.random.default_rng(0).integers(0, 256, (2, 64, 64, 3), dtype=np.uint8)
+    data = _payload(vx.explore(shapes_vit, batch, tmp_path / "b.html", method="rollout").read_text())
+    assert [im["name"] for im in data["images"]] == ["image 0", "image 1"]
+    for i, im in enumerate(data["images"]):  # each image's own map, as the Explainer gives it for that image alone
+        expected = vx.Explainer(shapes_vit).explain(batch[i], method="rollout").maps[0].flatten().numpy()
+        got = dequantize_rows(im["methods"][0]["maps"])[0]
+        assert np.abs(got - expected).max() <= expected.max() / 510 * 1.001

@@ -61,7 +61,8 @@ def explore(
 
     Args:
         model: a model :class:`vitexplain.Explainer` supports, or an Explainer.
-        images: a path, PIL image or (H, W, 3) uint8 RGB array, or a list of those.
+        images: a path, PIL image or (H, W, 3) uint8 RGB array, or a list of those; an
+            (N, H, W, 3) array is N images.
         out: the HTML file to write.
         method: a method name or a list of names, which must all apply and run; None = the
             family's default methods (those that do not apply to the model are left out with a
@@ -111,6 +112,8 @@ def explore(
     if os.path.isdir(out):  # checked before the work: the page would otherwise fail only when written
         raise UsageError(f"out {os.fspath(out)!r} is a folder; pass the path of the .html file to write")
     items = list(images) if isinstance(images, (list, tuple)) else [images]
+    if type(images).__module__ == "numpy" and getattr(images, "ndim", None) == 4:
+        items = list(images)  # an (N, H, W, 3) batch: N images (as one item, only the first was shown)
     if not items:
         raise UsageError("no images to explore; pass a path, an image or a list of them")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
