@@ -388,6 +388,19 @@ def test_overlays_enlarged_for_legibility_still_respect_max_side(ckpt: str, tmp_
             assert max(im.size) <= limit, (name, im.size)
 
 
+def test_a_checkpoint_holding_a_whole_pickled_model_is_refused_with_what_to_save_instead(tree: Path, tmp_path: Path,
+                                                                                         capsys) -> None:
+    path = tmp_path / "whole.pt"
+    torch.save(torch.nn.Linear(2, 3), path)  # the module object itself, not its state dict
+    out = tmp_path / "out"
+    assert _run("export", tree / "a.png", "--out", out, "--model", "vit_tiny_patch16_224", "--checkpoint", path,
+                "-q") == 2
+    err = capsys.readouterr().err
+    assert "holds pickled Python objects" in err and "model.state_dict()" in err
+    assert "weights_only" not in err  # torch's advice (load with weights_only=False) is not an option here
+    assert not out.exists()
+
+
 def test_out_inside_inputs(tree: Path, ckpt: str, capsys) -> None:
     assert _run("export", tree, "--out", tree, "--model", ckpt, "-q") == 2
     assert "next to the inputs" in capsys.readouterr().err

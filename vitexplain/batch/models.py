@@ -42,6 +42,12 @@ def _read_state_dict(path: str) -> dict[str, Any]:
         else:
             obj = torch.load(str(p), map_location="cpu", weights_only=True)
     except Exception as e:
+        if type(e).__name__ == "UnpicklingError" and "Unsupported global" in str(e):  # torch's advice: weights_only=False
+            raise UsageError(
+                f"--checkpoint {path!r} holds pickled Python objects besides tensors (e.g. a whole model saved "
+                "with torch.save(model)), which vitexplain does not load (unpickling can run code): save "
+                "model.state_dict() instead, or convert it to .safetensors"
+            ) from None
         raise UsageError(
             f"--checkpoint {path!r}: cannot read it ({type(e).__name__}: {e}). Pass a .safetensors "
             "file or a .pt/.pth holding tensors only (a state dict, or {'state_dict': ...})"
