@@ -42,7 +42,7 @@ def _read_state_dict(path: str) -> dict[str, Any]:
         else:
             obj = torch.load(str(p), map_location="cpu", weights_only=True)
     except Exception as e:
-        if type(e).__name__ == "UnpicklingError" and "Unsupported global" in str(e):  # torch's advice: weights_only=False
+        if type(e).__name__ == "UnpicklingError" and "Unsupported global" in str(e):
             raise UsageError(
                 f"--checkpoint {path!r} holds pickled Python objects besides tensors (e.g. a whole model saved "
                 "with torch.save(model)), which vitexplain does not load (unpickling can run code): save "
