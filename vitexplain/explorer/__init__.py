@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Iterator, Optional, Sequence, Union
 
 from ..errors import UsageError
 from .attention import DEFAULT_ATTENTION_BUDGET_MB
@@ -61,7 +61,7 @@ def explore(
 
     Args:
         model: a model :class:`vitexplain.Explainer` supports, or an Explainer.
-        images: a path, PIL image or (H, W, 3) uint8 RGB array, or a list of those; an
+        images: a path, PIL image or (H, W, 3) uint8 RGB array, or a list (or generator) of those; an
             (N, H, W, 3) array is N images.
         out: the HTML file to write.
         method: a method name or a list of names, which must all apply and run; None = the
@@ -111,7 +111,7 @@ def explore(
         Explainer(model, processor=processor) if processor is not None else Explainer(model))
     if os.path.isdir(out):  # checked before the work: the page would otherwise fail only when written
         raise UsageError(f"out {os.fspath(out)!r} is a folder; pass the path of the .html file to write")
-    items = list(images) if isinstance(images, (list, tuple)) else [images]
+    items = list(images) if isinstance(images, (list, tuple, Iterator)) else [images]  # a generator: its images
     if type(images).__module__ == "numpy" and getattr(images, "ndim", None) == 4:
         items = list(images)  # an (N, H, W, 3) batch: N images (as one item, only the first was shown)
     if not items:
