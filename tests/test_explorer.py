@@ -316,7 +316,8 @@ def test_explore_takes_an_nhwc_batch_array_as_that_many_images(shapes_vit, tmp_p
     batch = np.random.default_rng(0).integers(0, 256, (2, 64, 64, 3), dtype=np.uint8)
     data = _payload(vx.explore(shapes_vit, batch, tmp_path / "b.html", method="rollout").read_text())
     assert [im["name"] for im in data["images"]] == ["image 0", "image 1"]
-    from_generator = _payload(vx.explore(shapes_vit, (x for x in batch), tmp_path / "g.html", method="rollout").read_text())
+    page = vx.explore(shapes_vit, (x for x in batch), tmp_path / "g.html", method="rollout")
+    from_generator = _payload(page.read_text())
     assert from_generator["images"] == data["images"]
     for i, im in enumerate(data["images"]):  # each image's own map, as the Explainer gives it for that image alone
         expected = vx.Explainer(shapes_vit).explain(batch[i], method="rollout").maps[0].flatten().numpy()
