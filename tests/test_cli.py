@@ -334,8 +334,16 @@ def test_discover_inputs_keys_globs_and_safety(tmp_path: Path, monkeypatch) -> N
         (("--target", "hexagon"), "unknown label"),
         (("--batch-size", "0"), "positive integer"),
         (("--checkpoint", "missing.safetensors"), "no such file"),
+        (("--checkpoint", "."), "is a folder; pass the weights file in it"),
+        (("--model", "vit_tiny_patch16_224", "--model-arg", "pretrained=True"), "cannot be downloaded"),
+        (("--model", "vit_tiny_patch16_224", "--model-arg", "num_classes=0", "--model-arg", "depth=1",
+          "--model-arg", "img_size=64"), "has no classifier head (its output is an embedding)"),
         (("--method", "rollout", "--option", "rollout.nope=1"), "rollout has no option 'nope'"),
         (("--option", "cdam"), "METHOD.KEY=VALUE"),
+        (("--method", "rollout", "--option", "rollout.discard_ratio=0.5", "--option", "rollout.discard_ratio=0.7"),
+         "--option rollout.discard_ratio is given twice, as 0.5 and 0.7"),
+        (("--model", "vit_tiny_patch16_224", "--model-arg", "depth=1", "--model-arg", "depth=2"),
+         "--model-arg depth is given twice"),
     ],
 )
 def test_usage_errors_exit_2(extra, message, tree: Path, ckpt: str, tmp_path: Path, capsys) -> None:
@@ -346,6 +354,51 @@ def test_usage_errors_exit_2(extra, message, tree: Path, ckpt: str, tmp_path: Pa
     assert _run(*args, *extra) == 2
     assert message in capsys.readouterr().err
     assert not out.exists()  # nothing written before the arguments are known to be good
+
+
+def test_labels_file_names_the_classes_and_must_have_one_name_per_class(tree: Path, ckpt: str, tmp_path: Path,
+                                                                       capsys) -> None:
+    classes = vx.zoo.load_checkpoint(ckpt).num_classes
+    names = [f"class {i}" for i in range(classes)]
+    short = tmp_path / "short.txt"
+    short.write_text("\n".join(names[:2]) + "\n", encoding="utf-8")
+    out = tmp_path / "short"
+    # fewer names than classes: the other classes would get no name and the file's order is in doubt
+    assert _run("export", tree / "a.png", "--out", out, "--model", ckpt, "--labels", short, "-q") == 2
+    assert f"has 2 names (non-empty lines) but the model has {classes} classes" in capsys.readouterr().err
+    assert not out.exists()
+    good = tmp_path / "labels.txt"
+    good.write_text("\n".join(names) + "\n", encoding="utf-8")
+    out = tmp_path / "good"
+    assert _run("export", tree / "a.png", "--out", out, "--model", ckpt, "--labels", good, "-q") == 0
+    record = json.loads((out / "manifest.jsonl").read_text(encoding="utf-8").splitlines()[0])
+    assert record["predictions"] and all(p["label"] == f"class {p['index']}" for p in record["predictions"])
+
+
+def test_overlays_enlarged_for_legibility_still_respect_max_side(ckpt: str, tmp_path: Path) -> None:
+    # --min-side (default 256) enlarges small regions; --max-side bounds the longer side of every overlay:
+    # a 64 px crop with --max-side 100, and a thin strip whose whole-factor enlargement would be 6000 px long
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(tmp_path / "square.png")
+    Image.fromarray(rng.integers(0, 256, (40, 900, 3), dtype=np.uint8)).save(tmp_path / "strip.png")
+    for name, extra, limit in (("square.png", ("--max-side", "100"), 100), ("strip.png", ("--no-crop",), 512)):
+        out = tmp_path / f"out-{name}"
+        assert _run("export", tmp_path / name, "--out", out, "--model", ckpt, "--method", "rollout", "-q", *extra) == 0
+        with Image.open(out / f"{name}.rollout.png") as im:
+            assert max(im.size) <= limit, (name, im.size)
+
+
+def test_a_checkpoint_holding_a_whole_pickled_model_is_refused_with_what_to_save_instead(tree: Path, tmp_path: Path,
+                                                                                         capsys) -> None:
+    path = tmp_path / "whole.pt"
+    torch.save(torch.nn.Linear(2, 3), path)  # the module object itself, not its state dict
+    out = tmp_path / "out"
+    assert _run("export", tree / "a.png", "--out", out, "--model", "vit_tiny_patch16_224", "--checkpoint", path,
+                "-q") == 2
+    err = capsys.readouterr().err
+    assert "holds pickled Python objects" in err and "model.state_dict()" in err
+    assert "weights_only" not in err  # torch's advice (load with weights_only=False) is not an option here
+    assert not out.exists()
 
 
 def test_out_inside_inputs(tree: Path, ckpt: str, capsys) -> None:

@@ -54,6 +54,7 @@ def test_explore_leaves_out_unreadable_images_with_exit_1(folder, tmp_path, caps
         ("p.html", ["--max-images", "2"], "more than --max-images 2"),
         ("p.html", ["--method", "cross"], "is for caption/vlm models"),
         ("p.html", ["--option", "rollout.head_fusion=median", "--method", "rollout"], "head_fusion"),
+        ("p.html", ["--prompt", "what is in the image ?"], "is a vit model, which takes no prompt"),
     ],
 )
 def test_explore_usage_errors_exit_2(folder, tmp_path, capsys, name, args, message) -> None:

@@ -277,3 +277,49 @@ def test_explore_one_given_target(shapes_vit, images, tmp_path) -> None:
     expected = vx.Explainer(shapes_vit).explain(images[:1], method="generic", target="star").maps[0].flatten().numpy()
     got = dequantize_rows(first["methods"][0]["maps"])[0]
     assert np.abs(got - expected).max() <= expected.max() / 510 * 1.001
+
+
+@pytest.mark.parametrize("target, message", [("hexagon", "unknown label 'hexagon'"), (99, "out of range")])
+def test_explore_a_bad_target_raises_instead_of_leaving_every_default_method_out(shapes_vit, images, tmp_path,
+                                                                                 target, message) -> None:
+    # with the default methods a failing method is left out with a note; a bad target fails them all,
+    # which would give a page with no maps at all: the caller's mistake must raise instead
+    with pytest.raises(vx.errors.TargetError, match=message):
+        vx.explore(shapes_vit, images[:1], tmp_path / "t.html", target=target)
+    assert not (tmp_path / "t.html").exists()
+
+
+def test_explore_out_naming_a_folder_is_a_usage_error_before_any_work(shapes_vit, images, tmp_path) -> None:
+    with pytest.raises(vx.errors.UsageError, match="is a folder"):
+        vx.explore(shapes_vit, images[:1], tmp_path)
+    assert list(tmp_path.iterdir()) == []  # no page, no temporary file
+
+
+@pytest.mark.parametrize("name", ["shapes-captioner", "shapes-vlm"])
+def test_explore_refuses_a_class_target_for_a_model_that_explains_its_words(name, images, tmp_path) -> None:
+    # a captioner's or VLM's page explains each generated word: a class target would be ignored silently
+    with pytest.raises(vx.errors.UsageError, match="is for classifiers"):
+        vx.explore(vx.zoo.load(name), images[:1], tmp_path / "t.html", target=3)
+    assert not (tmp_path / "t.html").exists()
+
+
+def test_explore_refuses_a_prompt_for_a_model_without_one_and_a_bad_max_len(shapes_vit, images, tmp_path) -> None:
+    # a prompt only reaches vision-language models: elsewhere it would be ignored silently
+    with pytest.raises(vx.errors.UsageError, match="prompt= is for vision-language models"):
+        vx.explore(shapes_vit, images[:1], tmp_path / "t.html", prompt="what is in the image ?")
+    with pytest.raises(vx.errors.UsageError, match="max_len must be a positive"):
+        vx.explore(vx.zoo.load("shapes-captioner"), images[:1], tmp_path / "t.html", max_len=0)
+    assert not (tmp_path / "t.html").exists()
+
+
+def test_explore_takes_an_nhwc_batch_array_as_that_many_images(shapes_vit, tmp_path) -> None:
+    batch = np.random.default_rng(0).integers(0, 256, (2, 64, 64, 3), dtype=np.uint8)
+    data = _payload(vx.explore(shapes_vit, batch, tmp_path / "b.html", method="rollout").read_text())
+    assert [im["name"] for im in data["images"]] == ["image 0", "image 1"]
+    page = vx.explore(shapes_vit, (x for x in batch), tmp_path / "g.html", method="rollout")
+    from_generator = _payload(page.read_text())
+    assert from_generator["images"] == data["images"]
+    for i, im in enumerate(data["images"]):  # each image's own map, as the Explainer gives it for that image alone
+        expected = vx.Explainer(shapes_vit).explain(batch[i], method="rollout").maps[0].flatten().numpy()
+        got = dequantize_rows(im["methods"][0]["maps"])[0]
+        assert np.abs(got - expected).max() <= expected.max() / 510 * 1.001

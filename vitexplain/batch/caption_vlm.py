@@ -38,8 +38,8 @@ def check_prompt(prompt: Optional[str], family: str, model: str) -> None:
     if prompt is None:
         return
     if family != "vlm":
-        raise UsageError(f"--prompt is for vision-language models; {model!r} is a {family} model that captions "
-                         "without one: leave --prompt out")
+        raise UsageError(f"--prompt is for vision-language models; {model!r} is a {family} model, which takes "
+                         "no prompt: leave --prompt out")
     if not prompt.strip():
         raise UsageError("--prompt is empty; give the question or instruction, or leave it out for the model's default")
 

@@ -83,8 +83,8 @@ class ExportOptions(BatchOptions):
                              help="also write each raw map as .npy")
     min_side: int = option(256, flags="--min-side", metavar="PX", parse=NON_NEGATIVE, group="overlays",
                            outputs=True, help="draw overlays of smaller images enlarged (tiny ones by a whole factor, crisp "
-                                              "pixels) to at least this many pixels on the shorter side "
-                                              "(default {default}; 0: never)")
+                                              "pixels) to at least this many pixels on the shorter side, "
+                                              "within --max-side (default {default}; 0: never)")
     top_k: int = option(5, flags="--top-k", metavar="K", parse=NON_NEGATIVE, group="overlays", outputs=True,
                        help="predictions recorded per image (default {default})")
 
@@ -146,8 +146,11 @@ def _write_overlays(
 
     from ..viz.legend import with_colorbar
     from ..viz.overlays import overlay, readable
+    from .decoding import cap_size
 
     base = readable(region, opts.min_side) if opts.min_side > 0 else region
+    if base is not region:  # enlarged: --max-side still bounds the longer side (--max-side 128 or a thin strip)
+        base = cap_size(base, opts.max_side)
     for name, m in maps.items():
         normalize = "signed" if signed[name] else "minmax"
         cmap = opts.signed_colormap if signed[name] else opts.colormap
@@ -217,6 +220,12 @@ def export(opts: ExportOptions, *, argv: Optional[Sequence[str]] = None) -> Expo
     methods = plan.names
     method_options = {s.name: dict(s.options) for s in plan.steps}
     signed = {s.name: s.spec.signed for s in plan.steps}
+    if not ex.adapter.has_head:  # the target advice of the Python API (a callable) has no flag here
+        raise UsageError(
+            f"--model {opts.model!r} has no classifier head (its output is an embedding), so there is no class "
+            "for `vitexplain export` to explain: give it a head (--num-classes N, with a --checkpoint that holds "
+            "one), or from Python explain a score of the embedding: "
+            "vx.Explainer(model).explain(x, target=vx.targets.norm())")
     label_names = ex.adapter.label_names
     num_classes = getattr(model, "num_classes", None)
     target = _parse_target(opts.target, label_names, num_classes if isinstance(num_classes, int) else None)

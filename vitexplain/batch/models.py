@@ -29,6 +29,9 @@ def _read_state_dict(path: str) -> dict[str, Any]:
     import torch
 
     p = Path(path)
+    if p.is_dir():
+        raise UsageError(f"--checkpoint {path!r} is a folder; pass the weights file in it "
+                         "(.safetensors, or .pt/.pth)")
     if not p.is_file():
         raise UsageError(f"--checkpoint {path!r}: no such file")
     try:
@@ -39,6 +42,12 @@ def _read_state_dict(path: str) -> dict[str, Any]:
         else:
             obj = torch.load(str(p), map_location="cpu", weights_only=True)
     except Exception as e:
+        if type(e).__name__ == "UnpicklingError" and "Unsupported global" in str(e):
+            raise UsageError(
+                f"--checkpoint {path!r} holds pickled Python objects besides tensors (e.g. a whole model saved "
+                "with torch.save(model)), which vitexplain does not load (unpickling can run code): save "
+                "model.state_dict() instead, or convert it to .safetensors"
+            ) from None
         raise UsageError(
             f"--checkpoint {path!r}: cannot read it ({type(e).__name__}: {e}). Pass a .safetensors "
             "file or a .pt/.pth holding tensors only (a state dict, or {'state_dict': ...})"
@@ -131,6 +140,10 @@ def load_model(
                 f"unknown model {spec!r}: not a zoo model ({', '.join(zoo.names())}), not a "
                 f"zoo checkpoint .json and not a timm model name.{hint} See `vitexplain models`."
             )
+        if "pretrained" in model_args:
+            raise UsageError(
+                "--model-arg pretrained: pretrained weights cannot be downloaded (vitexplain runs "
+                f"offline); drop it and pass the weights of {spec!r} as --checkpoint FILE")
         state = _read_state_dict(checkpoint) if checkpoint else None
         if num_classes is None and state is not None:
             num_classes = _head_size(state)
@@ -154,6 +167,10 @@ def load_model(
             names = [line.strip() for line in Path(labels).read_text(encoding="utf-8").splitlines() if line.strip()]
         except OSError as e:
             raise UsageError(f"--labels {labels!r}: cannot read it ({e.strerror or e})") from None
+        classes = getattr(model, "num_classes", None)
+        if isinstance(classes, int) and classes > 0 and len(names) != classes:  # else names land on wrong classes
+            raise UsageError(f"--labels {labels!r} has {len(names)} names (non-empty lines) but the model has "
+                             f"{classes} classes; give one name per class, in class-index order")
         cfg = dict(getattr(model, "pretrained_cfg", None) or {})
         cfg["label_names"] = names
         model.pretrained_cfg = cfg

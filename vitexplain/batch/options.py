@@ -208,13 +208,24 @@ def collect_method_options(triples: Optional[list[tuple[str, str, Any]]]) -> dic
     """Repeated ``--option METHOD.KEY=VALUE`` values as ``{method: {key: value}}``."""
     out: dict[str, dict[str, Any]] = {}
     for method, key, value in triples or ():
-        out.setdefault(method, {})[key] = value
+        _set_once(out.setdefault(method, {}), key, value, f"--option {method}.{key}")
     return out
 
 
-def collect_dict(pairs: Optional[list[tuple[str, Any]]]) -> dict[str, Any]:
+def collect_dict(pairs: Optional[list[tuple[str, Any]]], flag: str = "--model-arg") -> dict[str, Any]:
     """Repeated ``KEY=VALUE`` values as a dict."""
-    return dict(pairs or ())
+    out: dict[str, Any] = {}
+    for key, value in pairs or ():
+        _set_once(out, key, value, f"{flag} {key}")
+    return out
+
+
+def _set_once(into: dict[str, Any], key: str, value: Any, what: str) -> None:
+    """``into[key] = value``; a key given twice with different values is a usage error (which one
+    was meant is unknown: the last one would win silently)."""
+    if key in into and into[key] != value:
+        raise UsageError(f"{what} is given twice, as {into[key]!r} and {value!r}; give it once")
+    into[key] = value
 
 
 @dataclass

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Iterator, Optional, Sequence, Union
 
 from ..errors import UsageError
 from .attention import DEFAULT_ATTENTION_BUDGET_MB
@@ -61,7 +61,8 @@ def explore(
 
     Args:
         model: a model :class:`vitexplain.Explainer` supports, or an Explainer.
-        images: a path, PIL image or (H, W, 3) uint8 RGB array, or a list of those.
+        images: a path, PIL image or (H, W, 3) uint8 RGB array, or a list (or generator) of those; an
+            (N, H, W, 3) array is N images.
         out: the HTML file to write.
         method: a method name or a list of names, which must all apply and run; None = the
             family's default methods (those that do not apply to the model are left out with a
@@ -108,17 +109,28 @@ def explore(
         processor = processor if processor is not None else getattr(model, "vx_processor", None)
     explainer = model if isinstance(model, Explainer) else (
         Explainer(model, processor=processor) if processor is not None else Explainer(model))
-    items = list(images) if isinstance(images, (list, tuple)) else [images]
+    if os.path.isdir(out):  # checked before the work: the page would otherwise fail only when written
+        raise UsageError(f"out {os.fspath(out)!r} is a folder; pass the path of the .html file to write")
+    items = list(images) if isinstance(images, (list, tuple, Iterator)) else [images]  # a generator: its images
+    if type(images).__module__ == "numpy" and getattr(images, "ndim", None) == 4:
+        items = list(images)  # an (N, H, W, 3) batch: N images (as one item, only the first was shown)
     if not items:
         raise UsageError("no images to explore; pass a path, an image or a list of them")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
         raise UsageError(f"top_k must be a positive integer, got {top_k!r}")
     if isinstance(attention_budget, bool) or not isinstance(attention_budget, (int, float)) or not 0 < attention_budget <= 10_000:
         raise UsageError(f"attention_budget is the most MB of attention data per image, in (0, 10000]; got {attention_budget!r}")
+    if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
+        raise UsageError(f"max_len must be a positive number of tokens to generate, got {max_len!r}")
     labels = list(names) if names is not None else [_name(item, i) for i, item in enumerate(items)]
     if len(labels) != len(items):
         raise UsageError(f"got {len(labels)} names for {len(items)} images; pass one name per image")
     plan = explainer.plan(method, **options)
+    if prompt is not None and plan.family.name != "vlm":
+        raise UsageError(f"prompt= is for vision-language models; a {plan.family.name} model takes none: leave it out")
+    if target is not None and (plan.family.name == "vlm" or plan.family.entry == "explain_caption"):
+        raise UsageError(f"target={target!r} is for classifiers; the page of a {plan.family.name} model explains "
+                         "each word of its caption: leave target out")
     budget = int(attention_budget * 1e6)
     data = []
     for item, label in zip(items, labels):

@@ -21,7 +21,7 @@ from ..adapters import find_layout_module
 from ..methods.context import Context
 from ..plan import Plan
 from ..recording import capture
-from ..targets import TargetSpec, logits_of, norm
+from ..targets import TargetSpec, logits_of, norm, resolve
 from .attention import attention_views, prefix_labels
 from .stages import stage_payload
 from .methods import method_entries
@@ -90,6 +90,9 @@ def classifier_data(explainer: Any, plan: Plan, x: Tensor, *, top_k: int, target
     if target is None:
         targets, data["targets"] = [p["index"] for p in predictions], predictions
     else:
+        # a bad target (unknown label, index out of range) is the caller's error: raise it here,
+        # before the default methods' failures would each be turned into a "left out" note
+        resolve(target, outputs, adapter.label_names, has_head=adapter.has_head)
         label = getattr(target, "__name__", None) if callable(target) else str(target)
         targets, data["targets"] = [target], [{"index": -1, "label": label or "target", "score": None}]
     data["methods"] = method_entries(explainer, x, plan, targets, notes)
