@@ -47,7 +47,7 @@ class Row:
         name: how the support matrix names it.
         group: ``"ViT"``, ``"Hugging Face"``, ``"CNN"``, ``"hybrid"``, ``"hierarchical"``, ``"captioner"``,
             ``"Swin"``, ``"VLM"``.
-        build: returns the tiny model (eval mode, random init, offline).
+        build: returns the tiny model (random init, offline; in training mode as built: the sweep calls eval()).
         size: (H, W) of the inputs.
         oracle: the test that checks this family's maps against an independent oracle.
         target: ``"norm"`` for headless backbones (explained with ``vx.targets.norm()``).
