@@ -8,9 +8,11 @@ target must depend on the model's outputs.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
-from typing import Any, Optional
+import warnings
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
@@ -18,7 +20,7 @@ from torch import Tensor, nn
 from .errors import InputError, NumericalError, TargetError
 
 __all__ = ["channels_of", "input_channels", "check_batch", "check_tensor_input", "check_finite_scores", "check_finite_maps", "checked_score",
-           "model_dtype", "model_device"]
+           "model_dtype", "model_device", "warn_training", "buffers_kept"]
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -164,3 +166,30 @@ def input_channels(model: nn.Module, preprocess_kwargs: dict[str, Any]) -> int:
     while their normalisation settings keep three values), else :func:`channels_of`."""
     first = next((m for m in model.modules() if isinstance(m, nn.Conv2d)), None)
     return int(first.in_channels) if first is not None else channels_of(preprocess_kwargs)
+
+
+def warn_training(model: nn.Module, stacklevel: int) -> None:
+    """Warn that explanations of ``model`` in training mode are random (dropout) and batch-dependent (batch norm).
+
+    Args:
+        stacklevel: as ``warnings.warn``'s, counted from this function (2: its caller).
+    """
+    if model.training:
+        warnings.warn(
+            "the model is in training mode: dropout makes explanations random (and batch norm makes each "
+            "image's depend on the batch); call model.eval() first",
+            stacklevel=stacklevel,
+        )
+
+
+@contextlib.contextmanager
+def buffers_kept(model: nn.Module) -> Iterator[None]:
+    """Restores the buffers of a model in training mode on exit (batch-norm running statistics and
+    counters, which its forwards update): the user's model is left as found."""
+    saved = [(b, b.detach().clone()) for b in model.buffers()] if model.training else []
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import numbers
 import re
-import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union, overload
 
@@ -25,8 +24,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .adapters import Adapter, adapter_for
-from .checks import (check_batch, input_channels, check_finite_maps, check_finite_scores, check_tensor_input,
-                     checked_score, model_device, model_dtype)
+from .checks import (buffers_kept, check_batch, input_channels, check_finite_maps, check_finite_scores,
+                     check_tensor_input, checked_score, model_device, model_dtype, warn_training)
 from .errors import InputError, UnsupportedMethodError, UnsupportedModelError, UsageError, VitexplainError
 from .methods.families import Family
 from .plan import MethodArg, Plan, applicable, capture_settings, make_plan, split_options
@@ -53,19 +52,6 @@ def _patch_multiple(err: Exception, adapter: Adapter, size: tuple[int, int]) -> 
     except Exception:  # no layout for this size: the generic message
         return None
     return (int(patch[0]), int(patch[1])) if patch is not None else None
-
-
-@contextlib.contextmanager
-def _buffers_kept(model: nn.Module) -> Any:
-    """Restores the buffers of a model in training mode on exit (batch-norm running statistics and
-    counters, which its forwards update): the user's model is left as found."""
-    saved = [(b, b.detach().clone()) for b in model.buffers()] if model.training else []
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for buffer, value in saved:
-                buffer.copy_(value)
 
 
 class Explainer:
@@ -214,13 +200,8 @@ class Explainer:
         plan = self._plan_for("explain", method, options)
         x, images_seen, boxes, sources = self._inputs(images)
         model = self.adapter.model
-        if model.training:
-            warnings.warn(
-                "the model is in training mode: dropout makes explanations random (and batch norm makes each "
-                "image's depend on the batch); call model.eval() first",
-                stacklevel=2,
-            )
-        with _buffers_kept(model):  # a training-mode forward updates batch-norm statistics: put them back
+        warn_training(model, stacklevel=3)
+        with buffers_kept(model):  # a training-mode forward updates batch-norm statistics: put them back
             return self._explain_batch(plan, x, target, images_seen, boxes, sources)
 
     def _explain_batch(self, plan: Plan, x: Tensor, target: TargetSpec, images_seen: Any, boxes: Any, sources: Any
@@ -328,13 +309,8 @@ class Explainer:
         if prompt is not None:
             raise UsageError(f"prompt= is for vision-language models; {type(self.model).__name__} captions without one")
         x, regions, _, sources = self._inputs(images)
-        if self.adapter.model.training:
-            warnings.warn(
-                "the model is in training mode: dropout makes explanations random (and batch norm makes each "
-                "image's depend on the batch); call model.eval() first",
-                stacklevel=2,
-            )
-        with _buffers_kept(self.adapter.model):  # a training-mode forward updates batch-norm statistics: put them back
+        warn_training(self.adapter.model, stacklevel=3)
+        with buffers_kept(self.adapter.model):  # a training-mode forward updates batch-norm statistics: put them back
             results = self._explain_caption_batch(plan, x, regions, sources, caption, max_len)
         return results[0] if plan.single else results
 

@@ -13,7 +13,6 @@ masks), in one call per layer, also for sliding-window layers.
 
 from __future__ import annotations
 
-import warnings
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
@@ -23,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .adapters.vlm.base import VLMAdapter, render
-from .checks import check_finite_maps
+from .checks import check_finite_maps, warn_training
 from .errors import InputError, UsageError
 from .methods.vlm_context import VLMContext
 from .plan import Plan
@@ -151,8 +150,7 @@ def explain_vlm(adapter: VLMAdapter, plan: Plan, images: Any, caption: Any, prom
     """
     adapter.require_processor()
     model = adapter.model
-    if model.training:
-        warnings.warn("the model is in training mode: dropout makes explanations random; call model.eval() first", stacklevel=3)
+    warn_training(model, stacklevel=4)
     arrays, sources = _images(images)
     prompts = _per_image(prompt, len(arrays), "prompt", "")
     if any(not isinstance(p, str) for p in prompts):

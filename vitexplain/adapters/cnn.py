@@ -34,6 +34,7 @@ from typing import Optional, Sequence
 
 from torch import Tensor, nn
 
+from ..checks import buffers_kept
 from ..errors import UnsupportedMethodError
 
 from ..methods.families import CNN
@@ -127,18 +128,14 @@ class CNNAdapter(Adapter):
             if isinstance(out, Tensor):
                 seen.append(out)
 
-        saved = [(b, b.detach().clone()) for b in self.model.buffers()] if self.model.training else []
         handle = self.model.get_submodule(name).register_forward_hook(keep)
         try:
-            with torch.no_grad():
+            with torch.no_grad(), buffers_kept(self.model):
                 self.forward(x)
         except Exception:  # e.g. its configured input size is not the one it was built for: nothing is
             return None    # proven; the Explanation's check still refuses maps that are not one per image
         finally:
             handle.remove()
-            with torch.no_grad():
-                for buffer, value in saved:
-                    buffer.copy_(value)
         if not seen:
             return f"its layer {name!r} is not called in a forward"
         out = seen[-1]
