@@ -81,14 +81,7 @@ class Explanation:
         size = _output_size(size, self.input_size)
         if mode not in _MODES:
             raise UsageError(f"upsample mode must be one of {list(_MODES)}, got {mode!r}")
-        kwargs = {"align_corners": False} if mode in ("bilinear", "bicubic") else {}
-        covered = self._covered(size)  # the tokens reach past the input: resize onto their pixels, crop
-        out = F.interpolate(self.maps[:, None], size=covered or size, mode=mode, **kwargs)[:, 0]
-        return out[:, :size[0], :size[1]]
-
-    def _covered(self, size: tuple[int, int]) -> Optional[tuple[int, int]]:
-        """See :func:`_covered_pixels`."""
-        return _covered_pixels(self.layout, tuple(self.maps.shape[-2:]), self.input_size, size)
+        return _upsampled(self.maps, self.layout, self.input_size, size, mode)
 
     def target_names(self) -> list[str]:
         """Per image, the target's label name (or its index as text)."""
@@ -116,7 +109,7 @@ class Explanation:
             image = self.images[index]
         kwargs.setdefault("normalize", "signed" if self.signed else "minmax")
         h, w = image.shape[:2]
-        covered = self._covered((h, w))
+        covered = _covered_pixels(self.layout, tuple(self.maps.shape[-2:]), self.input_size, (h, w))
         if covered is None:
             return overlay(image, self.maps[index], **kwargs)
         # the cells reach past the image: draw on the image padded to their pixels, then crop
@@ -176,6 +169,16 @@ def _covered_pixels(layout: Optional[TokenLayout], grid: tuple[int, ...], input_
     return tuple(max(s, round(s * r / i)) for s, r, i in zip(size, reach, input_size))  # type: ignore[return-value]
 
 
+def _upsampled(maps: Tensor, layout: Optional[TokenLayout], input_size: tuple[int, int], size: tuple[int, int],
+               mode: str = "bilinear") -> Tensor:
+    """(..., gh, gw) maps resized to ``size``: (..., H, W); cells that reach past the input (a padding patch
+    embedding, :func:`_covered_pixels`) are resized onto their own pixels and the padding cropped."""
+    covered = _covered_pixels(layout, tuple(maps.shape[-2:]), input_size, size)
+    kwargs = {"align_corners": False} if mode in ("bilinear", "bicubic") else {}
+    flat = F.interpolate(maps.reshape(-1, 1, *maps.shape[-2:]), size=covered or size, mode=mode, **kwargs)
+    return flat[..., :size[0], :size[1]].reshape(*maps.shape[:-2], *size)
+
+
 @dataclass
 class CaptionExplanation:
     """Per-word maps of a batch of captions.
@@ -218,13 +221,7 @@ class CaptionExplanation:
 
     def upsample(self, size: Optional[tuple[int, int]] = None) -> Tensor:
         """Maps resized to ``size`` ((H, W) or an int; default: the model input size): (B, T, H, W)."""
-        size = _output_size(size, self.input_size)
-        b, t = self.maps.shape[:2]
-        # cells that reach past the input (a padding patch embedding): resize onto their pixels, then crop
-        covered = _covered_pixels(self.layout, tuple(self.maps.shape[-2:]), self.input_size, size)
-        flat = F.interpolate(self.maps.flatten(0, 1)[:, None], size=covered or size, mode="bilinear",
-                             align_corners=False)[..., :size[0], :size[1]]
-        return flat.reshape(b, t, *size)
+        return _upsampled(self.maps, self.layout, self.input_size, _output_size(size, self.input_size))
 
     def _repr_html_(self) -> str:
         """Jupyter display: per image its caption, then each word under its overlay."""
