@@ -200,12 +200,10 @@ class AttentionMode(TorchFunctionMode):
             # the probabilities are kept, so the mask (SAM's relative-position bias: as large as
             # the attention itself) is not: the record only notes that the call had one
             fields.update(_mask=None, _masked=mask is not None, materialized=True, heads=heads, _probs=kept)
-            if again:
-                pass
-            elif self.sink.grads:
+            if not again and self.sink.grads:
                 record = self.sink.add_record(issuer, **fields)
                 record._attach_grad_hook(probs, self.sink.hooks_enabled)
-            else:  # nothing to hook: the record is made when the records are read
+            elif not again:  # nothing to hook: the record is made when the records are read
                 self.sink.add_draft(issuer, fields)
             return out.reshape(*query.shape[:-1], out.shape[-1])
         out = func(*args, **kwargs)

@@ -132,7 +132,6 @@ class Recorder:
         self._fastpath: Optional[bool] = None
         self._stance: Any = None
         self._active = False
-        self._in_backward = False
         self._thread = 0  # the thread the scope was entered in
         self._root_depth = 0  # calls of the model itself in progress in that thread
 
@@ -264,7 +263,7 @@ class Recorder:
         """Whether gradient hooks collect: not while :meth:`backward` of this or of any other recorder runs
         its own pass (a capture nested in another, e.g. an explainer's inside a user's: each recorder's
         pass reaches the records it targets, not the other recorder's, whose hooks see the same graph)."""
-        return not self._in_backward and _BACKWARDS[0] == 0
+        return _BACKWARDS[0] == 0
 
     # -- results ----------------------------------------------------------------------
     @property
@@ -400,7 +399,6 @@ class Recorder:
                 "the score given to rec.backward is not part of an autograd graph: compute it from the outputs "
                 "of the captured forward, run with gradients enabled (not under torch.no_grad())"
             )
-        self._in_backward = True
         with _BACKWARDS_LOCK:
             _BACKWARDS[0] += 1
         try:
@@ -415,7 +413,6 @@ class Recorder:
                 "every rec.backward(...) on it but the last, or run the forward again"
             ) from error
         finally:
-            self._in_backward = False
             with _BACKWARDS_LOCK:
                 _BACKWARDS[0] -= 1
         for (obj, tensor), grad in zip(targets, grads):
