@@ -16,6 +16,7 @@ Oracles here never use vitexplain's window code:
 
 from __future__ import annotations
 
+import copy
 from typing import Callable
 
 import pytest
@@ -611,3 +612,27 @@ def test_an_adapter_without_a_capability_refuses_the_methods_that_need_it():
     assert "cdam" not in ex.methods() and "generic" in ex.methods()
     with pytest.raises(vx.UnsupportedMethodError, match="Methods that apply"):
         ex.explain(torch.randn(1, 3, 64, 64), method="cdam")
+
+
+def test_hugging_face_swin_v1_refuses_an_input_narrower_than_its_window_and_stays_usable():
+    """transformers' Swin V1 shrinks a layer's window in place when a stage grid is narrower than it, then
+    fails on its relative-position table, and stays broken; the explainer refuses such input before the model
+    runs. V2 (a position MLP for any window) takes it."""
+    model = build("hf")  # patch 4, window 4, two stages: a 64 x 64 input has grids 16 and 8
+    x_small = torch.randn(1, 3, 24, 24)  # grids 6 and 3: the second is narrower than the window
+    broken = copy.deepcopy(model)  # the oracle: the model itself fails on it, and afterwards on any input
+    with pytest.raises(RuntimeError):
+        with torch.no_grad():
+            broken(pixel_values=x_small)
+    with pytest.raises(RuntimeError):
+        with torch.no_grad():
+            broken(pixel_values=torch.randn(1, 3, 64, 64))
+    ex = vx.Explainer(model)
+    windows = [layer.window_size for layer in model.modules() if type(layer).__name__ == "SwinLayer"]
+    for method in ("rollout", "cdam"):
+        with pytest.raises(vx.InputError, match=r"3x3.*at least 32x32"):
+            ex.explain(x_small, method=method)
+    assert [layer.window_size for layer in model.modules() if type(layer).__name__ == "SwinLayer"] == windows
+    assert ex.explain(torch.randn(2, 3, 32, 40), method="rollout").maps.shape == (2, 8, 10)  # grids 8x10, 4x5: fits
+    v2 = build("hf2")
+    assert torch.isfinite(vx.Explainer(v2).explain(x_small, method="rollout").maps).all()

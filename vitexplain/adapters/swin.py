@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..errors import UnsupportedModelError
+from ..errors import InputError, UnsupportedModelError
 from ..layout import TokenLayout, WindowGeometry
 from ..methods.families import SWIN
 from .base import Adapter, register_adapter
@@ -254,9 +254,38 @@ class HFSwinAdapter(SwinAdapter):
         self.has_head = getattr(model, "classifier", None) is not None
 
     def forward(self, x: Tensor) -> Any:
+        if not self.post_norm:
+            self._check_windows((int(x.shape[-2]), int(x.shape[-1])))
         out = self.model(pixel_values=x)
         logits = getattr(out, "logits", None)
         return logits if logits is not None else out.pooler_output
+
+    def _check_windows(self, size: tuple[int, int]) -> None:
+        """Refuse, before the model runs, an input on which a Swin V1 stage's grid is narrower than its window.
+
+        transformers' ``SwinLayer.set_shift_and_window_size`` then shrinks the layer's ``window_size`` in place
+        to the grid, and its relative-position table (``window_size**2`` entries) no longer fits: the forward
+        fails, and the shrunk window stays on the model, so every later input fails too. (V2's position
+        bias is computed for any window: it takes such inputs.)
+
+        Raises:
+            InputError: a stage's grid is narrower than ``config.window_size``; says the smallest size that fits.
+        """
+        window = int(_pair(self.model.config.window_size)[0])
+        grids = self.stage_grids(size)
+        for stage, grid in enumerate(grids):
+            if min(grid) < window:
+                scale = _pair(self.model.config.patch_size)[0] * 2 ** sum(
+                    self.merges_after(s) for s in range(len(grids) - 1))
+                side = window * scale
+                raise InputError(
+                    f"{type(self.model).__name__} does not take a {size[0]}x{size[1]} input: its stage {stage} token "
+                    f"grid would be {grid[0]}x{grid[1]}, narrower than its {window}x{window} attention window, and "
+                    "transformers' Swin then shrinks the window in place to a size its relative-position table does "
+                    "not have (the forward fails and the model stays broken for later inputs); use inputs of at "
+                    f"least {side}x{side} pixels, or pass images (paths or uint8 arrays) to have them resized to the "
+                    "model's own size"
+                )
 
     def embed_grid(self, input_size: tuple[int, int]) -> tuple[int, int]:
         patch = _pair(self.model.config.patch_size)  # the embedding pads to patch multiples
