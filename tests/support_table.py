@@ -346,6 +346,8 @@ def rows() -> list[Row]:
         Row("HF DINOv2 classifier", "Hugging Face", _hf("Dinov2Config", "Dinov2ForImageClassification", num_labels=5), s32, _HF_TEST),
         Row("HF DINOv2 + registers", "Hugging Face", _hf("Dinov2WithRegistersConfig", "Dinov2WithRegistersForImageClassification", num_labels=5, num_register_tokens=2), s32, _HF_TEST),
         Row("HF BEiT classifier", "Hugging Face", _hf("BeitConfig", "BeitForImageClassification", num_labels=5), s32, _HF_TEST),
+        Row("HF ViT-MSN classifier", "Hugging Face", _hf("ViTMSNConfig", "ViTMSNForImageClassification", num_labels=5), s32, _HF_TEST),
+        Row("HF I-JEPA classifier (no class token)", "Hugging Face", _hf("IJepaConfig", "IJepaForImageClassification", num_labels=5), s32, _HF_TEST),
         Row("HF ViTModel (headless)", "Hugging Face", _hf("ViTConfig", "ViTModel"), s32, _HF_TEST, "norm"),
         Row("HF Dinov2Model (headless)", "Hugging Face", _hf("Dinov2Config", "Dinov2Model"), s32, _HF_TEST, "norm"),
         Row("HF CLIPVisionModel (headless)", "Hugging Face", _hf("CLIPVisionConfig", "CLIPVisionModel"), s32, _HF_TEST, "norm"),

@@ -50,6 +50,12 @@ CASES = {
     ),
     "beit_mean": (lambda: _build("BeitConfig", "BeitForImageClassification", num_labels=5, use_mean_pooling=True), 1, "mean", None, None),
     "deit_teacher": (lambda: _build("DeiTConfig", "DeiTForImageClassificationWithTeacher", num_labels=5), 2, "class", None, None),
+    "vit_msn": (lambda: _build("ViTMSNConfig", "ViTMSNForImageClassification", num_labels=5), 1, "class", None, None),
+    "ijepa": (lambda: _build("IJepaConfig", "IJepaForImageClassification", num_labels=5), 0, "mean", None, None),
+    "ijepa_headless": (
+        lambda: _build("IJepaConfig", "IJepaModel"), 0, "mean", "similarity",
+        lambda out: torch.cosine_similarity(out.last_hidden_state.mean(dim=1), VECTOR[None], dim=-1),
+    ),
     "vit_headless": (lambda: _build("ViTConfig", "ViTModel"), 1, "class", "norm", lambda out: _pooled(out).norm(dim=-1)),
     "dinov2_headless": (
         lambda: _build("Dinov2Config", "Dinov2Model"), 1, "class", "similarity",
@@ -115,6 +121,21 @@ def test_hf_family_matches_eager_oracle(case):
     for name in ("grad_rollout", "cdam_integrated", "legrad"):
         maps = results[name].maps
         assert maps.shape == (2, *GRID) and torch.isfinite(maps).all() and float(maps.std()) > 0
+
+
+def test_a_pooler_reading_a_patch_token_refuses_the_readout_methods_with_the_reason():
+    """IJepaModel's optional pooler reads the first token, a patch (I-JEPA has no class token): no readout row of
+    the attention is what it reads, so rollout-style methods are refused; the gradient methods go through it."""
+    torch.manual_seed(0)
+    config = transformers.IJepaConfig(**TINY)
+    model = transformers.IJepaModel(config, add_pooling_layer=True).eval()
+    ex = vx.Explainer(model)
+    assert "rollout" not in ex.methods() and "generic" not in ex.methods() and "cdam" in ex.methods()
+    x = torch.randn(2, 3, 32, 32)
+    with pytest.raises(vx.UnsupportedMethodError, match="reads the first token, which is a patch"):
+        ex.explain(x, method="rollout")
+    e = ex.explain(x, method="cdam", target=vx.targets.similarity(VECTOR))
+    assert e.maps.shape == (2, *GRID) and torch.isfinite(e.maps).all() and float(e.maps.std()) > 0
 
 
 def test_headless_backbone_needs_a_score_target():

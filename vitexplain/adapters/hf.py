@@ -33,6 +33,7 @@ Head = Callable[[nn.Module, nn.Module, Tensor], Tensor]
 _IMAGENET = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225), 224 / 256, "bicubic")
 _HALF = ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5), 1.0, "bilinear")
 _BEIT_STATS = ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5), 1.0, "bicubic")
+_IMAGENET_RESIZE = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225), 1.0, "bilinear")  # ViTImageProcessor with ImageNet stats
 _CLIP = ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711), 1.0, "bicubic")
 
 
@@ -88,6 +89,16 @@ def _beit_readout(model: nn.Module) -> str:
     return "mean" if getattr(model.config, "use_mean_pooling", False) else "class"
 
 
+def _mean_logits(model: nn.Module, tower: nn.Module, t: Tensor) -> Tensor:
+    return model.classifier(tower.layernorm(t).mean(dim=1))  # IJepaForImageClassification: no class token
+
+
+def _ijepa_pooled(model: nn.Module, tower: nn.Module, t: Tensor) -> Tensor:
+    s = tower.layernorm(t)
+    pooler = getattr(tower, "pooler", None)  # IJepaPooler reads the first token, a patch (no class token)
+    return pooler(s) if pooler is not None else s.mean(dim=1)
+
+
 def _clip_pooled(model: nn.Module, tower: nn.Module, t: Tensor) -> Tensor:
     pooled = tower.post_layernorm(t[:, 0])
     projection = getattr(model, "visual_projection", None)  # CLIPVisionModelWithProjection
@@ -121,6 +132,8 @@ _SIGLIP = HFType(0, "layer_norm1", "mean", _siglip_logits, _siglip_pooled, _BEIT
 HF_TYPES: dict[str, HFType] = {
     "vit": _VIT,
     "deit": HFType(2, "layernorm_before", "class", _vit_logits, _vit_pooled, _IMAGENET),
+    "vit_msn": HFType(1, "layernorm_before", "class", _vit_logits, _vit_pooled, _IMAGENET_RESIZE),
+    "ijepa": HFType(0, "layernorm_before", "mean", _mean_logits, _ijepa_pooled, _IMAGENET_RESIZE),
     "dinov2": _DINO,
     "dinov2_with_registers": _DINO,
     "beit": _BEIT,
@@ -159,6 +172,14 @@ class HFViTAdapter(ViTAdapter):
         self.dual = _dual(model)  # CLIPModel / SiglipModel: the image tower of an image-text model
         # called without interpolate_pos_encoding: position embeddings for the configured size only
         self.fixed_size = pair(_vision_config(model).image_size)
+        pooler = getattr(model.get_submodule(tower), "pooler", None)
+        if not self.has_head and kind.prefix == 0 and pooler is not None:  # a headless IJepaModel with its pooler
+            why = (f"its pooler ({type(pooler).__name__}) reads the first token, which is a patch (the model has no "
+                   "class token), so no readout row of the attention is what it reads (raw, rollout, grad_rollout, "
+                   "generic and attention Grad-CAM carry such a row); cdam and the token Grad-CAM read the "
+                   "gradient through the pooler itself")
+            self._drop("rollout", why)
+            self._drop("attention", why)
 
     def layout(self, input_size: tuple[int, int]) -> TokenLayout:
         config = _vision_config(self.model)
