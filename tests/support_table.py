@@ -116,6 +116,16 @@ def _timm_class(module: str, cls: str, **kwargs: Any) -> Callable[[], nn.Module]
 _HF = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=32, patch_size=8)
 
 
+def _hf_cnn(config: str, model: str, **kwargs: Any) -> Callable[[], nn.Module]:
+    """A Hugging Face CNN classifier built from ``kwargs`` only (its config has no ViT sizes)."""
+    def build() -> nn.Module:
+        import transformers
+
+        return getattr(transformers, model)(getattr(transformers, config)(**kwargs))
+
+    return build
+
+
 def _hf(config: str, model: str, **kwargs: Any) -> Callable[[], nn.Module]:
     def build() -> nn.Module:
         import transformers
@@ -355,6 +365,8 @@ def rows() -> list[Row]:
         Row("timm ResNet", "CNN", lambda: _timm("resnet10t", num_classes=5), s32, "tests/test_cnn.py"),
         Row("timm ResNet + CBAM", "CNN", lambda: _timm("resnet10t", num_classes=5, block_args=dict(attn_layer="cbam")), s32, "tests/test_cnn.py"),
         Row("torchvision MobileNetV3 (SE)", "CNN", _torchvision_mobilenet, s32, "tests/test_cnn.py"),
+        Row("HF ResNet classifier", "CNN", _hf_cnn("ResNetConfig", "ResNetForImageClassification", embedding_size=16, hidden_sizes=[16, 32, 48, 64], depths=[1, 1, 1, 1], num_labels=5), s64, "tests/test_cnn_hf.py"),
+        Row("HF ConvNeXt classifier", "CNN", _hf_cnn("ConvNextConfig", "ConvNextForImageClassification", hidden_sizes=[16, 32, 48, 64], depths=[1, 1, 1, 1], num_labels=5), s64, "tests/test_cnn_hf.py"),
         Row("zoo shapes-cnn", "CNN", _zoo("shapes-cnn"), s64, "tests/test_cnn.py"),
         Row("timm EfficientFormerV2", "hybrid", _timm_class("efficientformer_v2", "EfficientFormerV2", depths=(1, 1, 2, 2), embed_dims=(16, 24, 32, 48), img_size=64, num_vit=2, num_classes=5), s64, "tests/test_hybrids.py"),
         Row("timm PVTv2", "hierarchical", lambda: _timm("pvt_v2_b0", embed_dims=(16, 32, 48, 64), depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4), num_classes=5), s64, _HIER_TEST),

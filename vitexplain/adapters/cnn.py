@@ -1,4 +1,5 @@
-"""Adapters for CNN classifiers: timm, torchvision and any conv net with (B, C) logits.
+"""Adapters for CNN classifiers: timm, torchvision and any conv net with (B, C) logits
+(Hugging Face CNN classifiers: :mod:`vitexplain.adapters.cnn_hf`, on this module's adapter).
 
 A CNN adapter names the model's feature stages (input side first); the last one is the
 default target layer of Grad-CAM, Grad-CAM++ and LayerCAM. How the stages are found:
@@ -41,7 +42,7 @@ from ..methods.families import CNN
 from .base import Adapter, register_adapter
 from ..errors import UsageError
 
-__all__ = ["CNNAdapter", "cnn_stages"]
+__all__ = ["CNNAdapter", "cnn_stages", "stage_ends", "calls_attention"]
 
 _POOLS = (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)
 
@@ -281,8 +282,9 @@ def _timm_stage_info(model: nn.Module) -> dict[str, tuple[Optional[int], Optiona
     return out
 
 
-def _sequence_stages(prefix: str, seq: nn.Sequential) -> list[str]:
-    """Last child before each downsampling child, and the last child."""
+def stage_ends(prefix: str, seq: nn.Module) -> list[str]:
+    """Names of the last child of ``seq`` (a Sequential or ModuleList called child by child) before each
+    downsampling child, and of the last child."""
     children = list(seq.named_children())
     ends = [f"{prefix}.{name}" for (name, _), (_, nxt) in zip(children, children[1:]) if _max_stride(nxt) > 1]
     if children:
@@ -298,7 +300,7 @@ def _torchvision_stages(model: nn.Module) -> list[str]:
         return [f"trunk_output.{name}" for name, _ in trunk.named_children()]
     features = getattr(model, "features", None)
     if isinstance(features, nn.Sequential):
-        return _sequence_stages("features", features)
+        return stage_ends("features", features)
     blocks = getattr(model, "blocks", None)
     if isinstance(blocks, nn.ModuleList) and type(model).__name__ == "MaxVit":
         return [f"blocks.{i}" for i in range(len(blocks))]
@@ -333,6 +335,8 @@ def _class_calls_attention(cls: type) -> bool:
             return True
         if klass.__module__.startswith("torch.nn.") or klass in (nn.Module, object):
             continue
+        if klass.__module__.startswith("transformers.") and not klass.__module__.startswith("transformers.models."):
+            continue  # PreTrainedModel and its mixins: library code every Hugging Face model inherits, not its layers'
         try:
             source = inspect.getsource(klass)
         except (OSError, TypeError):  # built at run time, or from a compiled extension
@@ -382,6 +386,8 @@ def _detect_torchvision(model: nn.Module) -> Optional[Adapter]:
 
 @register_adapter(priority=-10, family=CNN)
 def _detect_generic(model: nn.Module) -> Optional[Adapter]:
+    if type(model).__module__.startswith("transformers."):  # (pixel_values in, a ModelOutput out: cnn_hf.py)
+        return None
     if _is_classifier_cnn(model, hybrids=False):
         stages = cnn_stages(model)
         return CNNAdapter(model, stages) if stages else None

@@ -1,0 +1,126 @@
+"""Hugging Face CNN classifiers (ResNet, ConvNeXt, RegNet, BiT, EfficientNet, MobileNet): the Grad-CAM family.
+
+Oracle: a forward hook on the last stage of the model's own forward (``pixel_values=`` in, ``logits`` out)
+and ``torch.autograd.grad``, then the Grad-CAM / LayerCAM formulas written here (as in tests/test_cnn.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import vitexplain as vx
+
+transformers = pytest.importorskip("transformers")
+
+SIZE = (96, 112)  # not square, not the configs' 224: feature maps of 3 x 4 at stride 32
+
+
+def _resnet():
+    return transformers.ResNetForImageClassification(transformers.ResNetConfig(
+        embedding_size=16, hidden_sizes=[16, 32, 48, 64], depths=[1, 1, 1, 1], num_labels=5))
+
+
+def _convnext():
+    return transformers.ConvNextForImageClassification(transformers.ConvNextConfig(
+        hidden_sizes=[16, 32, 48, 64], depths=[1, 1, 1, 1], num_labels=5))
+
+
+def _regnet():
+    return transformers.RegNetForImageClassification(transformers.RegNetConfig(
+        embedding_size=16, hidden_sizes=[16, 32, 48, 64], depths=[1, 1, 1, 1], groups_width=8, num_labels=5))
+
+
+def _bit():
+    return transformers.BitForImageClassification(transformers.BitConfig(
+        embedding_size=32, hidden_sizes=[32, 64, 96, 128], depths=[1, 1, 1, 1], num_groups=8, num_labels=5))
+
+
+def _efficientnet():
+    return transformers.EfficientNetForImageClassification(transformers.EfficientNetConfig(
+        image_size=96, depth_coefficient=0.5, num_labels=5))
+
+
+def _mobilenet_v2():
+    return transformers.MobileNetV2ForImageClassification(transformers.MobileNetV2Config(
+        image_size=96, depth_multiplier=0.35, num_labels=5))
+
+
+# name: (build, the last stage's module name)
+CASES = {
+    "resnet": (_resnet, "resnet.encoder.stages.3"),
+    "convnext": (_convnext, "convnext.encoder.stages.3"),
+    "regnet": (_regnet, "regnet.encoder.stages.3"),
+    "bit": (_bit, "bit.encoder.stages.3"),
+    "efficientnet": (_efficientnet, None),
+    "mobilenet_v2": (_mobilenet_v2, None),
+}
+
+
+def _build(name):
+    torch.manual_seed(0)
+    model = CASES[name][0]().eval()
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for module in model.modules():  # random init leaves norms at identity and heads near zero
+            if isinstance(module, (torch.nn.BatchNorm2d, torch.nn.LayerNorm, torch.nn.GroupNorm)) and module.weight is not None:
+                module.weight.normal_(1.0, 0.3, generator=generator)
+                module.bias.normal_(0.0, 0.3, generator=generator)
+        head = [m for m in model.classifier.modules() if isinstance(m, torch.nn.Linear)][-1]
+        head.weight.normal_(0.0, 1.0, generator=generator)
+    return model
+
+
+def _oracle(model, layer, x, classes):
+    store = {}
+    handle = model.get_submodule(layer).register_forward_hook(lambda m, i, o: store.__setitem__("a", o))
+    try:
+        logits = model(pixel_values=x).logits
+    finally:
+        handle.remove()
+    (grad,) = torch.autograd.grad(logits[torch.arange(len(x)), classes].sum(), store["a"])
+    a, g = store["a"].detach().double().numpy(), grad.double().numpy()
+    gradcam = np.maximum((g.mean(axis=(2, 3))[:, :, None, None] * a).sum(1), 0)
+    layercam = np.maximum((np.maximum(g, 0) * a).sum(1), 0)
+    return gradcam, layercam
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_grad_cam_family_equals_the_formulas_on_the_models_own_forward(name):
+    model = _build(name)
+    ex = vx.Explainer(model)
+    layer = CASES[name][1] or ex.adapter.target_layer
+    assert ex.adapter.target_layer == layer and ex.adapter.stages[-1] == layer
+    assert {"gradcam", "gradcam++", "layercam"} <= set(ex.methods())
+    x = torch.randn(3, 3, *SIZE, generator=torch.Generator().manual_seed(2))
+    classes = torch.tensor([0, 3, 4])
+    results = {e.method: e for e in ex.explain(x, method=["gradcam", "layercam"], target=classes)}
+    gradcam, layercam = _oracle(model, layer, x, classes)
+    for method, expected in (("gradcam", gradcam), ("layercam", layercam)):
+        maps = results[method].maps
+        assert maps.shape == expected.shape and float(np.abs(expected).max()) > 0
+        np.testing.assert_allclose(maps.double().numpy(), expected, rtol=1e-4, atol=1e-5 * np.abs(expected).max())
+    one = ex.explain(x[1:2], method="gradcam", target=classes[1:2]).maps
+    torch.testing.assert_close(one[0], results["gradcam"].maps[1], rtol=1e-4, atol=1e-6)
+
+
+def test_images_are_preprocessed_to_the_configured_size_and_labels_come_from_id2label():
+    model = _build("mobilenet_v2")
+    model.config.id2label = {i: f"class {i}" for i in range(5)}
+    ex = vx.Explainer(model)
+    assert ex.adapter.preprocess_kwargs()["input_size"] == (96, 96)
+    images = [np.random.default_rng(0).integers(0, 255, (50, 70, 3), dtype=np.uint8)]
+    e = ex.explain(images, method="gradcam", target="class 2")
+    assert e.targets.tolist() == [2] and torch.isfinite(e.maps).all()
+
+
+def test_hugging_face_models_no_adapter_describes_are_refused_with_a_clear_error():
+    """A CNN of a type without a stage path (PoolFormer), and a headless CNN backbone: refused, not run."""
+    poolformer = transformers.PoolFormerForImageClassification(transformers.PoolFormerConfig(
+        hidden_sizes=[16, 32, 48, 64], depths=[1, 1, 1, 1], num_labels=5))
+    headless = transformers.ResNetModel(transformers.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32, 48, 64],
+                                                                  depths=[1, 1, 1, 1]))
+    for model in (poolformer, headless):
+        with pytest.raises(vx.UnsupportedModelError, match="does not know how to explain"):
+            vx.Explainer(model)

@@ -1,0 +1,76 @@
+"""Hugging Face CNN classifiers (``ResNetForImageClassification``, ConvNeXt, RegNet, BiT, EfficientNet, MobileNet).
+
+They are CNNs like timm's and torchvision's (:mod:`vitexplain.adapters.cnn`), with two differences:
+the model takes ``pixel_values=`` and returns an ``ImageClassifierOutput`` (the adapter's forward
+returns its ``logits``), and the feature stages sit in the base model at a path each model type
+names (:data:`HF_CNN_STAGES`): the stage ends are the last block before each downsampling block,
+and the last block, as for torchvision's ``features``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from torch import Tensor, nn
+
+from ..methods.families import CNN
+from .base import Adapter, register_adapter
+from .cnn import CNNAdapter, calls_attention, stage_ends
+
+__all__ = ["HFCNNAdapter", "HF_CNN_STAGES"]
+
+#: ``config.model_type`` -> the ModuleList of the base model (``model.base_model``) holding its stages or blocks.
+HF_CNN_STAGES = {
+    "resnet": "encoder.stages",
+    "convnext": "encoder.stages",
+    "convnextv2": "encoder.stages",
+    "regnet": "encoder.stages",
+    "bit": "encoder.stages",
+    "efficientnet": "encoder.blocks",
+    "mobilenet_v1": "layer",
+    "mobilenet_v2": "layer",
+}
+
+
+class HFCNNAdapter(CNNAdapter):
+    """A Hugging Face CNN image classifier (see the module docstring).
+
+    Args:
+        model: the ``*ForImageClassification`` model (never modified).
+        stages: feature stage module names, input side first.
+    """
+
+    def forward(self, x: Tensor) -> Any:
+        return self.model(pixel_values=x, return_dict=True).logits  # (a config's return_dict=False gives tuples)
+
+    def preprocess_kwargs(self) -> dict[str, Any]:
+        kwargs = super().preprocess_kwargs()
+        size = getattr(self.model.config, "image_size", None)
+        if isinstance(size, int):  # EfficientNet and MobileNet configs carry their input size
+            kwargs["input_size"] = (size, size)
+        return kwargs
+
+
+def _hf_cnn_stages(model: nn.Module) -> Optional[list[str]]:
+    """Stage-end module names of a Hugging Face CNN classifier, or None when it is not one."""
+    config = getattr(model, "config", None)
+    path = HF_CNN_STAGES.get(getattr(config, "model_type", None))  # type: ignore[arg-type]
+    base = getattr(model, "base_model", None)
+    if path is None or not isinstance(base, nn.Module) or base is model:
+        return None
+    prefix = next((name for name, module in model.named_children() if module is base), None)
+    try:
+        blocks = base.get_submodule(path)
+    except AttributeError:
+        return None
+    if prefix is None or not isinstance(blocks, nn.ModuleList) or not len(blocks):
+        return None
+    return stage_ends(f"{prefix}.{path}", blocks)
+
+
+@register_adapter(priority=0, family=CNN)
+def _detect_hf_cnn(model: nn.Module) -> Optional[Adapter]:
+    if not isinstance(getattr(model, "classifier", None), nn.Module) or calls_attention(model):
+        return None
+    stages = _hf_cnn_stages(model)
+    return HFCNNAdapter(model, stages) if stages else None
