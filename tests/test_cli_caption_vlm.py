@@ -126,7 +126,7 @@ def test_bundled_shapes_vlm_names_the_objects(images: Path, tmp_path: Path) -> N
 
 @pytest.mark.parametrize("case, message", [
     ("no-config", "without config.json"),
-    ("vit-folder", "not a vision-language"),
+    ("vit-folder", "`vitexplain caption` does not explain it"),
     ("prompt-captioner", "--prompt is for vision-language models"),
     ("empty-prompt", "--prompt is empty"),
     ("unknown-word", "hexagon"),

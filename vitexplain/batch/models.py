@@ -1,7 +1,7 @@
 """Model loading for the batch commands (offline), and the model's part of the resume key.
 
 ``--model`` is a zoo name, the path of a zoo-format checkpoint ``.json``, a folder holding a Hugging
-Face vision-language model and its processor (``save_pretrained``; loaded offline with SDPA
+Face image classifier, or a vision-language model and its processor (``save_pretrained``; loaded offline with SDPA
 attention, the processor attached as ``model.vx_processor``), or a timm model name (created with
 ``pretrained=False``; weights from ``--checkpoint``). Every problem (unknown
 name, unreadable or mismatching checkpoint, a zoo ``.json`` whose config cannot build a
@@ -178,15 +178,18 @@ def load_model(
 
 
 def load_hf_folder(path: str) -> "nn.Module":
-    """A Hugging Face vision-language model and its processor from a ``save_pretrained`` folder, offline.
+    """A Hugging Face image classifier, or a vision-language model and its processor, from a ``save_pretrained``
+    folder, offline.
 
-    The model is loaded with ``attn_implementation="sdpa"`` (its fused attention) and its
-    processor is attached as ``model.vx_processor`` (what ``vx.Explainer(model, processor=...)``
-    takes).
+    An image classifier (``AutoModelForImageClassification``: ViT, DeiT, DINOv2, BEiT, Swin, ResNet, ConvNeXt,
+    ...) is loaded with ``attn_implementation="sdpa"`` where its class has SDPA attention; images are then
+    preprocessed with the adapter's settings for that model type. A vision-language model is loaded with
+    ``attn_implementation="sdpa"`` (its fused attention) and its processor is attached as ``model.vx_processor``
+    (what ``vx.Explainer(model, processor=...)`` takes).
 
     Raises:
-        UsageError: no ``config.json``, transformers missing, not an image-text-to-text model, or no
-            processor saved with it.
+        UsageError: no ``config.json``, transformers missing, neither an image classifier nor an image-text-to-text
+            model, or a vision-language model without a processor saved with it.
     """
     folder = Path(path)
     if not (folder / "config.json").is_file():
@@ -200,10 +203,19 @@ def load_hf_folder(path: str) -> "nn.Module":
         config = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True)
     except Exception as e:
         raise UsageError(f"--model {path!r}: cannot read its config.json ({type(e).__name__}: {e})") from None
+    classifier = transformers.AutoModelForImageClassification
+    if type(config) in classifier._model_mapping:
+        fused = getattr(classifier._model_mapping[type(config)], "_supports_sdpa", False)  # (CNNs have no attention)
+        try:
+            return classifier.from_pretrained(str(folder), local_files_only=True,
+                                              **({"attn_implementation": "sdpa"} if fused else {}))
+        except Exception as e:
+            raise UsageError(f"--model {path!r}: cannot load the image classifier ({type(e).__name__}: {e})") from None
     auto = transformers.AutoModelForImageTextToText
     if type(config) not in auto._model_mapping:
-        raise UsageError(f"--model {path!r} holds a {type(config).__name__} ({config.model_type}), not a "
-                         "vision-language (image-text-to-text) model; `vitexplain caption` takes a VLM folder")
+        raise UsageError(f"--model {path!r} holds a {type(config).__name__} ({config.model_type}), neither an image "
+                         "classifier nor a vision-language (image-text-to-text) model: `vitexplain export` takes a "
+                         "classifier folder, `vitexplain caption` a VLM folder")
     try:
         model = auto.from_pretrained(str(folder), local_files_only=True, attn_implementation="sdpa")
     except Exception as e:

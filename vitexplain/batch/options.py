@@ -321,8 +321,8 @@ class SharedOptions:
     """
 
     model: str = option("shapes-vit", flags=("--model", "-m"), metavar="NAME", group="model", outputs=True,
-                        help="zoo model (see `vitexplain models`), timm model name, or a zoo checkpoint .json "
-                             "(default: {default})")
+                        help="zoo model (see `vitexplain models`), timm model name, a zoo checkpoint .json, or a "
+                             "folder holding a Hugging Face image classifier (save_pretrained) (default: {default})")
     checkpoint: Optional[str] = option(None, flags="--checkpoint", metavar="FILE", group="model", outputs=True,
                                        help="weights for --model: .safetensors, or .pt/.pth (torch.load "
                                             "weights_only=True) holding a state dict or {'state_dict'|'model': ...}")

@@ -1,0 +1,71 @@
+"""`vitexplain export --model DIR` with a Hugging Face image classifier saved with ``save_pretrained``.
+
+Expectation: the CLI's saved maps and predictions equal what the Python API gives for the same image
+and the model loaded from the same folder by transformers itself.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import vitexplain as vx
+from vitexplain import cli
+
+transformers = pytest.importorskip("transformers")
+
+
+def _vit():
+    config = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                    image_size=32, patch_size=8, num_labels=4,
+                                    id2label={0: "zero", 1: "one", 2: "two", 3: "three"})
+    return transformers.ViTForImageClassification(config), "rollout,cdam"
+
+
+def _resnet():
+    config = transformers.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32, 48, 64], depths=[1, 1, 1, 1],
+                                       num_labels=4)
+    return transformers.ResNetForImageClassification(config), "gradcam"
+
+
+@pytest.mark.parametrize("build", [_vit, _resnet])
+def test_export_with_a_classifier_folder_equals_the_api(build, tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model, methods = build()
+    with torch.no_grad():
+        head = [m for m in model.classifier.modules() if isinstance(m, torch.nn.Linear)][-1]
+        head.weight.normal_(0, 1.0)  # random heads are near zero: make the classes differ
+    folder, images, out = tmp_path / "model", tmp_path / "images", tmp_path / "out"
+    model.save_pretrained(folder)
+    images.mkdir()
+    rng = np.random.default_rng(3)
+    for name in ("a.png", "b.png"):
+        Image.fromarray(rng.integers(0, 255, (70, 90, 3), dtype=np.uint8)).save(images / name)
+    assert cli.main(["export", str(images), "--out", str(out), "--model", str(folder), "--method", methods,
+                     "--save-maps", "-q", "-j", "0"]) == 0
+    records = {r["key"]: r for r in map(json.loads, (out / "manifest.jsonl").read_text(encoding="utf-8").splitlines())}
+    reference = type(model).from_pretrained(folder, local_files_only=True).eval()  # transformers' own loading
+    ex = vx.Explainer(reference)
+    for name in ("a.png", "b.png"):
+        record = records[name]
+        assert record["status"] == "ok"
+        for method in methods.split(","):
+            e = ex.explain([str(images / name)], method=method)
+            assert record["target"]["index"] == int(e.targets[0])
+            assert record["target"]["label"] == (model.config.id2label[int(e.targets[0])] if build is _vit else None)
+            np.testing.assert_allclose(np.load(out / f"{name}.{method}.npy"), e.maps[0].numpy(), rtol=1e-4, atol=1e-6)
+
+
+def test_a_folder_that_is_neither_a_classifier_nor_a_vlm_is_a_usage_error(tmp_path: Path, capsys) -> None:
+    folder = tmp_path / "bert"
+    transformers.BertModel(transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                                   intermediate_size=64)).save_pretrained(folder)
+    image = tmp_path / "a.png"
+    Image.fromarray(np.zeros((32, 32, 3), dtype=np.uint8)).save(image)
+    assert cli.main(["export", str(image), "--out", str(tmp_path / "out"), "--model", str(folder), "-q"]) == 2
+    assert "neither an image classifier nor a vision-language" in capsys.readouterr().err
