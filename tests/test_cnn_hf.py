@@ -1,4 +1,4 @@
-"""Hugging Face CNN classifiers (ResNet, ConvNeXt, RegNet, BiT, EfficientNet, MobileNet): the Grad-CAM family.
+"""Hugging Face CNN classifiers (ResNet, ConvNeXt, RegNet, BiT, EfficientNet, MobileNet, MobileViT): the Grad-CAM family.
 
 Oracle: a forward hook on the last stage of the model's own forward (``pixel_values=`` in, ``logits`` out)
 and ``torch.autograd.grad``, then the Grad-CAM / LayerCAM formulas written here (as in tests/test_cnn.py).
@@ -47,6 +47,11 @@ def _mobilenet_v2():
         image_size=96, depth_multiplier=0.35, num_labels=5))
 
 
+def _mobilevit():  # a conv/attention hybrid: the Grad-CAM family on its last conv feature map
+    return transformers.MobileViTForImageClassification(transformers.MobileViTConfig(
+        image_size=96, hidden_sizes=[32, 40, 48], neck_hidden_sizes=[8, 8, 16, 16, 24, 32, 64], num_labels=5))
+
+
 # name: (build, the last stage's module name)
 CASES = {
     "resnet": (_resnet, "resnet.encoder.stages.3"),
@@ -55,6 +60,7 @@ CASES = {
     "bit": (_bit, "bit.encoder.stages.3"),
     "efficientnet": (_efficientnet, None),
     "mobilenet_v2": (_mobilenet_v2, None),
+    "mobilevit": (_mobilevit, "mobilevit.encoder.layer.4"),
 }
 
 
@@ -63,7 +69,10 @@ def _build(name):
     model = CASES[name][0]().eval()
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
-        for module in model.modules():  # random init leaves norms at identity and heads near zero
+        for module in model.modules():  # random init leaves norms at identity, heads near zero, convs small
+            if isinstance(module, torch.nn.Conv2d):  # (MobileViT's std-0.02 convs lose the image by its last stage)
+                fan_in = module.weight[0].numel()
+                module.weight.normal_(0.0, (2.0 / fan_in) ** 0.5, generator=generator)
             if isinstance(module, (torch.nn.BatchNorm2d, torch.nn.LayerNorm, torch.nn.GroupNorm)) and module.weight is not None:
                 module.weight.normal_(1.0, 0.3, generator=generator)
                 module.bias.normal_(0.0, 0.3, generator=generator)

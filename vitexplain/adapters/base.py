@@ -252,7 +252,7 @@ def adapter_for(model: nn.Module) -> Adapter:
         "ViT/DeiT/EVA/BEiT/CaiT/XCiT/ConViT, torchvision VisionTransformer, Hugging Face "
         "ViT/DeiT/DINOv2/BEiT/ViT-MSN/I-JEPA/CLIP/SigLIP (classifiers and headless backbones), CNNs and "
         "conv/attention hybrids from timm and torchvision, Hugging Face ResNet/ConvNeXt/RegNet/BiT/"
-        "EfficientNet/MobileNet classifiers (Grad-CAM family, SE/ECA/CBAM "
+        "EfficientNet/MobileNet/MobileViT classifiers (Grad-CAM family, SE/ECA/CBAM "
         "gates), the zoo captioner and encoder-decoder captioners. vx.capture(model) still "
         "records the attention of any model using SDPA; vitexplain.adapters.register_adapter "
         "adds your own model (see docs/guide.md, 'Your own model')."

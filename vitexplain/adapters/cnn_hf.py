@@ -1,4 +1,5 @@
-"""Hugging Face CNN classifiers (``ResNetForImageClassification``, ConvNeXt, RegNet, BiT, EfficientNet, MobileNet).
+"""Hugging Face CNN classifiers (``ResNetForImageClassification``, ConvNeXt, RegNet, BiT, EfficientNet, MobileNet,
+and the conv/attention hybrids MobileViT and MobileViTV2).
 
 They are CNNs like timm's and torchvision's (:mod:`vitexplain.adapters.cnn`), with two differences:
 the model takes ``pixel_values=`` and returns an ``ImageClassifierOutput`` (the adapter's forward
@@ -17,7 +18,7 @@ from ..methods.families import CNN
 from .base import Adapter, register_adapter
 from .cnn import CNNAdapter, calls_attention, stage_ends
 
-__all__ = ["HFCNNAdapter", "HF_CNN_STAGES"]
+__all__ = ["HFCNNAdapter", "HF_CNN_STAGES", "HF_HYBRIDS"]
 
 #: ``config.model_type`` -> the ModuleList of the base model (``model.base_model``) holding its stages or blocks.
 HF_CNN_STAGES = {
@@ -29,7 +30,12 @@ HF_CNN_STAGES = {
     "efficientnet": "encoder.blocks",
     "mobilenet_v1": "layer",
     "mobilenet_v2": "layer",
+    "mobilevit": "encoder.layer",  # conv/attention hybrids: the Grad-CAM family on their conv feature maps
+    "mobilevitv2": "encoder.layer",
 }
+
+#: Types in :data:`HF_CNN_STAGES` whose blocks call attention (explained as conv/attention hybrids, see cnn.py).
+HF_HYBRIDS = frozenset({"mobilevit", "mobilevitv2"})
 
 
 class HFCNNAdapter(CNNAdapter):
@@ -70,7 +76,9 @@ def _hf_cnn_stages(model: nn.Module) -> Optional[list[str]]:
 
 @register_adapter(priority=0, family=CNN)
 def _detect_hf_cnn(model: nn.Module) -> Optional[Adapter]:
-    if not isinstance(getattr(model, "classifier", None), nn.Module) or calls_attention(model):
+    if not isinstance(getattr(model, "classifier", None), nn.Module):
+        return None
+    if getattr(model.config, "model_type", None) not in HF_HYBRIDS and calls_attention(model):
         return None
     stages = _hf_cnn_stages(model)
     return HFCNNAdapter(model, stages) if stages else None
