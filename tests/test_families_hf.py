@@ -271,3 +271,22 @@ def test_a_label_name_shared_by_several_classes_is_refused_not_guessed():
     with pytest.raises(vx.TargetError, match="several classes"):
         ex.explain(x, method="cdam", target=["crane"])
     assert ex.explain(x, method="cdam", target="truck").targets.tolist() == [3]
+
+
+def test_a_timm_model_wrapped_by_transformers_is_explained_as_the_timm_model():
+    """``AutoModelForImageClassification.from_pretrained("timm/...")`` returns a TimmWrapperForImageClassification
+    (TimmWrapperModel headless) whose forward is its timm model's: its maps equal the timm model's own."""
+    torch.manual_seed(0)
+    config = transformers.TimmWrapperConfig(architecture="vit_tiny_patch16_224", num_labels=5,
+                                            model_args=dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2))
+    wrapper = transformers.TimmWrapperForImageClassification(config).eval()
+    sharpen_attention(wrapper)
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    ex = vx.Explainer(wrapper)
+    with torch.no_grad():
+        torch.testing.assert_close(ex.adapter.forward(x), wrapper(pixel_values=x).logits)
+    names = ["rollout", "generic", "cdam"]
+    for ours, timm_own in zip(ex.explain(x, method=names), vx.Explainer(wrapper.timm_model).explain(x, method=names)):
+        assert torch.equal(ours.maps, timm_own.maps) and ours.targets.tolist() == timm_own.targets.tolist()
+    for module in wrapper.modules():  # left as found
+        assert not module._forward_hooks and not module._forward_pre_hooks

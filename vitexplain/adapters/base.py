@@ -235,8 +235,21 @@ def find_adapter(model: nn.Module, family: Union[None, Family, str] = None) -> O
     return None
 
 
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """The module that computes ``model``'s output: a ``torch.compile``-d model's original, and the timm model
+    inside a Hugging Face ``TimmWrapperForImageClassification`` / ``TimmWrapperModel`` (what
+    ``AutoModelForImageClassification.from_pretrained("timm/...")`` returns: its forward is the timm model's, the
+    input cast to the model's dtype, which the explainer does too)."""
+    model = unwrap_compiled(model)
+    inner = getattr(model, "timm_model", None)
+    if type(model).__name__ in ("TimmWrapperForImageClassification", "TimmWrapperModel") and isinstance(inner, nn.Module):
+        return unwrap_compiled(inner)
+    return model
+
+
 def adapter_for(model: nn.Module) -> Adapter:
-    """The adapter for ``model`` (a ``torch.compile``-d model is unwrapped first).
+    """The adapter for ``model`` (a ``torch.compile``-d model, or a Hugging Face wrapper of a timm model, is
+    unwrapped first: the adapter's ``model`` is then the module that computes the output).
 
     Raises:
         UnsupportedModelError: no adapter recognises the model; the message lists the
@@ -244,7 +257,7 @@ def adapter_for(model: nn.Module) -> Adapter:
     """
     if not isinstance(model, nn.Module):
         raise UnsupportedModelError(f"expected a torch.nn.Module, got {type(model).__name__}")
-    adapter = find_adapter(unwrap_compiled(model))
+    adapter = find_adapter(_unwrapped(model))
     if adapter is not None:
         return adapter
     raise UnsupportedModelError(
