@@ -61,6 +61,14 @@ CASES = {
         lambda: _build("Dinov2Config", "Dinov2Model"), 1, "class", "similarity",
         lambda out: torch.cosine_similarity(_pooled(out), VECTOR[None], dim=-1),
     ),
+    "dinov3_registers_headless": (  # RoPE, 4 register tokens, final norm on the model and its layers in model.model
+        lambda: _build("DINOv3ViTConfig", "DINOv3ViTModel", num_register_tokens=4), 5, "class", "similarity",
+        lambda out: torch.cosine_similarity(_pooled(out), VECTOR[None], dim=-1),
+    ),
+    "metaclip2_vision": (
+        lambda: _build("MetaClip2VisionConfig", "MetaClip2VisionModel"), 1, "class", "similarity",
+        lambda out: torch.cosine_similarity(_pooled(out), VECTOR[None], dim=-1),
+    ),
     "clip_vision": (
         lambda: _build("CLIPVisionConfig", "CLIPVisionModel"), 1, "class", "similarity",
         lambda out: torch.cosine_similarity(_pooled(out), VECTOR[None], dim=-1),

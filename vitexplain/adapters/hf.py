@@ -99,6 +99,10 @@ def _ijepa_pooled(model: nn.Module, tower: nn.Module, t: Tensor) -> Tensor:
     return pooler(s) if pooler is not None else s.mean(dim=1)
 
 
+def _dinov3_pooled(model: nn.Module, tower: nn.Module, t: Tensor) -> Tensor:
+    return model.norm(t)[:, 0]  # DINOv3ViTModel: the final norm sits on the model, its layers in model.model
+
+
 def _clip_pooled(model: nn.Module, tower: nn.Module, t: Tensor) -> Tensor:
     pooled = tower.post_layernorm(t[:, 0])
     projection = getattr(model, "visual_projection", None)  # CLIPVisionModelWithProjection
@@ -135,11 +139,14 @@ HF_TYPES: dict[str, HFType] = {
     "vit_msn": HFType(1, "layernorm_before", "class", _vit_logits, _vit_pooled, _IMAGENET_RESIZE),
     "ijepa": HFType(0, "layernorm_before", "mean", _mean_logits, _ijepa_pooled, _IMAGENET_RESIZE),
     "dinov2": _DINO,
+    "dinov3_vit": HFType(1, "norm1", "class", None, _dinov3_pooled, _IMAGENET_RESIZE),
     "dinov2_with_registers": _DINO,
     "beit": _BEIT,
     "data2vec-vision": _BEIT,
     "clip_vision_model": _CLIP_TYPE,
     "clip": _CLIP_TYPE,
+    "metaclip_2_vision_model": _CLIP_TYPE,
+    "metaclip_2": _CLIP_TYPE,
     "siglip_vision_model": _SIGLIP,
     "siglip": _SIGLIP,
     "blip_vision_model": HFType(1, "layer_norm1", "class", None, _clip_pooled, _CLIP),
