@@ -362,6 +362,7 @@ def rows() -> list[Row]:
         Row("HF Dinov2Model (headless)", "Hugging Face", _hf("Dinov2Config", "Dinov2Model"), s32, _HF_TEST, "norm"),
         Row("HF DINOv3ViTModel (headless, RoPE, registers)", "Hugging Face", _hf("DINOv3ViTConfig", "DINOv3ViTModel", num_register_tokens=4), s32, _HF_TEST, "norm"),
         Row("HF MetaClip2VisionModel (headless)", "Hugging Face", _hf("MetaClip2VisionConfig", "MetaClip2VisionModel"), s32, _HF_TEST, "norm"),
+        Row("HF Aimv2VisionModel (headless, attention pooling)", "Hugging Face", _hf("Aimv2VisionConfig", "Aimv2VisionModel"), s32, _HF_TEST, "norm"),
         Row("HF CLIPVisionModel (headless)", "Hugging Face", _hf("CLIPVisionConfig", "CLIPVisionModel"), s32, _HF_TEST, "norm"),
         Row("HF SiglipVisionModel (headless)", "Hugging Face", _hf("SiglipVisionConfig", "SiglipVisionModel"), s32, _HF_TEST, "norm"),
         Row("timm ResNet", "CNN", lambda: _timm("resnet10t", num_classes=5), s32, "tests/test_cnn.py"),

@@ -69,6 +69,10 @@ CASES = {
         lambda: _build("MetaClip2VisionConfig", "MetaClip2VisionModel"), 1, "class", "similarity",
         lambda out: torch.cosine_similarity(_pooled(out), VECTOR[None], dim=-1),
     ),
+    "aimv2_vision": (  # no class token, an attention-pooling head read as the mean of the tokens (as SigLIP's)
+        lambda: _build("Aimv2VisionConfig", "Aimv2VisionModel"), 0, "mean", "similarity",
+        lambda out: torch.cosine_similarity(_pooled(out), VECTOR[None], dim=-1),
+    ),
     "clip_vision": (
         lambda: _build("CLIPVisionConfig", "CLIPVisionModel"), 1, "class", "similarity",
         lambda out: torch.cosine_similarity(_pooled(out), VECTOR[None], dim=-1),

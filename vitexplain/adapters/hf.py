@@ -103,6 +103,11 @@ def _dinov3_pooled(model: nn.Module, tower: nn.Module, t: Tensor) -> Tensor:
     return model.norm(t)[:, 0]  # DINOv3ViTModel: the final norm sits on the model, its layers in model.model
 
 
+def _aimv2_pooled(model: nn.Module, tower: nn.Module, t: Tensor) -> Tensor:
+    s = tower.rms_norm(t)  # Aimv2VisionModel: an attention-pooling head (a learned query), else none (the mean)
+    return tower.head(s) if getattr(tower, "use_head", False) else s.mean(dim=1)
+
+
 def _clip_pooled(model: nn.Module, tower: nn.Module, t: Tensor) -> Tensor:
     pooled = tower.post_layernorm(t[:, 0])
     projection = getattr(model, "visual_projection", None)  # CLIPVisionModelWithProjection
@@ -148,6 +153,7 @@ HF_TYPES: dict[str, HFType] = {
     "metaclip_2_vision_model": _CLIP_TYPE,
     "metaclip_2": _CLIP_TYPE,
     "siglip_vision_model": _SIGLIP,
+    "aimv2_vision_model": HFType(0, "rms_norm1", "mean", None, _aimv2_pooled, _CLIP),
     "siglip": _SIGLIP,
     "blip_vision_model": HFType(1, "layer_norm1", "class", None, _clip_pooled, _CLIP),
     "git_vision_model": HFType(1, "layer_norm1", "class", None, _clip_pooled, _CLIP),
