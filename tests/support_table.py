@@ -117,7 +117,7 @@ _HF = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermedi
 
 
 def _hf_cnn(config: str, model: str, **kwargs: Any) -> Callable[[], nn.Module]:
-    """A Hugging Face CNN classifier built from ``kwargs`` only (its config has no ViT sizes)."""
+    """A Hugging Face model built from ``kwargs`` only (not the ViT sizes ``_hf`` adds: CNNs, SAM 3's backbone)."""
     def build() -> nn.Module:
         import transformers
 
@@ -393,6 +393,7 @@ def rows() -> list[Row]:
         Row("HF LeViT classifier", "hierarchical", _hf_levit("LevitForImageClassification"), (128, 128), _HF_MORE_TEST),
         Row("HF LeViT with teacher", "hierarchical", _hf_levit("LevitForImageClassificationWithTeacher"), (128, 128), _HF_MORE_TEST),
         Row("HF LevitModel (headless)", "hierarchical", _hf_levit("LevitModel"), (128, 128), _HF_MORE_TEST, "norm"),
+        Row("HF Sam3ViTModel (SAM 3's image encoder backbone, headless)", "hierarchical", _hf_cnn("Sam3ViTConfig", "Sam3ViTModel", hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2, image_size=112, patch_size=14, window_size=3, global_attn_indexes=[1, 3], pretrain_image_size=56), (112, 112), "tests/test_hier_sam3.py", "norm"),
         Row("HF Sam2HieraDetModel (SAM 2's image encoder backbone, headless)", "hierarchical", _hf_sam2_hiera, s64, _HF_MORE_TEST, "norm"),
         Row("timm TNT (outer tokens)", "hierarchical", lambda: _timm("tnt_s_patch16_224", img_size=64, depth=2, num_classes=5), s64, _POOL_TEST),
         Row("timm Swin", "Swin", _timm_class("swin_transformer", "SwinTransformer", **_SWIN), s32, _SWIN_TEST),

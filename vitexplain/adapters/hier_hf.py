@@ -1,4 +1,4 @@
-"""Hierarchical adapters for Hugging Face models: PVTv2, SegFormer (MiT), SAM's vision encoder and Hiera.
+"""Hierarchical adapters for Hugging Face models: PVTv2, SegFormer (MiT), SAM's and SAM 3's vision encoders, Hiera.
 
 The same chains as timm's (:mod:`vitexplain.adapters.hier`, :mod:`vitexplain.adapters.hier_more`),
 read from the Hugging Face module trees: spatial-reduction attention (a strided conv, or adaptive
@@ -27,7 +27,7 @@ from .base import Adapter, register_adapter
 from .hier import Chain, HierAdapter, conv_grid, global_call, sam_chain, token_set
 from .hier_more import HieraAdapter
 
-__all__ = ["HFSpatialReductionAdapter", "HFSamVisionAdapter", "HFHieraAdapter"]
+__all__ = ["HFSpatialReductionAdapter", "HFSamVisionAdapter", "HFSam3ViTAdapter", "HFHieraAdapter"]
 
 
 def _keys(attn: nn.Module, tokens: TokenSet, sr_name: str) -> Footprint:
@@ -117,6 +117,28 @@ class HFSamVisionAdapter(HFForward, HierAdapter):
         return sam_chain(tokens, calls, neck), [tokens]
 
 
+class HFSam3ViTAdapter(HFForward, HierAdapter):
+    """Hugging Face ``Sam3ViTModel`` (SAM 3's image encoder backbone, headless): windowed (zero-padded) and
+    global attention with rotary positions on one patch grid, no neck (the FPN neck is ``Sam3VisionModel``'s);
+    the pooled embedding is the mean of its output tokens. Heads stay a dimension of its SDPA calls."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self.token_sites = [f"layers.{len(model.layers) - 1}.layer_norm1"]
+        self.has_head = False
+        self.fixed_size = pair(model.config.image_size)  # its rotary positions are built for that grid
+
+    def site_grid(self, stage: int, output: Tensor, input_size: Sequence[int]) -> Tensor:
+        return output  # (B, H, W, C)
+
+    def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
+        conv = self.model.embeddings.patch_embeddings.projection
+        tokens = token_set(conv_grid(input_size, conv.kernel_size, conv.stride, conv.padding))
+        calls = [(f"layers.{i}.attention", int(getattr(layer, "window_size", 0) or 0), 1)
+                 for i, layer in enumerate(self.model.layers)]
+        return sam_chain(tokens, calls, []), [tokens]
+
+
 class HFHieraAdapter(HFForward, HieraAdapter):
     """Hugging Face ``HieraModel`` / ``HieraForImageClassification``: timm Hiera's chain
     (:class:`~vitexplain.adapters.hier_more.HieraAdapter`) on the layers of
@@ -180,6 +202,8 @@ def _detect_hf_hier(model: nn.Module) -> Optional[Adapter]:
                                          "sequence_reduction.sequence_reduction", "layernorm_before")
     if _in(model, "sam") and name == "SamVisionModel":
         return HFSamVisionAdapter(model)
+    if _in(model, "sam3") and name == "Sam3ViTModel":
+        return HFSam3ViTAdapter(model)
     if _in(model, "hiera") and name in ("HieraModel", "HieraForImageClassification"):
         return HFHieraAdapter(model)
     return None
