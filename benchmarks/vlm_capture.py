@@ -11,7 +11,8 @@ repetitions (plain, captured, plain, captured, ...), under ``torch.no_grad``:
   capture after the first of a model runs: it starts narrowed from what an earlier capture learned
   (vitexplain/recording/discovery.py), intercepting only where attention is issued
   (vitexplain/recording/narrowing.py), and records Hugging Face SDPA calls from their arguments
-  where checked (vitexplain/recording/direct.py);
+  where checked, a module's later calls of a checked shape through its lane (their arguments kept, the
+  records made when read: vitexplain/recording/direct.py);
 * ``first capture``: the same on a copy of the model whose learned entry is forgotten before each
   run (``discovery.forget``): a capture that discovers the model (its mode on every torch call
   until the second forward, outside layers after the first of their class);

@@ -173,3 +173,46 @@ def test_records_read_between_calls_keep_call_order():
     assert [_key(r) for r in rec.records] == [_key(r) for r in full.records]
     for r, s in zip(rec.records, full.records):
         torch.testing.assert_close(r.probs(), s.probs(), atol=1e-6, rtol=0)
+
+
+def _pending(rec) -> int:
+    """How many of a capture's unread records are a lane's pending calls (direct.py), before they are read."""
+    return sum(not isinstance(draft[-1], dict) for draft in rec._drafts)
+
+
+def test_later_captures_record_through_lanes_and_equal_full_interception():
+    """From the third capture of a model on, every Hugging Face SDPA call whose shape a checked call had
+    takes its module's lane (its arguments kept, the record made when read): records equal full interception."""
+    model, run = _llava()
+    check(model, run)
+    full, _ = _capture(model, run, full=True)
+    with torch.no_grad(), vx.capture(model) as rec:
+        run()
+    lanes = _pending(rec)
+    assert lanes > 0  # (a padded batch of 2: its decode steps and both towers' layers)
+    assert [_key(r) for r in rec.records] == [_key(r) for r in full.records]
+    for r, s in zip(rec.records, full.records):
+        torch.testing.assert_close(r.probs(), s.probs(), atol=1e-6, rtol=0)
+    name = next(n for n, m in model.named_modules() if n.endswith("language_model.layers.0.self_attn"))
+    with torch.no_grad(), vx.capture(model, attention={name: lambda module, inputs, output: None}) as declared:
+        run()
+    # a capture that declares an extractor does not take the model's lanes (its issuers differ): the declared
+    # module's calls are the extractor's (None: no record), every other record as full interception's
+    assert [_key(r) for r in declared.records] == [_key(r) for r in full.records if r.name != name]
+
+
+def test_a_lane_call_of_a_kind_no_longer_checked_is_refused_when_read():
+    """A lane's record is made from its arguments when read; if the plan it then gives is not a kind checked
+    equal to the mode's record, the record is refused, not made unchecked."""
+    model, run = _llava()
+    check(model, run)
+    with torch.no_grad(), vx.capture(model) as rec:
+        run()
+    assert _pending(rec) > 0
+    saved = dict(direct._CHECKED)
+    direct._CHECKED.clear()
+    try:
+        with pytest.raises(vx.CaptureError, match="cannot be trusted"):
+            rec.records
+    finally:
+        direct._CHECKED.update(saved)

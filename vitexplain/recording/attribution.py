@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from .sink import Issuer
 
-__all__ = ["Attribution", "never_issues", "kind_of", "frame_kind", "call_kind", "is_inside", "CROSS_ARGUMENT_NAMES", "CROSS_PARAMETER_NAMES"]
+__all__ = ["Attribution", "never_issues", "kind_of", "frame_kind", "stable_kind", "call_kind", "is_inside", "CROSS_ARGUMENT_NAMES", "CROSS_PARAMETER_NAMES"]
 
 #: Argument names that, when a tensor is passed, mean the keys come from another sequence.
 CROSS_ARGUMENT_NAMES = (
@@ -137,6 +137,17 @@ def frame_kind(module: nn.Module, frame: FrameType) -> Literal["self", "cross"]:
     return kind_of(module, frame.f_locals, code.co_varnames[: code.co_argcount + code.co_kwonlyargcount])
 
 
+def stable_kind(module: nn.Module, code: CodeType) -> Optional[Literal["self", "cross"]]:
+    """:func:`frame_kind` for every call ``module`` makes from a frame of ``code``, when no frame's locals can
+    change it (no ``nn.MultiheadAttention``, no cross-attention argument among the locals); else None."""
+    if isinstance(module, nn.MultiheadAttention):
+        return None
+    flag = _flag(module)
+    if isinstance(flag, bool):
+        return "cross" if flag else "self"
+    return _kind_without_locals(code)  # type: ignore[return-value]
+
+
 def call_kind(module: nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> Literal["self", "cross"]:
     """:func:`kind_of` for a finished module call (a forward hook's ``args`` and ``kwargs``)."""
     try:
@@ -227,11 +238,9 @@ class Attribution:
         prevents a later call's frame from reusing its address) until :meth:`stop`. While the model's
         own forward is in progress, that call is the top-level one (no frame is walked).
         """
-        if self._root is not None:
-            if self._root is not self._top:
-                self._top = self._root
-                self._forward_index += 1
-            return self._forward_index
+        index = self.root_index()
+        if index is not None:
+            return index
         known = self._top if isinstance(self._top, FrameType) and self._top.f_code is _CALL_IMPL else None
         frame: Optional[FrameType] = issuer.frame
         while known is not None and frame is not None:  # first by identity only (no f_locals read)
@@ -247,6 +256,16 @@ class Attribution:
         top = top or issuer.frame  # a model method that computes attention inline, called directly
         if top is not self._top:
             self._top = top
+            self._forward_index += 1
+        return self._forward_index
+
+    def root_index(self) -> Optional[int]:
+        """The number of the top-level call in progress when it is the model's own forward (known without a
+        walk), else None (see :meth:`forward_index`)."""
+        if self._root is None:
+            return None
+        if self._root is not self._top:
+            self._top = self._root
             self._forward_index += 1
         return self._forward_index
 

@@ -19,19 +19,29 @@ Different (another transformers version that prepares SDPA's arguments otherwise
 keeps going through the mode. Calls this module does not follow (a position bias, softcap,
 ``output_attentions``, a capture with gradients or materialized attention, tracing or
 compiling) always go through the mode.
+
+Lanes: once a module's call was recorded from its arguments, its later calls of the same shape
+(:func:`_shape_key`: which arguments are given, the mask's rank, one query row or more, keys longer
+than the queries, the causal flag, dropout; fresh keys only) take its *lane* while the model's own
+forward runs without gradients: the call runs, and its arguments are kept as the draft
+(:class:`_Pending`); the plan is made when the records are read, out of the model's hot loop, and a
+plan that is not a checked kind is refused then (:class:`~vitexplain.errors.CaptureError`), never
+recorded unchecked. Lanes are kept with what the captures learned about the model
+(``discovery.Learned.lanes``) for its later captures that declare no extractor.
 """
 
 from __future__ import annotations
 
 import sys
 import threading
-from types import FrameType
-from typing import Any, Callable, Optional
+from types import CodeType, FrameType
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 from torch import Tensor, nn
 
-from .attribution import frame_kind, never_issues
+from ..errors import CaptureError
+from .attribution import frame_kind, never_issues, stable_kind
 from .records import held, key_witness
 from .sink import Issuer, RecordSink
 
@@ -131,6 +141,23 @@ def _plan(original: Callable, module: nn.Module, args: tuple, kwargs: dict,
     return kind, fields
 
 
+def _shape_key(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple]:
+    """What a module's calls share when :func:`_plan` gives them one kind: the module, which arguments are passed
+    (and which are None), the mask's presence and rank, one query row or more, keys longer than the queries,
+    the causal flag and dropout; only fresh keys (a static cache's keys, written in place, get their witness at
+    call time on the checked path). None: not a call a lane takes. A lane's call whose kind still differs
+    (something this key does not see) is refused when its record is made (``_Pending.resolve``)."""
+    if len(args) < 4:
+        return None
+    query, key, mask = args[0], args[1], args[3]
+    if not isinstance(query, Tensor) or not isinstance(key, Tensor) or query.dim() != 4 or key._version:
+        return None
+    q_length = query.shape[2]
+    return (id(module), len(args), tuple([k for k, v in kwargs.items() if v is not None]), mask is None,
+            None if mask is None else mask.dim(), q_length == 1, q_length > 1 and key.shape[2] > q_length,
+            kwargs.get("is_causal"), bool(kwargs.get("dropout")), tuple([a is None for a in args[4:]]))
+
+
 def _same(record: Any, issuer: Issuer, fields: dict[str, Any]) -> bool:
     """Whether the mode's record of a call equals the one computed from its arguments and its caller."""
     if record.name != issuer.name or record.kind != frame_kind(issuer.module, issuer.frame):
@@ -147,6 +174,42 @@ def _same(record: Any, issuer: Issuer, fields: dict[str, Any]) -> bool:
     return torch.equal(record._q, fields["_q"]) and torch.equal(record._k, fields["_k"])
 
 
+class _Lane(NamedTuple):
+    """What a checked call of one module decided that the module's later calls of the same shape reuse."""
+
+    original: Callable
+    code: CodeType  # the issuing method's code (the frame that called the interface)
+    name: str
+    kind: str  # "self" / "cross"
+    plan: tuple  # the kind :func:`_plan` gave the checked call (still checked equal when a call takes the lane)
+
+
+class _Pending:
+    """A lane's call, kept as its arguments: :meth:`resolve` makes the record's fields when the records are read
+    (out of the model's hot loop), as :func:`_plan` makes them at call time on the checked path."""
+
+    __slots__ = ("original", "module", "args", "kwargs", "gqa")
+
+    def __init__(self, original: Callable, module: nn.Module, args: tuple, kwargs: dict, gqa: dict) -> None:
+        self.original, self.module, self.args, self.kwargs, self.gqa = original, module, args, kwargs, gqa
+
+    def resolve(self) -> dict[str, Any]:
+        """The record's fields; they are what the capture's mode records for a call of a kind checked equal.
+
+        Raises:
+            CaptureError: the call was of a kind not checked (another branch of transformers' function than
+                the module's first call of the same shape took): its record cannot be trusted.
+        """
+        plan = _plan(self.original, self.module, self.args, self.kwargs, self.gqa)
+        if plan is None or _CHECKED.get(plan[0]) is not True:
+            raise CaptureError(
+                f"an attention call of {type(self.module).__name__} took another path through transformers' "
+                "sdpa_attention_forward than its first call of the same shape, which the capture checked: its "
+                "record cannot be trusted; please report this with your transformers version"
+            )
+        return plan[1]
+
+
 class DirectSDPA:
     """Records a capture's tapped SDPA calls from their arguments where that was checked (module docstring).
 
@@ -159,6 +222,12 @@ class DirectSDPA:
         self.sink = sink
         self.enabled = enabled
         self._gqa: dict[tuple, bool] = {}  # see _plan
+        self._lanes: dict[tuple, _Lane] = {}  # by _shape_key: a module's calls that skip the plan (call())
+
+    def use_lanes(self, lanes: dict) -> None:
+        """Take and add to ``lanes``, the lanes of earlier captures of the same model (``discovery.Learned.lanes``:
+        the model's modules, names and forwards unchanged since)."""
+        self._lanes = lanes
 
     def call(self, original: Callable, module: nn.Module, args: tuple, kwargs: dict, frame: Optional[FrameType],
              through_mode: Callable[[], Any]) -> Any:
@@ -171,6 +240,15 @@ class DirectSDPA:
             frame: the frame that called the interface (the module's forward).
             through_mode: runs the call with the capture's mode on (the record is then the mode's).
         """
+        shape = _shape_key(module, args, kwargs) if self.enabled and frame is not None else None
+        lane = self._lanes.get(shape) if shape is not None else None  # type: ignore[arg-type]
+        if (lane is not None and lane.original is original and lane.code is frame.f_code  # type: ignore[union-attr]
+                and not torch.is_grad_enabled() and _CHECKED.get(lane.plan) is True and self.sink.lane_ready()):
+            # a module's later call of a shape whose first call was checked: its arguments are kept and the
+            # record's fields made when the records are read (_Pending), the plan's cost out of the hot loop
+            out = original(module, *args, **kwargs)
+            self.sink.add_lane_draft(lane.name, lane.kind, _Pending(original, module, args, kwargs, self._gqa))
+            return out
         plan = _plan(original, module, args, kwargs, self._gqa) if self.enabled else None
         if plan is None or frame is None:
             return through_mode()
@@ -190,6 +268,9 @@ class DirectSDPA:
             return out
         out = original(module, *args, **kwargs)
         self.sink.add_draft(issuer, fields)
+        kind = stable_kind(module, frame.f_code)
+        if shape is not None and kind is not None and not fields["_k_version"] and not torch.is_grad_enabled():
+            self._lanes[shape] = _Lane(original, frame.f_code, issuer.name, kind, plan[0])  # (fresh keys: _shape_key)
         return out
 
 

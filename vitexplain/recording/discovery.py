@@ -43,12 +43,15 @@ class Learned:
         issuer_types: classes whose modules issued attention outside the interface.
         prepared: what narrowing decided from them, kept until they change: the classes whose
             forward names an attention function, and the names of the modules that get a tripwire.
+        lanes: the Hugging Face SDPA calls whose records are made from their arguments without a plan per call
+            (:mod:`vitexplain.recording.direct`), shared by the captures of the model that declare no extractor.
     """
 
     key: tuple
     codes: dict[int, CodeType] = field(default_factory=dict)
     issuer_types: frozenset[type] = frozenset()
     prepared: Optional[tuple[frozenset[type], tuple[str, ...]]] = None
+    lanes: dict = field(default_factory=dict)
 
 
 _MEMO: "weakref.WeakKeyDictionary[nn.Module, Learned]" = weakref.WeakKeyDictionary()

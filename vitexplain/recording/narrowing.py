@@ -88,6 +88,8 @@ class Narrowing:
     def __init__(self, mode: TorchFunctionMode, model: nn.Module, direct: Optional[DirectSDPA] = None) -> None:
         self.model = model
         self.direct = direct
+        #: whether the direct records' lanes are the learned entry's (set by the recorder: no extractor declared)
+        self.share_lanes = False
         self.stack = ModeStack(mode)
         self.enabled = True
         self.full = False
@@ -151,6 +153,8 @@ class Narrowing:
         if learned is not None:
             self._issuer_types |= learned.issuer_types
             self.codes = learned.codes  # read by _prepare only: the mode notes nothing
+            if self.direct is not None and self.share_lanes:
+                self.direct.use_lanes(learned.lanes)
             self._narrow()
 
     def stop(self, clean: bool = False) -> None:

@@ -163,6 +163,7 @@ class Recorder:
                 self._gate_hooks = GateHooks(self.model, self._gates)
                 self._handles.extend(self._gate_hooks.register())
             declared = declared_modules(self.model, self._extractors, modules, surveyed.by_type) if self.attention else {}
+            self._narrowing.share_lanes = not declared  # (a lane's issuer name holds when no module is declared)
             self._attribution.start(surveyed.names, declared)
             if self.attention:
                 for name, (module, extractor) in declared.items():
@@ -236,6 +237,17 @@ class Recorder:
         self._narrowing.issued(issuer.module)
         self._drafts.append((*self._numbered(issuer), fields))
 
+    def lane_ready(self) -> bool:
+        """Whether :meth:`add_lane_draft` can number a record now (see :class:`RecordSink`)."""
+        return self._attribution.root_index() is not None and not in_backward()
+
+    def add_lane_draft(self, name: str, kind: str, pending: Any) -> None:
+        """Keep a record of module ``name`` whose fields ``pending.resolve()`` makes when the records are read
+        (see :class:`RecordSink`); only when :meth:`lane_ready`."""
+        step = self._steps.get(name, 0)
+        self._steps[name] = step + 1
+        self._drafts.append((name, kind, step, self._attribution.root_index(), pending))
+
     def _numbered(self, issuer: Issuer, kind: Optional[str] = None) -> tuple[str, str, int, int]:
         """(name, kind, step, top-level call) of a new record of ``issuer``, counted now (kind: from the
         issuer's frame unless given)."""
@@ -251,6 +263,8 @@ class Recorder:
             drafts, self._drafts = self._drafts, []
             made = self._made
             for name, kind, step, forward_index, fields in drafts:
+                if not isinstance(fields, dict):  # a lane's pending call (direct.py): its fields made now
+                    fields = fields.resolve()
                 made.append(AttentionRecord(name=name, kind=kind, index=len(made), step=step,
                                             forward_index=forward_index, **fields))
         return self._made

@@ -75,6 +75,14 @@ class RecordSink(Protocol):
         itself is made when the records are next read (out of the model's hot loop; records keep call order).
         Nothing is held but ``fields`` (never the issuer's frame, which would keep its locals alive)."""
 
+    def lane_ready(self) -> bool:
+        """Whether a record can be numbered without its issuer's frame: the model's own forward is in progress
+        (its top-level call known without a walk) and no backward pass runs."""
+
+    def add_lane_draft(self, name: str, kind: str, pending: Any) -> None:
+        """Keep a record of module ``name`` (kind ``kind``) whose fields ``pending.resolve()`` makes when the
+        records are next read; numbered now. Only when :meth:`lane_ready`."""
+
     def last_record(self) -> Optional[AttentionRecord]:
         """The latest record, or None."""
 
