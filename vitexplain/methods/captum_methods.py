@@ -122,7 +122,8 @@ def occlusion(ctx: Context, *, baseline: float = 0.0, batch_size: int = 16) -> T
     Args:
         ctx: the explained batch.
         baseline: replacement value in the model's input space (0 = mean colour).
-        batch_size: ablated copies per forward (captum's ``perturbations_per_eval``).
+        batch_size: ablated copies per forward (captum's ``perturbations_per_eval``; at most the
+            number of patches).
 
     Returns:
         (B, gh, gw) float32, signed (positive: the patch supports the target).
@@ -131,10 +132,13 @@ def occlusion(ctx: Context, *, baseline: float = 0.0, batch_size: int = 16) -> T
 
     forward, target = _forward_and_target(ctx)
     mask = _patch_mask(ctx)
-    attr = FeatureAblation(forward).attribute(
-        ctx.x.detach(), baselines=baseline, target=target, feature_mask=mask, perturbations_per_eval=batch_size
-    )
     layout = ctx.require_grid()
+    # captum stacks perturbations_per_eval copies of the input whether or not there are that many
+    # patches to occlude: more than the grid's patches is all of them (2**40 was a MemoryError)
+    per_eval = min(batch_size, layout.grid[0] * layout.grid[1])
+    attr = FeatureAblation(forward).attribute(
+        ctx.x.detach(), baselines=baseline, target=target, feature_mask=mask, perturbations_per_eval=per_eval
+    )
     # every pixel of a patch carries that patch's value: read one per patch
     return F.adaptive_avg_pool2d(attr[:, :1].float(), layout.grid)[:, 0]
 
