@@ -415,8 +415,9 @@ class Explainer:
     def _sized(self, x: Tensor, run: Callable[[], Any]) -> Any:
         """``run()``, a call of the model on ``x`` (B, C, H, W); a model's own refusal of the input size
         (timm, torchvision and Hugging Face ViTs with a fixed size), or any failure of a model whose
-        adapter says it takes one size only on another size, becomes an :class:`InputError` that says
-        what to do (the model's message kept)."""
+        adapter says it takes one size only on another size (``fixed_size``; ``one_size`` when that
+        size is not known: a hybrid whose attention biases are built for one grid), becomes an
+        :class:`InputError` that says what to do (the model's message kept)."""
         try:
             return run()
         except (RuntimeError, ValueError, AssertionError, IndexError) as err:
@@ -424,8 +425,14 @@ class Explainer:
                 raise
             size = tuple(x.shape[-2:])
             fixed = getattr(self.adapter, "fixed_size", None)
-            if not _SIZE_REFUSAL.search(str(err)) and (fixed is None or tuple(fixed) == size):
+            one_size = getattr(self.adapter, "one_size", None)  # why it takes one size, which is not known
+            if not _SIZE_REFUSAL.search(str(err)) and (fixed is None or tuple(fixed) == size) and one_size is None:
                 raise
+            if fixed is None and one_size is not None:
+                raise InputError(
+                    f"the model does not take a {size[0]}x{size[1]} input ({type(err).__name__}: {err}); {one_size}: "
+                    "resize the images to that size"
+                ) from err
             patch = _patch_multiple(err, self.adapter, size)
             if patch is not None:  # a model that takes any size the patch divides (timm dynamic_img_size)
                 raise InputError(
