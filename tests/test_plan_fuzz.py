@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import timm
 import torch
+import torchvision
 from timm.models.vision_transformer import VisionTransformer
 
 import vitexplain as vx
@@ -42,3 +43,44 @@ def test_a_hybrid_built_for_one_size_refuses_another_with_an_input_error(build, 
     assert ex.family.name == "cnn"
     with pytest.raises(vx.InputError, match=rf"does not take a {size[0]}x{size[1]} input .*size it was built for"):
         ex.explain(torch.randn(1, 3, *size), method="gradcam")
+
+
+def _cam_oracle(model, layer, x, classes):
+    """Grad-CAM and LayerCAM by hand on what ``layer`` returned (copied in its forward hook, before the
+    model's later in-place ops) and the gradient of the target score with respect to it."""
+    store = {}
+
+    def keep(module, inputs, output):
+        store["a"] = output.detach().clone()
+        output.register_hook(lambda g: store.__setitem__("g", g))  # fires with dy/d(output as returned)
+
+    handle = model.get_submodule(layer).register_forward_hook(keep)
+    try:
+        model(x)[torch.arange(len(x)), classes].sum().backward()
+    finally:
+        handle.remove()
+    a, g = store["a"], store["g"]
+    return {"gradcam": (g.mean((2, 3), keepdim=True) * a).sum(1).clamp(min=0),
+            "layercam": (g.clamp(min=0) * a).sum(1).clamp(min=0)}
+
+
+@pytest.mark.parametrize("build, layer", [
+    # DenseNet's forward applies F.relu(..., inplace=True) to features.norm5, its default layer
+    (lambda: torchvision.models.DenseNet(growth_rate=8, block_config=(1, 1), num_init_features=8, bn_size=2,
+                                         num_classes=5), None),
+    # a BasicBlock adds the identity to bn2's output in place (out += identity), then an in-place ReLU
+    (lambda: torchvision.models.resnet18(num_classes=5), "layer4.1.bn2"),
+])
+def test_grad_cams_read_the_module_output_before_the_model_changes_it_in_place(build, layer):
+    torch.manual_seed(3)
+    model = build().eval()
+    x = torch.randn(2, 3, 64, 96, generator=torch.Generator().manual_seed(4))
+    classes = torch.tensor([1, 3])
+    ex = vx.Explainer(model)
+    options = {} if layer is None else {"module": layer}  # DenseNet: its default layer
+    layer = layer or ex.adapter.target_layer
+    expected = _cam_oracle(model, layer, x, classes)
+    for method, want in expected.items():
+        assert float(want.abs().max()) > 0
+        got = ex.explain(x, method=method, target=classes, **options).maps
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()), msg=method)

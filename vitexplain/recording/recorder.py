@@ -490,8 +490,26 @@ class Recorder:
             if self.grads and out.requires_grad:
                 out.register_hook(weak_grad_hook(record, self.hooks_enabled))
             self.activations[name].append(record)
+            return _handed_on(output, out)
 
         return hook
+
+
+def _handed_on(output: Any, out: Tensor) -> Any:
+    """What a recorded module hands on to the model: ``output`` with its tensor ``out`` replaced
+    by a copy (plain tuples and lists rebuilt), or None (unchanged) for other containers.
+
+    The record keeps ``out`` as the module returned it: a model that changes the output in place
+    afterwards (DenseNet's ``F.relu(features, inplace=True)``, a ResNet block's ``out += identity``
+    after ``bn2``) changes the copy, so the recorded values and the gradient taken with respect to
+    them are the module's (they were the in-place result's, and Grad-CAM on ``bn2`` mixed the two).
+    The copy is an autograd ``clone``: values and gradients downstream are unchanged.
+    """
+    if output is out:
+        return out.clone()
+    if type(output) in (tuple, list):
+        return type(output)(out.clone() if item is out else item for item in output)
+    return None
 
 
 #: ``vitexplain.recording.capture(model, ...)``: the recorder without model recognition (its
