@@ -84,3 +84,23 @@ def test_grad_cams_read_the_module_output_before_the_model_changes_it_in_place(b
         assert float(want.abs().max()) > 0
         got = ex.explain(x, method=method, target=classes, **options).maps
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()), msg=method)
+
+
+@pytest.mark.parametrize("method", ["attnlrp", "cp_lrp", "integrated_gradients", "smoothgrad"])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_detached_score_is_a_target_error_for_every_method_that_differentiates_it(vit, method, batch):
+    # these methods take the score's gradient themselves (not through the explained forward's
+    # backward, where the check was): a raw 'element 0 of tensors does not require grad'
+    x = torch.randn(batch, 3, 24, 40, generator=torch.Generator().manual_seed(2))
+    ex = vx.Explainer(vit)
+    options = {"samples": 2} if method == "smoothgrad" else {"steps": 2} if method == "integrated_gradients" else {}
+    for score in (lambda out: out[:, 0].detach(), lambda out: (out[:, 0] > 0).int()):
+        with pytest.raises(vx.TargetError, match="detached"):
+            ex.explain(x, method=method, target=score, **options)
+
+
+def test_occlusion_needs_no_gradient_of_the_score(vit):
+    x = torch.randn(2, 3, 24, 40, generator=torch.Generator().manual_seed(2))
+    ex = vx.Explainer(vit)
+    detached = ex.explain(x, method="occlusion", target=lambda out: out[:, 2].detach()).maps
+    torch.testing.assert_close(detached, ex.explain(x, method="occlusion", target=2).maps)

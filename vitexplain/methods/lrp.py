@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..checks import checked_score
 from ..errors import UnsupportedMethodError
 from .context import Context
 from .families import SWIN, VIT
@@ -60,6 +61,7 @@ def lrp_relevance(ctx: Context, variant: str, *, linear_gamma: float = DEFAULT_G
 
     Raises:
         UnsupportedModelError: the forward held a non-linearity the rules do not cover.
+        TargetError: a custom target's score is detached from the model's outputs.
     """
     adapter = ctx.adapter
     if ctx.shared is not None and ctx.x.requires_grad:
@@ -71,7 +73,7 @@ def lrp_relevance(ctx: Context, variant: str, *, linear_gamma: float = DEFAULT_G
             score = ctx.score(adapter.forward(x))
     check_coverage(rules, ctx.method, type(adapter.model).__name__, attention=attention)
     with torch.enable_grad():
-        (grad,) = torch.autograd.grad(score.sum(), x)
+        (grad,) = torch.autograd.grad(checked_score(score).sum(), x)
     return (x.detach() * grad).float(), score.detach().float()
 
 
