@@ -104,3 +104,17 @@ def test_occlusion_needs_no_gradient_of_the_score(vit):
     ex = vx.Explainer(vit)
     detached = ex.explain(x, method="occlusion", target=lambda out: out[:, 2].detach()).maps
     torch.testing.assert_close(detached, ex.explain(x, method="occlusion", target=2).maps)
+
+
+@pytest.mark.parametrize("method", ["cdam", "gradcam", "cdam_smooth", "cdam_integrated", "legrad"])
+def test_a_detached_score_is_a_target_error_on_swin(method):
+    # Swin's token methods re-run the last block and differentiate the score themselves
+    from timm.models.swin_transformer import SwinTransformer
+
+    torch.manual_seed(0)
+    model = SwinTransformer(img_size=(32, 48), patch_size=4, window_size=4, embed_dim=16, depths=(2, 2),
+                            num_heads=(2, 4), num_classes=5).eval()
+    x = torch.randn(2, 3, 32, 48, generator=torch.Generator().manual_seed(2))
+    options = {"cdam_smooth": {"samples": 2}, "cdam_integrated": {"steps": 2}}.get(method, {})
+    with pytest.raises(vx.TargetError, match="detached"):
+        vx.Explainer(model).explain(x, method=method, target=lambda out: out[:, 0].detach(), **options)

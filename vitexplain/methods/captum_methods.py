@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..checks import checked_score
 from ..errors import UnsupportedMethodError
 from ..targets import logits_of
 from .context import Context
@@ -23,18 +22,11 @@ from .registry import register
 __all__ = ["integrated_gradients", "occlusion", "smoothgrad"]
 
 
-def _differentiable(score: Tensor) -> Tensor:
-    """A custom target's scores, refused (TargetError) when captum is about to differentiate them
-    (gradients on: Integrated Gradients, SmoothGrad) and they are detached from the outputs;
-    occlusion runs without gradients and takes any score."""
-    return checked_score(score) if torch.is_grad_enabled() else score
-
-
 def _forward_and_target(ctx: Context) -> tuple[Callable[[Tensor], Tensor], Optional[list[int]]]:
     """captum's forward function and target: logits + class indices, or a custom score."""
     adapter = ctx.adapter
     if ctx.target.custom:
-        return (lambda inp: _differentiable(ctx.score(adapter.forward(inp)))), None
+        return (lambda inp: ctx.score(adapter.forward(inp))), None
     return (lambda inp: logits_of(adapter.forward(inp))), ctx.target.classes.tolist()
 
 
@@ -52,7 +44,7 @@ def _as_image(ctx: Context, index: int) -> Callable[[Tensor], Tensor]:
     def forward(inp: Tensor) -> Tensor:
         out = ctx.adapter.forward(inp)
         rows = [torch.cat([clean[:index], out[s : s + 1], clean[index + 1 :]]) for s in range(out.shape[0])]
-        return _differentiable(torch.stack([ctx.score(r)[index] for r in rows]))
+        return torch.stack([ctx.score(r)[index] for r in rows])
 
     return forward
 

@@ -18,6 +18,7 @@ from .context import Context
 from .options import MAX_SAMPLES, Option
 from .families import VIT
 from .registry import register
+from ..checks import differentiable
 from ..errors import CaptureError
 from ..targets import Target
 
@@ -241,7 +242,7 @@ def cdam_smooth(ctx: Context, *, samples: int = 50, noise: float = 0.05, batch_s
 def _slice_score(target, logits: Tensor, part: slice) -> Tensor:
     """Scores of rows ``part`` of a repeated batch (class targets) or of any rows (callables)."""
     if target.custom:
-        return target.score(logits)
+        return differentiable(target.score(logits))
     from ..targets import class_score
 
     return class_score(target.classes[part])(logits)
