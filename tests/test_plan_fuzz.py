@@ -118,3 +118,25 @@ def test_a_detached_score_is_a_target_error_on_swin(method):
     options = {"cdam_smooth": {"samples": 2}, "cdam_integrated": {"steps": 2}}.get(method, {})
     with pytest.raises(vx.TargetError, match="detached"):
         vx.Explainer(model).explain(x, method=method, target=lambda out: out[:, 0].detach(), **options)
+
+
+@pytest.mark.parametrize("family", ["vit", "swin"])
+def test_a_method_after_legrad_in_one_call_equals_it_alone(vit, family):
+    # LeGrad differentiates each layer's score over the explained graph; the capture's gradient
+    # hooks added those gradients to the attention records, so a gradient method after it in the
+    # same call (generic, grad_rollout, attn_gradcam) read them: maps off by 100-200%
+    if family == "swin":
+        from timm.models.swin_transformer import SwinTransformer
+
+        torch.manual_seed(0)
+        model = SwinTransformer(img_size=(32, 48), patch_size=4, window_size=4, embed_dim=16, depths=(2, 2),
+                                num_heads=(2, 4), num_classes=5).eval()
+        x = torch.randn(2, 3, 32, 48, generator=torch.Generator().manual_seed(2))
+    else:
+        model, x = vit, torch.randn(2, 3, 24, 40, generator=torch.Generator().manual_seed(2))
+    ex = vx.Explainer(model)
+    methods = ["generic", "grad_rollout", "attn_gradcam"]
+    together = ex.explain(x, method=["legrad", *methods], target=1)
+    for e in together:
+        alone = ex.explain(x, method=e.method, target=1).maps
+        torch.testing.assert_close(e.maps, alone, rtol=1e-5, atol=1e-6 * float(alone.abs().max()), msg=e.method)

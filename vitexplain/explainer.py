@@ -29,7 +29,7 @@ from .checks import (buffers_kept, check_batch, input_channels, check_finite_map
 from .errors import InputError, UnsupportedMethodError, UnsupportedModelError, UsageError, VitexplainError
 from .methods.families import Family
 from .plan import MethodArg, Plan, applicable, capture_settings, make_plan, split_options
-from .recording import capture
+from .recording import capture, hooks_paused
 from .recording.graph import embeddings_in_graph
 from .recording.materialize import check_mode
 from .results import CaptionExplanation, Explanation
@@ -236,7 +236,8 @@ class Explainer:
             ctx = plan.family.context(self.adapter, x_in, outputs, resolved, rec, layout, method=step.name)
             if shared is not None:
                 ctx.shared = shared
-            maps = step.spec.fn(ctx, **step.options)
+            with hooks_paused():  # a method's own pass over the graph (LeGrad) adds nothing to the records
+                maps = step.spec.fn(ctx, **step.options)
             extras: dict[str, Any] = {}
             if isinstance(maps, tuple):  # a method may return (maps, extras)
                 maps, extras = maps
