@@ -140,3 +140,16 @@ def test_a_method_after_legrad_in_one_call_equals_it_alone(vit, family):
     for e in together:
         alone = ex.explain(x, method=e.method, target=1).maps
         torch.testing.assert_close(e.maps, alone, rtol=1e-5, atol=1e-6 * float(alone.abs().max()), msg=e.method)
+
+
+def test_a_module_that_runs_twice_per_forward_is_refused_by_name():
+    # torchvision's BasicBlock applies its one ReLU module twice (after bn1, and after the sum):
+    # module='layer4.1.relu' named two feature maps, and the Grad-CAM family read the last silently
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=5).eval()
+    ex = vx.Explainer(model)
+    x = torch.randn(1, 3, 64, 64)
+    for method in ("gradcam", "gradcam++", "layercam"):
+        with pytest.raises(vx.OptionError, match=r"'layer4\.1\.relu' runs 2 times in one forward.*'layer4\.1'"):
+            ex.explain(x, method=method, module="layer4.1.relu")
+    ex.explain(x, method="gradcam", module="layer4.1")  # its parent block, called once, is fine
