@@ -153,3 +153,11 @@ def test_a_module_that_runs_twice_per_forward_is_refused_by_name():
         with pytest.raises(vx.OptionError, match=r"'layer4\.1\.relu' runs 2 times in one forward.*'layer4\.1'"):
             ex.explain(x, method=method, module="layer4.1.relu")
     ex.explain(x, method="gradcam", module="layer4.1")  # its parent block, called once, is fine
+
+
+@pytest.mark.parametrize("layers", [[0, 0], [-1, 1]])  # 2 layers: -1 is layer 1
+def test_legrad_refuses_a_layer_listed_twice(vit, layers):
+    # LeGrad averages over the listed layers: a layer named twice was silently weighed double
+    x = torch.randn(1, 3, 24, 40)
+    with pytest.raises(vx.OptionError, match=r"legrad option 'layers' names layers \[\d\] more than once"):
+        vx.Explainer(vit).explain(x, method="legrad", layers=layers)

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from ..errors import UnsupportedMethodError, UnsupportedModelError
 from . import captum_methods
 from .context import Context
-from .options import MAX_SAMPLES, Option, check_index
+from .options import MAX_SAMPLES, Option, check_index, check_indices
 from .families import SWIN, VIT
 from .registry import get, register
 from ..targets import Target
@@ -404,10 +404,8 @@ def legrad(ctx: Context, *, layers: Optional[Sequence[int]] = None) -> Tensor:
     adapter = ctx.adapter
     all_layers, grids = _geometry(ctx)
     allowed = adapter.stage_blocks(-1)
-    requested = [layers] if isinstance(layers, int) else layers
-    chosen = allowed if requested is None else [
-        check_index(ctx.method, "layers", i, len(all_layers), "blocks over all stages") for i in requested
-    ]
+    chosen = allowed if layers is None else check_indices(ctx.method, "layers", layers, len(all_layers),
+                                                          "blocks over all stages")
     outside = [i for i in chosen if i not in allowed]
     if outside:
         raise UnsupportedMethodError(
