@@ -161,3 +161,10 @@ def test_legrad_refuses_a_layer_listed_twice(vit, layers):
     x = torch.randn(1, 3, 24, 40)
     with pytest.raises(vx.OptionError, match=r"legrad option 'layers' names layers \[\d\] more than once"):
         vx.Explainer(vit).explain(x, method="legrad", layers=layers)
+
+
+def test_methods_given_as_a_set_are_refused(vit):
+    # results come back in the order the methods are named; a set has no order (its iteration
+    # order changes with PYTHONHASHSEED), so results[0] was one method or another run to run
+    with pytest.raises(vx.UsageError, match="a list of names.*in that order.*got a set"):
+        vx.Explainer(vit).plan(method={"rollout", "cdam"})
