@@ -168,3 +168,14 @@ def test_methods_given_as_a_set_are_refused(vit):
     # order changes with PYTHONHASHSEED), so results[0] was one method or another run to run
     with pytest.raises(vx.UsageError, match="a list of names.*in that order.*got a set"):
         vx.Explainer(vit).plan(method={"rollout", "cdam"})
+
+
+@pytest.mark.parametrize("method, options", [("cdam_smooth", {"samples": 2}), ("smoothgrad", {"samples": 2})])
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1])
+def test_a_seed_torch_cannot_take_is_an_option_error(vit, method, options, seed):
+    # torch seeds are 64-bit: past that, torch raised a raw 'Overflow when unpacking long long'
+    x = torch.randn(1, 3, 24, 40)
+    with pytest.raises(vx.OptionError, match=rf"{method} option 'seed' must be an integer in \[-9223372036854775808, "
+                                              r"18446744073709551615\], or None"):
+        vx.Explainer(vit).explain(x, method=method, seed=seed, **options)
+    vx.Explainer(vit).explain(x, method=method, seed=2**64 - 1, **options)  # the largest torch takes

@@ -15,7 +15,7 @@ from torch import Tensor
 from ..errors import UnsupportedMethodError
 from ..targets import logits_of
 from .context import Context
-from .options import MAX_SAMPLES, Option
+from .options import MAX_SAMPLES, SEED_RANGE, Option
 from .families import VIT
 from .registry import register
 
@@ -149,7 +149,8 @@ def occlusion(ctx: Context, *, baseline: float = 0.0, batch_size: int = 16) -> T
         "samples": Option(int, low=1, high=MAX_SAMPLES, help="noisy samples"),
         "noise": Option(float, low=0, help="noise std relative to each image's value range"),
         "batch_size": Option(int, low=1, help="inputs per forward"),
-        "seed": Option(int, optional=True, help="noise seed (None = the global RNG)"),
+        "seed": Option(int, low=SEED_RANGE[0], high=SEED_RANGE[1], optional=True,
+                       help="noise seed (None = the global RNG)"),
     },
     attention=False,
     requires=("grid", "pixels"),

@@ -16,7 +16,11 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from ..errors import OptionError
 
-__all__ = ["MAX_SAMPLES", "Option", "check_options", "check_index", "check_indices", "describe_options", "option_defaults"]
+__all__ = ["MAX_SAMPLES", "SEED_RANGE", "Option", "check_options", "check_index",
+           "check_indices", "describe_options", "option_defaults"]
+
+#: The seeds torch takes (``torch.manual_seed``, ``Generator.manual_seed``: 64 bits, negatives wrapped).
+SEED_RANGE = (-(2**63), 2**64 - 1)
 
 #: Most noisy samples or integration steps a method takes (the papers use 20-300; more only costs
 #: time: the copies are run a batch at a time).

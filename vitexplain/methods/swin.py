@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from ..errors import UnsupportedMethodError, UnsupportedModelError
 from . import captum_methods
 from .context import Context
-from .options import MAX_SAMPLES, Option, check_index, check_indices
+from .options import MAX_SAMPLES, SEED_RANGE, Option, check_index, check_indices
 from .families import SWIN, VIT
 from .registry import get, register
 from ..targets import Target
@@ -325,7 +325,7 @@ def gradcam(ctx: Context) -> Tensor:
         "samples": Option(int, low=1, high=MAX_SAMPLES, help="noisy samples"),
         "noise": Option(float, low=0, help="noise std as a fraction of the block input's range"),
         "batch_size": Option(int, low=1, help="samples per forward"),
-        "seed": Option(int, optional=True, help="noise seed (None = random)"),
+        "seed": Option(int, low=SEED_RANGE[0], high=SEED_RANGE[1], optional=True, help="noise seed (None = random)"),
     },
     summary="smooth CDAM: mean CDAM over noisy copies of the last Swin block's input",
     reference="Brocki, Binda & Chung 2023 (Smooth CDAM); docs/methods.md, Swin",
