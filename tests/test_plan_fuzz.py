@@ -179,3 +179,53 @@ def test_a_seed_torch_cannot_take_is_an_option_error(vit, method, options, seed)
                                               r"18446744073709551615\], or None"):
         vx.Explainer(vit).explain(x, method=method, seed=seed, **options)
     vx.Explainer(vit).explain(x, method=method, seed=2**64 - 1, **options)  # the largest torch takes
+
+
+@pytest.fixture(scope="module")
+def padded_vit():
+    # timm pads a 30 x 45 input to 32 x 48 on the bottom and right: a 4 x 6 grid of 8-px patches,
+    # the last row and column of patches partly padding
+    torch.manual_seed(6)
+    return VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=5,
+                             dynamic_img_size=True, dynamic_img_pad=True).eval()
+
+
+def _blocks(pixels, patch=8):
+    """(B, H, W) per-pixel values summed over each patch's own pixels (patch i covers rows
+    [8 i, 8 i + 8) cut to the image), by hand."""
+    b, h, w = pixels.shape
+    gh, gw = -(-h // patch), -(-w // patch)
+    out = torch.zeros(b, gh, gw, dtype=pixels.dtype)
+    for i in range(gh):
+        for j in range(gw):
+            out[:, i, j] = pixels[:, i * patch:(i + 1) * patch, j * patch:(j + 1) * patch].sum((1, 2))
+    return out
+
+
+def test_occlusion_on_a_padded_grid_occludes_each_patch_s_own_pixels(padded_vit):
+    # the patch mask split the 30 rows evenly (0-7, 8-14, 15-22, 23-29): 'patch 1' left its row 15
+    # to 'patch 2', which left row 23 to 'patch 3': cells mixed two patches' pixels
+    x = torch.randn(2, 3, 30, 45, generator=torch.Generator().manual_seed(3))
+    e = vx.Explainer(padded_vit).explain(x, method="occlusion", target=1)
+    assert e.maps.shape == (2, 4, 6)
+    with torch.no_grad():
+        base = padded_vit(x)[:, 1]
+        want = torch.zeros(2, 4, 6)
+        for i in range(4):
+            for j in range(6):
+                xo = x.clone()
+                xo[:, :, i * 8:(i + 1) * 8, j * 8:(j + 1) * 8] = 0.0
+                want[:, i, j] = base - padded_vit(xo)[:, 1]
+    torch.testing.assert_close(e.maps, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()))
+
+
+def test_integrated_gradients_on_a_padded_grid_sums_each_patch_s_own_pixels(padded_vit):
+    # adaptive average pooling over 30 rows into 4 cells has overlapping bins ([0, 8), [7, 15), ...):
+    # pixels were counted in two cells and the cells did not sum to the attribution
+    from captum.attr import IntegratedGradients
+
+    x = torch.randn(2, 3, 30, 45, generator=torch.Generator().manual_seed(3))
+    e = vx.Explainer(padded_vit).explain(x, method="integrated_gradients", target=1, steps=4)
+    pixels = IntegratedGradients(padded_vit).attribute(x, baselines=0.0, target=1, n_steps=4).sum(1)
+    want = _blocks(pixels.detach())
+    torch.testing.assert_close(e.maps, want.float(), rtol=1e-4, atol=1e-5 * float(want.abs().max()))
