@@ -229,3 +229,17 @@ def test_integrated_gradients_on_a_padded_grid_sums_each_patch_s_own_pixels(padd
     pixels = IntegratedGradients(padded_vit).attribute(x, baselines=0.0, target=1, n_steps=4).sum(1)
     want = _blocks(pixels.detach())
     torch.testing.assert_close(e.maps, want.float(), rtol=1e-4, atol=1e-5 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("method", ["attnlrp", "cp_lrp"])
+def test_lrp_patches_on_a_padded_grid_sum_each_patch_s_own_pixels(padded_vit, method):
+    # resolution='patches' (and extras['grid']) pooled the pixel relevance with adaptive average
+    # pooling, whose bins overlap on a 30 x 45 input: not each patch's sum, and not conserving
+    x = torch.randn(2, 3, 30, 45, generator=torch.Generator().manual_seed(3))
+    ex = vx.Explainer(padded_vit)
+    pixels = ex.explain(x, method=method, target=1)
+    patches = ex.explain(x, method=method, target=1, resolution="patches")
+    want = _blocks(pixels.maps.double())
+    assert patches.maps.shape == (2, 4, 6)
+    torch.testing.assert_close(patches.maps.double(), want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
+    torch.testing.assert_close(pixels.extras["grid"].double(), want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))

@@ -48,40 +48,16 @@ def _as_image(ctx: Context, index: int) -> Callable[[Tensor], Tensor]:
     return forward
 
 
-def _cells(ctx: Context) -> Tensor:
-    """(H, W) long: the map cell (row-major over the layout's grid) each input pixel belongs to.
-
-    Patch (i, j) covers rows ``[i ph, (i + 1) ph)`` and columns ``[j pw, (j + 1) pw)`` of the input:
-    a padded input's last patches (timm ``dynamic_img_pad``: padding at the bottom and right) cover
-    fewer pixels, and pixels past the last patch (a model that drops them) go to it. Without a
-    known patch size the grid is split evenly over the pixels.
-    """
-    layout = ctx.require_grid()
-    h, w = ctx.x.shape[-2:]
-    gh, gw = layout.grid
-    rows, cols = torch.arange(h, device=ctx.x.device), torch.arange(w, device=ctx.x.device)
-    if layout.patch_size is not None:
-        ph, pw = layout.patch_size
-        rows, cols = (rows // ph).clamp(max=gh - 1), (cols // pw).clamp(max=gw - 1)
-    else:
-        rows, cols = torch.div(rows * gh, h, rounding_mode="floor"), torch.div(cols * gw, w, rounding_mode="floor")
-    return rows[:, None] * gw + cols[None, :]
-
-
 def _to_grid(ctx: Context, attributions: Tensor) -> Tensor:
-    """Sum (B, 3, H, W) pixel attributions over channels and over each patch's pixels (:func:`_cells`):
-    (B, gh, gw)."""
-    layout = ctx.require_grid()
-    per_pixel = attributions.float().sum(dim=1).flatten(1)  # (B, H * W)
-    cells = _cells(ctx).flatten().expand_as(per_pixel)
-    summed = per_pixel.new_zeros(per_pixel.shape[0], layout.num_patches).scatter_add_(1, cells, per_pixel)
-    return summed.view(-1, *layout.grid)
+    """Sum (B, 3, H, W) pixel attributions over channels and over each patch's own pixels
+    (``TokenLayout.sum_cells``: a padded input's last patches cover fewer pixels): (B, gh, gw)."""
+    return ctx.require_grid().sum_cells(attributions.float().sum(dim=1))
 
 
 def _patch_mask(ctx: Context) -> Tensor:
-    """(1, 1, H, W) long: the index of the patch each pixel belongs to (:func:`_cells`)."""
+    """(1, 1, H, W) long: the index of the patch each pixel belongs to (``TokenLayout.pixel_cells``)."""
     h, w = ctx.x.shape[-2:]
-    return _cells(ctx).view(1, 1, h, w)
+    return ctx.require_grid().pixel_cells((h, w), ctx.x.device).view(1, 1, h, w)
 
 
 @register(
@@ -156,8 +132,7 @@ def occlusion(ctx: Context, *, baseline: float = 0.0, batch_size: int = 16) -> T
         ctx.x.detach(), baselines=baseline, target=target, feature_mask=mask, perturbations_per_eval=per_eval
     )
     # every pixel of a patch carries that patch's value: its mean over the patch's pixels is that value
-    counts = _to_grid(ctx, torch.ones_like(attr[:1, :1]))
-    return _to_grid(ctx, attr[:, :1]) / counts
+    return layout.sum_cells(attr[:, 0].float()) / layout.sum_cells(torch.ones_like(attr[:1, 0], dtype=torch.float32))
 
 
 @register(

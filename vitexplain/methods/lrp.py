@@ -16,7 +16,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from ..checks import checked_score
@@ -91,9 +90,7 @@ def _grid(ctx: Context, pixels: Tensor) -> Tensor:
     layout = ctx.layout
     if layout is None or layout.grid is None:
         raise UnsupportedMethodError(f"method {ctx.method!r} needs the model's patch grid to pool its maps")
-    h, w = pixels.shape[-2:]
-    gh, gw = layout.grid
-    return F.adaptive_avg_pool2d(pixels[:, None], (gh, gw))[:, 0] * (h * w / (gh * gw))
+    return layout.sum_cells(pixels)  # each patch's own pixels (a padded input's last patches: fewer)
 
 
 def _explain(ctx: Context, variant: str, resolution: str, linear_gamma: float, conv_gamma: float) -> tuple[Tensor, dict[str, Any]]:
