@@ -243,3 +243,26 @@ def test_lrp_patches_on_a_padded_grid_sum_each_patch_s_own_pixels(padded_vit, me
     assert patches.maps.shape == (2, 4, 6)
     torch.testing.assert_close(patches.maps.double(), want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
     torch.testing.assert_close(pixels.extras["grid"].double(), want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
+
+
+def test_swin_on_a_padded_input_puts_each_pixel_in_its_own_last_stage_token():
+    # Hugging Face's Swin pads 30 x 45 to 32 x 48: its last stage is a 4 x 6 grid of 8-px tokens.
+    # The layout said 7 px (30 // 4, 45 // 6), so occlusion occluded 7-px blocks (the last 9 px)
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.SwinConfig(image_size=32, patch_size=4, window_size=4, embed_dim=16, depths=[2, 2],
+                                     num_heads=[2, 4], num_labels=5)
+    model = transformers.SwinForImageClassification(config).eval()
+    x = torch.randn(1, 3, 30, 45, generator=torch.Generator().manual_seed(3))
+    e = vx.Explainer(model).explain(x, method="occlusion", target=1)
+    assert e.maps.shape == (1, 4, 6) and e.layout.patch_size == (8, 8)
+    with torch.no_grad():
+        base = model(pixel_values=x).logits[:, 1]
+        want = torch.zeros(1, 4, 6)
+        for i in range(4):
+            for j in range(6):
+                xo = x.clone()
+                xo[:, :, i * 8:(i + 1) * 8, j * 8:(j + 1) * 8] = 0.0
+                want[:, i, j] = base - model(pixel_values=xo).logits[:, 1]
+    torch.testing.assert_close(e.maps, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()))
