@@ -266,3 +266,17 @@ def test_swin_on_a_padded_input_puts_each_pixel_in_its_own_last_stage_token():
                 xo[:, :, i * 8:(i + 1) * 8, j * 8:(j + 1) * 8] = 0.0
                 want[:, i, j] = base - model(pixel_values=xo).logits[:, 1]
     torch.testing.assert_close(e.maps, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()))
+
+
+def test_a_hierarchical_layout_on_an_uneven_input_says_the_embedding_stride():
+    # PVTv2's patch embedding (kernel 7, stride 4, padding 3) makes 8 x 12 tokens of a 30 x 45
+    # input: 4 px each. The layout said 30 // 8 = 3 px, so the captum methods split the pixels
+    # evenly instead of by token, and disagreed with the layout the explanation reports
+    torch.manual_seed(0)
+    model = timm.create_model("pvt_v2_b0", embed_dims=(16, 32, 48, 64), depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4),
+                              num_classes=5).eval()
+    ex = vx.Explainer(model)
+    layout = ex.adapter.layout((30, 45))
+    assert layout.grid == (8, 12) and layout.patch_size == (4, 4)
+    e = ex.explain(torch.randn(1, 3, 30, 45), method="occlusion", target=1)
+    assert e.layout.patch_size == layout.patch_size

@@ -114,16 +114,17 @@ class TokenLayout:
 
         Cell (i, j) covers rows ``[i ph, (i + 1) ph)`` and columns ``[j pw, (j + 1) pw)``: a padded
         input's last cells (timm ``dynamic_img_pad`` pads at the bottom and right) cover fewer pixels,
-        and pixels past the last cell (a model that drops them) go to it. Without a known
-        ``patch_size`` the grid is split evenly over the pixels.
+        and pixels past the last cell (a model that drops them) go to it. Without a ``patch_size``
+        that fits the grid (``gh ph`` within one patch of ``H``, as :meth:`for_map` asks), the grid
+        is split evenly over the pixels.
         """
         if self.grid is None:
             raise UnsupportedModelError("windowed attention (Swin-style) has no single patch grid to put pixels on")
         (h, w), (gh, gw) = input_size, self.grid
         rows, cols = torch.arange(h, device=device), torch.arange(w, device=device)
-        if self.patch_size is not None:
-            ph, pw = self.patch_size
-            rows, cols = (rows // ph).clamp(max=gh - 1), (cols // pw).clamp(max=gw - 1)
+        patch = self.patch_size
+        if patch is not None and all(abs(p * g - n) < p for p, g, n in zip(patch, self.grid, (h, w))):
+            rows, cols = (rows // patch[0]).clamp(max=gh - 1), (cols // patch[1]).clamp(max=gw - 1)
         else:
             rows, cols = torch.div(rows * gh, h, rounding_mode="floor"), torch.div(cols * gw, w, rounding_mode="floor")
         return rows[:, None] * gw + cols[None, :]
