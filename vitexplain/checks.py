@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from .errors import InputError, NumericalError, TargetError
 
-__all__ = ["channels_of", "input_channels", "check_batch", "check_tensor_input", "check_finite_scores", "check_finite_maps", "checked_score",
+__all__ = ["channels_of", "input_channels", "check_batch", "check_tensor_input", "check_finite_scores", "check_finite_maps", "checked_score", "differentiable",
            "model_dtype", "model_device", "warn_training", "buffers_kept"]
 
 
@@ -111,6 +111,12 @@ def checked_score(score: Tensor) -> Tensor:
             "differentiable function of the outputs"
         )
     return score
+
+
+def differentiable(score: Tensor) -> Tensor:
+    """``score``, checked by :func:`checked_score` when gradients are enabled (it is about to be
+    differentiated); unchecked otherwise (a forward-only method such as occlusion takes any score)."""
+    return checked_score(score) if torch.is_grad_enabled() else score
 
 
 def check_finite_scores(score: Tensor, outputs: Any = None) -> None:

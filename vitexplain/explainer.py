@@ -29,7 +29,7 @@ from .checks import (buffers_kept, check_batch, input_channels, check_finite_map
 from .errors import InputError, UnsupportedMethodError, UnsupportedModelError, UsageError, VitexplainError
 from .methods.families import Family
 from .plan import MethodArg, Plan, applicable, capture_settings, make_plan, split_options
-from .recording import capture
+from .recording import capture, hooks_paused
 from .recording.graph import embeddings_in_graph
 from .recording.materialize import check_mode
 from .results import CaptionExplanation, Explanation
@@ -236,7 +236,8 @@ class Explainer:
             ctx = plan.family.context(self.adapter, x_in, outputs, resolved, rec, layout, method=step.name)
             if shared is not None:
                 ctx.shared = shared
-            maps = step.spec.fn(ctx, **step.options)
+            with hooks_paused():  # a method's own pass over the graph (LeGrad) adds nothing to the records
+                maps = step.spec.fn(ctx, **step.options)
             extras: dict[str, Any] = {}
             if isinstance(maps, tuple):  # a method may return (maps, extras)
                 maps, extras = maps
@@ -415,8 +416,9 @@ class Explainer:
     def _sized(self, x: Tensor, run: Callable[[], Any]) -> Any:
         """``run()``, a call of the model on ``x`` (B, C, H, W); a model's own refusal of the input size
         (timm, torchvision and Hugging Face ViTs with a fixed size), or any failure of a model whose
-        adapter says it takes one size only on another size, becomes an :class:`InputError` that says
-        what to do (the model's message kept)."""
+        adapter says it takes one size only on another size (``fixed_size``; ``one_size`` when that
+        size is not known: a hybrid whose attention biases are built for one grid), becomes an
+        :class:`InputError` that says what to do (the model's message kept)."""
         try:
             return run()
         except (RuntimeError, ValueError, AssertionError, IndexError) as err:
@@ -424,8 +426,14 @@ class Explainer:
                 raise
             size = tuple(x.shape[-2:])
             fixed = getattr(self.adapter, "fixed_size", None)
-            if not _SIZE_REFUSAL.search(str(err)) and (fixed is None or tuple(fixed) == size):
+            one_size = getattr(self.adapter, "one_size", None)  # why it takes one size, which is not known
+            if not _SIZE_REFUSAL.search(str(err)) and (fixed is None or tuple(fixed) == size) and one_size is None:
                 raise
+            if fixed is None and one_size is not None:
+                raise InputError(
+                    f"the model does not take a {size[0]}x{size[1]} input ({type(err).__name__}: {err}); {one_size}: "
+                    "resize the images to that size"
+                ) from err
             patch = _patch_multiple(err, self.adapter, size)
             if patch is not None:  # a model that takes any size the patch divides (timm dynamic_img_size)
                 raise InputError(

@@ -109,6 +109,35 @@ class TokenLayout:
             return replace(self, patch_size=stride)
         return replace(self, num_prefix_tokens=0, grid=grid, has_class_token=False, patch_size=stride)
 
+    def pixel_cells(self, input_size: tuple[int, int], device: Optional[torch.device] = None) -> Tensor:
+        """(H, W) long: the grid cell (row-major) each pixel of an ``input_size`` input belongs to.
+
+        Cell (i, j) covers rows ``[i ph, (i + 1) ph)`` and columns ``[j pw, (j + 1) pw)``: a padded
+        input's last cells (timm ``dynamic_img_pad`` pads at the bottom and right) cover fewer pixels,
+        and pixels past the last cell (a model that drops them) go to it. Without a ``patch_size``
+        that fits the grid (``gh ph`` within one patch of ``H``, as :meth:`for_map` asks), the grid
+        is split evenly over the pixels.
+        """
+        if self.grid is None:
+            raise UnsupportedModelError("windowed attention (Swin-style) has no single patch grid to put pixels on")
+        (h, w), (gh, gw) = input_size, self.grid
+        rows, cols = torch.arange(h, device=device), torch.arange(w, device=device)
+        patch = self.patch_size
+        if patch is not None and all(abs(p * g - n) < p for p, g, n in zip(patch, self.grid, (h, w))):
+            rows, cols = (rows // patch[0]).clamp(max=gh - 1), (cols // patch[1]).clamp(max=gw - 1)
+        else:
+            rows, cols = torch.div(rows * gh, h, rounding_mode="floor"), torch.div(cols * gw, w, rounding_mode="floor")
+        return rows[:, None] * gw + cols[None, :]
+
+    def sum_cells(self, pixels: Tensor) -> Tensor:
+        """(..., H, W) per-pixel values summed over each cell's own pixels (:meth:`pixel_cells`):
+        (..., gh, gw)."""
+        lead, (h, w) = pixels.shape[:-2], pixels.shape[-2:]
+        flat = pixels.reshape(-1, h * w)
+        cells = self.pixel_cells((h, w), pixels.device).flatten().expand_as(flat)
+        summed = flat.new_zeros(flat.shape[0], self.num_patches).scatter_add_(1, cells, flat)
+        return summed.view(*lead, *self.grid)  # type: ignore[misc]  (pixel_cells checked the grid)
+
     def check(self, num_tokens: int) -> None:
         """Raise a clear error if a recorded sequence length does not fit this layout."""
         if num_tokens != self.num_tokens:

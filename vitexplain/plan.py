@@ -271,6 +271,9 @@ def make_plan(adapter: Any, method: MethodArg = None, options: Optional[Mapping[
         if not names and available:
             names = [available[0]]
     else:
+        if isinstance(method, (set, frozenset)):  # results come back in the order named; a set has none
+            raise UsageError(f"method must be a method name or a list of names (results come back in that order); "
+                             f"got a set {method!r}: pass a list")
         names = list(method) if isinstance(method, Iterable) and not isinstance(method, str) else [method]
         if any(not isinstance(n, str) for n in names):
             raise UsageError(f"method must be a method name or a list of names, got {method!r}; "

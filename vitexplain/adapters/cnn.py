@@ -60,6 +60,20 @@ def _hybrid_note(model: nn.Module) -> str:
             "covers PVTv2, Twins, SAM's ViT, PiT, MaxViT, LeViT, MViTv2, Hiera, SAM 2's Hiera, CrossViT and TNT); " + tail)
 
 
+def _one_size(model: nn.Module) -> Optional[str]:
+    """Why a conv/attention hybrid takes only the input size it was built for, or None.
+
+    timm's EfficientFormer (V1, V2) keeps learned attention biases indexed for one token grid
+    (an ``attention_bias_idxs`` buffer): another input size fails inside the model with a shape
+    error that does not name the size.
+    """
+    for name, module in model.named_modules():
+        if isinstance(getattr(module, "attention_bias_idxs", None), Tensor):
+            return (f"it takes only the input size it was built for (its attention module {name!r} keeps position "
+                    "biases for one token grid)")
+    return None
+
+
 class CNNAdapter(Adapter):
     """A CNN classifier.
 
@@ -71,6 +85,8 @@ class CNNAdapter(Adapter):
     Attributes:
         stages: feature stage module names, input side first.
         target_layer: the default layer of the Grad-CAM family (the last stage).
+        one_size: why the model takes one input size only (a hybrid whose attention is built for one
+            grid), else None: a failure on an input is then reported as the input's size.
     """
 
     family = CNN
@@ -87,6 +103,7 @@ class CNNAdapter(Adapter):
         self.has_head = int(getattr(model, "num_classes", 1) or 0) > 0
         self.notes.update(_gate_notes(model, self._capabilities))
         self.hybrid = calls_attention(model)
+        self.one_size = _one_size(model) if self.hybrid else None
         self._info = _timm_stage_info(model)
         if self.hybrid:
             self.notes["family"] = _hybrid_note(model)

@@ -127,7 +127,9 @@ class HierAdapter(Adapter):
         """The layout of the finest token grid (stage 0), the grid of the default maps."""
         size = pair(input_size)
         first = self.stage_sets(size)[0]
-        stride = (max(1, size[0] // first.grid[0]), max(1, size[1] // first.grid[1]))
+        # the pixels per token, as TokenLayout.for_map reads them: a 30 px side on 8 tokens of a
+        # stride-4 embedding (PVTv2's k7 s4 p3) is 4 px each, not 30 // 8 = 3
+        stride = (max(1, round(size[0] / first.grid[0])), max(1, round(size[1] / first.grid[1])))
         return TokenLayout(first.prefix, first.grid, first.prefix > 0, self.readout, patch_size=stride)
 
     def preprocess_kwargs(self) -> dict[str, Any]:

@@ -113,11 +113,22 @@ class SwinAdapter(Adapter):
     pad_first = True
 
     def layout(self, input_size: tuple[int, int]) -> TokenLayout:
-        """Token layout of the last stage (the tokens the head averages)."""
+        """Token layout of the last stage (the tokens the head averages); ``patch_size`` is the
+        pixels one of its tokens stands for (the patch times each merge's 2), also when the input
+        was padded to patch or window multiples (a 30 x 45 input: 8-px cells, not 7)."""
         size = _pair(input_size)
         grid = self.stage_grids(size)[-1]
-        stride = (size[0] // grid[0], size[1] // grid[1])
-        return TokenLayout(0, grid, False, "mean", windowed=True, patch_size=stride)
+        return TokenLayout(0, grid, False, "mean", windowed=True, patch_size=self.stage_stride(-1))
+
+    def stage_stride(self, stage: int) -> tuple[int, int]:
+        """(sh, sw): the input pixels one token of ``stage`` stands for (the patch embedding's stride
+        times 2 per patch merging before it), read from the stage grids of an input they divide."""
+        probe = 2 ** (self.num_stages + 1)
+        first = self.embed_grid((probe * 64, probe * 64))
+        patch = (probe * 64 // first[0], probe * 64 // first[1])
+        grids = self.stage_grids((patch[0] * probe, patch[1] * probe))
+        fine, coarse = grids[0], grids[stage]
+        return patch[0] * (fine[0] // coarse[0]), patch[1] * (fine[1] // coarse[1])
 
     # -- tokens ---------------------------------------------------------------------------
     def to_grid(self, tokens: Tensor, grid: tuple[int, int]) -> Tensor:

@@ -20,7 +20,7 @@ from ..recording.records import fuse_heads
 from ..errors import UnsupportedMethodError
 from ..layout import TokenLayout
 from .context import CaptionContext
-from .options import Option, check_index
+from .options import Option, check_indices
 from .families import CAPTION
 from .registry import register
 
@@ -31,8 +31,7 @@ def _layers(cross: list[AttentionRecord], layers: Union[None, int, Sequence[int]
     names = list(dict.fromkeys(r.name for r in cross))
     if layers is None:
         return names
-    chosen = [layers] if isinstance(layers, int) else list(layers)
-    return [names[check_index("cross", "layers", i, len(names), "decoder cross-attention layers")] for i in chosen]
+    return [names[i] for i in check_indices("cross", "layers", layers, len(names), "decoder cross-attention layers")]
 
 
 def stitch_cross(

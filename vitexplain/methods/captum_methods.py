@@ -9,13 +9,12 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from ..errors import UnsupportedMethodError
 from ..targets import logits_of
 from .context import Context
-from .options import MAX_SAMPLES, Option
+from .options import MAX_SAMPLES, SEED_RANGE, Option
 from .families import VIT
 from .registry import register
 
@@ -50,22 +49,15 @@ def _as_image(ctx: Context, index: int) -> Callable[[Tensor], Tensor]:
 
 
 def _to_grid(ctx: Context, attributions: Tensor) -> Tensor:
-    """Sum (B, 3, H, W) pixel attributions over channels and over each patch: (B, gh, gw)."""
-    layout = ctx.require_grid()
-    per_pixel = attributions.float().sum(dim=1, keepdim=True)
-    h, w = per_pixel.shape[-2:]
-    pooled = F.adaptive_avg_pool2d(per_pixel, layout.grid) * (h * w / layout.num_patches)
-    return pooled[:, 0]
+    """Sum (B, 3, H, W) pixel attributions over channels and over each patch's own pixels
+    (``TokenLayout.sum_cells``: a padded input's last patches cover fewer pixels): (B, gh, gw)."""
+    return ctx.require_grid().sum_cells(attributions.float().sum(dim=1))
 
 
 def _patch_mask(ctx: Context) -> Tensor:
-    """(1, 1, H, W) long: the index of the patch each pixel belongs to."""
-    layout = ctx.require_grid()
+    """(1, 1, H, W) long: the index of the patch each pixel belongs to (``TokenLayout.pixel_cells``)."""
     h, w = ctx.x.shape[-2:]
-    gh, gw = layout.grid
-    rows = torch.div(torch.arange(h, device=ctx.x.device) * gh, h, rounding_mode="floor")
-    cols = torch.div(torch.arange(w, device=ctx.x.device) * gw, w, rounding_mode="floor")
-    return (rows[:, None] * gw + cols[None, :]).view(1, 1, h, w)
+    return ctx.require_grid().pixel_cells((h, w), ctx.x.device).view(1, 1, h, w)
 
 
 @register(
@@ -122,7 +114,8 @@ def occlusion(ctx: Context, *, baseline: float = 0.0, batch_size: int = 16) -> T
     Args:
         ctx: the explained batch.
         baseline: replacement value in the model's input space (0 = mean colour).
-        batch_size: ablated copies per forward (captum's ``perturbations_per_eval``).
+        batch_size: ablated copies per forward (captum's ``perturbations_per_eval``; at most the
+            number of patches).
 
     Returns:
         (B, gh, gw) float32, signed (positive: the patch supports the target).
@@ -131,12 +124,15 @@ def occlusion(ctx: Context, *, baseline: float = 0.0, batch_size: int = 16) -> T
 
     forward, target = _forward_and_target(ctx)
     mask = _patch_mask(ctx)
-    attr = FeatureAblation(forward).attribute(
-        ctx.x.detach(), baselines=baseline, target=target, feature_mask=mask, perturbations_per_eval=batch_size
-    )
     layout = ctx.require_grid()
-    # every pixel of a patch carries that patch's value: read one per patch
-    return F.adaptive_avg_pool2d(attr[:, :1].float(), layout.grid)[:, 0]
+    # captum stacks perturbations_per_eval copies of the input whether or not there are that many
+    # patches to occlude: more than the grid's patches is all of them (2**40 was a MemoryError)
+    per_eval = min(batch_size, layout.grid[0] * layout.grid[1])
+    attr = FeatureAblation(forward).attribute(
+        ctx.x.detach(), baselines=baseline, target=target, feature_mask=mask, perturbations_per_eval=per_eval
+    )
+    # every pixel of a patch carries that patch's value: its mean over the patch's pixels is that value
+    return layout.sum_cells(attr[:, 0].float()) / layout.sum_cells(torch.ones_like(attr[:1, 0], dtype=torch.float32))
 
 
 @register(
@@ -145,7 +141,8 @@ def occlusion(ctx: Context, *, baseline: float = 0.0, batch_size: int = 16) -> T
         "samples": Option(int, low=1, high=MAX_SAMPLES, help="noisy samples"),
         "noise": Option(float, low=0, help="noise std relative to each image's value range"),
         "batch_size": Option(int, low=1, help="inputs per forward"),
-        "seed": Option(int, optional=True, help="noise seed (None = the global RNG)"),
+        "seed": Option(int, low=SEED_RANGE[0], high=SEED_RANGE[1], optional=True,
+                       help="noise seed (None = the global RNG)"),
     },
     attention=False,
     requires=("grid", "pixels"),

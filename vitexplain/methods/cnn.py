@@ -23,7 +23,7 @@ from torch import Tensor
 
 from ..recording import capture
 from ..recording.gates import GateRecord
-from ..errors import CaptureError, UnsupportedMethodError, UsageError
+from ..errors import CaptureError, OptionError, UnsupportedMethodError, UsageError
 from .context import Context
 from .options import Option
 from .families import CNN
@@ -163,6 +163,24 @@ def _module_name(ctx: Context, module: Optional[str]) -> str:
     return name
 
 
+def _check_called_once(ctx: Context, name: str, calls: int) -> None:
+    """Refuse a module that runs more than once in one forward (a module reused inside its parent,
+    e.g. torchvision's BasicBlock applies its one ``relu`` after ``bn1`` and after the sum): its name
+    means several feature maps, and no one of them is the obvious one.
+
+    Raises:
+        OptionError: it ran ``calls`` > 1 times; the message names its parent module.
+    """
+    if calls <= 1:
+        return
+    parent = name.rpartition(".")[0]
+    hint = f"its parent {parent!r} (one output) or " if parent else ""
+    raise OptionError(
+        f"method {ctx.method!r}: module {name!r} runs {calls} times in one forward (reused inside its parent), so it "
+        f"has {calls} feature maps; pass module= {hint}a module that runs once (e.g. the layer before it)"
+    )
+
+
 def _activation_and_grad(ctx: Context, name: str) -> tuple[Tensor, Tensor]:
     """Activation A (B, C, h, w) of module ``name`` and dy/dA, float32.
 
@@ -174,11 +192,13 @@ def _activation_and_grad(ctx: Context, name: str) -> tuple[Tensor, Tensor]:
     """
     calls = ctx.recorder.activations.get(name)
     if calls and calls[-1].grad is not None:
+        _check_called_once(ctx, name, len(calls))
         record = calls[-1]
         act, grad = record.output, record.grad
     else:
         with torch.enable_grad(), capture(ctx.adapter.model, activations=[name], attention=False) as rec:
             outputs = ctx.adapter.forward(ctx.x.detach())
+        _check_called_once(ctx, name, len(rec.activations[name]))
         act = rec.activation(name).output
         if not act.requires_grad:
             raise CaptureError(f"the output of {name!r} is not part of the autograd graph; cannot take dy/dA")

@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 import torch
 from torch import Tensor
 
+from ..checks import differentiable
 from ..recording import AttentionRecord, Recorder
 from ..errors import OptionError, UnsupportedMethodError, UnsupportedModelError
 from ..layout import TokenLayout
@@ -82,8 +83,15 @@ class Context:
         return self.adapter.model.get_submodule(name)
 
     def score(self, outputs: Any) -> Tensor:
-        """The (B,) target scores of some model outputs (same targets as the explanation)."""
-        return self.target.score(outputs)
+        """The (B,) target scores of some model outputs (same targets as the explanation).
+
+        With gradients enabled (a method about to differentiate them) a score detached from the
+        outputs is refused; without (occlusion) any score is taken.
+
+        Raises:
+            TargetError: gradients are enabled and the score does not depend on the outputs.
+        """
+        return differentiable(self.target.score(outputs))
 
     def tail(self) -> Callable[[Tensor], Tensor]:
         """The adapter's ``tail``: the model's outputs from the stream entering its last block.

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from .context import Context, query_blocks
-from .options import Option, check_index
+from .options import Option, check_indices
 from .families import VIT
 from .registry import register
 
@@ -59,8 +59,7 @@ def legrad(ctx: Context, *, layers: Union[None, int, Sequence[int]] = None) -> T
     if layers is None:
         chosen = list(range(len(records)))
     else:
-        chosen = [check_index(ctx.method, "layers", i, len(records), "layers")
-                  for i in ([layers] if isinstance(layers, int) else layers)]
+        chosen = check_indices(ctx.method, "layers", layers, len(records), "layers")
     total = torch.zeros(ctx.batch_size, layout.num_tokens, device=records[0].device)
     with torch.enable_grad():
         for i in chosen:

@@ -16,9 +16,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from ..checks import checked_score
 from ..errors import UnsupportedMethodError
 from .context import Context
 from .families import SWIN, VIT
@@ -60,6 +60,7 @@ def lrp_relevance(ctx: Context, variant: str, *, linear_gamma: float = DEFAULT_G
 
     Raises:
         UnsupportedModelError: the forward held a non-linearity the rules do not cover.
+        TargetError: a custom target's score is detached from the model's outputs.
     """
     adapter = ctx.adapter
     if ctx.shared is not None and ctx.x.requires_grad:
@@ -71,7 +72,7 @@ def lrp_relevance(ctx: Context, variant: str, *, linear_gamma: float = DEFAULT_G
             score = ctx.score(adapter.forward(x))
     check_coverage(rules, ctx.method, type(adapter.model).__name__, attention=attention)
     with torch.enable_grad():
-        (grad,) = torch.autograd.grad(score.sum(), x)
+        (grad,) = torch.autograd.grad(checked_score(score).sum(), x)
     return (x.detach() * grad).float(), score.detach().float()
 
 
@@ -89,9 +90,7 @@ def _grid(ctx: Context, pixels: Tensor) -> Tensor:
     layout = ctx.layout
     if layout is None or layout.grid is None:
         raise UnsupportedMethodError(f"method {ctx.method!r} needs the model's patch grid to pool its maps")
-    h, w = pixels.shape[-2:]
-    gh, gw = layout.grid
-    return F.adaptive_avg_pool2d(pixels[:, None], (gh, gw))[:, 0] * (h * w / (gh * gw))
+    return layout.sum_cells(pixels)  # each patch's own pixels (a padded input's last patches: fewer)
 
 
 def _explain(ctx: Context, variant: str, resolution: str, linear_gamma: float, conv_gamma: float) -> tuple[Tensor, dict[str, Any]]:

@@ -12,7 +12,6 @@ patch of the encoder's grid with ``resolution="patches"``. Rules and sources: do
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from .context import CaptionContext
@@ -56,9 +55,7 @@ def caption_lrp(ctx: CaptionContext, variant: str, resolution: str, linear_gamma
     pixels = torch.stack(maps, dim=1)  # (B, T, H, W)
     if resolution == "pixels":
         return pixels
-    b, t, h, w = pixels.shape
-    gh, gw = ctx.layout.grid
-    return (F.adaptive_avg_pool2d(pixels.flatten(0, 1)[:, None], (gh, gw))[:, 0] * (h * w / (gh * gw))).view(b, t, gh, gw)
+    return ctx.layout.sum_cells(pixels)  # (B, T, gh, gw): each patch's own pixels
 
 
 _COMMON = dict(options=_OPTIONS, attention=False, signed=True, requires=("cross", "lrp"))

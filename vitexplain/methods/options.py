@@ -16,7 +16,11 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from ..errors import OptionError
 
-__all__ = ["MAX_SAMPLES", "Option", "check_options", "check_index", "describe_options", "option_defaults"]
+__all__ = ["MAX_SAMPLES", "SEED_RANGE", "Option", "check_options", "check_index",
+           "check_indices", "describe_options", "option_defaults"]
+
+#: The seeds torch takes (``torch.manual_seed``, ``Generator.manual_seed``: 64 bits, negatives wrapped).
+SEED_RANGE = (-(2**63), 2**64 - 1)
 
 #: Most noisy samples or integration steps a method takes (the papers use 20-300; more only costs
 #: time: the copies are run a batch at a time).
@@ -107,6 +111,27 @@ def check_index(method: str, option: str, index: int, count: int, what: str) -> 
             f"({count} {what}); got {index}"
         )
     return index % count
+
+
+def check_indices(method: str, option: str, indices: Any, count: int, what: str) -> list[int]:
+    """A list of index options (or one index) checked by :func:`check_index`, each item once.
+
+    Returns:
+        The indices in ``[0, count)``, in the order given.
+
+    Raises:
+        OptionError: an index outside ``[-count, count)``, or one item named twice (also as ``-1`` and
+            ``count - 1``): a method that averages over the items would weigh it double.
+    """
+    given = [indices] if isinstance(indices, int) else list(indices)
+    chosen = [check_index(method, option, i, count, what) for i in given]
+    twice = sorted({i for i in chosen if chosen.count(i) > 1})
+    if twice:
+        raise OptionError(
+            f"{method} option {option!r} names {what} {twice} more than once (got {given!r}; negative indices count "
+            f"from the last of {count}); each is used once, so list each once"
+        )
+    return chosen
 
 
 def _num(value: float) -> str:

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from ..errors import UnsupportedMethodError, UnsupportedModelError
 from . import captum_methods
 from .context import Context
-from .options import MAX_SAMPLES, Option, check_index
+from .options import MAX_SAMPLES, SEED_RANGE, Option, check_index, check_indices
 from .families import SWIN, VIT
 from .registry import get, register
 from ..targets import Target
@@ -325,7 +325,7 @@ def gradcam(ctx: Context) -> Tensor:
         "samples": Option(int, low=1, high=MAX_SAMPLES, help="noisy samples"),
         "noise": Option(float, low=0, help="noise std as a fraction of the block input's range"),
         "batch_size": Option(int, low=1, help="samples per forward"),
-        "seed": Option(int, optional=True, help="noise seed (None = random)"),
+        "seed": Option(int, low=SEED_RANGE[0], high=SEED_RANGE[1], optional=True, help="noise seed (None = random)"),
     },
     summary="smooth CDAM: mean CDAM over noisy copies of the last Swin block's input",
     reference="Brocki, Binda & Chung 2023 (Smooth CDAM); docs/methods.md, Swin",
@@ -404,10 +404,8 @@ def legrad(ctx: Context, *, layers: Optional[Sequence[int]] = None) -> Tensor:
     adapter = ctx.adapter
     all_layers, grids = _geometry(ctx)
     allowed = adapter.stage_blocks(-1)
-    requested = [layers] if isinstance(layers, int) else layers
-    chosen = allowed if requested is None else [
-        check_index(ctx.method, "layers", i, len(all_layers), "blocks over all stages") for i in requested
-    ]
+    chosen = allowed if layers is None else check_indices(ctx.method, "layers", layers, len(all_layers),
+                                                          "blocks over all stages")
     outside = [i for i in chosen if i not in allowed]
     if outside:
         raise UnsupportedMethodError(

@@ -15,9 +15,10 @@ import torch
 from torch import Tensor, nn
 
 from .context import Context
-from .options import MAX_SAMPLES, Option
+from .options import MAX_SAMPLES, SEED_RANGE, Option
 from .families import VIT
 from .registry import register
+from ..checks import differentiable
 from ..errors import CaptureError
 from ..targets import Target
 
@@ -194,7 +195,7 @@ def integrated_mean_grad(tokens: Tensor, residual: Tensor, target: Target, *, st
         "samples": Option(int, low=1, high=MAX_SAMPLES, help="noisy samples"),
         "noise": Option(float, low=0, help="noise std as a fraction of the token range"),
         "batch_size": Option(int, low=1, help="samples per forward"),
-        "seed": Option(int, optional=True, help="noise seed (None = random)"),
+        "seed": Option(int, low=SEED_RANGE[0], high=SEED_RANGE[1], optional=True, help="noise seed (None = random)"),
     },
     grads=True,
     requires=("grid", "tokens", "tail"),
@@ -241,7 +242,7 @@ def cdam_smooth(ctx: Context, *, samples: int = 50, noise: float = 0.05, batch_s
 def _slice_score(target, logits: Tensor, part: slice) -> Tensor:
     """Scores of rows ``part`` of a repeated batch (class targets) or of any rows (callables)."""
     if target.custom:
-        return target.score(logits)
+        return differentiable(target.score(logits))
     from ..targets import class_score
 
     return class_score(target.classes[part])(logits)

@@ -31,7 +31,7 @@ from ..errors import OptionError
 from ..recording import AttentionRecord
 from ..recording.records import fuse_heads
 from .families import VLM
-from .options import Option, check_index
+from .options import Option, check_index, check_indices
 from .registry import register
 from .vlm_context import VLMContext
 from .vlm_cross import cross_layer_relevance
@@ -47,8 +47,7 @@ def pick_layers(method: str, records: Sequence[AttentionRecord], layers: Union[N
     """The records of the chosen language-model layers (indices, negatives count from the last)."""
     if layers is None:
         return list(records)
-    chosen = [layers] if isinstance(layers, int) else list(layers)
-    return [records[check_index(method, "layers", i, len(records), "language-model layers")] for i in chosen]
+    return [records[i] for i in check_indices(method, "layers", layers, len(records), "language-model layers")]
 
 
 def _head_pairs(records: Sequence[AttentionRecord], heads: Sequence[tuple]) -> dict[int, list[int]]:

@@ -18,11 +18,12 @@ from .custom import (
 )
 from .gates import GateRecord, GateSpec, register_gate, supported_gates
 from .records import ActivationRecord, AttentionRecord, attention_probs
-from .recorder import Recorder, capture
+from .recorder import Recorder, capture, hooks_paused
 
 __all__ = [
     "capture",
     "Recorder",
+    "hooks_paused",
     "unwrap_compiled",
     "AttentionRecord",
     "ActivationRecord",

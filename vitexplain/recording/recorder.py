@@ -24,10 +24,11 @@ The recorder does not recognise models: ``rec.layout`` comes from the ``layout_f
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 from types import FrameType
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
@@ -48,7 +49,7 @@ from .narrowing import Narrowing
 from .records import ActivationRecord, AttentionRecord, weak_grad_hook
 from .sink import Issuer, in_backward
 
-__all__ = ["capture", "Recorder", "LayoutFn", "SUPPORTED"]
+__all__ = ["capture", "Recorder", "LayoutFn", "SUPPORTED", "hooks_paused"]
 
 LayoutFn = Callable[[nn.Module, tuple[int, int]], TokenLayout]
 """``layout_fn(model, (H, W)) -> TokenLayout``: the token layout of a model for an input size."""
@@ -65,6 +66,21 @@ SUPPORTED = (
 #: how many :meth:`Recorder.backward` passes run now (any recorder): no record's hook collects meanwhile
 _BACKWARDS = [0]
 _BACKWARDS_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def hooks_paused() -> Iterator[None]:
+    """Inside, no recorder's gradient hooks collect (as while a recorder's own :meth:`Recorder.backward`
+    runs): for a method's own autograd pass over a captured graph once its records hold their
+    gradients (LeGrad differentiates each layer's score; the capture's hooks on the attention
+    outputs added those gradients to the records, and a method run after it read them)."""
+    with _BACKWARDS_LOCK:
+        _BACKWARDS[0] += 1
+    try:
+        yield
+    finally:
+        with _BACKWARDS_LOCK:
+            _BACKWARDS[0] -= 1
 
 
 class Recorder:
@@ -504,8 +520,26 @@ class Recorder:
             if self.grads and out.requires_grad:
                 out.register_hook(weak_grad_hook(record, self.hooks_enabled))
             self.activations[name].append(record)
+            return _handed_on(output, out)
 
         return hook
+
+
+def _handed_on(output: Any, out: Tensor) -> Any:
+    """What a recorded module hands on to the model: ``output`` with its tensor ``out`` replaced
+    by a copy (plain tuples and lists rebuilt), or None (unchanged) for other containers.
+
+    The record keeps ``out`` as the module returned it: a model that changes the output in place
+    afterwards (DenseNet's ``F.relu(features, inplace=True)``, a ResNet block's ``out += identity``
+    after ``bn2``) changes the copy, so the recorded values and the gradient taken with respect to
+    them are the module's (they were the in-place result's, and Grad-CAM on ``bn2`` mixed the two).
+    The copy is an autograd ``clone``: values and gradients downstream are unchanged.
+    """
+    if output is out:
+        return out.clone()
+    if type(output) in (tuple, list):
+        return type(output)(out.clone() if item is out else item for item in output)
+    return None
 
 
 #: ``vitexplain.recording.capture(model, ...)``: the recorder without model recognition (its
