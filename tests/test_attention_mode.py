@@ -25,13 +25,17 @@ timm = pytest.importorskip("timm")
 from timm.models.vision_transformer import VisionTransformer  # noqa: E402
 
 TINY = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=5)
-#: PER_IMAGE_MIN values that force each implementation of the materialised attention
-PATHS = {"batched": 2**62, "per_image": 0}
+#: (PER_IMAGE_MIN, CHUNK_BYTES) that force each implementation of the materialised attention: the whole batch
+#: at once, one image at a time, and chunks of two images (5000 bytes: two of TINY's 2 x 17 x 17 float32 scores,
+#: so a batch of 3 also has a chunk of one)
+PATHS = {"batched": (2**62, 2**62), "per_image": (0, 0), "chunks": (0, 5000)}
 
 
 @pytest.fixture(params=list(PATHS))
 def path(request, monkeypatch):
-    monkeypatch.setattr(materialize, "PER_IMAGE_MIN", PATHS[request.param])
+    minimum, chunk = PATHS[request.param]
+    monkeypatch.setattr(materialize, "PER_IMAGE_MIN", minimum)
+    monkeypatch.setattr(materialize, "CHUNK_BYTES", chunk)
     return request.param
 
 
@@ -278,7 +282,7 @@ def test_calls_that_cannot_be_materialized_run_fused():
 
 def test_head_fused_records(path):
     model = VisionTransformer(**TINY).eval()
-    x = torch.randn(2, 3, 32, 32)
+    x = torch.randn(3, 3, 32, 32)  # (chunks of two images: a chunk of one at the end)
     with torch.no_grad():
         with vx.capture(model) as fused:
             model(x)
