@@ -104,15 +104,20 @@ def oracles(model, image, target, prefix, readout):
     }
 
 
-@pytest.fixture(scope="module", params=list(MODELS))
-def case(request):
-    build, readout = MODELS[request.param]
+def sharpened(name: str) -> tuple[torch.nn.Module, torch.Tensor]:
+    """Model ``name`` of MODELS (seeded, eval, its near-uniform random attention sharpened) and its 2 images."""
     torch.manual_seed(8)
-    model = build().eval()
-    with torch.no_grad():  # sharpen the near-uniform attention of a random init
+    model = MODELS[name][0]().eval()
+    with torch.no_grad():
         for blk in model.blocks:
             blk.attn.qkv.weight.mul_(3.0)
-    x = torch.randn(2, 3, *SIZE, generator=torch.Generator().manual_seed(9))
+    return model, torch.randn(2, 3, *SIZE, generator=torch.Generator().manual_seed(9))
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def case(request):
+    readout = MODELS[request.param][1]
+    model, x = sharpened(request.param)
     with torch.no_grad():
         classes = model(x).argsort(1)[:, -2]  # the runner-up class
     ex = vx.Explainer(model)

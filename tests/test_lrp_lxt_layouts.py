@@ -25,7 +25,7 @@ from peers import require
 
 require("lxt", "pip install --no-deps lxt==2.1 zennit (test-only peer; .ci/run installs it)")
 
-from test_layouts_oracle import MODELS, SIZE  # noqa: E402
+from test_layouts_oracle import MODELS, SIZE, sharpened  # noqa: E402
 from test_lrp_lxt import _PRELUDE  # noqa: E402
 
 RTOL = 1e-5
@@ -61,16 +61,7 @@ _TIMM = _PRELUDE.replace("model, x, target = torch.load(sys.argv[1], weights_onl
 
 @pytest.fixture(scope="module")
 def cases():
-    out = {}
-    for name, (build, _) in MODELS.items():
-        torch.manual_seed(8)
-        model = build().eval()
-        with torch.no_grad():  # sharpen the near-uniform attention of a random init
-            for blk in model.blocks:
-                blk.attn.qkv.weight.mul_(3.0)
-        x = torch.randn(2, 3, *SIZE, generator=torch.Generator().manual_seed(9))
-        out[name] = (model, x, torch.tensor([1, 3]))
-    return out
+    return {name: (*sharpened(name), torch.tensor([1, 3])) for name in MODELS}
 
 
 @pytest.mark.parametrize("method", ["attnlrp", "cp_lrp"])

@@ -191,8 +191,7 @@ class HFViTAdapter(ViTAdapter):
                    "class token), so no readout row of the attention is what it reads (raw, rollout, grad_rollout, "
                    "generic and attention Grad-CAM carry such a row); cdam and the token Grad-CAM read the "
                    "gradient through the pooler itself")
-            self._drop("rollout", why)
-            self._drop("attention", why)
+            self.drop_readout_row(why)
 
     def layout(self, input_size: tuple[int, int]) -> TokenLayout:
         config = _vision_config(self.model)

@@ -100,6 +100,12 @@ class ViTAdapter(Adapter):
         out = self.block(-1)(tokens, *call.args[1:], **call.kwargs)
         return self.head(out[0] if isinstance(out, tuple) else out)
 
+    def drop_readout_row(self, why: str) -> None:
+        """Refuse, saying ``why``, the methods that carry the head's readout row through the attention (raw,
+        rollout, grad_rollout, generic, attention Grad-CAM): the head reads no one row of token weights."""
+        self._drop("rollout", why)
+        self._drop("attention", why)
+
     def _drop(self, capability: str, why: str) -> None:
         """Remove a capability, remembering why (for refusal messages)."""
         self.capabilities = self.capabilities - {capability}
@@ -139,8 +145,7 @@ class TimmViTAdapter(ViTAdapter):
                    "one row of token weights is what the head reads (raw, rollout, grad_rollout, generic and "
                    "attention Grad-CAM carry such a row through the attention); cdam and the token Grad-CAM read "
                    "the gradient through the head itself")
-            self._drop("rollout", why)
-            self._drop("attention", why)
+            self.drop_readout_row(why)
 
     def layout(self, input_size: tuple[int, int]) -> TokenLayout:
         return _timm_layout(self.model, pair(input_size))
