@@ -116,6 +116,12 @@ def _timm_class(module: str, cls: str, **kwargs: Any) -> Callable[[], nn.Module]
 _HF = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=32, patch_size=8)
 
 
+def _open_clip_tower() -> nn.Module:
+    from open_clip.transformer import VisionTransformer
+
+    return VisionTransformer(image_size=32, patch_size=8, width=32, layers=2, heads=2, mlp_ratio=2.0, output_dim=16)
+
+
 def _hf_cnn(config: str, model: str, **kwargs: Any) -> Callable[[], nn.Module]:
     """A Hugging Face model built from ``kwargs`` only (not the ViT sizes ``_hf`` adds: CNNs, SAM 3's backbone)."""
     def build() -> nn.Module:
@@ -365,6 +371,7 @@ def rows() -> list[Row]:
         Row("HF Aimv2VisionModel (headless, attention pooling)", "Hugging Face", _hf("Aimv2VisionConfig", "Aimv2VisionModel"), s32, _HF_TEST, "norm"),
         Row("HF CLIPVisionModel (headless)", "Hugging Face", _hf("CLIPVisionConfig", "CLIPVisionModel"), s32, _HF_TEST, "norm"),
         Row("HF SiglipVisionModel (headless)", "Hugging Face", _hf("SiglipVisionConfig", "SiglipVisionModel"), s32, _HF_TEST, "norm"),
+        Row("OpenCLIP ViT image tower", "ViT", _open_clip_tower, s32, "tests/test_openclip.py", "norm"),
         Row("timm ResNet", "CNN", lambda: _timm("resnet10t", num_classes=5), s32, "tests/test_cnn.py"),
         Row("timm ResNet + CBAM", "CNN", lambda: _timm("resnet10t", num_classes=5, block_args=dict(attn_layer="cbam")), s32, "tests/test_cnn.py"),
         Row("torchvision MobileNetV3 (SE)", "CNN", _torchvision_mobilenet, s32, "tests/test_cnn.py"),

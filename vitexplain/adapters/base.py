@@ -263,7 +263,8 @@ def adapter_for(model: nn.Module) -> Adapter:
     raise UnsupportedModelError(
         f"vitexplain does not know how to explain {type(model).__name__}. Supported: timm "
         "ViT/DeiT/EVA/BEiT/CaiT/XCiT/ConViT, torchvision VisionTransformer, Hugging Face "
-        "ViT/DeiT/DINOv2/DINOv3/BEiT/ViT-MSN/I-JEPA/CLIP/MetaCLIP 2/SigLIP/AIMv2 (classifiers and headless backbones), CNNs and "
+        "ViT/DeiT/DINOv2/DINOv3/BEiT/ViT-MSN/I-JEPA/CLIP/MetaCLIP 2/SigLIP/AIMv2 (classifiers and headless backbones), "
+        "OpenCLIP image towers and CLIP models, CNNs and "
         "conv/attention hybrids from timm and torchvision, Hugging Face ResNet/ConvNeXt/RegNet/BiT/"
         "EfficientNet/MobileNet/MobileViT classifiers (Grad-CAM family, SE/ECA/CBAM "
         "gates), the zoo captioner and encoder-decoder captioners. vx.capture(model) still "

@@ -1,0 +1,109 @@
+"""OpenCLIP image towers and CLIP models (adapters/openclip.py) against an eager oracle written here.
+
+The oracle runs the tower block by block with its attention computed explicitly from the
+``nn.MultiheadAttention`` weights (its output checked equal to the tower's own), keeps every layer's
+probabilities A and their gradients, and the tokens T entering the last attention; rollout, Chefer's
+rule (readout row of R - I) and CDAM are then written from their definitions.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import vitexplain as vx
+from peers import require
+
+open_clip = require("open_clip", "pip install open_clip_torch ftfy")
+from open_clip.transformer import VisionTransformer  # noqa: E402
+
+GRID = (4, 5)  # 32 x 40 px, patch 8
+VECTOR = torch.randn(16, generator=torch.Generator().manual_seed(3))
+
+
+def _tower(pool_type: str = "tok") -> VisionTransformer:
+    torch.manual_seed(0)
+    tower = VisionTransformer(image_size=(32, 40), patch_size=8, width=32, layers=3, heads=2, mlp_ratio=2.0,
+                              output_dim=16, pool_type=pool_type, ls_init_value=0.5)
+    with torch.no_grad():  # sharper attention than a random init gives
+        for block in tower.transformer.resblocks:
+            block.attn.in_proj_weight[:64].mul_(3.0)
+    return tower.eval()
+
+
+def _eager(tower: VisionTransformer, x: torch.Tensor):
+    """The tower's pooled embedding with explicit attention: (pooled, [A_l (B, H, N, N)], T (B, N, D))."""
+    h = tower._embeds(x)
+    attentions, tokens = [], None
+    for block in tower.transformer.resblocks:
+        t = block.ln_1(h)
+        tokens = t
+        mha = block.attn
+        b, n, d = t.shape
+        heads = mha.num_heads
+        q, k, v = torch.nn.functional.linear(t, mha.in_proj_weight, mha.in_proj_bias).chunk(3, dim=-1)
+        q, k, v = (z.view(b, n, heads, d // heads).transpose(1, 2) for z in (q, k, v))
+        a = torch.softmax(q @ k.transpose(-1, -2) / (d // heads) ** 0.5, dim=-1)
+        attentions.append(a)
+        o = mha.out_proj((a @ v).transpose(1, 2).reshape(b, n, d))
+        h = h + block.ls_1(o)
+        h = h + block.ls_2(block.mlp(block.ln_2(h)))
+    pooled, _ = tower._pool(h)
+    return pooled @ tower.proj, attentions, tokens
+
+
+@pytest.mark.parametrize("pool_type", ["tok", "avg"])
+def test_openclip_tower_matches_the_eager_oracle(pool_type):
+    tower = _tower(pool_type)
+    x = torch.randn(2, 3, 32, 40, generator=torch.Generator().manual_seed(1))
+    pooled, attentions, tokens = _eager(tower, x)
+    for a in attentions:
+        a.retain_grad()
+    tokens.retain_grad()
+    with torch.no_grad():
+        torch.testing.assert_close(pooled, tower(x), atol=1e-5, rtol=1e-4)  # the oracle is the tower
+    torch.cosine_similarity(pooled, VECTOR[None], dim=-1).sum().backward()
+    ex = vx.Explainer(tower)
+    layout = ex.adapter.layout((32, 40))
+    assert (layout.num_prefix_tokens, layout.grid, layout.readout) == (1, GRID, "class" if pool_type == "tok" else "mean")
+    names = ["rollout", "generic", "cdam"]
+    results = {e.method: e for e in ex.explain(x, method=names, target=vx.targets.similarity(VECTOR))}
+    n = 1 + GRID[0] * GRID[1]
+    row = torch.zeros(n)
+    if pool_type == "tok":
+        row[0] = 1.0
+    else:
+        row[1:] = 1.0 / (n - 1)
+    eye = torch.eye(n)
+    for i in range(2):
+        r = eye.clone()
+        for a in attentions:
+            m = 0.5 * a[i].detach().mean(0) + 0.5 * eye
+            r = (m / m.sum(-1, keepdim=True)) @ r
+        torch.testing.assert_close(results["rollout"].maps[i], (row @ r)[1:].view(GRID), atol=1e-6, rtol=1e-4)
+        r = eye.clone()
+        for a in attentions:
+            r = r + (a.grad[i] * a[i].detach()).clamp(min=0).mean(0) @ r
+        generic = (row @ (r - eye))[1:].view(GRID)
+        assert float(generic.abs().max()) > 0
+        torch.testing.assert_close(results["generic"].maps[i], generic, atol=1e-7, rtol=1e-4)
+        cdam = (tokens[i].detach() * tokens.grad[i]).sum(-1)[1:].view(GRID)
+        torch.testing.assert_close(results["cdam"].maps[i], cdam, atol=1e-7, rtol=1e-4)
+
+
+def test_a_clip_model_is_explained_through_its_image_tower_and_pool_none_is_refused():
+    torch.manual_seed(0)
+    model = open_clip.model.CLIP(embed_dim=16, vision_cfg=dict(image_size=32, patch_size=8, width=32, layers=2,
+                                                               head_width=16),
+                                 text_cfg=dict(context_length=8, vocab_size=50, width=32, heads=2, layers=1)).eval()
+    ex = vx.Explainer(model)
+    assert ex.adapter.blocks[0] == "visual.transformer.resblocks.0"
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(ex.adapter.forward(x), model.encode_image(x))
+    alone = vx.Explainer(model.visual).explain(x, method="generic", target=vx.targets.norm()).maps
+    torch.testing.assert_close(ex.explain(x, method="generic", target=vx.targets.norm()).maps, alone)
+    with pytest.raises(vx.UnsupportedModelError, match="pool_type='none'"):
+        vx.Explainer(_tower("none"))
+    with pytest.raises(vx.InputError, match="32x40"):
+        vx.Explainer(_tower()).explain(torch.randn(1, 3, 48, 48), method="rollout", target=vx.targets.norm())
