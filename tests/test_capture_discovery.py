@@ -216,3 +216,18 @@ def test_a_lane_call_of_a_kind_no_longer_checked_is_refused_when_read():
             rec.records
     finally:
         direct._CHECKED.update(saved)
+
+
+def test_lanes_under_inference_mode_record_as_under_no_grad():
+    """Keys made under torch.inference_mode keep no version counter (reading it raises): the lanes treat them as
+    fresh, as the checked path does, and the records equal a no_grad capture's."""
+    model, run = _llava()
+    check(model, run)
+    with torch.no_grad(), vx.capture(model) as reference:
+        run()
+    for _ in range(2):  # (the second takes the lanes the first made)
+        with torch.inference_mode(), vx.capture(model) as rec:
+            run()
+        assert [_key(r) for r in rec.records] == [_key(r) for r in reference.records]
+        for r, s in zip(rec.records, reference.records):
+            torch.testing.assert_close(r.probs(), s.probs(), atol=1e-6, rtol=0)

@@ -42,7 +42,7 @@ from torch import Tensor, nn
 
 from ..errors import CaptureError
 from .attribution import frame_kind, never_issues, stable_kind
-from .records import held, key_witness
+from .records import _version, held, key_witness
 from .sink import Issuer, RecordSink
 
 __all__ = ["DirectSDPA"]
@@ -150,8 +150,8 @@ def _shape_key(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple]:
     if len(args) < 4:
         return None
     query, key, mask = args[0], args[1], args[3]
-    if not isinstance(query, Tensor) or not isinstance(key, Tensor) or query.dim() != 4 or key._version:
-        return None
+    if not isinstance(query, Tensor) or not isinstance(key, Tensor) or query.dim() != 4 or _version(key) > 0:
+        return None  # (an inference tensor keeps no version: -1, fresh as on the checked path)
     q_length = query.shape[2]
     return (id(module), len(args), tuple([k for k, v in kwargs.items() if v is not None]), mask is None,
             None if mask is None else mask.dim(), q_length == 1, q_length > 1 and key.shape[2] > q_length,
