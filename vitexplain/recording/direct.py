@@ -243,7 +243,8 @@ class DirectSDPA:
         shape = _shape_key(module, args, kwargs) if self.enabled and frame is not None else None
         lane = self._lanes.get(shape) if shape is not None else None  # type: ignore[arg-type]
         if (lane is not None and lane.original is original and lane.code is frame.f_code  # type: ignore[union-attr]
-                and not torch.is_grad_enabled() and _CHECKED.get(lane.plan) is True and self.sink.lane_ready()):
+                and not torch.is_grad_enabled() and _CHECKED.get(lane.plan) is True and self.sink.lane_ready()
+                and not torch._C._is_tracing() and not torch.compiler.is_compiling()):  # (as _plan refuses those)
             # a module's later call of a shape whose first call was checked: its arguments are kept and the
             # record's fields made when the records are read (_Pending), the plan's cost out of the hot loop
             out = original(module, *args, **kwargs)
