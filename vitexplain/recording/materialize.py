@@ -142,12 +142,13 @@ def attention_with_probs(
     scale, grouped-query heads); rows in which every key is masked give zero probabilities
     and a zero output, as the fused kernels do.
 
-    Without gradients and without a mask, images are computed one at a time (when each is
-    large enough, :data:`PER_IMAGE_MIN`) straight from the model's strided q, k, v: no
-    copies of q, k, v, the scores of one image stay in cache for the softmax and ``P V``,
+    Without gradients and without a mask, images are computed by chunks whose scores fit
+    :data:`CHUNK_BYTES` (when one image's are large enough, :data:`PER_IMAGE_MIN`, or the
+    batch's would not fit): one image at a time straight from the model's strided q, k, v (no
+    copies), else several per GEMM; a chunk's scores stay in cache for the softmax and ``P V``,
     and O is written in q's memory order (what the fused kernel returns, so the model's
-    ``transpose(1, 2).reshape(B, N, C)`` that follows is free). With ``heads`` a fusion, one
-    image's (H, N_q, N_k) probabilities live in a scratch buffer and only their fusion is kept.
+    ``transpose(1, 2).reshape(B, N, C)`` that follows is free). With ``heads`` a fusion, a
+    chunk's (H, N_q, N_k) probabilities live in a scratch buffer and only their fusion is kept.
 
     Args:
         q: (B, H, N_q, E) float32 queries (see :func:`can_materialize`).
