@@ -69,3 +69,18 @@ def test_a_folder_that_is_neither_a_classifier_nor_a_vlm_is_a_usage_error(tmp_pa
     Image.fromarray(np.zeros((32, 32, 3), dtype=np.uint8)).save(image)
     assert cli.main(["export", str(image), "--out", str(tmp_path / "out"), "--model", str(folder), "-q"]) == 2
     assert "neither an image classifier nor a vision-language" in capsys.readouterr().err
+
+
+def test_a_backbone_folder_is_refused_not_given_a_random_classifier(tmp_path: Path, capsys) -> None:
+    """A ViTModel saved in the folder loads as ViTForImageClassification with a classifier transformers makes up
+    at random (its weights are missing): the export refuses it, writing nothing."""
+    folder = tmp_path / "backbone"
+    transformers.ViTModel(transformers.ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                                 intermediate_size=64, image_size=32, patch_size=8)).save_pretrained(folder)
+    image = tmp_path / "a.png"
+    Image.fromarray(np.zeros((32, 32, 3), dtype=np.uint8)).save(image)
+    out = tmp_path / "out"
+    assert cli.main(["export", str(image), "--out", str(out), "--model", str(folder), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "classifier.weight" in err and "ViTModel" in err and "at random" in err
+    assert not out.exists()

@@ -207,10 +207,18 @@ def load_hf_folder(path: str) -> "nn.Module":
     if type(config) in classifier._model_mapping:
         fused = getattr(classifier._model_mapping[type(config)], "_supports_sdpa", False)  # (CNNs have no attention)
         try:
-            return classifier.from_pretrained(str(folder), local_files_only=True,
-                                              **({"attn_implementation": "sdpa"} if fused else {}))
+            model, info = classifier.from_pretrained(str(folder), local_files_only=True, output_loading_info=True,
+                                                     **({"attn_implementation": "sdpa"} if fused else {}))
         except Exception as e:
             raise UsageError(f"--model {path!r}: cannot load the image classifier ({type(e).__name__}: {e})") from None
+        missing = sorted(info.get("missing_keys") or ())
+        if missing:  # e.g. a backbone (ViTModel) saved there: transformers would make up a random classifier
+            raise UsageError(
+                f"--model {path!r}: its weights lack {missing[:4]}{' ...' if len(missing) > 4 else ''} of "
+                f"{type(model).__name__} ({', '.join(getattr(config, 'architectures', None) or ['no architecture'])} "
+                "was saved there), which transformers would initialise at random: `vitexplain export` explains "
+                "a trained image classifier; save one with model.save_pretrained(DIR)")
+        return model
     auto = transformers.AutoModelForImageTextToText
     if type(config) not in auto._model_mapping:
         raise UsageError(f"--model {path!r} holds a {type(config).__name__} ({config.model_type}), neither an image "
