@@ -133,3 +133,34 @@ def test_hugging_face_models_no_adapter_describes_are_refused_with_a_clear_error
     for model in (poolformer, headless):
         with pytest.raises(vx.UnsupportedModelError, match="does not know how to explain"):
             vx.Explainer(model)
+
+
+def _se_oracle(module, x):
+    """The channel gate of a Hugging Face squeeze-excitation layer, written out from its submodules."""
+    pooled = x.mean((2, 3), keepdim=True)
+    if hasattr(module, "act_expand"):  # EfficientNetSqueezeExciteLayer
+        return torch.sigmoid(module.expand(module.act_reduce(module.reduce(pooled))))[:, :, 0, 0]
+    first, relu, second, _ = module.attention  # RegNetSELayer
+    return torch.sigmoid(second(relu(first(pooled))))[:, :, 0, 0]
+
+
+@pytest.mark.parametrize("name", ["efficientnet", "regnety"])
+def test_squeeze_excitation_gates_equal_their_formula_and_are_what_the_layer_multiplied_by(name):
+    model = _build("efficientnet") if name == "efficientnet" else transformers.RegNetForImageClassification(
+        transformers.RegNetConfig(embedding_size=16, hidden_sizes=[16, 32, 48, 64], depths=[1, 1, 1, 1],
+                                  groups_width=8, layer_type="y", num_labels=5)).eval()
+    assert "channel" in vx.Explainer(model).methods()
+    x = torch.randn(2, 3, *SIZE, generator=torch.Generator().manual_seed(4))
+    outputs = {}
+    handles = [m.register_forward_hook(lambda mod, i, o, n=n: outputs.__setitem__(n, o))
+               for n, m in model.named_modules() if type(m).__name__ in ("EfficientNetSqueezeExciteLayer", "RegNetSELayer")]
+    with torch.no_grad(), vx.capture(model, gates=True, attention=False) as rec:
+        model(pixel_values=x)
+    for h in handles:
+        h.remove()
+    assert [r.name for r in rec.gates] == list(outputs)  # one record per layer call, in call order
+    for r in rec.gates:
+        module = model.get_submodule(r.name)
+        torch.testing.assert_close(r.channel, _se_oracle(module, r.input), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(outputs[r.name], r.input * r.channel[:, :, None, None], rtol=1e-5, atol=1e-6)
+    assert any(float(r.channel.std()) > 1e-3 for r in rec.gates)

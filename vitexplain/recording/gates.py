@@ -30,6 +30,10 @@ timm EfficientNet/MobileNet            tap ``gate``                         --
 ``SqueezeExcite``
 torchvision ``ops.SqueezeExcitation``  tap ``scale_activation``             --
 (MobileNetV3, EfficientNet, RegNetY)
+Hugging Face EfficientNet              tap ``act_expand``                   --
+``EfficientNetSqueezeExciteLayer``
+Hugging Face ``RegNetSELayer``         tap ``attention`` (ends in a         --
+(RegNetY)                              sigmoid)
 =====================================  ===================================  ====================
 
 Adding a module type takes a few lines::
@@ -185,9 +189,18 @@ def _register_torchvision() -> None:
     register_gate(SqueezeExcitation)(lambda m: GateSpec(channel="scale_activation"))
 
 
+def _register_transformers() -> None:
+    from transformers.models.efficientnet.modeling_efficientnet import EfficientNetSqueezeExciteLayer
+    from transformers.models.regnet.modeling_regnet import RegNetSELayer
+
+    register_gate(EfficientNetSqueezeExciteLayer)(lambda m: GateSpec(channel="act_expand"))  # its nn.Sigmoid
+    register_gate(RegNetSELayer)(lambda m: GateSpec(channel="attention"))  # (conv, ReLU, conv, Sigmoid)
+
+
 #: Built-in registrations per library; each runs once that library has been imported (a model
 #: cannot hold a module of a library that is not imported, and importing one costs seconds).
-_BUILTINS: dict[str, Callable[[], None]] = {"timm": _register_timm, "torchvision": _register_torchvision}
+_BUILTINS: dict[str, Callable[[], None]] = {"timm": _register_timm, "torchvision": _register_torchvision,
+                                            "transformers": _register_transformers}
 _LOADED: set[str] = set()
 
 #: Names of the built-in gate modules, for messages.
@@ -202,11 +215,12 @@ BUILTIN_GATES: tuple[str, ...] = (
     "GlobalContext",
     "timm EfficientNet/MobileNet SqueezeExcite",
     "torchvision ops.SqueezeExcitation (MobileNetV3, EfficientNet, RegNetY)",
+    "Hugging Face EfficientNet and RegNet(Y) squeeze-excitation layers",
 )
 
 
 def _load_builtins() -> None:
-    """Register the built-in modules of timm and torchvision, if those are imported."""
+    """Register the built-in modules of timm, torchvision and transformers, if those are imported."""
     for library, register in _BUILTINS.items():
         if library in sys.modules and library not in _LOADED:
             _LOADED.add(library)
