@@ -98,7 +98,8 @@ def isolated_tokens(model: nn.Module) -> nn.Module:
     vision = next(m for n, m in other.named_modules() if n.endswith(("vision_tower", "vision_model", "visual")))
     with torch.no_grad():
         for name, module in vision.named_modules():
-            if name.endswith(("self_attn.out_proj", "self_attn.o_proj", "attn.proj", "attention.output.dense")):
+            if name.endswith(("self_attn.out_proj", "self_attn.o_proj", "attn.proj", "attention.output.dense",
+                              "attention.o_proj")):  # (Pixtral's)
                 module.weight.zero_()
                 if module.bias is not None:
                     module.bias.zero_()
@@ -551,3 +552,34 @@ BUILDERS["mllama"] = mllama
 ORACLE["mllama"] = dict(nested=True, prompt=lambda p: p if "<|image|>" in p else "<|image|>" + p, extend=_mllama_extend,
                         image_token=lambda m: m.config.image_token_id,  # (the one <|image|> position: no vision token there)
                         features=_mllama_features, placeholders=lambda m: [m.config.image_token_id])
+
+
+def mistral3() -> tuple[nn.Module, Any]:
+    """Mistral 3: a Pixtral tower (longest edge 32 px, 4 px patches, 2 x 2 merger: a token per 8 px block, rows
+    ended by [IMG_BREAK] / [IMG_END]), a Mistral LM with GQA."""
+    import transformers
+
+    tok = tokenizer(("[IMG]", "[IMG_BREAK]", "[IMG_END]"))
+    image = transformers.PixtralImageProcessor(size={"longest_edge": 32}, patch_size=4)
+    proc = transformers.PixtralProcessor(image_processor=image, tokenizer=tok, patch_size=4, spatial_merge_size=2,
+                                         image_token="[IMG]", image_break_token="[IMG_BREAK]", image_end_token="[IMG_END]")
+    vision = transformers.PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                              image_size=32, patch_size=4, head_dim=16)
+    cfg = transformers.Mistral3Config(vision_config=vision, text_config=dict(model_type="mistral", vocab_size=len(tok), **_text()),
+                                      image_token_index=tok.convert_tokens_to_ids("[IMG]"), spatial_merge_size=2,
+                                      vision_feature_layer=-1)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return reinit_small(transformers.Mistral3ForConditionalGeneration(cfg).eval()), proc
+
+
+def _mistral3_features(model: nn.Module, proc: Any, image: np.ndarray) -> torch.Tensor:
+    batch = proc(images=[image], text=["[IMG]"], return_tensors="pt")  # (the processor resizes to its merged blocks)
+    with torch.no_grad():
+        return model.get_image_features(pixel_values=batch["pixel_values"], image_sizes=batch["image_sizes"]).pooler_output[0]
+
+
+BUILDERS["mistral3"] = mistral3
+ORACLE["mistral3"] = dict(prompt=lambda p: "[IMG]" + p, extend=_positions_from_mask,
+                          image_token=lambda m: m.config.image_token_index, features=_mistral3_features,
+                          placeholders=lambda m: [m.config.image_token_index])
