@@ -99,7 +99,7 @@ def isolated_tokens(model: nn.Module) -> nn.Module:
     with torch.no_grad():
         for name, module in vision.named_modules():
             if name.endswith(("self_attn.out_proj", "self_attn.o_proj", "attn.proj", "attention.output.dense",
-                              "attention.o_proj")):  # (Pixtral's)
+                              "attention.o_proj", "attention.projection_layer")):  # (Pixtral's, InternVL's)
                 module.weight.zero_()
                 if module.bias is not None:
                     module.bias.zero_()
@@ -583,3 +583,40 @@ BUILDERS["mistral3"] = mistral3
 ORACLE["mistral3"] = dict(prompt=lambda p: "[IMG]" + p, extend=_positions_from_mask,
                           image_token=lambda m: m.config.image_token_index, features=_mistral3_features,
                           placeholders=lambda m: [m.config.image_token_index])
+
+
+def internvl() -> tuple[nn.Module, Any]:
+    """InternVL: 16 px tiles of 4 px patches (4 x 4, pixel-shuffled by 0.5: 2 x 2 tokens each), up to 4 tiles plus
+    a thumbnail (GotOcr2's tiling), a Qwen2 LM with GQA."""
+    import transformers
+
+    tok = tokenizer(("<img>", "</img>", "<IMG_CONTEXT>", "<video>"))
+    # (InternVL's processor reads these from its tokenizer, as the checkpoints' own tokenizers carry them)
+    tok.start_image_token, tok.end_image_token, tok.context_image_token, tok.video_token = (
+        "<img>", "</img>", "<IMG_CONTEXT>", "<video>")
+    tok.start_image_token_id, tok.end_image_token_id, tok.context_image_token_id = (
+        tok.convert_tokens_to_ids(t) for t in ("<img>", "</img>", "<IMG_CONTEXT>"))
+    image = transformers.GotOcr2ImageProcessor(size={"height": 16, "width": 16}, crop_to_patches=True, min_patches=1,
+                                               max_patches=4)
+    proc = transformers.InternVLProcessor(image_processor=image, tokenizer=tok,
+                                          video_processor=transformers.InternVLVideoProcessor(), image_seq_length=4)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=[16, 16],
+                  patch_size=[4, 4])
+    cfg = transformers.InternVLConfig(vision_config=vision, text_config=dict(model_type="qwen2", vocab_size=len(tok), **_text()),
+                                      image_token_id=tok.context_image_token_id, downsample_ratio=0.5, vision_feature_layer=-1)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return reinit_small(transformers.InternVLForConditionalGeneration(cfg).eval()), proc
+
+
+def _internvl_features(model: nn.Module, proc: Any, image: np.ndarray) -> torch.Tensor:
+    batch = proc(images=[image], text=["<IMG_CONTEXT>"], return_tensors="pt")
+    with torch.no_grad():
+        features = model.get_image_features(pixel_values=batch["pixel_values"]).pooler_output
+    return features.reshape(-1, features.shape[-1])  # (tiles then thumbnail, tokens row-major)
+
+
+BUILDERS["internvl"] = internvl
+ORACLE["internvl"] = dict(prompt=lambda p: "<IMG_CONTEXT>" + p, extend=_positions_from_mask,
+                          image_token=lambda m: m.config.image_token_id, features=_internvl_features,
+                          placeholders=lambda m: [m.config.image_token_id])

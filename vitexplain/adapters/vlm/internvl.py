@@ -1,0 +1,72 @@
+"""InternVL (``InternVLForConditionalGeneration``, InternVL 2.5 / 3 in transformers): tiles plus a thumbnail,
+pixel shuffle.
+
+The image processor (``GotOcr2ImageProcessor``), with ``crop_to_patches``, picks the ``rows x cols`` canvas
+of tiles closest to the image's aspect ratio within ``min_patches..max_patches``
+(``get_optimal_tiled_canvas``), resizes the whole image to it and cuts the tiles row by row, then adds the
+whole image resized to one tile (the thumbnail) when there is more than one tile; without
+``crop_to_patches`` the image is one tile. Each tile's patch grid (the tower's class token dropped) is
+pixel-shuffled by ``downsample_ratio`` (each token a block of ``1 / ratio`` x ``1 / ratio`` patches,
+row-major), and its tokens stand between ``<img>`` and ``</img>``, tiles first, then the thumbnail.
+Tile (r, c) covers rows ``r/rows..(r+1)/rows`` and columns ``c/cols..(c+1)/cols`` of the original image.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+from torch import nn
+
+from ...errors import UnsupportedModelError
+from ...layout import pair
+from ...methods.families import VLM
+from ..base import Adapter, register_adapter
+from .base import ImageView, Piece, VLMAdapter
+
+__all__ = ["InternVLAdapter"]
+
+
+class InternVLAdapter(VLMAdapter):
+    """``InternVLForConditionalGeneration`` (see the module docstring)."""
+
+    image_token = "<IMG_CONTEXT>"
+
+    def _tiles(self, height: int, width: int) -> tuple[int, int]:
+        """(rows, cols) of the image processor's tiling of an (H, W) image ((1, 1): one tile)."""
+        processor = self.image_processor
+        if not getattr(processor, "crop_to_patches", False):
+            return 1, 1
+        from transformers.models.got_ocr2.image_processing_got_ocr2 import get_optimal_tiled_canvas
+
+        size = processor.size
+        cols, rows = get_optimal_tiled_canvas((height, width), (size["height"], size["width"]),
+                                              processor.min_patches, processor.max_patches)
+        return int(rows), int(cols)
+
+    def views(self, images: Sequence[Any], inputs: Any) -> list[ImageView]:
+        config = self.model.config
+        side = [s // p for s, p in zip(pair(config.vision_config.image_size), pair(config.vision_config.patch_size))]
+        ratio = float(config.downsample_ratio)
+        grid = (int(side[0] * ratio), int(side[1] * ratio))
+        if config.vision_feature_select_strategy != "default" or grid[0] / ratio != side[0] or grid[1] / ratio != side[1]:
+            raise UnsupportedModelError(
+                f"InternVL with vision_feature_select_strategy={config.vision_feature_select_strategy!r} and a "
+                f"{side[0]}x{side[1]} patch grid shuffled by {ratio}: its image tokens' geometry is not followed")
+        per_piece = grid[0] * grid[1]
+        views = []
+        for image in images:
+            h, w = int(image.shape[0]), int(image.shape[1])
+            rows, cols = self._tiles(h, w)
+            pieces = [Piece(f"tile {r},{c}", grid, (r * h / rows, c * w / cols, (r + 1) * h / rows, (c + 1) * w / cols),
+                            (r * cols + c) * per_piece) for r in range(rows) for c in range(cols)]
+            if len(pieces) > 1:  # (the processor adds the thumbnail to a tiled image only)
+                pieces.append(Piece("thumbnail", grid, (0.0, 0.0, float(h), float(w)), rows * cols * per_piece))
+            else:
+                pieces = [Piece("image", grid, (0.0, 0.0, float(h), float(w)), 0)]
+            views.append(ImageView((h, w), tuple(pieces)))
+        return views
+
+
+@register_adapter(priority=20, family=VLM)
+def _detect_internvl(model: nn.Module) -> Optional[Adapter]:
+    return InternVLAdapter(model) if type(model).__name__ == "InternVLForConditionalGeneration" else None
