@@ -620,3 +620,31 @@ BUILDERS["internvl"] = internvl
 ORACLE["internvl"] = dict(prompt=lambda p: "<IMG_CONTEXT>" + p, extend=_positions_from_mask,
                           image_token=lambda m: m.config.image_token_id, features=_internvl_features,
                           placeholders=lambda m: [m.config.image_token_id])
+
+
+GLM_SPECIALS = ("<|begin_of_image|>", "<|image|>", "<|end_of_image|>", "<|video|>", "<|begin_of_video|>", "<|end_of_video|>")
+
+
+def glm4v() -> tuple[nn.Module, Any]:
+    """GLM-4.1V: Qwen2-VL's geometry (4 px patches merged 2 x 2, dynamic resolution <= 32 x 32 px), M-RoPE, a GLM-4 LM."""
+    import transformers
+
+    tok = tokenizer(GLM_SPECIALS)
+    tok.image_token = "<|image|>"  # (GLM's processor reads it from its tokenizer)
+    pixels = dict(size={"shortest_edge": 8 * 8, "longest_edge": 32 * 32}, patch_size=4, merge_size=2, temporal_patch_size=2)
+    proc = transformers.Glm4vProcessor(image_processor=transformers.Glm4vImageProcessor(**pixels), tokenizer=tok,
+                                       video_processor=transformers.Glm4vVideoProcessor(**pixels))
+    rope = {"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 10000.0, "partial_rotary_factor": 1.0}
+    vision = dict(depth=2, hidden_size=32, out_hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
+                  spatial_merge_size=2, image_size=32)
+    ids = dict(zip(("image_start_token_id", "image_token_id", "image_end_token_id", "video_token_id",
+                    "video_start_token_id", "video_end_token_id"), tok.convert_tokens_to_ids(list(GLM_SPECIALS))))
+    cfg = transformers.Glm4vConfig(vision_config=vision, text_config=dict(vocab_size=len(tok), rope_parameters=rope, **_text()),
+                                   **ids)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return reinit_small(transformers.Glm4vForConditionalGeneration(cfg).eval()), proc
+
+
+BUILDERS["glm4v"] = glm4v
+ORACLE["glm4v"] = dict(_QWEN_ORACLE, prompt=lambda p: "<|begin_of_image|><|image|><|end_of_image|>" + p)

@@ -1,4 +1,5 @@
-"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL: dynamic resolution, 2 x 2 patch merge, M-RoPE.
+"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL (and GLM-4.1V, which shares their geometry): dynamic resolution, 2 x 2
+patch merge, M-RoPE.
 
 The processor resizes the whole image (no crop) to multiples of ``patch_size * merge_size`` and
 gives ``image_grid_thw`` (1, gh, gw) in patches; the language model sees one token per 2 x 2
@@ -28,7 +29,7 @@ from ...methods.families import VLM
 from ..base import Adapter, register_adapter
 from .base import ImageView, Piece, VLMAdapter
 
-__all__ = ["QwenVLAdapter"]
+__all__ = ["QwenVLAdapter", "Glm4vAdapter"]
 
 _NAMES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
 
@@ -90,6 +91,19 @@ class QwenVLAdapter(VLMAdapter):
         return views
 
 
+class Glm4vAdapter(QwenVLAdapter):
+    """GLM-4.1V / GLM-4.5V (``Glm4vForConditionalGeneration``): Qwen2-VL's geometry (``image_grid_thw``, 2 x 2
+    merge, M-RoPE from ``mm_token_type_ids``), its image between ``<|begin_of_image|>`` and ``<|end_of_image|>``."""
+
+    image_token = "<|image|>"
+
+    def format_prompt(self, prompt: str) -> str:
+        token = getattr(self.processor, "image_token", None) or self.image_token
+        return prompt if token in prompt else f"<|begin_of_image|>{token}<|end_of_image|>{prompt}"
+
+
 @register_adapter(priority=20, family=VLM)
 def _detect_qwen(model: nn.Module) -> Optional[Adapter]:
+    if type(model).__name__ == "Glm4vForConditionalGeneration":
+        return Glm4vAdapter(model)
     return QwenVLAdapter(model) if type(model).__name__ in _NAMES else None
