@@ -648,3 +648,39 @@ def glm4v() -> tuple[nn.Module, Any]:
 
 BUILDERS["glm4v"] = glm4v
 ORACLE["glm4v"] = dict(_QWEN_ORACLE, prompt=lambda p: "<|begin_of_image|><|image|><|end_of_image|>" + p)
+
+
+AYA_SPECIALS = ("<image>", "<|START_OF_IMG|>", "<|END_OF_IMG|>", "<|IMG_PATCH|>", "<|IMG_LINE_BREAK|>", "TILE", "TILE_GLOBAL",
+                "TILE_1", "TILE_2", "TILE_3", "TILE_4")
+
+
+def aya_vision() -> tuple[nn.Module, Any]:
+    """Aya Vision: 16 px tiles of 4 px patches (SigLIP, 4 x 4, pixel-shuffled by 2: 2 x 2 tokens each), up to 4 tiles
+    plus the global image (GotOcr2's tiling), a Cohere2 LM with GQA."""
+    import transformers
+
+    tok = tokenizer(AYA_SPECIALS)
+    image = transformers.GotOcr2ImageProcessor(size={"height": 16, "width": 16}, crop_to_patches=True, min_patches=1,
+                                               max_patches=4)
+    proc = transformers.AyaVisionProcessor(image_processor=image, tokenizer=tok, patch_size=4, img_size=16, downsample_factor=2)
+    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=16, patch_size=4)
+    cfg = transformers.AyaVisionConfig(vision_config=vision, text_config=dict(model_type="cohere2", vocab_size=len(tok), **_text()),
+                                       downsample_factor=2, image_token_index=tok.convert_tokens_to_ids("<|IMG_PATCH|>"),
+                                       vision_feature_select_strategy="full")
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return reinit_small(transformers.AyaVisionForConditionalGeneration(cfg).eval()), proc
+
+
+def _aya_features(model: nn.Module, proc: Any, image: np.ndarray) -> torch.Tensor:
+    batch = proc(images=[image], text=["<image>"], return_tensors="pt")
+    with torch.no_grad():
+        features = model.get_image_features(pixel_values=batch["pixel_values"]).pooler_output
+    return features.reshape(-1, features.shape[-1])  # (tiles then the global image, tokens in order)
+
+
+BUILDERS["aya_vision"] = aya_vision
+ORACLE["aya_vision"] = dict(prompt=lambda p: "<image>" + p, extend=_positions_from_mask,
+                            image_token=lambda m: m.config.image_token_index, features=_aya_features,
+                            placeholders=lambda m: [m.config.image_token_index])

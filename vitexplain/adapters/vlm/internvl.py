@@ -1,5 +1,5 @@
-"""InternVL (``InternVLForConditionalGeneration``, InternVL 2.5 / 3 in transformers): tiles plus a thumbnail,
-pixel shuffle.
+"""InternVL (``InternVLForConditionalGeneration``, InternVL 2.5 / 3 in transformers) and Aya Vision: tiles plus a
+thumbnail, pixel shuffle.
 
 The image processor (``GotOcr2ImageProcessor``), with ``crop_to_patches``, picks the ``rows x cols`` canvas
 of tiles closest to the image's aspect ratio within ``min_patches..max_patches``
@@ -23,7 +23,7 @@ from ...methods.families import VLM
 from ..base import Adapter, register_adapter
 from .base import ImageView, Piece, VLMAdapter
 
-__all__ = ["InternVLAdapter"]
+__all__ = ["InternVLAdapter", "AyaVisionAdapter"]
 
 
 class InternVLAdapter(VLMAdapter):
@@ -43,7 +43,8 @@ class InternVLAdapter(VLMAdapter):
                                               processor.min_patches, processor.max_patches)
         return int(rows), int(cols)
 
-    def views(self, images: Sequence[Any], inputs: Any) -> list[ImageView]:
+    def _grid(self) -> tuple[int, int]:
+        """The token grid of one tile: its patch grid (class token dropped) pixel-shuffled."""
         config = self.model.config
         side = [s // p for s, p in zip(pair(config.vision_config.image_size), pair(config.vision_config.patch_size))]
         ratio = float(config.downsample_ratio)
@@ -52,6 +53,10 @@ class InternVLAdapter(VLMAdapter):
             raise UnsupportedModelError(
                 f"InternVL with vision_feature_select_strategy={config.vision_feature_select_strategy!r} and a "
                 f"{side[0]}x{side[1]} patch grid shuffled by {ratio}: its image tokens' geometry is not followed")
+        return grid
+
+    def views(self, images: Sequence[Any], inputs: Any) -> list[ImageView]:
+        grid = self._grid()
         per_piece = grid[0] * grid[1]
         views = []
         for image in images:
@@ -67,6 +72,27 @@ class InternVLAdapter(VLMAdapter):
         return views
 
 
+class AyaVisionAdapter(InternVLAdapter):
+    """Aya Vision (``AyaVisionForConditionalGeneration``): InternVL's tiles and thumbnail (GotOcr2's tiling; the
+    tiles, each after its ``TILE_i`` token, then the thumbnail after ``TILE_GLOBAL``), a SigLIP tower (no class
+    token) pixel-shuffled by ``downsample_factor``."""
+
+    image_token = "<image>"
+
+    def _grid(self) -> tuple[int, int]:
+        config = self.model.config
+        side = [s // p for s, p in zip(pair(config.vision_config.image_size), pair(config.vision_config.patch_size))]
+        factor = int(config.downsample_factor)
+        if config.vision_feature_select_strategy != "full" or side[0] % factor or side[1] % factor:
+            raise UnsupportedModelError(
+                f"Aya Vision with vision_feature_select_strategy={config.vision_feature_select_strategy!r} and a "
+                f"{side[0]}x{side[1]} patch grid shuffled by {factor}: its image tokens' geometry is not followed")
+        return side[0] // factor, side[1] // factor
+
+
 @register_adapter(priority=20, family=VLM)
 def _detect_internvl(model: nn.Module) -> Optional[Adapter]:
-    return InternVLAdapter(model) if type(model).__name__ == "InternVLForConditionalGeneration" else None
+    name = type(model).__name__
+    if name == "AyaVisionForConditionalGeneration":
+        return AyaVisionAdapter(model)
+    return InternVLAdapter(model) if name == "InternVLForConditionalGeneration" else None
