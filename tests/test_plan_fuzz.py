@@ -280,3 +280,20 @@ def test_a_hierarchical_layout_on_an_uneven_input_says_the_embedding_stride():
     assert layout.grid == (8, 12) and layout.patch_size == (4, 4)
     e = ex.explain(torch.randn(1, 3, 30, 45), method="occlusion", target=1)
     assert e.layout.patch_size == layout.patch_size
+
+
+@pytest.mark.parametrize("options, message", [
+    # heads= averages exactly the chosen heads: layers= and head_fusion= were ignored silently
+    ({"heads": [(0, 1)], "layers": [1]}, "heads.*layers"),
+    ({"heads": [(0, 1), (1, 0)], "head_fusion": "max"}, "heads.*head_fusion"),
+    # a pair given twice was averaged in twice
+    ({"heads": [(0, 1), (0, 1)]}, r"heads.*\(0, 1\).*more than once"),
+    ({"heads": [(0, 1), (-2, 1)]}, r"heads.*\(0, 1\).*more than once"),  # 2 layers: -2 is layer 0
+])
+def test_vlm_cross_options_that_would_be_ignored_or_counted_twice_are_refused(options, message):
+    import vlm_helpers
+
+    model, processor = vlm_helpers.BUILDERS["llava"]()
+    with pytest.raises(vx.OptionError, match=message):
+        vx.Explainer(model, processor=processor).explain_caption(vlm_helpers.images(3), method="cross",
+                                                                 prompt="what is", max_len=2, **options)
