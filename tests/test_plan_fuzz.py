@@ -297,3 +297,25 @@ def test_vlm_cross_options_that_would_be_ignored_or_counted_twice_are_refused(op
     with pytest.raises(vx.OptionError, match=message):
         vx.Explainer(model, processor=processor).explain_caption(vlm_helpers.images(3), method="cross",
                                                                  prompt="what is", max_len=2, **options)
+
+
+@pytest.mark.parametrize("family", ["vit", "swin", "hier"])
+def test_raw_refuses_one_head_and_a_head_fusion_together(vit, family):
+    # head= reads one head, head_fusion= fuses all of them: with both, head_fusion was ignored silently
+    if family == "swin":
+        from timm.models.swin_transformer import SwinTransformer
+
+        model = SwinTransformer(img_size=32, patch_size=4, window_size=4, embed_dim=16, depths=(2,), num_heads=(2,),
+                                num_classes=5).eval()
+        x = torch.randn(1, 3, 32, 32)
+    elif family == "hier":
+        model = timm.create_model("pvt_v2_b0", embed_dims=(16, 32, 48, 64), depths=(1, 1, 1, 1),
+                                  num_heads=(1, 2, 2, 4), num_classes=5).eval()
+        x = torch.randn(1, 3, 64, 64)
+    else:
+        model, x = vit, torch.randn(1, 3, 24, 40)
+    ex = vx.Explainer(model)
+    with pytest.raises(vx.OptionError, match="raw options 'head' and 'head_fusion'"):
+        ex.explain(x, method="raw", head=0, head_fusion="max")
+    ex.explain(x, method="raw", head=0)  # each alone is fine
+    ex.explain(x, method="raw", head_fusion="max")
