@@ -266,6 +266,10 @@ def test_swin_on_a_padded_input_puts_each_pixel_in_its_own_last_stage_token():
                 xo[:, :, i * 8:(i + 1) * 8, j * 8:(j + 1) * 8] = 0.0
                 want[:, i, j] = base - model(pixel_values=xo).logits[:, 1]
     torch.testing.assert_close(e.maps, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()))
+    # upsampled, each token's value lies on its own 8-px block (with 7 px they drifted by a pixel a cell)
+    up = e.upsample(mode="nearest")[0]
+    blocks = e.maps[0].repeat_interleave(8, 0).repeat_interleave(8, 1)[:30, :45]
+    torch.testing.assert_close(up, blocks)
 
 
 def test_a_hierarchical_layout_on_an_uneven_input_says_the_embedding_stride():
