@@ -1,6 +1,8 @@
 """The Grad-CAM family equals pytorch-grad-cam (grad-cam 1.5.7, the peer most users know) on CNNs
 and layers tests/test_cnn.py does not use: timm EfficientNet, ConvNeXt and RegNet, torchvision
-MobileNetV3 and ResNet, each at its default layer and at another module, on a non-square input.
+MobileNetV3 and ResNet, each at its default layer and at another module, on a non-square input;
+and the ViT token Grad-CAM equals the peer's ViT recipe on registers, average pooling, a distilled
+DeiT and EVA (3 x 5 grid).
 
 The peer's maps are taken before its min-max scaling and resize (its ``get_cam_image`` on the
 activations and gradients its own hooks recorded, after its own backward), then ReLU as it does.
@@ -88,3 +90,37 @@ def test_grad_cams_equal_pytorch_grad_cam(case, method):
         got = e.maps.double().numpy()
         assert got.shape == expected.shape and expected.max() > 0, (layer, got.shape, expected.shape)
         np.testing.assert_allclose(got, expected, rtol=0, atol=RTOL * expected.max(), err_msg=f"{method} {layer}")
+
+
+VIT_LAYOUTS = ["registers", "average pooling + registers", "DeiT distilled", "EVA rope + registers (average pooling)"]
+
+
+@pytest.mark.parametrize("name", VIT_LAYOUTS)
+def test_token_gradcam_equals_pytorch_grad_cam_on_vit_layouts(name):
+    """The ViT ``gradcam`` is pytorch-grad-cam's recipe for ViTs (docs/methods.md): GradCAM on the last
+    block's ``norm1`` with a reshape_transform that drops the prefix tokens (class, distillation,
+    registers) and lays the patches on their grid; here on a 3 x 5 grid."""
+    from test_layouts_oracle import MODELS, SIZE
+
+    torch.manual_seed(8)
+    model = MODELS[name][0]().eval().double()
+    x = torch.randn(2, 3, *SIZE, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    classes = torch.tensor([1, 3])
+    e = vx.Explainer(model).explain(x, method="gradcam", target=classes)
+    prefix, grid = e.layout.num_prefix_tokens, e.layout.grid
+
+    def reshape(tokens):
+        patches = tokens[:, prefix:, :]
+        return patches.reshape(patches.shape[0], *grid, patches.shape[-1]).permute(0, 3, 1, 2)
+
+    cam = GradCAM(model=model, target_layers=[model.blocks[-1].norm1], reshape_transform=reshape)
+    try:
+        outputs = cam.activations_and_grads(x)
+        targets = [(lambda row, c=int(c): row[c]) for c in classes]
+        sum(t(row) for t, row in zip(targets, outputs)).backward()
+        (acts,), (grads,) = cam.activations_and_grads.activations, cam.activations_and_grads.gradients
+        expected = np.maximum(cam.get_cam_image(x, None, targets, acts.numpy(), grads.numpy(), False), 0)
+    finally:
+        cam.activations_and_grads.release()
+    assert expected.shape == tuple(e.maps.shape) and expected.max() > 0
+    np.testing.assert_allclose(e.maps.double().numpy(), expected, rtol=0, atol=RTOL * expected.max())

@@ -1,4 +1,5 @@
-"""ViT methods on token layouts tests/test_methods.py does not use, against hand-written formulas.
+"""ViT methods and their options on token layouts tests/test_methods.py does not use, against
+hand-written formulas.
 
 tests/test_methods.py checks every method on a class-token ViT with a square grid. Here the same
 formulas (Chefer et al.'s generic rule, rollout, gradient rollout, raw attention, attention Grad-CAM;
@@ -36,7 +37,8 @@ _EVA = dict(_V, use_rot_pos_emb=True)
 MODELS = {
     "registers": (lambda: VisionTransformer(reg_tokens=3, **_V), "class"),
     "average pooling": (lambda: VisionTransformer(class_token=False, global_pool="avg", **_V), "mean"),
-    "average pooling + registers": (lambda: VisionTransformer(class_token=False, reg_tokens=2, global_pool="avg", **_V), "mean"),
+    "average pooling + registers": (lambda: VisionTransformer(class_token=False, reg_tokens=2, global_pool="avg", **_V),
+                                    "mean"),
     "class token, average pooling": (lambda: VisionTransformer(global_pool="avg", **_V), "mean"),
     "DeiT distilled": (lambda: VisionTransformerDistilled(**_V), "class"),
     "EVA rope + registers (average pooling)": (lambda: Eva(num_reg_tokens=2, **_EVA), "mean"),
@@ -45,10 +47,18 @@ MODELS = {
 METHODS = ["raw", "rollout", "grad_rollout", "generic", "attn_gradcam", "cdam", "gradcam", "legrad"]
 
 
-def _rollout(mats, v, minus_identity=False):
+def _rollout(mats, v, minus_identity=False, discard=0.0, keep_class=False):
+    """Rollout of fused matrices: per layer the smallest ``discard`` fraction of entries zeroed
+    (stable order; the class->class entry kept for a class readout), then rownorm(0.5 M + 0.5 I)."""
     eye = torch.eye(mats[0].shape[-1], dtype=torch.float64)
     r = eye.clone()
     for m in mats:
+        if discard > 0:
+            flat = m.flatten().clone()
+            for idx in torch.argsort(flat, stable=True)[: int(flat.numel() * discard)].tolist():
+                if not (keep_class and idx == 0):
+                    flat[idx] = 0.0
+            m = flat.view_as(m)
         a = 0.5 * m + 0.5 * eye
         r = (a / a.sum(-1, keepdim=True)) @ r
     return v @ (r - eye if minus_identity else r)
@@ -92,7 +102,23 @@ def oracles(model, image, target, prefix, readout):
         (g,) = torch.autograd.grad(m.forward_head(m.norm(out))[0, target], a, retain_graph=True)
         legrad += torch.relu(g[0]).mean(dim=(0, 1))
     legrad = legrad[prefix:]
+    fuse = {"mean": lambda a: a.mean(0), "max": lambda a: a.amax(0), "min": lambda a: a.amin(0)}
+    keep = readout == "class"
+    chefer = {}
+    for s in (1, 2):
+        rs = eye.clone()
+        for a, g in zip(A[s:], G[s:]):
+            rs = rs + (g * a).clamp(min=0).mean(0) @ rs
+        chefer[s] = (v @ (rs - eye))[prefix:]
     return {
+        **{f"rollout {how} discard {p} start {s}":
+           _rollout([fuse[how](a) for a in A[s:]], v, discard=p, keep_class=keep)[prefix:]
+           for how, p, s in (("max", 0.0, 0), ("min", 0.0, 0), ("mean", 0.5, 0), ("mean", 0.0, 1), ("max", 0.9, 1))},
+        **{f"grad_rollout discard {p} start {s}":
+           _rollout([(a * g).mean(0).clamp(min=0) for a, g in zip(A[s:], G[s:])], v, minus_identity=True, discard=p,
+                    keep_class=keep)[prefix:]
+           for p, s in ((0.5, 0), (0.0, 1))},
+        **{f"generic start {s}": r_s for s, r_s in chefer.items()},
         "raw": (v @ A[-1].mean(0))[prefix:],
         "rollout": _rollout([a.mean(0) for a in A], v)[prefix:],
         "grad_rollout": _rollout([(a * g).mean(0).clamp(min=0) for a, g in zip(A, G)], v, minus_identity=True)[prefix:],
@@ -136,3 +162,27 @@ def test_methods_equal_their_formulas_on_every_layout(case, method):
         scale = float(want.abs().max())
         assert scale > 0 or method == "attn_gradcam", f"{method}: the oracle is all zero"
         torch.testing.assert_close(maps[i], want, rtol=0, atol=RTOL * max(scale, 1e-30), msg=f"{method} image {i}")
+
+
+OPTIONS = [
+    ("rollout", {"head_fusion": "max"}, "rollout max discard 0.0 start 0"),
+    ("rollout", {"head_fusion": "min"}, "rollout min discard 0.0 start 0"),
+    ("rollout", {"discard_ratio": 0.5}, "rollout mean discard 0.5 start 0"),
+    ("rollout", {"start_layer": 1}, "rollout mean discard 0.0 start 1"),
+    ("rollout", {"head_fusion": "max", "discard_ratio": 0.9, "start_layer": 1}, "rollout max discard 0.9 start 1"),
+    ("grad_rollout", {"discard_ratio": 0.5}, "grad_rollout discard 0.5 start 0"),
+    ("grad_rollout", {"start_layer": 1}, "grad_rollout discard 0.0 start 1"),
+    ("generic", {"start_layer": 1}, "generic start 1"),
+    ("generic", {"start_layer": 2}, "generic start 2"),
+]
+
+
+@pytest.mark.parametrize("method, options, key", OPTIONS, ids=[k for _, _, k in OPTIONS])
+def test_options_equal_their_formulas_on_every_layout(case, method, options, key):
+    """Head fusion, discard_ratio (the class->class entry kept under a class readout only) and
+    start_layer, on the same layouts."""
+    ex, x, classes, expected = case
+    maps = ex.explain(x, method=method, target=classes, **options).maps
+    for i, oracle in enumerate(expected):
+        want = oracle[key].reshape(3, 5).float()
+        torch.testing.assert_close(maps[i], want, rtol=0, atol=RTOL * float(want.abs().max()), msg=f"{key} image {i}")

@@ -266,6 +266,10 @@ def test_swin_on_a_padded_input_puts_each_pixel_in_its_own_last_stage_token():
                 xo[:, :, i * 8:(i + 1) * 8, j * 8:(j + 1) * 8] = 0.0
                 want[:, i, j] = base - model(pixel_values=xo).logits[:, 1]
     torch.testing.assert_close(e.maps, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()))
+    # upsampled, each token's value lies on its own 8-px block (with 7 px they drifted by a pixel a cell)
+    up = e.upsample(mode="nearest")[0]
+    blocks = e.maps[0].repeat_interleave(8, 0).repeat_interleave(8, 1)[:30, :45]
+    torch.testing.assert_close(up, blocks)
 
 
 def test_a_hierarchical_layout_on_an_uneven_input_says_the_embedding_stride():
@@ -280,3 +284,42 @@ def test_a_hierarchical_layout_on_an_uneven_input_says_the_embedding_stride():
     assert layout.grid == (8, 12) and layout.patch_size == (4, 4)
     e = ex.explain(torch.randn(1, 3, 30, 45), method="occlusion", target=1)
     assert e.layout.patch_size == layout.patch_size
+
+
+@pytest.mark.parametrize("options, message", [
+    # heads= averages exactly the chosen heads: layers= and head_fusion= were ignored silently
+    ({"heads": [(0, 1)], "layers": [1]}, "heads.*layers"),
+    ({"heads": [(0, 1), (1, 0)], "head_fusion": "max"}, "heads.*head_fusion"),
+    # a pair given twice was averaged in twice
+    ({"heads": [(0, 1), (0, 1)]}, r"heads.*\(0, 1\).*more than once"),
+    ({"heads": [(0, 1), (-2, 1)]}, r"heads.*\(0, 1\).*more than once"),  # 2 layers: -2 is layer 0
+])
+def test_vlm_cross_options_that_would_be_ignored_or_counted_twice_are_refused(options, message):
+    import vlm_helpers
+
+    model, processor = vlm_helpers.BUILDERS["llava"]()
+    with pytest.raises(vx.OptionError, match=message):
+        vx.Explainer(model, processor=processor).explain_caption(vlm_helpers.images(3), method="cross",
+                                                                 prompt="what is", max_len=2, **options)
+
+
+@pytest.mark.parametrize("family", ["vit", "swin", "hier"])
+def test_raw_refuses_one_head_and_a_head_fusion_together(vit, family):
+    # head= reads one head, head_fusion= fuses all of them: with both, head_fusion was ignored silently
+    if family == "swin":
+        from timm.models.swin_transformer import SwinTransformer
+
+        model = SwinTransformer(img_size=32, patch_size=4, window_size=4, embed_dim=16, depths=(2,), num_heads=(2,),
+                                num_classes=5).eval()
+        x = torch.randn(1, 3, 32, 32)
+    elif family == "hier":
+        model = timm.create_model("pvt_v2_b0", embed_dims=(16, 32, 48, 64), depths=(1, 1, 1, 1),
+                                  num_heads=(1, 2, 2, 4), num_classes=5).eval()
+        x = torch.randn(1, 3, 64, 64)
+    else:
+        model, x = vit, torch.randn(1, 3, 24, 40)
+    ex = vx.Explainer(model)
+    with pytest.raises(vx.OptionError, match="raw options 'head' and 'head_fusion'"):
+        ex.explain(x, method="raw", head=0, head_fusion="max")
+    ex.explain(x, method="raw", head=0)  # each alone is fine
+    ex.explain(x, method="raw", head_fusion="max")

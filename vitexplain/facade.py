@@ -63,7 +63,9 @@ def capture(
         grads: also capture gradients: after ``backward()`` each record gives
             ``grad_probs()`` (dy/dA) and each activation record its ``grad``.
         activations: module names (as in ``model.named_modules()``) whose inputs and
-            outputs are recorded, e.g. ``["blocks.11.norm1"]``.
+            outputs are recorded, e.g. ``["blocks.11.norm1"]``. The record keeps the output as the
+            module returned it; the model goes on with a copy, so an in-place op after the module
+            (``F.relu(x, inplace=True)``) does not change the record.
         attention: set False to record activations only (no attention interception); or a
             dict ``{module name: extractor}`` declaring modules that compute attention their
             own way (additive, multiplicative, local, recurrent decoders), recorded in

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from ..recording import AttentionRecord
 from .context import Context, RowFn, live_blocks, nonzero_rows, query_blocks, readout_vector
-from .options import Option, check_index
+from .options import Option, check_index, check_head_or_fusion
 from .families import VIT
 from .registry import register
 from ..errors import UsageError
@@ -211,6 +211,7 @@ def raw(ctx: Context, *, layer: int = -1, head: Optional[int] = None, head_fusio
     layers = ctx.layers()
     layout = ctx.require_grid()
     record = layers[check_index(ctx.method, "layer", layer, len(layers), "layers")]
+    check_head_or_fusion(ctx.method, head, head_fusion)
     if head is not None:
         head = check_index(ctx.method, "head", head, record.num_heads, "heads")
     vector = readout_vector(layout, record.batch_size, record.device)

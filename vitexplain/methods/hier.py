@@ -21,7 +21,7 @@ from ..errors import CaptureError, UnsupportedMethodError
 from . import captum_methods
 from .context import Context
 from .families import HIER, VIT
-from .options import Option, check_index
+from .options import Option, check_index, check_head_or_fusion
 from .registry import get, register
 from .resample import Call, Item, bind, calls, propagate
 from .tokens import cdam_scores
@@ -94,6 +94,7 @@ def raw(ctx: Context, *, layer: int = -1, head: Optional[int] = None, head_fusio
     """
     chosen = calls(chain_of(ctx))
     call = chosen[check_index(ctx.method, "layer", layer, len(chosen), "attention calls over all stages")]
+    check_head_or_fusion(ctx.method, head, head_fusion)
     if head is not None:
         head = check_index(ctx.method, "head", head, call.record.num_heads, "heads")
     q = ctx.adapter.readout_row(call.spec.out, ctx.batch_size, ctx.x.device)

@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 from ..errors import OptionError
 
 __all__ = ["MAX_SAMPLES", "SEED_RANGE", "Option", "check_options", "check_index",
-           "check_indices", "describe_options", "option_defaults"]
+           "check_indices", "check_head_or_fusion", "describe_options", "option_defaults"]
 
 #: The seeds torch takes (``torch.manual_seed``, ``Generator.manual_seed``: 64 bits, negatives wrapped).
 SEED_RANGE = (-(2**63), 2**64 - 1)
@@ -132,6 +132,20 @@ def check_indices(method: str, option: str, indices: Any, count: int, what: str)
             f"from the last of {count}); each is used once, so list each once"
         )
     return chosen
+
+
+def check_head_or_fusion(method: str, head: Optional[int], head_fusion: str) -> None:
+    """Refuse one head (``head=``) together with a head fusion other than the default mean: the first
+    reads one head, the second fuses them all, so one of the two would be ignored.
+
+    Raises:
+        OptionError: both were given.
+    """
+    if head is not None and head_fusion != "mean":
+        raise OptionError(
+            f"{method} options 'head' and 'head_fusion' exclude each other (head={head} reads one head, "
+            f"head_fusion={head_fusion!r} fuses them all); pass one of them"
+        )
 
 
 def _num(value: float) -> str:

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from ..errors import UnsupportedMethodError, UnsupportedModelError
 from . import captum_methods
 from .context import Context
-from .options import MAX_SAMPLES, SEED_RANGE, Option, check_index, check_indices
+from .options import MAX_SAMPLES, SEED_RANGE, Option, check_index, check_head_or_fusion, check_indices
 from .families import SWIN, VIT
 from .registry import get, register
 from ..targets import Target
@@ -92,6 +92,7 @@ def raw(ctx: Context, *, layer: int = -1, head: Optional[int] = None, head_fusio
     layers, grids = _geometry(ctx)
     chosen = _pick(ctx, layers, layer)
     grid = grids[chosen.stage]
+    check_head_or_fusion(ctx.method, head, head_fusion)
     if head is not None:
         head = check_index(ctx.method, "head", head, chosen.record.num_heads, "heads")
     vector = stage_vector(grid, ctx.batch_size, chosen.record.device, query)

@@ -58,6 +58,9 @@ def _head_pairs(records: Sequence[AttentionRecord], heads: Sequence[tuple]) -> d
             raise OptionError(f"cross option 'heads' takes (layer, head) pairs of integers, got {pair!r}")
         layer = check_index("cross", "heads", pair[0], len(records), "language-model layers")
         head = check_index("cross", "heads", pair[1], records[layer].num_heads, f"heads in layer {layer}")
+        if head in grouped.get(layer, []):  # the pairs are averaged: one given twice would count double
+            raise OptionError(f"cross option 'heads' names the head {(layer, head)} more than once (got "
+                              f"{list(heads)!r}; negative indices count from the last); list each pair once")
         grouped.setdefault(layer, []).append(head)
     return grouped
 
@@ -80,8 +83,9 @@ def cross(ctx: VLMContext, *, layers: Union[None, int, Sequence[int]] = None,
 
     Args:
         ctx: the teacher-forced forward.
-        layers: language-model layers to average (None = all); ignored when ``heads`` is given.
-        heads: ``[(layer, head), ...]``: average exactly these heads (e.g. localisation heads).
+        layers: language-model layers to average (None = all); not with ``heads``.
+        heads: ``[(layer, head), ...]``: average exactly these heads, each pair once (e.g. localisation
+            heads); ``layers`` and a ``head_fusion`` other than the mean do not apply with it (OptionError).
         head_fusion: ``"mean"``, ``"max"`` or ``"min"`` over heads.
 
     Returns:
@@ -89,6 +93,11 @@ def cross(ctx: VLMContext, *, layers: Union[None, int, Sequence[int]] = None,
     """
     records = ctx.layers()
     if heads is not None:
+        given = (("layers", layers is not None), ("head_fusion", head_fusion != "mean"))
+        unused = [name for name, set_ in given if set_]
+        if unused:  # heads= is the exact set of heads averaged: an option that would be ignored is refused
+            raise OptionError(f"cross option 'heads' averages exactly the (layer, head) pairs given, so {unused} do "
+                              "not apply with it; pass heads= alone, or layers= / head_fusion= without heads=")
         total, count = None, 0
         for layer, chosen in _head_pairs(records, heads).items():
             probs = records[layer].probs(queries=ctx.rows)[:, chosen]  # (B, h, T, N)
