@@ -684,3 +684,26 @@ BUILDERS["aya_vision"] = aya_vision
 ORACLE["aya_vision"] = dict(prompt=lambda p: "<image>" + p, extend=_positions_from_mask,
                             image_token=lambda m: m.config.image_token_index, features=_aya_features,
                             placeholders=lambda m: [m.config.image_token_index])
+
+
+def pixtral() -> tuple[nn.Module, Any]:
+    """Pixtral-12B's layout: LLaVA with a Pixtral tower (longest edge 32 px, 8 px patches, no merger, [IMG_BREAK] rows)."""
+    import transformers
+
+    tok = tokenizer(("[IMG]", "[IMG_BREAK]", "[IMG_END]"))
+    image = transformers.PixtralImageProcessor(size={"longest_edge": 32}, patch_size=8)
+    proc = transformers.PixtralProcessor(image_processor=image, tokenizer=tok, patch_size=8, spatial_merge_size=1,
+                                         image_token="[IMG]", image_break_token="[IMG_BREAK]", image_end_token="[IMG_END]")
+    vision = transformers.PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                              image_size=32, patch_size=8, head_dim=16)
+    cfg = transformers.LlavaConfig(vision_config=vision, text_config=dict(model_type="mistral", vocab_size=len(tok), **_text()),
+                                   image_token_id=tok.convert_tokens_to_ids("[IMG]"), vision_feature_select_strategy="full",
+                                   vision_feature_layer=-1)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return reinit_small(transformers.LlavaForConditionalGeneration(cfg).eval()), proc
+
+
+BUILDERS["pixtral"] = pixtral
+ORACLE["pixtral"] = dict(ORACLE["mistral3"], image_token=lambda m: m.config.image_token_id,
+                         placeholders=lambda m: [m.config.image_token_id])

@@ -3,6 +3,9 @@
 The processor resizes (shortest edge) and centre-crops the image; the vision tower's patch grid
 over that crop is the token grid, in row-major order (the class token is dropped by the
 ``"default"`` feature strategy and kept, without pixels, by ``"full"``; a SigLIP tower has none).
+With a Pixtral tower (Pixtral-12B) the image keeps its native resolution: one token per patch of the
+processor's resized image (``image_sizes``), rows ended by ``[IMG_BREAK]`` (no pixels), as Mistral 3
+without its merger (:mod:`~vitexplain.adapters.vlm.mistral3`).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from ...errors import UnsupportedModelError
 from ...methods.families import VLM
 from ..base import Adapter, register_adapter
 from .base import ImageView, Piece, VLMAdapter, processed_box
+from .mistral3 import native_views
 
 __all__ = ["LlavaAdapter"]
 
@@ -25,6 +29,8 @@ class LlavaAdapter(VLMAdapter):
     def views(self, images: Sequence[Any], inputs: Any) -> list[ImageView]:
         config = self.model.config
         patch = config.vision_config.patch_size
+        if getattr(config.vision_config, "model_type", None) == "pixtral":  # Pixtral-12B: native resolution, no merge
+            return native_views(images, inputs, int(patch))
         pixels = inputs["pixel_values"]
         gh, gw = pixels.shape[-2] // patch, pixels.shape[-1] // patch
         # "full" keeps the tower's class token (no pixels); a tower without one (SigLIP) keeps none

@@ -21,7 +21,7 @@ from ...methods.families import VLM
 from ..base import Adapter, register_adapter
 from .base import ImageView, Piece, VLMAdapter
 
-__all__ = ["Mistral3Adapter"]
+__all__ = ["Mistral3Adapter", "native_views"]
 
 
 class Mistral3Adapter(VLMAdapter):
@@ -31,19 +31,24 @@ class Mistral3Adapter(VLMAdapter):
 
     def views(self, images: Sequence[Any], inputs: Any) -> list[ImageView]:
         config = self.model.config
-        block = int(config.vision_config.patch_size) * int(config.spatial_merge_size)  # pixels per merged token
-        sizes = inputs.get("image_sizes")
-        if sizes is None or len(sizes) != len(images):
-            raise UnsupportedModelError(f"the processor gave no image_sizes for each of the {len(images)} images; "
-                                        "use the model's own (Pixtral) processor")
-        views = []
-        for image, (rh, rw) in zip(images, sizes.tolist()):
-            h, w = int(image.shape[0]), int(image.shape[1])
-            grid = (int(rh) // block, int(rw) // block)
-            # the grid covers the resized image's first grid * block pixels: the whole image when they divide
-            box = (0.0, 0.0, grid[0] * block * h / rh, grid[1] * block * w / rw)
-            views.append(ImageView((h, w), (Piece("image", grid, box, 0),)))
-        return views
+        return native_views(images, inputs, int(config.vision_config.patch_size) * int(config.spatial_merge_size))
+
+
+def native_views(images: Sequence[Any], inputs: Any, block: int) -> list[ImageView]:
+    """One grid per image of the processor's ``image_sizes`` (the resized image, no crop) in ``block`` x ``block``
+    pixel cells, over the whole original image (Pixtral's native resolution; Mistral 3 merges patches)."""
+    sizes = inputs.get("image_sizes")
+    if sizes is None or len(sizes) != len(images):
+        raise UnsupportedModelError(f"the processor gave no image_sizes for each of the {len(images)} images; "
+                                    "use the model's own (Pixtral) processor")
+    views = []
+    for image, (rh, rw) in zip(images, sizes.tolist()):
+        h, w = int(image.shape[0]), int(image.shape[1])
+        grid = (int(rh) // block, int(rw) // block)
+        # the grid covers the resized image's first grid * block pixels: the whole image when they divide
+        box = (0.0, 0.0, grid[0] * block * h / rh, grid[1] * block * w / rw)
+        views.append(ImageView((h, w), (Piece("image", grid, box, 0),)))
+    return views
 
 
 @register_adapter(priority=20, family=VLM)
