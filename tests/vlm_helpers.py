@@ -707,3 +707,33 @@ def pixtral() -> tuple[nn.Module, Any]:
 BUILDERS["pixtral"] = pixtral
 ORACLE["pixtral"] = dict(ORACLE["mistral3"], image_token=lambda m: m.config.image_token_id,
                          placeholders=lambda m: [m.config.image_token_id])
+
+
+COHERE_SPECIALS = ("<image>", "<|START_OF_IMG|>", "<|END_OF_IMG|>", "<|IMG_LINE_BREAK|>")
+
+
+def cohere2_vision() -> tuple[nn.Module, Any]:
+    """Command A Vision: Aya Vision's tiles plus the global image (Cohere2Vision's own canvas search, up to 4 tiles of 16 px,
+    SigLIP 4 px patches pixel-shuffled by 2: 2 x 2 tokens per tile, each tile ended by a line break), a Cohere2 LM."""
+    import transformers
+
+    tok = tokenizer(COHERE_SPECIALS)
+    # (Command A Vision's processor reads these from its tokenizer, as the checkpoint's own tokenizer carries them)
+    tok.boi_token, tok.eoi_token, tok.image_token, tok.img_line_break_token = (
+        "<|START_OF_IMG|>", "<|END_OF_IMG|>", "<image>", "<|IMG_LINE_BREAK|>")
+    tok.image_token_id = tok.convert_tokens_to_ids("<image>")
+    image = transformers.Cohere2VisionImageProcessor(size={"height": 16, "width": 16}, crop_to_patches=True, min_patches=1,
+                                                     max_patches=4, patch_size=2)
+    proc = transformers.Cohere2VisionProcessor(image_processor=image, tokenizer=tok)
+    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=16, patch_size=4)
+    cfg = transformers.Cohere2VisionConfig(vision_config=vision, text_config=dict(model_type="cohere2", vocab_size=len(tok), **_text()),
+                                           downsample_factor=2, image_token_id=tok.image_token_id, alignment_intermediate_size=64)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return reinit_small(transformers.Cohere2VisionForConditionalGeneration(cfg).eval()), proc
+
+
+BUILDERS["cohere2_vision"] = cohere2_vision
+ORACLE["cohere2_vision"] = dict(ORACLE["aya_vision"], image_token=lambda m: m.config.image_token_id,
+                                placeholders=lambda m: [m.config.image_token_id])

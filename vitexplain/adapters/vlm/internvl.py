@@ -1,5 +1,5 @@
-"""InternVL (``InternVLForConditionalGeneration``, InternVL 2.5 / 3 in transformers) and Aya Vision: tiles plus a
-thumbnail, pixel shuffle.
+"""InternVL (``InternVLForConditionalGeneration``, InternVL 2.5 / 3 in transformers), Aya Vision and Command A
+Vision (Cohere2Vision): tiles plus a thumbnail, pixel shuffle.
 
 The image processor (``GotOcr2ImageProcessor``), with ``crop_to_patches``, picks the ``rows x cols`` canvas
 of tiles closest to the image's aspect ratio within ``min_patches..max_patches``
@@ -13,6 +13,7 @@ Tile (r, c) covers rows ``r/rows..(r+1)/rows`` and columns ``c/cols..(c+1)/cols`
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Optional, Sequence
 
 from torch import nn
@@ -23,7 +24,7 @@ from ...methods.families import VLM
 from ..base import Adapter, register_adapter
 from .base import ImageView, Piece, VLMAdapter
 
-__all__ = ["InternVLAdapter", "AyaVisionAdapter"]
+__all__ = ["InternVLAdapter", "AyaVisionAdapter", "Cohere2VisionAdapter"]
 
 
 class InternVLAdapter(VLMAdapter):
@@ -36,8 +37,10 @@ class InternVLAdapter(VLMAdapter):
         processor = self.image_processor
         if not getattr(processor, "crop_to_patches", False):
             return 1, 1
-        from transformers.models.got_ocr2.image_processing_got_ocr2 import get_optimal_tiled_canvas
-
+        # the tiling processor's own canvas search (GotOcr2's, or Cohere2Vision's other one)
+        get_optimal_tiled_canvas = getattr(sys.modules.get(type(processor).__module__), "get_optimal_tiled_canvas", None)
+        if get_optimal_tiled_canvas is None:
+            raise UnsupportedModelError(f"{type(processor).__name__} tiles images in a way vitexplain does not follow")
         size = processor.size
         cols, rows = get_optimal_tiled_canvas((height, width), (size["height"], size["width"]),
                                               processor.min_patches, processor.max_patches)
@@ -83,11 +86,17 @@ class AyaVisionAdapter(InternVLAdapter):
         config = self.model.config
         side = [s // p for s, p in zip(pair(config.vision_config.image_size), pair(config.vision_config.patch_size))]
         factor = int(config.downsample_factor)
-        if config.vision_feature_select_strategy != "full" or side[0] % factor or side[1] % factor:
+        strategy = getattr(config, "vision_feature_select_strategy", "full")  # (Cohere2Vision: every token)
+        if strategy != "full" or side[0] % factor or side[1] % factor:
             raise UnsupportedModelError(
-                f"Aya Vision with vision_feature_select_strategy={config.vision_feature_select_strategy!r} and a "
+                f"{type(self.model).__name__} with vision_feature_select_strategy={strategy!r} and a "
                 f"{side[0]}x{side[1]} patch grid shuffled by {factor}: its image tokens' geometry is not followed")
         return side[0] // factor, side[1] // factor
+
+
+class Cohere2VisionAdapter(AyaVisionAdapter):
+    """Command A Vision (``Cohere2VisionForConditionalGeneration``): Aya Vision's geometry, its own canvas search
+    (``Cohere2VisionImageProcessor``); each tile's tokens end with a line-break token (no pixels)."""
 
 
 @register_adapter(priority=20, family=VLM)
@@ -95,4 +104,6 @@ def _detect_internvl(model: nn.Module) -> Optional[Adapter]:
     name = type(model).__name__
     if name == "AyaVisionForConditionalGeneration":
         return AyaVisionAdapter(model)
+    if name == "Cohere2VisionForConditionalGeneration":
+        return Cohere2VisionAdapter(model)
     return InternVLAdapter(model) if name == "InternVLForConditionalGeneration" else None
