@@ -3,4 +3,4 @@
 from vlm_checks import *  # noqa: F401,F403  (the tests)
 from vlm_checks import family
 
-built = family(['qwen2_vl', 'qwen2_5_vl', 'qwen3_vl'])
+built = family(['qwen2_vl', 'qwen2_5_vl', 'qwen3_vl', 'qwen3_vl_moe'])

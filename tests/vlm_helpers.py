@@ -269,19 +269,26 @@ def _qwen(kind: str) -> tuple[nn.Module, Any]:
                       spatial_merge_size=2, window_size=16, fullatt_block_indexes=[1])
         cfg = transformers.Qwen2_5_VLConfig(vision_config=vision, text_config=text, **ids)
         cls = transformers.Qwen2_5_VLForConditionalGeneration
-    else:
+    else:  # Qwen3-VL, and Qwen3-VL-MoE (its language model's MLPs are experts)
         image = transformers.Qwen2VLImageProcessor(**pixels)
         proc = transformers.Qwen3VLProcessor(image_processor=image, tokenizer=tok, video_processor=video)
         vision = dict(depth=2, hidden_size=32, out_hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
                       spatial_merge_size=2, num_position_embeddings=16, deepstack_visual_indexes=[0])
-        cfg = transformers.Qwen3VLConfig(vision_config=vision, text_config=dict(text, rope_parameters=dict(rope, mrope_interleaved=True)), **ids)
-        cls = transformers.Qwen3VLForConditionalGeneration
+        text = dict(text, rope_parameters=dict(rope, mrope_interleaved=True))
+        if kind == "qwen3_vl_moe":
+            text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)
+            cfg = transformers.Qwen3VLMoeConfig(vision_config=vision, text_config=text, **ids)
+            cls = transformers.Qwen3VLMoeForConditionalGeneration
+        else:
+            cfg = transformers.Qwen3VLConfig(vision_config=vision, text_config=text, **ids)
+            cls = transformers.Qwen3VLForConditionalGeneration
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     return reinit_small(cls(cfg).eval()), proc
 
 
-BUILDERS.update(qwen2_vl=lambda: _qwen("qwen2_vl"), qwen2_5_vl=lambda: _qwen("qwen2_5_vl"), qwen3_vl=lambda: _qwen("qwen3_vl"))
+BUILDERS.update(qwen2_vl=lambda: _qwen("qwen2_vl"), qwen2_5_vl=lambda: _qwen("qwen2_5_vl"), qwen3_vl=lambda: _qwen("qwen3_vl"),
+                qwen3_vl_moe=lambda: _qwen("qwen3_vl_moe"))
 
 
 def _qwen_features(model: nn.Module, proc: Any, image: np.ndarray) -> torch.Tensor:
@@ -298,7 +305,7 @@ def _qwen_extend(kwargs: dict, batch: Any, ids: torch.Tensor) -> None:
 _QWEN_ORACLE = dict(prompt=lambda p: "<|vision_start|><|image_pad|><|vision_end|>" + p, extend=_qwen_extend,
                     image_token=lambda m: m.config.image_token_id, features=_qwen_features,
                     placeholders=lambda m: [m.config.image_token_id])
-ORACLE.update(qwen2_vl=_QWEN_ORACLE, qwen2_5_vl=_QWEN_ORACLE, qwen3_vl=_QWEN_ORACLE)
+ORACLE.update(qwen2_vl=_QWEN_ORACLE, qwen2_5_vl=_QWEN_ORACLE, qwen3_vl=_QWEN_ORACLE, qwen3_vl_moe=_QWEN_ORACLE)
 
 
 IDEFICS_SPECIALS = ("<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>") + tuple(
@@ -625,29 +632,38 @@ ORACLE["internvl"] = dict(prompt=lambda p: "<IMG_CONTEXT>" + p, extend=_position
 GLM_SPECIALS = ("<|begin_of_image|>", "<|image|>", "<|end_of_image|>", "<|video|>", "<|begin_of_video|>", "<|end_of_video|>")
 
 
-def glm4v() -> tuple[nn.Module, Any]:
-    """GLM-4.1V: Qwen2-VL's geometry (4 px patches merged 2 x 2, dynamic resolution <= 32 x 32 px), M-RoPE, a GLM-4 LM."""
+def glm4v(kind: str = "glm4v") -> tuple[nn.Module, Any]:
+    """GLM-4.1V (``kind`` "glm4v"), GLM-4.5V ("glm4v_moe": experts in its LM) and GLM-4.6V ("glm46v"): Qwen2-VL's
+    geometry (4 px patches merged 2 x 2, dynamic resolution <= 32 x 32 px), M-RoPE, a GLM-4 LM."""
     import transformers
 
     tok = tokenizer(GLM_SPECIALS)
     tok.image_token = "<|image|>"  # (GLM's processor reads it from its tokenizer)
     pixels = dict(size={"shortest_edge": 8 * 8, "longest_edge": 32 * 32}, patch_size=4, merge_size=2, temporal_patch_size=2)
-    proc = transformers.Glm4vProcessor(image_processor=transformers.Glm4vImageProcessor(**pixels), tokenizer=tok,
-                                       video_processor=transformers.Glm4vVideoProcessor(**pixels))
+    processor = transformers.Glm46VProcessor if kind == "glm46v" else transformers.Glm4vProcessor
+    proc = processor(image_processor=transformers.Glm4vImageProcessor(**pixels), tokenizer=tok,
+                     video_processor=transformers.Glm4vVideoProcessor(**pixels))
     rope = {"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 10000.0, "partial_rotary_factor": 1.0}
     vision = dict(depth=2, hidden_size=32, out_hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
                   spatial_merge_size=2, image_size=32)
     ids = dict(zip(("image_start_token_id", "image_token_id", "image_end_token_id", "video_token_id",
                     "video_start_token_id", "video_end_token_id"), tok.convert_tokens_to_ids(list(GLM_SPECIALS))))
-    cfg = transformers.Glm4vConfig(vision_config=vision, text_config=dict(vocab_size=len(tok), rope_parameters=rope, **_text()),
-                                   **ids)
+    text = dict(vocab_size=len(tok), rope_parameters=rope, **_text())
+    if kind == "glm4v_moe":
+        text.update(moe_intermediate_size=32, num_experts_per_tok=2, n_routed_experts=4, n_shared_experts=1,
+                    first_k_dense_replace=1)
+    config, model = {"glm4v": ("Glm4vConfig", "Glm4vForConditionalGeneration"),
+                     "glm4v_moe": ("Glm4vMoeConfig", "Glm4vMoeForConditionalGeneration"),
+                     "glm46v": ("Glm46VConfig", "Glm46VForConditionalGeneration")}[kind]
+    cfg = getattr(transformers, config)(vision_config=vision, text_config=text, **ids)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    return reinit_small(transformers.Glm4vForConditionalGeneration(cfg).eval()), proc
+    return reinit_small(getattr(transformers, model)(cfg).eval()), proc
 
 
-BUILDERS["glm4v"] = glm4v
-ORACLE["glm4v"] = dict(_QWEN_ORACLE, prompt=lambda p: "<|begin_of_image|><|image|><|end_of_image|>" + p)
+BUILDERS.update(glm4v=glm4v, glm4v_moe=lambda: glm4v("glm4v_moe"), glm46v=lambda: glm4v("glm46v"))
+ORACLE["glm4v"] = ORACLE["glm4v_moe"] = ORACLE["glm46v"] = dict(
+    _QWEN_ORACLE, prompt=lambda p: "<|begin_of_image|><|image|><|end_of_image|>" + p)
 
 
 AYA_SPECIALS = ("<image>", "<|START_OF_IMG|>", "<|END_OF_IMG|>", "<|IMG_PATCH|>", "<|IMG_LINE_BREAK|>", "TILE", "TILE_GLOBAL",

@@ -31,7 +31,8 @@ from .base import ImageView, Piece, VLMAdapter
 
 __all__ = ["QwenVLAdapter", "Glm4vAdapter"]
 
-_NAMES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
+_NAMES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
+          "Qwen3VLMoeForConditionalGeneration")
 
 
 class QwenVLAdapter(VLMAdapter):
@@ -92,7 +93,7 @@ class QwenVLAdapter(VLMAdapter):
 
 
 class Glm4vAdapter(QwenVLAdapter):
-    """GLM-4.1V / GLM-4.5V (``Glm4vForConditionalGeneration``): Qwen2-VL's geometry (``image_grid_thw``, 2 x 2
+    """GLM-4.1V, GLM-4.5V (experts) and GLM-4.6V (``Glm4v*``, ``Glm46V*ForConditionalGeneration``): Qwen2-VL's geometry (``image_grid_thw``, 2 x 2
     merge, M-RoPE from ``mm_token_type_ids``), its image between ``<|begin_of_image|>`` and ``<|end_of_image|>``."""
 
     image_token = "<|image|>"
@@ -104,6 +105,7 @@ class Glm4vAdapter(QwenVLAdapter):
 
 @register_adapter(priority=20, family=VLM)
 def _detect_qwen(model: nn.Module) -> Optional[Adapter]:
-    if type(model).__name__ == "Glm4vForConditionalGeneration":
+    if type(model).__name__ in ("Glm4vForConditionalGeneration", "Glm4vMoeForConditionalGeneration",
+                                "Glm46VForConditionalGeneration"):
         return Glm4vAdapter(model)
     return QwenVLAdapter(model) if type(model).__name__ in _NAMES else None
