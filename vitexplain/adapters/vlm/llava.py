@@ -24,7 +24,8 @@ __all__ = ["LlavaAdapter"]
 
 
 class LlavaAdapter(VLMAdapter):
-    """LLaVA-1.5-style models (also VipLlava-free LLaVA variants built on ``LlavaForConditionalGeneration``)."""
+    """LLaVA-1.5-style models (``LlavaForConditionalGeneration``, and ViP-LLaVA, whose projector reads several tower layers
+    of the same patch tokens)."""
 
     def views(self, images: Sequence[Any], inputs: Any) -> list[ImageView]:
         config = self.model.config
@@ -34,7 +35,8 @@ class LlavaAdapter(VLMAdapter):
         pixels = inputs["pixel_values"]
         gh, gw = pixels.shape[-2] // patch, pixels.shape[-1] // patch
         # "full" keeps the tower's class token (no pixels); a tower without one (SigLIP) keeps none
-        extra = 1 if config.vision_feature_select_strategy == "full" and self._tower_has_class_token() else 0
+        strategy = getattr(config, "vision_feature_select_strategy", "default")  # (VipLlava: the class token dropped)
+        extra = 1 if strategy == "full" and self._tower_has_class_token() else 0
         if not isinstance(config.vision_feature_layer, int) and len(config.vision_feature_layer) == 0:
             raise UnsupportedModelError("LLaVA config without a vision feature layer")
         views = []
@@ -55,6 +57,6 @@ class LlavaAdapter(VLMAdapter):
 
 @register_adapter(priority=20, family=VLM)
 def _detect_llava(model: nn.Module) -> Optional[Adapter]:
-    if type(model).__name__ in ("LlavaForConditionalGeneration",):
+    if type(model).__name__ in ("LlavaForConditionalGeneration", "VipLlavaForConditionalGeneration"):
         return LlavaAdapter(model)
     return None
