@@ -56,8 +56,9 @@ def _text(**extra: Any) -> dict[str, Any]:
 _V = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=8)
 
 
-def llava() -> tuple[nn.Module, Any]:
-    """LLaVA: CLIP vision tower (32 px crop, 8 px patches: 4 x 4 tokens), Llama LM with GQA."""
+def llava(vip: bool = False) -> tuple[nn.Module, Any]:
+    """LLaVA: CLIP vision tower (32 px crop, 8 px patches: 4 x 4 tokens), Llama LM with GQA; ``vip``: ViP-LLaVA (its
+    projector over two tower layers)."""
     import transformers
 
     tok = tokenizer(("<image>",))
@@ -66,16 +67,22 @@ def llava() -> tuple[nn.Module, Any]:
                                        vision_feature_select_strategy="default", num_additional_image_tokens=1)
     vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                                            image_size=32, patch_size=8)
-    cfg = transformers.LlavaConfig(vision_config=vision, text_config=dict(model_type="llama", vocab_size=len(tok), **_text()),
-                                   image_token_id=tok.convert_tokens_to_ids("<image>"), vision_feature_select_strategy="default",
-                                   vision_feature_layer=-1)
+    text = dict(model_type="llama", vocab_size=len(tok), **_text())
+    image_id = tok.convert_tokens_to_ids("<image>")
+    if vip:
+        cfg = transformers.VipLlavaConfig(vision_config=vision, text_config=text, image_token_index=image_id,
+                                          vision_feature_layer=(-1, 1))
+    else:
+        cfg = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_id=image_id,
+                                       vision_feature_select_strategy="default", vision_feature_layer=-1)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    return reinit_small(transformers.LlavaForConditionalGeneration(cfg).eval()), proc
+    model = (transformers.VipLlavaForConditionalGeneration if vip else transformers.LlavaForConditionalGeneration)(cfg)
+    return reinit_small(model.eval()), proc
 
 
 #: name -> builder of (model, processor)
-BUILDERS: dict[str, Callable[[], tuple[nn.Module, Any]]] = {"llava": llava}
+BUILDERS: dict[str, Callable[[], tuple[nn.Module, Any]]] = {"llava": lambda: llava()}
 
 
 def eager_copy(model: nn.Module) -> nn.Module:
@@ -755,23 +762,6 @@ ORACLE["cohere2_vision"] = dict(ORACLE["aya_vision"], image_token=lambda m: m.co
                                 placeholders=lambda m: [m.config.image_token_id])
 
 
-def vipllava() -> tuple[nn.Module, Any]:
-    """ViP-LLaVA: LLaVA's CLIP tower (32 px crop, 8 px patches: 4 x 4 tokens), its projector over two tower layers."""
-    import transformers
-
-    tok = tokenizer(("<image>",))
-    image = transformers.CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
-    proc = transformers.LlavaProcessor(image_processor=image, tokenizer=tok, patch_size=8,
-                                       vision_feature_select_strategy="default", num_additional_image_tokens=1)
-    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                                           image_size=32, patch_size=8)
-    cfg = transformers.VipLlavaConfig(vision_config=vision, text_config=dict(model_type="llama", vocab_size=len(tok), **_text()),
-                                      image_token_index=tok.convert_tokens_to_ids("<image>"), vision_feature_layer=(-1, 1))
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return reinit_small(transformers.VipLlavaForConditionalGeneration(cfg).eval()), proc
-
-
-BUILDERS["vipllava"] = vipllava
+BUILDERS["vipllava"] = lambda: llava(vip=True)
 ORACLE["vipllava"] = dict(ORACLE["llava"], image_token=lambda m: m.config.image_token_index,
                           placeholders=lambda m: [m.config.image_token_index])

@@ -99,11 +99,11 @@ class Cohere2VisionAdapter(AyaVisionAdapter):
     (``Cohere2VisionImageProcessor``); each tile's tokens end with a line-break token (no pixels)."""
 
 
+_ADAPTERS = {"InternVLForConditionalGeneration": InternVLAdapter, "AyaVisionForConditionalGeneration": AyaVisionAdapter,
+             "Cohere2VisionForConditionalGeneration": Cohere2VisionAdapter}
+
+
 @register_adapter(priority=20, family=VLM)
 def _detect_internvl(model: nn.Module) -> Optional[Adapter]:
-    name = type(model).__name__
-    if name == "AyaVisionForConditionalGeneration":
-        return AyaVisionAdapter(model)
-    if name == "Cohere2VisionForConditionalGeneration":
-        return Cohere2VisionAdapter(model)
-    return InternVLAdapter(model) if name == "InternVLForConditionalGeneration" else None
+    adapter = _ADAPTERS.get(type(model).__name__)
+    return adapter(model) if adapter is not None else None
