@@ -302,3 +302,18 @@ def test_a_timm_model_wrapped_by_transformers_is_explained_as_the_timm_model():
         assert torch.equal(ours.maps, timm_own.maps) and ours.targets.tolist() == timm_own.targets.tolist()
     for module in wrapper.modules():  # left as found
         assert not module._forward_hooks and not module._forward_pre_hooks
+
+
+@pytest.mark.parametrize("config_cls, model_cls", [("DINOv3ViTConfig", "DINOv3ViTBackbone"), ("Dinov2Config", "Dinov2Backbone"),
+                                                   ("Dinov2WithRegistersConfig", "Dinov2WithRegistersBackbone")])
+def test_a_backbone_of_a_known_type_is_refused_with_the_model_class_to_use(config_cls, model_cls):
+    """DINOv3ViTBackbone / Dinov2Backbone share their model_type (and layers) with the models vitexplain explains,
+    but return feature maps of several stages (a BackboneOutput: no logits, no pooled embedding, no
+    last_hidden_state); they were taken for the headless model and every method raised a raw AttributeError."""
+    model = _build(config_cls, model_cls)
+    x = torch.randn(1, 3, 32, 32)
+    with torch.no_grad():
+        assert not hasattr(model(pixel_values=x), "last_hidden_state")
+    expected = model_cls.replace("Backbone", "Model")
+    with pytest.raises(vx.UnsupportedModelError, match=f"{model_cls} is a backbone.*{expected}"):
+        vx.Explainer(model)

@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor, nn
 
+from ..errors import UnsupportedModelError
 from ..layout import TokenLayout, pair
 from ..methods.families import VIT
 from .base import Adapter, register_adapter
@@ -257,6 +258,13 @@ def _detect_hf(model: nn.Module) -> Optional[Adapter]:
     kind = HF_TYPES.get(getattr(config, "model_type", None))  # type: ignore[arg-type]
     if kind is None:
         return None
+    if any(c.__name__ == "BackboneMixin" for c in type(model).__mro__):  # Dinov2Backbone, DINOv3ViTBackbone, ...
+        name = type(model).__name__
+        raise UnsupportedModelError(
+            f"{name} is a backbone: it returns feature maps of several stages (for a detection or segmentation "
+            "head), not logits or one pooled embedding a target could score; load the same weights as "
+            f"{name.replace('Backbone', 'Model')} (or its *ForImageClassification) and explain that, or record "
+            "the backbone's attention with vx.capture(model)")
     found = _layers(model, kind.norm1)
     if found is None:
         return None
