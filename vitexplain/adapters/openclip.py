@@ -6,7 +6,8 @@ a class token and the patches of ``conv1`` (``grid_size``, position embeddings f
 then ``_pool``: ``ln_post`` and the class token (``pool_type='tok'``) or the mean of the patches
 (``'avg'``), then ``proj``. Its output is the pooled embedding, so explanations score it with
 ``vx.targets.similarity`` / ``vx.targets.norm`` or a callable. A CLIP model (``open_clip.model.CLIP``,
-``CustomTextCLIP``) is explained through its image tower, as ``encode_image`` runs it.
+``CustomTextCLIP``, CoCa) is explained through its image tower, as ``encode_image`` runs it (CoCa's
+normalises the embedding to unit length by default, and so does the adapter's head).
 
 Refused with the reason: ``pool_type='none'`` (no pooled embedding), and, for the methods that carry
 a readout row through the attention, a tower with attention pooling (CoCa's ``attn_pool``: learned
@@ -15,8 +16,10 @@ queries read every token).
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Optional
 
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import UnsupportedModelError
@@ -47,6 +50,7 @@ class OpenCLIPViTAdapter(ViTAdapter):
                 "pooled embedding a target could score; build it with pool_type='tok' or 'avg', or record its "
                 "attention with vx.capture(model)")
         self.tower, self.visual = tower, visual
+        self.normalized = bool(visual) and _normalizes(model.encode_image)  # CoCa's latent has unit length
         prefix = f"{visual}." if visual else ""
         self.blocks = [f"{prefix}transformer.resblocks.{i}" for i in range(len(tower.transformer.resblocks))]
         self.norm1 = f"{self.blocks[-1]}.ln_1"
@@ -70,13 +74,24 @@ class OpenCLIPViTAdapter(ViTAdapter):
 
     def head(self, tokens: Tensor) -> Tensor:
         pooled, _ = self.tower._pool(tokens)  # the tower's own pooling and final norm
-        return pooled @ self.tower.proj if self.tower.proj is not None else pooled
+        pooled = pooled @ self.tower.proj if self.tower.proj is not None else pooled
+        return F.normalize(pooled, dim=-1) if self.normalized else pooled
 
     def preprocess_kwargs(self) -> dict[str, Any]:
         cfg = getattr(self.tower, "preprocess_cfg", None) or {}  # set by open_clip.create_model
         mean, std = cfg.get("mean", _CLIP_STATS[0]), cfg.get("std", _CLIP_STATS[1])
         return dict(input_size=pair(self.tower.image_size), mean=tuple(mean), std=tuple(std), crop_pct=1.0,
                     interpolation=cfg.get("interpolation", "bicubic"))
+
+
+def _normalizes(encode_image: Any) -> bool:
+    """Whether a CLIP model's ``encode_image`` normalises the embedding when called with the image alone (its
+    ``normalize`` argument defaults to True: CoCa; False: CLIP, CustomTextCLIP)."""
+    try:
+        parameter = inspect.signature(encode_image).parameters.get("normalize")
+    except (TypeError, ValueError):
+        return False
+    return parameter is not None and parameter.default is True
 
 
 def _is_tower(module: Any) -> bool:
