@@ -9,7 +9,8 @@ then ``_pool``: ``ln_post`` and the class token (``pool_type='tok'``) or the mea
 ``CustomTextCLIP``, CoCa) is explained through its image tower, as ``encode_image`` runs it (CoCa's
 normalises the embedding to unit length by default, and so does the adapter's head).
 
-Refused with the reason: ``pool_type='none'`` (no pooled embedding), and, for the methods that carry
+Refused with the reason: the other OpenCLIP towers (``TimmModel``: the message says how to explain its
+timm trunk; ``ModifiedResNet``), ``pool_type='none'`` (no pooled embedding), and, for the methods that carry
 a readout row through the attention, a tower with attention pooling (CoCa's ``attn_pool``: learned
 queries read every token).
 """
@@ -99,10 +100,43 @@ def _is_tower(module: Any) -> bool:
                for c in type(module).__mro__)
 
 
+def _other_tower(module: Any) -> Optional[str]:
+    """The class name of an OpenCLIP image tower that is not its VisionTransformer (TimmModel, ModifiedResNet)."""
+    for cls in type(module).__mro__:
+        if (cls.__module__, cls.__name__) in (("open_clip.timm_model", "TimmModel"),
+                                              ("open_clip.modified_resnet", "ModifiedResNet")):
+            return cls.__name__
+    return None
+
+
+def _refuse_other_tower(model: nn.Module, tower: nn.Module, path: str) -> UnsupportedModelError:
+    """Why an OpenCLIP model whose image tower (``path`` in the user's words) is not a VisionTransformer is not
+    explained, and what to do instead."""
+    kind = _other_tower(tower)
+    where = f"{type(model).__name__}'s image tower is" if path != "model" else f"{type(model).__name__} is"
+    if kind == "TimmModel":
+        trunk = type(getattr(tower, "trunk", None)).__name__
+        return UnsupportedModelError(
+            f"{where} OpenCLIP's TimmModel (a timm {trunk} trunk, then the tower's head), which vitexplain does not "
+            f"explain as a whole; explain its trunk, vx.Explainer({path}.trunk), with a target that applies the "
+            f"head to the trunk's output, e.g. target=lambda f: vx.targets.similarity(v)({path}.head(f)): the "
+            "score is then the CLIP embedding's")
+    return UnsupportedModelError(
+        f"{where} OpenCLIP's ModifiedResNet (an RN50-style CLIP tower with an attention-pooling head), which no "
+        "vitexplain adapter describes; register one (vitexplain.adapters.register_adapter, see docs/guide.md, "
+        "'Your own model') or record its attention with vx.capture(model)")
+
+
 @register_adapter(priority=10, family=VIT)
 def _detect_openclip(model: nn.Module) -> Optional[Adapter]:
     if _is_tower(model):
         return OpenCLIPViTAdapter(model)
-    if _is_tower(getattr(model, "visual", None)) and callable(getattr(model, "encode_image", None)):
+    visual = getattr(model, "visual", None)
+    clip = callable(getattr(model, "encode_image", None))
+    if _is_tower(visual) and clip:
         return OpenCLIPViTAdapter(model, "visual")
+    if _other_tower(model):
+        raise _refuse_other_tower(model, model, "model")
+    if clip and _other_tower(visual):
+        raise _refuse_other_tower(model, visual, "model.visual")
     return None
