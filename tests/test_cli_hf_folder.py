@@ -69,3 +69,34 @@ def test_a_folder_that_is_neither_a_classifier_nor_a_vlm_is_a_usage_error(tmp_pa
     Image.fromarray(np.zeros((32, 32, 3), dtype=np.uint8)).save(image)
     assert cli.main(["export", str(image), "--out", str(tmp_path / "out"), "--model", str(folder), "-q"]) == 2
     assert "neither an image classifier nor a vision-language" in capsys.readouterr().err
+
+
+def test_export_preprocesses_with_the_image_processor_saved_in_the_folder(tmp_path: Path) -> None:
+    """A folder that holds the model's image processor (preprocessor_config.json: here ImageNet mean and std, where
+    the ViT type's default is 0.5) is preprocessed as that processor does: the CLI's maps equal the API's on the
+    processor's own pixel_values (images at the model's size: no resampling). They were preprocessed with the
+    model type's defaults, silently explaining another input than the model's."""
+    torch.manual_seed(0)
+    model, methods = _vit()
+    with torch.no_grad():
+        model.classifier.weight.normal_(0, 1.0)
+    processor = transformers.ViTImageProcessor(image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225],
+                                               size={"height": 32, "width": 32})
+    folder, images, out = tmp_path / "model", tmp_path / "images", tmp_path / "out"
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    images.mkdir()
+    rng = np.random.default_rng(4)
+    arrays = {name: rng.integers(0, 255, (32, 32, 3), dtype=np.uint8) for name in ("a.png", "b.png")}
+    for name, array in arrays.items():
+        Image.fromarray(array).save(images / name)
+    assert cli.main(["export", str(images), "--out", str(out), "--model", str(folder), "--method", methods,
+                     "--save-maps", "-q", "-j", "0"]) == 0
+    reference = type(model).from_pretrained(folder, local_files_only=True).eval()
+    ex = vx.Explainer(reference)
+    pixels = transformers.AutoImageProcessor.from_pretrained(folder, local_files_only=True)(
+        [arrays[name] for name in ("a.png", "b.png")], return_tensors="pt").pixel_values
+    for method in methods.split(","):
+        e = ex.explain(pixels, method=method)
+        for i, name in enumerate(("a.png", "b.png")):
+            np.testing.assert_allclose(np.load(out / f"{name}.{method}.npy"), e.maps[i].numpy(), rtol=1e-4, atol=1e-6)

@@ -91,7 +91,7 @@ from ..methods.registry import CAPABILITIES
 from ..recording.compiled import unwrap_compiled
 
 __all__ = ["Adapter", "register_adapter", "adapter_for", "find_adapter", "find_layout_module", "token_layout",
-           "CAPABILITIES", "unwrap_compiled"]
+           "preprocessing", "CAPABILITIES", "unwrap_compiled"]
 
 
 class Adapter:
@@ -152,6 +152,15 @@ class Adapter:
 
     def describe(self) -> str:
         return f"{type(self).__name__}({type(self.model).__name__})"
+
+
+def preprocessing(adapter: Adapter) -> dict[str, Any]:
+    """Keyword arguments of :func:`vitexplain.data.images.preprocess` for ``adapter``'s model: the adapter's defaults
+    (:meth:`Adapter.preprocess_kwargs`), overridden by the settings of the image processor saved with the model where
+    it carries them (``model.vx_preprocess``: ``input_size``, ``mean``, ``std``, ``crop_pct``, ``interpolation``; set
+    when ``--model DIR`` loads a Hugging Face folder holding a ``preprocessor_config.json``)."""
+    saved = getattr(adapter.model, "vx_preprocess", None)
+    return {**adapter.preprocess_kwargs(), **(saved if isinstance(saved, dict) else {})}
 
 
 def _names_by_index(id2label: dict) -> Optional[list[str]]:
