@@ -133,3 +133,21 @@ def test_hugging_face_models_no_adapter_describes_are_refused_with_a_clear_error
     for model in (poolformer, headless):
         with pytest.raises(vx.UnsupportedModelError, match="does not know how to explain"):
             vx.Explainer(model)
+
+
+def test_mobilevit_images_are_preprocessed_as_its_image_processor_does():
+    """MobileViT's image processor gives pixels in [0, 1], unnormalised, with the channels flipped to BGR; images were
+    normalised with ImageNet statistics in RGB order, so Grad-CAM explained another input than the model's. An image
+    at the model's size (nothing resampled): the maps equal those on the processor's own pixel_values."""
+    model = _build("mobilevit")
+    ex = vx.Explainer(model)
+    image = np.random.default_rng(5).integers(0, 255, (96, 96, 3), dtype=np.uint8)
+    image[:, :48, 0] = 255  # channels that differ, so their order matters
+    processor = transformers.MobileViTImageProcessor(do_resize=False, do_center_crop=False)
+    pixels = processor([image], return_tensors="pt").pixel_values
+    x = ex.preprocess([image], crop=False)[0]  # resized to its own size: nothing resampled
+    torch.testing.assert_close(x, pixels, rtol=0, atol=1e-6)
+    for method in ("gradcam", "layercam"):
+        want = ex.explain(pixels, method=method, target=1).maps
+        assert float(want.abs().max()) > 0
+        torch.testing.assert_close(ex.explain(x, method=method, target=1).maps, want)

@@ -54,6 +54,8 @@ class HFCNNAdapter(CNNAdapter):
         size = getattr(self.model.config, "image_size", None)
         if isinstance(size, int):  # EfficientNet and MobileNet configs carry their input size
             kwargs["input_size"] = (size, size)
+        if self.model.config.model_type in HF_HYBRIDS:  # MobileViTImageProcessor: pixels in [0, 1], no
+            kwargs.update(mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0), bgr=True)  # normalisation, channels flipped
         return kwargs
 
 

@@ -263,11 +263,7 @@ def _image_processor_settings(transformers: Any, folder: Path, path: str) -> dic
         value = size.get(key) if isinstance(size, dict) else getattr(size, key, None)
         return int(value) if value else None
 
-    settings: dict[str, Any] = {}
-    mean, std = getattr(proc, "image_mean", None), getattr(proc, "image_std", None)
-    if getattr(proc, "do_normalize", False) and mean is not None and std is not None:
-        mean, std = ([v] * 3 if isinstance(v, (int, float)) else v for v in (mean, std))  # one value: every channel
-        settings.update(mean=tuple(float(v) for v in mean), std=tuple(float(v) for v in std))
+    settings: dict[str, Any] = dict(_pixel_map(proc), bgr=bool(getattr(proc, "do_flip_channel_order", False)))
     resample = getattr(proc, "resample", None)
     if isinstance(resample, int) and int(resample) in _RESAMPLE:
         settings["interpolation"] = _RESAMPLE[int(resample)]
@@ -283,6 +279,26 @@ def _image_processor_settings(transformers: Any, folder: Path, path: str) -> dic
     elif height and width:
         settings.update(input_size=(height, width), crop_pct=1.0)
     return settings
+
+
+def _pixel_map(proc: Any) -> dict[str, tuple[float, ...]]:
+    """``mean`` and ``std`` (per RGB channel, pixels in [0, 1]) of the affine map an image processor applies to the
+    pixels: rescaling (``rescale_factor``; EfficientNet's ``rescale_offset`` subtracts 1 after it), normalising
+    (``image_mean``, ``image_std``), and EfficientNet's ``include_top`` (divides by ``image_std`` again). A pixel
+    value v in [0, 1] becomes (v - mean) / std."""
+    def channels(value: Any, default: float) -> list[float]:
+        if value is None:
+            return [default] * 3
+        return [float(value)] * 3 if isinstance(value, (int, float)) else [float(v) for v in value]
+
+    scale = 255.0 * float(getattr(proc, "rescale_factor", 1 / 255)) if getattr(proc, "do_rescale", True) else 255.0
+    offset = 1.0 if getattr(proc, "do_rescale", True) and getattr(proc, "rescale_offset", False) else 0.0
+    normalize = bool(getattr(proc, "do_normalize", False))
+    mean = channels(getattr(proc, "image_mean", None) if normalize else None, 0.0)
+    std = channels(getattr(proc, "image_std", None) if normalize else None, 1.0)
+    top = channels(getattr(proc, "image_std", None), 1.0) if getattr(proc, "include_top", False) else [1.0] * 3
+    # processor: ((v * scale - offset) - m) / s / t  ==  (v - (m + offset) / scale) / (s * t / scale)
+    return dict(mean=tuple((m + offset) / scale for m in mean), std=tuple(s * t / scale for s, t in zip(std, top)))
 
 
 def _fix_input_size(model: "nn.Module") -> None:
