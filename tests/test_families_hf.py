@@ -317,3 +317,24 @@ def test_a_backbone_of_a_known_type_is_refused_with_the_model_class_to_use(confi
     expected = model_cls.replace("Backbone", "Model")
     with pytest.raises(vx.UnsupportedModelError, match=f"{model_cls} is a backbone.*{expected}"):
         vx.Explainer(model)
+
+
+def test_a_timm_model_wrapped_by_transformers_keeps_the_wrappers_label_names():
+    """The class names of a TimmWrapperForImageClassification live in the wrapper's config (id2label: what
+    from_pretrained('timm/...') or a fine-tuned, saved wrapper carries), not in its timm model: explained as the
+    timm model it had no label names, so a label target was refused and the CLI wrote no labels."""
+    torch.manual_seed(0)
+    config = transformers.TimmWrapperConfig(architecture="vit_tiny_patch16_224", num_labels=3,
+                                            id2label={0: "cat", 1: "dog", 2: "fox"},
+                                            model_args=dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2))
+    wrapper = transformers.TimmWrapperForImageClassification(config).eval()
+    ex = vx.Explainer(wrapper)
+    assert ex.adapter.label_names == ["cat", "dog", "fox"]
+    x = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    by_name = ex.explain(x, method="cdam", target="dog")
+    assert by_name.targets.tolist() == [1] and by_name.target_names() == ["dog"]
+    torch.testing.assert_close(by_name.maps, ex.explain(x, method="cdam", target=1).maps)
+    plain = transformers.TimmWrapperForImageClassification(transformers.TimmWrapperConfig(
+        architecture="vit_tiny_patch16_224", num_labels=3,
+        model_args=dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2)))
+    assert vx.Explainer(plain).adapter.label_names is None  # LABEL_0, LABEL_1, ...: no names

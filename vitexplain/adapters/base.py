@@ -163,6 +163,15 @@ def preprocessing(adapter: Adapter) -> dict[str, Any]:
     return {**adapter.preprocess_kwargs(), **(saved if isinstance(saved, dict) else {})}
 
 
+def _config_names(config: Any) -> Optional[list[str]]:
+    """Class names from a Hugging Face config's ``id2label``, or None (none, or transformers' placeholders
+    ``LABEL_0``, ``LABEL_1``, ...)."""
+    id2label = getattr(config, "id2label", None)
+    if not id2label or all(str(v).startswith("LABEL_") for v in id2label.values()):
+        return None
+    return _names_by_index(id2label)
+
+
 def _names_by_index(id2label: dict) -> Optional[list[str]]:
     """A config's ``id2label`` as a list indexed by class, or None when its keys are not the
     indices 0..C-1. Keys are ordered as integers: they may be strings ("10" sorts before "2" as
@@ -266,8 +275,12 @@ def adapter_for(model: nn.Module) -> Adapter:
     """
     if not isinstance(model, nn.Module):
         raise UnsupportedModelError(f"expected a torch.nn.Module, got {type(model).__name__}")
-    adapter = find_adapter(_unwrapped(model))
+    inner = _unwrapped(model)
+    adapter = find_adapter(inner)
     if adapter is not None:
+        names = _config_names(getattr(model, "config", None)) if inner is not model and adapter.has_head else None
+        if names:  # a TimmWrapper's classes are in its own config (id2label), not in its timm model
+            adapter.label_names = names
         return adapter
     raise UnsupportedModelError(
         f"vitexplain does not know how to explain {type(model).__name__}. Supported: timm "
