@@ -82,6 +82,15 @@ def _efficientnet():
     return transformers.EfficientNetForImageClassification(config), "gradcam,layercam"
 
 
+TIMM_CFG = dict(input_size=(3, 48, 48), mean=(0.5, 0.4, 0.3), std=(0.2, 0.3, 0.4), crop_pct=1.0,
+                interpolation="bilinear")  # a timm hub tag's data config, not the architecture's default
+
+
+def _timm_wrapper():
+    config = transformers.TimmWrapperConfig(architecture="resnet18", num_labels=4, pretrained_cfg=dict(TIMM_CFG))
+    return transformers.TimmWrapperForImageClassification(config), "gradcam"
+
+
 PROCESSORS = {  # a model, and the image processor saved with it (its output size: the images' size)
     "vit_imagenet_stats": (_vit, lambda: transformers.ViTImageProcessor(
         image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225], size={"height": 32, "width": 32}), 32),
@@ -89,6 +98,8 @@ PROCESSORS = {  # a model, and the image processor saved with it (its output siz
         size={"shortest_edge": 64}, crop_size={"height": 64, "width": 64}), 64),
     "efficientnet_include_top": (_efficientnet, lambda: transformers.EfficientNetImageProcessor(
         size={"height": 64, "width": 64}, crop_size={"height": 64, "width": 64}), 64),
+    "timm_wrapper_data_config": (_timm_wrapper, lambda: transformers.TimmWrapperImageProcessor(
+        pretrained_cfg=dict(TIMM_CFG), architecture="resnet18"), 48),
 }
 
 
@@ -96,7 +107,8 @@ PROCESSORS = {  # a model, and the image processor saved with it (its output siz
 def test_export_preprocesses_with_the_image_processor_saved_in_the_folder(case, tmp_path: Path) -> None:
     """A folder that holds the model's image processor (preprocessor_config.json) is preprocessed as that processor
     does: ImageNet mean and std where the ViT type's default is 0.5; MobileViT's pixels in [0, 1] with the channels
-    flipped to BGR; EfficientNet's second division by the std (include_top). The CLI's maps equal the API's on the
+    flipped to BGR; EfficientNet's second division by the std (include_top); a wrapped timm model's data config
+    (TimmWrapperImageProcessor). The CLI's maps equal the API's on the
     processor's own pixel_values (images at the processor's output size: no resampling). They were preprocessed
     with the model type's defaults, silently explaining another input than the model's."""
     build, make_processor, size = PROCESSORS[case]
@@ -106,7 +118,7 @@ def test_export_preprocesses_with_the_image_processor_saved_in_the_folder(case, 
         for module in model.modules():  # He-scaled convs: a random init's std-0.02 convs lose the image (zero maps)
             if isinstance(module, torch.nn.Conv2d):
                 module.weight.normal_(0.0, (2.0 / module.weight[0].numel()) ** 0.5)
-        head = [m for m in model.classifier.modules() if isinstance(m, torch.nn.Linear)][-1]
+        head = [m for m in model.modules() if isinstance(m, torch.nn.Linear)][-1]
         head.weight.normal_(0, 1.0)
     folder, images, out = tmp_path / "model", tmp_path / "images", tmp_path / "out"
     model.save_pretrained(folder)

@@ -10,6 +10,7 @@ are then computed densely from their definitions and compared with the Explainer
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -338,3 +339,17 @@ def test_a_timm_model_wrapped_by_transformers_keeps_the_wrappers_label_names():
         architecture="vit_tiny_patch16_224", num_labels=3,
         model_args=dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2)))
     assert vx.Explainer(plain).adapter.label_names is None  # LABEL_0, LABEL_1, ...: no names
+
+
+def test_a_timm_model_wrapped_by_transformers_is_preprocessed_with_the_wrappers_data_config():
+    """A wrapper keeps its checkpoint's timm data config (config.pretrained_cfg, which TimmWrapperImageProcessor
+    uses); the timm model inside has its architecture's default (224 px, ImageNet statistics), which images were
+    preprocessed with. At the checkpoint's size (nothing resampled) the preprocessed images equal the processor's."""
+    cfg = dict(input_size=(3, 48, 48), mean=(0.5, 0.4, 0.3), std=(0.2, 0.3, 0.4), crop_pct=1.0, interpolation="bilinear")
+    config = transformers.TimmWrapperConfig(architecture="resnet18", num_labels=3, pretrained_cfg=dict(cfg))
+    wrapper = transformers.TimmWrapperForImageClassification(config).eval()
+    assert tuple(wrapper.timm_model.pretrained_cfg["mean"]) != cfg["mean"]
+    ex = vx.Explainer(wrapper)
+    image = np.random.default_rng(2).integers(0, 255, (48, 48, 3), dtype=np.uint8)
+    pixels = transformers.TimmWrapperImageProcessor(pretrained_cfg=dict(cfg))([image], return_tensors="pt").pixel_values
+    torch.testing.assert_close(ex.preprocess([image])[0], pixels, rtol=0, atol=1e-6)

@@ -108,6 +108,7 @@ class Adapter:
     family: Family
     capabilities: frozenset[str] = frozenset()
     has_head: bool = True
+    saved_preprocess: Optional[dict[str, Any]] = None  # a wrapper's preprocessing (see preprocessing())
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -158,9 +159,25 @@ def preprocessing(adapter: Adapter) -> dict[str, Any]:
     """Keyword arguments of :func:`vitexplain.data.images.preprocess` for ``adapter``'s model: the adapter's defaults
     (:meth:`Adapter.preprocess_kwargs`), overridden by the settings of the image processor saved with the model where
     it carries them (``model.vx_preprocess``: ``input_size``, ``mean``, ``std``, ``crop_pct``, ``interpolation``; set
-    when ``--model DIR`` loads a Hugging Face folder holding a ``preprocessor_config.json``)."""
-    saved = getattr(adapter.model, "vx_preprocess", None)
+    when ``--model DIR`` loads a Hugging Face folder holding a ``preprocessor_config.json``), or those of the wrapper
+    the adapter's model was found in (``adapter.saved_preprocess``: a Hugging Face TimmWrapper's)."""
+    saved = getattr(adapter, "saved_preprocess", None) or getattr(adapter.model, "vx_preprocess", None)
     return {**adapter.preprocess_kwargs(), **(saved if isinstance(saved, dict) else {})}
+
+
+def _wrapper_preprocess(wrapper: nn.Module) -> Optional[dict[str, Any]]:
+    """The preprocessing a Hugging Face wrapper of a timm model carries: what ``--model DIR`` read from its folder's
+    processor (``vx_preprocess``), else the timm data config of its checkpoint (``config.pretrained_cfg``, which the
+    wrapper keeps and its TimmWrapperImageProcessor uses; the timm model inside has its architecture's default)."""
+    saved = getattr(wrapper, "vx_preprocess", None)
+    if isinstance(saved, dict):
+        return saved
+    pretrained_cfg = getattr(getattr(wrapper, "config", None), "pretrained_cfg", None)
+    if not isinstance(pretrained_cfg, dict) or not pretrained_cfg:
+        return None
+    from ..data.images import data_config_kwargs
+
+    return data_config_kwargs(pretrained_cfg)
 
 
 def _config_names(config: Any) -> Optional[list[str]]:
@@ -281,6 +298,8 @@ def adapter_for(model: nn.Module) -> Adapter:
         names = _config_names(getattr(model, "config", None)) if inner is not model and adapter.has_head else None
         if names:  # a TimmWrapper's classes are in its own config (id2label), not in its timm model
             adapter.label_names = names
+        if inner is not model:
+            adapter.saved_preprocess = _wrapper_preprocess(model)
         return adapter
     raise UnsupportedModelError(
         f"vitexplain does not know how to explain {type(model).__name__}. Supported: timm "

@@ -259,6 +259,11 @@ def _image_processor_settings(transformers: Any, folder: Path, path: str) -> dic
         raise UsageError(f"--model {path!r}: cannot load its preprocessor_config.json ({type(e).__name__}: {e}); fix "
                          "or remove it (the model type's default preprocessing is used without it)") from None
 
+    if isinstance(getattr(proc, "data_config", None), dict):  # TimmWrapperImageProcessor: timm's own data config
+        from ..data.images import data_config_kwargs
+
+        return data_config_kwargs(proc.data_config)
+
     def field(size: Any, key: str) -> Optional[int]:
         value = size.get(key) if isinstance(size, dict) else getattr(size, key, None)
         return int(value) if value else None

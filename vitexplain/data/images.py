@@ -274,7 +274,16 @@ def preprocess_kwargs(model: Any) -> dict[str, Any]:
     """
     from timm.data import resolve_data_config
 
-    cfg = resolve_data_config(model=model)
+    return data_config_kwargs(resolve_data_config(model=model))
+
+
+def data_config_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Keyword arguments for :func:`preprocess` from a timm data config or ``pretrained_cfg`` (``input_size``, ``mean``,
+    ``std``, ``crop_pct``, ``interpolation``; timm's defaults for the keys it lacks)."""
+    from timm.data import resolve_data_config
+
+    if not {"input_size", "mean", "std"} <= set(cfg):
+        cfg = resolve_data_config(pretrained_cfg=cfg, verbose=False)
     return {
         "input_size": tuple(cfg["input_size"][-2:]),
         "mean": tuple(cfg["mean"]),
