@@ -153,27 +153,33 @@ def test_mobilevit_images_are_preprocessed_as_its_image_processor_does():
         torch.testing.assert_close(ex.explain(x, method=method, target=1).maps, want)
 
 
-@pytest.mark.parametrize("name", ["mobilenet_v2", "mobilenet_v1", "efficientnet"])
+@pytest.mark.parametrize("name", ["mobilenet_v2", "mobilenet_v1", "efficientnet", "bit"])
 def test_images_are_preprocessed_as_the_converted_checkpoints_processors_do(name):
     """The image processors transformers' conversion scripts saved with its MobileNets (shortest edge to size + 32,
-    a center crop, bilinear, mean and std 0.5) and EfficientNets (resized to the size, ImageNet mean, the std
-    0.4785... divided in twice by include_top): MobileNet images got ImageNet statistics and a bicubic resize. On an
-    image the processor resizes to its own size (nothing resampled) the preprocessed images equal the processor's."""
+    a center crop, bilinear, mean and std 0.5), EfficientNets (resized to the size, ImageNet mean, the std
+    0.4785... divided in twice by include_top) and BiT (timm's BiT data config: mean and std 0.5, crop_pct 1,
+    bilinear): MobileNet and BiT images got ImageNet statistics. On an image the processor resizes to its own size
+    (nothing resampled) the preprocessed images equal the processor's."""
     if name == "mobilenet_v1":
         model = transformers.MobileNetV1ForImageClassification(transformers.MobileNetV1Config(
             image_size=96, depth_multiplier=0.25, num_labels=5)).eval()
     else:
         model = _build(name)
-    size = model.config.image_size
+    ex = vx.Explainer(model)
+    size = ex.adapter.preprocess_kwargs()["input_size"][0]
     if name == "efficientnet":
         processor = transformers.EfficientNetImageProcessor(
             size={"height": size, "width": size}, image_mean=[0.485, 0.456, 0.406],
             image_std=[0.47853944, 0.4732864, 0.47434163], do_center_crop=False)
+        side = size
+    elif name == "bit":
+        processor = transformers.BitImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size},
+                                                   resample=2, image_mean=[0.5] * 3, image_std=[0.5] * 3)
         side = size
     else:
         cls = transformers.MobileNetV1ImageProcessor if name == "mobilenet_v1" else transformers.MobileNetV2ImageProcessor
         processor = cls(crop_size={"width": size, "height": size}, size={"shortest_edge": size + 32})
         side = size + 32
     image = np.random.default_rng(6).integers(0, 255, (side, side, 3), dtype=np.uint8)
-    x = vx.Explainer(model).preprocess([image])[0]
+    x = ex.preprocess([image])[0]
     torch.testing.assert_close(x, processor([image], return_tensors="pt").pixel_values, rtol=0, atol=1e-4)

@@ -63,6 +63,8 @@ class HFCNNAdapter(CNNAdapter):
                           interpolation="bilinear")
         if model_type == "efficientnet":  # EfficientNetImageProcessor: resized to the size, no crop (its mean and its
             kwargs["crop_pct"] = 1.0      # std divided in twice, include_top, are ImageNet's statistics)
+        if model_type == "bit":  # converted with timm's BiT data config: mean and std 0.5, no crop margin, bilinear
+            kwargs.update(mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5), crop_pct=1.0, interpolation="bilinear")
         return kwargs
 
 
