@@ -153,13 +153,14 @@ def test_mobilevit_images_are_preprocessed_as_its_image_processor_does():
         torch.testing.assert_close(ex.explain(x, method=method, target=1).maps, want)
 
 
-@pytest.mark.parametrize("name", ["mobilenet_v2", "mobilenet_v1", "efficientnet", "bit"])
+@pytest.mark.parametrize("name", ["mobilenet_v2", "mobilenet_v1", "efficientnet", "bit", "mobilevit"])
 def test_images_are_preprocessed_as_the_converted_checkpoints_processors_do(name):
     """The image processors transformers' conversion scripts saved with its MobileNets (shortest edge to size + 32,
     a center crop, bilinear, mean and std 0.5), EfficientNets (resized to the size, ImageNet mean, the std
     0.4785... divided in twice by include_top) and BiT (timm's BiT data config: mean and std 0.5, crop_pct 1,
-    bilinear): MobileNet and BiT images got ImageNet statistics. On an image the processor resizes to its own size
-    (nothing resampled) the preprocessed images equal the processor's."""
+    bilinear) and MobileViTs (shortest edge to size + 32, a center crop): MobileNet and BiT images got ImageNet
+    statistics, MobileViT's a 0.875 crop. On an image the processor resizes to its own size (nothing resampled) the
+    preprocessed images equal the processor's."""
     if name == "mobilenet_v1":
         model = transformers.MobileNetV1ForImageClassification(transformers.MobileNetV1Config(
             image_size=96, depth_multiplier=0.25, num_labels=5)).eval()
@@ -176,6 +177,9 @@ def test_images_are_preprocessed_as_the_converted_checkpoints_processors_do(name
         processor = transformers.BitImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size},
                                                    resample=2, image_mean=[0.5] * 3, image_std=[0.5] * 3)
         side = size
+    elif name == "mobilevit":
+        processor = transformers.MobileViTImageProcessor(crop_size=size, size=size + 32)
+        side = size + 32
     else:
         cls = transformers.MobileNetV1ImageProcessor if name == "mobilenet_v1" else transformers.MobileNetV2ImageProcessor
         processor = cls(crop_size={"width": size, "height": size}, size={"shortest_edge": size + 32})

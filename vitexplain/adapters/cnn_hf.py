@@ -57,6 +57,8 @@ class HFCNNAdapter(CNNAdapter):
             kwargs["input_size"] = (size, size)
         if model_type in HF_HYBRIDS:  # MobileViTImageProcessor: pixels in [0, 1], no normalisation, channels flipped
             kwargs.update(mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0), bgr=True)
+            if isinstance(size, int):  # as converted: shortest edge to size + 32, then a center crop
+                kwargs["crop_pct"] = size / (size + 32)
         if model_type in ("mobilenet_v1", "mobilenet_v2") and isinstance(size, int):  # their processors, as converted
             # from TensorFlow: shortest edge to size + 32, center crop, bilinear, mean and std 0.5 (pixels in [-1, 1])
             kwargs.update(mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5), crop_pct=size / (size + 32),
