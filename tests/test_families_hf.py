@@ -310,14 +310,22 @@ def test_a_timm_model_wrapped_by_transformers_is_explained_as_the_timm_model():
 def test_a_backbone_of_a_known_type_is_refused_with_the_model_class_to_use(config_cls, model_cls):
     """DINOv3ViTBackbone / Dinov2Backbone share their model_type (and layers) with the models vitexplain explains,
     but return feature maps of several stages (a BackboneOutput: no logits, no pooled embedding, no
-    last_hidden_state); they were taken for the headless model and every method raised a raw AttributeError."""
+    last_hidden_state); they were taken for the headless model and every method raised a raw AttributeError. Every
+    method is refused with the model class to load instead; the layout stays known for vx.capture."""
     model = _build(config_cls, model_cls)
     x = torch.randn(1, 3, 32, 32)
     with torch.no_grad():
         assert not hasattr(model(pixel_values=x), "last_hidden_state")
     expected = model_cls.replace("Backbone", "Model")
+    ex = vx.Explainer(model)
+    assert ex.methods() == []
     with pytest.raises(vx.UnsupportedModelError, match=f"{model_cls} is a backbone.*{expected}"):
-        vx.Explainer(model)
+        ex.explain(x, target=vx.targets.norm())
+    with pytest.raises(vx.UnsupportedMethodError, match=f"{model_cls} is a backbone.*{expected}"):
+        ex.explain(x, method="rollout", target=vx.targets.norm())
+    with vx.capture(model) as rec:  # its attention is still recorded on a known token layout
+        model(pixel_values=x)
+    assert rec.layout.grid == GRID and len(rec.records) == model.config.num_hidden_layers
 
 
 def test_a_timm_model_wrapped_by_transformers_keeps_the_wrappers_label_names():

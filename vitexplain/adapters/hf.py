@@ -19,7 +19,6 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor, nn
 
-from ..errors import UnsupportedModelError
 from ..layout import TokenLayout, pair
 from ..methods.families import VIT
 from .base import Adapter, register_adapter
@@ -258,14 +257,15 @@ def _detect_hf(model: nn.Module) -> Optional[Adapter]:
     kind = HF_TYPES.get(getattr(config, "model_type", None))  # type: ignore[arg-type]
     if kind is None:
         return None
+    found = _layers(model, kind.norm1)
+    if found is None:
+        return None
+    adapter = HFViTAdapter(model, kind, *found)
     if any(c.__name__ == "BackboneMixin" for c in type(model).__mro__):  # Dinov2Backbone, DINOv3ViTBackbone, ...
-        name = type(model).__name__
-        raise UnsupportedModelError(
+        name = type(model).__name__  # (its token layout stays known: vx.capture(model) reads it)
+        adapter.drop_all(
             f"{name} is a backbone: it returns feature maps of several stages (for a detection or segmentation "
             "head), not logits or one pooled embedding a target could score; load the same weights as "
             f"{name.replace('Backbone', 'Model')} (or its *ForImageClassification) and explain that, or record "
             "the backbone's attention with vx.capture(model)")
-    found = _layers(model, kind.norm1)
-    if found is None:
-        return None
-    return HFViTAdapter(model, kind, *found)
+    return adapter
