@@ -158,6 +158,8 @@ def test_clip_models_with_a_timm_or_resnet_tower_are_refused_with_what_to_do():
     for model in (resnet_clip, resnet_clip.visual):
         with pytest.raises(vx.UnsupportedModelError, match="ModifiedResNet.*register_adapter"):
             vx.Explainer(model)
+    for model in (timm_clip, timm_clip.visual):  # the trunk's token layout stays findable (vx.capture reads it)
+        assert vx.token_layout(model, (224, 224)).grid == (14, 14)
     # the advice: the trunk explained with the head in the target scores the CLIP embedding
     x = torch.randn(2, 3, 224, 224, generator=torch.Generator().manual_seed(1))
     visual = timm_clip.visual

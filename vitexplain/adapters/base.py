@@ -90,8 +90,8 @@ from ..methods.families import Family, family as _family
 from ..methods.registry import CAPABILITIES
 from ..recording.compiled import unwrap_compiled
 
-__all__ = ["Adapter", "register_adapter", "adapter_for", "find_adapter", "find_layout_module", "token_layout",
-           "preprocessing", "CAPABILITIES", "unwrap_compiled"]
+__all__ = ["Adapter", "register_adapter", "register_refusal", "adapter_for", "find_adapter", "find_layout_module",
+           "token_layout", "preprocessing", "CAPABILITIES", "unwrap_compiled"]
 
 
 class Adapter:
@@ -253,6 +253,17 @@ def register_adapter(priority: int = 0, family: Optional[Family] = None) -> Call
     return decorate
 
 
+_REFUSALS: list[Callable[[nn.Module], Optional[str]]] = []
+
+
+def register_refusal(why: Callable[[nn.Module], Optional[str]]) -> Callable[[nn.Module], Optional[str]]:
+    """Register ``why(model) -> str | None``: for a model no adapter recognises, why it is not explained and what to
+    do (:func:`adapter_for` raises it instead of its generic message). Unlike a detector that raises, it leaves
+    the model's submodules to :func:`find_layout_module` (``vx.capture``, ``vx.token_layout``)."""
+    _REFUSALS.append(why)
+    return why
+
+
 def find_adapter(model: nn.Module, family: Union[None, Family, str] = None) -> Optional[Adapter]:
     """The adapter of ``model``, or None when no detector recognises it.
 
@@ -301,6 +312,10 @@ def adapter_for(model: nn.Module) -> Adapter:
         if inner is not model:
             adapter.saved_preprocess = _wrapper_preprocess(model)
         return adapter
+    for why in _REFUSALS:
+        reason = why(inner)
+        if reason:
+            raise UnsupportedModelError(reason)
     raise UnsupportedModelError(
         f"vitexplain does not know how to explain {type(model).__name__}. Supported: timm "
         "ViT/DeiT/EVA/BEiT/CaiT/XCiT/ConViT, torchvision VisionTransformer, Hugging Face "

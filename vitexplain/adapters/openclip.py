@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from ..errors import UnsupportedModelError
 from ..layout import TokenLayout, pair
 from ..methods.families import VIT
-from .base import Adapter, register_adapter
+from .base import Adapter, register_adapter, register_refusal
 from .vit import ViTAdapter
 
 __all__ = ["OpenCLIPViTAdapter"]
@@ -109,22 +109,20 @@ def _other_tower(module: Any) -> Optional[str]:
     return None
 
 
-def _refuse_other_tower(model: nn.Module, tower: nn.Module, path: str) -> UnsupportedModelError:
+def _why_other_tower(model: nn.Module, tower: nn.Module, path: str) -> str:
     """Why an OpenCLIP model whose image tower (``path`` in the user's words) is not a VisionTransformer is not
     explained, and what to do instead."""
     kind = _other_tower(tower)
     where = f"{type(model).__name__}'s image tower is" if path != "model" else f"{type(model).__name__} is"
     if kind == "TimmModel":
         trunk = type(getattr(tower, "trunk", None)).__name__
-        return UnsupportedModelError(
-            f"{where} OpenCLIP's TimmModel (a timm {trunk} trunk, then the tower's head), which vitexplain does not "
-            f"explain as a whole; explain its trunk, vx.Explainer({path}.trunk), with a target that applies the "
-            f"head to the trunk's output, e.g. target=lambda f: vx.targets.similarity(v)({path}.head(f)): the "
-            "score is then the CLIP embedding's")
-    return UnsupportedModelError(
-        f"{where} OpenCLIP's ModifiedResNet (an RN50-style CLIP tower with an attention-pooling head), which no "
-        "vitexplain adapter describes; register one (vitexplain.adapters.register_adapter, see docs/guide.md, "
-        "'Your own model') or record its attention with vx.capture(model)")
+        return (f"{where} OpenCLIP's TimmModel (a timm {trunk} trunk, then the tower's head), which vitexplain does "
+                f"not explain as a whole; explain its trunk, vx.Explainer({path}.trunk), with a target that applies "
+                f"the head to the trunk's output, e.g. target=lambda f: vx.targets.similarity(v)({path}.head(f)): "
+                "the score is then the CLIP embedding's")
+    return (f"{where} OpenCLIP's ModifiedResNet (an RN50-style CLIP tower with an attention-pooling head), which no "
+            "vitexplain adapter describes; register one (vitexplain.adapters.register_adapter, see docs/guide.md, "
+            "'Your own model') or record its attention with vx.capture(model)")
 
 
 @register_adapter(priority=10, family=VIT)
@@ -135,8 +133,16 @@ def _detect_openclip(model: nn.Module) -> Optional[Adapter]:
     clip = callable(getattr(model, "encode_image", None))
     if _is_tower(visual) and clip:
         return OpenCLIPViTAdapter(model, "visual")
+    return None
+
+
+@register_refusal
+def _refuse_openclip(model: nn.Module) -> Optional[str]:
+    """Why a CLIP model with another OpenCLIP tower, or that tower, is not explained (its trunk's layout stays
+    findable: vx.capture and vx.token_layout read it)."""
     if _other_tower(model):
-        raise _refuse_other_tower(model, model, "model")
-    if clip and _other_tower(visual):
-        raise _refuse_other_tower(model, visual, "model.visual")
+        return _why_other_tower(model, model, "model")
+    visual = getattr(model, "visual", None)
+    if callable(getattr(model, "encode_image", None)) and _other_tower(visual):
+        return _why_other_tower(model, visual, "model.visual")
     return None
