@@ -84,3 +84,74 @@ def test_a_backbone_folder_is_refused_not_given_a_random_classifier(tmp_path: Pa
     err = capsys.readouterr().err
     assert "classifier.weight" in err and "ViTModel" in err and "at random" in err
     assert not out.exists()
+
+
+def _mobilevit():
+    config = transformers.MobileViTConfig(image_size=64, hidden_sizes=[32, 40, 48], num_labels=4,
+                                          neck_hidden_sizes=[8, 8, 16, 16, 24, 32, 64])
+    return transformers.MobileViTForImageClassification(config), "gradcam,layercam"
+
+
+def _efficientnet():
+    config = transformers.EfficientNetConfig(image_size=64, depth_coefficient=0.5, num_labels=4)
+    return transformers.EfficientNetForImageClassification(config), "gradcam,layercam"
+
+
+TIMM_CFG = dict(input_size=(3, 48, 48), mean=(0.5, 0.4, 0.3), std=(0.2, 0.3, 0.4), crop_pct=1.0,
+                interpolation="bilinear")  # a timm hub tag's data config, not the architecture's default
+
+
+def _timm_wrapper():
+    config = transformers.TimmWrapperConfig(architecture="resnet18", num_labels=4, pretrained_cfg=dict(TIMM_CFG))
+    return transformers.TimmWrapperForImageClassification(config), "gradcam"
+
+
+PROCESSORS = {  # a model, and the image processor saved with it (its output size: the images' size)
+    "vit_imagenet_stats": (_vit, lambda: transformers.ViTImageProcessor(
+        image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225], size={"height": 32, "width": 32}), 32),
+    "mobilevit_bgr_unnormalised": (_mobilevit, lambda: transformers.MobileViTImageProcessor(
+        size={"shortest_edge": 64}, crop_size={"height": 64, "width": 64}), 64),
+    "efficientnet_include_top": (_efficientnet, lambda: transformers.EfficientNetImageProcessor(
+        size={"height": 64, "width": 64}, crop_size={"height": 64, "width": 64}), 64),
+    "timm_wrapper_data_config": (_timm_wrapper, lambda: transformers.TimmWrapperImageProcessor(
+        pretrained_cfg=dict(TIMM_CFG), architecture="resnet18"), 48),
+}
+
+
+@pytest.mark.parametrize("case", list(PROCESSORS))
+def test_export_preprocesses_with_the_image_processor_saved_in_the_folder(case, tmp_path: Path) -> None:
+    """A folder that holds the model's image processor (preprocessor_config.json) is preprocessed as that processor
+    does: ImageNet mean and std where the ViT type's default is 0.5; MobileViT's pixels in [0, 1] with the channels
+    flipped to BGR; EfficientNet's second division by the std (include_top); a wrapped timm model's data config
+    (TimmWrapperImageProcessor). The CLI's maps equal the API's on the
+    processor's own pixel_values (images at the processor's output size: no resampling). They were preprocessed
+    with the model type's defaults, silently explaining another input than the model's."""
+    build, make_processor, size = PROCESSORS[case]
+    torch.manual_seed(0)
+    model, methods = build()
+    with torch.no_grad():
+        for module in model.modules():  # He-scaled convs: a random init's std-0.02 convs lose the image (zero maps)
+            if isinstance(module, torch.nn.Conv2d):
+                module.weight.normal_(0.0, (2.0 / module.weight[0].numel()) ** 0.5)
+        head = [m for m in model.modules() if isinstance(m, torch.nn.Linear)][-1]
+        head.weight.normal_(0, 1.0)
+    folder, images, out = tmp_path / "model", tmp_path / "images", tmp_path / "out"
+    model.save_pretrained(folder)
+    make_processor().save_pretrained(folder)
+    images.mkdir()
+    rng = np.random.default_rng(4)
+    arrays = {name: rng.integers(0, 255, (size, size, 3), dtype=np.uint8) for name in ("a.png", "b.png")}
+    for name, array in arrays.items():
+        Image.fromarray(array).save(images / name)
+    assert cli.main(["export", str(images), "--out", str(out), "--model", str(folder), "--method", methods,
+                     "--save-maps", "-q", "-j", "0"]) == 0
+    reference = type(model).from_pretrained(folder, local_files_only=True).eval()
+    ex = vx.Explainer(reference)
+    pixels = transformers.AutoImageProcessor.from_pretrained(folder, local_files_only=True)(
+        [arrays[name] for name in ("a.png", "b.png")], return_tensors="pt").pixel_values
+    for method in methods.split(","):
+        e = ex.explain(pixels, method=method)
+        assert float(e.maps.abs().max()) > 0
+        for i, name in enumerate(("a.png", "b.png")):
+            np.testing.assert_allclose(np.load(out / f"{name}.{method}.npy"), e.maps[i].numpy(), rtol=1e-4,
+                                       atol=1e-5 * float(e.maps.abs().max()))

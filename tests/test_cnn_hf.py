@@ -164,3 +164,57 @@ def test_squeeze_excitation_gates_equal_their_formula_and_are_what_the_layer_mul
         torch.testing.assert_close(r.channel, _se_oracle(module, r.input), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(outputs[r.name], r.input * r.channel[:, :, None, None], rtol=1e-5, atol=1e-6)
     assert any(float(r.channel.std()) > 1e-3 for r in rec.gates)
+
+
+def test_mobilevit_images_are_preprocessed_as_its_image_processor_does():
+    """MobileViT's image processor gives pixels in [0, 1], unnormalised, with the channels flipped to BGR; images were
+    normalised with ImageNet statistics in RGB order, so Grad-CAM explained another input than the model's. An image
+    at the model's size (nothing resampled): the maps equal those on the processor's own pixel_values."""
+    model = _build("mobilevit")
+    ex = vx.Explainer(model)
+    image = np.random.default_rng(5).integers(0, 255, (96, 96, 3), dtype=np.uint8)
+    image[:, :48, 0] = 255  # channels that differ, so their order matters
+    processor = transformers.MobileViTImageProcessor(do_resize=False, do_center_crop=False)
+    pixels = processor([image], return_tensors="pt").pixel_values
+    x = ex.preprocess([image], crop=False)[0]  # resized to its own size: nothing resampled
+    torch.testing.assert_close(x, pixels, rtol=0, atol=1e-6)
+    for method in ("gradcam", "layercam"):
+        want = ex.explain(pixels, method=method, target=1).maps
+        assert float(want.abs().max()) > 0
+        torch.testing.assert_close(ex.explain(x, method=method, target=1).maps, want)
+
+
+@pytest.mark.parametrize("name", ["mobilenet_v2", "mobilenet_v1", "efficientnet", "bit", "mobilevit"])
+def test_images_are_preprocessed_as_the_converted_checkpoints_processors_do(name):
+    """The image processors transformers' conversion scripts saved with its MobileNets (shortest edge to size + 32,
+    a center crop, bilinear, mean and std 0.5), EfficientNets (resized to the size, ImageNet mean, the std
+    0.4785... divided in twice by include_top) and BiT (timm's BiT data config: mean and std 0.5, crop_pct 1,
+    bilinear) and MobileViTs (shortest edge to size + 32, a center crop): MobileNet and BiT images got ImageNet
+    statistics, MobileViT's a 0.875 crop. On an image the processor resizes to its own size (nothing resampled) the
+    preprocessed images equal the processor's."""
+    if name == "mobilenet_v1":
+        model = transformers.MobileNetV1ForImageClassification(transformers.MobileNetV1Config(
+            image_size=96, depth_multiplier=0.25, num_labels=5)).eval()
+    else:
+        model = _build(name)
+    ex = vx.Explainer(model)
+    size = ex.adapter.preprocess_kwargs()["input_size"][0]
+    if name == "efficientnet":
+        processor = transformers.EfficientNetImageProcessor(
+            size={"height": size, "width": size}, image_mean=[0.485, 0.456, 0.406],
+            image_std=[0.47853944, 0.4732864, 0.47434163], do_center_crop=False)
+        side = size
+    elif name == "bit":
+        processor = transformers.BitImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size},
+                                                   resample=2, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+        side = size
+    elif name == "mobilevit":
+        processor = transformers.MobileViTImageProcessor(crop_size=size, size=size + 32)
+        side = size + 32
+    else:
+        cls = transformers.MobileNetV1ImageProcessor if name == "mobilenet_v1" else transformers.MobileNetV2ImageProcessor
+        processor = cls(crop_size={"width": size, "height": size}, size={"shortest_edge": size + 32})
+        side = size + 32
+    image = np.random.default_rng(6).integers(0, 255, (side, side, 3), dtype=np.uint8)
+    x = ex.preprocess([image])[0]
+    torch.testing.assert_close(x, processor([image], return_tensors="pt").pixel_values, rtol=0, atol=1e-4)

@@ -10,6 +10,7 @@ are then computed densely from their definitions and compared with the Explainer
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -302,3 +303,61 @@ def test_a_timm_model_wrapped_by_transformers_is_explained_as_the_timm_model():
         assert torch.equal(ours.maps, timm_own.maps) and ours.targets.tolist() == timm_own.targets.tolist()
     for module in wrapper.modules():  # left as found
         assert not module._forward_hooks and not module._forward_pre_hooks
+
+
+@pytest.mark.parametrize("config_cls, model_cls", [("DINOv3ViTConfig", "DINOv3ViTBackbone"), ("Dinov2Config", "Dinov2Backbone"),
+                                                   ("Dinov2WithRegistersConfig", "Dinov2WithRegistersBackbone")])
+def test_a_backbone_of_a_known_type_is_refused_with_the_model_class_to_use(config_cls, model_cls):
+    """DINOv3ViTBackbone / Dinov2Backbone share their model_type (and layers) with the models vitexplain explains,
+    but return feature maps of several stages (a BackboneOutput: no logits, no pooled embedding, no
+    last_hidden_state); they were taken for the headless model and every method raised a raw AttributeError. Every
+    method is refused with the model class to load instead; the layout stays known for vx.capture."""
+    model = _build(config_cls, model_cls)
+    x = torch.randn(1, 3, 32, 32)
+    with torch.no_grad():
+        assert not hasattr(model(pixel_values=x), "last_hidden_state")
+    expected = model_cls.replace("Backbone", "Model")
+    ex = vx.Explainer(model)
+    assert ex.methods() == []
+    with pytest.raises(vx.UnsupportedModelError, match=f"{model_cls} is a backbone.*{expected}"):
+        ex.explain(x, target=vx.targets.norm())
+    with pytest.raises(vx.UnsupportedMethodError, match=f"{model_cls} is a backbone.*{expected}"):
+        ex.explain(x, method="rollout", target=vx.targets.norm())
+    with vx.capture(model) as rec:  # its attention is still recorded on a known token layout
+        model(pixel_values=x)
+    assert rec.layout.grid == GRID and len(rec.records) == model.config.num_hidden_layers
+
+
+def test_a_timm_model_wrapped_by_transformers_keeps_the_wrappers_label_names():
+    """The class names of a TimmWrapperForImageClassification live in the wrapper's config (id2label: what
+    from_pretrained('timm/...') or a fine-tuned, saved wrapper carries), not in its timm model: explained as the
+    timm model it had no label names, so a label target was refused and the CLI wrote no labels."""
+    torch.manual_seed(0)
+    config = transformers.TimmWrapperConfig(architecture="vit_tiny_patch16_224", num_labels=3,
+                                            id2label={0: "cat", 1: "dog", 2: "fox"},
+                                            model_args=dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2))
+    wrapper = transformers.TimmWrapperForImageClassification(config).eval()
+    ex = vx.Explainer(wrapper)
+    assert ex.adapter.label_names == ["cat", "dog", "fox"]
+    x = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    by_name = ex.explain(x, method="cdam", target="dog")
+    assert by_name.targets.tolist() == [1] and by_name.target_names() == ["dog"]
+    torch.testing.assert_close(by_name.maps, ex.explain(x, method="cdam", target=1).maps)
+    plain = transformers.TimmWrapperForImageClassification(transformers.TimmWrapperConfig(
+        architecture="vit_tiny_patch16_224", num_labels=3,
+        model_args=dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2)))
+    assert vx.Explainer(plain).adapter.label_names is None  # LABEL_0, LABEL_1, ...: no names
+
+
+def test_a_timm_model_wrapped_by_transformers_is_preprocessed_with_the_wrappers_data_config():
+    """A wrapper keeps its checkpoint's timm data config (config.pretrained_cfg, which TimmWrapperImageProcessor
+    uses); the timm model inside has its architecture's default (224 px, ImageNet statistics), which images were
+    preprocessed with. At the checkpoint's size (nothing resampled) the preprocessed images equal the processor's."""
+    cfg = dict(input_size=(3, 48, 48), mean=(0.5, 0.4, 0.3), std=(0.2, 0.3, 0.4), crop_pct=1.0, interpolation="bilinear")
+    config = transformers.TimmWrapperConfig(architecture="resnet18", num_labels=3, pretrained_cfg=dict(cfg))
+    wrapper = transformers.TimmWrapperForImageClassification(config).eval()
+    assert tuple(wrapper.timm_model.pretrained_cfg["mean"]) != cfg["mean"]
+    ex = vx.Explainer(wrapper)
+    image = np.random.default_rng(2).integers(0, 255, (48, 48, 3), dtype=np.uint8)
+    pixels = transformers.TimmWrapperImageProcessor(pretrained_cfg=dict(cfg))([image], return_tensors="pt").pixel_values
+    torch.testing.assert_close(ex.preprocess([image])[0], pixels, rtol=0, atol=1e-6)

@@ -5,6 +5,7 @@ to token indices; CDAM against finite differences."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -74,3 +75,15 @@ def test_sam3_backbone_cdam_matches_finite_differences_and_refuses_another_size(
         torch.testing.assert_close(e.maps[0][cell].double(), torch.tensor(want, dtype=torch.float64), rtol=1e-4, atol=1e-8)
     with pytest.raises(vx.InputError, match="112x112"):
         ex.explain(torch.randn(1, 3, 98, 98, dtype=torch.float64), method="rollout", target=vx.targets.norm())
+
+
+def test_sam3_images_are_preprocessed_as_its_image_processor_does():
+    """SAM 3's image processor resizes to the model's size and normalises with mean and std 0.5 (bilinear); images
+    got timm's defaults (ImageNet statistics, a 0.875 center crop, bicubic). At the model's size (nothing resampled)
+    the preprocessed images equal the processor's."""
+    ex = vx.Explainer(build())
+    processor = transformers.Sam3ImageProcessor(size={"height": SIZE[0], "width": SIZE[1]})
+    rng = np.random.default_rng(3)
+    image = rng.integers(0, 255, (*SIZE, 3), dtype=np.uint8)
+    torch.testing.assert_close(ex.preprocess([image])[0], processor([image], return_tensors="pt").pixel_values,
+                               rtol=0, atol=1e-6)

@@ -107,3 +107,70 @@ def test_a_clip_model_is_explained_through_its_image_tower_and_pool_none_is_refu
         vx.Explainer(_tower("none"))
     with pytest.raises(vx.InputError, match="32x40"):
         vx.Explainer(_tower()).explain(torch.randn(1, 3, 48, 48), method="rollout", target=vx.targets.norm())
+
+
+def _coca():
+    from open_clip.coca_model import CoCa, MultimodalCfg
+    torch.manual_seed(0)
+    text = dict(context_length=8, vocab_size=50, width=32, heads=2, layers=1)
+    model = CoCa(embed_dim=16, vision_cfg=dict(image_size=32, patch_size=8, width=32, layers=2, head_width=16,
+                                               attentional_pool=True, attn_pooler_queries=4, attn_pooler_heads=2,
+                                               output_tokens=True),
+                 text_cfg=text, multimodal_cfg=MultimodalCfg(**text))
+    return model.eval()
+
+
+def test_coca_is_explained_through_its_normalised_image_latent():
+    """CoCa's encode_image returns the image latent normalised to unit length (normalize=True by default, unlike
+    CLIP's); the adapter's head left it unnormalised, so its partial forwards did not reproduce the model and
+    cdam_smooth / cdam_integrated, listed as available, were refused at run time. A cosine similarity does not see
+    the normalisation: every method's maps on CoCa equal those on its bare image tower."""
+    model = _coca()
+    ex = vx.Explainer(model)
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ex.adapter.forward(x), model.encode_image(x))
+        torch.testing.assert_close(ex.adapter.forward(x).norm(dim=-1), torch.ones(2))
+    names = ex.methods()
+    assert {"cdam", "cdam_smooth", "cdam_integrated"} <= set(names) and "rollout" not in names
+    target = vx.targets.similarity(VECTOR)
+    tower = vx.Explainer(model.visual)
+    for ours, alone in zip(ex.explain(x, method=names, target=target), tower.explain(x, method=names, target=target)):
+        assert ours.method == alone.method and float(alone.maps.abs().max()) > 0
+        torch.testing.assert_close(ours.maps, alone.maps, rtol=1e-4, atol=1e-6 * float(alone.maps.abs().max()))
+
+
+def test_clip_models_with_a_timm_or_resnet_tower_are_refused_with_what_to_do():
+    """OpenCLIP's TimmModel towers (SigLIP, EVA, ConvNeXt CLIPs: a timm trunk, then a head) and ModifiedResNet (RN50
+    CLIPs) were refused with the generic 'does not know how to explain CLIP' although the message claims CLIP models;
+    the refusal now names the tower, and its advice for a timm tower (explain the trunk, the head applied in the
+    target) gives the CLIP embedding's CDAM, checked by autograd through encode_image."""
+    torch.manual_seed(0)
+    text = dict(context_length=8, vocab_size=50, width=32, heads=2, layers=1)
+    timm_clip = open_clip.model.CLIP(embed_dim=16, vision_cfg=dict(timm_model_name="vit_tiny_patch16_224", timm_pool="avg",
+                                                                   timm_proj="linear", image_size=224),
+                                     text_cfg=text).eval()
+    resnet_clip = open_clip.model.CLIP(embed_dim=16, vision_cfg=dict(layers=(1, 1, 1, 1), width=16, head_width=16,
+                                                                     image_size=64), text_cfg=text).eval()
+    for model in (timm_clip, timm_clip.visual):
+        with pytest.raises(vx.UnsupportedModelError, match=r"TimmModel.*vx.Explainer\(model(\.visual)?\.trunk\)"):
+            vx.Explainer(model)
+    for model in (resnet_clip, resnet_clip.visual):
+        with pytest.raises(vx.UnsupportedModelError, match="ModifiedResNet.*register_adapter"):
+            vx.Explainer(model)
+    for model in (timm_clip, timm_clip.visual):  # the trunk's token layout stays findable (vx.capture reads it)
+        assert vx.token_layout(model, (224, 224)).grid == (14, 14)
+    # the advice: the trunk explained with the head in the target scores the CLIP embedding
+    x = torch.randn(2, 3, 224, 224, generator=torch.Generator().manual_seed(1))
+    visual = timm_clip.visual
+    score = vx.targets.similarity(VECTOR)
+    maps = vx.Explainer(visual.trunk).explain(x, method="cdam", target=lambda f: score(visual.head(f))).maps
+    kept = []
+    handle = visual.trunk.blocks[-1].norm1.register_forward_hook(lambda m, a, o: (o.retain_grad(), kept.append(o))[0])
+    try:
+        score(timm_clip.encode_image(x)).sum().backward()
+    finally:
+        handle.remove()
+    expected = (kept[0] * kept[0].grad).sum(-1)[:, 1:].reshape(2, 14, 14).detach()
+    assert float(expected.abs().max()) > 0
+    torch.testing.assert_close(maps, expected, rtol=1e-4, atol=1e-6 * float(expected.abs().max()))

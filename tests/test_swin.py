@@ -636,3 +636,28 @@ def test_hugging_face_swin_v1_refuses_an_input_narrower_than_its_window_and_stay
     assert ex.explain(torch.randn(2, 3, 32, 40), method="rollout").maps.shape == (2, 8, 10)  # grids 8x10, 4x5: fits
     v2 = build("hf2")
     assert torch.isfinite(vx.Explainer(v2).explain(x_small, method="rollout").maps).all()
+
+
+def test_hugging_face_swin_v1_keeps_its_shifts_after_an_input_whose_grid_equals_its_window():
+    """On an input where a stage grid equals the window (32 x 32 here: stage 1 is 4 x 4, window 4), transformers'
+    Swin V1 sets that stage's shift_size to 0 in place and keeps it: later inputs at the model's own size then ran
+    without the shifted windows, so explaining one small image changed the model's logits and every later map.
+    The explanation at 32 x 32 still uses the unshifted windows transformers computes there (it equals a fresh
+    copy's), and the model is left as found."""
+    model = build("hf")
+    fresh = copy.deepcopy(model)
+    shifts = [layer.shift_size for layer in model.modules() if type(layer).__name__ == "SwinLayer"]
+    assert 0 in shifts and any(shifts)  # a shifted block in each stage
+    x, small = torch.randn(2, 3, 64, 64), torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        logits = model(pixel_values=x).logits
+    ex = vx.Explainer(model)
+    names = ["rollout", "generic", "cdam_integrated"]
+    got = ex.explain(small, method=names)
+    assert [layer.shift_size for layer in model.modules() if type(layer).__name__ == "SwinLayer"] == shifts
+    with torch.no_grad():
+        assert torch.equal(model(pixel_values=x).logits, logits)
+    for ours, theirs in zip(got, vx.Explainer(copy.deepcopy(fresh)).explain(small, method=names)):
+        torch.testing.assert_close(ours.maps, theirs.maps)
+    for ours, theirs in zip(ex.explain(x, method=names), vx.Explainer(fresh).explain(x, method=names)):
+        torch.testing.assert_close(ours.maps, theirs.maps)

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .adapters import Adapter, adapter_for
+from .adapters import Adapter, adapter_for, preprocessing
 from .checks import (buffers_kept, check_batch, input_channels, check_finite_maps, check_finite_scores,
                      check_tensor_input, checked_score, model_device, model_dtype, warn_training)
 from .errors import InputError, UnsupportedMethodError, UnsupportedModelError, UsageError, VitexplainError
@@ -156,7 +156,7 @@ class Explainer:
             is_path = isinstance(item, (str, Path))
             sources.append(item if is_path else None)
             arrays.append(load_image(item) if is_path else as_rgb(item, "each image"))
-        x, boxes = preprocess(arrays, crop=crop, **self.adapter.preprocess_kwargs())
+        x, boxes = preprocess(arrays, crop=crop, **preprocessing(self.adapter))
         size = tuple(x.shape[-2:])
         regions = [seen_region(a, b, size) for a, b in zip(arrays, boxes)]
         dtype = model_dtype(self.model)  # a float64/half model takes its own dtype (preprocess gives float32)
@@ -396,7 +396,7 @@ class Explainer:
                 "nothing can be computed or explained; load real weights first (e.g. model.to_empty(device='cpu') then "
                 "model.load_state_dict(...), or build the model outside torch.device('meta'))"
             )
-        channels = input_channels(self.adapter.model, self.adapter.preprocess_kwargs())
+        channels = input_channels(self.adapter.model, preprocessing(self.adapter))
         if isinstance(images, Tensor):
             x = check_tensor_input(images, channels, model_dtype(self.model), model_device(self.model))
             return x, None, None, None
@@ -441,7 +441,7 @@ class Explainer:
                     f"size {patch[0]}x{patch[1]} must divide the input: resize or crop it to a multiple, e.g. "
                     f"{max(patch[0], size[0] // patch[0] * patch[0])}x{max(patch[1], size[1] // patch[1] * patch[1])}"
                 ) from err
-            expected = fixed or self.adapter.preprocess_kwargs().get("input_size")
+            expected = fixed or preprocessing(self.adapter).get("input_size")
             raise InputError(
                 f"the model does not take a {size[0]}x{size[1]} input ({type(err).__name__}: {err}); it expects "
                 f"{expected[0]}x{expected[1]} images: resize to that size, or pass images (paths or uint8 arrays) to "

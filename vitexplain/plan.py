@@ -180,7 +180,8 @@ def refusal(adapter: Any, spec: MethodSpec) -> Optional[str]:
     missing = [c for c in spec.requires if c not in adapter.capabilities]
     if not missing:
         return None
-    return "; ".join(adapter.notes.get(c) or f"it does not provide {CAPABILITIES.get(c, c)}" for c in missing)
+    reasons = (adapter.notes.get(c) or f"it does not provide {CAPABILITIES.get(c, c)}" for c in missing)
+    return "; ".join(dict.fromkeys(reasons))  # one reason given for several capabilities is said once
 
 
 def applicable(adapter: Any) -> tuple[tuple[str, ...], dict[str, str]]:

@@ -90,8 +90,8 @@ from ..methods.families import Family, family as _family
 from ..methods.registry import CAPABILITIES
 from ..recording.compiled import unwrap_compiled
 
-__all__ = ["Adapter", "register_adapter", "adapter_for", "find_adapter", "find_layout_module", "token_layout",
-           "CAPABILITIES", "unwrap_compiled"]
+__all__ = ["Adapter", "register_adapter", "register_refusal", "adapter_for", "find_adapter", "find_layout_module",
+           "token_layout", "preprocessing", "CAPABILITIES", "unwrap_compiled"]
 
 
 class Adapter:
@@ -108,6 +108,7 @@ class Adapter:
     family: Family
     capabilities: frozenset[str] = frozenset()
     has_head: bool = True
+    saved_preprocess: Optional[dict[str, Any]] = None  # a wrapper's preprocessing (see preprocessing())
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -152,6 +153,40 @@ class Adapter:
 
     def describe(self) -> str:
         return f"{type(self).__name__}({type(self.model).__name__})"
+
+
+def preprocessing(adapter: Adapter) -> dict[str, Any]:
+    """Keyword arguments of :func:`vitexplain.data.images.preprocess` for ``adapter``'s model: the adapter's defaults
+    (:meth:`Adapter.preprocess_kwargs`), overridden by the settings of the image processor saved with the model where
+    it carries them (``model.vx_preprocess``: ``input_size``, ``mean``, ``std``, ``crop_pct``, ``interpolation``; set
+    when ``--model DIR`` loads a Hugging Face folder holding a ``preprocessor_config.json``), or those of the wrapper
+    the adapter's model was found in (``adapter.saved_preprocess``: a Hugging Face TimmWrapper's)."""
+    saved = getattr(adapter, "saved_preprocess", None) or getattr(adapter.model, "vx_preprocess", None)
+    return {**adapter.preprocess_kwargs(), **(saved if isinstance(saved, dict) else {})}
+
+
+def _wrapper_preprocess(wrapper: nn.Module) -> Optional[dict[str, Any]]:
+    """The preprocessing a Hugging Face wrapper of a timm model carries: what ``--model DIR`` read from its folder's
+    processor (``vx_preprocess``), else the timm data config of its checkpoint (``config.pretrained_cfg``, which the
+    wrapper keeps and its TimmWrapperImageProcessor uses; the timm model inside has its architecture's default)."""
+    saved = getattr(wrapper, "vx_preprocess", None)
+    if isinstance(saved, dict):
+        return saved
+    pretrained_cfg = getattr(getattr(wrapper, "config", None), "pretrained_cfg", None)
+    if not isinstance(pretrained_cfg, dict) or not pretrained_cfg:
+        return None
+    from ..data.images import data_config_kwargs
+
+    return data_config_kwargs(pretrained_cfg)
+
+
+def _config_names(config: Any) -> Optional[list[str]]:
+    """Class names from a Hugging Face config's ``id2label``, or None (none, or transformers' placeholders
+    ``LABEL_0``, ``LABEL_1``, ...)."""
+    id2label = getattr(config, "id2label", None)
+    if not id2label or all(str(v).startswith("LABEL_") for v in id2label.values()):
+        return None
+    return _names_by_index(id2label)
 
 
 def _names_by_index(id2label: dict) -> Optional[list[str]]:
@@ -218,6 +253,17 @@ def register_adapter(priority: int = 0, family: Optional[Family] = None) -> Call
     return decorate
 
 
+_REFUSALS: list[Callable[[nn.Module], Optional[str]]] = []
+
+
+def register_refusal(why: Callable[[nn.Module], Optional[str]]) -> Callable[[nn.Module], Optional[str]]:
+    """Register ``why(model) -> str | None``: for a model no adapter recognises, why it is not explained and what to
+    do (:func:`adapter_for` raises it instead of its generic message). Unlike a detector that raises, it leaves
+    the model's submodules to :func:`find_layout_module` (``vx.capture``, ``vx.token_layout``)."""
+    _REFUSALS.append(why)
+    return why
+
+
 def find_adapter(model: nn.Module, family: Union[None, Family, str] = None) -> Optional[Adapter]:
     """The adapter of ``model``, or None when no detector recognises it.
 
@@ -257,9 +303,19 @@ def adapter_for(model: nn.Module) -> Adapter:
     """
     if not isinstance(model, nn.Module):
         raise UnsupportedModelError(f"expected a torch.nn.Module, got {type(model).__name__}")
-    adapter = find_adapter(_unwrapped(model))
+    inner = _unwrapped(model)
+    adapter = find_adapter(inner)
     if adapter is not None:
+        names = _config_names(getattr(model, "config", None)) if inner is not model and adapter.has_head else None
+        if names:  # a TimmWrapper's classes are in its own config (id2label), not in its timm model
+            adapter.label_names = names
+        if inner is not model:
+            adapter.saved_preprocess = _wrapper_preprocess(model)
         return adapter
+    for why in _REFUSALS:
+        reason = why(inner)
+        if reason:
+            raise UnsupportedModelError(reason)
     raise UnsupportedModelError(
         f"vitexplain does not know how to explain {type(model).__name__}. Supported: timm "
         "ViT/DeiT/EVA/BEiT/CaiT/XCiT/ConViT, torchvision VisionTransformer, Hugging Face "

@@ -52,8 +52,21 @@ class HFCNNAdapter(CNNAdapter):
     def preprocess_kwargs(self) -> dict[str, Any]:
         kwargs = super().preprocess_kwargs()
         size = getattr(self.model.config, "image_size", None)
+        model_type = self.model.config.model_type
         if isinstance(size, int):  # EfficientNet and MobileNet configs carry their input size
             kwargs["input_size"] = (size, size)
+        if model_type in HF_HYBRIDS:  # MobileViTImageProcessor: pixels in [0, 1], no normalisation, channels flipped
+            kwargs.update(mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0), bgr=True)
+            if isinstance(size, int):  # as converted: shortest edge to size + 32, then a center crop
+                kwargs["crop_pct"] = size / (size + 32)
+        if model_type in ("mobilenet_v1", "mobilenet_v2") and isinstance(size, int):  # their processors, as converted
+            # from TensorFlow: shortest edge to size + 32, center crop, bilinear, mean and std 0.5 (pixels in [-1, 1])
+            kwargs.update(mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5), crop_pct=size / (size + 32),
+                          interpolation="bilinear")
+        if model_type == "efficientnet":  # EfficientNetImageProcessor: resized to the size, no crop (its mean and its
+            kwargs["crop_pct"] = 1.0      # std divided in twice, include_top, are ImageNet's statistics)
+        if model_type == "bit":  # converted with timm's BiT data config: mean and std 0.5, no crop margin, bilinear
+            kwargs.update(mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5), crop_pct=1.0, interpolation="bilinear")
         return kwargs
 
 

@@ -260,4 +260,12 @@ def _detect_hf(model: nn.Module) -> Optional[Adapter]:
     found = _layers(model, kind.norm1)
     if found is None:
         return None
-    return HFViTAdapter(model, kind, *found)
+    adapter = HFViTAdapter(model, kind, *found)
+    if any(c.__name__ == "BackboneMixin" for c in type(model).__mro__):  # Dinov2Backbone, DINOv3ViTBackbone, ...
+        name = type(model).__name__  # (its token layout stays known: vx.capture(model) reads it)
+        adapter.drop_all(
+            f"{name} is a backbone: it returns feature maps of several stages (for a detection or segmentation "
+            "head), not logits or one pooled embedding a target could score; load the same weights as "
+            f"{name.replace('Backbone', 'Model')} (or its *ForImageClassification) and explain that, or record "
+            "the backbone's attention with vx.capture(model)")
+    return adapter

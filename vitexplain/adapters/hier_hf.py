@@ -131,6 +131,12 @@ class HFSam3ViTAdapter(HFForward, HierAdapter):
     def site_grid(self, stage: int, output: Tensor, input_size: Sequence[int]) -> Tensor:
         return output  # (B, H, W, C)
 
+    def preprocess_kwargs(self) -> dict[str, Any]:
+        # Sam3ImageProcessor: resized to the model's size (whole: pass crop=False to keep all of a non-square
+        # image), bilinear, mean and std 0.5
+        return {**super().preprocess_kwargs(), "mean": (0.5, 0.5, 0.5), "std": (0.5, 0.5, 0.5), "crop_pct": 1.0,
+                "interpolation": "bilinear"}
+
     def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
         conv = self.model.embeddings.patch_embeddings.projection
         tokens = token_set(conv_grid(input_size, conv.kernel_size, conv.stride, conv.padding))

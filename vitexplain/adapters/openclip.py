@@ -6,23 +6,27 @@ a class token and the patches of ``conv1`` (``grid_size``, position embeddings f
 then ``_pool``: ``ln_post`` and the class token (``pool_type='tok'``) or the mean of the patches
 (``'avg'``), then ``proj``. Its output is the pooled embedding, so explanations score it with
 ``vx.targets.similarity`` / ``vx.targets.norm`` or a callable. A CLIP model (``open_clip.model.CLIP``,
-``CustomTextCLIP``) is explained through its image tower, as ``encode_image`` runs it.
+``CustomTextCLIP``, CoCa) is explained through its image tower, as ``encode_image`` runs it (CoCa's
+normalises the embedding to unit length by default, and so does the adapter's head).
 
-Refused with the reason: ``pool_type='none'`` (no pooled embedding), and, for the methods that carry
+Refused with the reason: the other OpenCLIP towers (``TimmModel``: the message says how to explain its
+timm trunk; ``ModifiedResNet``), ``pool_type='none'`` (no pooled embedding), and, for the methods that carry
 a readout row through the attention, a tower with attention pooling (CoCa's ``attn_pool``: learned
 queries read every token).
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Optional
 
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import UnsupportedModelError
 from ..layout import TokenLayout, pair
 from ..methods.families import VIT
-from .base import Adapter, register_adapter
+from .base import Adapter, register_adapter, register_refusal
 from .vit import ViTAdapter
 
 __all__ = ["OpenCLIPViTAdapter"]
@@ -47,6 +51,7 @@ class OpenCLIPViTAdapter(ViTAdapter):
                 "pooled embedding a target could score; build it with pool_type='tok' or 'avg', or record its "
                 "attention with vx.capture(model)")
         self.tower, self.visual = tower, visual
+        self.normalized = bool(visual) and _normalizes(model.encode_image)  # CoCa's latent has unit length
         prefix = f"{visual}." if visual else ""
         self.blocks = [f"{prefix}transformer.resblocks.{i}" for i in range(len(tower.transformer.resblocks))]
         self.norm1 = f"{self.blocks[-1]}.ln_1"
@@ -70,7 +75,8 @@ class OpenCLIPViTAdapter(ViTAdapter):
 
     def head(self, tokens: Tensor) -> Tensor:
         pooled, _ = self.tower._pool(tokens)  # the tower's own pooling and final norm
-        return pooled @ self.tower.proj if self.tower.proj is not None else pooled
+        pooled = pooled @ self.tower.proj if self.tower.proj is not None else pooled
+        return F.normalize(pooled, dim=-1) if self.normalized else pooled
 
     def preprocess_kwargs(self) -> dict[str, Any]:
         cfg = getattr(self.tower, "preprocess_cfg", None) or {}  # set by open_clip.create_model
@@ -79,15 +85,64 @@ class OpenCLIPViTAdapter(ViTAdapter):
                     interpolation=cfg.get("interpolation", "bicubic"))
 
 
+def _normalizes(encode_image: Any) -> bool:
+    """Whether a CLIP model's ``encode_image`` normalises the embedding when called with the image alone (its
+    ``normalize`` argument defaults to True: CoCa; False: CLIP, CustomTextCLIP)."""
+    try:
+        parameter = inspect.signature(encode_image).parameters.get("normalize")
+    except (TypeError, ValueError):
+        return False
+    return parameter is not None and parameter.default is True
+
+
 def _is_tower(module: Any) -> bool:
     return any(c.__module__ == "open_clip.transformer" and c.__name__ == "VisionTransformer"
                for c in type(module).__mro__)
+
+
+def _other_tower(module: Any) -> Optional[str]:
+    """The class name of an OpenCLIP image tower that is not its VisionTransformer (TimmModel, ModifiedResNet)."""
+    for cls in type(module).__mro__:
+        if (cls.__module__, cls.__name__) in (("open_clip.timm_model", "TimmModel"),
+                                              ("open_clip.modified_resnet", "ModifiedResNet")):
+            return cls.__name__
+    return None
+
+
+def _why_other_tower(model: nn.Module, tower: nn.Module, path: str) -> str:
+    """Why an OpenCLIP model whose image tower (``path`` in the user's words) is not a VisionTransformer is not
+    explained, and what to do instead."""
+    kind = _other_tower(tower)
+    where = f"{type(model).__name__}'s image tower is" if path != "model" else f"{type(model).__name__} is"
+    if kind == "TimmModel":
+        trunk = type(getattr(tower, "trunk", None)).__name__
+        return (f"{where} OpenCLIP's TimmModel (a timm {trunk} trunk, then the tower's head), which vitexplain does "
+                f"not explain as a whole; explain its trunk, vx.Explainer({path}.trunk), with a target that applies "
+                f"the head to the trunk's output, e.g. target=lambda f: vx.targets.similarity(v)({path}.head(f)): "
+                "the score is then the CLIP embedding's")
+    return (f"{where} OpenCLIP's ModifiedResNet (an RN50-style CLIP tower with an attention-pooling head), which no "
+            "vitexplain adapter describes; register one (vitexplain.adapters.register_adapter, see docs/guide.md, "
+            "'Your own model') or record its attention with vx.capture(model)")
 
 
 @register_adapter(priority=10, family=VIT)
 def _detect_openclip(model: nn.Module) -> Optional[Adapter]:
     if _is_tower(model):
         return OpenCLIPViTAdapter(model)
-    if _is_tower(getattr(model, "visual", None)) and callable(getattr(model, "encode_image", None)):
+    visual = getattr(model, "visual", None)
+    clip = callable(getattr(model, "encode_image", None))
+    if _is_tower(visual) and clip:
         return OpenCLIPViTAdapter(model, "visual")
+    return None
+
+
+@register_refusal
+def _refuse_openclip(model: nn.Module) -> Optional[str]:
+    """Why a CLIP model with another OpenCLIP tower, or that tower, is not explained (its trunk's layout stays
+    findable: vx.capture and vx.token_layout read it)."""
+    if _other_tower(model):
+        return _why_other_tower(model, model, "model")
+    visual = getattr(model, "visual", None)
+    if callable(getattr(model, "encode_image", None)) and _other_tower(visual):
+        return _why_other_tower(model, visual, "model.visual")
     return None

@@ -9,7 +9,8 @@ V2 blocks after it (``x + norm1(attn(x))``).
 
 The adapter knows, per block, its stage, its module names and its window geometry
 (:class:`WindowGeometry`: window size, shift, padding order), reads the window size and shift
-from the block after the forward (Hugging Face and torchvision clamp them at run time), runs
+from the block after the forward (torchvision clamps them at run time; Hugging Face V1 clamps them in place,
+which the adapter undoes after each forward and computes instead), runs
 the last block and the head on tokens for methods that re-run them, and never changes the
 model. Tokens exchanged with methods are (B, H, W, C) grids (NHWC) for every family; Hugging
 Face's (B, L, C) sequences are converted here.
@@ -17,9 +18,10 @@ Face's (B, L, C) sequences are converted here.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -267,9 +269,23 @@ class HFSwinAdapter(SwinAdapter):
     def forward(self, x: Tensor) -> Any:
         if not self.post_norm:
             self._check_windows((int(x.shape[-2]), int(x.shape[-1])))
-        out = self.model(pixel_values=x)
+        with self._windows_kept():
+            out = self.model(pixel_values=x)
         logits = getattr(out, "logits", None)
         return logits if logits is not None else out.pooler_output
+
+    @contextlib.contextmanager
+    def _windows_kept(self) -> Iterator[None]:
+        """Run a forward with every block's ``window_size`` and ``shift_size`` put back afterwards: transformers'
+        Swin V1 (``SwinLayer.set_shift_and_window_size``) sets a block's shift to 0 in place when its stage grid is
+        not wider than its window, and the model kept it for every later input (see :meth:`window_shift`)."""
+        layers = [self.model.get_submodule(name) for name in self.blocks]
+        kept = [(layer.window_size, layer.shift_size) for layer in layers]
+        try:
+            yield
+        finally:
+            for layer, (window, shift) in zip(layers, kept):
+                layer.window_size, layer.shift_size = window, shift
 
     def _check_windows(self, size: tuple[int, int]) -> None:
         """Refuse, before the model runs, an input on which a Swin V1 stage's grid is narrower than its window.
@@ -307,7 +323,10 @@ class HFSwinAdapter(SwinAdapter):
 
     def window_shift(self, index: int, grid: tuple[int, int]) -> tuple[tuple[int, int], tuple[int, int]]:
         layer = self.model.get_submodule(self.blocks[index])
-        return _pair(int(layer.window_size)), _pair(int(layer.shift_size))
+        window, shift = int(layer.window_size), int(layer.shift_size)
+        if not self.post_norm and min(grid) <= window:  # V1's forward on that grid: no shift, the grid as window
+            window, shift = min(grid), 0                   # (set_shift_and_window_size; put back after it)
+        return _pair(window), _pair(shift)
 
     def to_grid(self, tokens: Tensor, grid: tuple[int, int]) -> Tensor:
         return tokens.reshape(tokens.shape[0], *grid, tokens.shape[-1])
@@ -316,7 +335,8 @@ class HFSwinAdapter(SwinAdapter):
         return tokens.reshape(tokens.shape[0], -1, tokens.shape[-1])
 
     def run_block(self, index: int, tokens: Tensor, grid: tuple[int, int]) -> Tensor:
-        out = self.model.get_submodule(self.blocks[index])(tokens, grid)
+        with self._windows_kept():
+            out = self.model.get_submodule(self.blocks[index])(tokens, grid)
         return out[0] if isinstance(out, tuple) else out
 
     def head(self, tokens: Tensor) -> Tensor:

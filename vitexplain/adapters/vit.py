@@ -106,6 +106,11 @@ class ViTAdapter(Adapter):
         self._drop("rollout", why)
         self._drop("attention", why)
 
+    def drop_all(self, why: str) -> None:
+        """Refuse every method, saying ``why`` (a model whose layout is known but whose outputs no target scores)."""
+        self.notes.update({capability: why for capability in self.capabilities})
+        self.capabilities = frozenset()
+
     def _drop(self, capability: str, why: str) -> None:
         """Remove a capability, remembering why (for refusal messages)."""
         self.capabilities = self.capabilities - {capability}

@@ -198,7 +198,9 @@ def export_captions(opts: CaptionOptions, *, argv: Optional[Sequence[str]] = Non
     method_options = {s.name: dict(s.options) for s in plan.steps}
     signed = {s.name: s.spec.signed for s in plan.steps}
     per_method = {m: dict(method_options.get(m, {})) for m in methods}
-    pre_kwargs = ex.adapter.preprocess_kwargs()
+    from ..adapters import preprocessing
+
+    pre_kwargs = preprocessing(ex.adapter)
     if opts.caption is not None:
         try:
             if vlm:

@@ -159,7 +159,9 @@ def explore_inputs(opts: ExploreOptions) -> int:
     processor = getattr(model, "vx_processor", None)  # zoo VLMs and model folders carry theirs
     explainer = Explainer(model, processor=processor) if processor is not None else Explainer(model)
     check_prompt(opts.prompt, explainer.family.name, opts.model)
-    pre_kwargs = explainer.adapter.preprocess_kwargs()
+    from ..adapters import preprocessing
+
+    pre_kwargs = preprocessing(explainer.adapter)
     for u in scan.unreadable:
         say(f"vitexplain explore: cannot read folder {u.path} ({u.error}); its images are not on the page")
     images, names, failed = [], [], len(scan.unreadable)

@@ -231,7 +231,9 @@ def export(opts: ExportOptions, *, argv: Optional[Sequence[str]] = None) -> Expo
     target = _parse_target(opts.target, label_names, num_classes if isinstance(num_classes, int) else None)
     pcfg = getattr(model, "pretrained_cfg", None) or {}
     multi_label = bool(pcfg.get("multi_label", False)) if isinstance(pcfg, dict) else False
-    pre_kwargs = ex.adapter.preprocess_kwargs()
+    from ..adapters import preprocessing
+
+    pre_kwargs = preprocessing(ex.adapter)
     if model_info.get("random_weights") and setup.dist.rank == 0 and not opts.quiet:
         print(f"vitexplain: warning: {opts.model} has random weights (no --checkpoint); the maps show "
               "plumbing, not meaning", file=sys.stderr)

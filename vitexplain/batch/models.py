@@ -183,9 +183,10 @@ def load_hf_folder(path: str) -> "nn.Module":
 
     An image classifier (``AutoModelForImageClassification``: ViT, DeiT, DINOv2, BEiT, Swin, ResNet, ConvNeXt,
     ...) is loaded with ``attn_implementation="sdpa"`` where its class has SDPA attention; images are then
-    preprocessed with the adapter's settings for that model type. A vision-language model is loaded with
-    ``attn_implementation="sdpa"`` (its fused attention) and its processor is attached as ``model.vx_processor``
-    (what ``vx.Explainer(model, processor=...)`` takes).
+    preprocessed with the adapter's settings for that model type, overridden by the image processor saved in the
+    folder where there is one (its mean, std, input size, crop and resampling: ``model.vx_preprocess``). A
+    vision-language model is loaded with ``attn_implementation="sdpa"`` (its fused attention) and its processor is
+    attached as ``model.vx_processor`` (what ``vx.Explainer(model, processor=...)`` takes).
 
     Raises:
         UsageError: no ``config.json``, transformers missing, neither an image classifier nor an image-text-to-text
@@ -218,6 +219,9 @@ def load_hf_folder(path: str) -> "nn.Module":
                 f"{type(model).__name__} ({', '.join(getattr(config, 'architectures', None) or ['no architecture'])} "
                 "was saved there), which transformers would initialise at random: `vitexplain export` explains "
                 "a trained image classifier; save one with model.save_pretrained(DIR)")
+        settings = _image_processor_settings(transformers, folder, path)
+        if settings:
+            model.vx_preprocess = settings  # read by vitexplain.adapters.preprocessing
         return model
     auto = transformers.AutoModelForImageTextToText
     if type(config) not in auto._model_mapping:
@@ -238,6 +242,75 @@ def load_hf_folder(path: str) -> "nn.Module":
                          "and image processor; save the model's full processor with processor.save_pretrained(DIR)")
     model.vx_processor = processor
     return model
+
+
+#: Pillow's resampling filters by their integer value (what image processors store as ``resample``).
+_RESAMPLE = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic", 4: "box", 5: "hamming"}
+
+
+def _image_processor_settings(transformers: Any, folder: Path, path: str) -> dict[str, Any]:
+    """Preprocessing settings (``input_size``, ``mean``, ``std``, ``crop_pct``, ``interpolation``) of the image
+    processor saved in a classifier folder (``preprocessor_config.json``), as far as vitexplain's resize, center crop
+    and normalisation express them; ``{}`` when the folder holds none. A processor that resizes to a fixed height and
+    width without cropping squashes the image: ``--no-crop`` does that too (the default keeps the aspect ratio and
+    cuts the center).
+
+    Raises:
+        UsageError: the folder's processor config cannot be loaded.
+    """
+    if not (folder / "preprocessor_config.json").is_file():
+        return {}
+    try:
+        proc = transformers.AutoImageProcessor.from_pretrained(str(folder), local_files_only=True)
+    except Exception as e:
+        raise UsageError(f"--model {path!r}: cannot load its preprocessor_config.json ({type(e).__name__}: {e}); fix "
+                         "or remove it (the model type's default preprocessing is used without it)") from None
+
+    if isinstance(getattr(proc, "data_config", None), dict):  # TimmWrapperImageProcessor: timm's own data config
+        from ..data.images import data_config_kwargs
+
+        return data_config_kwargs(proc.data_config)
+
+    def field(size: Any, key: str) -> Optional[int]:
+        value = size.get(key) if isinstance(size, dict) else getattr(size, key, None)
+        return int(value) if value else None
+
+    settings: dict[str, Any] = dict(_pixel_map(proc), bgr=bool(getattr(proc, "do_flip_channel_order", False)))
+    resample = getattr(proc, "resample", None)
+    if isinstance(resample, int) and int(resample) in _RESAMPLE:
+        settings["interpolation"] = _RESAMPLE[int(resample)]
+    if not getattr(proc, "do_resize", False):
+        return settings
+    size, crop = getattr(proc, "size", None), getattr(proc, "crop_size", None)
+    height, width, short = field(size, "height"), field(size, "width"), field(size, "shortest_edge")
+    crop_hw = (field(crop, "height"), field(crop, "width")) if crop is not None else (None, None)
+    if getattr(proc, "do_center_crop", False) and all(crop_hw) and (short or height):
+        settings.update(input_size=crop_hw, crop_pct=crop_hw[0] / (short or height))  # resize, then cut the center
+    elif short and isinstance(getattr(proc, "crop_pct", None), float):  # ConvNeXt's: resize short / crop_pct, cut
+        settings.update(input_size=(short, short), crop_pct=proc.crop_pct if short < 384 else 1.0)
+    elif height and width:
+        settings.update(input_size=(height, width), crop_pct=1.0)
+    return settings
+
+
+def _pixel_map(proc: Any) -> dict[str, tuple[float, ...]]:
+    """``mean`` and ``std`` (per RGB channel, pixels in [0, 1]) of the affine map an image processor applies to the
+    pixels: rescaling (``rescale_factor``; EfficientNet's ``rescale_offset`` subtracts 1 after it), normalising
+    (``image_mean``, ``image_std``), and EfficientNet's ``include_top`` (divides by ``image_std`` again). A pixel
+    value v in [0, 1] becomes (v - mean) / std."""
+    def channels(value: Any, default: float) -> list[float]:
+        if value is None:
+            return [default] * 3
+        return [float(value)] * 3 if isinstance(value, (int, float)) else [float(v) for v in value]
+
+    scale = 255.0 * float(getattr(proc, "rescale_factor", 1 / 255)) if getattr(proc, "do_rescale", True) else 255.0
+    offset = 1.0 if getattr(proc, "do_rescale", True) and getattr(proc, "rescale_offset", False) else 0.0
+    normalize = bool(getattr(proc, "do_normalize", False))
+    mean = channels(getattr(proc, "image_mean", None) if normalize else None, 0.0)
+    std = channels(getattr(proc, "image_std", None) if normalize else None, 1.0)
+    top = channels(getattr(proc, "image_std", None), 1.0) if getattr(proc, "include_top", False) else [1.0] * 3
+    # processor: ((v * scale - offset) - m) / s / t  ==  (v - (m + offset) / scale) / (s * t / scale)
+    return dict(mean=tuple((m + offset) / scale for m in mean), std=tuple(s * t / scale for s, t in zip(std, top)))
 
 
 def _fix_input_size(model: "nn.Module") -> None:

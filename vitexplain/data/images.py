@@ -171,6 +171,7 @@ def preprocess(
     crop_pct: float | None = 1.0,
     interpolation: str = "bicubic",
     crop: bool = True,
+    bgr: bool = False,
 ) -> tuple[torch.Tensor, list[CropBox]]:
     """Resize, center-crop and normalise images for a model, recording the crop.
 
@@ -194,6 +195,8 @@ def preprocess(
         interpolation: ``"bicubic"``, ``"bilinear"``, ``"nearest"``, ``"lanczos"``,
             ``"box"`` or ``"hamming"`` (Pillow resampling, antialiased).
         crop: ``False`` resizes to ``input_size`` without cropping.
+        bgr: reverse the channels after normalising (``mean`` and ``std`` are still RGB): the model takes BGR
+            input (Hugging Face MobileViT's image processor flips the channel order).
 
     Returns:
         ``(x, boxes)``: ``x`` is a ``(B, 3, H, W)`` float32 CPU tensor; ``boxes[i]`` is the
@@ -248,7 +251,8 @@ def preprocess(
             box = CropBox(left * sx, top * sy, (left + out_w) * sx, (top + out_h) * sy, (h0, w0))
         arr = np.asarray(res, dtype=np.uint8)
         x = torch.from_numpy(arr.copy()).permute(2, 0, 1).to(torch.float32).div(255)
-        tensors.append(x.sub_(mean_t).div_(std_t))
+        x = x.sub_(mean_t).div_(std_t)
+        tensors.append(x.flip(0) if bgr else x)
         boxes.append(box)
     if not tensors:
         raise UsageError("preprocess got no images")
@@ -270,7 +274,16 @@ def preprocess_kwargs(model: Any) -> dict[str, Any]:
     """
     from timm.data import resolve_data_config
 
-    cfg = resolve_data_config(model=model)
+    return data_config_kwargs(resolve_data_config(model=model))
+
+
+def data_config_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Keyword arguments for :func:`preprocess` from a timm data config or ``pretrained_cfg`` (``input_size``, ``mean``,
+    ``std``, ``crop_pct``, ``interpolation``; timm's defaults for the keys it lacks)."""
+    from timm.data import resolve_data_config
+
+    if not {"input_size", "mean", "std"} <= set(cfg):
+        cfg = resolve_data_config(pretrained_cfg=cfg, verbose=False)
     return {
         "input_size": tuple(cfg["input_size"][-2:]),
         "mean": tuple(cfg["mean"]),
