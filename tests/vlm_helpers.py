@@ -568,23 +568,43 @@ ORACLE["mllama"] = dict(nested=True, prompt=lambda p: p if "<|image|>" in p else
                         features=_mllama_features, placeholders=lambda m: [m.config.image_token_id])
 
 
+def _sdpa_built(model_class: Any, cfg: Any, proc: Any) -> tuple[nn.Module, Any]:
+    """``model_class(cfg)`` with SDPA attention, seeded, its (near-)zero weights given values (:func:`reinit_small`)."""
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return reinit_small(model_class(cfg).eval()), proc
+
+
+def _token_oracle(base: dict[str, Any], attribute: str) -> dict[str, Any]:
+    """The oracle ``base`` with the image token id read from ``model.config.<attribute>``."""
+    return dict(base, image_token=lambda m: getattr(m.config, attribute),
+                placeholders=lambda m: [getattr(m.config, attribute)])
+
+
+def _pixtral_parts(patch: int, merge: int) -> tuple[Any, Any, Any]:
+    """(tokenizer, processor, vision config) of a tiny Pixtral tower: longest edge 32 px, ``patch`` px patches, the
+    processor's ``merge`` x ``merge`` blocks per token, rows ended by [IMG_BREAK] / [IMG_END]."""
+    import transformers
+
+    tok = tokenizer(("[IMG]", "[IMG_BREAK]", "[IMG_END]"))
+    image = transformers.PixtralImageProcessor(size={"longest_edge": 32}, patch_size=patch)
+    proc = transformers.PixtralProcessor(image_processor=image, tokenizer=tok, patch_size=patch, spatial_merge_size=merge,
+                                         image_token="[IMG]", image_break_token="[IMG_BREAK]", image_end_token="[IMG_END]")
+    vision = transformers.PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                              image_size=32, patch_size=patch, head_dim=16)
+    return tok, proc, vision
+
+
 def mistral3() -> tuple[nn.Module, Any]:
     """Mistral 3: a Pixtral tower (longest edge 32 px, 4 px patches, 2 x 2 merger: a token per 8 px block, rows
     ended by [IMG_BREAK] / [IMG_END]), a Mistral LM with GQA."""
     import transformers
 
-    tok = tokenizer(("[IMG]", "[IMG_BREAK]", "[IMG_END]"))
-    image = transformers.PixtralImageProcessor(size={"longest_edge": 32}, patch_size=4)
-    proc = transformers.PixtralProcessor(image_processor=image, tokenizer=tok, patch_size=4, spatial_merge_size=2,
-                                         image_token="[IMG]", image_break_token="[IMG_BREAK]", image_end_token="[IMG_END]")
-    vision = transformers.PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                                              image_size=32, patch_size=4, head_dim=16)
+    tok, proc, vision = _pixtral_parts(patch=4, merge=2)
     cfg = transformers.Mistral3Config(vision_config=vision, text_config=dict(model_type="mistral", vocab_size=len(tok), **_text()),
                                       image_token_index=tok.convert_tokens_to_ids("[IMG]"), spatial_merge_size=2,
                                       vision_feature_layer=-1)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return reinit_small(transformers.Mistral3ForConditionalGeneration(cfg).eval()), proc
+    return _sdpa_built(transformers.Mistral3ForConditionalGeneration, cfg, proc)
 
 
 def _mistral3_features(model: nn.Module, proc: Any, image: np.ndarray) -> torch.Tensor:
@@ -618,21 +638,25 @@ def internvl() -> tuple[nn.Module, Any]:
                   patch_size=[4, 4])
     cfg = transformers.InternVLConfig(vision_config=vision, text_config=dict(model_type="qwen2", vocab_size=len(tok), **_text()),
                                       image_token_id=tok.context_image_token_id, downsample_ratio=0.5, vision_feature_layer=-1)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return reinit_small(transformers.InternVLForConditionalGeneration(cfg).eval()), proc
+    return _sdpa_built(transformers.InternVLForConditionalGeneration, cfg, proc)
 
 
-def _internvl_features(model: nn.Module, proc: Any, image: np.ndarray) -> torch.Tensor:
-    batch = proc(images=[image], text=["<IMG_CONTEXT>"], return_tensors="pt")
-    with torch.no_grad():
-        features = model.get_image_features(pixel_values=batch["pixel_values"]).pooler_output
-    return features.reshape(-1, features.shape[-1])  # (tiles then thumbnail, tokens row-major)
+def _tiled_features(token: str) -> Callable[[nn.Module, Any, np.ndarray], torch.Tensor]:
+    """The probe's per-token features of one image of a tiled family whose prompt holds ``token``: (tiles, then the
+    thumbnail, each tile's tokens in order, D)."""
+
+    def features(model: nn.Module, proc: Any, image: np.ndarray) -> torch.Tensor:
+        batch = proc(images=[image], text=[token], return_tensors="pt")
+        with torch.no_grad():
+            out = model.get_image_features(pixel_values=batch["pixel_values"]).pooler_output
+        return out.reshape(-1, out.shape[-1])
+
+    return features
 
 
 BUILDERS["internvl"] = internvl
 ORACLE["internvl"] = dict(prompt=lambda p: "<IMG_CONTEXT>" + p, extend=_positions_from_mask,
-                          image_token=lambda m: m.config.image_token_id, features=_internvl_features,
+                          image_token=lambda m: m.config.image_token_id, features=_tiled_features("<IMG_CONTEXT>"),
                           placeholders=lambda m: [m.config.image_token_id])
 
 
@@ -663,9 +687,7 @@ def glm4v(kind: str = "glm4v") -> tuple[nn.Module, Any]:
                      "glm4v_moe": ("Glm4vMoeConfig", "Glm4vMoeForConditionalGeneration"),
                      "glm46v": ("Glm46VConfig", "Glm46VForConditionalGeneration")}[kind]
     cfg = getattr(transformers, config)(vision_config=vision, text_config=text, **ids)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return reinit_small(getattr(transformers, model)(cfg).eval()), proc
+    return _sdpa_built(getattr(transformers, model), cfg, proc)
 
 
 BUILDERS.update(glm4v=glm4v, glm4v_moe=lambda: glm4v("glm4v_moe"), glm46v=lambda: glm4v("glm46v"))
@@ -691,21 +713,12 @@ def aya_vision() -> tuple[nn.Module, Any]:
     cfg = transformers.AyaVisionConfig(vision_config=vision, text_config=dict(model_type="cohere2", vocab_size=len(tok), **_text()),
                                        downsample_factor=2, image_token_index=tok.convert_tokens_to_ids("<|IMG_PATCH|>"),
                                        vision_feature_select_strategy="full")
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return reinit_small(transformers.AyaVisionForConditionalGeneration(cfg).eval()), proc
-
-
-def _aya_features(model: nn.Module, proc: Any, image: np.ndarray) -> torch.Tensor:
-    batch = proc(images=[image], text=["<image>"], return_tensors="pt")
-    with torch.no_grad():
-        features = model.get_image_features(pixel_values=batch["pixel_values"]).pooler_output
-    return features.reshape(-1, features.shape[-1])  # (tiles then the global image, tokens in order)
+    return _sdpa_built(transformers.AyaVisionForConditionalGeneration, cfg, proc)
 
 
 BUILDERS["aya_vision"] = aya_vision
 ORACLE["aya_vision"] = dict(prompt=lambda p: "<image>" + p, extend=_positions_from_mask,
-                            image_token=lambda m: m.config.image_token_index, features=_aya_features,
+                            image_token=lambda m: m.config.image_token_index, features=_tiled_features("<image>"),
                             placeholders=lambda m: [m.config.image_token_index])
 
 
@@ -713,23 +726,15 @@ def pixtral() -> tuple[nn.Module, Any]:
     """Pixtral-12B's layout: LLaVA with a Pixtral tower (longest edge 32 px, 8 px patches, no merger, [IMG_BREAK] rows)."""
     import transformers
 
-    tok = tokenizer(("[IMG]", "[IMG_BREAK]", "[IMG_END]"))
-    image = transformers.PixtralImageProcessor(size={"longest_edge": 32}, patch_size=8)
-    proc = transformers.PixtralProcessor(image_processor=image, tokenizer=tok, patch_size=8, spatial_merge_size=1,
-                                         image_token="[IMG]", image_break_token="[IMG_BREAK]", image_end_token="[IMG_END]")
-    vision = transformers.PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                                              image_size=32, patch_size=8, head_dim=16)
+    tok, proc, vision = _pixtral_parts(patch=8, merge=1)
     cfg = transformers.LlavaConfig(vision_config=vision, text_config=dict(model_type="mistral", vocab_size=len(tok), **_text()),
                                    image_token_id=tok.convert_tokens_to_ids("[IMG]"), vision_feature_select_strategy="full",
                                    vision_feature_layer=-1)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return reinit_small(transformers.LlavaForConditionalGeneration(cfg).eval()), proc
+    return _sdpa_built(transformers.LlavaForConditionalGeneration, cfg, proc)
 
 
 BUILDERS["pixtral"] = pixtral
-ORACLE["pixtral"] = dict(ORACLE["mistral3"], image_token=lambda m: m.config.image_token_id,
-                         placeholders=lambda m: [m.config.image_token_id])
+ORACLE["pixtral"] = _token_oracle(ORACLE["mistral3"], "image_token_id")
 
 
 COHERE_SPECIALS = ("<image>", "<|START_OF_IMG|>", "<|END_OF_IMG|>", "<|IMG_LINE_BREAK|>")
@@ -752,16 +757,12 @@ def cohere2_vision() -> tuple[nn.Module, Any]:
                   num_attention_heads=2, image_size=16, patch_size=4)
     cfg = transformers.Cohere2VisionConfig(vision_config=vision, text_config=dict(model_type="cohere2", vocab_size=len(tok), **_text()),
                                            downsample_factor=2, image_token_id=tok.image_token_id, alignment_intermediate_size=64)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return reinit_small(transformers.Cohere2VisionForConditionalGeneration(cfg).eval()), proc
+    return _sdpa_built(transformers.Cohere2VisionForConditionalGeneration, cfg, proc)
 
 
 BUILDERS["cohere2_vision"] = cohere2_vision
-ORACLE["cohere2_vision"] = dict(ORACLE["aya_vision"], image_token=lambda m: m.config.image_token_id,
-                                placeholders=lambda m: [m.config.image_token_id])
+ORACLE["cohere2_vision"] = _token_oracle(ORACLE["aya_vision"], "image_token_id")
 
 
 BUILDERS["vipllava"] = lambda: llava(vip=True)
-ORACLE["vipllava"] = dict(ORACLE["llava"], image_token=lambda m: m.config.image_token_index,
-                          placeholders=lambda m: [m.config.image_token_index])
+ORACLE["vipllava"] = _token_oracle(ORACLE["llava"], "image_token_index")
