@@ -11,7 +11,8 @@ How a capture works (see docs/methods.md, "How attention is captured"), one modu
   call, from the Python stack (no hook on the model for this);
 - :mod:`~vitexplain.recording.records`: what is kept, and the probabilities and gradients
   recomputed from it; :mod:`~vitexplain.recording.gates`: CNN attention gates;
-- :mod:`~vitexplain.recording.compiled`: ``torch.compile``-d models run eagerly in the scope.
+- :mod:`~vitexplain.recording.compiled`: ``torch.compile``-d models run eagerly in the scope;
+  :mod:`~vitexplain.recording.gradients`: ``rec.backward``'s own pass to every record.
 
 Everything the capture changes is restored on exit, also when the block raises: hooks (the
 root's input hook and the optional activation, declared-module and CNN gate hooks), the MHA
@@ -24,11 +25,10 @@ The recorder does not recognise models: ``rec.layout`` comes from the ``layout_f
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import threading
 from types import FrameType
-from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
@@ -43,6 +43,7 @@ from . import discovery
 from .direct import DirectSDPA
 from .flex import FlexWatcher
 from .gates import GateHooks, GateRecord, checked_gates
+from .gradients import backward_pass, backward_running, hooks_paused, zero_grads
 from .interception import AttentionMode
 from .materialize import check_heads, check_mode
 from .narrowing import Narrowing
@@ -61,26 +62,6 @@ SUPPORTED = (
     "nn.MultiheadAttention / nn.Transformer* layers, and modules declared with "
     "vx.capture(model, attention={name: extractor}) or vx.recording.register_attention"
 )
-
-
-#: how many :meth:`Recorder.backward` passes run now (any recorder): no record's hook collects meanwhile
-_BACKWARDS = [0]
-_BACKWARDS_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def hooks_paused() -> Iterator[None]:
-    """Inside, no recorder's gradient hooks collect (as while a recorder's own :meth:`Recorder.backward`
-    runs): for a method's own autograd pass over a captured graph once its records hold their
-    gradients (LeGrad differentiates each layer's score; the capture's hooks on the attention
-    outputs added those gradients to the records, and a method run after it read them)."""
-    with _BACKWARDS_LOCK:
-        _BACKWARDS[0] += 1
-    try:
-        yield
-    finally:
-        with _BACKWARDS_LOCK:
-            _BACKWARDS[0] -= 1
 
 
 class Recorder:
@@ -293,7 +274,7 @@ class Recorder:
         """Whether gradient hooks collect: not while :meth:`backward` of this or of any other recorder runs
         its own pass (a capture nested in another, e.g. an explainer's inside a user's: each recorder's
         pass reaches the records it targets, not the other recorder's, whose hooks see the same graph)."""
-        return _BACKWARDS[0] == 0
+        return not backward_running()
 
     # -- results ----------------------------------------------------------------------
     @property
@@ -412,49 +393,11 @@ class Recorder:
             CaptureError: gradients were not captured, nothing captured or ``score`` is in no autograd
                 graph, or the graph was freed by an earlier backward.
         """
-        if not self.grads:
-            raise CaptureError("gradients were not captured: use vx.capture(model, grads=True)")
-        if not isinstance(score, Tensor) or not score.is_floating_point():
-            what = f"a {score.dtype} tensor" if isinstance(score, Tensor) else type(score).__name__
-            raise InputError(f"rec.backward expects a float tensor computed from the model outputs, got {what}")
-        targets: list[tuple[Any, Tensor]] = [(r, r._out) for r in self._records if r._out is not None]
-        targets += [(a, a.output) for calls in self.activations.values() for a in calls if a.output.requires_grad]
-        if not targets:
-            raise CaptureError(
-                "nothing captured is part of an autograd graph (the forward ran under torch.no_grad(), or "
-                "neither the input nor any parameter requires grad)"
-            )
-        if not score.requires_grad:
-            raise CaptureError(
-                "the score given to rec.backward is not part of an autograd graph: compute it from the outputs "
-                "of the captured forward, run with gradients enabled (not under torch.no_grad())"
-            )
-        with _BACKWARDS_LOCK:
-            _BACKWARDS[0] += 1
-        try:
-            grads = torch.autograd.grad(
-                score.sum(), [t for _, t in targets], retain_graph=retain_graph, allow_unused=True
-            )
-        except RuntimeError as error:
-            if "second time" not in str(error):
-                raise
-            raise CaptureError(
-                "the autograd graph of this forward was freed by an earlier backward: pass retain_graph=True to "
-                "every rec.backward(...) on it but the last, or run the forward again"
-            ) from error
-        finally:
-            with _BACKWARDS_LOCK:
-                _BACKWARDS[0] -= 1
-        for (obj, tensor), grad in zip(targets, grads):
-            obj._add_grad(grad if grad is not None else torch.zeros_like(tensor))
+        backward_pass(self, score, retain_graph)
 
     def zero_grad(self) -> None:
         """Forget captured gradients (each backward through the graph accumulates into them)."""
-        for record in self._records:
-            record._grad_out = record._grad_probs = None
-        for calls in self.activations.values():
-            for call in calls:
-                call.grad = None
+        zero_grads(self)
 
     def clear(self) -> None:
         """Forget all records (e.g. between two forwards in one scope)."""
