@@ -135,7 +135,7 @@ RANK = {
     "results": 4, "zoo": 4,
     "methods": 5, "metrics": 5,
     "adapters": 6,
-    "plan": 7,
+    "plan": 7, "sizes": 7,  # sizes: a model's refusal of an input size as an InputError (the explainer's)
     "vlm": 7.5,  # explain_caption of vision-language models (the explainer calls it)
     "explainer": 8, "facade": 8,
     "explorer": 9,

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import numbers
-import re
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union, overload
 
@@ -26,33 +25,17 @@ from torch import Tensor, nn
 from .adapters import Adapter, adapter_for, preprocessing
 from .checks import (buffers_kept, check_batch, input_channels, check_finite_maps, check_finite_scores,
                      check_tensor_input, checked_score, model_device, model_dtype, warn_training)
-from .errors import InputError, UnsupportedMethodError, UnsupportedModelError, UsageError, VitexplainError
+from .errors import InputError, UnsupportedMethodError, UnsupportedModelError, UsageError
 from .methods.families import Family
 from .plan import MethodArg, Plan, applicable, capture_settings, make_plan, split_options
 from .recording import capture, hooks_paused
 from .recording.graph import embeddings_in_graph
 from .recording.materialize import check_mode
 from .results import CaptionExplanation, Explanation
+from .sizes import run_sized
 from .targets import TargetSpec, logits_of, resolve
 
 __all__ = ["Explainer", "Explanation", "CaptionExplanation"]
-
-#: How timm ("Input height (64) doesn't match model (224)"), torchvision ("Wrong image height!")
-#: and Hugging Face ("Input image size (64*64) doesn't match model") ViTs refuse an input size.
-_SIZE_REFUSAL = re.compile(r"(?i)doesn't match model|wrong image (height|width)|divisible by patch|input image size")
-
-
-def _patch_multiple(err: Exception, adapter: Adapter, size: tuple[int, int]) -> Optional[tuple[int, int]]:
-    """The (ph, pw) patch size when ``err`` is a model's refusal of an input its patch size does not
-    divide (the model takes other sizes), else None."""
-    if not re.search(r"(?i)divisible by patch", str(err)) or not hasattr(adapter, "layout"):
-        return None
-    try:
-        patch = adapter.layout(size).patch_size
-    except Exception:  # no layout for this size: the generic message
-        return None
-    return (int(patch[0]), int(patch[1])) if patch is not None else None
-
 
 class Explainer:
     """Explains a model's decisions with any registered method.
@@ -414,39 +397,9 @@ class Explainer:
         return self._sized(x, lambda: self.adapter.forward(x))
 
     def _sized(self, x: Tensor, run: Callable[[], Any]) -> Any:
-        """``run()``, a call of the model on ``x`` (B, C, H, W); a model's own refusal of the input size
-        (timm, torchvision and Hugging Face ViTs with a fixed size), or any failure of a model whose
-        adapter says it takes one size only on another size (``fixed_size``; ``one_size`` when that
-        size is not known: a hybrid whose attention biases are built for one grid), becomes an
-        :class:`InputError` that says what to do (the model's message kept)."""
-        try:
-            return run()
-        except (RuntimeError, ValueError, AssertionError, IndexError) as err:
-            if isinstance(err, VitexplainError):
-                raise
-            size = tuple(x.shape[-2:])
-            fixed = getattr(self.adapter, "fixed_size", None)
-            one_size = getattr(self.adapter, "one_size", None)  # why it takes one size, which is not known
-            if not _SIZE_REFUSAL.search(str(err)) and (fixed is None or tuple(fixed) == size) and one_size is None:
-                raise
-            if fixed is None and one_size is not None:
-                raise InputError(
-                    f"the model does not take a {size[0]}x{size[1]} input ({type(err).__name__}: {err}); {one_size}: "
-                    "resize the images to that size"
-                ) from err
-            patch = _patch_multiple(err, self.adapter, size)
-            if patch is not None:  # a model that takes any size the patch divides (timm dynamic_img_size)
-                raise InputError(
-                    f"the model does not take a {size[0]}x{size[1]} input ({type(err).__name__}: {err}); its patch "
-                    f"size {patch[0]}x{patch[1]} must divide the input: resize or crop it to a multiple, e.g. "
-                    f"{max(patch[0], size[0] // patch[0] * patch[0])}x{max(patch[1], size[1] // patch[1] * patch[1])}"
-                ) from err
-            expected = fixed or preprocessing(self.adapter).get("input_size")
-            raise InputError(
-                f"the model does not take a {size[0]}x{size[1]} input ({type(err).__name__}: {err}); it expects "
-                f"{expected[0]}x{expected[1]} images: resize to that size, or pass images (paths or uint8 arrays) to "
-                "have them preprocessed with the model's own settings"
-            ) from err
+        """``run()``, a call of the model on ``x``, its refusals of the input size made an :class:`InputError`
+        that says what to do (:func:`vitexplain.sizes.run_sized`)."""
+        return run_sized(self.adapter, x, run)
 
     def _caption_ids(self, caption: Any, batch: int, device: torch.device) -> Tensor:
         """(B, T) ids of given captions, each followed by the end token.
