@@ -218,3 +218,22 @@ def test_images_are_preprocessed_as_the_converted_checkpoints_processors_do(name
     image = np.random.default_rng(6).integers(0, 255, (side, side, 3), dtype=np.uint8)
     x = ex.preprocess([image])[0]
     torch.testing.assert_close(x, processor([image], return_tensors="pt").pixel_values, rtol=0, atol=1e-4)
+
+
+def test_a_plain_conv_net_with_a_classifier_attribute_and_no_config_is_still_a_cnn():
+    """The Hugging Face detector reads ``config.model_type``: a user's conv net named like HF's (``self.classifier``)
+    but without a config is left to the generic CNN adapter (it raised a raw AttributeError)."""
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.features = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, 2), torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 3, 2))
+            self.pool = torch.nn.AdaptiveAvgPool2d(1)
+            self.classifier = torch.nn.Linear(8, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.classifier(self.pool(self.features(x)).flatten(1))
+
+    ex = vx.Explainer(Net().eval())
+    assert ex.family == "cnn" and type(ex.adapter).__name__ == "CNNAdapter"
+    maps = ex.explain(torch.randn(2, 3, 32, 32), method="gradcam", target=1).maps
+    assert maps.shape[0] == 2 and torch.isfinite(maps).all()

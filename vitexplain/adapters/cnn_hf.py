@@ -89,9 +89,10 @@ def _hf_cnn_stages(model: nn.Module) -> Optional[list[str]]:
 
 @register_adapter(priority=0, family=CNN)
 def _detect_hf_cnn(model: nn.Module) -> Optional[Adapter]:
-    if not isinstance(getattr(model, "classifier", None), nn.Module):
+    model_type = getattr(getattr(model, "config", None), "model_type", None)  # (any model: it may have no config)
+    if model_type not in HF_CNN_STAGES or not isinstance(getattr(model, "classifier", None), nn.Module):
         return None
-    if getattr(model.config, "model_type", None) not in HF_HYBRIDS and calls_attention(model):
+    if model_type not in HF_HYBRIDS and calls_attention(model):
         return None
     stages = _hf_cnn_stages(model)
     return HFCNNAdapter(model, stages) if stages else None
