@@ -139,9 +139,8 @@ class Adapter:
         names = cfg.get("label_names") if isinstance(cfg, dict) else None
         if names:
             return list(names)
-        config = getattr(self.model, "config", None)
-        id2label = getattr(config, "id2label", None)
-        if id2label and not all(str(v).startswith("LABEL_") for v in id2label.values()):
+        id2label = _named_labels(getattr(self.model, "config", None))
+        if id2label:
             return _names_by_index(id2label)
         return _timm_imagenet_names(self.model)
 
@@ -180,13 +179,13 @@ def _wrapper_preprocess(wrapper: nn.Module) -> Optional[dict[str, Any]]:
     return data_config_kwargs(pretrained_cfg)
 
 
-def _config_names(config: Any) -> Optional[list[str]]:
-    """Class names from a Hugging Face config's ``id2label``, or None (none, or transformers' placeholders
+def _named_labels(config: Any) -> Optional[dict]:
+    """A Hugging Face config's ``id2label`` when it names the classes, or None (none, or transformers' placeholders
     ``LABEL_0``, ``LABEL_1``, ...)."""
     id2label = getattr(config, "id2label", None)
     if not id2label or all(str(v).startswith("LABEL_") for v in id2label.values()):
         return None
-    return _names_by_index(id2label)
+    return id2label
 
 
 def _names_by_index(id2label: dict) -> Optional[list[str]]:
@@ -306,7 +305,8 @@ def adapter_for(model: nn.Module) -> Adapter:
     inner = _unwrapped(model)
     adapter = find_adapter(inner)
     if adapter is not None:
-        names = _config_names(getattr(model, "config", None)) if inner is not model and adapter.has_head else None
+        id2label = _named_labels(getattr(model, "config", None)) if inner is not model and adapter.has_head else None
+        names = _names_by_index(id2label) if id2label else None
         if names:  # a TimmWrapper's classes are in its own config (id2label), not in its timm model
             adapter.label_names = names
         if inner is not model:
