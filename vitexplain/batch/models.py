@@ -244,10 +244,6 @@ def load_hf_folder(path: str) -> "nn.Module":
     return model
 
 
-#: Pillow's resampling filters by their integer value (what image processors store as ``resample``).
-_RESAMPLE = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic", 4: "box", 5: "hamming"}
-
-
 def _image_processor_settings(transformers: Any, folder: Path, path: str) -> dict[str, Any]:
     """Preprocessing settings (``input_size``, ``mean``, ``std``, ``crop_pct``, ``interpolation``) of the image
     processor saved in a classifier folder (``preprocessor_config.json``), as far as vitexplain's resize, center crop
@@ -266,9 +262,9 @@ def _image_processor_settings(transformers: Any, folder: Path, path: str) -> dic
         raise UsageError(f"--model {path!r}: cannot load its preprocessor_config.json ({type(e).__name__}: {e}); fix "
                          "or remove it (the model type's default preprocessing is used without it)") from None
 
-    if isinstance(getattr(proc, "data_config", None), dict):  # TimmWrapperImageProcessor: timm's own data config
-        from ..data.images import data_config_kwargs
+    from ..data.images import data_config_kwargs, interpolation_name
 
+    if isinstance(getattr(proc, "data_config", None), dict):  # TimmWrapperImageProcessor: timm's own data config
         return data_config_kwargs(proc.data_config)
 
     def field(size: Any, key: str) -> Optional[int]:
@@ -276,9 +272,9 @@ def _image_processor_settings(transformers: Any, folder: Path, path: str) -> dic
         return int(value) if value else None
 
     settings: dict[str, Any] = dict(_pixel_map(proc), bgr=bool(getattr(proc, "do_flip_channel_order", False)))
-    resample = getattr(proc, "resample", None)
-    if isinstance(resample, int) and int(resample) in _RESAMPLE:
-        settings["interpolation"] = _RESAMPLE[int(resample)]
+    interpolation = interpolation_name(getattr(proc, "resample", None))
+    if interpolation is not None:
+        settings["interpolation"] = interpolation
     if not getattr(proc, "do_resize", False):
         return settings
     size, crop = getattr(proc, "size", None), getattr(proc, "crop_size", None)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import numpy as np
 from PIL import Image
@@ -36,6 +36,8 @@ __all__ = [
     "CropBox",
     "preprocess",
     "preprocess_kwargs",
+    "data_config_kwargs",
+    "interpolation_name",
     "check_resizable",
     "crop_region",
     "seen_region",
@@ -59,6 +61,15 @@ _PIL_RESAMPLE = {
     "box": _R.BOX,
     "hamming": _R.HAMMING,
 }
+
+
+def interpolation_name(resample: Any) -> Optional[str]:
+    """The :func:`preprocess` ``interpolation`` of a Pillow resampling filter (an image processor's ``resample``,
+    stored as its integer value), or None when it is none of them."""
+    for name, value in _PIL_RESAMPLE.items():
+        if isinstance(resample, int) and not isinstance(resample, bool) and int(value) == int(resample):
+            return name
+    return None
 
 
 @dataclass(frozen=True)
