@@ -39,10 +39,11 @@ class QwenVLAdapter(VLMAdapter):
     """Qwen2-VL, Qwen2.5-VL and Qwen3-VL (``*ForConditionalGeneration``)."""
 
     image_token = "<|image_pad|>"
+    image_open, image_close = "<|vision_start|>", "<|vision_end|>"  # the tokens around the image's
 
     def format_prompt(self, prompt: str) -> str:
         token = getattr(self.processor, "image_token", None) or self.image_token
-        return prompt if token in prompt else f"<|vision_start|>{token}<|vision_end|>{prompt}"
+        return prompt if token in prompt else f"{self.image_open}{token}{self.image_close}{prompt}"
 
     def prepare(self, images: Sequence[Any], prompts: Sequence[str]) -> Any:
         batch = super().prepare(images, prompts)
@@ -97,10 +98,7 @@ class Glm4vAdapter(QwenVLAdapter):
     merge, M-RoPE from ``mm_token_type_ids``), its image between ``<|begin_of_image|>`` and ``<|end_of_image|>``."""
 
     image_token = "<|image|>"
-
-    def format_prompt(self, prompt: str) -> str:
-        token = getattr(self.processor, "image_token", None) or self.image_token
-        return prompt if token in prompt else f"<|begin_of_image|>{token}<|end_of_image|>{prompt}"
+    image_open, image_close = "<|begin_of_image|>", "<|end_of_image|>"
 
 
 @register_adapter(priority=20, family=VLM)
