@@ -228,6 +228,7 @@ def test_lanes_under_inference_mode_record_as_under_no_grad():
     for _ in range(2):  # (the second takes the lanes the first made)
         with torch.inference_mode(), vx.capture(model) as rec:
             run()
+        assert _pending(rec) > 0
         assert [_key(r) for r in rec.records] == [_key(r) for r in reference.records]
         for r, s in zip(rec.records, reference.records):
             torch.testing.assert_close(r.probs(), s.probs(), atol=1e-6, rtol=0)

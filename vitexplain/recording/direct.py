@@ -269,9 +269,9 @@ class DirectSDPA:
             return out
         out = original(module, *args, **kwargs)
         self.sink.add_draft(issuer, fields)
-        kind = stable_kind(module, frame.f_code)
-        if shape is not None and kind is not None and not fields["_k_version"] and not torch.is_grad_enabled():
-            self._lanes[shape] = _Lane(original, frame.f_code, issuer.name, kind, plan[0])  # (fresh keys: _shape_key)
+        self_or_cross = stable_kind(module, frame.f_code)
+        if shape is not None and self_or_cross is not None:  # (shape: fresh keys; a lane is taken without gradients)
+            self._lanes[shape] = _Lane(original, frame.f_code, issuer.name, self_or_cross, kind)
         return out
 
 
