@@ -8,7 +8,7 @@ N x N matrix per image when ``discard_ratio`` > 0, which needs a global threshol
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor

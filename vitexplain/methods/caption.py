@@ -10,15 +10,14 @@ gradient of each word's log-probability in turn (docs/methods.md, `cross_generic
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Union
+from typing import Sequence, Union
 
 import torch
 from torch import Tensor
 
-from ..recording import AttentionRecord, Recorder
-from ..recording.records import fuse_heads
+from ..recording import AttentionRecord
+from ..recording.scores import fuse_heads
 from ..errors import UnsupportedMethodError
-from ..layout import TokenLayout
 from .context import CaptionContext
 from .options import Option, check_indices
 from .families import CAPTION

@@ -43,7 +43,7 @@ from torch import Tensor
 
 from ..errors import CaptureError, OptionError, UnsupportedMethodError, UsageError
 from ..recording import AttentionRecord
-from ..recording.records import fuse_heads
+from ..recording.scores import fuse_heads
 from .footprint import Footprint, TokenSet, full_slots, grid_slots, window_slots
 
 __all__ = ["TokenSet", "Footprint", "CallSpec", "Transition", "Call", "bind", "propagate", "readout",

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from ..errors import OptionError
 from ..recording import AttentionRecord
-from ..recording.records import fuse_heads
+from ..recording.scores import fuse_heads
 from .families import VLM
 from .options import Option, check_index, check_indices
 from .registry import register

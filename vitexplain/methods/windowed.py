@@ -36,7 +36,7 @@ from torch import Tensor
 from ..errors import CaptureError, OptionError, UnsupportedMethodError, UsageError
 from ..layout import WindowGeometry
 from ..recording import AttentionRecord
-from ..recording.records import fuse_heads
+from ..recording.scores import fuse_heads
 from .context import Context
 from .resample import Call, CallSpec, Footprint, Item, TokenSet, Transition, propagate, readout
 

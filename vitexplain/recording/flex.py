@@ -38,7 +38,8 @@ import torch
 from torch import Tensor
 
 from ..errors import CaptureError
-from .records import AttentionRecord, QuerySelect, _rows
+from .records import AttentionRecord
+from .scores import QuerySelect, _rows
 from .sink import RecordSink, in_backward
 
 __all__ = [

@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 
 from ..errors import UsageError
-from .records import _repeat_heads, attention_scores, fuse_heads, masked_softmax, score_scale
+from .scores import _repeat_heads, attention_scores, fuse_heads, masked_softmax, score_scale
 
 __all__ = [
     "MODES", "HEADS", "AUTO_CALL_BYTES", "AUTO_TOTAL_BYTES", "PER_IMAGE_MIN", "CHUNK_BYTES", "SOFTMAX_COPY_BYTES", "check_mode",
@@ -138,7 +138,7 @@ def attention_with_probs(
 ) -> tuple[Tensor, Tensor]:
     """SDPA computed eagerly, keeping the probabilities.
 
-    Scores exactly as :func:`vitexplain.recording.records.attention_scores` (masks, causal,
+    Scores exactly as :func:`vitexplain.recording.scores.attention_scores` (masks, causal,
     scale, grouped-query heads); rows in which every key is masked give zero probabilities
     and a zero output, as the fused kernels do.
 

@@ -233,7 +233,7 @@ def record_matrix(
             raise UsageError(f"head {head} out of range: {record.name!r} has {probs.shape[0]} heads")
         weights, which = probs[head], f"head {head % probs.shape[0]}"
     else:
-        from ..recording.records import fuse_heads
+        from ..recording.scores import fuse_heads
 
         weights, which = fuse_heads(probs[None], head or "mean")[0], f"heads {head or 'mean'}"
     distilled = _is_distilled(model)
