@@ -7,6 +7,7 @@ How a capture works (see docs/methods.md, "How attention is captured"), one modu
   the fused kernels run (or computes the attention itself, :mod:`~vitexplain.recording.materialize`);
   Hugging Face's packed grouped-query decoding is undone (:mod:`~vitexplain.recording.packed`);
 - :mod:`~vitexplain.recording.custom`: forward hooks on modules declared with an extractor;
+  :mod:`~vitexplain.recording.activations`: on the modules whose outputs are asked for (Grad-CAM layers);
 - :mod:`~vitexplain.recording.attribution`: the module, the kind and the top-level call of each
   call, from the Python stack (no hook on the model for this);
 - :mod:`~vitexplain.recording.records`: what is kept, and the probabilities and gradients
@@ -47,7 +48,8 @@ from .gradients import backward_pass, backward_running, hooks_paused, zero_grads
 from .interception import AttentionMode
 from .materialize import check_heads, check_mode
 from .narrowing import Narrowing
-from .records import ActivationRecord, AttentionRecord, weak_grad_hook
+from .activations import activation_hook
+from .records import ActivationRecord, AttentionRecord
 from .sink import Issuer, in_backward
 
 __all__ = ["capture", "Recorder", "LayoutFn", "SUPPORTED", "hooks_paused"]
@@ -154,7 +156,7 @@ class Recorder:
             self._handles.append(self.model.register_forward_hook(self._on_root_end, always_call=True))
             for name in self.activation_names:
                 self._handles.append(
-                    modules[name].register_forward_hook(self._activation_hook(name), with_kwargs=True)
+                    modules[name].register_forward_hook(activation_hook(self, name), with_kwargs=True)
                 )
             if self.capture_gates:
                 self._gate_hooks = GateHooks(self.model, self._gates)
@@ -448,41 +450,6 @@ class Recorder:
         if self._root_depth == 0:
             self._attribution.exit_root()
             self._narrowing.root_ended(failed=sys.exc_info()[0] is not None)
-
-    def _activation_hook(self, name: str) -> Callable:
-        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            out = output[0] if isinstance(output, (tuple, list)) else output
-            if not isinstance(out, Tensor) or in_backward():  # (a checkpointed forward recomputed: seen before)
-                return
-            inp = next((a for a in args if isinstance(a, Tensor)), None)
-            record = ActivationRecord(
-                name=name, step=len(self.activations[name]), input=inp, output=out, args=args,
-                kwargs=dict(kwargs), tuple_output=out is not output,
-                forward_index=self._attribution.forward_index(Issuer(name, module, sys._getframe())),
-            )
-            if self.grads and out.requires_grad:
-                out.register_hook(weak_grad_hook(record, self.hooks_enabled))
-            self.activations[name].append(record)
-            return _handed_on(output, out)
-
-        return hook
-
-
-def _handed_on(output: Any, out: Tensor) -> Any:
-    """What a recorded module hands on to the model: ``output`` with its tensor ``out`` replaced
-    by a copy (plain tuples and lists rebuilt), or None (unchanged) for other containers.
-
-    The record keeps ``out`` as the module returned it: a model that changes the output in place
-    afterwards (DenseNet's ``F.relu(features, inplace=True)``, a ResNet block's ``out += identity``
-    after ``bn2``) changes the copy, so the recorded values and the gradient taken with respect to
-    them are the module's (they were the in-place result's, and Grad-CAM on ``bn2`` mixed the two).
-    The copy is an autograd ``clone``: values and gradients downstream are unchanged.
-    """
-    if output is out:
-        return out.clone()
-    if type(output) in (tuple, list):
-        return type(output)(out.clone() if item is out else item for item in output)
-    return None
 
 
 #: ``vitexplain.recording.capture(model, ...)``: the recorder without model recognition (its
