@@ -152,3 +152,27 @@ def test_family_conventions_are_enforced_at_registration():
     with pytest.raises(vx.UsageError, match="in cnn methods 'module' is a string"):
         registry.register("test_only_bad_module", CNN, options={"module": Option(int)})(lambda ctx, *, module=0: None)
     assert "test_only_bad_module" not in vx.methods.names()
+
+
+def test_a_target_given_only_to_class_agnostic_methods_is_said_to_change_nothing(tmp_path):
+    """rollout/raw (and the CNN gates) read no class: a target given to them alone is named in a
+    warning (the maps equal those of any other class), never when a method of the call reads it."""
+    import warnings
+
+    images = list(vx.data.shapes(2, seed=5).images)
+    ex = vx.Explainer(vx.zoo.load("shapes-vit"))
+    with pytest.warns(UserWarning, match=r"rollout does not depend on the target class.*use .*generic"):
+        with_target = ex.explain(images, method="rollout", target=3)
+    with pytest.warns(UserWarning, match=r"rollout, raw do not depend on the target class"):
+        ex.explain(images, method=["rollout", "raw"], target=[1, 2])
+    with pytest.warns(UserWarning, match=r"spatial does not depend on the target class.*use gradcam"):
+        vx.Explainer(vx.zoo.load("shapes-cnn")).explain(images, method="spatial", target=1)
+    with warnings.catch_warnings():  # nothing to say: no target, or a method of the call reads it
+        warnings.simplefilter("error")
+        plain = ex.explain(images, method="rollout")
+        ex.explain(images, method="rollout", target=vx.targets.norm())  # (a headless backbone needs one)
+        both = ex.explain(images, method=["rollout", "generic"], target=3)
+        vx.explore(ex.model, images[:1], tmp_path / "page.html", method=["rollout", "generic"], top_k=2)
+    assert torch.equal(with_target.maps, plain.maps)
+    torch.testing.assert_close(both[0].maps, plain.maps, rtol=1e-5, atol=1e-7)  # (fused kernel there: rounding)
+    assert with_target.targets.tolist() == [3, 3]

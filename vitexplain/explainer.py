@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import numbers
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union, overload
 
@@ -167,7 +168,9 @@ class Explainer:
             method: a method name, a list of names (see :meth:`methods`), or None for the
                 family's default (:meth:`default_method`).
             target: None (top prediction per image), an int, a label name, one per image
-                (list/tensor), or a callable ``score(outputs) -> (B,)``.
+                (list/tensor), or a callable ``score(outputs) -> (B,)``. Class-agnostic methods
+                (raw, rollout, the CNN gates) do not read it: a class given to them alone is warned
+                about (it only labels the result).
             **options: method options for a single method (e.g. ``discard_ratio=0.9``); for
                 several methods, ``name={...}`` per method (e.g. ``rollout={"head_fusion": "max"}``).
 
@@ -184,6 +187,9 @@ class Explainer:
         x, images_seen, boxes, sources = self._inputs(images)
         model = self.adapter.model
         warn_training(model, stacklevel=3)
+        unused = plan.unused_target(target)
+        if unused is not None:
+            warnings.warn(unused, stacklevel=3)
         with buffers_kept(model):  # a training-mode forward updates batch-norm statistics: put them back
             return self._explain_batch(plan, x, target, images_seen, boxes, sources)
 

@@ -116,6 +116,23 @@ class Plan:
     def specs(self) -> list[MethodSpec]:
         return [s.spec for s in self.steps]
 
+    def unused_target(self, target: Any) -> Optional[str]:
+        """Why ``target`` changes nothing in this plan's maps (a target given while every method that
+        runs is class-agnostic: raw attention, rollout, CNN gates), or None when a method reads it.
+
+        Args:
+            target: the ``target`` given to ``explain`` (None: the top prediction, nothing to say; a
+                callable score: what a headless backbone needs for any method, nothing to say either).
+        """
+        if target is None or callable(target) and not hasattr(target, "shape") \
+                or any(s.spec.class_sensitive for s in self.steps):
+            return None
+        sensitive = [n for n in self.available if registry.get(n, self.family).class_sensitive]
+        instead = f"; to explain a class use {', '.join(sensitive)}" if sensitive else ""
+        return (f"{', '.join(self.names)} {'does' if len(self.steps) == 1 else 'do'} not depend on the target class: "
+                f"target={target!r} only labels the result (Explanation.targets), the maps are the same for any "
+                f"class{instead}")
+
     def step(self, name: str) -> Step:
         """The step of method ``name``."""
         for s in self.steps:
@@ -312,7 +329,8 @@ def _check_named(name: str, fam: Family, adapter: Any, described: str, refused: 
     """Raise a clear error when the named method cannot run on this model."""
     if name in refused:
         raise UnsupportedMethodError(
-            f"method {name!r} does not apply to {described}: {refused[name]}. Methods that apply: {list(available)}"
+            f"method {name!r} does not apply to {described}: {refused[name].rstrip('.')}. "
+            f"Methods that apply: {list(available)}"
         )
     if name in available:
         return
