@@ -276,6 +276,23 @@ def _qwen(kind: str) -> tuple[nn.Module, Any]:
                       spatial_merge_size=2, window_size=16, fullatt_block_indexes=[1])
         cfg = transformers.Qwen2_5_VLConfig(vision_config=vision, text_config=text, **ids)
         cls = transformers.Qwen2_5_VLForConditionalGeneration
+    elif kind in ("qwen3_5", "qwen3_5_moe"):  # Qwen3.5: Qwen3-VL's tower (no deepstack), a hybrid LM: linear attention, then full
+        image = transformers.Qwen2VLImageProcessor(**pixels)
+        proc = transformers.Qwen3VLProcessor(image_processor=image, tokenizer=tok, video_processor=video)
+        vision = dict(depth=2, hidden_size=32, out_hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
+                      spatial_merge_size=2, num_position_embeddings=16)
+        text = dict(text, num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2,
+                    linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+                    rope_parameters=dict(rope, mrope_interleaved=True, partial_rotary_factor=0.5),
+                    bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)  # (its defaults: Qwen's vocabulary)
+        if kind == "qwen3_5_moe":
+            text.pop("intermediate_size")  # (its MLPs are experts and a shared expert)
+            text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+            cfg = transformers.Qwen3_5MoeConfig(vision_config=vision, text_config=text, **ids)
+            cls = transformers.Qwen3_5MoeForConditionalGeneration
+        else:
+            cfg = transformers.Qwen3_5Config(vision_config=vision, text_config=text, **ids)
+            cls = transformers.Qwen3_5ForConditionalGeneration
     else:  # Qwen3-VL, and Qwen3-VL-MoE (its language model's MLPs are experts)
         image = transformers.Qwen2VLImageProcessor(**pixels)
         proc = transformers.Qwen3VLProcessor(image_processor=image, tokenizer=tok, video_processor=video)
@@ -295,7 +312,8 @@ def _qwen(kind: str) -> tuple[nn.Module, Any]:
 
 
 BUILDERS.update(qwen2_vl=lambda: _qwen("qwen2_vl"), qwen2_5_vl=lambda: _qwen("qwen2_5_vl"), qwen3_vl=lambda: _qwen("qwen3_vl"),
-                qwen3_vl_moe=lambda: _qwen("qwen3_vl_moe"))
+                qwen3_vl_moe=lambda: _qwen("qwen3_vl_moe"), qwen3_5=lambda: _qwen("qwen3_5"),
+                qwen3_5_moe=lambda: _qwen("qwen3_5_moe"))
 
 
 def _qwen_features(model: nn.Module, proc: Any, image: np.ndarray) -> torch.Tensor:
@@ -312,7 +330,10 @@ def _qwen_extend(kwargs: dict, batch: Any, ids: torch.Tensor) -> None:
 _QWEN_ORACLE = dict(prompt=lambda p: "<|vision_start|><|image_pad|><|vision_end|>" + p, extend=_qwen_extend,
                     image_token=lambda m: m.config.image_token_id, features=_qwen_features,
                     placeholders=lambda m: [m.config.image_token_id])
-ORACLE.update(qwen2_vl=_QWEN_ORACLE, qwen2_5_vl=_QWEN_ORACLE, qwen3_vl=_QWEN_ORACLE, qwen3_vl_moe=_QWEN_ORACLE)
+ORACLE.update(qwen2_vl=_QWEN_ORACLE, qwen2_5_vl=_QWEN_ORACLE, qwen3_vl=_QWEN_ORACLE, qwen3_vl_moe=_QWEN_ORACLE,
+              # (the linear-attention layers have no attention: cross_generic is refused, the oracle averages the others)
+              qwen3_5=dict(_QWEN_ORACLE, methods=("cross", "cross_grad")),
+              qwen3_5_moe=dict(_QWEN_ORACLE, methods=("cross", "cross_grad")))
 
 
 IDEFICS_SPECIALS = ("<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>") + tuple(

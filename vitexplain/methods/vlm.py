@@ -147,7 +147,7 @@ def cross_grad(ctx: VLMContext, *, layers: Union[None, int, Sequence[int]] = Non
 
 @register(
     "cross_generic", VLM,
-    grads=True, requires=("image_attention",), class_sensitive=False, dense_attention=True,
+    grads=True, requires=("image_attention", "rollout"), class_sensitive=False, dense_attention=True,
     summary="Chefer's relevance over the whole multimodal sequence, per word (gradient of its log-probability)",
     reference="Chefer, Gur & Wolf, ICCV 2021 (self-attention rules; encoder-decoder rules for cross-attention layers); "
               + _REFERENCE,

@@ -216,7 +216,8 @@ class VLMAdapter(Adapter):
         super().__init__(model)
         self.processor = processor
         self.processor_kwargs: dict[str, Any] = {}
-        self.capabilities = frozenset({"image_attention"})
+        # "rollout": every language-model layer mixes tokens by attention (Chefer's rules carry relevance through it)
+        self.capabilities = frozenset({"image_attention", "rollout"})
         self.lm_prefix = submodule_named(model, "language_model", "text_model")
 
     # -- what the Explainer needs -------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL (and GLM-4.1V, which shares their geometry): dynamic resolution, 2 x 2
+"""Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5 (and GLM-4.1V, which shares their geometry): dynamic resolution, 2 x 2
 patch merge, M-RoPE.
 
 The processor resizes the whole image (no crop) to multiples of ``patch_size * merge_size`` and
@@ -29,7 +29,7 @@ from ...methods.families import VLM
 from ..base import Adapter, register_adapter
 from .base import ImageView, Piece, VLMAdapter
 
-__all__ = ["QwenVLAdapter", "Glm4vAdapter"]
+__all__ = ["QwenVLAdapter", "Qwen35Adapter", "Glm4vAdapter"]
 
 _NAMES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
           "Qwen3VLMoeForConditionalGeneration")
@@ -93,6 +93,28 @@ class QwenVLAdapter(VLMAdapter):
         return views
 
 
+class Qwen35Adapter(QwenVLAdapter):
+    """Qwen3.5 and Qwen3.5-MoE (``Qwen3_5*ForConditionalGeneration``): Qwen3-VL's tower, processor and M-RoPE, and a
+    hybrid language model whose layers are mostly linear attention (Gated DeltaNet) with a softmax attention layer
+    every few (``config.text_config.layer_types``).
+
+    Only the softmax layers have attention rows over the image tokens: ``cross`` and ``cross_grad`` read those
+    (their ``layers`` index them, the first full-attention layer being 0); ``cross_generic`` is refused, since the
+    linear-attention layers mix tokens with no attention matrix to carry relevance through.
+    """
+
+    def __init__(self, model: nn.Module, processor: Any = None) -> None:
+        super().__init__(model, processor)
+        types = list(getattr(model.config.get_text_config(), "layer_types", None) or [])
+        linear = sum(t != "full_attention" for t in types)
+        if linear:
+            self.capabilities = self.capabilities - {"rollout"}
+            self.notes["rollout"] = (
+                f"{linear} of the {len(types)} language-model layers of {type(model).__name__} are linear attention "
+                "(Gated DeltaNet), which mixes tokens with no attention matrix to carry relevance through; cross and "
+                "cross_grad read its full-attention layers")
+
+
 class Glm4vAdapter(QwenVLAdapter):
     """GLM-4.1V, GLM-4.5V (experts) and GLM-4.6V (``Glm4v*``, ``Glm46V*ForConditionalGeneration``): Qwen2-VL's geometry (``image_grid_thw``, 2 x 2
     merge, M-RoPE from ``mm_token_type_ids``), its image between ``<|begin_of_image|>`` and ``<|end_of_image|>``."""
@@ -106,4 +128,6 @@ def _detect_qwen(model: nn.Module) -> Optional[Adapter]:
     if type(model).__name__ in ("Glm4vForConditionalGeneration", "Glm4vMoeForConditionalGeneration",
                                 "Glm46VForConditionalGeneration"):
         return Glm4vAdapter(model)
+    if type(model).__name__ in ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"):
+        return Qwen35Adapter(model)
     return QwenVLAdapter(model) if type(model).__name__ in _NAMES else None
