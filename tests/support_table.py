@@ -435,6 +435,8 @@ def rows() -> list[Row]:
         Row("HF PaliGemma", "VLM", _vlm("paligemma"), s32, _VLM_TEST),
         Row("HF PaliGemma 2 (Gemma 2 LM: eager attention, its only one)", "VLM", _vlm("paligemma2"), s32, _VLM_TEST),
         Row("HF Gemma 3", "VLM", _vlm("gemma3"), s32, _VLM_TEST),
+        Row("HF Gemma 4 (native aspect ratio, pooled patches)", "VLM", _vlm("gemma4"), s32, "tests/test_vlm_gemma4.py"),
+        Row("HF Gemma 4 with experts and shared KV layers", "VLM", _vlm("gemma4_moe"), s32, "tests/test_vlm_gemma4.py"),
         Row("HF Gemma 3 with pan-and-scan crops (processor_kwargs)", "VLM", _vlm("gemma3_pan_and_scan"), s32,
             "tests/test_vlm_gemma.py"),
         Row("HF Qwen2-VL", "VLM", _vlm("qwen2_vl"), s32, _VLM_TEST),

@@ -107,9 +107,10 @@ def isolated_tokens(model: nn.Module) -> nn.Module:
         for name, module in vision.named_modules():
             if name.endswith(("self_attn.out_proj", "self_attn.o_proj", "attn.proj", "attention.output.dense",
                               "attention.o_proj", "attention.projection_layer")):  # (Pixtral's, InternVL's)
-                module.weight.zero_()
-                if module.bias is not None:
-                    module.bias.zero_()
+                linear = getattr(module, "linear", module)  # (Gemma 4 wraps its projections' Linear)
+                linear.weight.zero_()
+                if linear.bias is not None:
+                    linear.bias.zero_()
     return other
 
 
@@ -787,3 +788,56 @@ ORACLE["cohere2_vision"] = _token_oracle(ORACLE["aya_vision"], "image_token_id")
 
 BUILDERS["vipllava"] = lambda: llava(vip=True)
 ORACLE["vipllava"] = _token_oracle(ORACLE["llava"], "image_token_index")
+
+
+def gemma4(moe: bool = False) -> tuple[nn.Module, Any]:
+    """Gemma 4: 4 px patches pooled 2 x 2 (a token per 8 px block), at most 70 tokens (aspect ratio kept, no crop),
+    bidirectional image blocks (``use_bidirectional_attention="vision"``), sliding-window and full-attention layers;
+    ``moe``: experts beside the MLPs, keys as values (``attention_k_eq_v``) and a last layer reusing an earlier one's
+    keys and values (``num_kv_shared_layers``), as its larger checkpoints."""
+    import transformers
+
+    specials = ("<|image>", "<|image|>", "<image|>")
+    audio = ("<|audio>", "<|audio|>", "<audio|>")  # (its processor checks them even without audio)
+    tok = tokenizer(specials + audio)
+    tok.boi_token, tok.image_token, tok.eoi_token = specials
+    tok.boi_token_id, tok.image_token_id, tok.eoi_token_id = tok.convert_tokens_to_ids(list(specials))
+    tok.boa_token, tok.audio_token, tok.eoa_token = audio
+    tok.audio_token_id = tok.convert_tokens_to_ids(audio[1])
+    pooling = dict(patch_size=4, pooling_kernel_size=2, max_soft_tokens=70)
+    proc = transformers.Gemma4Processor(
+        image_processor=transformers.Gemma4ImageProcessor(**pooling), tokenizer=tok, image_seq_length=70,
+        feature_extractor=transformers.Gemma4AudioFeatureExtractor(), video_processor=transformers.Gemma4VideoProcessor(**pooling))
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                  head_dim=16, patch_size=4, pooling_kernel_size=2, position_embedding_size=64)
+    text = dict(_text(), vocab_size=len(tok), vocab_size_per_layer_input=len(tok), hidden_size_per_layer_input=8,
+                sliding_window=8, layer_types=["sliding_attention", "full_attention"], use_bidirectional_attention="vision",
+                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    if moe:
+        text.update(num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "full_attention"],
+                    num_kv_shared_layers=1, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32,
+                    attention_k_eq_v=True)
+    cfg = transformers.Gemma4Config(vision_config=vision, text_config=text, audio_config=None, image_token_id=tok.image_token_id,
+                                    boi_token_id=tok.boi_token_id, eoi_token_id=tok.eoi_token_id)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return reinit_small(transformers.Gemma4ForConditionalGeneration(cfg).eval()), proc
+
+
+def _gemma4_features(model: nn.Module, proc: Any, image: np.ndarray) -> torch.Tensor:
+    batch = proc.image_processor(images=[image], return_tensors="pt")
+    with torch.no_grad():
+        out = model.get_image_features(pixel_values=batch["pixel_values"], image_position_ids=batch["image_position_ids"])
+    return out.pooler_output[0]
+
+
+def _gemma4_extend(kwargs: dict, batch: Any, ids: torch.Tensor) -> None:
+    _positions_from_mask(kwargs, batch, ids)
+    kwargs["mm_token_type_ids"] = torch.cat([batch["mm_token_type_ids"], torch.zeros_like(ids)], 1)  # answer = text
+
+
+BUILDERS.update(gemma4=gemma4, gemma4_moe=lambda: gemma4(moe=True))
+_GEMMA4_ORACLE = dict(nested=True, prompt=lambda p: "<|image|>" + p, extend=_gemma4_extend,
+                      image_token=lambda m: m.config.image_token_id, features=_gemma4_features,
+                      placeholders=lambda m: [m.config.image_token_id])
+ORACLE.update(gemma4=_GEMMA4_ORACLE, gemma4_moe=_GEMMA4_ORACLE)
