@@ -443,6 +443,8 @@ def rows() -> list[Row]:
         Row("HF Qwen2.5-VL", "VLM", _vlm("qwen2_5_vl"), s32, _VLM_TEST),
         Row("HF Qwen3-VL", "VLM", _vlm("qwen3_vl"), s32, _VLM_TEST),
         Row("HF Idefics3", "VLM", _vlm("idefics3"), s32, _VLM_TEST),
+        Row("HF LFM2-VL (tiles + thumbnail, pixel unshuffle; LM with convolution layers)", "VLM", _vlm("lfm2_vl"), s32,
+            "tests/test_vlm_lfm2.py"),
         Row("HF SmolVLM", "VLM", _vlm("smolvlm"), s32, _VLM_TEST),
         Row("HF LLaVA-NeXT", "VLM", _vlm("llava_next"), s32, _VLM_TEST),
         Row("HF LLaVA-OneVision", "VLM", _vlm("onevision"), s32, _VLM_TEST),

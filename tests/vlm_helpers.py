@@ -841,3 +841,43 @@ _GEMMA4_ORACLE = dict(nested=True, prompt=lambda p: "<|image|>" + p, extend=_gem
                       image_token=lambda m: m.config.image_token_id, features=_gemma4_features,
                       placeholders=lambda m: [m.config.image_token_id])
 ORACLE.update(gemma4=_GEMMA4_ORACLE, gemma4_moe=_GEMMA4_ORACLE)
+
+
+LFM2_SPECIALS = ("<image>", "<|image_start|>", "<|image_end|>", "<|img_thumbnail|>") + tuple(
+    f"<|img_row_{r}_col_{c}|>" for r in range(1, 5) for c in range(1, 5))
+
+
+def lfm2_vl() -> tuple[nn.Module, Any]:
+    """LFM2-VL: a SigLIP2 NaFlex tower (4 px patches) unshuffled 2 x 2 (a token per 8 px block); an image of more than
+    16 tokens' pixels (x 2) is cut into 2 to 4 tiles of 16 px plus a thumbnail; an LFM2 LM of convolution and attention
+    layers."""
+    import transformers
+
+    tok = tokenizer(LFM2_SPECIALS)
+    image = transformers.Lfm2VlImageProcessor(encoder_patch_size=4, downsample_factor=2, tile_size=16, min_image_tokens=4,
+                                              max_image_tokens=16, min_tiles=2, max_tiles=4)
+    proc = transformers.Lfm2VlProcessor(image_processor=image, tokenizer=tok)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, patch_size=4, num_patches=64)
+    text = dict(_text(), vocab_size=len(tok), num_hidden_layers=4, layer_types=["conv", "full_attention"] * 2,
+                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    text.pop("head_dim")
+    cfg = transformers.Lfm2VlConfig(vision_config=vision, text_config=text, image_token_id=tok.convert_tokens_to_ids("<image>"),
+                                    projector_hidden_size=32, downsample_factor=2)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return reinit_small(transformers.Lfm2VlForConditionalGeneration(cfg).eval()), proc
+
+
+def _lfm2_features(model: nn.Module, proc: Any, image: np.ndarray) -> torch.Tensor:
+    """Every image token of one image: its tiles' (row-major), then the thumbnail's (or the one piece's)."""
+    batch = proc.image_processor(images=[[image]], return_tensors="pt")
+    with torch.no_grad():
+        out = model.get_image_features(pixel_values=batch["pixel_values"], spatial_shapes=batch["spatial_shapes"],
+                                       pixel_attention_mask=batch["pixel_attention_mask"])
+    return torch.cat(list(out.pooler_output))
+
+
+BUILDERS.update(lfm2_vl=lfm2_vl)
+ORACLE.update(lfm2_vl=dict(nested=True, prompt=lambda p: "<image>" + p, extend=_positions_from_mask,
+                           image_token=lambda m: m.config.image_token_id, features=_lfm2_features,
+                           placeholders=lambda m: [m.config.image_token_id], methods=("cross", "cross_grad")))

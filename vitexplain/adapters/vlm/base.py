@@ -220,6 +220,21 @@ class VLMAdapter(Adapter):
         self.capabilities = frozenset({"image_attention", "rollout"})
         self.lm_prefix = submodule_named(model, "language_model", "text_model")
 
+    def without_attention_flow(self, layers: Sequence[str], mixing: str) -> None:
+        """Refuse ``cross_generic`` when some language-model layers mix tokens without attention (hybrid LMs).
+
+        Args:
+            layers: the language model's ``config.layer_types``.
+            mixing: what those other layers are (e.g. "linear attention (Gated DeltaNet)").
+        """
+        other = sum(t not in ("full_attention", "sliding_attention") for t in layers)
+        if other:
+            self.capabilities = self.capabilities - {"rollout"}
+            self.notes["rollout"] = (
+                f"{other} of the {len(layers)} language-model layers of {type(self.model).__name__} are {mixing}, which "
+                "mixes tokens with no attention matrix to carry relevance through; cross and cross_grad read its "
+                "attention layers")
+
     # -- what the Explainer needs -------------------------------------------------------------
     def with_processor(self, processor: Any, kwargs: Optional[dict[str, Any]] = None) -> "VLMAdapter":
         """This adapter with the model's processor (and extra keyword arguments for its calls)."""

@@ -105,14 +105,8 @@ class Qwen35Adapter(QwenVLAdapter):
 
     def __init__(self, model: nn.Module, processor: Any = None) -> None:
         super().__init__(model, processor)
-        types = list(getattr(model.config.get_text_config(), "layer_types", None) or [])
-        linear = sum(t != "full_attention" for t in types)
-        if linear:
-            self.capabilities = self.capabilities - {"rollout"}
-            self.notes["rollout"] = (
-                f"{linear} of the {len(types)} language-model layers of {type(model).__name__} are linear attention "
-                "(Gated DeltaNet), which mixes tokens with no attention matrix to carry relevance through; cross and "
-                "cross_grad read its full-attention layers")
+        self.without_attention_flow(getattr(model.config.get_text_config(), "layer_types", None) or [],
+                                    "linear attention (Gated DeltaNet)")
 
 
 class Glm4vAdapter(QwenVLAdapter):
