@@ -1,4 +1,4 @@
-"""Janus / Janus-Pro (the image letterboxed into a square, one token per patch): the checks of tests/vlm_checks.py
+"""Janus / Janus-Pro and DeepSeek-VL (the image letterboxed into a square, one token per patch): the checks of tests/vlm_checks.py
 (eager oracle, padded batch, greedy answer, footprints), and the padding bands of a tall image."""
 
 import torch
@@ -8,7 +8,7 @@ import vlm_helpers as helpers
 from vlm_checks import *  # noqa: F401,F403  (the tests)
 from vlm_checks import check_footprints, family
 
-built = family(["janus"])
+built = family(["janus", "deepseek_vl"])
 
 
 def test_a_tall_image_is_centred_between_padding_columns(built):

@@ -916,3 +916,23 @@ BUILDERS["janus"] = janus
 ORACLE["janus"] = dict(prompt=lambda p: "<image_placeholder>" + p, extend=_positions_from_mask,
                        image_token=lambda m: m.config.image_token_id, features=_inner_features,
                        placeholders=lambda m: [m.config.image_token_id])
+
+
+def deepseek_vl() -> tuple[nn.Module, Any]:
+    """DeepSeek-VL: Janus' letterboxed 32 px square (longer side 32 px, centred, padded), a SigLIP tower of 8 px patches
+    (4 x 4 tokens), a two-layer aligner, a Llama LM with GQA."""
+    import transformers
+
+    tok = tokenizer(JANUS_SPECIALS[:1])
+    tok.image_token = JANUS_SPECIALS[0]  # (its processor reads it from its tokenizer)
+    image = transformers.DeepseekVLImageProcessor(size={"height": 32, "width": 32}, min_size=4)
+    proc = transformers.DeepseekVLProcessor(image_processor=image, tokenizer=tok, num_image_tokens=16)
+    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=32, patch_size=8)
+    cfg = transformers.DeepseekVLConfig(vision_config=vision, text_config=dict(model_type="llama", vocab_size=len(tok), **_text()),
+                                        image_token_id=tok.convert_tokens_to_ids(JANUS_SPECIALS[0]))
+    return _sdpa_built(transformers.DeepseekVLForConditionalGeneration, cfg, proc)
+
+
+BUILDERS["deepseek_vl"] = deepseek_vl
+ORACLE["deepseek_vl"] = ORACLE["janus"]

@@ -1,12 +1,13 @@
-"""Janus and Janus-Pro (``JanusForConditionalGeneration``): the whole image letterboxed into a square, one token
-per patch.
+"""Janus, Janus-Pro and DeepSeek-VL (``JanusForConditionalGeneration``, ``DeepseekVLForConditionalGeneration``): the
+whole image letterboxed into a square, one token per patch.
 
 The image processor resizes the image so that its longer side is ``size`` (the shorter side rounded, at least
 ``min_size``), keeping its aspect ratio, then pads it to a square, centred, with the mean colour (``do_pad``).
 The vision tower (SigLIP-like, no class token) cuts the square into ``patch_size`` patches; the aligner maps
 each patch to one image token, row by row: a grid over the padded square, whose bands beyond the image hold
 padding (no pixels of the image). The tokens sit between ``<begin_of_image>`` and ``<end_of_image>`` (not image
-tokens). The model's image-generation parts (its VQ-VAE and generation head) take no part in understanding.
+tokens). Janus' image-generation parts (its VQ-VAE and generation head) take no part in understanding. DeepSeek-VL
+(its SigLIP tower) has the same processor and the same geometry, without ``<begin_of_image>`` / ``<end_of_image>``.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def letterbox_box(image_processor: Any, height: int, width: int, padded: tuple[i
 
 
 class LetterboxAdapter(VLMAdapter):
-    """``JanusForConditionalGeneration`` (see the module docstring)."""
+    """``JanusForConditionalGeneration`` and ``DeepseekVLForConditionalGeneration`` (see the module docstring)."""
 
     image_token = "<image_placeholder>"
 
@@ -68,4 +69,6 @@ class LetterboxAdapter(VLMAdapter):
 
 @register_adapter(priority=20, family=VLM)
 def _detect_letterbox(model: nn.Module) -> Optional[Adapter]:
-    return LetterboxAdapter(model) if type(model).__name__ == "JanusForConditionalGeneration" else None
+    if type(model).__name__ in ("JanusForConditionalGeneration", "DeepseekVLForConditionalGeneration"):
+        return LetterboxAdapter(model)
+    return None
