@@ -936,3 +936,39 @@ def deepseek_vl() -> tuple[nn.Module, Any]:
 
 BUILDERS["deepseek_vl"] = deepseek_vl
 ORACLE["deepseek_vl"] = ORACLE["janus"]
+
+
+PLM_SPECIALS = ("<|image|>", "<|video|>")
+
+
+def perception_lm(**image_kwargs: Any) -> tuple[nn.Module, Any]:
+    """PerceptionLM: a thumbnail then up to 4 tiles of 16 px (the processor's canvas search), a timm Perception Encoder of
+    4 px patches (its class token dropped), average-pooled 2 x 2 (2 x 2 tokens per piece), a Llama LM with GQA."""
+    import transformers
+
+    tok = tokenizer(PLM_SPECIALS)
+    tok.image_token, tok.video_token = PLM_SPECIALS  # (its processor reads them from its tokenizer)
+    tok.image_token_id, tok.video_token_id = tok.convert_tokens_to_ids(list(PLM_SPECIALS))
+    image = transformers.PerceptionLMImageProcessor(**{"tile_size": 16, "max_num_tiles": 4, **image_kwargs})
+    proc = transformers.PerceptionLMProcessor(image_processor=image, tokenizer=tok, patch_size=4, pooling_ratio=2,
+                                              video_processor=transformers.PerceptionLMVideoProcessor())
+    vision = dict(model_type="timm_wrapper", architecture="vit_pe_core_large_patch14_336", num_classes=0,
+                  model_args=dict(embed_dim=32, depth=2, num_heads=2, img_size=16, patch_size=4, mlp_ratio=2.0))
+    cfg = transformers.PerceptionLMConfig(vision_config=vision, text_config=dict(model_type="llama", vocab_size=len(tok), **_text()),
+                                          image_token_id=tok.image_token_id, video_token_id=tok.video_token_id,
+                                          projector_pooling_ratio=2, vision_use_cls_token=True)
+    return _sdpa_built(transformers.PerceptionLMForConditionalGeneration, cfg, proc)
+
+
+def _pieces_features(model: nn.Module, proc: Any, image: np.ndarray) -> torch.Tensor:
+    """Every image token of one image from the inner model's ``get_image_features``: its pieces' tokens in order."""
+    pixels = proc.image_processor(images=[image], return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        out = model.model.get_image_features(pixel_values=pixels).pooler_output
+    return out.reshape(-1, out.shape[-1])
+
+
+BUILDERS["perception_lm"] = perception_lm
+ORACLE["perception_lm"] = dict(prompt=lambda p: "<|image|>" + p, extend=_positions_from_mask,
+                               image_token=lambda m: m.config.image_token_id, features=_pieces_features,
+                               placeholders=lambda m: [m.config.image_token_id])
