@@ -450,6 +450,8 @@ def rows() -> list[Row]:
         Row("HF DeepSeek-VL (letterboxed square, SigLIP tower)", "VLM", _vlm("deepseek_vl"), s32, "tests/test_vlm_janus.py"),
         Row("HF PerceptionLM (thumbnail + tiles, pooled patches, timm tower)", "VLM", _vlm("perception_lm"), s32,
             "tests/test_vlm_perception_lm.py"),
+        Row("HF Molmo2 (low-resolution view + overlapping crops, attention-pooled patches)", "VLM", _vlm("molmo2"), s32,
+            "tests/test_vlm_molmo2.py"),
         Row("HF LLaVA-NeXT", "VLM", _vlm("llava_next"), s32, _VLM_TEST),
         Row("HF LLaVA-OneVision", "VLM", _vlm("onevision"), s32, _VLM_TEST),
         Row("HF mllama (Llama 3.2 Vision: cross-attention layers)", "VLM", _vlm("mllama"), s32, "tests/test_vlm_mllama.py"),

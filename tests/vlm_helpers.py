@@ -972,3 +972,49 @@ BUILDERS["perception_lm"] = perception_lm
 ORACLE["perception_lm"] = dict(prompt=lambda p: "<|image|>" + p, extend=_positions_from_mask,
                                image_token=lambda m: m.config.image_token_id, features=_pieces_features,
                                placeholders=lambda m: [m.config.image_token_id])
+
+
+MOLMO2_SPECIALS = ("<|image|>", "<|video|>", "<im_patch>", "<im_col>", "<im_start>", "<low_res_im_start>", "<frame_start>",
+                   "<im_end>", "<frame_end>", "<im_low>")
+
+
+def molmo2() -> tuple[nn.Module, Any]:
+    """Molmo2: a 56 px low-resolution view and up to 4 overlapping 56 px crops (1-patch margins) of a canvas, 8 px patches
+    attention-pooled 2 x 2 (7 patches a side: padded to 8), a Qwen3-style LM with GQA. Its processor resizes without
+    antialiasing, so a view downscaled by more than 2 skips pixels: 56 px keeps the probe's images above that."""
+    import transformers
+
+    tok = tokenizer(MOLMO2_SPECIALS)
+    tok.image_token, tok.video_token = MOLMO2_SPECIALS[:2]  # (its processor reads them from its tokenizer)
+    image = transformers.Molmo2ImageProcessor(size={"height": 56, "width": 56}, patch_size=8, max_crops=4,
+                                              overlap_margins=[1, 1], pooling_size=[2, 2])
+    proc = transformers.Molmo2Processor(image_processor=image, tokenizer=tok, video_processor=transformers.Molmo2VideoProcessor())
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                  head_dim=16, image_size=[56, 56], patch_size=8, initializer_range=0.1)
+    adapter = dict(vision_feature_layer=[-1], hidden_size=32, num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+                   intermediate_size=64, text_hidden_size=32, initializer_range=0.1)  # (0.02: image features of ~1e-9)
+    ids = dict(zip(("image_patch_id", "image_start_token_id", "low_res_image_start_token_id", "image_end_token_id",
+                    "frame_start_token_id", "frame_end_token_id"),
+                   tok.convert_tokens_to_ids(["<im_patch>", "<im_start>", "<low_res_im_start>", "<im_end>", "<frame_start>",
+                                              "<frame_end>"])))
+    cfg = transformers.Molmo2Config(vision_config=vision, adapter_config=adapter,
+                                    text_config=dict(_text(), vocab_size=len(tok), additional_vocab_size=0), **ids)
+    return _sdpa_built(transformers.Molmo2ForConditionalGeneration, cfg, proc)
+
+
+def _molmo2_features(model: nn.Module, proc: Any, image: np.ndarray) -> torch.Tensor:
+    """Every image token of one image: the low-resolution view's, then the canvas'."""
+    batch = proc.image_processor(images=[image], return_tensors="pt")
+    with torch.no_grad():
+        return model.model.get_image_features(pixel_values=batch["pixel_values"], image_token_pooling=batch["image_token_pooling"],
+                                              image_grids=batch["image_grids"]).pooler_output[0]
+
+
+def _mm_types_extend(kwargs: dict, batch: Any, ids: torch.Tensor) -> None:
+    _positions_from_mask(kwargs, batch, ids)
+    kwargs["mm_token_type_ids"] = torch.cat([batch["mm_token_type_ids"], torch.zeros_like(ids)], 1)  # answer = text
+
+
+BUILDERS["molmo2"] = molmo2
+ORACLE["molmo2"] = dict(prompt=lambda p: "<|image|>" + p, extend=_mm_types_extend, image_token=lambda m: m.config.image_token_id,
+                        features=_molmo2_features, placeholders=lambda m: [m.config.image_token_id])
