@@ -1018,3 +1018,45 @@ def _mm_types_extend(kwargs: dict, batch: Any, ids: torch.Tensor) -> None:
 BUILDERS["molmo2"] = molmo2
 ORACLE["molmo2"] = dict(prompt=lambda p: "<|image|>" + p, extend=_mm_types_extend, image_token=lambda m: m.config.image_token_id,
                         features=_molmo2_features, placeholders=lambda m: [m.config.image_token_id])
+
+
+MINICPMV_SPECIALS = ("<image_pad>", "<video_pad>", "<image>", "</image>", "<slice>", "</slice>", "<image_id>", "</image_id>", "0")
+
+
+def minicpmv4_6(mode: str = "16x") -> tuple[nn.Module, Any]:
+    """MiniCPM-V 4.6: 4 px patches merged 4 x 4 (``mode`` "16x": the window merger, then the merger) or 2 x 2 ("4x"); an
+    image of more than 32 x 32 px is also cut into up to 4 slices; a Qwen3.5 LM of linear-attention and attention layers."""
+    import transformers
+
+    tok = tokenizer(MINICPMV_SPECIALS)
+    # (its processor reads these from its tokenizer)
+    for name, token in zip(("image_token", "video_token", "image_start_token", "image_end_token", "slice_start_token",
+                            "slice_end_token", "image_id_start_token", "image_id_end_token"), MINICPMV_SPECIALS):
+        setattr(tok, name, token)
+    tok.image_token_id, tok.video_token_id = tok.convert_tokens_to_ids(list(MINICPMV_SPECIALS[:2]))
+    pixels = dict(scale_resolution=32, patch_size=4, max_slice_nums=4, downsample_mode=mode)
+    proc = transformers.MiniCPMV4_6Processor(image_processor=transformers.MiniCPMV4_6ImageProcessor(**pixels), tokenizer=tok,
+                                             video_processor=transformers.MiniCPMV4_6VideoProcessor(**pixels))
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=4,
+                  insert_layer_id=0)
+    text = dict(_text(), vocab_size=len(tok), num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2,
+                linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)  # (its defaults: Qwen's vocabulary)
+    cfg = transformers.MiniCPMV4_6Config(vision_config=vision, text_config=text, image_token_id=tok.image_token_id,
+                                         video_token_id=tok.video_token_id, insert_layer_id=0, image_size=32,
+                                         downsample_mode=mode)
+    return _sdpa_built(transformers.MiniCPMV4_6ForConditionalGeneration, cfg, proc)
+
+
+def _minicpmv_features(model: nn.Module, proc: Any, image: np.ndarray) -> torch.Tensor:
+    """Every image token of one image: the source piece's, then each slice's."""
+    batch = proc.image_processor(images=[image], return_tensors="pt")
+    with torch.no_grad():
+        out = model.model.get_image_features(pixel_values=batch["pixel_values"], target_sizes=batch["target_sizes"])
+    return torch.cat(list(out.pooler_output))
+
+
+BUILDERS.update(minicpmv4_6=minicpmv4_6, minicpmv4_6_4x=lambda: minicpmv4_6("4x"))
+ORACLE["minicpmv4_6"] = ORACLE["minicpmv4_6_4x"] = dict(
+    prompt=lambda p: "<image_pad>" + p, extend=_positions_from_mask, image_token=lambda m: m.config.image_token_id,
+    features=_minicpmv_features, placeholders=lambda m: [m.config.image_token_id], methods=("cross", "cross_grad"))
