@@ -460,6 +460,8 @@ def rows() -> list[Row]:
         Row("HF BLIP-2", "VLM", _vlm("blip2"), s32, _VLM_TEST),
         Row("HF InstructBLIP", "VLM", _vlm("instructblip"), s32, _VLM_TEST),
         Row("HF Kosmos-2", "VLM", _vlm("kosmos2"), s32, _VLM_TEST),
+        Row("HF Idefics2 (perceiver resampler per piece: quadrants + whole image)", "VLM", _vlm("idefics2"), s32,
+            "tests/test_vlm_idefics2.py"),
         Row("HF Florence-2", "VLM", _encdec("florence2"), s32, _ENCDEC_TEST),
         Row("HF Pix2Struct", "VLM", _encdec("pix2struct"), s32, _ENCDEC_TEST),
     ]

@@ -1060,3 +1060,68 @@ BUILDERS.update(minicpmv4_6=minicpmv4_6, minicpmv4_6_4x=lambda: minicpmv4_6("4x"
 ORACLE["minicpmv4_6"] = ORACLE["minicpmv4_6_4x"] = dict(
     prompt=lambda p: "<image_pad>" + p, extend=_positions_from_mask, image_token=lambda m: m.config.image_token_id,
     features=_minicpmv_features, placeholders=lambda m: [m.config.image_token_id], methods=("cross", "cross_grad"))
+
+
+def idefics2(split: bool = True) -> tuple[nn.Module, Any]:
+    """Idefics2: pieces resized between 16 and 32 px (``split``: the four quadrants, then the whole image), padded to the
+    batch's largest, 8 px patches (a SigLIP-like tower), a perceiver resampler of 4 latents per piece over the piece's
+    patches (2 layers, GQA), a Mistral LM."""
+    import transformers
+
+    tok = tokenizer(("<image>", "<fake_token_around_image>", "<end_of_utterance>"))
+    tok.image_token, tok.image_boundary_token = "<image>", "<fake_token_around_image>"  # (its processor reads them)
+    tok.image_token_id = tok.convert_tokens_to_ids("<image>")
+    image = transformers.Idefics2ImageProcessor(size={"shortest_edge": 16, "longest_edge": 32}, do_image_splitting=split)
+
+    class Idefics2ArrayProcessor(transformers.Idefics2Processor):
+        """Idefics2's processor, taking the checks' uint8 arrays as PIL images (it loads only PIL images and URLs)."""
+
+        def __call__(self, images=None, text=None, **kwargs):
+            from PIL import Image
+
+            def pil(x):
+                return [pil(i) for i in x] if isinstance(x, (list, tuple)) else Image.fromarray(x) if isinstance(x, np.ndarray) else x
+
+            return super().__call__(images=pil(images), text=text, **kwargs)
+
+    proc = Idefics2ArrayProcessor(image_processor=image, tokenizer=tok, image_seq_len=4)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=8)
+    perceiver = dict(hidden_size=32, resampler_n_latents=4, resampler_depth=2, resampler_n_heads=4, resampler_head_dim=8,
+                     num_key_value_heads=2)
+    cfg = transformers.Idefics2Config(vision_config=vision, perceiver_config=perceiver,
+                                      text_config=dict(model_type="mistral", vocab_size=len(tok), **_text()),
+                                      image_token_id=tok.image_token_id)
+    model, proc = _sdpa_built(transformers.Idefics2ForConditionalGeneration, cfg, proc)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # latents start equal (ones) and the connector's weights at 0.02: the image would barely count
+        for name, p in model.model.connector.named_parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=generator) / math.sqrt(p.shape[-1]))
+    return model, proc
+
+
+def _idefics2_features(model: nn.Module, proc: Any, image: np.ndarray) -> torch.Tensor:
+    """The vision tower's patch tokens of every piece of one image, in order: what the resampler reads."""
+    batch = proc.image_processor(images=[[image]], return_tensors="pt")
+    pixels, mask = batch["pixel_values"][0], batch["pixel_attention_mask"][0].bool()  # (pieces, 3, H, W), (pieces, H, W)
+    patch = model.config.vision_config.patch_size
+    patches = mask.unfold(1, patch, patch).unfold(2, patch, patch).flatten(-2).all(-1)
+    with torch.no_grad():
+        out = model.model.vision_model(pixel_values=pixels, patch_attention_mask=patches).last_hidden_state
+    return out.reshape(-1, out.shape[-1])
+
+
+def _perceiver_transport(model: nn.Module) -> tuple[list, list]:
+    """Forward hooks on an eager model's resampler attention modules that keep the weights each returns."""
+    store: list = []
+    handles = [m.register_forward_hook(lambda module, args, out: store.append(out[1]))
+               for n, m in model.named_modules() if n.endswith("perceiver_resampler.layers.0.self_attn")
+               or (".perceiver_resampler.layers." in n and n.endswith("self_attn"))]
+    return store, handles
+
+
+BUILDERS.update(idefics2=idefics2, idefics2_whole=lambda: idefics2(split=False))
+ORACLE["idefics2"] = ORACLE["idefics2_whole"] = dict(
+    nested=True, prompt=lambda p: "<image>" + p, extend=_positions_from_mask, image_token=lambda m: m.config.image_token_id,
+    features=_idefics2_features, placeholders=lambda m: [m.config.image_token_id], transport=_perceiver_transport,
+    pieces=True)
