@@ -102,7 +102,9 @@ def isolated_tokens(model: nn.Module) -> nn.Module:
     """A copy whose vision tower attention adds nothing (its output projections zeroed): each image
     token then depends only on its own pixels (the footprint probe's model)."""
     other = copy.deepcopy(model)
-    vision = next(m for n, m in other.named_modules() if n.endswith(("vision_tower", "vision_model", "visual")))
+    vision = next((m for n, m in other.named_modules() if n.endswith(("vision_tower", "vision_model", "visual"))), None)
+    if vision is None:  # no vision tower (Fuyu: each patch projected straight in): nothing mixes the patches
+        return other
     with torch.no_grad():
         for name, module in vision.named_modules():
             if name.endswith(("self_attn.out_proj", "self_attn.o_proj", "attn.proj", "attention.output.dense",
@@ -1125,3 +1127,39 @@ ORACLE["idefics2"] = ORACLE["idefics2_whole"] = dict(
     nested=True, prompt=lambda p: "<image>" + p, extend=_positions_from_mask, image_token=lambda m: m.config.image_token_id,
     features=_idefics2_features, placeholders=lambda m: [m.config.image_token_id], transport=_perceiver_transport,
     pieces=True)
+
+
+def fuyu() -> tuple[nn.Module, Any]:
+    """Fuyu: images shrunk to fit 48 x 64 px (padded there), 8 px patches projected straight into a Persimmon LM, a
+    ``|NEWLINE|`` token after each row. Its processor strips the first token of the encoded image tokens (the
+    ``▁`` its SentencePiece tokenizer puts in front): the tokenizer here prepends one too."""
+    import transformers
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, "\u2581": 4, "|SPEAKER|": 5, "|NEWLINE|": 6, "<0x04>": 7}
+    for word in WORDS:
+        vocab.setdefault(word, len(vocab))
+    inner = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    inner.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    inner.pre_tokenizer = pre_tokenizers.Split(Regex(r"\|SPEAKER\||\|NEWLINE\||<0x04>|\u2581"), behavior="isolated")
+    tok = PreTrainedTokenizerFast(tokenizer_object=inner, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>")
+    image = transformers.FuyuImageProcessor(size={"height": 48, "width": 64}, patch_size={"height": 8, "width": 8})
+    proc = transformers.FuyuProcessor(image_processor=image, tokenizer=tok)
+    text = dict(model_type="persimmon", vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, max_position_embeddings=512)
+    cfg = transformers.FuyuConfig(text_config=text, patch_size=8, image_token_id=vocab["|SPEAKER|"], pad_token_id=0,
+                                  bos_token_id=1, eos_token_id=2)
+    return _sdpa_built(transformers.FuyuForCausalLM, cfg, proc)
+
+
+def _fuyu_features(model: nn.Module, proc: Any, image: np.ndarray) -> torch.Tensor:
+    """The image tokens of one image: its patches through ``vision_embed_tokens``."""
+    patches = proc(images=[image], text=[""], return_tensors="pt")["image_patches"]
+    with torch.no_grad():
+        return model.model.get_image_features(patches).last_hidden_state
+
+
+BUILDERS["fuyu"] = fuyu
+ORACLE["fuyu"] = dict(prompt=lambda p: p, extend=_positions_from_mask, image_token=lambda m: m.config.image_token_id,
+                      features=_fuyu_features, placeholders=lambda m: [m.config.image_token_id])
