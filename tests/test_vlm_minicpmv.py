@@ -35,3 +35,19 @@ def test_cross_generic_and_a_processor_merging_otherwise_are_refused_with_the_re
     mixed = vx.Explainer(model, processor=proc, processor_kwargs={"downsample_mode": other})
     with pytest.raises(vx.UnsupportedModelError, match=rf"downsample_mode='{other}'.* processor_kwargs"):
         mixed.explain_caption(helpers.images(1)[:1], prompt="what is")
+
+
+def test_a_processor_without_the_pieces_patch_grids_is_refused_with_what_to_do(built):
+    name, model, proc = built
+
+    class Dropping:  # the model's processor, its output without target_sizes
+        def __getattr__(self, attribute):
+            return getattr(proc, attribute)
+
+        def __call__(self, *args, **kwargs):
+            out = proc(*args, **kwargs)
+            del out["target_sizes"]
+            return out
+
+    with pytest.raises(vx.UnsupportedModelError, match="no target_sizes.* MiniCPMV4_6Processor"):
+        vx.Explainer(model, processor=Dropping()).explain_caption(helpers.images(1)[:1], prompt="what is")

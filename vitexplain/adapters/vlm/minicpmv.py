@@ -50,7 +50,12 @@ class MiniCPMVAdapter(VLMAdapter):
 
     def prepare(self, images: Sequence[Any], prompts: Sequence[str]) -> Any:
         self._merge()
-        return super().prepare(images, prompts)
+        batch = super().prepare(images, prompts)
+        if "target_sizes" not in batch:
+            raise UnsupportedModelError(
+                f"the processor gave no target_sizes, which {type(self.model).__name__} needs (each piece's patch grid); "
+                "use the model's own MiniCPMV4_6Processor")
+        return batch
 
     def views(self, images: Sequence[Any], inputs: Any) -> list[ImageView]:
         processor = self.image_processor

@@ -43,11 +43,11 @@ class Molmo2Adapter(VLMAdapter):
 
     def prepare(self, images: Sequence[Any], prompts: Sequence[str]) -> Any:
         batch = super().prepare(images, prompts)
-        missing = [k for k in ("mm_token_type_ids", "image_grids") if k not in batch]
+        missing = [k for k in ("mm_token_type_ids", "image_grids", "image_token_pooling") if k not in batch]
         if missing:
             raise UnsupportedModelError(
                 f"the processor gave no {' or '.join(missing)}, which {type(self.model).__name__} needs (which tokens form "
-                "its bidirectional image block, and each view's token grid); use the model's own Molmo2Processor")
+                "its bidirectional image block, each view's token grid and each token's patches); use the model's own Molmo2Processor")
         return batch
 
     def teacher_inputs(self, inputs: Any, ids: Tensor) -> dict[str, Any]:
