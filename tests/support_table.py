@@ -454,6 +454,8 @@ def rows() -> list[Row]:
             "tests/test_vlm_molmo2.py"),
         Row("HF MiniCPM-V 4.6 (source + slices, patches merged 4 x 4; hybrid LM)", "VLM", _vlm("minicpmv4_6"), s32,
             "tests/test_vlm_minicpmv.py"),
+        Row("HF MiniCPM-V 4.7 (4.6 with canvas M-RoPE positions)", "VLM", _vlm("minicpmv4_7"), s32,
+            "tests/test_vlm_minicpmv.py"),
         Row("HF Fuyu (patches projected straight into the LM)", "VLM", _vlm("fuyu"), s32, "tests/test_vlm_fuyu.py"),
         Row("HF LLaVA-NeXT", "VLM", _vlm("llava_next"), s32, _VLM_TEST),
         Row("HF LLaVA-OneVision", "VLM", _vlm("onevision"), s32, _VLM_TEST),

@@ -1025,9 +1025,10 @@ ORACLE["molmo2"] = dict(prompt=lambda p: "<|image|>" + p, extend=_mm_types_exten
 MINICPMV_SPECIALS = ("<image_pad>", "<video_pad>", "<image>", "</image>", "<slice>", "</slice>", "<image_id>", "</image_id>", "0")
 
 
-def minicpmv4_6(mode: str = "16x") -> tuple[nn.Module, Any]:
+def minicpmv4_6(mode: str = "16x", version: str = "4_6") -> tuple[nn.Module, Any]:
     """MiniCPM-V 4.6: 4 px patches merged 4 x 4 (``mode`` "16x": the window merger, then the merger) or 2 x 2 ("4x"); an
-    image of more than 32 x 32 px is also cut into up to 4 slices; a Qwen3.5 LM of linear-attention and attention layers."""
+    image of more than 32 x 32 px is also cut into up to 4 slices; a Qwen3.5 LM of linear-attention and attention layers.
+    ``version`` "4_7": MiniCPM-V 4.7, the same with canvas M-RoPE positions from ``mm_token_type_ids``."""
     import transformers
 
     tok = tokenizer(MINICPMV_SPECIALS)
@@ -1037,17 +1038,24 @@ def minicpmv4_6(mode: str = "16x") -> tuple[nn.Module, Any]:
         setattr(tok, name, token)
     tok.image_token_id, tok.video_token_id = tok.convert_tokens_to_ids(list(MINICPMV_SPECIALS[:2]))
     pixels = dict(scale_resolution=32, patch_size=4, max_slice_nums=4, downsample_mode=mode)
-    proc = transformers.MiniCPMV4_6Processor(image_processor=transformers.MiniCPMV4_6ImageProcessor(**pixels), tokenizer=tok,
-                                             video_processor=transformers.MiniCPMV4_6VideoProcessor(**pixels))
+    proc = getattr(transformers, f"MiniCPMV{version}Processor")(
+        image_processor=transformers.MiniCPMV4_6ImageProcessor(**pixels), tokenizer=tok,
+        video_processor=transformers.MiniCPMV4_6VideoProcessor(**pixels))
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=4,
                   insert_layer_id=0)
     text = dict(_text(), vocab_size=len(tok), num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2,
                 linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
                 bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)  # (its defaults: Qwen's vocabulary)
-    cfg = transformers.MiniCPMV4_6Config(vision_config=vision, text_config=text, image_token_id=tok.image_token_id,
-                                         video_token_id=tok.video_token_id, insert_layer_id=0, image_size=32,
-                                         downsample_mode=mode)
-    return _sdpa_built(transformers.MiniCPMV4_6ForConditionalGeneration, cfg, proc)
+    extra = {}
+    if version == "4_7":  # its markers, where the canvas positions are pinned
+        ids = tok.convert_tokens_to_ids(["<image>", "</image>", "<slice>", "</slice>"])
+        extra = dict(zip(("image_start_id", "image_end_id", "slice_start_id", "slice_end_id"), ids), newline_id=tok.unk_token_id)
+        text["rope_parameters"] = {"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 10000.0,
+                                   "mrope_interleaved": True, "partial_rotary_factor": 0.5}
+    cfg = getattr(transformers, f"MiniCPMV{version}Config")(
+        vision_config=vision, text_config=text, image_token_id=tok.image_token_id, video_token_id=tok.video_token_id,
+        insert_layer_id=0, image_size=32, downsample_mode=mode, **extra)
+    return _sdpa_built(getattr(transformers, f"MiniCPMV{version}ForConditionalGeneration"), cfg, proc)
 
 
 def _minicpmv_features(model: nn.Module, proc: Any, image: np.ndarray) -> torch.Tensor:
@@ -1058,7 +1066,8 @@ def _minicpmv_features(model: nn.Module, proc: Any, image: np.ndarray) -> torch.
     return torch.cat(list(out.pooler_output))
 
 
-BUILDERS.update(minicpmv4_6=minicpmv4_6, minicpmv4_6_4x=lambda: minicpmv4_6("4x"))
+BUILDERS.update(minicpmv4_6=minicpmv4_6, minicpmv4_6_4x=lambda: minicpmv4_6("4x"),
+                minicpmv4_7=lambda: minicpmv4_6(version="4_7"))
 ORACLE["minicpmv4_6"] = ORACLE["minicpmv4_6_4x"] = dict(
     prompt=lambda p: "<image_pad>" + p, extend=_positions_from_mask, image_token=lambda m: m.config.image_token_id,
     features=_minicpmv_features, placeholders=lambda m: [m.config.image_token_id], methods=("cross", "cross_grad"))
@@ -1163,3 +1172,5 @@ def _fuyu_features(model: nn.Module, proc: Any, image: np.ndarray) -> torch.Tens
 BUILDERS["fuyu"] = fuyu
 ORACLE["fuyu"] = dict(prompt=lambda p: p, extend=_positions_from_mask, image_token=lambda m: m.config.image_token_id,
                       features=_fuyu_features, placeholders=lambda m: [m.config.image_token_id])
+ORACLE["minicpmv4_7"] = dict(ORACLE["minicpmv4_6"], extend=_qwen_extend)  # (the model computes its canvas positions)
+
