@@ -420,6 +420,8 @@ def rows() -> list[Row]:
         Row("HF GIT", "captioner", _git, s32, "tests/test_git.py"),
         Row("HF LLaVA", "VLM", _vlm("llava"), s32, _VLM_TEST),
         Row("HF Mistral 3 (Pixtral tower, 2 x 2 merger, row breaks)", "VLM", _vlm("mistral3"), s32, "tests/test_vlm_mistral3.py"),
+        Row("HF LightOnOCR (Mistral 3's tower and merger, no row breaks)", "VLM", _vlm("lighton_ocr"), s32,
+            "tests/test_vlm_mistral3.py"),
         Row("HF InternVL (tiles + thumbnail, pixel shuffle)", "VLM", _vlm("internvl"), s32, "tests/test_vlm_internvl.py"),
         Row("HF GLM-4.1V (Qwen2-VL geometry)", "VLM", _vlm("glm4v"), s32, "tests/test_vlm_glm4v.py"),
         Row("HF GLM-4.5V (experts in the LM)", "VLM", _vlm("glm4v_moe"), s32, "tests/test_vlm_glm4v.py"),

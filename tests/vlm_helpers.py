@@ -102,9 +102,12 @@ def isolated_tokens(model: nn.Module) -> nn.Module:
     """A copy whose vision tower attention adds nothing (its output projections zeroed): each image
     token then depends only on its own pixels (the footprint probe's model)."""
     other = copy.deepcopy(model)
-    vision = next((m for n, m in other.named_modules() if n.endswith(("vision_tower", "vision_model", "visual"))), None)
-    if vision is None:  # no vision tower (Fuyu: each patch projected straight in): nothing mixes the patches
-        return other
+    vision = next((m for n, m in other.named_modules()
+                   if n.endswith(("vision_tower", "vision_model", "visual", "vision_encoder"))), None)
+    if vision is None:
+        if not any(n.endswith("vision_embed_tokens") for n, _ in other.named_modules()):
+            raise LookupError(f"found no vision tower in {type(model).__name__} to switch its attention off")
+        return other  # no vision tower (Fuyu: each patch projected straight in): nothing mixes the patches
     with torch.no_grad():
         for name, module in vision.named_modules():
             if name.endswith(("self_attn.out_proj", "self_attn.o_proj", "attn.proj", "attention.output.dense",
@@ -1173,4 +1176,36 @@ BUILDERS["fuyu"] = fuyu
 ORACLE["fuyu"] = dict(prompt=lambda p: p, extend=_positions_from_mask, image_token=lambda m: m.config.image_token_id,
                       features=_fuyu_features, placeholders=lambda m: [m.config.image_token_id])
 ORACLE["minicpmv4_7"] = dict(ORACLE["minicpmv4_6"], extend=_qwen_extend)  # (the model computes its canvas positions)
+
+
+LIGHTON_SPECIALS = ("<|image_pad|>", "<|vision_pad|>", "<|vision_end|>")
+
+
+def lighton_ocr() -> tuple[nn.Module, Any]:
+    """LightOnOCR: Mistral 3's Pixtral tower (longest edge 32 px, 4 px patches) and 2 x 2 patch merger, no row-break
+    tokens, a Qwen3 LM."""
+    import transformers
+
+    tok = tokenizer(LIGHTON_SPECIALS)
+    # (its processor reads these from its tokenizer)
+    tok.image_token, tok.image_break_token, tok.image_end_token = LIGHTON_SPECIALS
+    tok.image_token_id, tok.image_break_token_id, tok.image_end_token_id = tok.convert_tokens_to_ids(list(LIGHTON_SPECIALS))
+    image = transformers.PixtralImageProcessor(size={"longest_edge": 32}, patch_size=8)  # (the merged block)
+    proc = transformers.LightOnOcrProcessor(image_processor=image, tokenizer=tok, patch_size=4, spatial_merge_size=2)
+    vision = dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  image_size=32, patch_size=4, head_dim=16)
+    cfg = transformers.LightOnOcrConfig(vision_config=vision, text_config=dict(model_type="qwen3", vocab_size=len(tok), **_text()),
+                                        spatial_merge_size=2, image_token_id=tok.image_token_id)
+    return _sdpa_built(transformers.LightOnOcrForConditionalGeneration, cfg, proc)
+
+
+def _lighton_features(model: nn.Module, proc: Any, image: np.ndarray) -> torch.Tensor:
+    batch = proc(images=[image], text=["<|image_pad|>"], return_tensors="pt")  # (the processor resizes to its merged blocks)
+    with torch.no_grad():
+        return model.get_image_features(pixel_values=batch["pixel_values"], image_sizes=batch["image_sizes"]).pooler_output[0]
+
+
+BUILDERS["lighton_ocr"] = lighton_ocr
+ORACLE["lighton_ocr"] = dict(ORACLE["mistral3"], prompt=lambda p: "<|image_pad|>" + p, image_token=lambda m: m.config.image_token_id,
+                             placeholders=lambda m: [m.config.image_token_id], features=_lighton_features)
 
