@@ -426,6 +426,7 @@ def rows() -> list[Row]:
         Row("HF GLM-4.1V (Qwen2-VL geometry)", "VLM", _vlm("glm4v"), s32, "tests/test_vlm_glm4v.py"),
         Row("HF GLM-4.5V (experts in the LM)", "VLM", _vlm("glm4v_moe"), s32, "tests/test_vlm_glm4v.py"),
         Row("HF GLM-4.6V", "VLM", _vlm("glm46v"), s32, "tests/test_vlm_glm4v.py"),
+        Row("HF GLM-OCR (GLM-4.6V's processor)", "VLM", _vlm("glm_ocr"), s32, "tests/test_vlm_glm4v.py"),
         Row("HF Qwen3-VL-MoE", "VLM", _vlm("qwen3_vl_moe"), s32, "tests/test_vlm_qwen.py"),
         Row("HF Qwen3.5 (hybrid LM: linear attention + attention layers)", "VLM", _vlm("qwen3_5"), s32,
             "tests/test_vlm_qwen35.py"),

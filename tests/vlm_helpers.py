@@ -691,14 +691,15 @@ GLM_SPECIALS = ("<|begin_of_image|>", "<|image|>", "<|end_of_image|>", "<|video|
 
 
 def glm4v(kind: str = "glm4v") -> tuple[nn.Module, Any]:
-    """GLM-4.1V (``kind`` "glm4v"), GLM-4.5V ("glm4v_moe": experts in its LM) and GLM-4.6V ("glm46v"): Qwen2-VL's
-    geometry (4 px patches merged 2 x 2, dynamic resolution <= 32 x 32 px), M-RoPE, a GLM-4 LM."""
+    """GLM-4.1V (``kind`` "glm4v"), GLM-4.5V ("glm4v_moe": experts in its LM), GLM-4.6V ("glm46v") and GLM-OCR
+    ("glm_ocr", with GLM-4.6V's processor): Qwen2-VL's geometry (4 px patches merged 2 x 2, dynamic resolution
+    <= 32 x 32 px), M-RoPE, a GLM-4 LM."""
     import transformers
 
     tok = tokenizer(GLM_SPECIALS)
     tok.image_token = "<|image|>"  # (GLM's processor reads it from its tokenizer)
     pixels = dict(size={"shortest_edge": 8 * 8, "longest_edge": 32 * 32}, patch_size=4, merge_size=2, temporal_patch_size=2)
-    processor = transformers.Glm46VProcessor if kind == "glm46v" else transformers.Glm4vProcessor
+    processor = transformers.Glm46VProcessor if kind in ("glm46v", "glm_ocr") else transformers.Glm4vProcessor
     proc = processor(image_processor=transformers.Glm4vImageProcessor(**pixels), tokenizer=tok,
                      video_processor=transformers.Glm4vVideoProcessor(**pixels))
     rope = {"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 10000.0, "partial_rotary_factor": 1.0}
@@ -712,13 +713,15 @@ def glm4v(kind: str = "glm4v") -> tuple[nn.Module, Any]:
                     first_k_dense_replace=1)
     config, model = {"glm4v": ("Glm4vConfig", "Glm4vForConditionalGeneration"),
                      "glm4v_moe": ("Glm4vMoeConfig", "Glm4vMoeForConditionalGeneration"),
-                     "glm46v": ("Glm46VConfig", "Glm46VForConditionalGeneration")}[kind]
+                     "glm46v": ("Glm46VConfig", "Glm46VForConditionalGeneration"),
+                     "glm_ocr": ("GlmOcrConfig", "GlmOcrForConditionalGeneration")}[kind]
     cfg = getattr(transformers, config)(vision_config=vision, text_config=text, **ids)
     return _sdpa_built(getattr(transformers, model), cfg, proc)
 
 
-BUILDERS.update(glm4v=glm4v, glm4v_moe=lambda: glm4v("glm4v_moe"), glm46v=lambda: glm4v("glm46v"))
-ORACLE["glm4v"] = ORACLE["glm4v_moe"] = ORACLE["glm46v"] = dict(
+BUILDERS.update(glm4v=glm4v, glm4v_moe=lambda: glm4v("glm4v_moe"), glm46v=lambda: glm4v("glm46v"),
+                glm_ocr=lambda: glm4v("glm_ocr"))
+ORACLE["glm4v"] = ORACLE["glm4v_moe"] = ORACLE["glm46v"] = ORACLE["glm_ocr"] = dict(
     _QWEN_ORACLE, prompt=lambda p: "<|begin_of_image|><|image|><|end_of_image|>" + p)
 
 
@@ -1208,4 +1211,5 @@ def _lighton_features(model: nn.Module, proc: Any, image: np.ndarray) -> torch.T
 BUILDERS["lighton_ocr"] = lighton_ocr
 ORACLE["lighton_ocr"] = dict(ORACLE["mistral3"], prompt=lambda p: "<|image_pad|>" + p, image_token=lambda m: m.config.image_token_id,
                              placeholders=lambda m: [m.config.image_token_id], features=_lighton_features)
+
 

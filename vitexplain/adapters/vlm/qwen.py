@@ -110,7 +110,7 @@ class Qwen35Adapter(QwenVLAdapter):
 
 
 class Glm4vAdapter(QwenVLAdapter):
-    """GLM-4.1V, GLM-4.5V (experts) and GLM-4.6V (``Glm4v*``, ``Glm46V*ForConditionalGeneration``): Qwen2-VL's geometry (``image_grid_thw``, 2 x 2
+    """GLM-4.1V, GLM-4.5V (experts), GLM-4.6V and GLM-OCR (``Glm4v*``, ``Glm46V*``, ``GlmOcrForConditionalGeneration``): Qwen2-VL's geometry (``image_grid_thw``, 2 x 2
     merge, M-RoPE from ``mm_token_type_ids``), its image between ``<|begin_of_image|>`` and ``<|end_of_image|>``."""
 
     image_token = "<|image|>"
@@ -120,7 +120,7 @@ class Glm4vAdapter(QwenVLAdapter):
 @register_adapter(priority=20, family=VLM)
 def _detect_qwen(model: nn.Module) -> Optional[Adapter]:
     if type(model).__name__ in ("Glm4vForConditionalGeneration", "Glm4vMoeForConditionalGeneration",
-                                "Glm46VForConditionalGeneration"):
+                                "Glm46VForConditionalGeneration", "GlmOcrForConditionalGeneration"):
         return Glm4vAdapter(model)
     if type(model).__name__ in ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"):
         return Qwen35Adapter(model)
