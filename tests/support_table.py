@@ -434,6 +434,7 @@ def rows() -> list[Row]:
         Row("HF Aya Vision (tiles + global image, pixel shuffle)", "VLM", _vlm("aya_vision"), s32, "tests/test_vlm_internvl.py"),
         Row("HF Pixtral-12B layout (LLaVA with a Pixtral tower)", "VLM", _vlm("pixtral"), s32, "tests/test_vlm_mistral3.py"),
         Row("HF Command A Vision (Cohere2Vision: tiles + global image)", "VLM", _vlm("cohere2_vision"), s32, "tests/test_vlm_internvl.py"),
+        Row("HF Qianfan-OCR (InternVL's tiles, an <image> placeholder)", "VLM", _vlm("qianfan_ocr"), s32, "tests/test_vlm_internvl.py"),
         Row("HF ViP-LLaVA (projector over several tower layers)", "VLM", _vlm("vipllava"), s32, "tests/test_vlm_llava.py"),
         Row("HF PaliGemma", "VLM", _vlm("paligemma"), s32, _VLM_TEST),
         Row("HF PaliGemma 2 (Gemma 2 LM: eager attention, its only one)", "VLM", _vlm("paligemma2"), s32, _VLM_TEST),

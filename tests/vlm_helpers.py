@@ -1213,3 +1213,23 @@ ORACLE["lighton_ocr"] = dict(ORACLE["mistral3"], prompt=lambda p: "<|image_pad|>
                              placeholders=lambda m: [m.config.image_token_id], features=_lighton_features)
 
 
+
+def qianfan_ocr() -> tuple[nn.Module, Any]:
+    """Qianfan-OCR: :func:`internvl`'s tiles, tower and pixel shuffle, its processor expanding an ``<image>`` placeholder."""
+    import transformers
+
+    model, proc = internvl()
+    tok = tokenizer(("<img>", "</img>", "<IMG_CONTEXT>", "<image>"))
+    # (its processor reads these from its tokenizer, as the checkpoint's own tokenizer carries them)
+    tok.start_image_token, tok.end_image_token, tok.context_image_token = "<img>", "</img>", "<IMG_CONTEXT>"
+    tok.start_image_token_id, tok.end_image_token_id, tok.context_image_token_id = (
+        tok.convert_tokens_to_ids(t) for t in ("<img>", "</img>", "<IMG_CONTEXT>"))
+    proc = transformers.QianfanOCRProcessor(image_processor=proc.image_processor, tokenizer=tok, image_seq_length=4)
+    cfg = transformers.QianfanOCRConfig(vision_config=model.config.vision_config.to_dict(),
+                                        text_config=dict(model_type="qwen2", vocab_size=len(tok), **_text()),
+                                        image_token_id=tok.context_image_token_id, downsample_ratio=0.5, vision_feature_layer=-1)
+    return _sdpa_built(transformers.QianfanOCRForConditionalGeneration, cfg, proc)
+
+
+BUILDERS["qianfan_ocr"] = qianfan_ocr
+ORACLE["qianfan_ocr"] = dict(ORACLE["internvl"], prompt=lambda p: "<image>" + p, features=_tiled_features("<image>"))
