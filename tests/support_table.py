@@ -446,6 +446,7 @@ def rows() -> list[Row]:
         Row("HF Qwen2-VL", "VLM", _vlm("qwen2_vl"), s32, _VLM_TEST),
         Row("HF Qwen2.5-VL", "VLM", _vlm("qwen2_5_vl"), s32, _VLM_TEST),
         Row("HF Qwen3-VL", "VLM", _vlm("qwen3_vl"), s32, _VLM_TEST),
+        Row("HF EXAONE 4.5 (Qwen2.5-VL's tower, 1-D positions)", "VLM", _vlm("exaone4_5"), s32, "tests/test_vlm_qwen.py"),
         Row("HF Idefics3", "VLM", _vlm("idefics3"), s32, _VLM_TEST),
         Row("HF LFM2-VL (tiles + thumbnail, pixel unshuffle; LM with convolution layers)", "VLM", _vlm("lfm2_vl"), s32,
             "tests/test_vlm_lfm2.py"),

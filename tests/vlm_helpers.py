@@ -1233,3 +1233,24 @@ def qianfan_ocr() -> tuple[nn.Module, Any]:
 
 BUILDERS["qianfan_ocr"] = qianfan_ocr
 ORACLE["qianfan_ocr"] = dict(ORACLE["internvl"], prompt=lambda p: "<image>" + p, features=_tiled_features("<image>"))
+
+
+def exaone4_5() -> tuple[nn.Module, Any]:
+    """EXAONE 4.5: Qwen2.5-VL's tower (4 px patches merged 2 x 2, window attention, dynamic resolution <= 32 x 32 px) and
+    processor, an EXAONE 4 LM with 1-D positions."""
+    import transformers
+
+    tok = tokenizer(QWEN_SPECIALS)
+    pixels = dict(size={"shortest_edge": 8 * 8, "longest_edge": 32 * 32}, patch_size=4, merge_size=2, temporal_patch_size=2)
+    proc = transformers.Exaone4_5_Processor(image_processor=transformers.Qwen2VLImageProcessor(**pixels), tokenizer=tok,
+                                            video_processor=transformers.Qwen2VLVideoProcessor(**pixels))
+    vision = dict(depth=2, hidden_size=32, out_hidden_size=32, intermediate_size=64, num_heads=2, num_key_value_heads=2,
+                  patch_size=4, spatial_merge_size=2, window_size=16, fullatt_block_indexes=[1])
+    cfg = transformers.Exaone4_5_Config(vision_config=vision, text_config=dict(model_type="exaone4", vocab_size=len(tok), **_text()),
+                                        image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
+                                        video_token_id=tok.convert_tokens_to_ids("<|video_pad|>"))
+    return _sdpa_built(transformers.Exaone4_5_ForConditionalGeneration, cfg, proc)
+
+
+BUILDERS["exaone4_5"] = exaone4_5
+ORACLE["exaone4_5"] = dict(_QWEN_ORACLE, prompt=lambda p: "<|image_pad|>" + p, extend=_positions_from_mask)
