@@ -67,6 +67,10 @@ def test_token_ids_as_tensor_or_numpy_equal_the_same_ids_as_lists():
             torch.testing.assert_close(got.maps, want.maps)
     with pytest.raises(UsageError, match="outside the vocabulary"):
         ex.explain_caption(x, method="cross", caption=torch.tensor([[3, 99], [5, 6]]))
+    with pytest.raises(UsageError, match="caption must be a string or a list"):  # (was a raw TypeError)
+        ex.explain_caption(x, method="cross", caption=7)
+    with pytest.raises(UsageError, match="got 3 captions for 2 images"):
+        ex.explain_caption(x, method="cross", caption=[[3], [4], [5]])
 
 
 def test_a_training_mode_captioner_is_left_as_found_and_warned_about():
