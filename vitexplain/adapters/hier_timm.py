@@ -83,7 +83,11 @@ class MaxViTAdapter(HierAdapter):
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
         self.token_sites = [f"stages.{s}.blocks.{len(st.blocks) - 1}.attn_grid.norm1" for s, st in enumerate(model.stages)]
-        self.fixed_size = None
+        # its partition sizes are derived from img_size (img_size / 32 unless set): images are preprocessed to it
+        # (the pretrained config's 224 px need not split into them), and a size whose stage grids they do not
+        # divide is refused with that size to use (it takes any other)
+        size = getattr(model, "img_size", None)
+        self.fixed_size = tuple(pair(size)) if size is not None else None
 
     def site_grid(self, stage: int, output: Tensor, input_size: Sequence[int]) -> Tensor:
         last = self.model.stages[stage].blocks[-1].attn_grid
