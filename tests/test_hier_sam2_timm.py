@@ -109,3 +109,14 @@ def test_timm_sam2_hiera_is_recognised_and_max_pooling_heads_are_refused():
     maxed = timm.create_model("sam2_hiera_tiny", pretrained=False, num_classes=3, global_pool="max")
     with pytest.raises(vx.UnsupportedModelError, match=r"global_pool='max'.*mean of its last tokens"):
         vx.Explainer(maxed)
+
+
+def test_hieradet_refuses_a_size_its_window_position_embedding_does_not_tile_and_takes_one_it_does():
+    """HieraDet tiles its window position embedding (4 x 4 here) over the stage-0 token grid: at 60 px the
+    15 x 15 grid does not tile, and timm fails with a shape error; vitexplain says which size to use. At
+    80 px (a 20 x 20 grid) the model runs, and so does the explanation, on that grid."""
+    ex = vx.Explainer(tiny())
+    with pytest.raises(vx.InputError, match=r"does not take a 60x60 input .*expects \d+x\d+ images"):
+        ex.explain(torch.randn(1, 3, 60, 60), method="rollout", target=1)
+    e = ex.explain(torch.randn(1, 3, 80, 80), method="rollout", target=1)
+    assert e.maps.shape == (1, 20, 20) == (1, *e.layout.grid)

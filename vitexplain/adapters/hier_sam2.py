@@ -96,7 +96,16 @@ class GridHieraAdapter(HierAdapter):
 class TimmHieraDetAdapter(GridHieraAdapter):
     """timm ``HieraDet`` (``sam2_hiera_*``): SAM 2's Hiera with timm's classifier head (average pooling of
     the last grid, a norm, a linear layer); headless (``num_classes=0``) it returns the normed pooled
-    features, which ``vx.targets.similarity`` / ``vx.targets.norm`` score."""
+    features, which ``vx.targets.similarity`` / ``vx.targets.norm`` score.
+
+    It takes any input whose stage-0 token grid its window position embedding tiles (a multiple of its
+    first window), and fails inside on another; ``fixed_size`` is its configured input size (the
+    pretrained config's), which preprocessing uses and such a failure's :class:`~vitexplain.errors.InputError`
+    names."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self.fixed_size = tuple(pair(Adapter.preprocess_kwargs(self)["input_size"]))
 
     def window(self, block: nn.Module) -> tuple[int, int]:
         return pair(block.window_size)
