@@ -258,3 +258,13 @@ def test_footprint_pull_equals_pooling_matrix_either_way(monkeypatch, dense_limi
         torch.testing.assert_close(footprint.pull(r), r @ expected, rtol=1e-12, atol=1e-12)
         r32 = r.float()
         torch.testing.assert_close(footprint.pull(r32), (r @ expected).float(), rtol=1e-6, atol=1e-7)
+
+
+def test_sam_refuses_a_size_its_patch_does_not_divide_naming_its_patch_and_a_size_that_fits():
+    """SAM's ViT takes any multiple of its 16 px patch (its position embedding is resampled): a 60 px input is
+    refused with that patch size and a multiple to use, not the 60 / 3 = 20 px a 3 x 3 grid's cells would
+    cover, nor 60 px itself."""
+    ex = vx.Explainer(build("sam"))
+    with pytest.raises(vx.InputError, match=r"its patch size 16x16 must divide the input.*e\.g\. 48x48"):
+        ex.explain(torch.randn(1, 3, 60, 60), method="rollout", target=1)
+    assert ex.adapter.layout((60, 60)).patch_size == ex.adapter.layout((48, 48)).patch_size == (16, 16)

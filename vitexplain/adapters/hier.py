@@ -16,6 +16,7 @@ taken as token-wise, and a conv or pooling distributes relevance evenly over its
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Optional, Sequence, Union
 
 from torch import Tensor, nn
@@ -237,6 +238,11 @@ class SamViTAdapter(HierAdapter):
 
     def site_grid(self, stage: int, output: Tensor, input_size: Sequence[int]) -> Tensor:
         return output  # SAM's blocks keep tokens as (B, H, W, C)
+
+    def layout(self, input_size: Sequence[int]) -> TokenLayout:
+        """The patch grid with the patch's own size in pixels: a cell covers one patch also at a size the
+        patch does not divide (which the model refuses: the refusal names the patch, not H / grid)."""
+        return replace(super().layout(input_size), patch_size=pair(self.model.patch_embed.patch_size))
 
     def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
         patch = pair(self.model.patch_embed.patch_size)
