@@ -199,6 +199,30 @@ def test_a_stage_without_attention_on_its_own_grid_is_refused():
         ex.explain(x, method="generic", stage=-1)
 
 
+def test_mvit_cdam_on_a_stage_of_one_pooling_block_is_on_that_stages_grid():
+    """MViTv2 with depths (1, 2, 1, 1): stage 2 is a single block that pools stage 1's tokens, so the tokens on
+    stage 2's 4 x 4 grid that enter an attention are those of stage 3's pooling block (stage 3 has none).
+    S_i = d/de y when that block's input token i is scaled by (1 + e); the last stage is refused, as rollout
+    refuses it, instead of returning a map on the grid before it."""
+    from hier_oracle import token_derivative
+    from timm.models.mvitv2 import MultiScaleVit, MultiScaleVitCfg
+
+    torch.manual_seed(0)
+    model = MultiScaleVit(MultiScaleVitCfg(depths=(1, 2, 1, 1), embed_dim=16, num_heads=1), img_size=SIZE,
+                          num_classes=CLASSES).eval().double()
+    x = torch.randn(1, 3, *SIZE, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    ex = vx.Explainer(model)
+    e = ex.explain(x, method="cdam", target=0, stage=2)
+    assert e.maps.shape == (1, 4, 4) and e.layout.grid == (4, 4)
+    module = model.get_submodule("stages.3.blocks.0.norm1")
+    for t in range(16):
+        numeric = token_derivative(module, (t,), lambda: model(x)[0, 0])
+        assert abs(float(e.maps[0, t // 4, t % 4]) - numeric) <= 1e-6 + 1e-5 * abs(numeric), (t, numeric)
+    for method in ("cdam", "gradcam"):
+        with pytest.raises(vx.UnsupportedMethodError, match=r"stage 3 .*no attention call over a token grid.*\[0, 1, 2\]"):
+            ex.explain(x, method=method, target=0)
+
+
 def test_tnt_gives_one_map_per_image():
     model = build("tnt")
     x = torch.randn(3, 3, *SIZE)
