@@ -223,6 +223,38 @@ def test_mvit_cdam_on_a_stage_of_one_pooling_block_is_on_that_stages_grid():
             ex.explain(x, method=method, target=0)
 
 
+def test_levit_cdam_on_a_first_stage_of_one_block_matches_finite_differences():
+    """LeViT depth (1, 2, 1): stage 0's one attention block reads the stem's tokens on the 4 x 4 grid (its
+    identity downsample passes them on). CDAM at stage 0 is S_i = d/de y when token i entering that block is
+    scaled by (1 + e); it used to be refused as if stage 0 had no attention."""
+    model = build("levit").double()
+    x = torch.randn(1, 3, *SIZE, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    e = vx.Explainer(model).explain(x, method="cdam", target=0, stage=0)
+    assert e.maps.shape == (1, 4, 4) and e.layout.grid == (4, 4)
+    module = model.get_submodule("stages.0.blocks.0")
+    for t in range(16):
+        numeric = _input_derivative(module, t, lambda: model(x)[0, 0])
+        assert abs(float(e.maps[0, t // 4, t % 4]) - numeric) <= 1e-6 + 1e-5 * abs(numeric), (t, numeric)
+
+
+def _input_derivative(module: nn.Module, t: int, score, eps: float = 1e-5) -> float:
+    """d score / de when token t of ``module``'s (B, N, C) input is scaled by (1 + e): a central difference."""
+    def at(step: float) -> float:
+        def scale(mod, args):
+            x = args[0].clone()
+            x[:, t] *= 1 + step
+            return (x, *args[1:])
+
+        handle = module.register_forward_pre_hook(scale)
+        try:
+            with torch.no_grad():
+                return float(score())
+        finally:
+            handle.remove()
+
+    return (at(eps) - at(-eps)) / (2 * eps)
+
+
 def test_tnt_gives_one_map_per_image():
     model = build("tnt")
     x = torch.randn(3, 3, *SIZE)

@@ -145,7 +145,8 @@ class LeViTAdapter(HierAdapter):
             n = len(stage.blocks)
             if n >= 2:
                 sites.append(f"stages.{s}.blocks.{n - 2}")
-            elif not isinstance(stage.downsample, nn.Identity):
+            elif n == 1 or not isinstance(stage.downsample, nn.Identity):
+                # the downsample's output enters the stage's one block (stage 0's is an identity: the stem's tokens)
                 sites.append(f"stages.{s}.downsample")
             else:
                 sites.append(None)
