@@ -268,3 +268,21 @@ def test_sam_refuses_a_size_its_patch_does_not_divide_naming_its_patch_and_a_siz
     with pytest.raises(vx.InputError, match=r"its patch size 16x16 must divide the input.*e\.g\. 48x48"):
         ex.explain(torch.randn(1, 3, 60, 60), method="rollout", target=1)
     assert ex.adapter.layout((60, 60)).patch_size == ex.adapter.layout((48, 48)).patch_size == (16, 16)
+
+
+def test_raw_reads_each_head_of_a_call_whose_heads_are_folded_into_its_batch():
+    """SAM calls SDPA on (B * windows * heads, n, d): its record has one "head". raw's ``head`` option counts
+    the model's heads (2 here), negative from the last, each the mean over the call's queries of that head's
+    attention (oracle: the eager copy's per-head softmax, windows scattered), and refuses a third."""
+    model = build("sam")
+    x = images()
+    items, _ = dense_chain("sam", model, x, 1)
+    ex = vx.Explainer(model)
+    for layer in (0, 1):  # windowed, global
+        probs = items[layer].probs  # (B, 2, n, n)
+        for head in (0, 1, -1):
+            e = ex.explain(x, method="raw", target=1, layer=layer, head=head)
+            want = probs[:, head].mean(dim=1).view(x.shape[0], *e.maps.shape[1:])
+            assert_matches_oracle(e.maps, want, (layer, head))
+    with pytest.raises(vx.OptionError, match=r"'head' must be in \[-2, 1\].*2 heads"):
+        ex.explain(x, method="raw", layer=0, head=2)

@@ -96,7 +96,7 @@ def raw(ctx: Context, *, layer: int = -1, head: Optional[int] = None, head_fusio
     call = chosen[check_index(ctx.method, "layer", layer, len(chosen), "attention calls over all stages")]
     check_head_or_fusion(ctx.method, head, head_fusion)
     if head is not None:
-        head = check_index(ctx.method, "head", head, call.record.num_heads, "heads")
+        head = check_index(ctx.method, "head", head, call.num_heads, "heads")
     q = ctx.adapter.readout_row(call.spec.out, ctx.batch_size, ctx.x.device)
     asked = torch.zeros_like(q)  # the readout restricted to this call's queries, renormalised
     slots = call.q_slots[call.q_slots >= 0]
