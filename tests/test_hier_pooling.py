@@ -255,6 +255,29 @@ def _input_derivative(module: nn.Module, t: int, score, eps: float = 1e-5) -> fl
     return (at(eps) - at(-eps)) / (2 * eps)
 
 
+_POOLED = {
+    "samvit": ("samvit_base_patch16", dict(img_size=64, depth=2, embed_dim=32, num_heads=2, global_attn_indexes=(1,),
+                                            window_size=3, neck_chans=16)),
+    "maxvit": ("maxvit_tiny_tf_224", dict(img_size=64, embed_dim=(32, 32, 32, 32), depths=(1, 1, 1, 1))),
+    "hiera": ("hiera_tiny_224", dict(img_size=64, embed_dim=16, num_heads=1, stages=(1, 1, 1, 1))),
+}
+
+
+@pytest.mark.parametrize("kind", list(_POOLED))
+def test_a_model_whose_head_pools_its_last_tokens_other_than_by_their_mean_is_refused_with_the_reason(kind):
+    """The attention methods start from the row the head reads: the mean of the last tokens for these models.
+    Built with global_pool='max' (or 'avgmax') the head reads something else, and the maps would silently
+    explain the mean instead: the model is refused with the reason; global_pool='avg' is explained."""
+    name, kwargs = _POOLED[kind]
+    for pool in ("max", "avgmax"):
+        model = timm.create_model(name, pretrained=False, num_classes=CLASSES, global_pool=pool, **kwargs)
+        with pytest.raises(vx.UnsupportedModelError, match=rf"global_pool='{pool}' is not supported.*mean of its last tokens"):
+            vx.Explainer(model)
+    model = timm.create_model(name, pretrained=False, num_classes=CLASSES, global_pool="avg", **kwargs).eval()
+    e = vx.Explainer(model).explain(torch.randn(1, 3, *SIZE), method="generic", target=1)
+    assert e.maps.shape == (1, *e.layout.grid)
+
+
 def test_tnt_gives_one_map_per_image():
     model = build("tnt")
     x = torch.randn(3, 3, *SIZE)

@@ -21,13 +21,14 @@ from typing import Any, Optional, Sequence, Union
 
 from torch import Tensor, nn
 
+from ..errors import UnsupportedModelError
 from ..layout import TokenLayout, pair
 from ..methods.families import HIER
 from ..methods.resample import CallSpec, Footprint, TokenSet, Transition, full_slots, readout, window_slots
 from .base import Adapter, register_adapter
 
 __all__ = ["HierAdapter", "conv_grid", "global_call", "token_set", "sam_chain", "PVTv2Adapter", "TwinsAdapter",
-           "SamViTAdapter", "module_family"]
+           "SamViTAdapter", "module_family", "require_mean_pool"]
 
 Chain = list[Union[CallSpec, Transition]]
 
@@ -35,6 +36,33 @@ Chain = list[Union[CallSpec, Transition]]
 def module_family(model: nn.Module, prefix: str) -> bool:
     """Whether the model's class, or a class it derives from, is defined in module ``prefix``."""
     return any(cls.__module__.startswith(prefix) for cls in type(model).__mro__)
+
+
+#: timm pool types that average the last tokens (``SelectAdaptivePool2d``'s "fast" ones included)
+_MEAN_POOLS = ("avg", "fast", "fastavg")
+
+
+def require_mean_pool(model: nn.Module) -> None:
+    """Refuse a timm model whose classifier head pools its last tokens other than by their mean.
+
+    The attention methods and the token methods start from the row the head reads, which a
+    :class:`HierAdapter` with ``readout = "mean"`` takes to be the mean of the last tokens; a max (or
+    avg + max) pooling, or none, reads something else and every map would silently explain the mean.
+
+    Raises:
+        UnsupportedModelError: the head's pool type (``model.head.pool_type`` or
+            ``model.head.global_pool.pool_type``) is known and is not an average.
+    """
+    head = getattr(model, "head", None)
+    pool = getattr(head, "pool_type", None)
+    if pool is None:
+        pool = getattr(getattr(head, "global_pool", None), "pool_type", None)
+    if pool is None or pool in _MEAN_POOLS:
+        return
+    raise UnsupportedModelError(
+        f"{type(model).__name__} with global_pool={pool!r} is not supported: rollout, generic and the token methods "
+        "read a hierarchical model's output as the mean of its last tokens, which only average pooling is; create it "
+        "with global_pool='avg' (timm's default), or record its attention with vx.capture(model)")
 
 
 def conv_grid(grid: tuple[int, int], kernel: Any, stride: Any, padding: Any = 0, ceil: bool = False) -> tuple[int, int]:
@@ -283,5 +311,6 @@ def _detect_timm_hier(model: nn.Module) -> Optional[Adapter]:
     if module_family(model, "timm.models.twins") and hasattr(model, "patch_embeds"):
         return TwinsAdapter(model)
     if module_family(model, "timm.models.vision_transformer_sam") and hasattr(model, "blocks"):
+        require_mean_pool(model)
         return SamViTAdapter(model)
     return None

@@ -22,7 +22,7 @@ from ..layout import pair
 from ..methods.families import HIER
 from ..methods.resample import CallSpec, Footprint, TokenSet, full_slots, window_slots
 from .base import Adapter, register_adapter
-from .hier import Chain, HierAdapter, conv_grid, module_family, token_set
+from .hier import Chain, HierAdapter, conv_grid, module_family, require_mean_pool, token_set
 
 __all__ = ["GridHieraAdapter", "TimmHieraDetAdapter"]
 
@@ -124,10 +124,5 @@ class TimmHieraDetAdapter(GridHieraAdapter):
 def _detect_hieradet(model: nn.Module) -> Optional[Adapter]:
     if not (module_family(model, "timm.models.hieradet_sam2") and type(model).__name__ == "HieraDet"):
         return None
-    pool = getattr(getattr(model, "head", None), "pool_type", None)  # timm's ClNormMlpClassifierHead
-    if pool != "avg":
-        raise UnsupportedModelError(
-            f"{type(model).__name__} with global_pool={pool!r} is not supported: rollout, generic and the token "
-            "methods read a hierarchical model's output as the mean of its last tokens, which only average pooling "
-            "is; create it with global_pool='avg' (timm's default), or record its attention with vx.capture(model)")
+    require_mean_pool(model)  # timm's ClNormMlpClassifierHead
     return TimmHieraDetAdapter(model)
