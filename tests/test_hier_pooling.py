@@ -259,23 +259,30 @@ _POOLED = {
     "samvit": ("samvit_base_patch16", dict(img_size=64, depth=2, embed_dim=32, num_heads=2, global_attn_indexes=(1,),
                                             window_size=3, neck_chans=16)),
     "maxvit": ("maxvit_tiny_tf_224", dict(img_size=64, embed_dim=(32, 32, 32, 32), depths=(1, 1, 1, 1))),
-    "hiera": ("hiera_tiny_224", dict(img_size=64, embed_dim=16, num_heads=1, stages=(1, 1, 1, 1))),
+    "hiera": ("hiera_tiny_224", dict(img_size=64, embed_dim=16, num_heads=1, stages=(1, 1, 1, 2))),
 }
+_READOUT = ("raw", "rollout", "grad_rollout", "generic")
 
 
 @pytest.mark.parametrize("kind", list(_POOLED))
-def test_a_model_whose_head_pools_its_last_tokens_other_than_by_their_mean_is_refused_with_the_reason(kind):
+def test_a_head_pooling_its_last_tokens_other_than_by_their_mean_refuses_the_attention_methods(kind):
     """The attention methods start from the row the head reads: the mean of the last tokens for these models.
-    Built with global_pool='max' (or 'avgmax') the head reads something else, and the maps would silently
-    explain the mean instead: the model is refused with the reason; global_pool='avg' is explained."""
+    Built with global_pool='max' (or 'avgmax') the head reads something else, and their maps would silently
+    explain the mean: they are refused with the reason, while CDAM (the gradient of the model's own output)
+    still runs and is the default; global_pool='avg' keeps them."""
     name, kwargs = _POOLED[kind]
+    x = torch.randn(1, 3, *SIZE, generator=torch.Generator().manual_seed(1))
     for pool in ("max", "avgmax"):
-        model = timm.create_model(name, pretrained=False, num_classes=CLASSES, global_pool=pool, **kwargs)
-        with pytest.raises(vx.UnsupportedModelError, match=rf"global_pool='{pool}' is not supported.*mean of its last tokens"):
-            vx.Explainer(model)
-    model = timm.create_model(name, pretrained=False, num_classes=CLASSES, global_pool="avg", **kwargs).eval()
-    e = vx.Explainer(model).explain(torch.randn(1, 3, *SIZE), method="generic", target=1)
-    assert e.maps.shape == (1, *e.layout.grid)
+        torch.manual_seed(0)
+        ex = vx.Explainer(timm.create_model(name, pretrained=False, num_classes=CLASSES, global_pool=pool, **kwargs).eval())
+        assert not set(_READOUT) & set(ex.methods()) and "cdam" in ex.methods()
+        for method in _READOUT:
+            with pytest.raises(vx.UnsupportedMethodError, match=rf"global_pool='{pool}'.*mean of its last tokens"):
+                ex.explain(x, method=method, target=1)
+        e = ex.explain(x, target=1)
+        assert e.method == "cdam" and e.maps.shape == (1, *e.layout.grid)
+    ex = vx.Explainer(timm.create_model(name, pretrained=False, num_classes=CLASSES, global_pool="avg", **kwargs).eval())
+    assert set(_READOUT) <= set(ex.methods())
 
 
 def test_tnt_gives_one_map_per_image():

@@ -100,15 +100,17 @@ def test_hieradet_cdam_matches_finite_differences(stage):
 
 def test_timm_sam2_hiera_is_recognised_and_max_pooling_heads_are_refused():
     """The registered build at a size its windows tile (its smallest: 224 px; pretrained 896), and the
-    global_pool='max' build refused with the reason (the readout is no longer the tokens' mean)."""
+    global_pool='max' build's attention methods refused with the reason (the readout is no longer the
+    tokens' mean); its token methods still apply."""
     model = timm.create_model("sam2_hiera_tiny", pretrained=False, num_classes=3).eval()
     ex = vx.Explainer(model)
     assert ex.family == "hier" and len(ex.adapter.token_sites) == 4
     e = ex.explain(torch.randn(2, 3, 224, 224, generator=torch.Generator().manual_seed(4)), method="rollout", target=0)
     assert e.maps.shape == (2, 56, 56) == (2, *e.layout.grid) and bool(torch.isfinite(e.maps).all())
-    maxed = timm.create_model("sam2_hiera_tiny", pretrained=False, num_classes=3, global_pool="max")
-    with pytest.raises(vx.UnsupportedModelError, match=r"global_pool='max'.*mean of its last tokens"):
-        vx.Explainer(maxed)
+    maxed = vx.Explainer(timm.create_model("sam2_hiera_tiny", pretrained=False, num_classes=3, global_pool="max"))
+    assert "cdam" in maxed.methods() and "generic" not in maxed.methods()
+    with pytest.raises(vx.UnsupportedMethodError, match=r"global_pool='max'.*mean of its last tokens"):
+        maxed.plan(method="generic")
 
 
 def test_hieradet_refuses_a_size_its_window_position_embedding_does_not_tile_and_takes_one_it_does():

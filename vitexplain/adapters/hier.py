@@ -21,14 +21,13 @@ from typing import Any, Optional, Sequence, Union
 
 from torch import Tensor, nn
 
-from ..errors import UnsupportedModelError
 from ..layout import TokenLayout, pair
 from ..methods.families import HIER
 from ..methods.resample import CallSpec, Footprint, TokenSet, Transition, full_slots, readout, window_slots
 from .base import Adapter, register_adapter
 
 __all__ = ["HierAdapter", "conv_grid", "global_call", "token_set", "sam_chain", "PVTv2Adapter", "TwinsAdapter",
-           "SamViTAdapter", "module_family", "require_mean_pool"]
+           "SamViTAdapter", "module_family", "readout_pool_check"]
 
 Chain = list[Union[CallSpec, Transition]]
 
@@ -42,27 +41,28 @@ def module_family(model: nn.Module, prefix: str) -> bool:
 _MEAN_POOLS = ("avg", "fast", "fastavg")
 
 
-def require_mean_pool(model: nn.Module) -> None:
-    """Refuse a timm model whose classifier head pools its last tokens other than by their mean.
+def readout_pool_check(adapter: Adapter) -> None:
+    """Withdraw the ``"readout"`` capability from an adapter whose timm model pools its last tokens other
+    than by their mean, saying why (``adapter.notes``).
 
-    The attention methods and the token methods start from the row the head reads, which a
-    :class:`HierAdapter` with ``readout = "mean"`` takes to be the mean of the last tokens; a max (or
-    avg + max) pooling, or none, reads something else and every map would silently explain the mean.
-
-    Raises:
-        UnsupportedModelError: the head's pool type (``model.head.pool_type`` or
-            ``model.head.global_pool.pool_type``) is known and is not an average.
+    The attention methods (raw, rollout, grad_rollout, generic; Swin's attention Grad-CAM) start from
+    the row the head reads, taken to be the mean of the last tokens; a head built with
+    ``global_pool='max'`` (or ``'avgmax'``, or none) reads something else, and their maps would silently
+    explain the mean. The token methods (CDAM, token Grad-CAM) and those running the model's own head
+    do not depend on it and still apply. The pool type is ``model.head.pool_type`` or
+    ``model.head.global_pool.pool_type`` (timm's heads); a model without either keeps the capability.
     """
-    head = getattr(model, "head", None)
+    head = getattr(adapter.model, "head", None)
     pool = getattr(head, "pool_type", None)
     if pool is None:
         pool = getattr(getattr(head, "global_pool", None), "pool_type", None)
     if pool is None or pool in _MEAN_POOLS:
         return
-    raise UnsupportedModelError(
-        f"{type(model).__name__} with global_pool={pool!r} is not supported: rollout, generic and the token methods "
-        "read a hierarchical model's output as the mean of its last tokens, which only average pooling is; create it "
-        "with global_pool='avg' (timm's default), or record its attention with vx.capture(model)")
+    adapter.capabilities = adapter.capabilities - {"readout"}
+    adapter.notes["readout"] = (
+        f"{type(adapter.model).__name__} is built with global_pool={pool!r}: these methods start from the mean of "
+        "its last tokens, which only an average pooling head reads; use 'cdam' or 'gradcam' (they read the "
+        "gradient of the model's own output), or create the model with global_pool='avg' (timm's default)")
 
 
 def conv_grid(grid: tuple[int, int], kernel: Any, stride: Any, padding: Any = 0, ceil: bool = False) -> tuple[int, int]:
@@ -95,7 +95,7 @@ class HierAdapter(Adapter):
     """
 
     family = HIER
-    capabilities = frozenset({"grid", "tokens", "attention", "rollout", "pixels"})
+    capabilities = frozenset({"grid", "tokens", "attention", "rollout", "readout", "pixels"})
     readout = "mean"
     token_sites: list[Optional[str]]
 
@@ -110,6 +110,7 @@ class HierAdapter(Adapter):
             "none of these is defined across the stages' resampling, so they are not offered: use 'generic' or "
             "'grad_rollout' (stage=...), or 'cdam' with stage=..."
         )
+        readout_pool_check(self)
 
     def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
         """(chain, first token set of every stage) for an input of ``input_size`` pixels."""
@@ -311,6 +312,5 @@ def _detect_timm_hier(model: nn.Module) -> Optional[Adapter]:
     if module_family(model, "timm.models.twins") and hasattr(model, "patch_embeds"):
         return TwinsAdapter(model)
     if module_family(model, "timm.models.vision_transformer_sam") and hasattr(model, "blocks"):
-        require_mean_pool(model)
         return SamViTAdapter(model)
     return None

@@ -19,7 +19,7 @@ from ..layout import TokenLayout, pair
 from ..methods.families import HIER
 from ..methods.resample import CallSpec, Footprint, TokenSet, Transition
 from .base import Adapter, register_adapter
-from .hier import Chain, HierAdapter, conv_grid, module_family, require_mean_pool, token_set
+from .hier import Chain, HierAdapter, conv_grid, module_family, token_set
 
 __all__ = ["TorchvisionMaxViTAdapter", "HieraAdapter", "CrossViTAdapter"]
 
@@ -289,7 +289,6 @@ def _detect_more(model: nn.Module) -> Optional[Adapter]:
     if module_family(model, "torchvision.models.maxvit") and hasattr(model, "blocks") and hasattr(model, "stem"):
         return TorchvisionMaxViTAdapter(model)
     if module_family(model, "timm.models.hiera") and hasattr(model, "unroll") and hasattr(model, "blocks"):
-        require_mean_pool(model)
         return HieraAdapter(model)
     if module_family(model, "timm.models.crossvit") and getattr(model, "num_branches", 0) == 2:
         return CrossViTAdapter(model)

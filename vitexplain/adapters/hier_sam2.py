@@ -22,7 +22,7 @@ from ..layout import pair
 from ..methods.families import HIER
 from ..methods.resample import CallSpec, Footprint, TokenSet, full_slots, window_slots
 from .base import Adapter, register_adapter
-from .hier import Chain, HierAdapter, conv_grid, module_family, require_mean_pool, token_set
+from .hier import Chain, HierAdapter, conv_grid, module_family, token_set
 
 __all__ = ["GridHieraAdapter", "TimmHieraDetAdapter"]
 
@@ -124,5 +124,4 @@ class TimmHieraDetAdapter(GridHieraAdapter):
 def _detect_hieradet(model: nn.Module) -> Optional[Adapter]:
     if not (module_family(model, "timm.models.hieradet_sam2") and type(model).__name__ == "HieraDet"):
         return None
-    require_mean_pool(model)  # timm's ClNormMlpClassifierHead
     return TimmHieraDetAdapter(model)

@@ -25,7 +25,7 @@ from ..layout import pair
 from ..methods.families import HIER
 from ..methods.resample import CallSpec, Footprint, TokenSet, Transition, full_slots, grid_slots, window_slots
 from .base import Adapter, register_adapter
-from .hier import Chain, HierAdapter, conv_grid, global_call, module_family, require_mean_pool, token_set
+from .hier import Chain, HierAdapter, conv_grid, global_call, module_family, token_set
 
 __all__ = ["PiTAdapter", "MaxViTAdapter", "LeViTAdapter", "MViTv2Adapter", "TNTAdapter"]
 
@@ -246,7 +246,6 @@ def _detect_timm_pooling(model: nn.Module) -> Optional[Adapter]:
     if module_family(model, "timm.models.maxxvit") and hasattr(model, "stages"):
         blocks = [blk for st in model.stages for blk in st.blocks]
         if blocks and all(hasattr(b, "attn_block") and hasattr(b, "attn_grid") and hasattr(b, "conv") for b in blocks):
-            require_mean_pool(model)
             return MaxViTAdapter(model)
         return None  # CoAtNet / MaxxViT-v2 mixes: the CNN adapter's Grad-CAM family
     if module_family(model, "timm.models.levit") and hasattr(model, "stages") and not getattr(model, "use_conv", False):
