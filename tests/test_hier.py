@@ -286,3 +286,20 @@ def test_raw_reads_each_head_of_a_call_whose_heads_are_folded_into_its_batch():
             assert_matches_oracle(e.maps, want, (layer, head))
     with pytest.raises(vx.OptionError, match=r"'head' must be in \[-2, 1\].*2 heads"):
         ex.explain(x, method="raw", layer=0, head=2)
+
+
+def test_gradient_methods_run_inside_no_grad_and_are_refused_clearly_inside_inference_mode():
+    """Inference code often runs under torch.no_grad(): explain enables gradients where its methods need them,
+    so the maps equal those explained outside it (the backward used to fail with torch's raw 'element 0 of
+    tensors does not require grad'). torch.inference_mode() cannot be overridden: a UsageError says so."""
+    ex = vx.Explainer(build("svt"))
+    x = images()
+    for method in ("generic", "cdam", "grad_rollout", "rollout"):
+        want = ex.explain(x, method=method, target=1).maps
+        with torch.no_grad():
+            got = ex.explain(x, method=method, target=1).maps
+        torch.testing.assert_close(got, want)
+    with torch.inference_mode(), pytest.raises(vx.UsageError, match=r"inference_mode.*outside"):
+        ex.explain(x, method="generic", target=1)
+    with torch.inference_mode():  # no gradient needed: it runs
+        assert ex.explain(x, method="rollout", target=1).maps.shape == (2, 16, 16)
