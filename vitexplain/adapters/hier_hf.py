@@ -219,6 +219,16 @@ def _detect_hf_hier(model: nn.Module) -> Optional[Adapter]:
         return HFSamVisionAdapter(model)
     if _in(model, "sam3") and name == "Sam3ViTModel":
         return HFSam3ViTAdapter(model)
+    if _in(model, "sam3") and name in ("Sam3VisionModel", "Sam3Model"):
+        full = name == "Sam3Model"
+        raise UnsupportedModelError(
+            f"{name} is not supported: {'its output is masks decoded from prompts, and ' if full else ''}its image "
+            "encoder's neck builds a feature pyramid (fpn_hidden_states: maps at several scales resampled from the "
+            "ViT's last tokens), which is what SAM 3 reads, so no one readout of the ViT's tokens describes it (how "
+            "rollout, generic and the token methods read a hierarchical model). Explain its ViT backbone instead, "
+            f"vx.Explainer({'model.vision_encoder.backbone' if full else 'model.backbone'}) (a Sam3ViTModel, "
+            "headless: pass target=vx.targets.norm(), vx.targets.similarity(vector) or a callable score of the mean "
+            "of its output tokens), or record its attention with vx.capture(model)")
     if _in(model, "hiera") and name in ("HieraModel", "HieraForImageClassification"):
         return HFHieraAdapter(model)
     return None
