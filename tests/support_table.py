@@ -232,7 +232,7 @@ def _hf_sam2_hiera() -> nn.Module:
 def _mvitv2() -> nn.Module:
     from timm.models.mvitv2 import MultiScaleVit, MultiScaleVitCfg
 
-    return MultiScaleVit(MultiScaleVitCfg(depths=(1, 1), embed_dim=16, num_heads=1), img_size=64, num_classes=5)
+    return MultiScaleVit(MultiScaleVitCfg(depths=(1, 2), embed_dim=16, num_heads=1), img_size=64, num_classes=5)
 
 
 def _zoo(name: str) -> Callable[[], nn.Module]:

@@ -200,6 +200,11 @@ class Explainer:
         alone = plan.steps[0].spec if len(plan.steps) == 1 and plan.steps[0].spec.forward_rules else None
         rules = alone.forward_rules(plan.steps[0].options) if alone else contextlib.nullcontext()
         grads = settings.grads or alone is not None
+        if grads and torch.is_inference_mode_enabled():
+            raise UsageError(
+                f"{', '.join(plan.names)} take(s) gradients, which torch.inference_mode() forbids (it cannot be "
+                "switched off inside); call explain outside inference_mode (torch.no_grad() is fine: vitexplain "
+                "enables gradients where its methods need them)")
         x_in = x.detach()
         if grads:
             x_in.requires_grad_(True)
@@ -212,7 +217,8 @@ class Explainer:
         check_finite_scores(score, outputs)
         shared = (rules, score) if alone else None
         if settings.grads:
-            rec.backward(checked_score(score), retain_graph=settings.retain_graph)
+            with torch.enable_grad():  # also under the caller's torch.no_grad()
+                rec.backward(checked_score(score), retain_graph=settings.retain_graph)
         layout = self.adapter.layout(tuple(x.shape[-2:])) if hasattr(self.adapter, "layout") else None
         try:
             logits = logits_of(outputs).detach()
@@ -223,7 +229,9 @@ class Explainer:
             ctx = plan.family.context(self.adapter, x_in, outputs, resolved, rec, layout, method=step.name)
             if shared is not None:
                 ctx.shared = shared
-            with hooks_paused():  # a method's own pass over the graph (LeGrad) adds nothing to the records
+            # a method's own pass over the graph (LeGrad) adds nothing to the records; one taking gradients
+            # takes them also under the caller's torch.no_grad()
+            with hooks_paused(), torch.set_grad_enabled(grads or torch.is_grad_enabled()):
                 maps = step.spec.fn(ctx, **step.options)
             extras: dict[str, Any] = {}
             if isinstance(maps, tuple):  # a method may return (maps, extras)

@@ -19,7 +19,7 @@ from ..layout import TokenLayout, pair
 from ..methods.families import HIER
 from ..methods.resample import CallSpec, Footprint, TokenSet, Transition
 from .base import Adapter, register_adapter
-from .hier import Chain, HierAdapter, conv_grid, token_set, module_family
+from .hier import Chain, HierAdapter, conv_grid, module_family, token_set
 
 __all__ = ["TorchvisionMaxViTAdapter", "HieraAdapter", "CrossViTAdapter"]
 
@@ -190,7 +190,8 @@ class HieraAdapter(HierAdapter):
 # -- CrossViT ------------------------------------------------------------------------------------
 class CrossViTAdapter(HierAdapter):
     """timm ``CrossVit``: two ViT branches (small and large patches, each with a class token)
-    whose class tokens attend to the other branch's patches in each block's fusion.
+    whose class tokens attend to the other branch's patches in each block's fusion (with a fusion depth above
+    1, the chained cross-attention blocks after the first attend from the class token to itself alone).
 
     The chain runs on one joint token set ``[cls_0, patches_0, cls_1, patches_1]`` (a flat
     1 x N "grid"): a branch's blocks attend inside its part, a fusion call's query is one class
@@ -275,10 +276,11 @@ class CrossViTAdapter(HierAdapter):
                 other = parts[1 - b][1:]
                 keys = torch.cat([torch.tensor([self.offsets[b]]), other])[None]
                 names = [n for n, m in fusion.named_modules() if type(m).__name__ == "CrossAttentionBlock"]
-                for n in names:
+                cls = torch.tensor([[self.offsets[b]]])
+                for j, n in enumerate(names):
                     name = f"blocks.{i}.fusion.{b}" + (f".{n}" if n else "") + ".attn"
-                    chain.append(CallSpec(name, joint, joint, torch.tensor([[self.offsets[b]]]), keys, identity,
-                                          identity, 0, 0))
+                    # a block outputs the class token alone: a chained one (fusion depth > 1) attends to it only
+                    chain.append(CallSpec(name, joint, joint, cls, keys if j == 0 else cls, identity, identity, 0, 0))
         return chain, [joint]
 
 

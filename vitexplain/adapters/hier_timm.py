@@ -25,7 +25,7 @@ from ..layout import pair
 from ..methods.families import HIER
 from ..methods.resample import CallSpec, Footprint, TokenSet, Transition, full_slots, grid_slots, window_slots
 from .base import Adapter, register_adapter
-from .hier import Chain, HierAdapter, conv_grid, token_set, global_call, module_family
+from .hier import Chain, HierAdapter, conv_grid, global_call, module_family, token_set
 
 __all__ = ["PiTAdapter", "MaxViTAdapter", "LeViTAdapter", "MViTv2Adapter", "TNTAdapter"]
 
@@ -83,7 +83,11 @@ class MaxViTAdapter(HierAdapter):
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
         self.token_sites = [f"stages.{s}.blocks.{len(st.blocks) - 1}.attn_grid.norm1" for s, st in enumerate(model.stages)]
-        self.fixed_size = None
+        # its partition sizes are derived from img_size (img_size / 32 unless set): images are preprocessed to it
+        # (the pretrained config's 224 px need not split into them), and a size whose stage grids they do not
+        # divide is refused with that size to use (it takes any other)
+        size = getattr(model, "img_size", None)
+        self.fixed_size = tuple(pair(size)) if size is not None else None
 
     def site_grid(self, stage: int, output: Tensor, input_size: Sequence[int]) -> Tensor:
         last = self.model.stages[stage].blocks[-1].attn_grid
@@ -141,7 +145,8 @@ class LeViTAdapter(HierAdapter):
             n = len(stage.blocks)
             if n >= 2:
                 sites.append(f"stages.{s}.blocks.{n - 2}")
-            elif not isinstance(stage.downsample, nn.Identity):
+            elif n == 1 or not isinstance(stage.downsample, nn.Identity):
+                # the downsample's output enters the stage's one block (stage 0's is an identity: the stem's tokens)
                 sites.append(f"stages.{s}.downsample")
             else:
                 sites.append(None)
@@ -175,7 +180,16 @@ class MViTv2Adapter(HierAdapter):
         super().__init__(model)
         self.prefix = 1 if getattr(model, "cls_token", None) is not None else 0
         self.readout = "class" if model.global_pool == "token" else "mean"
-        self.token_sites = [f"stages.{s}.blocks.{len(st.blocks) - 1}.norm1" for s, st in enumerate(model.stages)]
+        # per stage, the tokens entering the last attention that reads the stage's grid: its last block, or, when
+        # that block pools the previous grid (a stage of one block), the next stage's first block (reading this
+        # stage's output); none for a last stage of one such block (as Hiera's, adapters/hier_more.py)
+        self.token_sites = []
+        for s, stage in enumerate(model.stages):
+            last = len(stage.blocks) - 1
+            if not (s > 0 and last == 0 and _pools_queries(stage.blocks[last])):
+                self.token_sites.append(f"stages.{s}.blocks.{last}.norm1")
+            else:
+                self.token_sites.append(f"stages.{s + 1}.blocks.0.norm1" if s + 1 < len(model.stages) else None)
         # relative (or absolute) position tables are built for the stages' feature sizes: the input size that makes them
         fixed = getattr(model, "pos_embed", None) is not None or any(
             hasattr(m, "rel_pos_h") for m in model.stages.modules())
@@ -202,9 +216,11 @@ class MViTv2Adapter(HierAdapter):
                 tokens = out
         return chain, sets
 
-    def site_grid(self, stage: int, output: Tensor, input_size: Sequence[int]) -> Tensor:
-        last = [c for c in self.chain(input_size) if isinstance(c, CallSpec) and c.out_stage == stage][-1]
-        return output[:, last.inp.prefix:].reshape(output.shape[0], *last.inp.grid, output.shape[-1])
+
+def _pools_queries(block: nn.Module) -> bool:
+    """Whether an MViTv2 block pools its queries to a coarser grid (a strided ``pool_q``)."""
+    pool = block.attn.pool_q
+    return pool is not None and pair(pool.stride) != (1, 1)
 
 
 # -- TNT ---------------------------------------------------------------------------------------

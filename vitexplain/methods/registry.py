@@ -27,6 +27,8 @@ CAPABILITIES: Mapping[str, str] = {
     "tokens": "the tokens entering the model's last token attention",
     "attention": "token self-attention over the patch grid in every listed block",
     "rollout": "token attention in every block that mixes tokens (a full attention flow)",
+    "readout": ("a head that reads the mean (or the class token) of the last tokens: the row the attention "
+                "methods start from"),
     "tail": "re-running the model from its last block's input",
     "head": "reading the model's output from any block's tokens",
     "pixels": "a forward from pixels to a score",
