@@ -44,7 +44,7 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 from torch.autograd import Function
 from torch.overrides import TorchFunctionMode
 
@@ -125,11 +125,6 @@ class _LayerNorm(Function):
         return (g - g.mean(dim=ctx.dims, keepdim=True)) * rstd, None, None, None, None
 
 
-def _live(t: Any) -> bool:
-    """A tensor computed in the graph (not a parameter or constant): both factors of a product of activations."""
-    return isinstance(t, Tensor) and t.requires_grad and t.grad_fn is not None
-
-
 def _stabilize(z: Tensor) -> Tensor:
     """zennit's stabilizer: ``z + eps * sign(z)`` with sign(0) = 1."""
     return z + GAMMA_STABILIZER * torch.where(z >= 0, 1.0, -1.0).to(z.dtype)
@@ -203,6 +198,7 @@ class LRPRules(TorchFunctionMode):
         self.conv_gamma = float(conv_gamma)
         self.seen: dict[str, Any] = {"attention": 0, "norm": 0, "activation": 0, "product": 0, "gamma": 0,
                                      "uncovered": []}
+        self._data: dict[Any, bool] = {}  # autograd node -> whether its graph reaches the data (memo of _live)
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
@@ -223,7 +219,7 @@ class LRPRules(TorchFunctionMode):
             if kwargs.get("inplace") or any(isinstance(a, bool) and a for a in args[1:]):
                 return args[0].copy_(out)
             return out
-        if func in _PRODUCTS and len(args) == 2 and _live(args[0]) and _live(args[1]):
+        if func in _PRODUCTS and len(args) == 2 and self._live(args[0]) and self._live(args[1]):
             self.seen["product"] += 1
             return _ScaleGrad.apply(func(*args, **kwargs), 0.5)
         if func in _SOFTMAX:
@@ -239,6 +235,39 @@ class LRPRules(TorchFunctionMode):
         elif getattr(func, "__name__", "") in ("flex_attention", "flex_attention_hop"):
             self.seen["uncovered"].append("FlexAttention")
         return func(*args, **kwargs)
+
+    # -- activations and constants ------------------------------------------------------
+    def _live(self, t: Any) -> bool:
+        """Whether ``t`` is an activation: computed from the data (the input, or token embeddings looked up
+        by the data's ids), not from the weights alone.
+
+        A tensor computed from parameters only (a learned temperature ``t.exp()``, Swin V2's
+        ``logit_scale``) is a constant of its layer, like a weight: a product with it is linear and
+        keeps its gradient (the uniform rule, AttnLRP eq. 7, is for products of two activations).
+        Decided on the autograd graph, so it does not depend on whether the weights require grad:
+        ``t`` is live when its graph reaches a leaf that is not an ``nn.Parameter`` (the input) or an
+        embedding lookup (``F.embedding``: token ids are data). Memoised per node for the forward.
+        """
+        if not isinstance(t, Tensor) or not t.requires_grad:
+            return False
+        if t.grad_fn is None:
+            return not isinstance(t, nn.Parameter)
+        memo = self._data
+        stack: list[tuple[Any, bool]] = [(t.grad_fn, False)]
+        while stack:
+            node, expanded = stack.pop()
+            if node in memo:
+                continue
+            if expanded:
+                memo[node] = any(memo.get(child, False) for child, _ in node.next_functions if child is not None)
+                continue
+            variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf
+            if variable is not None or type(node).__name__.startswith("EmbeddingBackward"):
+                memo[node] = variable is None or not isinstance(variable, nn.Parameter)
+                continue
+            stack.append((node, True))
+            stack.extend((child, False) for child, _ in node.next_functions if child is not None and child not in memo)
+        return memo[t.grad_fn]
 
     # -- attention ----------------------------------------------------------------------
     def _qkv(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -258,7 +287,7 @@ class LRPRules(TorchFunctionMode):
         x = args[0]
         dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
         out = func(*args, **kwargs)
-        if not _live(x):
+        if not self._live(x):
             return out
         if x.dim() >= 3 and dim in (-1, x.dim() - 1):
             self.seen["attention"] += 1

@@ -1,0 +1,64 @@
+"""The LRP rules' uniform rule (gradient halved at each factor) is for products of two activations,
+AttnLRP eq. 7: a factor computed from the weights alone (a learned temperature ``t.exp()``, Swin V2's
+``logit_scale``) is a constant of the layer, like a weight, and a product with it is linear. So the
+relevance must not depend on whether the weights require grad (a frozen model is explained as the same
+model), and a bias-free linear model scaled by a learned temperature conserves its logit exactly.
+"""
+
+from __future__ import annotations
+
+import timm
+import torch
+from torch import nn
+
+import vitexplain as vx
+from test_lrp import _relevance
+
+
+class _Tempered(nn.Module):
+    """A bias-free linear model whose logits are scaled by a learned temperature ``exp(t)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Conv2d(3, 8, 4, stride=4, bias=False)
+        self.head = nn.Linear(8, 3, bias=False)
+        self.log_t = nn.Parameter(torch.tensor(0.7))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(x).flatten(2).mean(2)) * self.log_t.exp()
+
+
+def test_a_learned_temperature_is_a_constant_of_the_layer():
+    torch.manual_seed(0)
+    model = _Tempered().eval()
+    x = torch.randn(2, 3, 8, 8)
+    for method in ("attnlrp", "cp_lrp"):
+        relevance, score = _relevance(model, x, method, [0, 2], attention=False)
+        # independent expectation: a bias-free linear model's LRP is gradient x input, summing to the logit
+        logits = model(x).detach()[[0, 1], [0, 2]]
+        assert torch.allclose(score, logits)
+        assert torch.allclose(relevance.flatten(1).sum(1), logits, rtol=1e-5, atol=1e-7), method
+
+
+def _swinv2() -> nn.Module:
+    torch.manual_seed(1)
+    model = timm.create_model("swinv2_cr_tiny_ns_224", pretrained=False, img_size=64, window_size=4, embed_dim=16,
+                              depths=(1, 1), num_heads=(2, 2), num_classes=3).eval()
+    with torch.no_grad():  # timm zero-initialises the residual post-norms: the attention would be dead
+        for module in model.modules():
+            if isinstance(module, nn.LayerNorm) and float(module.weight.abs().max()) == 0:
+                module.weight.normal_(1.0, 0.2)
+    return model
+
+
+def test_frozen_weights_give_the_same_maps():
+    """Swin V2 multiplies its attention scores by ``logit_scale.exp()`` (a parameter)."""
+    model = _swinv2()
+    x = torch.randn(2, 3, 64, 64)
+    live = vx.Explainer(model).explain(x, method="attnlrp", target=[0, 2]).maps
+    flags = [p.requires_grad for p in model.parameters()]
+    model.requires_grad_(False)
+    frozen = vx.Explainer(model).explain(x, method="attnlrp", target=[0, 2]).maps
+    assert float((live - frozen).abs().max()) <= 1e-5 * float(frozen.abs().max())
+    model.requires_grad_(True)
+    assert [p.requires_grad for p in model.parameters()] == flags
