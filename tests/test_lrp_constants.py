@@ -62,3 +62,30 @@ def test_frozen_weights_give_the_same_maps():
     assert float((live - frozen).abs().max()) <= 1e-5 * float(frozen.abs().max())
     model.requires_grad_(True)
     assert [p.requires_grad for p in model.parameters()] == flags
+
+
+class _Normalized(nn.Module):
+    """Bias-free: tokens L2-normalised (``F.normalize``, as Swin V2's cosine attention does to q and k), then a
+    linear head. Without the rule its output is homogeneous of degree 0 in x, so plain gradient x input sums to 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Conv2d(3, 8, 4, stride=4, bias=False)
+        self.head = nn.Linear(8, 3, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = nn.functional.normalize(self.embed(x).flatten(2), dim=1)  # (B, 8, n) unit vectors per token
+        return self.head(tokens.mean(2))
+
+
+def test_l2_normalisation_gets_the_norm_rule():
+    """``F.normalize`` is RMSNorm divided by sqrt(d): the identity rule on the normalisation (the norm held
+    constant, AttnLRP Prop. 3.4, as for LayerNorm and ``F.cosine_similarity``) makes the model linear."""
+    torch.manual_seed(2)
+    model = _Normalized().eval()
+    x = torch.randn(2, 3, 8, 8)
+    for method in ("attnlrp", "cp_lrp"):
+        relevance, score = _relevance(model, x, method, [1, 0], attention=False)
+        logits = model(x).detach()[[0, 1], [1, 0]]
+        assert torch.allclose(score, logits)
+        assert torch.allclose(relevance.flatten(1).sum(1), logits, rtol=1e-5, atol=1e-7), method

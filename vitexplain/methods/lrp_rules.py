@@ -25,9 +25,11 @@ Rules (docs/methods.md, "AttnLRP and CP-LRP"):
   the two matmuls get the uniform rule below (equal to 1/4, 1/4, 1/2 at q, k, v); AttnLRP keeps
   the softmax's gradient, CP-LRP detaches the attention weights;
 - the product of two activations (gated MLPs, ``a * b`` or ``a @ b`` with both computed from the
-  input): the gradient is halved at each (the uniform rule, AttnLRP eq. 7);
+  input): the gradient is halved at each (the uniform rule, AttnLRP eq. 7); a factor computed from
+  the weights alone (Swin V2's ``logit_scale.exp()``) is a constant, its product kept linear;
 - ``F.cosine_similarity`` (``vx.targets.similarity``): the norms are detached, so the relevance
-  of a headless backbone sums to the cosine (plain gradients would sum to 0);
+  of a headless backbone sums to the cosine (plain gradients would sum to 0); ``F.normalize``
+  (Swin V2's cosine attention on q and k) likewise: the norm is detached (RMSNorm / sqrt(d));
 - ``F.linear`` and convolutions: as they are (the epsilon rule, with epsilon -> 0), or with
   ``linear_gamma`` / ``conv_gamma`` > 0 zennit's generalised Gamma rule (``zennit.rules.Gamma``:
   positive and negative contributions separated, weights ``w + gamma * w+`` / ``w + gamma * w-``).
@@ -210,6 +212,8 @@ class LRPRules(TorchFunctionMode):
             return self._layer_norm(*args, **kwargs)
         if func is getattr(F, "rms_norm", None):
             return self._rms_norm(*args, **kwargs)
+        if func is F.normalize:
+            return self._normalize(*args, **kwargs)
         if func in _ACTIVATIONS and args and isinstance(args[0], Tensor) and args[0].requires_grad:
             self.seen["activation"] += 1
             # out of place (the identity rule reads the input after the call): a positional bool is `inplace`
@@ -329,6 +333,15 @@ class LRPRules(TorchFunctionMode):
         eps = torch.finfo(x.dtype).eps if eps is None else eps
         y = x * torch.rsqrt(x.pow(2).mean(dim=dims, keepdim=True) + eps).detach()
         return y if weight is None else y * weight
+
+    def _normalize(self, input: Tensor, p: float = 2.0, dim: int = 1, eps: float = 1e-12,
+                   out: Optional[Tensor] = None) -> Tensor:
+        """``F.normalize`` (Swin V2's cosine attention on q and k): the same arithmetic as torch's, with the
+        norm held constant. The L2 case is RMSNorm divided by sqrt(d), so the norms' identity rule applies."""
+        if out is not None:
+            raise UsageError("the LRP rules do not support F.normalize(..., out=...); call it without out")
+        self.seen["norm"] += 1
+        return input / input.norm(p, dim, keepdim=True).clamp_min(eps).expand_as(input).detach()
 
     def _cosine(self, x1: Tensor, x2: Tensor, dim: int = 1, eps: float = 1e-8) -> Tensor:
         n1 = x1.norm(dim=dim).clamp(min=eps).detach()
