@@ -94,12 +94,16 @@ class _ScaleGrad(Function):
 
 
 class _Identity(Function):
-    """``fn(x)`` forward; the gradient ``fn(x) / (x + eps)`` times the incoming one (identity rule)."""
+    """``fn(x)`` forward; the gradient ``fn(x) / (x + eps)`` times the incoming one (identity rule).
+
+    The ratio is computed in float32 at least: in float16 ``eps`` rounds away, and an exact zero
+    input (a pruned unit, an underflow) gave 0 / 0 = NaN where float32 gives lxt's 0."""
 
     @staticmethod
     def forward(ctx: Any, fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
         out = fn(x)
-        ctx.save_for_backward(out / (x + IDENTITY_EPSILON))
+        wide = torch.promote_types(x.dtype, torch.float32)
+        ctx.save_for_backward((out.to(wide) / (x.to(wide) + IDENTITY_EPSILON)).to(out.dtype))
         return out
 
     @staticmethod
