@@ -106,3 +106,41 @@ def test_half_precision_with_exact_zero_pre_activations():
     half = vx.Explainer(model.half()).explain(x.half(), method="attnlrp", target=[0, 1]).maps
     # float16 rounding: measured 1.3e-3 of the largest relevance on this model, floor 10x that
     assert float((half.float() - full).abs().max()) <= 0.013 * float(full.abs().max())
+
+
+class _BiasedAttention(nn.Module):
+    """One attention layer whose additive score bias is computed from the queries (SAM-style decomposed
+    relative positions: ``bias = q @ R``), by SDPA's ``attn_mask`` or written out in Python."""
+
+    def __init__(self, fused: bool, dim: int = 8, tokens: int = 4) -> None:
+        super().__init__()
+        self.fused = fused
+        self.embed = nn.Conv2d(3, dim, 4, stride=4, bias=False)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.rel = nn.Parameter(torch.randn(dim, tokens))
+        self.head = nn.Linear(dim, 3, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.embed(x).flatten(2).transpose(1, 2)  # (B, 4, dim)
+        q, k, v = self.qkv(t)[:, None].chunk(3, dim=-1)  # (B, 1, 4, dim) each
+        bias = q @ self.rel  # (B, 1, 4, 4): depends on the input
+        if self.fused:
+            out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        else:
+            out = ((q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5 + bias).softmax(-1) @ v
+        return self.head(out[:, 0].mean(1))
+
+
+def test_an_input_dependent_attention_bias_gets_the_attention_rule_in_sdpa():
+    """At SDPA the rule scales q, k, v; a bias computed from the input sits inside the softmax like q k^T:
+    it takes the score's share (AttnLRP: x 1/2 from ``A @ v``; CP-LRP: detached with the weights), as the
+    same attention written out in Python gets from the rules on its two products."""
+    torch.manual_seed(5)
+    fused = _BiasedAttention(True).eval()
+    eager = _BiasedAttention(False).eval()
+    eager.load_state_dict(fused.state_dict())
+    x = torch.randn(2, 3, 8, 8)
+    for method in ("attnlrp", "cp_lrp"):
+        a, _ = _relevance(fused, x, method, [0, 2])
+        b, _ = _relevance(eager, x, method, [0, 2])
+        assert float((a - b).abs().max()) <= 1e-5 * float(b.abs().max()), method

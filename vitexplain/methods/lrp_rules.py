@@ -14,7 +14,9 @@ Rules (docs/methods.md, "AttnLRP and CP-LRP"):
 - ``F.scaled_dot_product_attention`` (the fused kernel runs forward and backward): AttnLRP scales
   the gradient by 1/4 at q, 1/4 at k and 1/2 at v (the uniform rule on the two matmuls; the
   softmax keeps its gradient, AttnLRP eq. 13-14, lxt's ``wrap_attention_forward``); CP-LRP
-  detaches q and k (Ali et al., ICML 2022: attention weights are constants);
+  detaches q and k (Ali et al., ICML 2022: attention weights are constants); a float ``attn_mask``
+  computed from the input (a score bias) gets x 1/2 (AttnLRP) or is detached (CP-LRP), as the same
+  attention written out in Python gets from the rules below;
 - ``F.multi_head_attention_forward`` (``nn.MultiheadAttention``): computed here by projections and
   SDPA (with the rule above), the same arithmetic as torch's;
 - ``F.layer_norm`` / ``F.rms_norm``: the standard deviation is detached (the identity rule on the
@@ -304,9 +306,16 @@ class LRPRules(TorchFunctionMode):
         return out
 
     def _sdpa(self, args: tuple, kwargs: dict) -> Tensor:
+        """SDPA with the rule at q, k, v; an additive ``attn_mask`` computed from the input (a bias from
+        the queries, SAM-style relative positions) is part of the scores, so it gets their share: x 1/2
+        (AttnLRP: the ``A @ v`` product's half, which the rule's 1/4 at q and k already include) or
+        detached (CP-LRP: the attention weights are constants), as in the same attention written out."""
         bound = dict(zip(_SDPA_ARGS, args))
         bound.update(kwargs)
         bound["query"], bound["key"], bound["value"] = self._qkv(bound["query"], bound["key"], bound["value"])
+        mask = bound.get("attn_mask")
+        if self._live(mask) and mask.is_floating_point():
+            bound["attn_mask"] = mask.detach() if self.variant == "cp" else _ScaleGrad.apply(mask, 0.5)
         return _SDPA(**bound)
 
     def _mha(self, args: tuple, kwargs: dict) -> tuple[Tensor, Optional[Tensor]]:
