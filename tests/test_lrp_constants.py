@@ -144,3 +144,38 @@ def test_an_input_dependent_attention_bias_gets_the_attention_rule_in_sdpa():
         a, _ = _relevance(fused, x, method, [0, 2])
         b, _ = _relevance(eager, x, method, [0, 2])
         assert float((a - b).abs().max()) <= 1e-5 * float(b.abs().max()), method
+
+
+class _EinsumAttention(nn.Module):
+    """One attention layer written with ``torch.einsum`` (or with ``@``), eager softmax."""
+
+    def __init__(self, einsum: bool, dim: int = 8) -> None:
+        super().__init__()
+        self.einsum = einsum
+        self.embed = nn.Conv2d(3, dim, 4, stride=4, bias=False)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.head = nn.Linear(dim, 3, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.embed(x).flatten(2).transpose(1, 2)  # (B, n, dim)
+        q, k, v = self.qkv(t).chunk(3, dim=-1)
+        if self.einsum:
+            attn = torch.einsum("bqd,bkd->bqk", q, k).mul(q.shape[-1] ** -0.5).softmax(-1)
+            out = torch.einsum("bqk,bkd->bqd", attn, v)
+        else:
+            out = ((q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5).softmax(-1) @ v
+        return self.head(out.mean(1))
+
+
+def test_attention_written_with_einsum_gets_the_uniform_rule():
+    """``torch.einsum`` of two activations is a product like ``@``: without the rule there, q, k and v kept
+    their whole gradient (the softmax still counted as attention), so the maps were silently not AttnLRP's."""
+    torch.manual_seed(6)
+    mine = _EinsumAttention(True).eval()
+    ref = _EinsumAttention(False).eval()
+    ref.load_state_dict(mine.state_dict())
+    x = torch.randn(2, 3, 8, 8)
+    for method in ("attnlrp", "cp_lrp"):
+        a, _ = _relevance(mine, x, method, [2, 1])
+        b, _ = _relevance(ref, x, method, [2, 1])
+        assert float((a - b).abs().max()) <= 1e-5 * float(b.abs().max()), method

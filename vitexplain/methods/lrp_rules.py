@@ -26,8 +26,9 @@ Rules (docs/methods.md, "AttnLRP and CP-LRP"):
 - attention computed in Python (timm's default Swin, ``fused_attn=False``, Hugging Face "eager"):
   the two matmuls get the uniform rule below (equal to 1/4, 1/4, 1/2 at q, k, v); AttnLRP keeps
   the softmax's gradient, CP-LRP detaches the attention weights;
-- the product of two activations (gated MLPs, ``a * b`` or ``a @ b`` with both computed from the
-  input): the gradient is halved at each (the uniform rule, AttnLRP eq. 7); a factor computed from
+- the product of two activations (gated MLPs, ``a * b``, ``a @ b`` or ``torch.einsum`` with both
+  computed from the input): the gradient is halved at each (the uniform rule, AttnLRP eq. 7; an
+  einsum of n activations gives each 1/n); a factor computed from
   the weights alone (Swin V2's ``logit_scale.exp()``) is a constant, its product kept linear;
 - ``F.cosine_similarity`` (``vx.targets.similarity``): the norms are detached, so the relevance
   of a headless backbone sums to the cosine (plain gradients would sum to 0); ``F.normalize``
@@ -232,6 +233,8 @@ class LRPRules(TorchFunctionMode):
         if func in _PRODUCTS and len(args) == 2 and self._live(args[0]) and self._live(args[1]):
             self.seen["product"] += 1
             return _ScaleGrad.apply(func(*args, **kwargs), 0.5)
+        if func is torch.einsum:
+            return self._einsum(args, kwargs)
         if func in _SOFTMAX:
             return self._softmax(func, args, kwargs)
         if func is F.cosine_similarity:
@@ -278,6 +281,16 @@ class LRPRules(TorchFunctionMode):
             stack.append((node, True))
             stack.extend((child, False) for child, _ in node.next_functions if child is not None and child not in memo)
         return memo[t.grad_fn]
+
+    def _einsum(self, args: tuple, kwargs: dict) -> Tensor:
+        """``torch.einsum`` of n >= 2 activations: a multilinear product, the uniform rule gives each 1/n."""
+        operands = args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:]
+        live = sum(1 for t in operands if self._live(t))
+        out = torch.einsum(*args, **kwargs)
+        if live < 2:
+            return out
+        self.seen["product"] += 1
+        return _ScaleGrad.apply(out, 1.0 / live)
 
     # -- attention ----------------------------------------------------------------------
     def _qkv(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
