@@ -179,3 +179,33 @@ def test_attention_written_with_einsum_gets_the_uniform_rule():
         a, _ = _relevance(mine, x, method, [2, 1])
         b, _ = _relevance(ref, x, method, [2, 1])
         assert float((a - b).abs().max()) <= 1e-5 * float(b.abs().max()), method
+
+
+class _GroupNormed(nn.Module):
+    """Bias-free conv stem with a GroupNorm (as timm's hybrid ViTs' ResNet stems), then a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.norm = nn.GroupNorm(2, 8)
+        self.head = nn.Linear(8, 3, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.conv(x)).mean((2, 3)))
+
+
+def test_group_norm_gets_the_norms_rule():
+    """GroupNorm is LayerNorm over groups of channels: its standard deviation is held constant (the identity
+    rule on the normalisation). Without it the output is scale-free in x and gradient x input sums to 0; with it
+    the bias-free model is linear and conserves its logit exactly."""
+    torch.manual_seed(7)
+    model = _GroupNormed().eval()
+    with torch.no_grad():
+        model.norm.weight.normal_(1.0, 0.3)
+        model.norm.bias.zero_()
+    x = torch.randn(2, 3, 6, 6)
+    for method in ("attnlrp", "cp_lrp"):
+        relevance, score = _relevance(model, x, method, [0, 1], attention=False)
+        logits = model(x).detach()[[0, 1], [0, 1]]
+        assert torch.allclose(score, logits, rtol=1e-5, atol=1e-6)
+        assert torch.allclose(relevance.flatten(1).sum(1), logits, rtol=1e-4, atol=1e-6), method

@@ -19,8 +19,9 @@ Rules (docs/methods.md, "AttnLRP and CP-LRP"):
   attention written out in Python gets from the rules below;
 - ``F.multi_head_attention_forward`` (``nn.MultiheadAttention``): computed here by projections and
   SDPA (with the rule above), the same arithmetic as torch's;
-- ``F.layer_norm`` / ``F.rms_norm``: the standard deviation is detached (the identity rule on the
-  normalisation, AttnLRP eq. 15; lxt's ``layer_norm_forward``);
+- ``F.layer_norm`` / ``F.rms_norm`` / ``F.group_norm`` (hybrid ViTs' ResNet stems): the standard
+  deviation is detached (the identity rule on the normalisation, AttnLRP eq. 15; lxt's
+  ``layer_norm_forward``);
 - element-wise activations (GELU, SiLU, sigmoid, tanh, ...): the gradient becomes ``f(x) / x``
   (the identity rule, AttnLRP eq. 9; lxt's ``identity_rule_implicit``, same epsilon);
 - attention computed in Python (timm's default Swin, ``fused_attn=False``, Hugging Face "eager"):
@@ -221,6 +222,8 @@ class LRPRules(TorchFunctionMode):
             return self._rms_norm(*args, **kwargs)
         if func is F.normalize:
             return self._normalize(*args, **kwargs)
+        if func is F.group_norm:
+            return self._group_norm(*args, **kwargs)
         if func in _ACTIVATIONS and args and isinstance(args[0], Tensor) and args[0].requires_grad:
             self.seen["activation"] += 1
             # out of place (the identity rule reads the input after the call): a positional bool is `inplace`
@@ -359,6 +362,20 @@ class LRPRules(TorchFunctionMode):
         eps = torch.finfo(x.dtype).eps if eps is None else eps
         y = x * torch.rsqrt(x.pow(2).mean(dim=dims, keepdim=True) + eps).detach()
         return y if weight is None else y * weight
+
+    def _group_norm(self, input: Tensor, num_groups: int, weight: Optional[Tensor] = None,
+                    bias: Optional[Tensor] = None, eps: float = 1e-5) -> Tensor:
+        """``F.group_norm`` (hybrid ViTs' ResNet stems): LayerNorm over each group of channels, its standard
+        deviation held constant (the norms' identity rule); the forward recomputed in Python."""
+        self.seen["norm"] += 1
+        n, c = input.shape[:2]
+        groups = input.reshape(n, num_groups, -1)
+        var = groups.var(dim=-1, unbiased=False, keepdim=True)
+        out = ((groups - groups.mean(dim=-1, keepdim=True)) * torch.rsqrt(var + eps).detach()).view_as(input)
+        shape = (1, c) + (1,) * (input.dim() - 2)
+        if weight is not None:
+            out = out * weight.view(shape)
+        return out if bias is None else out + bias.view(shape)
 
     def _normalize(self, input: Tensor, p: float = 2.0, dim: int = 1, eps: float = 1e-12,
                    out: Optional[Tensor] = None) -> Tensor:
