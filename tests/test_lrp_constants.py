@@ -7,6 +7,7 @@ model), and a bias-free linear model scaled by a learned temperature conserves i
 
 from __future__ import annotations
 
+import pytest
 import timm
 import torch
 from torch import nn
@@ -209,3 +210,50 @@ def test_group_norm_gets_the_norms_rule():
         logits = model(x).detach()[[0, 1], [0, 1]]
         assert torch.allclose(score, logits, rtol=1e-5, atol=1e-6)
         assert torch.allclose(relevance.flatten(1).sum(1), logits, rtol=1e-4, atol=1e-6), method
+
+
+class _GPT2Mlp(nn.Module):
+    """Bias-free: a linear, GPT-2's activation module (the tanh GELU written out in Python:
+    ``0.5 x (1 + tanh(c (x + 0.044715 x^3)))``), a linear, a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers.activations import NewGELUActivation
+
+        self.embed = nn.Conv2d(3, 8, 4, stride=4, bias=False)
+        self.fc1, self.act, self.fc2 = nn.Linear(8, 16, bias=False), NewGELUActivation(), nn.Linear(16, 3, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(self.embed(x).flatten(2).transpose(1, 2)))).mean(1)
+
+
+def test_an_activation_module_written_in_python_gets_the_identity_rule():
+    """Split into single torch calls, GPT-2's GELU gets the product rule at ``x * (1 + tanh(.))`` (the constant 1
+    then keeps a quarter of x's relevance) and the plain gradient at the power: not AttnLRP's identity rule, and
+    not conservative. As one element-wise function it is: the bias-free model conserves its logit exactly; the
+    relevance equals that of ``F.gelu(approximate="tanh")``, the same function, under the function rule; and the
+    hooks are gone afterwards."""
+    torch.manual_seed(8)
+    model = _GPT2Mlp().eval()
+    x = torch.randn(2, 3, 8, 8)
+    twin = _GPT2Mlp().eval()
+    twin.load_state_dict(model.state_dict())
+    twin.act = _TanhGelu()
+    for method in ("attnlrp", "cp_lrp"):
+        relevance, score = _relevance(model, x, method, [0, 2], attention=False)
+        logits = model(x).detach()[[0, 1], [0, 2]]
+        assert torch.allclose(relevance.flatten(1).sum(1), logits, rtol=1e-4, atol=1e-6), method
+        oracle, _ = _relevance(twin, x, method, [0, 2], attention=False)
+        assert float((relevance - oracle).abs().max()) <= 1e-5 * float(oracle.abs().max()), method
+    assert not model.act._forward_hooks and not model.act._forward_pre_hooks
+    from vitexplain.methods.lrp_rules import LRPRules
+
+    with pytest.raises(RuntimeError, match="inside"), LRPRules("attnlrp", model=model):
+        assert model.act._forward_hooks  # scoped to the with block
+        raise RuntimeError("inside")
+    assert not model.act._forward_hooks and not model.act._forward_pre_hooks
+
+
+class _TanhGelu(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.gelu(x, approximate="tanh")

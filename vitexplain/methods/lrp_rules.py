@@ -5,8 +5,9 @@ model's forward is run with some operations' *gradients* changed, then ``x * dy/
 input is the relevance. :class:`LRPRules` is a :class:`~torch.overrides.TorchFunctionMode` (the
 mechanism ``vx.capture`` uses): while it is active, the torch calls the model makes go through it,
 and it applies the rules below to those calls only. Nothing of the model or of torch is patched:
-no class, no module attribute, no hook; leaving the ``with`` block ends every effect (the autograd
-graph built inside keeps the rules for its backward). Forward values are unchanged (up to the
+no class, no module attribute; the one kind of hook (on the activation modules of a given model,
+below) lives only inside the ``with`` block; leaving it ends every effect (the autograd graph built
+inside keeps the rules for its backward). Forward values are unchanged (up to the
 rounding of a norm recomputed in Python).
 
 Rules (docs/methods.md, "AttnLRP and CP-LRP"):
@@ -23,7 +24,9 @@ Rules (docs/methods.md, "AttnLRP and CP-LRP"):
   deviation is detached (the identity rule on the normalisation, AttnLRP eq. 15; lxt's
   ``layer_norm_forward``);
 - element-wise activations (GELU, SiLU, sigmoid, tanh, ...): the gradient becomes ``f(x) / x``
-  (the identity rule, AttnLRP eq. 9; lxt's ``identity_rule_implicit``, same epsilon);
+  (the identity rule, AttnLRP eq. 9; lxt's ``identity_rule_implicit``, same epsilon); an activation
+  module of transformers or timm (GPT-2's ``NewGELUActivation`` writes the tanh GELU out in Python:
+  its products, sum and power would get other rules) gets it as a whole when the model is given;
 - attention computed in Python (timm's default Swin, ``fused_attn=False``, Hugging Face "eager"):
   the two matmuls get the uniform rule below (equal to 1/4, 1/4, 1/2 at q, k, v); AttnLRP keeps
   the softmax's gradient, CP-LRP detaches the attention weights;
@@ -79,6 +82,9 @@ _PRODUCTS = {torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__r
              torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm}
 _SOFTMAX = {torch.softmax, torch.Tensor.softmax, F.softmax, torch.special.softmax}
 _CONVS = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}
+#: Modules of element-wise activations (some written out in Python arithmetic, which the rules on single
+#: torch calls would split into products, sums and powers): the identity rule applies to the module.
+_ACTIVATION_MODULES = ("transformers.activations", "timm.layers.activations", "timm.layers.activations_me")
 #: Recurrent cells: their gates multiply activations inside one fused call no rule can reach.
 _RECURRENT = {getattr(torch, n) for n in ("lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell", "lstm", "gru",
                                           "rnn_tanh", "rnn_relu") if hasattr(torch, n)}
@@ -114,6 +120,30 @@ class _Identity(Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[None, Tensor]:
         (ratio,) = ctx.saved_tensors
         return None, ratio * grad
+
+
+class _ActivationModule(Function):
+    """An activation module's output ``out`` forward; the gradient ``out / (x + eps)`` to its input ``x`` and
+    none through the arithmetic inside it (the identity rule on the module as one element-wise function)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, out: Tensor) -> Tensor:
+        wide = torch.promote_types(x.dtype, torch.float32)
+        ctx.save_for_backward((out.to(wide) / (x.to(wide) + IDENTITY_EPSILON)).to(out.dtype))
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        (ratio,) = ctx.saved_tensors
+        return ratio * grad, None
+
+
+def _activation_module(module: nn.Module) -> bool:
+    """An element-wise activation module whose forward may be Python arithmetic (transformers' GPT-2
+    ``NewGELUActivation`` is ``0.5 x (1 + tanh(c (x + 0.044715 x^3)))``): a parameter-free module of
+    transformers' or timm's activation modules."""
+    return (type(module).__module__ in _ACTIVATION_MODULES and not list(module.children())
+            and next(module.parameters(recurse=False), None) is None)
 
 
 class _LayerNorm(Function):
@@ -192,6 +222,9 @@ class LRPRules(TorchFunctionMode):
         variant: ``"attnlrp"`` or ``"cp"`` (what happens at attention).
         linear_gamma: Gamma rule's gamma for ``F.linear`` calls (0 = as they are, epsilon).
         conv_gamma: Gamma rule's gamma for convolutions (0 = as they are).
+        model: the explained model: while the rules are active, its element-wise activation modules
+            (transformers' and timm's, some written out in Python arithmetic, e.g. GPT-2's
+            ``NewGELUActivation``) get the identity rule as a whole, by a forward hook removed on exit.
 
     Attributes:
         seen: how many calls of each kind the rules were applied to (``"attention"``,
@@ -199,10 +232,14 @@ class LRPRules(TorchFunctionMode):
             descriptions of non-linear calls no rule covers (see :func:`check_coverage`).
     """
 
-    def __init__(self, variant: str = "attnlrp", *, linear_gamma: float = 0.0, conv_gamma: float = 0.0) -> None:
+    def __init__(self, variant: str = "attnlrp", *, linear_gamma: float = 0.0, conv_gamma: float = 0.0,
+                 model: Optional[nn.Module] = None) -> None:
         super().__init__()
         if variant not in VARIANTS:
             raise UsageError(f"unknown LRP variant {variant!r}; choose from {VARIANTS}")
+        self.model = model
+        self._inside = 0  # > 0 while an activation module runs (its inner calls get no rule)
+        self._handles: list[Any] = []
         self.variant = variant
         self.linear_gamma = float(linear_gamma)
         self.conv_gamma = float(conv_gamma)
@@ -210,8 +247,51 @@ class LRPRules(TorchFunctionMode):
                                      "uncovered": []}
         self._data: dict[Any, bool] = {}  # autograd node -> whether its graph reaches the data (memo of _live)
 
+    # -- scope: activation modules of ``model`` get the identity rule as a whole -----------------
+    def __enter__(self) -> "LRPRules":
+        if self.model is not None:
+            try:
+                for module in self.model.modules():
+                    if _activation_module(module):
+                        self._handles.append(module.register_forward_pre_hook(self._enter_activation))
+                        self._handles.append(module.register_forward_hook(self._leave_activation, always_call=True))
+            except BaseException:
+                self._remove_hooks()
+                raise
+        try:
+            return super().__enter__()
+        except BaseException:
+            self._remove_hooks()
+            raise
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._remove_hooks()
+
+    def _remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._inside = 0
+
+    def _enter_activation(self, module: nn.Module, inputs: tuple) -> None:
+        self._inside += 1
+
+    def _leave_activation(self, module: nn.Module, inputs: tuple, output: Any) -> Any:
+        self._inside = max(0, self._inside - 1)
+        x = inputs[0] if inputs else None
+        if not (isinstance(x, Tensor) and isinstance(output, Tensor) and output.shape == x.shape
+                and x.requires_grad and torch.is_grad_enabled()):
+            return None
+        self.seen["activation"] += 1
+        return _ActivationModule.apply(x, output)
+
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
+        if self._inside:  # inside an activation module: its output gets the identity rule as a whole
+            return func(*args, **kwargs)
         if func is _SDPA:
             return self._sdpa(args, kwargs)
         if func is _MHA:
