@@ -49,6 +49,7 @@ returning maps that are not LRP.
 from __future__ import annotations
 
 import inspect
+import threading
 from typing import Any, Callable, Optional
 
 import torch
@@ -240,6 +241,7 @@ class LRPRules(TorchFunctionMode):
         self.model = model
         self._inside = 0  # > 0 while an activation module runs (its inner calls get no rule)
         self._handles: list[Any] = []
+        self._thread = threading.get_ident()
         self.variant = variant
         self.linear_gamma = float(linear_gamma)
         self.conv_gamma = float(conv_gamma)
@@ -249,6 +251,7 @@ class LRPRules(TorchFunctionMode):
 
     # -- scope: activation modules of ``model`` get the identity rule as a whole -----------------
     def __enter__(self) -> "LRPRules":
+        self._thread = threading.get_ident()  # the mode is this thread's: hooks ignore other threads' forwards
         if self.model is not None:
             try:
                 for module in self.model.modules():
@@ -277,9 +280,12 @@ class LRPRules(TorchFunctionMode):
         self._inside = 0
 
     def _enter_activation(self, module: nn.Module, inputs: tuple) -> None:
-        self._inside += 1
+        if threading.get_ident() == self._thread:
+            self._inside += 1
 
     def _leave_activation(self, module: nn.Module, inputs: tuple, output: Any) -> Any:
+        if threading.get_ident() != self._thread:
+            return None
         self._inside = max(0, self._inside - 1)
         x = inputs[0] if inputs else None
         if not (isinstance(x, Tensor) and isinstance(output, Tensor) and output.shape == x.shape
