@@ -18,7 +18,6 @@ from __future__ import annotations
 import math
 from typing import Callable, List, NamedTuple, Optional, Sequence
 
-import torch
 from torch import Tensor, nn
 
 from ..errors import UsageError
