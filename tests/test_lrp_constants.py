@@ -257,3 +257,37 @@ def test_an_activation_module_written_in_python_gets_the_identity_rule():
 class _TanhGelu(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return nn.functional.gelu(x, approximate="tanh")
+
+
+class _Projections(nn.Module):
+    """Conv stem, then two projections: as ``nn.Linear`` or written as GPT-2's ``Conv1D`` (``torch.addmm(b, x, W)``)
+    and OpenCLIP's output projection (``x @ W``), with the same weights."""
+
+    def __init__(self, written: bool) -> None:
+        super().__init__()
+        self.written = written
+        self.embed = nn.Conv2d(3, 8, 4, stride=4)
+        self.fc, self.proj = nn.Linear(8, 16), nn.Linear(16, 3, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.embed(x).flatten(2).transpose(1, 2).reshape(-1, 8)  # (B * n, 8)
+        if self.written:
+            h = torch.addmm(self.fc.bias, t, self.fc.weight.t())
+            out = torch.relu(h).view(len(x), -1, 16).mean(1) @ self.proj.weight.t()
+        else:
+            out = self.proj(torch.relu(self.fc(t)).view(len(x), -1, 16).mean(1))
+        return out
+
+
+def test_the_gamma_rule_reaches_linears_written_as_addmm_or_matmul():
+    """``linear_gamma`` applies to every linear layer; GPT-2's Conv1D (addmm) and a projection written ``x @ W``
+    are linear layers: without the rule there they kept the epsilon rule, silently."""
+    torch.manual_seed(9)
+    linear = _Projections(False).eval()
+    written = _Projections(True).eval()
+    written.load_state_dict(linear.state_dict())
+    x = torch.randn(2, 3, 8, 8)
+    for gamma in (0.0, 0.3):
+        a, _ = _relevance(written, x, "attnlrp", [0, 2], attention=False, linear_gamma=gamma)
+        b, _ = _relevance(linear, x, "attnlrp", [0, 2], attention=False, linear_gamma=gamma)
+        assert float((a - b).abs().max()) <= 1e-5 * float(b.abs().max()), gamma

@@ -37,7 +37,8 @@ Rules (docs/methods.md, "AttnLRP and CP-LRP"):
 - ``F.cosine_similarity`` (``vx.targets.similarity``): the norms are detached, so the relevance
   of a headless backbone sums to the cosine (plain gradients would sum to 0); ``F.normalize``
   (Swin V2's cosine attention on q and k) likewise: the norm is detached (RMSNorm / sqrt(d));
-- ``F.linear`` and convolutions: as they are (the epsilon rule, with epsilon -> 0), or with
+- ``F.linear`` (and linears written ``torch.addmm(b, x, W)``, GPT-2's ``Conv1D``, or ``x @ W``) and
+  convolutions: as they are (the epsilon rule, with epsilon -> 0), or with
   ``linear_gamma`` / ``conv_gamma`` > 0 zennit's generalised Gamma rule (``zennit.rules.Gamma``:
   positive and negative contributions separated, weights ``w + gamma * w+`` / ``w + gamma * w-``).
 
@@ -77,6 +78,8 @@ _ACTIVATIONS = {
 }
 _PRODUCTS = {torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__,
              torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm}
+_ADDMM = {torch.addmm, torch.Tensor.addmm}
+_MATMUL = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__}
 _SOFTMAX = {torch.softmax, torch.Tensor.softmax, F.softmax, torch.special.softmax}
 _CONVS = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}
 #: Recurrent cells: their gates multiply activations inside one fused call no rule can reach.
@@ -198,6 +201,10 @@ class LRPRules(TorchFunctionMode):
             return self._cosine(*args, **kwargs)
         if func is F.linear and self.linear_gamma > 0:
             return self.linear(*args, **kwargs)
+        if self.linear_gamma > 0 and (func in _ADDMM or func in _MATMUL):
+            written = self._written_linear(func, args, kwargs)
+            if written is not None:
+                return written
         if func in _CONVS and self.conv_gamma > 0:
             return self._conv(func, args, kwargs)
         if func in _RECURRENT:
@@ -295,6 +302,24 @@ class LRPRules(TorchFunctionMode):
         bound = _MHA_SIGNATURE.bind(*args, **kwargs)
         bound.apply_defaults()
         return multi_head_attention(self, **bound.arguments)
+
+    def _written_linear(self, func: Callable, args: tuple, kwargs: dict) -> Optional[Tensor]:
+        """A linear layer written as ``torch.addmm(b, x, W)`` (GPT-2's ``Conv1D``) or ``x @ W`` (OpenCLIP's
+        projection), W a 2-D tensor computed from the weights alone: :meth:`linear` of ``x, W^T, b``; None when
+        the call is not one."""
+        if func in _ADDMM:
+            if len(args) != 3 or kwargs.get("beta", 1) != 1 or kwargs.get("alpha", 1) != 1:
+                return None
+            bias, x, w = args
+            if not (isinstance(bias, Tensor) and bias.dim() == 1) or self._live(bias):
+                return None
+        else:
+            if len(args) != 2 or kwargs:
+                return None
+            (x, w), bias = args, None
+        if not (isinstance(w, Tensor) and w.dim() == 2 and self._live(x) and not self._live(w)):
+            return None
+        return self.linear(x, w.t(), bias)
 
     def linear(self, input: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
         """``F.linear`` under the rules: as it is, or the Gamma rule when ``linear_gamma`` > 0."""
