@@ -71,3 +71,24 @@ def test_smooth_mprt_scores_an_image_the_same_wherever_it_stands():
     alone = [run(x[i : i + 1]) for i in range(3)]
     assert torch.allclose(whole.reference, torch.cat([a.reference for a in alone]), rtol=1e-5, atol=1e-7)
     assert torch.allclose(whole.correlations, torch.cat([a.correlations for a in alone], dim=1), atol=1e-6)
+
+
+def test_bad_seeds_and_empty_batches_are_usage_errors():
+    """A seed that is not an int (None, 0.5: silently truncated to 0) and a batch of no images (a raw
+    torch.cat / reshape error deep inside) are told apart from a working call with a clear message."""
+    import pytest
+
+    from vitexplain.errors import UsageError
+
+    x = _images()
+    model = nn.Sequential(nn.Flatten(), nn.Linear(2 * 64, 3))
+    maps = torch.rand(3, 4, 4)
+    for seed in (None, 0.5, True):
+        with pytest.raises(UsageError, match="seed"):
+            M.max_sensitivity(lambda z: z.sum(1), x, samples=2, seed=seed)
+        with pytest.raises(UsageError, match="seed"):
+            M.smooth_mprt(model, lambda m, z: z.sum(1), x, samples=1, seed=seed)
+    for call in (lambda: M.deletion_auc(model, x[:0], maps[:0]), lambda: M.road(model, x[:0], maps[:0]),
+                 lambda: M.avg_sensitivity(lambda z: z.sum(1), x[:0], samples=2)):
+        with pytest.raises(UsageError, match="no images"):
+            call()

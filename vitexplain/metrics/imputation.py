@@ -24,7 +24,8 @@ from ..errors import UsageError
 from .localisation import upsample_maps
 from .perturbation import ScoreFn, _resolve_targets, _scorer, _target_scores
 from .seeding import image_seeds
-from .validation import ArrayLike, as_tensor, check_images, check_maps, check_masks, check_positive_int, exact_dtype
+from .validation import (ArrayLike, as_tensor, check_images, check_maps, check_masks, check_positive_int, check_seed,
+                         exact_dtype)
 
 __all__ = ["RoadResult", "noisy_linear_imputation", "road", "ROAD_FRACTIONS"]
 
@@ -276,8 +277,7 @@ def road(
     B, C, H, W = images.shape
     maps = check_maps(maps, batch=B).to(images.device)
     check_positive_int(batch_size, "batch_size")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise UsageError(f"seed must be an int, got {seed!r}")
+    check_seed(seed)
     frac = _check_fractions(fractions)
     counts = torch.floor(frac * (H * W) + 1e-9).long()  # pixels removed at each fraction (the paper: int(p * N))
     run = _scorer(model, score, "road")

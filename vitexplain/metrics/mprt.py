@@ -24,7 +24,7 @@ from ..errors import UsageError
 from .concentration import histogram_entropy
 from .sanity import RandomizationResult, _layer_names, randomization_check, randomized_copy
 from .seeding import image_generators, per_image_draws
-from .validation import check_images, check_maps, check_positive_int, exact_dtype
+from .validation import check_images, check_maps, check_positive_int, check_seed, exact_dtype
 
 __all__ = ["EfficientMPRTResult", "efficient_mprt", "smooth_mprt"]
 
@@ -161,6 +161,7 @@ def smooth_mprt(
     """
     images = check_images(images)
     check_positive_int(samples, "samples")
+    check_seed(seed)
     if not (isinstance(noise, (int, float)) and not isinstance(noise, bool) and noise >= 0 and math.isfinite(noise)):
         raise UsageError(f"noise must be a finite fraction >= 0 of each image's value range, got {noise!r}")
     if order not in ("bottom_up", "top_down"):

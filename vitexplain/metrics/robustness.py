@@ -16,7 +16,7 @@ from torch import Tensor
 
 from ..errors import UsageError
 from .seeding import image_generators, per_image_draws
-from .validation import ArrayLike, check_images, check_maps, check_positive_int, exact_dtype
+from .validation import ArrayLike, check_images, check_maps, check_positive_int, check_seed, exact_dtype
 
 __all__ = ["sensitivities", "max_sensitivity", "avg_sensitivity"]
 
@@ -64,6 +64,7 @@ def sensitivities(
     if not (isinstance(radius, (int, float)) and not isinstance(radius, bool) and radius > 0 and math.isfinite(radius)):
         raise UsageError(f"radius must be a finite number > 0 (in the units of the images), got {radius!r}")
     check_positive_int(samples, "samples")
+    check_seed(seed)
     B = images.shape[0]
     reference = check_maps(explain_fn(images) if maps is None else maps, "explain_fn output", batch=B)
     dtype = exact_dtype(reference.device)
