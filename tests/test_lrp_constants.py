@@ -291,3 +291,18 @@ def test_the_gamma_rule_reaches_linears_written_as_addmm_or_matmul():
         a, _ = _relevance(written, x, "attnlrp", [0, 2], attention=False, linear_gamma=gamma)
         b, _ = _relevance(linear, x, "attnlrp", [0, 2], attention=False, linear_gamma=gamma)
         assert float((a - b).abs().max()) <= 1e-5 * float(b.abs().max()), gamma
+
+
+@pytest.mark.parametrize("score", [lambda out: out.log_softmax(-1)[:, 0],
+                                   lambda out: torch.nn.functional.log_softmax(out, dim=1)[:, 0],
+                                   lambda out: out[:, 0] - out.logsumexp(-1)])
+def test_a_log_probability_target_raises_instead_of_returning_wrong_maps(score):
+    """LRP explains a logit; a log-softmax (or logsumexp) on the path is no rule's operation, as a softmax is not:
+    the relevance of ``log p`` through its plain gradient is not LRP's, so it is refused, not returned."""
+    from vitexplain.errors import UnsupportedModelError
+
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=1,
+                              num_classes=4).eval()
+    with pytest.raises(UnsupportedModelError, match="log"):
+        vx.Explainer(model).explain(torch.randn(1, 3, 32, 32), method="attnlrp", target=score)

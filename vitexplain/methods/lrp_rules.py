@@ -42,8 +42,8 @@ Rules (docs/methods.md, "AttnLRP and CP-LRP"):
   ``linear_gamma`` / ``conv_gamma`` > 0 zennit's generalised Gamma rule (``zennit.rules.Gamma``:
   positive and negative contributions separated, weights ``w + gamma * w+`` / ``w + gamma * w-``).
 
-A softmax that is not attention's (not over the last dim of a >= 3-D tensor) or FlexAttention is
-not covered: :class:`LRPRules` counts what it saw and :func:`check_coverage` raises instead of
+A softmax that is not attention's (not over the last dim of a >= 3-D tensor), a log-softmax or
+logsumexp (a log-probability target: LRP explains the logit) or FlexAttention is not covered: :class:`LRPRules` counts what it saw and :func:`check_coverage` raises instead of
 returning maps that are not LRP.
 """
 
@@ -80,6 +80,8 @@ _PRODUCTS = {torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__r
              torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm}
 _ADDMM = {torch.addmm, torch.Tensor.addmm}
 _MATMUL = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__}
+_LOG_SOFTMAX = {torch.log_softmax, torch.Tensor.log_softmax, F.log_softmax, torch.special.log_softmax,
+                torch.logsumexp, torch.Tensor.logsumexp, torch.special.logsumexp}
 _SOFTMAX = {torch.softmax, torch.Tensor.softmax, F.softmax, torch.special.softmax}
 _CONVS = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}
 #: Recurrent cells: their gates multiply activations inside one fused call no rule can reach.
@@ -207,7 +209,9 @@ class LRPRules(TorchFunctionMode):
                 return written
         if func in _CONVS and self.conv_gamma > 0:
             return self._conv(func, args, kwargs)
-        if func in _RECURRENT:
+        if func in _LOG_SOFTMAX and args and self._live(args[0]):
+            self.seen["uncovered"].append(f"{getattr(func, '__name__', 'log_softmax')} (a log-probability: explain the logit)")
+        elif func in _RECURRENT:
             self.seen["uncovered"].append("a recurrent cell (LSTM/GRU)")
         elif getattr(func, "__name__", "") in ("flex_attention", "flex_attention_hop"):
             self.seen["uncovered"].append("FlexAttention")
