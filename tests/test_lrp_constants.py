@@ -306,3 +306,72 @@ def test_a_log_probability_target_raises_instead_of_returning_wrong_maps(score):
                               num_classes=4).eval()
     with pytest.raises(UnsupportedModelError, match="log"):
         vx.Explainer(model).explain(torch.randn(1, 3, 32, 32), method="attnlrp", target=score)
+
+
+class _PythonRMSNorm(nn.Module):
+    """An RMSNorm written out in Python (as many Hugging Face models do): ``x * rsqrt(mean(x^2) + eps) * w``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Conv2d(3, 8, 4, stride=4, bias=False)
+        self.weight = nn.Parameter(torch.ones(8))
+        self.head = nn.Linear(8, 3, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.embed(x).flatten(2).transpose(1, 2)
+        t = t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+        return self.head(t.mean(1))
+
+
+def test_a_norm_written_out_in_python_raises_instead_of_returning_wrong_maps():
+    """The rules see its power, mean, rsqrt and product one by one: the standard deviation is not held
+    constant and the product of x and rsqrt(.) is halved as if both were activations, so the maps would not
+    be LRP's. Element-wise non-linear calls on an activation are refused, saying which."""
+    from vitexplain.errors import UnsupportedModelError
+
+    torch.manual_seed(10)
+    with pytest.raises(UnsupportedModelError, match="rsqrt"):
+        _relevance(_PythonRMSNorm().eval(), torch.randn(1, 3, 8, 8), "attnlrp", 0, attention=False)
+
+
+class HFStyleRMSNorm(nn.Module):
+    """Hugging Face's RMSNorm (Llama's, AIMv2's): written out in Python, in its own module."""
+
+    def __init__(self, dim: int, functional: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(dim) * 0.3 + 1)
+        self.variance_epsilon, self.functional = 1e-6, functional
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.functional:  # the same function through torch's F.rms_norm, which the rules see as one call
+            return nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.variance_epsilon)
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * h.to(x.dtype)
+
+
+class _RMSNormed(nn.Module):
+    def __init__(self, functional: bool) -> None:
+        super().__init__()
+        self.embed = nn.Conv2d(3, 8, 4, stride=4, bias=False)
+        self.norm = HFStyleRMSNorm(8, functional)
+        self.head = nn.Linear(8, 3, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.embed(x).flatten(2).transpose(1, 2)).mean(1))
+
+
+def test_an_rmsnorm_module_written_in_python_gets_the_norms_rule():
+    """An ``...RMSNorm`` module (Hugging Face's, e.g. AIMv2's) is one RMSNorm: with the root mean square held
+    constant its output is x times a per-element constant. Its relevance equals F.rms_norm's under the function
+    rule, and the bias-free model conserves its logit exactly (before: refused, or silently the product rule)."""
+    torch.manual_seed(11)
+    written = _RMSNormed(False).eval()
+    functional = _RMSNormed(True).eval()
+    functional.load_state_dict(written.state_dict())
+    x = torch.randn(2, 3, 8, 8)
+    for method in ("attnlrp", "cp_lrp"):
+        a, score = _relevance(written, x, method, [1, 2], attention=False)
+        b, _ = _relevance(functional, x, method, [1, 2], attention=False)
+        assert float((a - b).abs().max()) <= 1e-5 * float(b.abs().max()), method
+        assert torch.allclose(a.flatten(1).sum(1), score, rtol=1e-4, atol=1e-6), method

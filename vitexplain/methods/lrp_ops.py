@@ -76,12 +76,24 @@ class ActivationModuleRule(Function):
         return ratio * grad, None
 
 
-def activation_module(module: nn.Module) -> bool:
-    """An element-wise activation module whose forward may be Python arithmetic (transformers' GPT-2
-    ``NewGELUActivation`` is ``0.5 x (1 + tanh(c (x + 0.044715 x^3)))``): a parameter-free module of
-    transformers' or timm's activation modules."""
-    return (type(module).__module__ in _ACTIVATION_MODULES and not list(module.children())
-            and next(module.parameters(recurse=False), None) is None)
+def activation_module(module: nn.Module) -> Optional[str]:
+    """Whether a module's forward, perhaps Python arithmetic, gets its rule as a whole, and which.
+
+    ``"activation"``: a parameter-free module of transformers' or timm's activation modules (GPT-2's
+    ``NewGELUActivation`` is ``0.5 x (1 + tanh(c (x + 0.044715 x^3)))``): the identity rule.
+    ``"norm"``: an RMSNorm written out in Python (a class named ``...RMSNorm`` outside torch: Hugging Face's
+    ``x * rsqrt(mean(x^2) + eps) * w``): with the root mean square held constant (the norms' identity rule)
+    the output is ``x`` times a per-element constant, so the gradient is ``out / x``, the same ratio.
+    None: neither (torch's own modules call functions the rules see).
+    """
+    cls = type(module)
+    if list(module.children()) or cls.__module__.startswith("torch."):
+        return None
+    if cls.__module__ in _ACTIVATION_MODULES and next(module.parameters(recurse=False), None) is None:
+        return "activation"
+    if cls.__name__.endswith("RMSNorm"):
+        return "norm"
+    return None
 
 
 class LayerNormRule(Function):

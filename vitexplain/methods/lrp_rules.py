@@ -43,7 +43,8 @@ Rules (docs/methods.md, "AttnLRP and CP-LRP"):
   positive and negative contributions separated, weights ``w + gamma * w+`` / ``w + gamma * w-``).
 
 A softmax that is not attention's (not over the last dim of a >= 3-D tensor), a log-softmax or
-logsumexp (a log-probability target: LRP explains the logit) or FlexAttention is not covered: :class:`LRPRules` counts what it saw and :func:`check_coverage` raises instead of
+logsumexp (a log-probability target: LRP explains the logit), an element-wise exponential, logarithm,
+power, root or division by an activation (a norm written out in Python) or FlexAttention is not covered: :class:`LRPRules` counts what it saw and :func:`check_coverage` raises instead of
 returning maps that are not LRP.
 """
 
@@ -80,6 +81,11 @@ _PRODUCTS = {torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__r
              torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm}
 _ADDMM = {torch.addmm, torch.Tensor.addmm}
 _MATMUL = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__}
+#: Element-wise non-linear calls no rule covers (written-out norms, exponentials): refused on an activation.
+_NONLINEAR = {getattr(o, n) for o in (torch, torch.Tensor) for n in
+              ("exp", "log", "sqrt", "rsqrt", "erf", "reciprocal", "log1p", "expm1", "log2", "log10", "pow", "div",
+               "true_divide") if hasattr(o, n)} | {torch.Tensor.__pow__, torch.Tensor.__rpow__, torch.Tensor.__truediv__,
+                                                    torch.Tensor.__rtruediv__}
 _LOG_SOFTMAX = {torch.log_softmax, torch.Tensor.log_softmax, F.log_softmax, torch.special.log_softmax,
                 torch.logsumexp, torch.Tensor.logsumexp, torch.special.logsumexp}
 _SOFTMAX = {torch.softmax, torch.Tensor.softmax, F.softmax, torch.special.softmax}
@@ -98,7 +104,9 @@ class LRPRules(TorchFunctionMode):
         conv_gamma: Gamma rule's gamma for convolutions (0 = as they are).
         model: the explained model: while the rules are active, its element-wise activation modules
             (transformers' and timm's, some written out in Python arithmetic, e.g. GPT-2's
-            ``NewGELUActivation``) get the identity rule as a whole, by a forward hook removed on exit.
+            ``NewGELUActivation``) and its RMSNorms written out in Python (Hugging Face's ``...RMSNorm``)
+            get their rule as a whole (:func:`~vitexplain.methods.lrp_ops.activation_module`), by a
+            forward hook removed on exit.
 
     Attributes:
         seen: how many calls of each kind the rules were applied to (``"attention"``,
@@ -128,9 +136,11 @@ class LRPRules(TorchFunctionMode):
         if self.model is not None:
             try:
                 for module in self.model.modules():
-                    if activation_module(module):
+                    kind = activation_module(module)
+                    if kind:
                         self._handles.append(module.register_forward_pre_hook(self._enter_activation))
-                        self._handles.append(module.register_forward_hook(self._leave_activation, always_call=True))
+                        self._handles.append(module.register_forward_hook(
+                            lambda m, i, o, kind=kind: self._leave_activation(m, i, o, kind), always_call=True))
             except BaseException:
                 self._remove_hooks()
                 raise
@@ -156,7 +166,7 @@ class LRPRules(TorchFunctionMode):
         if threading.get_ident() == self._thread:
             self._inside += 1
 
-    def _leave_activation(self, module: nn.Module, inputs: tuple, output: Any) -> Any:
+    def _leave_activation(self, module: nn.Module, inputs: tuple, output: Any, kind: str = "activation") -> Any:
         if threading.get_ident() != self._thread:
             return None
         self._inside = max(0, self._inside - 1)
@@ -164,7 +174,7 @@ class LRPRules(TorchFunctionMode):
         if not (isinstance(x, Tensor) and isinstance(output, Tensor) and output.shape == x.shape
                 and x.requires_grad and torch.is_grad_enabled()):
             return None
-        self.seen["activation"] += 1
+        self.seen[kind] += 1
         return ActivationModuleRule.apply(x, output)
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
@@ -209,7 +219,9 @@ class LRPRules(TorchFunctionMode):
                 return written
         if func in _CONVS and self.conv_gamma > 0:
             return self._conv(func, args, kwargs)
-        if func in _LOG_SOFTMAX and args and self._live(args[0]):
+        if func in _NONLINEAR and self._nonlinear_on_activation(func, args):
+            self.seen["uncovered"].append(f"{getattr(func, '__name__', func)} of an activation")
+        elif func in _LOG_SOFTMAX and args and self._live(args[0]):
             self.seen["uncovered"].append(f"{getattr(func, '__name__', 'log_softmax')} (a log-probability: explain the logit)")
         elif func in _RECURRENT:
             self.seen["uncovered"].append("a recurrent cell (LSTM/GRU)")
@@ -249,6 +261,23 @@ class LRPRules(TorchFunctionMode):
             stack.append((node, True))
             stack.extend((child, False) for child, _ in node.next_functions if child is not None and child not in memo)
         return memo[t.grad_fn]
+
+    def _nonlinear_on_activation(self, func: Callable, args: tuple) -> bool:
+        """Whether an element-wise non-linear call (:data:`_NONLINEAR`) reaches an activation: its input, a power's
+        base (exponent not 1) or exponent, or a division's divisor is live (a division by a constant is linear)."""
+        if not args:
+            return False
+        name = getattr(func, "__name__", "")
+        if name in ("div", "true_divide", "__truediv__"):
+            return len(args) > 1 and self._live(args[1])
+        if name == "__rtruediv__":  # number / tensor: the tensor is the divisor
+            return self._live(args[0])
+        if name in ("pow", "__pow__", "__rpow__"):
+            base, exponent = args[0], args[1] if len(args) > 1 else None
+            if name == "__rpow__":
+                return self._live(base)
+            return self._live(exponent) or (self._live(base) and not (isinstance(exponent, (int, float)) and exponent == 1))
+        return self._live(args[0])
 
     def _einsum(self, args: tuple, kwargs: dict) -> Tensor:
         """``torch.einsum`` of n >= 2 activations: a multilinear product, the uniform rule gives each 1/n."""
