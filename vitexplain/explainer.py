@@ -198,7 +198,7 @@ class Explainer:
         settings = plan.capture
         # a method with forward rules (LRP) alone in the call: the forward runs under its rules
         alone = plan.steps[0].spec if len(plan.steps) == 1 and plan.steps[0].spec.forward_rules else None
-        rules = alone.forward_rules(plan.steps[0].options) if alone else contextlib.nullcontext()
+        rules = alone.forward_rules(plan.steps[0].options, model) if alone else contextlib.nullcontext()
         grads = settings.grads or alone is not None
         if grads and torch.is_inference_mode_enabled():
             raise UsageError(

@@ -67,7 +67,7 @@ def lrp_relevance(ctx: Context, variant: str, *, linear_gamma: float = DEFAULT_G
         (rules, score), x = ctx.shared, ctx.x
     else:
         x = ctx.x.detach().clone().requires_grad_(True)
-        rules = LRPRules(variant, linear_gamma=linear_gamma, conv_gamma=conv_gamma)
+        rules = LRPRules(variant, linear_gamma=linear_gamma, conv_gamma=conv_gamma, model=adapter.model)
         with torch.enable_grad(), rules:
             score = ctx.score(adapter.forward(x))
     check_coverage(rules, ctx.method, type(adapter.model).__name__, attention=attention)
@@ -77,10 +77,10 @@ def lrp_relevance(ctx: Context, variant: str, *, linear_gamma: float = DEFAULT_G
 
 
 def _rules(variant: str) -> Any:
-    """The ``forward_rules`` of a variant: options -> a fresh :class:`LRPRules`."""
-    def make(options: Any) -> LRPRules:
+    """The ``forward_rules`` of a variant: (options, model) -> a fresh :class:`LRPRules`."""
+    def make(options: Any, model: Any = None) -> LRPRules:
         return LRPRules(variant, linear_gamma=options.get("linear_gamma", DEFAULT_GAMMA),
-                        conv_gamma=options.get("conv_gamma", DEFAULT_GAMMA))
+                        conv_gamma=options.get("conv_gamma", DEFAULT_GAMMA), model=model)
 
     return make
 

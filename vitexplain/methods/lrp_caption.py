@@ -40,7 +40,7 @@ def caption_lrp(ctx: CaptionContext, variant: str, resolution: str, linear_gamma
     """
     adapter = ctx.adapter
     x = ctx.x.detach().clone().requires_grad_(True)
-    rules = LRPRules(variant, linear_gamma=linear_gamma, conv_gamma=conv_gamma)
+    rules = LRPRules(variant, linear_gamma=linear_gamma, conv_gamma=conv_gamma, model=adapter.model)
     ids = ctx.ids
     with torch.enable_grad():
         with rules:

@@ -71,7 +71,7 @@ class MethodSpec:
             gradient is taken, a materializing capture keeps only that fusion.
         requires: adapter capabilities the method needs (see ``vitexplain.adapters.base``);
             it applies to a model iff its adapter has all of them.
-        forward_rules: given the options, a fresh context manager under which the model's forward
+        forward_rules: given the options and the model, a fresh context manager under which the model's forward
             and the target score run (LRP's rules); when the method is alone in a call, the
             Explainer's own forward runs under it with the input requiring grad, and the method
             finds the rules and the scores in ``ctx.shared`` (no second forward). None: none.
@@ -94,7 +94,7 @@ class MethodSpec:
     dense_attention: bool = False
     reads_fused: Callable[[Mapping[str, Any]], Optional[str]] = field(default=lambda options: None)
     requires: tuple[str, ...] = ()
-    forward_rules: Optional[Callable[[Mapping[str, Any]], Any]] = None
+    forward_rules: Optional[Callable[[Mapping[str, Any], Any], Any]] = None
     summary: str = ""
     reference: str = ""
     options: Mapping[str, Option] = field(default_factory=dict)
