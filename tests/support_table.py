@@ -446,6 +446,8 @@ def rows() -> list[Row]:
         Row("HF LFM2-VL (tiles + thumbnail, pixel unshuffle; LM with convolution layers)", "VLM", _vlm("lfm2_vl"), s32,
             "tests/test_vlm_lfm2.py"),
         Row("HF SmolVLM", "VLM", _vlm("smolvlm"), s32, _VLM_TEST),
+        Row("HF Janus / Janus-Pro (letterboxed square)", "VLM", _vlm("janus"), s32, "tests/test_vlm_janus.py"),
+        Row("HF DeepSeek-VL (letterboxed square, SigLIP tower)", "VLM", _vlm("deepseek_vl"), s32, "tests/test_vlm_janus.py"),
         Row("HF LLaVA-NeXT", "VLM", _vlm("llava_next"), s32, _VLM_TEST),
         Row("HF LLaVA-OneVision", "VLM", _vlm("onevision"), s32, _VLM_TEST),
         Row("HF mllama (Llama 3.2 Vision: cross-attention layers)", "VLM", _vlm("mllama"), s32, "tests/test_vlm_mllama.py"),

@@ -106,7 +106,7 @@ def isolated_tokens(model: nn.Module) -> nn.Module:
     with torch.no_grad():
         for name, module in vision.named_modules():
             if name.endswith(("self_attn.out_proj", "self_attn.o_proj", "attn.proj", "attention.output.dense",
-                              "attention.o_proj", "attention.projection_layer")):  # (Pixtral's, InternVL's)
+                              "attention.o_proj", "attention.projection_layer", "self_attn.projection_layer")):  # (Pixtral's, InternVL's, Janus')
                 linear = getattr(module, "linear", module)  # (Gemma 4 wraps its projections' Linear)
                 linear.weight.zero_()
                 if linear.bias is not None:
@@ -881,3 +881,58 @@ BUILDERS.update(lfm2_vl=lfm2_vl)
 ORACLE.update(lfm2_vl=dict(nested=True, prompt=lambda p: "<image>" + p, extend=_positions_from_mask,
                            image_token=lambda m: m.config.image_token_id, features=_lfm2_features,
                            placeholders=lambda m: [m.config.image_token_id], methods=("cross", "cross_grad")))
+
+
+JANUS_SPECIALS = ("<image_placeholder>", "<begin_of_image>", "<end_of_image>")
+
+
+def janus() -> tuple[nn.Module, Any]:
+    """Janus / Janus-Pro: the image letterboxed into a 32 px square (longer side 32 px, centred, padded), 8 px patches
+    (4 x 4 tokens, no class token), a Llama LM with GQA; a tiny VQ-VAE (the image-generation part, unused here)."""
+    import transformers
+
+    tok = tokenizer(JANUS_SPECIALS)
+    tok.image_token, tok.boi_token, tok.eoi_token = JANUS_SPECIALS  # (Janus' processor reads them from its tokenizer)
+    image = transformers.JanusImageProcessor(size={"height": 32, "width": 32}, min_size=4)
+    proc = transformers.JanusProcessor(image_processor=image, tokenizer=tok, num_image_tokens=16)
+    vision = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=8, projection_dim=32,
+                  mlp_ratio=2.0, num_image_tokens=16)
+    vq = dict(embed_dim=8, num_embeddings=16, latent_channels=32, base_channels=32, channel_multiplier=[1, 1],
+              num_res_blocks=1, projection_dim=32, image_token_embed_dim=32)
+    cfg = transformers.JanusConfig(vision_config=vision, text_config=dict(model_type="llama", vocab_size=len(tok), **_text()),
+                                   vq_config=vq, image_token_id=tok.convert_tokens_to_ids(JANUS_SPECIALS[0]))
+    return _sdpa_built(transformers.JanusForConditionalGeneration, cfg, proc)
+
+
+def _inner_features(model: nn.Module, proc: Any, image: np.ndarray) -> torch.Tensor:
+    """The image tokens of one image from the inner model's ``get_image_features`` (Janus, DeepSeek-VL: the outer one
+    has none)."""
+    pixels = proc.image_processor(images=[image], return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        return model.model.get_image_features(pixel_values=pixels).pooler_output[0]
+
+
+BUILDERS["janus"] = janus
+ORACLE["janus"] = dict(prompt=lambda p: "<image_placeholder>" + p, extend=_positions_from_mask,
+                       image_token=lambda m: m.config.image_token_id, features=_inner_features,
+                       placeholders=lambda m: [m.config.image_token_id])
+
+
+def deepseek_vl() -> tuple[nn.Module, Any]:
+    """DeepSeek-VL: Janus' letterboxed 32 px square (longer side 32 px, centred, padded), a SigLIP tower of 8 px patches
+    (4 x 4 tokens), a two-layer aligner, a Llama LM with GQA."""
+    import transformers
+
+    tok = tokenizer(JANUS_SPECIALS[:1])
+    tok.image_token = JANUS_SPECIALS[0]  # (its processor reads it from its tokenizer)
+    image = transformers.DeepseekVLImageProcessor(size={"height": 32, "width": 32}, min_size=4)
+    proc = transformers.DeepseekVLProcessor(image_processor=image, tokenizer=tok, num_image_tokens=16)
+    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=32, patch_size=8)
+    cfg = transformers.DeepseekVLConfig(vision_config=vision, text_config=dict(model_type="llama", vocab_size=len(tok), **_text()),
+                                        image_token_id=tok.convert_tokens_to_ids(JANUS_SPECIALS[0]))
+    return _sdpa_built(transformers.DeepseekVLForConditionalGeneration, cfg, proc)
+
+
+BUILDERS["deepseek_vl"] = deepseek_vl
+ORACLE["deepseek_vl"] = ORACLE["janus"]

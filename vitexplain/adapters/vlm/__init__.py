@@ -6,6 +6,6 @@ from __future__ import annotations
 from .base import ImageView, Piece, VLMAdapter, render
 
 # each module registers its detector
-from . import llava, llava_next, mistral3, internvl, paligemma, gemma4, qwen, idefics, lfm2, qformer, mllama, florence, pix2struct  # noqa: E402,F401
+from . import llava, llava_next, mistral3, internvl, paligemma, gemma4, qwen, idefics, lfm2, janus, qformer, mllama, florence, pix2struct  # noqa: E402,F401
 
 __all__ = ["ImageView", "Piece", "VLMAdapter", "render"]
