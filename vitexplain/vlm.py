@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .adapters.vlm.base import VLMAdapter, render
+from .adapters.vlm.base import VLMAdapter
+from .adapters.vlm.views import render
 from .checks import check_finite_maps, warn_training
 from .errors import InputError, UsageError
 from .methods.vlm_context import VLMContext

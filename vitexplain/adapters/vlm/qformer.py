@@ -26,7 +26,8 @@ from torch import Tensor, nn
 from ...errors import UnsupportedMethodError
 from ...methods.families import VLM
 from ..base import Adapter, register_adapter
-from .base import ImageView, Piece, VLMAdapter, processed_box
+from .base import VLMAdapter
+from .views import ImageView, Piece, processed_box
 
 __all__ = ["QFormerAdapter"]
 
