@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .checks import check_finite_maps
+from .checks import check_finite_maps, check_gradients_allowed
 from .errors import UsageError
 from .plan import Plan, capture_settings
 from .recording import capture
@@ -38,6 +38,7 @@ def explain_captioner(adapter: Any, plan: Plan, x: Tensor, regions: Any, sources
         attention_mode: the Explainer's capture mode (see ``vx.capture``).
     """
     model = adapter.model
+    check_gradients_allowed([s.name for s in plan.steps if s.spec.grads], "explain_caption")
     generated = None
     positions = getattr(adapter, "max_positions", None)
     if caption is None:
@@ -71,7 +72,9 @@ def explain_captioner(adapter: Any, plan: Plan, x: Tensor, regions: Any, sources
             with torch.no_grad(), capture(model) as rec:
                 run_sized(adapter, x, lambda: adapter.teacher_forced(x, ids))
             ctx = context(adapter, x, ids, rec, layout, True, None, step.name)
-        maps = check_finite_maps(step.spec.fn(ctx, **step.options).detach().float(), step.name)
+        with torch.set_grad_enabled(step.spec.grads or torch.is_grad_enabled()):  # (also under the caller's no_grad)
+            maps = step.spec.fn(ctx, **step.options)
+        maps = check_finite_maps(maps.detach().float(), step.name)
         for i, n in enumerate(lengths):
             maps[i, n:] = 0.0
         results.append(

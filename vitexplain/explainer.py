@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from .adapters import Adapter, adapter_for, preprocessing
-from .checks import (buffers_kept, check_batch, input_channels, check_finite_maps, check_finite_scores,
+from .checks import (buffers_kept, check_batch, check_gradients_allowed, input_channels, check_finite_maps, check_finite_scores,
                      check_tensor_input, checked_score, model_device, model_dtype, warn_training)
 from .errors import InputError, UnsupportedMethodError, UnsupportedModelError, UsageError
 from .methods.families import Family
@@ -200,11 +200,7 @@ class Explainer:
         alone = plan.steps[0].spec if len(plan.steps) == 1 and plan.steps[0].spec.forward_rules else None
         rules = alone.forward_rules(plan.steps[0].options, model) if alone else contextlib.nullcontext()
         grads = settings.grads or alone is not None
-        if grads and torch.is_inference_mode_enabled():
-            raise UsageError(
-                f"{', '.join(plan.names)} take(s) gradients, which torch.inference_mode() forbids (it cannot be "
-                "switched off inside); call explain outside inference_mode (torch.no_grad() is fine: vitexplain "
-                "enables gradients where its methods need them)")
+        check_gradients_allowed(plan.names if grads else (), "explain")
         x_in = x.detach()
         if grads:
             x_in.requires_grad_(True)

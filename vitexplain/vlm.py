@@ -23,7 +23,7 @@ from torch import Tensor
 
 from .adapters.vlm.base import VLMAdapter
 from .adapters.vlm.views import render
-from .checks import check_finite_maps, warn_training
+from .checks import check_finite_maps, check_gradients_allowed, warn_training
 from .errors import InputError, UsageError
 from .methods.vlm_context import VLMContext
 from .plan import Plan
@@ -165,6 +165,7 @@ def explain_vlm(adapter: VLMAdapter, plan: Plan, images: Any, caption: Any, prom
     columns = [view.pixel_columns(cols) for view, cols in zip(views, adapter.image_columns(inputs))]
     kwargs = adapter.teacher_inputs(inputs, ids)
     grads = plan.capture.grads
+    check_gradients_allowed([s.name for s in plan.steps if s.spec.grads], "explain_caption")
     if grads:  # every attention call in the graph, also with frozen weights (requires_grad_(False))
         for key in ("pixel_values", "flattened_patches"):  # (Pix2Struct's)
             if isinstance(kwargs.get(key), Tensor) and kwargs[key].is_floating_point():
