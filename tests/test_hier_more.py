@@ -212,3 +212,19 @@ def test_crossvit_branch_maps_match_the_joint_dense_oracle_and_say_how_they_comb
                 e.extras["branches"]["branch 1 (2x2)"][:, None], size=(6, 6), mode="bilinear")[:, 0] * (4 / 36))
     for branch, side in ((0, 6), (1, 2)):
         assert ex.explain(x, method="cdam", target=1, stage=branch).maps.shape == (2, side, side)
+
+
+def test_a_crossvit_branch_that_sees_a_centre_crop_is_refused_not_drawn_over_the_image():
+    """timm's crop_scale=True feeds the smaller branch a centre crop of the input: its map (attention methods and the
+    token methods) would cover the crop, not the image, so it is refused naming the branch that sees the whole image,
+    whose map runs and is the only one among the extras' branch maps (no combination with a cropped branch)."""
+    model = crossvit()
+    model.crop_scale = True  # (branch 1: 32 px of the 48 px input)
+    x = torch.randn(2, 3, 48, 48, generator=torch.Generator().manual_seed(1))
+    ex = vx.Explainer(model)
+    for method in ("rollout", "generic", "cdam"):
+        with pytest.raises(vx.UnsupportedMethodError, match=r"branch 1 .* sees a 32x32 centre crop .* stage=0"):
+            ex.explain(x, method=method, target=1, stage=1)
+    e = ex.explain(x, method="rollout", target=1, stage=0)
+    assert e.maps.shape == (2, 6, 6) and list(e.extras["branches"]) == ["branch 0 (6x6)"]
+    assert "combined" not in e.extras

@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor, nn
 
+from ..errors import UnsupportedMethodError
 from ..layout import TokenLayout, pair
 from ..methods.families import HIER
 from ..methods.resample import CallSpec, Footprint, TokenSet, Transition
@@ -230,12 +231,34 @@ class CrossViTAdapter(HierAdapter):
         n = self.grids[b][0] * self.grids[b][1]
         return r[:, self.offsets[b] + 1: self.offsets[b] + 1 + n].reshape(r.shape[0], *self.grids[b])
 
+    def _cropped(self, branch: int, input_size: Sequence[int]) -> Optional[tuple[int, int]]:
+        """The (h, w) centre crop of the input that branch ``branch`` sees when the model crops instead of resizing
+        (timm's ``crop_scale=True``, a branch size below the input's), else None."""
+        size = tuple(int(v) for v in pair(self.model.img_size_scaled[branch]))
+        h, w = (int(v) for v in input_size)
+        if getattr(self.model, "crop_scale", False) and size != (h, w) and size[0] <= h and size[1] <= w:
+            return size
+        return None
+
+    def _check_branch(self, branch: int, input_size: Sequence[int]) -> None:
+        """Refuse a map of a branch that sees a centre crop: drawn over the image, it would not cover it."""
+        crop = self._cropped(branch, input_size)
+        if crop is not None:
+            others = [b for b in range(2) if self._cropped(b, input_size) is None]
+            raise UnsupportedMethodError(
+                f"branch {branch} of this CrossViT (crop_scale=True) sees a {crop[0]}x{crop[1]} centre crop of the "
+                f"{int(input_size[0])}x{int(input_size[1])} input, so its map would not cover the image"
+                + (f"; explain stage={others[0]} (branch {others[0]} sees the whole image)" if others else ""))
+
     def finish(self, r: Tensor, stage: int, input_size: Sequence[int]) -> object:
         """Branch ``stage``'s map, with ``extras``: ``branches`` (both maps), ``combined`` (on the
         small-patch grid: branch 0 plus branch 1 resized bilinearly and scaled by the cell-area
-        ratio, so each branch keeps its total) and ``combination`` (that rule, in words)."""
+        ratio, so each branch keeps its total) and ``combination`` (that rule, in words). A branch that sees a
+        centre crop (``crop_scale=True``) is refused, and left out of ``branches``."""
+        self._check_branch(stage, input_size)
         maps = [self._branch(r, b) for b in range(2)]
-        extras: dict = {"branches": {f"branch {b} ({g[0]}x{g[1]})": m for b, (g, m) in enumerate(zip(self.grids, maps))}}
+        extras: dict = {"branches": {f"branch {b} ({g[0]}x{g[1]})": m for b, (g, m) in enumerate(zip(self.grids, maps))
+                                     if self._cropped(b, input_size) is None}}
         if not getattr(self.model, "crop_scale", False):
             fine, coarse = self.grids[0], self.grids[1]
             area = (coarse[0] * coarse[1]) / (fine[0] * fine[1])
@@ -255,6 +278,7 @@ class CrossViTAdapter(HierAdapter):
         return [TokenSet(1, self.grids[0]), TokenSet(1, self.grids[1])]
 
     def site_grid(self, stage: int, output: Tensor, input_size: Sequence[int]) -> Tensor:
+        self._check_branch(stage, input_size)
         return output[:, 1:].reshape(output.shape[0], *self.grids[stage], output.shape[-1])
 
     def layout(self, input_size: Sequence[int]) -> "TokenLayout":
