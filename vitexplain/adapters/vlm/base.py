@@ -11,7 +11,7 @@ image token's pixels are in the original image (:meth:`VLMAdapter.views`, the ge
 from __future__ import annotations
 
 import copy
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -67,6 +67,12 @@ class VLMAdapter(Adapter):
     cross_layers: bool = False
     #: how the processor pads prompts ("left": every prompt ends at the same position)
     padding_side: str = "left"
+    #: processor outputs the model needs (a batch without one is refused in :meth:`prepare`), and what for
+    required_inputs: tuple[str, ...] = ()
+    required_for: str = ""
+    #: per-token processor outputs (B, L) the teacher-forced forward extends over the answer, each with the value
+    #: ``generate`` gives its generated tokens (e.g. ``{"mm_token_type_ids": 0}``: text)
+    answer_values: Mapping[str, int] = {}
 
     def __init__(self, model: nn.Module, processor: Any = None) -> None:
         super().__init__(model)
@@ -194,6 +200,11 @@ class VLMAdapter(Adapter):
             # and the processor builds that empty batch as float: ids and masks are integers
             if key.endswith(("input_ids", "attention_mask")) and batch[key].is_floating_point():
                 batch[key] = batch[key].long()
+        missing = [key for key in self.required_inputs if key not in batch]
+        if missing:
+            raise UnsupportedModelError(
+                f"the processor gave no {' or '.join(missing)}, which {type(self.model).__name__} needs "
+                f"{self.required_for}; use the model's own processor (from transformers >= 5)")
         device = next(self.model.parameters()).device
         return batch.to(device)
 
@@ -234,6 +245,9 @@ class VLMAdapter(Adapter):
         kwargs["input_ids"] = torch.cat([inputs["input_ids"], ids], dim=1)
         kwargs["attention_mask"] = torch.cat([mask, torch.ones_like(ids, dtype=mask.dtype)], dim=1)
         kwargs["position_ids"] = (kwargs["attention_mask"].long().cumsum(-1) - 1).clamp(min=0) + self.position_offset
+        for key, value in self.answer_values.items():  # per-token inputs: the answer's as generate gives them
+            given = inputs[key]
+            kwargs[key] = torch.cat([given, torch.full_like(ids, value, dtype=given.dtype)], dim=1)
         return kwargs
 
     def forward_logits(self, kwargs: dict[str, Any]) -> Tensor:

@@ -45,6 +45,10 @@ class QFormerAdapter(VLMAdapter):
         return type(self.model).__name__ == "Kosmos2ForConditionalGeneration"
 
     @property
+    def answer_values(self) -> dict[str, int]:  # type: ignore[override]
+        return {"image_embeds_position_mask": 0} if self.kosmos else {}  # (Kosmos-2: the answer holds no image)
+
+    @property
     def placeholder_ids(self) -> list[int]:
         if self.kosmos:  # its image positions hold ordinary ids; it reads a pad id as padding (no position)
             return [self.pad_id]
@@ -88,8 +92,6 @@ class QFormerAdapter(VLMAdapter):
         kwargs = super().teacher_inputs(inputs, ids)
         if self.kosmos:
             del kwargs["position_ids"]  # Kosmos-2 counts positions from the ids, as its generate does
-            mask = inputs["image_embeds_position_mask"]
-            kwargs["image_embeds_position_mask"] = torch.cat([mask, torch.zeros_like(ids, dtype=mask.dtype)], dim=1)
         return kwargs
 
     def views(self, images: Sequence[Any], inputs: Any) -> list[ImageView]:
