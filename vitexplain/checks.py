@@ -17,7 +17,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import Tensor, nn
 
-from .errors import InputError, NumericalError, TargetError, UsageError
+from .errors import InputError, NumericalError, TargetError, UnsupportedModelError, UsageError
 
 __all__ = ["channels_of", "input_channels", "check_batch", "check_tensor_input", "check_finite_scores", "check_finite_maps", "checked_score", "differentiable",
            "model_dtype", "model_device", "warn_training", "buffers_kept"]
@@ -190,6 +190,22 @@ def check_gradients_allowed(methods: Any, entry: str) -> None:
             f"{', '.join(methods)} take(s) gradients, which torch.inference_mode() forbids (it cannot be switched off "
             f"inside); call {entry} outside inference_mode (torch.no_grad() is fine: vitexplain enables gradients "
             "where its methods need them)")
+
+
+def check_patch_dropout(model: nn.Module) -> None:
+    """Refuse a model that drops patch tokens at random in training mode (timm's and OpenCLIP's ``PatchDropout``):
+    its attention covers a random subset of the patches, which no map over the image can place.
+
+    Raises:
+        UnsupportedModelError: a ``PatchDropout`` module with ``prob > 0`` is in training mode.
+    """
+    if not model.training:
+        return
+    for name, module in model.named_modules():
+        if type(module).__name__ == "PatchDropout" and module.training and float(getattr(module, "prob", 0.0) or 0.0) > 0:
+            raise UnsupportedModelError(
+                f"{name} drops {float(module.prob):.0%} of the patch tokens at random (patch dropout, training mode), "
+                "so the attention covers patches no map can place; call model.eval() first")
 
 
 def warn_training(model: nn.Module, stacklevel: int) -> None:

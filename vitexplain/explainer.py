@@ -22,8 +22,9 @@ import torch
 from torch import Tensor, nn
 
 from .adapters import Adapter, adapter_for, preprocessing
-from .checks import (buffers_kept, check_batch, check_gradients_allowed, input_channels, check_finite_maps, check_finite_scores,
-                     check_tensor_input, checked_score, model_device, model_dtype, warn_training)
+from .checks import (buffers_kept, check_batch, check_finite_maps, check_finite_scores, check_gradients_allowed,
+                     check_patch_dropout, check_tensor_input, checked_score, input_channels, model_device, model_dtype,
+                     warn_training)
 from .errors import InputError, UnsupportedMethodError, UnsupportedModelError, UsageError
 from .methods.families import Family
 from .plan import MethodArg, Plan, applicable, make_plan, split_options
@@ -184,6 +185,7 @@ class Explainer:
         plan = self._plan_for("explain", method, options)
         x, images_seen, boxes, sources = self._inputs(images)
         model = self.adapter.model
+        check_patch_dropout(model)
         warn_training(model, stacklevel=3)
         unused = plan.unused_target(target)
         if unused is not None:
@@ -301,6 +303,7 @@ class Explainer:
         if prompt is not None:
             raise UsageError(f"prompt= is for vision-language models; {type(self.model).__name__} captions without one")
         x, regions, _, sources = self._inputs(images)
+        check_patch_dropout(self.adapter.model)
         warn_training(self.adapter.model, stacklevel=3)
         with buffers_kept(self.adapter.model):  # a training-mode forward updates batch-norm statistics: put them back
             results = explain_captioner(self.adapter, plan, x, regions, sources, caption, max_len, self.attention_mode)
