@@ -375,3 +375,18 @@ def test_an_rmsnorm_module_written_in_python_gets_the_norms_rule():
         b, _ = _relevance(functional, x, method, [1, 2], attention=False)
         assert float((a - b).abs().max()) <= 1e-5 * float(b.abs().max()), method
         assert torch.allclose(a.flatten(1).sum(1), score, rtol=1e-4, atol=1e-6), method
+
+
+def test_gradient_checkpointing_is_refused_with_what_to_do():
+    """A checkpointed block recomputes its forward in the backward, outside the rules (torch function modes do not
+    reach it): torch then raised its own CheckpointError about tensor metadata. The method says what it is and how
+    to turn it off, and the model is left with checkpointing on, as found."""
+    from vitexplain.errors import UnsupportedModelError
+
+    torch.manual_seed(12)
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=2,
+                              num_classes=4).eval()
+    model.set_grad_checkpointing(True)
+    with pytest.raises(UnsupportedModelError, match="set_grad_checkpointing"):
+        vx.Explainer(model).explain(torch.randn(2, 3, 32, 32), method="attnlrp", target=[0, 1])
+    assert model.grad_checkpointing

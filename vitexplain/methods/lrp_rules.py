@@ -44,15 +44,17 @@ Rules (docs/methods.md, "AttnLRP and CP-LRP"):
 
 A softmax that is not attention's (not over the last dim of a >= 3-D tensor), a log-softmax or
 logsumexp (a log-probability target: LRP explains the logit), an element-wise exponential, logarithm,
-power, root or division by an activation (a norm written out in Python) or FlexAttention is not covered: :class:`LRPRules` counts what it saw and :func:`check_coverage` raises instead of
+power, root or division by an activation (a norm written out in Python) or FlexAttention is not
+covered: :class:`LRPRules` counts what it saw and :func:`check_coverage` raises instead of
 returning maps that are not LRP.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -63,7 +65,7 @@ from ..errors import UnsupportedModelError, UsageError
 from .lrp_ops import (GAMMA_STABILIZER, IDENTITY_EPSILON, ActivationModuleRule, IdentityRule, LayerNormRule, ScaleGrad,
                       activation_module, gamma_rule)
 
-__all__ = ["LRPRules", "VARIANTS", "IDENTITY_EPSILON", "GAMMA_STABILIZER", "check_coverage"]
+__all__ = ["LRPRules", "VARIANTS", "IDENTITY_EPSILON", "GAMMA_STABILIZER", "check_coverage", "checkpointing_refused"]
 
 #: The attention variants: ``"attnlrp"`` (AttnLRP) and ``"cp"`` (CP-LRP).
 VARIANTS = ("attnlrp", "cp")
@@ -84,8 +86,8 @@ _MATMUL = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__}
 #: Element-wise non-linear calls no rule covers (written-out norms, exponentials): refused on an activation.
 _NONLINEAR = {getattr(o, n) for o in (torch, torch.Tensor) for n in
               ("exp", "log", "sqrt", "rsqrt", "erf", "reciprocal", "log1p", "expm1", "log2", "log10", "pow", "div",
-               "true_divide") if hasattr(o, n)} | {torch.Tensor.__pow__, torch.Tensor.__rpow__, torch.Tensor.__truediv__,
-                                                    torch.Tensor.__rtruediv__}
+               "true_divide") if hasattr(o, n)}
+_NONLINEAR |= {torch.Tensor.__pow__, torch.Tensor.__rpow__, torch.Tensor.__truediv__, torch.Tensor.__rtruediv__}
 _LOG_SOFTMAX = {torch.log_softmax, torch.Tensor.log_softmax, F.log_softmax, torch.special.log_softmax,
                 torch.logsumexp, torch.Tensor.logsumexp, torch.special.logsumexp}
 _SOFTMAX = {torch.softmax, torch.Tensor.softmax, F.softmax, torch.special.softmax}
@@ -222,7 +224,8 @@ class LRPRules(TorchFunctionMode):
         if func in _NONLINEAR and self._nonlinear_on_activation(func, args):
             self.seen["uncovered"].append(f"{getattr(func, '__name__', func)} of an activation")
         elif func in _LOG_SOFTMAX and args and self._live(args[0]):
-            self.seen["uncovered"].append(f"{getattr(func, '__name__', 'log_softmax')} (a log-probability: explain the logit)")
+            name = getattr(func, "__name__", "log_softmax")
+            self.seen["uncovered"].append(f"{name} (a log-probability: explain the logit)")
         elif func in _RECURRENT:
             self.seen["uncovered"].append("a recurrent cell (LSTM/GRU)")
         elif getattr(func, "__name__", "") in ("flex_attention", "flex_attention_hop"):
@@ -276,7 +279,8 @@ class LRPRules(TorchFunctionMode):
             base, exponent = args[0], args[1] if len(args) > 1 else None
             if name == "__rpow__":
                 return self._live(base)
-            return self._live(exponent) or (self._live(base) and not (isinstance(exponent, (int, float)) and exponent == 1))
+            linear = isinstance(exponent, (int, float)) and exponent == 1
+            return self._live(exponent) or (self._live(base) and not linear)
         return self._live(args[0])
 
     def _einsum(self, args: tuple, kwargs: dict) -> Tensor:
@@ -415,6 +419,26 @@ class LRPRules(TorchFunctionMode):
             return func(inp, w, b, **bound)
 
         return gamma_rule(layer, x, weight, bias, self.conv_gamma, channel_dim=1)
+
+
+@contextlib.contextmanager
+def checkpointing_refused(method: str, model: str) -> Iterator[None]:
+    """Around the relevance's backward: gradient checkpointing recomputes blocks there, outside the rules (a torch
+    function mode does not reach the recompute), and torch raises its own error; raise one that says what to do.
+
+    Raises:
+        UnsupportedModelError: the backward hit a checkpointed block.
+    """
+    try:
+        yield
+    except RuntimeError as err:
+        if "checkpoint" not in str(err):
+            raise
+        raise UnsupportedModelError(
+            f"method {method!r}: {model} recomputes its blocks in the backward (gradient checkpointing), where the LRP "
+            "rules do not reach; turn it off while explaining (timm: model.set_grad_checkpointing(False); "
+            "transformers: model.gradient_checkpointing_disable())"
+        ) from err
 
 
 def check_coverage(rules: LRPRules, method: str, model: str, *, attention: bool = True) -> None:
