@@ -390,3 +390,38 @@ def test_gradient_checkpointing_is_refused_with_what_to_do():
     with pytest.raises(UnsupportedModelError, match="set_grad_checkpointing"):
         vx.Explainer(model).explain(torch.randn(2, 3, 32, 32), method="attnlrp", target=[0, 1])
     assert model.grad_checkpointing
+
+
+class GatedRMSNorm(nn.Module):
+    """Mamba-style: ``rmsnorm(x * silu(gate))`` written out in Python, two inputs: not one element-wise function."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        h = x * nn.functional.silu(gate)
+        return self.weight * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class _Gated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Conv2d(3, 8, 4, stride=4, bias=False)
+        self.gate = nn.Linear(8, 8, bias=False)
+        self.norm = GatedRMSNorm(8)
+        self.head = nn.Linear(8, 3, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.embed(x).flatten(2).transpose(1, 2)
+        return self.head(self.norm(t, self.gate(t)).mean(1))
+
+
+def test_a_norm_module_with_a_second_input_is_not_taken_as_one_element_wise_function():
+    """The module rule is out / x for a call of one tensor; a call with a gate would have lost the gate's relevance
+    silently: its arithmetic runs under the rules instead, which refuse the written-out norm."""
+    from vitexplain.errors import UnsupportedModelError
+
+    torch.manual_seed(13)
+    with pytest.raises(UnsupportedModelError, match="rsqrt"):
+        _relevance(_Gated().eval(), torch.randn(1, 3, 8, 8), "attnlrp", 0, attention=False)

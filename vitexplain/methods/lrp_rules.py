@@ -123,6 +123,7 @@ class LRPRules(TorchFunctionMode):
             raise UsageError(f"unknown LRP variant {variant!r}; choose from {VARIANTS}")
         self.model = model
         self._inside = 0  # > 0 while an activation module runs (its inner calls get no rule)
+        self._calls: list[bool] = []  # per open hooked module call: whether it gets its rule as a whole
         self._handles: list[Any] = []
         self._thread = threading.get_ident()
         self.variant = variant
@@ -140,7 +141,7 @@ class LRPRules(TorchFunctionMode):
                 for module in self.model.modules():
                     kind = activation_module(module)
                     if kind:
-                        self._handles.append(module.register_forward_pre_hook(self._enter_activation))
+                        self._handles.append(module.register_forward_pre_hook(self._enter_activation, with_kwargs=True))
                         self._handles.append(module.register_forward_hook(
                             lambda m, i, o, kind=kind: self._leave_activation(m, i, o, kind), always_call=True))
             except BaseException:
@@ -163,18 +164,27 @@ class LRPRules(TorchFunctionMode):
             handle.remove()
         self._handles = []
         self._inside = 0
+        self._calls: list[bool] = []
 
-    def _enter_activation(self, module: nn.Module, inputs: tuple) -> None:
-        if threading.get_ident() == self._thread:
-            self._inside += 1
+    def _enter_activation(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """A call of one tensor (an element-wise function of it) gets the module's rule: the calls inside run
+        without rules. Any other call (a gated norm's second input) runs under the rules, call by call."""
+        if threading.get_ident() != self._thread:
+            return
+        tensors_in_kwargs = any(isinstance(v, Tensor) for v in kwargs.values())
+        whole = len(args) == 1 and isinstance(args[0], Tensor) and not tensors_in_kwargs
+        self._calls.append(whole)
+        self._inside += whole
 
     def _leave_activation(self, module: nn.Module, inputs: tuple, output: Any, kind: str = "activation") -> Any:
-        if threading.get_ident() != self._thread:
+        if threading.get_ident() != self._thread or not self._calls or not self._calls.pop():
             return None
         self._inside = max(0, self._inside - 1)
-        x = inputs[0] if inputs else None
-        if not (isinstance(x, Tensor) and isinstance(output, Tensor) and output.shape == x.shape
-                and x.requires_grad and torch.is_grad_enabled()):
+        x = inputs[0]
+        if not (x.requires_grad and torch.is_grad_enabled()):
+            return None
+        if not (isinstance(output, Tensor) and output.shape == x.shape):
+            self.seen["uncovered"].append(f"{type(module).__name__} (its output is not element-wise in its input)")
             return None
         self.seen[kind] += 1
         return ActivationModuleRule.apply(x, output)
