@@ -425,3 +425,22 @@ def test_a_norm_module_with_a_second_input_is_not_taken_as_one_element_wise_func
     torch.manual_seed(13)
     with pytest.raises(UnsupportedModelError, match="rsqrt"):
         _relevance(_Gated().eval(), torch.randn(1, 3, 8, 8), "attnlrp", 0, attention=False)
+
+
+def test_a_fused_multiply_add_of_two_activations_is_refused():
+    """``torch.baddbmm(bias, q, k^T)`` (attention scores in some Hugging Face models) is a product of two
+    activations inside one call, where the uniform rule cannot reach the product alone: refused, not ignored."""
+    from vitexplain.errors import UnsupportedModelError
+    from vitexplain.methods.lrp_rules import LRPRules, check_coverage
+
+    torch.manual_seed(14)
+    x = torch.randn(2, 4, 8, requires_grad=True)
+    q, k = x * 2.0, x.flip(1)
+    for fused in (lambda: torch.baddbmm(torch.zeros(2, 4, 4), q, k.transpose(1, 2)),
+                  lambda: torch.addmm(torch.zeros(4, 4), q[0], k[0].t()),
+                  lambda: torch.addbmm(torch.zeros(4, 4), q, k.transpose(1, 2))):
+        rules = LRPRules("attnlrp")
+        with rules:
+            fused()
+        with pytest.raises(UnsupportedModelError, match="multiply-add"):
+            check_coverage(rules, "attnlrp", "M", attention=False)

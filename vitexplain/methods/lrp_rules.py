@@ -44,7 +44,8 @@ Rules (docs/methods.md, "AttnLRP and CP-LRP"):
 
 A softmax that is not attention's (not over the last dim of a >= 3-D tensor), a log-softmax or
 logsumexp (a log-probability target: LRP explains the logit), an element-wise exponential, logarithm,
-power, root or division by an activation (a norm written out in Python) or FlexAttention is not
+power, root or division by an activation (a norm written out in Python), a product of two activations
+fused with an addition (``baddbmm``) or FlexAttention is not
 covered: :class:`LRPRules` counts what it saw and :func:`check_coverage` raises instead of
 returning maps that are not LRP.
 """
@@ -82,6 +83,9 @@ _ACTIVATIONS = {
 _PRODUCTS = {torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__,
              torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm}
 _ADDMM = {torch.addmm, torch.Tensor.addmm}
+#: Products fused with an addition in one call (``beta * input + alpha * (a @ b)``).
+_FUSED_PRODUCTS = {getattr(o, n) for o in (torch, torch.Tensor) for n in ("addmm", "baddbmm", "addbmm", "addmv", "addr")
+                   if hasattr(o, n)}
 _MATMUL = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__}
 #: Element-wise non-linear calls no rule covers (written-out norms, exponentials): refused on an activation.
 _NONLINEAR = {getattr(o, n) for o in (torch, torch.Tensor) for n in
@@ -231,7 +235,10 @@ class LRPRules(TorchFunctionMode):
                 return written
         if func in _CONVS and self.conv_gamma > 0:
             return self._conv(func, args, kwargs)
-        if func in _NONLINEAR and self._nonlinear_on_activation(func, args):
+        if func in _FUSED_PRODUCTS and len(args) >= 3 and self._live(args[1]) and self._live(args[2]):
+            fused = getattr(func, "__name__", func)
+            self.seen["uncovered"].append(f"{fused} (a fused multiply-add of two activations)")
+        elif func in _NONLINEAR and self._nonlinear_on_activation(func, args):
             self.seen["uncovered"].append(f"{getattr(func, '__name__', func)} of an activation")
         elif func in _LOG_SOFTMAX and args and self._live(args[0]):
             name = getattr(func, "__name__", "log_softmax")
