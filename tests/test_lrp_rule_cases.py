@@ -1,8 +1,17 @@
-"""The LRP rules' uniform rule (gradient halved at each factor) is for products of two activations,
-AttnLRP eq. 7: a factor computed from the weights alone (a learned temperature ``t.exp()``, Swin V2's
-``logit_scale``) is a constant of the layer, like a weight, and a product with it is linear. So the
-relevance must not depend on whether the weights require grad (a frozen model is explained as the same
-model), and a bias-free linear model scaled by a learned temperature conserves its logit exactly.
+"""The LRP rules on the operations models write in ways the first rules did not see, each against an independent
+expectation (exact conservation of a bias-free model, the same function written another way, invariance to
+frozen weights) or a refusal that says why:
+
+- the uniform rule (AttnLRP eq. 7) is for products of two activations: a factor computed from the weights alone
+  (a learned temperature ``t.exp()``, Swin V2's ``logit_scale``) is a constant of the layer, frozen or not;
+  ``torch.einsum`` of activations is a product like ``@``; an input-dependent ``attn_mask`` at SDPA is part of the
+  scores; a product fused with an addition (``baddbmm``) is refused;
+- normalisations hold their scale constant: ``F.normalize`` (Swin V2), ``F.group_norm`` (hybrid stems), an
+  ``...RMSNorm`` module written in Python (AIMv2); a norm written inline is refused;
+- activation modules written in Python (GPT-2's ``NewGELUActivation``) get the identity rule as a whole;
+  the identity rule's ratio is float32's in float16 models;
+- the Gamma option reaches linears written as ``addmm`` (GPT-2's ``Conv1D``) or ``x @ W``;
+- log-probability targets and gradient checkpointing are refused with what to do.
 """
 
 from __future__ import annotations
