@@ -453,3 +453,39 @@ def test_a_fused_multiply_add_of_two_activations_is_refused():
             fused()
         with pytest.raises(UnsupportedModelError, match="multiply-add"):
             check_coverage(rules, "attnlrp", "M", attention=False)
+
+
+class _InplaceAttention(nn.Module):
+    """Eager attention whose scores are scaled and biased in place (``attn *= s; attn += b``), or out of place."""
+
+    def __init__(self, inplace: bool, dim: int = 8) -> None:
+        super().__init__()
+        self.inplace = inplace
+        self.embed = nn.Conv2d(3, dim, 4, stride=4, bias=False)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.bias = nn.Parameter(torch.randn(4, 4))
+        self.head = nn.Linear(dim, 3, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.embed(x).flatten(2).transpose(1, 2)).chunk(3, dim=-1)
+        attn = q @ k.transpose(-2, -1)
+        if self.inplace:
+            attn *= q.shape[-1] ** -0.5
+            attn += self.bias
+        else:
+            attn = attn * q.shape[-1] ** -0.5 + self.bias
+        return self.head((attn.softmax(-1) @ v).mean(1))
+
+
+def test_attention_scores_modified_in_place_get_the_same_rules():
+    """The product rule's output was a view of its input, so ``attn += bias`` on it raised torch's "view created
+    inside a custom Function is being modified inplace": now an alias, with the same relevance as out of place."""
+    torch.manual_seed(15)
+    inplace = _InplaceAttention(True).eval()
+    ref = _InplaceAttention(False).eval()
+    ref.load_state_dict(inplace.state_dict())
+    x = torch.randn(2, 3, 8, 8)
+    for method in ("attnlrp", "cp_lrp"):
+        a, _ = _relevance(inplace, x, method, [0, 1])
+        b, _ = _relevance(ref, x, method, [0, 1])
+        assert float((a - b).abs().max()) <= 1e-5 * float(b.abs().max()), method
