@@ -34,7 +34,7 @@ class ScaleGrad(Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, factor: float) -> Tensor:
         ctx.factor = factor
-        return x.view_as(x)
+        return x.detach()  # an alias, not a view: the caller may modify it in place (attn += bias)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
@@ -68,7 +68,7 @@ class ActivationModuleRule(Function):
     def forward(ctx: Any, x: Tensor, out: Tensor) -> Tensor:
         wide = torch.promote_types(x.dtype, torch.float32)
         ctx.save_for_backward((out.to(wide) / (x.to(wide) + IDENTITY_EPSILON)).to(out.dtype))
-        return out.view_as(out)
+        return out.detach()  # an alias, not a view: the caller may modify it in place
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:

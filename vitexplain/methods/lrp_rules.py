@@ -44,15 +44,18 @@ Rules (docs/methods.md, "AttnLRP and CP-LRP"):
 
 A softmax that is not attention's (not over the last dim of a >= 3-D tensor), a log-softmax or
 logsumexp (a log-probability target: LRP explains the logit), an element-wise exponential, logarithm,
-power, root or division by an activation (a norm written out in Python) or FlexAttention is not covered: :class:`LRPRules` counts what it saw and :func:`check_coverage` raises instead of
+power, root or division by an activation (a norm written out in Python), a product of two activations
+fused with an addition (``baddbmm``) or FlexAttention is not
+covered: :class:`LRPRules` counts what it saw and :func:`check_coverage` raises instead of
 returning maps that are not LRP.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -63,7 +66,7 @@ from ..errors import UnsupportedModelError, UsageError
 from .lrp_ops import (GAMMA_STABILIZER, IDENTITY_EPSILON, ActivationModuleRule, IdentityRule, LayerNormRule, ScaleGrad,
                       activation_module, gamma_rule)
 
-__all__ = ["LRPRules", "VARIANTS", "IDENTITY_EPSILON", "GAMMA_STABILIZER", "check_coverage"]
+__all__ = ["LRPRules", "VARIANTS", "IDENTITY_EPSILON", "GAMMA_STABILIZER", "check_coverage", "checkpointing_refused"]
 
 #: The attention variants: ``"attnlrp"`` (AttnLRP) and ``"cp"`` (CP-LRP).
 VARIANTS = ("attnlrp", "cp")
@@ -80,12 +83,15 @@ _ACTIVATIONS = {
 _PRODUCTS = {torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__,
              torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm}
 _ADDMM = {torch.addmm, torch.Tensor.addmm}
+#: Products fused with an addition in one call (``beta * input + alpha * (a @ b)``).
+_FUSED_PRODUCTS = {getattr(o, n) for o in (torch, torch.Tensor) for n in ("addmm", "baddbmm", "addbmm", "addmv", "addr")
+                   if hasattr(o, n)}
 _MATMUL = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__}
 #: Element-wise non-linear calls no rule covers (written-out norms, exponentials): refused on an activation.
 _NONLINEAR = {getattr(o, n) for o in (torch, torch.Tensor) for n in
               ("exp", "log", "sqrt", "rsqrt", "erf", "reciprocal", "log1p", "expm1", "log2", "log10", "pow", "div",
-               "true_divide") if hasattr(o, n)} | {torch.Tensor.__pow__, torch.Tensor.__rpow__, torch.Tensor.__truediv__,
-                                                    torch.Tensor.__rtruediv__}
+               "true_divide") if hasattr(o, n)}
+_NONLINEAR |= {torch.Tensor.__pow__, torch.Tensor.__rpow__, torch.Tensor.__truediv__, torch.Tensor.__rtruediv__}
 _LOG_SOFTMAX = {torch.log_softmax, torch.Tensor.log_softmax, F.log_softmax, torch.special.log_softmax,
                 torch.logsumexp, torch.Tensor.logsumexp, torch.special.logsumexp}
 _SOFTMAX = {torch.softmax, torch.Tensor.softmax, F.softmax, torch.special.softmax}
@@ -121,6 +127,7 @@ class LRPRules(TorchFunctionMode):
             raise UsageError(f"unknown LRP variant {variant!r}; choose from {VARIANTS}")
         self.model = model
         self._inside = 0  # > 0 while an activation module runs (its inner calls get no rule)
+        self._calls: list[bool] = []  # per open hooked module call: whether it gets its rule as a whole
         self._handles: list[Any] = []
         self._thread = threading.get_ident()
         self.variant = variant
@@ -138,7 +145,7 @@ class LRPRules(TorchFunctionMode):
                 for module in self.model.modules():
                     kind = activation_module(module)
                     if kind:
-                        self._handles.append(module.register_forward_pre_hook(self._enter_activation))
+                        self._handles.append(module.register_forward_pre_hook(self._enter_activation, with_kwargs=True))
                         self._handles.append(module.register_forward_hook(
                             lambda m, i, o, kind=kind: self._leave_activation(m, i, o, kind), always_call=True))
             except BaseException:
@@ -161,18 +168,27 @@ class LRPRules(TorchFunctionMode):
             handle.remove()
         self._handles = []
         self._inside = 0
+        self._calls: list[bool] = []
 
-    def _enter_activation(self, module: nn.Module, inputs: tuple) -> None:
-        if threading.get_ident() == self._thread:
-            self._inside += 1
+    def _enter_activation(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """A call of one tensor (an element-wise function of it) gets the module's rule: the calls inside run
+        without rules. Any other call (a gated norm's second input) runs under the rules, call by call."""
+        if threading.get_ident() != self._thread:
+            return
+        tensors_in_kwargs = any(isinstance(v, Tensor) for v in kwargs.values())
+        whole = len(args) == 1 and isinstance(args[0], Tensor) and not tensors_in_kwargs
+        self._calls.append(whole)
+        self._inside += whole
 
     def _leave_activation(self, module: nn.Module, inputs: tuple, output: Any, kind: str = "activation") -> Any:
-        if threading.get_ident() != self._thread:
+        if threading.get_ident() != self._thread or not self._calls or not self._calls.pop():
             return None
         self._inside = max(0, self._inside - 1)
-        x = inputs[0] if inputs else None
-        if not (isinstance(x, Tensor) and isinstance(output, Tensor) and output.shape == x.shape
-                and x.requires_grad and torch.is_grad_enabled()):
+        x = inputs[0]
+        if not (x.requires_grad and torch.is_grad_enabled()):
+            return None
+        if not (isinstance(output, Tensor) and output.shape == x.shape):
+            self.seen["uncovered"].append(f"{type(module).__name__} (its output is not element-wise in its input)")
             return None
         self.seen[kind] += 1
         return ActivationModuleRule.apply(x, output)
@@ -219,10 +235,14 @@ class LRPRules(TorchFunctionMode):
                 return written
         if func in _CONVS and self.conv_gamma > 0:
             return self._conv(func, args, kwargs)
-        if func in _NONLINEAR and self._nonlinear_on_activation(func, args):
+        if func in _FUSED_PRODUCTS and len(args) >= 3 and self._live(args[1]) and self._live(args[2]):
+            fused = getattr(func, "__name__", func)
+            self.seen["uncovered"].append(f"{fused} (a fused multiply-add of two activations)")
+        elif func in _NONLINEAR and self._nonlinear_on_activation(func, args):
             self.seen["uncovered"].append(f"{getattr(func, '__name__', func)} of an activation")
         elif func in _LOG_SOFTMAX and args and self._live(args[0]):
-            self.seen["uncovered"].append(f"{getattr(func, '__name__', 'log_softmax')} (a log-probability: explain the logit)")
+            name = getattr(func, "__name__", "log_softmax")
+            self.seen["uncovered"].append(f"{name} (a log-probability: explain the logit)")
         elif func in _RECURRENT:
             self.seen["uncovered"].append("a recurrent cell (LSTM/GRU)")
         elif getattr(func, "__name__", "") in ("flex_attention", "flex_attention_hop"):
@@ -276,7 +296,8 @@ class LRPRules(TorchFunctionMode):
             base, exponent = args[0], args[1] if len(args) > 1 else None
             if name == "__rpow__":
                 return self._live(base)
-            return self._live(exponent) or (self._live(base) and not (isinstance(exponent, (int, float)) and exponent == 1))
+            linear = isinstance(exponent, (int, float)) and exponent == 1
+            return self._live(exponent) or (self._live(base) and not linear)
         return self._live(args[0])
 
     def _einsum(self, args: tuple, kwargs: dict) -> Tensor:
@@ -415,6 +436,26 @@ class LRPRules(TorchFunctionMode):
             return func(inp, w, b, **bound)
 
         return gamma_rule(layer, x, weight, bias, self.conv_gamma, channel_dim=1)
+
+
+@contextlib.contextmanager
+def checkpointing_refused(method: str, model: str) -> Iterator[None]:
+    """Around the relevance's backward: gradient checkpointing recomputes blocks there, outside the rules (a torch
+    function mode does not reach the recompute), and torch raises its own error; raise one that says what to do.
+
+    Raises:
+        UnsupportedModelError: the backward hit a checkpointed block.
+    """
+    try:
+        yield
+    except RuntimeError as err:
+        if "checkpoint" not in str(err):
+            raise
+        raise UnsupportedModelError(
+            f"method {method!r}: {model} recomputes its blocks in the backward (gradient checkpointing), where the LRP "
+            "rules do not reach; turn it off while explaining (timm: model.set_grad_checkpointing(False); "
+            "transformers: model.gradient_checkpointing_disable())"
+        ) from err
 
 
 def check_coverage(rules: LRPRules, method: str, model: str, *, attention: bool = True) -> None:

@@ -38,7 +38,8 @@ def sensitivities(
     generator on the images' device, seeded by the image's values and ``seed``
     (:func:`vitexplain.metrics.seeding.image_generators`; ``torch.rand(image.shape) * 2 * radius - radius``,
     one draw per sample, in order), so an image's score does not depend on its place in the batch or on
-    the other images (a batch scores as its images one by one); the change is ``||explain_fn(x + delta_s) - explain_fn(x)||_F``,
+    the other images (a batch scores as its images one by one); the change is
+    ``||explain_fn(x + delta_s) - explain_fn(x)||_F``,
     divided by ``||explain_fn(x)||_F`` when ``relative``.
 
     Args:

@@ -42,6 +42,7 @@ def image_generators(images: Tensor, seed: int, *keys: int) -> list[torch.Genera
 
 
 def per_image_draws(generators: list[torch.Generator], shape: torch.Size, draw: str, like: Tensor) -> Tensor:
-    """``(B, *shape)``: image ``b``'s next ``torch.rand`` (``draw="rand"``) or ``torch.randn`` draw from ``generators[b]``."""
+    """``(B, *shape)``: image ``b``'s next ``torch.rand`` (``draw="rand"``) or ``torch.randn`` draw from
+    ``generators[b]``."""
     fn = torch.rand if draw == "rand" else torch.randn
     return torch.stack([fn(shape, generator=g, device=like.device, dtype=like.dtype) for g in generators])

@@ -1,8 +1,17 @@
-"""The LRP rules' uniform rule (gradient halved at each factor) is for products of two activations,
-AttnLRP eq. 7: a factor computed from the weights alone (a learned temperature ``t.exp()``, Swin V2's
-``logit_scale``) is a constant of the layer, like a weight, and a product with it is linear. So the
-relevance must not depend on whether the weights require grad (a frozen model is explained as the same
-model), and a bias-free linear model scaled by a learned temperature conserves its logit exactly.
+"""The LRP rules on the operations models write in ways the first rules did not see, each against an independent
+expectation (exact conservation of a bias-free model, the same function written another way, invariance to
+frozen weights) or a refusal that says why:
+
+- the uniform rule (AttnLRP eq. 7) is for products of two activations: a factor computed from the weights alone
+  (a learned temperature ``t.exp()``, Swin V2's ``logit_scale``) is a constant of the layer, frozen or not;
+  ``torch.einsum`` of activations is a product like ``@``; an input-dependent ``attn_mask`` at SDPA is part of the
+  scores; a product fused with an addition (``baddbmm``) is refused;
+- normalisations hold their scale constant: ``F.normalize`` (Swin V2), ``F.group_norm`` (hybrid stems), an
+  ``...RMSNorm`` module written in Python (AIMv2); a norm written inline is refused;
+- activation modules written in Python (GPT-2's ``NewGELUActivation``) get the identity rule as a whole;
+  the identity rule's ratio is float32's in float16 models;
+- the Gamma option reaches linears written as ``addmm`` (GPT-2's ``Conv1D``) or ``x @ W``;
+- log-probability targets and gradient checkpointing are refused with what to do.
 """
 
 from __future__ import annotations
@@ -375,3 +384,108 @@ def test_an_rmsnorm_module_written_in_python_gets_the_norms_rule():
         b, _ = _relevance(functional, x, method, [1, 2], attention=False)
         assert float((a - b).abs().max()) <= 1e-5 * float(b.abs().max()), method
         assert torch.allclose(a.flatten(1).sum(1), score, rtol=1e-4, atol=1e-6), method
+
+
+def test_gradient_checkpointing_is_refused_with_what_to_do():
+    """A checkpointed block recomputes its forward in the backward, outside the rules (torch function modes do not
+    reach it): torch then raised its own CheckpointError about tensor metadata. The method says what it is and how
+    to turn it off, and the model is left with checkpointing on, as found."""
+    from vitexplain.errors import UnsupportedModelError
+
+    torch.manual_seed(12)
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=2,
+                              num_classes=4).eval()
+    model.set_grad_checkpointing(True)
+    with pytest.raises(UnsupportedModelError, match="set_grad_checkpointing"):
+        vx.Explainer(model).explain(torch.randn(2, 3, 32, 32), method="attnlrp", target=[0, 1])
+    assert model.grad_checkpointing
+
+
+class GatedRMSNorm(nn.Module):
+    """Mamba-style: ``rmsnorm(x * silu(gate))`` written out in Python, two inputs: not one element-wise function."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        h = x * nn.functional.silu(gate)
+        return self.weight * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class _Gated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Conv2d(3, 8, 4, stride=4, bias=False)
+        self.gate = nn.Linear(8, 8, bias=False)
+        self.norm = GatedRMSNorm(8)
+        self.head = nn.Linear(8, 3, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.embed(x).flatten(2).transpose(1, 2)
+        return self.head(self.norm(t, self.gate(t)).mean(1))
+
+
+def test_a_norm_module_with_a_second_input_is_not_taken_as_one_element_wise_function():
+    """The module rule is out / x for a call of one tensor; a call with a gate would have lost the gate's relevance
+    silently: its arithmetic runs under the rules instead, which refuse the written-out norm."""
+    from vitexplain.errors import UnsupportedModelError
+
+    torch.manual_seed(13)
+    with pytest.raises(UnsupportedModelError, match="rsqrt"):
+        _relevance(_Gated().eval(), torch.randn(1, 3, 8, 8), "attnlrp", 0, attention=False)
+
+
+def test_a_fused_multiply_add_of_two_activations_is_refused():
+    """``torch.baddbmm(bias, q, k^T)`` (attention scores in some Hugging Face models) is a product of two
+    activations inside one call, where the uniform rule cannot reach the product alone: refused, not ignored."""
+    from vitexplain.errors import UnsupportedModelError
+    from vitexplain.methods.lrp_rules import LRPRules, check_coverage
+
+    torch.manual_seed(14)
+    x = torch.randn(2, 4, 8, requires_grad=True)
+    q, k = x * 2.0, x.flip(1)
+    for fused in (lambda: torch.baddbmm(torch.zeros(2, 4, 4), q, k.transpose(1, 2)),
+                  lambda: torch.addmm(torch.zeros(4, 4), q[0], k[0].t()),
+                  lambda: torch.addbmm(torch.zeros(4, 4), q, k.transpose(1, 2))):
+        rules = LRPRules("attnlrp")
+        with rules:
+            fused()
+        with pytest.raises(UnsupportedModelError, match="multiply-add"):
+            check_coverage(rules, "attnlrp", "M", attention=False)
+
+
+class _InplaceAttention(nn.Module):
+    """Eager attention whose scores are scaled and biased in place (``attn *= s; attn += b``), or out of place."""
+
+    def __init__(self, inplace: bool, dim: int = 8) -> None:
+        super().__init__()
+        self.inplace = inplace
+        self.embed = nn.Conv2d(3, dim, 4, stride=4, bias=False)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.bias = nn.Parameter(torch.randn(4, 4))
+        self.head = nn.Linear(dim, 3, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.embed(x).flatten(2).transpose(1, 2)).chunk(3, dim=-1)
+        attn = q @ k.transpose(-2, -1)
+        if self.inplace:
+            attn *= q.shape[-1] ** -0.5
+            attn += self.bias
+        else:
+            attn = attn * q.shape[-1] ** -0.5 + self.bias
+        return self.head((attn.softmax(-1) @ v).mean(1))
+
+
+def test_attention_scores_modified_in_place_get_the_same_rules():
+    """The product rule's output was a view of its input, so ``attn += bias`` on it raised torch's "view created
+    inside a custom Function is being modified inplace": now an alias, with the same relevance as out of place."""
+    torch.manual_seed(15)
+    inplace = _InplaceAttention(True).eval()
+    ref = _InplaceAttention(False).eval()
+    ref.load_state_dict(inplace.state_dict())
+    x = torch.randn(2, 3, 8, 8)
+    for method in ("attnlrp", "cp_lrp"):
+        a, _ = _relevance(inplace, x, method, [0, 1])
+        b, _ = _relevance(ref, x, method, [0, 1])
+        assert float((a - b).abs().max()) <= 1e-5 * float(b.abs().max()), method
