@@ -936,3 +936,127 @@ def deepseek_vl() -> tuple[nn.Module, Any]:
 
 BUILDERS["deepseek_vl"] = deepseek_vl
 ORACLE["deepseek_vl"] = ORACLE["janus"]
+
+
+PLM_SPECIALS = ("<|image|>", "<|video|>")
+
+
+def perception_lm(**image_kwargs: Any) -> tuple[nn.Module, Any]:
+    """PerceptionLM: a thumbnail then up to 4 tiles of 16 px (the processor's canvas search), a timm Perception Encoder of
+    4 px patches (its class token dropped), average-pooled 2 x 2 (2 x 2 tokens per piece), a Llama LM with GQA."""
+    import transformers
+
+    tok = tokenizer(PLM_SPECIALS)
+    tok.image_token, tok.video_token = PLM_SPECIALS  # (its processor reads them from its tokenizer)
+    tok.image_token_id, tok.video_token_id = tok.convert_tokens_to_ids(list(PLM_SPECIALS))
+    image = transformers.PerceptionLMImageProcessor(**{"tile_size": 16, "max_num_tiles": 4, **image_kwargs})
+    proc = transformers.PerceptionLMProcessor(image_processor=image, tokenizer=tok, patch_size=4, pooling_ratio=2,
+                                              video_processor=transformers.PerceptionLMVideoProcessor())
+    vision = dict(model_type="timm_wrapper", architecture="vit_pe_core_large_patch14_336", num_classes=0,
+                  model_args=dict(embed_dim=32, depth=2, num_heads=2, img_size=16, patch_size=4, mlp_ratio=2.0))
+    cfg = transformers.PerceptionLMConfig(vision_config=vision, text_config=dict(model_type="llama", vocab_size=len(tok), **_text()),
+                                          image_token_id=tok.image_token_id, video_token_id=tok.video_token_id,
+                                          projector_pooling_ratio=2, vision_use_cls_token=True)
+    return _sdpa_built(transformers.PerceptionLMForConditionalGeneration, cfg, proc)
+
+
+def _pieces_features(model: nn.Module, proc: Any, image: np.ndarray) -> torch.Tensor:
+    """Every image token of one image from the inner model's ``get_image_features``: its pieces' tokens in order."""
+    pixels = proc.image_processor(images=[image], return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        out = model.model.get_image_features(pixel_values=pixels).pooler_output
+    return out.reshape(-1, out.shape[-1])
+
+
+BUILDERS["perception_lm"] = perception_lm
+ORACLE["perception_lm"] = dict(prompt=lambda p: "<|image|>" + p, extend=_positions_from_mask,
+                               image_token=lambda m: m.config.image_token_id, features=_pieces_features,
+                               placeholders=lambda m: [m.config.image_token_id])
+
+
+MOLMO2_SPECIALS = ("<|image|>", "<|video|>", "<im_patch>", "<im_col>", "<im_start>", "<low_res_im_start>", "<frame_start>",
+                   "<im_end>", "<frame_end>", "<im_low>")
+
+
+def molmo2() -> tuple[nn.Module, Any]:
+    """Molmo2: a 56 px low-resolution view and up to 4 overlapping 56 px crops (1-patch margins) of a canvas, 8 px patches
+    attention-pooled 2 x 2 (7 patches a side: padded to 8), a Qwen3-style LM with GQA. Its processor resizes without
+    antialiasing, so a view downscaled by more than 2 skips pixels: 56 px keeps the probe's images above that."""
+    import transformers
+
+    tok = tokenizer(MOLMO2_SPECIALS)
+    tok.image_token, tok.video_token = MOLMO2_SPECIALS[:2]  # (its processor reads them from its tokenizer)
+    image = transformers.Molmo2ImageProcessor(size={"height": 56, "width": 56}, patch_size=8, max_crops=4,
+                                              overlap_margins=[1, 1], pooling_size=[2, 2])
+    proc = transformers.Molmo2Processor(image_processor=image, tokenizer=tok, video_processor=transformers.Molmo2VideoProcessor())
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                  head_dim=16, image_size=[56, 56], patch_size=8, initializer_range=0.1)
+    adapter = dict(vision_feature_layer=[-1], hidden_size=32, num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+                   intermediate_size=64, text_hidden_size=32, initializer_range=0.1)  # (0.02: image features of ~1e-9)
+    ids = dict(zip(("image_patch_id", "image_start_token_id", "low_res_image_start_token_id", "image_end_token_id",
+                    "frame_start_token_id", "frame_end_token_id"),
+                   tok.convert_tokens_to_ids(["<im_patch>", "<im_start>", "<low_res_im_start>", "<im_end>", "<frame_start>",
+                                              "<frame_end>"])))
+    cfg = transformers.Molmo2Config(vision_config=vision, adapter_config=adapter,
+                                    text_config=dict(_text(), vocab_size=len(tok), additional_vocab_size=0), **ids)
+    return _sdpa_built(transformers.Molmo2ForConditionalGeneration, cfg, proc)
+
+
+def _molmo2_features(model: nn.Module, proc: Any, image: np.ndarray) -> torch.Tensor:
+    """Every image token of one image: the low-resolution view's, then the canvas'."""
+    batch = proc.image_processor(images=[image], return_tensors="pt")
+    with torch.no_grad():
+        return model.model.get_image_features(pixel_values=batch["pixel_values"], image_token_pooling=batch["image_token_pooling"],
+                                              image_grids=batch["image_grids"]).pooler_output[0]
+
+
+def _mm_types_extend(kwargs: dict, batch: Any, ids: torch.Tensor) -> None:
+    _positions_from_mask(kwargs, batch, ids)
+    kwargs["mm_token_type_ids"] = torch.cat([batch["mm_token_type_ids"], torch.zeros_like(ids)], 1)  # answer = text
+
+
+BUILDERS["molmo2"] = molmo2
+ORACLE["molmo2"] = dict(prompt=lambda p: "<|image|>" + p, extend=_mm_types_extend, image_token=lambda m: m.config.image_token_id,
+                        features=_molmo2_features, placeholders=lambda m: [m.config.image_token_id])
+
+
+MINICPMV_SPECIALS = ("<image_pad>", "<video_pad>", "<image>", "</image>", "<slice>", "</slice>", "<image_id>", "</image_id>", "0")
+
+
+def minicpmv4_6(mode: str = "16x") -> tuple[nn.Module, Any]:
+    """MiniCPM-V 4.6: 4 px patches merged 4 x 4 (``mode`` "16x": the window merger, then the merger) or 2 x 2 ("4x"); an
+    image of more than 32 x 32 px is also cut into up to 4 slices; a Qwen3.5 LM of linear-attention and attention layers."""
+    import transformers
+
+    tok = tokenizer(MINICPMV_SPECIALS)
+    # (its processor reads these from its tokenizer)
+    for name, token in zip(("image_token", "video_token", "image_start_token", "image_end_token", "slice_start_token",
+                            "slice_end_token", "image_id_start_token", "image_id_end_token"), MINICPMV_SPECIALS):
+        setattr(tok, name, token)
+    tok.image_token_id, tok.video_token_id = tok.convert_tokens_to_ids(list(MINICPMV_SPECIALS[:2]))
+    pixels = dict(scale_resolution=32, patch_size=4, max_slice_nums=4, downsample_mode=mode)
+    proc = transformers.MiniCPMV4_6Processor(image_processor=transformers.MiniCPMV4_6ImageProcessor(**pixels), tokenizer=tok,
+                                             video_processor=transformers.MiniCPMV4_6VideoProcessor(**pixels))
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=4,
+                  insert_layer_id=0)
+    text = dict(_text(), vocab_size=len(tok), num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2,
+                linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)  # (its defaults: Qwen's vocabulary)
+    cfg = transformers.MiniCPMV4_6Config(vision_config=vision, text_config=text, image_token_id=tok.image_token_id,
+                                         video_token_id=tok.video_token_id, insert_layer_id=0, image_size=32,
+                                         downsample_mode=mode)
+    return _sdpa_built(transformers.MiniCPMV4_6ForConditionalGeneration, cfg, proc)
+
+
+def _minicpmv_features(model: nn.Module, proc: Any, image: np.ndarray) -> torch.Tensor:
+    """Every image token of one image: the source piece's, then each slice's."""
+    batch = proc.image_processor(images=[image], return_tensors="pt")
+    with torch.no_grad():
+        out = model.model.get_image_features(pixel_values=batch["pixel_values"], target_sizes=batch["target_sizes"])
+    return torch.cat(list(out.pooler_output))
+
+
+BUILDERS.update(minicpmv4_6=minicpmv4_6, minicpmv4_6_4x=lambda: minicpmv4_6("4x"))
+ORACLE["minicpmv4_6"] = ORACLE["minicpmv4_6_4x"] = dict(
+    prompt=lambda p: "<image_pad>" + p, extend=_positions_from_mask, image_token=lambda m: m.config.image_token_id,
+    features=_minicpmv_features, placeholders=lambda m: [m.config.image_token_id], methods=("cross", "cross_grad"))
