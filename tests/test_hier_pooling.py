@@ -25,6 +25,9 @@ KINDS = {
     # MaxxViT-V2: ConvNeXt blocks (strided depthwise conv) and grid attention only (no block attention)
     "maxxvitv2": ("maxxvitv2_nano_rw", dict(embed_dim=(16, 32, 32, 32), depths=(1, 2, 1, 1), stem_width=(16, 16))),
     "levit": ("levit_128s", dict(img_size=64, embed_dim=(32, 48, 64), depth=(1, 2, 1), num_heads=(2, 2, 2), key_dim=8)),
+    # conv mode: the same blocks on (B, C, H, W) maps (1 x 1 convs, an average pooling of kernel 1 subsamples queries)
+    "levit_conv": ("levit_conv_128s", dict(img_size=64, embed_dim=(32, 48, 64), depth=(1, 2, 1), num_heads=(2, 2, 2),
+                                           key_dim=8)),
     "mvit": ("mvitv2", dict(depths=(1, 2, 1, 2), embed_dim=16, num_heads=1)),
     "tnt": ("tnt_s_patch16_224", dict(img_size=64, depth=2)),
 }
@@ -117,7 +120,7 @@ def dense_chain(kind, model, x, target):
                     a, g = _windows(a, g, fn, grid, part.partition_size, b)
                     items.append(DenseCall(a, g, _eye(n), _eye(n)))
         return items, last_start, torch.full((b, n), 1.0 / n, dtype=torch.float64)
-    if kind == "levit":
+    if kind.startswith("levit"):
         grid = SIZE
         for conv in (m for m in model.stem.modules() if isinstance(m, nn.Conv2d)):
             grid = _out(grid, conv.kernel_size, conv.stride, conv.padding)
@@ -295,7 +298,7 @@ def test_tnt_gives_one_map_per_image():
         assert e.maps.shape == (3, 4, 4), method
 
 
-@pytest.mark.parametrize("kind", ["levit", "mvit", "torchvision-maxvit", "maxvit"])
+@pytest.mark.parametrize("kind", ["levit", "levit_conv", "mvit", "torchvision-maxvit", "maxvit"])
 def test_a_model_built_for_one_size_gets_its_images_at_that_size_and_other_sizes_are_refused(kind):
     """LeViT's attention biases, MViTv2's relative position tables and torchvision MaxViT's partitions are
     built for one image size (64 px here, not their registered 224): images are preprocessed to it, and a

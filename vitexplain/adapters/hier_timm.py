@@ -130,7 +130,7 @@ class MaxViTAdapter(HierAdapter):
 
 # -- LeViT -------------------------------------------------------------------------------------
 class LeViTAdapter(HierAdapter):
-    """timm ``Levit`` / ``LevitDistilled`` (linear mode): the tokens entering a stage's last
+    """timm ``Levit`` / ``LevitDistilled`` (linear and conv mode): the tokens entering a stage's last
     attention are its block input (LeViT's attention has no norm before it), so CDAM's
     gradient there also runs through that block's residual."""
 
@@ -151,6 +151,13 @@ class LeViTAdapter(HierAdapter):
             else:
                 sites.append(None)
         self.token_sites = sites
+
+    def site_grid(self, stage: int, output: Tensor, input_size: Sequence[int]) -> Tensor:
+        """A token site's output on the stage grid: (B, N, C) tokens (linear mode) or (B, C, H, W) maps
+        (``levit_conv_*``, ``use_conv=True``) as (B, H_s, W_s, C)."""
+        if getattr(self.model, "use_conv", False):
+            return output.permute(0, 2, 3, 1)
+        return super().site_grid(stage, output, input_size)
 
     def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
         grid = pair(input_size)
@@ -248,7 +255,7 @@ def _detect_timm_pooling(model: nn.Module) -> Optional[Adapter]:
         if blocks and all(hasattr(b, "attn_block") and hasattr(b, "attn_grid") and hasattr(b, "conv") for b in blocks):
             return MaxViTAdapter(model)
         return None  # CoAtNet / MaxxViT-v2 mixes: the CNN adapter's Grad-CAM family
-    if module_family(model, "timm.models.levit") and hasattr(model, "stages") and not getattr(model, "use_conv", False):
+    if module_family(model, "timm.models.levit") and hasattr(model, "stages"):
         return LeViTAdapter(model)
     if module_family(model, "timm.models.mvitv2") and hasattr(model, "stages"):
         return MViTv2Adapter(model)
