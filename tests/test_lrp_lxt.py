@@ -91,6 +91,31 @@ _AIMV2 = _PRELUDE + textwrap.dedent("""
 """)
 
 
+_GPT2_CAPTIONER = _PRELUDE + textwrap.dedent("""
+    import torch.nn.functional as F
+    from lxt.efficient.rules import divide_gradient
+    from transformers import activations
+    sdpa = F.scaled_dot_product_attention
+
+    def lrp_sdpa(q, k, v, *args, **kwargs):  # encoder self-, decoder self- and cross-attention
+        return sdpa(divide_gradient(q, 4), divide_gradient(k, 4), divide_gradient(v, 2), *args, **kwargs)
+
+    F.scaled_dot_product_attention = lrp_sdpa
+    assert patches.patch_method(patches.layer_norm_forward, torch.nn.LayerNorm)
+    for cls in (activations.GELUActivation, activations.NewGELUActivation):  # ViT's GELU, GPT-2's tanh GELU
+        assert patches.patch_method(patches.non_linear_forward, cls, keep_original=True)
+    x = x.clone().requires_grad_(True)
+    start = torch.full_like(target[:, :1], model.config.decoder_start_token_id)
+    logits = model(pixel_values=x, decoder_input_ids=torch.cat([start, target[:, :-1]], 1)).logits
+    scores = logits.gather(2, target[..., None])[..., 0]  # (B, T): word t's logit at position t
+    maps = []
+    for t in range(scores.shape[1]):
+        (grad,) = torch.autograd.grad(scores[:, t].sum(), x, retain_graph=True)
+        maps.append((x * grad).detach().sum(1))
+    torch.save(torch.stack(maps, 1), sys.argv[2])
+""")
+
+
 def _lxt(tmp_path, code: str, model, x, target, *extra: str) -> torch.Tensor:
     """lxt's relevance (B, H, W) of ``model`` on ``x`` for ``target`` (B,), computed in a subprocess."""
     inputs, out = tmp_path / "inputs.pt", tmp_path / "relevance.pt"
@@ -191,4 +216,19 @@ def test_equals_lxt_module_patches_on_hf_aimv2(tmp_path):
     theirs = _lxt(tmp_path, _AIMV2, model, x, readout, "attnlrp")
     ours = vx.Explainer(model).explain(x, method="attnlrp", target=lambda out: (vx.targets.embedding_of(out) * readout).sum(-1)).maps
     assert ours.shape == theirs.shape == (2, 32, 32)
+    assert _close(ours, theirs) < RTOL
+
+
+def test_equals_lxt_module_patches_on_a_gpt2_captioner(tmp_path):
+    """Per-word AttnLRP on a VisionEncoderDecoder with a GPT-2 decoder, whose GELU (``NewGELUActivation``) is
+    written out in Python: lxt patches the activation class with its identity rule; vitexplain applies the rule to
+    the module as a whole on the unchanged model."""
+    from support_table import _vision_encoder_decoder
+
+    torch.manual_seed(0)
+    model = _vision_encoder_decoder().eval()
+    x, ids = torch.randn(2, 3, 32, 32), torch.tensor([[5, 6, 7], [8, 9, 10]])
+    theirs = _lxt(tmp_path, _GPT2_CAPTIONER, model, x, ids)
+    ours = vx.Explainer(model).explain_caption(x, method="attnlrp", caption=ids.tolist()).maps
+    assert ours.shape == theirs.shape == (2, 3, 32, 32)
     assert _close(ours, theirs) < RTOL
