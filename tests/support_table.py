@@ -186,6 +186,15 @@ def _levit_gains(model: nn.Module) -> nn.Module:
     return model
 
 
+def _levit_conv() -> nn.Module:
+    """``_levit`` in conv mode (``levit_conv_*``: (B, C, H, W) maps, 1 x 1 convs), with the same gains."""
+    from timm.models.levit import LevitDistilled
+
+    model = LevitDistilled(img_size=128, embed_dim=(32, 48, 64), key_dim=8, depth=(1, 1, 1), num_heads=(2, 2, 2),
+                           num_classes=5, use_conv=True)
+    return _levit_gains(model)
+
+
 def _levit() -> nn.Module:
     """A tiny LeViT whose linear and conv layers get N(0, 1 / fan_in) and attention biases N(0, 1):
     with timm's init (zero biases) each subsampling attention is near uniform, its outputs near
@@ -232,7 +241,7 @@ def _hf_sam2_hiera() -> nn.Module:
 def _mvitv2() -> nn.Module:
     from timm.models.mvitv2 import MultiScaleVit, MultiScaleVitCfg
 
-    return MultiScaleVit(MultiScaleVitCfg(depths=(1, 1), embed_dim=16, num_heads=1), img_size=64, num_classes=5)
+    return MultiScaleVit(MultiScaleVitCfg(depths=(1, 2), embed_dim=16, num_heads=1), img_size=64, num_classes=5)
 
 
 def _zoo(name: str) -> Callable[[], nn.Module]:
@@ -388,6 +397,8 @@ def rows() -> list[Row]:
         Row("timm PiT", "hierarchical", _timm_class("pit", "PoolingVisionTransformer", img_size=64, patch_size=8, stride=4, base_dims=(8, 8, 8), depth=(1, 1, 1), heads=(2, 2, 2), mlp_ratio=2, num_classes=5), s64, _POOL_TEST),
         # raw reads the first call: the random model's last-stage tokens are identical, its attention uniform
         Row("timm LeViT", "hierarchical", _levit, (128, 128), _POOL_TEST, options={"raw": {"layer": 0}}),
+        Row("timm LeViT, conv mode (levit_conv_*)", "hierarchical", _levit_conv, (128, 128),
+            f"{_POOL_TEST}, tests/test_hier_levit_conv.py", options={"raw": {"layer": 0}}),
         Row("torchvision MaxViT", "hierarchical", _torchvision_maxvit, s64, "tests/test_hier_more.py"),
         Row("timm Hiera (SAM 2's encoder family)", "hierarchical", _timm_class("hiera", "Hiera", img_size=64, embed_dim=16, num_heads=1, stages=(1, 2, 2, 1), mask_unit_size=(4, 4), q_pool=2, num_classes=5), s64, "tests/test_hier_more.py"),
         Row("timm HieraDet (sam2_hiera: SAM 2's image encoder, windows on the grid)", "hierarchical", _timm_class("hieradet_sam2", "HieraDet", embed_dim=16, num_heads=1, stages=(1, 2, 3), q_pool=2, window_spec=(4, 2, 3), global_att_blocks=(5,), global_pos_size=(4, 4), num_classes=5), s64, "tests/test_hier_sam2_timm.py"),

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import vitexplain as vx
+from peers import require
 
 
 @pytest.fixture(scope="module")
@@ -263,3 +264,29 @@ def test_a_size_the_patch_does_not_divide_says_which_sizes_work():
         ex.explain(torch.randn(1, 3, 50, 70), method="rollout")
     assert "224" not in str(info.value)
     assert ex.explain(torch.randn(1, 3, 48, 64), method="rollout").maps.shape == (1, 3, 4)  # the size it suggested
+
+
+@pytest.mark.parametrize("library", ["timm", "open_clip"])
+def test_patch_dropout_in_training_mode_is_refused_with_what_to_do(library):
+    """timm's and OpenCLIP's PatchDropout keep a random subset of the patches in training mode: the attention then
+    covers tokens no map can place (the refusal used to say the layout did not match, or that a token count was
+    wrong). In eval mode the same model is explained."""
+    torch.manual_seed(0)
+    if library == "timm":
+        from timm.models.vision_transformer import VisionTransformer
+
+        model = VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=3,
+                                  patch_drop_rate=0.5)
+        target = 1
+    else:
+        open_clip = require("open_clip", "pip install open_clip_torch ftfy")
+        model = open_clip.transformer.VisionTransformer(image_size=32, patch_size=8, width=32, layers=2, heads=2,
+                                                        mlp_ratio=2.0, output_dim=16, patch_dropout=0.5)
+        target = vx.targets.norm()
+    x = torch.rand(2, 3, 32, 32)
+    ex = vx.Explainer(model.train())
+    for method in ("rollout", "cdam"):
+        with pytest.raises(vx.UnsupportedModelError, match=r"drops 50% of the patch tokens .* call model.eval\(\)"):
+            ex.explain(x, method=method, target=target)
+    model.eval()
+    assert ex.explain(x, method="cdam", target=target).maps.shape == (2, 4, 4)

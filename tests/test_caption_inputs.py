@@ -67,6 +67,10 @@ def test_token_ids_as_tensor_or_numpy_equal_the_same_ids_as_lists():
             torch.testing.assert_close(got.maps, want.maps)
     with pytest.raises(UsageError, match="outside the vocabulary"):
         ex.explain_caption(x, method="cross", caption=torch.tensor([[3, 99], [5, 6]]))
+    with pytest.raises(UsageError, match="caption must be a string or a list"):  # (was a raw TypeError)
+        ex.explain_caption(x, method="cross", caption=7)
+    with pytest.raises(UsageError, match="got 3 captions for 2 images"):
+        ex.explain_caption(x, method="cross", caption=[[3], [4], [5]])
 
 
 def test_a_training_mode_captioner_is_left_as_found_and_warned_about():
@@ -145,3 +149,20 @@ def test_caption_figure_of_a_padded_encoder_matches_its_upsampled_maps():
     # the oracle: the figure of maps already on the image's pixels (upsample is checked above)
     want = caption_figure(image, e.tokens[0], e.upsample((50, 70))[0])
     np.testing.assert_array_equal(e.figure(0, image=image), want)
+
+
+def test_caption_gradients_run_inside_no_grad_and_are_refused_clearly_inside_inference_mode():
+    """Per-word maps that take gradients (cross_generic, attnlrp) equal, under the caller's torch.no_grad(), those
+    explained outside it (the method's backward used to fail: 'not part of an autograd graph'); inside
+    torch.inference_mode() a UsageError says to call it outside; gradient-free methods still run there."""
+    ex = vx.Explainer(vx.zoo.load("shapes-captioner"))
+    images = list(vx.data.shapes(2, seed=4).images)
+    want = ex.explain_caption(images, method=["cross", "cross_generic"], caption="red circle")
+    with torch.no_grad():
+        got = ex.explain_caption(images, method=["cross", "cross_generic"], caption="red circle")
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.maps, b.maps)
+    with torch.inference_mode(), pytest.raises(UsageError, match=r"cross_generic take\(s\) gradients.*inference_mode"):
+        ex.explain_caption(images, method=["cross", "cross_generic"], caption="red circle")
+    with torch.inference_mode():
+        torch.testing.assert_close(ex.explain_caption(images, method="cross", caption="red circle").maps, want[0].maps)

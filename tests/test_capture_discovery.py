@@ -232,3 +232,19 @@ def test_lanes_under_inference_mode_record_as_under_no_grad():
         assert [_key(r) for r in rec.records] == [_key(r) for r in reference.records]
         for r, s in zip(rec.records, reference.records):
             torch.testing.assert_close(r.probs(), s.probs(), atol=1e-6, rtol=0)
+
+
+def test_the_survey_walks_the_modules_as_named_modules_does():
+    """discovery's own walk (a stack, no generator per level) gives named_modules' modules, names and order,
+    with a module shared by two parents once (at its first place) and None children skipped."""
+    from torch import nn
+
+    from vitexplain.recording.discovery import _named_modules
+
+    shared = nn.Linear(2, 2)
+    model = nn.Sequential(nn.Sequential(shared, nn.ReLU()), nn.ModuleDict({"b": shared, "c": nn.Sequential(nn.Tanh())}))
+    model.add_module("gone", None)
+    model[1]["c"].add_module("inner", nn.Sequential(shared, nn.GELU()))
+    expected = [(name, id(m)) for name, m in model.named_modules()]
+    assert [(name, id(m)) for name, m in _named_modules(model)] == expected
+    assert len(expected) == 9 and expected[2][0] == "0.0"  # (the shared Linear once, where it is met first)

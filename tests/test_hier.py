@@ -258,3 +258,48 @@ def test_footprint_pull_equals_pooling_matrix_either_way(monkeypatch, dense_limi
         torch.testing.assert_close(footprint.pull(r), r @ expected, rtol=1e-12, atol=1e-12)
         r32 = r.float()
         torch.testing.assert_close(footprint.pull(r32), (r @ expected).float(), rtol=1e-6, atol=1e-7)
+
+
+def test_sam_refuses_a_size_its_patch_does_not_divide_naming_its_patch_and_a_size_that_fits():
+    """SAM's ViT takes any multiple of its 16 px patch (its position embedding is resampled): a 60 px input is
+    refused with that patch size and a multiple to use, not the 60 / 3 = 20 px a 3 x 3 grid's cells would
+    cover, nor 60 px itself."""
+    ex = vx.Explainer(build("sam"))
+    with pytest.raises(vx.InputError, match=r"its patch size 16x16 must divide the input.*e\.g\. 48x48"):
+        ex.explain(torch.randn(1, 3, 60, 60), method="rollout", target=1)
+    assert ex.adapter.layout((60, 60)).patch_size == ex.adapter.layout((48, 48)).patch_size == (16, 16)
+
+
+def test_raw_reads_each_head_of_a_call_whose_heads_are_folded_into_its_batch():
+    """SAM calls SDPA on (B * windows * heads, n, d): its record has one "head". raw's ``head`` option counts
+    the model's heads (2 here), negative from the last, each the mean over the call's queries of that head's
+    attention (oracle: the eager copy's per-head softmax, windows scattered), and refuses a third."""
+    model = build("sam")
+    x = images()
+    items, _ = dense_chain("sam", model, x, 1)
+    ex = vx.Explainer(model)
+    for layer in (0, 1):  # windowed, global
+        probs = items[layer].probs  # (B, 2, n, n)
+        for head in (0, 1, -1):
+            e = ex.explain(x, method="raw", target=1, layer=layer, head=head)
+            want = probs[:, head].mean(dim=1).view(x.shape[0], *e.maps.shape[1:])
+            assert_matches_oracle(e.maps, want, (layer, head))
+    with pytest.raises(vx.OptionError, match=r"'head' must be in \[-2, 1\].*2 heads"):
+        ex.explain(x, method="raw", layer=0, head=2)
+
+
+def test_gradient_methods_run_inside_no_grad_and_are_refused_clearly_inside_inference_mode():
+    """Inference code often runs under torch.no_grad(): explain enables gradients where its methods need them,
+    so the maps equal those explained outside it (the backward used to fail with torch's raw 'element 0 of
+    tensors does not require grad'). torch.inference_mode() cannot be overridden: a UsageError says so."""
+    ex = vx.Explainer(build("svt"))
+    x = images()
+    for method in ("generic", "cdam", "grad_rollout", "rollout"):
+        want = ex.explain(x, method=method, target=1).maps
+        with torch.no_grad():
+            got = ex.explain(x, method=method, target=1).maps
+        torch.testing.assert_close(got, want)
+    with torch.inference_mode(), pytest.raises(vx.UsageError, match=r"inference_mode.*outside"):
+        ex.explain(x, method="generic", target=1)
+    with torch.inference_mode():  # no gradient needed: it runs
+        assert ex.explain(x, method="rollout", target=1).maps.shape == (2, 16, 16)

@@ -138,3 +138,33 @@ def test_a_config_with_return_dict_false_is_explained_like_the_default(name):
     model.config.return_dict = False
     assert isinstance(model(pixel_values=x), tuple)
     torch.testing.assert_close(vx.Explainer(model).explain(x, method="rollout", target=target).maps, want)
+
+
+@pytest.mark.parametrize("kind", ["SamModel", "SamHQModel"])
+def test_sams_image_encoder_inside_the_full_model_is_explained_and_the_full_model_points_at_it(kind):
+    """A SAM (or SAM-HQ) checkpoint loads as the full model; its image encoder, ``model.vision_encoder``
+    (SamVisionEncoder / SamHQVisionEncoder), is SAM's ViT and is explained as SamVisionModel is (checked
+    against the dense oracle above): with the same weights the maps are equal, also for SamHQVisionModel.
+    The full model outputs masks decoded from prompts and is refused, naming the encoder to explain."""
+    vision = build("sam")
+    kwargs = {k: getattr(vision.config, k) for k in ("image_size", "hidden_size", "num_hidden_layers",
+                                                      "num_attention_heads", "global_attn_indexes", "window_size",
+                                                      "output_channels", "mlp_dim")}
+    config = getattr(transformers, kind.replace("Model", "Config"))(vision_config=kwargs)
+    full = getattr(transformers, kind)(config).eval()
+    full.vision_encoder.load_state_dict(vision.vision_encoder.state_dict())
+    with pytest.raises(vx.UnsupportedModelError, match=rf"{kind} is not supported.*vx\.Explainer\(model\.vision_encoder\)"):
+        vx.Explainer(full)
+    encoders = [full.vision_encoder]
+    if kind == "SamHQModel":
+        hq = transformers.SamHQVisionModel(transformers.SamHQVisionConfig(**kwargs)).eval()
+        hq.vision_encoder.load_state_dict(vision.vision_encoder.state_dict())
+        encoders.append(hq)
+    x = torch.randn(2, 3, *SIZE, generator=torch.Generator().manual_seed(1))
+    target = lambda pooled: pooled @ VECTOR.float()  # noqa: E731
+    for method in ("rollout", "generic", "cdam"):
+        want = vx.Explainer(vision).explain(x, method=method, target=target).maps
+        for encoder in encoders:
+            ex = vx.Explainer(encoder)
+            assert ex.family == "hier"
+            torch.testing.assert_close(ex.explain(x, method=method, target=target).maps, want)

@@ -148,3 +148,23 @@ def test_segformer_for_semantic_segmentation_is_refused_with_the_reason_and_what
         vx.Explainer(model)
     e = vx.Explainer(model.segformer).explain(torch.randn(1, 3, *SIZE), method="generic", target=vx.targets.norm())
     assert e.maps.shape == (1, 16, 16) == (1, *e.layout.grid)
+
+
+def test_raw_head_counts_the_heads_of_a_call_that_keeps_windows_where_heads_are():
+    """Hugging Face Hiera's calls are (B, heads, windows, n, d), recorded with the windows where a record keeps
+    heads: raw's ``head`` option counts the call's heads (1, 2, 2, 4, 4 here), not its windows. head=-1 of the
+    last call is its head 3 (oracle: the eager copy's softmax of that head); head 1 of the first call, which
+    has one head in 16 mask units, is refused as an option error."""
+    model = hf_hiera()
+    x = torch.randn(2, 3, *SIZE, generator=torch.Generator().manual_seed(1))
+    items, _, _, _ = dense_chain(model, x, _logit)
+    ex = vx.Explainer(model)
+    last = items[-1]  # global attention over stage 2's 16 tokens (unrolled order), 4 heads
+    # the model's own reroll of stage-2 tokens run on token indices: (4, 4), the unrolled index at each cell
+    where = model.hiera.encoder.reroll(torch.arange(16, dtype=torch.float64).view(1, 16, 1), 2)[0, ..., 0].long()
+    for head, index in ((-1, 3), (1, 1)):
+        unrolled = last.probs[:, index].mean(dim=1) @ last.keys  # (B, 16) the head's mean over its queries
+        e = ex.explain(x, method="raw", target=1, layer=-1, head=head)
+        assert_matches_oracle(e.maps, unrolled[:, where], head)
+    with pytest.raises(vx.OptionError, match=r"'head' must be in \[-1, 0\].*1 heads"):
+        ex.explain(x, method="raw", layer=0, head=1)

@@ -147,12 +147,15 @@ def test_torchvision_maxvit_matches_the_dense_float64_oracle():
     assert e.maps.shape == (2, *last)
 
 
-def crossvit() -> nn.Module:
+def crossvit(fusion: int = 0) -> nn.Module:
+    """Fusion depth 0 is timm's single cross-attention block per branch (every registered CrossViT); a depth
+    of 2 chains two, the second attending from the class token to itself alone (the first outputs only it)."""
     from timm.models.crossvit import CrossVit
 
     torch.manual_seed(0)
     return _reinit(CrossVit(img_size=48, img_scale=(1.0, 32 / 48), patch_size=(8, 16), embed_dim=(16, 32),
-                            depth=((1, 2, 0), (1, 1, 0)), num_heads=(2, 2), mlp_ratio=(2, 2, 1), num_classes=CLASSES))
+                            depth=((1, 2, fusion), (1, 1, fusion)), num_heads=(2, 2), mlp_ratio=(2, 2, 1),
+                            num_classes=CLASSES))
 
 
 def crossvit_chain(model, x, target):
@@ -172,20 +175,25 @@ def crossvit_chain(model, x, target):
                 da[:, :, part, part], dg[:, :, part, part] = a, g
                 items.append(DenseCall(da, dg, _eye(n), _eye(n)))
         for br in range(2):
-            a, g = next(taped)  # (B, H, 1, 1 + other patches): own (projected) class token, then the other's patches
-            other = 1 - br
-            cols = [off[br]] + list(range(off[other] + 1, off[other] + sizes[other]))
-            da = torch.zeros(b, a.shape[1], n, n, dtype=torch.float64)
-            dg = torch.zeros_like(da)
-            da[:, :, off[br], cols], dg[:, :, off[br], cols] = a[:, :, 0], g[:, :, 0]
-            items.append(DenseCall(da, dg, _eye(n), _eye(n)))
+            fusion = block.fusion[br]
+            for j in range(len(fusion) if isinstance(fusion, nn.Sequential) else 1):
+                # (B, H, 1, 1 + other patches): own (projected) class token, then the other's patches; a
+                # chained block after the first gets the class token alone: (B, H, 1, 1)
+                a, g = next(taped)
+                other = 1 - br
+                cols = [off[br]] + (list(range(off[other] + 1, off[other] + sizes[other])) if j == 0 else [])
+                da = torch.zeros(b, a.shape[1], n, n, dtype=torch.float64)
+                dg = torch.zeros_like(da)
+                da[:, :, off[br], cols], dg[:, :, off[br], cols] = a[:, :, 0], g[:, :, 0]
+                items.append(DenseCall(da, dg, _eye(n), _eye(n)))
     u = torch.zeros(b, n, dtype=torch.float64)
     u[:, off[0]] = u[:, off[1]] = 0.5  # the head averages both class tokens' logits
     return items, u, off, sizes
 
 
-def test_crossvit_branch_maps_match_the_joint_dense_oracle_and_say_how_they_combine():
-    model = crossvit()
+@pytest.mark.parametrize("fusion", [0, 2])
+def test_crossvit_branch_maps_match_the_joint_dense_oracle_and_say_how_they_combine(fusion):
+    model = crossvit(fusion)
     x = torch.randn(2, 3, 48, 48, generator=torch.Generator().manual_seed(1))
     items, u, off, sizes = crossvit_chain(model, x, target=1)
     ex = vx.Explainer(model)
@@ -204,3 +212,19 @@ def test_crossvit_branch_maps_match_the_joint_dense_oracle_and_say_how_they_comb
                 e.extras["branches"]["branch 1 (2x2)"][:, None], size=(6, 6), mode="bilinear")[:, 0] * (4 / 36))
     for branch, side in ((0, 6), (1, 2)):
         assert ex.explain(x, method="cdam", target=1, stage=branch).maps.shape == (2, side, side)
+
+
+def test_a_crossvit_branch_that_sees_a_centre_crop_is_refused_not_drawn_over_the_image():
+    """timm's crop_scale=True feeds the smaller branch a centre crop of the input: its map (attention methods and the
+    token methods) would cover the crop, not the image, so it is refused naming the branch that sees the whole image,
+    whose map runs and is the only one among the extras' branch maps (no combination with a cropped branch)."""
+    model = crossvit()
+    model.crop_scale = True  # (branch 1: 32 px of the 48 px input)
+    x = torch.randn(2, 3, 48, 48, generator=torch.Generator().manual_seed(1))
+    ex = vx.Explainer(model)
+    for method in ("rollout", "generic", "cdam"):
+        with pytest.raises(vx.UnsupportedMethodError, match=r"branch 1 .* sees a 32x32 centre crop .* stage=0"):
+            ex.explain(x, method=method, target=1, stage=1)
+    e = ex.explain(x, method="rollout", target=1, stage=0)
+    assert e.maps.shape == (2, 6, 6) and list(e.extras["branches"]) == ["branch 0 (6x6)"]
+    assert "combined" not in e.extras

@@ -25,6 +25,9 @@ KINDS = {
     # MaxxViT-V2: ConvNeXt blocks (strided depthwise conv) and grid attention only (no block attention)
     "maxxvitv2": ("maxxvitv2_nano_rw", dict(embed_dim=(16, 32, 32, 32), depths=(1, 2, 1, 1), stem_width=(16, 16))),
     "levit": ("levit_128s", dict(img_size=64, embed_dim=(32, 48, 64), depth=(1, 2, 1), num_heads=(2, 2, 2), key_dim=8)),
+    # conv mode: the same blocks on (B, C, H, W) maps (1 x 1 convs, an average pooling of kernel 1 subsamples queries)
+    "levit_conv": ("levit_conv_128s", dict(img_size=64, embed_dim=(32, 48, 64), depth=(1, 2, 1), num_heads=(2, 2, 2),
+                                           key_dim=8)),
     "mvit": ("mvitv2", dict(depths=(1, 2, 1, 2), embed_dim=16, num_heads=1)),
     "tnt": ("tnt_s_patch16_224", dict(img_size=64, depth=2)),
 }
@@ -117,7 +120,7 @@ def dense_chain(kind, model, x, target):
                     a, g = _windows(a, g, fn, grid, part.partition_size, b)
                     items.append(DenseCall(a, g, _eye(n), _eye(n)))
         return items, last_start, torch.full((b, n), 1.0 / n, dtype=torch.float64)
-    if kind == "levit":
+    if kind.startswith("levit"):
         grid = SIZE
         for conv in (m for m in model.stem.modules() if isinstance(m, nn.Conv2d)):
             grid = _out(grid, conv.kernel_size, conv.stride, conv.padding)
@@ -199,6 +202,92 @@ def test_a_stage_without_attention_on_its_own_grid_is_refused():
         ex.explain(x, method="generic", stage=-1)
 
 
+def test_mvit_cdam_on_a_stage_of_one_pooling_block_is_on_that_stages_grid():
+    """MViTv2 with depths (1, 2, 1, 1): stage 2 is a single block that pools stage 1's tokens, so the tokens on
+    stage 2's 4 x 4 grid that enter an attention are those of stage 3's pooling block (stage 3 has none).
+    S_i = d/de y when that block's input token i is scaled by (1 + e); the last stage is refused, as rollout
+    refuses it, instead of returning a map on the grid before it."""
+    from hier_oracle import token_derivative
+    from timm.models.mvitv2 import MultiScaleVit, MultiScaleVitCfg
+
+    torch.manual_seed(0)
+    model = MultiScaleVit(MultiScaleVitCfg(depths=(1, 2, 1, 1), embed_dim=16, num_heads=1), img_size=SIZE,
+                          num_classes=CLASSES).eval().double()
+    x = torch.randn(1, 3, *SIZE, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    ex = vx.Explainer(model)
+    e = ex.explain(x, method="cdam", target=0, stage=2)
+    assert e.maps.shape == (1, 4, 4) and e.layout.grid == (4, 4)
+    module = model.get_submodule("stages.3.blocks.0.norm1")
+    for t in range(16):
+        numeric = token_derivative(module, (t,), lambda: model(x)[0, 0])
+        assert abs(float(e.maps[0, t // 4, t % 4]) - numeric) <= 1e-6 + 1e-5 * abs(numeric), (t, numeric)
+    for method in ("cdam", "gradcam"):
+        with pytest.raises(vx.UnsupportedMethodError, match=r"stage 3 .*no attention call over a token grid.*\[0, 1, 2\]"):
+            ex.explain(x, method=method, target=0)
+
+
+def test_levit_cdam_on_a_first_stage_of_one_block_matches_finite_differences():
+    """LeViT depth (1, 2, 1): stage 0's one attention block reads the stem's tokens on the 4 x 4 grid (its
+    identity downsample passes them on). CDAM at stage 0 is S_i = d/de y when token i entering that block is
+    scaled by (1 + e); it used to be refused as if stage 0 had no attention."""
+    model = build("levit").double()
+    x = torch.randn(1, 3, *SIZE, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    e = vx.Explainer(model).explain(x, method="cdam", target=0, stage=0)
+    assert e.maps.shape == (1, 4, 4) and e.layout.grid == (4, 4)
+    module = model.get_submodule("stages.0.blocks.0")
+    for t in range(16):
+        numeric = _input_derivative(module, t, lambda: model(x)[0, 0])
+        assert abs(float(e.maps[0, t // 4, t % 4]) - numeric) <= 1e-6 + 1e-5 * abs(numeric), (t, numeric)
+
+
+def _input_derivative(module: nn.Module, t: int, score, eps: float = 1e-5) -> float:
+    """d score / de when token t of ``module``'s (B, N, C) input is scaled by (1 + e): a central difference."""
+    def at(step: float) -> float:
+        def scale(mod, args):
+            x = args[0].clone()
+            x[:, t] *= 1 + step
+            return (x, *args[1:])
+
+        handle = module.register_forward_pre_hook(scale)
+        try:
+            with torch.no_grad():
+                return float(score())
+        finally:
+            handle.remove()
+
+    return (at(eps) - at(-eps)) / (2 * eps)
+
+
+_POOLED = {
+    "samvit": ("samvit_base_patch16", dict(img_size=64, depth=2, embed_dim=32, num_heads=2, global_attn_indexes=(1,),
+                                            window_size=3, neck_chans=16)),
+    "maxvit": ("maxvit_tiny_tf_224", dict(img_size=64, embed_dim=(32, 32, 32, 32), depths=(1, 1, 1, 1))),
+    "hiera": ("hiera_tiny_224", dict(img_size=64, embed_dim=16, num_heads=1, stages=(1, 1, 1, 2))),
+}
+_READOUT = ("raw", "rollout", "grad_rollout", "generic")
+
+
+@pytest.mark.parametrize("kind", list(_POOLED))
+def test_a_head_pooling_its_last_tokens_other_than_by_their_mean_refuses_the_attention_methods(kind):
+    """The attention methods start from the row the head reads: the mean of the last tokens for these models.
+    Built with global_pool='max' (or 'avgmax') the head reads something else, and their maps would silently
+    explain the mean: they are refused with the reason, while CDAM (the gradient of the model's own output)
+    still runs and is the default; global_pool='avg' keeps them."""
+    name, kwargs = _POOLED[kind]
+    x = torch.randn(1, 3, *SIZE, generator=torch.Generator().manual_seed(1))
+    for pool in ("max", "avgmax"):
+        torch.manual_seed(0)
+        ex = vx.Explainer(timm.create_model(name, pretrained=False, num_classes=CLASSES, global_pool=pool, **kwargs).eval())
+        assert not set(_READOUT) & set(ex.methods()) and "cdam" in ex.methods()
+        for method in _READOUT:
+            with pytest.raises(vx.UnsupportedMethodError, match=rf"global_pool='{pool}'.*mean of its last tokens"):
+                ex.explain(x, method=method, target=1)
+        e = ex.explain(x, target=1)
+        assert e.method == "cdam" and e.maps.shape == (1, *e.layout.grid)
+    ex = vx.Explainer(timm.create_model(name, pretrained=False, num_classes=CLASSES, global_pool="avg", **kwargs).eval())
+    assert set(_READOUT) <= set(ex.methods())
+
+
 def test_tnt_gives_one_map_per_image():
     model = build("tnt")
     x = torch.randn(3, 3, *SIZE)
@@ -209,11 +298,14 @@ def test_tnt_gives_one_map_per_image():
         assert e.maps.shape == (3, 4, 4), method
 
 
-@pytest.mark.parametrize("kind", ["levit", "mvit", "torchvision-maxvit"])
+@pytest.mark.parametrize("kind", ["levit", "levit_conv", "mvit", "torchvision-maxvit", "maxvit"])
 def test_a_model_built_for_one_size_gets_its_images_at_that_size_and_other_sizes_are_refused(kind):
     """LeViT's attention biases, MViTv2's relative position tables and torchvision MaxViT's partitions are
     built for one image size (64 px here, not their registered 224): images are preprocessed to it, and a
-    tensor of another size is refused with the size to use instead of the model's own shape error."""
+    tensor of another size is refused with the size to use instead of the model's own shape error. timm
+    MaxViT's window and grid partitions are sized from its ``img_size`` (2 x 2 at 64 px): its images are
+    preprocessed to that size too (at 224 px its last 7 x 7 grid does not split into them), and a size
+    whose grids they do not divide (64 x 96: a 2 x 3 last grid) is refused, not met with timm's assertion."""
     if kind == "torchvision-maxvit":
         import support_table
 

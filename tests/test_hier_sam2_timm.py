@@ -100,12 +100,25 @@ def test_hieradet_cdam_matches_finite_differences(stage):
 
 def test_timm_sam2_hiera_is_recognised_and_max_pooling_heads_are_refused():
     """The registered build at a size its windows tile (its smallest: 224 px; pretrained 896), and the
-    global_pool='max' build refused with the reason (the readout is no longer the tokens' mean)."""
+    global_pool='max' build's attention methods refused with the reason (the readout is no longer the
+    tokens' mean); its token methods still apply."""
     model = timm.create_model("sam2_hiera_tiny", pretrained=False, num_classes=3).eval()
     ex = vx.Explainer(model)
     assert ex.family == "hier" and len(ex.adapter.token_sites) == 4
     e = ex.explain(torch.randn(2, 3, 224, 224, generator=torch.Generator().manual_seed(4)), method="rollout", target=0)
     assert e.maps.shape == (2, 56, 56) == (2, *e.layout.grid) and bool(torch.isfinite(e.maps).all())
-    maxed = timm.create_model("sam2_hiera_tiny", pretrained=False, num_classes=3, global_pool="max")
-    with pytest.raises(vx.UnsupportedModelError, match=r"global_pool='max'.*mean of its last tokens"):
-        vx.Explainer(maxed)
+    maxed = vx.Explainer(timm.create_model("sam2_hiera_tiny", pretrained=False, num_classes=3, global_pool="max"))
+    assert "cdam" in maxed.methods() and "generic" not in maxed.methods()
+    with pytest.raises(vx.UnsupportedMethodError, match=r"global_pool='max'.*mean of its last tokens"):
+        maxed.plan(method="generic")
+
+
+def test_hieradet_refuses_a_size_its_window_position_embedding_does_not_tile_and_takes_one_it_does():
+    """HieraDet tiles its window position embedding (4 x 4 here) over the stage-0 token grid: at 60 px the
+    15 x 15 grid does not tile, and timm fails with a shape error; vitexplain says which size to use. At
+    80 px (a 20 x 20 grid) the model runs, and so does the explanation, on that grid."""
+    ex = vx.Explainer(tiny())
+    with pytest.raises(vx.InputError, match=r"does not take a 60x60 input .*expects \d+x\d+ images"):
+        ex.explain(torch.randn(1, 3, 60, 60), method="rollout", target=1)
+    e = ex.explain(torch.randn(1, 3, 80, 80), method="rollout", target=1)
+    assert e.maps.shape == (1, 20, 20) == (1, *e.layout.grid)

@@ -87,3 +87,23 @@ def test_sam3_images_are_preprocessed_as_its_image_processor_does():
     image = rng.integers(0, 255, (*SIZE, 3), dtype=np.uint8)
     torch.testing.assert_close(ex.preprocess([image])[0], processor([image], return_tensors="pt").pixel_values,
                                rtol=0, atol=1e-6)
+
+
+def test_sam3_vision_model_and_full_model_are_refused_naming_the_backbone_which_is_explained():
+    """Sam3VisionModel wraps the ViT backbone with a feature-pyramid neck (its fpn_hidden_states are what SAM 3
+    reads) and Sam3Model decodes masks from prompts: both are refused with the reason and the module to explain
+    (they used to get the generic 'does not know how to explain'), and that module is explained."""
+    backbone = build().config
+    vision = transformers.Sam3VisionConfig(backbone_config=backbone, fpn_hidden_size=16)
+    torch.manual_seed(0)
+    model = transformers.Sam3VisionModel(vision).eval()
+    with pytest.raises(vx.UnsupportedModelError, match=r"Sam3VisionModel is not supported.*feature pyramid.*"
+                                                       r"vx\.Explainer\(model\.backbone\)"):
+        vx.Explainer(model)
+    e = vx.Explainer(model.backbone).explain(torch.randn(2, 3, *SIZE), method="generic", target=vx.targets.norm())
+    assert e.maps.shape == (2, 8, 8) == (2, *e.layout.grid)
+    with torch.device("meta"):  # the full model's text and detection parts are large: its detection only is checked
+        full = transformers.Sam3Model(transformers.Sam3Config(vision_config=vision))
+    with pytest.raises(vx.UnsupportedModelError, match=r"Sam3Model is not supported.*masks decoded from prompts.*"
+                                                       r"vx\.Explainer\(model\.vision_encoder\.backbone\)"):
+        vx.Explainer(full)

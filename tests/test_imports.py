@@ -137,6 +137,7 @@ RANK = {
     "adapters": 6,
     "plan": 7, "sizes": 7,  # sizes: a model's refusal of an input size as an InputError (the explainer's)
     "vlm": 7.5,  # explain_caption of vision-language models (the explainer calls it)
+    "captioner": 7.5,  # explain_caption of captioners (the explainer calls it)
     "explainer": 8, "facade": 8,
     "explorer": 9,
     "batch": 10,

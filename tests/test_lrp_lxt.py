@@ -68,6 +68,54 @@ _HF = _PRELUDE + textwrap.dedent("""
 """)
 
 
+_AIMV2 = _PRELUDE + textwrap.dedent("""
+    import torch.nn.functional as F
+    from lxt.efficient.rules import divide_gradient, stop_gradient
+    from transformers.models.aimv2 import modeling_aimv2 as aimv2
+    sdpa = F.scaled_dot_product_attention
+    cp = sys.argv[3] == "cp_lrp"
+
+    def lrp_sdpa(q, k, v, *args, **kwargs):  # the encoder's and the pooling head's attention
+        if cp:
+            q, k = stop_gradient(q), stop_gradient(k)
+        else:
+            q, k, v = divide_gradient(q, 4), divide_gradient(k, 4), divide_gradient(v, 2)
+        return sdpa(q, k, v, *args, **kwargs)
+
+    F.scaled_dot_product_attention = lrp_sdpa
+    assert patches.patch_method(patches.rms_norm_forward, aimv2.Aimv2RMSNorm)
+    assert patches.patch_method(patches.gated_mlp_forward, aimv2.Aimv2MLP)
+    x = x.clone().requires_grad_(True)
+    (model(pixel_values=x).pooler_output * target).sum().backward()  # target: a readout vector (D,)
+    torch.save((x * x.grad).detach().sum(1), sys.argv[2])
+""")
+
+
+_GPT2_CAPTIONER = _PRELUDE + textwrap.dedent("""
+    import torch.nn.functional as F
+    from lxt.efficient.rules import divide_gradient
+    from transformers import activations
+    sdpa = F.scaled_dot_product_attention
+
+    def lrp_sdpa(q, k, v, *args, **kwargs):  # encoder self-, decoder self- and cross-attention
+        return sdpa(divide_gradient(q, 4), divide_gradient(k, 4), divide_gradient(v, 2), *args, **kwargs)
+
+    F.scaled_dot_product_attention = lrp_sdpa
+    assert patches.patch_method(patches.layer_norm_forward, torch.nn.LayerNorm)
+    for cls in (activations.GELUActivation, activations.NewGELUActivation):  # ViT's GELU, GPT-2's tanh GELU
+        assert patches.patch_method(patches.non_linear_forward, cls, keep_original=True)
+    x = x.clone().requires_grad_(True)
+    start = torch.full_like(target[:, :1], model.config.decoder_start_token_id)
+    logits = model(pixel_values=x, decoder_input_ids=torch.cat([start, target[:, :-1]], 1)).logits
+    scores = logits.gather(2, target[..., None])[..., 0]  # (B, T): word t's logit at position t
+    maps = []
+    for t in range(scores.shape[1]):
+        (grad,) = torch.autograd.grad(scores[:, t].sum(), x, retain_graph=True)
+        maps.append((x * grad).detach().sum(1))
+    torch.save(torch.stack(maps, 1), sys.argv[2])
+""")
+
+
 def _lxt(tmp_path, code: str, model, x, target, *extra: str) -> torch.Tensor:
     """lxt's relevance (B, H, W) of ``model`` on ``x`` for ``target`` (B,), computed in a subprocess."""
     inputs, out = tmp_path / "inputs.pt", tmp_path / "relevance.pt"
@@ -147,4 +195,40 @@ def test_gamma_rules_equal_zennit(gamma):
         out = modified(xg)
         (grad,) = torch.autograd.grad(out, xg, torch.nn.functional.one_hot(target, 3).float() * out)
     theirs = grad  # zennit's rules propagate the relevance itself as the "gradient"
+    assert _close(ours, theirs) < RTOL
+
+
+def test_equals_lxt_module_patches_on_hf_aimv2(tmp_path):
+    """AIMv2 writes its RMSNorm out in Python and gates its MLP with a SiLU module: lxt patches those classes
+    (``rms_norm_forward``, ``gated_mlp_forward``), vitexplain applies its rules to the module (the RMSNorm as a
+    whole) and to the calls inside (the product, the SiLU) on the unchanged model."""
+    from transformers import Aimv2VisionConfig, Aimv2VisionModel
+
+    torch.manual_seed(0)
+    config = Aimv2VisionConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                               image_size=32, patch_size=8)
+    model = Aimv2VisionModel(config).eval()
+    with torch.no_grad():  # RMSNorm weights start at 1: spread them so the norms' rule is visible
+        for module in model.modules():
+            if type(module).__name__.endswith("RMSNorm"):
+                module.weight.normal_(1.0, 0.3)
+    x, readout = torch.randn(2, 3, 32, 32), torch.randn(32)
+    theirs = _lxt(tmp_path, _AIMV2, model, x, readout, "attnlrp")
+    ours = vx.Explainer(model).explain(x, method="attnlrp", target=lambda out: (vx.targets.embedding_of(out) * readout).sum(-1)).maps
+    assert ours.shape == theirs.shape == (2, 32, 32)
+    assert _close(ours, theirs) < RTOL
+
+
+def test_equals_lxt_module_patches_on_a_gpt2_captioner(tmp_path):
+    """Per-word AttnLRP on a VisionEncoderDecoder with a GPT-2 decoder, whose GELU (``NewGELUActivation``) is
+    written out in Python: lxt patches the activation class with its identity rule; vitexplain applies the rule to
+    the module as a whole on the unchanged model."""
+    from support_table import _vision_encoder_decoder
+
+    torch.manual_seed(0)
+    model = _vision_encoder_decoder().eval()
+    x, ids = torch.randn(2, 3, 32, 32), torch.tensor([[5, 6, 7], [8, 9, 10]])
+    theirs = _lxt(tmp_path, _GPT2_CAPTIONER, model, x, ids)
+    ours = vx.Explainer(model).explain_caption(x, method="attnlrp", caption=ids.tolist()).maps
+    assert ours.shape == theirs.shape == (2, 3, 32, 32)
     assert _close(ours, theirs) < RTOL

@@ -12,6 +12,7 @@ from torch import nn
 
 import vitexplain as vx
 from vitexplain import metrics as M
+from vitexplain.metrics.seeding import image_seeds
 
 
 def _twin_cnn():
@@ -95,9 +96,10 @@ def test_smooth_mprt_reference_is_the_mean_over_the_documented_noise():
     x = torch.randn(2, 3, 8, 8)
     explain = _grad_x_input(x)
     res = M.smooth_mprt(model, explain, x, samples=4, noise=0.2, seed=9, absolute=False, return_maps=True)
-    gen = torch.Generator().manual_seed(9)
+    gens = [torch.Generator().manual_seed(s) for s in image_seeds(x, 9)]  # one per image, by its values
     sigma = (0.2 * (x.flatten(1).amax(1) - x.flatten(1).amin(1))).view(-1, 1, 1, 1)
-    want = torch.stack([explain(model, x + sigma * torch.randn(x.shape, generator=gen)) for _ in range(4)]).mean(0)
+    noise = [torch.stack([torch.randn(x.shape[1:], generator=g) for g in gens]) for _ in range(4)]
+    want = torch.stack([explain(model, x + sigma * eps) for eps in noise]).mean(0)
     assert torch.allclose(res.reference, want, atol=1e-6)
     assert res.layers == ["0", "2", "6"]  # bottom-up: input side first
     assert res.correlations.shape == (3, 2) and res.maps.shape == (3, 2, 8, 8)

@@ -21,6 +21,7 @@ from torch import nn
 
 import vitexplain as vx
 from vitexplain import metrics as M
+from vitexplain.metrics.seeding import image_seeds
 
 from peers import require
 
@@ -117,10 +118,9 @@ def test_max_and_avg_sensitivity_match_quantus_on_the_same_noise():
         return torch.tanh(3 * images * w).sum(1)
 
     radius, samples, seed = 0.1, 7, 3
-    replay = torch.Generator()
 
-    def perturb(arr, indices, **kwargs):  # our documented draws, in order
-        delta = (2 * torch.rand((b, c, s, s), generator=replay) - 1) * radius
+    def perturb(arr, indices, **kwargs):  # our documented draws, in order, from each image's generator
+        delta = torch.stack([(2 * torch.rand((c, s, s), generator=g) - 1) * radius for g in replay])
         return _np(torch.as_tensor(arr).view(b, c, s, s) + delta).reshape(arr.shape)
 
     def q_explain(model, inputs, targets, **kwargs):
@@ -128,7 +128,7 @@ def test_max_and_avg_sensitivity_match_quantus_on_the_same_noise():
 
     model = nn.Sequential(nn.Flatten(), nn.Linear(c * s * s, 2)).eval()
     for metric, ours in ((quantus.MaxSensitivity, M.max_sensitivity), (quantus.AvgSensitivity, M.avg_sensitivity)):
-        replay.manual_seed(seed)
+        replay = [torch.Generator().manual_seed(k) for k in image_seeds(x, seed)]
         q = metric(nr_samples=samples, perturb_func=perturb, disable_warnings=True)(
             model=model, x_batch=_np(x), y_batch=np.zeros(b, dtype=int), a_batch=_np(explain(x)[:, None]),
             explain_func=q_explain, device="cpu",

@@ -10,6 +10,7 @@ import torch
 
 import vitexplain as vx
 from vitexplain import metrics as M
+from vitexplain.metrics.seeding import image_seeds
 
 
 def _images(b=3, c=2, size=32, seed=0):
@@ -29,9 +30,10 @@ def test_linear_explanation_matches_the_oracle_and_the_expected_norm():
     radius, samples, seed = 0.1, 200, 7
     explain = lambda images: 3.0 * images[:, 0]  # noqa: E731 - Phi(x) = 3 x_0, so Phi(x + d) - Phi(x) = 3 d_0
     got = M.sensitivities(explain, x, radius=radius, samples=samples, seed=seed)
-    # oracle: redraw the documented noise, one torch.rand(images.shape) per sample from the seeded generator
-    gen = torch.Generator().manual_seed(seed)
-    deltas = torch.stack([(2 * torch.rand(x.shape, generator=gen) - 1) * radius for _ in range(samples)])
+    # oracle: redraw the documented noise, one torch.rand(image.shape) per sample from each image's generator
+    gens = [torch.Generator().manual_seed(s) for s in image_seeds(x, seed)]
+    deltas = torch.stack([torch.stack([(2 * torch.rand(x.shape[1:], generator=g) - 1) * radius for g in gens])
+                          for _ in range(samples)])
     want = deltas[:, :, 0].flatten(2).norm(dim=2) / x[:, 0].flatten(1).norm(dim=1)
     assert torch.allclose(got, want, rtol=1e-5)
     assert torch.equal(M.max_sensitivity(explain, x, radius=radius, samples=samples, seed=seed), got.amax(0))

@@ -174,3 +174,13 @@ def test_clip_models_with_a_timm_or_resnet_tower_are_refused_with_what_to_do():
     expected = (kept[0] * kept[0].grad).sum(-1)[:, 1:].reshape(2, 14, 14).detach()
     assert float(expected.abs().max()) > 0
     torch.testing.assert_close(maps, expected, rtol=1e-4, atol=1e-6 * float(expected.abs().max()))
+
+
+@pytest.mark.parametrize("kind", ["parallel", "cascade"])
+def test_a_tower_with_two_attention_poolers_is_refused_for_what_it_is(kind):
+    """attentional_pool='parallel' / 'cascade' set pool_type='none' inside open_clip, but the tower does pool (the
+    refusal said it returned every token): the refusal names the pooling."""
+    tower = VisionTransformer(image_size=32, patch_size=8, width=32, layers=2, heads=2, mlp_ratio=2.0, output_dim=16,
+                              attentional_pool=kind, attn_pooler_queries=4, attn_pooler_heads=2).eval()
+    with pytest.raises(vx.UnsupportedModelError, match=f"attentional_pool='{kind}' .* attentional_pool=True"):
+        vx.Explainer(tower)

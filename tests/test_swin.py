@@ -661,3 +661,23 @@ def test_hugging_face_swin_v1_keeps_its_shifts_after_an_input_whose_grid_equals_
         torch.testing.assert_close(ours.maps, theirs.maps)
     for ours, theirs in zip(ex.explain(x, method=names), vx.Explainer(fresh).explain(x, method=names)):
         torch.testing.assert_close(ours.maps, theirs.maps)
+
+
+@pytest.mark.parametrize("kind", ["timm", "timm2", "timmcr"])
+def test_a_max_pooling_head_refuses_the_methods_that_start_from_the_mean_readout(kind):
+    """timm's Swins take global_pool='max': the head then reads the channel-wise maximum of the last tokens,
+    not the mean raw, rollout, grad_rollout, generic and attention Grad-CAM start from, so those are refused
+    with the reason; CDAM (the gradient of the model's own output) and LeGrad (the model's own head on each
+    block's tokens) still apply, and LeGrad is the default."""
+    cls = {"timm": SwinTransformer, "timm2": SwinTransformerV2, "timmcr": SwinTransformerV2Cr}[kind]
+    torch.manual_seed(0)
+    model = cls(img_size=(32, 32), patch_size=4, window_size=4, num_classes=CLASSES, embed_dim=16, depths=(1, 1),
+                num_heads=(1, 2), global_pool="max").eval()
+    ex = vx.Explainer(model)
+    x = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    for method in ("raw", "rollout", "grad_rollout", "generic", "attn_gradcam"):
+        with pytest.raises(vx.UnsupportedMethodError, match=r"global_pool='max'.*mean of its last tokens"):
+            ex.explain(x, method=method, target=1)
+    assert {"cdam", "legrad"} <= set(ex.methods())
+    e = ex.explain(x, target=1)
+    assert e.method == "legrad" and e.maps.shape == (1, *e.layout.grid)

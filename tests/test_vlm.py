@@ -34,9 +34,16 @@ def test_the_model_is_left_as_found(name):
 
 
 
-def test_qwen_without_mm_token_type_ids_is_an_error():
-    """Without them generate silently falls back to 1-D positions; the adapter refuses instead."""
-    model, proc = helpers.BUILDERS["qwen2_vl"]()
+@pytest.mark.parametrize("name, dropped, reason", [
+    ("qwen2_vl", "mm_token_type_ids", "M-RoPE"),  # without them generate silently falls back to 1-D positions
+    ("paligemma", "token_type_ids", "prefix mask"),
+    ("gemma4", "mm_token_type_ids", "mask"),
+    ("gemma4", "image_position_ids", "positions"),
+])
+def test_a_processor_output_the_model_needs_missing_is_an_error(name, dropped, reason):
+    """A processor (or a user's wrapper) that leaves out an input the model reads (positions, token types for its
+    mask) would let the model run on defaults and explain another computation: the adapter refuses, naming it."""
+    model, proc = helpers.BUILDERS[name]()
 
     class Dropping:
         def __init__(self, inner):
@@ -45,10 +52,10 @@ def test_qwen_without_mm_token_type_ids_is_an_error():
 
         def __call__(self, **kwargs):
             batch = self.inner(**kwargs)
-            del batch["mm_token_type_ids"]
+            del batch[dropped]
             return batch
 
-    with pytest.raises(vx.UnsupportedModelError, match="mm_token_type_ids"):
+    with pytest.raises(vx.UnsupportedModelError, match=f"gave no {dropped}, which .* needs .*{reason}"):
         vx.Explainer(model, processor=Dropping(proc)).explain_caption(helpers.images(8), prompt="what is", max_len=2)
 
 

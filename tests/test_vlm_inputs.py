@@ -216,3 +216,20 @@ def test_gradient_methods_on_a_frozen_model(name):
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
     assert not any(p.requires_grad or p.grad is not None for p in model.parameters())
     assert not any(m._forward_hooks for m in model.modules())
+
+
+def test_vlm_gradients_run_inside_no_grad_and_are_refused_clearly_inside_inference_mode(llava):
+    """cross_grad / cross_generic under the caller's torch.no_grad() equal the maps explained outside it; inside
+    torch.inference_mode() a UsageError says to call explain_caption outside it (cross alone runs there)."""
+    images = helpers.images(2)
+    methods = ["cross", "cross_grad", "cross_generic"]
+    want = llava.explain_caption(images, method=methods, prompt="what is", caption="red circle")
+    with torch.no_grad():
+        got = llava.explain_caption(images, method=methods, prompt="what is", caption="red circle")
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.image_maps, b.image_maps)
+    with torch.inference_mode(), pytest.raises(vx.UsageError, match=r"cross_grad, cross_generic take\(s\) gradients"):
+        llava.explain_caption(images, method=methods, prompt="what is", caption="red circle")
+    with torch.inference_mode():
+        alone = llava.explain_caption(images, method="cross", prompt="what is", caption="red circle")
+    torch.testing.assert_close(alone.image_maps, want[0].image_maps)

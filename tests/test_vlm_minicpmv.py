@@ -53,7 +53,7 @@ def test_a_processor_without_the_pieces_patch_grids_is_refused_with_what_to_do(b
             del out[self.key]
             return out
 
-    with pytest.raises(vx.UnsupportedModelError, match=r"no target_sizes.* MiniCPMV4_[67]Processor"):
+    with pytest.raises(vx.UnsupportedModelError, match=r"no target_sizes, which MiniCPMV4_[67]ForConditionalGeneration needs"):
         vx.Explainer(model, processor=Dropping("target_sizes")).explain_caption(helpers.images(1)[:1], prompt="what is")
     if name == "minicpmv4_7":  # its canvas positions: without them generate would silently use 1-D positions
         with pytest.raises(vx.UnsupportedModelError, match="no mm_token_type_ids"):

@@ -48,5 +48,5 @@ class _Dropping:
 def test_a_processor_without_the_image_token_types_is_refused_with_what_to_do(built):
     name, model, proc = built
     ex = vx.Explainer(model, processor=_Dropping(proc, "mm_token_type_ids"))
-    with pytest.raises(vx.UnsupportedModelError, match="no mm_token_type_ids.* Molmo2Processor"):
+    with pytest.raises(vx.UnsupportedModelError, match="no mm_token_type_ids, which Molmo2ForConditionalGeneration needs"):
         ex.explain_caption(helpers.images(1)[:1], prompt="what is")

@@ -17,7 +17,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import Tensor, nn
 
-from .errors import InputError, NumericalError, TargetError
+from .errors import InputError, NumericalError, TargetError, UnsupportedModelError, UsageError
 
 __all__ = ["channels_of", "input_channels", "check_batch", "check_tensor_input", "check_finite_scores", "check_finite_maps", "checked_score", "differentiable",
            "model_dtype", "model_device", "warn_training", "buffers_kept"]
@@ -172,6 +172,40 @@ def input_channels(model: nn.Module, preprocess_kwargs: dict[str, Any]) -> int:
     while their normalisation settings keep three values), else :func:`channels_of`."""
     first = next((m for m in model.modules() if isinstance(m, nn.Conv2d)), None)
     return int(first.in_channels) if first is not None else channels_of(preprocess_kwargs)
+
+
+def check_gradients_allowed(methods: Any, entry: str) -> None:
+    """Refuse methods that take gradients inside ``torch.inference_mode()`` (which cannot be switched off inside it;
+    ``torch.no_grad()`` can, and vitexplain enables gradients where its methods need them).
+
+    Args:
+        methods: the names of the methods that take gradients (nothing to check when empty).
+        entry: the call, for the message (``"explain"``, ``"explain_caption"``).
+
+    Raises:
+        UsageError: gradients are needed and inference mode is on.
+    """
+    if methods and torch.is_inference_mode_enabled():
+        raise UsageError(
+            f"{', '.join(methods)} take(s) gradients, which torch.inference_mode() forbids (it cannot be switched off "
+            f"inside); call {entry} outside inference_mode (torch.no_grad() is fine: vitexplain enables gradients "
+            "where its methods need them)")
+
+
+def check_patch_dropout(model: nn.Module) -> None:
+    """Refuse a model that drops patch tokens at random in training mode (timm's and OpenCLIP's ``PatchDropout``):
+    its attention covers a random subset of the patches, which no map over the image can place.
+
+    Raises:
+        UnsupportedModelError: a ``PatchDropout`` module with ``prob > 0`` is in training mode.
+    """
+    if not model.training:
+        return
+    for name, module in model.named_modules():
+        if type(module).__name__ == "PatchDropout" and module.training and float(getattr(module, "prob", 0.0) or 0.0) > 0:
+            raise UnsupportedModelError(
+                f"{name} drops {float(module.prob):.0%} of the patch tokens at random (patch dropout, training mode), "
+                "so the attention covers patches no map can place; call model.eval() first")
 
 
 def warn_training(model: nn.Module, stacklevel: int) -> None:

@@ -14,25 +14,24 @@ The model is never modified: no eval()/train() switch, no eager attention, no ho
 from __future__ import annotations
 
 import contextlib
-import numbers
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union, overload
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .adapters import Adapter, adapter_for, preprocessing
-from .checks import (buffers_kept, check_batch, input_channels, check_finite_maps, check_finite_scores,
-                     check_tensor_input, checked_score, model_device, model_dtype, warn_training)
+from .checks import (buffers_kept, check_batch, check_finite_maps, check_finite_scores, check_gradients_allowed,
+                     check_patch_dropout, check_tensor_input, checked_score, input_channels, model_device, model_dtype,
+                     warn_training)
 from .errors import InputError, UnsupportedMethodError, UnsupportedModelError, UsageError
 from .methods.families import Family
-from .plan import MethodArg, Plan, applicable, capture_settings, make_plan, split_options
+from .plan import MethodArg, Plan, applicable, make_plan, split_options
 from .recording import capture, hooks_paused
-from .recording.graph import embeddings_in_graph
 from .recording.materialize import check_mode
 from .results import CaptionExplanation, Explanation
+from .captioner import explain_captioner
 from .sizes import run_sized
 from .targets import TargetSpec, logits_of, resolve
 
@@ -186,6 +185,7 @@ class Explainer:
         plan = self._plan_for("explain", method, options)
         x, images_seen, boxes, sources = self._inputs(images)
         model = self.adapter.model
+        check_patch_dropout(model)
         warn_training(model, stacklevel=3)
         unused = plan.unused_target(target)
         if unused is not None:
@@ -200,8 +200,9 @@ class Explainer:
         settings = plan.capture
         # a method with forward rules (LRP) alone in the call: the forward runs under its rules
         alone = plan.steps[0].spec if len(plan.steps) == 1 and plan.steps[0].spec.forward_rules else None
-        rules = alone.forward_rules(plan.steps[0].options) if alone else contextlib.nullcontext()
+        rules = alone.forward_rules(plan.steps[0].options, model) if alone else contextlib.nullcontext()
         grads = settings.grads or alone is not None
+        check_gradients_allowed(plan.names if grads else (), "explain")
         x_in = x.detach()
         if grads:
             x_in.requires_grad_(True)
@@ -214,7 +215,8 @@ class Explainer:
         check_finite_scores(score, outputs)
         shared = (rules, score) if alone else None
         if settings.grads:
-            rec.backward(checked_score(score), retain_graph=settings.retain_graph)
+            with torch.enable_grad():  # also under the caller's torch.no_grad()
+                rec.backward(checked_score(score), retain_graph=settings.retain_graph)
         layout = self.adapter.layout(tuple(x.shape[-2:])) if hasattr(self.adapter, "layout") else None
         try:
             logits = logits_of(outputs).detach()
@@ -225,7 +227,9 @@ class Explainer:
             ctx = plan.family.context(self.adapter, x_in, outputs, resolved, rec, layout, method=step.name)
             if shared is not None:
                 ctx.shared = shared
-            with hooks_paused():  # a method's own pass over the graph (LeGrad) adds nothing to the records
+            # a method's own pass over the graph (LeGrad) adds nothing to the records; one taking gradients
+            # takes them also under the caller's torch.no_grad()
+            with hooks_paused(), torch.set_grad_enabled(grads or torch.is_grad_enabled()):
                 maps = step.spec.fn(ctx, **step.options)
             extras: dict[str, Any] = {}
             if isinstance(maps, tuple):  # a method may return (maps, extras)
@@ -299,66 +303,11 @@ class Explainer:
         if prompt is not None:
             raise UsageError(f"prompt= is for vision-language models; {type(self.model).__name__} captions without one")
         x, regions, _, sources = self._inputs(images)
+        check_patch_dropout(self.adapter.model)
         warn_training(self.adapter.model, stacklevel=3)
         with buffers_kept(self.adapter.model):  # a training-mode forward updates batch-norm statistics: put them back
-            results = self._explain_caption_batch(plan, x, regions, sources, caption, max_len)
+            results = explain_captioner(self.adapter, plan, x, regions, sources, caption, max_len, self.attention_mode)
         return results[0] if plan.single else results
-
-    def _explain_caption_batch(self, plan: Plan, x: Tensor, regions: Any, sources: Any, caption: Any,
-                               max_len: int) -> list[CaptionExplanation]:
-        """One :class:`CaptionExplanation` per step of ``plan`` for the (B, 3, H, W) input ``x``."""
-        adapter = self.adapter
-        generated = None
-        positions = getattr(adapter, "max_positions", None)
-        if caption is None:
-            if positions is not None:  # the last word is never fed back: max_len words take max_len positions
-                max_len = min(max_len, positions)
-            with torch.no_grad(), capture(self.model) as generated:
-                ids = self._sized(x, lambda: adapter.generate(x, max_len))
-        else:
-            ids = self._caption_ids(caption, x.shape[0], x.device)
-        lengths = [len(w) for w in adapter.words(ids)]
-        t = max(max(lengths), 1)
-        ids = ids[:, :t]
-        if ids.shape[1] < t:
-            ids = F.pad(ids, (0, t - ids.shape[1]), value=adapter.end_id)
-        tokens = [words[:t] for words in adapter.words(ids)]
-        layout = adapter.layout(tuple(x.shape[-2:]))
-        context = plan.family.context
-        results = []
-        for step in plan.steps:
-            if step.spec.grads:
-                settings = capture_settings([step.spec], adapter, {step.name: dict(step.options)}, self.attention_mode)
-                x_in = x.detach().clone().requires_grad_(True)
-                with torch.enable_grad(), embeddings_in_graph(self.model), \
-                        capture(self.model, grads=True, attention_mode=settings.attention_mode, heads=settings.heads) as rec:
-                    # (the caption's embeddings in the graph: frozen weights)
-                    logits = self._sized(x, lambda: adapter.teacher_forced(x_in, ids))
-                ctx = context(adapter, x_in, ids, rec, layout, True, logits, step.name)
-            elif generated is not None:
-                ctx = context(adapter, x, ids, generated, layout, False, None, step.name)
-            else:
-                with torch.no_grad(), capture(self.model) as rec:
-                    self._sized(x, lambda: adapter.teacher_forced(x, ids))
-                ctx = context(adapter, x, ids, rec, layout, True, None, step.name)
-            maps = check_finite_maps(step.spec.fn(ctx, **step.options).detach().float(), step.name)
-            for i, n in enumerate(lengths):
-                maps[i, n:] = 0.0
-            results.append(
-                plan.family.result(
-                    maps=maps,
-                    tokens=tokens,
-                    ids=ids,
-                    captions=[" ".join(w) for w in tokens],
-                    method=step.name,
-                    options=dict(step.options),
-                    input_size=(int(x.shape[-2]), int(x.shape[-1])),
-                    layout=layout,
-                    images=regions,
-                    sources=sources,
-                )
-            )
-        return results
 
     def _plan_for(self, entry: str, method: MethodArg, options: dict[str, Any]) -> Plan:
         """The plan of an ``explain``/``explain_caption`` call: ``method`` None is the family's
@@ -406,50 +355,3 @@ class Explainer:
         """``run()``, a call of the model on ``x``, its refusals of the input size made an :class:`InputError`
         that says what to do (:func:`vitexplain.sizes.run_sized`)."""
         return run_sized(self.adapter, x, run)
-
-    def _caption_ids(self, caption: Any, batch: int, device: torch.device) -> Tensor:
-        """(B, T) ids of given captions, each followed by the end token.
-
-        Raises:
-            UsageError: not one caption or one per image, an empty caption, or token ids that
-                are not in the vocabulary.
-        """
-        if not isinstance(caption, str) and hasattr(caption, "tolist"):  # a tensor or array of token ids
-            caption = caption.tolist()
-            caption = [caption] if isinstance(caption, int) else caption
-        items = [caption] * batch if isinstance(caption, str) else list(caption)
-        if items and isinstance(items[0], numbers.Integral):
-            items = [items] * batch
-        if len(items) != batch:
-            raise UsageError(f"got {len(items)} captions for {batch} images; pass one caption or one per image")
-        seqs = [[_token_id(t) for t in c] if not isinstance(c, str) else self.adapter.encode_caption(c) for c in items]
-        vocab = getattr(self.adapter, "vocab_size", None)
-        for i, seq in enumerate(seqs):
-            if not seq:
-                raise UsageError(f"caption {i} is empty; give the words to explain, or caption=None to generate")
-            bad = [t for t in seq if isinstance(t, bool) or not isinstance(t, int) or t < 0
-                   or (vocab is not None and t >= vocab)]
-            if bad:
-                raise UsageError(
-                    f"caption {i} holds token ids {bad[:5]} outside the vocabulary (0..{vocab - 1 if vocab else '?'}); "
-                    "pass text, or ids the model's tokenizer produced"
-                )
-        length = max(len(s) for s in seqs) + 1
-        positions = getattr(self.adapter, "max_positions", None)
-        if positions is not None and length - 1 > positions:  # fed: the start token and all words but the last
-            raise UsageError(
-                f"a caption of {length - 1} tokens does not fit the decoder, which has {positions} positions; "
-                f"explain at most {positions} tokens per caption"
-            )
-        end = self.adapter.end_id
-        return torch.tensor([s + [end] * (length - len(s)) for s in seqs], dtype=torch.long, device=device)
-
-
-def _token_id(token: Any) -> Any:
-    """A token id as a Python int (NumPy and 0-d tensor integers included); anything else as
-    given, for the caller to refuse."""
-    if hasattr(token, "tolist") and not isinstance(token, (list, str)):
-        token = token.tolist()
-    if isinstance(token, numbers.Integral) and not isinstance(token, bool):
-        return int(token)
-    return token

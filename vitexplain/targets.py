@@ -23,9 +23,9 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from .errors import TargetError
+from .errors import TargetError, UsageError
 
-__all__ = ["Target", "TargetSpec", "resolve", "class_score", "logits_of", "embedding_of", "similarity", "norm"]
+__all__ = ["Target", "TargetSpec", "resolve", "class_score", "logits_of", "embedding_of", "similarity", "norm", "given_token_ids"]
 
 TargetSpec = Union[None, int, str, Sequence[Union[int, str]], Tensor, Callable[[Any], Tensor]]
 
@@ -262,3 +262,57 @@ def _batch_size(outputs: Any) -> int:
     except TargetError:
         first = outputs[0] if isinstance(outputs, (tuple, list)) else outputs
         return int(first.shape[0])
+
+
+def given_token_ids(caption: Any, batch: int, encode: Callable[[str], list[int]], *, vocab: Optional[int],
+                    forbidden: Sequence[int] = ()) -> list[list[int]]:
+    """The token ids of given captions (a captioner's, or a vision-language model's answer words), one list per image.
+
+    Args:
+        caption: one caption for every image or one per image; each a string (``encode``-d) or token ids (a list,
+            a tensor or an array; one flat sequence of ids is one caption for every image).
+        batch: the number of images B.
+        encode: text -> token ids (may raise a :class:`UsageError` for words the tokenizer does not know).
+        vocab: the vocabulary size (None: unknown), ids must be below it.
+        forbidden: ids that are never caption words (the tokens standing for the image).
+
+    Raises:
+        UsageError: not one caption or one per image, an empty caption, or ids outside the vocabulary (or forbidden).
+    """
+    if not isinstance(caption, str) and hasattr(caption, "tolist"):  # a tensor or array of token ids
+        caption = caption.tolist()
+        caption = [caption] if isinstance(caption, int) else caption
+    if isinstance(caption, str):
+        items: list[Any] = [caption] * batch
+    else:
+        try:
+            items = list(caption)
+        except TypeError:
+            raise UsageError(f"caption must be a string or a list (token ids, or one caption per image), got "
+                             f"{type(caption).__name__}") from None
+    if items and isinstance(_token_id(items[0]), int) and not isinstance(items[0], bool):
+        items = [items] * batch
+    if len(items) != batch:
+        raise UsageError(f"got {len(items)} captions for {batch} images; pass one caption or one per image")
+    seqs = [encode(c) if isinstance(c, str) else [_token_id(t) for t in c] for c in items]
+    for i, seq in enumerate(seqs):
+        if not seq:
+            raise UsageError(f"caption {i} is empty; give the words to explain, or caption=None to generate")
+        bad = [t for t in seq if isinstance(t, bool) or not isinstance(t, int) or t < 0
+               or (vocab is not None and t >= vocab) or t in forbidden]
+        if bad:
+            raise UsageError(
+                f"caption {i} holds token ids {bad[:5]} outside the vocabulary (0..{vocab - 1 if vocab else '?'})"
+                f"{' or standing for the image' if forbidden else ''}; pass text, or ids the model's tokenizer produced"
+            )
+    return seqs
+
+
+def _token_id(token: Any) -> Any:
+    """A token id as a Python int (NumPy and 0-d tensor integers included); anything else as given, for the caller
+    to refuse."""
+    if hasattr(token, "tolist") and not isinstance(token, (list, str)):
+        token = token.tolist()
+    if isinstance(token, numbers.Integral) and not isinstance(token, bool):
+        return int(token)
+    return token

@@ -21,14 +21,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .adapters.vlm.base import VLMAdapter, render
-from .checks import check_finite_maps, warn_training
+from .adapters.vlm.base import VLMAdapter
+from .adapters.vlm.views import render
+from .checks import check_finite_maps, check_gradients_allowed, warn_training
 from .errors import InputError, UsageError
 from .methods.vlm_context import VLMContext
 from .plan import Plan
 from .recording import capture
 from .recording.graph import embeddings_in_graph
 from .results import VLMCaptionExplanation
+from .targets import given_token_ids
 
 __all__ = ["explain_vlm", "check_answer"]
 
@@ -65,8 +67,6 @@ def _per_image(value: Union[None, str, Sequence[Any]], count: int, what: str, de
         items = list(value)
     except TypeError:
         raise UsageError(f"{what} must be a string or a list of one per image, got {type(value).__name__}") from None
-    if items and isinstance(items[0], int):  # one list of token ids for every image
-        return [items] * count
     if len(items) != count:
         raise UsageError(f"got {len(items)} {what}s for {count} images; pass one {what} or one per image")
     return items
@@ -92,20 +92,12 @@ def check_answer(adapter: Any, caption: str) -> None:
 
 def _answer_ids(adapter: VLMAdapter, caption: Any, count: int, device: torch.device) -> tuple[Tensor, Tensor]:
     """(B, T) given answer ids (padded) and (B,) lengths."""
-    captions = _per_image(caption, count, "caption", None)
-    for c in captions:
-        if isinstance(c, str):
-            check_answer(adapter, c)
-    seqs = [adapter.encode_answer(c) if isinstance(c, str) else list(c) for c in captions]
-    vocab = adapter.vocab_size
-    for i, seq in enumerate(seqs):
-        if not seq:
-            raise UsageError(f"caption {i} is empty; give the answer words to explain, or caption=None to generate")
-        bad = [t for t in seq if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab is not None and t >= vocab)
-               or t in adapter.placeholder_ids]
-        if bad:
-            raise UsageError(f"caption {i} holds token ids {bad[:5]} outside the vocabulary (0..{vocab - 1 if vocab else '?'}) "
-                             "or standing for the image; pass text, or ids the model's tokenizer produced")
+
+    def encode(text: str) -> list[int]:
+        check_answer(adapter, text)
+        return adapter.encode_answer(text)
+
+    seqs = given_token_ids(caption, count, encode, vocab=adapter.vocab_size, forbidden=adapter.placeholder_ids)
     length = max(len(s) for s in seqs)
     ids = torch.tensor([s + [adapter.pad_id] * (length - len(s)) for s in seqs], dtype=torch.long, device=device)
     return ids, torch.tensor([len(s) for s in seqs], device=device)
@@ -173,6 +165,7 @@ def explain_vlm(adapter: VLMAdapter, plan: Plan, images: Any, caption: Any, prom
     columns = [view.pixel_columns(cols) for view, cols in zip(views, adapter.image_columns(inputs))]
     kwargs = adapter.teacher_inputs(inputs, ids)
     grads = plan.capture.grads
+    check_gradients_allowed([s.name for s in plan.steps if s.spec.grads], "explain_caption")
     if grads:  # every attention call in the graph, also with frozen weights (requires_grad_(False))
         for key in ("pixel_values", "flattened_patches"):  # (Pix2Struct's)
             if isinstance(kwargs.get(key), Tensor) and kwargs[key].is_floating_point():

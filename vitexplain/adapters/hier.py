@@ -16,6 +16,7 @@ taken as token-wise, and a conv or pooling distributes relevance evenly over its
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Optional, Sequence, Union
 
 from torch import Tensor, nn
@@ -26,7 +27,7 @@ from ..methods.resample import CallSpec, Footprint, TokenSet, Transition, full_s
 from .base import Adapter, register_adapter
 
 __all__ = ["HierAdapter", "conv_grid", "global_call", "token_set", "sam_chain", "PVTv2Adapter", "TwinsAdapter",
-           "SamViTAdapter", "module_family"]
+           "SamViTAdapter", "module_family", "readout_pool_check"]
 
 Chain = list[Union[CallSpec, Transition]]
 
@@ -34,6 +35,34 @@ Chain = list[Union[CallSpec, Transition]]
 def module_family(model: nn.Module, prefix: str) -> bool:
     """Whether the model's class, or a class it derives from, is defined in module ``prefix``."""
     return any(cls.__module__.startswith(prefix) for cls in type(model).__mro__)
+
+
+#: timm pool types that average the last tokens (``SelectAdaptivePool2d``'s "fast" ones included)
+_MEAN_POOLS = ("avg", "fast", "fastavg")
+
+
+def readout_pool_check(adapter: Adapter) -> None:
+    """Withdraw the ``"readout"`` capability from an adapter whose timm model pools its last tokens other
+    than by their mean, saying why (``adapter.notes``).
+
+    The attention methods (raw, rollout, grad_rollout, generic; Swin's attention Grad-CAM) start from
+    the row the head reads, taken to be the mean of the last tokens; a head built with
+    ``global_pool='max'`` (or ``'avgmax'``, or none) reads something else, and their maps would silently
+    explain the mean. The token methods (CDAM, token Grad-CAM) and those running the model's own head
+    do not depend on it and still apply. The pool type is ``model.head.pool_type`` or
+    ``model.head.global_pool.pool_type`` (timm's heads); a model without either keeps the capability.
+    """
+    head = getattr(adapter.model, "head", None)
+    pool = getattr(head, "pool_type", None)
+    if pool is None:
+        pool = getattr(getattr(head, "global_pool", None), "pool_type", None)
+    if pool is None or pool in _MEAN_POOLS:
+        return
+    adapter.capabilities = adapter.capabilities - {"readout"}
+    adapter.notes["readout"] = (
+        f"{type(adapter.model).__name__} is built with global_pool={pool!r}: these methods start from the mean of "
+        "its last tokens, which only an average pooling head reads; use 'cdam' or 'gradcam' (they read the "
+        "gradient of the model's own output), or create the model with global_pool='avg' (timm's default)")
 
 
 def conv_grid(grid: tuple[int, int], kernel: Any, stride: Any, padding: Any = 0, ceil: bool = False) -> tuple[int, int]:
@@ -66,7 +95,7 @@ class HierAdapter(Adapter):
     """
 
     family = HIER
-    capabilities = frozenset({"grid", "tokens", "attention", "rollout", "pixels"})
+    capabilities = frozenset({"grid", "tokens", "attention", "rollout", "readout", "pixels"})
     readout = "mean"
     token_sites: list[Optional[str]]
 
@@ -81,6 +110,7 @@ class HierAdapter(Adapter):
             "none of these is defined across the stages' resampling, so they are not offered: use 'generic' or "
             "'grad_rollout' (stage=...), or 'cdam' with stage=..."
         )
+        readout_pool_check(self)
 
     def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
         """(chain, first token set of every stage) for an input of ``input_size`` pixels."""
@@ -237,6 +267,11 @@ class SamViTAdapter(HierAdapter):
 
     def site_grid(self, stage: int, output: Tensor, input_size: Sequence[int]) -> Tensor:
         return output  # SAM's blocks keep tokens as (B, H, W, C)
+
+    def layout(self, input_size: Sequence[int]) -> TokenLayout:
+        """The patch grid with the patch's own size in pixels: a cell covers one patch also at a size the
+        patch does not divide (which the model refuses: the refusal names the patch, not H / grid)."""
+        return replace(super().layout(input_size), patch_size=pair(self.model.patch_embed.patch_size))
 
     def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
         patch = pair(self.model.patch_embed.patch_size)

@@ -91,7 +91,8 @@ class HFSpatialReductionAdapter(HFForward, HierAdapter):
 
 
 class HFSamVisionAdapter(HFForward, HierAdapter):
-    """Hugging Face ``SamVisionModel`` (SAM's image encoder, headless): windowed (zero-padded)
+    """Hugging Face ``SamVisionModel`` (SAM's image encoder, headless), also as ``SamModel.vision_encoder``
+    (``SamVisionEncoder``) and SAM-HQ's (``SamHQVisionModel``, ``SamHQVisionEncoder``): windowed (zero-padded)
     and global attention on one patch grid, then the neck (its 3 x 3 conv a transition)."""
 
     def __init__(self, model: nn.Module) -> None:
@@ -206,10 +207,28 @@ def _detect_hf_hier(model: nn.Module) -> Optional[Adapter]:
         base = "segformer." if name.endswith("Classification") else ""
         return HFSpatialReductionAdapter(model, f"{base}stages", "patch_embeddings.proj",
                                          "sequence_reduction.sequence_reduction", "layernorm_before")
-    if _in(model, "sam") and name == "SamVisionModel":
+    if name in ("SamModel", "SamHQModel") and (_in(model, "sam.") or _in(model, "sam_hq")):
+        raise UnsupportedModelError(
+            f"{name} is not supported: its output is masks decoded from prompts, not one readout of its image "
+            "encoder's tokens (how rollout, generic and the token methods read a hierarchical model). Explain its "
+            "image encoder, SAM's ViT, instead: vx.Explainer(model.vision_encoder) (headless: pass "
+            "target=vx.targets.norm(), vx.targets.similarity(vector) or a callable score of the mean of its "
+            "output feature map), or record its attention with vx.capture(model)")
+    if (_in(model, "sam.") and name in ("SamVisionModel", "SamVisionEncoder")) or (
+            _in(model, "sam_hq") and name in ("SamHQVisionModel", "SamHQVisionEncoder")):
         return HFSamVisionAdapter(model)
     if _in(model, "sam3") and name == "Sam3ViTModel":
         return HFSam3ViTAdapter(model)
+    if _in(model, "sam3") and name in ("Sam3VisionModel", "Sam3Model"):
+        full = name == "Sam3Model"
+        raise UnsupportedModelError(
+            f"{name} is not supported: {'its output is masks decoded from prompts, and ' if full else ''}its image "
+            "encoder's neck builds a feature pyramid (fpn_hidden_states: maps at several scales resampled from the "
+            "ViT's last tokens), which is what SAM 3 reads, so no one readout of the ViT's tokens describes it (how "
+            "rollout, generic and the token methods read a hierarchical model). Explain its ViT backbone instead, "
+            f"vx.Explainer({'model.vision_encoder.backbone' if full else 'model.backbone'}) (a Sam3ViTModel, "
+            "headless: pass target=vx.targets.norm(), vx.targets.similarity(vector) or a callable score of the mean "
+            "of its output tokens), or record its attention with vx.capture(model)")
     if _in(model, "hiera") and name in ("HieraModel", "HieraForImageClassification"):
         return HFHieraAdapter(model)
     return None

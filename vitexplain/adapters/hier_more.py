@@ -15,11 +15,12 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor, nn
 
+from ..errors import UnsupportedMethodError
 from ..layout import TokenLayout, pair
 from ..methods.families import HIER
 from ..methods.resample import CallSpec, Footprint, TokenSet, Transition
 from .base import Adapter, register_adapter
-from .hier import Chain, HierAdapter, conv_grid, token_set, module_family
+from .hier import Chain, HierAdapter, conv_grid, module_family, token_set
 
 __all__ = ["TorchvisionMaxViTAdapter", "HieraAdapter", "CrossViTAdapter"]
 
@@ -190,7 +191,8 @@ class HieraAdapter(HierAdapter):
 # -- CrossViT ------------------------------------------------------------------------------------
 class CrossViTAdapter(HierAdapter):
     """timm ``CrossVit``: two ViT branches (small and large patches, each with a class token)
-    whose class tokens attend to the other branch's patches in each block's fusion.
+    whose class tokens attend to the other branch's patches in each block's fusion (with a fusion depth above
+    1, the chained cross-attention blocks after the first attend from the class token to itself alone).
 
     The chain runs on one joint token set ``[cls_0, patches_0, cls_1, patches_1]`` (a flat
     1 x N "grid"): a branch's blocks attend inside its part, a fusion call's query is one class
@@ -229,12 +231,34 @@ class CrossViTAdapter(HierAdapter):
         n = self.grids[b][0] * self.grids[b][1]
         return r[:, self.offsets[b] + 1: self.offsets[b] + 1 + n].reshape(r.shape[0], *self.grids[b])
 
+    def _cropped(self, branch: int, input_size: Sequence[int]) -> Optional[tuple[int, int]]:
+        """The (h, w) centre crop of the input that branch ``branch`` sees when the model crops instead of resizing
+        (timm's ``crop_scale=True``, a branch size below the input's), else None."""
+        size = tuple(int(v) for v in pair(self.model.img_size_scaled[branch]))
+        h, w = (int(v) for v in input_size)
+        if getattr(self.model, "crop_scale", False) and size != (h, w) and size[0] <= h and size[1] <= w:
+            return size
+        return None
+
+    def _check_branch(self, branch: int, input_size: Sequence[int]) -> None:
+        """Refuse a map of a branch that sees a centre crop: drawn over the image, it would not cover it."""
+        crop = self._cropped(branch, input_size)
+        if crop is not None:
+            others = [b for b in range(2) if self._cropped(b, input_size) is None]
+            raise UnsupportedMethodError(
+                f"branch {branch} of this CrossViT (crop_scale=True) sees a {crop[0]}x{crop[1]} centre crop of the "
+                f"{int(input_size[0])}x{int(input_size[1])} input, so its map would not cover the image"
+                + (f"; explain stage={others[0]} (branch {others[0]} sees the whole image)" if others else ""))
+
     def finish(self, r: Tensor, stage: int, input_size: Sequence[int]) -> object:
         """Branch ``stage``'s map, with ``extras``: ``branches`` (both maps), ``combined`` (on the
         small-patch grid: branch 0 plus branch 1 resized bilinearly and scaled by the cell-area
-        ratio, so each branch keeps its total) and ``combination`` (that rule, in words)."""
+        ratio, so each branch keeps its total) and ``combination`` (that rule, in words). A branch that sees a
+        centre crop (``crop_scale=True``) is refused, and left out of ``branches``."""
+        self._check_branch(stage, input_size)
         maps = [self._branch(r, b) for b in range(2)]
-        extras: dict = {"branches": {f"branch {b} ({g[0]}x{g[1]})": m for b, (g, m) in enumerate(zip(self.grids, maps))}}
+        extras: dict = {"branches": {f"branch {b} ({g[0]}x{g[1]})": m for b, (g, m) in enumerate(zip(self.grids, maps))
+                                     if self._cropped(b, input_size) is None}}
         if not getattr(self.model, "crop_scale", False):
             fine, coarse = self.grids[0], self.grids[1]
             area = (coarse[0] * coarse[1]) / (fine[0] * fine[1])
@@ -254,6 +278,7 @@ class CrossViTAdapter(HierAdapter):
         return [TokenSet(1, self.grids[0]), TokenSet(1, self.grids[1])]
 
     def site_grid(self, stage: int, output: Tensor, input_size: Sequence[int]) -> Tensor:
+        self._check_branch(stage, input_size)
         return output[:, 1:].reshape(output.shape[0], *self.grids[stage], output.shape[-1])
 
     def layout(self, input_size: Sequence[int]) -> "TokenLayout":
@@ -275,10 +300,11 @@ class CrossViTAdapter(HierAdapter):
                 other = parts[1 - b][1:]
                 keys = torch.cat([torch.tensor([self.offsets[b]]), other])[None]
                 names = [n for n, m in fusion.named_modules() if type(m).__name__ == "CrossAttentionBlock"]
-                for n in names:
+                cls = torch.tensor([[self.offsets[b]]])
+                for j, n in enumerate(names):
                     name = f"blocks.{i}.fusion.{b}" + (f".{n}" if n else "") + ".attn"
-                    chain.append(CallSpec(name, joint, joint, torch.tensor([[self.offsets[b]]]), keys, identity,
-                                          identity, 0, 0))
+                    # a block outputs the class token alone: a chained one (fusion depth > 1) attends to it only
+                    chain.append(CallSpec(name, joint, joint, cls, keys if j == 0 else cls, identity, identity, 0, 0))
         return chain, [joint]
 
 

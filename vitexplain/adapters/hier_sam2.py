@@ -96,7 +96,16 @@ class GridHieraAdapter(HierAdapter):
 class TimmHieraDetAdapter(GridHieraAdapter):
     """timm ``HieraDet`` (``sam2_hiera_*``): SAM 2's Hiera with timm's classifier head (average pooling of
     the last grid, a norm, a linear layer); headless (``num_classes=0``) it returns the normed pooled
-    features, which ``vx.targets.similarity`` / ``vx.targets.norm`` score."""
+    features, which ``vx.targets.similarity`` / ``vx.targets.norm`` score.
+
+    It takes any input whose stage-0 token grid its window position embedding tiles (a multiple of its
+    first window), and fails inside on another; ``fixed_size`` is its configured input size (the
+    pretrained config's), which preprocessing uses and such a failure's :class:`~vitexplain.errors.InputError`
+    names."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self.fixed_size = tuple(pair(Adapter.preprocess_kwargs(self)["input_size"]))
 
     def window(self, block: nn.Module) -> tuple[int, int]:
         return pair(block.window_size)
@@ -115,10 +124,4 @@ class TimmHieraDetAdapter(GridHieraAdapter):
 def _detect_hieradet(model: nn.Module) -> Optional[Adapter]:
     if not (module_family(model, "timm.models.hieradet_sam2") and type(model).__name__ == "HieraDet"):
         return None
-    pool = getattr(getattr(model, "head", None), "pool_type", None)  # timm's ClNormMlpClassifierHead
-    if pool != "avg":
-        raise UnsupportedModelError(
-            f"{type(model).__name__} with global_pool={pool!r} is not supported: rollout, generic and the token "
-            "methods read a hierarchical model's output as the mean of its last tokens, which only average pooling "
-            "is; create it with global_pool='avg' (timm's default), or record its attention with vx.capture(model)")
     return TimmHieraDetAdapter(model)

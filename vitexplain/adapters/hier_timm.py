@@ -25,7 +25,7 @@ from ..layout import pair
 from ..methods.families import HIER
 from ..methods.resample import CallSpec, Footprint, TokenSet, Transition, full_slots, grid_slots, window_slots
 from .base import Adapter, register_adapter
-from .hier import Chain, HierAdapter, conv_grid, token_set, global_call, module_family
+from .hier import Chain, HierAdapter, conv_grid, global_call, module_family, token_set
 
 __all__ = ["PiTAdapter", "MaxViTAdapter", "LeViTAdapter", "MViTv2Adapter", "TNTAdapter"]
 
@@ -83,7 +83,11 @@ class MaxViTAdapter(HierAdapter):
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
         self.token_sites = [f"stages.{s}.blocks.{len(st.blocks) - 1}.attn_grid.norm1" for s, st in enumerate(model.stages)]
-        self.fixed_size = None
+        # its partition sizes are derived from img_size (img_size / 32 unless set): images are preprocessed to it
+        # (the pretrained config's 224 px need not split into them), and a size whose stage grids they do not
+        # divide is refused with that size to use (it takes any other)
+        size = getattr(model, "img_size", None)
+        self.fixed_size = tuple(pair(size)) if size is not None else None
 
     def site_grid(self, stage: int, output: Tensor, input_size: Sequence[int]) -> Tensor:
         last = self.model.stages[stage].blocks[-1].attn_grid
@@ -126,7 +130,7 @@ class MaxViTAdapter(HierAdapter):
 
 # -- LeViT -------------------------------------------------------------------------------------
 class LeViTAdapter(HierAdapter):
-    """timm ``Levit`` / ``LevitDistilled`` (linear mode): the tokens entering a stage's last
+    """timm ``Levit`` / ``LevitDistilled`` (linear and conv mode): the tokens entering a stage's last
     attention are its block input (LeViT's attention has no norm before it), so CDAM's
     gradient there also runs through that block's residual."""
 
@@ -141,11 +145,19 @@ class LeViTAdapter(HierAdapter):
             n = len(stage.blocks)
             if n >= 2:
                 sites.append(f"stages.{s}.blocks.{n - 2}")
-            elif not isinstance(stage.downsample, nn.Identity):
+            elif n == 1 or not isinstance(stage.downsample, nn.Identity):
+                # the downsample's output enters the stage's one block (stage 0's is an identity: the stem's tokens)
                 sites.append(f"stages.{s}.downsample")
             else:
                 sites.append(None)
         self.token_sites = sites
+
+    def site_grid(self, stage: int, output: Tensor, input_size: Sequence[int]) -> Tensor:
+        """A token site's output on the stage grid: (B, N, C) tokens (linear mode) or (B, C, H, W) maps
+        (``levit_conv_*``, ``use_conv=True``) as (B, H_s, W_s, C)."""
+        if getattr(self.model, "use_conv", False):
+            return output.permute(0, 2, 3, 1)
+        return super().site_grid(stage, output, input_size)
 
     def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
         grid = pair(input_size)
@@ -175,7 +187,16 @@ class MViTv2Adapter(HierAdapter):
         super().__init__(model)
         self.prefix = 1 if getattr(model, "cls_token", None) is not None else 0
         self.readout = "class" if model.global_pool == "token" else "mean"
-        self.token_sites = [f"stages.{s}.blocks.{len(st.blocks) - 1}.norm1" for s, st in enumerate(model.stages)]
+        # per stage, the tokens entering the last attention that reads the stage's grid: its last block, or, when
+        # that block pools the previous grid (a stage of one block), the next stage's first block (reading this
+        # stage's output); none for a last stage of one such block (as Hiera's, adapters/hier_more.py)
+        self.token_sites = []
+        for s, stage in enumerate(model.stages):
+            last = len(stage.blocks) - 1
+            if not (s > 0 and last == 0 and _pools_queries(stage.blocks[last])):
+                self.token_sites.append(f"stages.{s}.blocks.{last}.norm1")
+            else:
+                self.token_sites.append(f"stages.{s + 1}.blocks.0.norm1" if s + 1 < len(model.stages) else None)
         # relative (or absolute) position tables are built for the stages' feature sizes: the input size that makes them
         fixed = getattr(model, "pos_embed", None) is not None or any(
             hasattr(m, "rel_pos_h") for m in model.stages.modules())
@@ -202,9 +223,11 @@ class MViTv2Adapter(HierAdapter):
                 tokens = out
         return chain, sets
 
-    def site_grid(self, stage: int, output: Tensor, input_size: Sequence[int]) -> Tensor:
-        last = [c for c in self.chain(input_size) if isinstance(c, CallSpec) and c.out_stage == stage][-1]
-        return output[:, last.inp.prefix:].reshape(output.shape[0], *last.inp.grid, output.shape[-1])
+
+def _pools_queries(block: nn.Module) -> bool:
+    """Whether an MViTv2 block pools its queries to a coarser grid (a strided ``pool_q``)."""
+    pool = block.attn.pool_q
+    return pool is not None and pair(pool.stride) != (1, 1)
 
 
 # -- TNT ---------------------------------------------------------------------------------------
@@ -232,7 +255,7 @@ def _detect_timm_pooling(model: nn.Module) -> Optional[Adapter]:
         if blocks and all(hasattr(b, "attn_block") and hasattr(b, "attn_grid") and hasattr(b, "conv") for b in blocks):
             return MaxViTAdapter(model)
         return None  # CoAtNet / MaxxViT-v2 mixes: the CNN adapter's Grad-CAM family
-    if module_family(model, "timm.models.levit") and hasattr(model, "stages") and not getattr(model, "use_conv", False):
+    if module_family(model, "timm.models.levit") and hasattr(model, "stages"):
         return LeViTAdapter(model)
     if module_family(model, "timm.models.mvitv2") and hasattr(model, "stages"):
         return MViTv2Adapter(model)

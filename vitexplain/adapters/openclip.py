@@ -45,6 +45,13 @@ class OpenCLIPViTAdapter(ViTAdapter):
     def __init__(self, model: nn.Module, visual: str = "") -> None:
         super().__init__(model)
         tower = model.get_submodule(visual) if visual else model
+        kind = getattr(tower, "attn_pool_type", "")
+        if kind in ("parallel", "cascade"):
+            raise UnsupportedModelError(
+                f"{type(model).__name__}'s image tower pools with attentional_pool={kind!r} (two attention poolers, "
+                "which open_clip marks as untested work in progress); it is not supported: build the tower with "
+                "attentional_pool=True (CoCa's pooling) or pool_type='tok' / 'avg', or record its attention with "
+                "vx.capture(model)")
         if tower.pool_type not in ("tok", "avg"):
             raise UnsupportedModelError(
                 f"{type(model).__name__}'s image tower has pool_type={tower.pool_type!r}: it returns every token, no "

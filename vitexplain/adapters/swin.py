@@ -31,6 +31,7 @@ from ..errors import InputError, UnsupportedModelError
 from ..layout import TokenLayout, WindowGeometry
 from ..methods.families import SWIN
 from .base import Adapter, register_adapter
+from .hier import readout_pool_check
 
 __all__ = ["SwinBlock", "SwinAdapter", "TimmSwinAdapter", "TorchvisionSwinAdapter", "HFSwinAdapter"]
 
@@ -68,7 +69,7 @@ class SwinAdapter(Adapter):
     """
 
     family = SWIN
-    capabilities = frozenset({"grid", "tokens", "attention", "rollout", "tail", "head", "pixels", "lrp"})
+    capabilities = frozenset({"grid", "tokens", "attention", "rollout", "readout", "tail", "head", "pixels", "lrp"})
     windowed_input = True
 
     def __init__(self, model: nn.Module, swin_blocks: list[SwinBlock], post_norm: bool) -> None:
@@ -76,6 +77,7 @@ class SwinAdapter(Adapter):
         self.swin_blocks = swin_blocks
         self.blocks = [b.name for b in swin_blocks]
         self.post_norm = post_norm
+        readout_pool_check(self)  # timm's global_pool='max': no mean readout for the attention methods
 
     @property
     def num_stages(self) -> int:

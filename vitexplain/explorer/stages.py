@@ -146,10 +146,7 @@ def stage_payload(adapter: Any, records: Sequence[AttentionRecord], input_size: 
     bound = calls(items)
     first = adapter.stage_sets(input_size)[0]
     n0, p0 = first.n, first.prefix
-    # heads per call: folded into the record's batch with the windows where they are (Hiera's mask
-    # units, (B * heads, G, n, n)), folded after the windows (SAM), or the record's own head dimension
-    heads = [int(c.record.batch_size // batch if c.spec.window_dim_inside
-                 else c.spec.folded_heads if c.spec.folded_heads > 1 else c.record.num_heads) for c in bound]
+    heads = [c.num_heads for c in bound]  # (folded into the record's batch for SAM and Hiera: Call.num_heads)
     geometry = [(c.spec.out, c.spec.keys.coarse, max(c.spec.in_stage, c.spec.out_stage)) for c in bound]
     rows = [_split_bytes(q.n, n0, p0) for q, _, _ in geometry]
     full = [h * _split_bytes(q.n, k.n, k.prefix) + r for h, (q, k, _), r in zip(heads, geometry, rows)]

@@ -75,7 +75,7 @@ _DISCARD = Option(float, low=0, high=1, high_open=True, help="fraction of smalle
 
 
 @register(
-    "raw", HIER, class_sensitive=False, requires=("grid", "attention"),
+    "raw", HIER, class_sensitive=False, requires=("grid", "attention", "readout"),
     options={
         "layer": Option(int, help="attention call index over all stages, negative counts from the last"),
         "head": Option(int, optional=True, help="one head, negative counts from the last (None = fuse heads)"),
@@ -96,7 +96,7 @@ def raw(ctx: Context, *, layer: int = -1, head: Optional[int] = None, head_fusio
     call = chosen[check_index(ctx.method, "layer", layer, len(chosen), "attention calls over all stages")]
     check_head_or_fusion(ctx.method, head, head_fusion)
     if head is not None:
-        head = check_index(ctx.method, "head", head, call.record.num_heads, "heads")
+        head = check_index(ctx.method, "head", head, call.num_heads, "heads")
     q = ctx.adapter.readout_row(call.spec.out, ctx.batch_size, ctx.x.device)
     asked = torch.zeros_like(q)  # the readout restricted to this call's queries, renormalised
     slots = call.q_slots[call.q_slots >= 0]
@@ -106,7 +106,7 @@ def raw(ctx: Context, *, layer: int = -1, head: Optional[int] = None, head_fusio
 
 
 @register(
-    "rollout", HIER, class_sensitive=False, requires=("grid", "attention", "rollout"),
+    "rollout", HIER, class_sensitive=False, requires=("grid", "attention", "rollout", "readout"),
     options={"head_fusion": _FUSION, "discard_ratio": _DISCARD, "stage": _STAGE},
     # every call is read whole and no gradient is taken: on CPU the capture computes attention
     # once (materialize.py). Every head is kept: a call may fold heads into its batch (SAM) or
@@ -140,7 +140,7 @@ def _chefer(call: Call) -> Tensor:
 
 
 @register(
-    "grad_rollout", HIER, grads=True, requires=("grid", "attention", "rollout"),
+    "grad_rollout", HIER, grads=True, requires=("grid", "attention", "rollout", "readout"),
     options={"discard_ratio": _DISCARD, "stage": _STAGE},
     summary="gradient rollout through every token resampling, on a stage grid",
     reference="vit-explain (fixed) with resampling footprints; docs/methods.md, Hierarchical transformers",
@@ -155,7 +155,7 @@ def grad_rollout(ctx: Context, *, discard_ratio: float = 0.0, stage: int = 0) ->
 
 
 @register(
-    "generic", HIER, grads=True, requires=("grid", "attention", "rollout"), options={"stage": _STAGE},
+    "generic", HIER, grads=True, requires=("grid", "attention", "rollout", "readout"), options={"stage": _STAGE},
     summary="Chefer's rule through every token resampling (identity path removed), on a stage grid",
     reference="Chefer, Gur & Wolf, ICCV 2021 with resampling footprints; docs/methods.md, Hierarchical transformers",
 )

@@ -22,7 +22,7 @@ from ..checks import checked_score
 from ..errors import UnsupportedMethodError
 from .context import Context
 from .families import SWIN, VIT
-from .lrp_rules import LRPRules, check_coverage
+from .lrp_rules import LRPRules, check_coverage, checkpointing_refused
 from .options import Option
 from .registry import register
 
@@ -59,7 +59,8 @@ def lrp_relevance(ctx: Context, variant: str, *, linear_gamma: float = DEFAULT_G
         ((B, 3, H, W) relevance x * dscore/dx, (B,) the explained scores).
 
     Raises:
-        UnsupportedModelError: the forward held a non-linearity the rules do not cover.
+        UnsupportedModelError: the forward held a non-linearity the rules do not cover, or the model
+            checkpoints its blocks (they are recomputed in the backward, outside the rules).
         TargetError: a custom target's score is detached from the model's outputs.
     """
     adapter = ctx.adapter
@@ -67,20 +68,21 @@ def lrp_relevance(ctx: Context, variant: str, *, linear_gamma: float = DEFAULT_G
         (rules, score), x = ctx.shared, ctx.x
     else:
         x = ctx.x.detach().clone().requires_grad_(True)
-        rules = LRPRules(variant, linear_gamma=linear_gamma, conv_gamma=conv_gamma)
+        rules = LRPRules(variant, linear_gamma=linear_gamma, conv_gamma=conv_gamma, model=adapter.model)
         with torch.enable_grad(), rules:
             score = ctx.score(adapter.forward(x))
-    check_coverage(rules, ctx.method, type(adapter.model).__name__, attention=attention)
-    with torch.enable_grad():
+    name = type(adapter.model).__name__
+    check_coverage(rules, ctx.method, name, attention=attention)
+    with torch.enable_grad(), checkpointing_refused(ctx.method, name):
         (grad,) = torch.autograd.grad(checked_score(score).sum(), x)
     return (x.detach() * grad).float(), score.detach().float()
 
 
 def _rules(variant: str) -> Any:
-    """The ``forward_rules`` of a variant: options -> a fresh :class:`LRPRules`."""
-    def make(options: Any) -> LRPRules:
+    """The ``forward_rules`` of a variant: (options, model) -> a fresh :class:`LRPRules`."""
+    def make(options: Any, model: Any = None) -> LRPRules:
         return LRPRules(variant, linear_gamma=options.get("linear_gamma", DEFAULT_GAMMA),
-                        conv_gamma=options.get("conv_gamma", DEFAULT_GAMMA))
+                        conv_gamma=options.get("conv_gamma", DEFAULT_GAMMA), model=model)
 
     return make
 

@@ -17,7 +17,7 @@ from torch import Tensor
 from .context import CaptionContext
 from .families import CAPTION
 from .lrp import DEFAULT_GAMMA, _OPTIONS
-from .lrp_rules import LRPRules, check_coverage
+from .lrp_rules import LRPRules, check_coverage, checkpointing_refused
 from .registry import register
 
 __all__ = ["caption_lrp"]
@@ -40,7 +40,7 @@ def caption_lrp(ctx: CaptionContext, variant: str, resolution: str, linear_gamma
     """
     adapter = ctx.adapter
     x = ctx.x.detach().clone().requires_grad_(True)
-    rules = LRPRules(variant, linear_gamma=linear_gamma, conv_gamma=conv_gamma)
+    rules = LRPRules(variant, linear_gamma=linear_gamma, conv_gamma=conv_gamma, model=adapter.model)
     ids = ctx.ids
     with torch.enable_grad():
         with rules:
@@ -50,7 +50,8 @@ def caption_lrp(ctx: CaptionContext, variant: str, resolution: str, linear_gamma
         words = scores.shape[1]
         maps = []
         for t in range(words):
-            (grad,) = torch.autograd.grad(scores[:, t].sum(), x, retain_graph=t < words - 1)
+            with checkpointing_refused(ctx.method, type(adapter.model).__name__):
+                (grad,) = torch.autograd.grad(scores[:, t].sum(), x, retain_graph=t < words - 1)
             maps.append((x.detach() * grad).float().sum(dim=1))
     pixels = torch.stack(maps, dim=1)  # (B, T, H, W)
     if resolution == "pixels":

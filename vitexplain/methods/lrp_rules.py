@@ -5,8 +5,9 @@ model's forward is run with some operations' *gradients* changed, then ``x * dy/
 input is the relevance. :class:`LRPRules` is a :class:`~torch.overrides.TorchFunctionMode` (the
 mechanism ``vx.capture`` uses): while it is active, the torch calls the model makes go through it,
 and it applies the rules below to those calls only. Nothing of the model or of torch is patched:
-no class, no module attribute, no hook; leaving the ``with`` block ends every effect (the autograd
-graph built inside keeps the rules for its backward). Forward values are unchanged (up to the
+no class, no module attribute; the one kind of hook (on the activation modules of a given model,
+below) lives only inside the ``with`` block; leaving it ends every effect (the autograd graph built
+inside keeps the rules for its backward). Forward values are unchanged (up to the
 rounding of a norm recomputed in Python).
 
 Rules (docs/methods.md, "AttnLRP and CP-LRP"):
@@ -14,52 +15,62 @@ Rules (docs/methods.md, "AttnLRP and CP-LRP"):
 - ``F.scaled_dot_product_attention`` (the fused kernel runs forward and backward): AttnLRP scales
   the gradient by 1/4 at q, 1/4 at k and 1/2 at v (the uniform rule on the two matmuls; the
   softmax keeps its gradient, AttnLRP eq. 13-14, lxt's ``wrap_attention_forward``); CP-LRP
-  detaches q and k (Ali et al., ICML 2022: attention weights are constants);
+  detaches q and k (Ali et al., ICML 2022: attention weights are constants); a float ``attn_mask``
+  computed from the input (a score bias) gets x 1/2 (AttnLRP) or is detached (CP-LRP), as the same
+  attention written out in Python gets from the rules below;
 - ``F.multi_head_attention_forward`` (``nn.MultiheadAttention``): computed here by projections and
   SDPA (with the rule above), the same arithmetic as torch's;
-- ``F.layer_norm`` / ``F.rms_norm``: the standard deviation is detached (the identity rule on the
-  normalisation, AttnLRP eq. 15; lxt's ``layer_norm_forward``);
+- ``F.layer_norm`` / ``F.rms_norm`` / ``F.group_norm`` (hybrid ViTs' ResNet stems): the standard
+  deviation is detached (the identity rule on the normalisation, AttnLRP eq. 15; lxt's
+  ``layer_norm_forward``);
 - element-wise activations (GELU, SiLU, sigmoid, tanh, ...): the gradient becomes ``f(x) / x``
-  (the identity rule, AttnLRP eq. 9; lxt's ``identity_rule_implicit``, same epsilon);
+  (the identity rule, AttnLRP eq. 9; lxt's ``identity_rule_implicit``, same epsilon); an activation
+  module of transformers or timm (GPT-2's ``NewGELUActivation`` writes the tanh GELU out in Python:
+  its products, sum and power would get other rules) gets it as a whole when the model is given;
 - attention computed in Python (timm's default Swin, ``fused_attn=False``, Hugging Face "eager"):
   the two matmuls get the uniform rule below (equal to 1/4, 1/4, 1/2 at q, k, v); AttnLRP keeps
   the softmax's gradient, CP-LRP detaches the attention weights;
-- the product of two activations (gated MLPs, ``a * b`` or ``a @ b`` with both computed from the
-  input): the gradient is halved at each (the uniform rule, AttnLRP eq. 7);
+- the product of two activations (gated MLPs, ``a * b``, ``a @ b`` or ``torch.einsum`` with both
+  computed from the input): the gradient is halved at each (the uniform rule, AttnLRP eq. 7; an
+  einsum of n activations gives each 1/n); a factor computed from
+  the weights alone (Swin V2's ``logit_scale.exp()``) is a constant, its product kept linear;
 - ``F.cosine_similarity`` (``vx.targets.similarity``): the norms are detached, so the relevance
-  of a headless backbone sums to the cosine (plain gradients would sum to 0);
-- ``F.linear`` and convolutions: as they are (the epsilon rule, with epsilon -> 0), or with
+  of a headless backbone sums to the cosine (plain gradients would sum to 0); ``F.normalize``
+  (Swin V2's cosine attention on q and k) likewise: the norm is detached (RMSNorm / sqrt(d));
+- ``F.linear`` (and linears written ``torch.addmm(b, x, W)``, GPT-2's ``Conv1D``, or ``x @ W``) and
+  convolutions: as they are (the epsilon rule, with epsilon -> 0), or with
   ``linear_gamma`` / ``conv_gamma`` > 0 zennit's generalised Gamma rule (``zennit.rules.Gamma``:
   positive and negative contributions separated, weights ``w + gamma * w+`` / ``w + gamma * w-``).
 
-A softmax that is not attention's (not over the last dim of a >= 3-D tensor) or FlexAttention is
-not covered: :class:`LRPRules` counts what it saw and :func:`check_coverage` raises instead of
+A softmax that is not attention's (not over the last dim of a >= 3-D tensor), a log-softmax or
+logsumexp (a log-probability target: LRP explains the logit), an element-wise exponential, logarithm,
+power, root or division by an activation (a norm written out in Python), a product of two activations
+fused with an addition (``baddbmm``) or FlexAttention is not
+covered: :class:`LRPRules` counts what it saw and :func:`check_coverage` raises instead of
 returning maps that are not LRP.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from typing import Any, Callable, Optional
+import threading
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
-from torch.autograd import Function
+from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from ..errors import UnsupportedModelError, UsageError
+from .lrp_ops import (GAMMA_STABILIZER, IDENTITY_EPSILON, ActivationModuleRule, IdentityRule, LayerNormRule, ScaleGrad,
+                      activation_module, gamma_rule)
 
-__all__ = ["LRPRules", "VARIANTS", "IDENTITY_EPSILON", "GAMMA_STABILIZER", "check_coverage"]
+__all__ = ["LRPRules", "VARIANTS", "IDENTITY_EPSILON", "GAMMA_STABILIZER", "check_coverage", "checkpointing_refused"]
 
 #: The attention variants: ``"attnlrp"`` (AttnLRP) and ``"cp"`` (CP-LRP).
 VARIANTS = ("attnlrp", "cp")
 
-#: lxt's ``identity_rule_implicit`` epsilon: the gradient is ``f(x) / (x + 1e-10)``.
-IDENTITY_EPSILON = 1e-10
-
-#: zennit's default stabilizer of the Gamma rule's denominators.
-GAMMA_STABILIZER = 1e-6
 
 _SDPA = F.scaled_dot_product_attention
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -71,113 +82,23 @@ _ACTIVATIONS = {
 }
 _PRODUCTS = {torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__,
              torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm}
+_ADDMM = {torch.addmm, torch.Tensor.addmm}
+#: Products fused with an addition in one call (``beta * input + alpha * (a @ b)``).
+_FUSED_PRODUCTS = {getattr(o, n) for o in (torch, torch.Tensor) for n in ("addmm", "baddbmm", "addbmm", "addmv", "addr")
+                   if hasattr(o, n)}
+_MATMUL = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__}
+#: Element-wise non-linear calls no rule covers (written-out norms, exponentials): refused on an activation.
+_NONLINEAR = {getattr(o, n) for o in (torch, torch.Tensor) for n in
+              ("exp", "log", "sqrt", "rsqrt", "erf", "reciprocal", "log1p", "expm1", "log2", "log10", "pow", "div",
+               "true_divide") if hasattr(o, n)}
+_NONLINEAR |= {torch.Tensor.__pow__, torch.Tensor.__rpow__, torch.Tensor.__truediv__, torch.Tensor.__rtruediv__}
+_LOG_SOFTMAX = {torch.log_softmax, torch.Tensor.log_softmax, F.log_softmax, torch.special.log_softmax,
+                torch.logsumexp, torch.Tensor.logsumexp, torch.special.logsumexp}
 _SOFTMAX = {torch.softmax, torch.Tensor.softmax, F.softmax, torch.special.softmax}
 _CONVS = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}
 #: Recurrent cells: their gates multiply activations inside one fused call no rule can reach.
 _RECURRENT = {getattr(torch, n) for n in ("lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell", "lstm", "gru",
                                           "rnn_tanh", "rnn_relu") if hasattr(torch, n)}
-
-
-class _ScaleGrad(Function):
-    """Identity forward; the gradient multiplied by ``factor`` (lxt's ``divide_gradient``)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, factor: float) -> Tensor:
-        ctx.factor = factor
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return grad * ctx.factor, None
-
-
-class _Identity(Function):
-    """``fn(x)`` forward; the gradient ``fn(x) / (x + eps)`` times the incoming one (identity rule)."""
-
-    @staticmethod
-    def forward(ctx: Any, fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
-        out = fn(x)
-        ctx.save_for_backward(out / (x + IDENTITY_EPSILON))
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[None, Tensor]:
-        (ratio,) = ctx.saved_tensors
-        return None, ratio * grad
-
-
-class _LayerNorm(Function):
-    """``F.layer_norm`` forward (the fused kernel); the gradient of ``(x - mean(x)) * w / std`` with the
-    standard deviation held constant (lxt's ``layer_norm_forward``): ``(g w - mean(g w)) / std``.
-    Only the input gets a gradient (the relevance needs no parameter gradients)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, shape: tuple, weight: Optional[Tensor], bias: Optional[Tensor], eps: float) -> Tensor:
-        out, _, rstd = torch.native_layer_norm(x, list(shape), weight, bias, eps)
-        ctx.save_for_backward(rstd, weight)
-        ctx.dims = tuple(range(-len(shape), 0))
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
-        rstd, weight = ctx.saved_tensors
-        g = grad if weight is None else grad * weight
-        return (g - g.mean(dim=ctx.dims, keepdim=True)) * rstd, None, None, None, None
-
-
-def _live(t: Any) -> bool:
-    """A tensor computed in the graph (not a parameter or constant): both factors of a product of activations."""
-    return isinstance(t, Tensor) and t.requires_grad and t.grad_fn is not None
-
-
-def _stabilize(z: Tensor) -> Tensor:
-    """zennit's stabilizer: ``z + eps * sign(z)`` with sign(0) = 1."""
-    return z + GAMMA_STABILIZER * torch.where(z >= 0, 1.0, -1.0).to(z.dtype)
-
-
-def gamma_rule(layer: Callable[..., Tensor], x: Tensor, weight: Tensor, bias: Optional[Tensor], gamma: float,
-               channel_dim: int = -1) -> Tensor:
-    """zennit's generalised Gamma rule on one linear or convolution call, in Gradient x Input form.
-
-    The output equals ``layer(x, weight, bias)``; its gradient is such that ``x * dx`` is
-    zennit's ``Gamma(gamma)`` relevance of the output relevance ``y * dy``: for outputs y > 0,
-    ``R_in = x+ * (w + g w+)^T s+ + x- * (w + g w-)^T s+`` with
-    ``s+ = R / (layer(x+, w + g w+, b + g b+) + layer(x-, w + g w-))``; for y < 0 likewise with
-    the roles of w+ and w- exchanged (zennit ``rules.Gamma``, stabilizer 1e-6).
-
-    Args:
-        layer: ``fn(input, weight, bias)`` (F.linear or a convolution with its other arguments bound).
-        x: the layer's input.
-        weight, bias: its parameters.
-        gamma: the Gamma rule's gamma (> 0).
-        channel_dim: the output dimension the bias runs along (-1 linear, 1 convolution).
-
-    Returns:
-        the layer's output, of the shape ``layer`` returns.
-    """
-    y = layer(x, weight, bias)
-    w_pos = weight + gamma * weight.clamp(min=0)
-    w_neg = weight + gamma * weight.clamp(max=0)
-    b_pos = None if bias is None else bias + gamma * bias.clamp(min=0)
-    b_neg = None if bias is None else bias + gamma * bias.clamp(max=0)
-    x_pos, x_neg = x.clamp(min=0), x.clamp(max=0)
-    w_pos, w_neg = w_pos.detach(), w_neg.detach()
-    plus = layer(x_pos, w_pos, None) + layer(x_neg, w_neg, None)  # the x-dependent part of z+ (y > 0)
-    minus = layer(x_pos, w_neg, None) + layer(x_neg, w_pos, None)  # of z- (y < 0)
-    with torch.no_grad():
-        z_plus = plus if b_pos is None else plus + _along(b_pos, plus, channel_dim)
-        z_minus = minus if b_neg is None else minus + _along(b_neg, minus, channel_dim)
-        c_plus = torch.where(y > 0, y / _stabilize(z_plus), 0.0)
-        c_minus = torch.where(y < 0, y / _stabilize(z_minus), 0.0)
-    path = c_plus * plus + c_minus * minus
-    return y.detach() + (path - path.detach())
-
-
-def _along(b: Tensor, like: Tensor, dim: int) -> Tensor:
-    """A bias (C,) shaped to broadcast along dimension ``dim`` of ``like``."""
-    shape = [1] * like.dim()
-    shape[dim] = -1
-    return b.view(shape)
 
 
 class LRPRules(TorchFunctionMode):
@@ -187,6 +108,11 @@ class LRPRules(TorchFunctionMode):
         variant: ``"attnlrp"`` or ``"cp"`` (what happens at attention).
         linear_gamma: Gamma rule's gamma for ``F.linear`` calls (0 = as they are, epsilon).
         conv_gamma: Gamma rule's gamma for convolutions (0 = as they are).
+        model: the explained model: while the rules are active, its element-wise activation modules
+            (transformers' and timm's, some written out in Python arithmetic, e.g. GPT-2's
+            ``NewGELUActivation``) and its RMSNorms written out in Python (Hugging Face's ``...RMSNorm``)
+            get their rule as a whole (:func:`~vitexplain.methods.lrp_ops.activation_module`), by a
+            forward hook removed on exit.
 
     Attributes:
         seen: how many calls of each kind the rules were applied to (``"attention"``,
@@ -194,18 +120,83 @@ class LRPRules(TorchFunctionMode):
             descriptions of non-linear calls no rule covers (see :func:`check_coverage`).
     """
 
-    def __init__(self, variant: str = "attnlrp", *, linear_gamma: float = 0.0, conv_gamma: float = 0.0) -> None:
+    def __init__(self, variant: str = "attnlrp", *, linear_gamma: float = 0.0, conv_gamma: float = 0.0,
+                 model: Optional[nn.Module] = None) -> None:
         super().__init__()
         if variant not in VARIANTS:
             raise UsageError(f"unknown LRP variant {variant!r}; choose from {VARIANTS}")
+        self.model = model
+        self._inside = 0  # > 0 while an activation module runs (its inner calls get no rule)
+        self._calls: list[bool] = []  # per open hooked module call: whether it gets its rule as a whole
+        self._handles: list[Any] = []
+        self._thread = threading.get_ident()
         self.variant = variant
         self.linear_gamma = float(linear_gamma)
         self.conv_gamma = float(conv_gamma)
         self.seen: dict[str, Any] = {"attention": 0, "norm": 0, "activation": 0, "product": 0, "gamma": 0,
                                      "uncovered": []}
+        self._data: dict[Any, bool] = {}  # autograd node -> whether its graph reaches the data (memo of _live)
+
+    # -- scope: activation modules of ``model`` get the identity rule as a whole -----------------
+    def __enter__(self) -> "LRPRules":
+        self._thread = threading.get_ident()  # the mode is this thread's: hooks ignore other threads' forwards
+        if self.model is not None:
+            try:
+                for module in self.model.modules():
+                    kind = activation_module(module)
+                    if kind:
+                        self._handles.append(module.register_forward_pre_hook(self._enter_activation, with_kwargs=True))
+                        self._handles.append(module.register_forward_hook(
+                            lambda m, i, o, kind=kind: self._leave_activation(m, i, o, kind), always_call=True))
+            except BaseException:
+                self._remove_hooks()
+                raise
+        try:
+            return super().__enter__()
+        except BaseException:
+            self._remove_hooks()
+            raise
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._remove_hooks()
+
+    def _remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._inside = 0
+        self._calls: list[bool] = []
+
+    def _enter_activation(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """A call of one tensor (an element-wise function of it) gets the module's rule: the calls inside run
+        without rules. Any other call (a gated norm's second input) runs under the rules, call by call."""
+        if threading.get_ident() != self._thread:
+            return
+        tensors_in_kwargs = any(isinstance(v, Tensor) for v in kwargs.values())
+        whole = len(args) == 1 and isinstance(args[0], Tensor) and not tensors_in_kwargs
+        self._calls.append(whole)
+        self._inside += whole
+
+    def _leave_activation(self, module: nn.Module, inputs: tuple, output: Any, kind: str = "activation") -> Any:
+        if threading.get_ident() != self._thread or not self._calls or not self._calls.pop():
+            return None
+        self._inside = max(0, self._inside - 1)
+        x = inputs[0]
+        if not (x.requires_grad and torch.is_grad_enabled()):
+            return None
+        if not (isinstance(output, Tensor) and output.shape == x.shape):
+            self.seen["uncovered"].append(f"{type(module).__name__} (its output is not element-wise in its input)")
+            return None
+        self.seen[kind] += 1
+        return ActivationModuleRule.apply(x, output)
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
+        if self._inside:  # inside an activation module: its output gets the identity rule as a whole
+            return func(*args, **kwargs)
         if func is _SDPA:
             return self._sdpa(args, kwargs)
         if func is _MHA:
@@ -214,38 +205,117 @@ class LRPRules(TorchFunctionMode):
             return self._layer_norm(*args, **kwargs)
         if func is getattr(F, "rms_norm", None):
             return self._rms_norm(*args, **kwargs)
+        if func is F.normalize:
+            return self._normalize(*args, **kwargs)
+        if func is F.group_norm:
+            return self._group_norm(*args, **kwargs)
         if func in _ACTIVATIONS and args and isinstance(args[0], Tensor) and args[0].requires_grad:
             self.seen["activation"] += 1
             # out of place (the identity rule reads the input after the call): a positional bool is `inplace`
             rest = tuple(False if isinstance(a, bool) else a for a in args[1:])
             kw = {k: v for k, v in kwargs.items() if k != "inplace"}
-            out = _Identity.apply(lambda t: func(t, *rest, **kw), args[0])
+            out = IdentityRule.apply(lambda t: func(t, *rest, **kw), args[0])
             if kwargs.get("inplace") or any(isinstance(a, bool) and a for a in args[1:]):
                 return args[0].copy_(out)
             return out
-        if func in _PRODUCTS and len(args) == 2 and _live(args[0]) and _live(args[1]):
+        if func in _PRODUCTS and len(args) == 2 and self._live(args[0]) and self._live(args[1]):
             self.seen["product"] += 1
-            return _ScaleGrad.apply(func(*args, **kwargs), 0.5)
+            return ScaleGrad.apply(func(*args, **kwargs), 0.5)
+        if func is torch.einsum:
+            return self._einsum(args, kwargs)
         if func in _SOFTMAX:
             return self._softmax(func, args, kwargs)
         if func is F.cosine_similarity:
             return self._cosine(*args, **kwargs)
         if func is F.linear and self.linear_gamma > 0:
             return self.linear(*args, **kwargs)
+        if self.linear_gamma > 0 and (func in _ADDMM or func in _MATMUL):
+            written = self._written_linear(func, args, kwargs)
+            if written is not None:
+                return written
         if func in _CONVS and self.conv_gamma > 0:
             return self._conv(func, args, kwargs)
-        if func in _RECURRENT:
+        if func in _FUSED_PRODUCTS and len(args) >= 3 and self._live(args[1]) and self._live(args[2]):
+            fused = getattr(func, "__name__", func)
+            self.seen["uncovered"].append(f"{fused} (a fused multiply-add of two activations)")
+        elif func in _NONLINEAR and self._nonlinear_on_activation(func, args):
+            self.seen["uncovered"].append(f"{getattr(func, '__name__', func)} of an activation")
+        elif func in _LOG_SOFTMAX and args and self._live(args[0]):
+            name = getattr(func, "__name__", "log_softmax")
+            self.seen["uncovered"].append(f"{name} (a log-probability: explain the logit)")
+        elif func in _RECURRENT:
             self.seen["uncovered"].append("a recurrent cell (LSTM/GRU)")
         elif getattr(func, "__name__", "") in ("flex_attention", "flex_attention_hop"):
             self.seen["uncovered"].append("FlexAttention")
         return func(*args, **kwargs)
+
+    # -- activations and constants ------------------------------------------------------
+    def _live(self, t: Any) -> bool:
+        """Whether ``t`` is an activation: computed from the data (the input, or token embeddings looked up
+        by the data's ids), not from the weights alone.
+
+        A tensor computed from parameters only (a learned temperature ``t.exp()``, Swin V2's
+        ``logit_scale``) is a constant of its layer, like a weight: a product with it is linear and
+        keeps its gradient (the uniform rule, AttnLRP eq. 7, is for products of two activations).
+        Decided on the autograd graph, so it does not depend on whether the weights require grad:
+        ``t`` is live when its graph reaches a leaf that is not an ``nn.Parameter`` (the input) or an
+        embedding lookup (``F.embedding``: token ids are data). Memoised per node for the forward.
+        """
+        if not isinstance(t, Tensor) or not t.requires_grad:
+            return False
+        if t.grad_fn is None:
+            return not isinstance(t, nn.Parameter)
+        memo = self._data
+        stack: list[tuple[Any, bool]] = [(t.grad_fn, False)]
+        while stack:
+            node, expanded = stack.pop()
+            if node in memo:
+                continue
+            if expanded:
+                memo[node] = any(memo.get(child, False) for child, _ in node.next_functions if child is not None)
+                continue
+            variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf
+            if variable is not None or type(node).__name__.startswith("EmbeddingBackward"):
+                memo[node] = variable is None or not isinstance(variable, nn.Parameter)
+                continue
+            stack.append((node, True))
+            stack.extend((child, False) for child, _ in node.next_functions if child is not None and child not in memo)
+        return memo[t.grad_fn]
+
+    def _nonlinear_on_activation(self, func: Callable, args: tuple) -> bool:
+        """Whether an element-wise non-linear call (:data:`_NONLINEAR`) reaches an activation: its input, a power's
+        base (exponent not 1) or exponent, or a division's divisor is live (a division by a constant is linear)."""
+        if not args:
+            return False
+        name = getattr(func, "__name__", "")
+        if name in ("div", "true_divide", "__truediv__"):
+            return len(args) > 1 and self._live(args[1])
+        if name == "__rtruediv__":  # number / tensor: the tensor is the divisor
+            return self._live(args[0])
+        if name in ("pow", "__pow__", "__rpow__"):
+            base, exponent = args[0], args[1] if len(args) > 1 else None
+            if name == "__rpow__":
+                return self._live(base)
+            linear = isinstance(exponent, (int, float)) and exponent == 1
+            return self._live(exponent) or (self._live(base) and not linear)
+        return self._live(args[0])
+
+    def _einsum(self, args: tuple, kwargs: dict) -> Tensor:
+        """``torch.einsum`` of n >= 2 activations: a multilinear product, the uniform rule gives each 1/n."""
+        operands = args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:]
+        live = sum(1 for t in operands if self._live(t))
+        out = torch.einsum(*args, **kwargs)
+        if live < 2:
+            return out
+        self.seen["product"] += 1
+        return ScaleGrad.apply(out, 1.0 / live)
 
     # -- attention ----------------------------------------------------------------------
     def _qkv(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         self.seen["attention"] += 1
         if self.variant == "cp":
             return q.detach(), k.detach(), v
-        return _ScaleGrad.apply(q, 0.25), _ScaleGrad.apply(k, 0.25), _ScaleGrad.apply(v, 0.5)
+        return ScaleGrad.apply(q, 0.25), ScaleGrad.apply(k, 0.25), ScaleGrad.apply(v, 0.5)
 
     def _softmax(self, func: Callable, args: tuple, kwargs: dict) -> Tensor:
         """Attention computed in Python: ``softmax(q k^T + bias) @ v``, over the last dim of a >= 3-D tensor.
@@ -258,7 +328,7 @@ class LRPRules(TorchFunctionMode):
         x = args[0]
         dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
         out = func(*args, **kwargs)
-        if not _live(x):
+        if not self._live(x):
             return out
         if x.dim() >= 3 and dim in (-1, x.dim() - 1):
             self.seen["attention"] += 1
@@ -267,9 +337,16 @@ class LRPRules(TorchFunctionMode):
         return out
 
     def _sdpa(self, args: tuple, kwargs: dict) -> Tensor:
+        """SDPA with the rule at q, k, v; an additive ``attn_mask`` computed from the input (a bias from
+        the queries, SAM-style relative positions) is part of the scores, so it gets their share: x 1/2
+        (AttnLRP: the ``A @ v`` product's half, which the rule's 1/4 at q and k already include) or
+        detached (CP-LRP: the attention weights are constants), as in the same attention written out."""
         bound = dict(zip(_SDPA_ARGS, args))
         bound.update(kwargs)
         bound["query"], bound["key"], bound["value"] = self._qkv(bound["query"], bound["key"], bound["value"])
+        mask = bound.get("attn_mask")
+        if self._live(mask) and mask.is_floating_point():
+            bound["attn_mask"] = mask.detach() if self.variant == "cp" else ScaleGrad.apply(mask, 0.5)
         return _SDPA(**bound)
 
     def _mha(self, args: tuple, kwargs: dict) -> tuple[Tensor, Optional[Tensor]]:
@@ -279,6 +356,24 @@ class LRPRules(TorchFunctionMode):
         bound = _MHA_SIGNATURE.bind(*args, **kwargs)
         bound.apply_defaults()
         return multi_head_attention(self, **bound.arguments)
+
+    def _written_linear(self, func: Callable, args: tuple, kwargs: dict) -> Optional[Tensor]:
+        """A linear layer written as ``torch.addmm(b, x, W)`` (GPT-2's ``Conv1D``) or ``x @ W`` (OpenCLIP's
+        projection), W a 2-D tensor computed from the weights alone: :meth:`linear` of ``x, W^T, b``; None when
+        the call is not one."""
+        if func in _ADDMM:
+            if len(args) != 3 or kwargs.get("beta", 1) != 1 or kwargs.get("alpha", 1) != 1:
+                return None
+            bias, x, w = args
+            if not (isinstance(bias, Tensor) and bias.dim() == 1) or self._live(bias):
+                return None
+        else:
+            if len(args) != 2 or kwargs:
+                return None
+            (x, w), bias = args, None
+        if not (isinstance(w, Tensor) and w.dim() == 2 and self._live(x) and not self._live(w)):
+            return None
+        return self.linear(x, w.t(), bias)
 
     def linear(self, input: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
         """``F.linear`` under the rules: as it is, or the Gamma rule when ``linear_gamma`` > 0."""
@@ -291,7 +386,7 @@ class LRPRules(TorchFunctionMode):
     def _layer_norm(self, x: Tensor, normalized_shape: Any, weight: Optional[Tensor] = None,
                     bias: Optional[Tensor] = None, eps: float = 1e-5) -> Tensor:
         self.seen["norm"] += 1
-        return _LayerNorm.apply(x, tuple(normalized_shape), weight, bias, eps)
+        return LayerNormRule.apply(x, tuple(normalized_shape), weight, bias, eps)
 
     def _rms_norm(self, x: Tensor, normalized_shape: Any, weight: Optional[Tensor] = None,
                   eps: Optional[float] = None) -> Tensor:
@@ -300,6 +395,29 @@ class LRPRules(TorchFunctionMode):
         eps = torch.finfo(x.dtype).eps if eps is None else eps
         y = x * torch.rsqrt(x.pow(2).mean(dim=dims, keepdim=True) + eps).detach()
         return y if weight is None else y * weight
+
+    def _group_norm(self, input: Tensor, num_groups: int, weight: Optional[Tensor] = None,
+                    bias: Optional[Tensor] = None, eps: float = 1e-5) -> Tensor:
+        """``F.group_norm`` (hybrid ViTs' ResNet stems): LayerNorm over each group of channels, its standard
+        deviation held constant (the norms' identity rule); the forward recomputed in Python."""
+        self.seen["norm"] += 1
+        n, c = input.shape[:2]
+        groups = input.reshape(n, num_groups, -1)
+        var = groups.var(dim=-1, unbiased=False, keepdim=True)
+        out = ((groups - groups.mean(dim=-1, keepdim=True)) * torch.rsqrt(var + eps).detach()).view_as(input)
+        shape = (1, c) + (1,) * (input.dim() - 2)
+        if weight is not None:
+            out = out * weight.view(shape)
+        return out if bias is None else out + bias.view(shape)
+
+    def _normalize(self, input: Tensor, p: float = 2.0, dim: int = 1, eps: float = 1e-12,
+                   out: Optional[Tensor] = None) -> Tensor:
+        """``F.normalize`` (Swin V2's cosine attention on q and k): the same arithmetic as torch's, with the
+        norm held constant. The L2 case is RMSNorm divided by sqrt(d), so the norms' identity rule applies."""
+        if out is not None:
+            raise UsageError("the LRP rules do not support F.normalize(..., out=...); call it without out")
+        self.seen["norm"] += 1
+        return input / input.norm(p, dim, keepdim=True).clamp_min(eps).expand_as(input).detach()
 
     def _cosine(self, x1: Tensor, x2: Tensor, dim: int = 1, eps: float = 1e-8) -> Tensor:
         n1 = x1.norm(dim=dim).clamp(min=eps).detach()
@@ -318,6 +436,26 @@ class LRPRules(TorchFunctionMode):
             return func(inp, w, b, **bound)
 
         return gamma_rule(layer, x, weight, bias, self.conv_gamma, channel_dim=1)
+
+
+@contextlib.contextmanager
+def checkpointing_refused(method: str, model: str) -> Iterator[None]:
+    """Around the relevance's backward: gradient checkpointing recomputes blocks there, outside the rules (a torch
+    function mode does not reach the recompute), and torch raises its own error; raise one that says what to do.
+
+    Raises:
+        UnsupportedModelError: the backward hit a checkpointed block.
+    """
+    try:
+        yield
+    except RuntimeError as err:
+        if "checkpoint" not in str(err):
+            raise
+        raise UnsupportedModelError(
+            f"method {method!r}: {model} recomputes its blocks in the backward (gradient checkpointing), where the LRP "
+            "rules do not reach; turn it off while explaining (timm: model.set_grad_checkpointing(False); "
+            "transformers: model.gradient_checkpointing_disable())"
+        ) from err
 
 
 def check_coverage(rules: LRPRules, method: str, model: str, *, attention: bool = True) -> None:

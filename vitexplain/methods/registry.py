@@ -27,6 +27,8 @@ CAPABILITIES: Mapping[str, str] = {
     "tokens": "the tokens entering the model's last token attention",
     "attention": "token self-attention over the patch grid in every listed block",
     "rollout": "token attention in every block that mixes tokens (a full attention flow)",
+    "readout": ("a head that reads the mean (or the class token) of the last tokens: the row the attention "
+                "methods start from"),
     "tail": "re-running the model from its last block's input",
     "head": "reading the model's output from any block's tokens",
     "pixels": "a forward from pixels to a score",
@@ -69,7 +71,7 @@ class MethodSpec:
             gradient is taken, a materializing capture keeps only that fusion.
         requires: adapter capabilities the method needs (see ``vitexplain.adapters.base``);
             it applies to a model iff its adapter has all of them.
-        forward_rules: given the options, a fresh context manager under which the model's forward
+        forward_rules: given the options and the model, a fresh context manager under which the model's forward
             and the target score run (LRP's rules); when the method is alone in a call, the
             Explainer's own forward runs under it with the input requiring grad, and the method
             finds the rules and the scores in ``ctx.shared`` (no second forward). None: none.
@@ -92,7 +94,7 @@ class MethodSpec:
     dense_attention: bool = False
     reads_fused: Callable[[Mapping[str, Any]], Optional[str]] = field(default=lambda options: None)
     requires: tuple[str, ...] = ()
-    forward_rules: Optional[Callable[[Mapping[str, Any]], Any]] = None
+    forward_rules: Optional[Callable[[Mapping[str, Any], Any], Any]] = None
     summary: str = ""
     reference: str = ""
     options: Mapping[str, Option] = field(default_factory=dict)

@@ -112,6 +112,16 @@ class Call:
          self.q_once) = _geometry(spec, record.device)
 
     @property
+    def num_heads(self) -> int:
+        """The call's attention heads: those folded into its batch (SAM), those recorded where a record keeps
+        its batch (Hiera's windows sit where heads are), or the record's own."""
+        if self.spec.folded_heads > 1:
+            return self.spec.folded_heads
+        if self.spec.window_dim_inside:
+            return self.record.batch_size // self.batch
+        return self.record.num_heads
+
+    @property
     def in_stage(self) -> int:
         return self.spec.in_stage
 

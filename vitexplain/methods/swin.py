@@ -59,7 +59,7 @@ _DISCARD = Option(float, low=0, high=1, high_open=True, help="fraction of smalle
 
 
 @register(
-    "raw", SWIN, class_sensitive=False, requires=("grid", "attention"),
+    "raw", SWIN, class_sensitive=False, requires=("grid", "attention", "readout"),
     options={
         "layer": Option(int, help="block index over all stages, negative counts from the last"),
         "head": Option(int, optional=True, help="one head, negative counts from the last (None = fuse heads)"),
@@ -100,7 +100,7 @@ def raw(ctx: Context, *, layer: int = -1, head: Optional[int] = None, head_fusio
 
 
 @register(
-    "rollout", SWIN, class_sensitive=False, requires=("grid", "attention", "rollout"),
+    "rollout", SWIN, class_sensitive=False, requires=("grid", "attention", "rollout", "readout"),
     options={"head_fusion": _FUSION, "discard_ratio": _DISCARD, "stage": _STAGE},
     # every window of every block is read, without gradients, through one head fusion: on CPU
     # the capture computes attention once and keeps only that fusion (materialize.py)
@@ -140,7 +140,8 @@ def _chefer(layer: WindowedLayer) -> Tensor:
 
 
 @register(
-    "grad_rollout", SWIN, grads=True, requires=("grid", "attention", "rollout"), options={"discard_ratio": _DISCARD, "stage": _STAGE},
+    "grad_rollout", SWIN, grads=True, requires=("grid", "attention", "rollout", "readout"),
+    options={"discard_ratio": _DISCARD, "stage": _STAGE},
     summary="gradient rollout through shifted windows and patch merging, on a stage grid",
     reference="vit-explain (fixed) on Swin's dense windowed matrices; docs/methods.md, Swin",
 )
@@ -159,7 +160,7 @@ def grad_rollout(ctx: Context, *, discard_ratio: float = 0.0, stage: int = 0) ->
 
 
 @register(
-    "generic", SWIN, grads=True, requires=("grid", "attention", "rollout"), options={"stage": _STAGE},
+    "generic", SWIN, grads=True, requires=("grid", "attention", "rollout", "readout"), options={"stage": _STAGE},
     summary="Chefer's rule through shifted windows and patch merging (identity path removed), on a stage grid",
     reference="Chefer, Gur & Wolf, ICCV 2021 on Swin's dense windowed matrices; docs/methods.md, Swin",
 )
@@ -177,7 +178,7 @@ def generic(ctx: Context, *, stage: int = 0) -> Tensor:
 
 
 @register(
-    "attn_gradcam", SWIN, grads=True, requires=("grid", "attention"),
+    "attn_gradcam", SWIN, grads=True, requires=("grid", "attention", "readout"),
     options={"layer": Option(int, help="block index over all stages, negative counts from the last")},
     summary="attention Grad-CAM on one block's windowed attention (mean readout), on its stage grid",
     reference="Chefer et al. 2021 baseline, mean readout; docs/methods.md, Swin",

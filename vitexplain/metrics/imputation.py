@@ -23,7 +23,9 @@ from torch import Tensor
 from ..errors import UsageError
 from .localisation import upsample_maps
 from .perturbation import ScoreFn, _resolve_targets, _scorer, _target_scores
-from .validation import ArrayLike, as_tensor, check_images, check_maps, check_masks, check_positive_int, exact_dtype
+from .seeding import image_seeds
+from .validation import (ArrayLike, as_tensor, check_images, check_maps, check_masks, check_positive_int, check_seed,
+                         exact_dtype)
 
 __all__ = ["RoadResult", "noisy_linear_imputation", "road", "ROAD_FRACTIONS"]
 
@@ -244,10 +246,11 @@ def road(
     pixels), so it agrees with this function only on single-channel images.
 
     The model runs under ``torch.no_grad()`` on the images' device, ``batch_size`` (image, fraction)
-    pairs at a time; its training flag is left as found (put it in ``eval()`` first). The noise of
-    item ``b`` at fraction ``f`` and the tie order of item ``b`` come from generators seeded by
-    ``(seed, b, f)`` and ``(seed, b)``, so the result does not depend on ``batch_size`` (beyond the
-    solver's tolerance).
+    pairs at a time; its training flag is left as found (put it in ``eval()`` first). The tie order of
+    an image and its noise at each number of removed pixels come from generators seeded by the image's
+    own values and ``seed`` (:mod:`vitexplain.metrics.seeding`), so an image's curve does not depend on
+    its place in the batch, on the other images, on the other fractions or on ``batch_size`` (beyond
+    the solver's tolerance): a batch scores as its images one by one.
 
     Args:
         model: a callable taking ``(N, C, H, W)`` and returning logits ``(N, classes)`` (or an object
@@ -263,7 +266,7 @@ def road(
             ``[0.01 / s for s in std]``.
         score: ``"softmax"``, ``"sigmoid"`` or a callable ``logits (N, C) -> scores (N, C)``.
         batch_size: (image, fraction) pairs per forward pass (bounds memory).
-        seed: seed of the noise and of the tie order.
+        seed: seed of the noise and of the tie order (each image's draws also depend on its values).
 
     Returns:
         :class:`RoadResult` with ``curves (B, F)``, ``correct (B, F)``, ``fractions (F,)``, ``targets (B,)``.
@@ -274,8 +277,7 @@ def road(
     B, C, H, W = images.shape
     maps = check_maps(maps, batch=B).to(images.device)
     check_positive_int(batch_size, "batch_size")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise UsageError(f"seed must be an int, got {seed!r}")
+    check_seed(seed)
     frac = _check_fractions(fractions)
     counts = torch.floor(frac * (H * W) + 1e-9).long()  # pixels removed at each fraction (the paper: int(p * N))
     run = _scorer(model, score, "road")
@@ -284,7 +286,8 @@ def road(
     dev = images.device
 
     up = upsample_maps(maps, (H, W)).flatten(1)
-    rank = torch.stack([_removal_order(up[b], _generator(seed, 0, b)) for b in range(B)])  # most relevant first
+    tie_seeds, noise_seeds = image_seeds(images, seed, 0), image_seeds(images, seed, 1)  # per image, by content
+    rank = torch.stack([_removal_order(up[b], _generator(tie_seeds[b])) for b in range(B)])  # most relevant first
     if order == "lerf":
         rank = rank.flip(1)
     position = torch.empty_like(rank).scatter_(1, rank, torch.arange(H * W, device=dev).expand(B, -1))
@@ -297,7 +300,7 @@ def road(
             pairs = torch.arange(start, min(start + batch_size, B * n_frac))
             items, steps = pairs // n_frac, pairs % n_frac
             removed = (position[items.to(dev)] < counts[steps].to(dev)[:, None]).view(-1, H, W)
-            generators = [_generator(seed, 1, int(b), int(f), device=dev) for b, f in zip(items, steps)]
+            generators = [_generator(noise_seeds[int(b)], int(counts[f]), device=dev) for b, f in zip(items, steps)]
             x = noisy_linear_imputation(images[items.to(dev)], removed, noise=noise, generator=generators)
             scores = run(x)
             t = tgt[items.to(dev)]

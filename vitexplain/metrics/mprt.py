@@ -18,13 +18,13 @@ from __future__ import annotations
 import math
 from typing import Callable, List, NamedTuple, Optional, Sequence
 
-import torch
 from torch import Tensor, nn
 
 from ..errors import UsageError
 from .concentration import histogram_entropy
 from .sanity import RandomizationResult, _layer_names, randomization_check, randomized_copy
-from .validation import check_images, check_maps, check_positive_int, exact_dtype
+from .seeding import image_generators, per_image_draws
+from .validation import check_images, check_maps, check_positive_int, check_seed, exact_dtype
 
 __all__ = ["EfficientMPRTResult", "efficient_mprt", "smooth_mprt"]
 
@@ -128,7 +128,8 @@ def smooth_mprt(
     ``(1/N) sum_i explain_fn(m, x + eps_i)`` with ``eps_i ~ N(0, sigma^2)`` and
     ``sigma = noise * (max(x) - min(x))`` per image (the paper's ImageNet setting: N = 50, 10 %).
     The same noise draws serve every model state, so the comparison sees the randomisation and not
-    the sampling. Layers are then randomised cumulatively (:func:`randomization_check`, cascading), by
+    the sampling; each image's draws come from its own generator, seeded by its values and ``seed``
+    (:mod:`vitexplain.metrics.seeding`), so a batch scores as its images one by one. Layers are then randomised cumulatively (:func:`randomization_check`, cascading), by
     default from the input side (``"bottom_up"``, which the paper recommends: top-down randomisation
     leaves the lower layers' information in the maps), and each state's denoised map is compared with
     the trained model's by Spearman rank correlation of the absolute values (Quantus's defaults).
@@ -160,6 +161,7 @@ def smooth_mprt(
     """
     images = check_images(images)
     check_positive_int(samples, "samples")
+    check_seed(seed)
     if not (isinstance(noise, (int, float)) and not isinstance(noise, bool) and noise >= 0 and math.isfinite(noise)):
         raise UsageError(f"noise must be a finite fraction >= 0 of each image's value range, got {noise!r}")
     if order not in ("bottom_up", "top_down"):
@@ -171,10 +173,10 @@ def smooth_mprt(
     sigma = (noise * (flat.amax(1) - flat.amin(1))).view(-1, 1, 1, 1)
 
     def denoised(m: nn.Module) -> Tensor:
-        generator = torch.Generator(device=images.device).manual_seed(seed)  # the same draws for every state
+        generators = image_generators(images, seed)  # the same draws for every state; per image, by content
         total: Optional[Tensor] = None
         for i in range(samples):
-            eps = torch.randn(images.shape, generator=generator, device=images.device, dtype=images.dtype)
+            eps = per_image_draws(generators, images.shape[1:], "randn", images)
             maps = check_maps(explain_fn(m, images + sigma * eps), f"explain_fn output (sample {i})", batch=len(images))
             if total is not None and maps.shape != total.shape:
                 raise UsageError(f"explain_fn returned maps of shape {tuple(maps.shape)}, then {tuple(total.shape)}")

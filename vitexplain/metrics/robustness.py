@@ -15,7 +15,8 @@ import torch
 from torch import Tensor
 
 from ..errors import UsageError
-from .validation import ArrayLike, check_images, check_maps, check_positive_int, exact_dtype
+from .seeding import image_generators, per_image_draws
+from .validation import ArrayLike, check_images, check_maps, check_positive_int, check_seed, exact_dtype
 
 __all__ = ["sensitivities", "max_sensitivity", "avg_sensitivity"]
 
@@ -33,9 +34,12 @@ def sensitivities(
     """The change of the explanation under each of ``samples`` random input perturbations.
 
     For sample ``s``, ``delta_s`` is uniform in ``[-radius, radius]`` independently per input element
-    (the L-infinity ball of Yeh et al.'s experiments and of Quantus), drawn from a generator seeded
-    with ``seed`` on the images' device (``torch.rand(images.shape) * 2 * radius - radius``, one draw
-    per sample, in order), and the change is ``||explain_fn(x + delta_s) - explain_fn(x)||_F``,
+    (the L-infinity ball of Yeh et al.'s experiments and of Quantus), drawn for image ``b`` from its own
+    generator on the images' device, seeded by the image's values and ``seed``
+    (:func:`vitexplain.metrics.seeding.image_generators`; ``torch.rand(image.shape) * 2 * radius - radius``,
+    one draw per sample, in order), so an image's score does not depend on its place in the batch or on
+    the other images (a batch scores as its images one by one); the change is
+    ``||explain_fn(x + delta_s) - explain_fn(x)||_F``,
     divided by ``||explain_fn(x)||_F`` when ``relative``.
 
     Args:
@@ -48,7 +52,7 @@ def sensitivities(
         relative: divide by the norm of the unperturbed explanation (Quantus, and a change that does
             not depend on the map's scale); False gives Yeh et al.'s absolute norm of the difference.
         maps: the unperturbed explanations ``(B, h, w)`` if already computed (else ``explain_fn(images)``).
-        seed: seed of the noise.
+        seed: seed of the noise (each image's draws also depend on its values).
 
     Returns:
         ``(samples, B)`` float32 tensor of changes.
@@ -61,6 +65,7 @@ def sensitivities(
     if not (isinstance(radius, (int, float)) and not isinstance(radius, bool) and radius > 0 and math.isfinite(radius)):
         raise UsageError(f"radius must be a finite number > 0 (in the units of the images), got {radius!r}")
     check_positive_int(samples, "samples")
+    check_seed(seed)
     B = images.shape[0]
     reference = check_maps(explain_fn(images) if maps is None else maps, "explain_fn output", batch=B)
     dtype = exact_dtype(reference.device)
@@ -71,10 +76,10 @@ def sensitivities(
             f"the explanations of batch items {(norm == 0).nonzero().flatten().tolist()[:10]} are all zero, so their "
             f"relative sensitivity is undefined; drop those items or pass relative=False"
         )
-    generator = torch.Generator(device=images.device).manual_seed(seed)
+    generators = image_generators(images, seed)
     out = torch.empty(samples, B, dtype=dtype, device=reference.device)
     for s in range(samples):
-        noise = torch.rand(images.shape, generator=generator, device=images.device, dtype=images.dtype)
+        noise = per_image_draws(generators, images.shape[1:], "rand", images)
         perturbed = explain_fn(images + (2 * noise - 1) * radius)
         perturbed = check_maps(perturbed, f"explain_fn output (sample {s})", batch=B)
         if perturbed.shape != reference.shape:

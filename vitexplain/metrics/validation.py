@@ -17,7 +17,7 @@ from ..errors import InputError, UsageError
 
 __all__ = [
     "ArrayLike", "Size2", "as_tensor", "check_finite", "check_maps", "check_masks", "check_images",
-    "check_positive_int", "size2", "exact_dtype",
+    "check_positive_int", "check_seed", "size2", "exact_dtype",
 ]
 
 ArrayLike = Any  # torch.Tensor, numpy.ndarray or a nested sequence of numbers
@@ -96,8 +96,17 @@ def check_images(images: ArrayLike, name: str = "images") -> Tensor:
         raise UsageError(f"{name} must have shape (B, C, H, W), got {tuple(images.shape)}")
     if not images.is_floating_point():
         raise UsageError(f"{name} must be the preprocessed float tensor the model takes, got {images.dtype}")
+    if images.shape[0] == 0:
+        raise UsageError(f"{name} holds no images (batch size 0); pass at least one")
     check_finite(images, name)
     return images
+
+
+def check_seed(seed: Any) -> int:
+    """``seed`` as an int; a UsageError otherwise (None, floats and bools are not seeds)."""
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise UsageError(f"seed must be an int, got {seed!r}")
+    return seed
 
 
 def check_positive_int(value: Any, name: str) -> int:

@@ -94,7 +94,7 @@ def survey(model: nn.Module) -> Survey:
     entries = []
     configs: dict[int, Any] = {}
     compiled = False
-    for name, module in model.named_modules():
+    for name, module in _named_modules(model):
         modules[name] = module
         names[id(module)] = name
         kind = type(module)
@@ -112,6 +112,26 @@ def survey(model: nn.Module) -> Survey:
             configs[id(config)] = _implementation(config)
     key = (tuple(entries), tuple(configs.items()), _registries(by_type, configs.values()), model.training)
     return Survey(modules, names, by_type, key, compiled)
+
+
+def _named_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``list(model.named_modules())``, walked with a stack: the same modules, names and order (pre-order, each
+    module once), without a generator per level (``named_modules`` resumes every ancestor's generator for each
+    module it yields, which costs on deeply nested models such as Hugging Face VLMs)."""
+    found: list[tuple[str, nn.Module]] = []
+    seen: set[int] = set()
+    stack: list[tuple[str, nn.Module]] = [("", model)]
+    while stack:
+        name, module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        found.append((name, module))
+        children = module._modules
+        if children:
+            prefix = name + "." if name else ""
+            stack.extend([(prefix + key, child) for key, child in reversed(children.items()) if child is not None])
+    return found
 
 
 def _untapped(function: Any) -> Any:

@@ -3,7 +3,8 @@ shared geometry and interface are in :mod:`~vitexplain.adapters.vlm.base`."""
 
 from __future__ import annotations
 
-from .base import ImageView, Piece, VLMAdapter, render
+from .base import VLMAdapter
+from .views import ImageView, Piece, render
 
 # each module registers its detector
 from . import llava, llava_next, mistral3, internvl, paligemma, gemma4, qwen, idefics, lfm2, janus, perception_lm, molmo2, minicpmv, idefics2, fuyu, qformer, mllama, florence, pix2struct  # noqa: E402,F401

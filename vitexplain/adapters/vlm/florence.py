@@ -24,7 +24,7 @@ from torch import nn
 from ...errors import UnsupportedModelError
 from ...methods.families import VLM
 from ..base import Adapter, register_adapter
-from .base import ImageView, Piece, processed_box
+from .views import ImageView, Piece, processed_box
 from .encdec import EncoderDecoderVLMAdapter
 
 __all__ = ["Florence2Adapter", "davit_geometry"]

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-import torch
-from torch import Tensor, nn
+from torch import nn
 
 from ...errors import UnsupportedModelError
 from ...methods.families import VLM
 from ..base import Adapter, register_adapter
-from .base import ImageView, Piece, VLMAdapter
+from .base import VLMAdapter
+from .views import ImageView, Piece
 
 __all__ = ["Gemma4Adapter"]
 
@@ -31,22 +31,9 @@ class Gemma4Adapter(VLMAdapter):
 
     image_token = "<|image|>"
     nested_images = True
-
-    def prepare(self, images: Sequence[Any], prompts: Sequence[str]) -> Any:
-        batch = super().prepare(images, prompts)
-        missing = [k for k in ("mm_token_type_ids", "image_position_ids") if k not in batch]
-        if missing:
-            raise UnsupportedModelError(
-                f"the processor gave no {' or '.join(missing)}, which {type(self.model).__name__} needs (the patches' "
-                "positions, and which tokens are the image's for its mask); use the model's own Gemma4Processor"
-            )
-        return batch
-
-    def teacher_inputs(self, inputs: Any, ids: Tensor) -> dict[str, Any]:
-        kwargs = super().teacher_inputs(inputs, ids)
-        types = inputs["mm_token_type_ids"]
-        kwargs["mm_token_type_ids"] = torch.cat([types, torch.zeros_like(ids, dtype=types.dtype)], dim=1)  # answer = text
-        return kwargs
+    required_inputs = ("mm_token_type_ids", "image_position_ids")
+    required_for = "(the patches' positions, and which tokens are the image's for its mask)"
+    answer_values = {"mm_token_type_ids": 0}  # the answer is text
 
     def views(self, images: Sequence[Any], inputs: Any) -> list[ImageView]:
         k = int(self.model.config.vision_config.pooling_kernel_size)

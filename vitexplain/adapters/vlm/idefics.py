@@ -20,7 +20,8 @@ from torch import nn
 from ...errors import UnsupportedModelError
 from ...methods.families import VLM
 from ..base import Adapter, register_adapter
-from .base import ImageView, Piece, VLMAdapter, processor_images
+from .base import VLMAdapter, processor_images
+from .views import ImageView, Piece
 
 __all__ = ["TiledAdapter"]
 

@@ -22,7 +22,8 @@ from torch import Tensor, nn
 from ...errors import UnsupportedMethodError, UnsupportedModelError
 from ...methods.families import VLM
 from ..base import Adapter, register_adapter
-from .base import ImageView, Piece, VLMAdapter
+from .base import VLMAdapter
+from .views import ImageView, Piece
 
 __all__ = ["ResamplerAdapter"]
 

@@ -22,7 +22,8 @@ from ...errors import UnsupportedModelError
 from ...layout import pair
 from ...methods.families import VLM
 from ..base import Adapter, register_adapter
-from .base import ImageView, Piece, VLMAdapter
+from .base import VLMAdapter
+from .views import ImageView, Piece
 
 __all__ = ["InternVLAdapter", "AyaVisionAdapter", "Cohere2VisionAdapter", "QianfanOCRAdapter"]
 

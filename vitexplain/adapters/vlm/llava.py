@@ -17,7 +17,8 @@ from torch import nn
 from ...errors import UnsupportedModelError
 from ...methods.families import VLM
 from ..base import Adapter, register_adapter
-from .base import ImageView, Piece, VLMAdapter, processed_box
+from .base import VLMAdapter
+from .views import ImageView, Piece, processed_box
 from .mistral3 import native_views
 
 __all__ = ["LlavaAdapter"]

@@ -27,8 +27,9 @@ from torch import nn
 from ...errors import UnsupportedModelError
 from ...methods.families import VLM
 from ..base import Adapter, register_adapter
-from .base import ImageView, Piece, VLMAdapter
+from .base import VLMAdapter
 from .qwen import QwenVLAdapter
+from .views import ImageView, Piece
 
 __all__ = ["MiniCPMVAdapter", "MiniCPMV47Adapter"]
 
@@ -37,6 +38,8 @@ class MiniCPMVAdapter(VLMAdapter):
     """``MiniCPMV4_6ForConditionalGeneration`` (see the module docstring)."""
 
     image_token = "<unk>"
+    required_inputs = ("target_sizes",)
+    required_for = "(each piece's patch grid)"
 
     def __init__(self, model: nn.Module, processor: Any = None) -> None:
         super().__init__(model, processor)
@@ -60,12 +63,7 @@ class MiniCPMVAdapter(VLMAdapter):
 
     def prepare(self, images: Sequence[Any], prompts: Sequence[str]) -> Any:
         self._merge()
-        batch = super().prepare(images, prompts)
-        if "target_sizes" not in batch:
-            raise UnsupportedModelError(
-                f"the processor gave no target_sizes, which {type(self.model).__name__} needs (each piece's patch grid); "
-                f"use the model's own {self._processor_name}")
-        return batch
+        return super().prepare(images, prompts)
 
     def views(self, images: Sequence[Any], inputs: Any) -> list[ImageView]:
         processor = self.image_processor
@@ -105,6 +103,10 @@ class MiniCPMV47Adapter(MiniCPMVAdapter, QwenVLAdapter):
     extended for the answer, ``rope_deltas`` restored)."""
 
     format_prompt = VLMAdapter.format_prompt  # (no vision start / end tokens: the processor puts MiniCPM's markers)
+    required_inputs = ("target_sizes", "mm_token_type_ids")
+    required_for = ("(each piece's patch grid, and the pieces' canvas M-RoPE positions; without them generate silently "
+                    "uses 1-D positions)")
+    answer_values = {"mm_token_type_ids": 0}  # the answer is text
 
 
 @register_adapter(priority=20, family=VLM)

@@ -30,7 +30,8 @@ from torch import Tensor, nn
 from ...errors import UnsupportedModelError
 from ...methods.families import VLM
 from ..base import Adapter, register_adapter
-from .base import ImageView, Piece, VLMAdapter
+from .base import VLMAdapter
+from .views import ImageView, Piece
 
 __all__ = ["MllamaAdapter", "tiled_view"]
 

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-import torch
-from torch import Tensor, nn
+from torch import nn
 
 from ...errors import UnsupportedModelError
 from ...methods.families import VLM
 from ..base import Adapter, register_adapter
-from .base import ImageView, Piece, VLMAdapter
+from .base import VLMAdapter
+from .views import ImageView, Piece
 
 __all__ = ["Molmo2Adapter"]
 
@@ -40,21 +40,9 @@ class Molmo2Adapter(VLMAdapter):
     """``Molmo2ForConditionalGeneration`` (see the module docstring)."""
 
     image_token = "<|image|>"
-
-    def prepare(self, images: Sequence[Any], prompts: Sequence[str]) -> Any:
-        batch = super().prepare(images, prompts)
-        missing = [k for k in ("mm_token_type_ids", "image_grids", "image_token_pooling") if k not in batch]
-        if missing:
-            raise UnsupportedModelError(
-                f"the processor gave no {' or '.join(missing)}, which {type(self.model).__name__} needs (which tokens form "
-                "its bidirectional image block, each view's token grid and each token's patches); use the model's own Molmo2Processor")
-        return batch
-
-    def teacher_inputs(self, inputs: Any, ids: Tensor) -> dict[str, Any]:
-        kwargs = super().teacher_inputs(inputs, ids)
-        types = inputs["mm_token_type_ids"]
-        kwargs["mm_token_type_ids"] = torch.cat([types, torch.zeros_like(ids, dtype=types.dtype)], dim=1)  # answer = text
-        return kwargs
+    required_inputs = ("mm_token_type_ids", "image_grids", "image_token_pooling")
+    required_for = "(which tokens form its bidirectional image block, each view's token grid and each token's patches)"
+    answer_values = {"mm_token_type_ids": 0}  # the answer is text
 
     def views(self, images: Sequence[Any], inputs: Any) -> list[ImageView]:
         from transformers.models.molmo2.image_processing_molmo2 import compute_crop_geometry

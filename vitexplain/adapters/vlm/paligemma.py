@@ -15,13 +15,12 @@ from __future__ import annotations
 import math
 from typing import Any, Optional, Sequence
 
-import torch
-from torch import Tensor, nn
+from torch import nn
 
-from ...errors import UnsupportedModelError
 from ...methods.families import VLM
 from ..base import Adapter, register_adapter
-from .base import ImageView, Piece, VLMAdapter, processed_box
+from .base import VLMAdapter
+from .views import ImageView, Piece, processed_box
 
 __all__ = ["PrefixLMAdapter", "pan_and_scan_boxes"]
 
@@ -34,6 +33,11 @@ class PrefixLMAdapter(VLMAdapter):
         self.kind = kind
         self.position_offset = 1 if kind == "paligemma" else 0
         self.nested_images = kind == "gemma3"
+        self.required_inputs = ("token_type_ids",)
+        self.required_for = ("for its prefix mask (PaliGemma: image and prompt attend both ways; Gemma 3: the image "
+                             "tokens do)")
+        # the answer tokens as generate gives them: PaliGemma's 1 = the causal suffix; Gemma 3's 0 = text (1 = image)
+        self.answer_values = {"token_type_ids": 1 if kind == "paligemma" else 0}
 
     def format_prompt(self, prompt: str) -> str:
         if self.kind == "paligemma":
@@ -49,22 +53,6 @@ class PrefixLMAdapter(VLMAdapter):
         vision = config.vision_config
         size = vision.image_size
         return size // vision.patch_size, size // vision.patch_size
-
-    def prepare(self, images: Sequence[Any], prompts: Sequence[str]) -> Any:
-        batch = super().prepare(images, prompts)
-        if "token_type_ids" not in batch:
-            raise UnsupportedModelError(
-                f"the processor gave no token_type_ids, which {type(self.model).__name__} needs for its prefix "
-                "mask (PaliGemma: image and prompt attend both ways; Gemma 3: the image tokens do); pass the model's own processor"
-            )
-        return batch
-
-    def teacher_inputs(self, inputs: Any, ids: Tensor) -> dict[str, Any]:
-        kwargs = super().teacher_inputs(inputs, ids)
-        types = inputs["token_type_ids"]
-        answer = 1 if self.kind == "paligemma" else 0  # PaliGemma: 1 = the causal suffix; Gemma 3: 1 = image tokens
-        kwargs["token_type_ids"] = torch.cat([types, torch.full_like(ids, answer, dtype=types.dtype)], dim=1)
-        return kwargs
 
     def views(self, images: Sequence[Any], inputs: Any) -> list[ImageView]:
         grid = self.grid()

@@ -27,7 +27,8 @@ from torch import Tensor, nn
 from ...errors import UnsupportedModelError, UsageError
 from ...methods.families import VLM
 from ..base import Adapter, register_adapter
-from .base import ImageView, Piece, processor_images
+from .base import processor_images
+from .views import ImageView, Piece
 from .encdec import EncoderDecoderVLMAdapter
 
 __all__ = ["Pix2StructAdapter"]

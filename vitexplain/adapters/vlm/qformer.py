@@ -26,7 +26,8 @@ from torch import Tensor, nn
 from ...errors import UnsupportedMethodError
 from ...methods.families import VLM
 from ..base import Adapter, register_adapter
-from .base import ImageView, Piece, VLMAdapter, processed_box
+from .base import VLMAdapter
+from .views import ImageView, Piece, processed_box
 
 __all__ = ["QFormerAdapter"]
 
@@ -42,6 +43,10 @@ class QFormerAdapter(VLMAdapter):
     @property
     def kosmos(self) -> bool:
         return type(self.model).__name__ == "Kosmos2ForConditionalGeneration"
+
+    @property
+    def answer_values(self) -> dict[str, int]:  # type: ignore[override]
+        return {"image_embeds_position_mask": 0} if self.kosmos else {}  # (Kosmos-2: the answer holds no image)
 
     @property
     def placeholder_ids(self) -> list[int]:
@@ -87,8 +92,6 @@ class QFormerAdapter(VLMAdapter):
         kwargs = super().teacher_inputs(inputs, ids)
         if self.kosmos:
             del kwargs["position_ids"]  # Kosmos-2 counts positions from the ids, as its generate does
-            mask = inputs["image_embeds_position_mask"]
-            kwargs["image_embeds_position_mask"] = torch.cat([mask, torch.zeros_like(ids, dtype=mask.dtype)], dim=1)
         return kwargs
 
     def views(self, images: Sequence[Any], inputs: Any) -> list[ImageView]:

@@ -21,13 +21,13 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional, Sequence
 
-import torch
 from torch import Tensor, nn
 
 from ...errors import UnsupportedModelError
 from ...methods.families import VLM
 from ..base import Adapter, register_adapter
-from .base import ImageView, Piece, VLMAdapter
+from .base import VLMAdapter
+from .views import ImageView, Piece
 
 __all__ = ["QwenVLAdapter", "Qwen35Adapter", "Glm4vAdapter", "Exaone45Adapter"]
 
@@ -40,20 +40,14 @@ class QwenVLAdapter(VLMAdapter):
 
     image_token = "<|image_pad|>"
     image_open, image_close = "<|vision_start|>", "<|vision_end|>"  # the tokens around the image's
+    required_inputs = ("mm_token_type_ids",)
+    required_for = ("for its 3-D (M-RoPE) positions; without them generate silently uses 1-D positions and the answer "
+                    "changes")
+    answer_values = {"mm_token_type_ids": 0}  # the answer is text
 
     def format_prompt(self, prompt: str) -> str:
         token = getattr(self.processor, "image_token", None) or self.image_token
         return prompt if token in prompt else f"{self.image_open}{token}{self.image_close}{prompt}"
-
-    def prepare(self, images: Sequence[Any], prompts: Sequence[str]) -> Any:
-        batch = super().prepare(images, prompts)
-        if "mm_token_type_ids" not in batch:
-            raise UnsupportedModelError(
-                f"the processor gave no mm_token_type_ids, which {type(self.model).__name__} needs for its 3-D "
-                "(M-RoPE) positions; without them generate silently uses 1-D positions and the answer changes. "
-                "Use the model's own processor from transformers >= 5"
-            )
-        return batch
 
     @contextmanager
     def _rope_state(self) -> Iterator[None]:
@@ -71,8 +65,6 @@ class QwenVLAdapter(VLMAdapter):
     def teacher_inputs(self, inputs: Any, ids: Tensor) -> dict[str, Any]:
         kwargs = super().teacher_inputs(inputs, ids)
         del kwargs["position_ids"]  # the model computes its 3-D positions from the ids and mm_token_type_ids
-        types = inputs["mm_token_type_ids"]
-        kwargs["mm_token_type_ids"] = torch.cat([types, torch.zeros_like(ids, dtype=types.dtype)], dim=1)
         return kwargs
 
     def forward_logits(self, kwargs: dict[str, Any]) -> Tensor:
@@ -122,8 +114,9 @@ class Exaone45Adapter(QwenVLAdapter):
     with 1-D positions (no M-RoPE, so no ``mm_token_type_ids``): positions that skip the left padding, as ``generate``
     counts them; the prompt holds the image token alone."""
 
-    prepare = VLMAdapter.prepare
-    teacher_inputs = VLMAdapter.teacher_inputs
+    required_inputs: tuple[str, ...] = ()
+    answer_values: dict[str, int] = {}
+    teacher_inputs = VLMAdapter.teacher_inputs  # (positions that skip the left padding)
     format_prompt = VLMAdapter.format_prompt
 
 

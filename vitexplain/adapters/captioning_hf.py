@@ -1,0 +1,195 @@
+"""Adapters for Hugging Face image captioners: ``VisionEncoderDecoderModel`` (e.g. ViT + GPT-2),
+``BlipForConditionalGeneration`` and ``GitForCausalLM`` (the caption adapter itself: :mod:`~vitexplain.adapters.captioning`).
+
+GIT has no cross-attention module: its text decoder runs one self-attention over the
+sequence [image tokens, text tokens] (image tokens attend to each other, text tokens
+causally to the image and the text before them). Its "cross-attention" is the block of that
+attention in which text queries read image keys: :class:`GitCaptionAdapter` presents it as
+one cross record per decoder call (:class:`TextToImage`), so ``cross`` reads it like any
+decoder's; ``cross_generic`` applies Chefer's self-attention rule to the joint sequence
+(``joint = True``, see ``methods/caption.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from ..layout import pair
+from .base import Adapter, register_adapter
+from .captioning import CaptionAdapter
+
+__all__ = ["HFCaptionAdapter", "GitCaptionAdapter", "TextToImage"]
+
+
+class HFCaptionAdapter(CaptionAdapter):
+    """Hugging Face ``VisionEncoderDecoderModel`` and ``BlipForConditionalGeneration``."""
+
+    def __init__(self, model: nn.Module, kind: str, tokenizer: Any = None) -> None:
+        super().__init__(model, tokenizer)
+        self.kind = kind
+        self.encoder_prefix = "encoder" if kind == "vision-encoder-decoder" else "vision_model"
+        vision = model.config.encoder if kind == "vision-encoder-decoder" else model.config.vision_config
+        #: the one input size the vision encoder takes (its position embeddings are not interpolated)
+        self.fixed_size = pair(vision.image_size)
+
+    @property
+    def _text_config(self) -> Any:
+        config = self.model.config
+        return config.decoder if self.kind == "vision-encoder-decoder" else config.text_config
+
+    @property
+    def end_id(self) -> int:
+        cfg = self._text_config
+        if self.kind == "blip":
+            return int(cfg.sep_token_id)
+        end = self.model.generation_config.eos_token_id
+        end = end if end is not None else cfg.eos_token_id
+        return int(end[0] if isinstance(end, (list, tuple)) else end)
+
+    @property
+    def start_id(self) -> int:
+        if self.kind == "blip":
+            return int(self._text_config.bos_token_id)
+        start = self.model.config.decoder_start_token_id
+        return int(start if start is not None else self._text_config.bos_token_id)
+
+    @property
+    def max_positions(self) -> Optional[int]:
+        cfg = self._text_config
+        for name in ("max_position_embeddings", "n_positions"):
+            size = getattr(cfg, name, None)
+            if isinstance(size, int) and size > 0:
+                return size
+        return None
+
+    def generate(self, x: Tensor, max_len: int) -> Tensor:
+        kwargs = dict(max_new_tokens=max_len, do_sample=False, num_beams=1)
+        if self.kind == "vision-encoder-decoder":
+            kwargs.update(decoder_start_token_id=self.start_id, eos_token_id=self.end_id, pad_token_id=self.end_id)
+        return self.model.generate(pixel_values=x, **kwargs)[:, 1:]
+
+    def teacher_forced(self, x: Tensor, ids: Tensor) -> Tensor:
+        start = torch.full_like(ids[:, :1], self.start_id)
+        inputs = torch.cat([start, ids[:, :-1]], dim=1)
+        if self.kind == "vision-encoder-decoder":
+            return self.model(pixel_values=x, decoder_input_ids=inputs).logits
+        return self.model(pixel_values=x, input_ids=inputs).logits
+
+    def preprocess_kwargs(self) -> dict[str, Any]:
+        vision = self.model.config.encoder if self.kind == "vision-encoder-decoder" else self.model.config.vision_config
+        size = vision.image_size
+        size = (size, size) if isinstance(size, int) else tuple(size)
+        if self.kind == "blip":  # BLIP's processor uses the CLIP statistics
+            mean, std = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
+        else:
+            mean, std = (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)
+        return dict(input_size=size, mean=mean, std=std, crop_pct=1.0, interpolation="bicubic")
+
+
+class TextToImage:
+    """The text-query x image-key block of a joint decoder self-attention call, read as a
+    cross-attention record (GIT).
+
+    Without a KV cache (teacher forcing, and the first generation step) the call's queries are
+    [image tokens, text tokens] and the text rows start at ``num_image``; with a cache each
+    step's queries are text tokens only. The keys always start with the ``num_image`` image
+    tokens.
+
+    Args:
+        record: the decoder's :class:`~vitexplain.recording.AttentionRecord`.
+        num_image: number of image tokens (the vision encoder's tokens, class token included).
+    """
+
+    kind = "cross"
+
+    def __init__(self, record: Any, num_image: int) -> None:
+        self.record = record
+        self.num_image = num_image
+        self.text_start = num_image if record.num_queries == record.num_keys else 0
+
+    def __getattr__(self, name: str) -> Any:  # name, step, index, num_heads, batch_size, ...
+        return getattr(self.record, name)
+
+    @property
+    def num_queries(self) -> int:
+        return self.record.num_queries - self.text_start
+
+    @property
+    def num_keys(self) -> int:
+        return self.num_image
+
+    def _rows(self, queries: Any) -> Any:
+        rows = torch.arange(self.text_start, self.record.num_queries, device=self.record.device)
+        return rows if queries is None else rows[queries]
+
+    def probs(self, queries: Any = None) -> Tensor:
+        """(B, H, n, num_image) attention of the selected text queries over the image keys."""
+        return self.record.probs(self._rows(queries).view(-1))[..., : self.num_image]
+
+    def grad_probs(self, queries: Any = None, **kwargs: Any) -> Tensor:
+        """dy/dA on the same block."""
+        return self.record.grad_probs(self._rows(queries).view(-1), **kwargs)[..., : self.num_image]
+
+
+class GitCaptionAdapter(CaptionAdapter):
+    """Hugging Face ``GitForCausalLM`` (see the module docstring for what "cross" means here)."""
+
+    encoder_prefix = "git.image_encoder"
+    joint = True
+
+    @property
+    def end_id(self) -> int:
+        end = self.model.generation_config.eos_token_id
+        end = end if end is not None else self.model.config.eos_token_id
+        return int(end[0] if isinstance(end, (list, tuple)) else end)
+
+    @property
+    def start_id(self) -> int:
+        return int(self.model.config.bos_token_id)
+
+    @property
+    def max_positions(self) -> Optional[int]:
+        size = getattr(self.model.config, "max_position_embeddings", None)  # text positions (image tokens apart)
+        return size if isinstance(size, int) and size > 0 else None
+
+    def generate(self, x: Tensor, max_len: int) -> Tensor:
+        pad = self.model.config.pad_token_id
+        ids = self.model.generate(
+            pixel_values=x, max_new_tokens=max_len, do_sample=False, num_beams=1,
+            eos_token_id=self.end_id, pad_token_id=pad if pad is not None else self.end_id,
+        )
+        return ids[:, 1:]  # drop the start token GIT's generate begins with
+
+    def teacher_forced(self, x: Tensor, ids: Tensor) -> Tensor:
+        start = torch.full_like(ids[:, :1], self.start_id)
+        logits = self.model(pixel_values=x, input_ids=torch.cat([start, ids[:, :-1]], dim=1)).logits
+        return logits[:, -ids.shape[1] :]  # rows of the text positions (after the image tokens)
+
+    def cross_records(self, records: Sequence[Any]) -> list[Any]:
+        if self.model.config.num_image_with_embedding:
+            from ..errors import UnsupportedModelError
+
+            raise UnsupportedModelError("GIT with several frames per sample (video) is not supported; use an image GIT")
+        image = self.model.git.encoder.layer[0].attention.self.image_patch_tokens
+        return [TextToImage(r, image) for r in self.decoder_records(records) if r.kind == "self"]
+
+    def preprocess_kwargs(self) -> dict[str, Any]:
+        size = self.model.config.vision_config.image_size
+        size = (size, size) if isinstance(size, int) else tuple(size)
+        mean, std = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
+        return dict(input_size=size, mean=mean, std=std, crop_pct=1.0, interpolation="bicubic")
+
+
+@register_adapter(priority=20)
+def _detect_hf_captioner(model: nn.Module) -> Optional[Adapter]:
+    name = type(model).__name__
+    if name == "VisionEncoderDecoderModel":
+        return HFCaptionAdapter(model, "vision-encoder-decoder")
+    if name == "BlipForConditionalGeneration":
+        return HFCaptionAdapter(model, "blip")
+    if name == "GitForCausalLM":
+        return GitCaptionAdapter(model)
+    return None

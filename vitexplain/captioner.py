@@ -1,0 +1,113 @@
+"""``Explainer.explain_caption`` for captioners (an image encoder and a text decoder): image -> per-word maps.
+
+One way through: the caption, generated greedily under ``vx.capture`` (the steps' records stitched into one
+map per word) or given and teacher-forced -> per method, the records of the generation, or of one
+teacher-forced forward (with gradients when the method needs them) -> the method's (B, T, gh, gw) maps ->
+:class:`~vitexplain.results.CaptionExplanation` (vision-language models: :mod:`vitexplain.vlm`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .checks import check_finite_maps, check_gradients_allowed
+from .errors import UsageError
+from .plan import Plan, capture_settings
+from .recording import capture
+from .recording.graph import embeddings_in_graph
+from .results import CaptionExplanation
+from .sizes import run_sized
+from .targets import given_token_ids
+
+__all__ = ["explain_captioner", "caption_ids"]
+
+
+def explain_captioner(adapter: Any, plan: Plan, x: Tensor, regions: Any, sources: Any, caption: Any, max_len: int,
+                      attention_mode: str) -> list[CaptionExplanation]:
+    """One :class:`CaptionExplanation` per step of ``plan`` for the (B, 3, H, W) input ``x``.
+
+    Args:
+        adapter: the captioner's adapter.
+        plan: the checked plan (captioner family).
+        x: (B, 3, H, W) the preprocessed images; ``regions``/``sources``: what the model saw, and where from.
+        caption: None (generate up to ``max_len`` tokens) or the caption(s) to explain (see :func:`caption_ids`).
+        attention_mode: the Explainer's capture mode (see ``vx.capture``).
+    """
+    model = adapter.model
+    check_gradients_allowed([s.name for s in plan.steps if s.spec.grads], "explain_caption")
+    generated = None
+    positions = getattr(adapter, "max_positions", None)
+    if caption is None:
+        if positions is not None:  # the last word is never fed back: max_len words take max_len positions
+            max_len = min(max_len, positions)
+        with torch.no_grad(), capture(model) as generated:
+            ids = run_sized(adapter, x, lambda: adapter.generate(x, max_len))
+    else:
+        ids = caption_ids(adapter, caption, x.shape[0], x.device)
+    lengths = [len(w) for w in adapter.words(ids)]
+    t = max(max(lengths), 1)
+    ids = ids[:, :t]
+    if ids.shape[1] < t:
+        ids = F.pad(ids, (0, t - ids.shape[1]), value=adapter.end_id)
+    tokens = [words[:t] for words in adapter.words(ids)]
+    layout = adapter.layout(tuple(x.shape[-2:]))
+    context = plan.family.context
+    results = []
+    for step in plan.steps:
+        if step.spec.grads:
+            settings = capture_settings([step.spec], adapter, {step.name: dict(step.options)}, attention_mode)
+            x_in = x.detach().clone().requires_grad_(True)
+            with torch.enable_grad(), embeddings_in_graph(model), \
+                    capture(model, grads=True, attention_mode=settings.attention_mode, heads=settings.heads) as rec:
+                # (the caption's embeddings in the graph: frozen weights)
+                logits = run_sized(adapter, x, lambda: adapter.teacher_forced(x_in, ids))
+            ctx = context(adapter, x_in, ids, rec, layout, True, logits, step.name)
+        elif generated is not None:
+            ctx = context(adapter, x, ids, generated, layout, False, None, step.name)
+        else:
+            with torch.no_grad(), capture(model) as rec:
+                run_sized(adapter, x, lambda: adapter.teacher_forced(x, ids))
+            ctx = context(adapter, x, ids, rec, layout, True, None, step.name)
+        with torch.set_grad_enabled(step.spec.grads or torch.is_grad_enabled()):  # (also under the caller's no_grad)
+            maps = step.spec.fn(ctx, **step.options)
+        maps = check_finite_maps(maps.detach().float(), step.name)
+        for i, n in enumerate(lengths):
+            maps[i, n:] = 0.0
+        results.append(
+            plan.family.result(
+                maps=maps,
+                tokens=tokens,
+                ids=ids,
+                captions=[" ".join(w) for w in tokens],
+                method=step.name,
+                options=dict(step.options),
+                input_size=(int(x.shape[-2]), int(x.shape[-1])),
+                layout=layout,
+                images=regions,
+                sources=sources,
+            )
+        )
+    return results
+
+
+def caption_ids(adapter: Any, caption: Any, batch: int, device: torch.device) -> Tensor:
+    """(B, T) ids of given captions (:func:`vitexplain.targets.given_token_ids`), each followed by the end token.
+
+    Raises:
+        UsageError: not one caption or one per image, an empty caption, token ids that are not in the
+            vocabulary, or a caption longer than the decoder's positions.
+    """
+    seqs = given_token_ids(caption, batch, adapter.encode_caption, vocab=getattr(adapter, "vocab_size", None))
+    length = max(len(s) for s in seqs) + 1
+    positions = getattr(adapter, "max_positions", None)
+    if positions is not None and length - 1 > positions:  # fed: the start token and all words but the last
+        raise UsageError(
+            f"a caption of {length - 1} tokens does not fit the decoder, which has {positions} positions; "
+            f"explain at most {positions} tokens per caption"
+        )
+    end = adapter.end_id
+    return torch.tensor([s + [end] * (length - len(s)) for s in seqs], dtype=torch.long, device=device)
