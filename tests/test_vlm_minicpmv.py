@@ -1,7 +1,8 @@
-"""MiniCPM-V 4.6 (the source image, then slices; patches merged 4 x 4, or 2 x 2 in "4x" mode; an LM of linear-attention
+"""MiniCPM-V 4.6 and 4.7 (the source image, then slices; patches merged 4 x 4, or 2 x 2 in "4x" mode; an LM of linear-attention
 and attention layers): the checks of tests/vlm_checks.py (eager oracle, padded batch, greedy answer, footprints) for
 cross and cross_grad in both modes, the slices of a wide image, and the refusals (cross_generic; a processor merging
-otherwise than the model)."""
+otherwise than the model; a processor leaving out what the model needs). 4.7 adds canvas M-RoPE positions, which
+the model computes from mm_token_type_ids (required)."""
 
 import pytest
 
@@ -10,7 +11,7 @@ import vlm_helpers as helpers
 from vlm_checks import *  # noqa: F401,F403  (the tests)
 from vlm_checks import check_footprints, family
 
-built = family(["minicpmv4_6", "minicpmv4_6_4x"])
+built = family(["minicpmv4_6", "minicpmv4_6_4x", "minicpmv4_7"])
 
 
 def test_a_wide_image_is_the_source_then_its_slices(built):
@@ -31,7 +32,30 @@ def test_cross_generic_and_a_processor_merging_otherwise_are_refused_with_the_re
     assert ex.methods() == ["cross", "cross_grad"]
     with pytest.raises(vx.UnsupportedMethodError, match=r"2 of the 4 language-model layers .* linear attention"):
         ex.explain_caption(helpers.images(1)[:1], method="cross_generic", prompt="what is")
-    other = "4x" if name == "minicpmv4_6" else "16x"
+    other = "16x" if name.endswith("_4x") else "4x"
     mixed = vx.Explainer(model, processor=proc, processor_kwargs={"downsample_mode": other})
     with pytest.raises(vx.UnsupportedModelError, match=rf"downsample_mode='{other}'.* processor_kwargs"):
         mixed.explain_caption(helpers.images(1)[:1], prompt="what is")
+
+
+def test_a_processor_without_the_pieces_patch_grids_is_refused_with_what_to_do(built):
+    name, model, proc = built
+
+    class Dropping:  # the model's processor, its output without one key
+        def __init__(self, key):
+            self.key = key
+
+        def __getattr__(self, attribute):
+            return getattr(proc, attribute)
+
+        def __call__(self, *args, **kwargs):
+            out = proc(*args, **kwargs)
+            del out[self.key]
+            return out
+
+    with pytest.raises(vx.UnsupportedModelError, match=r"no target_sizes, which MiniCPMV4_[67]ForConditionalGeneration needs"):
+        vx.Explainer(model, processor=Dropping("target_sizes")).explain_caption(helpers.images(1)[:1], prompt="what is")
+    if name == "minicpmv4_7":  # its canvas positions: without them generate would silently use 1-D positions
+        with pytest.raises(vx.UnsupportedModelError, match="no mm_token_type_ids"):
+            vx.Explainer(model, processor=Dropping("mm_token_type_ids")).explain_caption(helpers.images(1)[:1],
+                                                                                        prompt="what is")

@@ -28,3 +28,25 @@ def test_the_low_resolution_grid_and_the_canvas_grid_reach_past_the_image_by_the
     assert (high.name, high.grid, high.start) == ("image", (4, 6), 16)
     assert high.box == pytest.approx((0.0, 0.0, 30 * 64 / 56, 70.0))
     check_footprints(built, (30, 70))  # both grids, by the probe
+
+
+class _Dropping:
+    """The model's processor, its output without ``key`` (a processor that does not give what the model needs)."""
+
+    def __init__(self, processor, key):
+        self.processor, self.key = processor, key
+
+    def __getattr__(self, name):
+        return getattr(self.processor, name)
+
+    def __call__(self, *args, **kwargs):
+        out = self.processor(*args, **kwargs)
+        del out[self.key]
+        return out
+
+
+def test_a_processor_without_the_image_token_types_is_refused_with_what_to_do(built):
+    name, model, proc = built
+    ex = vx.Explainer(model, processor=_Dropping(proc, "mm_token_type_ids"))
+    with pytest.raises(vx.UnsupportedModelError, match="no mm_token_type_ids, which Molmo2ForConditionalGeneration needs"):
+        ex.explain_caption(helpers.images(1)[:1], prompt="what is")

@@ -104,7 +104,7 @@ def oracle(name, model, proc, images, prompts, answers):
             r = r + x @ r
         scores["cross_generic"][:, word] = r[:, start - 1 + word]
     transport = None  # Q-Former: queries -> patches, the mean cross-attention without the class token's column
-    if store:
+    if store and "pieces" not in spec:
         patches = spec.get("patches")  # (Kosmos-2's keys end with its latent queries)
         transport = torch.stack([a.detach().float().mean(1) for a in store]).mean(0)[..., 1 : None if patches is None else 1 + patches]
     result = {}
@@ -112,10 +112,27 @@ def oracle(name, model, proc, images, prompts, answers):
         per_image = [value[b, :, cols].detach() for b, cols in enumerate(columns)]
         if transport is not None:
             per_image = [p @ transport[b] for b, p in enumerate(per_image)]
+        if "pieces" in spec:  # a resampler per piece (Idefics2): each piece's latents -> that piece's patches
+            per_image = _through_pieces(store, per_image)
         for b, n in enumerate(lengths.tolist()):
             per_image[b][n:] = 0
         result[method] = per_image
     return result
+
+
+def _through_pieces(store, per_image):
+    """Per image, (T, pieces * L) latent scores -> (T, pieces * P) patch scores through each piece's mean attention over
+    layers and heads of its L latents to its P patches (keys: the patches, then the latents)."""
+    attention = torch.stack([a.detach().float().mean(1) for a in store]).mean(0)  # (all pieces, L, P + L)
+    latents = attention.shape[1]
+    out, first = [], 0
+    for scores in per_image:
+        count = scores.shape[-1] // latents
+        out.append(torch.cat([scores[:, k * latents : (k + 1) * latents] @ attention[first + k, :, : -latents]
+                              for k in range(count)], dim=-1))
+        first += count
+    assert first == attention.shape[0]
+    return out
 
 
 def test_the_image_changes_the_logits(built):

@@ -102,7 +102,12 @@ def isolated_tokens(model: nn.Module) -> nn.Module:
     """A copy whose vision tower attention adds nothing (its output projections zeroed): each image
     token then depends only on its own pixels (the footprint probe's model)."""
     other = copy.deepcopy(model)
-    vision = next(m for n, m in other.named_modules() if n.endswith(("vision_tower", "vision_model", "visual")))
+    vision = next((m for n, m in other.named_modules()
+                   if n.endswith(("vision_tower", "vision_model", "visual", "vision_encoder"))), None)
+    if vision is None:
+        if not any(n.endswith("vision_embed_tokens") for n, _ in other.named_modules()):
+            raise LookupError(f"found no vision tower in {type(model).__name__} to switch its attention off")
+        return other  # no vision tower (Fuyu: each patch projected straight in): nothing mixes the patches
     with torch.no_grad():
         for name, module in vision.named_modules():
             if name.endswith(("self_attn.out_proj", "self_attn.o_proj", "attn.proj", "attention.output.dense",
@@ -686,14 +691,15 @@ GLM_SPECIALS = ("<|begin_of_image|>", "<|image|>", "<|end_of_image|>", "<|video|
 
 
 def glm4v(kind: str = "glm4v") -> tuple[nn.Module, Any]:
-    """GLM-4.1V (``kind`` "glm4v"), GLM-4.5V ("glm4v_moe": experts in its LM) and GLM-4.6V ("glm46v"): Qwen2-VL's
-    geometry (4 px patches merged 2 x 2, dynamic resolution <= 32 x 32 px), M-RoPE, a GLM-4 LM."""
+    """GLM-4.1V (``kind`` "glm4v"), GLM-4.5V ("glm4v_moe": experts in its LM), GLM-4.6V ("glm46v") and GLM-OCR
+    ("glm_ocr", with GLM-4.6V's processor): Qwen2-VL's geometry (4 px patches merged 2 x 2, dynamic resolution
+    <= 32 x 32 px), M-RoPE, a GLM-4 LM."""
     import transformers
 
     tok = tokenizer(GLM_SPECIALS)
     tok.image_token = "<|image|>"  # (GLM's processor reads it from its tokenizer)
     pixels = dict(size={"shortest_edge": 8 * 8, "longest_edge": 32 * 32}, patch_size=4, merge_size=2, temporal_patch_size=2)
-    processor = transformers.Glm46VProcessor if kind == "glm46v" else transformers.Glm4vProcessor
+    processor = transformers.Glm46VProcessor if kind in ("glm46v", "glm_ocr") else transformers.Glm4vProcessor
     proc = processor(image_processor=transformers.Glm4vImageProcessor(**pixels), tokenizer=tok,
                      video_processor=transformers.Glm4vVideoProcessor(**pixels))
     rope = {"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 10000.0, "partial_rotary_factor": 1.0}
@@ -707,13 +713,15 @@ def glm4v(kind: str = "glm4v") -> tuple[nn.Module, Any]:
                     first_k_dense_replace=1)
     config, model = {"glm4v": ("Glm4vConfig", "Glm4vForConditionalGeneration"),
                      "glm4v_moe": ("Glm4vMoeConfig", "Glm4vMoeForConditionalGeneration"),
-                     "glm46v": ("Glm46VConfig", "Glm46VForConditionalGeneration")}[kind]
+                     "glm46v": ("Glm46VConfig", "Glm46VForConditionalGeneration"),
+                     "glm_ocr": ("GlmOcrConfig", "GlmOcrForConditionalGeneration")}[kind]
     cfg = getattr(transformers, config)(vision_config=vision, text_config=text, **ids)
     return _sdpa_built(getattr(transformers, model), cfg, proc)
 
 
-BUILDERS.update(glm4v=glm4v, glm4v_moe=lambda: glm4v("glm4v_moe"), glm46v=lambda: glm4v("glm46v"))
-ORACLE["glm4v"] = ORACLE["glm4v_moe"] = ORACLE["glm46v"] = dict(
+BUILDERS.update(glm4v=glm4v, glm4v_moe=lambda: glm4v("glm4v_moe"), glm46v=lambda: glm4v("glm46v"),
+                glm_ocr=lambda: glm4v("glm_ocr"))
+ORACLE["glm4v"] = ORACLE["glm4v_moe"] = ORACLE["glm46v"] = ORACLE["glm_ocr"] = dict(
     _QWEN_ORACLE, prompt=lambda p: "<|begin_of_image|><|image|><|end_of_image|>" + p)
 
 
@@ -1023,9 +1031,10 @@ ORACLE["molmo2"] = dict(prompt=lambda p: "<|image|>" + p, extend=_mm_types_exten
 MINICPMV_SPECIALS = ("<image_pad>", "<video_pad>", "<image>", "</image>", "<slice>", "</slice>", "<image_id>", "</image_id>", "0")
 
 
-def minicpmv4_6(mode: str = "16x") -> tuple[nn.Module, Any]:
+def minicpmv4_6(mode: str = "16x", version: str = "4_6") -> tuple[nn.Module, Any]:
     """MiniCPM-V 4.6: 4 px patches merged 4 x 4 (``mode`` "16x": the window merger, then the merger) or 2 x 2 ("4x"); an
-    image of more than 32 x 32 px is also cut into up to 4 slices; a Qwen3.5 LM of linear-attention and attention layers."""
+    image of more than 32 x 32 px is also cut into up to 4 slices; a Qwen3.5 LM of linear-attention and attention layers.
+    ``version`` "4_7": MiniCPM-V 4.7, the same with canvas M-RoPE positions from ``mm_token_type_ids``."""
     import transformers
 
     tok = tokenizer(MINICPMV_SPECIALS)
@@ -1035,17 +1044,24 @@ def minicpmv4_6(mode: str = "16x") -> tuple[nn.Module, Any]:
         setattr(tok, name, token)
     tok.image_token_id, tok.video_token_id = tok.convert_tokens_to_ids(list(MINICPMV_SPECIALS[:2]))
     pixels = dict(scale_resolution=32, patch_size=4, max_slice_nums=4, downsample_mode=mode)
-    proc = transformers.MiniCPMV4_6Processor(image_processor=transformers.MiniCPMV4_6ImageProcessor(**pixels), tokenizer=tok,
-                                             video_processor=transformers.MiniCPMV4_6VideoProcessor(**pixels))
+    proc = getattr(transformers, f"MiniCPMV{version}Processor")(
+        image_processor=transformers.MiniCPMV4_6ImageProcessor(**pixels), tokenizer=tok,
+        video_processor=transformers.MiniCPMV4_6VideoProcessor(**pixels))
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=4,
                   insert_layer_id=0)
     text = dict(_text(), vocab_size=len(tok), num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2,
                 linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
                 bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)  # (its defaults: Qwen's vocabulary)
-    cfg = transformers.MiniCPMV4_6Config(vision_config=vision, text_config=text, image_token_id=tok.image_token_id,
-                                         video_token_id=tok.video_token_id, insert_layer_id=0, image_size=32,
-                                         downsample_mode=mode)
-    return _sdpa_built(transformers.MiniCPMV4_6ForConditionalGeneration, cfg, proc)
+    extra = {}
+    if version == "4_7":  # its markers, where the canvas positions are pinned
+        ids = tok.convert_tokens_to_ids(["<image>", "</image>", "<slice>", "</slice>"])
+        extra = dict(zip(("image_start_id", "image_end_id", "slice_start_id", "slice_end_id"), ids), newline_id=tok.unk_token_id)
+        text["rope_parameters"] = {"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 10000.0,
+                                   "mrope_interleaved": True, "partial_rotary_factor": 0.5}
+    cfg = getattr(transformers, f"MiniCPMV{version}Config")(
+        vision_config=vision, text_config=text, image_token_id=tok.image_token_id, video_token_id=tok.video_token_id,
+        insert_layer_id=0, image_size=32, downsample_mode=mode, **extra)
+    return _sdpa_built(getattr(transformers, f"MiniCPMV{version}ForConditionalGeneration"), cfg, proc)
 
 
 def _minicpmv_features(model: nn.Module, proc: Any, image: np.ndarray) -> torch.Tensor:
@@ -1056,7 +1072,185 @@ def _minicpmv_features(model: nn.Module, proc: Any, image: np.ndarray) -> torch.
     return torch.cat(list(out.pooler_output))
 
 
-BUILDERS.update(minicpmv4_6=minicpmv4_6, minicpmv4_6_4x=lambda: minicpmv4_6("4x"))
+BUILDERS.update(minicpmv4_6=minicpmv4_6, minicpmv4_6_4x=lambda: minicpmv4_6("4x"),
+                minicpmv4_7=lambda: minicpmv4_6(version="4_7"))
 ORACLE["minicpmv4_6"] = ORACLE["minicpmv4_6_4x"] = dict(
     prompt=lambda p: "<image_pad>" + p, extend=_positions_from_mask, image_token=lambda m: m.config.image_token_id,
     features=_minicpmv_features, placeholders=lambda m: [m.config.image_token_id], methods=("cross", "cross_grad"))
+
+
+def idefics2(split: bool = True) -> tuple[nn.Module, Any]:
+    """Idefics2: pieces resized between 16 and 32 px (``split``: the four quadrants, then the whole image), padded to the
+    batch's largest, 8 px patches (a SigLIP-like tower), a perceiver resampler of 4 latents per piece over the piece's
+    patches (2 layers, GQA), a Mistral LM."""
+    import transformers
+
+    tok = tokenizer(("<image>", "<fake_token_around_image>", "<end_of_utterance>"))
+    tok.image_token, tok.image_boundary_token = "<image>", "<fake_token_around_image>"  # (its processor reads them)
+    tok.image_token_id = tok.convert_tokens_to_ids("<image>")
+    image = transformers.Idefics2ImageProcessor(size={"shortest_edge": 16, "longest_edge": 32}, do_image_splitting=split)
+
+    class Idefics2ArrayProcessor(transformers.Idefics2Processor):
+        """Idefics2's processor, taking the checks' uint8 arrays as PIL images (it loads only PIL images and URLs)."""
+
+        def __call__(self, images=None, text=None, **kwargs):
+            from PIL import Image
+
+            def pil(x):
+                return [pil(i) for i in x] if isinstance(x, (list, tuple)) else Image.fromarray(x) if isinstance(x, np.ndarray) else x
+
+            return super().__call__(images=pil(images), text=text, **kwargs)
+
+    proc = Idefics2ArrayProcessor(image_processor=image, tokenizer=tok, image_seq_len=4)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=8)
+    perceiver = dict(hidden_size=32, resampler_n_latents=4, resampler_depth=2, resampler_n_heads=4, resampler_head_dim=8,
+                     num_key_value_heads=2)
+    cfg = transformers.Idefics2Config(vision_config=vision, perceiver_config=perceiver,
+                                      text_config=dict(model_type="mistral", vocab_size=len(tok), **_text()),
+                                      image_token_id=tok.image_token_id)
+    model, proc = _sdpa_built(transformers.Idefics2ForConditionalGeneration, cfg, proc)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # latents start equal (ones) and the connector's weights at 0.02: the image would barely count
+        for name, p in model.model.connector.named_parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=generator) / math.sqrt(p.shape[-1]))
+    return model, proc
+
+
+def _idefics2_features(model: nn.Module, proc: Any, image: np.ndarray) -> torch.Tensor:
+    """The vision tower's patch tokens of every piece of one image, in order: what the resampler reads."""
+    batch = proc.image_processor(images=[[image]], return_tensors="pt")
+    pixels, mask = batch["pixel_values"][0], batch["pixel_attention_mask"][0].bool()  # (pieces, 3, H, W), (pieces, H, W)
+    patch = model.config.vision_config.patch_size
+    patches = mask.unfold(1, patch, patch).unfold(2, patch, patch).flatten(-2).all(-1)
+    with torch.no_grad():
+        out = model.model.vision_model(pixel_values=pixels, patch_attention_mask=patches).last_hidden_state
+    return out.reshape(-1, out.shape[-1])
+
+
+def _perceiver_transport(model: nn.Module) -> tuple[list, list]:
+    """Forward hooks on an eager model's resampler attention modules that keep the weights each returns."""
+    store: list = []
+    handles = [m.register_forward_hook(lambda module, args, out: store.append(out[1]))
+               for n, m in model.named_modules() if n.endswith("perceiver_resampler.layers.0.self_attn")
+               or (".perceiver_resampler.layers." in n and n.endswith("self_attn"))]
+    return store, handles
+
+
+BUILDERS.update(idefics2=idefics2, idefics2_whole=lambda: idefics2(split=False))
+ORACLE["idefics2"] = ORACLE["idefics2_whole"] = dict(
+    nested=True, prompt=lambda p: "<image>" + p, extend=_positions_from_mask, image_token=lambda m: m.config.image_token_id,
+    features=_idefics2_features, placeholders=lambda m: [m.config.image_token_id], transport=_perceiver_transport,
+    pieces=True)
+
+
+def fuyu() -> tuple[nn.Module, Any]:
+    """Fuyu: images shrunk to fit 48 x 64 px (padded there), 8 px patches projected straight into a Persimmon LM, a
+    ``|NEWLINE|`` token after each row. Its processor strips the first token of the encoded image tokens (the
+    ``▁`` its SentencePiece tokenizer puts in front): the tokenizer here prepends one too."""
+    import transformers
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, "\u2581": 4, "|SPEAKER|": 5, "|NEWLINE|": 6, "<0x04>": 7}
+    for word in WORDS:
+        vocab.setdefault(word, len(vocab))
+    inner = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    inner.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    inner.pre_tokenizer = pre_tokenizers.Split(Regex(r"\|SPEAKER\||\|NEWLINE\||<0x04>|\u2581"), behavior="isolated")
+    tok = PreTrainedTokenizerFast(tokenizer_object=inner, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>")
+    image = transformers.FuyuImageProcessor(size={"height": 48, "width": 64}, patch_size={"height": 8, "width": 8})
+    proc = transformers.FuyuProcessor(image_processor=image, tokenizer=tok)
+    text = dict(model_type="persimmon", vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, max_position_embeddings=512)
+    cfg = transformers.FuyuConfig(text_config=text, patch_size=8, image_token_id=vocab["|SPEAKER|"], pad_token_id=0,
+                                  bos_token_id=1, eos_token_id=2)
+    return _sdpa_built(transformers.FuyuForCausalLM, cfg, proc)
+
+
+def _fuyu_features(model: nn.Module, proc: Any, image: np.ndarray) -> torch.Tensor:
+    """The image tokens of one image: its patches through ``vision_embed_tokens``."""
+    patches = proc(images=[image], text=[""], return_tensors="pt")["image_patches"]
+    with torch.no_grad():
+        return model.model.get_image_features(patches).last_hidden_state
+
+
+BUILDERS["fuyu"] = fuyu
+ORACLE["fuyu"] = dict(prompt=lambda p: p, extend=_positions_from_mask, image_token=lambda m: m.config.image_token_id,
+                      features=_fuyu_features, placeholders=lambda m: [m.config.image_token_id])
+ORACLE["minicpmv4_7"] = dict(ORACLE["minicpmv4_6"], extend=_qwen_extend)  # (the model computes its canvas positions)
+
+
+LIGHTON_SPECIALS = ("<|image_pad|>", "<|vision_pad|>", "<|vision_end|>")
+
+
+def lighton_ocr() -> tuple[nn.Module, Any]:
+    """LightOnOCR: Mistral 3's Pixtral tower (longest edge 32 px, 4 px patches) and 2 x 2 patch merger, no row-break
+    tokens, a Qwen3 LM."""
+    import transformers
+
+    tok = tokenizer(LIGHTON_SPECIALS)
+    # (its processor reads these from its tokenizer)
+    tok.image_token, tok.image_break_token, tok.image_end_token = LIGHTON_SPECIALS
+    tok.image_token_id, tok.image_break_token_id, tok.image_end_token_id = tok.convert_tokens_to_ids(list(LIGHTON_SPECIALS))
+    image = transformers.PixtralImageProcessor(size={"longest_edge": 32}, patch_size=8)  # (the merged block)
+    proc = transformers.LightOnOcrProcessor(image_processor=image, tokenizer=tok, patch_size=4, spatial_merge_size=2)
+    vision = dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  image_size=32, patch_size=4, head_dim=16)
+    cfg = transformers.LightOnOcrConfig(vision_config=vision, text_config=dict(model_type="qwen3", vocab_size=len(tok), **_text()),
+                                        spatial_merge_size=2, image_token_id=tok.image_token_id)
+    return _sdpa_built(transformers.LightOnOcrForConditionalGeneration, cfg, proc)
+
+
+def _lighton_features(model: nn.Module, proc: Any, image: np.ndarray) -> torch.Tensor:
+    batch = proc(images=[image], text=["<|image_pad|>"], return_tensors="pt")  # (the processor resizes to its merged blocks)
+    with torch.no_grad():
+        return model.get_image_features(pixel_values=batch["pixel_values"], image_sizes=batch["image_sizes"]).pooler_output[0]
+
+
+BUILDERS["lighton_ocr"] = lighton_ocr
+ORACLE["lighton_ocr"] = dict(ORACLE["mistral3"], prompt=lambda p: "<|image_pad|>" + p, image_token=lambda m: m.config.image_token_id,
+                             placeholders=lambda m: [m.config.image_token_id], features=_lighton_features)
+
+
+
+def qianfan_ocr() -> tuple[nn.Module, Any]:
+    """Qianfan-OCR: :func:`internvl`'s tiles, tower and pixel shuffle, its processor expanding an ``<image>`` placeholder."""
+    import transformers
+
+    model, proc = internvl()
+    tok = tokenizer(("<img>", "</img>", "<IMG_CONTEXT>", "<image>"))
+    # (its processor reads these from its tokenizer, as the checkpoint's own tokenizer carries them)
+    tok.start_image_token, tok.end_image_token, tok.context_image_token = "<img>", "</img>", "<IMG_CONTEXT>"
+    tok.start_image_token_id, tok.end_image_token_id, tok.context_image_token_id = (
+        tok.convert_tokens_to_ids(t) for t in ("<img>", "</img>", "<IMG_CONTEXT>"))
+    proc = transformers.QianfanOCRProcessor(image_processor=proc.image_processor, tokenizer=tok, image_seq_length=4)
+    cfg = transformers.QianfanOCRConfig(vision_config=model.config.vision_config.to_dict(),
+                                        text_config=dict(model_type="qwen2", vocab_size=len(tok), **_text()),
+                                        image_token_id=tok.context_image_token_id, downsample_ratio=0.5, vision_feature_layer=-1)
+    return _sdpa_built(transformers.QianfanOCRForConditionalGeneration, cfg, proc)
+
+
+BUILDERS["qianfan_ocr"] = qianfan_ocr
+ORACLE["qianfan_ocr"] = dict(ORACLE["internvl"], prompt=lambda p: "<image>" + p, features=_tiled_features("<image>"))
+
+
+def exaone4_5() -> tuple[nn.Module, Any]:
+    """EXAONE 4.5: Qwen2.5-VL's tower (4 px patches merged 2 x 2, window attention, dynamic resolution <= 32 x 32 px) and
+    processor, an EXAONE 4 LM with 1-D positions."""
+    import transformers
+
+    tok = tokenizer(QWEN_SPECIALS)
+    pixels = dict(size={"shortest_edge": 8 * 8, "longest_edge": 32 * 32}, patch_size=4, merge_size=2, temporal_patch_size=2)
+    proc = transformers.Exaone4_5_Processor(image_processor=transformers.Qwen2VLImageProcessor(**pixels), tokenizer=tok,
+                                            video_processor=transformers.Qwen2VLVideoProcessor(**pixels))
+    vision = dict(depth=2, hidden_size=32, out_hidden_size=32, intermediate_size=64, num_heads=2, num_key_value_heads=2,
+                  patch_size=4, spatial_merge_size=2, window_size=16, fullatt_block_indexes=[1])
+    cfg = transformers.Exaone4_5_Config(vision_config=vision, text_config=dict(model_type="exaone4", vocab_size=len(tok), **_text()),
+                                        image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
+                                        video_token_id=tok.convert_tokens_to_ids("<|video_pad|>"))
+    return _sdpa_built(transformers.Exaone4_5_ForConditionalGeneration, cfg, proc)
+
+
+BUILDERS["exaone4_5"] = exaone4_5
+ORACLE["exaone4_5"] = dict(_QWEN_ORACLE, prompt=lambda p: "<|image_pad|>" + p, extend=_positions_from_mask)

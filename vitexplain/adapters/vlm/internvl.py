@@ -25,7 +25,7 @@ from ..base import Adapter, register_adapter
 from .base import VLMAdapter
 from .views import ImageView, Piece
 
-__all__ = ["InternVLAdapter", "AyaVisionAdapter", "Cohere2VisionAdapter"]
+__all__ = ["InternVLAdapter", "AyaVisionAdapter", "Cohere2VisionAdapter", "QianfanOCRAdapter"]
 
 
 class InternVLAdapter(VLMAdapter):
@@ -100,8 +100,18 @@ class Cohere2VisionAdapter(AyaVisionAdapter):
     (``Cohere2VisionImageProcessor``); each tile's tokens end with a line-break token (no pixels)."""
 
 
+class QianfanOCRAdapter(InternVLAdapter):
+    """Qianfan-OCR (``QianfanOCRForConditionalGeneration``): InternVL's tower, tiles and thumbnail; its processor expands
+    an ``<image>`` placeholder (``image_placeholder_token``) into the ``<IMG_CONTEXT>`` tokens."""
+
+    def format_prompt(self, prompt: str) -> str:
+        token = str(getattr(self.processor, "image_placeholder_token", None) or "<image>")
+        return prompt if token in prompt else f"{token}{prompt}"
+
+
 _ADAPTERS = {"InternVLForConditionalGeneration": InternVLAdapter, "AyaVisionForConditionalGeneration": AyaVisionAdapter,
-             "Cohere2VisionForConditionalGeneration": Cohere2VisionAdapter}
+             "Cohere2VisionForConditionalGeneration": Cohere2VisionAdapter,
+             "QianfanOCRForConditionalGeneration": QianfanOCRAdapter}
 
 
 @register_adapter(priority=20, family=VLM)

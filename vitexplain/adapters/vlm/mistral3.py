@@ -7,7 +7,8 @@ to multiples of the patch size, and gives ``image_sizes`` (the resized height an
 ``spatial_merge_size`` x ``spatial_merge_size`` by the projector's patch merger, so the language
 model sees one ``[IMG]`` token per merged block, row by row; an ``[IMG_BREAK]`` token ends every row
 but the last, which ends with ``[IMG_END]``. Those two carry no pixels and are not image tokens
-(only ``image_token_index`` positions are), so each image is one grid over the whole image.
+(only ``image_token_index`` positions are), so each image is one grid over the whole image. LightOnOCR has the same
+tower, merger and geometry, without the row-break tokens.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from ..base import Adapter, register_adapter
 from .base import VLMAdapter
 from .views import ImageView, Piece
 
-__all__ = ["Mistral3Adapter", "native_views"]
+__all__ = ["Mistral3Adapter", "LightOnOcrAdapter", "native_views"]
 
 
 class Mistral3Adapter(VLMAdapter):
@@ -52,6 +53,15 @@ def native_views(images: Sequence[Any], inputs: Any, block: int) -> list[ImageVi
     return views
 
 
+class LightOnOcrAdapter(Mistral3Adapter):
+    """``LightOnOcrForConditionalGeneration``: Mistral 3's tower and merger (its geometry), no row-break tokens, the image
+    token ``<|image_pad|>``."""
+
+    image_token = "<|image_pad|>"
+
+
 @register_adapter(priority=20, family=VLM)
 def _detect_mistral3(model: nn.Module) -> Optional[Adapter]:
+    if type(model).__name__ == "LightOnOcrForConditionalGeneration":
+        return LightOnOcrAdapter(model)
     return Mistral3Adapter(model) if type(model).__name__ == "Mistral3ForConditionalGeneration" else None

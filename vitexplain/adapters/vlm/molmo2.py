@@ -40,8 +40,8 @@ class Molmo2Adapter(VLMAdapter):
     """``Molmo2ForConditionalGeneration`` (see the module docstring)."""
 
     image_token = "<|image|>"
-    required_inputs = ("mm_token_type_ids", "image_grids")
-    required_for = "(which tokens form its bidirectional image block, and each view's token grid)"
+    required_inputs = ("mm_token_type_ids", "image_grids", "image_token_pooling")
+    required_for = "(which tokens form its bidirectional image block, each view's token grid and each token's patches)"
     answer_values = {"mm_token_type_ids": 0}  # the answer is text
 
     def views(self, images: Sequence[Any], inputs: Any) -> list[ImageView]:

@@ -1,5 +1,5 @@
-"""Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5 (and GLM-4.1V, which shares their geometry): dynamic resolution, 2 x 2
-patch merge, M-RoPE.
+"""Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5 (and GLM-4.1V and EXAONE 4.5, which share their geometry): dynamic
+resolution, 2 x 2 patch merge, M-RoPE (EXAONE 4.5: 1-D positions).
 
 The processor resizes the whole image (no crop) to multiples of ``patch_size * merge_size`` and
 gives ``image_grid_thw`` (1, gh, gw) in patches; the language model sees one token per 2 x 2
@@ -29,7 +29,7 @@ from ..base import Adapter, register_adapter
 from .base import VLMAdapter
 from .views import ImageView, Piece
 
-__all__ = ["QwenVLAdapter", "Qwen35Adapter", "Glm4vAdapter"]
+__all__ = ["QwenVLAdapter", "Qwen35Adapter", "Glm4vAdapter", "Exaone45Adapter"]
 
 _NAMES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
           "Qwen3VLMoeForConditionalGeneration")
@@ -102,17 +102,30 @@ class Qwen35Adapter(QwenVLAdapter):
 
 
 class Glm4vAdapter(QwenVLAdapter):
-    """GLM-4.1V, GLM-4.5V (experts) and GLM-4.6V (``Glm4v*``, ``Glm46V*ForConditionalGeneration``): Qwen2-VL's geometry (``image_grid_thw``, 2 x 2
+    """GLM-4.1V, GLM-4.5V (experts), GLM-4.6V and GLM-OCR (``Glm4v*``, ``Glm46V*``, ``GlmOcrForConditionalGeneration``): Qwen2-VL's geometry (``image_grid_thw``, 2 x 2
     merge, M-RoPE from ``mm_token_type_ids``), its image between ``<|begin_of_image|>`` and ``<|end_of_image|>``."""
 
     image_token = "<|image|>"
     image_open, image_close = "<|begin_of_image|>", "<|end_of_image|>"
 
 
+class Exaone45Adapter(QwenVLAdapter):
+    """EXAONE 4.5 (``Exaone4_5_ForConditionalGeneration``): Qwen2.5-VL's tower, merge and geometry (``image_grid_thw``),
+    with 1-D positions (no M-RoPE, so no ``mm_token_type_ids``): positions that skip the left padding, as ``generate``
+    counts them; the prompt holds the image token alone."""
+
+    required_inputs: tuple[str, ...] = ()
+    answer_values: dict[str, int] = {}
+    teacher_inputs = VLMAdapter.teacher_inputs  # (positions that skip the left padding)
+    format_prompt = VLMAdapter.format_prompt
+
+
 @register_adapter(priority=20, family=VLM)
 def _detect_qwen(model: nn.Module) -> Optional[Adapter]:
+    if type(model).__name__ == "Exaone4_5_ForConditionalGeneration":
+        return Exaone45Adapter(model)
     if type(model).__name__ in ("Glm4vForConditionalGeneration", "Glm4vMoeForConditionalGeneration",
-                                "Glm46VForConditionalGeneration"):
+                                "Glm46VForConditionalGeneration", "GlmOcrForConditionalGeneration"):
         return Glm4vAdapter(model)
     if type(model).__name__ in ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"):
         return Qwen35Adapter(model)
