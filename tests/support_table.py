@@ -238,6 +238,21 @@ def _hf_sam2_hiera() -> nn.Module:
     return transformers.Sam2HieraDetModel(hf_sam2_hiera_config())
 
 
+def _coatnet(kind: str) -> Callable[[], nn.Module]:
+    """A tiny timm CoAtNet (``kind``: a ``maxxvit.model_cfgs`` name): conv stages, then transformer stages."""
+    def build() -> nn.Module:
+        import dataclasses
+
+        from timm.models.maxxvit import MaxxVit, model_cfgs
+
+        base = model_cfgs[kind]
+        cfg = dataclasses.replace(base, embed_dim=(16, 16, 32, 32), depths=(1, 1, 2, 1), stem_width=(16, 16),
+                                  transformer_cfg=dataclasses.replace(base.transformer_cfg, dim_head=8))
+        return MaxxVit(cfg, img_size=64, num_classes=5)
+
+    return build
+
+
 def _mvitv2() -> nn.Module:
     from timm.models.mvitv2 import MultiScaleVit, MultiScaleVitCfg
 
@@ -393,6 +408,10 @@ def rows() -> list[Row]:
         Row("timm Twins (SVT)", "hierarchical", lambda: _timm("twins_svt_small", img_size=64, embed_dims=(16, 32, 48, 64), depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4), wss=(4, 4, 4, 4), num_classes=5), s64, _HIER_TEST),
         Row("timm SAM ViT (samvit: windowed + global, conv neck)", "hierarchical", lambda: _timm("samvit_base_patch16", img_size=64, depth=3, embed_dim=32, num_heads=2, global_attn_indexes=(1,), window_size=3, neck_chans=16, num_classes=5), s64, _HIER_TEST),
         Row("timm MaxViT", "hierarchical", _maxvit, s64, _POOL_TEST),
+        Row("timm CoAtNet (conv stages, then global attention)", "hierarchical", _coatnet("coatnet_nano_rw"), s64,
+            "tests/test_hier_coatnet.py"),
+        Row("timm CoAtNeXt (ConvNeXt stages, then global attention)", "hierarchical", _coatnet("coatnext_nano_rw"), s64,
+            "tests/test_hier_coatnet.py"),
         Row("timm MViTv2", "hierarchical", _mvitv2, s64, _POOL_TEST),
         Row("timm PiT", "hierarchical", _timm_class("pit", "PoolingVisionTransformer", img_size=64, patch_size=8, stride=4, base_dims=(8, 8, 8), depth=(1, 1, 1), heads=(2, 2, 2), mlp_ratio=2, num_classes=5), s64, _POOL_TEST),
         # raw reads the first call: the random model's last-stage tokens are identical, its attention uniform
