@@ -164,3 +164,17 @@ def test_efficientformer_v2_refuses_attention_methods_with_the_reason():
     assert ex.family == "cnn"
     with pytest.raises(vx.UnsupportedMethodError, match="talking heads"):
         ex.explain(x, method="rollout")
+
+
+def test_csatv2_takes_rgb_images_although_its_first_registered_conv_reads_dct_coefficients():
+    """CSATv2's first registered Conv2d is a 1 x 1 conv over the 64 DCT coefficients of its stem: the input
+    check read 64 channels from it and refused every RGB input, so the Grad-CAM family it lists (and its default)
+    were refused ("the model takes 64 channels")."""
+    model, x = _build("timm CSATv2 (DCT stem, attention in its last stages)")
+    first = next(m for m in model.modules() if isinstance(m, nn.Conv2d))
+    assert first.in_channels == 64 and model.in_chans == 3
+    ex = vx.Explainer(model)
+    e = ex.explain(x)
+    assert e.method == "gradcam" and e.maps.shape == (2, 2, 2)
+    with pytest.raises(vx.InputError, match=r"takes 3 channels, the input has shape \(2, 64, 128, 128\)"):
+        ex.explain(torch.randn(2, 64, 128, 128))
