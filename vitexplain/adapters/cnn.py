@@ -40,6 +40,7 @@ from ..errors import UnsupportedMethodError
 
 from ..methods.families import CNN
 from .base import Adapter, register_adapter
+from .hybrid_notes import mixer_reason
 from ..errors import UsageError
 
 __all__ = ["CNNAdapter", "cnn_stages", "stage_ends", "calls_attention"]
@@ -52,10 +53,9 @@ def _hybrid_note(model: nn.Module) -> str:
     name = type(model).__name__
     tail = ("the Grad-CAM family explains its last stage, and vx.capture(model) records every attention call "
             "(rec.records[i].probs())")
-    if any(c.__module__.startswith("timm.models.efficientformer_v2") for c in type(model).__mro__):
-        return (f"{name} mixes its heads with a linear map after the softmax (talking heads) and adds a local "
-                "conv of the values to the attention output, so no recorded softmax is the attention applied "
-                "to the values and neither the ViT nor the hierarchical rules hold; " + tail)
+    reason = mixer_reason(model)
+    if reason is not None:
+        return f"{name} {reason}; the Grad-CAM family explains its last stage"
     return (f"{name} is a conv/attention hybrid that no attention family describes (the hierarchical family "
             "covers PVTv2, Twins, SAM's ViT, PiT, MaxViT, CoAtNet, LeViT, MViTv2, Hiera, SAM 2's Hiera, CrossViT and TNT); "
             + tail)
@@ -103,7 +103,7 @@ class CNNAdapter(Adapter):
         self._probed = False
         self.has_head = int(getattr(model, "num_classes", 1) or 0) > 0
         self.notes.update(_gate_notes(model, self._capabilities))
-        self.hybrid = calls_attention(model)
+        self.hybrid = calls_attention(model) or mixer_reason(model) is not None
         self.one_size = _one_size(model) if self.hybrid else None
         self._info = _timm_stage_info(model)
         if self.hybrid:
