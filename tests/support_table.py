@@ -253,6 +253,14 @@ def _coatnet(kind: str) -> Callable[[], nn.Module]:
     return build
 
 
+def _caformer() -> nn.Module:
+    """A tiny timm CAFormer: separable-conv stages, then attention stages (grids 16, 8, 4, 2 at 64 px)."""
+    from timm.models.metaformer import Attention, LayerNorm2dNoBias, LayerNormNoBias, MetaFormer, SepConv
+
+    return MetaFormer(depths=(1, 1, 2, 1), dims=(16, 32, 64, 96), token_mixers=[SepConv, SepConv, Attention, Attention],
+                      norm_layers=[LayerNorm2dNoBias] * 2 + [LayerNormNoBias] * 2, num_classes=5)
+
+
 def _mvitv2() -> nn.Module:
     from timm.models.mvitv2 import MultiScaleVit, MultiScaleVitCfg
 
@@ -417,6 +425,8 @@ def rows() -> list[Row]:
             "tests/test_hier_coatnet.py"),
         Row("timm CoAtNeXt (ConvNeXt stages, then global attention)", "hierarchical", _coatnet("coatnext_nano_rw"), s64,
             "tests/test_hier_coatnet.py"),
+        Row("timm CAFormer (separable-conv stages, then attention)", "hierarchical", _caformer, s64,
+            "tests/test_hier_caformer.py"),
         Row("timm MViTv2", "hierarchical", _mvitv2, s64, _POOL_TEST),
         Row("timm PiT", "hierarchical", _timm_class("pit", "PoolingVisionTransformer", img_size=64, patch_size=8, stride=4, base_dims=(8, 8, 8), depth=(1, 1, 1), heads=(2, 2, 2), mlp_ratio=2, num_classes=5), s64, _POOL_TEST),
         # raw reads the first call: the random model's last-stage tokens are identical, its attention uniform
