@@ -427,6 +427,7 @@ def rows() -> list[Row]:
             "tests/test_hier_coatnet.py"),
         Row("timm CAFormer (separable-conv stages, then attention)", "hierarchical", _caformer, s64,
             "tests/test_hier_caformer.py"),
+        Row("timm TinyViT (MBConv stage, then padded window attention)", "hierarchical", lambda: _timm("tiny_vit_5m_224", embed_dims=(16, 32, 48, 64), depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4), window_sizes=(3, 3, 3, 3), num_classes=5), s64, "tests/test_hier_tinyvit.py"),
         Row("timm MViTv2", "hierarchical", _mvitv2, s64, _POOL_TEST),
         Row("timm PiT", "hierarchical", _timm_class("pit", "PoolingVisionTransformer", img_size=64, patch_size=8, stride=4, base_dims=(8, 8, 8), depth=(1, 1, 1), heads=(2, 2, 2), mlp_ratio=2, num_classes=5), s64, _POOL_TEST),
         # raw reads the first call: the random model's last-stage tokens are identical, its attention uniform

@@ -14,8 +14,8 @@ default target layer of Grad-CAM, Grad-CAM++ and LayerCAM. How the stages are fo
 
 Conv/attention hybrids that no attention family describes (EfficientFormerV2, DaViT,
 ...) get the same adapter: the Grad-CAM family reads the last stage. Hierarchical
-transformers (PVTv2, Twins, SAM's ViT, PiT, MaxViT, CoAtNet, CAFormer, LeViT, MViTv2, Hiera, SAM 2's
-Hiera, CrossViT, TNT) are recognised first by :mod:`vitexplain.adapters.hier` (priority 15). A stage may output tokens (B, N, C) (prefix tokens first), channels-last
+transformers (PVTv2, Twins, SAM's ViT, PiT, MaxViT, CoAtNet, CAFormer, TinyViT, LeViT, MViTv2, Hiera,
+SAM 2's Hiera, CrossViT, TNT) are recognised first by :mod:`vitexplain.adapters.hier` (priority 15). A stage may output tokens (B, N, C) (prefix tokens first), channels-last
 maps or a tuple; :meth:`CNNAdapter.feature_map` turns each into (B, C, h, w).
 
 Whether a model calls attention is decided from what its modules' code calls (the source of
@@ -57,8 +57,8 @@ def _hybrid_note(model: nn.Module) -> str:
     if reason is not None:
         return f"{name} {reason}; the Grad-CAM family explains its last stage"
     return (f"{name} is a conv/attention hybrid that no attention family describes (the hierarchical family "
-            "covers PVTv2, Twins, SAM's ViT, PiT, MaxViT, CoAtNet, CAFormer, LeViT, MViTv2, Hiera, SAM 2's Hiera, CrossViT "
-            "and TNT); "
+            "covers PVTv2, Twins, SAM's ViT, PiT, MaxViT, CoAtNet, CAFormer, TinyViT, LeViT, MViTv2, Hiera, SAM 2's "
+            "Hiera, CrossViT and TNT); "
             + tail)
 
 
