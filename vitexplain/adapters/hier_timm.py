@@ -144,7 +144,8 @@ class MaxViTAdapter(HierAdapter):
                     name, dw = found
                     k, st = pair(dw.kernel_size), pair(dw.stride)
                     fine = tokens.grid if tokens else grid
-                    pad = _same_padding(dw, fine) if isinstance(dw, nn.Conv2d) else pair(dw.padding)
+                    same_pool = "Same" in type(dw).__name__  # TF 'same' poolings pad as Conv2dSame does
+                    pad = _same_padding(dw, fine) if isinstance(dw, nn.Conv2d) or same_pool else pair(dw.padding)
                     same = "Same" in type(dw).__name__  # output ceil(g / s)
                     coarse = token_set(tuple(-(-g // ss) for g, ss in zip(fine, st)) if same else conv_grid(fine, k, st, pad))
                     if tokens is not None:
