@@ -457,6 +457,8 @@ def rows() -> list[Row]:
         Row("HF Swin classifier", "Swin", _hf_swin("SwinConfig", "SwinForImageClassification", num_labels=5), s32, _SWIN_TEST),
         Row("HF Swinv2 classifier", "Swin", _hf_swin("Swinv2Config", "Swinv2ForImageClassification", num_labels=5), s32, _SWIN_TEST),
         Row("HF SwinModel (headless)", "Swin", _hf_swin("SwinConfig", "SwinModel"), s32, _SWIN_TEST, "norm"),
+        Row("HF DonutSwinModel (Donut's encoder, headless)", "Swin", _hf_swin("DonutSwinConfig", "DonutSwinModel"), s32, _SWIN_TEST,
+            "norm"),
         Row("zoo shapes-captioner", "captioner", _zoo("shapes-captioner"), s64, "tests/test_captioning.py"),
         Row("zoo shapes-sat (Show, Attend and Tell: additive attention, LSTM)", "captioner", _zoo("shapes-sat"), s64,
                "tests/test_sat.py"),
