@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from ..layout import TokenLayout, pair
 from ..methods.families import CAPTION
 from .base import Adapter, find_layout_module, register_adapter
-from ..errors import UsageError
+from ..errors import UnsupportedModelError, UsageError
 
 __all__ = [
     "CaptionAdapter",
@@ -59,7 +59,7 @@ class CaptionAdapter(Adapter):
     def __init__(self, model: nn.Module, tokenizer: Any = None) -> None:
         super().__init__(model)
         self.tokenizer = tokenizer
-        self.capabilities = frozenset({"cross", "lrp"})
+        self.capabilities = frozenset({"cross", "lrp", "encoder_attention"})
 
     def layout(self, input_size: tuple[int, int]) -> TokenLayout:
         """Token layout of the image encoder for a (H, W) input."""
@@ -275,6 +275,15 @@ class TorchDecoderCaptionAdapter(CaptionAdapter):
         return kwargs
 
 
+def _windowed_encoder(encoder: nn.Module, size: tuple[int, int]) -> bool:
+    """Whether the image encoder's known layout is windowed (Swin); False when no layout is known (the caption
+    methods then say so when they need it)."""
+    try:
+        return bool(find_layout_module(encoder, size)[2].windowed)
+    except UnsupportedModelError:
+        return False
+
+
 class HFCaptionAdapter(CaptionAdapter):
     """Hugging Face ``VisionEncoderDecoderModel`` and ``BlipForConditionalGeneration``."""
 
@@ -285,6 +294,14 @@ class HFCaptionAdapter(CaptionAdapter):
         vision = model.config.encoder if kind == "vision-encoder-decoder" else model.config.vision_config
         #: the one input size the vision encoder takes (its position embeddings are not interpolated)
         self.fixed_size = pair(vision.image_size)
+        if _windowed_encoder(model.get_submodule(self.encoder_prefix), self.fixed_size):
+            self.capabilities = self.capabilities - {"encoder_attention"}
+            self.notes["encoder_attention"] = (
+                f"the image encoder ({type(model.get_submodule(self.encoder_prefix)).__name__}) is a windowed, "
+                "hierarchical one (Swin: attention inside windows, patch merging between stages), not the one "
+                "global self-attention over the decoder's image tokens that Chefer's encoder rule (R_ii) assumes; "
+                "use 'cross' (the decoder's cross-attention over its last-stage tokens) or explain the encoder "
+                "alone: vx.Explainer(model.encoder) with the Swin methods")
 
     @property
     def _text_config(self) -> Any:
