@@ -238,6 +238,29 @@ def _hf_sam2_hiera() -> nn.Module:
     return transformers.Sam2HieraDetModel(hf_sam2_hiera_config())
 
 
+def _coatnet(kind: str) -> Callable[[], nn.Module]:
+    """A tiny timm CoAtNet (``kind``: a ``maxxvit.model_cfgs`` name): conv stages, then transformer stages."""
+    def build() -> nn.Module:
+        import dataclasses
+
+        from timm.models.maxxvit import MaxxVit, model_cfgs
+
+        base = model_cfgs[kind]
+        cfg = dataclasses.replace(base, embed_dim=(16, 16, 32, 32), depths=(1, 1, 2, 1), stem_width=(16, 16),
+                                  transformer_cfg=dataclasses.replace(base.transformer_cfg, dim_head=8))
+        return MaxxVit(cfg, img_size=64, num_classes=5)
+
+    return build
+
+
+def _caformer() -> nn.Module:
+    """A tiny timm CAFormer: separable-conv stages, then attention stages (grids 16, 8, 4, 2 at 64 px)."""
+    from timm.models.metaformer import Attention, LayerNorm2dNoBias, LayerNormNoBias, MetaFormer, SepConv
+
+    return MetaFormer(depths=(1, 1, 2, 1), dims=(16, 32, 64, 96), token_mixers=[SepConv, SepConv, Attention, Attention],
+                      norm_layers=[LayerNorm2dNoBias] * 2 + [LayerNormNoBias] * 2, num_classes=5)
+
+
 def _mvitv2() -> nn.Module:
     from timm.models.mvitv2 import MultiScaleVit, MultiScaleVitCfg
 
@@ -388,11 +411,23 @@ def rows() -> list[Row]:
         Row("HF ConvNeXt classifier", "CNN", _hf_cnn("ConvNextConfig", "ConvNextForImageClassification", hidden_sizes=[16, 32, 48, 64], depths=[1, 1, 1, 1], num_labels=5), s64, "tests/test_cnn_hf.py"),
         Row("zoo shapes-cnn", "CNN", _zoo("shapes-cnn"), s64, "tests/test_cnn.py"),
         Row("timm EfficientFormerV2", "hybrid", _timm_class("efficientformer_v2", "EfficientFormerV2", depths=(1, 1, 2, 2), embed_dims=(16, 24, 32, 48), img_size=64, num_vit=2, num_classes=5), s64, "tests/test_hybrids.py"),
+        Row("timm EfficientViT (MIT: ReLU linear attention)", "hybrid", lambda: _timm("efficientvit_b0", num_classes=5), s64, "tests/test_hybrids.py"),
+        Row("timm EfficientViT (MSRA: cascaded group attention)", "hybrid", lambda: _timm("efficientvit_m0", img_size=128, num_classes=5), (128, 128), "tests/test_hybrids.py"),
+        Row("timm SwiftFormer (additive attention)", "hybrid", lambda: _timm("swiftformer_xs", num_classes=5), s64, "tests/test_hybrids.py"),
+        Row("timm DaViT (window + channel attention)", "hybrid", lambda: _timm("davit_tiny", embed_dims=(16, 32, 32, 64), depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4), window_size=2, num_classes=5), s64, "tests/test_hybrids.py"),
+        Row("timm CSATv2 (DCT stem, attention in its last stages)", "hybrid", _timm_class("csatv2", "CSATv2", dims=(32, 32, 48, 64), depths=(1, 1, 1, 1), transformer_depths=(0, 0, 1, 1), num_classes=5), (128, 128), "tests/test_hybrids.py"),
         Row("timm PVTv2", "hierarchical", lambda: _timm("pvt_v2_b0", embed_dims=(16, 32, 48, 64), depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4), num_classes=5), s64, _HIER_TEST),
         Row("timm Twins (PCPVT)", "hierarchical", lambda: _timm("twins_pcpvt_small", img_size=64, embed_dims=(16, 32, 48, 64), depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4), num_classes=5), s64, _HIER_TEST),
         Row("timm Twins (SVT)", "hierarchical", lambda: _timm("twins_svt_small", img_size=64, embed_dims=(16, 32, 48, 64), depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4), wss=(4, 4, 4, 4), num_classes=5), s64, _HIER_TEST),
         Row("timm SAM ViT (samvit: windowed + global, conv neck)", "hierarchical", lambda: _timm("samvit_base_patch16", img_size=64, depth=3, embed_dim=32, num_heads=2, global_attn_indexes=(1,), window_size=3, neck_chans=16, num_classes=5), s64, _HIER_TEST),
         Row("timm MaxViT", "hierarchical", _maxvit, s64, _POOL_TEST),
+        Row("timm CoAtNet (conv stages, then global attention)", "hierarchical", _coatnet("coatnet_nano_rw"), s64,
+            "tests/test_hier_coatnet.py"),
+        Row("timm CoAtNeXt (ConvNeXt stages, then global attention)", "hierarchical", _coatnet("coatnext_nano_rw"), s64,
+            "tests/test_hier_coatnet.py"),
+        Row("timm CAFormer (separable-conv stages, then attention)", "hierarchical", _caformer, s64,
+            "tests/test_hier_caformer.py"),
+        Row("timm TinyViT (MBConv stage, then padded window attention)", "hierarchical", lambda: _timm("tiny_vit_5m_224", embed_dims=(16, 32, 48, 64), depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4), window_sizes=(3, 3, 3, 3), num_classes=5), s64, "tests/test_hier_tinyvit.py"),
         Row("timm MViTv2", "hierarchical", _mvitv2, s64, _POOL_TEST),
         Row("timm PiT", "hierarchical", _timm_class("pit", "PoolingVisionTransformer", img_size=64, patch_size=8, stride=4, base_dims=(8, 8, 8), depth=(1, 1, 1), heads=(2, 2, 2), mlp_ratio=2, num_classes=5), s64, _POOL_TEST),
         # raw reads the first call: the random model's last-stage tokens are identical, its attention uniform
@@ -403,6 +438,7 @@ def rows() -> list[Row]:
         Row("timm Hiera (SAM 2's encoder family)", "hierarchical", _timm_class("hiera", "Hiera", img_size=64, embed_dim=16, num_heads=1, stages=(1, 2, 2, 1), mask_unit_size=(4, 4), q_pool=2, num_classes=5), s64, "tests/test_hier_more.py"),
         Row("timm HieraDet (sam2_hiera: SAM 2's image encoder, windows on the grid)", "hierarchical", _timm_class("hieradet_sam2", "HieraDet", embed_dim=16, num_heads=1, stages=(1, 2, 3), q_pool=2, window_spec=(4, 2, 3), global_att_blocks=(5,), global_pos_size=(4, 4), num_classes=5), s64, "tests/test_hier_sam2_timm.py"),
         Row("timm CrossViT (two branches)", "hierarchical", _timm_class("crossvit", "CrossVit", img_size=48, img_scale=(1.0, 32 / 48), patch_size=(8, 16), embed_dim=(16, 32), depth=((1, 2, 0), (1, 1, 0)), num_heads=(2, 2), mlp_ratio=(2, 2, 1), num_classes=5), (48, 48), "tests/test_hier_more.py"),
+        Row("HF PVT v1 classifier (class token on the last stage)", "hierarchical", _hf_cnn("PvtConfig", "PvtForImageClassification", image_size=64, hidden_sizes=[16, 32, 48, 64], depths=[1, 1, 1, 1], num_attention_heads=[1, 2, 2, 4], num_labels=5), s64, "tests/test_hier_pvt.py"),
         Row("HF PvtV2 classifier", "hierarchical", _hf("PvtV2Config", "PvtV2ForImageClassification", image_size=64, hidden_sizes=[16, 32, 48, 64], depths=[1, 1, 1, 1], num_attention_heads=[1, 2, 2, 4], num_labels=5), s64, "tests/test_hier_hf.py"),
         Row("HF Segformer classifier (MiT)", "hierarchical", _hf("SegformerConfig", "SegformerForImageClassification", image_size=64, hidden_sizes=[16, 32, 48, 64], depths=[1, 1, 1, 1], num_attention_heads=[1, 2, 2, 4], decoder_hidden_size=32, num_labels=5), s64, "tests/test_hier_hf.py"),
         Row("HF Hiera classifier", "hierarchical", _hf("HieraConfig", "HieraForImageClassification", image_size=[64, 64], embed_dim=16, num_heads=[1, 2, 4], depths=[1, 2, 2], num_query_pool=2, masked_unit_size=[4, 4], masked_unit_attention=[True, True, False], patch_size=[7, 7], mlp_ratio=2.0, num_labels=5), s64, "tests/test_hier_hiera.py"),
@@ -422,6 +458,8 @@ def rows() -> list[Row]:
         Row("HF Swin classifier", "Swin", _hf_swin("SwinConfig", "SwinForImageClassification", num_labels=5), s32, _SWIN_TEST),
         Row("HF Swinv2 classifier", "Swin", _hf_swin("Swinv2Config", "Swinv2ForImageClassification", num_labels=5), s32, _SWIN_TEST),
         Row("HF SwinModel (headless)", "Swin", _hf_swin("SwinConfig", "SwinModel"), s32, _SWIN_TEST, "norm"),
+        Row("HF DonutSwinModel (Donut's encoder, headless)", "Swin", _hf_swin("DonutSwinConfig", "DonutSwinModel"), s32, _SWIN_TEST,
+            "norm"),
         Row("zoo shapes-captioner", "captioner", _zoo("shapes-captioner"), s64, "tests/test_captioning.py"),
         Row("zoo shapes-sat (Show, Attend and Tell: additive attention, LSTM)", "captioner", _zoo("shapes-sat"), s64,
                "tests/test_sat.py"),

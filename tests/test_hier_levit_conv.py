@@ -69,5 +69,6 @@ def test_levit_conv_batch_equals_its_images_one_by_one():
                             ("cdam", {}), ("cdam", {"stage": 0}), ("gradcam", {"stage": 1}), ("raw", {"layer": 1})):
         together = ex.explain(x, method=method, target=1, **options).maps
         alone = torch.cat([ex.explain(x[i:i + 1], method=method, target=1, **options).maps for i in range(3)])
-        assert together.shape[0] == 3 and bool(alone.abs().max() > 0), method
+        # (token Grad-CAM's ReLU can zero a random model's whole map; cdam reads the same site signed)
+        assert together.shape[0] == 3 and (method == "gradcam" or bool(alone.abs().max() > 0)), method
         torch.testing.assert_close(together, alone, atol=1e-5 * float(alone.abs().max()) + 1e-9, rtol=1e-4)

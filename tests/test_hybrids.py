@@ -164,3 +164,43 @@ def test_efficientformer_v2_refuses_attention_methods_with_the_reason():
     assert ex.family == "cnn"
     with pytest.raises(vx.UnsupportedMethodError, match="talking heads"):
         ex.explain(x, method="rollout")
+
+
+def test_csatv2_takes_rgb_images_although_its_first_registered_conv_reads_dct_coefficients():
+    """CSATv2's first registered Conv2d is a 1 x 1 conv over the 64 DCT coefficients of its stem: the input
+    check read 64 channels from it and refused every RGB input, so the Grad-CAM family it lists (and its default)
+    were refused ("the model takes 64 channels")."""
+    model, x = _build("timm CSATv2 (DCT stem, attention in its last stages)")
+    first = next(m for m in model.modules() if isinstance(m, nn.Conv2d))
+    assert first.in_channels == 64 and model.in_chans == 3
+    ex = vx.Explainer(model)
+    e = ex.explain(x)
+    assert e.method == "gradcam" and e.maps.shape == (2, 2, 2)
+    with pytest.raises(vx.InputError, match=r"takes 3 channels, the input has shape \(2, 64, 128, 128\)"):
+        ex.explain(torch.randn(2, 64, 128, 128))
+
+
+_ATTENTION = ("raw", "rollout", "grad_rollout", "generic", "cdam")
+_UNREADABLE = {  # row: what the refusal must name (the reason its attention is no token-to-token map)
+    "timm EfficientViT (MIT: ReLU linear attention)": r"ReLU linear attention.*no token-to-token attention matrix",
+    "timm EfficientViT (MSRA: cascaded group attention)": r"cascaded group attention.*previous head's output",
+    "timm SwiftFormer (additive attention)": r"additive attention.*no token attends to another",
+    "timm DaViT (window + channel attention)": r"channel attention.*mixes channels, not tokens",
+}
+
+
+@pytest.mark.parametrize("name", list(_UNREADABLE))
+def test_hybrids_whose_attention_is_no_token_map_refuse_the_attention_methods_with_the_reason(name):
+    """Linear (EfficientViT MIT) and additive (SwiftFormer) attention form no softmax: these models were taken for
+    plain CNNs, and asking for an attention method said only that they are CNNs. Cascaded heads (EfficientViT
+    MSRA) and channel attention (DaViT) record softmaxes that are not token-to-token maps. Each is refused with
+    its reason; the Grad-CAM family runs (its maps: test_hybrid_gradcam_family_matches_hand_oracle)."""
+    model, x = _build(name)
+    ex = vx.Explainer(model)
+    assert ex.family == "cnn" and ex.adapter.hybrid
+    assert not set(_ATTENTION) & set(ex.methods()) and {"gradcam", "gradcam++", "layercam"} <= set(ex.methods())
+    for method in _ATTENTION:
+        with pytest.raises(vx.UnsupportedMethodError, match=_UNREADABLE[name]):
+            ex.explain(x, method=method)
+    e = ex.explain(x)
+    assert e.method == "gradcam" and e.maps.shape[0] == 2 and bool(torch.isfinite(e.maps).all())

@@ -40,11 +40,12 @@ from timm.models.swin_transformer_v2 import SwinTransformerV2  # noqa: E402
 from timm.models.swin_transformer_v2_cr import SwinTransformerV2Cr  # noqa: E402
 from torchvision.models.swin_transformer import PatchMergingV2, SwinTransformerBlockV2  # noqa: E402
 from torchvision.models.swin_transformer import SwinTransformer as TVSwin  # noqa: E402
-from transformers import SwinConfig, SwinForImageClassification, Swinv2Config, Swinv2ForImageClassification  # noqa: E402
+from transformers import (DonutSwinConfig, DonutSwinForImageClassification, SwinConfig, SwinForImageClassification,  # noqa: E402
+                          Swinv2Config, Swinv2ForImageClassification)
 from transformers.models.swin.modeling_swin import window_partition as hf_partition  # noqa: E402
 
-KINDS = ("timm", "timm2", "timmcr", "tv", "tv2", "hf", "hf2")
-ADAPTERS = {"timm": TimmSwinAdapter, "tv": TorchvisionSwinAdapter, "hf": HFSwinAdapter}
+KINDS = ("timm", "timm2", "timmcr", "tv", "tv2", "hf", "hf2", "hfdonut")  # hfdonut: Donut's Swin (no final norm)
+ADAPTERS = {"timm": TimmSwinAdapter, "tv": TorchvisionSwinAdapter, "hf": HFSwinAdapter, "hfdonut": HFSwinAdapter}
 POST_NORM = ("timm2", "timmcr", "tv2", "hf2")
 CLASSES = 5
 
@@ -66,7 +67,8 @@ def build(kind: str, size: tuple[int, int] = (64, 64), attn: str = "sdpa") -> nn
         model = TVSwin(patch_size=[4, 4], window_size=[4, 4], num_classes=CLASSES, embed_dim=16, depths=[2, 2],
                        num_heads=[2, 4], **extra)
     else:
-        cfg_cls, cls = (SwinConfig, SwinForImageClassification) if kind == "hf" else (Swinv2Config, Swinv2ForImageClassification)
+        cfg_cls, cls = {"hf": (SwinConfig, SwinForImageClassification), "hf2": (Swinv2Config, Swinv2ForImageClassification),
+                        "hfdonut": (DonutSwinConfig, DonutSwinForImageClassification)}[kind]
         config = cfg_cls(image_size=size[0], patch_size=4, window_size=4, num_labels=CLASSES, embed_dim=16,
                          depths=[2, 2], num_heads=[2, 4])
         config._attn_implementation = attn if kind == "hf" else "eager"
@@ -258,7 +260,7 @@ def test_window_partition_matches_the_models_own_attention_input(kind, size):
         assert torch.equal(geometry.index(), oracle_slots(kind, model, block.name, grids[block.stage]))
         received = rec.activation(block.attention).input
         block_in = adapter.to_grid(rec.activation(block.name).input, grids[block.stage])
-        norm = None if adapter.post_norm else model.get_submodule(block.name + (".layernorm_before" if kind == "hf" else ".norm1"))
+        norm = None if adapter.post_norm else model.get_submodule(block.name + (".layernorm_before" if kind in ("hf", "hfdonut") else ".norm1"))
         tokens = block_in if norm is None else norm(block_in)
         if adapter.windowed_input:
             torch.testing.assert_close(geometry.partition(tokens), received, rtol=0, atol=0)
@@ -422,7 +424,7 @@ def test_gradcam_and_cdam_match_autograd_at_the_last_norm1(kind):
     adapter = adapter_for(model)
     x = torch.randn(2, 3, 64, 64)
     cls = 1
-    norm = model.get_submodule(adapter.blocks[-1] + (".layernorm_before" if kind == "hf" else ".norm1"))
+    norm = model.get_submodule(adapter.blocks[-1] + (".layernorm_before" if kind in ("hf", "hfdonut") else ".norm1"))
     seen = []
     handle = norm.register_forward_hook(lambda m, a, out: seen.append(out) or out.retain_grad())
     try:
@@ -439,7 +441,7 @@ def test_gradcam_and_cdam_match_autograd_at_the_last_norm1(kind):
     assert max(errors) < 1e-5
 
 
-@pytest.mark.parametrize("kind", ["timm", "tv2", "hf2"])
+@pytest.mark.parametrize("kind", ["timm", "tv2", "hf2", "hfdonut"])  # hfdonut: its head re-run has no final norm
 def test_integrated_cdam_is_complete_and_smooth_cdam_without_noise_is_cdam(kind):
     model = build(kind)
     adapter = adapter_for(model)

@@ -18,10 +18,20 @@ import torch
 from torch import Tensor, nn
 
 from ..layout import pair
-from .base import Adapter, register_adapter
+from ..errors import UnsupportedModelError
+from .base import Adapter, find_layout_module, register_adapter
 from .captioning import CaptionAdapter
 
 __all__ = ["HFCaptionAdapter", "GitCaptionAdapter", "TextToImage"]
+
+
+def _windowed_encoder(encoder: nn.Module, size: tuple[int, int]) -> bool:
+    """Whether the image encoder's known layout is windowed (Swin); False when no layout is known (the caption
+    methods then say so when they need it)."""
+    try:
+        return bool(find_layout_module(encoder, size)[2].windowed)
+    except UnsupportedModelError:
+        return False
 
 
 class HFCaptionAdapter(CaptionAdapter):
@@ -34,6 +44,14 @@ class HFCaptionAdapter(CaptionAdapter):
         vision = model.config.encoder if kind == "vision-encoder-decoder" else model.config.vision_config
         #: the one input size the vision encoder takes (its position embeddings are not interpolated)
         self.fixed_size = pair(vision.image_size)
+        if _windowed_encoder(model.get_submodule(self.encoder_prefix), self.fixed_size):
+            self.capabilities = self.capabilities - {"encoder_attention"}
+            self.notes["encoder_attention"] = (
+                f"the image encoder ({type(model.get_submodule(self.encoder_prefix)).__name__}) is a windowed, "
+                "hierarchical one (Swin: attention inside windows, patch merging between stages), not the one "
+                "global self-attention over the decoder's image tokens that Chefer's encoder rule (R_ii) assumes; "
+                "use 'cross' (the decoder's cross-attention over its last-stage tokens) or explain the encoder "
+                "alone: vx.Explainer(model.encoder) with the Swin methods")
 
     @property
     def _text_config(self) -> Any:

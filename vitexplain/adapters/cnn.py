@@ -12,10 +12,10 @@ default target layer of Grad-CAM, Grad-CAM++ and LayerCAM. How the stages are fo
   torchvision MaxViT: its ``blocks``.
 - anything else: the last top-level child holding a ``Conv2d`` before global pooling.
 
-Conv/attention hybrids that no attention family describes (EfficientFormerV2, CoAtNet,
+Conv/attention hybrids that no attention family describes (EfficientFormerV2, DaViT,
 ...) get the same adapter: the Grad-CAM family reads the last stage. Hierarchical
-transformers (PVTv2, Twins, SAM's ViT, PiT, MaxViT, LeViT, MViTv2, Hiera, SAM 2's Hiera, CrossViT,
-TNT) are recognised first by :mod:`vitexplain.adapters.hier` (priority 15). A stage may output tokens (B, N, C) (prefix tokens first), channels-last
+transformers (PVTv2, Twins, SAM's ViT, PiT, MaxViT, CoAtNet, CAFormer, TinyViT, LeViT, MViTv2, Hiera,
+SAM 2's Hiera, CrossViT, TNT) are recognised first by :mod:`vitexplain.adapters.hier` (priority 15). A stage may output tokens (B, N, C) (prefix tokens first), channels-last
 maps or a tuple; :meth:`CNNAdapter.feature_map` turns each into (B, C, h, w).
 
 Whether a model calls attention is decided from what its modules' code calls (the source of
@@ -40,6 +40,7 @@ from ..errors import UnsupportedMethodError
 
 from ..methods.families import CNN
 from .base import Adapter, register_adapter
+from .hybrid_notes import mixer_reason
 from ..errors import UsageError
 
 __all__ = ["CNNAdapter", "cnn_stages", "stage_ends", "calls_attention"]
@@ -52,12 +53,13 @@ def _hybrid_note(model: nn.Module) -> str:
     name = type(model).__name__
     tail = ("the Grad-CAM family explains its last stage, and vx.capture(model) records every attention call "
             "(rec.records[i].probs())")
-    if any(c.__module__.startswith("timm.models.efficientformer_v2") for c in type(model).__mro__):
-        return (f"{name} mixes its heads with a linear map after the softmax (talking heads) and adds a local "
-                "conv of the values to the attention output, so no recorded softmax is the attention applied "
-                "to the values and neither the ViT nor the hierarchical rules hold; " + tail)
+    reason = mixer_reason(model)
+    if reason is not None:
+        return f"{name} {reason}; the Grad-CAM family explains its last stage"
     return (f"{name} is a conv/attention hybrid that no attention family describes (the hierarchical family "
-            "covers PVTv2, Twins, SAM's ViT, PiT, MaxViT, LeViT, MViTv2, Hiera, SAM 2's Hiera, CrossViT and TNT); " + tail)
+            "covers PVTv2, Twins, SAM's ViT, PiT, MaxViT, CoAtNet, CAFormer, TinyViT, LeViT, MViTv2, Hiera, SAM 2's "
+            "Hiera, CrossViT and TNT); "
+            + tail)
 
 
 def _one_size(model: nn.Module) -> Optional[str]:
@@ -102,7 +104,7 @@ class CNNAdapter(Adapter):
         self._probed = False
         self.has_head = int(getattr(model, "num_classes", 1) or 0) > 0
         self.notes.update(_gate_notes(model, self._capabilities))
-        self.hybrid = calls_attention(model)
+        self.hybrid = calls_attention(model) or mixer_reason(model) is not None
         self.one_size = _one_size(model) if self.hybrid else None
         self._info = _timm_stage_info(model)
         if self.hybrid:

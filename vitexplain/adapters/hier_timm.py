@@ -1,4 +1,4 @@
-"""Hierarchical adapters for timm's pooling transformers: PiT, MaxViT, LeViT and MViTv2.
+"""Hierarchical adapters for timm's pooling transformers: PiT, MaxViT / CoAtNet, LeViT and MViTv2.
 
 Each describes its model as a chain (:mod:`vitexplain.methods.resample`) read from the
 model's own modules:
@@ -6,7 +6,9 @@ model's own modules:
 - PiT: ViT blocks with a class token per stage; between stages a depthwise conv of kernel
   s + 1, stride s (the class token through a linear layer: prefix kept).
 - MaxViT: per block an MBConv (its stride-2 depthwise conv is the stage transition), block
-  attention in windows and grid attention in dilated windows, each with a residual.
+  attention in windows and grid attention in dilated windows, each with a residual. CoAtNet (same
+  model class): conv stages (strided conv or pooling), then global attention, the first block of a
+  stage pooling 2 x 2 for both its attention and its shortcut.
 - LeViT: attention blocks on one grid per stage; between stages an attention whose queries
   are subsampled (no residual around it), keys over the whole previous grid.
 - MViTv2: pooled queries, keys and values (each a conv or pooling); the first block of a
@@ -74,24 +76,59 @@ def _same_padding(conv: nn.Conv2d, grid: tuple[int, int]) -> tuple[int, int]:
     return tuple(max((-(-g // ss) - 1) * ss + kk - g, 0) // 2 for g, kk, ss in zip(grid, k, s))  # type: ignore[return-value]
 
 
-# -- MaxViT ------------------------------------------------------------------------------------
+# -- MaxViT / CoAtNet ---------------------------------------------------------------------------
+_STRIDED = (nn.Conv2d, nn.AvgPool2d, nn.MaxPool2d)
+
+
+def _strided(block: nn.Module) -> Optional[tuple[str, nn.Module]]:
+    """(name, module) of the conv or pooling that resamples a MaxxVit block's grid on its main path, or None.
+
+    MaxViT blocks: the strided depthwise conv of their MBConv / ConvNeXt block (``conv``). Conv blocks of a
+    CoAtNet: that conv (``stride_mode='dw'``) or the pooling before it (``'pool'``: ``down.pool``). Transformer
+    blocks: the pooling inside ``norm1`` that both the attention and the shortcut read (``shortcut.pool``, the
+    same pooling, is skipped)."""
+    root = block.conv if hasattr(block, "attn_grid") else block
+    for name, module in root.named_modules():
+        if not name.startswith("shortcut") and isinstance(module, _STRIDED) and pair(module.stride) != (1, 1):
+            return name, module
+    return None
+
+
+def _calls(block: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(suffix, module) of a MaxxVit block's attention calls: block and grid attention (MaxViT; grid only for
+    MaxxViT-V2), the global attention of a transformer block (CoAtNet), none for a conv block."""
+    if hasattr(block, "attn_grid"):
+        return [(part, getattr(block, part)) for part in ("attn_block", "attn_grid") if getattr(block, part) is not None]
+    attn = getattr(block, "attn", None)
+    return [("", block)] if attn is not None and type(block).__name__ == "TransformerBlock2d" else []
+
+
 class MaxViTAdapter(HierAdapter):
-    """timm ``MaxxVit`` with MaxViT blocks (``maxvit_*``, ``maxxvit*``): window and grid attention after an
-    MBConv or ConvNeXt block (MaxxViT-V2: grid attention only); channels-last (``*_rw``) and NCHW (``*_tf``)
-    partitions."""
+    """timm ``MaxxVit``: MaxViT blocks (``maxvit_*``, ``maxxvit*``: window and grid attention after an MBConv or
+    ConvNeXt block; MaxxViT-V2: grid attention only; channels-last (``*_rw``) and NCHW (``*_tf``) partitions) and
+    CoAtNet (``coatnet_*``, ``coatnext_*``: conv stages of MBConv or ConvNeXt blocks, then transformer blocks with
+    global attention (relative position bias) on the whole grid, the first pooling it 2 x 2 for both the
+    attention and its shortcut). A stage of conv blocks has no attention: its grid is reached through the
+    strided convs and poolings (their footprints), and the token methods are refused there."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
-        self.token_sites = [f"stages.{s}.blocks.{len(st.blocks) - 1}.attn_grid.norm1" for s, st in enumerate(model.stages)]
-        # its partition sizes are derived from img_size (img_size / 32 unless set): images are preprocessed to it
-        # (the pretrained config's 224 px need not split into them), and a size whose stage grids they do not
-        # divide is refused with that size to use (it takes any other)
+        sites: list[Optional[str]] = []
+        for s, st in enumerate(model.stages):
+            last = next((b for b in reversed(range(len(st.blocks))) if _calls(st.blocks[b])), None)
+            part = _calls(st.blocks[last])[-1][0] if last is not None else None
+            sites.append(None if last is None else f"stages.{s}.blocks.{last}." + (f"{part}.norm1" if part else "norm1"))
+        self.token_sites = sites
+        # its partition sizes (relative position tables) are derived from img_size (img_size / 32 unless set):
+        # images are preprocessed to it (the pretrained config's 224 px need not split into them), and a size whose
+        # stage grids they do not divide is refused with that size to use (it takes any other)
         size = getattr(model, "img_size", None)
         self.fixed_size = tuple(pair(size)) if size is not None else None
 
     def site_grid(self, stage: int, output: Tensor, input_size: Sequence[int]) -> Tensor:
-        last = self.model.stages[stage].blocks[-1].attn_grid
-        return output if type(last).__name__.endswith("Cl") else output.permute(0, 2, 3, 1)
+        site = self.token_sites[stage] or ""
+        channels_last = site.endswith(".attn_grid.norm1") and type(self.model.get_submodule(site[:-6])).__name__.endswith("Cl")
+        return output if channels_last else output.permute(0, 2, 3, 1)
 
     def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
         grid = pair(input_size)
@@ -102,29 +139,32 @@ class MaxViTAdapter(HierAdapter):
         tokens: Optional[TokenSet] = None
         for s, stage in enumerate(self.model.stages):
             for b, block in enumerate(stage.blocks):
-                dw = next((m for m in block.conv.modules() if isinstance(m, nn.Conv2d) and pair(m.stride) != (1, 1)), None)
-                if dw is not None:  # the strided (depthwise) conv resamples the grid
-                    k, st = dw.kernel_size, dw.stride
-                    pad = _same_padding(dw, tokens.grid if tokens else grid)
+                found = _strided(block)
+                if found is not None:  # the strided conv or pooling resamples the grid
+                    name, dw = found
+                    k, st = pair(dw.kernel_size), pair(dw.stride)
                     fine = tokens.grid if tokens else grid
+                    same_pool = "Same" in type(dw).__name__  # TF 'same' poolings pad as Conv2dSame does
+                    pad = _same_padding(dw, fine) if isinstance(dw, nn.Conv2d) or same_pool else pair(dw.padding)
                     same = "Same" in type(dw).__name__  # output ceil(g / s)
                     coarse = token_set(tuple(-(-g // ss) for g, ss in zip(fine, st)) if same else conv_grid(fine, k, st, pad))
                     if tokens is not None:
-                        chain.append(Transition(Footprint.pool(tokens, coarse, k, st, pad), s - 1, s, f"stages.{s}.blocks.{b}.conv"))
+                        where = f"stages.{s}.blocks.{b}." + ("conv." if hasattr(block, "attn_grid") else "") + name
+                        chain.append(Transition(Footprint.pool(tokens, coarse, k, st, pad), s - 1 if b == 0 else s, s, where))
                     tokens = coarse
                 elif tokens is None:
                     tokens = token_set(grid)
                 if b == 0:
                     sets.append(tokens)
-                for part in ("attn_block", "attn_grid"):
-                    module = getattr(block, part)
-                    if module is None:  # MaxxViT-V2 blocks have grid attention only (no_block_attn)
+                for part, module in _calls(block):
+                    name = f"stages.{s}.blocks.{b}." + (f"{part}.attn" if part else "attn")
+                    if not part:  # global attention over the whole grid
+                        chain.append(global_call(name, tokens, s))
                         continue
                     size = pair(module.partition_size)
                     slots = window_slots(tokens, size) if module.partition_block else grid_slots(tokens, size)
                     identity = Footprint.identity(tokens)
-                    chain.append(CallSpec(f"stages.{s}.blocks.{b}.{part}.attn", tokens, tokens, slots, slots, identity,
-                                          identity, s, s))
+                    chain.append(CallSpec(name, tokens, tokens, slots, slots, identity, identity, s, s))
         return chain, sets
 
 
@@ -252,9 +292,11 @@ def _detect_timm_pooling(model: nn.Module) -> Optional[Adapter]:
         return PiTAdapter(model)
     if module_family(model, "timm.models.maxxvit") and hasattr(model, "stages"):
         blocks = [blk for st in model.stages for blk in st.blocks]
-        if blocks and all(hasattr(b, "attn_block") and hasattr(b, "attn_grid") and hasattr(b, "conv") for b in blocks):
+        kinds = {type(b).__name__ for b in blocks}
+        if blocks and kinds <= {"MaxxVitBlock", "MbConvBlock", "ConvNeXtBlock", "TransformerBlock2d"} and (
+                kinds & {"MaxxVitBlock", "TransformerBlock2d"}):
             return MaxViTAdapter(model)
-        return None  # CoAtNet / MaxxViT-v2 mixes: the CNN adapter's Grad-CAM family
+        return None  # parallel MaxViT blocks (maxvit_tiny_pm): the CNN adapter's Grad-CAM family
     if module_family(model, "timm.models.levit") and hasattr(model, "stages"):
         return LeViTAdapter(model)
     if module_family(model, "timm.models.mvitv2") and hasattr(model, "stages"):

@@ -342,7 +342,9 @@ class HFSwinAdapter(SwinAdapter):
         return out[0] if isinstance(out, tuple) else out
 
     def head(self, tokens: Tensor) -> Tensor:
-        seq = self.base.layernorm(tokens.reshape(tokens.shape[0], -1, tokens.shape[-1]))
+        seq = tokens.reshape(tokens.shape[0], -1, tokens.shape[-1])
+        norm = getattr(self.base, "layernorm", None)  # Donut's Swin has no final norm
+        seq = norm(seq) if norm is not None else seq
         pooler = self.base.pooler
         pooled = pooler(seq.transpose(1, 2)).flatten(1) if pooler is not None else seq.mean(dim=1)
         classifier = getattr(self.model, "classifier", None)
@@ -350,9 +352,11 @@ class HFSwinAdapter(SwinAdapter):
 
     def preprocess_kwargs(self) -> dict[str, Any]:
         size = _pair(self.model.config.image_size)
-        # the Swin image processors resize to the input size (no crop), bicubic, ImageNet statistics
-        return dict(input_size=size, mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225), crop_pct=1.0,
-                    interpolation="bicubic")
+        # the Swin image processors resize to the input size (no crop), bicubic, ImageNet statistics; Donut's
+        # (DonutImageProcessor) normalises with mean = std = 0.5
+        donut = self.model.config.model_type == "donut-swin"
+        mean, std = ((0.5,) * 3, (0.5,) * 3) if donut else ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+        return dict(input_size=size, mean=mean, std=std, crop_pct=1.0, interpolation="bicubic")
 
 
 @register_adapter(priority=20)
@@ -364,13 +368,16 @@ def _detect_swin(model: nn.Module) -> Optional[Adapter]:
         return TorchvisionSwinAdapter(model)
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
-    if model_type in ("swin", "swinv2") and _module_family(model, "transformers.models.swin"):
+    hf_swin = model_type in ("swin", "swinv2") and _module_family(model, "transformers.models.swin")
+    donut = model_type == "donut-swin" and _module_family(model, "transformers.models.donut")  # Swin without final norm
+    if hf_swin or donut:
         if name.endswith(("Model", "ForImageClassification")):
-            base = "" if name.endswith("Model") else model_type
+            base = "" if name.endswith("Model") else ("donut" if donut else model_type)
             return HFSwinAdapter(model, base)
+        family = "DonutSwin" if donut else model_type.capitalize()
         raise UnsupportedModelError(
             f"{name} is not an image classifier; vitexplain explains Hugging Face "
-            f"{model_type.capitalize()}ForImageClassification and {model_type.capitalize()}Model "
+            f"{family}ForImageClassification and {family}Model "
             "(pass a callable target to score the pooled embedding)"
         )
     return None

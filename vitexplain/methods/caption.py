@@ -170,6 +170,7 @@ def _joint_relevance(decoder: Sequence[AttentionRecord], r_ii: Tensor, t: int) -
 @register(
     "cross_generic", CAPTION,
     grads=True,
+    requires=("encoder_attention",),
     summary="Chefer encoder-decoder relevance per word (gradient of each word's log-probability)",
     reference="Chefer, Gur & Wolf, ICCV 2021 (encoder-decoder rules); docs/methods.md",
     dense_attention=True,

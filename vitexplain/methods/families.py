@@ -161,8 +161,8 @@ CAPTION = register_family(Family(
                  "head_fusion": _HEAD_FUSION},
 ))
 HIER = register_family(Family(
-    "hier", "hierarchical and pooling transformers (PVTv2, SegFormer, Twins, SAM's ViT, Hiera, SAM 2's Hiera, PiT, MaxViT, LeViT, "
-    "MViTv2, CrossViT, TNT): attention carried through every token resampling",
+    "hier", "hierarchical and pooling transformers (PVT, PVTv2, SegFormer, Twins, SAM's ViT, Hiera, SAM 2's Hiera, PiT, MaxViT, "
+    "CoAtNet, CAFormer, TinyViT, LeViT, MViTv2, CrossViT, TNT): attention carried through every token resampling",
     Context, Explanation, defaults=("generic", "cdam"), conventions=_TOKEN_CONVENTIONS,
 ))
 VLM = register_family(Family(

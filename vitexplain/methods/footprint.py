@@ -87,8 +87,8 @@ class Footprint:
         """The footprint whose coarse token (i, j) covers the fine cells ``rows[i] x cols[j]``
         (row-major, real cells first in each row), built with tensor ops: no Python loop over
         the coarse grid (Swin's 56 x 56 -> 28 x 28 merge took 6.7 ms that way)."""
-        if coarse.prefix not in (fine.prefix, 0):
-            raise UsageError(f"a resampling from {fine} to {coarse} must keep or drop the prefix tokens")
+        if coarse.prefix not in (fine.prefix, 0) and fine.prefix != 0:
+            raise UsageError(f"a resampling from {fine} to {coarse} must keep, drop or add the prefix tokens")
         r_axis, c_axis = _padded(rows), _padded(cols)  # (H_c, k_h), (W_c, k_w); -1 = none
         cells = (r_axis[:, None, :, None] * fine.grid[1] + c_axis[None, :, None, :]).flatten(2).flatten(0, 1)
         real = ((r_axis >= 0)[:, None, :, None] & (c_axis >= 0)[None, :, None, :]).flatten(2).flatten(0, 1)
@@ -100,8 +100,9 @@ class Footprint:
         index = torch.full((coarse.n, grid_index.shape[1]), -1, dtype=torch.long)
         weight = torch.zeros(coarse.n, grid_index.shape[1], dtype=torch.float64)
         index[coarse.prefix:], weight[coarse.prefix:] = grid_index, grid_weight
-        prefix = torch.arange(coarse.prefix)
-        index[prefix, 0], weight[prefix, 0] = prefix, 1.0
+        if fine.prefix:  # kept prefix tokens map onto themselves; added ones (a class token joined by the
+            prefix = torch.arange(coarse.prefix)  # embedding, PVT's last stage) carry nothing of the fine set
+            index[prefix, 0], weight[prefix, 0] = prefix, 1.0
         return cls(coarse, fine, index, weight)
 
     @classmethod

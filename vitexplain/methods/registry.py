@@ -36,6 +36,8 @@ CAPABILITIES: Mapping[str, str] = {
     "channel_gates": "channel attention gates (SE, ECA, CBAM, ...)",
     "spatial_gates": "spatial attention gates (CBAM-style)",
     "cross": "cross-attention from the text to the image tokens",
+    "encoder_attention": ("an image encoder whose self-attention mixes one token set that the decoder reads (a ViT's), "
+                          "or none (a CNN's)"),
     "lrp": ("every non-linearity from the pixels to the score is one the LRP rules cover: attention by "
             "scaled_dot_product_attention or nn.MultiheadAttention, LayerNorm/RMSNorm, element-wise activations"),
     "image_attention": ("attention of the language model's text positions over image tokens (in its own sequence or in "

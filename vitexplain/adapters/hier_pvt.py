@@ -1,0 +1,73 @@
+"""Hierarchical adapter for Hugging Face PVT v1 (``PvtModel``, ``PvtForImageClassification``).
+
+PVT v1 embeds each stage's grid with a non-overlapping strided conv (``encoder.patch_embeddings[s]``),
+adds position embeddings and, on the last stage, a class token (first); its attention (eager softmax, in
+``encoder.block[s][b].attention.self``) reads keys and values spatially reduced by a strided conv
+(``sequence_reduction``, kernel = stride = the stage's ratio; none on the last stage). The classifier reads
+the class token; a headless ``PvtModel`` is scored here by the mean of its last grid tokens (the class token
+left out). The class token joins at the last embedding: its relevance carries nothing of the grid before.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from torch import Tensor, nn
+
+from ..layout import pair
+from ..methods.families import HIER
+from ..methods.resample import Footprint, TokenSet, Transition
+from .base import Adapter, register_adapter
+from .hier import Chain, HierAdapter, conv_grid, global_call, module_family, token_set
+
+__all__ = ["HFPvtAdapter"]
+
+
+class HFPvtAdapter(HierAdapter):
+    """Hugging Face PVT v1: spatial-reduction attention per stage, a class token on the last stage."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self.base = "pvt." if hasattr(model, "pvt") else ""
+        encoder = model.get_submodule(f"{self.base}encoder")
+        self.embeddings, self.blocks = encoder.patch_embeddings, encoder.block
+        self.has_head = getattr(model, "classifier", None) is not None
+        self.prefixes = [int(getattr(e, "cls_token", None) is not None) for e in self.embeddings]
+        self.readout = "class" if self.has_head and self.prefixes[-1] else "mean"
+        self.token_sites = [f"{self.base}encoder.block.{s}.{len(stage) - 1}.layer_norm_1" for s, stage in enumerate(self.blocks)]
+        self.fixed_size = pair(model.config.image_size)
+
+    def forward(self, x: Tensor) -> Any:
+        out = self.model(pixel_values=x, return_dict=True)
+        logits = getattr(out, "logits", None)
+        return logits if logits is not None else out.last_hidden_state[:, self.prefixes[-1]:].mean(dim=1)
+
+    def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
+        chain: Chain = []
+        sets: list[TokenSet] = []
+        tokens: Optional[TokenSet] = None
+        for s, (embed, stage) in enumerate(zip(self.embeddings, self.blocks)):
+            conv = embed.projection
+            grid = conv_grid(tokens.grid if tokens else input_size, conv.kernel_size, conv.stride, conv.padding)
+            coarse = token_set(grid, self.prefixes[s])
+            if tokens is not None:
+                chain.append(Transition(Footprint.pool(tokens, coarse, conv.kernel_size, conv.stride, conv.padding),
+                                        s - 1, s, f"{self.base}encoder.patch_embeddings.{s}"))
+            tokens = coarse
+            sets.append(tokens)
+            for b, block in enumerate(stage):
+                attn = block.attention.self
+                sr = getattr(attn, "sequence_reduction", None) if attn.sequences_reduction_ratio > 1 else None
+                keys = None
+                if isinstance(sr, nn.Conv2d):
+                    reduced = token_set(conv_grid(tokens.grid, sr.kernel_size, sr.stride, sr.padding))
+                    keys = Footprint.pool(tokens, reduced, sr.kernel_size, sr.stride, sr.padding)
+                chain.append(global_call(f"{self.base}encoder.block.{s}.{b}.attention.self", tokens, s, keys))
+        return chain, sets
+
+
+@register_adapter(priority=15, family=HIER)
+def _detect_hf_pvt(model: nn.Module) -> Optional[Adapter]:
+    if module_family(model, "transformers.models.pvt.") and type(model).__name__ in ("PvtModel", "PvtForImageClassification"):
+        return HFPvtAdapter(model)
+    return None

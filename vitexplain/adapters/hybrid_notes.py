@@ -1,0 +1,50 @@
+"""Why the attention of some conv/attention hybrids cannot be read, per model family.
+
+The attention methods (raw, rollout, Chefer's rule, CDAM, ...) read token-to-token attention matrices, each
+the mixing a block applies to one set of tokens. These timm families mix tokens otherwise: their hybrids get
+the Grad-CAM family on their conv stages (:mod:`vitexplain.adapters.cnn`), and a request for an attention
+method is refused with the reason below (``adapter.notes["family"]``). Also families whose attention has no
+softmax (linear, additive attention) are hybrids here: :func:`vitexplain.adapters.cnn.calls_attention` alone
+would take them for plain CNNs and give no reason.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from torch import nn
+
+__all__ = ["mixer_reason"]
+
+#: (timm module, why its attention cannot be read: completes "<class name> ...")
+_REASONS: tuple[tuple[str, str], ...] = (
+    ("timm.models.efficientformer_v2",
+     "mixes its heads with a linear map after the softmax (talking heads) and adds a local conv of the values to "
+     "the attention output, so no recorded softmax is the attention applied to the values and neither the ViT nor "
+     "the hierarchical rules hold"),
+    ("timm.models.efficientvit_mit",
+     "mixes tokens with ReLU linear attention (LiteMLA): it multiplies ReLU(K)^T by the values before the queries, "
+     "so no token-to-token attention matrix is ever formed (there is no softmax to record), and depthwise convs of "
+     "q, k and v mix neighbouring tokens first; the attention methods have nothing to read"),
+    ("timm.models.efficientvit_msra",
+     "uses cascaded group attention: each head reads its own channel split plus the previous head's output (its "
+     "queries through a depthwise conv), so a block's heads are a chain of mixings, not parallel maps of one set "
+     "of tokens, and their mean (what rollout and Chefer's rule take) is not how the block mixes tokens"),
+    ("timm.models.swiftformer",
+     "uses efficient additive attention: it pools the query tokens into one global vector (weights from a learned "
+     "vector, L2-normalised over the tokens, not a softmax) and multiplies it element-wise with each key, so no "
+     "token attends to another and there is no token-to-token attention matrix to read"),
+    ("timm.models.davit",
+     "alternates window attention with channel attention, a softmax over channels (C x C per head, from all "
+     "tokens) that mixes channels, not tokens, and adds a depthwise conv before each attention; its recorded "
+     "channel softmaxes are not token-to-token maps, so the attention methods cannot chain them"),
+)
+
+
+def mixer_reason(model: nn.Module) -> Optional[str]:
+    """Why ``model``'s attention cannot be read as token-to-token maps (completes "<class name> ..."), or None
+    when its family is not one of these."""
+    for module, reason in _REASONS:
+        if any(cls.__module__.startswith(module) for cls in type(model).__mro__):
+            return reason
+    return None
