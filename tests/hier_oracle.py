@@ -233,3 +233,20 @@ def assert_matches_oracle(maps: Tensor, want: Tensor, label: object = None) -> N
     scale = float(want.abs().max())
     error = float((maps.double() - want).abs().max())
     assert scale > 0 and error <= 1e-4 * scale, (label, error, scale)
+
+
+#: methods and options whose maps a batch must give as its images one by one (a hierarchical model's stages 1 and 2
+#: have attention: token methods there; ``raw`` at layer 1)
+BATCH_CASES = (("rollout", {}), ("generic", {}), ("generic", {"stage": 2}), ("grad_rollout", {}), ("cdam", {}),
+               ("raw", {"layer": 1}))
+
+
+def assert_batch_equals_images_alone(ex, x: Tensor, cases, target: int = 1) -> None:
+    """Each ``(method, options)`` of ``cases`` explains the batch ``x`` as its images one by one (to float rounding of
+    the maps' scale), and gives maps that are not all zero (token Grad-CAM's ReLU may zero a random model's map)."""
+    for method, options in cases:
+        together = ex.explain(x, method=method, target=target, **options).maps
+        alone = torch.cat([ex.explain(x[i:i + 1], method=method, target=target, **options).maps
+                           for i in range(x.shape[0])])
+        assert together.shape[0] == x.shape[0] and (method == "gradcam" or bool(alone.abs().max() > 0)), method
+        torch.testing.assert_close(together, alone, atol=1e-5 * float(alone.abs().max()) + 1e-9, rtol=1e-4)
