@@ -73,6 +73,17 @@ def conv_grid(grid: tuple[int, int], kernel: Any, stride: Any, padding: Any = 0,
     return tuple((g + 2 * pp - kk) // ss + 1 for g, kk, ss, pp in zip(grid, k, s, p))  # type: ignore[return-value]
 
 
+def conv_footprint(tokens: TokenSet, module: Optional[nn.Module], prefix: Optional[int] = None) -> Footprint:
+    """The footprint of a convolution or pooling module applied to the set's grid (the identity when ``module`` is
+    None): its output set ``.coarse`` (``prefix`` prefix tokens, default the input's) and the input tokens each
+    output token reads."""
+    if module is None:
+        return Footprint.identity(tokens)
+    k, s, p = module.kernel_size, module.stride, module.padding
+    coarse = TokenSet(tokens.prefix if prefix is None else prefix, conv_grid(tokens.grid, k, s, p))
+    return Footprint.pool(tokens, coarse, k, s, p)
+
+
 def global_call(name: str, tokens: TokenSet, stage: int, keys: Optional[Footprint] = None,
                 out: Optional[TokenSet] = None, skip: Union[Footprint, None, str] = "identity") -> CallSpec:
     """A call whose queries are every token of ``out`` (default: the input set) and whose keys
@@ -182,11 +193,7 @@ def _sr_keys(attn: nn.Module, tokens: TokenSet) -> Footprint:
     if pool is not None:  # PVTv2 linear: adaptive average pooling, then a 1 x 1 conv
         out = pair(pool.output_size)
         return Footprint.adaptive(tokens, token_set(out))
-    sr = getattr(attn, "sr", None)
-    if sr is None:
-        return Footprint.identity(tokens)
-    grid = conv_grid(tokens.grid, sr.kernel_size, sr.stride, sr.padding)
-    return Footprint.pool(tokens, token_set(grid), sr.kernel_size, sr.stride, sr.padding)
+    return conv_footprint(tokens, getattr(attn, "sr", None))
 
 
 class PVTv2Adapter(HierAdapter):
@@ -206,11 +213,9 @@ class PVTv2Adapter(HierAdapter):
         tokens = token_set(grid)
         for s, stage in enumerate(self.model.stages):
             if stage.downsample is not None and s > 0:
-                c = stage.downsample.proj
-                coarse = token_set(conv_grid(tokens.grid, c.kernel_size, c.stride, c.padding))
-                chain.append(Transition(Footprint.pool(tokens, coarse, c.kernel_size, c.stride, c.padding), s - 1, s,
-                                        f"stages.{s}.downsample"))
-                tokens = coarse
+                down = conv_footprint(tokens, stage.downsample.proj)
+                chain.append(Transition(down, s - 1, s, f"stages.{s}.downsample"))
+                tokens = down.coarse
             sets.append(tokens)
             for b, block in enumerate(stage.blocks):
                 chain.append(global_call(f"stages.{s}.blocks.{b}.attn", tokens, s, _sr_keys(block.attn, tokens)))
@@ -235,12 +240,12 @@ class TwinsAdapter(HierAdapter):
         size = input_size
         for s, (embed, blocks) in enumerate(zip(self.model.patch_embeds, self.model.blocks)):
             conv = embed.proj
-            grid = conv_grid(tokens.grid if tokens else size, conv.kernel_size, conv.stride, conv.padding)
-            if tokens is not None:
-                coarse = token_set(grid)
-                chain.append(Transition(Footprint.pool(tokens, coarse, conv.kernel_size, conv.stride, conv.padding),
-                                        s - 1, s, f"patch_embeds.{s}"))
-            tokens = token_set(grid)
+            if tokens is None:
+                tokens = token_set(conv_grid(size, conv.kernel_size, conv.stride, conv.padding))
+            else:
+                down = conv_footprint(tokens, conv)
+                chain.append(Transition(down, s - 1, s, f"patch_embeds.{s}"))
+                tokens = down.coarse
             sets.append(tokens)
             for b, block in enumerate(blocks):
                 attn, name = block.attn, f"blocks.{s}.{b}.attn"

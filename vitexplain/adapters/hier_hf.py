@@ -24,7 +24,7 @@ from ..layout import pair
 from ..methods.families import HIER
 from ..methods.resample import Footprint, TokenSet, Transition
 from .base import Adapter, register_adapter
-from .hier import Chain, HierAdapter, conv_grid, global_call, sam_chain, token_set
+from .hier import Chain, HierAdapter, conv_footprint, conv_grid, global_call, sam_chain, token_set
 from .hier_more import HieraAdapter
 
 __all__ = ["HFSpatialReductionAdapter", "HFSamVisionAdapter", "HFSam3ViTAdapter", "HFHieraAdapter"]
@@ -37,10 +37,7 @@ def _keys(attn: nn.Module, tokens: TokenSet, sr_name: str) -> Footprint:
     sr: Optional[nn.Module] = attn
     for part in sr_name.split("."):
         sr = getattr(sr, part, None) if sr is not None else None
-    if not isinstance(sr, nn.Conv2d):
-        return Footprint.identity(tokens)
-    grid = conv_grid(tokens.grid, sr.kernel_size, sr.stride, sr.padding)
-    return Footprint.pool(tokens, token_set(grid), sr.kernel_size, sr.stride, sr.padding)
+    return conv_footprint(tokens, sr if isinstance(sr, nn.Conv2d) else None)
 
 
 class HFForward:
@@ -78,11 +75,12 @@ class HFSpatialReductionAdapter(HFForward, HierAdapter):
         tokens: Optional[TokenSet] = None
         for s, stage in enumerate(self.stage_modules):
             conv = stage.get_submodule(self.embed)
-            grid = conv_grid(tokens.grid if tokens else input_size, conv.kernel_size, conv.stride, conv.padding)
-            if tokens is not None:
-                chain.append(Transition(Footprint.pool(tokens, token_set(grid), conv.kernel_size, conv.stride, conv.padding),
-                                        s - 1, s, f"{self.stages_name}.{s}.{self.embed}"))
-            tokens = token_set(grid)
+            if tokens is None:
+                tokens = token_set(conv_grid(input_size, conv.kernel_size, conv.stride, conv.padding))
+            else:
+                down = conv_footprint(tokens, conv)
+                chain.append(Transition(down, s - 1, s, f"{self.stages_name}.{s}.{self.embed}"))
+                tokens = down.coarse
             sets.append(tokens)
             for b, block in enumerate(stage.blocks):
                 chain.append(global_call(f"{self.stages_name}.{s}.blocks.{b}.attention", tokens, s,

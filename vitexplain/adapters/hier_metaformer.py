@@ -17,9 +17,9 @@ from torch import nn
 
 from ..layout import pair
 from ..methods.families import HIER
-from ..methods.resample import Footprint, TokenSet, Transition
+from ..methods.resample import TokenSet, Transition
 from .base import Adapter, register_adapter
-from .hier import Chain, HierAdapter, conv_grid, global_call, module_family, token_set
+from .hier import Chain, HierAdapter, conv_footprint, conv_grid, global_call, module_family, token_set
 
 __all__ = ["CAFormerAdapter"]
 
@@ -58,10 +58,9 @@ class CAFormerAdapter(HierAdapter):
         for s, stage in enumerate(self.model.stages):
             down = getattr(stage.downsample, "conv", None)
             if isinstance(down, nn.Conv2d):
-                coarse = token_set(conv_grid(tokens.grid, down.kernel_size, down.stride, down.padding))
-                chain.append(Transition(Footprint.pool(tokens, coarse, down.kernel_size, down.stride, down.padding),
-                                        s - 1, s, f"stages.{s}.downsample.conv"))
-                tokens = coarse
+                footprint = conv_footprint(tokens, down)
+                chain.append(Transition(footprint, s - 1, s, f"stages.{s}.downsample.conv"))
+                tokens = footprint.coarse
             sets.append(tokens)
             chain += [global_call(f"stages.{s}.blocks.{b}.token_mixer", tokens, s)
                       for b, block in enumerate(stage.blocks) if _is_attention(block)]

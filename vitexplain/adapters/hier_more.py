@@ -20,7 +20,7 @@ from ..layout import TokenLayout, pair
 from ..methods.families import HIER
 from ..methods.resample import CallSpec, Footprint, TokenSet, Transition
 from .base import Adapter, register_adapter
-from .hier import Chain, HierAdapter, conv_grid, module_family, token_set
+from .hier import Chain, HierAdapter, conv_footprint, conv_grid, module_family, token_set
 
 __all__ = ["TorchvisionMaxViTAdapter", "HieraAdapter", "CrossViTAdapter"]
 
@@ -74,12 +74,10 @@ class TorchvisionMaxViTAdapter(HierAdapter):
         for s, name, layer in self.layers:
             conv = layer.layers.MBconv.layers.conv_b[0]
             if pair(conv.stride) != (1, 1):
-                fine = tokens or token_set(grid)
-                coarse = token_set(conv_grid(fine.grid, conv.kernel_size, conv.stride, conv.padding))
+                down = conv_footprint(tokens or token_set(grid), conv)
                 if tokens is not None:
-                    chain.append(Transition(Footprint.pool(fine, coarse, conv.kernel_size, conv.stride, conv.padding),
-                                            s - 1, s, f"{name}.layers.MBconv"))
-                tokens = coarse
+                    chain.append(Transition(down, s - 1, s, f"{name}.layers.MBconv"))
+                tokens = down.coarse
             tokens = tokens or token_set(grid)
             if len(sets) == s:
                 sets.append(tokens)

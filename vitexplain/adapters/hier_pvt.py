@@ -16,9 +16,9 @@ from torch import Tensor, nn
 
 from ..layout import pair
 from ..methods.families import HIER
-from ..methods.resample import Footprint, TokenSet, Transition
+from ..methods.resample import TokenSet, Transition
 from .base import Adapter, register_adapter
-from .hier import Chain, HierAdapter, conv_grid, global_call, module_family, token_set
+from .hier import Chain, HierAdapter, conv_footprint, conv_grid, global_call, module_family, token_set
 
 __all__ = ["HFPvtAdapter"]
 
@@ -48,20 +48,17 @@ class HFPvtAdapter(HierAdapter):
         tokens: Optional[TokenSet] = None
         for s, (embed, stage) in enumerate(zip(self.embeddings, self.blocks)):
             conv = embed.projection
-            grid = conv_grid(tokens.grid if tokens else input_size, conv.kernel_size, conv.stride, conv.padding)
-            coarse = token_set(grid, self.prefixes[s])
-            if tokens is not None:
-                chain.append(Transition(Footprint.pool(tokens, coarse, conv.kernel_size, conv.stride, conv.padding),
-                                        s - 1, s, f"{self.base}encoder.patch_embeddings.{s}"))
-            tokens = coarse
+            if tokens is None:
+                tokens = token_set(conv_grid(input_size, conv.kernel_size, conv.stride, conv.padding), self.prefixes[s])
+            else:
+                down = conv_footprint(tokens, conv, self.prefixes[s])
+                chain.append(Transition(down, s - 1, s, f"{self.base}encoder.patch_embeddings.{s}"))
+                tokens = down.coarse
             sets.append(tokens)
             for b, block in enumerate(stage):
                 attn = block.attention.self
                 sr = getattr(attn, "sequence_reduction", None) if attn.sequences_reduction_ratio > 1 else None
-                keys = None
-                if isinstance(sr, nn.Conv2d):
-                    reduced = token_set(conv_grid(tokens.grid, sr.kernel_size, sr.stride, sr.padding))
-                    keys = Footprint.pool(tokens, reduced, sr.kernel_size, sr.stride, sr.padding)
+                keys = conv_footprint(tokens, sr, prefix=0) if isinstance(sr, nn.Conv2d) else None  # (keys: no class token)
                 chain.append(global_call(f"{self.base}encoder.block.{s}.{b}.attention.self", tokens, s, keys))
         return chain, sets
 

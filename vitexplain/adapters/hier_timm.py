@@ -27,18 +27,9 @@ from ..layout import pair
 from ..methods.families import HIER
 from ..methods.resample import CallSpec, Footprint, TokenSet, Transition, full_slots, grid_slots, window_slots
 from .base import Adapter, register_adapter
-from .hier import Chain, HierAdapter, conv_grid, global_call, module_family, token_set
+from .hier import Chain, HierAdapter, conv_footprint, conv_grid, global_call, module_family, token_set
 
 __all__ = ["PiTAdapter", "MaxViTAdapter", "LeViTAdapter", "MViTv2Adapter", "TNTAdapter"]
-
-
-def _pool_of(tokens: TokenSet, module: Optional[nn.Module]) -> Footprint:
-    """The footprint of a conv / pooling module applied to the set's grid (identity if None)."""
-    if module is None:
-        return Footprint.identity(tokens)
-    k, s, p = module.kernel_size, module.stride, module.padding
-    coarse = TokenSet(tokens.prefix, conv_grid(tokens.grid, k, s, p))
-    return Footprint.pool(tokens, coarse, k, s, p)
 
 
 # -- PiT ---------------------------------------------------------------------------------------
@@ -59,7 +50,7 @@ class PiTAdapter(HierAdapter):
         sets: list[TokenSet] = []
         for s, stage in enumerate(self.model.transformers):
             if stage.pool is not None:
-                footprint = _pool_of(tokens, stage.pool.conv)
+                footprint = conv_footprint(tokens, stage.pool.conv)
                 chain.append(Transition(footprint, s - 1, s, f"transformers.{s}.pool"))
                 tokens = footprint.coarse
             sets.append(tokens)
@@ -251,10 +242,10 @@ class MViTv2Adapter(HierAdapter):
         for s, stage in enumerate(self.model.stages):
             for b, block in enumerate(stage.blocks):
                 attn = block.attn
-                out = _pool_of(tokens, attn.pool_q).coarse
-                keys = _pool_of(tokens, attn.pool_v if attn.pool_v is not None else attn.pool_k)
+                out = conv_footprint(tokens, attn.pool_q).coarse
+                keys = conv_footprint(tokens, attn.pool_v if attn.pool_v is not None else attn.pool_k)
                 pool = block.shortcut_pool_attn
-                skip = _pool_of(tokens, pool) if pool is not None else Footprint.identity(tokens)
+                skip = conv_footprint(tokens, pool) if pool is not None else Footprint.identity(tokens)
                 stage_in = s - 1 if out != tokens and s > 0 else s
                 if b == 0:
                     sets.append(out)

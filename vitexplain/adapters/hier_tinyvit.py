@@ -23,7 +23,7 @@ from ..layout import pair
 from ..methods.families import HIER
 from ..methods.resample import CallSpec, Footprint, TokenSet, Transition, window_slots
 from .base import Adapter, register_adapter
-from .hier import Chain, HierAdapter, conv_grid, module_family, token_set
+from .hier import Chain, HierAdapter, conv_footprint, conv_grid, module_family, token_set
 
 __all__ = ["TinyViTAdapter"]
 
@@ -57,10 +57,9 @@ class TinyViTAdapter(HierAdapter):
         for s, stage in enumerate(self.model.stages):
             down = getattr(getattr(getattr(stage, "downsample", None), "conv2", None), "conv", None)
             if isinstance(down, nn.Conv2d):
-                coarse = token_set(conv_grid(tokens.grid, down.kernel_size, down.stride, down.padding))
-                chain.append(Transition(Footprint.pool(tokens, coarse, down.kernel_size, down.stride, down.padding),
-                                        s - 1, s, f"stages.{s}.downsample.conv2"))
-                tokens = coarse
+                footprint = conv_footprint(tokens, down)
+                chain.append(Transition(footprint, s - 1, s, f"stages.{s}.downsample.conv2"))
+                tokens = footprint.coarse
             sets.append(tokens)
             if not _windowed(stage):
                 continue
