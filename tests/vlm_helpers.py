@@ -634,15 +634,22 @@ def mistral3() -> tuple[nn.Module, Any]:
     return _sdpa_built(transformers.Mistral3ForConditionalGeneration, cfg, proc)
 
 
-def _mistral3_features(model: nn.Module, proc: Any, image: np.ndarray) -> torch.Tensor:
-    batch = proc(images=[image], text=["[IMG]"], return_tensors="pt")  # (the processor resizes to its merged blocks)
-    with torch.no_grad():
-        return model.get_image_features(pixel_values=batch["pixel_values"], image_sizes=batch["image_sizes"]).pooler_output[0]
+def _merged_features(token: str) -> Callable[[nn.Module, Any, np.ndarray], torch.Tensor]:
+    """The probe's per-token features of one image of a Pixtral-tower family (Mistral 3, LightOnOCR) whose prompt
+    holds ``token``: the processor resizes to its merged blocks and gives the image sizes the tower reads."""
+
+    def features(model: nn.Module, proc: Any, image: np.ndarray) -> torch.Tensor:
+        batch = proc(images=[image], text=[token], return_tensors="pt")
+        with torch.no_grad():
+            return model.get_image_features(pixel_values=batch["pixel_values"],
+                                            image_sizes=batch["image_sizes"]).pooler_output[0]
+
+    return features
 
 
 BUILDERS["mistral3"] = mistral3
 ORACLE["mistral3"] = dict(prompt=lambda p: "[IMG]" + p, extend=_positions_from_mask,
-                          image_token=lambda m: m.config.image_token_index, features=_mistral3_features,
+                          image_token=lambda m: m.config.image_token_index, features=_merged_features("[IMG]"),
                           placeholders=lambda m: [m.config.image_token_index])
 
 
@@ -1202,15 +1209,9 @@ def lighton_ocr() -> tuple[nn.Module, Any]:
     return _sdpa_built(transformers.LightOnOcrForConditionalGeneration, cfg, proc)
 
 
-def _lighton_features(model: nn.Module, proc: Any, image: np.ndarray) -> torch.Tensor:
-    batch = proc(images=[image], text=["<|image_pad|>"], return_tensors="pt")  # (the processor resizes to its merged blocks)
-    with torch.no_grad():
-        return model.get_image_features(pixel_values=batch["pixel_values"], image_sizes=batch["image_sizes"]).pooler_output[0]
-
-
 BUILDERS["lighton_ocr"] = lighton_ocr
 ORACLE["lighton_ocr"] = dict(ORACLE["mistral3"], prompt=lambda p: "<|image_pad|>" + p, image_token=lambda m: m.config.image_token_id,
-                             placeholders=lambda m: [m.config.image_token_id], features=_lighton_features)
+                             placeholders=lambda m: [m.config.image_token_id], features=_merged_features("<|image_pad|>"))
 
 
 
