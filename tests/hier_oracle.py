@@ -250,3 +250,15 @@ def assert_batch_equals_images_alone(ex, x: Tensor, cases, target: int = 1) -> N
                            for i in range(x.shape[0])])
         assert together.shape[0] == x.shape[0] and (method == "gradcam" or bool(alone.abs().max() > 0)), method
         torch.testing.assert_close(together, alone, atol=1e-5 * float(alone.abs().max()) + 1e-9, rtol=1e-4)
+
+
+def assert_stages_match_oracle(ex, x: Tensor, items: list, u: Tensor, starts: list[int], grids: list, target: int = 1
+                               ) -> None:
+    """rollout, generic and grad_rollout at every stage s: maps on ``grids[s]`` equal to the dense float64 carry of
+    ``items`` from the readout ``u`` down to the stage's first set (``starts[s]``)."""
+    for method in ("rollout", "generic", "grad_rollout"):
+        for stage, grid in enumerate(grids):
+            e = ex.explain(x, method=method, target=target, stage=stage)
+            assert e.maps.shape == (x.shape[0], *grid)
+            assert_matches_oracle(e.maps, carry(items, u, method, start=starts[stage]).reshape(e.maps.shape),
+                                  (method, stage))
