@@ -40,7 +40,7 @@ class Lfm2VlAdapter(VLMAdapter):
 
     def views(self, images: Sequence[Any], inputs: Any) -> list[ImageView]:
         processor = self.image_processor
-        known = set(getattr(processor, "valid_kwargs", {}).__annotations__) if hasattr(processor, "valid_kwargs") else set()
+        known = set(getattr(getattr(processor, "valid_kwargs", None), "__annotations__", {}))
         settings = {k: v for k, v in self.processor_kwargs.items() if k in known}
         layout = processor([[image] for image in processor_images(images)], return_row_col_info=True, **settings)
         f = int(self.model.config.downsample_factor)
