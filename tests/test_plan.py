@@ -14,6 +14,7 @@ import torch
 import vitexplain as vx
 from vitexplain import cli
 from vitexplain.methods import CAPTION, CNN, SWIN, VIT, Option, registry
+from vitexplain.plan import UnusedTargetWarning
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +162,7 @@ def test_a_target_given_only_to_class_agnostic_methods_is_said_to_change_nothing
 
     images = list(vx.data.shapes(2, seed=5).images)
     ex = vx.Explainer(vx.zoo.load("shapes-vit"))
-    with pytest.warns(UserWarning, match=r"rollout does not depend on the target class.*use .*generic"):
+    with pytest.warns(UnusedTargetWarning, match=r"rollout does not depend on the target class.*use .*generic"):
         with_target = ex.explain(images, method="rollout", target=3)
     with pytest.warns(UserWarning, match=r"rollout, raw do not depend on the target class"):
         ex.explain(images, method=["rollout", "raw"], target=[1, 2])

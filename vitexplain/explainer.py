@@ -27,7 +27,7 @@ from .checks import (buffers_kept, check_batch, check_finite_maps, check_finite_
                      warn_training)
 from .errors import InputError, UnsupportedMethodError, UnsupportedModelError, UsageError
 from .methods.families import Family
-from .plan import MethodArg, Plan, applicable, make_plan, split_options
+from .plan import MethodArg, Plan, UnusedTargetWarning, applicable, make_plan, split_options
 from .recording import capture, hooks_paused
 from .recording.materialize import check_mode
 from .results import CaptionExplanation, Explanation
@@ -189,7 +189,7 @@ class Explainer:
         warn_training(model, stacklevel=3)
         unused = plan.unused_target(target)
         if unused is not None:
-            warnings.warn(unused, stacklevel=3)
+            warnings.warn(unused, UnusedTargetWarning, stacklevel=3)
         with buffers_kept(model):  # a training-mode forward updates batch-norm statistics: put them back
             return self._explain_batch(plan, x, target, images_seen, boxes, sources)
 

@@ -28,7 +28,7 @@ from .methods.families import Family, families
 from .methods.registry import CAPABILITIES, MethodSpec
 from .recording.materialize import check_mode
 
-__all__ = ["Plan", "Step", "CaptureSettings", "make_plan", "applicable", "refusal", "split_options",
+__all__ = ["Plan", "Step", "UnusedTargetWarning", "CaptureSettings", "make_plan", "applicable", "refusal", "split_options",
            "capture_settings", "describe_family", "describe_model"]
 
 MethodArg = Union[None, str, Sequence[str]]
@@ -78,6 +78,10 @@ class CaptureSettings:
         """Keyword arguments of ``vx.capture`` (``retain_graph`` is the backward's)."""
         return {"grads": self.grads, "activations": list(self.activations), "attention": self.attention,
                 "gates": self.gates, "attention_mode": self.attention_mode, "heads": self.heads}
+
+
+class UnusedTargetWarning(UserWarning):
+    """A class target was given to methods that do not read it (see :meth:`Plan.unused_target`)."""
 
 
 @dataclass(frozen=True)

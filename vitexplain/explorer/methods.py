@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..errors import VitexplainError
-from ..plan import Plan
+from ..plan import Plan, UnusedTargetWarning
 from .quantize import quantize_rows
 
 __all__ = ["explain_all", "method_entries", "entry", "MAX_MAP_SIDE"]
@@ -90,7 +90,7 @@ def method_entries(explainer: Any, x: Tensor, plan: Plan, targets: list[Any], no
             rows.setdefault(name, []).append(e.maps[0])
     first = targets[0] if targets else None  # (a headless model needs its target even here; it changes nothing)
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".* not depend on the target class")
+        warnings.simplefilter("ignore", UnusedTargetWarning)
         got = explain_all(partial(explainer.explain, x, target=first), plan, agnostic, notes)
     for name, e in got.items():
         rows[name] = [e.maps[0]]
