@@ -141,6 +141,7 @@ def explain_vlm(adapter: VLMAdapter, plan: Plan, images: Any, caption: Any, prom
         InputError: a tensor instead of images.
     """
     adapter.require_processor()
+    check_gradients_allowed([s.name for s in plan.steps if s.spec.grads], "explain_caption")  # (before generating)
     model = adapter.model
     warn_training(model, stacklevel=4)
     arrays, sources = _images(images)
@@ -165,7 +166,6 @@ def explain_vlm(adapter: VLMAdapter, plan: Plan, images: Any, caption: Any, prom
     columns = [view.pixel_columns(cols) for view, cols in zip(views, adapter.image_columns(inputs))]
     kwargs = adapter.teacher_inputs(inputs, ids)
     grads = plan.capture.grads
-    check_gradients_allowed([s.name for s in plan.steps if s.spec.grads], "explain_caption")
     if grads:  # every attention call in the graph, also with frozen weights (requires_grad_(False))
         for key in ("pixel_values", "flattened_patches"):  # (Pix2Struct's)
             if isinstance(kwargs.get(key), Tensor) and kwargs[key].is_floating_point():
