@@ -43,6 +43,24 @@ _PRELUDE = textwrap.dedent("""
     model, x, target = torch.load(sys.argv[1], weights_only=False)
 """)
 
+#: lxt's rules at scaled_dot_product_attention, by argv[3]: AttnLRP (q and k's gradient / 4, v's / 2) or CP-LRP
+#: ("cp_lrp": q and k detached)
+_LRP_SDPA = textwrap.dedent("""
+    import torch.nn.functional as F
+    from lxt.efficient.rules import divide_gradient, stop_gradient
+    sdpa = F.scaled_dot_product_attention
+    cp = sys.argv[3] == "cp_lrp"
+
+    def lrp_sdpa(q, k, v, *args, **kwargs):
+        if cp:
+            q, k = stop_gradient(q), stop_gradient(k)
+        else:
+            q, k, v = divide_gradient(q, 4), divide_gradient(k, 4), divide_gradient(v, 2)
+        return sdpa(q, k, v, *args, **kwargs)
+
+    F.scaled_dot_product_attention = lrp_sdpa
+""")
+
 _TORCHVISION = _PRELUDE + textwrap.dedent("""
     from lxt.efficient.models import vit_torch
     for cls, patch in vit_torch.cp_LRP.items():
@@ -68,21 +86,9 @@ _HF = _PRELUDE + textwrap.dedent("""
 """)
 
 
-_AIMV2 = _PRELUDE + textwrap.dedent("""
-    import torch.nn.functional as F
-    from lxt.efficient.rules import divide_gradient, stop_gradient
+# (the SDPA rules reach the encoder's and the pooling head's attention)
+_AIMV2 = _PRELUDE + _LRP_SDPA + textwrap.dedent("""
     from transformers.models.aimv2 import modeling_aimv2 as aimv2
-    sdpa = F.scaled_dot_product_attention
-    cp = sys.argv[3] == "cp_lrp"
-
-    def lrp_sdpa(q, k, v, *args, **kwargs):  # the encoder's and the pooling head's attention
-        if cp:
-            q, k = stop_gradient(q), stop_gradient(k)
-        else:
-            q, k, v = divide_gradient(q, 4), divide_gradient(k, 4), divide_gradient(v, 2)
-        return sdpa(q, k, v, *args, **kwargs)
-
-    F.scaled_dot_product_attention = lrp_sdpa
     assert patches.patch_method(patches.rms_norm_forward, aimv2.Aimv2RMSNorm)
     assert patches.patch_method(patches.gated_mlp_forward, aimv2.Aimv2MLP)
     x = x.clone().requires_grad_(True)

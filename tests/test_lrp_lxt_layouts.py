@@ -26,25 +26,12 @@ from peers import require
 require("lxt", "pip install --no-deps lxt==2.1 zennit (test-only peer; .ci/run installs it)")
 
 from test_layouts_oracle import MODELS, SIZE, sharpened  # noqa: E402
-from test_lrp_lxt import _PRELUDE  # noqa: E402
+from test_lrp_lxt import _LRP_SDPA, _PRELUDE  # noqa: E402
 
 RTOL = 1e-5
 
 _TIMM = _PRELUDE.replace("model, x, target = torch.load(sys.argv[1], weights_only=False)",
-                         "cases = torch.load(sys.argv[1], weights_only=False)") + textwrap.dedent("""
-    import torch.nn.functional as F
-    from lxt.efficient.rules import divide_gradient, stop_gradient
-    sdpa = F.scaled_dot_product_attention
-    cp = sys.argv[3] == "cp_lrp"
-
-    def lrp_sdpa(q, k, v, *args, **kwargs):
-        if cp:
-            q, k = stop_gradient(q), stop_gradient(k)
-        else:
-            q, k, v = divide_gradient(q, 4), divide_gradient(k, 4), divide_gradient(v, 2)
-        return sdpa(q, k, v, *args, **kwargs)
-
-    F.scaled_dot_product_attention = lrp_sdpa
+                         "cases = torch.load(sys.argv[1], weights_only=False)") + _LRP_SDPA + textwrap.dedent("""
     modules = [m for model, _, _ in cases for m in model.modules()]
     for cls in {type(m) for m in modules if isinstance(m, torch.nn.LayerNorm)}:
         patches.patch_method(patches.layer_norm_forward, cls)
