@@ -25,6 +25,16 @@ import vitexplain as vx
 from test_lrp import _relevance
 
 
+def _assert_same_relevance(model: nn.Module, reference: nn.Module, x: torch.Tensor, targets: list[int]) -> None:
+    """``model`` and ``reference`` (the same computation written another way) given the same weights get the same
+    AttnLRP and CP-LRP relevance, to 1e-5 of its scale."""
+    reference.load_state_dict(model.state_dict())
+    for method in ("attnlrp", "cp_lrp"):
+        a, _ = _relevance(model, x, method, targets)
+        b, _ = _relevance(reference, x, method, targets)
+        assert float((a - b).abs().max()) <= 1e-5 * float(b.abs().max()), method
+
+
 class _Tempered(nn.Module):
     """A bias-free linear model whose logits are scaled by a learned temperature ``exp(t)``."""
 
@@ -147,13 +157,7 @@ def test_an_input_dependent_attention_bias_gets_the_attention_rule_in_sdpa():
     same attention written out in Python gets from the rules on its two products."""
     torch.manual_seed(5)
     fused = _BiasedAttention(True).eval()
-    eager = _BiasedAttention(False).eval()
-    eager.load_state_dict(fused.state_dict())
-    x = torch.randn(2, 3, 8, 8)
-    for method in ("attnlrp", "cp_lrp"):
-        a, _ = _relevance(fused, x, method, [0, 2])
-        b, _ = _relevance(eager, x, method, [0, 2])
-        assert float((a - b).abs().max()) <= 1e-5 * float(b.abs().max()), method
+    _assert_same_relevance(fused, _BiasedAttention(False).eval(), torch.randn(2, 3, 8, 8), [0, 2])
 
 
 class _EinsumAttention(nn.Module):
@@ -182,13 +186,7 @@ def test_attention_written_with_einsum_gets_the_uniform_rule():
     their whole gradient (the softmax still counted as attention), so the maps were silently not AttnLRP's."""
     torch.manual_seed(6)
     mine = _EinsumAttention(True).eval()
-    ref = _EinsumAttention(False).eval()
-    ref.load_state_dict(mine.state_dict())
-    x = torch.randn(2, 3, 8, 8)
-    for method in ("attnlrp", "cp_lrp"):
-        a, _ = _relevance(mine, x, method, [2, 1])
-        b, _ = _relevance(ref, x, method, [2, 1])
-        assert float((a - b).abs().max()) <= 1e-5 * float(b.abs().max()), method
+    _assert_same_relevance(mine, _EinsumAttention(False).eval(), torch.randn(2, 3, 8, 8), [2, 1])
 
 
 class _GroupNormed(nn.Module):
@@ -482,10 +480,4 @@ def test_attention_scores_modified_in_place_get_the_same_rules():
     inside a custom Function is being modified inplace": now an alias, with the same relevance as out of place."""
     torch.manual_seed(15)
     inplace = _InplaceAttention(True).eval()
-    ref = _InplaceAttention(False).eval()
-    ref.load_state_dict(inplace.state_dict())
-    x = torch.randn(2, 3, 8, 8)
-    for method in ("attnlrp", "cp_lrp"):
-        a, _ = _relevance(inplace, x, method, [0, 1])
-        b, _ = _relevance(ref, x, method, [0, 1])
-        assert float((a - b).abs().max()) <= 1e-5 * float(b.abs().max()), method
+    _assert_same_relevance(inplace, _InplaceAttention(False).eval(), torch.randn(2, 3, 8, 8), [0, 1])
