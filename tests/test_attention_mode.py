@@ -280,8 +280,9 @@ def test_calls_that_cannot_be_materialized_run_fused():
     assert not any(r.materialized for r in rec.records)
 
 
-def test_head_fused_records(path):
-    model = VisionTransformer(**TINY).eval()
+@pytest.mark.parametrize("num_heads", [2, 1])  # (one head: the fusion is that head's probabilities, kept as they are)
+def test_head_fused_records(num_heads, path):
+    model = VisionTransformer(**{**TINY, "num_heads": num_heads}).eval()
     x = torch.randn(3, 3, 32, 32)  # (chunks of two images: a chunk of one at the end)
     with torch.no_grad():
         with vx.capture(model) as fused:
@@ -290,7 +291,7 @@ def test_head_fused_records(path):
             with vx.capture(model, attention_mode="materialize", heads=fusion) as rec:
                 model(x)
             for record, reference in zip(rec.records, fused.records):
-                assert record.heads == fusion and record.num_heads == 2
+                assert record.heads == fusion and record.num_heads == num_heads
                 torch.testing.assert_close(record.fused_probs(fusion), reference.fused_probs(fusion), atol=1e-6, rtol=0)
                 torch.testing.assert_close(record.fused_probs(fusion, queries=0), reference.fused_probs(fusion)[:, :1])
                 with pytest.raises(CaptureError, match=f"kept only the {fusion}"):

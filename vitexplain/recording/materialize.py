@@ -166,6 +166,9 @@ def attention_with_probs(
         when q or k requires grad, or (B, N_q, N_k) fused over heads.
     """
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if heads != "all" and q.shape[1] == 1 and not grad:  # the fusion of one head is that head: no pass over it
+        out, probs = attention_with_probs(q, k, v, attn_mask=attn_mask, scale=scale, is_causal=is_causal)
+        return out, probs.squeeze(1)
     masked = is_causal or attn_mask is not None
     one = q.shape[1] * q.shape[2] * k.shape[2]  # scores of one image
     if not grad and not masked and (one >= PER_IMAGE_MIN or q.shape[0] * one * 4 > CHUNK_BYTES):
