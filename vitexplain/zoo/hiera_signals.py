@@ -72,7 +72,7 @@ class HieraValueLabels(nn.Module):
     classes of its own object, negative for background and for other objects. The model is meant
     to read each class from its own object's tokens rather than from the other objects', which is
     what class-discriminative attention maps (``generic``) report; the model is unchanged in form.
-    Measured effect in ``shapes-hier``'s Hiera: :mod:`vitexplain.zoo.train`.
+    Measured effect in ``shapes-hier``'s Hiera: :mod:`vitexplain.zoo.recipes`.
 
     Args:
         model: a timm ``Hiera`` classifier.

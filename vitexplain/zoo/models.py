@@ -20,7 +20,7 @@ model for training (:mod:`vitexplain.zoo.train`) and for loading (:func:`vitexpl
   Its tokens mix across positions only in attention and the 2 x 2 pooling. Multi-label head over
   ``SHAPES``.
 * Tried as ``shapes-hier`` before (not bundled; :data:`HIER_VARIANTS`, see
-  :mod:`vitexplain.zoo.train`): :data:`HIERA_CONFIG`, the same Hiera with mask-unit attention inside
+  :mod:`vitexplain.zoo.recipes`): :data:`HIERA_CONFIG`, the same Hiera with mask-unit attention inside
   16 x 16 px windows in its first three blocks (the third, pooling into stage 2, attends from each
   new token to its 2 x 2 children); and :data:`PVT_CONFIG`, a timm ``PyramidVisionTransformerV2``
   (overlapping patch embedding of stride 4, then stages at strides 4, 8, 16 -> 16 x 16, 8 x 8 and

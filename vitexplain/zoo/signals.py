@@ -2,7 +2,7 @@
 
 None of this is saved with a model: the heads live beside it, and the hooks they put on it are
 removed by :meth:`TrainingSignals.remove`, which :func:`vitexplain.zoo.train.train` calls in a
-``finally`` block (also when training fails). See :mod:`vitexplain.zoo.train` for the recipes
+``finally`` block (also when training fails). See :mod:`vitexplain.zoo.recipes` for the recipes
 that use them and why.
 """
 

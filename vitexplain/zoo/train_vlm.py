@@ -55,7 +55,7 @@ from ..data.synthetic import COLORS, SHAPES, shapes
 from ..errors import UsageError
 from .evaluate import EVAL_SEED
 from .signals import AuxHeads, patch_targets
-from .train import MAX_TRAIN_SEED, _lr_at, _param_groups
+from .recipes import MAX_TRAIN_SEED, lr_at, param_groups
 from .vlm import IMAGE_TOKEN, PROMPT, PROMPTS, VLM_ARGS, build_llava, build_processor, caption_accuracy
 
 __all__ = ["POINTING_SEED", "teacher_inputs", "qa_pairs", "peak_on_object", "vision_layers", "train_vlm",
@@ -296,7 +296,7 @@ def train_vlm(out: str | Path, *, steps: int = 2000, batch_size: int = 32, lr: f
 
     # the last CLIP layer's output is LLaVA's image feature (vision_feature_layer=-1)
     handle = vision_layers(model)[-1].register_forward_hook(grab)
-    groups = _param_groups(model, weight_decay)
+    groups = param_groups(model, weight_decay)
     groups[0]["params"] += list(aux.parameters())
     opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.98))
     n_img = _num_image_tokens(model)
@@ -310,7 +310,7 @@ def train_vlm(out: str | Path, *, steps: int = 2000, batch_size: int = 32, lr: f
     try:
         for step in range(steps):
             for group in opt.param_groups:
-                group["lr"] = _lr_at(step, steps, lr, warm)
+                group["lr"] = lr_at(step, steps, lr, warm)
             if qa_every and step % qa_every == qa_every - 1:  # a batch of questions about one object each
                 batch = shapes(batch_size, seed=seed, start=QA_START + step * batch_size, distinct_classes=True,
                                distinct_colors=True)
