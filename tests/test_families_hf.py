@@ -2,7 +2,8 @@
 
 For DINOv2 (with and without registers), BEiT (mean-pooling readout), DeiT with teacher and
 the headless backbones (ViTModel, Dinov2Model, CLIPVisionModel, SiglipVisionModel, explained
-with ``vx.targets.similarity`` / ``norm``), an eager copy of the model returns its attention
+with ``vx.targets.similarity`` / ``norm``; rollout and generic of the attention-pooling heads of
+SigLIP and AIMv2 in tests/test_pool_readout.py), an eager copy of the model returns its attention
 probabilities (``output_attentions=True``); their gradients and the tokens entering the last
 attention are taken with plain autograd. Rollout, generic (readout row of ``R - I``) and CDAM
 are then computed densely from their definitions and compared with the Explainer's maps.
@@ -70,8 +71,8 @@ CASES = {
         lambda: _build("MetaClip2VisionConfig", "MetaClip2VisionModel"), 1, "class", "similarity",
         lambda out: torch.cosine_similarity(_pooled(out), VECTOR[None], dim=-1),
     ),
-    "aimv2_vision": (  # no class token, an attention-pooling head read as the mean of the tokens (as SigLIP's)
-        lambda: _build("Aimv2VisionConfig", "Aimv2VisionModel"), 0, "mean", "similarity",
+    "aimv2_vision": (  # no class token, an attention-pooling head: its query's row is the readout (as SigLIP's)
+        lambda: _build("Aimv2VisionConfig", "Aimv2VisionModel"), 0, "pool", "similarity",
         lambda out: torch.cosine_similarity(_pooled(out), VECTOR[None], dim=-1),
     ),
     "clip_vision": (
@@ -79,7 +80,7 @@ CASES = {
         lambda out: torch.cosine_similarity(_pooled(out), VECTOR[None], dim=-1),
     ),
     "siglip_vision": (
-        lambda: _build("SiglipVisionConfig", "SiglipVisionModel"), 0, "mean", "similarity",
+        lambda: _build("SiglipVisionConfig", "SiglipVisionModel"), 0, "pool", "similarity",
         lambda out: torch.cosine_similarity(_pooled(out), VECTOR[None], dim=-1),
     ),
 }
@@ -120,6 +121,8 @@ def test_hf_family_matches_eager_oracle(case):
             score_fn = score
         attn, grads, (t, dt) = eager_oracle(model, x[i], score_fn, ex.adapter.norm1)
         torch.testing.assert_close(results["cdam"].maps[i], (t * dt).sum(-1)[prefix:].reshape(GRID), atol=1e-6, rtol=1e-4)
+        if readout == "pool":  # the readout row is the pooling head's attention: tests/test_pool_readout.py
+            continue
         r = eye.clone()
         for a in attn:
             m = 0.5 * a.mean(0) + 0.5 * eye

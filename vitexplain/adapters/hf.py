@@ -185,7 +185,11 @@ class HFViTAdapter(ViTAdapter):
         self.dual = _dual(model)  # CLIPModel / SiglipModel: the image tower of an image-text model
         # called without interpolate_pos_encoding: position embeddings for the configured size only
         self.fixed_size = pair(_vision_config(model).image_size)
-        pooler = getattr(model.get_submodule(tower), "pooler", None)
+        tower_module = model.get_submodule(tower)
+        if not self.has_head and getattr(tower_module, "use_head", False) and isinstance(
+                getattr(tower_module, "head", None), nn.Module):  # SigLIP's / AIMv2's attention-pooling head
+            self.pool_attention = f"{tower}.head" if tower else "head"
+        pooler = getattr(tower_module, "pooler", None)
         if not self.has_head and kind.prefix == 0 and pooler is not None:  # a headless IJepaModel with its pooler
             why = (f"its pooler ({type(pooler).__name__}) reads the first token, which is a patch (the model has no "
                    "class token), so no readout row of the attention is what it reads (raw, rollout, grad_rollout, "
@@ -199,6 +203,8 @@ class HFViTAdapter(ViTAdapter):
         size = pair(input_size)
         prefix = self.kind.prefix + int(getattr(config, "num_register_tokens", 0) or 0)
         readout = self.kind.readout if isinstance(self.kind.readout, str) else self.kind.readout(self.model)
+        if self.pool_attention is not None:
+            readout = "pool"
         grid = (size[0] // patch[0], size[1] // patch[1])
         return TokenLayout(prefix, grid, self.kind.prefix > 0, readout, patch_size=patch)
 

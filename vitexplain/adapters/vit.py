@@ -51,12 +51,17 @@ class ViTAdapter(Adapter):
             the first few (class attention).
         norm1: module name of the norm whose output T (B, N, D) enters the model's last
             token attention; its input is the residual stream entering the last block.
+        pool_attention: module name of an attention-pooling head whose learned query's attention
+            over the final tokens is the readout (layout readout ``"pool"``), or None.
+        pool_query: which of that head's queries the output reads: 0 (the first), or None (their mean).
         capabilities: see ``adapters/base.py``.
     """
 
     family = VIT
     blocks: list[str]
     norm1: str
+    pool_attention: Optional[str] = None
+    pool_query: Optional[int] = None
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
@@ -129,7 +134,10 @@ def _timm_layout(model: nn.Module, size: tuple[int, int]) -> TokenLayout:
         grid = (size[0] // patch[0], size[1] // patch[1])
     has_cls = getattr(model, "cls_token", None) is not None
     pool = getattr(model, "global_pool", "token")
-    readout = "class" if has_cls and pool in ("token", "") else "mean"
+    if pool == "map" and getattr(model, "attn_pool", None) is not None:
+        readout = "pool"  # SigLIP's MAP head: its learned query's attention row is what the head reads
+    else:
+        readout = "class" if has_cls and pool in ("token", "") else "mean"
     layout = TokenLayout(int(model.num_prefix_tokens), (int(grid[0]), int(grid[1])), has_cls, readout, patch_size=patch)
     return layout.for_map(layout.grid, size)  # hybrid stems (vitamin): the patch embedding reads a feature map
 
@@ -145,6 +153,15 @@ class TimmViTAdapter(ViTAdapter):
         self.norm1 = f"{self.blocks[-1]}.norm1"
         self.has_head = int(getattr(model, "num_classes", 1) or 0) > 0
         pool = getattr(model, "global_pool", "token")
+        attn_pool = getattr(model, "attn_pool", None)
+        if pool == "map" and attn_pool is not None:
+            self.pool_attention = "attn_pool"
+            self.pool_query = 0 if getattr(attn_pool, "pool", "token") == "token" else None
+            if getattr(attn_pool, "pool", "token") not in ("token", "avg"):
+                self.drop_readout_row(
+                    f"its attention-pooling head returns its {getattr(attn_pool, 'latent_len', '?')} latent queries "
+                    f"unpooled (pool={getattr(attn_pool, 'pool', None)!r}): no one row of token weights is what the "
+                    "output reads")
         if pool in ("max", "avgmax"):
             why = (f"its head pools the tokens with global_pool={pool!r}: each channel reads its own token, so no "
                    "one row of token weights is what the head reads (raw, rollout, grad_rollout, generic and "

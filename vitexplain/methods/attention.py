@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from ..recording import AttentionRecord
-from .context import Context, RowFn, live_blocks, nonzero_rows, query_blocks, readout_vector
+from .context import Context, RowFn, live_blocks, nonzero_rows, query_blocks
 from .options import Option, check_index, check_head_or_fusion
 from .families import VIT
 from .registry import register
@@ -214,7 +214,7 @@ def raw(ctx: Context, *, layer: int = -1, head: Optional[int] = None, head_fusio
     check_head_or_fusion(ctx.method, head, head_fusion)
     if head is not None:
         head = check_index(ctx.method, "head", head, record.num_heads, "heads")
-    vector = readout_vector(layout, record.batch_size, record.device)
+    vector = ctx.readout(layout, fusion=head_fusion if head is None else "mean")
     out = torch.zeros_like(vector)
     for rows in live_blocks(record, vector):  # only the readout rows (the class row: one)
         fused = record.probs(rows)[:, head] if head is not None else record.fused_probs(head_fusion, rows)  # type: ignore[arg-type]
@@ -256,7 +256,7 @@ def rollout(ctx: Context, *, head_fusion: str = "mean", discard_ratio: float = 0
     """
     layers = ctx.layers(start_layer)
     layout = ctx.require_grid(rollout=True)
-    vector = readout_vector(layout, ctx.batch_size, layers[0].device)
+    vector = ctx.readout(layout, fusion=head_fusion)
     keep = 0 if layout.readout == "class" and layout.has_class_token else None
     rows = fused_rows(head_fusion)
     contract = contract_mean_probs if head_fusion == "mean" else contract_rows(rows)

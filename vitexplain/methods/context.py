@@ -152,6 +152,44 @@ class Context:
             )
         return layout
 
+    def readout(self, layout: TokenLayout, *, fusion: str = "mean", weighting: Optional[str] = None) -> Tensor:
+        """The readout row v (B, N) that the attention methods carry through the layers.
+
+        ``"class"`` and ``"mean"`` readouts: :func:`readout_vector`. ``"pool"`` (an attention-pooling head,
+        ``adapter.pool_attention``, e.g. SigLIP's MAP): the head's learned query attends over the final tokens
+        and its output is that attention's weighted sum of them, so its attention row, as recorded in the
+        explained forward, is the readout: heads fused with ``fusion`` and normalised to sum to 1 (raw, rollout,
+        attention Grad-CAM); ``weighting="generic"``: Chefer's ``mean_h(clamp(dy/dA * A, 0))`` of that row, as
+        his rule gives the query's relevance row (the query has no residual, so it is not normalised);
+        ``weighting="rollout"``: gradient rollout's ``clamp(mean_h(A * dy/dA), 0)`` of that row normalised to
+        sum to 1 (its ``rownorm`` of a layer without a residual). Several latent queries (timm ``pool='avg'``) are averaged; with ``pool='token'``
+        (``adapter.pool_query`` = 0) the first is read.
+
+        Raises:
+            UnsupportedMethodError: the pooling head issued no attention call in the forward.
+        """
+        if layout.readout != "pool":
+            return readout_vector(layout, self.batch_size, self.x.device)
+        name = self.adapter.pool_attention
+        found = [r for r in self.recorder.records if r.name == name or r.name.startswith(name + ".")]
+        if not found:
+            raise UnsupportedMethodError(
+                f"method {self.method!r} reads the attention of the model's pooling head {name!r}, which issued "
+                "no attention call during the forward")
+        record = found[-1]
+        query = getattr(self.adapter, "pool_query", None)
+        rows = slice(0, 1) if query == 0 else slice(0, record.num_queries)
+        if weighting is None:
+            row = record.fused_probs(fusion, rows).float().mean(dim=1)  # type: ignore[arg-type]
+        else:
+            weighted = record.probs(rows) * record.grad_probs(rows)  # (B, H, Q, N)
+            fused = weighted.clamp(min=0).mean(dim=1) if weighting == "generic" else weighted.mean(dim=1).clamp(min=0)
+            row = fused.float().mean(dim=1)
+        if weighting == "generic":
+            return row
+        total = row.sum(dim=-1, keepdim=True)
+        return torch.where(total > 0, row / total.clamp(min=torch.finfo(row.dtype).tiny), torch.zeros_like(row))
+
     def layers(self, start: int = 0) -> list[AttentionRecord]:
         """The self-attention records of the model's blocks, input side first, from block ``start``.
 

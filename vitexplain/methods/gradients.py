@@ -11,7 +11,7 @@ from torch import Tensor
 
 from ..recording import AttentionRecord
 from .attention import contract_rows, propagate, weighted_head_mean
-from .context import Context, live_blocks, readout_vector
+from .context import Context, live_blocks
 from .options import Option, check_index
 from .families import VIT
 from .registry import register
@@ -62,11 +62,11 @@ def grad_rollout(ctx: Context, *, discard_ratio: float = 0.0, start_layer: int =
     """
     layers = ctx.layers(start_layer)
     layout = ctx.require_grid(rollout=True)
-    vector = readout_vector(layout, ctx.batch_size, layers[0].device)
+    vector = ctx.readout(layout, weighting="rollout")
     keep = 0 if layout.readout == "class" and layout.has_class_token else None
     out = propagate(
         vector, layers, contract_rows(_grad_rollout_rows), mode="rollout",
-        discard_ratio=discard_ratio, keep=keep, rows_fn=_grad_rollout_rows, minus_identity=True,
+        discard_ratio=discard_ratio, keep=keep, rows_fn=_grad_rollout_rows, minus_identity=layout.readout != "pool",
     )
     return layout.to_grid(out)
 
@@ -101,8 +101,10 @@ def generic(ctx: Context, *, start_layer: int = 0) -> Tensor:
     """
     layers = ctx.layers(start_layer)
     layout = ctx.require_grid(rollout=True)
-    vector = readout_vector(layout, ctx.batch_size, layers[0].device)
-    return layout.to_grid(propagate(vector, layers, _generic_contract, mode="generic", minus_identity=True))
+    vector = ctx.readout(layout, weighting="generic")
+    # (an attention-pooling readout is the pooling query's own relevance row: nothing of it is an identity share)
+    return layout.to_grid(propagate(vector, layers, _generic_contract, mode="generic",
+                                    minus_identity=layout.readout != "pool"))
 
 
 @register(
@@ -132,7 +134,7 @@ def attn_gradcam(ctx: Context, *, layer: int = -1) -> Tensor:
     layers = ctx.layers()
     record = layers[check_index(ctx.method, "layer", layer, len(layers), "layers")]
     layout = ctx.require_grid()
-    vector = readout_vector(layout, record.batch_size, record.device)
+    vector = ctx.readout(layout)
     attn = torch.zeros(record.batch_size, record.num_heads, record.num_keys, device=record.device)
     grad = torch.zeros_like(attn)
     for rows in live_blocks(record, vector):  # only the readout rows
