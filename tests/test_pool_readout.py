@@ -3,8 +3,8 @@
 Such a head reads no class token and no mean: a learned query attends over the final tokens and its
 output is that attention's weighted sum of them (then a projection and an MLP). So the attention
 methods start from that row v, as recorded in the explained forward (docs/methods.md, "Readout"):
-raw = v A_L, rollout = v A_hat_L ... A_hat_1, Chefer's generic = v' R with v' the pooling row's
-``mean_h(clamp(dy/dA * A, 0))`` (the query has no residual: nothing is removed as an identity share).
+raw = v A_L, rollout = v A_hat_L ... A_hat_1, Chefer's generic = v' (R - I) with v' the pooling row's
+``mean_h(clamp(dy/dA * A, 0))`` (the identity's share removed, as for average pooling: docs/methods.md).
 Each is checked against a float64 oracle built here from an eager copy's softmax outputs and their
 gradients.
 """
@@ -46,12 +46,12 @@ def _oracle(tape: list[tuple[torch.Tensor, torch.Tensor]], method: str) -> torch
         v, r = _rownorm((pool * pool_grad).mean(dim=1).clamp(min=0))[:, 0], eye
         for a, g in blocks:
             r = _rownorm(0.5 * (a * g).mean(dim=1).clamp(min=0) + 0.5 * eye) @ r
-        return torch.einsum("bn,bnm->bm", v, r)
+        return torch.einsum("bn,bnm->bm", v, r - eye)
     if method == "generic":
         v, r = (pool * pool_grad).clamp(min=0).mean(dim=1)[:, 0], eye.expand(pool.shape[0], -1, -1)
         for a, g in blocks:
             r = r + (a * g).clamp(min=0).mean(dim=1) @ r
-        return torch.einsum("bn,bnm->bm", v, r)
+        return torch.einsum("bn,bnm->bm", v, r - eye)
     raise AssertionError(method)
 
 

@@ -160,8 +160,7 @@ class Context:
         and its output is that attention's weighted sum of them, so its attention row, as recorded in the
         explained forward, is the readout: heads fused with ``fusion`` and normalised to sum to 1 (raw, rollout,
         attention Grad-CAM); ``weighting="generic"``: Chefer's ``mean_h(clamp(dy/dA * A, 0))`` of that row, as
-        his rule gives the query's relevance row (the query has no residual, so it is not normalised);
-        ``weighting="rollout"``: gradient rollout's ``clamp(mean_h(A * dy/dA), 0)`` of that row normalised to
+        his rule gives the query's relevance row (not normalised); ``weighting="rollout"``: gradient rollout's ``clamp(mean_h(A * dy/dA), 0)`` of that row normalised to
         sum to 1 (its ``rownorm`` of a layer without a residual). Several latent queries (timm ``pool='avg'``) are averaged; with ``pool='token'``
         (``adapter.pool_query`` = 0) the first is read.
 

@@ -66,7 +66,7 @@ def grad_rollout(ctx: Context, *, discard_ratio: float = 0.0, start_layer: int =
     keep = 0 if layout.readout == "class" and layout.has_class_token else None
     out = propagate(
         vector, layers, contract_rows(_grad_rollout_rows), mode="rollout",
-        discard_ratio=discard_ratio, keep=keep, rows_fn=_grad_rollout_rows, minus_identity=layout.readout != "pool",
+        discard_ratio=discard_ratio, keep=keep, rows_fn=_grad_rollout_rows, minus_identity=True,
     )
     return layout.to_grid(out)
 
@@ -102,9 +102,7 @@ def generic(ctx: Context, *, start_layer: int = 0) -> Tensor:
     layers = ctx.layers(start_layer)
     layout = ctx.require_grid(rollout=True)
     vector = ctx.readout(layout, weighting="generic")
-    # (an attention-pooling readout is the pooling query's own relevance row: nothing of it is an identity share)
-    return layout.to_grid(propagate(vector, layers, _generic_contract, mode="generic",
-                                    minus_identity=layout.readout != "pool"))
+    return layout.to_grid(propagate(vector, layers, _generic_contract, mode="generic", minus_identity=True))
 
 
 @register(
