@@ -233,3 +233,15 @@ def test_vlm_gradients_run_inside_no_grad_and_are_refused_clearly_inside_inferen
     with torch.inference_mode():
         alone = llava.explain_caption(images, method="cross", prompt="what is", caption="red circle")
     torch.testing.assert_close(alone.image_maps, want[0].image_maps)
+
+
+def test_a_tiled_model_with_another_familys_processor_is_refused_clearly():
+    """Idefics3 given Gemma 3's processor: the processor ran, then the tile geometry asked its image processor for
+    Idefics3's ``return_row_col_info`` and a bare TypeError came out of transformers. Now a vitexplain error names
+    the processor and says to pass the model's own (its own processor still explains)."""
+    model, proc = helpers.BUILDERS["idefics3"]()
+    _, other = helpers.BUILDERS["gemma3"]()
+    images = helpers.images(19, ((40, 60),))
+    with pytest.raises(vx.UnsupportedModelError, match=r"Gemma3ImageProcessor.*model's own processor"):
+        vx.Explainer(model, processor=other).explain_caption(images, prompt="what is", caption="red")
+    assert vx.Explainer(model, processor=proc).explain_caption(images, prompt="what is", caption="red").tokens == [["red"]]
