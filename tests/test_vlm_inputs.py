@@ -235,13 +235,21 @@ def test_vlm_gradients_run_inside_no_grad_and_are_refused_clearly_inside_inferen
     torch.testing.assert_close(alone.image_maps, want[0].image_maps)
 
 
-def test_a_tiled_model_with_another_familys_processor_is_refused_clearly():
-    """Idefics3 given Gemma 3's processor: the processor ran, then the tile geometry asked its image processor for
-    Idefics3's ``return_row_col_info`` and a bare TypeError came out of transformers. Now a vitexplain error names
-    the processor and says to pass the model's own (its own processor still explains)."""
-    model, proc = helpers.BUILDERS["idefics3"]()
-    _, other = helpers.BUILDERS["gemma3"]()
-    images = helpers.images(19, ((40, 60),))
-    with pytest.raises(vx.UnsupportedModelError, match=r"Gemma3ImageProcessor.*model's own processor"):
-        vx.Explainer(model, processor=other).explain_caption(images, prompt="what is", caption="red")
-    assert vx.Explainer(model, processor=proc).explain_caption(images, prompt="what is", caption="red").tokens == [["red"]]
+@pytest.mark.parametrize("model_name, processor_name", [
+    ("llava", "pix2struct"), ("kosmos2", "blip2"), ("pix2struct", "llava"), ("instructblip", "blip2"),
+    ("mllama", "onevision"), ("qwen2_vl", "blip2"), ("blip2", "pix2struct"), ("idefics3", "gemma3")])
+def test_another_familys_processor_is_a_vitexplain_error(model_name, processor_name):
+    """A processor of another family gave bare KeyError / AttributeError / TypeError from the batch, the token
+    geometry or the forward (e.g. Pix2Struct given CLIP's: "no attribute 'max_patches'"; InstructBLIP given BLIP-2's:
+    forward() missing 'qformer_input_ids'; Idefics3 given Gemma 3's: its tile geometry's return_row_col_info). Each is
+    now an UnsupportedModelError saying to pass the model's own processor, before any generation; the model's own
+    processor still explains."""
+    builders = {**helpers.BUILDERS, **encdec_helpers.BUILDERS}
+    model, own = builders[model_name]()
+    _, other = builders[processor_name]()
+    images = helpers.images(20, ((40, 60), (50, 30)))
+    for caption in ("red", None):
+        with pytest.raises(vx.UnsupportedModelError, match=r"(?s)model's own processor"):
+            vx.Explainer(model, processor=other).explain_caption(images, prompt="what is", caption=caption, max_len=2,
+                                                                 method=["cross", "cross_generic"])
+    assert vx.Explainer(model, processor=own).explain_caption(images, prompt="what is", caption="red").tokens == [["red"]] * 2

@@ -148,9 +148,11 @@ def explain_vlm(adapter: VLMAdapter, plan: Plan, images: Any, caption: Any, prom
     prompts = _per_image(prompt, len(arrays), "prompt", "")
     if any(not isinstance(p, str) for p in prompts):
         raise UsageError("prompt must be a string or one string per image")
-    inputs = adapter.prepare(arrays, prompts)
-    views = adapter.views(arrays, inputs)
-    start = adapter.answer_start(inputs)
+    with adapter.own_processor():  # (another family's processor fails here, before any generation)
+        inputs = adapter.prepare(arrays, prompts)
+        views = adapter.views(arrays, inputs)
+        start = adapter.answer_start(inputs)
+        image_columns = adapter.image_columns(inputs)
     room = _answer_room(adapter, inputs, start)
     if caption is None:
         ids, lengths = _generated(adapter, inputs, max_len if room is None else min(max_len, room))
@@ -163,8 +165,9 @@ def explain_vlm(adapter: VLMAdapter, plan: Plan, images: Any, caption: Any, prom
     ids = ids[:, :t]
     if ids.shape[1] < t:
         ids = F.pad(ids, (0, t - ids.shape[1]), value=adapter.pad_id)
-    columns = [view.pixel_columns(cols) for view, cols in zip(views, adapter.image_columns(inputs))]
-    kwargs = adapter.teacher_inputs(inputs, ids)
+    columns = [view.pixel_columns(cols) for view, cols in zip(views, image_columns)]
+    with adapter.own_processor():
+        kwargs = adapter.teacher_inputs(inputs, ids)
     grads = plan.capture.grads
     if grads:  # every attention call in the graph, also with frozen weights (requires_grad_(False))
         for key in ("pixel_values", "flattened_patches"):  # (Pix2Struct's)

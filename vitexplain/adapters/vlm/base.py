@@ -11,12 +11,13 @@ image token's pixels are in the original image (:meth:`VLMAdapter.views`, the ge
 from __future__ import annotations
 
 import copy
-from typing import Any, Mapping, Optional, Sequence
+from contextlib import contextmanager
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from ...errors import InputError, UnsupportedModelError, UsageError
+from ...errors import InputError, UnsupportedModelError, UsageError, VitexplainError
 from ...methods.families import VLM
 from ..base import Adapter
 from .views import ImageView
@@ -153,6 +154,25 @@ class VLMAdapter(Adapter):
         if pad is None:
             pad = (self.end_ids or [0])[0]
         return int(pad)
+
+    @contextmanager
+    def own_processor(self) -> Iterator[None]:
+        """Where the processor's batch and the token geometry are read: a KeyError, AttributeError, TypeError or
+        IndexError there (a batch without the model's inputs, an image processor without its settings) comes from
+        a processor that is not the model's, and is raised as an :class:`UnsupportedModelError` saying so.
+
+        Raises:
+            UnsupportedModelError: such an error in the block.
+        """
+        try:
+            yield
+        except VitexplainError:
+            raise
+        except (KeyError, AttributeError, TypeError, IndexError) as err:
+            raise UnsupportedModelError(
+                f"{type(self.processor).__name__} and {type(self.model).__name__} disagree ({type(err).__name__}: {err}): "
+                "is it another family's processor? Pass the model's own processor, "
+                "vx.Explainer(model, processor=AutoProcessor.from_pretrained(path))") from err
 
     def format_prompt(self, prompt: str) -> str:
         """The text given to the processor: the prompt with the image token in front unless it has one."""

@@ -32,20 +32,9 @@ class TiledAdapter(VLMAdapter):
     nested_images = True
 
     def _tiles(self, image: Any) -> tuple[int, int]:
-        """(rows, cols) of the processor's split of one image (0, 0: no split).
-
-        Raises:
-            UnsupportedModelError: the image processor does not split as Idefics3's does (another family's).
-        """
-        found = self.image_processor
-        try:
-            info = found(images=[processor_images([image])], return_row_col_info=True)
-            return int(info["rows"][0][0]), int(info["cols"][0][0])
-        except (TypeError, ValueError, KeyError, IndexError) as err:
-            raise UnsupportedModelError(
-                f"{type(found).__name__} does not tell how it splits an image into tiles as "
-                f"{type(self.model).__name__}'s processor does (return_row_col_info: {err}); pass the model's own processor, "
-                "AutoProcessor.from_pretrained(path)") from err
+        """(rows, cols) of the processor's split of one image (0, 0: no split)."""
+        info = self.image_processor(images=[processor_images([image])], return_row_col_info=True)
+        return int(info["rows"][0][0]), int(info["cols"][0][0])
 
     def views(self, images: Sequence[Any], inputs: Any) -> list[ImageView]:
         config = self.model.config

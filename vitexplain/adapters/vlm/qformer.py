@@ -37,6 +37,12 @@ _NAMES = ("Blip2ForConditionalGeneration", "InstructBlipForConditionalGeneration
 class QFormerAdapter(VLMAdapter):
     """``Blip2ForConditionalGeneration`` and ``InstructBlipForConditionalGeneration``."""
 
+    def __init__(self, model: nn.Module, processor: Any = None) -> None:
+        super().__init__(model, processor)
+        if type(model).__name__ == "InstructBlipForConditionalGeneration":  # its Q-Former reads the prompt
+            self.required_inputs = ("qformer_input_ids",)
+            self.required_for = "for its Q-Former, which reads the prompt"
+
     def format_prompt(self, prompt: str) -> str:
         return self.bare_prompt(prompt)  # the processor puts the query tokens in front
 
