@@ -7,7 +7,7 @@ whole image, or a thumbnail plus tiles), each over a box of the original image. 
   ``clamp`` (pixels past the box take the edge cells: the page draws such a grid one replicated
   cell larger on every side, clipped by the image) (each grid is a layer over its box, and can be hidden);
 * per method (``cross``, ``cross_generic``, ...): the per-token scores of each word, (T, n) over
-  the image's n pixel-bearing tokens in the model's order (``token_scores``; for a Q-Former model,
+  the image's n pixel-bearing tokens in the model's order (``token_scores``; for a Q-Former or resampler model,
   whose image tokens in the sequence are learned queries, the scores the queries pass to the
   patches, :meth:`~vitexplain.adapters.vlm.base.VLMAdapter.to_pixel_tokens`);
 * ``attention``: for each word, the language model's attention from the row that predicts it to
@@ -37,16 +37,17 @@ __all__ = ["vlm_data", "vlm_attention", "pixel_token_scores"]
 
 
 def _queries(view: Optional[Any]) -> bool:
-    """The image's tokens in the sequence are not its pixel-bearing tokens (a Q-Former's queries)."""
+    """The image's tokens in the sequence are not its pixel-bearing tokens (a Q-Former's or resampler's queries)."""
     return view is not None and view.sequence_tokens is not None
 
 
-def pixel_token_scores(adapter: Any, inputs: Any, ids: torch.Tensor, view: Any, scores: list[torch.Tensor]) -> list[torch.Tensor]:
+def pixel_token_scores(adapter: Any, inputs: Any, ids: torch.Tensor, view: Any,
+                       scores: list[torch.Tensor]) -> list[torch.Tensor]:
     """Scores of one image's tokens in the sequence as scores of its pixel-bearing tokens (the page's grid).
 
-    The identity, except for a Q-Former model (BLIP-2, InstructBLIP, Kosmos-2), whose sequence holds learned
-    queries: their scores reach the patches through the Q-Former's cross-attention of a forward of the same
-    image and prompt (:meth:`~vitexplain.adapters.vlm.base.VLMAdapter.to_pixel_tokens`, as the maps do).
+    The identity, except for a Q-Former or resampler model (BLIP-2, InstructBLIP, Kosmos-2, Idefics2), whose
+    sequence holds learned queries: their scores reach the patches through the cross-attention of a forward of
+    the same image and prompt (:meth:`~vitexplain.adapters.vlm.base.VLMAdapter.to_pixel_tokens`, as the maps do).
 
     Args:
         adapter: the VLM adapter.
