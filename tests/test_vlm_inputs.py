@@ -277,3 +277,18 @@ def test_pix2struct_in_half_precision(dtype):
     if dtype == torch.bfloat16:
         with pytest.raises(vx.InputError, match="bfloat16"):
             over.explain_caption([wide], prompt="what is", caption="red", method="cross")
+
+
+def test_a_prompt_longer_than_instructblips_qformer_positions_is_refused():
+    """InstructBLIP's Q-Former reads the prompt too, with its own table of learned positions (512 here, as the real
+    ones): a longer prompt raised a bare RuntimeError (size 520 vs 512) from its embeddings, though the language
+    model has room (2048). Now it is an InputError naming the Q-Former's limit; a prompt that fits still explains."""
+    torch.manual_seed(0)
+    model, proc = helpers.BUILDERS["instructblip"]()
+    limit = model.config.qformer_config.max_position_embeddings
+    image = helpers.images(23)[:1]
+    ex = vx.Explainer(model, processor=proc)
+    fits = " ".join(["what"] * (limit - 12))
+    assert ex.explain_caption(image, prompt=fits, caption="red", method="cross").tokens == [["red"]]
+    with pytest.raises(vx.InputError, match=f"Q-Former.*{limit} learned positions"):
+        ex.explain_caption(image, prompt=" ".join(["what"] * (limit + 8)), caption="red", method="cross")
