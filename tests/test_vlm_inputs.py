@@ -292,3 +292,16 @@ def test_a_prompt_longer_than_instructblips_qformer_positions_is_refused():
     assert ex.explain_caption(image, prompt=fits, caption="red", method="cross").tokens == [["red"]]
     with pytest.raises(vx.InputError, match=f"Q-Former.*{limit} learned positions"):
         ex.explain_caption(image, prompt=" ".join(["what"] * (limit + 8)), caption="red", method="cross")
+
+
+@pytest.mark.parametrize("name", ["llava_next", "onevision"])
+def test_tile_pinpoints_other_than_the_models_are_refused(name):
+    """LLaVA-NeXT / OneVision cut the image into tiles by the image processor's ``image_grid_pinpoints`` but stitch them
+    back by the model config's. Given other pinpoints (here through processor_kwargs) a bare RuntimeError
+    (split_with_sizes) came out of the model's forward; now an UnsupportedModelError names both, before generation."""
+    model, proc = helpers.BUILDERS[name]()
+    image = helpers.images(24, ((45, 70),))
+    other = vx.Explainer(model, processor=proc, processor_kwargs={"image_grid_pinpoints": [[16, 16]]})
+    for caption in ("red", None):
+        with pytest.raises(vx.UnsupportedModelError, match=r"image_grid_pinpoints \[\[16, 16\]\].*model's"):
+            other.explain_caption(image, prompt="what is", caption=caption, method="cross", max_len=2)
