@@ -305,3 +305,22 @@ def test_tile_pinpoints_other_than_the_models_are_refused(name):
     for caption in ("red", None):
         with pytest.raises(vx.UnsupportedModelError, match=r"image_grid_pinpoints \[\[16, 16\]\].*model's"):
             other.explain_caption(image, prompt="what is", caption=caption, method="cross", max_len=2)
+
+
+@pytest.mark.parametrize("name, settings", [
+    ("llava", {"crop_size": {"height": 24, "width": 24}}), ("gemma3", {"size": {"height": 48, "width": 48}}),
+    ("blip2", {"size": {"height": 48, "width": 48}}), ("mllama", {"max_image_tiles": 2}),
+    ("qwen2_vl", {"patch_size": 8}), ("qwen2_vl", {"merge_size": 1}), ("onevision", {"size": {"height": 32, "width": 32}}),
+    ("idefics3", {"max_image_size": {"longest_edge": 32}}), ("florence2", {"size": {"height": 48, "width": 48}})])
+def test_processor_settings_the_model_cannot_read_are_a_vitexplain_error(name, settings):
+    """processor_kwargs (or a processor of another checkpoint) that change the image size, tiles or image tokens so
+    that the model cannot read them: the model's forward or generate raised a bare ValueError / RuntimeError ("Input
+    image size (24*24) doesn't match model (32*32)", "The size of tensor a (144) must match ..."), or, with a given
+    answer, the token count was refused only after generation. Now each is an UnsupportedModelError that says to use
+    the model's own processor settings and carries the model's message; generated or given answer alike."""
+    model, proc = {**helpers.BUILDERS, **encdec_helpers.BUILDERS}[name]()
+    images = helpers.images(25, ((45, 70), (30, 30)))
+    ex = vx.Explainer(model, processor=proc, processor_kwargs=settings)
+    for caption in ("red", None):
+        with pytest.raises(vx.UnsupportedModelError, match=r"(?s)processor"):
+            ex.explain_caption(images, prompt="what is", caption=caption, method=["cross", "cross_generic"], max_len=2)

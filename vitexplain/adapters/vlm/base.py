@@ -174,6 +174,27 @@ class VLMAdapter(Adapter):
                 "is it another family's processor? Pass the model's own processor, "
                 "vx.Explainer(model, processor=AutoProcessor.from_pretrained(path))") from err
 
+    @contextmanager
+    def model_reads_batch(self) -> Iterator[None]:
+        """Where the model runs on the processor's batch (generation, the teacher-forced forward): a ValueError or
+        RuntimeError the model raises there (an image size, tile count or number of image tokens it cannot read,
+        e.g. from ``processor_kwargs`` or a processor of another checkpoint) is raised as an
+        :class:`UnsupportedModelError` that says so and carries the model's message (running out of memory is not).
+
+        Raises:
+            UnsupportedModelError: such an error in the block.
+        """
+        try:
+            yield
+        except (VitexplainError, torch.cuda.OutOfMemoryError):  # (torch.OutOfMemoryError in torch >= 2.5)
+            raise
+        except (ValueError, RuntimeError) as err:
+            settings = f" with processor_kwargs={self.processor_kwargs!r}" if self.processor_kwargs else ""
+            raise UnsupportedModelError(
+                f"{type(self.model).__name__} could not run on the batch of {type(self.processor).__name__}{settings} "
+                f"({type(err).__name__}: {str(err).strip()}). A processor that changes the image size, the tiles or the "
+                "number of image tokens makes a batch the model cannot read: use the model's own processor settings") from err
+
     def format_prompt(self, prompt: str) -> str:
         """The text given to the processor: the prompt with the image token in front unless it has one."""
         token = str(getattr(self.processor, "image_token", None) or self.image_token)  # (may be an AddedToken)
