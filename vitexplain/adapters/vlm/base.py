@@ -192,7 +192,7 @@ class VLMAdapter(Adapter):
             settings = f" with processor_kwargs={self.processor_kwargs!r}" if self.processor_kwargs else ""
             raise UnsupportedModelError(
                 f"{type(self.model).__name__} could not run on the batch of {type(self.processor).__name__}{settings} "
-                f"({type(err).__name__}: {str(err).strip()}). A processor that changes the image size, the tiles or the "
+                f"({type(err).__name__}: {str(err).strip().rstrip('.')}). A processor that changes the image size, the tiles or the "
                 "number of image tokens makes a batch the model cannot read: use the model's own processor settings") from err
 
     def format_prompt(self, prompt: str) -> str:
