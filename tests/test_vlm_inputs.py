@@ -324,3 +324,17 @@ def test_processor_settings_the_model_cannot_read_are_a_vitexplain_error(name, s
     for caption in ("red", None):
         with pytest.raises(vx.UnsupportedModelError, match=r"(?s)processor"):
             ex.explain_caption(images, prompt="what is", caption=caption, method=["cross", "cross_generic"], max_len=2)
+
+
+@pytest.mark.parametrize("name, sizes", [("idefics2", ((1, 1),)), ("lfm2_vl", ((200, 3), (40, 40))), ("gemma4", ((3, 200),))])
+def test_an_image_the_processor_or_the_model_cannot_take_is_a_vitexplain_error(name, sizes):
+    """A 1 x 1 image in Idefics2's processor (ZeroDivisionError), a 200 x 3 one batched with another in LFM2-VL's
+    (RuntimeError from its own stacking), a 3 x 200 one in Gemma 4's vision tower (IndexError: its position table):
+    each came out bare. The processor's are an InputError (check the image), the model's an UnsupportedModelError;
+    both carry the original message."""
+    model, proc = helpers.BUILDERS[name]()
+    images = helpers.images(26, sizes)
+    for caption in ("red", None):
+        with pytest.raises((vx.InputError, vx.UnsupportedModelError)) as info:
+            vx.Explainer(model, processor=proc).explain_caption(images, prompt="what is", caption=caption, max_len=2)
+        assert "image" in str(info.value) and info.value.__cause__ is not None

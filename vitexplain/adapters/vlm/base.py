@@ -176,10 +176,11 @@ class VLMAdapter(Adapter):
 
     @contextmanager
     def model_reads_batch(self) -> Iterator[None]:
-        """Where the model runs on the processor's batch (generation, the teacher-forced forward): a ValueError or
-        RuntimeError the model raises there (an image size, tile count or number of image tokens it cannot read,
-        e.g. from ``processor_kwargs`` or a processor of another checkpoint) is raised as an
-        :class:`UnsupportedModelError` that says so and carries the model's message (running out of memory is not).
+        """Where the model runs on the processor's batch (generation, the teacher-forced forward): a ValueError,
+        RuntimeError or IndexError the model raises there (an image size, aspect ratio, tile count or number of image
+        tokens it cannot read, e.g. from ``processor_kwargs``, a processor of another checkpoint or a very elongated
+        image) is raised as an :class:`UnsupportedModelError` that says so and carries the model's message (running
+        out of memory is not).
 
         Raises:
             UnsupportedModelError: such an error in the block.
@@ -188,12 +189,13 @@ class VLMAdapter(Adapter):
             yield
         except (VitexplainError, torch.cuda.OutOfMemoryError):  # (torch.OutOfMemoryError in torch >= 2.5)
             raise
-        except (ValueError, RuntimeError) as err:
+        except (ValueError, RuntimeError, IndexError) as err:
             settings = f" with processor_kwargs={self.processor_kwargs!r}" if self.processor_kwargs else ""
             raise UnsupportedModelError(
                 f"{type(self.model).__name__} could not run on the batch of {type(self.processor).__name__}{settings} "
-                f"({type(err).__name__}: {str(err).strip().rstrip('.')}). A processor that changes the image size, the tiles or the "
-                "number of image tokens makes a batch the model cannot read: use the model's own processor settings") from err
+                f"({type(err).__name__}: {str(err).strip().rstrip('.')}). It cannot read an image size, aspect ratio, "
+                "number of tiles or of image tokens outside what it was built for: use the model's own processor "
+                "settings (processor_kwargs or another checkpoint's processor may change them) and check the image") from err
 
     def format_prompt(self, prompt: str) -> str:
         """The text given to the processor: the prompt with the image token in front unless it has one."""
@@ -227,7 +229,8 @@ class VLMAdapter(Adapter):
             pils = processor_images(images)
             given = [[image] for image in pils] if self.nested_images else pils
             batch = processor(images=given, text=texts, return_tensors="pt", padding=True, **self.processor_kwargs)
-        except (ValueError, TypeError, KeyError) as err:  # the processor's own checks (image tokens, kwargs)
+        except (ValueError, TypeError, KeyError, IndexError, RuntimeError, ArithmeticError) as err:
+            # the processor's own checks (image tokens, kwargs), and its failures on an image it cannot take (1 x 1 px)
             raise InputError(
                 f"{type(processor).__name__} refused the prompts {texts!r} with {len(images)} image(s)"
                 f"{' and processor_kwargs=' + repr(self.processor_kwargs) if self.processor_kwargs else ''}: {str(err).rstrip('.')}. "
