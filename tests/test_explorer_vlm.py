@@ -105,3 +105,41 @@ def test_vlm_attention_degrades_to_fewer_layers_then_head_mean(page) -> None:
     mean = dequantize_rows(full["probs"]).reshape(2, 4, 4, 64).mean(1)
     got = dequantize_rows(fused["probs"]).reshape(-1, 4, 64)
     np.testing.assert_allclose(got, mean[-len(got):], atol=mean.max() / 255)
+
+
+@pytest.mark.parametrize("name", ["blip2", "kosmos2", "idefics2"])
+def test_a_qformer_page_draws_the_patches_the_queries_reach(name, tmp_path) -> None:
+    """BLIP-2 / Kosmos-2 / Idefics2: the language model's image tokens are learned queries (4 here; Kosmos-2: 64;
+    Idefics2: 4 latents per piece), not the patch grids the page draws. The page put the queries' scores on the patch
+    grids (BLIP-2: 4 values drawn over 16 cells; Kosmos-2: the first 16 of 64 queries as if they were patches;
+    Idefics2: 20 latents' over 40 patches), silently. Now each method's rows, and the attention
+    rows, are over the patches, through the Q-Former's cross-attention: rendered, a method's row is the API's map of
+    that word (within the page's 8-bit steps), and the attention rows averaged over every layer and head are cross's."""
+    import vlm_helpers as helpers
+
+    model, processor = helpers.BUILDERS[name]()
+    image = helpers.images(41, ((37, 58),))[0]  # (not the processor's square: the patch box is the whole image)
+    path = vx.explore(model, [image], tmp_path / "q.html", processor=processor, prompt="what is", max_len=3,
+                      method=["cross", "cross_generic"])
+    data = json.loads(re.search(r'<script type="application/json" id="vx-data">(.*?)</script>',
+                                path.read_text(encoding="utf-8"), re.S).group(1))
+    v = data["images"][0]["vlm"]
+    ex = vx.Explainer(model, processor=processor)
+    expected = ex.explain_caption([image], method=["cross", "cross_generic"], prompt="what is", max_len=3)
+    t = max(len(v["words"]), 1)
+    view = ex.adapter.views([image], ex.adapter.prepare([image], ["what is"]))[0]
+    n = view.num_tokens  # the patches, not the queries
+    assert v["tokens"] == n != expected[0].token_scores[0].shape[-1]
+    for entry, e in zip(v["methods"], expected):
+        rows = torch.from_numpy(dequantize_rows(entry["maps"]))
+        assert rows.shape == (t, n)
+        want = e.image_maps[0][:t]
+        got = vx.adapters.vlm.render(rows, view)[0]
+        step = want.flatten(1).abs().amax(1)[:, None, None] / 255
+        assert float(want.abs().max()) > 0 and bool(((got - want).abs() <= step + 1e-7).all()), entry["name"]
+    att = v["attention"]
+    probs = dequantize_rows(att["probs"]).reshape(len(att["layers"]), len(att["heads"]), t, n)
+    cross = expected[0].image_maps[0][:t]
+    got = vx.adapters.vlm.render(torch.from_numpy(probs.mean((0, 1))), view)[0]
+    step = torch.from_numpy(probs.max(axis=(0, 1, 3)))[:, None, None] / 255  # (each row rounded to its own max / 255)
+    assert float(cross.abs().max()) > 0 and bool(((got - cross).abs() <= step + 1e-7).all())

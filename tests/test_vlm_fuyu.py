@@ -24,3 +24,24 @@ def test_a_large_image_is_shrunk_to_fit_and_its_last_patches_reach_into_the_padd
     check_footprints(built, (100, 90))
     with pytest.raises(vx.InputError, match="puts in front of every prompt"):
         ex.explain_caption([image], prompt="|SPEAKER| what is")
+
+
+def test_a_bfloat16_fuyu_is_explained():
+    """Fuyu in bfloat16: the processor's float32 patches reached its bfloat16 patch projection (vision_embed_tokens,
+    no vision tower to cast them) and a bare RuntimeError (Float and BFloat16) came out. The patches now take the
+    projection's dtype: the maps equal the float32 model's up to bfloat16 rounding (measured over 4 seeds: cross <= 0.9%,
+    cross_generic <= 1.9% of the largest value; bounds about 3x that) and the model keeps its dtype."""
+    import copy
+
+    import torch
+
+    model, proc = helpers.BUILDERS["fuyu"]()
+    images = helpers.images(22, ((40, 60), (50, 30)))
+    kwargs = dict(method=["cross", "cross_generic"], prompt="what is", caption="red circle")
+    want = vx.Explainer(model, processor=proc).explain_caption(images, **kwargs)
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    got = vx.Explainer(half, processor=proc).explain_caption(images, **kwargs)
+    for e_got, e_want, tol in zip(got, want, (0.03, 0.06)):
+        for a, b in zip(e_got.image_maps, e_want.image_maps):
+            assert float((a - b).abs().max()) <= tol * float(b.abs().max())
+    assert all(p.dtype == torch.bfloat16 for p in half.parameters())

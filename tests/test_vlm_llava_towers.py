@@ -30,7 +30,7 @@ def _llava(tower: str, strategy: str):
     return vlm_helpers.reinit_small(transformers.LlavaForConditionalGeneration(cfg).eval()), proc, 16 + extra
 
 
-# a SigLIP tower with the "default" strategy is a misconfiguration (LLaVA drops its first real patch)
+# (a SigLIP tower with the "default" strategy: LLaVA drops its first real patch, tested below)
 @pytest.mark.parametrize("tower, strategy", [("clip", "default"), ("clip", "full"), ("siglip", "full")])
 def test_image_tokens_match_what_the_language_model_sees(tower, strategy):
     model, proc, tokens = _llava(tower, strategy)
@@ -41,3 +41,24 @@ def test_image_tokens_match_what_the_language_model_sees(tower, strategy):
     assert e.token_scores[0].shape[-1] == tokens  # every image token the language model sees
     maps = e.image_maps[0]  # the 4 x 4 pixel-bearing tokens drawn over the 32 x 32 image
     assert torch.isfinite(maps).all() and maps.shape[-2:] == (32, 32) and float(maps.std()) > 0
+
+
+def test_a_siglip_tower_with_the_default_strategy_drops_its_first_patch():
+    """LLaVA's "default" strategy drops the first vision token: a SigLIP tower has no class token, so the language
+    model sees patches 1..15 of the 4 x 4 grid (the processor counts 15 too). The adapter counted 16 and refused the
+    model, saying the processor and the model disagree (they agree). Now the 15 tokens are mapped to patches 1..15 and
+    patch (0, 0), which no token carries, is 0 in every map: by hand, on the 32 x 32 crop in 8 px patches."""
+    model, proc, _ = _llava("siglip", "default")
+    images = vlm_helpers.images(4, ((32, 32),))
+    inputs = proc(images=images, text=["<image>a"], return_tensors="pt")
+    assert int((inputs["input_ids"] == model.config.image_token_id).sum()) == 15
+    with torch.no_grad():
+        assert model.get_image_features(pixel_values=inputs["pixel_values"]).pooler_output[0].shape[0] == 15
+    e = vx.Explainer(model, processor=proc).explain_caption(images, method="cross", prompt="a", caption="red circle")
+    scores, maps = e.token_scores[0], e.image_maps[0]  # (2, 15), (2, 32, 32)
+    assert scores.shape == (2, 15) and float(scores.min()) > 0
+    for k in range(16):
+        r, c = divmod(k, 4)
+        cell = maps[:, 8 * r : 8 * r + 8, 8 * c : 8 * c + 8]
+        want = torch.zeros(2) if k == 0 else scores[:, k - 1]
+        torch.testing.assert_close(cell, want[:, None, None].expand_as(cell))

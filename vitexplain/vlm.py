@@ -148,12 +148,15 @@ def explain_vlm(adapter: VLMAdapter, plan: Plan, images: Any, caption: Any, prom
     prompts = _per_image(prompt, len(arrays), "prompt", "")
     if any(not isinstance(p, str) for p in prompts):
         raise UsageError("prompt must be a string or one string per image")
-    inputs = adapter.prepare(arrays, prompts)
-    views = adapter.views(arrays, inputs)
-    start = adapter.answer_start(inputs)
+    with adapter.own_processor():  # (another family's processor fails here, before any generation)
+        inputs = adapter.prepare(arrays, prompts)
+        views = adapter.views(arrays, inputs)
+        start = adapter.answer_start(inputs)
+        columns = [view.pixel_columns(cols) for view, cols in zip(views, adapter.image_columns(inputs))]
     room = _answer_room(adapter, inputs, start)
     if caption is None:
-        ids, lengths = _generated(adapter, inputs, max_len if room is None else min(max_len, room))
+        with adapter.model_reads_batch():
+            ids, lengths = _generated(adapter, inputs, max_len if room is None else min(max_len, room))
     else:
         ids, lengths = _answer_ids(adapter, caption, len(arrays), next(model.parameters()).device)
         if room is not None and int(lengths.max()) > room:
@@ -163,15 +166,15 @@ def explain_vlm(adapter: VLMAdapter, plan: Plan, images: Any, caption: Any, prom
     ids = ids[:, :t]
     if ids.shape[1] < t:
         ids = F.pad(ids, (0, t - ids.shape[1]), value=adapter.pad_id)
-    columns = [view.pixel_columns(cols) for view, cols in zip(views, adapter.image_columns(inputs))]
-    kwargs = adapter.teacher_inputs(inputs, ids)
+    with adapter.own_processor():
+        kwargs = adapter.teacher_inputs(inputs, ids)
     grads = plan.capture.grads
     if grads:  # every attention call in the graph, also with frozen weights (requires_grad_(False))
         for key in ("pixel_values", "flattened_patches"):  # (Pix2Struct's)
             if isinstance(kwargs.get(key), Tensor) and kwargs[key].is_floating_point():
                 kwargs[key] = kwargs[key].detach().clone().requires_grad_(True)
     with torch.set_grad_enabled(grads), embeddings_in_graph(model) if grads else nullcontext(), \
-            capture(model, **plan.capture.capture_kwargs()) as rec:
+            capture(model, **plan.capture.capture_kwargs()) as rec, adapter.model_reads_batch():
         logits = adapter.forward_logits(kwargs)
     words = [[adapter.word(i) for i in row[: int(n)].tolist()] for row, n in zip(ids, lengths)]
     captions = [adapter.tokenizer.decode(row[: int(n)].tolist(), skip_special_tokens=True).strip() for row, n in zip(ids, lengths)]

@@ -198,7 +198,7 @@ def _is_distilled(model: Any) -> bool:
 def _image_index(index: int, batch: int) -> int:
     """``index`` checked against a batch of ``batch`` images (the same rule as ``Explanation``)."""
     if isinstance(index, bool) or not isinstance(index, int) or not -batch <= index < batch:
-        raise UsageError(f"index must be an image index in [{-batch}, {batch - 1}] (the records hold {batch} images), got {index!r}")
+        raise UsageError(f"index must be an image index in [{-batch}, {batch - 1}] (there are {batch} images), got {index!r}")
     return index % batch
 
 
@@ -246,6 +246,10 @@ def record_matrix(
 def caption_matrix(explanation: Any, index: int = 0, *, title: Optional[str] = None, **kwargs: Any) -> np.ndarray:
     """Words x patches matrix of a caption explanation (each word's map, flattened row-major).
 
+    A vision-language model's explanation (:class:`~vitexplain.results.VLMCaptionExplanation`, whose maps
+    are at the image's pixels) gives words x image tokens: each word's ``token_scores``, the image tokens
+    the language model sees numbered in its order.
+
     Args:
         explanation: a :class:`~vitexplain.explainer.CaptionExplanation`.
         index: which image of the batch.
@@ -254,12 +258,20 @@ def caption_matrix(explanation: Any, index: int = 0, *, title: Optional[str] = N
 
     Returns:
         (H, W, 3) uint8 RGB figure.
+
+    Raises:
+        UsageError: ``index`` is not an image of the explanation.
     """
+    index = _image_index(index, len(explanation.tokens))
     words = explanation.tokens[index]
+    title = title if title is not None else f"{explanation.method}: {explanation.captions[index]}"
+    token_scores = getattr(explanation, "token_scores", None)
+    if token_scores:  # a VLM: (T, n) over its image tokens (its maps are pixels)
+        scores = token_scores[index][: len(words)]
+        return attention_matrix(scores, words, [str(i) for i in range(scores.shape[-1])], title, **kwargs)
     maps = explanation.maps[index, : len(words)]  # (T, gh, gw)
     gh, gw = maps.shape[-2:]
     cols = [f"({r},{c})" for r in range(gh) for c in range(gw)]
-    title = title if title is not None else f"{explanation.method}: {explanation.captions[index]}"
     return attention_matrix(maps.reshape(len(words), gh * gw), words, cols, title, **kwargs)
 
 

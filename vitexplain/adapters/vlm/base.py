@@ -11,12 +11,13 @@ image token's pixels are in the original image (:meth:`VLMAdapter.views`, the ge
 from __future__ import annotations
 
 import copy
-from typing import Any, Mapping, Optional, Sequence
+from contextlib import contextmanager
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from ...errors import InputError, UnsupportedModelError, UsageError
+from ...errors import InputError, UnsupportedModelError, UsageError, VitexplainError
 from ...methods.families import VLM
 from ..base import Adapter
 from .views import ImageView
@@ -154,6 +155,48 @@ class VLMAdapter(Adapter):
             pad = (self.end_ids or [0])[0]
         return int(pad)
 
+    @contextmanager
+    def own_processor(self) -> Iterator[None]:
+        """Where the processor's batch and the token geometry are read: a KeyError, AttributeError, TypeError or
+        IndexError there (a batch without the model's inputs, an image processor without its settings) comes from
+        a processor that is not the model's, and is raised as an :class:`UnsupportedModelError` saying so.
+
+        Raises:
+            UnsupportedModelError: such an error in the block.
+        """
+        try:
+            yield
+        except VitexplainError:
+            raise
+        except (KeyError, AttributeError, TypeError, IndexError) as err:
+            raise UnsupportedModelError(
+                f"{type(self.processor).__name__} and {type(self.model).__name__} disagree ({type(err).__name__}: {err}): "
+                "is it another family's processor? Pass the model's own processor, "
+                "vx.Explainer(model, processor=AutoProcessor.from_pretrained(path))") from err
+
+    @contextmanager
+    def model_reads_batch(self) -> Iterator[None]:
+        """Where the model runs on the processor's batch (generation, the teacher-forced forward): a ValueError,
+        RuntimeError or IndexError the model raises there (an image size, aspect ratio, tile count or number of image
+        tokens it cannot read, e.g. from ``processor_kwargs``, a processor of another checkpoint or a very elongated
+        image) is raised as an :class:`UnsupportedModelError` that says so and carries the model's message (running
+        out of memory is not).
+
+        Raises:
+            UnsupportedModelError: such an error in the block.
+        """
+        try:
+            yield
+        except (VitexplainError, torch.cuda.OutOfMemoryError):  # (torch.OutOfMemoryError in torch >= 2.5)
+            raise
+        except (ValueError, RuntimeError, IndexError) as err:
+            settings = f" with processor_kwargs={self.processor_kwargs!r}" if self.processor_kwargs else ""
+            raise UnsupportedModelError(
+                f"{type(self.model).__name__} could not run on the batch of {type(self.processor).__name__}{settings} "
+                f"({type(err).__name__}: {str(err).strip().rstrip('.')}). It cannot read an image size, aspect ratio, "
+                "number of tiles or of image tokens outside what it was built for: use the model's own processor "
+                "settings (processor_kwargs or another checkpoint's processor may change them) and check the image") from err
+
     def format_prompt(self, prompt: str) -> str:
         """The text given to the processor: the prompt with the image token in front unless it has one."""
         token = str(getattr(self.processor, "image_token", None) or self.image_token)  # (may be an AddedToken)
@@ -186,7 +229,8 @@ class VLMAdapter(Adapter):
             pils = processor_images(images)
             given = [[image] for image in pils] if self.nested_images else pils
             batch = processor(images=given, text=texts, return_tensors="pt", padding=True, **self.processor_kwargs)
-        except (ValueError, TypeError, KeyError) as err:  # the processor's own checks (image tokens, kwargs)
+        except (ValueError, TypeError, KeyError, IndexError, RuntimeError, ArithmeticError) as err:
+            # the processor's own checks (image tokens, kwargs), and its failures on an image it cannot take (1 x 1 px)
             raise InputError(
                 f"{type(processor).__name__} refused the prompts {texts!r} with {len(images)} image(s)"
                 f"{' and processor_kwargs=' + repr(self.processor_kwargs) if self.processor_kwargs else ''}: {str(err).rstrip('.')}. "

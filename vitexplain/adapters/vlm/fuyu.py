@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any, Optional, Sequence
 
-from torch import nn
+from torch import Tensor, nn
 
 from ...errors import UnsupportedModelError
 from ...methods.families import VLM
@@ -31,6 +31,18 @@ class FuyuAdapter(VLMAdapter):
 
     def format_prompt(self, prompt: str) -> str:
         return self.bare_prompt(prompt)  # the processor puts the image tokens in front
+
+    def prepare(self, images: Sequence[Any], prompts: Sequence[str]) -> Any:
+        """The processor's batch, its float32 patches in the dtype of the patch projection (``vision_embed_tokens``,
+        which reads them with no vision tower to cast them: a half-precision model's)."""
+        batch = super().prepare(images, prompts)
+        projection = next((m for name, m in self.model.named_modules()
+                           if name.endswith("vision_embed_tokens") and isinstance(m, nn.Linear)), None)
+        for key in ("image_patches", "pixel_values"):
+            value = batch.get(key)
+            if projection is not None and isinstance(value, Tensor) and value.is_floating_point():
+                batch[key] = value.to(projection.weight.dtype)
+        return batch
 
     def views(self, images: Sequence[Any], inputs: Any) -> list[ImageView]:
         processor = self.image_processor

@@ -2,7 +2,8 @@
 
 The processor resizes (shortest edge) and centre-crops the image; the vision tower's patch grid
 over that crop is the token grid, in row-major order (the class token is dropped by the
-``"default"`` feature strategy and kept, without pixels, by ``"full"``; a SigLIP tower has none).
+``"default"`` feature strategy and kept, without pixels, by ``"full"``; a SigLIP tower has none, so
+``"default"`` drops its first patch: the sequence holds patches 1.. and patch (0, 0) scores 0).
 With a Pixtral tower (Pixtral-12B) the image keeps its native resolution: one token per patch of the
 processor's resized image (``image_sizes``), rows ended by ``[IMG_BREAK]`` (no pixels), as Mistral 3
 without its merger (:mod:`~vitexplain.adapters.vlm.mistral3`).
@@ -12,7 +13,8 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 from ...errors import UnsupportedModelError
 from ...methods.families import VLM
@@ -40,12 +42,27 @@ class LlavaAdapter(VLMAdapter):
         extra = 1 if strategy == "full" and self._tower_has_class_token() else 0
         if not isinstance(config.vision_feature_layer, int) and len(config.vision_feature_layer) == 0:
             raise UnsupportedModelError("LLaVA config without a vision feature layer")
+        # "default" without a class token drops patch (0, 0): the sequence holds the other patches (to_pixel_tokens)
+        sequence = gh * gw - 1 if self._drops_first_patch() else None
         views = []
         for image in images:
             h, w = int(image.shape[0]), int(image.shape[1])
             box = processed_box(self.image_processor, h, w)
-            views.append(ImageView((h, w), (Piece("image", (gh, gw), box, extra),)))
+            views.append(ImageView((h, w), (Piece("image", (gh, gw), box, extra),), sequence_tokens=sequence))
         return views
+
+    def _drops_first_patch(self) -> bool:
+        """The "default" strategy (ViP-LLaVA's only one) drops the first vision token, a patch when the tower has no
+        class token (SigLIP)."""
+        strategy = getattr(self.model.config, "vision_feature_select_strategy", "default")
+        return strategy == "default" and not self._tower_has_class_token()
+
+    def to_pixel_tokens(self, scores: list[Tensor], recorder: Any) -> list[Tensor]:
+        """Per image, (T, n) scores of its image tokens as scores of its patches: patch (0, 0) scores 0 where the
+        "default" strategy dropped it (no token of the sequence carries it)."""
+        if not self._drops_first_patch():
+            return scores
+        return [torch.cat([s.new_zeros(s.shape[0], 1), s], dim=-1) for s in scores]
 
     def _tower_has_class_token(self) -> bool:
         """Whether the vision tower prepends a class token (CLIP does, SigLIP does not)."""

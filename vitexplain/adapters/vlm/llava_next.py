@@ -92,6 +92,12 @@ class LlavaNextAdapter(VLMAdapter):
         crop = dict(getattr(processor, "crop_size", None) or {})
         if crop and crop.get("height") != tile:
             raise UnsupportedModelError(f"the processor's {crop} tiles differ from the vision tower's {tile} px input")
+        cuts = getattr(processor, "image_grid_pinpoints", None)  # (the processor cuts by its own, the model stitches by its)
+        if cuts is not None and [list(p) for p in cuts] != [list(p) for p in config.image_grid_pinpoints]:
+            raise UnsupportedModelError(
+                f"the processor cuts tiles by image_grid_pinpoints {[list(p) for p in cuts]}, but the model stitches them "
+                f"back by its config's {[list(p) for p in config.image_grid_pinpoints]}; use the model's own processor "
+                "settings (no image_grid_pinpoints in processor_kwargs)")
         return [anyres_view(int(image.shape[0]), int(image.shape[1]), tile, patch, config.image_grid_pinpoints, max_tiles)
                 for image in images]
 

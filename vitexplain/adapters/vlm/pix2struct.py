@@ -24,7 +24,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from ...errors import UnsupportedModelError, UsageError
+from ...errors import InputError, UnsupportedModelError, UsageError
 from ...methods.families import VLM
 from ..base import Adapter, register_adapter
 from .base import processor_images
@@ -75,9 +75,29 @@ class Pix2StructAdapter(EncoderDecoderVLMAdapter):
         mask = [[0] * (length - len(p)) + [1] * len(p) for p in prefixes]
         device = next(self.model.parameters()).device
         batch = batch.to(device)
+        batch["flattened_patches"] = self._in_model_dtype(batch["flattened_patches"])
         batch["decoder_input_ids"] = torch.tensor(ids, dtype=torch.long, device=device)
         batch["decoder_attention_mask"] = torch.tensor(mask, dtype=torch.long, device=device)
         return batch
+
+    def _in_model_dtype(self, patches: Tensor) -> Tensor:
+        """(B, P, 2 + D) patches in the dtype of the model's patch projection (a half-precision model's; the model
+        does not cast them itself), once the row and column ids they carry are checked to survive that dtype.
+
+        Raises:
+            InputError: the ids are too large for the dtype (bfloat16: past 256).
+        """
+        dtype = next((m.weight.dtype for name, m in self.model.named_modules()
+                      if name.endswith("embeddings.patch_projection") and isinstance(m, nn.Linear)), patches.dtype)
+        if dtype == patches.dtype:
+            return patches
+        cast = patches.to(dtype)
+        if not torch.equal(cast[..., :2].to(patches.dtype), patches[..., :2]):
+            raise InputError(
+                f"the patches' row and column ids reach {int(patches[..., :2].max())}, which a {str(dtype).replace('torch.', '')} "
+                "Pix2Struct cannot hold exactly (it reads them from its patches); explain with the model in float32, or "
+                "pass a smaller max_patches (processor_kwargs) or a less elongated image")
+        return cast
 
     def decoder_prefix_ids(self, inputs: Any) -> tuple[Tensor, Tensor]:
         return inputs["decoder_input_ids"], inputs["decoder_attention_mask"]

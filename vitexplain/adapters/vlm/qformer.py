@@ -23,7 +23,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from ...errors import UnsupportedMethodError
+from ...errors import InputError, UnsupportedMethodError
 from ...methods.families import VLM
 from ..base import Adapter, register_adapter
 from .base import VLMAdapter
@@ -36,6 +36,12 @@ _NAMES = ("Blip2ForConditionalGeneration", "InstructBlipForConditionalGeneration
 
 class QFormerAdapter(VLMAdapter):
     """``Blip2ForConditionalGeneration`` and ``InstructBlipForConditionalGeneration``."""
+
+    def __init__(self, model: nn.Module, processor: Any = None) -> None:
+        super().__init__(model, processor)
+        if type(model).__name__ == "InstructBlipForConditionalGeneration":  # its Q-Former reads the prompt
+            self.required_inputs = ("qformer_input_ids",)
+            self.required_for = "for its Q-Former, which reads the prompt"
 
     def format_prompt(self, prompt: str) -> str:
         return self.bare_prompt(prompt)  # the processor puts the query tokens in front
@@ -60,11 +66,25 @@ class QFormerAdapter(VLMAdapter):
         empty prompt (no BOS token) would end in padding. Padding is masked and positions count the unmasked
         tokens, so where it sits changes nothing else."""
         batch = super().prepare(images, prompts)
+        self._check_qformer_prompt(batch)
         if not self.kosmos:
             order = torch.argsort(batch["attention_mask"], dim=1, stable=True)  # padding (0) first, tokens in order
             batch["input_ids"] = batch["input_ids"].gather(1, order)
             batch["attention_mask"] = batch["attention_mask"].gather(1, order)
         return batch
+
+    def _check_qformer_prompt(self, batch: Any) -> None:
+        """InstructBLIP's Q-Former reads the prompt (``qformer_input_ids``) with its own learned positions.
+
+        Raises:
+            InputError: the prompt takes more of them than the Q-Former has.
+        """
+        ids = batch.get("qformer_input_ids")
+        limit = getattr(getattr(self.model.config, "qformer_config", None), "max_position_embeddings", None)
+        if isinstance(ids, Tensor) and isinstance(limit, int) and ids.shape[1] > limit:
+            raise InputError(
+                f"the prompt takes {ids.shape[1]} tokens in {type(self.model).__name__}'s Q-Former, which reads it too "
+                f"and has {limit} learned positions; give a shorter prompt")
 
     def generate(self, inputs: Any, max_len: int) -> Tensor:
         """Greedy answers; Kosmos-2's, one image at a time without its padding: its ``generate`` answers a
