@@ -201,6 +201,16 @@ class CNNAdapter(Adapter):
             "that outputs one"
         )
 
+    def size_refusal(self, x: Tensor) -> Optional[str]:
+        """Why the model does not take the size of ``x`` (B, C, H, W) and which sizes it takes, when a
+        self-attention block takes only some feature-map sizes (BotNet, HaloNet, LambdaNet), else None
+        (:func:`vitexplain.adapters.cnn_sizes.size_refusal`; runs one probe forward)."""
+        from .base import preprocessing
+        from .cnn_sizes import size_refusal
+
+        configured = preprocessing(self).get("input_size")
+        return size_refusal(self.model, self.forward, x, tuple(configured)[-2:] if configured else None)
+
     @property
     def target_layer(self) -> str:
         """Module name of the last feature stage (the stage before it when the head reads only
