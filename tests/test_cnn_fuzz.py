@@ -9,6 +9,7 @@ import re
 
 import pytest
 import timm
+import torchvision
 import torch
 
 import vitexplain as vx
@@ -55,3 +56,34 @@ def test_a_cnn_with_self_attention_refuses_a_size_it_does_not_take_and_the_size_
     e = ex.explain(torch.randn(2, 3, *suggested), method="gradcam", target=[1, 3])  # the advice, followed, works
     assert e.maps.shape[0] == 2 and bool(torch.isfinite(e.maps).all())
     assert _hooks(model) == 0
+
+
+# CNNs whose own forward fails on some sizes: multi-resolution fusion (HRNet), aggregation of stages
+# (DLA) and blur-pool shortcuts (ResNet-AA) need the sides to halve evenly, TResNet's space-to-depth stem
+# needs multiples of 4, Inception-v3 and SqueezeNet need a minimum size; each failed with a raw
+# tensor-size RuntimeError
+SIZE_BOUND = {
+    # name: (build, a size it refuses, the size the error must give)
+    "timm hrnet_w18_small": (lambda: timm.create_model("hrnet_w18_small", num_classes=5), (67, 91), "64x96"),
+    "timm dla46_c": (lambda: timm.create_model("dla46_c", num_classes=5), (67, 91), "64x96"),
+    "timm resnetaa34d": (lambda: timm.create_model("resnetaa34d", num_classes=5), (33, 47), "32x32"),
+    "timm tresnet_m": (lambda: timm.create_model("tresnet_m", num_classes=5), (67, 91), "64x96"),
+    "torchvision inception_v3": (lambda: torchvision.models.inception_v3(
+        weights=None, num_classes=5, aux_logits=False, init_weights=False), (67, 91), "224x224"),  # its configured size
+    "torchvision squeezenet1_1": (lambda: torchvision.models.squeezenet1_1(num_classes=5), (16, 16), "32x32"),
+}
+
+
+@pytest.mark.parametrize("name", list(SIZE_BOUND))
+def test_a_cnn_that_fails_on_a_size_says_so_and_names_a_size_it_takes(name):
+    build, size, takes = SIZE_BOUND[name]
+    torch.manual_seed(0)
+    model = build().eval()
+    ex = vx.Explainer(model)
+    with pytest.raises(vx.InputError, match=rf"does not take a {size[0]}x{size[1]} input .*runs on {takes} images") as info:
+        ex.explain(torch.randn(1, 3, *size), method="gradcam")
+    assert isinstance(info.value.__cause__, RuntimeError)  # the model's own message is kept
+    assert _hooks(model) == 0 and not model.training
+    suggested = tuple(int(s) for s in takes.split("x"))
+    e = ex.explain(torch.randn(2, 3, *suggested), method="gradcam", target=[1, 3])  # the advice, followed, works
+    assert e.maps.shape[0] == 2 and bool(torch.isfinite(e.maps).all())

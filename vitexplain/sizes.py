@@ -50,12 +50,12 @@ def run_sized(adapter: Adapter, x: Tensor, run: Callable[[], Any]) -> Any:
         if isinstance(err, VitexplainError):
             raise
         size = tuple(x.shape[-2:])
-        refusal = getattr(adapter, "size_refusal", None)  # a CNN whose attention blocks take some sizes only
-        why = refusal(x) if callable(refusal) else None
-        if why is not None:
-            raise InputError(f"the model does not take a {size[0]}x{size[1]} input ({type(err).__name__}: {err}); {why}") from err
         fixed = getattr(adapter, "fixed_size", None)
         one_size = getattr(adapter, "one_size", None)  # why it takes one size, which is not known
+        refusal = getattr(adapter, "size_refusal", None)  # a CNN: which size it takes, found by probing
+        why = refusal(x) if callable(refusal) and fixed is None and one_size is None else None
+        if why is not None:
+            raise InputError(f"the model does not take a {size[0]}x{size[1]} input ({type(err).__name__}: {err}); {why}") from err
         if not SIZE_REFUSAL.search(str(err)) and (fixed is None or tuple(fixed) == size) and one_size is None:
             raise
         if fixed is None and one_size is not None:

@@ -202,14 +202,15 @@ class CNNAdapter(Adapter):
         )
 
     def size_refusal(self, x: Tensor) -> Optional[str]:
-        """Why the model does not take the size of ``x`` (B, C, H, W) and which sizes it takes, when a
-        self-attention block takes only some feature-map sizes (BotNet, HaloNet, LambdaNet), else None
-        (:func:`vitexplain.adapters.cnn_sizes.size_refusal`; runs one probe forward)."""
+        """Why the model does not take the size of ``x`` (B, C, H, W) and which size it takes (a self-attention
+        block that takes some feature-map sizes only, feature maps that must halve evenly, a minimum size), else
+        None (:func:`vitexplain.adapters.cnn_sizes.size_refusal`; runs probe forwards of one image)."""
         from .base import preprocessing
         from .cnn_sizes import size_refusal
 
         configured = preprocessing(self).get("input_size")
-        return size_refusal(self.model, self.forward, x, tuple(configured)[-2:] if configured else None)
+        stride = max((int(r) for r, _ in self._info.values() if r), default=32)
+        return size_refusal(self.model, self.forward, x, tuple(configured)[-2:] if configured else None, stride)
 
     @property
     def target_layer(self) -> str:

@@ -5,7 +5,10 @@ timm's self-attention blocks for CNNs take only some feature-map sizes: ``Bottle
 into fixed blocks, and a strided ``LambdaLayer`` halves its map with a 2x2 average pool (rounding down)
 while the block's shortcut rounds up. Another size fails inside the model with a bare ``AssertionError`` or
 a tensor-size error that names no size. :func:`size_refusal` says which module refuses and which image
-sizes the model takes; :func:`vitexplain.sizes.run_sized` raises it as an ``InputError``.
+sizes the model takes; :func:`vitexplain.sizes.run_sized` raises it as an ``InputError``. Plain CNNs fail
+on some sizes too (HRNet's and DLA's fusion of stages, blur-pool shortcuts and TResNet's space-to-depth stem
+need sides that halve evenly; Inception-v3 a minimum size): when the model's own forward fails on the size
+and runs on the nearest multiple of its stride, or on its configured size, that size is named.
 
 Each module's reduction (image side over its input map's side) comes from one probe forward without
 gradients (forward pre-hooks, removed in ``finally``; a model in training mode keeps its buffers): at the
@@ -113,20 +116,51 @@ def _reductions(model: nn.Module, rules: list[_Rule], forward: Callable[[Tensor]
     return {}
 
 
+def _runs(model: nn.Module, forward: Callable[[Tensor], object], like: Tensor, size: tuple[int, int]) -> bool:
+    """Whether one image of ``size`` (dtype, device and channels of ``like``) runs through the model."""
+    x = torch.zeros(1, *like.shape[1:-2], *size, dtype=like.dtype, device=like.device)
+    try:
+        with torch.no_grad(), buffers_kept(model):
+            forward(x)
+    except Exception:  # any failure: it does not take that size
+        return False
+    return True
+
+
+def _size_it_takes(model: nn.Module, forward: Callable[[Tensor], object], x: Tensor, stride: int,
+                   configured: Optional[tuple[int, int]]) -> Optional[str]:
+    """Which size a CNN takes when its own forward fails on the size of ``x`` and runs on the nearest sides
+    that are multiples of its ``stride`` (feature maps that must halve evenly: HRNet, DLA, blur pools,
+    space-to-depth stems) or on its configured size (a minimum size: Inception-v3); None when the model runs
+    on the size of ``x`` (the failure is not its size) or on neither."""
+    size = (int(x.shape[-2]), int(x.shape[-1]))
+    if _runs(model, forward, x, size):
+        return None
+    near = tuple(max(stride, (s + stride // 2) // stride * stride) for s in size)  # nearest multiple, ties up
+    if near != size and _runs(model, forward, x, near):
+        return (f"it runs on {near[0]}x{near[1]} images (sides that are multiples of its stride {stride}, so that "
+                f"its feature maps halve evenly): resize the images to that size or other multiples of {stride}")
+    if configured is not None and tuple(configured) != size and _runs(model, forward, x, configured):
+        return (f"it runs on {configured[0]}x{configured[1]} images (its configured input size): resize the images "
+                "to that size")
+    return None
+
+
 def size_refusal(model: nn.Module, forward: Callable[[Tensor], object], x: Tensor,
-                 configured: Optional[tuple[int, int]]) -> Optional[str]:
-    """Why ``model`` does not take the size of ``x`` (B, C, H, W) and which sizes it takes, or None (no
-    size-restricted module, or the size satisfies every rule known: the failure is something else).
+                 configured: Optional[tuple[int, int]], stride: int = 32) -> Optional[str]:
+    """Why ``model`` does not take the size of ``x`` (B, C, H, W) and which sizes it takes, or None (it takes
+    that size, or no size is found that it takes: the failure is something else).
 
     Args:
         model: the model.
         forward: the adapter's forward, ``forward(x) -> outputs``.
         x: the refused input (only its size, channels, dtype and device are used).
         configured: the model's configured input size (H, W), tried first to find each module's reduction.
+        stride: the model's total stride (its last feature map's reduction).
     """
     rules = size_rules(model)
     if not rules:
-        return None
+        return _size_it_takes(model, forward, x, stride, configured)
     reductions = _reductions(model, rules, forward, x, configured)
     size = (int(x.shape[-2]), int(x.shape[-1]))
     fixed = [(r, reductions[r.name]) for r in rules if r.grid is not None and r.name in reductions]
