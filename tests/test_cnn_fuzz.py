@@ -122,3 +122,50 @@ def test_grad_cams_of_a_float64_model_are_computed_in_float64():
         assert e.maps.dtype == torch.float32 and want.max() > 0
         error = float((e.maps.double() - want).abs().max() / want.max())
         assert error < 1e-6, (method, error)
+
+
+# CNNs whose blocks call a softmax (so they are explained as conv/attention hybrids, the Grad-CAM family only):
+# the refusal of the attention methods said "vx.capture(model) records every attention call", but capture
+# records none of these (NoAttentionError): a selective-kernel or split-attention softmax runs over branches,
+# a global-context or lambda softmax over positions with no queries, BotNet's token attention is 3-D
+HYBRID_BLOCKS = {
+    # name: (build, input size, words the reason must hold)
+    "timm skresnet18": (lambda: timm.create_model("skresnet18", num_classes=5), 64, "SelectiveKernel"),
+    "timm resnest14d": (lambda: timm.create_model("resnest14d", num_classes=5), 64, "SplitAttn"),
+    "timm resnet + gc": (lambda: timm.create_model("resnet10t", num_classes=5, block_args=dict(attn_layer="gc")), 64,
+                         "GlobalContext"),
+    "timm gcresnet33ts": (lambda: timm.create_model("gcresnet33ts", num_classes=5), 64, "GlobalContext"),
+    "timm lambda_resnet26t": (lambda: timm.create_model("lambda_resnet26t", num_classes=5), 64, "LambdaLayer"),
+    "timm botnet26t": (lambda: timm.create_model("botnet26t_256", num_classes=5, img_size=64), 64, "BottleneckAttn"),
+}
+
+
+def test_halonet_is_refused_attention_methods_with_the_layout_capture_records():
+    """HaloNet's softmax is 4-D, so vx.capture records it, but laid out (B * heads, blocks, block positions,
+    window positions): the refusal says so (it said capture records every attention call, as for a ViT)."""
+    torch.manual_seed(0)
+    model = timm.create_model("halonet26t", num_classes=5).eval()
+    with pytest.raises(vx.UnsupportedMethodError, match=r"HaloAttn .*\(B \* heads, blocks, block positions, window"):
+        vx.Explainer(model).explain(torch.randn(1, 3, 256, 256), method="rollout")
+    with torch.no_grad(), vx.capture(model) as rec:
+        model(torch.randn(1, 3, 256, 256))
+    halo = model.get_submodule(rec.records[0].name)
+    side = 256 // 16  # stage 3's map, split into blocks of halo.block_size
+    assert tuple(rec.records[0].probs().shape[:3]) == (halo.num_heads, (side // halo.block_size) ** 2, halo.block_size ** 2)
+
+
+@pytest.mark.parametrize("name", list(HYBRID_BLOCKS))
+def test_a_cnn_whose_blocks_call_a_softmax_is_refused_attention_methods_with_what_its_blocks_do(name):
+    build, side, kind = HYBRID_BLOCKS[name]
+    torch.manual_seed(0)
+    model = build().eval()
+    ex = vx.Explainer(model)
+    x = torch.randn(1, 3, side, side)
+    with pytest.raises(vx.UnsupportedMethodError, match=rf"{kind}") as info:
+        ex.explain(x, method="rollout")
+    with pytest.raises(vx.NoAttentionError):  # what the reason must not contradict
+        with torch.no_grad(), vx.capture(model) as rec:
+            model(x)
+        rec.records
+    assert "records every attention call" not in str(info.value)
+    assert ex.explain(x, method="gradcam").maps.shape[0] == 1

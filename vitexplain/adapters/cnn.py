@@ -40,7 +40,7 @@ from ..errors import UnsupportedMethodError
 
 from ..methods.families import CNN
 from .base import Adapter, register_adapter
-from .hybrid_notes import mixer_reason
+from .hybrid_notes import block_reason, mixer_reason
 from ..errors import UsageError
 
 __all__ = ["CNNAdapter", "cnn_stages", "stage_ends", "calls_attention"]
@@ -53,7 +53,7 @@ def _hybrid_note(model: nn.Module) -> str:
     name = type(model).__name__
     tail = ("the Grad-CAM family explains its last stage, and vx.capture(model) records every attention call "
             "(rec.records[i].probs())")
-    reason = mixer_reason(model)
+    reason = mixer_reason(model) or block_reason(model)
     if reason is not None:
         return f"{name} {reason}; the Grad-CAM family explains its last stage"
     return (f"{name} is a conv/attention hybrid that no attention family describes (the hierarchical family "
