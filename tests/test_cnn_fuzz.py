@@ -169,3 +169,40 @@ def test_a_cnn_whose_blocks_call_a_softmax_is_refused_attention_methods_with_wha
         rec.records
     assert "records every attention call" not in str(info.value)
     assert ex.explain(x, method="gradcam").maps.shape[0] == 1
+
+
+class _Normalize(torch.nn.Module):
+    def forward(self, x):
+        return (x - 0.45) / 0.225
+
+
+# a classifier inside a wrapper (a normalisation layer in front, DataParallel): the Grad-CAM family was listed,
+# then refused ("the output of '1' has shape (2, 5)"): the last stage found was the whole wrapped classifier
+WRAPPED = {
+    "Sequential(normalize, torchvision resnet18)": (
+        lambda inner: torch.nn.Sequential(_Normalize(), inner), "1.layer4"),
+    "DataParallel(torchvision resnet18)": (lambda inner: torch.nn.DataParallel(inner), "module.layer4"),
+}
+
+
+@pytest.mark.parametrize("name", list(WRAPPED))
+def test_a_wrapped_cnn_is_explained_at_the_last_stage_of_the_classifier_inside(name):
+    wrap, layer = WRAPPED[name]
+    torch.manual_seed(0)
+    inner = torchvision.models.resnet18(num_classes=5).eval()
+    model = wrap(inner).eval()
+    x = torch.randn(2, 3, 48, 80, generator=torch.Generator().manual_seed(1))
+    classes = torch.tensor([1, 4])
+    ex = vx.Explainer(model)
+    assert ex.adapter.target_layer == layer
+    e = ex.explain(x, method="gradcam", target=classes)
+    store = {}  # oracle: Grad-CAM by hand on the inner layer4's output in the wrapper's own forward
+    handle = inner.layer4.register_forward_hook(lambda m, i, o: store.__setitem__("a", o))
+    try:
+        score = model(x)[torch.arange(2), classes].sum()
+    finally:
+        handle.remove()
+    (g,) = torch.autograd.grad(score, store["a"])
+    want = (g.mean((2, 3), keepdim=True) * store["a"].detach()).sum(1).clamp(min=0)
+    torch.testing.assert_close(e.maps, want, rtol=1e-5, atol=1e-6 * float(want.max()))
+    assert _hooks(model) == 0

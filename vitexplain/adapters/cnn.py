@@ -10,7 +10,8 @@ default target layer of Grad-CAM, Grad-CAM++ and LayerCAM. How the stages are fo
   (RegNet), and for models with a ``features`` Sequential (MobileNet, EfficientNet, VGG,
   ConvNeXt, ...) the last child of ``features`` before each downsampling child, and the last.
   torchvision MaxViT: its ``blocks``.
-- anything else: the last top-level child holding a ``Conv2d`` before global pooling.
+- anything else: the last top-level child holding a ``Conv2d`` before global pooling (the stages of that
+  child when it is a whole classifier inside a wrapper: ``Sequential(normalize, resnet)``, ``DataParallel``).
 
 Conv/attention hybrids that no attention family describes (EfficientFormerV2, DaViT,
 ...) get the same adapter: the Grad-CAM family reads the last stage. Hierarchical
@@ -338,14 +339,23 @@ def _torchvision_stages(model: nn.Module) -> list[str]:
 
 
 def _fallback_stages(model: nn.Module) -> list[str]:
-    """The last top-level child holding a Conv2d before the global pooling."""
+    """The last top-level child holding a Conv2d before the global pooling; when that child is a whole
+    classifier (it pools inside: a wrapper such as ``Sequential(normalize, resnet)`` or ``DataParallel``),
+    the stages of that classifier, under its name."""
     last = None
     for name, child in model.named_children():
         if _is_pool(name, child):
             break
         if _has(child, nn.Conv2d):
             last = name
-    return [last] if last else []
+    if last is None:
+        return []
+    child = model.get_submodule(last)
+    if any(_is_pool(n.rpartition(".")[2], m) for n, m in child.named_modules() if n):
+        inner = cnn_stages(child)
+        if inner:
+            return [f"{last}.{stage}" for stage in inner]
+    return [last]
 
 
 def cnn_stages(model: nn.Module) -> list[str]:
