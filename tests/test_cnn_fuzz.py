@@ -206,3 +206,51 @@ def test_a_wrapped_cnn_is_explained_at_the_last_stage_of_the_classifier_inside(n
     want = (g.mean((2, 3), keepdim=True) * store["a"].detach()).sum(1).clamp(min=0)
     torch.testing.assert_close(e.maps, want, rtol=1e-5, atol=1e-6 * float(want.max()))
     assert _hooks(model) == 0
+
+
+def _hf_resnet_without_labels():
+    import transformers
+
+    return transformers.ResNetForImageClassification(transformers.ResNetConfig(
+        embedding_size=16, hidden_sizes=[16, 32, 48, 64], depths=[1, 1, 1, 1], num_labels=0))
+
+
+def _headless(model, attribute):
+    setattr(model, attribute, torch.nn.Identity())
+    return model
+
+
+# CNNs whose head was removed (a feature extractor): a Hugging Face classifier with num_labels=0 returns its pooled
+# features as "logits", and target=None explained the largest feature as if it were a class (silently); torchvision's
+# ResNet with fc = Identity was refused as a model vitexplain does not know
+HEADLESS = {
+    "Hugging Face ResNet, num_labels=0": _hf_resnet_without_labels,
+    "torchvision resnet18, fc=Identity": lambda: _headless(torchvision.models.resnet18(), "fc"),
+    "torchvision mobilenet_v3_small, classifier=Identity": (
+        lambda: _headless(torchvision.models.mobilenet_v3_small(), "classifier")),
+}
+
+
+@pytest.mark.parametrize("name", list(HEADLESS))
+def test_a_cnn_without_a_head_asks_for_a_target_and_explains_a_callable_one(name):
+    if "Hugging" in name:
+        pytest.importorskip("transformers")
+    build = HEADLESS[name]
+    torch.manual_seed(0)
+    model = build().eval()
+    x = torch.randn(2, 3, 64, 96, generator=torch.Generator().manual_seed(1))
+    ex = vx.Explainer(model)
+    with pytest.raises(vx.TargetError, match="no classifier head"):
+        ex.explain(x, method="gradcam")
+    e = ex.explain(x, method="gradcam", target=vx.targets.norm())
+    layer = ex.adapter.target_layer
+    store = {}  # oracle: Grad-CAM by hand of the embedding's norm on the model's own forward
+    handle = model.get_submodule(layer).register_forward_hook(lambda m, i, o: store.__setitem__("a", o))
+    try:
+        out = model(pixel_values=x).logits if "Hugging" in name else model(x)
+    finally:
+        handle.remove()
+    (g,) = torch.autograd.grad(out.flatten(1).norm(dim=1).sum(), store["a"])
+    want = (g.mean((2, 3), keepdim=True) * store["a"].detach()).sum(1).clamp(min=0)
+    assert want.max() > 0
+    torch.testing.assert_close(e.maps, want, rtol=1e-5, atol=1e-6 * float(want.max()))

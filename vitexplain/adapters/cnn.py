@@ -103,7 +103,7 @@ class CNNAdapter(Adapter):
             )
         self._capabilities = frozenset({"stages"}) | gate_capabilities(model)
         self._probed = False
-        self.has_head = int(getattr(model, "num_classes", 1) or 0) > 0
+        self.has_head = _has_head(model)
         self.notes.update(_gate_notes(model, self._capabilities))
         self.hybrid = calls_attention(model) or mixer_reason(model) is not None
         self.one_size = _one_size(model) if self.hybrid else None
@@ -254,6 +254,28 @@ def _gate_notes(model: nn.Module, capabilities: frozenset[str]) -> dict[str, str
         for kind in ("channel_gates", "spatial_gates")
         if kind not in capabilities
     }
+
+
+#: Attribute names of a classifier head (timm's get_classifier() first).
+_HEADS = ("fc", "classifier", "head", "heads", "last_linear")
+
+
+def _has_head(model: nn.Module) -> bool:
+    """Whether the model returns class logits: False for ``num_classes=0`` and for a head that holds no linear or
+    conv layer (``fc = nn.Identity()``, a Hugging Face classifier with ``num_labels=0``): its output is then the
+    pooled features, and no index of it is a class."""
+    if int(getattr(model, "num_classes", 1) or 0) <= 0:
+        return False
+    get = getattr(model, "get_classifier", None)
+    try:
+        head = get() if callable(get) else None
+    except Exception:  # a get_classifier that needs arguments or fails: read the attributes
+        head = None
+    if not isinstance(head, nn.Module):
+        head = next((h for h in (getattr(model, n, None) for n in _HEADS) if isinstance(h, nn.Module)), None)
+    if head is None:
+        return True
+    return any(isinstance(m, (nn.Linear, nn.Conv2d, nn.Conv1d)) for m in head.modules())
 
 
 def _reads_class_token(model: nn.Module) -> bool:
@@ -418,7 +440,10 @@ def _detect_timm(model: nn.Module) -> Optional[Adapter]:
 def _detect_torchvision(model: nn.Module) -> Optional[Adapter]:
     if _is_swin(model):
         return None
-    if type(model).__module__.startswith("torchvision.models") and _is_classifier_cnn(model, hybrids=True):
+    module = type(model).__module__
+    # a classification model (torchvision.models.<name>, not .detection or .segmentation) whose head was removed
+    headless = module.count(".") == 2 and _has(model, nn.Conv2d) and not _has_head(model)
+    if module.startswith("torchvision.models") and (_is_classifier_cnn(model, hybrids=True) or headless):
         stages = _torchvision_stages(model)
         return CNNAdapter(model, stages) if stages else None
     return None
