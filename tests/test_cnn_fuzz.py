@@ -254,3 +254,14 @@ def test_a_cnn_without_a_head_asks_for_a_target_and_explains_a_callable_one(name
     want = (g.mean((2, 3), keepdim=True) * store["a"].detach()).sum(1).clamp(min=0)
     assert want.max() > 0
     torch.testing.assert_close(e.maps, want, rtol=1e-5, atol=1e-6 * float(want.max()))
+
+
+def test_a_global_context_block_that_adds_its_context_is_named_as_having_no_gate():
+    """GC-ResNet's GlobalContext modules add their context (fuse_add) and scale by no gate: 'channel' was refused
+    with "has no attention-gate module vitexplain can read. Supported: ..., GlobalContext, ...", naming as
+    supported the very module the model has."""
+    model = timm.create_model("gcresnet33ts", num_classes=5).eval()
+    assert all(m.mlp_scale is None for m in model.modules() if type(m).__name__ == "GlobalContext")
+    with pytest.raises(vx.UnsupportedMethodError, match=r"its GlobalContext modules scale by no gate") as info:
+        vx.Explainer(model).explain(torch.randn(1, 3, 64, 64), method="channel")
+    assert "gradcam" in str(info.value)
