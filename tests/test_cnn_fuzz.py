@@ -265,3 +265,23 @@ def test_a_global_context_block_that_adds_its_context_is_named_as_having_no_gate
     with pytest.raises(vx.UnsupportedMethodError, match=r"its GlobalContext modules scale by no gate") as info:
         vx.Explainer(model).explain(torch.randn(1, 3, 64, 64), method="channel")
     assert "gradcam" in str(info.value)
+
+
+def test_running_out_of_memory_is_not_taken_for_an_input_size():
+    """A CNN's failure on an input is probed with forwards of one image to name a size it takes; running out of
+    memory says nothing about the size's shape, so it is raised as it came, after no probe forward."""
+    model = torchvision.models.resnet18(num_classes=5).eval()
+    forwards = []
+
+    def out_of_memory(module, inputs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    handles = [model.layer3.register_forward_pre_hook(out_of_memory),
+               model.layer1.register_forward_pre_hook(lambda module, inputs: forwards.append(1))]
+    try:
+        with pytest.raises(torch.cuda.OutOfMemoryError, match="simulated"):
+            vx.Explainer(model).explain(torch.randn(1, 3, 33, 47), method="gradcam")
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert len(forwards) == 1  # the explained forward only

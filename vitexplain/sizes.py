@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any, Callable, Optional
 
+import torch
 from torch import Tensor
 
 from .adapters import Adapter, preprocessing
@@ -53,7 +54,8 @@ def run_sized(adapter: Adapter, x: Tensor, run: Callable[[], Any]) -> Any:
         fixed = getattr(adapter, "fixed_size", None)
         one_size = getattr(adapter, "one_size", None)  # why it takes one size, which is not known
         refusal = getattr(adapter, "size_refusal", None)  # a CNN: which size it takes, found by probing
-        why = refusal(x) if callable(refusal) and fixed is None and one_size is None else None
+        oom = isinstance(err, torch.cuda.OutOfMemoryError)  # memory, not the size's shape: no probe forwards
+        why = refusal(x) if callable(refusal) and fixed is None and one_size is None and not oom else None
         if why is not None:
             raise InputError(f"the model does not take a {size[0]}x{size[1]} input ({type(err).__name__}: {err}); {why}") from err
         if not SIZE_REFUSAL.search(str(err)) and (fixed is None or tuple(fixed) == size) and one_size is None:
