@@ -13,6 +13,7 @@ import torchvision
 import torch
 
 import vitexplain as vx
+from support_table import reinit_heads
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -159,8 +160,9 @@ def test_a_cnn_whose_blocks_call_a_softmax_is_refused_attention_methods_with_wha
     build, side, kind = HYBRID_BLOCKS[name]
     torch.manual_seed(0)
     model = build().eval()
+    reinit_heads(model)  # timm zero-initialises each residual branch's last norm: Grad-CAM would be 0
     ex = vx.Explainer(model)
-    x = torch.randn(1, 3, side, side)
+    x = torch.randn(2, 3, side, side, generator=torch.Generator().manual_seed(1))
     with pytest.raises(vx.UnsupportedMethodError, match=rf"{kind}") as info:
         ex.explain(x, method="rollout")
     with pytest.raises(vx.NoAttentionError):  # what the reason must not contradict
@@ -168,7 +170,22 @@ def test_a_cnn_whose_blocks_call_a_softmax_is_refused_attention_methods_with_wha
             model(x)
         rec.records
     assert "records every attention call" not in str(info.value)
-    assert ex.explain(x, method="gradcam").maps.shape[0] == 1
+    e = ex.explain(x, method="gradcam", target=[2, 0])  # what it runs: Grad-CAM, equal to the formula by hand
+    assert_gradcam_is_the_formula(model, ex.adapter.target_layer, x, torch.tensor([2, 0]), e.maps)
+
+
+def assert_gradcam_is_the_formula(model, layer, x, classes, maps):
+    """``maps`` equal ReLU(sum_c mean(dy/dA_c) A_c) on ``layer``'s output A in the model's own forward."""
+    store = {}
+    handle = model.get_submodule(layer).register_forward_hook(lambda m, i, o: store.__setitem__("a", o))
+    try:
+        score = model(x)[torch.arange(len(x)), classes].sum()
+    finally:
+        handle.remove()
+    (g,) = torch.autograd.grad(score, store["a"])
+    want = (g.mean((2, 3), keepdim=True) * store["a"].detach()).sum(1).clamp(min=0)
+    assert want.max() > 0
+    torch.testing.assert_close(maps, want, rtol=1e-5, atol=1e-6 * float(want.max()))
 
 
 class _Normalize(torch.nn.Module):
@@ -196,15 +213,7 @@ def test_a_wrapped_cnn_is_explained_at_the_last_stage_of_the_classifier_inside(n
     ex = vx.Explainer(model)
     assert ex.adapter.target_layer == layer
     e = ex.explain(x, method="gradcam", target=classes)
-    store = {}  # oracle: Grad-CAM by hand on the inner layer4's output in the wrapper's own forward
-    handle = inner.layer4.register_forward_hook(lambda m, i, o: store.__setitem__("a", o))
-    try:
-        score = model(x)[torch.arange(2), classes].sum()
-    finally:
-        handle.remove()
-    (g,) = torch.autograd.grad(score, store["a"])
-    want = (g.mean((2, 3), keepdim=True) * store["a"].detach()).sum(1).clamp(min=0)
-    torch.testing.assert_close(e.maps, want, rtol=1e-5, atol=1e-6 * float(want.max()))
+    assert_gradcam_is_the_formula(model, layer, x, classes, e.maps)  # on the inner layer4, in the wrapper's forward
     assert _hooks(model) == 0
 
 
