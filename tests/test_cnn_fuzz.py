@@ -294,3 +294,42 @@ def test_running_out_of_memory_is_not_taken_for_an_input_size():
         for handle in handles:
             handle.remove()
     assert len(forwards) == 1  # the explained forward only
+
+
+def test_a_label_target_may_be_one_of_the_names_a_class_lists():
+    """timm's ImageNet label names list synonyms ('goldfish, Carassius auratus'): target='goldfish' was refused
+    as an unknown label, with all 1000 names in the message. One synonym names its class; a synonym two classes
+    share is refused with both; an unknown name gets the close ones, not the whole list."""
+    model = timm.create_model("resnet10t").eval()
+    ex = vx.Explainer(model)
+    names = ex.adapter.label_names
+    assert names[1].startswith("goldfish, ")
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    e = ex.explain(x, method="gradcam", target=["goldfish", "Carassius auratus"])
+    assert e.targets.tolist() == [1, 1]
+    torch.testing.assert_close(e.maps, ex.explain(x, method="gradcam", target=1).maps)
+    shared = [i for i, n in enumerate(names) if "crane" in [s.strip() for s in n.split(",")]]
+    assert len(shared) == 2  # the bird and the machine
+    with pytest.raises(vx.TargetError, match=re.escape(f"'crane' names several classes {shared}")):
+        ex.explain(x, method="gradcam", target="crane")
+    with pytest.raises(vx.TargetError, match=r"unknown label 'goldfsh'.*goldfish") as info:
+        ex.explain(x, method="gradcam", target="goldfsh")
+    assert len(str(info.value)) < 600
+
+
+def test_the_command_line_target_may_be_one_of_the_names_a_class_lists(tmp_path):
+    """`vitexplain export --target goldfish` on a timm CNN with ImageNet's names explains class 1 (it was refused as
+    an unknown label, as the Python API refused target='goldfish')."""
+    import json
+
+    import numpy as np
+    from PIL import Image
+
+    from vitexplain import cli
+
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (40, 56, 3), dtype=np.uint8)).save(tmp_path / "a.png")
+    out = tmp_path / "out"
+    assert cli.main(["export", str(tmp_path / "a.png"), "--out", str(out), "--model", "resnet10t", "--target",
+                     "goldfish", "--method", "gradcam", "-q"]) == 0
+    record = json.loads((out / "manifest.jsonl").read_text().splitlines()[0])
+    assert record["target"]["index"] == 1 and record["target"]["label"].startswith("goldfish")
