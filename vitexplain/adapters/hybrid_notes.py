@@ -51,7 +51,7 @@ def mixer_reason(model: nn.Module) -> Optional[str]:
 
 
 #: (timm module, layer class, what a CNN block of that class does with its softmax: completes "its <class> ...").
-#: None of these softmaxes is a 4-D (B, heads, N, N) map of one token sequence (vx.capture records none but HaloAttn's).
+#: None of these softmaxes is a 4-D (B, heads, N, N) map of one token sequence, so vx.capture records none of them.
 _BLOCK_REASONS: tuple[tuple[str, str, str], ...] = (
     ("timm.layers.selective_kernel", "SelectiveKernel",
      "weights its kernel branches with a softmax over the branches, per channel (selective kernel): a mixing of "
@@ -71,8 +71,8 @@ _BLOCK_REASONS: tuple[tuple[str, str, str], ...] = (
      "sequence for the ViT attention methods"),
     ("timm.layers.halo_attn", "HaloAttn",
      "computes self-attention within blocks of a conv feature map, each block's queries over a haloed window "
-     "(HaloNet): no token sequence for the ViT attention methods, and the records vx.capture keeps of it are "
-     "laid out (B * heads, blocks, block positions, window positions), not (B, heads, N, N)"),
+     "(HaloNet): no token sequence for the ViT attention methods, and vx.capture does not record it (its softmax "
+     "is laid out (B * heads, blocks, block positions, window positions), not (B, heads, N, N))"),
 )
 
 
