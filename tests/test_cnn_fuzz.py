@@ -335,3 +335,21 @@ def test_the_command_line_target_may_be_one_of_the_names_a_class_lists(tmp_path)
                      "goldfish", "--method", "gradcam", "-q"]) == 0
     record = json.loads((out / "manifest.jsonl").read_text().splitlines()[0])
     assert record["target"]["index"] == 1 and record["target"]["label"].startswith("goldfish")
+
+
+def test_the_size_probes_leave_a_model_in_training_mode_as_found():
+    """The probe forwards that find a size a CNN takes run the user's model: one in training mode (batch-norm
+    statistics updated by every forward), in channels_last, with a frozen layer, is left exactly as found."""
+    torch.manual_seed(0)
+    model = timm.create_model("dla46_c", num_classes=5).train().to(memory_format=torch.channels_last)
+    model.base_layer.requires_grad_(False)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    flags = [(m.training, p.requires_grad) for m in model.modules() for p in m.parameters(recurse=False)]
+    with pytest.warns(UserWarning, match="training mode"):
+        with pytest.raises(vx.InputError, match="runs on 64x96 images"):
+            vx.Explainer(model).explain(torch.randn(2, 3, 67, 91), method="gradcam")
+    after = model.state_dict()
+    assert [k for k in before if not torch.equal(before[k], after[k])] == []
+    assert [(m.training, p.requires_grad) for m in model.modules() for p in m.parameters(recurse=False)] == flags
+    assert all(p.is_contiguous(memory_format=torch.channels_last) for p in model.parameters() if p.dim() == 4)
+    assert _hooks(model) == 0 and all(p.grad is None for p in model.parameters())
