@@ -353,3 +353,27 @@ def test_the_size_probes_leave_a_model_in_training_mode_as_found():
     assert [(m.training, p.requires_grad) for m in model.modules() for p in m.parameters(recurse=False)] == flags
     assert all(p.is_contiguous(memory_format=torch.channels_last) for p in model.parameters() if p.dim() == 4)
     assert _hooks(model) == 0 and all(p.grad is None for p in model.parameters())
+
+
+def test_a_channels_last_stage_whose_side_equals_its_channels_is_read_channels_last():
+    """MambaOut's stages output (B, h, w, C) (timm: output_fmt 'NHWC'); the package told the layout from the
+    shape only, so at 192 x 192 its first stage, (B, 48, 48, 48) with 48 channels, was read as (B, C, h, w)
+    and Grad-CAM there was another map (silently; off by 100% of its largest value). Oracle: the formula by
+    hand on the stage's output permuted to (B, C, h, w)."""
+    torch.manual_seed(0)
+    model = timm.create_model("mambaout_femto", num_classes=5).eval()
+    x = torch.randn(2, 3, 192, 192, generator=torch.Generator().manual_seed(1))
+    classes = torch.tensor([1, 2])
+    e = vx.Explainer(model).explain(x, method="gradcam", module="stages.0", target=classes)
+    store = {}
+    handle = model.stages[0].register_forward_hook(lambda m, i, o: store.__setitem__("a", o))
+    try:
+        score = model(x)[torch.arange(2), classes].sum()
+    finally:
+        handle.remove()
+    assert store["a"].shape == (2, 48, 48, 48)
+    (g,) = torch.autograd.grad(score, store["a"])
+    a, g = store["a"].detach().permute(0, 3, 1, 2), g.permute(0, 3, 1, 2)
+    want = (g.mean((2, 3), keepdim=True) * a).sum(1).clamp(min=0)
+    assert want.max() > 0
+    torch.testing.assert_close(e.maps, want, rtol=1e-5, atol=1e-6 * float(want.max()))

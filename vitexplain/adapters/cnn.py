@@ -188,7 +188,9 @@ class CNNAdapter(Adapter):
         """
         reduction, channels = self._info.get(name, (None, None))
         if output.dim() == 4:
-            if channels is not None and output.shape[1] != channels and output.shape[-1] == channels:
+            declared = getattr(self.model, "output_fmt", None)  # timm's layout of its stages: "NHWC" for MambaOut
+            nhwc = str(getattr(declared, "value", declared)) == "NHWC"  # (the shape alone cannot tell when h == C)
+            if channels is not None and output.shape[-1] == channels and (nhwc or output.shape[1] != channels):
                 return output.permute(0, 3, 1, 2)
             return output
         if output.dim() == 3 and reduction:
