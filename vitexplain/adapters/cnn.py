@@ -41,40 +41,13 @@ from ..errors import UnsupportedMethodError
 
 from ..methods.families import CNN
 from .base import Adapter, register_adapter
-from .hybrid_notes import block_reason, mixer_reason
+from .cnn_sizes import one_size_reason
+from .hybrid_notes import hybrid_note, mixer_reason
 from ..errors import UsageError
 
 __all__ = ["CNNAdapter", "cnn_stages", "stage_ends", "calls_attention"]
 
 _POOLS = (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)
-
-
-def _hybrid_note(model: nn.Module) -> str:
-    """Why a conv/attention hybrid gets the Grad-CAM family and not the attention methods."""
-    name = type(model).__name__
-    tail = ("the Grad-CAM family explains its last stage, and vx.capture(model) records every attention call "
-            "(rec.records[i].probs())")
-    reason = mixer_reason(model) or block_reason(model)
-    if reason is not None:
-        return f"{name} {reason}; the Grad-CAM family explains its last stage"
-    return (f"{name} is a conv/attention hybrid that no attention family describes (the hierarchical family "
-            "covers PVTv2, Twins, SAM's ViT, PiT, MaxViT, CoAtNet, CAFormer, TinyViT, LeViT, MViTv2, Hiera, SAM 2's "
-            "Hiera, CrossViT and TNT); "
-            + tail)
-
-
-def _one_size(model: nn.Module) -> Optional[str]:
-    """Why a conv/attention hybrid takes only the input size it was built for, or None.
-
-    timm's EfficientFormer (V1, V2) keeps learned attention biases indexed for one token grid
-    (an ``attention_bias_idxs`` buffer): another input size fails inside the model with a shape
-    error that does not name the size.
-    """
-    for name, module in model.named_modules():
-        if isinstance(getattr(module, "attention_bias_idxs", None), Tensor):
-            return (f"it takes only the input size it was built for (its attention module {name!r} keeps position "
-                    "biases for one token grid)")
-    return None
 
 
 class CNNAdapter(Adapter):
@@ -106,10 +79,10 @@ class CNNAdapter(Adapter):
         self.has_head = _has_head(model)
         self.notes.update(_gate_notes(model, self._capabilities))
         self.hybrid = calls_attention(model) or mixer_reason(model) is not None
-        self.one_size = _one_size(model) if self.hybrid else None
+        self.one_size = one_size_reason(model) if self.hybrid else None
         self._info = _timm_stage_info(model)
         if self.hybrid:
-            self.notes["family"] = _hybrid_note(model)
+            self.notes["family"] = hybrid_note(model)
 
     @property
     def capabilities(self) -> frozenset[str]:  # type: ignore[override]

@@ -27,7 +27,21 @@ from torch import Tensor, nn
 
 from ..checks import buffers_kept
 
-__all__ = ["size_rules", "size_refusal"]
+__all__ = ["size_rules", "size_refusal", "one_size_reason"]
+
+
+def one_size_reason(model: nn.Module) -> Optional[str]:
+    """Why a conv/attention hybrid takes only the input size it was built for, or None.
+
+    timm's EfficientFormer (V1, V2) keeps learned attention biases indexed for one token grid
+    (an ``attention_bias_idxs`` buffer): another input size fails inside the model with a shape
+    error that does not name the size.
+    """
+    for name, module in model.named_modules():
+        if isinstance(getattr(module, "attention_bias_idxs", None), Tensor):
+            return (f"it takes only the input size it was built for (its attention module {name!r} keeps position "
+                    "biases for one token grid)")
+    return None
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from typing import Optional
 
 from torch import nn
 
-__all__ = ["mixer_reason", "block_reason"]
+__all__ = ["mixer_reason", "block_reason", "hybrid_note"]
 
 #: (timm module, why its attention cannot be read: completes "<class name> ...")
 _REASONS: tuple[tuple[str, str], ...] = (
@@ -84,3 +84,17 @@ def block_reason(model: nn.Module) -> Optional[str]:
     if not parts:
         return None
     return "is a CNN whose blocks call a softmax the attention methods cannot read: " + "; ".join(parts)
+
+
+def hybrid_note(model: nn.Module) -> str:
+    """Why a conv/attention hybrid gets the Grad-CAM family and not the attention methods."""
+    name = type(model).__name__
+    tail = ("the Grad-CAM family explains its last stage, and vx.capture(model) records every attention call "
+            "(rec.records[i].probs())")
+    reason = mixer_reason(model) or block_reason(model)
+    if reason is not None:
+        return f"{name} {reason}; the Grad-CAM family explains its last stage"
+    return (f"{name} is a conv/attention hybrid that no attention family describes (the hierarchical family "
+            "covers PVTv2, Twins, SAM's ViT, PiT, MaxViT, CoAtNet, CAFormer, TinyViT, LeViT, MViTv2, Hiera, SAM 2's "
+            "Hiera, CrossViT and TNT); "
+            + tail)
