@@ -377,3 +377,29 @@ def test_a_channels_last_stage_whose_side_equals_its_channels_is_read_channels_l
     want = (g.mean((2, 3), keepdim=True) * a).sum(1).clamp(min=0)
     assert want.max() > 0
     torch.testing.assert_close(e.maps, want, rtol=1e-5, atol=1e-6 * float(want.max()))
+
+
+@pytest.mark.parametrize("module, channels_last", [("stages.1.blocks.0", True), ("stages.1.downsample.conv", False)])
+def test_a_module_of_a_channels_last_model_is_read_in_its_own_layout(module, channels_last):
+    """Inside MambaOut (output_fmt 'NHWC') a block outputs (B, h, w, C) and its convolutions (B, C, h, w); a
+    module other than a stage was always read as (B, C, h, w), so Grad-CAM on a block was a (B, w, C) map of
+    the wrong axes (silently)."""
+    torch.manual_seed(0)
+    model = timm.create_model("mambaout_femto", num_classes=5).eval()
+    x = torch.randn(2, 3, 64, 96, generator=torch.Generator().manual_seed(1))
+    classes = torch.tensor([1, 2])
+    e = vx.Explainer(model).explain(x, method="gradcam", module=module, target=classes)
+    store = {}
+    handle = model.get_submodule(module).register_forward_hook(lambda m, i, o: store.__setitem__("a", o))
+    try:
+        score = model(x)[torch.arange(2), classes].sum()
+    finally:
+        handle.remove()
+    (g,) = torch.autograd.grad(score, store["a"])
+    a = store["a"].detach()
+    if channels_last:
+        a, g = a.permute(0, 3, 1, 2), g.permute(0, 3, 1, 2)
+    assert a.shape[-2:] == (8, 12)  # the map of a stride-8 module on a 64 x 96 image
+    want = (g.mean((2, 3), keepdim=True) * a).sum(1).clamp(min=0)
+    assert want.max() > 0
+    torch.testing.assert_close(e.maps, want, rtol=1e-5, atol=1e-6 * float(want.max()))

@@ -48,6 +48,9 @@ from ..errors import UsageError
 __all__ = ["CNNAdapter", "cnn_stages", "stage_ends", "calls_attention"]
 
 _POOLS = (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)
+#: Modules that output (B, C, h, w) inside a model whose blocks are channels-last (timm output_fmt "NHWC").
+_CHANNELS_FIRST = (nn.Conv2d, nn.ConvTranspose2d, nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.MaxPool2d,
+                   nn.AvgPool2d)
 
 
 class CNNAdapter(Adapter):
@@ -149,7 +152,8 @@ class CNNAdapter(Adapter):
         Args:
             name: the module name.
             output: its output (the first tensor of a tuple): (B, C, h, w), channels-last
-                (B, h, w, C), or tokens (B, N, C) with any prefix tokens first.
+                (B, h, w, C) (a stage's channels tell, and timm's ``output_fmt`` "NHWC" for every module
+                but convolutions, norms and pools), or tokens (B, N, C) with any prefix tokens first.
             input_size: (H, W) of the model input (gives a token stage's grid from its
                 reduction).
 
@@ -165,6 +169,8 @@ class CNNAdapter(Adapter):
             nhwc = str(getattr(declared, "value", declared)) == "NHWC"  # (the shape alone cannot tell when h == C)
             if channels is not None and output.shape[-1] == channels and (nhwc or output.shape[1] != channels):
                 return output.permute(0, 3, 1, 2)
+            if channels is None and nhwc and not isinstance(self.model.get_submodule(name), _CHANNELS_FIRST):
+                return output.permute(0, 3, 1, 2)  # a block inside (B, h, w, C); its convs and norms (B, C, h, w)
             return output
         if output.dim() == 3 and reduction:
             h, w = (math.ceil(s / reduction) for s in input_size)
