@@ -163,6 +163,25 @@ def _torchvision_mobilenet() -> nn.Module:
     return torchvision.models.mobilenet_v3_small(num_classes=5)
 
 
+class _Normalize(nn.Module):
+    """A normalisation layer users put in front of a classifier."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - 0.45) / 0.225
+
+
+def _torchvision_resnet(wrapped: bool = False, headless: bool = False) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        import torchvision
+
+        model = torchvision.models.resnet18(num_classes=5)
+        if headless:
+            model.fc = nn.Identity()
+        return nn.Sequential(_Normalize(), model) if wrapped else model
+
+    return build
+
+
 def _maxvit() -> nn.Module:
     from timm.models.maxxvit import MaxxVit, MaxxVitCfg, MaxxVitTransformerCfg
 
@@ -414,6 +433,10 @@ def rows() -> list[Row]:
         Row("HF ResNet classifier", "CNN", _hf_cnn("ResNetConfig", "ResNetForImageClassification", embedding_size=16, hidden_sizes=[16, 32, 48, 64], depths=[1, 1, 1, 1], num_labels=5), s64, "tests/test_cnn_hf.py"),
         Row("HF ConvNeXt classifier", "CNN", _hf_cnn("ConvNextConfig", "ConvNextForImageClassification", hidden_sizes=[16, 32, 48, 64], depths=[1, 1, 1, 1], num_labels=5), s64, "tests/test_cnn_hf.py"),
         Row("zoo shapes-cnn", "CNN", _zoo("shapes-cnn"), s64, "tests/test_cnn.py"),
+        Row("torchvision ResNet-18 behind a normalisation layer (Sequential)", "CNN", _torchvision_resnet(wrapped=True), s32, "tests/test_cnn_fuzz.py"),
+        Row("torchvision ResNet-18, fc = Identity (headless)", "CNN", _torchvision_resnet(headless=True), s32, "tests/test_cnn_fuzz.py", "norm"),
+        Row("timm BotNet (self-attention blocks, one input size)", "hybrid", lambda: _timm("botnet26t_256", img_size=64, num_classes=5), s64, "tests/test_cnn_fuzz.py"),
+        Row("timm ResNeSt (split attention)", "hybrid", lambda: _timm("resnest14d", num_classes=5), s64, "tests/test_cnn_fuzz.py"),
         Row("timm EfficientFormerV2", "hybrid", _timm_class("efficientformer_v2", "EfficientFormerV2", depths=(1, 1, 2, 2), embed_dims=(16, 24, 32, 48), img_size=64, num_vit=2, num_classes=5), s64, "tests/test_hybrids.py"),
         Row("timm EfficientViT (MIT: ReLU linear attention)", "hybrid", lambda: _timm("efficientvit_b0", num_classes=5), s64, "tests/test_hybrids.py"),
         Row("timm EfficientViT (MSRA: cascaded group attention)", "hybrid", lambda: _timm("efficientvit_m0", img_size=128, num_classes=5), (128, 128), "tests/test_hybrids.py"),

@@ -3,7 +3,8 @@
 timm, torchvision and Hugging Face ViTs built for one size refuse another with their own messages
 (:data:`SIZE_REFUSAL`); a model whose adapter says it takes one size only (``fixed_size``, or ``one_size``
 when that size is not known: a hybrid whose attention biases are built for one grid) may fail anywhere
-inside on another. :func:`run_sized` turns those failures into one error, the model's message kept.
+inside on another; so may a CNN whose self-attention blocks take only some feature-map sizes (its adapter's
+``size_refusal(x)`` says which sizes it takes). :func:`run_sized` turns those failures into one error, the model's message kept.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any, Callable, Optional
 
+import torch
 from torch import Tensor
 
 from .adapters import Adapter, preprocessing
@@ -51,6 +53,11 @@ def run_sized(adapter: Adapter, x: Tensor, run: Callable[[], Any]) -> Any:
         size = tuple(x.shape[-2:])
         fixed = getattr(adapter, "fixed_size", None)
         one_size = getattr(adapter, "one_size", None)  # why it takes one size, which is not known
+        refusal = getattr(adapter, "size_refusal", None)  # a CNN: which size it takes, found by probing
+        oom = isinstance(err, torch.cuda.OutOfMemoryError)  # memory, not the size's shape: no probe forwards
+        why = refusal(x) if callable(refusal) and fixed is None and one_size is None and not oom else None
+        if why is not None:
+            raise InputError(f"the model does not take a {size[0]}x{size[1]} input ({type(err).__name__}: {err}); {why}") from err
         if not SIZE_REFUSAL.search(str(err)) and (fixed is None or tuple(fixed) == size) and one_size is None:
             raise
         if fixed is None and one_size is not None:

@@ -16,6 +16,7 @@ score of it::
 
 from __future__ import annotations
 
+import difflib
 import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
@@ -25,7 +26,7 @@ from torch import Tensor
 
 from .errors import TargetError, UsageError
 
-__all__ = ["Target", "TargetSpec", "resolve", "class_score", "logits_of", "embedding_of", "similarity", "norm", "given_token_ids"]
+__all__ = ["Target", "TargetSpec", "resolve", "label_matches", "class_score", "logits_of", "embedding_of", "similarity", "norm", "given_token_ids"]
 
 TargetSpec = Union[None, int, str, Sequence[Union[int, str]], Tensor, Callable[[Any], Tensor]]
 
@@ -155,6 +156,24 @@ class Target:
         return Target(classes, class_score(classes), self.description)
 
 
+def label_matches(value: str, label_names: Sequence[str]) -> list[int]:
+    """The classes ``value`` names: those whose label is ``value``, else those whose label lists it among its
+    comma-separated synonyms ("goldfish, Carassius auratus": ImageNet's names in timm)."""
+    matches = [i for i, name in enumerate(label_names) if name == value]
+    return matches or [i for i, name in enumerate(label_names) if value in (s.strip() for s in str(name).split(","))]
+
+
+def _labels_hint(value: str, label_names: Sequence[str]) -> str:
+    """The labels close to ``value`` (all of them when there are few), for an unknown-label message."""
+    names = [str(n) for n in label_names]
+    if len(names) <= 20:
+        return f"this model's labels are {names}"
+    synonyms = {s.strip(): n for n in names for s in n.split(",")}
+    close = [synonyms[s] for s in difflib.get_close_matches(value, list(synonyms), n=5, cutoff=0.6)]
+    near = f"close ones: {list(dict.fromkeys(close))}" if close else "none is close"
+    return f"this model has {len(names)} labels ({near}; adapter.label_names lists them)"
+
+
 def _index(value: Union[int, str], num_classes: int, label_names: Optional[Sequence[str]]) -> int:
     if not isinstance(value, (str, numbers.Integral)) or isinstance(value, bool):
         raise TargetError(
@@ -166,9 +185,9 @@ def _index(value: Union[int, str], num_classes: int, label_names: Optional[Seque
             raise TargetError(
                 f"target {value!r} is a label name, but this model has no label names; pass a class index"
             )
-        if value not in label_names:
-            raise TargetError(f"unknown label {value!r}; this model's labels are {list(label_names)}")
-        matches = [i for i, name in enumerate(label_names) if name == value]
+        matches = label_matches(value, label_names)
+        if not matches:
+            raise TargetError(f"unknown label {value!r}; {_labels_hint(value, label_names)}")
         if len(matches) > 1:  # e.g. ImageNet's two 'crane' classes (the bird, the machine)
             raise TargetError(f"label {value!r} names several classes {matches}; pass the class index you mean")
         return matches[0]

@@ -10,7 +10,8 @@ default target layer of Grad-CAM, Grad-CAM++ and LayerCAM. How the stages are fo
   (RegNet), and for models with a ``features`` Sequential (MobileNet, EfficientNet, VGG,
   ConvNeXt, ...) the last child of ``features`` before each downsampling child, and the last.
   torchvision MaxViT: its ``blocks``.
-- anything else: the last top-level child holding a ``Conv2d`` before global pooling.
+- anything else: the last top-level child holding a ``Conv2d`` before global pooling (the stages of that
+  child when it is a whole classifier inside a wrapper: ``Sequential(normalize, resnet)``, ``DataParallel``).
 
 Conv/attention hybrids that no attention family describes (EfficientFormerV2, DaViT,
 ...) get the same adapter: the Grad-CAM family reads the last stage. Hierarchical
@@ -40,40 +41,16 @@ from ..errors import UnsupportedMethodError
 
 from ..methods.families import CNN
 from .base import Adapter, register_adapter
-from .hybrid_notes import mixer_reason
+from .cnn_sizes import one_size_reason
+from .hybrid_notes import hybrid_note, mixer_reason
 from ..errors import UsageError
 
 __all__ = ["CNNAdapter", "cnn_stages", "stage_ends", "calls_attention"]
 
 _POOLS = (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)
-
-
-def _hybrid_note(model: nn.Module) -> str:
-    """Why a conv/attention hybrid gets the Grad-CAM family and not the attention methods."""
-    name = type(model).__name__
-    tail = ("the Grad-CAM family explains its last stage, and vx.capture(model) records every attention call "
-            "(rec.records[i].probs())")
-    reason = mixer_reason(model)
-    if reason is not None:
-        return f"{name} {reason}; the Grad-CAM family explains its last stage"
-    return (f"{name} is a conv/attention hybrid that no attention family describes (the hierarchical family "
-            "covers PVTv2, Twins, SAM's ViT, PiT, MaxViT, CoAtNet, CAFormer, TinyViT, LeViT, MViTv2, Hiera, SAM 2's "
-            "Hiera, CrossViT and TNT); "
-            + tail)
-
-
-def _one_size(model: nn.Module) -> Optional[str]:
-    """Why a conv/attention hybrid takes only the input size it was built for, or None.
-
-    timm's EfficientFormer (V1, V2) keeps learned attention biases indexed for one token grid
-    (an ``attention_bias_idxs`` buffer): another input size fails inside the model with a shape
-    error that does not name the size.
-    """
-    for name, module in model.named_modules():
-        if isinstance(getattr(module, "attention_bias_idxs", None), Tensor):
-            return (f"it takes only the input size it was built for (its attention module {name!r} keeps position "
-                    "biases for one token grid)")
-    return None
+#: Modules that output (B, C, h, w) inside a model whose blocks are channels-last (timm output_fmt "NHWC").
+_CHANNELS_FIRST = (nn.Conv2d, nn.ConvTranspose2d, nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.MaxPool2d,
+                   nn.AvgPool2d)
 
 
 class CNNAdapter(Adapter):
@@ -102,13 +79,13 @@ class CNNAdapter(Adapter):
             )
         self._capabilities = frozenset({"stages"}) | gate_capabilities(model)
         self._probed = False
-        self.has_head = int(getattr(model, "num_classes", 1) or 0) > 0
+        self.has_head = _has_head(model)
         self.notes.update(_gate_notes(model, self._capabilities))
         self.hybrid = calls_attention(model) or mixer_reason(model) is not None
-        self.one_size = _one_size(model) if self.hybrid else None
+        self.one_size = one_size_reason(model) if self.hybrid else None
         self._info = _timm_stage_info(model)
         if self.hybrid:
-            self.notes["family"] = _hybrid_note(model)
+            self.notes["family"] = hybrid_note(model)
 
     @property
     def capabilities(self) -> frozenset[str]:  # type: ignore[override]
@@ -175,7 +152,8 @@ class CNNAdapter(Adapter):
         Args:
             name: the module name.
             output: its output (the first tensor of a tuple): (B, C, h, w), channels-last
-                (B, h, w, C), or tokens (B, N, C) with any prefix tokens first.
+                (B, h, w, C) (a stage's channels tell, and timm's ``output_fmt`` "NHWC" for every module
+                but convolutions, norms and pools), or tokens (B, N, C) with any prefix tokens first.
             input_size: (H, W) of the model input (gives a token stage's grid from its
                 reduction).
 
@@ -187,8 +165,12 @@ class CNNAdapter(Adapter):
         """
         reduction, channels = self._info.get(name, (None, None))
         if output.dim() == 4:
-            if channels is not None and output.shape[1] != channels and output.shape[-1] == channels:
+            declared = getattr(self.model, "output_fmt", None)  # timm's layout of its stages: "NHWC" for MambaOut
+            nhwc = str(getattr(declared, "value", declared)) == "NHWC"  # (the shape alone cannot tell when h == C)
+            if channels is not None and output.shape[-1] == channels and (nhwc or output.shape[1] != channels):
                 return output.permute(0, 3, 1, 2)
+            if channels is None and nhwc and not isinstance(self.model.get_submodule(name), _CHANNELS_FIRST):
+                return output.permute(0, 3, 1, 2)  # a block inside (B, h, w, C); its convs and norms (B, C, h, w)
             return output
         if output.dim() == 3 and reduction:
             h, w = (math.ceil(s / reduction) for s in input_size)
@@ -200,6 +182,17 @@ class CNNAdapter(Adapter):
             "which vitexplain cannot read as a (B, C, h, w) feature map; pass module= a module "
             "that outputs one"
         )
+
+    def size_refusal(self, x: Tensor) -> Optional[str]:
+        """Why the model does not take the size of ``x`` (B, C, H, W) and which size it takes (a self-attention
+        block that takes some feature-map sizes only, feature maps that must halve evenly, a minimum size), else
+        None (:func:`vitexplain.adapters.cnn_sizes.size_refusal`; runs probe forwards of one image)."""
+        from .base import preprocessing
+        from .cnn_sizes import size_refusal
+
+        configured = preprocessing(self).get("input_size")
+        stride = max((int(r) for r, _ in self._info.values() if r), default=32)
+        return size_refusal(self.model, self.forward, x, tuple(configured)[-2:] if configured else None, stride)
 
     @property
     def target_layer(self) -> str:
@@ -242,6 +235,28 @@ def _gate_notes(model: nn.Module, capabilities: frozenset[str]) -> dict[str, str
         for kind in ("channel_gates", "spatial_gates")
         if kind not in capabilities
     }
+
+
+#: Attribute names of a classifier head (timm's get_classifier() first).
+_HEADS = ("fc", "classifier", "head", "heads", "last_linear")
+
+
+def _has_head(model: nn.Module) -> bool:
+    """Whether the model returns class logits: False for ``num_classes=0`` and for a head that holds no linear or
+    conv layer (``fc = nn.Identity()``, a Hugging Face classifier with ``num_labels=0``): its output is then the
+    pooled features, and no index of it is a class."""
+    if int(getattr(model, "num_classes", 1) or 0) <= 0:
+        return False
+    get = getattr(model, "get_classifier", None)
+    try:
+        head = get() if callable(get) else None
+    except Exception:  # a get_classifier that needs arguments or fails: read the attributes
+        head = None
+    if not isinstance(head, nn.Module):
+        head = next((h for h in (getattr(model, n, None) for n in _HEADS) if isinstance(h, nn.Module)), None)
+    if head is None:
+        return True
+    return any(isinstance(m, (nn.Linear, nn.Conv2d, nn.Conv1d)) for m in head.modules())
 
 
 def _reads_class_token(model: nn.Module) -> bool:
@@ -327,14 +342,23 @@ def _torchvision_stages(model: nn.Module) -> list[str]:
 
 
 def _fallback_stages(model: nn.Module) -> list[str]:
-    """The last top-level child holding a Conv2d before the global pooling."""
+    """The last top-level child holding a Conv2d before the global pooling; when that child is a whole
+    classifier (it pools inside: a wrapper such as ``Sequential(normalize, resnet)`` or ``DataParallel``),
+    the stages of that classifier, under its name."""
     last = None
     for name, child in model.named_children():
         if _is_pool(name, child):
             break
         if _has(child, nn.Conv2d):
             last = name
-    return [last] if last else []
+    if last is None:
+        return []
+    child = model.get_submodule(last)
+    if any(_is_pool(n.rpartition(".")[2], m) for n, m in child.named_modules() if n):
+        inner = cnn_stages(child)
+        if inner:
+            return [f"{last}.{stage}" for stage in inner]
+    return [last]
 
 
 def cnn_stages(model: nn.Module) -> list[str]:
@@ -397,7 +421,10 @@ def _detect_timm(model: nn.Module) -> Optional[Adapter]:
 def _detect_torchvision(model: nn.Module) -> Optional[Adapter]:
     if _is_swin(model):
         return None
-    if type(model).__module__.startswith("torchvision.models") and _is_classifier_cnn(model, hybrids=True):
+    module = type(model).__module__
+    # a classification model (torchvision.models.<name>, not .detection or .segmentation) whose head was removed
+    headless = module.count(".") == 2 and _has(model, nn.Conv2d) and not _has_head(model)
+    if module.startswith("torchvision.models") and (_is_classifier_cnn(model, hybrids=True) or headless):
         stages = _torchvision_stages(model)
         return CNNAdapter(model, stages) if stages else None
     return None

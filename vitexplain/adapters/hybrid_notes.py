@@ -14,7 +14,7 @@ from typing import Optional
 
 from torch import nn
 
-__all__ = ["mixer_reason"]
+__all__ = ["mixer_reason", "block_reason", "hybrid_note"]
 
 #: (timm module, why its attention cannot be read: completes "<class name> ...")
 _REASONS: tuple[tuple[str, str], ...] = (
@@ -48,3 +48,53 @@ def mixer_reason(model: nn.Module) -> Optional[str]:
         if any(cls.__module__.startswith(module) for cls in type(model).__mro__):
             return reason
     return None
+
+
+#: (timm module, layer class, what a CNN block of that class does with its softmax: completes "its <class> ...").
+#: None of these softmaxes is a 4-D (B, heads, N, N) map of one token sequence, so vx.capture records none of them.
+_BLOCK_REASONS: tuple[tuple[str, str, str], ...] = (
+    ("timm.layers.selective_kernel", "SelectiveKernel",
+     "weights its kernel branches with a softmax over the branches, per channel (selective kernel): a mixing of "
+     "branches, not of tokens"),
+    ("timm.layers.split_attn", "SplitAttn",
+     "weights its radix splits with a softmax over the splits, per channel (ResNeSt split attention): a mixing of "
+     "splits, not of tokens"),
+    ("timm.layers.global_context", "GlobalContext",
+     "pools one context vector per image with a softmax over the positions (no queries: no token attends to "
+     "another); 'channel' reads its channel gate where it scales the features"),
+    ("timm.layers.lambda_layer", "LambdaLayer",
+     "normalises its keys with a softmax over the positions and applies their summary to every query as one "
+     "linear map (lambda layer), so no position attends to another"),
+    ("timm.layers.bottleneck_attn", "BottleneckAttn",
+     "computes self-attention among the positions of a conv feature map (BotNet, relative position logits added) "
+     "as a 3-D softmax (B * heads, N, N) that vx.capture does not record; a conv block holds it, with no token "
+     "sequence for the ViT attention methods"),
+    ("timm.layers.halo_attn", "HaloAttn",
+     "computes self-attention within blocks of a conv feature map, each block's queries over a haloed window "
+     "(HaloNet): no token sequence for the ViT attention methods, and vx.capture does not record it (its softmax "
+     "is laid out (B * heads, blocks, block positions, window positions), not (B, heads, N, N))"),
+)
+
+
+def block_reason(model: nn.Module) -> Optional[str]:
+    """What the softmax-calling timm blocks of a CNN do (completes "<class name> ..."), or None when it has none
+    of them: why the attention methods do not apply, and what vx.capture records of them."""
+    found = {(type(m).__module__, type(m).__name__) for m in model.modules()}
+    parts = [f"its {cls} {why}" for module, cls, why in _BLOCK_REASONS if (module, cls) in found]
+    if not parts:
+        return None
+    return "is a CNN whose blocks call a softmax the attention methods cannot read: " + "; ".join(parts)
+
+
+def hybrid_note(model: nn.Module) -> str:
+    """Why a conv/attention hybrid gets the Grad-CAM family and not the attention methods."""
+    name = type(model).__name__
+    tail = ("the Grad-CAM family explains its last stage, and vx.capture(model) records every attention call "
+            "(rec.records[i].probs())")
+    reason = mixer_reason(model) or block_reason(model)
+    if reason is not None:
+        return f"{name} {reason}; the Grad-CAM family explains its last stage"
+    return (f"{name} is a conv/attention hybrid that no attention family describes (the hierarchical family "
+            "covers PVTv2, Twins, SAM's ViT, PiT, MaxViT, CoAtNet, CAFormer, TinyViT, LeViT, MViTv2, Hiera, SAM 2's "
+            "Hiera, CrossViT and TNT); "
+            + tail)

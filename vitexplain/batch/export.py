@@ -104,6 +104,13 @@ def _parse_target(spec: Any, label_names: Optional[list[str]], num_classes: Opti
     folded = [n for n in names if n.casefold() == text.casefold()]
     if len(folded) == 1:
         return folded[0]
+    from ..targets import label_matches  # (imports torch: not at import time, `vitexplain --help` stays light)
+
+    synonyms = label_matches(text, names)  # one name of a class listing synonyms ("goldfish, Carassius auratus")
+    if len(synonyms) == 1:
+        return synonyms[0]
+    if len(synonyms) > 1:
+        raise UsageError(f"--target {text!r}: names several classes {synonyms}; pass the index you mean")
     if not names:
         raise UsageError(f"--target {text!r}: this model has no label names; pass a class index or --labels FILE")
     shown = ", ".join(names[:20]) + (", ..." if len(names) > 20 else "")

@@ -182,7 +182,7 @@ def _check_called_once(ctx: Context, name: str, calls: int) -> None:
 
 
 def _activation_and_grad(ctx: Context, name: str) -> tuple[Tensor, Tensor]:
-    """Activation A (B, C, h, w) of module ``name`` and dy/dA, float32.
+    """Activation A (B, C, h, w) of module ``name`` and dy/dA, float32 (float64 for a float64 model).
 
     Read from the explained forward and its backward when it recorded ``name`` (the feature
     stages: every method of the family shares that one pass); for any other module, one more
@@ -217,7 +217,8 @@ def _activation_and_grad(ctx: Context, name: str) -> tuple[Tensor, Tensor]:
             f"method {ctx.method!r} needs one (C, h, w) feature map per image; {name!r} gave shape "
             f"{tuple(act.shape)} for {ctx.batch_size} images: pass module= a module that outputs (B, C, h, w)"
         )
-    return act.detach().float(), grad.float()
+    dtype = torch.promote_types(act.dtype, torch.float32)  # a float64 model's in float64: Grad-CAM++'s
+    return act.detach().to(dtype), grad.to(dtype)          # denominator nearly cancels in places
 
 
 def cam(ctx: Context, module: Optional[str], weights: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
@@ -238,7 +239,7 @@ def cam(ctx: Context, module: Optional[str], weights: Callable[[Tensor, Tensor],
     w = weights(act, grad)
     if w.dim() == 2:
         w = w[:, :, None, None]
-    return (w * act).sum(1).clamp(min=0)
+    return (w * act).sum(1).clamp(min=0).float()
 
 
 def gradcam_weights(act: Tensor, grad: Tensor) -> Tensor:

@@ -262,13 +262,28 @@ def find_gates(model: nn.Module) -> list[GatePlan]:
     return plans
 
 
+def _gateless(model: nn.Module) -> list[str]:
+    """Class names of the registered modules of ``model`` whose instances scale by no gate (their spec is None:
+    e.g. a GlobalContext that only adds its context, ``fuse_scale=False``)."""
+    names = []
+    for module in model.modules():
+        if any(cls in _REGISTRY for cls in type(module).__mro__):
+            spec = _spec_for(module)
+            if spec is None or not spec.sources():
+                names.append(type(module).__name__)
+    return sorted(set(names))
+
+
 def no_gates_message(model: nn.Module) -> str:
     """The error text for a model without any supported attention-gate module."""
     _load_builtins()
     custom = [c.__qualname__ for c in _REGISTRY if not c.__module__.startswith(("timm.", "torchvision."))]
     names = ", ".join([*BUILTIN_GATES, *custom])
+    gateless = _gateless(model)
+    why = (f" (its {', '.join(gateless)} modules scale by no gate: they add what they compute, e.g. a GlobalContext "
+           "built with fuse_scale=False)" if gateless else "")
     return (
-        f"{type(model).__name__} has no channel/spatial attention-gate module vitexplain can read. "
+        f"{type(model).__name__} has no channel/spatial attention-gate module vitexplain can read{why}. "
         f"Supported: {names}. Register your own with vitexplain.recording.register_gate(YourModule), "
         f"or use 'gradcam', 'gradcam++' or 'layercam', which work on any CNN."
     )

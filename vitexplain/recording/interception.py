@@ -67,6 +67,16 @@ def _fold(t: Tensor) -> Tensor:
     return t if t.dim() <= 4 else t.reshape(-1, *t.shape[-3:])
 
 
+#: (module, class) of attention modules whose 4-D softmax folds the heads into the batch and puts another axis
+#: second: timm's HaloAttn (HaloNet), (B * heads, blocks, block positions, window positions).
+_HEADS_FIRST = (("timm.layers.halo_attn", "HaloAttn"),)
+
+
+def _heads_first(module: nn.Module) -> bool:
+    """Whether ``module``'s softmax is laid out (B * heads, other, N_q, N_k), which a record would misread."""
+    return (type(module).__module__, type(module).__name__) in _HEADS_FIRST
+
+
 def _bind_sdpa(args: tuple, kwargs: dict) -> dict[str, Any]:
     """Map SDPA's positional and keyword arguments to names."""
     bound = dict(zip(_SDPA_ARGS, args))
@@ -241,6 +251,8 @@ class AttentionMode(TorchFunctionMode):
             return out
         issuer = self.sink.issuer(caller)
         if issuer is None or in_backward():  # (in_backward: a checkpointed forward recomputed, recorded before)
+            return out
+        if _heads_first(issuer.module):  # its 4-D softmax is not (B, heads, N_q, N_k): not recorded as if it were
             return out
         probs = out
         if out.dim() == 3:
