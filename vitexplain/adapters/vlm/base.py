@@ -177,10 +177,11 @@ class VLMAdapter(Adapter):
     @contextmanager
     def model_reads_batch(self) -> Iterator[None]:
         """Where the model runs on the processor's batch (generation, the teacher-forced forward): a ValueError,
-        RuntimeError or IndexError the model raises there (an image size, aspect ratio, tile count or number of image
-        tokens it cannot read, e.g. from ``processor_kwargs``, a processor of another checkpoint or a very elongated
-        image) is raised as an :class:`UnsupportedModelError` that says so and carries the model's message (running
-        out of memory is not).
+        RuntimeError or IndexError that transformers' or torch's code raises there (an image size, aspect ratio, tile
+        count or number of image tokens the model cannot read, e.g. from ``processor_kwargs``, a processor of another
+        checkpoint or a very elongated image) is raised as an :class:`UnsupportedModelError` that says so and carries
+        the model's message. Running out of memory, and an error raised by other code (the user's own modules or
+        hooks), come out as they are.
 
         Raises:
             UnsupportedModelError: such an error in the block.
@@ -190,6 +191,8 @@ class VLMAdapter(Adapter):
         except (VitexplainError, torch.cuda.OutOfMemoryError):  # (torch.OutOfMemoryError in torch >= 2.5)
             raise
         except (ValueError, RuntimeError, IndexError) as err:
+            if not _raised_by_library(err):
+                raise
             settings = f" with processor_kwargs={self.processor_kwargs!r}" if self.processor_kwargs else ""
             raise UnsupportedModelError(
                 f"{type(self.model).__name__} could not run on the batch of {type(self.processor).__name__}{settings} "
@@ -338,3 +341,32 @@ class VLMAdapter(Adapter):
 
     def describe(self) -> str:
         return f"{type(self).__name__}({type(self.model).__name__})"
+
+
+def _raised_by_library(err: BaseException) -> bool:
+    """Whether the innermost Python frame of ``err``'s traceback is transformers' or torch's code, or the capture's
+    (which makes the model's attention calls on its behalf): an error about the batch the model was given, not the
+    user's (a module or hook of their own raising)."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return False
+    filename = tb.tb_frame.f_code.co_filename
+    return any(filename.startswith(root) for root in _library_roots())
+
+
+def _library_roots() -> tuple[str, ...]:
+    """The folders of the installed transformers and torch packages (transformers is imported by then) and of
+    vitexplain's capture."""
+    import os
+    import sys
+
+    from ... import recording
+
+    roots = [os.path.dirname(torch.__file__), os.path.dirname(recording.__file__)]
+    transformers = sys.modules.get("transformers")
+    if transformers is not None and getattr(transformers, "__file__", None):
+        roots.append(os.path.dirname(transformers.__file__))
+    return tuple(root + os.sep for root in roots)
+
