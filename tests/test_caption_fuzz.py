@@ -42,3 +42,47 @@ def test_a_decoder_without_start_or_end_token_is_refused_with_what_to_set():
             ex.explain_caption(x, method="cross", caption=caption, max_len=3)
     e = vx.Explainer(_vit_bert(start=1, end=2)).explain_caption(x, method="cross", caption=[[5, 6], [7]])
     assert e.maps.shape == (2, 2, 4, 4) and torch.isfinite(e.maps).all()
+
+
+def _vit_trocr():
+    """ViT encoder + TrOCR decoder (microsoft/trocr-*): TrOCR's attention folds the heads into the batch,
+    ``softmax`` of (B * H, N_q, N_k) scores, as ``nn.MultiheadAttention`` does."""
+    enc = transformers.ViTConfig(**_SMALL, image_size=32, patch_size=8)
+    dec = transformers.TrOCRConfig(d_model=32, decoder_layers=2, decoder_attention_heads=2, decoder_ffn_dim=64,
+                                   vocab_size=40, max_position_embeddings=20, bos_token_id=0, pad_token_id=1,
+                                   eos_token_id=2, decoder_start_token_id=2)
+    cfg = transformers.VisionEncoderDecoderConfig.from_encoder_decoder_configs(enc, dec)
+    cfg.decoder_start_token_id, cfg.pad_token_id = 2, 1
+    torch.manual_seed(0)
+    model = transformers.VisionEncoderDecoderModel(cfg).eval()
+    with torch.no_grad():  # sharper cross-attention than a random init gives
+        for layer in model.decoder.model.decoder.layers:
+            layer.encoder_attn.q_proj.weight.mul_(4.0)
+    return model
+
+
+def test_trocr_decoder_cross_attention_is_recorded_and_matches_its_own_attentions():
+    """Bug: TrOCR's decoder attention was not recorded at all (its softmax is 3-D, heads folded into the batch, which
+    only nn.MultiheadAttention's was read as), so every caption method was refused with "no cross-attention was seen".
+    Oracle: the model's own ``output_attentions`` cross-attentions (mean over heads and layers) on the explained
+    tokens, for captions of three lengths in one batch; generated maps (KV cache) equal the teacher-forced ones."""
+    model = _vit_trocr()
+    ex = vx.Explainer(model)
+    x = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(11))
+    captions = [[5], [6, 7, 8, 9], [10, 11]]
+    cross, generic = ex.explain_caption(x, method=["cross", "cross_generic"], caption=captions)
+    ids = cross.ids
+    inputs = torch.cat([torch.full_like(ids[:, :1], 2), ids[:, :-1]], 1)
+    with torch.no_grad():
+        out = model(pixel_values=x, decoder_input_ids=inputs, output_attentions=True)
+    expected = torch.stack([a.mean(1) for a in out.cross_attentions]).mean(0)[:, :, 1:]  # (B, T, 16) patch keys
+    for i, words in enumerate(captions):
+        n = len(words)
+        torch.testing.assert_close(cross.maps[i, :n].reshape(n, 16), expected[i, :n], atol=1e-5, rtol=1e-4)
+        assert torch.all(cross.maps[i, n:] == 0) and torch.all(generic.maps[i, n:] == 0)
+    assert torch.isfinite(generic.maps).all() and float(generic.maps.abs().max()) > 0
+    generated = ex.explain_caption(x, method="cross", max_len=4)
+    forced = ex.explain_caption(x, method="cross", caption=[w.tolist()[: len(t)] or [2] for w, t in
+                                                             zip(generated.ids, generated.tokens)])
+    for i, words in enumerate(generated.tokens):
+        torch.testing.assert_close(generated.maps[i, : len(words)], forced.maps[i, : len(words)], atol=1e-5, rtol=0)
