@@ -86,3 +86,18 @@ def test_trocr_decoder_cross_attention_is_recorded_and_matches_its_own_attention
                                                              zip(generated.ids, generated.tokens)])
     for i, words in enumerate(generated.tokens):
         torch.testing.assert_close(generated.maps[i, : len(words)], forced.maps[i, : len(words)], atol=1e-5, rtol=0)
+
+
+def test_a_caption_longer_than_the_zoo_captioners_positions_says_how_many_fit():
+    """Bug: a caption longer than shapes-captioner's learned positions (``max_len``) came out as the model's own
+    "decoder positions up to 24 exceed max_len=12" (its internal positions, start token included); now the same
+    UsageError as the other bounded decoders, naming how many words fit. Exactly that many words are explained."""
+    model = vx.zoo.load("shapes-captioner")
+    n = model.max_len  # the oracle: the model's own position table
+    ex = vx.Explainer(model)
+    x = vx.data.shapes(2, seed=41).tensor
+    words = ("red circle and blue star and " * n).split()
+    e = ex.explain_caption(x, method="cross", caption=" ".join(words[:n]))
+    assert e.maps.shape[:2] == (2, n) and e.tokens == [words[:n]] * 2
+    with pytest.raises(vx.UsageError, match=f"explain at most {n} tokens"):
+        ex.explain_caption(x, method="cross", caption=" ".join(words[: n + 1]))
