@@ -101,3 +101,42 @@ def test_a_caption_longer_than_the_zoo_captioners_positions_says_how_many_fit():
     assert e.maps.shape[:2] == (2, n) and e.tokens == [words[:n]] * 2
     with pytest.raises(vx.UsageError, match=f"explain at most {n} tokens"):
         ex.explain_caption(x, method="cross", caption=" ".join(words[: n + 1]))
+
+
+def _vit_gpt2(vocab: int):
+    enc = transformers.ViTConfig(**_SMALL, image_size=32, patch_size=8)
+    dec = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=vocab, n_positions=32, bos_token_id=1,
+                                  eos_token_id=2, add_cross_attention=True, is_decoder=True)
+    cfg = transformers.VisionEncoderDecoderConfig.from_encoder_decoder_configs(enc, dec)
+    cfg.decoder_start_token_id, cfg.pad_token_id = 1, 0
+    torch.manual_seed(0)
+    return transformers.VisionEncoderDecoderModel(cfg).eval()
+
+
+def test_a_tokenizer_given_to_the_explainer_encodes_captions_and_names_the_words():
+    """Bug: a Hugging Face captioner given a text caption was refused with "give vx.Explainer(model, tokenizer=...)",
+    an argument the Explainer did not take (a bare TypeError), so its words could only be token ids. Now the
+    tokenizer (or a processor holding one) encodes the text and names the words; the maps equal those of the same
+    ids given as lists (oracle: the tokenizer's own ids)."""
+    import vlm_helpers
+
+    tok = vlm_helpers.tokenizer(())
+    model = _vit_gpt2(len(tok))
+    x = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(8))
+    captions = ["red circle", "a blue square on the left", "green"]
+    with pytest.raises(vx.UsageError, match="tokenizer="):
+        vx.Explainer(model).explain_caption(x, method="cross", caption=captions)
+    ex = vx.Explainer(model, tokenizer=tok)
+    got = ex.explain_caption(x, method="cross", caption=captions)
+    ids = [tok(c, add_special_tokens=False)["input_ids"] for c in captions]
+    want = vx.Explainer(model).explain_caption(x, method="cross", caption=ids)
+    assert got.tokens == [c.split() for c in captions] and got.captions == captions
+    torch.testing.assert_close(got.maps, want.maps, atol=0, rtol=0)
+    assert torch.equal(got.ids, want.ids)
+
+    class Processor:  # what BlipProcessor, TrOCRProcessor, ... hold
+        tokenizer = tok
+
+    assert vx.Explainer(model, tokenizer=Processor()).explain_caption(x, method="cross", caption=captions).tokens == got.tokens
+    with pytest.raises(vx.UsageError, match="tokenizer= is for captioners"):
+        vx.Explainer(vx.zoo.load("shapes-vit"), tokenizer=tok)
