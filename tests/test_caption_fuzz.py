@@ -140,3 +140,28 @@ def test_a_tokenizer_given_to_the_explainer_encodes_captions_and_names_the_words
     assert vx.Explainer(model, tokenizer=Processor()).explain_caption(x, method="cross", caption=captions).tokens == got.tokens
     with pytest.raises(vx.UsageError, match="tokenizer= is for captioners"):
         vx.Explainer(vx.zoo.load("shapes-vit"), tokenizer=tok)
+
+
+def test_gradients_that_underflow_in_float16_are_refused_not_returned_as_empty_maps():
+    """Bug: BLIP (default init) in float16 gave cross_generic, attnlrp and cp_lrp maps that were all exactly zero
+    (silently): its float32 gradients are ~1e-11 at the pixels, below float16's smallest number (6e-8), so the
+    float16 backward underflowed to 0. Now a NumericalError that says to run in float32 or bfloat16; ``cross``
+    (no gradients) still equals the float32 model's, and bfloat16 (float32's range) gives non-zero maps."""
+    import copy
+
+    import support_table
+
+    torch.manual_seed(0)
+    model = support_table._blip().eval()
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(9))
+    caption = [[5, 6, 7], [8, 9]]
+    half = vx.Explainer(copy.deepcopy(model).half())
+    for method in ("cross_generic", "attnlrp"):
+        with pytest.raises(vx.errors.NumericalError, match="float16.*float32 or bfloat16"):
+            half.explain_caption(x.half(), method=method, caption=caption)
+    want = vx.Explainer(model).explain_caption(x, method="cross", caption=caption)
+    got = half.explain_caption(x.half(), method="cross", caption=caption)
+    torch.testing.assert_close(got.maps, want.maps, atol=2e-3, rtol=0)
+    bf16 = vx.Explainer(copy.deepcopy(model).bfloat16()).explain_caption(x.bfloat16(), method="cross_generic",
+                                                                           caption=caption)
+    assert all(float(bf16.maps[i, : len(c)].abs().amax(dim=(-1, -2)).min()) > 0 for i, c in enumerate(caption))
