@@ -165,3 +165,22 @@ def test_gradients_that_underflow_in_float16_are_refused_not_returned_as_empty_m
     bf16 = vx.Explainer(copy.deepcopy(model).bfloat16()).explain_caption(x.bfloat16(), method="cross_generic",
                                                                            caption=caption)
     assert all(float(bf16.maps[i, : len(c)].abs().amax(dim=(-1, -2)).min()) > 0 for i, c in enumerate(caption))
+
+
+def test_trocr_attention_records_and_their_gradients_are_the_models_own():
+    """What cross_generic reads on TrOCR (decoder self- and cross-attention, heads folded into the batch): the
+    recorded probabilities and dlog p/dA equal ``output_attentions``'s tensors and their autograd gradients."""
+    model = _vit_trocr()
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(12))
+    ids = torch.tensor([[2, 5, 6], [2, 7, 8]])
+    with vx.capture(model, grads=True) as rec:
+        out = model(pixel_values=x, decoder_input_ids=ids, output_attentions=True)
+        oracle = [a for pair in zip(out.decoder_attentions, out.cross_attentions) for a in pair]
+        for a in oracle:
+            a.retain_grad()
+        rec.backward(out.logits[:, -1].log_softmax(-1)[:, 9].sum())
+    decoder = [r for r in rec.records if r.name.startswith("decoder.")]
+    assert [r.kind for r in decoder] == ["self", "cross"] * 2
+    for record, a in zip(decoder, oracle):
+        torch.testing.assert_close(record.probs(), a.detach(), atol=1e-6, rtol=0)
+        torch.testing.assert_close(record.grad_probs(), a.grad, atol=1e-7, rtol=1e-5)
