@@ -184,3 +184,19 @@ def test_trocr_attention_records_and_their_gradients_are_the_models_own():
     for record, a in zip(decoder, oracle):
         torch.testing.assert_close(record.probs(), a.detach(), atol=1e-6, rtol=0)
         torch.testing.assert_close(record.grad_probs(), a.grad, atol=1e-7, rtol=1e-5)
+
+
+def test_git_without_an_end_token_in_its_generation_config_uses_its_config_one():
+    """GIT's end token falls back to ``model.config.eos_token_id`` when its generation config has none (a fallback
+    an earlier commit on this branch dropped); with neither, an UnsupportedModelError naming what to set."""
+    import support_table
+
+    torch.manual_seed(0)
+    model = support_table._git().eval()
+    model.generation_config.eos_token_id = None
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(3))
+    e = vx.Explainer(model).explain_caption(x, method="cross", caption=[[5, 2, 7], [6]])
+    assert e.tokens == [["5"], ["6"]]  # the config's end token (2) ends the first caption
+    model.config.eos_token_id = None
+    with pytest.raises(vx.UnsupportedModelError, match=r"model.generation_config.eos_token_id"):
+        vx.Explainer(model).explain_caption(x, method="cross", caption=[[5, 2, 7], [6]])

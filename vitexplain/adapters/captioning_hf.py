@@ -34,7 +34,7 @@ def _windowed_encoder(encoder: nn.Module, size: tuple[int, int]) -> bool:
         return False
 
 
-def _token_id(value: Any, model: nn.Module, field: str, role: str) -> int:
+def _token_id(value: Any, model: nn.Module, setting: str, role: str) -> int:
     """A special token id of the model's config as an int.
 
     Raises:
@@ -43,8 +43,8 @@ def _token_id(value: Any, model: nn.Module, field: str, role: str) -> int:
     """
     if value is None:
         raise UnsupportedModelError(
-            f"{type(model).__name__}'s config sets no {field}, the token that {role}; set model.config.{field} "
-            f"(and model.generation_config for generation) to your tokenizer's token id before explaining")
+            f"{type(model).__name__} sets no token that {role}; set {setting} to your tokenizer's token id "
+            "before explaining")
     return int(value)
 
 
@@ -76,19 +76,21 @@ class HFCaptionAdapter(CaptionAdapter):
     def end_id(self) -> int:
         cfg = self._text_config
         if self.kind == "blip":
-            return _token_id(cfg.sep_token_id, self.model, "text_config.sep_token_id", "ends a caption")
+            return _token_id(cfg.sep_token_id, self.model, "model.config.text_config.sep_token_id", "ends a caption")
         end = self.model.generation_config.eos_token_id
         end = end if end is not None else cfg.eos_token_id
-        return _token_id(end[0] if isinstance(end, (list, tuple)) else end, self.model, "generation_config.eos_token_id",
-                         "ends a caption")
+        return _token_id(end[0] if isinstance(end, (list, tuple)) else end, self.model,
+                         "model.generation_config.eos_token_id", "ends a caption")
 
     @property
     def start_id(self) -> int:
         if self.kind == "blip":
-            return _token_id(self._text_config.bos_token_id, self.model, "text_config.bos_token_id", "starts a caption")
+            return _token_id(self._text_config.bos_token_id, self.model, "model.config.text_config.bos_token_id",
+                             "starts a caption")
         start = self.model.config.decoder_start_token_id
         start = start if start is not None else self._text_config.bos_token_id
-        return _token_id(start, self.model, "decoder_start_token_id", "the decoder is fed first")
+        return _token_id(start, self.model, "model.config.decoder_start_token_id (and model.generation_config's)",
+                         "the decoder is fed first")
 
     @property
     def max_positions(self) -> Optional[int]:
@@ -177,11 +179,13 @@ class GitCaptionAdapter(CaptionAdapter):
     @property
     def end_id(self) -> int:
         end = self.model.generation_config.eos_token_id
-        return int(end[0] if isinstance(end, (list, tuple)) else end)
+        end = end if end is not None else self.model.config.eos_token_id
+        return _token_id(end[0] if isinstance(end, (list, tuple)) else end, self.model,
+                         "model.generation_config.eos_token_id", "ends a caption")
 
     @property
     def start_id(self) -> int:
-        return int(self.model.config.bos_token_id)
+        return _token_id(self.model.config.bos_token_id, self.model, "model.config.bos_token_id", "starts a caption")
 
     @property
     def max_positions(self) -> Optional[int]:
