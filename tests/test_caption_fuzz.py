@@ -200,3 +200,24 @@ def test_git_without_an_end_token_in_its_generation_config_uses_its_config_one()
     model.config.eos_token_id = None
     with pytest.raises(vx.UnsupportedModelError, match=r"model.generation_config.eos_token_id"):
         vx.Explainer(model).explain_caption(x, method="cross", caption=[[5, 2, 7], [6]])
+
+
+@pytest.mark.parametrize("size", [(17, 33), (50, 70), (66, 63)])
+def test_show_attend_tell_takes_inputs_whose_sides_are_not_multiples_of_its_stride(size):
+    """Bug: shapes-sat's grid was laid out as (H // 4, W // 4), but its padded stride-2 convolutions give
+    ceil(H / 4) x ceil(W / 4) locations, so a 17 x 33 tensor (5 x 9 = 45 locations) was refused ("attention over 45
+    tokens does not match the token layout ... = 32"). Oracle: the grid of the encoder's own feature map; the cross
+    maps are the decoder's own attention weights on it."""
+    model = vx.zoo.load("shapes-sat")
+    x = torch.nn.functional.interpolate(vx.data.shapes(2, seed=63).tensor, size=size, mode="bilinear")
+    with torch.no_grad():
+        grid = tuple(model.encoder.body(x).shape[-2:])
+    e = vx.Explainer(model).explain_caption(x, method="cross", max_len=4)
+    assert tuple(e.maps.shape[-2:]) == grid and tuple(e.upsample().shape[-2:]) == size
+    ids = e.ids
+    with torch.no_grad():
+        _, alphas = model.run_decoder(model.encode(x), torch.cat([torch.full_like(ids[:, :1], model.vocab.bos_id),
+                                                                  ids[:, :-1]], 1))
+    for i, words in enumerate(e.tokens):
+        n = len(words)
+        torch.testing.assert_close(e.maps[i, :n].flatten(1), alphas[i, :n], atol=1e-6, rtol=0)
