@@ -314,6 +314,21 @@ def _vision_encoder_decoder() -> nn.Module:
     return transformers.VisionEncoderDecoderModel(config)
 
 
+def _vision_encoder_trocr() -> nn.Module:
+    import transformers
+
+    encoder = transformers.ViTConfig(**_HF)
+    decoder = transformers.TrOCRConfig(d_model=32, decoder_layers=2, decoder_attention_heads=2, decoder_ffn_dim=64, vocab_size=40,
+                                       max_position_embeddings=32, bos_token_id=0, pad_token_id=1, eos_token_id=2,
+                                       decoder_start_token_id=2)
+    config = transformers.VisionEncoderDecoderConfig.from_encoder_decoder_configs(encoder, decoder)
+    config.decoder_start_token_id, config.pad_token_id = 2, 1
+    model = transformers.VisionEncoderDecoderModel(config)
+    with torch.no_grad():  # a random TrOCR says its end token first (an empty caption): its logit row is zeroed
+        model.decoder.output_projection.weight[2] = 0.0
+    return model
+
+
 def _blip() -> nn.Module:
     import transformers
 
@@ -492,6 +507,8 @@ def rows() -> list[Row]:
                "tests/test_sat.py"),
         Row("nn.TransformerDecoder over timm ViT", "captioner", _torch_decoder_captioner, s32, "tests/test_captioning.py"),
         Row("HF VisionEncoderDecoder (ViT + GPT-2)", "captioner", _vision_encoder_decoder, s32, "tests/test_captioning.py"),
+        Row("HF VisionEncoderDecoder (ViT + TrOCR: heads folded into the batch)", "captioner", _vision_encoder_trocr, s32,
+            "tests/test_caption_fuzz.py"),
         Row("HF BLIP", "captioner", _blip, s32, "tests/test_captioning.py"),
         Row("HF GIT", "captioner", _git, s32, "tests/test_git.py"),
         Row("HF LLaVA", "VLM", _vlm("llava"), s32, _VLM_TEST),

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .checks import check_finite_maps, check_gradients_allowed
+from .checks import check_finite_maps, check_gradients_allowed, check_not_underflowed, model_dtype
 from .errors import UsageError
 from .plan import Plan, capture_settings
 from .recording import capture
@@ -75,6 +75,7 @@ def explain_captioner(adapter: Any, plan: Plan, x: Tensor, regions: Any, sources
         with torch.set_grad_enabled(step.spec.grads or torch.is_grad_enabled()):  # (also under the caller's no_grad)
             maps = step.spec.fn(ctx, **step.options)
         maps = check_finite_maps(maps.detach().float(), step.name)
+        maps = check_not_underflowed(maps, lengths, step.name, model_dtype(model))
         for i, n in enumerate(lengths):
             maps[i, n:] = 0.0
         results.append(

@@ -19,7 +19,8 @@ from torch import Tensor, nn
 
 from .errors import InputError, NumericalError, TargetError, UnsupportedModelError, UsageError
 
-__all__ = ["channels_of", "input_channels", "check_batch", "check_tensor_input", "check_finite_scores", "check_finite_maps", "checked_score", "differentiable",
+__all__ = ["channels_of", "input_channels", "check_batch", "check_tensor_input", "check_finite_scores", "check_finite_maps",
+           "check_not_underflowed", "checked_score", "differentiable",
            "model_dtype", "model_device", "warn_training", "buffers_kept"]
 
 
@@ -156,6 +157,29 @@ def check_finite_maps(maps: Tensor, method: str) -> Tensor:
         raise NumericalError(
             f"method {method!r} broke down numerically: its maps hold NaN or inf for images {_rows(bad)} (e.g. "
             "gradients that overflowed); no such map is returned. Check the input's scale, or try another method"
+        )
+    return maps
+
+
+def check_not_underflowed(maps: Tensor, lengths: list[int], method: str, dtype: Optional[torch.dtype]) -> Tensor:
+    """``maps`` (B, T, h, w) unless a float16 model gave an all-zero map to an image with words.
+
+    A float16 backward flushes gradients below 6e-8 to zero (a model whose gradients are that small, such as a
+    freshly initialised one, gets all-zero gradient maps); bfloat16 has float32's range.
+
+    Raises:
+        NumericalError: the images whose maps are all zero in a float16 model.
+    """
+    if dtype != torch.float16:
+        return maps
+    flat = maps.detach().flatten(2)
+    empty = torch.tensor([n > 0 and not bool(flat[i, :n].any()) for i, n in enumerate(lengths)])
+    if bool(empty.any()):
+        raise NumericalError(
+            f"method {method!r} gave all-zero maps for images {_rows(empty)} of this float16 model: its gradients "
+            "are smaller than float16's smallest number (6e-8) and underflowed to zero; no such map is returned. "
+            "Run the model in float32 or bfloat16 (model.float() or model.bfloat16()), or use a method without "
+            "gradients ('cross')"
         )
     return maps
 

@@ -14,6 +14,7 @@ The model is never modified: no eval()/train() switch, no eager attention, no ho
 from __future__ import annotations
 
 import contextlib
+import copy
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union, overload
@@ -52,6 +53,9 @@ class Explainer:
             model's ``vx_processor`` where it carries one (the zoo's ``shapes-vlm``), as ``explore`` does.
         processor_kwargs: extra keyword arguments for every call of ``processor`` (e.g. Gemma 3's
             ``{"do_pan_and_scan": True}``); the maps follow the geometry they give.
+        tokenizer: an encoder-decoder captioner's tokenizer (or a processor holding one, such as
+            ``BlipProcessor``): encodes text captions and names the words (without it, a Hugging Face
+            captioner's words are its token ids).
         attention_mode: how the capture gets attention probabilities (see ``vx.capture``).
             ``"auto"`` (default): when a requested method reads every layer's attention
             without gradients (rollout) and the model runs on a CPU, attention is computed
@@ -61,7 +65,7 @@ class Explainer:
     """
 
     def __init__(self, model: nn.Module, *, adapter: Optional[Adapter] = None, attention_mode: str = "auto",
-                 processor: Any = None, processor_kwargs: Optional[dict[str, Any]] = None) -> None:
+                 processor: Any = None, processor_kwargs: Optional[dict[str, Any]] = None, tokenizer: Any = None) -> None:
         self.model = model
         # a torch.compile-d model is explained through its original module, run eagerly
         # (see vx.capture); the compiled code is neither called nor recompiled
@@ -76,6 +80,8 @@ class Explainer:
             self.adapter = self.adapter.with_processor(processor, processor_kwargs)
         elif processor_kwargs:
             raise UsageError("processor_kwargs= needs processor= (the vision-language model's processor)")
+        if tokenizer is not None:
+            self.adapter = _with_tokenizer(self.adapter, tokenizer)
 
     @property
     def family(self) -> Family:
@@ -355,3 +361,23 @@ class Explainer:
         """``run()``, a call of the model on ``x``, its refusals of the input size made an :class:`InputError`
         that says what to do (:func:`vitexplain.sizes.run_sized`)."""
         return run_sized(self.adapter, x, run)
+
+
+def _with_tokenizer(adapter: Adapter, tokenizer: Any) -> Adapter:
+    """A copy of a captioner's adapter that encodes and names words with ``tokenizer`` (a processor's own one).
+
+    Raises:
+        UsageError: the model is not an encoder-decoder captioner, or ``tokenizer`` cannot encode text.
+    """
+    from .adapters.captioning import CaptionAdapter
+
+    if not isinstance(adapter, CaptionAdapter):
+        raise UsageError(f"tokenizer= is for captioners; a {adapter.family.name} model takes none"
+                         + (" (give a vision-language model its processor=)" if adapter.family.name == "vlm" else ""))
+    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
+    if not (callable(tokenizer) and callable(getattr(tokenizer, "decode", None))):
+        raise UsageError(f"tokenizer= must be a Hugging Face tokenizer (callable, with decode()), or a processor "
+                         f"holding one; got {type(tokenizer).__name__}")
+    adapter = copy.copy(adapter)
+    adapter.tokenizer = tokenizer
+    return adapter

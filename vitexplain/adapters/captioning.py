@@ -147,6 +147,13 @@ class ZooCaptionAdapter(CaptionAdapter):
     def start_id(self) -> int:
         return self.model.vocab.bos_id
 
+    @property
+    def max_positions(self) -> Optional[int]:
+        """The transformer captioner's learned positions (``max_len``); None for Show, Attend and Tell (an LSTM)."""
+        from ..zoo.captioner import Captioner
+
+        return int(self.model.max_len) if isinstance(self.model, Captioner) else None
+
     def generate(self, x: Tensor, max_len: int) -> Tensor:
         return self.model.generate(x, max_len=max_len)[0]
 

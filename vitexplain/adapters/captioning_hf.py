@@ -34,6 +34,20 @@ def _windowed_encoder(encoder: nn.Module, size: tuple[int, int]) -> bool:
         return False
 
 
+def _token_id(value: Any, model: nn.Module, setting: str, role: str) -> int:
+    """A special token id of the model's config as an int.
+
+    Raises:
+        UnsupportedModelError: the config does not set it (``from_encoder_decoder_configs`` over a BERT decoder, for
+            one, sets neither the start nor the end token; Hugging Face's ``generate`` refuses such a model too).
+    """
+    if value is None:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} sets no token that {role}; set {setting} to your tokenizer's token id "
+            "before explaining")
+    return int(value)
+
+
 class HFCaptionAdapter(CaptionAdapter):
     """Hugging Face ``VisionEncoderDecoderModel`` and ``BlipForConditionalGeneration``."""
 
@@ -62,17 +76,21 @@ class HFCaptionAdapter(CaptionAdapter):
     def end_id(self) -> int:
         cfg = self._text_config
         if self.kind == "blip":
-            return int(cfg.sep_token_id)
+            return _token_id(cfg.sep_token_id, self.model, "model.config.text_config.sep_token_id", "ends a caption")
         end = self.model.generation_config.eos_token_id
         end = end if end is not None else cfg.eos_token_id
-        return int(end[0] if isinstance(end, (list, tuple)) else end)
+        return _token_id(end[0] if isinstance(end, (list, tuple)) else end, self.model,
+                         "model.generation_config.eos_token_id", "ends a caption")
 
     @property
     def start_id(self) -> int:
         if self.kind == "blip":
-            return int(self._text_config.bos_token_id)
+            return _token_id(self._text_config.bos_token_id, self.model, "model.config.text_config.bos_token_id",
+                             "starts a caption")
         start = self.model.config.decoder_start_token_id
-        return int(start if start is not None else self._text_config.bos_token_id)
+        start = start if start is not None else self._text_config.bos_token_id
+        return _token_id(start, self.model, "model.config.decoder_start_token_id (and model.generation_config's)",
+                         "the decoder is fed first")
 
     @property
     def max_positions(self) -> Optional[int]:
@@ -162,11 +180,12 @@ class GitCaptionAdapter(CaptionAdapter):
     def end_id(self) -> int:
         end = self.model.generation_config.eos_token_id
         end = end if end is not None else self.model.config.eos_token_id
-        return int(end[0] if isinstance(end, (list, tuple)) else end)
+        return _token_id(end[0] if isinstance(end, (list, tuple)) else end, self.model,
+                         "model.generation_config.eos_token_id", "ends a caption")
 
     @property
     def start_id(self) -> int:
-        return int(self.model.config.bos_token_id)
+        return _token_id(self.model.config.bos_token_id, self.model, "model.config.bos_token_id", "starts a caption")
 
     @property
     def max_positions(self) -> Optional[int]:

@@ -256,10 +256,11 @@ class AttentionMode(TorchFunctionMode):
             return out
         probs = out
         if out.dim() == 3:
-            # nn.MultiheadAttention with need_weights=True: (B * H, N_q, N_k)
-            if not isinstance(issuer.module, nn.MultiheadAttention):
+            # heads folded into the batch, (B * H, N_q, N_k): nn.MultiheadAttention with need_weights=True, and
+            # attention modules written the same way (TrOCR's decoder): an integer num_heads that divides B * H
+            heads = getattr(issuer.module, "num_heads", None)
+            if not isinstance(heads, int) or isinstance(heads, bool) or heads < 1 or out.shape[0] % heads:
                 return out
-            heads = issuer.module.num_heads
             probs = out.view(out.shape[0] // heads, heads, *out.shape[1:])
         probs = _fold(probs)  # (B, G, H, N, N) window attention: (B * G, H, N, N)
         b, h, n_q, n_k = probs.shape

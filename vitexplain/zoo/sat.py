@@ -75,9 +75,15 @@ class GridEncoder(nn.Module):
         return self.body(images).flatten(2).transpose(1, 2)
 
     def vx_token_layout(self, input_size: tuple[int, int]) -> TokenLayout:
-        """The annotation grid as a token layout: no prefix tokens, (H // stride, W // stride) locations."""
+        """The annotation grid as a token layout: no prefix tokens, the convolutions' output size (ceil(H / stride)
+        x ceil(W / stride) with the default padding) locations of ``stride`` pixels from the top left."""
+        h, w = input_size
+        for conv in (m for m in self.body if isinstance(m, nn.Conv2d)):  # torch's output size of each convolution
+            (kh, kw), (sh, sw), (ph, pw), (dh, dw) = conv.kernel_size, conv.stride, conv.padding, conv.dilation
+            h = (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1
+            w = (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1
         s = self.stride
-        return TokenLayout(0, (input_size[0] // s, input_size[1] // s), False, "mean", patch_size=(s, s))
+        return TokenLayout(0, (h, w), False, "mean", patch_size=(s, s))
 
 
 class AdditiveAttention(nn.Module):
