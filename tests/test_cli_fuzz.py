@@ -1,0 +1,43 @@
+"""The batch commands fuzzed with careless option values (third round of hostile runs): worker
+counts past the work or the machine, an enlargement past the overlay's size bound, an empty
+--out.
+
+Offline and small: a 1-block ViT of the zoo architecture (random weights), 64 px images.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from batch_helpers import export, images, manifest, save_tiny
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return save_tiny(tmp_path_factory.mktemp("ckpt"))
+
+
+def test_more_workers_than_batches_start_only_the_workers_there_is_work_for(ckpt, tmp_path, monkeypatch) -> None:
+    # --workers 64 with 2 images in batches of 1: a DataLoader of 64 processes, 62 of them idle
+    # (--workers 100000 forked for minutes before the first image).
+    from vitexplain.batch import shard
+
+    started = []
+    real = shard.make_loader
+
+    def make_loader(dataset, *, batch_size, workers, pin_memory):
+        started.append(workers)
+        return real(dataset, batch_size=batch_size, workers=0, pin_memory=pin_memory)
+
+    monkeypatch.setattr(shard, "make_loader", make_loader)
+    src = images(tmp_path / "in", ["a.png", "b.png"])
+    assert export(src, tmp_path / "out", ckpt, "-j", "64", "-b", "1") == 0
+    assert started == [2]  # one worker per batch to decode
+    assert export(src, tmp_path / "out2", ckpt, "-j", "64", "-b", "8") == 0
+    assert started == [2, 1]
+    assert len(manifest(tmp_path / "out2")) == 2
