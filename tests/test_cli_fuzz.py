@@ -41,3 +41,12 @@ def test_more_workers_than_batches_start_only_the_workers_there_is_work_for(ckpt
     assert export(src, tmp_path / "out2", ckpt, "-j", "64", "-b", "8") == 0
     assert started == [2, 1]
     assert len(manifest(tmp_path / "out2")) == 2
+
+
+def test_a_worker_count_far_past_the_machine_is_a_usage_error(ckpt, tmp_path, capsys) -> None:
+    src = images(tmp_path / "in", [f"{i}.png" for i in range(3)])
+    limit = max(64, 8 * (os.cpu_count() or 1))
+    assert export(src, tmp_path / "out", ckpt, "-j", str(limit + 1), "-b", "1") == 2
+    err = capsys.readouterr().err
+    assert f"--workers {limit + 1}" in err and f"at most {limit}" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
