@@ -50,3 +50,15 @@ def test_a_worker_count_far_past_the_machine_is_a_usage_error(ckpt, tmp_path, ca
     err = capsys.readouterr().err
     assert f"--workers {limit + 1}" in err and f"at most {limit}" in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()
+
+
+def test_min_side_past_max_side_draws_within_max_side(ckpt, tmp_path) -> None:
+    # --min-side 100000: the 64 px region was enlarged to 100032 px a side (a 30 GB array) before
+    # --max-side shrank it, so every image failed with OpenCV's out-of-memory text.
+    src = images(tmp_path / "in", ["a.png"])
+    out = tmp_path / "out"
+    assert export(src, out, ckpt, "--min-side", "100000", "--max-side", "300") == 0
+    rec = manifest(out)["a.png"]
+    assert rec["status"] == "ok", rec["error"]
+    with Image.open(out / rec["files"]["rollout"]["overlay"]) as im:
+        assert max(im.size) == 300 and min(im.size) >= 256  # within --max-side, enlarged (64 px -> 300)
