@@ -62,3 +62,16 @@ def test_min_side_past_max_side_draws_within_max_side(ckpt, tmp_path) -> None:
     assert rec["status"] == "ok", rec["error"]
     with Image.open(out / rec["files"]["rollout"]["overlay"]) as im:
         assert max(im.size) == 300 and min(im.size) >= 256  # within --max-side, enlarged (64 px -> 300)
+
+
+def test_an_empty_out_is_named_as_the_problem(ckpt, tmp_path, capsys, monkeypatch) -> None:
+    # --out '' was read as the current folder: "input 'a.png' is inside --out ''" (or, with the
+    # inputs elsewhere, outputs written into the current folder).
+    src = images(tmp_path / "in", ["a.png"])
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    assert export(src, "", ckpt) == 2
+    err = capsys.readouterr().err
+    assert "--out is empty" in err and "inside" not in err
+    assert os.listdir(here) == []
