@@ -75,3 +75,43 @@ def test_an_empty_out_is_named_as_the_problem(ckpt, tmp_path, capsys, monkeypatc
     err = capsys.readouterr().err
     assert "--out is empty" in err and "inside" not in err
     assert os.listdir(here) == []
+
+
+def _mute_captioner(folder: Path) -> str:
+    """A tiny random captioner whose first word is always ``<eos>``: every caption it generates is empty."""
+    import copy
+
+    import torch
+
+    import vitexplain as vx
+    from vitexplain.zoo.models import DEFAULT_CONFIGS, build
+
+    cfg = copy.deepcopy(DEFAULT_CONFIGS["shapes-captioner"])
+    cfg["name"] = "mute"
+    cfg["model_args"].update(enc_dim=32, enc_depth=1, enc_heads=2, dec_dim=32, dec_depth=1, dec_heads=2)
+    torch.manual_seed(0)
+    model = build(cfg)
+    with torch.no_grad():
+        model.head.bias[model.vocab.eos_id] = 1e4
+    return str(vx.zoo.save_checkpoint(model, cfg, folder))
+
+
+def test_an_empty_generated_caption_fails_its_image_saying_so(tmp_path, capsys) -> None:
+    # The model ended the caption at once: the image was counted 'captioned', with empty .npz maps
+    # and a figure of the image alone, and nothing said there was no word to explain.
+    from batch_helpers import run
+
+    ckpt = _mute_captioner(tmp_path / "ckpt")
+    src = images(tmp_path / "in", ["a.png", "b.png"])
+    out = tmp_path / "out"
+    assert run("caption", src, "--out", out, "--model", ckpt, "-q", "-j", "0") == 1
+    err = capsys.readouterr().err
+    recs = manifest(out)
+    assert sorted(recs) == ["a.png", "b.png"]
+    for rec in recs.values():
+        assert rec["status"] == "failed" and "empty caption" in rec["error"] and "--caption" in rec["error"]
+        assert not rec.get("files")
+    assert "empty caption" in err and "Traceback" not in err
+    assert not list(out.glob("*.npz")) and not list(out.glob("*.caption.json"))
+    # a given caption is explained as usual
+    assert run("caption", src, "--out", tmp_path / "given", "--model", ckpt, "-q", "-j", "0", "--caption", "red") == 0

@@ -34,7 +34,7 @@ from ..errors import UsageError
 from .caption_vlm import check_prompt, probe_vlm, vlm_process
 from .driver import drive
 from .run import Command, ExportResult
-from .checks import finite_rows, not_finite_error
+from .checks import empty_caption_error, finite_rows, not_finite_error
 from .manifest import GALLERY
 from .models import load_model, model_id, zoo_weights_id
 from .options import NON_NEGATIVE, POSITIVE, BatchOptions, SharedOptions, collect_methods, option, parse_methods, same
@@ -251,7 +251,8 @@ def export_captions(opts: CaptionOptions, *, argv: Optional[Sequence[str]] = Non
                 generated=generated, maps={m: maps[m][b, :t] for m in methods},
                 record={"input": paths[s["key"]], "width": s["width"], "height": s["height"], "box": s["box"]},
             )
-            write = not_finite_error(s["key"], True, bad_maps[b]) or functools.partial(
+            error = empty_caption_error(s["key"], t, generated) or not_finite_error(s["key"], True, bad_maps[b])
+            write = error or functools.partial(
                 _write_caption, item=item, opts=opts, signed=signed, method_options=method_options, model=model_doc)
             jobs.append((fields, write))
         return jobs
