@@ -194,7 +194,8 @@ def run_shard(
     t0 = time.perf_counter()
     batches: Optional[Any] = None
     try:
-        batches = iter(loader)
+        with signals.held():  # a signal while the workers start is raised once `batches` is set
+            batches = iter(loader)
         while True:
             tw = time.perf_counter()
             try:
