@@ -165,3 +165,15 @@ def test_sigterm_while_workers_start_stops_cleanly(ckpt, tmp_path) -> None:
         time.sleep(0.05)
     assert not _group(proc.pid)  # no orphaned worker
     assert summary(out)["counts"]["images"] == n
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "1e-9"])
+def test_a_bounded_number_option_says_its_bound(value, tmp_path, capsys) -> None:
+    # --attention-budget 0 said "expected a number, got 0.0": the bound (>= 0.01) was not in the text.
+    from batch_helpers import run
+
+    src = images(tmp_path / "in", ["a.png"])
+    assert run("explore", src, "--out", tmp_path / "p.html", "--attention-budget", value) == 2
+    err = capsys.readouterr().err
+    assert "--attention-budget" in err and "a number >= 0.01" in err
+    assert not (tmp_path / "p.html").exists()
