@@ -177,3 +177,15 @@ def test_a_bounded_number_option_says_its_bound(value, tmp_path, capsys) -> None
     err = capsys.readouterr().err
     assert "--attention-budget" in err and "a number >= 0.01" in err
     assert not (tmp_path / "p.html").exists()
+
+
+def test_a_tile_size_past_its_bound_is_a_usage_error(tmp_path, capsys) -> None:
+    # --tile-size 100000 drew each per-word figure at 100000 px a tile: every image failed with
+    # "MemoryError: Unable to allocate 90.1 GiB".
+    from batch_helpers import run
+
+    src = images(tmp_path / "in", ["a.png"])
+    assert run("caption", src, "--out", tmp_path / "out", "--tile-size", "100000", "-q", "-j", "0") == 2
+    err = capsys.readouterr().err
+    assert "--tile-size" in err and "[0, 2048]" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
