@@ -189,3 +189,27 @@ def test_a_tile_size_past_its_bound_is_a_usage_error(tmp_path, capsys) -> None:
     err = capsys.readouterr().err
     assert "--tile-size" in err and "[0, 2048]" in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_labels_file_saved_with_a_byte_order_mark_names_its_first_class(ckpt, tmp_path, capsys) -> None:
+    # Notepad's "UTF-8" starts the file with U+FEFF: the first class was named "\ufeffround", so
+    # --target round was an unknown label (the message showing the invisible mark) and the
+    # manifest's labels carried it.
+    src = images(tmp_path / "in", ["a.png"])
+    labels = tmp_path / "labels.txt"
+    labels.write_bytes("\ufeffround\r\nbox\r\ntri\r\nstar\r\nx\r\n".encode("utf-8"))
+    out = tmp_path / "out"
+    assert export(src, out, ckpt, "--labels", labels, "--target", "round") == 0, capsys.readouterr().err
+    rec = manifest(out)["a.png"]
+    assert rec["target"] == {"index": 0, "label": "round"}
+    assert all("\ufeff" not in (p["label"] or "") for p in rec["predictions"])
+
+
+def test_a_labels_file_that_is_not_utf8_is_a_usage_error(ckpt, tmp_path, capsys) -> None:
+    # Latin-1 "café": a UnicodeDecodeError traceback.
+    src = images(tmp_path / "in", ["a.png"])
+    labels = tmp_path / "labels.txt"
+    labels.write_bytes(b"caf\xe9\nbox\ntri\nstar\nx\n")
+    assert export(src, tmp_path / "out", ckpt, "--labels", labels) == 2
+    err = capsys.readouterr().err
+    assert "--labels" in err and "not UTF-8" in err and "Traceback" not in err
