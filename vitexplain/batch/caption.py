@@ -34,10 +34,10 @@ from ..errors import UsageError
 from .caption_vlm import check_prompt, probe_vlm, vlm_process
 from .driver import drive
 from .run import Command, ExportResult
-from .checks import finite_rows, not_finite_error
+from .checks import empty_caption_error, finite_rows, not_finite_error
 from .manifest import GALLERY
 from .models import load_model, model_id, zoo_weights_id
-from .options import NON_NEGATIVE, POSITIVE, BatchOptions, SharedOptions, collect_methods, option, parse_methods, same
+from .options import POSITIVE, Number, BatchOptions, SharedOptions, collect_methods, option, parse_methods, same
 from .setup import (config_hash, new_run, one_by_one_on_numerical_errors, plan_run, prepare, probe, summary_fields,
                     with_threads)
 from ..files import Writer, encode_npz, encode_png, json_bytes
@@ -50,6 +50,10 @@ __all__ = ["CaptionOptions", "export_captions", "DEFAULT_CAPTION_MODEL"]
 
 #: Model used when ``--model`` is not given.
 DEFAULT_CAPTION_MODEL = "shapes-captioner"
+
+
+#: Largest --tile-size: one figure holds a tile per word (12 words at 2048 px: about 150 MB of pixels).
+MAX_TILE = 2048
 
 
 @dataclass
@@ -88,9 +92,9 @@ class CaptionOptions(BatchOptions):
                            help="colormap of the maps (default {default}; any OpenCV name)")
     signed_colormap: str = option("bwr", flags="--signed-colormap", metavar="NAME", group="overlays",
                                   outputs=True, help="diverging colormap of signed maps (default {default})")
-    tile_size: int = option(160, flags="--tile-size", metavar="PX", parse=NON_NEGATIVE, group="overlays",
-                            outputs=True, help="side of each tile of the figures (default {default}; 0: the "
-                                               "image's size, at most 512)")
+    tile_size: int = option(160, flags="--tile-size", metavar="PX", parse=Number(int, 0, MAX_TILE), group="overlays",
+                            outputs=True, help=f"side of each tile of the figures, at most {MAX_TILE} px (default "
+                                                "{default}; 0: the image's size, at most 512)")
     html: bool = option(False, flags="--html", action="store_true", group="overlays",
                         help="write an index.html gallery of the figures")
     batch_size: int = option(16, flags=("--batch-size", "-b"), metavar="N", parse=POSITIVE, group="running",
@@ -251,7 +255,8 @@ def export_captions(opts: CaptionOptions, *, argv: Optional[Sequence[str]] = Non
                 generated=generated, maps={m: maps[m][b, :t] for m in methods},
                 record={"input": paths[s["key"]], "width": s["width"], "height": s["height"], "box": s["box"]},
             )
-            write = not_finite_error(s["key"], True, bad_maps[b]) or functools.partial(
+            error = empty_caption_error(s["key"], t, generated) or not_finite_error(s["key"], True, bad_maps[b])
+            write = error or functools.partial(
                 _write_caption, item=item, opts=opts, signed=signed, method_options=method_options, model=model_doc)
             jobs.append((fields, write))
         return jobs

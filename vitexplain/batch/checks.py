@@ -1,7 +1,9 @@
-"""Checks the batch commands share: which images of a batch have non-finite outputs or maps.
+"""Checks the batch commands share: which images of a batch have non-finite outputs or maps,
+or a generated caption without a word.
 
 A NaN or inf in a model's outputs or in one method's map fails that image with a message
-(:func:`not_finite_error`); the run goes on with the others.
+(:func:`not_finite_error`), and so does an empty generated caption (:func:`empty_caption_error`);
+the run goes on with the others.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Optional
 if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
 
-__all__ = ["finite_rows", "not_finite_error"]
+__all__ = ["finite_rows", "not_finite_error", "empty_caption_error"]
 
 
 def finite_rows(maps: dict[str, "np.ndarray"], logits: Any) -> tuple[list[bool], list[list[str]]]:
@@ -42,3 +44,15 @@ def not_finite_error(what: str, outputs_ok: bool, bad_maps: list[str]) -> Option
         return (f"the {', '.join(bad_maps)} map of {what} is not finite (NaN or inf): the method broke down "
                 "numerically on this image")
     return None
+
+
+def empty_caption_error(what: str, n_words: int, generated: bool) -> Optional[str]:
+    """The error of an image whose generated caption has no word (nothing to explain), or None.
+
+    (Image captioners only: a vision-language model's empty answer is still recorded as done,
+    with empty maps; tests/test_cli_caption_vlm.py's random LLaVA answers '' and expects that.)
+    """
+    if n_words or not generated:
+        return None
+    return (f"the model generated an empty caption for {what} (it ended the caption at once): there is no word "
+            "to explain; check the image, or pass --caption TEXT to explain given words")

@@ -155,7 +155,9 @@ def _write_overlays(
     from ..viz.overlays import overlay, readable
     from .decoding import cap_size
 
-    base = readable(region, opts.min_side) if opts.min_side > 0 else region
+    # enlarged within --max-side: never past it first (--min-side 100000 drew a 30 GB array, then shrank it)
+    min_side = min(opts.min_side, opts.max_side) if opts.max_side > 0 else opts.min_side
+    base = readable(region, min_side) if min_side > 0 else region
     if base is not region:  # enlarged: --max-side still bounds the longer side (--max-side 128 or a thin strip)
         base = cap_size(base, opts.max_side)
     for name, m in maps.items():

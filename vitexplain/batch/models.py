@@ -164,9 +164,13 @@ def load_model(
             info["random_weights"] = True
     if labels:
         try:
-            names = [line.strip() for line in Path(labels).read_text(encoding="utf-8").splitlines() if line.strip()]
+            text = Path(labels).read_text(encoding="utf-8-sig")  # (-sig: drops the byte order mark Notepad writes)
         except OSError as e:
             raise UsageError(f"--labels {labels!r}: cannot read it ({e.strerror or e})") from None
+        except UnicodeDecodeError as e:
+            raise UsageError(f"--labels {labels!r} is not UTF-8 text (byte {e.start}: {e.object[e.start:e.start + 1]!r}); "
+                             "save it as UTF-8, one class name per line") from None
+        names = [line.strip() for line in text.splitlines() if line.strip()]
         classes = getattr(model, "num_classes", None)
         if isinstance(classes, int) and classes > 0 and len(names) != classes:  # else names land on wrong classes
             raise UsageError(f"--labels {labels!r} has {len(names)} names (non-empty lines) but the model has "

@@ -67,6 +67,10 @@ class Number:
             self.text = f"an integer >= {lo}"
         elif lo is not None and hi is not None:
             self.text = f"a number in [{lo:g}, {hi:g}]"
+        elif lo is not None:  # (a float's lower bound: "expected a number, got 0.0" did not say it)
+            self.text = f"a number >= {lo:g}"
+        elif hi is not None:
+            self.text = f"{'an integer' if kind is int else 'a number'} <= {hi:g}"
         else:
             self.text = "an integer" if kind is int else "a number"
         self.__name__ = self.text  # argparse names the type in some messages

@@ -28,9 +28,11 @@ def check_writable(out: str | os.PathLike[str], what: str = "") -> None:
         what: how messages name it (default ``--out 'OUT'``).
 
     Raises:
-        UsageError: ``out`` is a dangling symlink, a file, or not writable.
+        UsageError: ``out`` is empty, a dangling symlink, a file, or not writable.
     """
     text = os.fspath(out)
+    if not text:  # (the current folder to os.path: the outputs would land among whatever is there)
+        raise UsageError("--out is empty; name the output folder (e.g. --out maps)")
     what = what or f"--out {text!r}"
     if os.path.islink(text) and not os.path.exists(text):
         raise UsageError(f"{what} is a symbolic link to {os.readlink(text)!r}, which does not exist; "

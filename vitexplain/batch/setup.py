@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
@@ -74,6 +75,7 @@ def prepare(opts: Any) -> Setup:
             lie inside the output folder, an unusable device.
     """
     validate(opts)
+    _check_workers(opts.workers)
     _check_colormaps(opts.colormap, opts.signed_colormap)
     dist = Dist.from_env()
     device, autocast_dtype = device_and_amp(opts.device, opts.amp, dist)
@@ -81,6 +83,20 @@ def prepare(opts: Any) -> Setup:
     check_own_names(opts.out, [MANIFEST, SUMMARY, LOCK_NAME] + ([GALLERY] if opts.html else []))
     return Setup(dist=dist, device=device, autocast_dtype=autocast_dtype, out=Path(opts.out),
                  scan=scan_inputs(opts.inputs, opts.out))
+
+
+def max_workers() -> int:
+    """The most DataLoader workers a run may start: ``max(64, 8 x CPUs)`` (decoding is I/O-bound
+    at most a few times over; past that each worker is a forked copy of the process doing nothing)."""
+    return max(64, 8 * (os.cpu_count() or 1))
+
+
+def _check_workers(workers: int) -> None:
+    limit = max_workers()
+    if workers > limit:
+        raise UsageError(f"--workers {workers}: more decoding processes than this machine ({os.cpu_count()} CPUs) "
+                         f"can use; each is a copy of the process. Use at most {limit} (about the number of CPUs "
+                         "is usually best)")
 
 
 def _check_colormaps(*colormaps: str) -> None:

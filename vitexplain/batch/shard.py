@@ -184,7 +184,8 @@ def run_shard(
         return stats
     loop = _Loop(todo, run, part, stats)
     dataset = ImageDataset([it.path for it, _ in todo], run.pre_kwargs, run.crop, run.max_side)
-    loader = make_loader(dataset, batch_size=run.batch_size, workers=run.workers,
+    batches_to_decode = -(-len(todo) // max(1, run.batch_size))  # a worker more than that only forks and waits
+    loader = make_loader(dataset, batch_size=run.batch_size, workers=min(run.workers, batches_to_decode),
                          pin_memory=run.device.type == "cuda")
     writer = Writer(run.out)
     pool = ThreadPoolExecutor(max_workers=max(1, run.write_threads), thread_name_prefix="vitexplain-write",
@@ -193,7 +194,8 @@ def run_shard(
     t0 = time.perf_counter()
     batches: Optional[Any] = None
     try:
-        batches = iter(loader)
+        with signals.held():  # a signal while the workers start is raised once `batches` is set
+            batches = iter(loader)
         while True:
             tw = time.perf_counter()
             try:

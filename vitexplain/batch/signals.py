@@ -88,6 +88,30 @@ class StopSignals:
             self._deferred = True  # only once: the run is stopping now
             raise interrupt_for(signum)
 
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Within the block a signal is only recorded, and raised when the block ends (unless the
+        run is already finishing): ``with signals.held(): batches = iter(loader)``.
+
+        A signal that arrived while DataLoader workers were starting raised in the main process
+        with the iterator half-built (its workers, which ignore SIGTERM, were never shut down: the
+        process hung at exit joining them) and, by the handler forked into them, in half-started
+        workers (a traceback each). Held, it is raised once the iterator is assigned, and a worker
+        forked meanwhile only records it.
+        """
+        if self._deferred:
+            yield
+            return
+        self._deferred = True
+        before = len(self.received)
+        try:
+            yield
+        finally:
+            self._deferred = False
+        if len(self.received) > before:
+            self._deferred = True
+            raise interrupt_for(self.received[before])
+
     def defer(self) -> None:
         """From now on only record signals (the run is finishing)."""
         self._deferred = True
