@@ -51,7 +51,8 @@ def mixer_reason(model: nn.Module) -> Optional[str]:
 
 
 #: (timm module, layer class, what a CNN block of that class does with its softmax: completes "its <class> ...").
-#: None of these softmaxes is a 4-D (B, heads, N, N) map of one token sequence, so vx.capture records none of them.
+#: None of these softmaxes is the attention of a token sequence the ViT methods read; vx.capture records only
+#: BotNet's (its (B * heads, N, N) softmax inside a module with ``num_heads``, as nn.MultiheadAttention's).
 _BLOCK_REASONS: tuple[tuple[str, str, str], ...] = (
     ("timm.layers.selective_kernel", "SelectiveKernel",
      "weights its kernel branches with a softmax over the branches, per channel (selective kernel): a mixing of "
@@ -66,9 +67,9 @@ _BLOCK_REASONS: tuple[tuple[str, str, str], ...] = (
      "normalises its keys with a softmax over the positions and applies their summary to every query as one "
      "linear map (lambda layer), so no position attends to another"),
     ("timm.layers.bottleneck_attn", "BottleneckAttn",
-     "computes self-attention among the positions of a conv feature map (BotNet, relative position logits added) "
-     "as a 3-D softmax (B * heads, N, N) that vx.capture does not record; a conv block holds it, with no token "
-     "sequence for the ViT attention methods"),
+     "computes self-attention among the positions of a conv feature map (BotNet, relative position logits added), "
+     "which vx.capture records ((B, heads, N, N) per block: rec.records[i].probs()); a conv block holds it, with no "
+     "token sequence for the ViT attention methods"),
     ("timm.layers.halo_attn", "HaloAttn",
      "computes self-attention within blocks of a conv feature map, each block's queries over a haloed window "
      "(HaloNet): no token sequence for the ViT attention methods, and vx.capture does not record it (its softmax "
