@@ -24,13 +24,7 @@ from vitexplain.errors import CaptureError, UnsupportedMethodError, UnsupportedM
 CNN_METHODS = ["gradcam", "gradcam++", "layercam", "spatial", "channel"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny tensors: one intra-op thread is as fast and does not fight over shared CI cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # -- helpers -----------------------------------------------------------------------------------

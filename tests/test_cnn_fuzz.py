@@ -16,12 +16,7 @@ import vitexplain as vx
 from support_table import reinit_heads
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _hooks(model: torch.nn.Module) -> int:
