@@ -170,7 +170,7 @@ class Context:
         if layout.readout != "pool":
             return readout_vector(layout, self.batch_size, self.x.device)
         name = self.adapter.pool_attention
-        found = [r for r in self.recorder.records if r.name == name or r.name.startswith(name + ".")]
+        found = _issued_by(self.recorder.records, name)
         if not found:
             raise UnsupportedMethodError(
                 f"method {self.method!r} reads the attention of the model's pooling head {name!r}, which issued "
@@ -201,7 +201,7 @@ class Context:
         if blocks:
             by_block: list[AttentionRecord] = []
             for block in blocks:
-                inside = [r for r in records if r.name == block or r.name.startswith(block + ".")]
+                inside = _issued_by(records, block)
                 if not inside:
                     raise UnsupportedMethodError(
                         f"block {block!r} issued no attention call during the forward; "
@@ -218,6 +218,11 @@ class Context:
                 f"({len(records)} layers); got {start}"
             )
         return records[start:]
+
+
+def _issued_by(records: list[AttentionRecord], module: str) -> list[AttentionRecord]:
+    """The records issued by module ``module`` or one of its submodules, in call order."""
+    return [r for r in records if r.name == module or r.name.startswith(module + ".")]
 
 
 def _mismatch(outputs: Any, fn: Callable[[Tensor], Tensor], tokens: Tensor) -> Optional[str]:

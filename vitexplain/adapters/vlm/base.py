@@ -155,6 +155,12 @@ class VLMAdapter(Adapter):
             pad = (self.end_ids or [0])[0]
         return int(pad)
 
+    def linear_dtype(self, suffix: str) -> Optional[torch.dtype]:
+        """The weight dtype of the model's ``nn.Linear`` whose name ends with ``suffix`` (a patch projection that
+        reads the processor's float32 patches with no vision tower to cast them), or None when there is none."""
+        return next((m.weight.dtype for name, m in self.model.named_modules()
+                     if name.endswith(suffix) and isinstance(m, nn.Linear)), None)
+
     @contextmanager
     def own_processor(self) -> Iterator[None]:
         """Where the processor's batch and the token geometry are read: a KeyError, AttributeError, TypeError or

@@ -36,12 +36,11 @@ class FuyuAdapter(VLMAdapter):
         """The processor's batch, its float32 patches in the dtype of the patch projection (``vision_embed_tokens``,
         which reads them with no vision tower to cast them: a half-precision model's)."""
         batch = super().prepare(images, prompts)
-        projection = next((m for name, m in self.model.named_modules()
-                           if name.endswith("vision_embed_tokens") and isinstance(m, nn.Linear)), None)
+        dtype = self.linear_dtype("vision_embed_tokens")
         for key in ("image_patches", "pixel_values"):
             value = batch.get(key)
-            if projection is not None and isinstance(value, Tensor) and value.is_floating_point():
-                batch[key] = value.to(projection.weight.dtype)
+            if dtype is not None and isinstance(value, Tensor) and value.is_floating_point():
+                batch[key] = value.to(dtype)
         return batch
 
     def views(self, images: Sequence[Any], inputs: Any) -> list[ImageView]:

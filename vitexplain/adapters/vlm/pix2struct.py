@@ -87,9 +87,8 @@ class Pix2StructAdapter(EncoderDecoderVLMAdapter):
         Raises:
             InputError: the ids are too large for the dtype (bfloat16: past 256).
         """
-        dtype = next((m.weight.dtype for name, m in self.model.named_modules()
-                      if name.endswith("embeddings.patch_projection") and isinstance(m, nn.Linear)), patches.dtype)
-        if dtype == patches.dtype:
+        dtype = self.linear_dtype("embeddings.patch_projection")
+        if dtype is None or dtype == patches.dtype:
             return patches
         cast = patches.to(dtype)
         if not torch.equal(cast[..., :2].to(patches.dtype), patches[..., :2]):
