@@ -51,7 +51,7 @@ CASES = {
         3, "class", None, None,
     ),
     "beit_mean": (lambda: _build("BeitConfig", "BeitForImageClassification", num_labels=5, use_mean_pooling=True), 1, "mean", None, None),
-    "deit_teacher": (lambda: _build("DeiTConfig", "DeiTForImageClassificationWithTeacher", num_labels=5), 2, "class", None, None),
+    "deit_teacher": (lambda: _build("DeiTConfig", "DeiTForImageClassificationWithTeacher", num_labels=5), 2, "prefix", None, None),
     "vit_msn": (lambda: _build("ViTMSNConfig", "ViTMSNForImageClassification", num_labels=5), 1, "class", None, None),
     "ijepa": (lambda: _build("IJepaConfig", "IJepaForImageClassification", num_labels=5), 0, "mean", None, None),
     "ijepa_headless": (
@@ -110,6 +110,8 @@ def test_hf_family_matches_eager_oracle(case):
     v = torch.zeros(n)
     if readout == "class":
         v[0] = 1.0
+    elif readout == "prefix":  # DeiT with teacher: the logits average the class and distillation heads
+        v[:prefix] = 1.0 / prefix
     else:
         v[prefix:] = 1.0 / 16
     eye = torch.eye(n)

@@ -9,9 +9,9 @@ average pooling, a distilled DeiT (class and distillation tokens) and EVA with r
 (registers, average pooling; and class token). Each oracle runs an eager float64 copy of the model
 (``fused_attn=False``), reads A and dy/dA from a hook on ``attn_drop``, one image at a time.
 
-The readout row v is docs/methods.md's: one-hot at the class token when the head reads it, else
+The readout row v is docs/methods.md's: one-hot at the class token when the head reads it, ``1/2`` on
+the class and distillation tokens for a distilled DeiT (its output averages the two heads), else
 ``1/N`` on every patch; generic and grad_rollout read ``v (R - I)``, rollout and raw ``v R``.
-A distilled DeiT's readout row is its class token's (docs/methods.md, "DeiT with teacher").
 Floor: 1e-5 relative (max abs difference over the oracle's largest value); measured at most
 4.0e-6 (attn_gradcam, class token with average pooling: maps near 1e-6 in float32), below 1e-6
 for the other methods. An all-zero attn_gradcam oracle (every head's weight negative: the map is
@@ -40,7 +40,7 @@ MODELS = {
     "average pooling + registers": (lambda: VisionTransformer(class_token=False, reg_tokens=2, global_pool="avg", **_V),
                                     "mean"),
     "class token, average pooling": (lambda: VisionTransformer(global_pool="avg", **_V), "mean"),
-    "DeiT distilled": (lambda: VisionTransformerDistilled(**_V), "class"),
+    "DeiT distilled": (lambda: VisionTransformerDistilled(**_V), "prefix"),
     "EVA rope + registers (average pooling)": (lambda: Eva(num_reg_tokens=2, **_EVA), "mean"),
     "EVA rope, class token": (lambda: Eva(global_pool="token", **_EVA), "class"),
 }
@@ -89,6 +89,8 @@ def oracles(model, image, target, prefix, readout):
     v = torch.zeros(n, dtype=torch.float64)
     if readout == "class":
         v[0] = 1.0
+    elif readout == "prefix":  # the distilled DeiT's output: the mean of its class and distillation heads
+        v[:prefix] = 1.0 / prefix
     else:
         v[prefix:] = 1.0 / (n - prefix)
     eye = torch.eye(n, dtype=torch.float64)

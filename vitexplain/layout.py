@@ -34,9 +34,10 @@ class TokenLayout:
         grid: (gh, gw) patch grid for the input size, or None for windowed attention.
         has_class_token: whether token 0 is a class token.
         readout: which query row(s) the classifier reads: ``"class"`` (the class token),
-            ``"mean"`` (average pooling over the patch tokens) or ``"pool"`` (an attention-pooling
-            head: a learned query attends over the final tokens, as SigLIP's MAP head; its
-            attention row, recorded in the forward, is the readout).
+            ``"mean"`` (average pooling over the patch tokens), ``"prefix"`` (the mean of every prefix
+            token's row: a distilled DeiT averages its class and distillation heads) or ``"pool"`` (an
+            attention-pooling head: a learned query attends over the final tokens, as SigLIP's MAP head;
+            its attention row, recorded in the forward, is the readout).
         windowed: attention runs inside local windows (Swin); rollout does not apply.
         patch_size: (ph, pw) in pixels, when known.
     """
@@ -44,7 +45,7 @@ class TokenLayout:
     num_prefix_tokens: int
     grid: Optional[tuple[int, int]]
     has_class_token: bool
-    readout: Literal["class", "mean", "pool"] = "class"
+    readout: Literal["class", "mean", "prefix", "pool"] = "class"
     windowed: bool = False
     patch_size: Optional[tuple[int, int]] = None
 

@@ -85,6 +85,11 @@ def _beit_logits(model: nn.Module, tower: nn.Module, t: Tensor) -> Tensor:
     return model.classifier(_vit_pooled(model, tower, t))
 
 
+def _deit_readout(model: nn.Module) -> str:
+    """DeiT with teacher averages its class head's and distillation head's logits: both prefix rows are read."""
+    return "prefix" if hasattr(model, "cls_classifier") else "class"
+
+
 def _beit_readout(model: nn.Module) -> str:
     return "mean" if getattr(model.config, "use_mean_pooling", False) else "class"
 
@@ -140,7 +145,7 @@ _SIGLIP = HFType(0, "layer_norm1", "mean", _siglip_logits, _siglip_pooled, _BEIT
 #: ``config.model_type`` -> how to read it (one table for every Hugging Face ViT).
 HF_TYPES: dict[str, HFType] = {
     "vit": _VIT,
-    "deit": HFType(2, "layernorm_before", "class", _vit_logits, _vit_pooled, _IMAGENET),
+    "deit": HFType(2, "layernorm_before", _deit_readout, _vit_logits, _vit_pooled, _IMAGENET),
     "vit_msn": HFType(1, "layernorm_before", "class", _vit_logits, _vit_pooled, _IMAGENET_RESIZE),
     "ijepa": HFType(0, "layernorm_before", "mean", _mean_logits, _ijepa_pooled, _IMAGENET_RESIZE),
     "dinov2": _DINO,

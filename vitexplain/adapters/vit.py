@@ -136,6 +136,8 @@ def _timm_layout(model: nn.Module, size: tuple[int, int]) -> TokenLayout:
     pool = getattr(model, "global_pool", "token")
     if pool == "map" and getattr(model, "attn_pool", None) is not None:
         readout = "pool"  # SigLIP's MAP head: its learned query's attention row is what the head reads
+    elif getattr(model, "dist_token", None) is not None:
+        readout = "prefix"  # DeiT distilled: the output averages the class head's and the distillation head's
     else:
         readout = "class" if has_cls and pool in ("token", "") else "mean"
     layout = TokenLayout(int(model.num_prefix_tokens), (int(grid[0]), int(grid[1])), has_cls, readout, patch_size=patch)

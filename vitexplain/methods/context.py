@@ -155,7 +155,7 @@ class Context:
     def readout(self, layout: TokenLayout, *, fusion: str = "mean", weighting: Optional[str] = None) -> Tensor:
         """The readout row v (B, N) that the attention methods carry through the layers.
 
-        ``"class"`` and ``"mean"`` readouts: :func:`readout_vector`. ``"pool"`` (an attention-pooling head,
+        ``"class"``, ``"prefix"`` and ``"mean"`` readouts: :func:`readout_vector`. ``"pool"`` (an attention-pooling head,
         ``adapter.pool_attention``, e.g. SigLIP's MAP): the head's learned query attends over the final tokens
         and its output is that attention's weighted sum of them, so its attention row, as recorded in the
         explained forward, is the readout: heads fused with ``fusion`` and normalised to sum to 1 (raw, rollout,
@@ -275,12 +275,15 @@ def live_blocks(record: AttentionRecord, weights: Tensor) -> Iterator[Union[slic
 def readout_vector(layout: TokenLayout, batch: int, device: torch.device) -> Tensor:
     """The query row(s) the classifier reads, as a (B, N) weight vector.
 
-    ``"class"``: one-hot at the class token. ``"mean"`` (average pooling): uniform over the
-    patch tokens, so a map is the mean over those queries of what they attend to.
+    ``"class"``: one-hot at the class token. ``"prefix"`` (a distilled DeiT, whose output is the mean of
+    its class head's and distillation head's): ``1/P`` on each of the P prefix tokens. ``"mean"`` (average
+    pooling): uniform over the patch tokens, so a map is the mean over those queries of what they attend to.
     """
     vector = torch.zeros(batch, layout.num_tokens, device=device)
     if layout.readout == "class" and layout.class_index is not None:
         vector[:, layout.class_index] = 1.0
+    elif layout.readout == "prefix" and layout.num_prefix_tokens:
+        vector[:, :layout.num_prefix_tokens] = 1.0 / layout.num_prefix_tokens
     else:
         vector[:, layout.patch_slice] = 1.0 / layout.num_patches
     return vector

@@ -173,7 +173,8 @@ def token_labels(layout: Any, num_tokens: Optional[int] = None, *, distilled: bo
         layout: a :class:`~vitexplain.layout.TokenLayout`.
         num_tokens: the sequence length; when it does not match the layout (e.g. text tokens
             of a decoder), the tokens are numbered ``0..n-1``.
-        distilled: the token after the class token is a distillation token (DeiT distilled).
+        distilled: the token after the class token is a distillation token (DeiT distilled; implied by a
+            layout whose readout is ``"prefix"``, the mean of the class and distillation heads).
 
     Returns:
         One label per token.
@@ -184,7 +185,7 @@ def token_labels(layout: Any, num_tokens: Optional[int] = None, *, distilled: bo
     prefix: list[str] = []
     if layout.has_class_token:
         prefix.append("[CLS]")
-    if distilled and len(prefix) < layout.num_prefix_tokens:
+    if (distilled or layout.readout == "prefix") and len(prefix) < layout.num_prefix_tokens:
         prefix.append("[DIST]")
     prefix += [f"reg{i}" for i in range(layout.num_prefix_tokens - len(prefix))]
     gh, gw = layout.grid
