@@ -54,8 +54,9 @@ class Explainer:
         processor_kwargs: extra keyword arguments for every call of ``processor`` (e.g. Gemma 3's
             ``{"do_pan_and_scan": True}``); the maps follow the geometry they give.
         tokenizer: an encoder-decoder captioner's tokenizer (or a processor holding one, such as
-            ``BlipProcessor``): encodes text captions and names the words (without it, a Hugging Face
-            captioner's words are its token ids).
+            ``BlipProcessor``): encodes text captions and names the words (default: the model's
+            ``vx_tokenizer`` where it carries one, as ``vitexplain caption --model DIR`` loads it; without
+            either, a Hugging Face captioner's words are its token ids).
         attention_mode: how the capture gets attention probabilities (see ``vx.capture``).
             ``"auto"`` (default): when a requested method reads every layer's attention
             without gradients (rollout) and the model runs on a CPU, attention is computed
@@ -80,6 +81,8 @@ class Explainer:
             self.adapter = self.adapter.with_processor(processor, processor_kwargs)
         elif processor_kwargs:
             raise UsageError("processor_kwargs= needs processor= (the vision-language model's processor)")
+        if tokenizer is None and self.family.name == "caption":
+            tokenizer = getattr(model, "vx_tokenizer", None)  # (a captioner loaded from a model folder carries it)
         if tokenizer is not None:
             self.adapter = _with_tokenizer(self.adapter, tokenizer)
 

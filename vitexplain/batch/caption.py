@@ -64,7 +64,8 @@ class CaptionOptions(BatchOptions):
 
     Attributes:
         model: a zoo captioner or VLM name, the path of a zoo-format checkpoint ``.json``, or a
-            folder with a Hugging Face vision-language model and its processor (``save_pretrained``).
+            folder with a Hugging Face captioner and its tokenizer, or a vision-language model and its processor
+            (``save_pretrained``).
         prompt: vision-language models: the prompt (None: the adapter's default).
         caption: None to let the model generate each image's caption; a text to explain
             that caption (teacher-forced) for every image.
@@ -74,8 +75,8 @@ class CaptionOptions(BatchOptions):
 
     model: str = option(DEFAULT_CAPTION_MODEL, flags=("--model", "-m"), metavar="NAME", group="model", outputs=True,
                         help="zoo captioner or VLM (see `vitexplain models`), a zoo checkpoint .json, or a folder "
-                             "holding a Hugging Face vision-language model and its processor (save_pretrained) "
-                             "(default: {default})")
+                             "holding a Hugging Face captioner and its tokenizer, or a vision-language model and its "
+                             "processor (save_pretrained) (default: {default})")
     prompt: Optional[str] = option(None, flags="--prompt", metavar="TEXT", group="explanation", outputs=True,
                                    help="vision-language models: the prompt (question or instruction; the image "
                                         "token is put in front unless it holds one); default: the model's")

@@ -1,8 +1,10 @@
 """Model loading for the batch commands (offline), and the model's part of the resume key.
 
 ``--model`` is a zoo name, the path of a zoo-format checkpoint ``.json``, a folder holding a Hugging
-Face image classifier, or a vision-language model and its processor (``save_pretrained``; loaded offline with SDPA
-attention, the processor attached as ``model.vx_processor``), or a timm model name (created with
+Face image classifier, an encoder-decoder captioner and its tokenizer (VisionEncoderDecoder, BLIP, GIT: the tokenizer
+or processor attached as ``model.vx_tokenizer``) or a vision-language model and its processor (``save_pretrained``;
+loaded offline with SDPA attention where the model's class has it, the processor attached as ``model.vx_processor``),
+or a timm model name (created with
 ``pretrained=False``; weights from ``--checkpoint``). Every problem (unknown
 name, unreadable or mismatching checkpoint, a zoo ``.json`` whose config cannot build a
 model) is a :class:`~vitexplain.errors.UsageError`: the command exits with status 2 before
@@ -182,15 +184,18 @@ def load_model(
 
 
 def load_hf_folder(path: str) -> "nn.Module":
-    """A Hugging Face image classifier, or a vision-language model and its processor, from a ``save_pretrained``
-    folder, offline.
+    """A Hugging Face image classifier, a captioner and its tokenizer, or a vision-language model and its processor,
+    from a ``save_pretrained`` folder, offline.
 
     An image classifier (``AutoModelForImageClassification``: ViT, DeiT, DINOv2, BEiT, Swin, ResNet, ConvNeXt,
     ...) is loaded with ``attn_implementation="sdpa"`` where its class has SDPA attention; images are then
     preprocessed with the adapter's settings for that model type, overridden by the image processor saved in the
     folder where there is one (its mean, std, input size, crop and resampling: ``model.vx_preprocess``). A
     vision-language model is loaded with ``attn_implementation="sdpa"`` (its fused attention) and its processor is
-    attached as ``model.vx_processor`` (what ``vx.Explainer(model, processor=...)`` takes).
+    attached as ``model.vx_processor`` (what ``vx.Explainer(model, processor=...)`` takes). An encoder-decoder
+    captioner (what vitexplain explains as the caption family) gets the folder's processor or tokenizer as
+    ``model.vx_tokenizer`` and its image processor's settings as ``model.vx_preprocess``. A model class without
+    SDPA attention (BLIP) loads with its own attention, which the capture records as it runs.
 
     Raises:
         UsageError: no ``config.json``, transformers missing, neither an image classifier nor an image-text-to-text
@@ -231,11 +236,15 @@ def load_hf_folder(path: str) -> "nn.Module":
     if type(config) not in auto._model_mapping:
         raise UsageError(f"--model {path!r} holds a {type(config).__name__} ({config.model_type}), neither an image "
                          "classifier nor a vision-language (image-text-to-text) model: `vitexplain export` takes a "
-                         "classifier folder, `vitexplain caption` a VLM folder")
+                         "classifier folder, `vitexplain caption` a captioner or VLM folder")
+    fused = getattr(auto._model_mapping[type(config)], "_supports_sdpa", False)  # (BLIP's attention is its own code)
     try:
-        model = auto.from_pretrained(str(folder), local_files_only=True, attn_implementation="sdpa")
+        model = auto.from_pretrained(str(folder), local_files_only=True,
+                                     **({"attn_implementation": "sdpa"} if fused else {}))
     except Exception as e:
         raise UsageError(f"--model {path!r}: cannot load the model ({type(e).__name__}: {e})") from None
+    if _is_captioner(model):
+        return _with_caption_tokenizer(transformers, model, folder, path)
     try:
         processor = transformers.AutoProcessor.from_pretrained(str(folder), local_files_only=True)
     except Exception as e:
@@ -245,6 +254,45 @@ def load_hf_folder(path: str) -> "nn.Module":
         raise UsageError(f"--model {path!r}: the processor saved there ({type(processor).__name__}) has no tokenizer "
                          "and image processor; save the model's full processor with processor.save_pretrained(DIR)")
     model.vx_processor = processor
+    return model
+
+
+def _is_captioner(model: "nn.Module") -> bool:
+    """Whether vitexplain explains ``model`` as an encoder-decoder captioner (VisionEncoderDecoder, BLIP, GIT: it
+    takes preprocessed images and a tokenizer) rather than as a vision-language model (which takes a processor)."""
+    from ..adapters import adapter_for
+    from ..errors import VitexplainError
+
+    try:
+        return adapter_for(model).family.name == "caption"
+    except VitexplainError:  # not explainable: the Explainer says why, with the VLM path's words
+        return False
+
+
+def _with_caption_tokenizer(transformers: Any, model: "nn.Module", folder: Path, path: str) -> "nn.Module":
+    """A captioner from a model folder with what its folder says about text and pixels: its processor (BLIP's, holding
+    the tokenizer) or tokenizer as ``model.vx_tokenizer`` (what ``vx.Explainer(model, tokenizer=...)`` takes; the
+    Explainer reads it by default), and its image processor's settings as ``model.vx_preprocess``.
+
+    Raises:
+        UsageError: the folder holds no tokenizer (the caption's words could not be named or encoded).
+    """
+    tokenizer = None
+    for loader in (transformers.AutoProcessor, transformers.AutoTokenizer):
+        try:
+            tokenizer = loader.from_pretrained(str(folder), local_files_only=True)
+        except Exception:  # (a folder without a processor class: its tokenizer alone, next)
+            continue
+        if callable(getattr(getattr(tokenizer, "tokenizer", tokenizer), "decode", None)):
+            break
+        tokenizer = None
+    if tokenizer is None:
+        raise UsageError(f"--model {path!r} is a captioner ({type(model).__name__}) saved without its tokenizer; save "
+                         "it next to the model with tokenizer.save_pretrained(DIR) (or the processor's)")
+    model.vx_tokenizer = tokenizer
+    settings = _image_processor_settings(transformers, folder, path)
+    if settings:
+        model.vx_preprocess = settings  # read by vitexplain.adapters.preprocessing
     return model
 
 
@@ -258,8 +306,8 @@ def _image_processor_settings(transformers: Any, folder: Path, path: str) -> dic
     Raises:
         UsageError: the folder's processor config cannot be loaded.
     """
-    if not (folder / "preprocessor_config.json").is_file():
-        return {}
+    if not any((folder / name).is_file() for name in ("preprocessor_config.json", "processor_config.json")):
+        return {}  # (a processor saved whole, BLIP's, keeps its image processor in processor_config.json)
     try:
         proc = transformers.AutoImageProcessor.from_pretrained(str(folder), local_files_only=True)
     except Exception as e:
