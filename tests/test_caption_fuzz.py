@@ -221,3 +221,44 @@ def test_show_attend_tell_takes_inputs_whose_sides_are_not_multiples_of_its_stri
     for i, words in enumerate(e.tokens):
         n = len(words)
         torch.testing.assert_close(e.maps[i, :n].flatten(1), alphas[i, :n], atol=1e-6, rtol=0)
+
+
+def _vit_gpt2_one_special():
+    """ViT encoder + GPT-2 decoder as nlpconnect/vit-gpt2-image-captioning sets it up: GPT-2's one special token is its
+    start, end and padding token."""
+    enc = transformers.ViTConfig(**_SMALL, image_size=32, patch_size=8)
+    dec = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=40, n_positions=16, bos_token_id=3,
+                                  eos_token_id=3, add_cross_attention=True, is_decoder=True)
+    cfg = transformers.VisionEncoderDecoderConfig.from_encoder_decoder_configs(enc, dec)
+    cfg.decoder_start_token_id, cfg.pad_token_id = 3, 3
+    torch.manual_seed(0)
+    model = transformers.VisionEncoderDecoderModel(cfg).eval()
+    with torch.no_grad():  # a random head says its special token first (an empty caption): its logit row is zeroed
+        model.decoder.lm_head.weight[3] = 0.0
+    return model
+
+
+def _vit_trocr_speaking():
+    """:func:`_vit_trocr` whose end-token logit row is zeroed: a random TrOCR says its end token first."""
+    model = _vit_trocr()
+    with torch.no_grad():
+        model.decoder.output_projection.weight[2] = 0.0
+    return model
+
+
+@pytest.mark.parametrize("build", [_vit_gpt2_one_special, _vit_trocr_speaking], ids=["gpt2", "trocr"])
+def test_the_ids_generate_returns_explain_the_generated_caption(build):
+    """Bug: ``explain_caption(x, caption=model.generate(...))`` gave an empty explanation (no word, all-zero maps) for
+    decoders whose start token is also their end token (GPT-2, TrOCR): generate's output begins with the start token,
+    which was read as the caption's end. Oracle: the explanation of the caption the Explainer generates itself (its
+    words and its maps); generate's padding after the end token is not a word either."""
+    model = build()
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(7))
+    ex = vx.Explainer(model)
+    generated = ex.explain_caption(x, method="cross", max_len=5)
+    assert all(generated.tokens)
+    out = model.generate(pixel_values=x, max_new_tokens=5, do_sample=False, num_beams=1)
+    assert int(out[0, 0]) == model.config.decoder_start_token_id  # what generate puts first
+    given = ex.explain_caption(x, method="cross", caption=out)
+    assert given.tokens == generated.tokens
+    torch.testing.assert_close(given.maps, generated.maps, rtol=1e-4, atol=1e-6)

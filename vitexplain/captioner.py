@@ -98,11 +98,16 @@ def explain_captioner(adapter: Any, plan: Plan, x: Tensor, regions: Any, sources
 def caption_ids(adapter: Any, caption: Any, batch: int, device: torch.device) -> Tensor:
     """(B, T) ids of given captions (:func:`vitexplain.targets.given_token_ids`), each followed by the end token.
 
+    A caption ends at its first end token (what follows is padding, as in ``generate``'s output). Decoders whose
+    start token is also their end token (GPT-2, TrOCR) get a leading start token dropped: Hugging Face's
+    ``generate`` returns it first, and the caption would otherwise be read as empty.
+
     Raises:
         UsageError: not one caption or one per image, an empty caption, token ids that are not in the
             vocabulary, or a caption longer than the decoder's positions.
     """
     seqs = given_token_ids(caption, batch, adapter.encode_caption, vocab=getattr(adapter, "vocab_size", None))
+    seqs = [_words_of(seq, adapter.start_id, adapter.end_id) for seq in seqs]
     length = max(len(s) for s in seqs) + 1
     positions = getattr(adapter, "max_positions", None)
     if positions is not None and length - 1 > positions:  # fed: the start token and all words but the last
@@ -112,3 +117,10 @@ def caption_ids(adapter: Any, caption: Any, batch: int, device: torch.device) ->
         )
     end = adapter.end_id
     return torch.tensor([s + [end] * (length - len(s)) for s in seqs], dtype=torch.long, device=device)
+
+
+def _words_of(seq: list[int], start: int, end: int) -> list[int]:
+    """``seq`` without the leading start token ``generate`` puts first, for decoders whose start token is also their
+    end token (GPT-2, TrOCR): such a caption would otherwise end before its first word. (Where the two differ, a
+    leading start token stays a word, shown as one: ``generate(...)[:, 1:]`` or ``e.ids`` are the words.)"""
+    return seq[1:] if start == end and len(seq) > 1 and seq[0] == start else seq

@@ -289,7 +289,9 @@ class Explainer:
                 or None for the family's default.
             caption: None to generate greedily (with the model's KV cache; the steps are
                 stitched into one map per word), or the caption(s) to explain teacher-forced:
-                one string for all images, one per image, or token-id lists.
+                one string for all images, one per image, or token-id lists (``e.ids``, or what
+                ``model.generate`` returns: a caption ends at its end token; a leading start token
+                is dropped where it is also the end token, GPT-2 and TrOCR).
             prompt: vision-language models only: the prompt (one, or one per image; the image
                 token is put in front unless the prompt has it). A question plus
                 ``caption=`` answer words explains visual question answering.
