@@ -37,6 +37,8 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     args["text"].update(num_hidden_layers=2)
     torch.manual_seed(0)
     model = build_llava(args).eval()
+    with torch.no_grad():  # a random LM may end its answer at once (an empty answer fails its image): it speaks
+        model.lm_head.weight[model.config.text_config.eos_token_id] = 0.0
     path = tmp_path_factory.mktemp("llava") / "tiny llava"
     model.save_pretrained(path)
     build_processor(args).save_pretrained(path)
@@ -151,6 +153,29 @@ def test_usage_errors_exit_2(case: str, message: str, folder: Path, images: Path
     assert _run("caption", images / "a.png", "--out", out, "--model", model, "-q", *extra) == 2
     assert message in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_an_empty_generated_answer_fails_its_image_saying_so(images: Path, tmp_path: Path) -> None:
+    """A VLM that ends its answer at once (every logit equal, its end token the first id) leaves no word to explain:
+    each image is recorded as failed, saying so and what to do (was: counted captioned, with empty maps)."""
+    from vitexplain.zoo.vlm import VLM_ARGS, build_llava, build_processor
+
+    args = copy.deepcopy(VLM_ARGS)
+    args["vision"].update(num_hidden_layers=1)
+    args["text"].update(num_hidden_layers=1)
+    model = build_llava(args).eval()
+    with torch.no_grad():
+        model.lm_head.weight.zero_()  # every logit 0: greedy decoding picks id 0 ...
+    model.generation_config.eos_token_id = 0  # ... which ends the answer
+    folder, out = tmp_path / "mute", tmp_path / "out"
+    model.save_pretrained(folder)
+    build_processor(args).save_pretrained(folder)
+    assert _run("caption", images, "--out", out, "--model", folder, "--prompt", PROMPT, "-q", "-j", "0") != 0
+    records = _manifest(out)
+    assert set(records) == {"a.png", "b c.png"}
+    for rec in records.values():
+        assert rec["status"] == "failed" and "empty caption" in rec["error"] and "--caption" in rec["error"], rec
+    assert not list(out.glob("*.npz"))
 
 
 def test_explore_command_with_a_model_folder_and_prompt(folder: Path, images: Path, tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ import functools
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ..errors import UsageError
+from .checks import empty_caption_error
 
 if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
@@ -132,9 +133,12 @@ def vlm_process(
                 record={"input": paths[s["key"]], "width": s["width"], "height": s["height"], "box": s["box"],
                         "prompt": fields["prompt"]},
             )
-            if bad:
-                job: Any = (f"{s['key']}: the {', '.join(bad)} map is not finite (NaN or inf): the method broke down "
-                            "numerically on this image")
+            empty = empty_caption_error(s["key"], t, generated)
+            if empty:
+                job: Any = empty
+            elif bad:
+                job = (f"{s['key']}: the {', '.join(bad)} map is not finite (NaN or inf): the method broke down "
+                       "numerically on this image")
             else:
                 job = functools.partial(write, item=item)
             jobs.append((fields, job))

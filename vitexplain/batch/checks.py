@@ -47,11 +47,8 @@ def not_finite_error(what: str, outputs_ok: bool, bad_maps: list[str]) -> Option
 
 
 def empty_caption_error(what: str, n_words: int, generated: bool) -> Optional[str]:
-    """The error of an image whose generated caption has no word (nothing to explain), or None.
-
-    (Image captioners only: a vision-language model's empty answer is still recorded as done,
-    with empty maps; tests/test_cli_caption_vlm.py's random LLaVA answers '' and expects that.)
-    """
+    """The error of an image whose generated caption (a captioner's, or a vision-language model's answer) has no word
+    (nothing to explain), or None."""
     if n_words or not generated:
         return None
     return (f"the model generated an empty caption for {what} (it ended the caption at once): there is no word "
