@@ -556,6 +556,8 @@ def rows() -> list[Row]:
             "tests/test_vlm_minicpmv.py"),
         Row("HF Fuyu (patches projected straight into the LM)", "VLM", _vlm("fuyu"), s32, "tests/test_vlm_fuyu.py"),
         Row("HF LLaVA-NeXT", "VLM", _vlm("llava_next"), s32, _VLM_TEST),
+        Row("HF LLaVA-NeXT-Video (images: LLaVA-NeXT's tiles)", "VLM", _vlm("llava_next_video"), s32,
+            "tests/test_vlm_llava.py"),
         Row("HF LLaVA-OneVision", "VLM", _vlm("onevision"), s32, _VLM_TEST),
         Row("HF mllama (Llama 3.2 Vision: cross-attention layers)", "VLM", _vlm("mllama"), s32, "tests/test_vlm_mllama.py"),
         Row("HF BLIP-2", "VLM", _vlm("blip2"), s32, _VLM_TEST),

@@ -226,11 +226,16 @@ def check_footprints(built, size):
     rng = torch.Generator().manual_seed(0)
     ys = torch.randint(0, image.shape[0], (80,), generator=rng).tolist()
     xs = torch.randint(0, image.shape[1], (80,), generator=rng).tolist()
+    # near a cell border resampling spreads the change over two tokens: a pixel is checked where every piece's cell
+    # around it extends at least 2 px, or a quarter of a cell for pieces of large cells (a thumbnail downscaled a few
+    # times: its resampling filter reaches 2 resized pixels, several original ones, into the next cell)
+    margins = [max(2, int(min((p.box[2] - p.box[0]) / p.grid[0], (p.box[3] - p.box[1]) / p.grid[1]) / 4))
+               for p in view.pieces]
     checked = 0
     for y, x in zip(ys, xs):
-        regions = [layer[0, max(y - 2, 0) : y + 3, max(x - 2, 0) : x + 3] for layer in layers]
+        regions = [layer[0, max(y - m, 0) : y + m + 1, max(x - m, 0) : x + m + 1] for layer, m in zip(layers, margins)]
         if any(bool((r != r.reshape(-1)[0]).any()) for r in regions):
-            continue  # near a cell border: resampling spreads the change over two tokens
+            continue
         if all(int(layer[0, y, x]) == 0 for layer in layers) and any(
                 _near(piece.box, y, x, 6) for piece in view.pieces):
             continue  # just outside a crop: a downscaling filter reaches a few pixels in

@@ -436,6 +436,33 @@ ORACLE["llava_next"] = dict(prompt=lambda p: "<image>" + p, extend=_positions_fr
                             placeholders=lambda m: [m.config.image_token_id])
 
 
+def llava_next_video() -> tuple[nn.Module, Any]:
+    """LLaVA-NeXT-Video explaining images: :func:`llava_next`'s tiles, thumbnail and newlines (its image path is
+    LLaVA-NeXT's; videos have a token of their own, ``<video>``), with its own processor and model classes."""
+    import transformers
+
+    tok = tokenizer(("<image>", "<video>"))
+    pinpoints = [[16, 32], [32, 16], [32, 32]]
+    image = transformers.LlavaNextImageProcessor(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16},
+                                                 image_grid_pinpoints=pinpoints)
+    video = transformers.LlavaNextVideoVideoProcessor(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16})
+    proc = transformers.LlavaNextVideoProcessor(video_processor=video, image_processor=image, tokenizer=tok, patch_size=4,
+                                                vision_feature_select_strategy="default", num_additional_image_tokens=1)
+    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                           image_size=16, patch_size=4)
+    cfg = transformers.LlavaNextVideoConfig(
+        vision_config=vision, text_config=dict(model_type="llama", vocab_size=len(tok), **_text()),
+        image_token_id=tok.convert_tokens_to_ids("<image>"), video_token_id=tok.convert_tokens_to_ids("<video>"),
+        image_grid_pinpoints=pinpoints, vision_feature_select_strategy="default", vision_feature_layer=-1)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return reinit_small(transformers.LlavaNextVideoForConditionalGeneration(cfg).eval()), proc
+
+
+BUILDERS["llava_next_video"] = llava_next_video
+ORACLE["llava_next_video"] = ORACLE["llava_next"]
+
+
 def onevision() -> tuple[nn.Module, Any]:
     """LLaVA-OneVision: as :func:`llava_next` with SigLIP (no class token) and ``anyres_max_1``, so the stitched grid is
     interpolated down."""

@@ -7,6 +7,6 @@ from .base import VLMAdapter
 from .views import ImageView, Piece, render
 
 # each module registers its detector
-from . import llava, llava_next, mistral3, internvl, paligemma, gemma4, qwen, idefics, lfm2, janus, perception_lm, molmo2, minicpmv, idefics2, fuyu, qformer, mllama, florence, pix2struct  # noqa: E402,F401
+from . import llava, llava_next, mistral3, internvl, paligemma, gemma4, qwen, idefics, lfm2, janus, perception_lm, molmo2, minicpmv, idefics2, fuyu, qformer, mllama, florence, pix2struct, unknown  # noqa: E402,F401
 
 __all__ = ["ImageView", "Piece", "VLMAdapter", "render"]

@@ -105,7 +105,7 @@ class LlavaNextAdapter(VLMAdapter):
 @register_adapter(priority=20, family=VLM)
 def _detect_llava_next(model: nn.Module) -> Optional[Adapter]:
     name = type(model).__name__
-    if name == "LlavaNextForConditionalGeneration":
+    if name in ("LlavaNextForConditionalGeneration", "LlavaNextVideoForConditionalGeneration"):  # (Video: its images)
         return LlavaNextAdapter(model)
     if name == "LlavaOnevisionForConditionalGeneration":
         return LlavaNextAdapter(model, onevision=True)
