@@ -558,6 +558,8 @@ def rows() -> list[Row]:
         Row("HF LLaVA-NeXT", "VLM", _vlm("llava_next"), s32, _VLM_TEST),
         Row("HF LLaVA-NeXT-Video (images: LLaVA-NeXT's tiles)", "VLM", _vlm("llava_next_video"), s32,
             "tests/test_vlm_llava.py"),
+        Row("HF Video-LLaVA (images: LLaVA-1.5's patches, its image tower)", "VLM", _vlm("video_llava"), s32,
+            "tests/test_vlm_llava.py"),
         Row("HF LLaVA-OneVision", "VLM", _vlm("onevision"), s32, _VLM_TEST),
         Row("HF mllama (Llama 3.2 Vision: cross-attention layers)", "VLM", _vlm("mllama"), s32, "tests/test_vlm_mllama.py"),
         Row("HF BLIP-2", "VLM", _vlm("blip2"), s32, _VLM_TEST),

@@ -103,7 +103,7 @@ def isolated_tokens(model: nn.Module) -> nn.Module:
     token then depends only on its own pixels (the footprint probe's model)."""
     other = copy.deepcopy(model)
     vision = next((m for n, m in other.named_modules()
-                   if n.endswith(("vision_tower", "vision_model", "visual", "vision_encoder"))), None)
+                   if n.endswith(("vision_tower", "image_tower", "vision_model", "visual", "vision_encoder"))), None)
     if vision is None:
         if not any(n.endswith("vision_embed_tokens") for n, _ in other.named_modules()):
             raise LookupError(f"found no vision tower in {type(model).__name__} to switch its attention off")
@@ -830,6 +830,38 @@ ORACLE["cohere2_vision"] = _token_oracle(ORACLE["aya_vision"], "image_token_id")
 
 BUILDERS["vipllava"] = lambda: llava(vip=True)
 ORACLE["vipllava"] = _token_oracle(ORACLE["llava"], "image_token_index")
+
+
+def video_llava() -> tuple[nn.Module, Any]:
+    """Video-LLaVA explaining images: :func:`llava`'s tower and crop as its image tower (pixels as
+    ``pixel_values_images``), and a ``<video>`` token of its own."""
+    import transformers
+
+    tok = tokenizer(("<image>", "<video>"))
+    image = transformers.VideoLlavaImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    video = transformers.VideoLlavaVideoProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    proc = transformers.VideoLlavaProcessor(image_processor=image, video_processor=video, tokenizer=tok, patch_size=8,
+                                            vision_feature_select_strategy="default", num_additional_image_tokens=1)
+    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                           image_size=32, patch_size=8)
+    cfg = transformers.VideoLlavaConfig(vision_config=vision, text_config=dict(model_type="llama", vocab_size=len(tok), **_text()),
+                                        image_token_id=tok.convert_tokens_to_ids("<image>"),
+                                        video_token_id=tok.convert_tokens_to_ids("<video>"),
+                                        vision_feature_select_strategy="default", vision_feature_layer=-1)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return reinit_small(transformers.VideoLlavaForConditionalGeneration(cfg).eval()), proc
+
+
+def _video_llava_features(model: nn.Module, proc: Any, image: np.ndarray) -> torch.Tensor:
+    out = proc.image_processor(images=[image], return_tensors="pt")
+    pixels = out["pixel_values_images"] if "pixel_values_images" in out else out["pixel_values"]  # (5.23 renames it)
+    with torch.no_grad():
+        return model.get_image_features(pixel_values=pixels).pooler_output[0]
+
+
+BUILDERS["video_llava"] = video_llava
+ORACLE["video_llava"] = dict(ORACLE["llava"], features=_video_llava_features)
 
 
 def gemma4(moe: bool = False) -> tuple[nn.Module, Any]:

@@ -170,7 +170,7 @@ def explain_vlm(adapter: VLMAdapter, plan: Plan, images: Any, caption: Any, prom
         kwargs = adapter.teacher_inputs(inputs, ids)
     grads = plan.capture.grads
     if grads:  # every attention call in the graph, also with frozen weights (requires_grad_(False))
-        for key in ("pixel_values", "flattened_patches"):  # (Pix2Struct's)
+        for key in ("pixel_values", "flattened_patches", "pixel_values_images"):  # (Pix2Struct's, Video-LLaVA's)
             if isinstance(kwargs.get(key), Tensor) and kwargs[key].is_floating_point():
                 kwargs[key] = kwargs[key].detach().clone().requires_grad_(True)
     with torch.set_grad_enabled(grads), embeddings_in_graph(model) if grads else nullcontext(), \

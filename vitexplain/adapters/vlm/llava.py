@@ -6,7 +6,8 @@ over that crop is the token grid, in row-major order (the class token is dropped
 ``"default"`` drops its first patch: the sequence holds patches 1.. and patch (0, 0) scores 0).
 With a Pixtral tower (Pixtral-12B) the image keeps its native resolution: one token per patch of the
 processor's resized image (``image_sizes``), rows ended by ``[IMG_BREAK]`` (no pixels), as Mistral 3
-without its merger (:mod:`~vitexplain.adapters.vlm.mistral3`).
+without its merger (:mod:`~vitexplain.adapters.vlm.mistral3`). Video-LLaVA's images take the same path through its
+image tower.
 """
 
 from __future__ import annotations
@@ -23,19 +24,24 @@ from .base import VLMAdapter
 from .views import ImageView, Piece, processed_box
 from .mistral3 import native_views
 
-__all__ = ["LlavaAdapter"]
+__all__ = ["LlavaAdapter", "VideoLlavaAdapter"]
 
 
 class LlavaAdapter(VLMAdapter):
     """LLaVA-1.5-style models (``LlavaForConditionalGeneration``, and ViP-LLaVA, whose projector reads several tower layers
     of the same patch tokens)."""
 
+    #: the processor's keys of the images' pixels (the first present is read), and the model's attribute of the tower
+    #: that reads them
+    pixel_keys: tuple[str, ...] = ("pixel_values",)
+    tower_name = "vision_tower"
+
     def views(self, images: Sequence[Any], inputs: Any) -> list[ImageView]:
         config = self.model.config
         patch = config.vision_config.patch_size
         if getattr(config.vision_config, "model_type", None) == "pixtral":  # Pixtral-12B: native resolution, no merge
             return native_views(images, inputs, int(patch))
-        pixels = inputs["pixel_values"]
+        pixels = next(inputs[key] for key in self.pixel_keys if key in inputs)
         gh, gw = pixels.shape[-2] // patch, pixels.shape[-1] // patch
         # "full" keeps the tower's class token (no pixels); a tower without one (SigLIP) keeps none
         strategy = getattr(config, "vision_feature_select_strategy", "default")  # (VipLlava: the class token dropped)
@@ -66,15 +72,27 @@ class LlavaAdapter(VLMAdapter):
 
     def _tower_has_class_token(self) -> bool:
         """Whether the vision tower prepends a class token (CLIP does, SigLIP does not)."""
-        tower = getattr(getattr(self.model, "model", self.model), "vision_tower", None)
-        tower = tower if tower is not None else getattr(self.model, "vision_tower", None)
+        tower = getattr(getattr(self.model, "model", self.model), self.tower_name, None)
+        tower = tower if tower is not None else getattr(self.model, self.tower_name, None)
         if tower is None:
-            raise UnsupportedModelError(f"{type(self.model).__name__} has no vision_tower to read the image tokens from")
+            raise UnsupportedModelError(f"{type(self.model).__name__} has no {self.tower_name} to read the image tokens from")
         return any(hasattr(module, "class_embedding") for module in tower.modules())
+
+
+class VideoLlavaAdapter(LlavaAdapter):
+    """Video-LLaVA explaining images: LLaVA-1.5's geometry on its image tower (``image_tower``; the processor gives
+    the pixels as ``pixel_values_images``, as ``pixel_values`` from transformers 5.23 on; videos go through a tower of
+    their own, not explained here)."""
+
+    pixel_keys = ("pixel_values_images", "pixel_values")
+    tower_name = "image_tower"
 
 
 @register_adapter(priority=20, family=VLM)
 def _detect_llava(model: nn.Module) -> Optional[Adapter]:
-    if type(model).__name__ in ("LlavaForConditionalGeneration", "VipLlavaForConditionalGeneration"):
+    name = type(model).__name__
+    if name in ("LlavaForConditionalGeneration", "VipLlavaForConditionalGeneration"):
         return LlavaAdapter(model)
+    if name == "VideoLlavaForConditionalGeneration":
+        return VideoLlavaAdapter(model)
     return None

@@ -18,7 +18,7 @@ __all__ = ["SUPPORTED_FAMILIES"]
 
 #: The vision-language families vitexplain explains (docs/support.md has a row and a test for each).
 SUPPORTED_FAMILIES = (
-    "LLaVA-1.5, ViP-LLaVA, LLaVA-NeXT (and -Video's images), LLaVA-OneVision, Mistral 3, Pixtral, LightOnOCR, InternVL, "
+    "LLaVA-1.5, ViP-LLaVA, Video-LLaVA and LLaVA-NeXT-Video (images), LLaVA-NeXT, LLaVA-OneVision, Mistral 3, Pixtral, LightOnOCR, InternVL, "
     "Aya Vision, Command A Vision, GLM-4.1V/4.5V/4.6V, GLM-OCR, PaliGemma, Gemma 3, Gemma 4, Qwen2-VL, Qwen2.5-VL, "
     "Qwen3-VL, Qwen3.5, Idefics2, Idefics3, SmolVLM, LFM2-VL, Janus, DeepSeek-VL, PerceptionLM, Molmo2, MiniCPM-V, "
     "Fuyu, BLIP-2, InstructBLIP, Kosmos-2, mllama, Florence-2, Pix2Struct"
