@@ -1,0 +1,96 @@
+"""Hierarchical transformers fuzzed where earlier tests did not go (other seeds, non-square inputs, strides and
+windows of other shapes), each case against an independent expectation: a dense float64 oracle written here
+(tests/hier_oracle.py's helpers; the model's own reordering code run on token indices), finite differences, or a
+batch against its images one by one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import vitexplain as vx
+from hier_oracle import assert_matches_oracle, carry, hiera_call, taped_attention, token_derivative
+
+timm = pytest.importorskip("timm")
+import support_table as support  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+CLASSES = 5
+
+
+def _reinit(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Random-init heads made to tell the classes apart (tiny heads give maps of ~0)."""
+    support.reinit_heads(model, seed)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.Linear) and module.out_features == CLASSES:
+                module.weight.copy_(torch.randn(module.weight.shape, generator=generator) * 0.5)
+    return model.eval()
+
+
+# -- Hiera with a pooling stride other than 2 x 2 ----------------------------------------------------------------
+def _hiera(q_stride: tuple[int, int], size: tuple[int, int], mask_unit: tuple[int, int]) -> nn.Module:
+    from timm.models.hiera import Hiera
+
+    torch.manual_seed(4)
+    return _reinit(Hiera(img_size=size, embed_dim=16, num_heads=2, num_classes=CLASSES, stages=(1, 2, 2),
+                         q_stride=q_stride, mask_unit_size=mask_unit, q_pool=2), seed=4)
+
+
+def _rerolled(model: nn.Module, block: int, n: int) -> torch.Tensor:
+    """(H, W): the unrolled position of each grid cell after ``block``, by the model's own ``reroll``."""
+    return model.reroll(torch.arange(n, dtype=torch.float64).view(1, n, 1), block)[0, ..., 0].round().long()
+
+
+def _hiera_items(model: nn.Module, x: torch.Tensor, target: int) -> list:
+    """Dense calls in the unrolled order (token t of a call: window t % nW, slot t // nW; pooled queries and the
+    residual the mean over the q chunks), from the eager float64 copy's softmax outputs."""
+    taped = iter(taped_attention(model, x, target))
+    b, n = x.shape[0], int(torch.tensor(model.tokens_spatial_shape).prod())
+    items = []
+    for block in model.blocks:
+        attn = block.attn
+        a, g = next(taped)
+        windows = n // (attn.q_stride * attn.window_size) if attn.use_mask_unit_attn else 1
+        a = a.reshape(b, attn.heads, windows, *a.shape[-2:]).transpose(1, 2)
+        g = g.reshape(b, attn.heads, windows, *g.shape[-2:]).transpose(1, 2)
+        items.append(hiera_call(a, g, n, attn.q_stride, windows))
+        n //= attn.q_stride
+    return items
+
+
+@pytest.mark.parametrize("q_stride,size,mask_unit", [((2, 1), (64, 64), (4, 4)), ((1, 2), (48, 96), (2, 4))],
+                         ids=["2x1", "1x2"])
+def test_hiera_pooling_with_a_stride_other_than_2x2_matches_the_oracle_and_finite_differences(q_stride, size,
+                                                                                              mask_unit):
+    """Hiera's q_stride (2, 1) pools 2 rows into 1 and keeps the columns: stage grids 16 x 16, 8 x 16, 4 x 16 at
+    64 px. The adapter took every pooling as 2 x 2: rollout was refused as a capture error ('explain the model at
+    the input size it was built for', at that size) and CDAM at stage 1 put 128 tokens on an 8 x 8 grid, two to a
+    cell, silently. Oracle: the dense float64 carry in the unrolled order, put on each stage's grid by the model's
+    own ``reroll``; CDAM against central differences of the model's forward with one token scaled."""
+    model = _hiera(q_stride, size, mask_unit)
+    x = torch.randn(2, 3, *size, generator=torch.Generator().manual_seed(8))
+    ex = vx.Explainer(model)
+    items = _hiera_items(model, x, target=1)
+    n0 = items[0].keys.shape[0]
+    u = torch.full((2, items[-1].probs.shape[2]), 1.0 / items[-1].probs.shape[2], dtype=torch.float64)
+    # stage s's first item and the block whose output is on its grid: blocks 0 | 1 (pools), 2 | 3 (pools), 4
+    for stage, start, block in ((0, 0, 0), (1, 2, 1), (2, 4, 3)):
+        cells = _rerolled(model, block, items[start].keys.shape[0])
+        for method in ("rollout", "generic", "grad_rollout"):
+            e = ex.explain(x, method=method, target=1, stage=stage)
+            want = carry(items, u, method, start=start)[:, cells.flatten()].view(2, *cells.shape)
+            assert e.maps.shape == want.shape and e.layout.grid == tuple(cells.shape)
+            assert_matches_oracle(e.maps, want, (method, stage))
+    assert n0 == _rerolled(model, 0, n0).numel()
+    one = x[:1].double()
+    double = model.double()
+    e = vx.Explainer(double).explain(one, method="cdam", target=0, stage=1)
+    cells = _rerolled(double, 2, e.maps[0].numel())  # tokens entering block 2, stage 1's last attention
+    assert e.maps.shape == (1, *cells.shape)
+    for i, j in ((0, 0), (cells.shape[0] - 1, cells.shape[1] - 1), (1, cells.shape[1] // 2)):
+        numeric = token_derivative(double.get_submodule("blocks.2.norm1"), (int(cells[i, j]),),
+                                   lambda: double(one)[0, 0])
+        assert abs(float(e.maps[0, i, j]) - numeric) <= 1e-6 + 1e-5 * abs(numeric), (i, j, numeric)
