@@ -94,3 +94,33 @@ def test_hiera_pooling_with_a_stride_other_than_2x2_matches_the_oracle_and_finit
         numeric = token_derivative(double.get_submodule("blocks.2.norm1"), (int(cells[i, j]),),
                                    lambda: double(one)[0, 0])
         assert abs(float(e.maps[0, i, j]) - numeric) <= 1e-6 + 1e-5 * abs(numeric), (i, j, numeric)
+
+
+# -- CrossViT averaging its patches: raw on a fusion call -----------------------------------------------------------
+def _crossvit(pool: str) -> nn.Module:
+    from timm.models.crossvit import CrossVit
+
+    torch.manual_seed(6)
+    return _reinit(CrossVit(img_size=48, img_scale=(1.0, 32 / 48), patch_size=(8, 16), embed_dim=(16, 32),
+                            depth=((1, 1, 0),), num_heads=(2, 2), mlp_ratio=(2, 2, 1), num_classes=CLASSES,
+                            global_pool=pool), seed=6)
+
+
+@pytest.mark.parametrize("pool", ["avg", "token"])
+def test_crossvit_raw_on_a_fusion_call_is_its_class_tokens_attention_whatever_the_head_reads(pool):
+    """A fusion call's only query is a branch's class token, attending to itself and the other branch's patches.
+    With global_pool='avg' the head reads no class token, so the readout restricted to that query was empty and
+    raw returned maps of zeros for both fusion calls, silently. Oracle: the eager float64 copy's softmax of each
+    fusion call (calls in order: branch 0's block, branch 1's, fusion 0, fusion 1), mean over heads, the other
+    branch's patches on its grid."""
+    model = _crossvit(pool)
+    x = torch.randn(2, 3, 48, 48, generator=torch.Generator().manual_seed(9))
+    taped = taped_attention(model, x, 1)
+    assert len(taped) == 4
+    ex = vx.Explainer(model)
+    for layer, other in ((2, (2, 2)), (3, (6, 6))):
+        a = taped[layer][0]  # (B, heads, 1, 1 + other patches)
+        want = a.double().mean(dim=1)[:, 0, 1:].reshape(2, *other)
+        e = ex.explain(x, method="raw", target=1, layer=layer)
+        assert e.maps.shape == (2, *other) == (2, *e.layout.grid)
+        assert_matches_oracle(e.maps, want, (pool, layer))
