@@ -124,3 +124,49 @@ def test_crossvit_raw_on_a_fusion_call_is_its_class_tokens_attention_whatever_th
         e = ex.explain(x, method="raw", target=1, layer=layer)
         assert e.maps.shape == (2, *other) == (2, *e.layout.grid)
         assert_matches_oracle(e.maps, want, (pool, layer))
+
+
+# -- SAM's ViT with one head --------------------------------------------------------------------------------------
+def _sam_dense(model: nn.Module, x: torch.Tensor, target: int) -> list:
+    """SAM's calls on the patch grid: each taped softmax (B * nW * heads, n, n) scattered through timm's own
+    ``window_partition`` of token indices (padding reads -1), then the neck's 3 x 3 conv as an average footprint."""
+    from hier_oracle import DenseCall, pool_matrix, scatter_windows
+    from timm.models.vision_transformer_sam import window_partition
+
+    b, patch = x.shape[0], model.patch_embed.patch_size
+    grid = (x.shape[-2] // patch[0], x.shape[-1] // patch[1])
+    n = grid[0] * grid[1]
+    eye = torch.eye(n, dtype=torch.float64)
+    items = []
+    for block, (a, g) in zip(model.blocks, taped_attention(model, x, target)):
+        heads = block.attn.num_heads
+        if block.window_size:
+            idx, _ = window_partition((torch.arange(n) + 1).view(1, *grid, 1).double(), block.window_size)
+            idx = idx.reshape(idx.shape[0], -1).round().long() - 1
+        else:
+            idx = torch.arange(n)[None]
+        a, g = (t.reshape(b, idx.shape[0], heads, *t.shape[-2:]) for t in (a, g))
+        items.append(DenseCall(scatter_windows(a, idx, idx, n, n), scatter_windows(g, idx, idx, n, n), eye, eye))
+    items.append(pool_matrix(grid, 3, 1, 1))  # neck.2: the 3 x 3 conv (padding 1) on the same grid
+    return items
+
+
+def test_sam_vit_with_one_head_matches_the_oracle():
+    """SAM folds its heads into SDPA's batch; with num_heads=1 the record has no head dimension at all
+    ((B * nW, n, n)), and rollout, generic and raw failed with torch's own shape error. A 48 x 80 input (3 x 5
+    patches, windows of 2 padded at the bottom and right), a batch of 3, one windowed and one global block."""
+    torch.manual_seed(7)
+    model = _reinit(timm.create_model("samvit_base_patch16", pretrained=False, num_classes=CLASSES, img_size=(48, 80),
+                                      depth=2, embed_dim=16, num_heads=1, global_attn_indexes=(1,), window_size=2,
+                                      neck_chans=8), seed=7)
+    x = torch.randn(3, 3, 48, 80, generator=torch.Generator().manual_seed(7))
+    items = _sam_dense(model, x, target=1)
+    ex = vx.Explainer(model)
+    u = torch.full((3, 15), 1.0 / 15, dtype=torch.float64)
+    for method in ("rollout", "generic", "grad_rollout"):
+        e = ex.explain(x, method=method, target=1)
+        assert e.maps.shape == (3, 3, 5) == (3, *e.layout.grid)
+        assert_matches_oracle(e.maps, carry(items, u, method).view(3, 3, 5), method)
+    for layer in (0, 1):
+        e = ex.explain(x, method="raw", target=1, layer=layer, head=0)
+        assert_matches_oracle(e.maps, items[layer].probs[:, 0].mean(dim=1).view(3, 3, 5), ("raw", layer))
