@@ -127,9 +127,10 @@ def test_crossvit_raw_on_a_fusion_call_is_its_class_tokens_attention_whatever_th
 
 
 # -- SAM's ViT with one head --------------------------------------------------------------------------------------
-def _sam_dense(model: nn.Module, x: torch.Tensor, target: int) -> list:
+def _sam_dense(model: nn.Module, x: torch.Tensor, target: int, neck: bool = True) -> list:
     """SAM's calls on the patch grid: each taped softmax (B * nW * heads, n, n) scattered through timm's own
-    ``window_partition`` of token indices (padding reads -1), then the neck's 3 x 3 conv as an average footprint."""
+    ``window_partition`` of token indices (padding reads -1), then (``neck``) the neck's 3 x 3 conv as an average
+    footprint."""
     from hier_oracle import DenseCall, pool_matrix, scatter_windows
     from timm.models.vision_transformer_sam import window_partition
 
@@ -147,7 +148,8 @@ def _sam_dense(model: nn.Module, x: torch.Tensor, target: int) -> list:
             idx = torch.arange(n)[None]
         a, g = (t.reshape(b, idx.shape[0], heads, *t.shape[-2:]) for t in (a, g))
         items.append(DenseCall(scatter_windows(a, idx, idx, n, n), scatter_windows(g, idx, idx, n, n), eye, eye))
-    items.append(pool_matrix(grid, 3, 1, 1))  # neck.2: the 3 x 3 conv (padding 1) on the same grid
+    if neck:
+        items.append(pool_matrix(grid, 3, 1, 1))  # neck.2: the 3 x 3 conv (padding 1) on the same grid
     return items
 
 
@@ -170,3 +172,28 @@ def test_sam_vit_with_one_head_matches_the_oracle():
     for layer in (0, 1):
         e = ex.explain(x, method="raw", target=1, layer=layer, head=0)
         assert_matches_oracle(e.maps, items[layer].probs[:, 0].mean(dim=1).view(3, 3, 5), ("raw", layer))
+
+
+def test_sam_vit_without_a_conv_neck_is_explained():
+    """timm's registered classifier ``samvit_base_patch16_224`` is built with neck_chans=None: its neck is one
+    LayerNorm2d, not a Sequential, and every method failed with "'LayerNorm2d' object is not iterable". Its
+    config (relative positions, windows and global blocks) made tiny; oracle: the calls alone (a norm mixes no
+    tokens), a batch of 3; CDAM against finite differences of the model with one token scaled."""
+    torch.manual_seed(8)
+    model = _reinit(timm.create_model("samvit_base_patch16_224", pretrained=False, num_classes=CLASSES, img_size=64,
+                                      depth=2, embed_dim=32, num_heads=2, global_attn_indexes=(1,), window_size=3),
+                    seed=8)
+    assert not isinstance(model.neck, nn.Sequential)
+    x = torch.randn(3, 3, 64, 64, generator=torch.Generator().manual_seed(8))
+    items = _sam_dense(model, x, target=1, neck=False)
+    ex = vx.Explainer(model)
+    u = torch.full((3, 16), 1.0 / 16, dtype=torch.float64)
+    for method in ("rollout", "generic", "grad_rollout"):
+        e = ex.explain(x, method=method, target=1)
+        assert e.maps.shape == (3, 4, 4) == (3, *e.layout.grid)
+        assert_matches_oracle(e.maps, carry(items, u, method).view(3, 4, 4), method)
+    double, one = model.double(), x[:1].double()
+    e = vx.Explainer(double).explain(one, method="cdam", target=0)
+    for i, j in ((0, 0), (1, 2), (3, 3)):
+        numeric = token_derivative(double.get_submodule("blocks.1.norm1"), (i, j), lambda: double(one)[0, 0])
+        assert abs(float(e.maps[0, i, j]) - numeric) <= 1e-6 + 1e-5 * abs(numeric), (i, j, numeric)
