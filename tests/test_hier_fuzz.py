@@ -31,68 +31,92 @@ def _reinit(model: nn.Module, seed: int = 0) -> nn.Module:
 
 
 # -- Hiera with a pooling stride other than 2 x 2 ----------------------------------------------------------------
-def _hiera(q_stride: tuple[int, int], size: tuple[int, int], mask_unit: tuple[int, int]) -> nn.Module:
-    from timm.models.hiera import Hiera
-
+def _hiera(kind: str, q_stride: tuple[int, int], size: tuple[int, int], mask_unit: tuple[int, int]) -> nn.Module:
+    """timm's ``Hiera`` or Hugging Face's ``HieraForImageClassification``: blocks 0 | 1 (pools), 2 | 3 (pools), 4."""
     torch.manual_seed(4)
-    return _reinit(Hiera(img_size=size, embed_dim=16, num_heads=2, num_classes=CLASSES, stages=(1, 2, 2),
-                         q_stride=q_stride, mask_unit_size=mask_unit, q_pool=2), seed=4)
+    if kind == "timm":
+        from timm.models.hiera import Hiera
+
+        model = Hiera(img_size=size, embed_dim=16, num_heads=2, num_classes=CLASSES, stages=(1, 2, 2), q_stride=q_stride,
+                      mask_unit_size=mask_unit, q_pool=2)
+    else:
+        transformers = pytest.importorskip("transformers")
+        model = transformers.HieraForImageClassification(transformers.HieraConfig(
+            image_size=list(size), embed_dim=16, num_heads=[2, 2, 2], depths=[1, 2, 2], num_query_pool=2,
+            query_stride=list(q_stride), masked_unit_size=list(mask_unit), masked_unit_attention=[True, True, False],
+            mlp_ratio=2.0, num_labels=CLASSES))
+    return _reinit(model, seed=4)
 
 
-def _rerolled(model: nn.Module, block: int, n: int) -> torch.Tensor:
-    """(H, W): the unrolled position of each grid cell after ``block``, by the model's own ``reroll``."""
-    return model.reroll(torch.arange(n, dtype=torch.float64).view(1, n, 1), block)[0, ..., 0].round().long()
+def _hiera_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, block) in order: timm's ``blocks``, or Hugging Face's ``hiera.encoder.stages[*].layers``."""
+    if hasattr(model, "blocks"):
+        return [(f"blocks.{i}", block) for i, block in enumerate(model.blocks)]
+    return [(f"hiera.encoder.stages.{s}.layers.{i}", layer) for s, stage in enumerate(model.hiera.encoder.stages)
+            for i, layer in enumerate(stage.layers)]
+
+
+def _rerolled(model: nn.Module, stage: int, n: int) -> torch.Tensor:
+    """(H, W): the unrolled position of each cell of ``stage``'s grid, by the model's own reroll (timm's takes
+    a block index: stage s's first block is 2 s - 1 here; Hugging Face's a stage index)."""
+    idx = torch.arange(n, dtype=torch.float64).view(1, n, 1)
+    if hasattr(model, "reroll"):
+        out = model.reroll(idx, max(2 * stage - 1, 0))
+    else:
+        out = model.hiera.encoder.reroll(idx, stage_idx=stage, bool_masked_pos=None)
+    return out[0, ..., 0].round().long()
 
 
 def _hiera_items(model: nn.Module, x: torch.Tensor, target: int) -> list:
     """Dense calls in the unrolled order (token t of a call: window t % nW, slot t // nW; pooled queries and the
-    residual the mean over the q chunks), from the eager float64 copy's softmax outputs."""
-    taped = iter(taped_attention(model, x, target))
-    b, n = x.shape[0], int(torch.tensor(model.tokens_spatial_shape).prod())
+    residual the mean over the q chunks), from the eager float64 copy's softmax outputs ((B * heads, nW, n, n)
+    from timm, (B, heads, nW, n, n) from Hugging Face)."""
+    score = target if hasattr(model, "blocks") else (lambda m, inp: m(pixel_values=inp).logits[:, target])
+    taped = iter(taped_attention(model, x, score))
+    b, n = x.shape[0], (x.shape[-2] // 4) * (x.shape[-1] // 4)
     items = []
-    for block in model.blocks:
+    for _, block in _hiera_layers(model):
         attn = block.attn
         a, g = next(taped)
-        windows = n // (attn.q_stride * attn.window_size) if attn.use_mask_unit_attn else 1
-        a = a.reshape(b, attn.heads, windows, *a.shape[-2:]).transpose(1, 2)
-        g = g.reshape(b, attn.heads, windows, *g.shape[-2:]).transpose(1, 2)
-        items.append(hiera_call(a, g, n, attn.q_stride, windows))
-        n //= attn.q_stride
+        stride = int(getattr(attn, "q_stride", getattr(attn, "query_stride", 1)))
+        windows = n // (stride * attn.window_size) if attn.use_mask_unit_attn else 1
+        a, g = (t.reshape(b, -1, windows, *t.shape[-2:]).transpose(1, 2) for t in (a, g))
+        items.append(hiera_call(a, g, n, stride, windows))
+        n //= stride
     return items
 
 
-@pytest.mark.parametrize("q_stride,size,mask_unit", [((2, 1), (64, 64), (4, 4)), ((1, 2), (48, 96), (2, 4))],
-                         ids=["2x1", "1x2"])
-def test_hiera_pooling_with_a_stride_other_than_2x2_matches_the_oracle_and_finite_differences(q_stride, size,
+@pytest.mark.parametrize("kind,q_stride,size,mask_unit", [
+    ("timm", (2, 1), (64, 64), (4, 4)), ("timm", (1, 2), (48, 96), (2, 4)), ("hf", (2, 1), (64, 48), (4, 2))],
+    ids=["timm-2x1", "timm-1x2", "hf-2x1"])
+def test_hiera_pooling_with_a_stride_other_than_2x2_matches_the_oracle_and_finite_differences(kind, q_stride, size,
                                                                                               mask_unit):
     """Hiera's q_stride (2, 1) pools 2 rows into 1 and keeps the columns: stage grids 16 x 16, 8 x 16, 4 x 16 at
     64 px. The adapter took every pooling as 2 x 2: rollout was refused as a capture error ('explain the model at
     the input size it was built for', at that size) and CDAM at stage 1 put 128 tokens on an 8 x 8 grid, two to a
     cell, silently. Oracle: the dense float64 carry in the unrolled order, put on each stage's grid by the model's
-    own ``reroll``; CDAM against central differences of the model's forward with one token scaled."""
-    model = _hiera(q_stride, size, mask_unit)
+    own reroll; CDAM against central differences of the model's forward with one token scaled."""
+    model = _hiera(kind, q_stride, size, mask_unit)
     x = torch.randn(2, 3, *size, generator=torch.Generator().manual_seed(8))
     ex = vx.Explainer(model)
     items = _hiera_items(model, x, target=1)
-    n0 = items[0].keys.shape[0]
     u = torch.full((2, items[-1].probs.shape[2]), 1.0 / items[-1].probs.shape[2], dtype=torch.float64)
-    # stage s's first item and the block whose output is on its grid: blocks 0 | 1 (pools), 2 | 3 (pools), 4
-    for stage, start, block in ((0, 0, 0), (1, 2, 1), (2, 4, 3)):
-        cells = _rerolled(model, block, items[start].keys.shape[0])
+    for stage, start in ((0, 0), (1, 2), (2, 4)):  # each stage's first item on its own grid
+        cells = _rerolled(model, stage, items[start].keys.shape[0])
         for method in ("rollout", "generic", "grad_rollout"):
             e = ex.explain(x, method=method, target=1, stage=stage)
             want = carry(items, u, method, start=start)[:, cells.flatten()].view(2, *cells.shape)
             assert e.maps.shape == want.shape and e.layout.grid == tuple(cells.shape)
             assert_matches_oracle(e.maps, want, (method, stage))
-    assert n0 == _rerolled(model, 0, n0).numel()
-    one = x[:1].double()
-    double = model.double()
+    one, double = x[:1].double(), model.double()
+    logit = (lambda: double(one)[0, 0]) if kind == "timm" else (lambda: double(pixel_values=one).logits[0, 0])
     e = vx.Explainer(double).explain(one, method="cdam", target=0, stage=1)
-    cells = _rerolled(double, 2, e.maps[0].numel())  # tokens entering block 2, stage 1's last attention
+    cells = _rerolled(double, 1, e.maps[0].numel())
     assert e.maps.shape == (1, *cells.shape)
+    site = _hiera_layers(double)[2]  # the tokens entering stage 1's last attention
+    norm = site[1].get_submodule("norm1" if kind == "timm" else "layernorm_before")
     for i, j in ((0, 0), (cells.shape[0] - 1, cells.shape[1] - 1), (1, cells.shape[1] // 2)):
-        numeric = token_derivative(double.get_submodule("blocks.2.norm1"), (int(cells[i, j]),),
-                                   lambda: double(one)[0, 0])
+        numeric = token_derivative(norm, (int(cells[i, j]),), logit)
         assert abs(float(e.maps[0, i, j]) - numeric) <= 1e-6 + 1e-5 * abs(numeric), (i, j, numeric)
 
 
