@@ -221,3 +221,223 @@ def test_sam_vit_without_a_conv_neck_is_explained():
     for i, j in ((0, 0), (1, 2), (3, 3)):
         numeric = token_derivative(double.get_submodule("blocks.1.norm1"), (i, j), lambda: double(one)[0, 0])
         assert abs(float(e.maps[0, i, j]) - numeric) <= 1e-6 + 1e-5 * abs(numeric), (i, j, numeric)
+
+
+# -- non-square inputs, padded windows, head fusions, discard and raw heads against one dense oracle ---------------
+def _probe(module: nn.Module, grid: tuple[int, int], prefix: int = 0) -> tuple[torch.Tensor, tuple[int, int]]:
+    """D (prefix + n_coarse, prefix + n_fine) of a conv or pooling, read from the module itself: a one-channel copy
+    with unit weights (no bias) run on one one-hot map per fine cell; each coarse cell spreads evenly over the cells
+    that reach it (prefix tokens onto themselves). Also the coarse grid."""
+    import copy
+
+    probe = copy.deepcopy(module).double()
+    n = grid[0] * grid[1]
+    if isinstance(probe, nn.Conv2d):  # one channel in and out, the module's own forward (padding rule included)
+        probe.weight = nn.Parameter(torch.ones(1, 1, *probe.kernel_size, dtype=torch.float64))
+        probe.bias, probe.groups, probe.in_channels, probe.out_channels = None, 1, 1, 1
+    with torch.no_grad():
+        out = probe(torch.eye(n, dtype=torch.float64).view(n, 1, *grid))[:, 0]
+    reach = (out.flatten(1).T > 0).double()
+    d = torch.zeros(prefix + reach.shape[0], prefix + n, dtype=torch.float64)
+    d[:prefix, :prefix] = torch.eye(prefix, dtype=torch.float64)
+    d[prefix:, prefix:] = reach / reach.sum(dim=1, keepdim=True)
+    return d, tuple(out.shape[-2:])
+
+
+def _call(a: torch.Tensor, g: torch.Tensor, keys: torch.Tensor, skip: torch.Tensor, idx=None, b: int = 0):
+    """A DenseCall of (B, H, n, m) probabilities, or of per-window ones (B * nW, H, w, w) scattered by ``idx``
+    (nW, w) grid indices (-1: padding); ``pairs``: the (query, key) pairs the call has (padding left out)."""
+    from hier_oracle import DenseCall, scatter_windows
+
+    if idx is not None:
+        n = keys.shape[0]
+        a, g = (scatter_windows(t.reshape(b, idx.shape[0], *t.shape[-3:]), idx, idx, n, n) for t in (a, g))
+        ones = torch.ones(1, idx.shape[0], 1, idx.shape[1], idx.shape[1])
+        pairs = scatter_windows(ones, idx, idx, n, n)[0, 0] > 0
+    else:
+        pairs = torch.ones(a.shape[-2:], dtype=torch.bool)
+    call = DenseCall(a.double(), g.double(), keys, skip)
+    call.pairs = pairs
+    return call
+
+
+def _pvt(x: torch.Tensor, target: int):
+    torch.manual_seed(11)
+    model = _reinit(timm.create_model("pvt_v2_b0", pretrained=False, num_classes=CLASSES, depths=(1, 2, 1, 1),
+                                      embed_dims=(16, 32, 48, 64), num_heads=(2, 2, 4, 4)), seed=11)
+    taped = iter(taped_attention(model, x, target))
+    items, starts = [], []
+    grid = tuple(model.patch_embed.proj(x).shape[-2:])
+    for s, stage in enumerate(model.stages):
+        if s > 0:
+            d, grid = _probe(stage.downsample.proj, grid)
+            items.append(d)
+        starts.append(len(items))
+        eye = torch.eye(grid[0] * grid[1], dtype=torch.float64)
+        for block in stage.blocks:
+            a, g = next(taped)
+            keys = _probe(block.attn.sr, grid)[0] if block.attn.sr is not None else eye
+            items.append(_call(a, g, keys, eye))
+    return model, items, starts, 0
+
+
+def _svt(x: torch.Tensor, target: int):
+    import torch.nn.functional as F
+
+    torch.manual_seed(12)
+    model = _reinit(timm.create_model("twins_svt_small", pretrained=False, num_classes=CLASSES, depths=(1, 2, 1, 1),
+                                      embed_dims=(16, 32, 48, 64), num_heads=(2, 2, 2, 4), wss=[3, 3, 3, 3],
+                                      img_size=64), seed=12)
+    taped = iter(taped_attention(model, x, target))
+    items, starts, grid = [], [], tuple(x.shape[-2:])
+    for s, (embed, blocks) in enumerate(zip(model.patch_embeds, model.blocks)):
+        if s == 0:
+            grid = tuple(embed.proj(x).shape[-2:])
+        else:
+            d, grid = _probe(embed.proj, grid)
+            items.append(d)
+        starts.append(len(items))
+        n = grid[0] * grid[1]
+        eye = torch.eye(n, dtype=torch.float64)
+        for block in blocks:
+            a, g = next(taped)
+            if type(block.attn).__name__ == "LocallyGroupedAttn":  # the model's own padding and reshape, on indices
+                ws = block.attn.ws
+                hp, wp = -(-grid[0] // ws) * ws, -(-grid[1] // ws) * ws
+                idx = F.pad(torch.arange(n).view(1, *grid, 1) + 1, (0, 0, 0, wp - grid[1], 0, hp - grid[0])) - 1
+                idx = idx.reshape(1, hp // ws, ws, wp // ws, ws, 1).transpose(2, 3).reshape(-1, ws * ws)
+                items.append(_call(a, g, eye, eye, idx, x.shape[0]))
+            else:
+                keys = _probe(block.attn.sr, grid)[0] if block.attn.sr is not None else eye
+                items.append(_call(a, g, keys, eye))
+    return model, items, starts, 0
+
+
+def _maxvit_tf(x: torch.Tensor, target: int):
+    import dataclasses
+
+    from timm.models.maxxvit import MaxxVit, grid_partition, model_cfgs, window_partition
+
+    base = model_cfgs["maxvit_tiny_tf"]  # TF 'same' padding: a stride-2 conv pads 0 before, 1 after on even grids
+    cfg = dataclasses.replace(base, embed_dim=(16, 32, 32, 32), depths=(1, 1, 1, 1), stem_width=(16, 16),
+                              transformer_cfg=dataclasses.replace(base.transformer_cfg, dim_head=8))
+    torch.manual_seed(13)
+    model = _reinit(MaxxVit(cfg, img_size=tuple(x.shape[-2:]), num_classes=CLASSES), seed=13)
+    taped = iter(taped_attention(model, x, target))
+    grid = tuple(model.stem(x).shape[-2:])
+    items, starts = [], []
+    for s, stage in enumerate(model.stages):
+        for i, block in enumerate(stage.blocks):
+            if block.conv.conv2_kxk.stride != (1, 1):
+                d, grid = _probe(block.conv.conv2_kxk, grid)
+                if s > 0:
+                    items.append(d)
+            if i == 0:
+                starts.append(len(items))
+            n = grid[0] * grid[1]
+            eye = torch.eye(n, dtype=torch.float64)
+            for part in (block.attn_block, block.attn_grid):
+                a, g = next(taped)
+                size = list(part.partition_size)
+                split = window_partition if part.partition_block else grid_partition
+                idx = split(torch.arange(n).view(1, *grid, 1), size).reshape(-1, size[0] * size[1])
+                items.append(_call(a, g, eye, eye, idx, x.shape[0]))
+    return model, items, starts, 0
+
+
+def _mvit_cls(x: torch.Tensor, target: int):
+    from timm.models.mvitv2 import MultiScaleVit, MultiScaleVitCfg
+
+    torch.manual_seed(14)
+    model = MultiScaleVit(MultiScaleVitCfg(depths=(1, 1, 1, 2), embed_dim=16, num_heads=2, use_cls_token=True,
+                                           use_abs_pos=True, rel_pos_type="none"),
+                          img_size=tuple(x.shape[-2:]), num_classes=CLASSES, global_pool="token")
+    with torch.no_grad():  # timm's init makes its attention near uniform: unit-gain weights
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 1.0 / p[0].numel() ** 0.5, generator=torch.Generator().manual_seed(14))
+    model = _reinit(model, seed=14)
+    taped = iter(taped_attention(model, x, target))
+    grid = tuple(model.patch_embed.proj(x).shape[-2:])
+    items, starts = [], []
+    for stage in model.stages:
+        for i, block in enumerate(stage.blocks):
+            a, g = next(taped)
+            attn, eye = block.attn, torch.eye(1 + grid[0] * grid[1], dtype=torch.float64)
+            keys = _probe(attn.pool_v, grid, prefix=1)[0] if attn.pool_v is not None else eye
+            skip = _probe(block.shortcut_pool_attn, grid, 1)[0] if block.shortcut_pool_attn is not None else eye
+            new = _probe(attn.pool_q, grid)[1] if attn.pool_q is not None else grid
+            items.append(_call(a, g, keys, skip))
+            if i == 0:
+                starts.append(len(items) - (new == grid))  # a pooling first block reads the grid before
+            grid = new
+    return model, items, starts, 1
+
+
+_FAMILIES = {"pvt": (_pvt, (50, 77)), "svt": (_svt, (60, 92)), "maxvit_tf": (_maxvit_tf, (64, 96)),
+             "mvit_cls": (_mvit_cls, (48, 80))}
+
+
+@pytest.mark.parametrize("kind", list(_FAMILIES))
+def test_non_square_inputs_fusions_discard_and_raw_heads_match_the_dense_oracle(kind):
+    """Non-square inputs whose sides the patch, the windows or the strides do not divide (PVTv2 50 x 77: 13 x 20
+    tokens; Twins SVT 60 x 92 with 3 x 3 windows padded; MaxViT with TF 'same' convs at 64 x 96; MViTv2 with a
+    class token read by the head at 48 x 80), batches of 2. Oracle: each call's eager float64 softmax placed on
+    its grid by the models' own partition code, footprints read from the models' convs and poolings by probing
+    them with one-hot maps. Checked: rollout with head_fusion mean / max / min and discard_ratio (per call and
+    image, among the call's real pairs), grad_rollout (also with discard), generic, at stage 0 and at the last
+    stage; raw of the last call for its first and last head; the grid and cell size ``e.layout`` says."""
+    from hier_oracle import _rownorm  # noqa: F401  (the oracle's row normalisation: rows of nothing stay 0)
+
+    build, size = _FAMILIES[kind]
+    x = torch.randn(2, 3, *size, generator=torch.Generator().manual_seed(len(kind)))
+    model, items, starts, prefix = build(x, 1)
+    ex = vx.Explainer(model)
+    n = items[-1].probs.shape[2]
+    u = torch.zeros(2, n, dtype=torch.float64)
+    u[:, 0 if prefix else slice(None)] = 1.0 if prefix else 1.0 / n
+    grids = [s.grid for s in ex.adapter.stage_sets(size)]
+    cases = [("rollout", {}), ("rollout", {"head_fusion": "max"}), ("rollout", {"head_fusion": "min", "discard_ratio": 0.3}),
+             ("grad_rollout", {"discard_ratio": 0.2}), ("generic", {}), ("rollout", {"stage": -1}),
+             ("generic", {"stage": -1}), ("grad_rollout", {"stage": -1})]
+    for method, options in cases:
+        e = ex.explain(x, method=method, target=1, **options)
+        stage = options.get("stage", 0) % len(grids)
+        want = _dense_carry(items, u, method, starts[stage], options.get("head_fusion", "mean"),
+                            options.get("discard_ratio", 0.0))[:, prefix:].reshape(2, *grids[stage])
+        assert e.maps.shape == want.shape and e.layout.grid == grids[stage], (method, options)
+        assert e.layout.patch_size == tuple(round(s / g) for s, g in zip(size, grids[stage]))
+        if method == "grad_rollout" and not bool(want.any()):  # every clamp(mean_h(A dy/dA), 0) of the stage is 0
+            assert not bool(e.maps.any()), (method, options)   # (MaxViT's last 2 x 3 grid here): so is the map
+            continue
+        assert_matches_oracle(e.maps, want, (method, options))
+    last = items[-1]
+    for head in (0, -1):
+        e = ex.explain(x, method="raw", target=1, head=head)
+        want = (torch.einsum("bn,bnk->bk", u, last.probs[:, head]) @ last.keys)[:, prefix:]
+        assert_matches_oracle(e.maps, want.reshape(e.maps.shape), ("raw", head))
+
+
+def _dense_carry(items: list, u: torch.Tensor, mode: str, start: int, fusion: str, ratio: float) -> torch.Tensor:
+    """hier_oracle.carry with rollout's head fusion and discard: per call and image, the ``ratio`` smallest of the
+    fused (or gradient-weighted) entries among the call's real pairs set to 0 before the keys' footprint."""
+    from hier_oracle import DenseCall
+
+    fused = []
+    for item in items:
+        if not isinstance(item, DenseCall):
+            fused.append(item)
+            continue
+        if mode == "rollout":
+            p = {"mean": item.probs.mean(dim=1), "max": item.probs.amax(dim=1), "min": item.probs.amin(dim=1)}[fusion]
+        else:
+            p = item.probs * item.grads
+            p = p.mean(dim=1).clamp(min=0) if mode == "grad_rollout" else p.clamp(min=0).mean(dim=1)
+        count = int(int(item.pairs.sum()) * ratio)
+        if count:
+            flat = p.flatten(1).clone()
+            smallest = flat.masked_fill(~item.pairs.flatten()[None], float("inf")).argsort(dim=1)[:, :count]
+            p = flat.scatter(1, smallest, 0.0).view_as(p)
+        # one "head" holding the fused matrix; for generic / grad_rollout it is carried as probs * grads = p
+        fused.append(DenseCall(p[:, None], torch.ones_like(p[:, None]), item.keys, item.skip))
+    return carry(fused, u, "rollout" if mode == "rollout" else mode, start=start)
