@@ -180,7 +180,8 @@ def _sam_dense(model: nn.Module, x: torch.Tensor, target: int, neck: bool = True
 def test_sam_vit_with_one_head_matches_the_oracle():
     """SAM folds its heads into SDPA's batch; with num_heads=1 the record has no head dimension at all
     ((B * nW, n, n)), and rollout, generic and raw failed with torch's own shape error. A 48 x 80 input (3 x 5
-    patches, windows of 2 padded at the bottom and right), a batch of 3, one windowed and one global block."""
+    patches, windows of 2 padded at the bottom and right), a batch of 3 (also with a target per image, against its
+    images one by one), one windowed and one global block."""
     torch.manual_seed(7)
     model = _reinit(timm.create_model("samvit_base_patch16", pretrained=False, num_classes=CLASSES, img_size=(48, 80),
                                       depth=2, embed_dim=16, num_heads=1, global_attn_indexes=(1,), window_size=2,
@@ -196,6 +197,11 @@ def test_sam_vit_with_one_head_matches_the_oracle():
     for layer in (0, 1):
         e = ex.explain(x, method="raw", target=1, layer=layer, head=0)
         assert_matches_oracle(e.maps, items[layer].probs[:, 0].mean(dim=1).view(3, 3, 5), ("raw", layer))
+    targets = [0, 3, 1]  # a target per image: the batch's maps are its images' maps one by one
+    for method in ("generic", "cdam"):
+        together = ex.explain(x, method=method, target=targets).maps
+        alone = torch.cat([ex.explain(x[i:i + 1], method=method, target=t).maps for i, t in enumerate(targets)])
+        torch.testing.assert_close(together, alone, atol=1e-5 * float(alone.abs().max()), rtol=1e-4)
 
 
 def test_sam_vit_without_a_conv_neck_is_explained():
