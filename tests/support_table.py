@@ -462,6 +462,7 @@ def rows() -> list[Row]:
         Row("timm Twins (PCPVT)", "hierarchical", lambda: _timm("twins_pcpvt_small", img_size=64, embed_dims=(16, 32, 48, 64), depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4), num_classes=5), s64, _HIER_TEST),
         Row("timm Twins (SVT)", "hierarchical", lambda: _timm("twins_svt_small", img_size=64, embed_dims=(16, 32, 48, 64), depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4), wss=(4, 4, 4, 4), num_classes=5), s64, _HIER_TEST),
         Row("timm SAM ViT (samvit: windowed + global, conv neck)", "hierarchical", lambda: _timm("samvit_base_patch16", img_size=64, depth=3, embed_dim=32, num_heads=2, global_attn_indexes=(1,), window_size=3, neck_chans=16, num_classes=5), s64, _HIER_TEST),
+        Row("timm SAM ViT classifier (samvit_base_patch16_224: no conv neck)", "hierarchical", lambda: _timm("samvit_base_patch16_224", img_size=64, depth=2, embed_dim=32, num_heads=2, global_attn_indexes=(1,), window_size=3, num_classes=5), s64, "tests/test_hier_fuzz.py"),
         Row("timm MaxViT", "hierarchical", _maxvit, s64, _POOL_TEST),
         Row("timm CoAtNet (conv stages, then global attention)", "hierarchical", _coatnet("coatnet_nano_rw"), s64,
             "tests/test_hier_coatnet.py"),

@@ -284,8 +284,17 @@ class SamViTAdapter(HierAdapter):
         # heads are folded into SDPA's batch: (B * nW * heads, n, d)
         calls = [(f"blocks.{b}.attn", int(getattr(block, "window_size", 0) or 0), int(block.attn.num_heads))
                  for b, block in enumerate(self.model.blocks)]
-        neck = [(f"neck.{k}", layer) for k, layer in enumerate(getattr(self.model, "neck", []))]
-        return sam_chain(tokens, calls, neck), [tokens]
+        return sam_chain(tokens, calls, _neck_layers(getattr(self.model, "neck", None))), [tokens]
+
+
+def _neck_layers(neck: Optional[nn.Module]) -> list[tuple[str, nn.Module]]:
+    """(module name, layer) of SAM's neck in order: a Sequential's layers, or the one module timm builds without
+    neck channels (``neck_chans=None``, ``samvit_base_patch16_224``: a LayerNorm2d), or none."""
+    if neck is None:
+        return []
+    if isinstance(neck, nn.Sequential):
+        return [(f"neck.{k}", layer) for k, layer in enumerate(neck)]
+    return [("neck", neck)]
 
 
 def sam_chain(tokens: TokenSet, calls: Sequence[tuple[str, int, int]], neck: Sequence[tuple[str, nn.Module]]) -> Chain:

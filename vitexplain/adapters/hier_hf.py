@@ -166,6 +166,9 @@ class HFHieraAdapter(HFForward, HieraAdapter):
     def _q_stride(self, attn: nn.Module) -> int:
         return int(attn.query_stride)
 
+    def _pool_stride(self) -> tuple[int, int]:
+        return pair(self.model.config.query_stride)
+
     def _fixed_size(self) -> Optional[tuple[int, ...]]:
         return pair(self.model.config.image_size)
 

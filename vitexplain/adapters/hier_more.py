@@ -98,8 +98,9 @@ class HieraAdapter(HierAdapter):
 
     The unrolled order of each stage is read by running the model's own ``unroll`` on token
     indices; pooling keeps the first of each chunk of ``q_stride`` entries, so a stage's order is
-    the previous one's first chunk, coarsened. Subclasses for other implementations of the same
-    model (Hugging Face's) override where the blocks, their names and the unroll come from.
+    the previous one's first chunk, coarsened by the pooling's (rows, columns) stride. Subclasses for
+    other implementations of the same model (Hugging Face's) override where the blocks, their names and
+    the unroll come from.
     """
 
     norm_name = "norm1"
@@ -136,6 +137,11 @@ class HieraAdapter(HierAdapter):
     def _q_stride(self, attn: nn.Module) -> int:
         return int(attn.q_stride)
 
+    def _pool_stride(self) -> tuple[int, int]:
+        """(sh, sw): the rows and columns one pooling merges (the model's ``q_stride``; its product is each
+        pooling block's ``q_stride``)."""
+        return pair(self.model.q_stride)
+
     def _fixed_size(self) -> Optional[tuple[int, ...]]:
         stride = pair(self.model.patch_embed.proj.stride)
         return tuple(int(t) * st for t, st in zip(self.model.tokens_spatial_shape, stride))
@@ -150,11 +156,12 @@ class HieraAdapter(HierAdapter):
         """Per stage: (grid, the row-major grid index of each token in the unrolled order)."""
         out = [self._unrolled(input_size)]
         q_stride = self.q_strides[self.stage_of.index(1)] if max(self.stage_of) > 0 else 1
+        sh, sw = self._pool_stride()  # a pooling merges sh x sw cells (not always 2 x 2: q_stride=(2, 1))
         for _ in range(max(self.stage_of)):
             (h, w), order = out[-1]
             first = order[: order.numel() // q_stride]
-            coarse = ((h + 1) // 2, (w + 1) // 2)
-            out.append((coarse, (first // w // 2) * coarse[1] + (first % w) // 2))
+            coarse = (-(-h // sh), -(-w // sw))
+            out.append((coarse, (first // w // sh) * coarse[1] + (first % w) // sw))
         return out
 
     def site_grid(self, stage: int, output: Tensor, input_size: Sequence[int]) -> Tensor:
@@ -179,7 +186,8 @@ class HieraAdapter(HierAdapter):
             k_slots = in_order.view(-1, windows).T.contiguous()
             out_order = orders[s][1]
             q_slots = out_order.view(-1, windows).T.contiguous()
-            skip = Footprint.pool(inp, sets[s], 2, 2, 0) if pooled else Footprint.identity(inp)
+            stride = self._pool_stride()
+            skip = Footprint.pool(inp, sets[s], stride, stride, 0) if pooled else Footprint.identity(inp)
             inside = self.windows_always or bool(attn.use_mask_unit_attn)
             chain.append(CallSpec(f"{name}.attn", inp, sets[s], q_slots, k_slots, Footprint.identity(inp), skip,
                                   s - 1 if pooled else s, s, window_dim_inside=inside))

@@ -87,7 +87,9 @@ _DISCARD = Option(float, low=0, high=1, high_open=True, help="fraction of smalle
 def raw(ctx: Context, *, layer: int = -1, head: Optional[int] = None, head_fusion: str = "mean") -> Tensor:
     """``map = q S_q^T A S_k D_k`` for call ``layer``: q the model's readout row restricted to
     the call's queries and renormalised (the mean over its query tokens, or the class token when
-    the model reads one and the call has it), placed on the grid of the call's input set.
+    the model reads one and the call has it; the mean over the call's queries when the readout
+    has none of them, as a CrossViT fusion call's class token under an averaging head), placed on
+    the grid of the call's input set.
 
     Returns:
         (B, H_I, W_I) float32 on the call's input grid.
@@ -101,6 +103,8 @@ def raw(ctx: Context, *, layer: int = -1, head: Optional[int] = None, head_fusio
     asked = torch.zeros_like(q)  # the readout restricted to this call's queries, renormalised
     slots = call.q_slots[call.q_slots >= 0]
     asked[:, slots] = q[:, slots]
+    if not bool((asked.sum(dim=1) > 0).all()):  # the head reads none of its queries (a CrossViT fusion call's class
+        asked[:, slots] = 1.0                   # token when the head averages the patches): the mean over them
     q = asked / asked.sum(dim=1, keepdim=True).clamp(min=1e-30)
     return ctx.adapter.finish_call(call.spec, call.vec_mat(q, call.fused(head_fusion, head)), tuple(ctx.x.shape[-2:]))
 

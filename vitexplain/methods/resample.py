@@ -141,8 +141,8 @@ class Call:
         """(B * G, H, n_q, n_k) -> (B, G, H, n_q, n_k), padding rows and columns zeroed (unless
         ``mask`` is False)."""
         heads = self.spec.folded_heads
-        if heads > 1:  # (B * G * heads, [1,] n_q, n_k) -> (B * G, heads, n_q, n_k)
-            x = x.reshape(-1, heads, *x.shape[-2:])
+        if heads > 1 or x.dim() == 3:  # (B * G * heads, [1,] n_q, n_k) -> (B * G, heads, n_q, n_k); a 3-D record
+            x = x.reshape(-1, heads, *x.shape[-2:])  # (SDPA on (B * G, n, d): SAM with one head) gets its head dim
         if self.spec.window_dim_inside:  # (B * heads, G, n_q, n_k) -> (B, G, heads, n_q, n_k)
             x = x.reshape(self.batch, -1, *x.shape[1:]).transpose(1, 2)
         else:
