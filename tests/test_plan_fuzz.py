@@ -323,3 +323,21 @@ def test_raw_refuses_one_head_and_a_head_fusion_together(vit, family):
         ex.explain(x, method="raw", head=0, head_fusion="max")
     ex.explain(x, method="raw", head=0)  # each alone is fine
     ex.explain(x, method="raw", head_fusion="max")
+
+
+def test_numpy_and_0d_tensor_option_values_are_the_numbers_they_hold(vit):
+    # options computed with NumPy or torch (np.int64(1), a 0-d tensor) were refused as "must be an integer";
+    # they now give exactly the maps of the same Python numbers, and the explanation records plain numbers
+    import numpy as np
+
+    x = torch.randn(2, 3, 24, 40, generator=torch.Generator().manual_seed(2))
+    ex = vx.Explainer(vit)
+    plain = ex.explain(x, method="rollout", discard_ratio=0.5, start_layer=1)
+    for ratio, start in ((np.float32(0.5), np.int64(1)), (torch.tensor(0.5), torch.tensor(1)), (np.array(0.5), 1)):
+        e = ex.explain(x, method="rollout", discard_ratio=ratio, start_layer=start)
+        torch.testing.assert_close(e.maps, plain.maps, rtol=0, atol=0)
+        assert e.options == {"discard_ratio": 0.5, "start_layer": 1} and type(e.options["start_layer"]) is int
+    with pytest.raises(vx.OptionError, match="discard_ratio"):
+        ex.explain(x, method="rollout", discard_ratio=np.array([0.5, 0.2]))
+    with pytest.raises(vx.OptionError, match="start_layer"):
+        ex.explain(x, method="rollout", start_layer=np.float64(1.5))

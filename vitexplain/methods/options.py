@@ -180,11 +180,13 @@ def check_options(method: str, declared: Mapping[str, Option], defaults: Mapping
         values: what the user passed.
 
     Returns:
-        A copy of ``values``.
+        A copy of ``values``, NumPy scalars and 0-d arrays or tensors (``np.int64(1)``, ``torch.tensor(0.9)``) as
+        the Python numbers they hold (also inside a list option).
 
     Raises:
         OptionError: an unknown option, or a value outside the declared range.
     """
+    values = {name: _plain(value) for name, value in values.items()}
     for name, value in values.items():
         option = declared.get(name)
         if option is None:
@@ -196,3 +198,16 @@ def check_options(method: str, declared: Mapping[str, Option], defaults: Mapping
                 f"(default {defaults.get(name)!r})"
             )
     return dict(values)
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with a NumPy scalar or a 0-d array / tensor as the Python number or bool it holds (lists and tuples
+    item by item); anything else as given."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v) for v in value)
+    if not isinstance(value, (str, bytes)) and getattr(value, "ndim", None) == 0 and callable(getattr(value, "item", None)):
+        try:
+            return value.item()
+        except (TypeError, ValueError, RuntimeError):  # (an object whose item() is something else)
+            return value
+    return value
