@@ -217,3 +217,25 @@ def test_an_image_the_processor_refuses_fails_alone(tmp_path: Path) -> None:
     assert "b.png" in manifest["b.png"]["error"] and not manifest["a.png"].get("error")
     with np.load(out / "c.png.cross.npz") as z:
         assert z["maps"].shape[1:] == (40, 50)
+
+
+def test_a_folder_whose_language_model_has_no_sdpa_loads_with_its_own_attention(images: Path, tmp_path: Path) -> None:
+    """PaliGemma 2's Gemma 2 refuses SDPA (transformers raises when asked for it): the folder loads with the model's
+    own (eager) attention, which the capture records, as the Python API explains it (was: --model DIR failed with
+    transformers' error). Oracle: the API on the model and processor as built, the same given answer."""
+    from vlm_helpers import paligemma2
+
+    model, proc = paligemma2()
+    folder, out = tmp_path / "paligemma2", tmp_path / "out"
+    model.save_pretrained(folder)
+    proc.save_pretrained(folder)
+    keys = ["a.png", "b c.png"]
+    assert _run("caption", images, "--out", out, "--model", folder, "--prompt", PROMPT, "--caption", "red circle",
+                "--method", "cross", "-q", "-j", "0") == 0
+    expected = vx.Explainer(model, processor=proc).explain_caption(
+        [str(images / k) for k in keys], method="cross", prompt=PROMPT, caption="red circle")
+    records = _manifest(out)
+    for i, key in enumerate(keys):
+        assert records[key]["status"] == "ok" and records[key]["tokens"] == ["red", "circle"]
+        with np.load(out / f"{key}.cross.npz") as z:
+            np.testing.assert_allclose(z["maps"], expected.image_maps[i].numpy(), rtol=1e-4, atol=1e-6)

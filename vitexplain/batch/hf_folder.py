@@ -25,8 +25,8 @@ def load_hf_folder(path: str) -> "nn.Module":
     vision-language model is loaded with ``attn_implementation="sdpa"`` (its fused attention) and its processor is
     attached as ``model.vx_processor`` (what ``vx.Explainer(model, processor=...)`` takes). An encoder-decoder
     captioner (what vitexplain explains as the caption family) gets the folder's processor or tokenizer as
-    ``model.vx_tokenizer`` and its image processor's settings as ``model.vx_preprocess``. A model class without
-    SDPA attention (BLIP) loads with its own attention, which the capture records as it runs.
+    ``model.vx_tokenizer`` and its image processor's settings as ``model.vx_preprocess``. A model without SDPA
+    attention (BLIP; PaliGemma 2, whose Gemma 2 refuses it) loads with its own attention, which the capture records.
 
     Raises:
         UsageError: no ``config.json``, transformers missing, neither an image classifier nor an image-text-to-text
@@ -46,10 +46,8 @@ def load_hf_folder(path: str) -> "nn.Module":
         raise UsageError(f"--model {path!r}: cannot read its config.json ({type(e).__name__}: {e})") from None
     classifier = transformers.AutoModelForImageClassification
     if type(config) in classifier._model_mapping:
-        fused = getattr(classifier._model_mapping[type(config)], "_supports_sdpa", False)  # (CNNs have no attention)
         try:
-            model, info = classifier.from_pretrained(str(folder), local_files_only=True, output_loading_info=True,
-                                                     **({"attn_implementation": "sdpa"} if fused else {}))
+            model, info = _load(classifier, folder, config, output_loading_info=True)
         except Exception as e:
             raise UsageError(f"--model {path!r}: cannot load the image classifier ({type(e).__name__}: {e})") from None
         missing = sorted(info.get("missing_keys") or ())
@@ -68,10 +66,8 @@ def load_hf_folder(path: str) -> "nn.Module":
         raise UsageError(f"--model {path!r} holds a {type(config).__name__} ({config.model_type}), neither an image "
                          "classifier nor a vision-language (image-text-to-text) model: `vitexplain export` takes a "
                          "classifier folder, `vitexplain caption` a captioner or VLM folder")
-    fused = getattr(auto._model_mapping[type(config)], "_supports_sdpa", False)  # (BLIP's attention is its own code)
     try:
-        model = auto.from_pretrained(str(folder), local_files_only=True,
-                                     **({"attn_implementation": "sdpa"} if fused else {}))
+        model = _load(auto, folder, config)
     except Exception as e:
         raise UsageError(f"--model {path!r}: cannot load the model ({type(e).__name__}: {e})") from None
     if _is_captioner(model):
@@ -86,6 +82,25 @@ def load_hf_folder(path: str) -> "nn.Module":
                          "and image processor; save the model's full processor with processor.save_pretrained(DIR)")
     model.vx_processor = processor
     return model
+
+
+def _load(auto: Any, folder: Path, config: Any, **kwargs: Any) -> Any:
+    """``auto.from_pretrained(folder)`` offline with SDPA attention where the model has it; with the model's own
+    attention where its class has none (BLIP, CNNs) or one of its parts refuses SDPA (PaliGemma 2's Gemma 2: transformers
+    raises for it), which the capture records as it runs.
+
+    Raises:
+        Exception: transformers' error when the model cannot be loaded either way (the first one's).
+    """
+    if getattr(auto._model_mapping[type(config)], "_supports_sdpa", False):
+        try:
+            return auto.from_pretrained(str(folder), local_files_only=True, attn_implementation="sdpa", **kwargs)
+        except Exception as first:  # (a part without SDPA; anything else fails again below, with the first error)
+            try:
+                return auto.from_pretrained(str(folder), local_files_only=True, **kwargs)
+            except Exception:
+                raise first from None
+    return auto.from_pretrained(str(folder), local_files_only=True, **kwargs)
 
 
 def _is_captioner(model: "nn.Module") -> bool:
