@@ -97,6 +97,7 @@ def explore(
         VitexplainError: a named method does not apply to the model (see its message).
     """
     from ..explainer import Explainer
+    from ..files import check_file_path
     from .caption import caption_data
     from .extract import classifier_data
     from .page import render_page, write_page
@@ -109,8 +110,7 @@ def explore(
         processor = processor if processor is not None else getattr(model, "vx_processor", None)
     explainer = model if isinstance(model, Explainer) else (
         Explainer(model, processor=processor) if processor is not None else Explainer(model))
-    if os.path.isdir(out):  # checked before the work: the page would otherwise fail only when written
-        raise UsageError(f"out {os.fspath(out)!r} is a folder; pass the path of the .html file to write")
+    check_file_path(out, "page")  # before the work: the page would otherwise fail only when written
     items = list(images) if isinstance(images, (list, tuple, Iterator)) else [images]  # a generator: its images
     if type(images).__module__ == "numpy" and getattr(images, "ndim", None) == 4:
         items = list(images)  # an (N, H, W, 3) batch: N images (as one item, only the first was shown)

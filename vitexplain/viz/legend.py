@@ -7,6 +7,7 @@ from typing import Optional
 import cv2
 import numpy as np
 
+from ._util import as_rgb, real, whole
 from .colormaps import colormap_lut
 
 __all__ = ["colorbar", "with_colorbar"]
@@ -35,13 +36,20 @@ def colorbar(
         scale: the largest |value| the colours stand for (None: labels ``max``).
         colormap: the colormap (default: ``"bwr"`` signed, ``"jet"`` otherwise, as
             :func:`vitexplain.viz.overlay`).
-        height: pixels of the whole legend (default: from the width, 28 to 44).
+        height: pixels of the whole legend, at least 8 (default: from the width, 28 to 44).
 
     Returns:
         (height, width, 3) uint8 RGB.
+
+    Raises:
+        UsageError: a width or height that is not a positive whole number of pixels, or a scale that is not a
+            finite non-negative number.
     """
+    width = whole(width, "colorbar width (pixels)")  # 0 was an OpenCV error, a negative one a NumPy one
+    if scale is not None:  # (a NaN scale was written "nan", a negative one "--1 against")
+        scale = real(scale, "colorbar scale (the largest |value| the colours stand for)", low=0.0)
     colormap = colormap or ("bwr" if signed else "jet")
-    height = int(height or max(28, min(44, width // 8)))
+    height = max(28, min(44, width // 8)) if height is None else whole(height, "colorbar height (pixels)", low=8)
     bar_h = max(6, height // 3)
     lut = colormap_lut(colormap)
     idx = np.linspace(0, 255, width).round().astype(int)
@@ -62,6 +70,7 @@ def colorbar(
 
 
 def with_colorbar(image: np.ndarray, *, signed: bool, scale: Optional[float] = None, colormap: Optional[str] = None) -> np.ndarray:
-    """``image`` (H, W, 3) with :func:`colorbar` under it: (H + bar, W, 3) uint8 RGB."""
+    """``image`` (H, W, 3) uint8 RGB (or a PIL image) with :func:`colorbar` under it: (H + bar, W, 3) uint8 RGB."""
+    image = as_rgb(image)
     bar = colorbar(image.shape[1], signed=signed, scale=scale, colormap=colormap)
     return np.concatenate([image, bar], axis=0)

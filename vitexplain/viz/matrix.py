@@ -22,7 +22,7 @@ import cv2
 import numpy as np
 
 from ..errors import UsageError
-from ._util import map_to_numpy
+from ._util import map_to_numpy, real, whole
 from .colormaps import colormap_lut
 from .grids import _ascii, grid
 
@@ -92,32 +92,36 @@ def attention_matrix(
         row_labels: R labels (default: 0..R-1).
         col_labels: C labels (default: 0..C-1).
         title: drawn above the matrix.
-        cell: side of one cell in pixels (default: from the size: from the label height
+        cell: side of one cell in pixels, at most ``MAX_SIDE`` in all (default: from the size: from the label height
             (about 15 px) to 40 px up to 64 rows and columns, smaller beyond).
         colormap: a :func:`vitexplain.viz.colormap_names` name.
-        vmin: value at the bottom of the colour bar (default: the minimum).
+        vmin: value at the bottom of the colour bar (default: the minimum); below ``vmax``.
         vmax: value at the top (default: the maximum).
-        max_labels: most labels per axis.
-        font_scale: OpenCV font scale of the labels.
+        max_labels: most labels per axis (at least 1).
+        font_scale: OpenCV font scale of the labels, in (0, ``MAX_FONT_SCALE``].
         annotate: write each value in its cell (when the cell is large enough).
 
     Returns:
         (H, W, 3) uint8 RGB figure.
 
     Raises:
-        UsageError: weights that are not 2-D / not finite, or label counts that do not match.
+        UsageError: weights that are not 2-D / not finite, label counts that do not match, or a size,
+            font scale or value range that cannot be drawn.
     """
     m = map_to_numpy(weights)
     n_rows, n_cols = m.shape
     rows, cols = _labels(row_labels, n_rows, "row"), _labels(col_labels, n_cols, "column")
+    # a negative font scale made OpenCV write outside the figure (the process crashed), zero drew no labels
+    font_scale = real(font_scale, "font_scale", low=0.0, high=MAX_FONT_SCALE, low_open=True)
+    max_labels = whole(max_labels, "max_labels")
     thick = 1
     (_, text_h), base = cv2.getTextSize("Ag", _FONT, font_scale, thick)
     side = max(n_rows, n_cols)
-    if not cell:  # every label fits up to 64 per axis; beyond, cells shrink and labels thin out
-        cell = max(text_h + base + 3, min(40, 640 // side)) if side <= 64 else max(2, 960 // side)
-    cell = int(cell)
-    lo = float(m.min()) if vmin is None else float(vmin)
-    hi = float(m.max()) if vmax is None else float(vmax)
+    if cell is None or (cell == 0 and not isinstance(cell, bool)):  # every label fits up to 64 per axis; beyond,
+        cell = max(text_h + base + 3, min(40, 640 // side)) if side <= 64 else max(2, 960 // side)  # cells shrink
+    else:  # (a negative cell was a NumPy error, a huge one tens of GB of pixels)
+        cell = whole(cell, "cell", high=max(1, MAX_SIDE // side))
+    lo, hi = _value_range(m, vmin, vmax)
     span = hi - lo if hi > lo else 1.0
     lut = colormap_lut(colormap)  # (256, 3) uint8 RGB
     index = np.clip(np.round((m - lo) / span * 255), 0, 255).astype(np.int64)
@@ -164,6 +168,29 @@ def attention_matrix(
     for img, y in zip(tick_imgs, (top, top + h_heat // 2, top + h_heat)):
         _paste(fig, img, y - img.shape[0] // 2, bx + bar_w + 4)
     return fig
+
+
+#: Largest side of a matrix figure's heat map, in pixels (``cell`` times the longer axis).
+MAX_SIDE = 16384
+#: Largest font scale of the labels.
+MAX_FONT_SCALE = 20.0
+
+
+def _value_range(m: np.ndarray, vmin: Any, vmax: Any) -> tuple[float, float]:
+    """``(lo, hi)``, the values at the bottom and top of the colour bar: ``vmin``/``vmax`` or the data's range.
+
+    Raises:
+        UsageError: ``vmin``/``vmax`` not finite numbers, or ``lo >= hi`` when either is given (every cell
+            would be drawn in one end colour, and the bar's ticks would not say what the colours mean).
+    """
+    lo = float(m.min()) if vmin is None else real(vmin, "vmin")
+    hi = float(m.max()) if vmax is None else real(vmax, "vmax")
+    if (vmin is not None or vmax is not None) and not lo < hi:
+        raise UsageError(
+            f"vmin ({lo:.4g}) must be below vmax ({hi:.4g}); the weights span [{float(m.min()):.4g}, "
+            f"{float(m.max()):.4g}]: leave vmin/vmax out to use that range"
+        )
+    return lo, hi
 
 
 def token_labels(layout: Any, num_tokens: Optional[int] = None, *, distilled: bool = False) -> list[str]:

@@ -1,0 +1,198 @@
+"""What a new user types, fuzzed: images, maps, sizes and options of the Python API and ``vx.viz`` that were
+crashes (OpenCV writing outside its image), silent wrong figures (a value range that drew every cell in one
+colour, contour levels that drew nothing, an empty grid), or bare NumPy / OpenCV / Python errors. Each bad
+input must be a vitexplain error saying what is wrong; each good one must give the right picture, checked
+against a blend or a colour computed here by hand."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import vitexplain as vx
+from vitexplain.viz.colormaps import colormap_lut
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _image(h: int = 24, w: int = 36, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+
+
+def _blend(image: np.ndarray, values: np.ndarray, alpha: float, colormap: str) -> np.ndarray:
+    """The overlay formula written out: ``rint((1 - a) * image + a * lut[rint(255 v)])``, v already in [0, 1]."""
+    colour = colormap_lut(colormap)[np.rint(values * 255).astype(int)].astype(np.float64)
+    return np.clip(np.rint((1 - alpha) * image.astype(np.float64) + alpha * colour), 0, 255).astype(np.uint8)
+
+
+# -- overlays -------------------------------------------------------------------------------------
+
+
+def test_an_overlay_is_the_blend_written_out():
+    image = _image()
+    values = np.random.default_rng(1).random(image.shape[:2])
+    got = vx.overlay(image, values, alpha=0.3, colormap="viridis", normalize="none", interpolation="nearest")
+    diff = np.abs(got.astype(int) - _blend(image, values.astype(np.float32), 0.3, "viridis").astype(int))
+    assert diff.max() <= 1  # float32 vs float64 rounding of the blend
+
+
+@pytest.mark.parametrize("mode", ["L", "RGBA", "P", "I;16", "CMYK"])
+def test_a_pil_image_of_any_mode_is_drawn_on_as_explain_reads_it(mode):
+    """explain() takes PIL images of every mode (converted as load_image converts a file); overlay refused
+    all but RGB ('must be an (H, W, 3) uint8 RGB array, got shape (24, 36)')."""
+    rgb = _image()
+    pil = Image.fromarray(rgb).convert(mode)
+    if mode == "RGBA":  # half transparent: composited on white
+        pil.putalpha(128)
+    values = np.random.default_rng(2).random((4, 6))
+    want = vx.overlay(vx.data.arrays.as_rgb(pil), values, alpha=0.4)
+    np.testing.assert_array_equal(vx.overlay(pil, values, alpha=0.4), want)
+    if mode == "L":  # the gray levels, repeated to three channels
+        gray = np.repeat(np.asarray(pil)[..., None], 3, axis=2)
+        np.testing.assert_array_equal(want, vx.overlay(gray, values, alpha=0.4))
+    if mode == "RGBA":  # alpha 128 on white, written out
+        white = np.rint(rgb * (128 / 255) + 255 * (1 - 128 / 255))
+        assert np.abs(vx.data.arrays.as_rgb(pil).astype(int) - white).max() <= 1
+
+
+@pytest.mark.parametrize("alpha, message", [
+    (None, "alpha must be a finite number, got NoneType"),  # was a TypeError from float()
+    ("0.5", "alpha must be a finite number, got str"),  # a string was read as a number
+    (True, "alpha must be a finite number, got bool"),
+    (float("nan"), "finite"),
+    (1.5, r"alpha must be in \[0, 1\]"),
+])
+def test_bad_alpha(alpha, message):
+    with pytest.raises(vx.UsageError, match=message):
+        vx.overlay(_image(), np.ones((2, 2)), alpha=alpha)
+
+
+def test_numpy_and_tensor_scalars_are_numbers():
+    image, values = _image(), np.random.default_rng(3).random((3, 3))
+    want = vx.overlay(image, values, alpha=0.25, contour=0.5)
+    np.testing.assert_array_equal(vx.overlay(image, values, alpha=np.float32(0.25), contour=np.float32(0.5)), want)
+    np.testing.assert_array_equal(vx.overlay(image, values, alpha=torch.tensor(0.25), contour=[np.float64(0.5)]), want)
+
+
+@pytest.mark.parametrize("contour", [1.5, -0.2, float("nan"), [0.3, 2.0], "x"])
+def test_contour_levels_outside_the_normalised_range_are_refused(contour):
+    """A level outside [0, 1] drew no line at all (the mask was empty or the whole image), silently."""
+    with pytest.raises(vx.UsageError, match="contour level"):
+        vx.overlay(_image(), np.random.default_rng(4).random((4, 4)), contour=contour)
+
+
+# -- matrices, grids, colour bars, caption figures -------------------------------------------------
+
+
+@pytest.mark.parametrize("font_scale", [-1.0, 0, float("nan"), None])
+def test_a_label_font_scale_that_cannot_be_drawn_is_refused(font_scale):
+    """A negative font scale made OpenCV's putText write outside the figure: the process died of a
+    segmentation fault; 0 drew no labels at all."""
+    with pytest.raises(vx.UsageError, match="font_scale"):
+        vx.viz.attention_matrix(np.random.default_rng(5).random((3, 4)), font_scale=font_scale)
+    if font_scale is not None:
+        with pytest.raises(vx.UsageError, match="font_scale"):
+            vx.viz.grid([_image()], col_labels=["a"], font_scale=font_scale)
+
+
+@pytest.mark.parametrize("vmin, vmax", [(1.0, 0.0), (0.5, 0.5), (None, -1.0), (2.0, None)])
+def test_a_value_range_with_nothing_in_it_is_refused(vmin, vmax):
+    """vmin >= vmax drew every cell in the bottom colour, under a colour bar whose ticks said otherwise."""
+    with pytest.raises(vx.UsageError, match=r"vmin .* must be below vmax .*the weights span \[0, 1\]"):
+        vx.viz.attention_matrix(np.array([[0.0, 0.5, 1.0]]), vmin=vmin, vmax=vmax)
+
+
+@pytest.mark.parametrize("vmin, vmax", [(float("nan"), None), (None, float("inf")), ("0", None)])
+def test_a_value_range_that_is_not_numbers_is_refused(vmin, vmax):
+    """A NaN vmin was an IndexError from the colour lookup; an infinite vmax drew every cell in one colour."""
+    with pytest.raises(vx.UsageError, match="must be a finite number"):
+        vx.viz.attention_matrix(np.array([[0.0, 0.5, 1.0]]), vmin=vmin, vmax=vmax)
+
+
+def test_a_given_value_range_colours_the_cells_by_it():
+    """Values are placed on [vmin, vmax] and clipped: with vmin 0.5, vmax 1 the cells 0, 0.5, 0.75, 1 take
+    colours 0, 0, round(127.5) = 128 and 255 of the table."""
+    lut = colormap_lut("viridis")
+    fig = vx.viz.attention_matrix(np.array([[0.0, 0.5, 0.75, 1.0]]), vmin=0.5, vmax=1.0, cell=10)
+    top = np.argwhere((fig == lut[255]).all(-1))
+    top = top[top[:, 1] < top[:, 1].max() - 20]  # the cell, not the colour bar
+    y, x_last = top[:, 0].min() + 5, top[:, 1].min() + 5  # the centre of the last cell
+    centres = [fig[y, x_last - 10 * (3 - c)] for c in range(4)]
+    for c, want in enumerate((0, 0, 128, 255)):
+        np.testing.assert_array_equal(centres[c], lut[want])
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"cell": -3}, "cell must be in"),
+    ({"cell": 2.5}, "cell must be a whole number"),
+    ({"cell": 10_000}, "cell must be in"),  # a 10 GB figure
+    ({"max_labels": 0}, "max_labels must be >= 1"),
+])
+def test_matrix_sizes_that_cannot_be_drawn_are_refused(kwargs, message):
+    with pytest.raises(vx.UsageError, match=message):
+        vx.viz.attention_matrix(np.random.default_rng(6).random((5, 7)), **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"tile_size": (0, 0)}, "tile_size must be >= 1"),  # was an empty 8 x 8 figure
+    ({"tile_size": (-5, 10)}, "tile_size must be >= 1"),
+    ({"tile_size": (10, 2.5)}, "tile_size must be a whole number"),
+    ({"background": 300}, r"background .* must be in \[0, 255\]"),
+    ({"background": -1}, r"background .* must be in \[0, 255\]"),
+])
+def test_grid_sizes_and_gray_levels_that_cannot_be_drawn_are_refused(kwargs, message):
+    with pytest.raises(vx.UsageError, match=message):
+        vx.viz.grid([_image()], **kwargs)
+
+
+def test_a_grid_takes_pil_images_tensors_and_a_square_tile_size():
+    """A flat list of PIL images was read as rows (TypeError: 'Image' object is not iterable), and an int
+    tile size was a TypeError."""
+    a, b = _image(seed=1), _image(seed=2)
+    want = vx.viz.grid([a, b], tile_size=(24, 24))
+    np.testing.assert_array_equal(vx.viz.grid([Image.fromarray(a), torch.from_numpy(b)], tile_size=24), want)
+    np.testing.assert_array_equal(vx.viz.grid(Image.fromarray(a)), vx.viz.grid(a))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"width": 0}, "width"),  # an OpenCV error
+    ({"width": -5}, "width"),  # a NumPy error
+    ({"width": 100, "height": -3}, "height"),
+    ({"width": 100, "scale": float("nan")}, "scale"),  # written "nan" under the bar
+    ({"width": 100, "scale": -1.0}, "scale"),  # written "--1 against"
+])
+def test_colour_bars_that_cannot_be_drawn_are_refused(kwargs, message):
+    with pytest.raises(vx.UsageError, match=message):
+        vx.viz.colorbar(signed=True, **kwargs)
+
+
+def test_a_colour_bar_under_a_pil_image():
+    image = _image()
+    got = vx.viz.with_colorbar(Image.fromarray(image), signed=False)
+    np.testing.assert_array_equal(got[: image.shape[0]], image)
+    np.testing.assert_array_equal(got[image.shape[0]:], vx.viz.colorbar(image.shape[1], signed=False))
+
+
+def test_caption_figures_with_too_few_maps_or_no_columns_are_refused():
+    image, maps = _image(), np.random.default_rng(7).random((2, 4, 4))
+    with pytest.raises(vx.UsageError, match="got 2 maps for 3 words"):  # was an IndexError
+        vx.viz.caption_figure(image, ["a", "b", "c"], maps)
+    for columns in (0, -1):  # -1 was an IndexError
+        with pytest.raises(vx.UsageError, match="columns must be >= 1"):
+            vx.viz.caption_figure(image, ["a", "b"], maps, columns=columns)
+    np.testing.assert_array_equal(vx.viz.caption_figure(Image.fromarray(image), ["a", "b"], maps),
+                                  vx.viz.caption_figure(image, ["a", "b"], maps))
+
+
+def test_a_png_or_page_path_that_cannot_be_a_file_is_a_usage_error(tmp_path):
+    """A path below a file was a bare FileExistsError, a folder an IsADirectoryError, None a TypeError."""
+    (tmp_path / "file").write_text("x")
+    image = _image()
+    for path, message in ((tmp_path / "file" / "a.png", "is a file, not a folder"), (tmp_path, "it is a folder"),
+                          (None, "must be a file path")):
+        with pytest.raises(vx.UsageError, match=message):
+            vx.viz.save_png(path, image)
+    written = vx.viz.save_png(tmp_path / "new" / "deeper" / "a.png", image)  # missing folders are created
+    np.testing.assert_array_equal(np.asarray(Image.open(written)), image)
