@@ -11,7 +11,7 @@ from typing import Any, Optional
 from ..data.arrays import as_rgb, check_rgb, map_to_numpy
 from ..errors import UsageError
 
-__all__ = ["map_to_numpy", "check_rgb", "as_rgb", "real", "whole", "pixel_size"]
+__all__ = ["map_to_numpy", "check_rgb", "as_rgb", "real", "whole", "pixel_size", "image_index"]
 
 
 def real(value: Any, what: str, *, low: float = -math.inf, high: float = math.inf, low_open: bool = False) -> float:
@@ -59,3 +59,19 @@ def pixel_size(value: Any, what: str) -> tuple[int, int]:
         raise UsageError(f"{what} must be (H, W) or an int, in positive whole pixels; got {value!r}")
     h, w = (whole(v, what) for v in (values[0], values[-1]))
     return h, w
+
+
+def image_index(index: Any, count: int) -> int:
+    """``index`` checked against a batch of ``count`` images (negative counts from the end).
+
+    Raises:
+        UsageError: not an integer, or out of range.
+    """
+    if hasattr(index, "item") and getattr(index, "ndim", None) == 0:  # a NumPy or 0-d torch integer (argmax)
+        index = index.item()
+    if isinstance(index, bool) or not isinstance(index, Integral):
+        raise UsageError(f"index must be an integer image index, got {type(index).__name__} {index!r}")
+    index = int(index)
+    if not -count <= index < count:
+        raise UsageError(f"image index {index} is out of range: this explanation holds {count} image(s) (0..{count - 1})")
+    return index % count

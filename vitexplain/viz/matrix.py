@@ -22,7 +22,7 @@ import cv2
 import numpy as np
 
 from ..errors import UsageError
-from ._util import map_to_numpy, real, whole
+from ._util import image_index as _image_index, map_to_numpy, real, whole
 from .colormaps import colormap_lut
 from .grids import _ascii, grid
 
@@ -220,13 +220,6 @@ def token_labels(layout: Any, num_tokens: Optional[int] = None, *, distilled: bo
 
 def _is_distilled(model: Any) -> bool:
     return getattr(model, "dist_token", None) is not None or getattr(getattr(model, "config", None), "model_type", "") == "deit"
-
-
-def _image_index(index: int, batch: int) -> int:
-    """``index`` checked against a batch of ``batch`` images (the same rule as ``Explanation``)."""
-    if isinstance(index, bool) or not isinstance(index, int) or not -batch <= index < batch:
-        raise UsageError(f"index must be an image index in [{-batch}, {batch - 1}] (there are {batch} images), got {index!r}")
-    return index % batch
 
 
 def record_matrix(
