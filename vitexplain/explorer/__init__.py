@@ -27,6 +27,22 @@ def _name(item: Any, index: int) -> str:
     return f"image {index}"
 
 
+def _per_image_targets(target: Any, count: int) -> list[Any]:
+    """The target of each of ``count`` images: ``target`` itself for every image, or, for a list (tuple, 1-D
+    array or tensor) of them, its items in order (a list of two classes for two images was resolved against
+    each single image: 'got 2 targets for a batch of 1 images').
+
+    Raises:
+        UsageError: a list whose length is not the number of images.
+    """
+    if isinstance(target, (list, tuple)) or (getattr(target, "ndim", 0) == 1 and hasattr(target, "__len__")):
+        if len(target) != count:
+            raise UsageError(f"got {len(target)} targets for {count} images; pass one target for every image, or one "
+                             "per image")
+        return list(target)
+    return [target] * count
+
+
 def explore(
     model: Any,
     images: Any,
@@ -69,8 +85,9 @@ def explore(
             note in the page), as ``Explainer.plan()`` lists them.
         top_k: classes offered for class-discriminative methods.
         target: None (the top-k classes), or the one target class-discriminative methods explain:
-            a class index or label name, or a score such as ``vx.targets.similarity(vector)``.
-            Headless backbones (no classifier head) default to ``vx.targets.norm()``.
+            a class index or label name, or a score such as ``vx.targets.similarity(vector)``; or a
+            list (array, tensor) of one class per image. Headless backbones (no classifier head) default
+            to ``vx.targets.norm()``.
         names: labels of the images (default: file names).
         title: page title.
         attention_budget: most MB of attention data per image (base64); past it fewer layers,
@@ -131,9 +148,10 @@ def explore(
     if target is not None and (plan.family.name == "vlm" or plan.family.entry == "explain_caption"):
         raise UsageError(f"target={target!r} is for classifiers; the page of a {plan.family.name} model explains "
                          "each word of its caption: leave target out")
+    per_image = _per_image_targets(target, len(items))
     budget = int(attention_budget * 1e6)
     data = []
-    for item, label in zip(items, labels):
+    for item, label, each in zip(items, labels, per_image):
         notes = [f"{name} left out: {why}" for name, why in plan.skipped.items()]
         if plan.family.name == "vlm":  # whole images to the processor; maps over its token grids
             image = load_image(item) if isinstance(item, (str, os.PathLike)) else as_rgb(item, "each image")
@@ -151,7 +169,7 @@ def explore(
         if plan.family.entry == "explain_caption":
             page.update(caption_data(explainer, plan, x, max_len=max_len, attention_budget=budget, notes=notes))
         else:
-            page.update(classifier_data(explainer, plan, x, top_k=top_k, target=target, attention_budget=budget,
+            page.update(classifier_data(explainer, plan, x, top_k=top_k, target=each, attention_budget=budget,
                                         notes=notes))
         data.append(page)
     subtitle = f"{type(explainer.model).__name__} ({explainer.family.name})"

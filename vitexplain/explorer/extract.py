@@ -56,6 +56,16 @@ def _multi_label(model: Any) -> bool:
     return bool(cfg.get("multi_label", False)) if isinstance(cfg, dict) else False
 
 
+def _given_target(target: Any, index: int, label_names: Optional[Sequence[str]]) -> dict[str, Any]:
+    """The page's entry for the one target given: a class (``index`` >= 0) named by its label, as
+    ``Explanation.target_names`` names it (a class index or tensor was shown as ``"2"`` or ``"tensor(2)"``), or
+    a score function by its name."""
+    if index >= 0:
+        names = list(label_names or [])
+        return {"index": index, "label": str(names[index]) if index < len(names) else str(index), "score": None}
+    return {"index": -1, "label": getattr(target, "__name__", None) or "target", "score": None}
+
+
 def classifier_data(explainer: Any, plan: Plan, x: Tensor, *, top_k: int, target: TargetSpec,
                     attention_budget: int, notes: list[str]) -> dict[str, Any]:
     """The page data of one image of a classifier or backbone.
@@ -92,9 +102,9 @@ def classifier_data(explainer: Any, plan: Plan, x: Tensor, *, top_k: int, target
     else:
         # a bad target (unknown label, index out of range) is the caller's error: raise it here,
         # before the default methods' failures would each be turned into a "left out" note
-        resolve(target, outputs, adapter.label_names, has_head=adapter.has_head)
-        label = getattr(target, "__name__", None) if callable(target) else str(target)
-        targets, data["targets"] = [target], [{"index": -1, "label": label or "target", "score": None}]
+        resolved = resolve(target, outputs, adapter.label_names, has_head=adapter.has_head)
+        data["targets"] = [_given_target(target, int(resolved.classes[0]), adapter.label_names)]
+        targets = [target]
     data["methods"] = method_entries(explainer, x, plan, targets, notes)
     if views:
         layout = adapter.layout(tuple(x.shape[-2:]))

@@ -14,6 +14,12 @@
     return node;
   }
 
+  /* A label a person or a model wrote (any script, any length) and a suffix after it (a score): the label in
+   * its own <bdi>, so that a right-to-left label does not pull the score in front of it. */
+  function labelled(label, suffix) {
+    return [el("bdi", { text: String(label) }), document.createTextNode(suffix || "")];
+  }
+
   function bytes(b64) {
     var bin = atob(b64), out = new Uint8Array(bin.length);
     for (var i = 0; i < bin.length; i++) out[i] = bin.charCodeAt(i);
@@ -154,7 +160,8 @@
   function tabs(names, role, onPick) {
     var bar = el("div", { class: "vx-tabs", role: "tablist" });
     var buttons = names.map(function (n, i) {
-      var b = el("button", { type: "button", "data-vx": role, "data-index": String(i), text: n });
+      var b = el("button", { type: "button", "data-vx": role, "data-index": String(i) },
+        Array.isArray(n) ? n : [document.createTextNode(n)]);
       b.addEventListener("click", function () { select(i); onPick(i); });
       bar.appendChild(b);
       return b;
@@ -176,7 +183,7 @@
     var hv = heatView(data, "method", null);
     var legendBox = el("div"), info = el("p", { class: "vx-info" });
     var preds = data.targets || [];
-    var classes = tabs(preds.map(function (p) { return p.label + (p.score === null ? "" : " " + p.score.toFixed(3)); }),
+    var classes = tabs(preds.map(function (p) { return labelled(p.label, p.score === null ? "" : " " + p.score.toFixed(3)); }),
       "class", function (k) { state.k = k; draw(); });
     function draw() {
       var m = data.methods[state.m], q = maps[state.m], k = m.perClass ? state.k : 0;
