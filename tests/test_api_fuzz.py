@@ -294,3 +294,27 @@ def test_a_caption_explanation_saves_and_upsamples_as_an_explanation_does(tmp_pa
     torch.testing.assert_close(e.upsample(16, mode="nearest"), want[:, 0].reshape(2, -1, 16, 16))
     with pytest.raises(vx.UsageError, match="mode must be one of"):
         e.upsample(16, mode="cubic")
+
+
+def test_the_notebook_colour_bar_of_a_minmax_overlay_starts_at_the_maps_minimum(ex):
+    """The overlay of a non-negative map is normalised min-max, so its bottom colour is the map's minimum;
+    the colour bar under it said 0 (a map spanning 0.4 .. 0.6 read as 0 .. 0.6)."""
+    from vitexplain.viz.notebook import explanation_tiles
+
+    e = ex.explain(vx.data.shapes(n=1, seed=6).images, method="rollout")
+    m = e.maps[0]
+    assert float(m.min()) > 0.05 * float(m.max())  # far from 0: a bar starting at 0 would be wrong
+    tile = explanation_tiles(e)[0][0]
+    bar = vx.viz.colorbar(tile.shape[1], signed=False, scale=float(m.max()), low=float(m.min()))
+    np.testing.assert_array_equal(tile[-bar.shape[0]:], bar)
+    assert not np.array_equal(bar, vx.viz.colorbar(tile.shape[1], signed=False, scale=float(m.max())))
+    blank = vx.viz.colorbar(tile.shape[1], signed=False, scale=float(m.max()), low=0)
+    np.testing.assert_array_equal(blank, vx.viz.colorbar(tile.shape[1], signed=False, scale=float(m.max())))
+
+
+def test_construction_errors_say_what_to_pass(ex):
+    with pytest.raises(vx.UsageError, match="adapter= must be a vitexplain Adapter"):  # an AttributeError later
+        vx.Explainer(ex.model, adapter=5)
+    # DataParallel runs copies of the model that no hook sees: explain the model it wraps
+    with pytest.raises(vx.UnsupportedModelError, match=r"vx.Explainer\(model.module\)"):
+        vx.Explainer(torch.nn.DataParallel(ex.model))

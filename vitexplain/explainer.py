@@ -67,6 +67,9 @@ class Explainer:
     def __init__(self, model: nn.Module, *, adapter: Optional[Adapter] = None, attention_mode: str = "auto",
                  processor: Any = None, processor_kwargs: Optional[dict[str, Any]] = None, tokenizer: Any = None) -> None:
         self.model = model
+        if adapter is not None and not isinstance(adapter, Adapter):  # (an int was an AttributeError later)
+            raise UsageError(f"adapter= must be a vitexplain Adapter (see vitexplain.adapters), got "
+                             f"{type(adapter).__name__}; leave it out to choose one from the model")
         # a torch.compile-d model is explained through its original module, run eagerly
         # (see vx.capture); the compiled code is neither called nor recompiled
         self.adapter = adapter or adapter_for(model)
