@@ -318,3 +318,28 @@ def test_construction_errors_say_what_to_pass(ex):
     # DataParallel runs copies of the model that no hook sees: explain the model it wraps
     with pytest.raises(vx.UnsupportedModelError, match=r"vx.Explainer\(model.module\)"):
         vx.Explainer(torch.nn.DataParallel(ex.model))
+
+
+@pytest.fixture(scope="module")
+def recorded(ex):
+    with torch.no_grad(), vx.capture(ex.model) as rec:
+        ex.model(vx.data.shapes(n=2, seed=8).tensor)
+    return rec
+
+
+def test_head_grid_and_record_matrix_take_numpy_integers_and_refuse_sizes_they_cannot_draw(recorded):
+    """A tile of 0 px was an OpenCV assertion, a missing layout an AttributeError, a NumPy query or head was
+    refused ('unknown head fusion np.int64(1)')."""
+    recs, layout = recorded.records, recorded.layout
+    np.testing.assert_array_equal(vx.viz.head_grid(recs, layout, query=np.int64(3), tile=16),
+                                  vx.viz.head_grid(recs, layout, query=3, tile=16))
+    np.testing.assert_array_equal(vx.viz.record_matrix(recs[0], head=np.int64(1)), vx.viz.record_matrix(recs[0], head=1))
+    for kwargs, message in (({"tile": 0}, "tile"), ({"query": layout.num_tokens}, "query"),
+                            ({"index": 2}, "image index 2 is out of range: the record holds 2")):
+        with pytest.raises(vx.UsageError, match=message):
+            vx.viz.head_grid(recs, layout, **kwargs)
+    with pytest.raises(vx.UsageError, match="token layout"):
+        vx.viz.head_grid(recs, None)
+    with pytest.raises(vx.UsageError, match="needs a layout"):
+        vx.viz.token_labels(None)
+    assert vx.viz.token_labels(None, 3) == ["0", "1", "2"]

@@ -61,8 +61,9 @@ def pixel_size(value: Any, what: str) -> tuple[int, int]:
     return h, w
 
 
-def image_index(index: Any, count: int) -> int:
-    """``index`` checked against a batch of ``count`` images (negative counts from the end).
+def image_index(index: Any, count: int, holder: str = "this explanation") -> int:
+    """``index`` checked against a batch of ``count`` images (negative counts from the end); ``holder`` names
+    what holds them in the message.
 
     Raises:
         UsageError: not an integer, or out of range.
@@ -73,5 +74,5 @@ def image_index(index: Any, count: int) -> int:
         raise UsageError(f"index must be an integer image index, got {type(index).__name__} {index!r}")
     index = int(index)
     if not -count <= index < count:
-        raise UsageError(f"image index {index} is out of range: this explanation holds {count} image(s) (0..{count - 1})")
+        raise UsageError(f"image index {index} is out of range: {holder} holds {count} image(s) (0..{count - 1})")
     return index % count

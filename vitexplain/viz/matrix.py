@@ -16,6 +16,7 @@ All figures are (H, W, 3) uint8 RGB drawn with OpenCV (Hershey fonts: ASCII labe
 from __future__ import annotations
 
 import math
+from numbers import Integral
 from typing import Any, Optional, Sequence, Union
 
 import cv2
@@ -205,7 +206,9 @@ def token_labels(layout: Any, num_tokens: Optional[int] = None, *, distilled: bo
     Returns:
         One label per token.
     """
-    n = layout.num_tokens if num_tokens is None else int(num_tokens)
+    if layout is None and num_tokens is None:  # (an AttributeError)
+        raise UsageError("token_labels needs a layout (rec.layout) or num_tokens")
+    n = layout.num_tokens if num_tokens is None else whole(num_tokens, "num_tokens", low=0)
     if layout is None or layout.grid is None or n != layout.num_tokens:
         return [str(i) for i in range(n)]
     prefix: list[str] = []
@@ -247,8 +250,11 @@ def record_matrix(
     Returns:
         (H, W, 3) uint8 RGB figure.
     """
-    probs = record.probs()[_image_index(index, record.batch_size)]  # (H, N_q, N_k)
-    if isinstance(head, int):
+    probs = record.probs()[_image_index(index, record.batch_size, "the record")]  # (H, N_q, N_k)
+    if hasattr(head, "item") and getattr(head, "ndim", None) == 0:  # a NumPy or 0-d torch integer
+        head = head.item()
+    if isinstance(head, Integral) and not isinstance(head, bool):
+        head = int(head)
         if not -probs.shape[0] <= head < probs.shape[0]:
             raise UsageError(f"head {head} out of range: {record.name!r} has {probs.shape[0]} heads")
         weights, which = probs[head], f"head {head % probs.shape[0]}"
@@ -326,11 +332,17 @@ def head_grid(
     """
     from .colormaps import apply_colormap
 
+    tile = whole(tile, "tile (pixels per map side)", high=4096)  # (0 or less was an OpenCV error)
+    if layout is None or getattr(layout, "grid", None) is None:
+        raise UsageError("head_grid needs the token layout of the records (rec.layout), with its patch grid")
+    if hasattr(query, "item") and getattr(query, "ndim", None) == 0:  # a NumPy or 0-d torch integer
+        query = query.item()
+    query = whole(query, "query (a token index)", low=-layout.num_tokens, high=layout.num_tokens - 1)
     rows, names = [], []
     for record in records:
         if record.num_keys != layout.num_tokens:
             continue
-        probs = record.probs(queries=query)[_image_index(index, record.batch_size), :, 0]  # (H, N_k)
+        probs = record.probs(queries=query)[_image_index(index, record.batch_size, "the record"), :, 0]  # (H, N_k)
         maps = layout.to_grid(probs).detach().cpu().float().numpy()  # (H, gh, gw)
         tiles = []
         for m in maps:
