@@ -343,3 +343,17 @@ def test_head_grid_and_record_matrix_take_numpy_integers_and_refuse_sizes_they_c
     with pytest.raises(vx.UsageError, match="needs a layout"):
         vx.viz.token_labels(None)
     assert vx.viz.token_labels(None, 3) == ["0", "1", "2"]
+
+
+def test_a_callable_target_is_named_as_a_score_not_as_class_minus_one(ex, tmp_path):
+    """A callable target is stored as class -1; target_names() (the notebook's titles, the saved manifest) gave
+    "-1", which reads like a class."""
+    def margin(out):
+        return out[:, 1] - out[:, 2]
+
+    e = ex.explain(vx.data.shapes(n=2, seed=9).tensor, method="cdam", target=margin)
+    assert e.targets.tolist() == [-1, -1] and e.target_names() == ["score margin", "score margin"]
+    import json
+
+    assert json.loads((e.save(tmp_path / "s") / "manifest.json").read_text())["target_names"] == ["score margin"] * 2
+    assert ex.explain(vx.data.shapes(n=1, seed=9).tensor, method="cdam", target=2).target_names() == ["triangle"]

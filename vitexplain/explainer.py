@@ -258,6 +258,7 @@ class Explainer:
                     label_names=self.adapter.label_names,
                     boxes=boxes,
                     extras=extras,
+                    score_name=resolved.description if resolved.custom else None,
                 )
             )
         return results[0] if plan.single else results

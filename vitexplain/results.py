@@ -44,6 +44,8 @@ class Explanation:
         label_names: the model's class names, if known.
         extras: method-specific results besides the maps (e.g. the ``channel`` method's
             top-k channels and gate values); empty for most methods.
+        score_name: the name of the score explained when the target was a callable (targets -1), e.g.
+            ``"norm"`` for ``vx.targets.norm()``; None for class targets.
     """
 
     maps: Tensor
@@ -59,6 +61,7 @@ class Explanation:
     label_names: Optional[list[str]] = None
     boxes: Optional[list[Any]] = field(default=None, repr=False)
     extras: dict[str, Any] = field(default_factory=dict, repr=False)
+    score_name: Optional[str] = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         batch = _batch_size(self.targets, "targets", self.method)
@@ -93,9 +96,11 @@ class Explanation:
         return _upsampled(self.maps, self.layout, self.input_size, size, mode)
 
     def target_names(self) -> list[str]:
-        """Per image, the target's label name (or its index as text)."""
+        """Per image, the target's label name (or its index as text; a callable target's name, as
+        ``"score norm"``: the -1 it is stored as read like a class)."""
         names = self.label_names or []
-        return [names[t] if 0 <= t < len(names) else str(t) for t in self.targets.tolist()]
+        return [names[t] if 0 <= t < len(names) else str(t) if t >= 0 else f"score {self.score_name or 'callable'}"
+                for t in self.targets.tolist()]
 
     def overlay(self, index: int = 0, image: Any = None, **kwargs: Any) -> Any:
         """Overlay map ``index`` on its image (the region the model saw), uint8 RGB.
