@@ -357,3 +357,29 @@ def test_a_callable_target_is_named_as_a_score_not_as_class_minus_one(ex, tmp_pa
 
     assert json.loads((e.save(tmp_path / "s") / "manifest.json").read_text())["target_names"] == ["score margin"] * 2
     assert ex.explain(vx.data.shapes(n=1, seed=9).tensor, method="cdam", target=2).target_names() == ["triangle"]
+
+
+@pytest.mark.parametrize("bad, message", [
+    (None, "got NoneType"),  # said "got shape () dtype object"
+    ({"image": 1}, "got dict"),
+    (3, "got int"),
+])
+def test_what_is_not_an_image_is_named(ex, bad, message):
+    with pytest.raises(vx.UsageError, match=message):
+        ex.explain(bad, method="rollout")
+
+
+def test_a_list_of_preprocessed_tensors_is_told_to_stack_them(ex):
+    """A list of (3, H, W) float tensors was told to convert them to uint8 ('float image? convert with
+    np.clip(x * 255, ...)'), which would explain garbage: they are a batch to stack."""
+    x = vx.data.shapes(n=2, seed=10).tensor
+    with pytest.raises(vx.UsageError, match=r"torch.stack") as info:
+        ex.explain([x[0], x[1]], method="rollout")
+    assert "x * 255" not in str(info.value)
+
+
+def test_a_generator_of_images_is_its_images(ex):
+    """explore() took a generator of images; explain() refused one."""
+    images = vx.data.shapes(n=2, seed=11).images
+    got = ex.explain((im for im in images), method="rollout")
+    torch.testing.assert_close(got.maps, ex.explain(list(images), method="rollout").maps)

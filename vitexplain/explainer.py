@@ -17,7 +17,7 @@ import contextlib
 import copy
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, Union, overload
+from typing import Any, Callable, Iterator, Optional, Sequence, Union, overload
 
 import torch
 from torch import Tensor, nn
@@ -128,7 +128,7 @@ class Explainer:
         """Load and preprocess images with the model's own preprocessing.
 
         Args:
-            images: a path, PIL image, (H, W, 3) uint8 array, or a list of those (or an
+            images: a path, PIL image, (H, W, 3) uint8 array, or a list (or generator) of those (or an
                 (N, H, W, 3) uint8 array of N images).
             crop: resize and center-crop as the model's eval transform does (True), or
                 resize the whole image to the input size (False).
@@ -142,7 +142,7 @@ class Explainer:
 
         if getattr(images, "ndim", None) == 4 and not isinstance(images, Tensor):  # (N, H, W, 3) uint8 array
             images = list(images)
-        items = list(images) if isinstance(images, (list, tuple)) else [images]
+        items = list(images) if isinstance(images, (list, tuple, Iterator)) else [images]  # a generator: its images
         sources, arrays = [], []
         for item in items:
             is_path = isinstance(item, (str, Path))

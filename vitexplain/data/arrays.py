@@ -62,10 +62,17 @@ def as_rgb(image: Any, what: str = "image") -> np.ndarray:
 
 def check_rgb(image: Any, what: str = "image") -> np.ndarray:
     """Return ``image`` as an ``(H, W, 3)`` uint8 array or raise a helpful error."""
-    arr = np.asarray(image)
+    is_tensor = hasattr(image, "detach") and hasattr(image, "cpu")  # torch, without importing it
+    arr = np.asarray(image.detach().cpu()) if is_tensor else np.asarray(image)
+    if arr.dtype == object or arr.ndim == 0:  # None, a number, a dict, a generator: not an image at all
+        raise UsageError(f"{what} must be an (H, W, 3) uint8 RGB array (or a path or PIL image where images are "
+                         f"read), got {type(image).__name__}")
     if arr.dtype != np.uint8 or arr.ndim != 3 or arr.shape[2] != 3:
         hint = ""
-        if arr.dtype.kind == "f":
+        if is_tensor and arr.dtype.kind == "f":  # a preprocessed tensor (or a list of them): not an image to read
+            hint = (" (a preprocessed tensor? pass the (B, 3, H, W) batch as one tensor, e.g. torch.stack(tensors); "
+                    "images go in as uint8 (H, W, 3) arrays, PIL images or paths)")
+        elif arr.dtype.kind == "f":
             hint = " (float image? convert with np.clip(x * 255, 0, 255).round().astype(np.uint8))"
         elif arr.ndim == 2:
             hint = " (grayscale? use np.repeat(x[..., None], 3, axis=2))"
