@@ -383,3 +383,12 @@ def test_a_generator_of_images_is_its_images(ex):
     images = vx.data.shapes(n=2, seed=11).images
     got = ex.explain((im for im in images), method="rollout")
     torch.testing.assert_close(got.maps, ex.explain(list(images), method="rollout").maps)
+
+
+def test_a_method_named_twice_is_refused(ex):
+    """['cdam', 'cdam', 'rollout'] gave two results: zipped with the names, the rollout map was labelled cdam."""
+    x = vx.data.shapes(n=1, seed=12).tensor
+    with pytest.raises(vx.UsageError, match=r"method 'cdam' is named more than once"):
+        ex.explain(x, method=["cdam", "cdam", "rollout"])
+    got = ex.explain(x, method=["cdam", "rollout"])
+    assert [e.method for e in got] == ["cdam", "rollout"]
