@@ -392,3 +392,16 @@ def test_a_method_named_twice_is_refused(ex):
         ex.explain(x, method=["cdam", "cdam", "rollout"])
     got = ex.explain(x, method=["cdam", "rollout"])
     assert [e.method for e in got] == ["cdam", "rollout"]
+
+
+def test_numpy_integer_counts(ex, tmp_path):
+    """max_len=np.int64(3) and top_k=np.int64(2) were refused as not positive integers."""
+    cap = vx.Explainer(vx.zoo.load("shapes-captioner"))
+    x = vx.data.shapes(n=1, seed=13).tensor
+    got = cap.explain_caption(x, method="cross", max_len=np.int64(3))
+    torch.testing.assert_close(got.maps, cap.explain_caption(x, method="cross", max_len=3).maps)
+    image = vx.data.shapes(n=1, seed=13).images[0]
+    page = vx.explore(ex, image, tmp_path / "p.html", method="rollout", top_k=np.int64(2))
+    assert page.is_file()
+    with pytest.raises(vx.UsageError, match="max_len must be a positive number"):
+        cap.explain_caption(x, method="cross", max_len=np.float64(3.0))

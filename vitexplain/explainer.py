@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import warnings
+from numbers import Integral
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence, Union, overload
 
@@ -303,8 +304,9 @@ class Explainer:
             A :class:`CaptionExplanation` (or a list, one per method).
         """
         plan = self._plan_for("explain_caption", method, options)
-        if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1:
+        if not isinstance(max_len, Integral) or isinstance(max_len, bool) or max_len < 1:
             raise UsageError(f"max_len must be a positive number of tokens to generate, got {max_len!r}")
+        max_len = int(max_len)  # (a NumPy integer is a count too)
         if hasattr(self.adapter, "lm_records"):  # a vision-language model
             from .vlm import explain_vlm
 

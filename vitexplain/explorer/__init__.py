@@ -12,6 +12,7 @@ from anywhere. Data flows model -> Explainer / capture -> records -> maps -> pag
 from __future__ import annotations
 
 import os
+from numbers import Integral
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence, Union
 
@@ -133,12 +134,13 @@ def explore(
         items = list(images)  # an (N, H, W, 3) batch: N images (as one item, only the first was shown)
     if not items:
         raise UsageError("no images to explore; pass a path, an image or a list of them")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+    if isinstance(top_k, bool) or not isinstance(top_k, Integral) or top_k < 1:
         raise UsageError(f"top_k must be a positive integer, got {top_k!r}")
     if isinstance(attention_budget, bool) or not isinstance(attention_budget, (int, float)) or not 0 < attention_budget <= 10_000:
         raise UsageError(f"attention_budget is the most MB of attention data per image, in (0, 10000]; got {attention_budget!r}")
-    if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
+    if isinstance(max_len, bool) or not isinstance(max_len, Integral) or max_len < 1:
         raise UsageError(f"max_len must be a positive number of tokens to generate, got {max_len!r}")
+    top_k, max_len = int(top_k), int(max_len)  # (a NumPy integer is a count too)
     labels = list(names) if names is not None else [_name(item, i) for i, item in enumerate(items)]
     if len(labels) != len(items):
         raise UsageError(f"got {len(labels)} names for {len(items)} images; pass one name per image")
