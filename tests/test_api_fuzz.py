@@ -405,3 +405,15 @@ def test_numpy_integer_counts(ex, tmp_path):
     assert page.is_file()
     with pytest.raises(vx.UsageError, match="max_len must be a positive number"):
         cap.explain_caption(x, method="cross", max_len=np.float64(3.0))
+
+
+def test_matrix_weights_near_the_float32_limit_keep_their_colours():
+    """(w - min) overflowed float32 for weights spanning +-3e38: the cells' colour indices were NaN cast to
+    integers (garbage colours), with only a RuntimeWarning."""
+    lut = colormap_lut("viridis")
+    fig = vx.viz.attention_matrix(np.array([[-3e38, 0.0, 3e38]], np.float32), cell=10)
+    top = np.argwhere((fig == lut[255]).all(-1))
+    top = top[top[:, 1] < top[:, 1].max() - 20]
+    y, x = top[:, 0].min() + 5, top[:, 1].min() + 5  # centre of the last cell
+    for c, want in enumerate((0, 128, 255)):
+        np.testing.assert_array_equal(fig[y, x - 10 * (2 - c)], lut[want])

@@ -125,7 +125,7 @@ def attention_matrix(
     lo, hi = _value_range(m, vmin, vmax)
     span = hi - lo if hi > lo else 1.0
     lut = colormap_lut(colormap)  # (256, 3) uint8 RGB
-    index = np.clip(np.round((m - lo) / span * 255), 0, 255).astype(np.int64)
+    index = np.clip(np.round((m.astype(np.float64) - lo) / span * 255), 0, 255).astype(np.int64)  # (float32 overflowed)
     heat = np.repeat(np.repeat(lut[index], cell, axis=0), cell, axis=1)
 
     row_step = _stride(n_rows, cell, text_h + base, max_labels)
