@@ -417,3 +417,23 @@ def test_matrix_weights_near_the_float32_limit_keep_their_colours():
     y, x = top[:, 0].min() + 5, top[:, 1].min() + 5  # centre of the last cell
     for c, want in enumerate((0, 128, 255)):
         np.testing.assert_array_equal(fig[y, x - 10 * (2 - c)], lut[want])
+
+
+def test_a_float64_map_is_normalised_at_its_own_precision():
+    """Through float32, a float64 map of values below 1e-38 became all zeros (a blank overlay) and one above
+    3e38 all inf ('the method failed numerically'): both are the same picture as the map scaled to 1."""
+    image = _image()
+    m = np.random.default_rng(14).random((4, 4))
+    for scale in (1e-300, 1e300):
+        np.testing.assert_array_equal(vx.overlay(image, m * scale), vx.overlay(image, m))
+        np.testing.assert_array_equal(vx.overlay(image, torch.from_numpy(m * scale)), vx.overlay(image, m))
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("abc", "must hold numbers"),  # a bare ValueError
+    (np.ones((3, 3), np.complex64), "must hold real numbers"),  # the imaginary part was dropped with a warning
+    (torch.ones(3, 3, dtype=torch.complex64), "must hold real numbers"),
+])
+def test_maps_that_are_not_real_numbers_are_refused(bad, message):
+    with pytest.raises(vx.UsageError, match=message):
+        vx.overlay(_image(), bad)

@@ -15,23 +15,31 @@ from ..errors import UsageError
 __all__ = ["map_to_numpy", "check_rgb", "as_rgb"]
 
 
-def map_to_numpy(map: Any) -> np.ndarray:  # noqa: A002 - the public argument is called map
+def map_to_numpy(map: Any, dtype: Any = np.float32) -> np.ndarray:  # noqa: A002 - the public argument is called map
     """Convert a 2-D map (numpy, torch tensor on any device/dtype, nested lists) to float32.
 
     Leading singleton dimensions are squeezed, so ``(1, gh, gw)`` is accepted.
 
     Args:
         map: The map.
+        dtype: ``np.float32`` (default) or ``np.float64`` (keeps a float64 map's values: cast to float32,
+            values below 1e-38 became 0 and above 3e38 inf).
 
     Returns:
-        C-contiguous ``(h, w)`` float32 array.
+        C-contiguous ``(h, w)`` array of ``dtype``.
 
     Raises:
         ValueError: The map is not 2-D, is empty, or contains NaN/inf.
     """
+    if "complex" in str(getattr(map, "dtype", "")):  # a cast would drop the imaginary part, with a warning only
+        raise UsageError(f"a map must hold real numbers, got {map.dtype}; pass its magnitude (abs) or real part")
     if hasattr(map, "detach") and hasattr(map, "cpu"):  # torch.Tensor, without importing torch
-        map = map.detach().cpu().float().numpy()
-    m = np.asarray(map, dtype=np.float32)
+        map = map.detach().cpu()
+        map = (map.double() if np.dtype(dtype) == np.float64 and str(map.dtype) == "torch.float64" else map.float()).numpy()
+    try:
+        m = np.asarray(map, dtype=dtype)
+    except (TypeError, ValueError) as e:  # text, objects: not numbers
+        raise UsageError(f"a map must hold numbers, got {type(map).__name__} ({e})") from None
     while m.ndim > 2 and m.shape[0] == 1:
         m = m[0]
     if m.ndim != 2 or m.size == 0:

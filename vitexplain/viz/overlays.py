@@ -61,7 +61,7 @@ def normalize_map(map: Any, mode: str = "minmax") -> np.ndarray:  # noqa: A002
         ValueError: Unknown mode, a map that is not 2-D, NaN/inf values, or values outside
             ``[0, 1]`` with ``mode="none"``.
     """
-    m = map_to_numpy(map).astype(np.float64)
+    m = map_to_numpy(map, np.float64)  # (through float32, a float64 map of values below 1e-38 was all zeros)
     key = str(mode).lower()
     if key == "percentile":
         lo, hi = np.percentile(m, [1.0, 99.0])
