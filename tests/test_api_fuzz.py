@@ -437,3 +437,19 @@ def test_a_float64_map_is_normalised_at_its_own_precision():
 def test_maps_that_are_not_real_numbers_are_refused(bad, message):
     with pytest.raises(vx.UsageError, match=message):
         vx.overlay(_image(), bad)
+
+
+def test_channel_tiles_check_their_index_and_count():
+    """An index past the batch was an IndexError, k='3' a TypeError, a gray PIL image refused."""
+    cnn = vx.Explainer(vx.zoo.load("shapes-cnn"))
+    images = vx.data.shapes(n=2, seed=15).images
+    e = cnn.explain(images, method="channel")
+    for kwargs, message in (({"index": 2}, "image index 2 is out of range"), ({"k": "3"}, "k must be a whole number"),
+                            ({"k": 0}, "k must be >= 1")):
+        with pytest.raises(vx.UsageError, match=message):
+            vx.viz.channel_tiles(images[1], e, **kwargs)
+    np.testing.assert_array_equal(vx.viz.channel_tiles(images[1], e, index=np.int64(-1), k=np.int64(2)),
+                                  vx.viz.channel_tiles(images[1], e, index=1, k=2))
+    gray = Image.fromarray(images[0]).convert("L")
+    np.testing.assert_array_equal(vx.viz.channel_tiles(gray, e, k=2),
+                                  vx.viz.channel_tiles(np.repeat(np.asarray(gray)[..., None], 3, axis=2), e, k=2))
