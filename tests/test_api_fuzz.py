@@ -453,3 +453,9 @@ def test_channel_tiles_check_their_index_and_count():
     gray = Image.fromarray(images[0]).convert("L")
     np.testing.assert_array_equal(vx.viz.channel_tiles(gray, e, k=2),
                                   vx.viz.channel_tiles(np.repeat(np.asarray(gray)[..., None], 3, axis=2), e, k=2))
+
+
+@pytest.mark.parametrize("empty", [[], (), np.zeros((0, 64, 64, 3), np.uint8), iter([])])
+def test_no_images_says_what_to_pass(ex, empty):
+    with pytest.raises(vx.UsageError, match="no images to explain: pass a path"):  # "preprocess got no images"
+        ex.explain(empty, method="rollout")

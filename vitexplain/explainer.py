@@ -144,6 +144,9 @@ class Explainer:
         if getattr(images, "ndim", None) == 4 and not isinstance(images, Tensor):  # (N, H, W, 3) uint8 array
             images = list(images)
         items = list(images) if isinstance(images, (list, tuple, Iterator)) else [images]  # a generator: its images
+        if not items:  # (said "preprocess got no images")
+            raise UsageError("no images to explain: pass a path, a PIL image, an (H, W, 3) uint8 array, a list of them, "
+                             "or a preprocessed (B, 3, H, W) tensor")
         sources, arrays = [], []
         for item in items:
             is_path = isinstance(item, (str, Path))
