@@ -459,3 +459,24 @@ def test_channel_tiles_check_their_index_and_count():
 def test_no_images_says_what_to_pass(ex, empty):
     with pytest.raises(vx.UsageError, match="no images to explain: pass a path"):  # "preprocess got no images"
         ex.explain(empty, method="rollout")
+
+
+def test_gallery_arguments(tmp_path):
+    """methods='cdam' made four columns 'c', 'd', 'a', 'm' (each empty); thumb_px 0 or -5 was written into the
+    page's style, 'x' was a ValueError; a record that is not a dict an AttributeError; a path below a file a
+    bare FileExistsError."""
+    record = {"key": "a.png", "status": "ok", "files": {"cdam": {"overlay": "a.cdam.png"}},
+              "predictions": [{"index": 1, "label": "dog", "score": 0.25}], "target": {"index": 1, "label": "dog"}}
+    page = vx.viz.render_gallery([record], folder=tmp_path, methods="cdam")
+    assert page.count("<th>cdam</th>") == 1 and "<th>c</th>" not in page
+    assert page == vx.viz.render_gallery([record], folder=tmp_path, methods=["cdam"])
+    for kwargs, message in (({"thumb_px": 0}, "thumb_px"), ({"thumb_px": "x"}, "thumb_px")):
+        with pytest.raises(vx.UsageError, match=message):
+            vx.viz.render_gallery([record], folder=tmp_path, **kwargs)
+    for records in (["a.png"], None, [dict(record, files=["a.cdam.png"])]):
+        with pytest.raises(vx.UsageError, match="manifest record"):
+            vx.viz.render_gallery(records, folder=tmp_path)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(vx.UsageError, match="is a file, not a folder"):
+        vx.viz.write_gallery(tmp_path / "file" / "index.html", [record])
+    assert "cdam: dog" in vx.viz.write_gallery(tmp_path / "g" / "index.html", [record]).read_text()
