@@ -114,3 +114,12 @@ def test_long_and_right_to_left_labels_stay_in_their_place(browser, model, image
     )
     assert order and all(ok for _, ok in order), [t for t, ok in order if not ok]
     assert page.close() == []
+
+
+def test_one_name_is_a_name_not_its_letters(model, images, tmp_path):
+    """names="photo" for one image was read as five names ('got 5 names for 1 images'), names="ab" for two
+    images named them "a" and "b"."""
+    path = vx.explore(model, images[:1], tmp_path / "p.html", method="rollout", names="photo \u00e9t\u00e9")
+    assert [card["name"] for card in _payload(path)["images"]] == ["photo \u00e9t\u00e9"]
+    with pytest.raises(vx.UsageError, match="got 1 names for 2 images"):
+        vx.explore(model, images, tmp_path / "q.html", method="rollout", names="ab")

@@ -141,7 +141,9 @@ def explore(
     if isinstance(max_len, bool) or not isinstance(max_len, Integral) or max_len < 1:
         raise UsageError(f"max_len must be a positive number of tokens to generate, got {max_len!r}")
     top_k, max_len = int(top_k), int(max_len)  # (a NumPy integer is a count too)
-    labels = list(names) if names is not None else [_name(item, i) for i, item in enumerate(items)]
+    if isinstance(names, (str, os.PathLike)):  # one name, not its letters (a 5-letter name was "5 names for 1 image")
+        names = [os.fspath(names)]
+    labels = [str(n) for n in names] if names is not None else [_name(item, i) for i, item in enumerate(items)]
     if len(labels) != len(items):
         raise UsageError(f"got {len(labels)} names for {len(items)} images; pass one name per image")
     plan = explainer.plan(method, **options)
