@@ -480,3 +480,11 @@ def test_gallery_arguments(tmp_path):
     with pytest.raises(vx.UsageError, match="is a file, not a folder"):
         vx.viz.write_gallery(tmp_path / "file" / "index.html", [record])
     assert "cdam: dog" in vx.viz.write_gallery(tmp_path / "g" / "index.html", [record]).read_text()
+
+
+def test_one_grid_label_is_a_label_not_its_letters():
+    """col_labels="ab" over two tiles labelled them "a" and "b"; one string is the label of one column."""
+    a = _image()
+    np.testing.assert_array_equal(vx.viz.grid([a], col_labels="cdam"), vx.viz.grid([a], col_labels=["cdam"]))
+    with pytest.raises(vx.UsageError, match="1 column labels for 2 columns"):
+        vx.viz.grid([a, a], col_labels="ab")

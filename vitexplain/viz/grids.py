@@ -108,6 +108,7 @@ def grid(
     first = next((t for row in rows for t in row if t is not None), None)
     if first is None:
         raise UsageError("grid needs at least one image")
+    row_labels, col_labels = ([labels] if isinstance(labels, str) else labels for labels in (row_labels, col_labels))
     if row_labels is not None and len(row_labels) != n_rows:
         raise UsageError(f"{len(row_labels)} row labels for {n_rows} rows")
     if col_labels is not None and len(col_labels) != n_cols:
