@@ -488,3 +488,18 @@ def test_one_grid_label_is_a_label_not_its_letters():
     np.testing.assert_array_equal(vx.viz.grid([a], col_labels="cdam"), vx.viz.grid([a], col_labels=["cdam"]))
     with pytest.raises(vx.UsageError, match="1 column labels for 2 columns"):
         vx.viz.grid([a, a], col_labels="ab")
+
+
+def test_an_image_files_bytes_are_an_image_and_an_empty_path_is_named(ex):
+    """load_image took an image file's bytes, explain() refused them ('got bytes'); load_image('') said the
+    path 'is a directory' (the working folder)."""
+    path = "assets/samples/04_blue_star_and_green_circle.png"
+    with open(path, "rb") as f:
+        data = f.read()
+    got = ex.explain([data, path], method="rollout")
+    torch.testing.assert_close(got.maps[0], got.maps[1])
+    assert got.sources == [None, path]
+    with pytest.raises(vx.ImageLoadError, match="the path is empty"):
+        vx.load_image("")
+    with pytest.raises(vx.ImageLoadError, match="the path is empty"):
+        ex.explain("", method="rollout")

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import warnings
 from numbers import Integral
-from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence, Union, overload
 
 import torch
@@ -129,8 +129,8 @@ class Explainer:
         """Load and preprocess images with the model's own preprocessing.
 
         Args:
-            images: a path, PIL image, (H, W, 3) uint8 array, or a list (or generator) of those (or an
-                (N, H, W, 3) uint8 array of N images).
+            images: a path, an image file's bytes, a PIL image, an (H, W, 3) uint8 array, or a list (or
+                generator) of those (or an (N, H, W, 3) uint8 array of N images).
             crop: resize and center-crop as the model's eval transform does (True), or
                 resize the whole image to the input size (False).
 
@@ -149,9 +149,10 @@ class Explainer:
                              "or a preprocessed (B, 3, H, W) tensor")
         sources, arrays = [], []
         for item in items:
-            is_path = isinstance(item, (str, Path))
+            is_path = isinstance(item, (str, os.PathLike))
+            encoded = isinstance(item, (bytes, bytearray, memoryview))  # an image file's bytes, as load_image takes
             sources.append(item if is_path else None)
-            arrays.append(load_image(item) if is_path else as_rgb(item, "each image"))
+            arrays.append(load_image(item) if is_path or encoded else as_rgb(item, "each image"))
         x, boxes = preprocess(arrays, crop=crop, **preprocessing(self.adapter))
         size = tuple(x.shape[-2:])
         regions = [seen_region(a, b, size) for a, b in zip(arrays, boxes)]
