@@ -123,3 +123,15 @@ def test_one_name_is_a_name_not_its_letters(model, images, tmp_path):
     assert [card["name"] for card in _payload(path)["images"]] == ["photo \u00e9t\u00e9"]
     with pytest.raises(vx.UsageError, match="got 1 names for 2 images"):
         vx.explore(model, images, tmp_path / "q.html", method="rollout", names="ab")
+
+
+@pytest.mark.parametrize("method", [None, "rollout"])
+def test_a_model_with_nan_outputs_gets_a_numerical_error_not_a_json_error(model, images, tmp_path, method):
+    """With the default methods each was left out with a note, then the NaN predictions failed the page's JSON
+    ('Out of range float values are not JSON compliant', a bare ValueError)."""
+    broken = copy.deepcopy(model)
+    with torch.no_grad():
+        broken.head.weight.fill_(float("nan"))
+    with pytest.raises(vx.NumericalError, match="outputs are not finite"):
+        vx.explore(broken, images[:1], tmp_path / "p.html", method=method)
+    assert not (tmp_path / "p.html").exists()

@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import Tensor
 
-from ..errors import VitexplainError
+from ..errors import NumericalError, VitexplainError
 from ..adapters import find_layout_module
 from ..methods.context import Context
 from ..plan import Plan
@@ -88,6 +88,13 @@ def classifier_data(explainer: Any, plan: Plan, x: Tensor, *, top_k: int, target
     views = "attention" in adapter.capabilities
     with torch.no_grad(), capture(explainer.model, attention=views) as rec:
         outputs = adapter.forward(x)
+    scores = logits_of(outputs) if adapter.has_head else outputs
+    if isinstance(scores, Tensor) and not bool(torch.isfinite(scores).all()):
+        # (the default methods were each left out with a note, then the NaN predictions failed the page's JSON)
+        raise NumericalError(
+            "the model's outputs are not finite (NaN or inf) for this image, so no prediction or map would mean "
+            "anything: check the image's preprocessing and the model's weights"
+        )
     predictions = (
         top_predictions(logits_of(outputs)[0], adapter.label_names, top_k, _multi_label(explainer.model))
         if adapter.has_head else []
