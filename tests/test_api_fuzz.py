@@ -503,3 +503,21 @@ def test_an_image_files_bytes_are_an_image_and_an_empty_path_is_named(ex):
         vx.load_image("")
     with pytest.raises(vx.ImageLoadError, match="the path is empty"):
         ex.explain("", method="rollout")
+
+
+def test_a_signed_caption_method_is_drawn_signed():
+    """CaptionExplanation.figure() drew attnlrp's signed per-word relevance min-max on "jet" (the CLI draws it
+    signed on "bwr"): a word's zero relevance took a mid-scale colour, as if it were evidence."""
+    cap = vx.Explainer(vx.zoo.load("shapes-captioner"))
+    images = vx.data.shapes(n=1, seed=16).images
+    e = cap.explain_caption(images, method="attnlrp", max_len=3)
+    assert e.signed and "signed=True" in repr(e)
+    words = e.tokens[0]
+    maps = e.maps[0, : len(words)]
+    assert float(maps.min()) < 0 < float(maps.max())  # signed indeed
+    want = vx.viz.caption_figure(images[0], words, maps, normalize="signed", colormap="bwr")
+    np.testing.assert_array_equal(e.figure(0), want)
+    plain = cap.explain_caption(images, method="cross", max_len=3)
+    assert not plain.signed
+    np.testing.assert_array_equal(plain.figure(0), vx.viz.caption_figure(images[0], plain.tokens[0],
+                                                                          plain.maps[0, : len(plain.tokens[0])]))

@@ -90,6 +90,7 @@ def explain_captioner(adapter: Any, plan: Plan, x: Tensor, regions: Any, sources
                 layout=layout,
                 images=regions,
                 sources=sources,
+                signed=step.spec.signed,
             )
         )
     return results

@@ -217,6 +217,8 @@ class CaptionExplanation:
         layout: token layout of the image encoder.
         images: (H, W, 3) uint8 RGB regions the model saw, when images were explained.
         sources: the inputs as given (paths or None), when images were explained.
+        signed: whether maps are signed (``attnlrp``, ``cp_lrp``): :meth:`figure` then draws them with
+            ``normalize="signed"`` on the diverging ``"bwr"`` map (zero neutral), as the CLI does.
     """
 
     maps: Tensor
@@ -229,6 +231,7 @@ class CaptionExplanation:
     layout: Optional[TokenLayout] = None
     images: Optional[list[Any]] = None
     sources: Optional[list[Any]] = None
+    signed: bool = False
 
     def __post_init__(self) -> None:
         batch = _batch_size(self.ids, "ids", self.method)
@@ -244,7 +247,7 @@ class CaptionExplanation:
 
     def __repr__(self) -> str:
         """One line: method, map shape, captions (the dataclass's repr printed every map value)."""
-        return (f"{type(self).__name__}(method={self.method!r}, maps={_shape(self.maps)}, "
+        return (f"{type(self).__name__}(method={self.method!r}, maps={_shape(self.maps)}, signed={self.signed}, "
                 f"captions={_few(self.captions)}, input_size={tuple(self.input_size)}"
                 + (f", options={self.options!r}" if self.options else "") + ")")
 
@@ -301,9 +304,15 @@ class CaptionExplanation:
         return show_tiles(caption_tiles(self, whole(max_images, "max_images")))
 
     def figure(self, index: int = 0, image: Any = None, **kwargs: Any) -> Any:
-        """One RGB figure: each word of caption ``index`` under its overlay (uint8 RGB)."""
+        """One RGB figure: each word of caption ``index`` under its overlay (uint8 RGB).
+
+        ``**kwargs`` go to :func:`vitexplain.viz.caption_figure`; signed maps default to ``normalize="signed"``
+        and ``colormap="bwr"`` (drawn min-max on ``"jet"``, a word's zero relevance looked like evidence).
+        """
         from .viz.caption import caption_figure
 
+        kwargs.setdefault("normalize", "signed" if self.signed else "minmax")
+        kwargs.setdefault("colormap", "bwr" if kwargs["normalize"] == "signed" else "jet")
         index = _image_index(index, len(self))
         if image is None:
             if self.images is None:

@@ -74,7 +74,7 @@ def caption_tiles(e: Any, max_images: int = 4) -> list[list[tuple[np.ndarray, st
         image = e.images[i] if e.images is not None else None
         row = [(readable(image), f"{_source(e, i)}: {e.captions[i]!r}")] if image is not None else []
         for t, word in enumerate(e.tokens[i]):
-            row.append((_map_tile(image, e.maps[i, t], False), f"{t + 1}. {word} ({e.method})"))
+            row.append((_map_tile(image, e.maps[i, t], bool(getattr(e, "signed", False))), f"{t + 1}. {word} ({e.method})"))
         rows.append(row)
     return rows
 
