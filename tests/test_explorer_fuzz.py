@@ -135,3 +135,11 @@ def test_a_model_with_nan_outputs_gets_a_numerical_error_not_a_json_error(model,
     with pytest.raises(vx.NumericalError, match="outputs are not finite"):
         vx.explore(broken, images[:1], tmp_path / "p.html", method=method)
     assert not (tmp_path / "p.html").exists()
+
+
+def test_crop_must_be_a_bool(model, images, tmp_path):
+    """crop="no" is truthy: the images were center-cropped when the caller asked for the whole image."""
+    with pytest.raises(vx.UsageError, match="crop must be True or False"):
+        vx.explore(model, images[:1], tmp_path / "p.html", method="rollout", crop="no")
+    with pytest.raises(vx.UsageError, match="crop must be True or False"):
+        vx.Explainer(model).preprocess(images[0], crop="no")

@@ -141,6 +141,8 @@ class Explainer:
         from .data.arrays import as_rgb
         from .data.images import load_image, preprocess, seen_region
 
+        if not isinstance(crop, bool):  # ("no" was truthy: the images were cropped)
+            raise UsageError(f"crop must be True or False, got {type(crop).__name__} {crop!r}")
         if getattr(images, "ndim", None) == 4 and not isinstance(images, Tensor):  # (N, H, W, 3) uint8 array
             images = list(images)
         items = list(images) if isinstance(images, (list, tuple, Iterator)) else [images]  # a generator: its images

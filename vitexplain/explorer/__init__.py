@@ -129,6 +129,8 @@ def explore(
     explainer = model if isinstance(model, Explainer) else (
         Explainer(model, processor=processor) if processor is not None else Explainer(model))
     check_file_path(out, "page")  # before the work: the page would otherwise fail only when written
+    if not isinstance(crop, bool):  # ("no" was truthy: the images were cropped)
+        raise UsageError(f"crop must be True or False, got {type(crop).__name__} {crop!r}")
     items = list(images) if isinstance(images, (list, tuple, Iterator)) else [images]  # a generator: its images
     if type(images).__module__ == "numpy" and getattr(images, "ndim", None) == 4:
         items = list(images)  # an (N, H, W, 3) batch: N images (as one item, only the first was shown)
