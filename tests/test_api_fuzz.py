@@ -521,3 +521,29 @@ def test_a_signed_caption_method_is_drawn_signed():
     assert not plain.signed
     np.testing.assert_array_equal(plain.figure(0), vx.viz.caption_figure(images[0], plain.tokens[0],
                                                                           plain.maps[0, : len(plain.tokens[0])]))
+
+
+def test_numpy_scalars_are_option_values(ex):
+    """np.float32(0.9) for discard_ratio or np.int64(1) for start_layer (from NumPy arithmetic) were refused as
+    'must be a number in [0, 1)' / 'an integer'."""
+    x = vx.data.shapes(n=1, seed=17).tensor
+    got = ex.explain(x, method="rollout", discard_ratio=np.float32(0.5), start_layer=np.int64(1))
+    want = ex.explain(x, method="rollout", discard_ratio=float(np.float32(0.5)), start_layer=1)
+    torch.testing.assert_close(got.maps, want.maps)
+    assert got.options == {"discard_ratio": 0.5, "start_layer": 1} and type(got.options["start_layer"]) is int
+    with pytest.raises(vx.OptionError, match="discard_ratio"):
+        ex.explain(x, method="rollout", discard_ratio=np.float32(1.5))
+
+
+def test_captions_given_as_words_or_nothing_say_what_to_pass():
+    """A caption given as a list of words was called token ids 'outside the vocabulary'; None among the captions
+    was a TypeError."""
+    cap = vx.Explainer(vx.zoo.load("shapes-captioner"))
+    x = vx.data.shapes(n=2, seed=18).tensor
+    with pytest.raises(vx.UsageError, match=r"caption 0 is a list holding words \['red', 'circle'\]; pass its text "
+                                            r"as one string \('red circle'\)"):
+        cap.explain_caption(x, method="cross", caption=[["red", "circle"], ["blue", "star"]])
+    with pytest.raises(vx.UsageError, match="caption 0 is NoneType"):
+        cap.explain_caption(x, method="cross", caption=[None, "red"])
+    got = cap.explain_caption(x, method="cross", caption=["red circle", "blue star"], layers=np.int64(-1))
+    assert got.tokens == [["red", "circle"], ["blue", "star"]]

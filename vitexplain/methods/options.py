@@ -169,6 +169,16 @@ def describe_options(method: str, declared: Mapping[str, Option], defaults: Mapp
     return "; ".join(f"{name}={defaults.get(name)!r} ({opt.allowed()})" for name, opt in declared.items())
 
 
+def _python_scalar(value: Any) -> Any:
+    """A NumPy scalar or 0-d tensor (also inside a list or tuple) as the Python number it holds; else ``value``."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(_python_scalar(v) for v in value)
+    if hasattr(value, "item") and getattr(value, "ndim", None) == 0 and not isinstance(value, (str, bytes)):
+        item = value.item()
+        return item if isinstance(item, (bool, int, float)) else value
+    return value
+
+
 def check_options(method: str, declared: Mapping[str, Option], defaults: Mapping[str, Any],
                   values: Mapping[str, Any]) -> dict[str, Any]:
     """Validate user option values against the declared options of ``method``.
@@ -180,11 +190,13 @@ def check_options(method: str, declared: Mapping[str, Option], defaults: Mapping
         values: what the user passed.
 
     Returns:
-        A copy of ``values``.
+        A copy of ``values``, NumPy and 0-d tensor scalars as the Python numbers they hold (``np.int64(2)`` from
+        an argmax, or ``np.float32(0.9)``, were refused as not an integer / number).
 
     Raises:
         OptionError: an unknown option, or a value outside the declared range.
     """
+    values = {name: _python_scalar(v) for name, v in values.items()}
     for name, value in values.items():
         option = declared.get(name)
         if option is None:
