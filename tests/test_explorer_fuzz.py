@@ -143,3 +143,13 @@ def test_crop_must_be_a_bool(model, images, tmp_path):
         vx.explore(model, images[:1], tmp_path / "p.html", method="rollout", crop="no")
     with pytest.raises(vx.UsageError, match="crop must be True or False"):
         vx.Explainer(model).preprocess(images[0], crop="no")
+
+
+def test_a_tensor_is_told_to_pass_the_images(model, images, tmp_path):
+    """A preprocessed tensor was told to 'convert with np.clip(x * 255, ...)' (explain's advice for a float
+    image), which would draw the normalised values as pixels."""
+    x = vx.Explainer(model).preprocess(images[0])[0]
+    for given in (x, [x[0]]):
+        with pytest.raises(vx.UsageError, match="pass the images themselves") as info:
+            vx.explore(model, given, tmp_path / "p.html", method="rollout")
+        assert "255" not in str(info.value)

@@ -131,6 +131,9 @@ def explore(
     check_file_path(out, "page")  # before the work: the page would otherwise fail only when written
     if not isinstance(crop, bool):  # ("no" was truthy: the images were cropped)
         raise UsageError(f"crop must be True or False, got {type(crop).__name__} {crop!r}")
+    if hasattr(images, "detach") or (isinstance(images, (list, tuple)) and any(hasattr(i, "detach") for i in images)):
+        raise UsageError("explore draws each image under its maps: pass the images themselves (paths, PIL images or "
+                         "(H, W, 3) uint8 arrays), not tensors; they are preprocessed as the model's eval transform does")
     items = list(images) if isinstance(images, (list, tuple, Iterator)) else [images]  # a generator: its images
     if type(images).__module__ == "numpy" and getattr(images, "ndim", None) == 4:
         items = list(images)  # an (N, H, W, 3) batch: N images (as one item, only the first was shown)
