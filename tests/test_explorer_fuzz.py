@@ -145,6 +145,13 @@ def test_crop_must_be_a_bool(model, images, tmp_path):
         vx.Explainer(model).preprocess(images[0], crop="no")
 
 
+@pytest.mark.parametrize("title", [None, 5])
+def test_a_title_that_is_not_text_is_refused_before_any_work(model, images, tmp_path, title):
+    """title=None was an AttributeError from the HTML escaping, after every map was computed."""
+    with pytest.raises(vx.UsageError, match="title must be a string"):
+        vx.explore(model, images[:1], tmp_path / "p.html", method="rollout", title=title)
+
+
 def test_a_tensor_is_told_to_pass_the_images(model, images, tmp_path):
     """A preprocessed tensor was told to 'convert with np.clip(x * 255, ...)' (explain's advice for a float
     image), which would draw the normalised values as pixels."""

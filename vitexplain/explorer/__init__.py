@@ -129,6 +129,8 @@ def explore(
     explainer = model if isinstance(model, Explainer) else (
         Explainer(model, processor=processor) if processor is not None else Explainer(model))
     check_file_path(out, "page")  # before the work: the page would otherwise fail only when written
+    if not isinstance(title, str):  # (an AttributeError from the HTML escaping, after all the work)
+        raise UsageError(f"title must be a string, got {type(title).__name__} {title!r}")
     if not isinstance(crop, bool):  # ("no" was truthy: the images were cropped)
         raise UsageError(f"crop must be True or False, got {type(crop).__name__} {crop!r}")
     if hasattr(images, "detach") or (isinstance(images, (list, tuple)) and any(hasattr(i, "detach") for i in images)):

@@ -139,6 +139,8 @@ def render_gallery(
     """
     folder = Path(folder).resolve()
     records = _records(records)
+    if not isinstance(title, str):  # (an AttributeError from the HTML escaping)
+        raise UsageError(f"title must be a string, got {type(title).__name__} {title!r}")
     thumb_px = whole(thumb_px, "thumb_px (displayed image width)", high=4096)  # (a string was a ValueError)
     if isinstance(methods, str):  # one method: its name, not its letters as columns
         methods = [methods]
