@@ -547,3 +547,17 @@ def test_captions_given_as_words_or_nothing_say_what_to_pass():
         cap.explain_caption(x, method="cross", caption=[None, "red"])
     got = cap.explain_caption(x, method="cross", caption=["red circle", "blue star"], layers=np.int64(-1))
     assert got.tokens == [["red", "circle"], ["blue", "star"]]
+
+
+def test_a_caption_figure_on_the_original_image_puts_each_words_map_on_the_crop(wide):
+    """figure(i, image=original) stretched each word's map of the centre crop over the whole photo, as
+    Explanation.overlay did; each map is now placed on the crop box (vx.data.paste_map), the rest unseen."""
+    cap = vx.Explainer(vx.zoo.load("shapes-captioner"))
+    e = cap.explain_caption([wide], method="cross", max_len=3)
+    assert (e.boxes[0].left, e.boxes[0].right) == (50.0, 250.0)
+    words = e.tokens[0]
+    fig = e.figure(0, image=wide, tile_size=None)
+    pasted = np.stack([vx.data.paste_map(m, e.boxes[0]) for m in e.upsample()[0, : len(words)]])
+    np.testing.assert_array_equal(fig, vx.viz.caption_figure(wide, words, pasted, tile_size=None))
+    assert not np.array_equal(fig, vx.viz.caption_figure(wide, words, e.maps[0, : len(words)], tile_size=None))
+    np.testing.assert_array_equal(e.figure(0), vx.viz.caption_figure(e.images[0], words, e.maps[0, : len(words)]))

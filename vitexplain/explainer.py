@@ -320,11 +320,12 @@ class Explainer:
             return vlm_results[0] if plan.single else vlm_results
         if prompt is not None:
             raise UsageError(f"prompt= is for vision-language models; {type(self.model).__name__} captions without one")
-        x, regions, _, sources = self._inputs(images)
+        x, regions, boxes, sources = self._inputs(images)
         check_patch_dropout(self.adapter.model)
         warn_training(self.adapter.model, stacklevel=3)
         with buffers_kept(self.adapter.model):  # a training-mode forward updates batch-norm statistics: put them back
-            results = explain_captioner(self.adapter, plan, x, regions, sources, caption, max_len, self.attention_mode)
+            results = explain_captioner(self.adapter, plan, x, regions, sources, caption, max_len, self.attention_mode,
+                                        boxes)
         return results[0] if plan.single else results
 
     def _plan_for(self, entry: str, method: MethodArg, options: dict[str, Any]) -> Plan:

@@ -128,13 +128,9 @@ class Explanation:
         image = as_rgb(image)
         kwargs.setdefault("normalize", "signed" if self.signed else "minmax")
         h, w = image.shape[:2]
-        box = self.boxes[index] if self.boxes else None
-        if box is not None and (h, w) == tuple(box.image_size) and (box.left, box.top, box.right, box.bottom) != (0, 0, w, h):
+        if _crop_of(self.boxes, index, (h, w)) is not None:
             # the original image of a crop: stretched over all of it, the map would sit on pixels it is not about
-            from .data.images import paste_map
-
-            placed = paste_map(self.upsample()[index], box, fill=0.0 if self.signed else None)
-            return overlay(image, placed, **kwargs)
+            return overlay(image, _pasted(self.upsample()[index], self.boxes[index], self.signed), **kwargs)
         covered = _covered_pixels(self.layout, tuple(self.maps.shape[-2:]), self.input_size, (h, w))
         if covered is None:
             return overlay(image, self.maps[index], **kwargs)
@@ -179,6 +175,27 @@ class Explanation:
         return _save(directory, self.maps, manifest)
 
 
+def _crop_of(boxes: Optional[list[Any]], index: int, size: tuple[int, int]) -> Optional[Any]:
+    """The crop box of image ``index`` when an image of ``size`` (H, W) is its original and the model saw only a
+    crop of it (then a map must be placed on the box, :func:`_pasted`); None otherwise."""
+    box = boxes[index] if boxes else None
+    if box is None or tuple(size) != tuple(box.image_size):
+        return None
+    return None if (box.left, box.top, box.right, box.bottom) == (0, 0, size[1], size[0]) else box
+
+
+def _pasted(maps: Tensor, box: Any, signed: bool) -> Tensor:
+    """(..., H_in, W_in) maps at the model input's size placed on ``box`` of the original image: (..., H, W); the
+    pixels the model did not see take the map's lowest value (zero for signed maps, drawn clear)."""
+    import torch
+
+    from .data.images import paste_map
+
+    flat = maps.reshape(-1, *maps.shape[-2:])
+    placed = [torch.from_numpy(paste_map(m, box, fill=0.0 if signed else None)) for m in flat]
+    return torch.stack(placed).reshape(*maps.shape[:-2], *placed[0].shape)
+
+
 def _covered_pixels(layout: Optional[TokenLayout], grid: tuple[int, ...], input_size: tuple[int, int],
                     size: tuple[int, int]) -> Optional[tuple[int, int]]:
     """(H', W'): the pixels at the scale of ``size`` that a map's cells (its ``grid``) cover when they reach past
@@ -219,6 +236,7 @@ class CaptionExplanation:
         sources: the inputs as given (paths or None), when images were explained.
         signed: whether maps are signed (``attnlrp``, ``cp_lrp``): :meth:`figure` then draws them with
             ``normalize="signed"`` on the diverging ``"bwr"`` map (zero neutral), as the CLI does.
+        boxes: per image, its crop box in the original image (when images were explained).
     """
 
     maps: Tensor
@@ -232,6 +250,7 @@ class CaptionExplanation:
     images: Optional[list[Any]] = None
     sources: Optional[list[Any]] = None
     signed: bool = False
+    boxes: Optional[list[Any]] = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         batch = _batch_size(self.ids, "ids", self.method)
@@ -306,9 +325,13 @@ class CaptionExplanation:
     def figure(self, index: int = 0, image: Any = None, **kwargs: Any) -> Any:
         """One RGB figure: each word of caption ``index`` under its overlay (uint8 RGB).
 
+        ``image`` (default: the region the model saw) may be the original image as explained (its size): each
+        word's map is then placed on the crop the model saw, as :meth:`Explanation.overlay` does.
+
         ``**kwargs`` go to :func:`vitexplain.viz.caption_figure`; signed maps default to ``normalize="signed"``
         and ``colormap="bwr"`` (drawn min-max on ``"jet"``, a word's zero relevance looked like evidence).
         """
+        from .data.arrays import as_rgb
         from .viz.caption import caption_figure
 
         kwargs.setdefault("normalize", "signed" if self.signed else "minmax")
@@ -320,8 +343,11 @@ class CaptionExplanation:
             image = self.images[index]
         words = self.tokens[index]
         maps = self.maps[index, : len(words)]
-        h, w = np.asarray(image).shape[:2]
-        if _covered_pixels(self.layout, tuple(self.maps.shape[-2:]), self.input_size, (h, w)) is not None:
+        image = as_rgb(image)
+        h, w = image.shape[:2]
+        if _crop_of(self.boxes, index, (h, w)) is not None:  # the original image: each word's map on the crop
+            maps = _pasted(self.upsample()[index, : len(words)], self.boxes[index], self.signed)
+        elif _covered_pixels(self.layout, tuple(self.maps.shape[-2:]), self.input_size, (h, w)) is not None:
             maps = self.upsample((h, w))[index, : len(words)]  # a padded grid: its cells on their own pixels
         return caption_figure(image, words, maps, **kwargs)
 
