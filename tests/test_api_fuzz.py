@@ -561,3 +561,13 @@ def test_a_caption_figure_on_the_original_image_puts_each_words_map_on_the_crop(
     np.testing.assert_array_equal(fig, vx.viz.caption_figure(wide, words, pasted, tile_size=None))
     assert not np.array_equal(fig, vx.viz.caption_figure(wide, words, e.maps[0, : len(words)], tile_size=None))
     np.testing.assert_array_equal(e.figure(0), vx.viz.caption_figure(e.images[0], words, e.maps[0, : len(words)]))
+
+
+def test_an_overlay_on_a_path_reads_the_image(ex, wide, tmp_path):
+    """image='photo.png' was refused ('must be an (H, W, 3) uint8 RGB array, got str')."""
+    path = tmp_path / "wide photo.png"
+    Image.fromarray(wide).save(path)
+    e = ex.explain([str(path)], method="cdam")
+    assert e.sources == [str(path)]
+    np.testing.assert_array_equal(e.overlay(0, image=path), e.overlay(0, image=wide))
+    np.testing.assert_array_equal(e.overlay(0, image=str(path)), e.overlay(0, image=wide))

@@ -107,14 +107,13 @@ class Explanation:
 
         Args:
             index: which image of the batch.
-            image: (H, W, 3) uint8 RGB (or a PIL image) to draw on; default: the stored image (the region
+            image: (H, W, 3) uint8 RGB, a PIL image or a path, to draw on; default: the stored image (the region
                 the model saw). The original image as explained (its size), of which the model saw a crop,
                 gets the map on that crop (``e.boxes[index]``) and the pixels the model did not see drawn as
                 the map's lowest value (zero for signed maps, left clear).
             **kwargs: passed to :func:`vitexplain.viz.overlay` (``normalize`` defaults to
                 ``"signed"`` for signed methods).
         """
-        from .data.arrays import as_rgb
         from .viz.overlays import overlay
 
         index = _image_index(index, len(self))
@@ -125,7 +124,7 @@ class Explanation:
                     "pass image=(H, W, 3) uint8 RGB, or explain images/paths instead of a tensor"
                 )
             image = self.images[index]
-        image = as_rgb(image)
+        image = _drawable(image)
         kwargs.setdefault("normalize", "signed" if self.signed else "minmax")
         h, w = image.shape[:2]
         if _crop_of(self.boxes, index, (h, w)) is not None:
@@ -173,6 +172,14 @@ class Explanation:
             "sources": _json_sources(self.sources),
         }
         return _save(directory, self.maps, manifest)
+
+
+def _drawable(image: Any) -> np.ndarray:
+    """The image to draw on as (H, W, 3) uint8 RGB: an array, a PIL image, or a path (read as ``explain`` reads it)."""
+    from .data.arrays import as_rgb
+    from .data.decoding import load_image
+
+    return load_image(image) if isinstance(image, (str, os.PathLike)) else as_rgb(image)
 
 
 def _crop_of(boxes: Optional[list[Any]], index: int, size: tuple[int, int]) -> Optional[Any]:
@@ -331,7 +338,6 @@ class CaptionExplanation:
         ``**kwargs`` go to :func:`vitexplain.viz.caption_figure`; signed maps default to ``normalize="signed"``
         and ``colormap="bwr"`` (drawn min-max on ``"jet"``, a word's zero relevance looked like evidence).
         """
-        from .data.arrays import as_rgb
         from .viz.caption import caption_figure
 
         kwargs.setdefault("normalize", "signed" if self.signed else "minmax")
@@ -343,7 +349,7 @@ class CaptionExplanation:
             image = self.images[index]
         words = self.tokens[index]
         maps = self.maps[index, : len(words)]
-        image = as_rgb(image)
+        image = _drawable(image)
         h, w = image.shape[:2]
         if _crop_of(self.boxes, index, (h, w)) is not None:  # the original image: each word's map on the crop
             maps = _pasted(self.upsample()[index, : len(words)], self.boxes[index], self.signed)
