@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import numpy as np
-import torch.nn.functional as F
 from torch import Tensor
 
 from .errors import CaptureError, UsageError
 from .layout import TokenLayout
+from .placement import covered_pixels, crop_of, drawable, pasted, upsampled
 from .viz._util import image_index as _image_index
 
 __all__ = ["Explanation", "CaptionExplanation", "VLMCaptionExplanation"]
@@ -93,7 +93,7 @@ class Explanation:
         size = _output_size(size, self.input_size)
         if mode not in _MODES:
             raise UsageError(f"upsample mode must be one of {list(_MODES)}, got {mode!r}")
-        return _upsampled(self.maps, self.layout, self.input_size, size, mode)
+        return upsampled(self.maps, self.layout, self.input_size, size, mode)
 
     def target_names(self) -> list[str]:
         """Per image, the target's label name (or its index as text; a callable target's name, as
@@ -124,13 +124,13 @@ class Explanation:
                     "pass image=(H, W, 3) uint8 RGB, or explain images/paths instead of a tensor"
                 )
             image = self.images[index]
-        image = _drawable(image)
+        image = drawable(image)
         kwargs.setdefault("normalize", "signed" if self.signed else "minmax")
         h, w = image.shape[:2]
-        if _crop_of(self.boxes, index, (h, w)) is not None:
+        if crop_of(self.boxes, index, (h, w)) is not None:
             # the original image of a crop: stretched over all of it, the map would sit on pixels it is not about
-            return overlay(image, _pasted(self.upsample()[index], self.boxes[index], self.signed), **kwargs)
-        covered = _covered_pixels(self.layout, tuple(self.maps.shape[-2:]), self.input_size, (h, w))
+            return overlay(image, pasted(self.upsample()[index], self.boxes[index], self.signed), **kwargs)
+        covered = covered_pixels(self.layout, tuple(self.maps.shape[-2:]), self.input_size, (h, w))
         if covered is None:
             return overlay(image, self.maps[index], **kwargs)
         # the cells reach past the image: draw on the image padded to their pixels, then crop
@@ -172,58 +172,6 @@ class Explanation:
             "sources": _json_sources(self.sources),
         }
         return _save(directory, self.maps, manifest)
-
-
-def _drawable(image: Any) -> np.ndarray:
-    """The image to draw on as (H, W, 3) uint8 RGB: an array, a PIL image, or a path (read as ``explain`` reads it)."""
-    from .data.arrays import as_rgb
-    from .data.decoding import load_image
-
-    return load_image(image) if isinstance(image, (str, os.PathLike)) else as_rgb(image)
-
-
-def _crop_of(boxes: Optional[list[Any]], index: int, size: tuple[int, int]) -> Optional[Any]:
-    """The crop box of image ``index`` when an image of ``size`` (H, W) is its original and the model saw only a
-    crop of it (then a map must be placed on the box, :func:`_pasted`); None otherwise."""
-    box = boxes[index] if boxes else None
-    if box is None or tuple(size) != tuple(box.image_size):
-        return None
-    return None if (box.left, box.top, box.right, box.bottom) == (0, 0, size[1], size[0]) else box
-
-
-def _pasted(maps: Tensor, box: Any, signed: bool) -> Tensor:
-    """(..., H_in, W_in) maps at the model input's size placed on ``box`` of the original image: (..., H, W); the
-    pixels the model did not see take the map's lowest value (zero for signed maps, drawn clear)."""
-    import torch
-
-    from .data.images import paste_map
-
-    flat = maps.reshape(-1, *maps.shape[-2:])
-    placed = [torch.from_numpy(paste_map(m, box, fill=0.0 if signed else None)) for m in flat]
-    return torch.stack(placed).reshape(*maps.shape[:-2], *placed[0].shape)
-
-
-def _covered_pixels(layout: Optional[TokenLayout], grid: tuple[int, ...], input_size: tuple[int, int],
-                    size: tuple[int, int]) -> Optional[tuple[int, int]]:
-    """(H', W'): the pixels at the scale of ``size`` that a map's cells (its ``grid``) cover when they reach past
-    the input's bottom or right edge (a patch embedding that pads the image, timm ``dynamic_img_pad``: a 50 x 70
-    input in 16 px patches is a 4 x 5 grid over 64 x 80 pixels); None when the cells lie on the input."""
-    if layout is None or tuple(grid) != tuple(layout.grid):
-        return None
-    reach = [g * p for g, p in zip(layout.grid, layout.patch_size)]
-    if reach[0] <= input_size[0] and reach[1] <= input_size[1]:
-        return None
-    return tuple(max(s, round(s * r / i)) for s, r, i in zip(size, reach, input_size))  # type: ignore[return-value]
-
-
-def _upsampled(maps: Tensor, layout: Optional[TokenLayout], input_size: tuple[int, int], size: tuple[int, int],
-               mode: str = "bilinear") -> Tensor:
-    """(..., gh, gw) maps resized to ``size``: (..., H, W); cells that reach past the input (a padding patch
-    embedding, :func:`_covered_pixels`) are resized onto their own pixels and the padding cropped."""
-    covered = _covered_pixels(layout, tuple(maps.shape[-2:]), input_size, size)
-    kwargs = {"align_corners": False} if mode in ("bilinear", "bicubic") else {}
-    flat = F.interpolate(maps.reshape(-1, 1, *maps.shape[-2:]), size=covered or size, mode=mode, **kwargs)
-    return flat[..., :size[0], :size[1]].reshape(*maps.shape[:-2], *size)
 
 
 @dataclass(repr=False)
@@ -290,7 +238,7 @@ class CaptionExplanation:
         size = _output_size(size, self.input_size)
         if mode not in _MODES:
             raise UsageError(f"upsample mode must be one of {list(_MODES)}, got {mode!r}")
-        return _upsampled(self.maps, self.layout, self.input_size, size, mode)
+        return upsampled(self.maps, self.layout, self.input_size, size, mode)
 
     def save(self, directory: Union[str, Path]) -> Path:
         """Write ``maps.npy`` ((B, T, h, w) float32) and ``manifest.json`` (method, options, captions, words,
@@ -349,11 +297,11 @@ class CaptionExplanation:
             image = self.images[index]
         words = self.tokens[index]
         maps = self.maps[index, : len(words)]
-        image = _drawable(image)
+        image = drawable(image)
         h, w = image.shape[:2]
-        if _crop_of(self.boxes, index, (h, w)) is not None:  # the original image: each word's map on the crop
-            maps = _pasted(self.upsample()[index, : len(words)], self.boxes[index], self.signed)
-        elif _covered_pixels(self.layout, tuple(self.maps.shape[-2:]), self.input_size, (h, w)) is not None:
+        if crop_of(self.boxes, index, (h, w)) is not None:  # the original image: each word's map on the crop
+            maps = pasted(self.upsample()[index, : len(words)], self.boxes[index], self.signed)
+        elif covered_pixels(self.layout, tuple(self.maps.shape[-2:]), self.input_size, (h, w)) is not None:
             maps = self.upsample((h, w))[index, : len(words)]  # a padded grid: its cells on their own pixels
         return caption_figure(image, words, maps, **kwargs)
 
