@@ -160,3 +160,23 @@ def test_a_tensor_is_told_to_pass_the_images(model, images, tmp_path):
         with pytest.raises(vx.UsageError, match="pass the images themselves") as info:
             vx.explore(model, given, tmp_path / "p.html", method="rollout")
         assert "255" not in str(info.value)
+
+
+def test_a_map_that_is_zero_everywhere_says_so(browser, model, images, tmp_path):
+    """An all-zero map (e.g. attn_gradcam when every head's weight is negative) was drawn in one faint colour
+    under a legend reading "0 .. max", as if it were a map of small values."""
+    from vitexplain.explorer.page import render_page
+    from vitexplain.explorer.quantize import quantize_rows
+
+    data = _payload(vx.explore(model, images[:1], tmp_path / "a.html", method=["cdam", "rollout"], top_k=1))["images"]
+    q = data[0]["methods"][0]["maps"]
+    assert data[0]["methods"][0]["name"] == "cdam"
+    data[0]["methods"][0]["maps"] = quantize_rows(np.zeros((q["rows"], q["cols"])), signed=True)
+    path = tmp_path / "zero.html"
+    path.write_text(render_page(data, title="zero"), encoding="utf-8")
+    page = Page(browser, path)
+    info = page.page.locator(".vx-panel:has(button[data-vx='class']) .vx-info").first
+    assert info.text_content().startswith("cdam: ") and info.text_content().endswith("this map is zero everywhere")
+    page.page.click('button[data-vx="method-tab"]:text-is("rollout")')
+    assert info.text_content().startswith("rollout: ") and "zero everywhere" not in info.text_content()
+    assert page.close() == []

@@ -114,6 +114,10 @@
     return out;
   }
 
+  /* What the info line adds for a map that is zero everywhere (drawn in one faint colour, under a legend
+   * that would read "0 .. max"): say so. */
+  function zeroNote(values) { return maxAbs(values) === 0 ? " \u2014 this map is zero everywhere" : ""; }
+
   /* A colour bar with its end labels. */
   function legend(signed, scale, matrix) {
     var bar = el("canvas", { class: "vx-bar", width: 256, height: 1 }), ctx = bar.getContext("2d");
@@ -191,7 +195,8 @@
       drawMap(hv.canvas, m.grid, values, q.signed);
       legendBox.replaceChildren(legend(q.signed, maxAbs(values)));
       classes.node.style.visibility = m.perClass ? "visible" : "hidden";
-      info.textContent = m.name + ": " + m.summary + (m.perClass ? " \u2014 target: " + preds[k].label : " (class-agnostic)");
+      info.textContent = m.name + ": " + m.summary + (m.perClass ? " \u2014 target: " + preds[k].label : " (class-agnostic)") +
+        zeroNote(values);
     }
     var methodTabs = tabs(data.methods.map(function (m) { return m.name; }), "method-tab",
       function (i) { state.m = i; draw(); });
