@@ -564,10 +564,16 @@ def test_a_caption_figure_on_the_original_image_puts_each_words_map_on_the_crop(
 
 
 def test_an_overlay_on_a_path_reads_the_image(ex, wide, tmp_path):
-    """image='photo.png' was refused ('must be an (H, W, 3) uint8 RGB array, got str')."""
+    """image='photo.png' was refused ('must be an (H, W, 3) uint8 RGB array, got str'), by e.overlay,
+    vx.overlay and vx.viz.grid alike."""
     path = tmp_path / "wide photo.png"
     Image.fromarray(wide).save(path)
     e = ex.explain([str(path)], method="cdam")
     assert e.sources == [str(path)]
     np.testing.assert_array_equal(e.overlay(0, image=path), e.overlay(0, image=wide))
     np.testing.assert_array_equal(e.overlay(0, image=str(path)), e.overlay(0, image=wide))
+    m = np.random.default_rng(19).random((3, 3))
+    np.testing.assert_array_equal(vx.overlay(path, m), vx.overlay(wide, m))
+    np.testing.assert_array_equal(vx.viz.grid([str(path), wide]), vx.viz.grid([wide, wide]))
+    with pytest.raises(vx.ImageLoadError, match="no such file"):
+        vx.overlay(tmp_path / "missing.png", m)

@@ -4,7 +4,6 @@ image an explanation is drawn on (an array, a PIL image or a path). Used by :mod
 
 from __future__ import annotations
 
-import os
 from typing import Any, Optional
 
 import numpy as np
@@ -19,9 +18,8 @@ __all__ = ["drawable", "crop_of", "pasted", "covered_pixels", "upsampled"]
 def drawable(image: Any) -> np.ndarray:
     """The image to draw on as (H, W, 3) uint8 RGB: an array, a PIL image, or a path (read as ``explain`` reads it)."""
     from .data.arrays import as_rgb
-    from .data.decoding import load_image
 
-    return load_image(image) if isinstance(image, (str, os.PathLike)) else as_rgb(image)
+    return as_rgb(image)
 
 
 def crop_of(boxes: Optional[list[Any]], index: int, size: tuple[int, int]) -> Optional[Any]:

@@ -6,6 +6,7 @@ Public here (``vitexplain.data.arrays``) so that both :mod:`vitexplain.data` and
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -55,12 +56,17 @@ def map_to_numpy(map: Any, dtype: Any = np.float32) -> np.ndarray:  # noqa: A002
 
 
 def as_rgb(image: Any, what: str = "image") -> np.ndarray:
-    """A PIL image or an array, as ``(H, W, 3)`` uint8 (an array is checked by :func:`check_rgb`).
+    """A path, a PIL image or an array, as ``(H, W, 3)`` uint8 (a path is read by
+    :func:`~vitexplain.data.decoding.load_image`, an array checked by :func:`check_rgb`).
 
     A PIL image is converted as :func:`~vitexplain.data.decoding.load_image` converts a file (alpha
     composited on white, 16-bit gray keeping its high byte, ...): an opened image and its path give
     the same pixels (Pillow's own ``convert("RGB")`` drops alpha and saturates 16-bit images to white).
     """
+    if isinstance(image, (str, os.PathLike)):  # a file, read as explain() reads it
+        from .decoding import load_image
+
+        return load_image(image)
     if hasattr(image, "convert") and hasattr(image, "size"):  # a PIL image, without importing PIL up front
         from .decoding import to_rgb
 
@@ -78,8 +84,9 @@ def check_rgb(image: Any, what: str = "image") -> np.ndarray:
     if arr.dtype != np.uint8 or arr.ndim != 3 or arr.shape[2] != 3:
         hint = ""
         if is_tensor and arr.dtype.kind == "f":  # a preprocessed tensor (or a list of them): not an image to read
-            hint = (" (a preprocessed tensor? pass the (B, 3, H, W) batch as one tensor, e.g. torch.stack(tensors); "
-                    "images go in as uint8 (H, W, 3) arrays, PIL images or paths)")
+            hint = (" (a float tensor is not an image: images are uint8 (H, W, 3) arrays (vx.load_image, an "
+                    "explanation's e.images), PIL images or paths; a preprocessed batch goes to explain() as one "
+                    "(B, 3, H, W) tensor, e.g. torch.stack(tensors))")
         elif arr.dtype.kind == "f":
             hint = " (float image? convert with np.clip(x * 255, 0, 255).round().astype(np.uint8))"
         elif arr.ndim == 2:

@@ -20,8 +20,8 @@ _FONT = cv2.FONT_HERSHEY_SIMPLEX
 def _as_tile(tile: Any, where: str) -> Optional[np.ndarray]:
     if tile is None:
         return None
-    if hasattr(tile, "convert") and hasattr(tile, "size"):  # a PIL image of any mode, as explain() takes it
-        return as_rgb(tile, where)
+    if (hasattr(tile, "convert") and hasattr(tile, "size")) or isinstance(tile, (str, os.PathLike)):
+        return as_rgb(tile, where)  # a PIL image of any mode, or a file, as explain() takes them
     arr = np.asarray(tile)
     if arr.ndim == 2 and arr.dtype == np.uint8:
         arr = np.repeat(arr[..., None], 3, axis=2)
@@ -30,7 +30,8 @@ def _as_tile(tile: Any, where: str) -> Optional[np.ndarray]:
 
 def _is_tile(item: Any) -> bool:
     """Whether ``item`` is one tile (an image, or None), not a row of them."""
-    return item is None or (hasattr(item, "convert") and hasattr(item, "size")) or getattr(item, "ndim", None) in (2, 3)
+    return (item is None or isinstance(item, (str, os.PathLike)) or (hasattr(item, "convert") and hasattr(item, "size"))
+            or getattr(item, "ndim", None) in (2, 3))
 
 
 def _fit(tile: np.ndarray, size: tuple[int, int], background: int) -> np.ndarray:
@@ -78,7 +79,7 @@ def grid(
 
     Args:
         images: Rows of tiles: ``images[r][c]`` is an ``(H, W, 3)`` uint8 RGB array (a
-            2-D uint8 array is taken as gray), a PIL image, or ``None`` for an empty cell. Rows may
+            2-D uint8 array is taken as gray), a PIL image, an image file's path, or ``None`` for an empty cell. Rows may
             have different lengths. A flat sequence of arrays is one row.
         row_labels: One label per row, drawn left of the row.
         col_labels: One label per column, drawn above it.
