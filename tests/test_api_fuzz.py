@@ -577,3 +577,13 @@ def test_an_overlay_on_a_path_reads_the_image(ex, wide, tmp_path):
     np.testing.assert_array_equal(vx.viz.grid([str(path), wide]), vx.viz.grid([wide, wide]))
     with pytest.raises(vx.ImageLoadError, match="no such file"):
         vx.overlay(tmp_path / "missing.png", m)
+
+
+def test_the_matrix_of_a_caption_without_words_says_so():
+    """A caption the model ended at once has no words: its matrix was 'expected a non-empty 2-D map, got (0, 64)'."""
+    cap = vx.Explainer(vx.zoo.load("shapes-captioner"))
+    e = cap.explain_caption(vx.data.shapes(n=2, seed=20).tensor, method="cross", max_len=2)
+    e.tokens[1] = []  # as a caption ended at its first step leaves it
+    with pytest.raises(vx.UsageError, match="caption 1 has no words"):
+        vx.viz.caption_matrix(e, 1)
+    assert vx.viz.caption_matrix(e, 0).ndim == 3

@@ -290,6 +290,9 @@ def caption_matrix(explanation: Any, index: int = 0, *, title: Optional[str] = N
     """
     index = _image_index(index, len(explanation.tokens))
     words = explanation.tokens[index]
+    if not words:  # (an empty (0, n) matrix: "expected a non-empty 2-D map")
+        raise UsageError(f"caption {index} has no words (the model ended it at once), so there is no words x patches "
+                         "matrix to draw")
     title = title if title is not None else f"{explanation.method}: {explanation.captions[index]}"
     token_scores = getattr(explanation, "token_scores", None)
     if token_scores:  # a VLM: (T, n) over its image tokens (its maps are pixels)
