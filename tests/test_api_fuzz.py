@@ -401,7 +401,8 @@ def test_numpy_integer_counts(ex, tmp_path):
     got = cap.explain_caption(x, method="cross", max_len=np.int64(3))
     torch.testing.assert_close(got.maps, cap.explain_caption(x, method="cross", max_len=3).maps)
     image = vx.data.shapes(n=1, seed=13).images[0]
-    page = vx.explore(ex, image, tmp_path / "p.html", method="rollout", top_k=np.int64(2))
+    page = vx.explore(ex, image, tmp_path / "p.html", method="rollout", top_k=np.int64(2),
+                      attention_budget=np.float32(1.0))  # (also refused: not an int or float)
     assert page.is_file()
     with pytest.raises(vx.UsageError, match="max_len must be a positive number"):
         cap.explain_caption(x, method="cross", max_len=np.float64(3.0))

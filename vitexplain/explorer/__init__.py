@@ -12,7 +12,7 @@ from anywhere. Data flows model -> Explainer / capture -> records -> maps -> pag
 from __future__ import annotations
 
 import os
-from numbers import Integral
+from numbers import Integral, Real
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence, Union
 
@@ -143,11 +143,11 @@ def explore(
         raise UsageError("no images to explore; pass a path, an image or a list of them")
     if isinstance(top_k, bool) or not isinstance(top_k, Integral) or top_k < 1:
         raise UsageError(f"top_k must be a positive integer, got {top_k!r}")
-    if isinstance(attention_budget, bool) or not isinstance(attention_budget, (int, float)) or not 0 < attention_budget <= 10_000:
+    if isinstance(attention_budget, bool) or not isinstance(attention_budget, Real) or not 0 < attention_budget <= 10_000:
         raise UsageError(f"attention_budget is the most MB of attention data per image, in (0, 10000]; got {attention_budget!r}")
     if isinstance(max_len, bool) or not isinstance(max_len, Integral) or max_len < 1:
         raise UsageError(f"max_len must be a positive number of tokens to generate, got {max_len!r}")
-    top_k, max_len = int(top_k), int(max_len)  # (a NumPy integer is a count too)
+    top_k, max_len, attention_budget = int(top_k), int(max_len), float(attention_budget)  # (NumPy numbers too)
     if isinstance(names, (str, os.PathLike)):  # one name, not its letters (a 5-letter name was "5 names for 1 image")
         names = [os.fspath(names)]
     labels = [str(n) for n in names] if names is not None else [_name(item, i) for i, item in enumerate(items)]
