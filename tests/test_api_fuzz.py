@@ -588,3 +588,12 @@ def test_the_matrix_of_a_caption_without_words_says_so():
     with pytest.raises(vx.UsageError, match="caption 1 has no words"):
         vx.viz.caption_matrix(e, 1)
     assert vx.viz.caption_matrix(e, 0).ndim == 3
+
+
+def test_normalize_none_is_not_the_string_none():
+    """normalize=None was read as 'none' (values drawn as they are): a rollout map (values ~0.01) came out as one
+    dark colour, where None reads as 'the default'."""
+    with pytest.raises(vx.UsageError, match="normalize must be one of minmax, percentile, signed, none"):
+        vx.overlay(_image(), np.full((2, 2), 0.01), normalize=None)
+    np.testing.assert_array_equal(vx.overlay(_image(), np.full((2, 2), 0.5), normalize="NONE"),
+                                  _blend(_image(), np.full(_image().shape[:2], 0.5), 0.5, "jet"))

@@ -61,8 +61,11 @@ def normalize_map(map: Any, mode: str = "minmax") -> np.ndarray:  # noqa: A002
         ValueError: Unknown mode, a map that is not 2-D, NaN/inf values, or values outside
             ``[0, 1]`` with ``mode="none"``.
     """
+    if not isinstance(mode, str):  # (None was read as "none": the values drawn as they are, a faint map for most)
+        raise UsageError(f"normalize must be one of {', '.join(NORMALIZE_MODES)} (a string), got "
+                         f"{mode!r}; 'minmax' is the default, 'none' draws values already in [0, 1] as they are")
     m = map_to_numpy(map, np.float64)  # (through float32, a float64 map of values below 1e-38 was all zeros)
-    key = str(mode).lower()
+    key = mode.lower()
     if key == "percentile":
         lo, hi = np.percentile(m, [1.0, 99.0])
         if not _flat(lo, hi):
