@@ -597,3 +597,10 @@ def test_normalize_none_is_not_the_string_none():
         vx.overlay(_image(), np.full((2, 2), 0.01), normalize=None)
     np.testing.assert_array_equal(vx.overlay(_image(), np.full((2, 2), 0.5), normalize="NONE"),
                                   _blend(_image(), np.full(_image().shape[:2], 0.5), 0.5, "jet"))
+
+
+def test_readable_takes_a_pil_image():
+    """readable(PIL image) was an AttributeError (no .shape)."""
+    small = _image(20, 30)
+    np.testing.assert_array_equal(vx.viz.readable(Image.fromarray(small)), vx.viz.readable(small))
+    assert vx.viz.readable(small).shape == (260, 390, 3)  # a whole factor, 13: the shortest side >= 256

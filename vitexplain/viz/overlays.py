@@ -212,6 +212,8 @@ def readable(image: np.ndarray, min_side: int = MIN_SIDE) -> np.ndarray:
     is resized smoothly to exactly ``min_side`` on its shortest side: a whole factor would double
     it (four times the pixels to draw and write) for no gain in legibility.
     """
+    if not isinstance(image, np.ndarray):  # a PIL image or a path (an AttributeError: no .shape)
+        image = as_rgb(image)
     short = max(1, min(image.shape[:2]))
     if short >= min_side:
         return image
