@@ -272,7 +272,7 @@ def test_explore_show_attend_tell_words_without_encoder_attention(images, tmp_pa
 def test_explore_one_given_target(shapes_vit, images, tmp_path) -> None:
     data = _payload(vx.explore(shapes_vit, images[:1], tmp_path / "t.html", method=["generic"], target="star").read_text())
     first = data["images"][0]
-    assert first["targets"] == [{"index": -1, "label": "star", "score": None}]
+    assert first["targets"] == [{"index": 3, "label": "star", "score": None}]  # the class given, by its label
     assert first["methods"][0]["maps"]["rows"] == 1
     expected = vx.Explainer(shapes_vit).explain(images[:1], method="generic", target="star").maps[0].flatten().numpy()
     got = dequantize_rows(first["methods"][0]["maps"])[0]

@@ -132,6 +132,7 @@ RANK = {
     "layout": 1, "files": 1, "threads": 1,
     "recording": 2, "data": 2, "targets": 2, "checks": 2,
     "viz": 3,
+    "placement": 3.5,  # where maps lie on images' pixels (the results draw with it)
     "results": 4, "zoo": 4,
     "methods": 5, "metrics": 5,
     "adapters": 6,

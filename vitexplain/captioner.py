@@ -27,13 +27,14 @@ __all__ = ["explain_captioner", "caption_ids"]
 
 
 def explain_captioner(adapter: Any, plan: Plan, x: Tensor, regions: Any, sources: Any, caption: Any, max_len: int,
-                      attention_mode: str) -> list[CaptionExplanation]:
+                      attention_mode: str, boxes: Any = None) -> list[CaptionExplanation]:
     """One :class:`CaptionExplanation` per step of ``plan`` for the (B, 3, H, W) input ``x``.
 
     Args:
         adapter: the captioner's adapter.
         plan: the checked plan (captioner family).
-        x: (B, 3, H, W) the preprocessed images; ``regions``/``sources``: what the model saw, and where from.
+        x: (B, 3, H, W) the preprocessed images; ``regions``/``sources``/``boxes``: what the model saw, where
+            from, and where in the original images (their crop boxes).
         caption: None (generate up to ``max_len`` tokens) or the caption(s) to explain (see :func:`caption_ids`).
         attention_mode: the Explainer's capture mode (see ``vx.capture``).
     """
@@ -90,6 +91,8 @@ def explain_captioner(adapter: Any, plan: Plan, x: Tensor, regions: Any, sources
                 layout=layout,
                 images=regions,
                 sources=sources,
+                signed=step.spec.signed,
+                boxes=boxes,
             )
         )
     return results

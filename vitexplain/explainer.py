@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import warnings
-from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, Union, overload
+from numbers import Integral
+from typing import Any, Callable, Iterator, Optional, Sequence, Union, overload
 
 import torch
 from torch import Tensor, nn
@@ -68,6 +69,9 @@ class Explainer:
     def __init__(self, model: nn.Module, *, adapter: Optional[Adapter] = None, attention_mode: str = "auto",
                  processor: Any = None, processor_kwargs: Optional[dict[str, Any]] = None, tokenizer: Any = None) -> None:
         self.model = model
+        if adapter is not None and not isinstance(adapter, Adapter):  # (an int was an AttributeError later)
+            raise UsageError(f"adapter= must be a vitexplain Adapter (see vitexplain.adapters), got "
+                             f"{type(adapter).__name__}; leave it out to choose one from the model")
         # a torch.compile-d model is explained through its original module, run eagerly
         # (see vx.capture); the compiled code is neither called nor recompiled
         self.adapter = adapter or adapter_for(model)
@@ -128,8 +132,8 @@ class Explainer:
         """Load and preprocess images with the model's own preprocessing.
 
         Args:
-            images: a path, PIL image, (H, W, 3) uint8 array, or a list of those (or an
-                (N, H, W, 3) uint8 array of N images).
+            images: a path, an image file's bytes, a PIL image, an (H, W, 3) uint8 array, or a list (or
+                generator) of those (or an (N, H, W, 3) uint8 array of N images).
             crop: resize and center-crop as the model's eval transform does (True), or
                 resize the whole image to the input size (False).
 
@@ -140,14 +144,20 @@ class Explainer:
         from .data.arrays import as_rgb
         from .data.images import load_image, preprocess, seen_region
 
+        if not isinstance(crop, bool):  # ("no" was truthy: the images were cropped)
+            raise UsageError(f"crop must be True or False, got {type(crop).__name__} {crop!r}")
         if getattr(images, "ndim", None) == 4 and not isinstance(images, Tensor):  # (N, H, W, 3) uint8 array
             images = list(images)
-        items = list(images) if isinstance(images, (list, tuple)) else [images]
+        items = list(images) if isinstance(images, (list, tuple, Iterator)) else [images]  # a generator: its images
+        if not items:  # (said "preprocess got no images")
+            raise UsageError("no images to explain: pass a path, a PIL image, an (H, W, 3) uint8 array, a list of them, "
+                             "or a preprocessed (B, 3, H, W) tensor")
         sources, arrays = [], []
         for item in items:
-            is_path = isinstance(item, (str, Path))
+            is_path = isinstance(item, (str, os.PathLike))
+            encoded = isinstance(item, (bytes, bytearray, memoryview))  # an image file's bytes, as load_image takes
             sources.append(item if is_path else None)
-            arrays.append(load_image(item) if is_path else as_rgb(item, "each image"))
+            arrays.append(load_image(item) if is_path or encoded else as_rgb(item, "each image"))
         x, boxes = preprocess(arrays, crop=crop, **preprocessing(self.adapter))
         size = tuple(x.shape[-2:])
         regions = [seen_region(a, b, size) for a, b in zip(arrays, boxes)]
@@ -258,6 +268,7 @@ class Explainer:
                     label_names=self.adapter.label_names,
                     boxes=boxes,
                     extras=extras,
+                    score_name=resolved.description if resolved.custom else None,
                 )
             )
         return results[0] if plan.single else results
@@ -304,8 +315,9 @@ class Explainer:
             A :class:`CaptionExplanation` (or a list, one per method).
         """
         plan = self._plan_for("explain_caption", method, options)
-        if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1:
+        if not isinstance(max_len, Integral) or isinstance(max_len, bool) or max_len < 1:
             raise UsageError(f"max_len must be a positive number of tokens to generate, got {max_len!r}")
+        max_len = int(max_len)  # (a NumPy integer is a count too)
         if hasattr(self.adapter, "lm_records"):  # a vision-language model
             from .vlm import explain_vlm
 
@@ -313,11 +325,12 @@ class Explainer:
             return vlm_results[0] if plan.single else vlm_results
         if prompt is not None:
             raise UsageError(f"prompt= is for vision-language models; {type(self.model).__name__} captions without one")
-        x, regions, _, sources = self._inputs(images)
+        x, regions, boxes, sources = self._inputs(images)
         check_patch_dropout(self.adapter.model)
         warn_training(self.adapter.model, stacklevel=3)
         with buffers_kept(self.adapter.model):  # a training-mode forward updates batch-norm statistics: put them back
-            results = explain_captioner(self.adapter, plan, x, regions, sources, caption, max_len, self.attention_mode)
+            results = explain_captioner(self.adapter, plan, x, regions, sources, caption, max_len, self.attention_mode,
+                                        boxes)
         return results[0] if plan.single else results
 
     def _plan_for(self, entry: str, method: MethodArg, options: dict[str, Any]) -> Plan:

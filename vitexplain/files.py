@@ -49,6 +49,8 @@ __all__ = [
     "LinkError",
     "Writer",
     "write_file",
+    "write_user_file",
+    "check_file_path",
     "open_folder",
     "is_output_file",
     "WriteFn",
@@ -169,6 +171,48 @@ def write_file(path: Path | str, data: bytes) -> Path:
         raise _output_error(str(dest), e) from e
     Writer(dest.parent).write(dest.name, data)
     return dest
+
+
+def check_file_path(path: Any, what: str = "file") -> None:
+    """Check, before any work, that ``path`` (given in Python) can name a file to write: a ``str`` or
+    ``os.PathLike``, not a folder, and no file where one of its folders should be (missing folders are created
+    when it is written).
+
+    Raises:
+        UsageError: it cannot.
+    """
+    if isinstance(path, bytes) or not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise UsageError(f"the {what} to write must be a file path (str or pathlib.Path), got {path!r}")
+    if os.path.isdir(path):
+        raise UsageError(f"cannot write the {what} {os.fspath(path)!r}: it is a folder; pass the path of the file to write")
+    for parent in Path(os.path.abspath(path)).parents:
+        if os.path.exists(parent):
+            if not os.path.isdir(parent):
+                raise UsageError(f"cannot write the {what} {os.fspath(path)!r}: {str(parent)!r} is a file, not a "
+                                 "folder; choose another folder")
+            return
+
+
+def write_user_file(path: Any, data: bytes, what: str = "file") -> Path:
+    """:func:`write_file` for a path given in Python (``vx.viz.save_png``, ``vx.explore``): a name the file
+    system refuses (a folder at ``path``, a file where one of its folders should be, a name too long) is a
+    :class:`~vitexplain.errors.UsageError` saying so, not a bare ``OSError``.
+
+    Raises:
+        UsageError: ``path`` is not a path, or names something that cannot be written.
+        OutputError: the folder cannot be written (full disk, read-only, ...).
+    """
+    check_file_path(path, what)
+    try:
+        return write_file(path, data)
+    except VitexplainError:
+        raise
+    except OSError as e:
+        if e.errno in (errno.EEXIST, errno.ENOTDIR):
+            why = "a file is in the way of its folder (a path below a file); choose another folder"
+        else:
+            why = f"{e.strerror or e}; choose another name or folder"
+        raise UsageError(f"cannot write the {what} {os.fspath(path)!r}: {why}") from e
 
 
 def open_folder(out: Path | str, folders: list[str], *, create: bool) -> Optional[int]:

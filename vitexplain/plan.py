@@ -300,7 +300,10 @@ def make_plan(adapter: Any, method: MethodArg = None, options: Optional[Mapping[
         if any(not isinstance(n, str) for n in names):
             raise UsageError(f"method must be a method name or a list of names, got {method!r}; "
                              f"methods for this model: {list(available)}")
-        names = list(dict.fromkeys(names))
+        twice = [n for n in dict.fromkeys(names) if names.count(n) > 1]
+        if twice:  # one result per distinct name: results[i] would not be names[i]'s after a repeat
+            raise UsageError(f"method {', '.join(map(repr, twice))} is named more than once in {names}; results "
+                             "come back one per name, in the order named: name each method once")
         if not names:
             raise UsageError(f"no method given; choose from {list(available)}")
         for name in names:

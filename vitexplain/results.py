@@ -8,22 +8,24 @@ B), so ``e.maps[i]`` is always image i's map.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from numbers import Integral
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import numpy as np
-import torch.nn.functional as F
 from torch import Tensor
 
 from .errors import CaptureError, UsageError
 from .layout import TokenLayout
+from .placement import covered_pixels, crop_of, drawable, pasted, upsampled
+from .viz._util import image_index as _image_index
 
 __all__ = ["Explanation", "CaptionExplanation", "VLMCaptionExplanation"]
 
 
-@dataclass
+@dataclass(repr=False)
 class Explanation:
     """The maps of one method for one batch.
 
@@ -42,6 +44,8 @@ class Explanation:
         label_names: the model's class names, if known.
         extras: method-specific results besides the maps (e.g. the ``channel`` method's
             top-k channels and gate values); empty for most methods.
+        score_name: the name of the score explained when the target was a callable (targets -1), e.g.
+            ``"norm"`` for ``vx.targets.norm()``; None for class targets.
     """
 
     maps: Tensor
@@ -57,6 +61,7 @@ class Explanation:
     label_names: Optional[list[str]] = None
     boxes: Optional[list[Any]] = field(default=None, repr=False)
     extras: dict[str, Any] = field(default_factory=dict, repr=False)
+    score_name: Optional[str] = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         batch = _batch_size(self.targets, "targets", self.method)
@@ -64,6 +69,13 @@ class Explanation:
 
     def __len__(self) -> int:
         return int(self.maps.shape[0])
+
+    def __repr__(self) -> str:
+        """One line: method, map shape, targets (the dataclass's repr printed every map and logit value)."""
+        return (f"{type(self).__name__}(method={self.method!r}, maps={_shape(self.maps)}, signed={self.signed}, "
+                f"targets={_few(self.target_names())}, input_size={tuple(self.input_size)}, "
+                f"images={'none (a tensor was explained)' if self.images is None else len(self.images)}"
+                + (f", options={self.options!r}" if self.options else "") + ")")
 
     def upsample(self, size: Union[None, int, tuple[int, int]] = None, mode: str = "bilinear") -> Tensor:
         """Maps resized to ``size`` (an int for a square; default: the model input size).
@@ -81,19 +93,24 @@ class Explanation:
         size = _output_size(size, self.input_size)
         if mode not in _MODES:
             raise UsageError(f"upsample mode must be one of {list(_MODES)}, got {mode!r}")
-        return _upsampled(self.maps, self.layout, self.input_size, size, mode)
+        return upsampled(self.maps, self.layout, self.input_size, size, mode)
 
     def target_names(self) -> list[str]:
-        """Per image, the target's label name (or its index as text)."""
+        """Per image, the target's label name (or its index as text; a callable target's name, as
+        ``"score norm"``: the -1 it is stored as read like a class)."""
         names = self.label_names or []
-        return [names[t] if 0 <= t < len(names) else str(t) for t in self.targets.tolist()]
+        return [names[t] if 0 <= t < len(names) else str(t) if t >= 0 else f"score {self.score_name or 'callable'}"
+                for t in self.targets.tolist()]
 
     def overlay(self, index: int = 0, image: Any = None, **kwargs: Any) -> Any:
         """Overlay map ``index`` on its image (the region the model saw), uint8 RGB.
 
         Args:
             index: which image of the batch.
-            image: (H, W, 3) uint8 RGB to draw on; default: the stored image.
+            image: (H, W, 3) uint8 RGB, a PIL image or a path, to draw on; default: the stored image (the region
+                the model saw). The original image as explained (its size), of which the model saw a crop,
+                gets the map on that crop (``e.boxes[index]``) and the pixels the model did not see drawn as
+                the map's lowest value (zero for signed maps, left clear).
             **kwargs: passed to :func:`vitexplain.viz.overlay` (``normalize`` defaults to
                 ``"signed"`` for signed methods).
         """
@@ -107,9 +124,13 @@ class Explanation:
                     "pass image=(H, W, 3) uint8 RGB, or explain images/paths instead of a tensor"
                 )
             image = self.images[index]
+        image = drawable(image)
         kwargs.setdefault("normalize", "signed" if self.signed else "minmax")
         h, w = image.shape[:2]
-        covered = _covered_pixels(self.layout, tuple(self.maps.shape[-2:]), self.input_size, (h, w))
+        if crop_of(self.boxes, index, (h, w)) is not None:
+            # the original image of a crop: stretched over all of it, the map would sit on pixels it is not about
+            return overlay(image, pasted(self.upsample()[index], self.boxes[index], self.signed), **kwargs)
+        covered = covered_pixels(self.layout, tuple(self.maps.shape[-2:]), self.input_size, (h, w))
         if covered is None:
             return overlay(image, self.maps[index], **kwargs)
         # the cells reach past the image: draw on the image padded to their pixels, then crop
@@ -129,57 +150,31 @@ class Explanation:
         Raises:
             UsageError: matplotlib is not installed (``pip install matplotlib``).
         """
+        from .viz._util import whole
         from .viz.notebook import explanation_tiles, show_tiles
 
-        return show_tiles([explanation_tiles(self, max_images)])
+        return show_tiles([explanation_tiles(self, whole(max_images, "max_images"))])
 
     def save(self, directory: Union[str, Path]) -> Path:
-        """Write ``maps.npy`` and ``manifest.json`` (method, options, targets, sizes) to a folder."""
-        import numpy as np
+        """Write ``maps.npy`` and ``manifest.json`` (method, options, targets, sizes) to a folder.
 
-        out = Path(directory)
-        if out.exists() and not out.is_dir():
-            raise UsageError(f"cannot save into {str(out)!r}: it is a file; pass a folder (it is created if missing)")
-        out.mkdir(parents=True, exist_ok=True)
-        np.save(out / "maps.npy", self.maps.detach().cpu().numpy())
+        Raises:
+            UsageError: ``directory`` is not a path, is a file, or lies below a file.
+        """
         manifest = {
             "method": self.method,
-            "options": {k: repr(v) if not isinstance(v, (int, float, str, bool, type(None))) else v for k, v in self.options.items()},
+            "options": _json_options(self.options),
             "signed": self.signed,
             "targets": self.targets.tolist(),
             "target_names": self.target_names(),
             "input_size": list(self.input_size),
             "grid": list(self.maps.shape[-2:]),
-            "sources": [str(s) if s is not None else None for s in self.sources] if self.sources else None,
+            "sources": _json_sources(self.sources),
         }
-        (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
-        return out
+        return _save(directory, self.maps, manifest)
 
 
-def _covered_pixels(layout: Optional[TokenLayout], grid: tuple[int, ...], input_size: tuple[int, int],
-                    size: tuple[int, int]) -> Optional[tuple[int, int]]:
-    """(H', W'): the pixels at the scale of ``size`` that a map's cells (its ``grid``) cover when they reach past
-    the input's bottom or right edge (a patch embedding that pads the image, timm ``dynamic_img_pad``: a 50 x 70
-    input in 16 px patches is a 4 x 5 grid over 64 x 80 pixels); None when the cells lie on the input."""
-    if layout is None or tuple(grid) != tuple(layout.grid):
-        return None
-    reach = [g * p for g, p in zip(layout.grid, layout.patch_size)]
-    if reach[0] <= input_size[0] and reach[1] <= input_size[1]:
-        return None
-    return tuple(max(s, round(s * r / i)) for s, r, i in zip(size, reach, input_size))  # type: ignore[return-value]
-
-
-def _upsampled(maps: Tensor, layout: Optional[TokenLayout], input_size: tuple[int, int], size: tuple[int, int],
-               mode: str = "bilinear") -> Tensor:
-    """(..., gh, gw) maps resized to ``size``: (..., H, W); cells that reach past the input (a padding patch
-    embedding, :func:`_covered_pixels`) are resized onto their own pixels and the padding cropped."""
-    covered = _covered_pixels(layout, tuple(maps.shape[-2:]), input_size, size)
-    kwargs = {"align_corners": False} if mode in ("bilinear", "bicubic") else {}
-    flat = F.interpolate(maps.reshape(-1, 1, *maps.shape[-2:]), size=covered or size, mode=mode, **kwargs)
-    return flat[..., :size[0], :size[1]].reshape(*maps.shape[:-2], *size)
-
-
-@dataclass
+@dataclass(repr=False)
 class CaptionExplanation:
     """Per-word maps of a batch of captions.
 
@@ -194,6 +189,9 @@ class CaptionExplanation:
         layout: token layout of the image encoder.
         images: (H, W, 3) uint8 RGB regions the model saw, when images were explained.
         sources: the inputs as given (paths or None), when images were explained.
+        signed: whether maps are signed (``attnlrp``, ``cp_lrp``): :meth:`figure` then draws them with
+            ``normalize="signed"`` on the diverging ``"bwr"`` map (zero neutral), as the CLI does.
+        boxes: per image, its crop box in the original image (when images were explained).
     """
 
     maps: Tensor
@@ -206,6 +204,8 @@ class CaptionExplanation:
     layout: Optional[TokenLayout] = None
     images: Optional[list[Any]] = None
     sources: Optional[list[Any]] = None
+    signed: bool = False
+    boxes: Optional[list[Any]] = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         batch = _batch_size(self.ids, "ids", self.method)
@@ -219,9 +219,45 @@ class CaptionExplanation:
     def __len__(self) -> int:
         return int(self.maps.shape[0])
 
-    def upsample(self, size: Optional[tuple[int, int]] = None) -> Tensor:
-        """Maps resized to ``size`` ((H, W) or an int; default: the model input size): (B, T, H, W)."""
-        return _upsampled(self.maps, self.layout, self.input_size, _output_size(size, self.input_size))
+    def __repr__(self) -> str:
+        """One line: method, map shape, captions (the dataclass's repr printed every map value)."""
+        return (f"{type(self).__name__}(method={self.method!r}, maps={_shape(self.maps)}, signed={self.signed}, "
+                f"captions={_few(self.captions)}, input_size={tuple(self.input_size)}"
+                + (f", options={self.options!r}" if self.options else "") + ")")
+
+    def upsample(self, size: Union[None, int, tuple[int, int]] = None, mode: str = "bilinear") -> Tensor:
+        """Maps resized to ``size`` ((H, W) or an int; default: the model input size): (B, T, H, W).
+
+        Args:
+            size: (H, W), an int, or None.
+            mode: as :meth:`Explanation.upsample` (``"bilinear"``, ``"nearest"``, ...).
+
+        Raises:
+            UsageError: a size that is not positive integers, or an unknown mode.
+        """
+        size = _output_size(size, self.input_size)
+        if mode not in _MODES:
+            raise UsageError(f"upsample mode must be one of {list(_MODES)}, got {mode!r}")
+        return upsampled(self.maps, self.layout, self.input_size, size, mode)
+
+    def save(self, directory: Union[str, Path]) -> Path:
+        """Write ``maps.npy`` ((B, T, h, w) float32) and ``manifest.json`` (method, options, captions, words,
+        token ids, sizes) to a folder, as :meth:`Explanation.save` does.
+
+        Raises:
+            UsageError: ``directory`` is not a path, is a file, or lies below a file.
+        """
+        manifest = {
+            "method": self.method,
+            "options": _json_options(self.options),
+            "captions": list(self.captions),
+            "tokens": [list(t) for t in self.tokens],
+            "ids": self.ids.tolist(),
+            "input_size": list(self.input_size),
+            "grid": list(self.maps.shape[-2:]),
+            "sources": _json_sources(self.sources),
+        }
+        return _save(directory, self.maps, manifest)
 
     def _repr_html_(self) -> str:
         """Jupyter display: per image its caption, then each word under its overlay."""
@@ -236,14 +272,24 @@ class CaptionExplanation:
         Raises:
             UsageError: matplotlib is not installed (``pip install matplotlib``).
         """
+        from .viz._util import whole
         from .viz.notebook import caption_tiles, show_tiles
 
-        return show_tiles(caption_tiles(self, max_images))
+        return show_tiles(caption_tiles(self, whole(max_images, "max_images")))
 
     def figure(self, index: int = 0, image: Any = None, **kwargs: Any) -> Any:
-        """One RGB figure: each word of caption ``index`` under its overlay (uint8 RGB)."""
+        """One RGB figure: each word of caption ``index`` under its overlay (uint8 RGB).
+
+        ``image`` (default: the region the model saw) may be the original image as explained (its size): each
+        word's map is then placed on the crop the model saw, as :meth:`Explanation.overlay` does.
+
+        ``**kwargs`` go to :func:`vitexplain.viz.caption_figure`; signed maps default to ``normalize="signed"``
+        and ``colormap="bwr"`` (drawn min-max on ``"jet"``, a word's zero relevance looked like evidence).
+        """
         from .viz.caption import caption_figure
 
+        kwargs.setdefault("normalize", "signed" if self.signed else "minmax")
+        kwargs.setdefault("colormap", "bwr" if kwargs["normalize"] == "signed" else "jet")
         index = _image_index(index, len(self))
         if image is None:
             if self.images is None:
@@ -251,13 +297,16 @@ class CaptionExplanation:
             image = self.images[index]
         words = self.tokens[index]
         maps = self.maps[index, : len(words)]
-        h, w = np.asarray(image).shape[:2]
-        if _covered_pixels(self.layout, tuple(self.maps.shape[-2:]), self.input_size, (h, w)) is not None:
+        image = drawable(image)
+        h, w = image.shape[:2]
+        if crop_of(self.boxes, index, (h, w)) is not None:  # the original image: each word's map on the crop
+            maps = pasted(self.upsample()[index, : len(words)], self.boxes[index], self.signed)
+        elif covered_pixels(self.layout, tuple(self.maps.shape[-2:]), self.input_size, (h, w)) is not None:
             maps = self.upsample((h, w))[index, : len(words)]  # a padded grid: its cells on their own pixels
         return caption_figure(image, words, maps, **kwargs)
 
 
-@dataclass
+@dataclass(repr=False)
 class VLMCaptionExplanation(CaptionExplanation):
     """Per-word maps of a vision-language model, per image at its original resolution.
 
@@ -294,6 +343,46 @@ class VLMCaptionExplanation(CaptionExplanation):
 _MODES = ("bilinear", "bicubic", "nearest", "nearest-exact", "area")
 
 
+def _json_options(options: dict[str, Any]) -> dict[str, Any]:
+    """Method options as JSON values (others as their repr)."""
+    return {k: v if isinstance(v, (int, float, str, bool, type(None))) else repr(v) for k, v in options.items()}
+
+
+def _json_sources(sources: Optional[list[Any]]) -> Optional[list[Optional[str]]]:
+    return [str(s) if s is not None else None for s in sources] if sources else None
+
+
+def _save(directory: Any, maps: Tensor, manifest: dict[str, Any]) -> Path:
+    """``maps.npy`` and ``manifest.json`` written (atomically) into the folder ``directory``, created if missing.
+
+    Raises:
+        UsageError: ``directory`` is not a path, is a file, or lies below a file (a bare ``OSError`` before).
+    """
+    from .files import check_file_path, encode_npy, write_user_file
+
+    if isinstance(directory, bytes) or not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
+        raise UsageError(f"save needs a folder path (str or pathlib.Path; created if missing), got {directory!r}")
+    out = Path(directory)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"cannot save into {str(out)!r}: it is a file; pass a folder (it is created if missing)")
+    check_file_path(out / "maps.npy", "explanation")
+    write_user_file(out / "maps.npy", encode_npy(maps.detach().cpu().numpy()), "explanation")
+    write_user_file(out / "manifest.json", (json.dumps(manifest, indent=2) + "\n").encode("utf-8"), "explanation")
+    return out
+
+
+def _shape(maps: Tensor) -> str:
+    """``(2, 8, 8) float32`` (and the device when not the CPU)."""
+    device = "" if maps.device.type == "cpu" else f" on {maps.device}"
+    return f"({', '.join(str(d) for d in maps.shape)}) {str(maps.dtype).replace('torch.', '')}{device}"
+
+
+def _few(items: list[Any], most: int = 4) -> str:
+    """The first ``most`` items of a list, and how many more."""
+    shown = ", ".join(repr(i) for i in items[:most])
+    return f"[{shown}{f', ... {len(items) - most} more' if len(items) > most else ''}]"
+
+
 def _output_size(size: Any, default: tuple[int, int]) -> tuple[int, int]:
     """``(H, W)`` of an upsample: ``default`` for None, a square for an int.
 
@@ -307,19 +396,6 @@ def _output_size(size: Any, default: tuple[int, int]) -> tuple[int, int]:
                                                            for v in values):
         raise UsageError(f"size must be (H, W) or an int, in positive whole pixels; got {size!r}")
     return (int(values[0]), int(values[-1]))
-
-
-def _image_index(index: Any, count: int) -> int:
-    """``index`` checked against a batch of ``count`` images (negative counts from the end).
-
-    Raises:
-        UsageError: not an integer, or out of range.
-    """
-    if isinstance(index, bool) or not isinstance(index, int):
-        raise UsageError(f"index must be an integer image index, got {type(index).__name__} {index!r}")
-    if not -count <= index < count:
-        raise UsageError(f"image index {index} is out of range: this explanation holds {count} image(s) (0..{count - 1})")
-    return index % count
 
 
 def _batch_size(reference: Any, what: str, method: str) -> int:

@@ -313,6 +313,12 @@ def given_token_ids(caption: Any, batch: int, encode: Callable[[str], list[int]]
         items = [items] * batch
     if len(items) != batch:
         raise UsageError(f"got {len(items)} captions for {batch} images; pass one caption or one per image")
+    for i, c in enumerate(items):
+        if not isinstance(c, str) and not hasattr(c, "__iter__"):  # (None was a TypeError)
+            raise UsageError(f"caption {i} is {type(c).__name__} {c!r}; each caption is a string or a list of token ids")
+        if not isinstance(c, str) and any(isinstance(t, str) for t in c):  # words were called ids "outside the vocabulary"
+            raise UsageError(f"caption {i} is a list holding words {list(c)[:5]}; pass its text as one string "
+                             f"({' '.join(str(t) for t in c)[:60]!r}), or token ids")
     seqs = [encode(c) if isinstance(c, str) else [_token_id(t) for t in c] for c in items]
     for i, seq in enumerate(seqs):
         if not seq:

@@ -202,7 +202,7 @@ def explain_vlm(adapter: VLMAdapter, plan: Plan, images: Any, caption: Any, prom
         results.append(VLMCaptionExplanation(
             maps=maps, tokens=words, ids=ids.detach(), captions=captions, method=step.name,
             options=dict(step.options), input_size=(height, width), layout=None, images=arrays, sources=sources,
-            prompts=prompts, image_maps=image_maps, token_scores=token_scores, layers=layers,
+            signed=step.spec.signed, prompts=prompts, image_maps=image_maps, token_scores=token_scores, layers=layers,
         ))
     rec.clear()
     return results

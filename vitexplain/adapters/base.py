@@ -312,6 +312,11 @@ def adapter_for(model: nn.Module) -> Adapter:
         if inner is not model:
             adapter.saved_preprocess = _wrapper_preprocess(model)
         return adapter
+    if isinstance(inner, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+        raise UnsupportedModelError(
+            f"{type(inner).__name__} wraps the model to run it on several devices (each on its own copy, which no "
+            f"hook of vitexplain sees): explain the wrapped model, vx.Explainer(model.module)"
+        )
     for why in _REFUSALS:
         reason = why(inner)
         if reason:

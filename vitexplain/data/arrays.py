@@ -6,6 +6,7 @@ Public here (``vitexplain.data.arrays``) so that both :mod:`vitexplain.data` and
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -15,23 +16,31 @@ from ..errors import UsageError
 __all__ = ["map_to_numpy", "check_rgb", "as_rgb"]
 
 
-def map_to_numpy(map: Any) -> np.ndarray:  # noqa: A002 - the public argument is called map
+def map_to_numpy(map: Any, dtype: Any = np.float32) -> np.ndarray:  # noqa: A002 - the public argument is called map
     """Convert a 2-D map (numpy, torch tensor on any device/dtype, nested lists) to float32.
 
     Leading singleton dimensions are squeezed, so ``(1, gh, gw)`` is accepted.
 
     Args:
         map: The map.
+        dtype: ``np.float32`` (default) or ``np.float64`` (keeps a float64 map's values: cast to float32,
+            values below 1e-38 became 0 and above 3e38 inf).
 
     Returns:
-        C-contiguous ``(h, w)`` float32 array.
+        C-contiguous ``(h, w)`` array of ``dtype``.
 
     Raises:
         ValueError: The map is not 2-D, is empty, or contains NaN/inf.
     """
+    if "complex" in str(getattr(map, "dtype", "")):  # a cast would drop the imaginary part, with a warning only
+        raise UsageError(f"a map must hold real numbers, got {map.dtype}; pass its magnitude (abs) or real part")
     if hasattr(map, "detach") and hasattr(map, "cpu"):  # torch.Tensor, without importing torch
-        map = map.detach().cpu().float().numpy()
-    m = np.asarray(map, dtype=np.float32)
+        map = map.detach().cpu()
+        map = (map.double() if np.dtype(dtype) == np.float64 and str(map.dtype) == "torch.float64" else map.float()).numpy()
+    try:
+        m = np.asarray(map, dtype=dtype)
+    except (TypeError, ValueError) as e:  # text, objects: not numbers
+        raise UsageError(f"a map must hold numbers, got {type(map).__name__} ({e})") from None
     while m.ndim > 2 and m.shape[0] == 1:
         m = m[0]
     if m.ndim != 2 or m.size == 0:
@@ -47,12 +56,17 @@ def map_to_numpy(map: Any) -> np.ndarray:  # noqa: A002 - the public argument is
 
 
 def as_rgb(image: Any, what: str = "image") -> np.ndarray:
-    """A PIL image or an array, as ``(H, W, 3)`` uint8 (an array is checked by :func:`check_rgb`).
+    """A path, a PIL image or an array, as ``(H, W, 3)`` uint8 (a path is read by
+    :func:`~vitexplain.data.decoding.load_image`, an array checked by :func:`check_rgb`).
 
     A PIL image is converted as :func:`~vitexplain.data.decoding.load_image` converts a file (alpha
     composited on white, 16-bit gray keeping its high byte, ...): an opened image and its path give
     the same pixels (Pillow's own ``convert("RGB")`` drops alpha and saturates 16-bit images to white).
     """
+    if isinstance(image, (str, os.PathLike)):  # a file, read as explain() reads it
+        from .decoding import load_image
+
+        return load_image(image)
     if hasattr(image, "convert") and hasattr(image, "size"):  # a PIL image, without importing PIL up front
         from .decoding import to_rgb
 
@@ -62,10 +76,18 @@ def as_rgb(image: Any, what: str = "image") -> np.ndarray:
 
 def check_rgb(image: Any, what: str = "image") -> np.ndarray:
     """Return ``image`` as an ``(H, W, 3)`` uint8 array or raise a helpful error."""
-    arr = np.asarray(image)
+    is_tensor = hasattr(image, "detach") and hasattr(image, "cpu")  # torch, without importing it
+    arr = np.asarray(image.detach().cpu()) if is_tensor else np.asarray(image)
+    if arr.dtype == object or arr.ndim == 0:  # None, a number, a dict, a generator: not an image at all
+        raise UsageError(f"{what} must be an (H, W, 3) uint8 RGB array (or a path or PIL image where images are "
+                         f"read), got {type(image).__name__}")
     if arr.dtype != np.uint8 or arr.ndim != 3 or arr.shape[2] != 3:
         hint = ""
-        if arr.dtype.kind == "f":
+        if is_tensor and arr.dtype.kind == "f":  # a preprocessed tensor (or a list of them): not an image to read
+            hint = (" (a float tensor is not an image: images are uint8 (H, W, 3) arrays (vx.load_image, an "
+                    "explanation's e.images), PIL images or paths; a preprocessed batch goes to explain() as one "
+                    "(B, 3, H, W) tensor, e.g. torch.stack(tensors))")
+        elif arr.dtype.kind == "f":
             hint = " (float image? convert with np.clip(x * 255, 0, 255).round().astype(np.uint8))"
         elif arr.ndim == 2:
             hint = " (grayscale? use np.repeat(x[..., None], 3, axis=2))"

@@ -121,6 +121,8 @@ def load_image(source: ImageSource, *, max_pixels: int | None = DEFAULT_MAX_PIXE
         TypeError: ``source`` is none of the accepted kinds.
     """
     name = _source_name(source)
+    if isinstance(source, (str, os.PathLike)) and not os.fspath(source):  # ("" is the working folder: "a directory")
+        raise _fail("''", "the path is empty", "Pass the path of an image file.")
     if isinstance(source, (str, os.PathLike)):
         path = _check_path(source, name)
         try:

@@ -12,6 +12,7 @@ from anywhere. Data flows model -> Explainer / capture -> records -> maps -> pag
 from __future__ import annotations
 
 import os
+from numbers import Integral, Real
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence, Union
 
@@ -25,6 +26,22 @@ def _name(item: Any, index: int) -> str:
     if isinstance(item, (str, os.PathLike)):
         return Path(item).name
     return f"image {index}"
+
+
+def _per_image_targets(target: Any, count: int) -> list[Any]:
+    """The target of each of ``count`` images: ``target`` itself for every image, or, for a list (tuple, 1-D
+    array or tensor) of them, its items in order (a list of two classes for two images was resolved against
+    each single image: 'got 2 targets for a batch of 1 images').
+
+    Raises:
+        UsageError: a list whose length is not the number of images.
+    """
+    if isinstance(target, (list, tuple)) or (getattr(target, "ndim", 0) == 1 and hasattr(target, "__len__")):
+        if len(target) != count:
+            raise UsageError(f"got {len(target)} targets for {count} images; pass one target for every image, or one "
+                             "per image")
+        return list(target)
+    return [target] * count
 
 
 def explore(
@@ -69,8 +86,9 @@ def explore(
             note in the page), as ``Explainer.plan()`` lists them.
         top_k: classes offered for class-discriminative methods.
         target: None (the top-k classes), or the one target class-discriminative methods explain:
-            a class index or label name, or a score such as ``vx.targets.similarity(vector)``.
-            Headless backbones (no classifier head) default to ``vx.targets.norm()``.
+            a class index or label name, or a score such as ``vx.targets.similarity(vector)``; or a
+            list (array, tensor) of one class per image. Headless backbones (no classifier head) default
+            to ``vx.targets.norm()``.
         names: labels of the images (default: file names).
         title: page title.
         attention_budget: most MB of attention data per image (base64); past it fewer layers,
@@ -97,6 +115,7 @@ def explore(
         VitexplainError: a named method does not apply to the model (see its message).
     """
     from ..explainer import Explainer
+    from ..files import check_file_path
     from .caption import caption_data
     from .extract import classifier_data
     from .page import render_page, write_page
@@ -109,20 +128,29 @@ def explore(
         processor = processor if processor is not None else getattr(model, "vx_processor", None)
     explainer = model if isinstance(model, Explainer) else (
         Explainer(model, processor=processor) if processor is not None else Explainer(model))
-    if os.path.isdir(out):  # checked before the work: the page would otherwise fail only when written
-        raise UsageError(f"out {os.fspath(out)!r} is a folder; pass the path of the .html file to write")
+    check_file_path(out, "page")  # before the work: the page would otherwise fail only when written
+    if not isinstance(title, str):  # (an AttributeError from the HTML escaping, after all the work)
+        raise UsageError(f"title must be a string, got {type(title).__name__} {title!r}")
+    if not isinstance(crop, bool):  # ("no" was truthy: the images were cropped)
+        raise UsageError(f"crop must be True or False, got {type(crop).__name__} {crop!r}")
+    if hasattr(images, "detach") or (isinstance(images, (list, tuple)) and any(hasattr(i, "detach") for i in images)):
+        raise UsageError("explore draws each image under its maps: pass the images themselves (paths, PIL images or "
+                         "(H, W, 3) uint8 arrays), not tensors; they are preprocessed as the model's eval transform does")
     items = list(images) if isinstance(images, (list, tuple, Iterator)) else [images]  # a generator: its images
     if type(images).__module__ == "numpy" and getattr(images, "ndim", None) == 4:
         items = list(images)  # an (N, H, W, 3) batch: N images (as one item, only the first was shown)
     if not items:
         raise UsageError("no images to explore; pass a path, an image or a list of them")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+    if isinstance(top_k, bool) or not isinstance(top_k, Integral) or top_k < 1:
         raise UsageError(f"top_k must be a positive integer, got {top_k!r}")
-    if isinstance(attention_budget, bool) or not isinstance(attention_budget, (int, float)) or not 0 < attention_budget <= 10_000:
+    if isinstance(attention_budget, bool) or not isinstance(attention_budget, Real) or not 0 < attention_budget <= 10_000:
         raise UsageError(f"attention_budget is the most MB of attention data per image, in (0, 10000]; got {attention_budget!r}")
-    if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
+    if isinstance(max_len, bool) or not isinstance(max_len, Integral) or max_len < 1:
         raise UsageError(f"max_len must be a positive number of tokens to generate, got {max_len!r}")
-    labels = list(names) if names is not None else [_name(item, i) for i, item in enumerate(items)]
+    top_k, max_len, attention_budget = int(top_k), int(max_len), float(attention_budget)  # (NumPy numbers too)
+    if isinstance(names, (str, os.PathLike)):  # one name, not its letters (a 5-letter name was "5 names for 1 image")
+        names = [os.fspath(names)]
+    labels = [str(n) for n in names] if names is not None else [_name(item, i) for i, item in enumerate(items)]
     if len(labels) != len(items):
         raise UsageError(f"got {len(labels)} names for {len(items)} images; pass one name per image")
     plan = explainer.plan(method, **options)
@@ -131,9 +159,10 @@ def explore(
     if target is not None and (plan.family.name == "vlm" or plan.family.entry == "explain_caption"):
         raise UsageError(f"target={target!r} is for classifiers; the page of a {plan.family.name} model explains "
                          "each word of its caption: leave target out")
+    per_image = _per_image_targets(target, len(items))
     budget = int(attention_budget * 1e6)
     data = []
-    for item, label in zip(items, labels):
+    for item, label, each in zip(items, labels, per_image):
         notes = [f"{name} left out: {why}" for name, why in plan.skipped.items()]
         if plan.family.name == "vlm":  # whole images to the processor; maps over its token grids
             image = load_image(item) if isinstance(item, (str, os.PathLike)) else as_rgb(item, "each image")
@@ -151,7 +180,7 @@ def explore(
         if plan.family.entry == "explain_caption":
             page.update(caption_data(explainer, plan, x, max_len=max_len, attention_budget=budget, notes=notes))
         else:
-            page.update(classifier_data(explainer, plan, x, top_k=top_k, target=target, attention_budget=budget,
+            page.update(classifier_data(explainer, plan, x, top_k=top_k, target=each, attention_budget=budget,
                                         notes=notes))
         data.append(page)
     subtitle = f"{type(explainer.model).__name__} ({explainer.family.name})"

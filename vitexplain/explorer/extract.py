@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import Tensor
 
-from ..errors import VitexplainError
+from ..errors import NumericalError, VitexplainError
 from ..adapters import find_layout_module
 from ..methods.context import Context
 from ..plan import Plan
@@ -56,6 +56,16 @@ def _multi_label(model: Any) -> bool:
     return bool(cfg.get("multi_label", False)) if isinstance(cfg, dict) else False
 
 
+def _given_target(target: Any, index: int, label_names: Optional[Sequence[str]]) -> dict[str, Any]:
+    """The page's entry for the one target given: a class (``index`` >= 0) named by its label, as
+    ``Explanation.target_names`` names it (a class index or tensor was shown as ``"2"`` or ``"tensor(2)"``), or
+    a score function by its name."""
+    if index >= 0:
+        names = list(label_names or [])
+        return {"index": index, "label": str(names[index]) if index < len(names) else str(index), "score": None}
+    return {"index": -1, "label": getattr(target, "__name__", None) or "target", "score": None}
+
+
 def classifier_data(explainer: Any, plan: Plan, x: Tensor, *, top_k: int, target: TargetSpec,
                     attention_budget: int, notes: list[str]) -> dict[str, Any]:
     """The page data of one image of a classifier or backbone.
@@ -78,6 +88,13 @@ def classifier_data(explainer: Any, plan: Plan, x: Tensor, *, top_k: int, target
     views = "attention" in adapter.capabilities
     with torch.no_grad(), capture(explainer.model, attention=views) as rec:
         outputs = adapter.forward(x)
+    scores = logits_of(outputs) if adapter.has_head else outputs
+    if isinstance(scores, Tensor) and not bool(torch.isfinite(scores).all()):
+        # (the default methods were each left out with a note, then the NaN predictions failed the page's JSON)
+        raise NumericalError(
+            "the model's outputs are not finite (NaN or inf) for this image, so no prediction or map would mean "
+            "anything: check the image's preprocessing and the model's weights"
+        )
     predictions = (
         top_predictions(logits_of(outputs)[0], adapter.label_names, top_k, _multi_label(explainer.model))
         if adapter.has_head else []
@@ -92,9 +109,9 @@ def classifier_data(explainer: Any, plan: Plan, x: Tensor, *, top_k: int, target
     else:
         # a bad target (unknown label, index out of range) is the caller's error: raise it here,
         # before the default methods' failures would each be turned into a "left out" note
-        resolve(target, outputs, adapter.label_names, has_head=adapter.has_head)
-        label = getattr(target, "__name__", None) if callable(target) else str(target)
-        targets, data["targets"] = [target], [{"index": -1, "label": label or "target", "score": None}]
+        resolved = resolve(target, outputs, adapter.label_names, has_head=adapter.has_head)
+        data["targets"] = [_given_target(target, int(resolved.classes[0]), adapter.label_names)]
+        targets = [target]
     data["methods"] = method_entries(explainer, x, plan, targets, notes)
     if views:
         layout = adapter.layout(tuple(x.shape[-2:]))

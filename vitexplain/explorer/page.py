@@ -155,8 +155,8 @@ def write_page(path: Union[str, "os.PathLike[str]"], page: str) -> Path:
 
     Raises:
         OutputError: the folder cannot be written (full disk, read-only, ...).
-        OSError: the name is refused (too long, a folder in the way).
+        UsageError: the name is refused (too long, a folder there, a file in the way of its folder).
     """
-    from ..files import write_file
+    from ..files import write_user_file
 
-    return ExplorerPage(write_file(path, page.encode("utf-8")))
+    return ExplorerPage(write_user_file(path, page.encode("utf-8"), "page"))

@@ -169,6 +169,16 @@ def describe_options(method: str, declared: Mapping[str, Option], defaults: Mapp
     return "; ".join(f"{name}={defaults.get(name)!r} ({opt.allowed()})" for name, opt in declared.items())
 
 
+def _python_scalar(value: Any) -> Any:
+    """A NumPy scalar or 0-d tensor (also inside a list or tuple) as the Python number it holds; else ``value``."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(_python_scalar(v) for v in value)
+    if hasattr(value, "item") and getattr(value, "ndim", None) == 0 and not isinstance(value, (str, bytes)):
+        item = value.item()
+        return item if isinstance(item, (bool, int, float)) else value
+    return value
+
+
 def check_options(method: str, declared: Mapping[str, Option], defaults: Mapping[str, Any],
                   values: Mapping[str, Any]) -> dict[str, Any]:
     """Validate user option values against the declared options of ``method``.
@@ -180,13 +190,13 @@ def check_options(method: str, declared: Mapping[str, Option], defaults: Mapping
         values: what the user passed.
 
     Returns:
-        A copy of ``values``, NumPy scalars and 0-d arrays or tensors (``np.int64(1)``, ``torch.tensor(0.9)``) as
-        the Python numbers they hold (also inside a list option).
+        A copy of ``values``, NumPy and 0-d tensor scalars as the Python numbers they hold (``np.int64(2)`` from
+        an argmax, or ``np.float32(0.9)``, were refused as not an integer / number).
 
     Raises:
         OptionError: an unknown option, or a value outside the declared range.
     """
-    values = {name: _plain(value) for name, value in values.items()}
+    values = {name: _python_scalar(v) for name, v in values.items()}
     for name, value in values.items():
         option = declared.get(name)
         if option is None:
@@ -198,16 +208,3 @@ def check_options(method: str, declared: Mapping[str, Option], defaults: Mapping
                 f"(default {defaults.get(name)!r})"
             )
     return dict(values)
-
-
-def _plain(value: Any) -> Any:
-    """``value`` with a NumPy scalar or a 0-d array / tensor as the Python number or bool it holds (lists and tuples
-    item by item); anything else as given."""
-    if isinstance(value, (list, tuple)):
-        return type(value)(_plain(v) for v in value)
-    if not isinstance(value, (str, bytes)) and getattr(value, "ndim", None) == 0 and callable(getattr(value, "item", None)):
-        try:
-            return value.item()
-        except (TypeError, ValueError, RuntimeError):  # (an object whose item() is something else)
-            return value
-    return value

@@ -7,6 +7,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .grids import grid
+from ._util import as_rgb, whole
 from .overlays import overlay
 from ..errors import UsageError
 
@@ -27,24 +28,26 @@ def caption_figure(
     """One RGB image: the input, then one overlay per word with the word as its label.
 
     Args:
-        image: (H, W, 3) uint8 RGB, the region the model saw.
+        image: (H, W, 3) uint8 RGB (or a PIL image), the region the model saw.
         tokens: the T words.
-        maps: (T, h, w) maps (tensor or array), one per word.
+        maps: (T', h, w) maps (tensor or array), at least one per word (the first T are drawn).
         alpha: overlay opacity.
         colormap: colormap name.
         normalize: per-word normalisation (``"minmax"``: each word's map spans the colormap).
-        columns: tiles per row (default: all words in one row, the image first).
+        columns: tiles per row, at least 1 (default: all words in one row, the image first).
         tile_size: side of each tile in pixels (None: the image size).
 
     Returns:
         (H', W', 3) uint8 RGB figure.
     """
+    image = as_rgb(image)
+    tokens = [str(t) for t in tokens]
+    if len(maps) < len(tokens):  # (indexing past the maps was an IndexError)
+        raise UsageError(f"got {len(maps)} maps for {len(tokens)} words; pass one (h, w) map per word")
     maps_list = [maps[i] for i in range(len(tokens))]
-    if len(maps_list) != len(tokens):
-        raise UsageError(f"got {len(maps_list)} maps for {len(tokens)} words")
     tiles = [image] + [overlay(image, m, alpha=alpha, colormap=colormap, normalize=normalize) for m in maps_list]
-    labels = ["image"] + list(tokens)
-    columns = columns or len(tiles)
+    labels = ["image"] + tokens
+    columns = len(tiles) if columns is None else whole(columns, "columns")
     rows = [tiles[i : i + columns] for i in range(0, len(tiles), columns)]
     names = [labels[i : i + columns] for i in range(0, len(labels), columns)]
     rows[-1] = rows[-1] + [None] * (columns - len(rows[-1]))

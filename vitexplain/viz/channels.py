@@ -6,7 +6,7 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 
-from ._util import check_rgb
+from ._util import as_rgb, image_index, whole
 from .grids import grid
 from .overlays import overlay
 from ..errors import UsageError
@@ -31,7 +31,7 @@ def channel_tiles(
     (its activation X_c, min-max normalised per tile) labelled ``c<index> g=<gate>``.
 
     Args:
-        image: (H, W, 3) uint8 RGB image the maps are drawn on.
+        image: (H, W, 3) uint8 RGB image (or a PIL image) the maps are drawn on.
         explanation_or_extras: an Explanation of method ``"channel"`` or its ``extras`` dict
             (``indices`` (B, k), ``values`` (B, k), ``channel_maps`` (B, k, h, w)).
         k: how many channels to show (at most the number the method returned).
@@ -47,15 +47,15 @@ def channel_tiles(
     Raises:
         ValueError: the extras are not those of the ``channel`` method, or ``k < 1``.
     """
-    img = check_rgb(np.asarray(image), "image")
+    img = as_rgb(image, "image")
     extras: Mapping[str, Any] = getattr(explanation_or_extras, "extras", explanation_or_extras)
     if not isinstance(extras, Mapping) or not {"indices", "values", "channel_maps"} <= set(extras):
         raise UsageError(
             "channel_tiles needs the result of method 'channel' (an Explanation or its extras with "
             "'indices', 'values' and 'channel_maps')"
         )
-    if k < 1:
-        raise UsageError(f"k must be >= 1, got {k}")
+    k = whole(k, "k")  # (a string was a TypeError)
+    index = image_index(index, len(extras["indices"]))  # (past the batch: an IndexError)
     indices = extras["indices"][index]
     values = extras["values"][index]
     maps = extras["channel_maps"][index]

@@ -11,7 +11,11 @@ import html
 import os
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence, Union
+from numbers import Real
 from urllib.parse import quote
+
+from ..errors import UsageError
+from ._util import whole
 
 __all__ = ["write_gallery", "render_gallery"]
 
@@ -75,7 +79,9 @@ def _prediction(record: dict[str, Any]) -> str:
         return ""
     top = preds[0]
     name = top.get("label") if top.get("label") is not None else top.get("index")
-    return f'{_text(name)} <span class="score">{float(top.get("score", 0.0)):.3f}</span>'
+    score = top.get("score", 0.0)
+    shown = f"{float(score):.3f}" if isinstance(score, Real) and not isinstance(score, bool) else _text(score)
+    return f'{_text(name)} <span class="score">{shown}</span>'
 
 
 def _target(record: dict[str, Any]) -> str:
@@ -90,6 +96,22 @@ def _small(record: dict[str, Any], thumb_px: int) -> str:
     """``class="small"`` for an input smaller than its thumbnail (drawn with crisp pixels)."""
     width = record.get("width")
     return ' class="small"' if isinstance(width, int) and 0 < width < thumb_px else ""
+
+
+def _records(records: Any) -> list[dict[str, Any]]:
+    """``records`` as a list of manifest records (dicts whose ``files`` is a dict).
+
+    Raises:
+        UsageError: not an iterable of such dicts (an AttributeError or TypeError deep in the page before).
+    """
+    if records is None or isinstance(records, (str, bytes, dict)) or not hasattr(records, "__iter__"):
+        raise UsageError(f"records must be a list of manifest records (dicts), got {type(records).__name__}")
+    out = list(records)
+    for i, r in enumerate(out):
+        if not isinstance(r, dict) or not isinstance(r.get("files") or {}, dict):
+            raise UsageError(f"record {i} is not a manifest record (a dict with 'key', 'status', 'files': {{method: "
+                             f"{{'overlay': path}}}}): got {type(r).__name__} {str(r)[:80]!r}")
+    return out
 
 
 def render_gallery(
@@ -116,7 +138,12 @@ def render_gallery(
         The HTML document.
     """
     folder = Path(folder).resolve()
-    records = list(records)
+    records = _records(records)
+    if not isinstance(title, str):  # (an AttributeError from the HTML escaping)
+        raise UsageError(f"title must be a string, got {type(title).__name__} {title!r}")
+    thumb_px = whole(thumb_px, "thumb_px (displayed image width)", high=4096)  # (a string was a ValueError)
+    if isinstance(methods, str):  # one method: its name, not its letters as columns
+        methods = [methods]
     if methods is None:
         methods = list(dict.fromkeys(m for r in records for m in (r.get("files") or {})))
     else:
@@ -186,8 +213,9 @@ def write_gallery(
     Returns:
         The path written.
     """
-    from ..files import write_file
+    from ..files import check_file_path, write_user_file
 
+    check_file_path(path, "gallery")
     dest = Path(path)
     page = render_gallery(records, folder=dest.parent, methods=methods, title=title, thumb_px=thumb_px)
-    return write_file(dest, page.encode("utf-8", "replace"))
+    return write_user_file(dest, page.encode("utf-8", "replace"), "gallery")

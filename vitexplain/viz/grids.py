@@ -9,7 +9,7 @@ from typing import Any, Optional, Sequence
 import cv2
 import numpy as np
 
-from ._util import check_rgb
+from ._util import as_rgb, check_rgb, pixel_size, real, whole
 from ..errors import UsageError
 
 __all__ = ["grid", "save_png"]
@@ -20,10 +20,18 @@ _FONT = cv2.FONT_HERSHEY_SIMPLEX
 def _as_tile(tile: Any, where: str) -> Optional[np.ndarray]:
     if tile is None:
         return None
+    if (hasattr(tile, "convert") and hasattr(tile, "size")) or isinstance(tile, (str, os.PathLike)):
+        return as_rgb(tile, where)  # a PIL image of any mode, or a file, as explain() takes them
     arr = np.asarray(tile)
     if arr.ndim == 2 and arr.dtype == np.uint8:
         arr = np.repeat(arr[..., None], 3, axis=2)
     return check_rgb(arr, where)
+
+
+def _is_tile(item: Any) -> bool:
+    """Whether ``item`` is one tile (an image, or None), not a row of them."""
+    return (item is None or isinstance(item, (str, os.PathLike)) or (hasattr(item, "convert") and hasattr(item, "size"))
+            or getattr(item, "ndim", None) in (2, 3))
 
 
 def _fit(tile: np.ndarray, size: tuple[int, int], background: int) -> np.ndarray:
@@ -71,12 +79,12 @@ def grid(
 
     Args:
         images: Rows of tiles: ``images[r][c]`` is an ``(H, W, 3)`` uint8 RGB array (a
-            2-D uint8 array is taken as gray), or ``None`` for an empty cell. Rows may
+            2-D uint8 array is taken as gray), a PIL image, an image file's path, or ``None`` for an empty cell. Rows may
             have different lengths. A flat sequence of arrays is one row.
         row_labels: One label per row, drawn left of the row.
         col_labels: One label per column, drawn above it.
         pad: Gap in pixels between tiles and around the figure.
-        tile_size: ``(H, W)`` of every cell. Default: the size of the first tile. Tiles
+        tile_size: ``(H, W)`` of every cell (an int: a square). Default: the size of the first tile. Tiles
             of another size are resized keeping their aspect ratio and centred.
         background: Gray level of the background and padding.
         text_color: RGB colour of the labels.
@@ -87,27 +95,30 @@ def grid(
         ``(H, W, 3)`` uint8 RGB figure.
 
     Raises:
-        ValueError: No tiles, a tile that is not uint8 RGB, or label counts that do not
-            match the grid.
+        ValueError: No tiles, a tile that is not uint8 RGB, label counts that do not
+            match the grid, or a tile size, gray level or font scale out of range.
     """
-    if isinstance(images, np.ndarray) and images.ndim == 3:
+    if _is_tile(images) and images is not None:
         images = [images]
     rows_in = list(images)
-    if rows_in and (rows_in[0] is None or (isinstance(rows_in[0], np.ndarray) and rows_in[0].ndim in (2, 3))):
-        rows_in = [rows_in]  # a flat sequence of tiles is one row
+    if rows_in and _is_tile(rows_in[0]):
+        rows_in = [rows_in]  # a flat sequence of tiles (arrays, tensors, PIL images) is one row
     rows = [[_as_tile(t, f"images[{r}][{c}]") for c, t in enumerate(row)] for r, row in enumerate(rows_in)]
     n_rows = len(rows)
     n_cols = max((len(r) for r in rows), default=0)
     first = next((t for row in rows for t in row if t is not None), None)
     if first is None:
         raise UsageError("grid needs at least one image")
+    row_labels, col_labels = ([labels] if isinstance(labels, str) else labels for labels in (row_labels, col_labels))
     if row_labels is not None and len(row_labels) != n_rows:
         raise UsageError(f"{len(row_labels)} row labels for {n_rows} rows")
     if col_labels is not None and len(col_labels) != n_cols:
         raise UsageError(f"{len(col_labels)} column labels for {n_cols} columns")
-    th, tw = (int(tile_size[0]), int(tile_size[1])) if tile_size else first.shape[:2]
+    # (a 0 tile size gave an empty figure, a negative one a NumPy error, a negative font scale crashed OpenCV)
+    th, tw = pixel_size(tile_size, "tile_size") if tile_size is not None else first.shape[:2]
     pad = max(0, int(pad))
-    scale = float(font_scale) if font_scale else max(0.35, th / 448)
+    background = whole(background, "background (a gray level)", low=0, high=255)
+    scale = real(font_scale, "font_scale", low=0.0, high=20.0, low_open=True) if font_scale is not None else max(0.35, th / 448)
     thick = max(1, round(scale * 1.5))
     (_, text_h), base = cv2.getTextSize("Ag", _FONT, scale, thick)
     line_h = text_h + base
@@ -158,7 +169,8 @@ def save_png(path: "str | os.PathLike[str]", rgb: Any) -> Path:
         The destination path.
 
     Raises:
-        UsageError: not a uint8 RGB or gray array, or OpenCV cannot encode it.
+        UsageError: not a uint8 RGB or gray array, OpenCV cannot encode it, or ``path`` cannot be a file (a
+            folder, a path below a file).
         OutputError: the folder cannot be written (full disk, read-only, ...).
     """
     arr = np.asarray(rgb)
@@ -167,7 +179,7 @@ def save_png(path: "str | os.PathLike[str]", rgb: Any) -> Path:
     ok, buf = cv2.imencode(".png", np.ascontiguousarray(arr))
     if not ok:  # pragma: no cover - OpenCV failure
         raise UsageError(f"OpenCV could not encode a PNG of this {arr.shape} {arr.dtype} array for {path}")
-    from ..files import write_file
+    from ..files import write_user_file
 
-    return write_file(path, buf.tobytes())
+    return write_user_file(path, buf.tobytes(), "PNG")
 

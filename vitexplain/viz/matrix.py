@@ -16,13 +16,14 @@ All figures are (H, W, 3) uint8 RGB drawn with OpenCV (Hershey fonts: ASCII labe
 from __future__ import annotations
 
 import math
+from numbers import Integral
 from typing import Any, Optional, Sequence, Union
 
 import cv2
 import numpy as np
 
 from ..errors import UsageError
-from ._util import map_to_numpy
+from ._util import image_index as _image_index, map_to_numpy, real, whole
 from .colormaps import colormap_lut
 from .grids import _ascii, grid
 
@@ -92,35 +93,39 @@ def attention_matrix(
         row_labels: R labels (default: 0..R-1).
         col_labels: C labels (default: 0..C-1).
         title: drawn above the matrix.
-        cell: side of one cell in pixels (default: from the size: from the label height
+        cell: side of one cell in pixels, at most ``MAX_SIDE`` in all (default: from the size: from the label height
             (about 15 px) to 40 px up to 64 rows and columns, smaller beyond).
         colormap: a :func:`vitexplain.viz.colormap_names` name.
-        vmin: value at the bottom of the colour bar (default: the minimum).
+        vmin: value at the bottom of the colour bar (default: the minimum); below ``vmax``.
         vmax: value at the top (default: the maximum).
-        max_labels: most labels per axis.
-        font_scale: OpenCV font scale of the labels.
+        max_labels: most labels per axis (at least 1).
+        font_scale: OpenCV font scale of the labels, in (0, ``MAX_FONT_SCALE``].
         annotate: write each value in its cell (when the cell is large enough).
 
     Returns:
         (H, W, 3) uint8 RGB figure.
 
     Raises:
-        UsageError: weights that are not 2-D / not finite, or label counts that do not match.
+        UsageError: weights that are not 2-D / not finite, label counts that do not match, or a size,
+            font scale or value range that cannot be drawn.
     """
     m = map_to_numpy(weights)
     n_rows, n_cols = m.shape
     rows, cols = _labels(row_labels, n_rows, "row"), _labels(col_labels, n_cols, "column")
+    # a negative font scale made OpenCV write outside the figure (the process crashed), zero drew no labels
+    font_scale = real(font_scale, "font_scale", low=0.0, high=MAX_FONT_SCALE, low_open=True)
+    max_labels = whole(max_labels, "max_labels")
     thick = 1
     (_, text_h), base = cv2.getTextSize("Ag", _FONT, font_scale, thick)
     side = max(n_rows, n_cols)
-    if not cell:  # every label fits up to 64 per axis; beyond, cells shrink and labels thin out
-        cell = max(text_h + base + 3, min(40, 640 // side)) if side <= 64 else max(2, 960 // side)
-    cell = int(cell)
-    lo = float(m.min()) if vmin is None else float(vmin)
-    hi = float(m.max()) if vmax is None else float(vmax)
+    if cell is None or (cell == 0 and not isinstance(cell, bool)):  # every label fits up to 64 per axis; beyond,
+        cell = max(text_h + base + 3, min(40, 640 // side)) if side <= 64 else max(2, 960 // side)  # cells shrink
+    else:  # (a negative cell was a NumPy error, a huge one tens of GB of pixels)
+        cell = whole(cell, "cell", high=max(1, MAX_SIDE // side))
+    lo, hi = _value_range(m, vmin, vmax)
     span = hi - lo if hi > lo else 1.0
     lut = colormap_lut(colormap)  # (256, 3) uint8 RGB
-    index = np.clip(np.round((m - lo) / span * 255), 0, 255).astype(np.int64)
+    index = np.clip(np.round((m.astype(np.float64) - lo) / span * 255), 0, 255).astype(np.int64)  # (float32 overflowed)
     heat = np.repeat(np.repeat(lut[index], cell, axis=0), cell, axis=1)
 
     row_step = _stride(n_rows, cell, text_h + base, max_labels)
@@ -166,6 +171,29 @@ def attention_matrix(
     return fig
 
 
+#: Largest side of a matrix figure's heat map, in pixels (``cell`` times the longer axis).
+MAX_SIDE = 16384
+#: Largest font scale of the labels.
+MAX_FONT_SCALE = 20.0
+
+
+def _value_range(m: np.ndarray, vmin: Any, vmax: Any) -> tuple[float, float]:
+    """``(lo, hi)``, the values at the bottom and top of the colour bar: ``vmin``/``vmax`` or the data's range.
+
+    Raises:
+        UsageError: ``vmin``/``vmax`` not finite numbers, or ``lo >= hi`` when either is given (every cell
+            would be drawn in one end colour, and the bar's ticks would not say what the colours mean).
+    """
+    lo = float(m.min()) if vmin is None else real(vmin, "vmin")
+    hi = float(m.max()) if vmax is None else real(vmax, "vmax")
+    if (vmin is not None or vmax is not None) and not lo < hi:
+        raise UsageError(
+            f"vmin ({lo:.4g}) must be below vmax ({hi:.4g}); the weights span [{float(m.min()):.4g}, "
+            f"{float(m.max()):.4g}]: leave vmin/vmax out to use that range"
+        )
+    return lo, hi
+
+
 def token_labels(layout: Any, num_tokens: Optional[int] = None, *, distilled: bool = False) -> list[str]:
     """Names of a ViT sequence's tokens: ``[CLS]``, ``[DIST]``, ``reg0``..., then ``(r,c)`` per patch.
 
@@ -179,7 +207,9 @@ def token_labels(layout: Any, num_tokens: Optional[int] = None, *, distilled: bo
     Returns:
         One label per token.
     """
-    n = layout.num_tokens if num_tokens is None else int(num_tokens)
+    if layout is None and num_tokens is None:  # (an AttributeError)
+        raise UsageError("token_labels needs a layout (rec.layout) or num_tokens")
+    n = layout.num_tokens if num_tokens is None else whole(num_tokens, "num_tokens", low=0)
     if layout is None or layout.grid is None or n != layout.num_tokens:
         return [str(i) for i in range(n)]
     prefix: list[str] = []
@@ -194,13 +224,6 @@ def token_labels(layout: Any, num_tokens: Optional[int] = None, *, distilled: bo
 
 def _is_distilled(model: Any) -> bool:
     return getattr(model, "dist_token", None) is not None or getattr(getattr(model, "config", None), "model_type", "") == "deit"
-
-
-def _image_index(index: int, batch: int) -> int:
-    """``index`` checked against a batch of ``batch`` images (the same rule as ``Explanation``)."""
-    if isinstance(index, bool) or not isinstance(index, int) or not -batch <= index < batch:
-        raise UsageError(f"index must be an image index in [{-batch}, {batch - 1}] (there are {batch} images), got {index!r}")
-    return index % batch
 
 
 def record_matrix(
@@ -228,8 +251,11 @@ def record_matrix(
     Returns:
         (H, W, 3) uint8 RGB figure.
     """
-    probs = record.probs()[_image_index(index, record.batch_size)]  # (H, N_q, N_k)
-    if isinstance(head, int):
+    probs = record.probs()[_image_index(index, record.batch_size, "the record")]  # (H, N_q, N_k)
+    if hasattr(head, "item") and getattr(head, "ndim", None) == 0:  # a NumPy or 0-d torch integer
+        head = head.item()
+    if isinstance(head, Integral) and not isinstance(head, bool):
+        head = int(head)
         if not -probs.shape[0] <= head < probs.shape[0]:
             raise UsageError(f"head {head} out of range: {record.name!r} has {probs.shape[0]} heads")
         weights, which = probs[head], f"head {head % probs.shape[0]}"
@@ -265,6 +291,9 @@ def caption_matrix(explanation: Any, index: int = 0, *, title: Optional[str] = N
     """
     index = _image_index(index, len(explanation.tokens))
     words = explanation.tokens[index]
+    if not words:  # (an empty (0, n) matrix: "expected a non-empty 2-D map")
+        raise UsageError(f"caption {index} has no words (the model ended it at once), so there is no words x patches "
+                         "matrix to draw")
     title = title if title is not None else f"{explanation.method}: {explanation.captions[index]}"
     token_scores = getattr(explanation, "token_scores", None)
     if token_scores:  # a VLM: (T, n) over its image tokens (its maps are pixels)
@@ -307,11 +336,17 @@ def head_grid(
     """
     from .colormaps import apply_colormap
 
+    tile = whole(tile, "tile (pixels per map side)", high=4096)  # (0 or less was an OpenCV error)
+    if layout is None or getattr(layout, "grid", None) is None:
+        raise UsageError("head_grid needs the token layout of the records (rec.layout), with its patch grid")
+    if hasattr(query, "item") and getattr(query, "ndim", None) == 0:  # a NumPy or 0-d torch integer
+        query = query.item()
+    query = whole(query, "query (a token index)", low=-layout.num_tokens, high=layout.num_tokens - 1)
     rows, names = [], []
     for record in records:
         if record.num_keys != layout.num_tokens:
             continue
-        probs = record.probs(queries=query)[_image_index(index, record.batch_size), :, 0]  # (H, N_k)
+        probs = record.probs(queries=query)[_image_index(index, record.batch_size, "the record"), :, 0]  # (H, N_k)
         maps = layout.to_grid(probs).detach().cpu().float().numpy()  # (H, gh, gw)
         tiles = []
         for m in maps:

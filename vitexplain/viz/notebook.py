@@ -48,8 +48,10 @@ def _map_tile(image: Optional[np.ndarray], m: Any, signed: bool) -> np.ndarray:
         tile = overlay(readable(image), values, normalize=mode, alpha=0.6 if signed else 0.5)
     else:
         tile = readable(apply_colormap(normalize_map(values, mode), "bwr" if signed else "jet"))
-    scale = float(np.abs(values).max()) if signed else float(values.max())
-    return with_colorbar(tile, signed=signed, scale=scale)
+    if signed:
+        return with_colorbar(tile, signed=True, scale=float(np.abs(values).max()))
+    # minmax: the bottom colour is the map's minimum (the bar said 0: a map spanning 0.4..0.6 read as 0..0.6)
+    return with_colorbar(tile, signed=False, scale=float(values.max()), low=float(values.min()))
 
 
 def explanation_tiles(e: Any, max_images: int = 12) -> list[tuple[np.ndarray, str]]:
@@ -72,7 +74,7 @@ def caption_tiles(e: Any, max_images: int = 4) -> list[list[tuple[np.ndarray, st
         image = e.images[i] if e.images is not None else None
         row = [(readable(image), f"{_source(e, i)}: {e.captions[i]!r}")] if image is not None else []
         for t, word in enumerate(e.tokens[i]):
-            row.append((_map_tile(image, e.maps[i, t], False), f"{t + 1}. {word} ({e.method})"))
+            row.append((_map_tile(image, e.maps[i, t], bool(getattr(e, "signed", False))), f"{t + 1}. {word} ({e.method})"))
         rows.append(row)
     return rows
 

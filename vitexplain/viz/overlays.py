@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence, Union
 import cv2
 import numpy as np
 
-from ._util import check_rgb, map_to_numpy
+from ._util import as_rgb, map_to_numpy, real
 from .colormaps import apply_colormap, colormap_lut
 from ..errors import UsageError
 
@@ -61,8 +61,11 @@ def normalize_map(map: Any, mode: str = "minmax") -> np.ndarray:  # noqa: A002
         ValueError: Unknown mode, a map that is not 2-D, NaN/inf values, or values outside
             ``[0, 1]`` with ``mode="none"``.
     """
-    m = map_to_numpy(map).astype(np.float64)
-    key = str(mode).lower()
+    if not isinstance(mode, str):  # (None was read as "none": the values drawn as they are, a faint map for most)
+        raise UsageError(f"normalize must be one of {', '.join(NORMALIZE_MODES)} (a string), got "
+                         f"{mode!r}; 'minmax' is the default, 'none' draws values already in [0, 1] as they are")
+    m = map_to_numpy(map, np.float64)  # (through float32, a float64 map of values below 1e-38 was all zeros)
+    key = mode.lower()
     if key == "percentile":
         lo, hi = np.percentile(m, [1.0, 99.0])
         if not _flat(lo, hi):
@@ -105,13 +108,18 @@ def _resize(m: np.ndarray, size: tuple[int, int], interpolation: str) -> np.ndar
 
 
 def _contour_levels(contour: ContourSpec) -> list[float]:
+    """The levels of ``contour``, each in [0, 1] (a level outside drew nothing, silently).
+
+    Raises:
+        UsageError: a level that is not a finite number in [0, 1].
+    """
     if contour is False or contour is None:
         return []
     if contour is True:
         return [0.5]
-    if isinstance(contour, (int, float)):
-        return [float(contour)]
-    return [float(c) for c in contour]
+    if isinstance(contour, (str, bytes)) or not hasattr(contour, "__iter__") or getattr(contour, "ndim", 1) == 0:
+        contour = [contour]
+    return [real(c, "a contour level (of the map normalised to [0, 1])", low=0.0, high=1.0) for c in contour]
 
 
 def overlay(
@@ -136,7 +144,7 @@ def overlay(
 
     Args:
         image: ``(H, W, 3)`` uint8 **RGB** image (not BGR: flip ``cv2.imread`` output
-            with ``img[..., ::-1]``). To overlay on the region a model saw, pass
+            with ``img[..., ::-1]``), or a PIL image of any mode (converted as ``explain`` converts it). To overlay on the region a model saw, pass
             ``crop_region(image, box)``; for the full image pass a map from ``paste_map``.
         map: 2-D map of any size: numpy array or torch tensor on any device (e.g.
             ``explanation.maps[i]``). NaN/inf is an error.
@@ -149,8 +157,8 @@ def overlay(
         interpolation: Map resizing: ``"nearest"`` (see the patches), ``"bilinear"`` or
             ``"bicubic"``.
         contour: ``True`` draws the iso-contour of the normalised map at 0.5 (white
-            with a dark edge, visible on any colour); a float or a sequence of floats
-            gives other levels in ``[0, 1]``.
+            with a dark edge, visible on any colour); a number or a sequence of numbers
+            gives other levels, each in ``[0, 1]``.
         transparent_zero: fade the colour out towards zero (see above); None means True
             for ``normalize="signed"`` and False otherwise.
 
@@ -160,10 +168,9 @@ def overlay(
     Raises:
         ValueError: Bad image, map, alpha, mode, colormap or interpolation name.
     """
-    img = check_rgb(image)
-    a = float(alpha)
-    if not 0.0 <= a <= 1.0:
-        raise UsageError(f"alpha must be in [0, 1], got {alpha!r}")
+    img = as_rgb(image)
+    a = real(alpha, "alpha", low=0.0, high=1.0)  # (None was a TypeError, "0.5" was taken as 0.5)
+    levels = _contour_levels(contour)
     if colormap is None:
         colormap = "bwr" if str(normalize).lower() == "signed" else "jet"
     colormap_lut(colormap)  # validate the name before any work
@@ -183,7 +190,6 @@ def overlay(
     else:
         blend = img.astype(np.float32) * (1.0 - a) + colour.astype(np.float32) * a
         out = np.clip(np.rint(blend), 0, 255).astype(np.uint8)
-    levels = _contour_levels(contour)
     if levels:
         thickness = max(1, round(min(h, w) / 256))
         # Replicate-pad the mask so the traced outline of a region touching the image
@@ -206,6 +212,8 @@ def readable(image: np.ndarray, min_side: int = MIN_SIDE) -> np.ndarray:
     is resized smoothly to exactly ``min_side`` on its shortest side: a whole factor would double
     it (four times the pixels to draw and write) for no gain in legibility.
     """
+    if not isinstance(image, np.ndarray):  # a PIL image or a path (an AttributeError: no .shape)
+        image = as_rgb(image)
     short = max(1, min(image.shape[:2]))
     if short >= min_side:
         return image

@@ -14,6 +14,12 @@
     return node;
   }
 
+  /* A label a person or a model wrote (any script, any length) and a suffix after it (a score): the label in
+   * its own <bdi>, so that a right-to-left label does not pull the score in front of it. */
+  function labelled(label, suffix) {
+    return [el("bdi", { text: String(label) }), document.createTextNode(suffix || "")];
+  }
+
   function bytes(b64) {
     var bin = atob(b64), out = new Uint8Array(bin.length);
     for (var i = 0; i < bin.length; i++) out[i] = bin.charCodeAt(i);
@@ -108,6 +114,10 @@
     return out;
   }
 
+  /* What the info line adds for a map that is zero everywhere (drawn in one faint colour, under a legend
+   * that would read "0 .. max"): say so. */
+  function zeroNote(values) { return maxAbs(values) === 0 ? " \u2014 this map is zero everywhere" : ""; }
+
   /* A colour bar with its end labels. */
   function legend(signed, scale, matrix) {
     var bar = el("canvas", { class: "vx-bar", width: 256, height: 1 }), ctx = bar.getContext("2d");
@@ -154,7 +164,8 @@
   function tabs(names, role, onPick) {
     var bar = el("div", { class: "vx-tabs", role: "tablist" });
     var buttons = names.map(function (n, i) {
-      var b = el("button", { type: "button", "data-vx": role, "data-index": String(i), text: n });
+      var b = el("button", { type: "button", "data-vx": role, "data-index": String(i) },
+        Array.isArray(n) ? n : [document.createTextNode(n)]);
       b.addEventListener("click", function () { select(i); onPick(i); });
       bar.appendChild(b);
       return b;
@@ -176,7 +187,7 @@
     var hv = heatView(data, "method", null);
     var legendBox = el("div"), info = el("p", { class: "vx-info" });
     var preds = data.targets || [];
-    var classes = tabs(preds.map(function (p) { return p.label + (p.score === null ? "" : " " + p.score.toFixed(3)); }),
+    var classes = tabs(preds.map(function (p) { return labelled(p.label, p.score === null ? "" : " " + p.score.toFixed(3)); }),
       "class", function (k) { state.k = k; draw(); });
     function draw() {
       var m = data.methods[state.m], q = maps[state.m], k = m.perClass ? state.k : 0;
@@ -184,7 +195,8 @@
       drawMap(hv.canvas, m.grid, values, q.signed);
       legendBox.replaceChildren(legend(q.signed, maxAbs(values)));
       classes.node.style.visibility = m.perClass ? "visible" : "hidden";
-      info.textContent = m.name + ": " + m.summary + (m.perClass ? " \u2014 target: " + preds[k].label : " (class-agnostic)");
+      info.textContent = m.name + ": " + m.summary + (m.perClass ? " \u2014 target: " + preds[k].label : " (class-agnostic)") +
+        zeroNote(values);
     }
     var methodTabs = tabs(data.methods.map(function (m) { return m.name; }), "method-tab",
       function (i) { state.m = i; draw(); });

@@ -10,7 +10,7 @@
   /* --- one card per image ---------------------------------------------------------------- */
   function card(data, index) {
     var preds = (data.predictions || []).map(function (p) {
-      return el("li", { text: p.label + (p.score === null ? "" : " \u2014 " + p.score.toFixed(3)) });
+      return el("li", {}, labelled(p.label, p.score === null ? "" : " \u2014 " + p.score.toFixed(3)));
     });
     var head = el("header", {}, [el("h2", { text: data.name }),
       el("ol", { class: "vx-preds", "data-vx": "predictions" }, preds)]);

@@ -37,7 +37,7 @@
       wordButtons.forEach(function (b, i) { b.classList.toggle("vx-on", i === state.w); });
       alignMark.style.top = (100 * state.w / t) + "%"; alignMark.style.height = (100 / t) + "%";
       info.textContent = m.name + ": " + m.summary + " \u2014 word " + (state.w + 1) + " of " + cap.words.length +
-        ": \u201c" + (cap.words[state.w] || "") + "\u201d";
+        ": \u201c" + (cap.words[state.w] || "") + "\u201d" + zeroNote(values);
     }
     var methodTabs = tabs(cap.methods.map(function (m) { return m.name; }), "caption-tab",
       function (i) { state.m = i; draw(); });
