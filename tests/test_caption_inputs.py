@@ -166,3 +166,16 @@ def test_caption_gradients_run_inside_no_grad_and_are_refused_clearly_inside_inf
         ex.explain_caption(images, method=["cross", "cross_generic"], caption="red circle")
     with torch.inference_mode():
         torch.testing.assert_close(ex.explain_caption(images, method="cross", caption="red circle").maps, want[0].maps)
+
+
+def test_a_caption_that_encodes_to_no_token_says_so_not_that_it_is_empty():
+    # a tokenizer that drops every character of a caption (a normaliser that strips it) gave "caption 0 is empty"
+    # for the text "red": the message now names the caption and the tokenizer as the cause
+    import pytest
+
+    from vitexplain.targets import given_token_ids
+
+    with pytest.raises(vx.UsageError, match=r"caption 0 \('red'\) encodes to no token with this tokenizer"):
+        given_token_ids("red", 2, lambda text: [], vocab=None)
+    with pytest.raises(vx.UsageError, match=r"caption 1 is empty"):
+        given_token_ids(["red", "  "], 2, lambda text: [1] if text.strip() else [], vocab=None)

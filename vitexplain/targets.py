@@ -321,6 +321,9 @@ def given_token_ids(caption: Any, batch: int, encode: Callable[[str], list[int]]
                              f"({' '.join(str(t) for t in c)[:60]!r}), or token ids")
     seqs = [encode(c) if isinstance(c, str) else [_token_id(t) for t in c] for c in items]
     for i, seq in enumerate(seqs):
+        if not seq and isinstance(items[i], str) and items[i].strip():
+            raise UsageError(f"caption {i} ({items[i]!r}) encodes to no token with this tokenizer; give words it "
+                             "knows, or their token ids")
         if not seq:
             raise UsageError(f"caption {i} is empty; give the words to explain, or caption=None to generate")
         bad = [t for t in seq if isinstance(t, bool) or not isinstance(t, int) or t < 0
