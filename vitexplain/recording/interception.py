@@ -16,9 +16,11 @@ captures dO (``dy/dA = dO @ V^T``); on the probabilities for eager and materiali
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import threading
 from types import CodeType, FrameType
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -277,17 +279,71 @@ class AttentionMode(TorchFunctionMode):
 
     # -- nn.MultiheadAttention ----------------------------------------------------------
     def _on_mha(self, func: Callable, args: tuple, kwargs: dict) -> Any:
-        """Run MHA's functional forward with its inner SDPA/softmax calls visible."""
-        original_sdpa, original_softmax = F.scaled_dot_product_attention, F.softmax
-
-        def sdpa(*a: Any, **kw: Any) -> Any:
-            return self._on_sdpa(original_sdpa, a, kw, sys._getframe(1))
-
-        def softmax(*a: Any, **kw: Any) -> Any:
-            return self._on_softmax(original_softmax, a, kw, sys._getframe(1))
-
-        F.scaled_dot_product_attention, F.softmax = sdpa, softmax
-        try:
+        """Run MHA's functional forward with its inner SDPA/softmax calls visible (see :func:`_mha_taps`)."""
+        with _mha_taps(self):
             return func(*args, **kwargs)
-        finally:
-            F.scaled_dot_product_attention, F.softmax = original_sdpa, original_softmax
+
+
+# nn.MultiheadAttention's functional forward calls ``scaled_dot_product_attention`` / ``softmax`` by their names
+# in torch.nn.functional, from inside the mode's own handler (where the mode is off): while at least one capture
+# runs such a forward (in any thread), those two names are *taps* that hand the call to the modes running an MHA
+# forward in the calling thread and call the original at once for every other thread. Reference counted under a
+# lock, so that captures in several threads never save one another's taps as "the original" (which left
+# torch.nn.functional patched for good); on the last exit each name that still holds its tap gets its original.
+_MHA_NAMES = ("scaled_dot_product_attention", "softmax")
+_mha_lock = threading.Lock()
+_mha_open = [0]
+_mha_installed: dict[str, tuple[Callable, Callable]] = {}  # name -> (original, tap)
+_mha_local = threading.local()  # .modes: the AttentionModes running an MHA forward in this thread, innermost first
+
+
+def _mha_tap(name: str, original: Callable) -> Callable:
+    def tap(*args: Any, **kwargs: Any) -> Any:
+        modes = getattr(_mha_local, "modes", None)
+        if not modes:  # another thread's call, or one outside an MHA forward
+            return original(*args, **kwargs)
+        return _mha_chain(list(modes), name, original, sys._getframe(1), args, kwargs)
+
+    tap.__wrapped__ = original  # type: ignore[attr-defined]
+    return tap
+
+
+def _mha_chain(modes: list, name: str, original: Callable, caller: FrameType, args: tuple, kwargs: dict) -> Any:
+    """The call through every mode of ``modes`` (the outermost capture first, the original call innermost)."""
+    mode = modes[-1]
+    inner = original if len(modes) == 1 else (
+        lambda *a, **kw: _mha_chain(modes[:-1], name, original, caller, a, kw))
+    if name == "softmax":
+        return mode._on_softmax(inner, args, kwargs, caller)
+    return mode._on_sdpa(inner, args, kwargs, caller)
+
+
+@contextlib.contextmanager
+def _mha_taps(mode: "AttentionMode") -> Iterator[None]:
+    """Inside, this thread's calls of ``F.scaled_dot_product_attention`` / ``F.softmax`` reach ``mode``."""
+    with _mha_lock:
+        if _mha_open[0] == 0:
+            for name in _MHA_NAMES:
+                original = getattr(F, name)
+                tap = _mha_tap(name, original)
+                setattr(F, name, tap)
+                _mha_installed[name] = (original, tap)
+        _mha_open[0] += 1
+    modes = getattr(_mha_local, "modes", None)
+    if modes is None:
+        modes = _mha_local.modes = []
+    modes.append(mode)
+    try:
+        yield
+    finally:
+        for i in range(len(modes) - 1, -1, -1):
+            if modes[i] is mode:
+                del modes[i]
+                break
+        with _mha_lock:
+            _mha_open[0] -= 1
+            if _mha_open[0] == 0:
+                for name, (original, tap) in _mha_installed.items():
+                    if getattr(F, name) is tap:
+                        setattr(F, name, original)
+                _mha_installed.clear()

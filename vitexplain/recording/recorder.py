@@ -40,6 +40,7 @@ from ..layout import TokenLayout
 from .attribution import Attribution, frame_kind
 from .compiled import eager_stance, unwrap_compiled
 from .custom import Extractor, declared_modules, module_hook
+from .fastpath import hold_fastpath_off, release_fastpath
 from . import discovery
 from .direct import DirectSDPA
 from .flex import FlexWatcher
@@ -128,7 +129,7 @@ class Recorder:
         self._narrowing = Narrowing(self._mode, self.model, DirectSDPA(self, not self.grads and self.attention_mode == "fused"))
         self._mode_entered = False
         self._handles: list[RemovableHandle] = []
-        self._fastpath: Optional[bool] = None
+        self._fastpath = False  # whether this capture holds MHA's fast path off (fastpath.py)
         self._stance: Any = None
         self._active = False
         self._thread = 0  # the thread the scope was entered in
@@ -169,9 +170,7 @@ class Recorder:
                     self._handles.append(
                         module.register_forward_hook(module_hook(self, name, extractor), with_kwargs=True)
                     )
-                if hasattr(torch.backends, "mha") and hasattr(torch.backends.mha, "get_fastpath_enabled"):
-                    self._fastpath = torch.backends.mha.get_fastpath_enabled()
-                    torch.backends.mha.set_fastpath_enabled(False)
+                self._fastpath = hold_fastpath_off()
                 self._flex.start()
                 self._mode_entered = True
                 self._narrowing.enabled = not self._full_interception
@@ -200,9 +199,9 @@ class Recorder:
             for handle in self._handles:
                 handle.remove()
             self._handles.clear()
-            if self._fastpath is not None:
-                torch.backends.mha.set_fastpath_enabled(self._fastpath)
-                self._fastpath = None
+            if self._fastpath:
+                self._fastpath = False
+                release_fastpath()
             if self._stance is not None:
                 self._stance.__exit__(None, None, None)
                 self._stance = None

@@ -1,0 +1,117 @@
+"""vx.capture fuzzed against eager float64 oracles written here (no vitexplain code in the oracles).
+
+Every case checks what a user relies on: the record's ``probs()`` (and ``grad_probs()``) equal
+``softmax(q k^T * scale + mask)`` computed in float64 by :func:`oracle`, the model's outputs under the
+capture equal its outputs without it (bitwise where the fused kernel runs, 1e-5 where the capture
+materialises attention), and the process and the model are left exactly as found.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+import vitexplain as vx
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+_MHA_FORWARD = F.multi_head_attention_forward
+_SDPA, _SOFTMAX = F.scaled_dot_product_attention, F.softmax
+
+
+def oracle(q, k, mask=None, *, causal=False, scale=None):
+    """softmax(q k^T * scale + mask) in float64, (..., H, N_q, N_k); key heads repeated for fewer key heads;
+    rows in which every key is masked give zeros (as the fused kernels do)."""
+    q, k = q.detach().double(), k.detach().double()
+    if k.dim() == q.dim() and k.shape[-3] != q.shape[-3]:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], -3)
+    s = (q @ k.transpose(-2, -1)) * (1 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    if causal:
+        s = s.masked_fill(~torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril(), float("-inf"))
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.double()
+    return torch.nan_to_num(torch.softmax(s, -1), nan=0.0)
+
+
+def mha_oracle(mha: nn.MultiheadAttention, query, key, *, key_padding_mask=None, attn_mask=None):
+    """nn.MultiheadAttention's (B, H, N_q, N_k) weights written out in float64 (batch_first, packed in-projection,
+    no bias_kv / zero_attn); masks as MHA reads them (bool: True = masked out; float: added)."""
+    d, h = mha.embed_dim, mha.num_heads
+    w, b = mha.in_proj_weight.detach().double(), mha.in_proj_bias.detach().double()
+    (w_q, w_k, _), (b_q, b_k, _) = w.chunk(3), b.chunk(3)
+
+    def split(t):
+        return t.view(t.shape[0], t.shape[1], h, d // h).transpose(1, 2)
+
+    q, k = split(query.double() @ w_q.T + b_q), split(key.double() @ w_k.T + b_k)
+    s = q @ k.transpose(-2, -1) / math.sqrt(d // h)
+    for m, shape in ((attn_mask, None), (key_padding_mask, (query.shape[0], 1, 1, key.shape[1]))):
+        if m is None:
+            continue
+        m = m.view(shape) if shape is not None else (m if m.dim() == 2 else m.view(query.shape[0], h, *m.shape[-2:]))
+        s = s.masked_fill(m, float("-inf")) if m.dtype == torch.bool else s + m.double()
+    return torch.softmax(s, -1)
+
+
+class _During(TorchFunctionMode):
+    """A mode under the capture's: calls ``during()`` when MHA's functional forward reaches it, i.e. while the
+    capture above is handling that call (after it made the forward's attention visible to itself)."""
+
+    def __init__(self, during) -> None:
+        super().__init__()
+        self.during = during
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is _MHA_FORWARD:
+            self.during()
+        return func(*args, **(kwargs or {}))
+
+
+def test_mha_captures_in_two_threads_record_their_own_attention_and_leave_torch_as_found():
+    """Thread A's capture is inside an MHA forward when thread B's capture enters one, and leaves it before B's
+    forward ends. Each capture must record its own call (and only it), and torch.nn.functional must end as found:
+    the captures used to save each other's patched functions as the originals, leaving F patched for good and B's
+    attention unrecorded."""
+    mha_a = nn.MultiheadAttention(16, 2, batch_first=True).eval()
+    mha_b = nn.MultiheadAttention(16, 4, batch_first=True).eval()
+    x_a, x_b = torch.randn(2, 5, 16), torch.randn(3, 6, 16)
+    b_inside, a_done = threading.Event(), threading.Event()
+    found: dict = {}
+    fast = torch.backends.mha.get_fastpath_enabled()
+
+    def thread_b() -> None:
+        try:
+            torch.set_num_threads(1)
+            with torch.no_grad(), _During(lambda: (b_inside.set(), a_done.wait(10))), vx.capture(mha_b) as rec:
+                found["out"] = mha_b(x_b, x_b, x_b, need_weights=False)[0]
+            found["records"] = rec.records
+        except BaseException as error:  # (reported in the main thread)
+            found["error"] = error
+        b_inside.set()
+
+    worker = threading.Thread(target=thread_b)
+
+    def start_b() -> None:
+        worker.start()
+        assert b_inside.wait(10)
+
+    with torch.no_grad(), _During(start_b), vx.capture(mha_a) as rec_a:
+        out_a = mha_a(x_a, x_a, x_a, need_weights=False)[0]
+    a_done.set()
+    worker.join(10)
+    assert F.scaled_dot_product_attention is _SDPA and F.softmax is _SOFTMAX
+    assert torch.backends.mha.get_fastpath_enabled() is fast
+    assert "error" not in found, found.get("error")
+    for rec, records, mha, x, out in ((rec_a, rec_a.records, mha_a, x_a, out_a),
+                                      (None, found["records"], mha_b, x_b, found["out"])):
+        (record,) = records
+        assert record.q_shape[:2] == (x.shape[0], mha.num_heads)
+        torch.testing.assert_close(record.probs().double(), mha_oracle(mha, x, x), atol=1e-6, rtol=0)
+        with torch.no_grad():  # (the capture runs MHA's Python path, not its C++ fast path: equal to rounding)
+            torch.testing.assert_close(out, mha(x, x, x, need_weights=False)[0], atol=1e-6, rtol=0)
