@@ -115,3 +115,48 @@ def test_mha_captures_in_two_threads_record_their_own_attention_and_leave_torch_
         torch.testing.assert_close(record.probs().double(), mha_oracle(mha, x, x), atol=1e-6, rtol=0)
         with torch.no_grad():  # (the capture runs MHA's Python path, not its C++ fast path: equal to rounding)
             torch.testing.assert_close(out, mha(x, x, x, need_weights=False)[0], atol=1e-6, rtol=0)
+
+
+class _FlexCache(nn.Module):
+    """FlexAttention over a static KV cache (written in place, one position per call, as gpt-fast does); with
+    ``causal``, a score_mod hides the positions not written yet."""
+
+    def __init__(self, causal: bool, heads: int = 2, dim: int = 4, length: int = 5) -> None:
+        super().__init__()
+        self.causal = causal
+        self.register_buffer("k_cache", torch.zeros(1, heads, length, dim))
+        self.register_buffer("v_cache", torch.zeros(1, heads, length, dim))
+
+    def forward(self, q, k, v, pos: int):
+        from torch.nn.attention.flex_attention import flex_attention
+
+        self.k_cache[:, :, pos] = k[:, :, 0]
+        self.v_cache[:, :, pos] = v[:, :, 0]
+
+        def hide_future(score, b, h, q_idx, kv_idx):
+            return torch.where(kv_idx <= pos, score, -float("inf"))
+
+        return flex_attention(q, self.k_cache, self.v_cache, score_mod=hide_future if self.causal else None)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("causal", [True, False], ids=["future_hidden", "all_attended"])
+def test_flex_records_over_a_static_kv_cache_are_right_or_refused(causal):
+    """A FlexAttention record keeps the cache tensor itself; the next step writes into it. Records whose attended
+    keys were overwritten used to give probabilities from the new keys, silently (SDPA records refuse them)."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    model = _FlexCache(causal).eval()
+    expected = []
+    with torch.no_grad(), vx.capture(model) as rec:
+        for pos in range(3):
+            q, k = torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4)
+            model(q, k, k, pos)
+            mask = torch.arange(5) <= pos if causal else None
+            expected.append(oracle(q, model.k_cache, mask))  # the keys as this call saw them
+    assert [r.source for r in rec.records] == ["flex"] * 3
+    for step, (record, want) in enumerate(zip(rec.records, expected)):
+        if causal or step == 2:  # (the last step's keys were not written since)
+            torch.testing.assert_close(record.probs().double(), want, atol=1e-6, rtol=0)
+        else:
+            with pytest.raises(vx.CaptureError, match="overwritten in place"):
+                record.probs()

@@ -184,8 +184,7 @@ class AttentionRecord:
             return self._probs[..., rows, :].float()
         if self._q is None or self._k is None:
             raise CaptureError(f"record {self.name!r} holds no queries/keys (it was released)")
-        if self._k_version >= 0 and _version(self._k) != self._k_version:
-            self._check_keys_kept()
+        self._check_keys_kept()
         return attention_probs(
             self._q,
             self._k,
@@ -199,12 +198,13 @@ class AttentionRecord:
         """Raise when the model wrote, after this call, into keys this call attended to (written in place
         before the call too, see :func:`key_witness`). Writes to keys the call masked out change nothing
         (a static cache filled at later positions); a sliding-window cache overwrites attended ones."""
+        if self._k_version < 0 or _version(self._k) == self._k_version:
+            return
         if self._k_sums is not None:
             changed = self._k.detach().float().sum(-1) != self._k_sums  # (B, H_kv, N_k) keys written since
             if not bool(changed.any()):
                 return
-            scores = attention_scores(self._q, self._k, attn_mask=self._mask, scale=self._scale, is_causal=self._causal)
-            attended = (scores > torch.finfo(torch.float32).min / 2).any(-2)  # (B, H, N_k): some query attends
+            attended = (self._scores() > torch.finfo(torch.float32).min / 2).any(-2)  # (B, H, N_k): some query attends
             if changed.shape != attended.shape:  # grouped-query keys
                 changed = _repeat_heads(changed[..., None], attended.shape[-2])[..., 0]
             if not bool((attended & changed).any()):
@@ -215,6 +215,10 @@ class AttentionRecord:
             "before the next call overwrites them, or generate with a dynamic cache "
             "(e.g. generate(..., cache_implementation='dynamic'))"
         )
+
+    def _scores(self) -> Tensor:
+        """(B, H, N_q, N_k) float32 masked scores from the keys held now (``-inf`` where masked)."""
+        return attention_scores(self._q, self._k, attn_mask=self._mask, scale=self._scale, is_causal=self._causal)
 
     def fused_probs(self, fusion: Fusion = "mean", queries: QuerySelect = None) -> Tensor:
         """Head-fused probabilities.
