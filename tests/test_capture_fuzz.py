@@ -160,3 +160,38 @@ def test_flex_records_over_a_static_kv_cache_are_right_or_refused(causal):
         else:
             with pytest.raises(vx.CaptureError, match="overwritten in place"):
                 record.probs()
+
+
+class _Attend(nn.Module):
+    """Calls SDPA on its inputs with fixed keyword arguments."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__()
+        self.kwargs = kwargs
+
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, **self.kwargs)
+
+
+@pytest.mark.parametrize("mode", ["fused", "materialize"])
+@pytest.mark.parametrize("bias", [False, True], ids=["plain", "bias"])
+def test_an_sdpa_call_without_heads_is_recorded_as_one_head(mode, bias):
+    """SDPA on (B, N, E) (SAM folds its heads into B): its record has one head, so probs() is (B, 1, N_q, N_k) like
+    grad_probs() and every other record, and a head fusion is that head. Its probs() used to be (B, N_q, N_k), so
+    fused_probs('mean') averaged over the query rows, (B, N_k), and probs() * grad_probs() broadcast to (B, B, ...)."""
+    q, k, v = torch.randn(3, 5, 4, requires_grad=True), torch.randn(3, 7, 4), torch.randn(3, 7, 6)
+    mask = torch.randn(3, 5, 7) if bias else None
+    module = _Attend(attn_mask=mask)
+    want = oracle(q, k, mask)[:, None]  # (B, 1, N_q, N_k)
+    with vx.capture(module, grads=True, attention_mode=mode) as rec:
+        out = module(q, k, v)
+    cotangent = torch.randn_like(out)
+    rec.backward((out * cotangent).sum())
+    (record,) = rec.records
+    assert record.num_heads == 1 and record.materialized == (mode == "materialize")
+    torch.testing.assert_close(record.probs().double(), want, atol=1e-6, rtol=0)
+    torch.testing.assert_close(record.probs(queries=slice(1, 3)).double(), want[:, :, 1:3], atol=1e-6, rtol=0)
+    for fusion in ("mean", "max", "min"):
+        torch.testing.assert_close(record.fused_probs(fusion).double(), want[:, 0], atol=1e-6, rtol=0)
+    d_probs = (cotangent.double() @ v.double().transpose(-2, -1))[:, None]  # dy/dA = dO V^T
+    torch.testing.assert_close(record.grad_probs().double(), d_probs, atol=1e-5, rtol=1e-5)

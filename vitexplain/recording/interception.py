@@ -206,8 +206,7 @@ class AttentionMode(TorchFunctionMode):
                 q4, k4, v4, attn_mask=mask4, scale=fields["_scale"], is_causal=fields["_causal"],
                 heads="all" if one_head else self.heads,
             )
-            # kept as a recomputed record of a call without heads would give them: (B, N_q, N_k)
-            kept = probs.detach().squeeze(1) if one_head else probs.detach()
+            kept = probs.detach()  # (a call without heads: (B, 1, N_q, N_k), as its recomputed record gives them)
             heads = self.heads if probs.dim() == 3 and not one_head else "all"
             # the probabilities are kept, so the mask (SAM's relative-position bias: as large as
             # the attention itself) is not: the record only notes that the call had one

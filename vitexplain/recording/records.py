@@ -185,7 +185,7 @@ class AttentionRecord:
         if self._q is None or self._k is None:
             raise CaptureError(f"record {self.name!r} holds no queries/keys (it was released)")
         self._check_keys_kept()
-        return attention_probs(
+        probs = attention_probs(
             self._q,
             self._k,
             attn_mask=self._mask,
@@ -193,6 +193,8 @@ class AttentionRecord:
             is_causal=self._causal,
             queries=queries,
         )
+        # an SDPA call on (B, N, E) has one head: (B, 1, n, N_k), as every record's probabilities (and gradients)
+        return probs.unsqueeze(1) if probs.dim() == 3 else probs
 
     def _check_keys_kept(self) -> None:
         """Raise when the model wrote, after this call, into keys this call attended to (written in place
