@@ -195,3 +195,21 @@ def test_an_sdpa_call_without_heads_is_recorded_as_one_head(mode, bias):
         torch.testing.assert_close(record.fused_probs(fusion).double(), want[:, 0], atol=1e-6, rtol=0)
     d_probs = (cotangent.double() @ v.double().transpose(-2, -1))[:, None]  # dy/dA = dO V^T
     torch.testing.assert_close(record.grad_probs().double(), d_probs, atol=1e-5, rtol=1e-5)
+
+
+def test_a_materializing_capture_takes_dy_da_when_only_the_values_require_grad():
+    """q and k constant, v in the graph (e.g. frozen query/key projections): dy/dA = dO V^T is defined. With
+    attention_mode='materialize' the probabilities were outside the graph, so the record said the forward had no
+    autograd graph and rec.backward refused to run."""
+    q, k, v = torch.randn(2, 3, 5, 4), torch.randn(2, 3, 6, 4), torch.randn(2, 3, 6, 4, requires_grad=True)
+    module = _Attend()
+    want = module(q, k, v)
+    with vx.capture(module, grads=True, attention_mode="materialize") as rec:
+        out = module(q, k, v)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=0)
+    cotangent = torch.randn_like(out)
+    rec.backward((out * cotangent).sum())
+    (record,) = rec.records
+    torch.testing.assert_close(record.probs().double(), oracle(q, k), atol=1e-6, rtol=0)
+    torch.testing.assert_close(record.grad_probs().double(), cotangent.double() @ v.detach().double().transpose(-2, -1),
+                               atol=1e-5, rtol=1e-5)

@@ -230,6 +230,8 @@ class AttentionMode(TorchFunctionMode):
         """Whether this SDPA call is computed by the capture (see ``attention_mode``)."""
         if self.attention_mode == "fused" or not can_materialize(q, k, v, mask, dropout_p, gqa):
             return False
+        if self.sink.grads and torch.is_grad_enabled() and v.requires_grad and not (q.requires_grad or k.requires_grad):
+            return False  # (only v in the graph: P would not be, no dy/dP to hook on it; a fused record takes dO V^T)
         if self.attention_mode == "materialize":
             return True
         if self.sink.grads:  # auto: with a backward pass the fused kernels are faster (materialize.py)
