@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 import threading
+import time
+import weakref
 
 import pytest
 import torch
@@ -213,3 +215,68 @@ def test_a_materializing_capture_takes_dy_da_when_only_the_values_require_grad()
     torch.testing.assert_close(record.probs().double(), oracle(q, k), atol=1e-6, rtol=0)
     torch.testing.assert_close(record.grad_probs().double(), cotangent.double() @ v.detach().double().transpose(-2, -1),
                                atol=1e-5, rtol=1e-5)
+
+
+def test_one_model_captured_in_two_threads_at_once(monkeypatch):
+    """torch numbers hook handles with a class counter it reads, then increments: two threads registering hooks at
+    once can get one id, and on one module the second hook replaces the first (a capture then lost its own hooks:
+    a TypeError from a hook called without its kwargs, or records missing). The window is widened here (a switch
+    of threads between the read and the increment, as the interpreter may make); each capture must record its own
+    forward (and count it), equal to the float64 oracle, and the model must end without hooks."""
+    from torch.utils import hooks
+
+    def widened(self, hooks_dict, *, extra_dict=None):
+        number = hooks.RemovableHandle.next_id
+        time.sleep(0.002)
+        hooks.RemovableHandle.next_id = number + 1
+        self.hooks_dict_ref = weakref.ref(hooks_dict)
+        self.id = number
+        dicts = [extra_dict] if isinstance(extra_dict, dict) else list(extra_dict or [])
+        self.extra_dict_ref = tuple(weakref.ref(d) for d in dicts)
+
+    monkeypatch.setattr(hooks.RemovableHandle, "__init__", widened)
+    model = _QKV().eval()
+    inputs = [torch.randn(2, 5, 8), torch.randn(3, 4, 8)]
+    failures: list = []
+    together = threading.Barrier(2)
+
+    def run(x) -> None:
+        try:
+            torch.set_num_threads(1)
+            for _ in range(3):
+                together.wait(10)  # both threads enter their captures at once
+                with torch.no_grad(), vx.capture(model) as rec:
+                    model(x)
+                (record,) = rec.records
+                assert rec.forward_count == 1  # (its input hook was not replaced by the other capture's)
+                torch.testing.assert_close(record.probs().double(), model.oracle(x), atol=1e-6, rtol=0)
+        except BaseException as error:  # (reported in the main thread)
+            failures.append(error)
+
+    workers = [threading.Thread(target=run, args=(x,)) for x in inputs]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(60)
+    assert not failures, failures
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+class _QKV(nn.Module):
+    """One attention layer (two heads) calling SDPA; ``oracle(x)`` its probabilities in float64."""
+
+    def __init__(self, dim: int = 8, heads: int = 2) -> None:
+        super().__init__()
+        self.heads, self.qkv = heads, nn.Linear(dim, 3 * dim)
+
+    def _qk(self, x):
+        b, n, d = x.shape
+        return self.qkv(x).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+
+    def forward(self, x):
+        q, k, v = self._qk(x)
+        return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)
+
+    def oracle(self, x):
+        q, k, _ = self._qk(x)
+        return oracle(q, k)

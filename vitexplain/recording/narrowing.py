@@ -66,6 +66,7 @@ from .direct import DirectSDPA
 from .attribution import never_issues
 from .forwards import ATTENTION_NAMES, blocks, forward_code, inert
 from .modestack import ModeStack
+from .shared import HOOKS
 
 __all__ = ["Narrowing"]
 
@@ -388,7 +389,9 @@ class Narrowing:
                 if code is not None:
                     self._learned[id(code)] = code
 
-        return [module.register_forward_pre_hook(pre, prepend=True), module.register_forward_hook(post, always_call=True)]
+        with HOOKS:  # (see shared.py)
+            return [module.register_forward_pre_hook(pre, prepend=True),
+                    module.register_forward_hook(post, always_call=True)]
 
 
 class _Closer:

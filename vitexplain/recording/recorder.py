@@ -40,7 +40,7 @@ from ..layout import TokenLayout
 from .attribution import Attribution, frame_kind
 from .compiled import eager_stance, unwrap_compiled
 from .custom import Extractor, declared_modules, module_hook
-from .fastpath import hold_fastpath_off, release_fastpath
+from .shared import HOOKS, hold_fastpath_off, release_fastpath
 from . import discovery
 from .direct import DirectSDPA
 from .flex import FlexWatcher
@@ -129,7 +129,7 @@ class Recorder:
         self._narrowing = Narrowing(self._mode, self.model, DirectSDPA(self, not self.grads and self.attention_mode == "fused"))
         self._mode_entered = False
         self._handles: list[RemovableHandle] = []
-        self._fastpath = False  # whether this capture holds MHA's fast path off (fastpath.py)
+        self._fastpath = False  # whether this capture holds MHA's fast path off (shared.py)
         self._stance: Any = None
         self._active = False
         self._thread = 0  # the thread the scope was entered in
@@ -147,37 +147,38 @@ class Recorder:
                 f"no module named {missing} in {type(self.model).__name__}; module names "
                 f"look like {list(modules)[1:6]} (see model.named_modules())"
             )
-        try:
-            self._stance = eager_stance(self._compiled or surveyed.compiled)
-            self._thread = threading.get_ident()
-            self._handles.append(
-                self.model.register_forward_pre_hook(self._on_model_input, with_kwargs=True)
-            )
-            self._handles.append(self.model.register_forward_pre_hook(self._on_root_start, prepend=True))
-            self._handles.append(self.model.register_forward_hook(self._on_root_end, always_call=True))
-            for name in self.activation_names:
+        with HOOKS:  # every hook of the scope is registered with it held (see shared.py)
+            try:
+                self._stance = eager_stance(self._compiled or surveyed.compiled)
+                self._thread = threading.get_ident()
                 self._handles.append(
-                    modules[name].register_forward_hook(activation_hook(self, name), with_kwargs=True)
+                    self.model.register_forward_pre_hook(self._on_model_input, with_kwargs=True)
                 )
-            if self.capture_gates:
-                self._gate_hooks = GateHooks(self.model, self._gates)
-                self._handles.extend(self._gate_hooks.register())
-            declared = declared_modules(self.model, self._extractors, modules, surveyed.by_type) if self.attention else {}
-            self._narrowing.share_lanes = not declared  # (a lane's issuer name holds when no module is declared)
-            self._attribution.start(surveyed.names, declared)
-            if self.attention:
-                for name, (module, extractor) in declared.items():
+                self._handles.append(self.model.register_forward_pre_hook(self._on_root_start, prepend=True))
+                self._handles.append(self.model.register_forward_hook(self._on_root_end, always_call=True))
+                for name in self.activation_names:
                     self._handles.append(
-                        module.register_forward_hook(module_hook(self, name, extractor), with_kwargs=True)
+                        modules[name].register_forward_hook(activation_hook(self, name), with_kwargs=True)
                     )
-                self._fastpath = hold_fastpath_off()
-                self._flex.start()
-                self._mode_entered = True
-                self._narrowing.enabled = not self._full_interception
-                self._narrowing.start(surveyed)
-        except BaseException:
-            self._restore()
-            raise
+                if self.capture_gates:
+                    self._gate_hooks = GateHooks(self.model, self._gates)
+                    self._handles.extend(self._gate_hooks.register())
+                declared = declared_modules(self.model, self._extractors, modules, surveyed.by_type) if self.attention else {}
+                self._narrowing.share_lanes = not declared  # (a lane's issuer name holds when no module is declared)
+                self._attribution.start(surveyed.names, declared)
+                if self.attention:
+                    for name, (module, extractor) in declared.items():
+                        self._handles.append(
+                            module.register_forward_hook(module_hook(self, name, extractor), with_kwargs=True)
+                        )
+                    self._fastpath = hold_fastpath_off()
+                    self._flex.start()
+                    self._mode_entered = True
+                    self._narrowing.enabled = not self._full_interception
+                    self._narrowing.start(surveyed)
+            except BaseException:
+                self._restore()
+                raise
         self._active = True
         return self
 

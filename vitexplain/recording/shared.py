@@ -1,6 +1,12 @@
-"""``nn.MultiheadAttention``'s C++ fast path, switched off while at least one capture is open (in any thread).
+"""Process-wide state that captures open at the same time in several threads share.
 
-The fast path (``torch.backends.mha``) computes MHA in one C++ call that no torch function mode sees, so a
+Hook registration: ``torch.utils.hooks.RemovableHandle`` numbers handles with a class counter that it reads and
+then increments, so two threads registering hooks at the same moment can get the same id; on one module (the same
+model captured in two threads) the second hook then replaces the first in the module's hook dict, and removing one
+removes the other. Every hook the capture registers is registered holding :data:`HOOKS`, so no two of them share
+an id.
+
+``nn.MultiheadAttention``'s C++ fast path is switched off while at least one capture is open. The fast path (``torch.backends.mha``) computes MHA in one C++ call that no torch function mode sees, so a
 capture switches it off for its scope. The switch is one flag for the whole process: captures open at the same
 time in several threads share one switch-off, counted under a lock. The first capture saves the flag and clears
 it; the last one to close puts the saved value back. (Each capture saving and restoring the flag itself let a
@@ -15,7 +21,10 @@ from typing import Optional
 
 import torch
 
-__all__ = ["hold_fastpath_off", "release_fastpath"]
+__all__ = ["HOOKS", "hold_fastpath_off", "release_fastpath"]
+
+#: held while the capture registers hooks (see the module docstring); re-entrant
+HOOKS = threading.RLock()
 
 _lock = threading.Lock()
 _holders = [0]
