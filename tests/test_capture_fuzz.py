@@ -280,3 +280,40 @@ class _QKV(nn.Module):
     def oracle(self, x):
         q, k, _ = self._qk(x)
         return oracle(q, k)
+
+
+class _RootBranch(nn.Module):
+    """A model whose own forward computes attention (a 4-D softmax) only when ``eager`` is set, and otherwise
+    calls an attention layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = _QKV()
+        self.eager = False
+
+    def forward(self, x):
+        if not self.eager:
+            return self.layer(x)
+        q = x.view(x.shape[0], x.shape[1], 2, 4).transpose(1, 2)
+        return (torch.softmax(q @ q.transpose(-2, -1) / 2, dim=-1) @ q).transpose(1, 2).flatten(2)
+
+
+def test_attention_the_model_itself_issues_on_a_later_forward_is_recorded():
+    """After the first forward a capture intercepts only where attention can be issued; the model itself was never
+    among those places, so attention its own forward computes on a branch the first forward did not take was
+    missed, silently (a later capture of the same model starts narrowed: NoAttentionError)."""
+    model = _RootBranch().eval()
+    x = torch.randn(2, 5, 8)
+    q = x.view(2, 5, 2, 4).transpose(1, 2)
+    with torch.no_grad(), vx.capture(model) as rec:
+        model(x)
+        model.eager = True
+        model(x)
+    assert [(r.name, r.forward_index) for r in rec.records] == [("layer", 0), ("", 1)]
+    torch.testing.assert_close(rec.records[0].probs().double(), model.layer.oracle(x), atol=1e-6, rtol=0)
+    torch.testing.assert_close(rec.records[1].probs().double(), oracle(q, q, scale=0.5), atol=1e-6, rtol=0)
+    with torch.no_grad(), vx.capture(model) as again:  # (starts from what the first capture learned)
+        model(x)
+    (record,) = again.records
+    assert record.name == ""
+    torch.testing.assert_close(record.probs().double(), oracle(q, q, scale=0.5), atol=1e-6, rtol=0)

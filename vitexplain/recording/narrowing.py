@@ -35,7 +35,8 @@ called through ``module.forward(...)`` instead of ``module(...)``, which skips i
 attention is seen at the interface either way).
 
 Narrowing does not happen, and the mode stays on, when: the model itself issued attention (a bare
-attention module, which could be called through ``.forward`` and skip the hooks); no forward of the
+attention module, which could be called through ``.forward`` and skip the hooks), or its forward names an
+attention function (it may issue attention on a branch its first forward did not take); no forward of the
 model returned without raising; another torch function mode is above the capture's (e.g. LRP's
 rules: the capture's mode must see calls after them, as at the bottom of the stack); or the model
 is never called through ``__call__`` (``generate`` of BLIP-2 or Kosmos-2, which call their towers
@@ -292,6 +293,9 @@ class Narrowing:
     def _narrow(self) -> None:
         """At the second forward: the mode only where attention is issued (or stays on, see the module docstring)."""
         if not self.stack.top_is_mode() or type(self.model) in self._issuer_types:
+            return
+        code = forward_code(self.model)  # the model is never gated: one whose forward names attention stays full
+        if code is not None and not ATTENTION_NAMES.isdisjoint(code.co_names):
             return
         self._prepare(self._modules.values(), whole=True)
         for handle in self._block_handles:  # (as the model's forward starts: no layer runs now)
