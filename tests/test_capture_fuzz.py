@@ -317,3 +317,49 @@ def test_attention_the_model_itself_issues_on_a_later_forward_is_recorded():
     (record,) = again.records
     assert record.name == ""
     torch.testing.assert_close(record.probs().double(), oracle(q, q, scale=0.5), atol=1e-6, rtol=0)
+
+
+def _stance() -> str:
+    """The compiler's stance now (torch keeps it in one process-wide setting)."""
+    from torch._dynamo import eval_frame
+
+    return eval_frame._stance.stance
+
+
+def test_captures_of_compiled_models_in_two_threads_share_the_eager_stance():
+    """A capture of a torch.compile-d model runs it eagerly ("force_eager", a process-wide setting). Thread A's
+    capture closes while thread B's is open: B's model must still run eagerly (its attention recorded), and the
+    stance must end as found. Each capture used to restore what it had found itself: A switched compiling back on
+    under B, and B, closing last, restored A's "force_eager": torch.compile off for the whole process."""
+    found = _stance()
+    model_a, model_b = torch.compile(_QKV().eval()), torch.compile(_QKV().eval())
+    x = torch.randn(2, 5, 8)
+    b_open, a_closed = threading.Event(), threading.Event()
+    result: dict = {}
+
+    def thread_b() -> None:
+        try:
+            torch.set_num_threads(1)
+            with torch.no_grad(), vx.capture(model_b) as rec:
+                b_open.set()
+                assert a_closed.wait(10)
+                result["stance"] = _stance()
+                if result["stance"] == "force_eager":  # (else the call would compile: slow, and not recorded)
+                    model_b(x)
+            result["records"] = rec.records
+        except BaseException as error:  # (reported in the main thread)
+            result["error"] = error
+        b_open.set()
+
+    worker = threading.Thread(target=thread_b)
+    with torch.no_grad(), vx.capture(model_a) as rec_a:
+        worker.start()
+        assert b_open.wait(10)
+        model_a(x)
+    a_closed.set()
+    worker.join(10)
+    assert "error" not in result, result.get("error")
+    assert result["stance"] == "force_eager" and _stance() == found
+    for records, model in ((rec_a.records, model_a), (result["records"], model_b)):
+        (record,) = records
+        torch.testing.assert_close(record.probs().double(), model._orig_mod.oracle(x), atol=1e-6, rtol=0)

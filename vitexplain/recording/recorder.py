@@ -204,8 +204,8 @@ class Recorder:
                 self._fastpath = False
                 release_fastpath()
             if self._stance is not None:
-                self._stance.__exit__(None, None, None)
-                self._stance = None
+                release, self._stance = self._stance, None
+                release()
             self._active = False
 
     # -- the record sink (what the interceptors use, see recording/sink.py) ----------------
