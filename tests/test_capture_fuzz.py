@@ -363,3 +363,40 @@ def test_captures_of_compiled_models_in_two_threads_share_the_eager_stance():
     for records, model in ((rec_a.records, model_a), (result["records"], model_b)):
         (record,) = records
         torch.testing.assert_close(record.probs().double(), model._orig_mod.oracle(x), atol=1e-6, rtol=0)
+
+
+class _FlexOffset(nn.Module):
+    """FlexAttention whose score_mod reads a tensor the model writes in place before each call (a decoding offset
+    kept in one tensor, so that compiled code does not recompile): keys past the offset are hidden."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("offset", torch.zeros((), dtype=torch.long))
+
+    def forward(self, q, k, v, pos: int):
+        from torch.nn.attention.flex_attention import flex_attention
+
+        self.offset.fill_(pos)
+        offset = self.offset
+
+        def hide_after_offset(score, b, h, q_idx, kv_idx):
+            return torch.where(kv_idx <= offset, score, -float("inf"))
+
+        return flex_attention(q, k, v, score_mod=hide_after_offset)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_records_whose_score_mod_reads_a_tensor_written_since_are_refused():
+    """The record recomputes with the call's score_mod, which reads the offset tensor as it is *now*: after the
+    next step wrote it, the first step's probabilities came out with the second step's offset, silently."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    model = _FlexOffset().eval()
+    q, k = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 6, 4)
+    with torch.no_grad(), vx.capture(model) as rec:
+        model(q, k, k, 1)
+        first = rec.records[0].probs()  # read before the next write: right
+        model(q, k, k, 4)
+    torch.testing.assert_close(first.double(), oracle(q, k, torch.arange(6) <= 1), atol=1e-6, rtol=0)
+    with pytest.raises(vx.CaptureError, match="written in place after the call"):
+        rec.records[0].probs()
+    torch.testing.assert_close(rec.records[1].probs().double(), oracle(q, k, torch.arange(6) <= 4), atol=1e-6, rtol=0)

@@ -41,6 +41,7 @@ from ..errors import CaptureError
 from .records import AttentionRecord, key_witness
 from .scores import QuerySelect, _rows
 from .sink import RecordSink, in_backward
+from .witness import captured_versions, changed_tensor
 
 __all__ = [
     "FlexAttentionRecord",
@@ -282,6 +283,7 @@ class FlexAttentionRecord(AttentionRecord):
 
     score_mod: Optional[Callable] = field(default=None, repr=False)
     block_mask: Any = field(default=None, repr=False)
+    _mod_versions: tuple = field(default=(), repr=False)  # (tensor, _version) the mods read (witness.py)
 
     @property
     def rows_sum_to_one(self) -> bool:
@@ -296,6 +298,14 @@ class FlexAttentionRecord(AttentionRecord):
         if self._q is None or self._k is None:
             raise CaptureError(f"record {self.name!r} holds no queries/keys (it was released)")
         self._check_keys_kept()  # (keys of a static KV cache, written again after the call: refused)
+        changed = changed_tensor(self._mod_versions)
+        if changed is not None:
+            raise CaptureError(
+                f"a tensor of shape {tuple(changed.shape)} that the score_mod or mask_mod of the FlexAttention call "
+                f"{self.name!r} (step {self.step}) reads was written in place after the call (e.g. a decoding offset "
+                "updated at every step, or a bias an optimizer stepped), so its attention cannot be recomputed; read "
+                "the records before the model writes it again"
+            )
         return flex_probs(
             self._q, self._k, score_mod=self.score_mod, block_mask=self.block_mask, scale=self._scale, queries=queries
         )
@@ -407,6 +417,7 @@ class FlexWatcher:
             _scale=bound["scale"],
             score_mod=bound["score_mod"],
             block_mask=bound["block_mask"],
+            _mod_versions=captured_versions(bound["score_mod"], getattr(bound["block_mask"], "mask_mod", None)),
         )
         if self.sink.grads:
             record._v = v.detach()
