@@ -400,3 +400,66 @@ def test_flex_records_whose_score_mod_reads_a_tensor_written_since_are_refused()
     with pytest.raises(vx.CaptureError, match="written in place after the call"):
         rec.records[0].probs()
     torch.testing.assert_close(rec.records[1].probs().double(), oracle(q, k, torch.arange(6) <= 4), atol=1e-6, rtol=0)
+
+
+def _sdpa_cases():
+    """(name, (q, k, v), SDPA keyword arguments): every mask form and input layout SDPA takes."""
+    b, h, n, e = 2, 3, 5, 4
+    r = torch.randn
+    cases = []
+    for shape in [(1, n), (n, n), (1, n, n), (h, n, n), (b, 1, n, n), (b, h, n, n), (b, 1, 1, n), (b, h, n, 1), (n, 1)]:
+        keep = torch.rand(shape) > 0.3
+        cases.append((f"bool{shape}", (r(b, h, n, e), r(b, h, n, e), r(b, h, n, e)), {"attn_mask": keep}))
+        bias = torch.where(keep, r(shape), torch.tensor(-float("inf")))
+        cases.append((f"float{shape}", (r(b, h, n, e), r(b, h, n, e), r(b, h, n, e)), {"attn_mask": bias}))
+    for n_q, n_k in [(3, 6), (6, 3), (1, 5), (5, 1)]:
+        cases.append((f"causal{n_q}x{n_k}", (r(b, h, n_q, e), r(b, h, n_k, e), r(b, h, n_k, e)), {"is_causal": True}))
+    qkv = r(b, n, 3, h, e).permute(2, 0, 3, 1, 4)  # timm's strided q, k, v
+    f64, bf16 = torch.float64, torch.bfloat16
+    cases += [
+        ("scale", (r(b, h, n, e), r(b, h, 7, e), r(b, h, 7, 6)), {"scale": 0.77}),
+        ("gqa", (r(b, 6, n, e), r(b, 2, 7, e), r(b, 2, 7, e)), {"enable_gqa": True, "attn_mask": torch.rand(b, 6, n, 7) > 0.2}),
+        ("3d", (r(b, n, e), r(b, 7, e), r(b, 7, e)), {"attn_mask": r(n, 7)}),
+        ("5d", (r(b, 2, h, n, e), r(b, 2, h, n, e), r(b, 2, h, n, e)), {"attn_mask": r(2, 1, n, n)}),
+        ("5d_causal", (r(b, 2, h, n, e), r(b, 2, h, n, e), r(b, 2, h, n, e)), {"is_causal": True}),
+        ("strided", tuple(qkv.unbind(0)), {}),
+        ("k_transposed", (r(b, h, n, e), r(b, h, e, n).transpose(-1, -2), r(b, h, n, e)), {}),
+        ("float64", (r(b, h, n, e, dtype=f64), r(b, h, n, e, dtype=f64), r(b, h, n, e, dtype=f64)),
+         {"attn_mask": r(n, n, dtype=f64)}),
+        ("bfloat16", (r(b, h, n, e, dtype=bf16), r(b, h, n, e, dtype=bf16), r(b, h, n, e, dtype=bf16)),
+         {"attn_mask": r(n, n, dtype=bf16)}),
+        ("empty_batch", (r(0, h, n, e), r(0, h, n, e), r(0, h, n, e)), {}),
+        ("one_token", (r(b, h, 1, e), r(b, h, 1, e), r(b, h, 1, e)), {}),
+    ]
+    return cases
+
+
+@pytest.mark.parametrize("mode", ["fused", "materialize"])
+@pytest.mark.parametrize("grads", [False, True], ids=["no_grads", "grads"])
+def test_sdpa_calls_of_every_form_equal_the_float64_oracle(mode, grads):
+    """Every SDPA form (mask shapes and kinds, causal with N_q != N_k, scale, GQA, 3-D and 5-D inputs, strided,
+    float64, bfloat16, empty batch, one token; only q requiring grad): probs() and grad_probs() equal the float64
+    oracle, the outputs equal the uncaptured call's (bitwise with the fused kernel)."""
+    for name, (q, k, v), kwargs in _sdpa_cases():
+        q = q.detach().requires_grad_(grads)  # (k and v constants: only some inputs require grad)
+        module = _Attend(**kwargs)
+        with torch.set_grad_enabled(grads):
+            want = module(q, k, v)
+            with vx.capture(module, attention_mode=mode, grads=grads) as rec:
+                got = module(q, k, v)
+        if mode == "fused" or not rec.records[0].materialized:
+            assert torch.equal(got, want), name
+        else:
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=name)
+        (record,) = rec.records
+        expected = oracle(q, k, kwargs.get("attn_mask"), causal=kwargs.get("is_causal", False), scale=kwargs.get("scale"))
+        expected = expected.reshape(record.q_shape[0], record.num_heads, *expected.shape[-2:])  # (5-D: windows in B)
+        torch.testing.assert_close(record.probs().double(), expected, atol=1e-6, rtol=0, msg=name)
+        if grads and q.shape[0]:
+            cotangent = torch.randn_like(got)
+            rec.backward((got * cotangent).sum())
+            values = v.double()
+            if values.dim() == q.dim() and values.shape[-3] != q.shape[-3]:
+                values = values.repeat_interleave(q.shape[-3] // values.shape[-3], -3)
+            d_probs = (cotangent.double() @ values.transpose(-2, -1)).reshape(expected.shape)  # dO V^T
+            torch.testing.assert_close(record.grad_probs().double(), d_probs, atol=1e-4, rtol=1e-3, msg=name)
