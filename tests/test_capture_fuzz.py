@@ -463,3 +463,49 @@ def test_sdpa_calls_of_every_form_equal_the_float64_oracle(mode, grads):
                 values = values.repeat_interleave(q.shape[-3] // values.shape[-3], -3)
             d_probs = (cotangent.double() @ values.transpose(-2, -1)).reshape(expected.shape)  # dO V^T
             torch.testing.assert_close(record.grad_probs().double(), d_probs, atol=1e-4, rtol=1e-3, msg=name)
+
+
+class _SDPACache(nn.Module):
+    """SDPA over a KV cache buffer made at the first step and written in place at every step (every key attended)."""
+
+    def forward(self, q, k, v, pos: int):
+        if pos == 0:
+            self.k_cache, self.v_cache = torch.zeros(1, 2, 4, 4), torch.zeros(1, 2, 4, 4)
+        self.k_cache[:, :, pos] = k[:, :, 0]
+        self.v_cache[:, :, pos] = v[:, :, 0]
+        return F.scaled_dot_product_attention(q, self.k_cache, self.v_cache)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_keys_and_mod_tensors_written_in_place_under_inference_mode_are_refused():
+    """Under torch.inference_mode tensors keep no count of their in-place writes, so the witness of a cache's keys
+    (and of a FlexAttention offset) was skipped: earlier steps' records recomputed from the keys of later steps,
+    silently. Records whose keys were not written since still read right."""
+    model = _SDPACache().eval()
+    expected = []
+    with torch.inference_mode(), vx.capture(model) as rec:
+        for pos in range(3):
+            q, k = torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4)
+            model(q, k, k, pos)
+            expected.append(oracle(q, model.k_cache))
+        fresh = _QKV().eval()
+        x = torch.randn(2, 5, 8)
+        with vx.capture(fresh) as fresh_rec:
+            fresh(x)
+    for record in rec.records[:2]:
+        with pytest.raises(vx.CaptureError, match="overwritten in place"):
+            record.probs()
+    torch.testing.assert_close(rec.records[2].probs().double(), expected[2], atol=1e-6, rtol=0)
+    with torch.inference_mode():
+        torch.testing.assert_close(fresh_rec.records[0].probs().double(), fresh.oracle(x), atol=1e-6, rtol=0)
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    flex_model = _FlexOffset().eval()
+    q, k = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 6, 4)
+    with torch.inference_mode():
+        flex_model.offset = torch.zeros((), dtype=torch.long)  # (an inference tensor)
+        with vx.capture(flex_model) as flex_rec:
+            flex_model(q, k, k, 1)
+            flex_model(q, k, k, 4)
+    with pytest.raises(vx.CaptureError, match="written in place after the call"):
+        flex_rec.records[0].probs()
+    torch.testing.assert_close(flex_rec.records[1].probs().double(), oracle(q, k, torch.arange(6) <= 4), atol=1e-6, rtol=0)

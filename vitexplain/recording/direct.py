@@ -150,8 +150,8 @@ def _shape_key(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple]:
     if len(args) < 4:
         return None
     query, key, mask = args[0], args[1], args[3]
-    if not isinstance(query, Tensor) or not isinstance(key, Tensor) or query.dim() != 4 or _version(key) > 0:
-        return None  # (an inference tensor keeps no version: -1, fresh as on the checked path)
+    if not isinstance(query, Tensor) or not isinstance(key, Tensor) or query.dim() != 4 or _version(key) != 0:
+        return None  # (an inference tensor keeps no count, -1: its witness is taken at call time, on the checked path)
     q_length = query.shape[2]
     return (id(module), len(args), tuple([k for k, v in kwargs.items() if v is not None]), mask is None,
             None if mask is None else mask.dim(), q_length == 1, q_length > 1 and key.shape[2] > q_length,

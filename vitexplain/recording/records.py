@@ -45,13 +45,14 @@ def key_witness(k: Optional[Tensor]) -> dict:
     Records keep the keys themselves (no copy). Keys that had been written in place before the call
     (``_version`` not 0: a static or sliding-window KV cache buffer, updated by ``index_copy_``) may be
     written again by later calls; for those, the per-key sums (B, H_kv, N_k) are kept as a witness
-    (E times smaller than the keys). Freshly computed keys (version 0) cost nothing.
+    (E times smaller than the keys). Freshly computed keys (version 0) cost nothing. Inference tensors
+    (made under ``torch.inference_mode``) keep no count, so their sums are always kept.
 
     Returns:
         the record fields ``_k_version`` and ``_k_sums``.
     """
     version = _version(k)
-    if version <= 0:
+    if version == 0 or k is None:
         return {"_k_version": version, "_k_sums": None}
     return {"_k_version": version, "_k_sums": k.detach().float().sum(-1)}  # type: ignore[union-attr]
 
@@ -200,8 +201,10 @@ class AttentionRecord:
         """Raise when the model wrote, after this call, into keys this call attended to (written in place
         before the call too, see :func:`key_witness`). Writes to keys the call masked out change nothing
         (a static cache filled at later positions); a sliding-window cache overwrites attended ones."""
-        if self._k_version < 0 or _version(self._k) == self._k_version:
-            return
+        if self._k_version >= 0 and _version(self._k) == self._k_version:
+            return  # not written since (an inference tensor keeps no count: its sums tell)
+        if self._k_sums is None and self._k_version < 0:
+            return  # (no witness kept)
         if self._k_sums is not None:
             changed = self._k.detach().float().sum(-1) != self._k_sums  # (B, H_kv, N_k) keys written since
             if not bool(changed.any()):

@@ -7,7 +7,8 @@ table, or a decoding offset that the model writes in place at every step (the wa
 compiled code from recompiling). A record read after such a write would recompute the attention of another call.
 The tensors a function captures (its closure cells, the module globals it names, the arguments of a
 ``functools.partial``, and the same for the functions among those, a few levels deep) are noted with their
-``_version`` (how many in-place writes torch counted); reading the record checks them.
+``_version`` (how many in-place writes torch counted; a small inference tensor, which keeps no count, is copied);
+reading the record checks them.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Optional
 
+import torch
 from torch import Tensor
 
 __all__ = ["captured_versions", "changed_tensor"]
@@ -51,18 +53,32 @@ def _captured(fn: Any, depth: int, found: dict[int, Tensor]) -> None:
             _captured(value, depth + 1, found)
 
 
-def captured_versions(*functions: Optional[Callable]) -> tuple[tuple[Tensor, int], ...]:
-    """(tensor, its ``_version``) for every tensor the functions capture (inference tensors, which keep no count,
-    are left out)."""
+#: An inference tensor (``torch.inference_mode``) keeps no count of its writes: one of at most this many elements
+#: is copied instead, and compared when the record is read (larger ones are not witnessed).
+COPY_ELEMENTS = 4096
+
+
+def captured_versions(*functions: Optional[Callable]) -> tuple[tuple[Tensor, Any], ...]:
+    """(tensor, its ``_version``, or a copy of it for a small inference tensor) for every tensor the functions
+    capture."""
     found: dict[int, Tensor] = {}
     for fn in functions:
         _captured(fn, 0, found)
-    return tuple((t, t._version) for t in found.values() if not t.is_inference())
+    noted: list[tuple[Tensor, Any]] = []
+    for t in found.values():
+        if not t.is_inference():
+            noted.append((t, t._version))
+        elif t.numel() <= COPY_ELEMENTS:
+            noted.append((t, t.clone()))
+    return tuple(noted)
 
 
-def changed_tensor(versions: tuple[tuple[Tensor, int], ...]) -> Optional[Tensor]:
+def changed_tensor(versions: tuple[tuple[Tensor, Any], ...]) -> Optional[Tensor]:
     """The first noted tensor written in place since it was noted, or None."""
-    for tensor, version in versions:
-        if tensor._version != version:
+    for tensor, noted in versions:
+        if isinstance(noted, Tensor):
+            if not torch.equal(tensor, noted):
+                return tensor
+        elif tensor._version != noted:
             return tensor
     return None
