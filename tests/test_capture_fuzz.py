@@ -273,9 +273,9 @@ class _QKV(nn.Module):
         b, n, d = x.shape
         return self.qkv(x).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
 
-    def forward(self, x):
+    def forward(self, x, mask=None):
         q, k, v = self._qk(x)
-        return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).flatten(2)
 
     def oracle(self, x):
         q, k, _ = self._qk(x)
@@ -509,3 +509,30 @@ def test_keys_and_mod_tensors_written_in_place_under_inference_mode_are_refused(
     with pytest.raises(vx.CaptureError, match="written in place after the call"):
         flex_rec.records[0].probs()
     torch.testing.assert_close(flex_rec.records[1].probs().double(), oracle(q, k, torch.arange(6) <= 4), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("path", ["batched", "per_image", "chunks"])
+@pytest.mark.parametrize("masked", [False, True], ids=["plain", "masked"])
+def test_a_capture_around_a_materializing_capture_records_the_models_calls(path, masked, monkeypatch):
+    """An inner capture that computed the attention itself (attention_mode='materialize', or 'auto' as the
+    Explainer asks on a CPU) ran its own softmax where the outer capture saw it: the outer capture recorded one
+    'eager' record per image or per chunk (batch 1 or 2 instead of 3), or none at all for a masked call (whose
+    softmax is torch's _safe_softmax), silently."""
+    from vitexplain.recording import materialize
+
+    minimum, chunk = {"batched": (2**62, 2**62), "per_image": (0, 0), "chunks": (0, 2 * 2 * 5 * 5 * 4)}[path]
+    monkeypatch.setattr(materialize, "PER_IMAGE_MIN", minimum)
+    monkeypatch.setattr(materialize, "CHUNK_BYTES", chunk)
+    model = _QKV().eval()
+    x = torch.randn(3, 5, 8)
+    mask = torch.rand(5, 5) > 0.3 if masked else None
+    with torch.no_grad():
+        want = model(x, mask)
+        with vx.capture(model) as outer, vx.capture(model, attention_mode="materialize") as inner:
+            got = model(x, mask)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    q, k, _ = model._qk(x)
+    for rec in (outer, inner):
+        (record,) = rec.records
+        assert record.q_shape[0] == 3
+        torch.testing.assert_close(record.probs().double(), oracle(q, k, mask), atol=1e-6, rtol=0)

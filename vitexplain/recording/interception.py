@@ -200,7 +200,7 @@ class AttentionMode(TorchFunctionMode):
             mask4 = mask.unsqueeze(-3) if mask is not None and mask.dim() == 3 else mask
         else:
             q4, k4, v4, mask4 = q, k, v, mask
-        if self._materialize(q4, k4, v4, mask4, dropout_p, gqa):
+        if not _seen_after(func) and self._materialize(q4, k4, v4, mask4, dropout_p, gqa):
             one_head = q4 is not q
             out, probs = attention_with_probs(
                 q4, k4, v4, attn_mask=mask4, scale=fields["_scale"], is_causal=fields["_causal"],
@@ -283,6 +283,17 @@ class AttentionMode(TorchFunctionMode):
         """Run MHA's functional forward with its inner SDPA/softmax calls visible (see :func:`_mha_taps`)."""
         with _mha_taps(self):
             return func(*args, **kwargs)
+
+
+def _seen_after(func: Callable) -> bool:
+    """Whether another capture sees this SDPA call after this one (a capture nested in another): then the call
+    must run as it is, not be computed by this capture, whose own torch calls (the scores, a softmax per image
+    or chunk) the other capture would record in its place. ``func``: what this capture would call next (MHA's
+    taps hand an outer capture the next capture's handler, see :func:`_mha_chain`)."""
+    if func is not _SDPA:
+        return True
+    n = torch._C._len_torch_function_stack()  # (this capture's mode is off the stack while it handles the call)
+    return any(isinstance(torch._C._get_function_stack_at(i), AttentionMode) for i in range(n))
 
 
 # nn.MultiheadAttention's functional forward calls ``scaled_dot_product_attention`` / ``softmax`` by their names
