@@ -42,21 +42,32 @@ def oracle(q, k, mask=None, *, causal=False, scale=None):
 
 
 def mha_oracle(mha: nn.MultiheadAttention, query, key, *, key_padding_mask=None, attn_mask=None):
-    """nn.MultiheadAttention's (B, H, N_q, N_k) weights written out in float64 (batch_first, packed in-projection,
-    no bias_kv / zero_attn); masks as MHA reads them (bool: True = masked out; float: added)."""
+    """nn.MultiheadAttention's (B, H, N_q, N_k') weights written out in float64 from its parameters (batch_first
+    inputs; N_k' counts the bias key of ``add_bias_kv`` and the zero key of ``add_zero_attn``); masks as MHA reads
+    them (bool: True = masked out; float: added)."""
     d, h = mha.embed_dim, mha.num_heads
-    w, b = mha.in_proj_weight.detach().double(), mha.in_proj_bias.detach().double()
-    (w_q, w_k, _), (b_q, b_k, _) = w.chunk(3), b.chunk(3)
-
-    def split(t):
-        return t.view(t.shape[0], t.shape[1], h, d // h).transpose(1, 2)
-
-    q, k = split(query.double() @ w_q.T + b_q), split(key.double() @ w_k.T + b_k)
+    if mha.in_proj_weight is not None:
+        w_q, w_k, _ = mha.in_proj_weight.detach().double().chunk(3)
+    else:
+        w_q, w_k = mha.q_proj_weight.detach().double(), mha.k_proj_weight.detach().double()
+    b_q, b_k, _ = mha.in_proj_bias.detach().double().chunk(3)
+    b, n_q = query.shape[:2]
+    q = (query.double() @ w_q.T + b_q).view(b, n_q, h, d // h).transpose(1, 2)
+    k = key.double() @ w_k.T + b_k  # (B, N_k, D)
+    extra = 0
+    if mha.bias_k is not None:
+        k = torch.cat([k, mha.bias_k.detach().double().view(1, 1, d).expand(b, 1, d)], 1)
+        extra += 1
+    k = k.view(b, -1, h, d // h).transpose(1, 2)
+    if mha.add_zero_attn:
+        k = torch.cat([k, k.new_zeros(b, h, 1, d // h)], 2)
+        extra += 1
     s = q @ k.transpose(-2, -1) / math.sqrt(d // h)
-    for m, shape in ((attn_mask, None), (key_padding_mask, (query.shape[0], 1, 1, key.shape[1]))):
+    for m, padding in ((attn_mask, False), (key_padding_mask, True)):
         if m is None:
             continue
-        m = m.view(shape) if shape is not None else (m if m.dim() == 2 else m.view(query.shape[0], h, *m.shape[-2:]))
+        m = m.view(b, 1, 1, -1) if padding else (m if m.dim() == 2 else m.view(b, h, *m.shape[-2:]))
+        m = F.pad(m, (0, extra))  # (the extra keys are never masked)
         s = s.masked_fill(m, float("-inf")) if m.dtype == torch.bool else s + m.double()
     return torch.softmax(s, -1)
 
@@ -536,3 +547,42 @@ def test_a_capture_around_a_materializing_capture_records_the_models_calls(path,
         (record,) = rec.records
         assert record.q_shape[0] == 3
         torch.testing.assert_close(record.probs().double(), oracle(q, k, mask), atol=1e-6, rtol=0)
+
+
+def test_multihead_attention_in_every_setting_equals_the_float64_oracle():
+    """nn.MultiheadAttention: batch_first or not, kdim/vdim, add_bias_kv, add_zero_attn, key_padding_mask bool or
+    float, attn_mask 2-D or 3-D, need_weights (averaged or not), eval without grad (its C++ fast path outside the
+    capture): one record per call equal to the oracle, outputs equal to the uncaptured call's, torch as found."""
+    import itertools
+
+    b, n_q, n_k = 2, 4, 5
+    fast = torch.backends.mha.get_fastpath_enabled()
+    for batch_first, kdim, bias_kv, zero_attn, padding, mask, weights in itertools.product(
+            [True, False], [None, 6], [False, True], [False, True], [None, "bool", "float"], [None, "2d", "3d"],
+            [None, "averaged", "per_head"]):
+        mha = nn.MultiheadAttention(8, 2, batch_first=batch_first, kdim=kdim, vdim=kdim, add_bias_kv=bias_kv,
+                                    add_zero_attn=zero_attn).eval()
+        query, key = torch.randn(b, n_q, 8), torch.randn(b, n_k, kdim or 8)
+        kwargs: dict = {"need_weights": weights is not None, "average_attn_weights": weights == "averaged"}
+        if padding is not None:
+            keep = torch.zeros(b, n_k, dtype=torch.bool)
+            keep[0, -1] = True
+            kwargs["key_padding_mask"] = keep if padding == "bool" else torch.randn(b, n_k)
+        if mask is not None:
+            kwargs["attn_mask"] = torch.randn(n_q, n_k) if mask == "2d" else torch.randn(b * 2, n_q, n_k)
+            if padding == "bool":  # (MHA wants both masks of one kind)
+                kwargs["attn_mask"] = kwargs["attn_mask"] > 1.0
+        inputs = (query, key, key) if batch_first else (query.transpose(0, 1), key.transpose(0, 1), key.transpose(0, 1))
+        with torch.no_grad():
+            want = mha(*inputs, **kwargs)[0]
+            with vx.capture(mha) as rec:
+                got = mha(*inputs, **kwargs)[0]
+        case = (batch_first, kdim, bias_kv, zero_attn, padding, mask, weights)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=0, msg=str(case))  # (the fast path runs outside)
+        (record,) = rec.records
+        assert record.kind == "cross" and record.source == ("eager" if weights else "sdpa"), case
+        expected = mha_oracle(mha, query, key, key_padding_mask=kwargs.get("key_padding_mask"),
+                              attn_mask=kwargs.get("attn_mask"))
+        torch.testing.assert_close(record.probs().double(), expected, atol=1e-6, rtol=0, msg=str(case))
+    assert torch.backends.mha.get_fastpath_enabled() is fast
+    assert F.scaled_dot_product_attention is _SDPA and F.softmax is _SOFTMAX
