@@ -429,7 +429,8 @@ def _sdpa_cases():
     f64, bf16 = torch.float64, torch.bfloat16
     cases += [
         ("scale", (r(b, h, n, e), r(b, h, 7, e), r(b, h, 7, 6)), {"scale": 0.77}),
-        ("gqa", (r(b, 6, n, e), r(b, 2, 7, e), r(b, 2, 7, e)), {"enable_gqa": True, "attn_mask": torch.rand(b, 6, n, 7) > 0.2}),
+        ("gqa", (r(b, 6, n, e), r(b, 2, 7, e), r(b, 2, 7, e)),
+         {"enable_gqa": True, "attn_mask": torch.rand(b, 6, n, 7) > 0.2}),
         ("3d", (r(b, n, e), r(b, 7, e), r(b, 7, e)), {"attn_mask": r(n, 7)}),
         ("5d", (r(b, 2, h, n, e), r(b, 2, h, n, e), r(b, 2, h, n, e)), {"attn_mask": r(2, 1, n, n)}),
         ("5d_causal", (r(b, 2, h, n, e), r(b, 2, h, n, e), r(b, 2, h, n, e)), {"is_causal": True}),
@@ -463,7 +464,8 @@ def test_sdpa_calls_of_every_form_equal_the_float64_oracle(mode, grads):
         else:
             torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=name)
         (record,) = rec.records
-        expected = oracle(q, k, kwargs.get("attn_mask"), causal=kwargs.get("is_causal", False), scale=kwargs.get("scale"))
+        expected = oracle(q, k, kwargs.get("attn_mask"), causal=kwargs.get("is_causal", False),
+                          scale=kwargs.get("scale"))
         expected = expected.reshape(record.q_shape[0], record.num_heads, *expected.shape[-2:])  # (5-D: windows in B)
         torch.testing.assert_close(record.probs().double(), expected, atol=1e-6, rtol=0, msg=name)
         if grads and q.shape[0]:
@@ -519,7 +521,8 @@ def test_keys_and_mod_tensors_written_in_place_under_inference_mode_are_refused(
             flex_model(q, k, k, 4)
     with pytest.raises(vx.CaptureError, match="written in place after the call"):
         flex_rec.records[0].probs()
-    torch.testing.assert_close(flex_rec.records[1].probs().double(), oracle(q, k, torch.arange(6) <= 4), atol=1e-6, rtol=0)
+    torch.testing.assert_close(flex_rec.records[1].probs().double(), oracle(q, k, torch.arange(6) <= 4),
+                               atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("path", ["batched", "per_image", "chunks"])

@@ -163,7 +163,8 @@ class Recorder:
                 if self.capture_gates:
                     self._gate_hooks = GateHooks(self.model, self._gates)
                     self._handles.extend(self._gate_hooks.register())
-                declared = declared_modules(self.model, self._extractors, modules, surveyed.by_type) if self.attention else {}
+                declared = (declared_modules(self.model, self._extractors, modules, surveyed.by_type)
+                            if self.attention else {})
                 self._narrowing.share_lanes = not declared  # (a lane's issuer name holds when no module is declared)
                 self._attribution.start(surveyed.names, declared)
                 if self.attention:

@@ -6,12 +6,13 @@ model captured in two threads) the second hook then replaces the first in the mo
 removes the other. Every hook the capture registers is registered holding :data:`HOOKS`, so no two of them share
 an id.
 
-``nn.MultiheadAttention``'s C++ fast path is switched off while at least one capture is open. The fast path (``torch.backends.mha``) computes MHA in one C++ call that no torch function mode sees, so a
-capture switches it off for its scope. The switch is one flag for the whole process: captures open at the same
-time in several threads share one switch-off, counted under a lock. The first capture saves the flag and clears
-it; the last one to close puts the saved value back. (Each capture saving and restoring the flag itself let a
-capture that closed first switch the fast path back on under one still open in another thread, whose MHA calls
-then went unrecorded, and let the last one restore the "off" it had found, leaving the fast path off for good.)
+``nn.MultiheadAttention``'s C++ fast path (``torch.backends.mha``) computes MHA in one C++ call that no torch
+function mode sees, so a capture switches it off for its scope. The switch is one flag for the whole process:
+captures open at the same time in several threads share one switch-off, counted under a lock. The first capture
+saves the flag and clears it; the last one to close puts the saved value back. (Each capture saving and restoring
+the flag itself let a capture that closed first switch the fast path back on under one still open in another thread,
+whose MHA calls then went unrecorded, and let the last one restore the "off" it had found, leaving the fast path off
+for good.)
 """
 
 from __future__ import annotations
