@@ -434,6 +434,8 @@ def _sdpa_cases():
         ("3d", (r(b, n, e), r(b, 7, e), r(b, 7, e)), {"attn_mask": r(n, 7)}),
         ("5d", (r(b, 2, h, n, e), r(b, 2, h, n, e), r(b, 2, h, n, e)), {"attn_mask": r(2, 1, n, n)}),
         ("5d_causal", (r(b, 2, h, n, e), r(b, 2, h, n, e), r(b, 2, h, n, e)), {"is_causal": True}),
+        ("5d_kv_broadcast", (r(b, 2, h, n, e), r(b, 1, h, n, e), r(2, h, n, e)), {}),
+        ("5d_q_broadcast", (r(1, 2, h, n, e), r(b, 2, h, n, e), r(b, 2, h, n, e)), {"attn_mask": r(n, n)}),
         ("strided", tuple(qkv.unbind(0)), {}),
         ("k_transposed", (r(b, h, n, e), r(b, h, e, n).transpose(-1, -2), r(b, h, n, e)), {}),
         ("float64", (r(b, h, n, e, dtype=f64), r(b, h, n, e, dtype=f64), r(b, h, n, e, dtype=f64)),
@@ -451,7 +453,8 @@ def _sdpa_cases():
 def test_sdpa_calls_of_every_form_equal_the_float64_oracle(mode, grads):
     """Every SDPA form (mask shapes and kinds, causal with N_q != N_k, scale, GQA, 3-D and 5-D inputs, strided,
     float64, bfloat16, empty batch, one token; only q requiring grad): probs() and grad_probs() equal the float64
-    oracle, the outputs equal the uncaptured call's (bitwise with the fused kernel)."""
+    oracle, the outputs equal the uncaptured call's (bitwise with the fused kernel). 5-D calls whose leading dims
+    SDPA broadcasts (keys shared by the windows) gave a RuntimeError from probs()."""
     for name, (q, k, v), kwargs in _sdpa_cases():
         q = q.detach().requires_grad_(grads)  # (k and v constants: only some inputs require grad)
         module = _Attend(**kwargs)

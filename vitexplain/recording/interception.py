@@ -180,11 +180,16 @@ class AttentionMode(TorchFunctionMode):
         mask = bound.get("attn_mask")
         mask = mask if isinstance(mask, Tensor) else None
         q = query
+        out_rows = query.shape[:-1]  # (the output's shape but its last dim)
         gqa = bool(bound.get("enable_gqa", False))
         groups = packed_groups(caller, issuer.frame, q)
         if groups > 1:  # transformers packed the query heads into rows: record them as heads
             q, mask, gqa = unpack_query(q, groups), unpack_mask(mask, groups), True
         if q.dim() > 4:  # windows or groups as extra leading dims: fold them into the batch
+            lead = torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])  # (SDPA broadcasts them)
+            if q.shape[:-3] != lead or k.shape[:-3] != lead or v.shape[:-3] != lead:
+                q, k, v = (t.expand(*lead, *t.shape[-3:]) for t in (q, k, v))
+                out_rows = q.shape[:-1]
             if mask is not None:
                 mask = mask.reshape((1,) * (q.dim() - mask.dim()) + tuple(mask.shape))
                 mask = _fold(mask.expand(*q.shape[:-3], *mask.shape[-3:]))
@@ -216,7 +221,7 @@ class AttentionMode(TorchFunctionMode):
                 record._attach_grad_hook(probs, self.sink.hooks_enabled)
             elif not again:  # nothing to hook: the record is made when the records are read
                 self.sink.add_draft(issuer, fields)
-            return out.reshape(*query.shape[:-1], out.shape[-1])
+            return out.reshape(*out_rows, out.shape[-1])
         out = func(*args, **kwargs)
         if self.sink.grads:
             record = self.sink.add_record(issuer, _q=q.detach(), _k=k.detach(), **key_witness(k), **fields)
