@@ -592,3 +592,48 @@ def test_multihead_attention_in_every_setting_equals_the_float64_oracle():
         torch.testing.assert_close(record.probs().double(), expected, atol=1e-6, rtol=0, msg=str(case))
     assert torch.backends.mha.get_fastpath_enabled() is fast
     assert F.scaled_dot_product_attention is _SDPA and F.softmax is _SOFTMAX
+
+
+def _capture_backward_in_a_thread() -> dict:
+    """In a new thread: a capture with gradients, the user's own backward, and its dy/dA (or the error)."""
+    result: dict = {}
+
+    def run() -> None:
+        try:
+            torch.set_num_threads(1)
+            q, k, v = torch.randn(2, 3, 5, 4, requires_grad=True), torch.randn(2, 3, 6, 4), torch.randn(2, 3, 6, 4)
+            module = _Attend()
+            with vx.capture(module, grads=True) as rec:
+                out = module(q, k, v)
+            cotangent = torch.randn_like(out)
+            (out * cotangent).sum().backward()
+            result["got"] = rec.records[0].grad_probs().double()
+            result["want"] = cotangent.double() @ v.double().transpose(-2, -1)
+        except BaseException as error:  # (reported by the caller)
+            result["error"] = error
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join(30)
+    return result
+
+
+@pytest.mark.parametrize("while_", ["rec_backward", "hooks_paused"])
+def test_a_capture_in_another_thread_gets_its_gradients_while_a_backward_pass_is_paused(while_):
+    """rec.backward (and a method's own pass inside hooks_paused, as the Explainer runs every method) paused
+    every record's gradient hook in the whole process: a capture's backward in another thread at that moment got
+    no gradient ('no gradient has reached'), or only part of it when it accumulated several."""
+    found: dict = {}
+    if while_ == "hooks_paused":
+        with vx.recording.hooks_paused():
+            found.update(_capture_backward_in_a_thread())
+    else:
+        module = _Attend()
+        q = torch.randn(1, 2, 4, 4, requires_grad=True)
+        with vx.capture(module, grads=True) as rec:
+            out = module(q, q, q)
+        out.register_hook(lambda grad: found.update(_capture_backward_in_a_thread()))  # (runs inside the pass)
+        rec.backward(out.sum())
+        assert rec.records[0].grad_probs().shape == (1, 2, 4, 4)
+    assert "error" not in found, found.get("error")
+    torch.testing.assert_close(found["got"], found["want"], atol=1e-5, rtol=1e-5)
