@@ -637,3 +637,51 @@ def test_a_capture_in_another_thread_gets_its_gradients_while_a_backward_pass_is
         assert rec.records[0].grad_probs().shape == (1, 2, 4, 4)
     assert "error" not in found, found.get("error")
     torch.testing.assert_close(found["got"], found["want"], atol=1e-5, rtol=1e-5)
+
+
+class _Additive(nn.Module):
+    """Bahdanau attention, ``softmax_i(v . tanh(W q + k_i))``; returns (context, weights)."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.W, self.v = nn.Linear(dim, dim), nn.Linear(dim, 1)
+
+    def forward(self, query, keys):
+        weights = torch.softmax(self.v(torch.tanh(self.W(query)[:, None] + keys)).squeeze(-1), -1)
+        return (weights[..., None] * keys).sum(1), weights
+
+
+class _Attends(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.att, self.proj = _Additive(), nn.Linear(8, 8)
+
+    def forward(self, query, keys):
+        return self.proj(self.att(query, keys)[0])
+
+
+def test_another_threads_calls_of_the_model_are_not_recorded_by_module_hooks():
+    """Declared attention modules and activations are recorded by forward hooks, which fire in every thread
+    that runs the model: a call of the captured model from another thread during the scope was recorded as
+    the capture's own (records of another batch, step numbers shifted), silently."""
+    from vitexplain.recording import from_output
+
+    model = _Attends().eval()
+    query, keys = torch.randn(2, 8), torch.randn(2, 5, 8)
+
+    def elsewhere() -> None:
+        with torch.no_grad():
+            model(torch.randn(3, 8), torch.randn(3, 7, 8))
+
+    with torch.no_grad(), vx.capture(model, attention={"att": from_output(1, "cross")}, activations=["proj"]) as rec:
+        worker = threading.Thread(target=elsewhere)
+        worker.start()
+        worker.join(10)
+        model(query, keys)
+    (record,) = rec.records
+    assert (record.name, record.step, record.source) == ("att", 0, "module")
+    hidden = torch.tanh((query.double() @ model.att.W.weight.double().T + model.att.W.bias.double())[:, None] + keys)
+    expected = torch.softmax(hidden @ model.att.v.weight.double()[0] + model.att.v.bias.double(), -1)
+    torch.testing.assert_close(record.probs().double(), expected[:, None, None], atol=1e-6, rtol=0)
+    (call,) = rec.activations["proj"]
+    assert call.output.shape == (2, 8)

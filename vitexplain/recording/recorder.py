@@ -161,7 +161,7 @@ class Recorder:
                         modules[name].register_forward_hook(activation_hook(self, name), with_kwargs=True)
                     )
                 if self.capture_gates:
-                    self._gate_hooks = GateHooks(self.model, self._gates)
+                    self._gate_hooks = GateHooks(self.model, self._gates, self.in_scope_thread)
                     self._handles.extend(self._gate_hooks.register())
                 declared = (declared_modules(self.model, self._extractors, modules, surveyed.by_type)
                             if self.attention else {})
@@ -272,6 +272,10 @@ class Recorder:
     def last_record(self) -> Optional[AttentionRecord]:
         """The latest record, or None."""
         return self._records[-1] if self._records else None
+
+    def in_scope_thread(self) -> bool:
+        """Whether the calling thread is the one that entered the scope (see :class:`RecordSink`)."""
+        return threading.get_ident() == self._thread
 
     def hooks_enabled(self) -> bool:
         """Whether gradient hooks collect: not while :meth:`backward` of this or of any other recorder runs
