@@ -435,6 +435,7 @@ def _sdpa_cases():
         ("5d", (r(b, 2, h, n, e), r(b, 2, h, n, e), r(b, 2, h, n, e)), {"attn_mask": r(2, 1, n, n)}),
         ("5d_causal", (r(b, 2, h, n, e), r(b, 2, h, n, e), r(b, 2, h, n, e)), {"is_causal": True}),
         ("5d_kv_broadcast", (r(b, 2, h, n, e), r(b, 1, h, n, e), r(2, h, n, e)), {}),
+        ("q_broadcast", (r(1, h, n, e), r(b, h, 7, e), r(b, h, 7, e)), {"attn_mask": r(b, 1, n, 7)}),
         ("5d_q_broadcast", (r(1, 2, h, n, e), r(b, 2, h, n, e), r(b, 2, h, n, e)), {"attn_mask": r(n, n)}),
         ("strided", tuple(qkv.unbind(0)), {}),
         ("k_transposed", (r(b, h, n, e), r(b, h, e, n).transpose(-1, -2), r(b, h, n, e)), {}),
@@ -454,7 +455,8 @@ def test_sdpa_calls_of_every_form_equal_the_float64_oracle(mode, grads):
     """Every SDPA form (mask shapes and kinds, causal with N_q != N_k, scale, GQA, 3-D and 5-D inputs, strided,
     float64, bfloat16, empty batch, one token; only q requiring grad): probs() and grad_probs() equal the float64
     oracle, the outputs equal the uncaptured call's (bitwise with the fused kernel). 5-D calls whose leading dims
-    SDPA broadcasts (keys shared by the windows) gave a RuntimeError from probs()."""
+    SDPA broadcasts (keys shared by the windows) gave a RuntimeError from probs(); queries shared by the images
+    gave a record of batch 1 whose probs() had the keys' batch."""
     for name, (q, k, v), kwargs in _sdpa_cases():
         q = q.detach().requires_grad_(grads)  # (k and v constants: only some inputs require grad)
         module = _Attend(**kwargs)
@@ -685,3 +687,37 @@ def test_another_threads_calls_of_the_model_are_not_recorded_by_module_hooks():
     torch.testing.assert_close(record.probs().double(), expected[:, None, None], atol=1e-6, rtol=0)
     (call,) = rec.activations["proj"]
     assert call.output.shape == (2, 8)
+
+
+@pytest.mark.parametrize("capture", ["first", "lanes"])
+def test_a_sliding_window_cache_under_inference_mode_reads_as_under_no_grad(capture):
+    """Hugging Face's static sliding-window cache overwrites keys that earlier steps attended. Under no_grad
+    their records refuse probs(); under torch.inference_mode the keys keep no write count and the records
+    recomputed from the overwritten keys, silently (on the checked path and on the lanes a later capture takes)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MistralConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=60, sliding_window=4, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = transformers.MistralForCausalLM(config).eval()
+    ids = torch.randint(3, 60, (1, 5))
+
+    def generate(mode) -> list:
+        with mode(), vx.capture(model) as rec:
+            model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False, cache_implementation="static")
+        read = []
+        for record in rec.records:
+            try:
+                read.append(record.probs())
+            except vx.CaptureError:
+                read.append(None)
+        return read
+
+    want = generate(torch.no_grad)
+    assert any(p is None for p in want) and any(p is not None for p in want)
+    if capture == "lanes":
+        generate(torch.inference_mode)  # (the first capture checks the calls; this one takes the lanes)
+    got = generate(torch.inference_mode)
+    assert [p is None for p in got] == [p is None for p in want]
+    for g, w in zip(got, want):
+        if w is not None:
+            torch.testing.assert_close(g, w, atol=1e-6, rtol=0)

@@ -185,11 +185,14 @@ class AttentionMode(TorchFunctionMode):
         groups = packed_groups(caller, issuer.frame, q)
         if groups > 1:  # transformers packed the query heads into rows: record them as heads
             q, mask, gqa = unpack_query(q, groups), unpack_mask(mask, groups), True
-        if q.dim() > 4:  # windows or groups as extra leading dims: fold them into the batch
-            lead = torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])  # (SDPA broadcasts them)
-            if q.shape[:-3] != lead or k.shape[:-3] != lead or v.shape[:-3] != lead:
-                q, k, v = (t.expand(*lead, *t.shape[-3:]) for t in (q, k, v))
+        if q.dim() >= 4:  # leading dims SDPA broadcasts: queries shared by the images, keys shared by the windows
+            lead = torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
+            if q.shape[:-3] != lead:  # (a view: the record's batch is the output's)
+                q = q.expand(*lead, *q.shape[-3:])
                 out_rows = q.shape[:-1]
+            if q.dim() > 4 and (k.shape[:-3] != lead or v.shape[:-3] != lead):  # (folded below: one batch)
+                k, v = k.expand(*lead, *k.shape[-3:]), v.expand(*lead, *v.shape[-3:])
+        if q.dim() > 4:  # windows or groups as extra leading dims: fold them into the batch
             if mask is not None:
                 mask = mask.reshape((1,) * (q.dim() - mask.dim()) + tuple(mask.shape))
                 mask = _fold(mask.expand(*q.shape[:-3], *mask.shape[-3:]))
