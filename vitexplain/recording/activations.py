@@ -29,6 +29,8 @@ def activation_hook(rec: Any, name: str) -> Callable:
         out = output[0] if isinstance(output, (tuple, list)) else output
         if not isinstance(out, Tensor) or in_backward():  # (a checkpointed forward recomputed: seen before)
             return
+        if not rec.in_scope_thread():  # another thread's call of the model: not the capture's
+            return
         inp = next((a for a in args if isinstance(a, Tensor)), None)
         record = ActivationRecord(
             name=name, step=len(rec.activations[name]), input=inp, output=out, args=args,

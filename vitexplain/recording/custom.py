@@ -242,8 +242,8 @@ def module_hook(sink: RecordSink, name: str, extractor: Extractor) -> Callable:
     """
 
     def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        if in_backward():  # a checkpointed forward recomputed: this call was recorded when it first ran
-            return
+        if in_backward() or not sink.in_scope_thread():  # (in_backward: a checkpointed forward recomputed,
+            return  # recorded when it first ran; another thread's call of the model is not the capture's)
         inputs = ModuleInputs(args, kwargs)
         checked = as_weights(extractor(module, inputs, output), name)
         if checked is None:

@@ -151,7 +151,7 @@ def _shape_key(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple]:
         return None
     query, key, mask = args[0], args[1], args[3]
     if not isinstance(query, Tensor) or not isinstance(key, Tensor) or query.dim() != 4 or _version(key) > 0:
-        return None  # (an inference tensor keeps no version: -1, fresh as on the checked path)
+        return None  # (an inference tensor keeps no count, -1: the lane notes its key sums at call time, _Pending)
     q_length = query.shape[2]
     return (id(module), len(args), tuple([k for k, v in kwargs.items() if v is not None]), mask is None,
             None if mask is None else mask.dim(), q_length == 1, q_length > 1 and key.shape[2] > q_length,
@@ -188,10 +188,14 @@ class _Pending:
     """A lane's call, kept as its arguments: :meth:`resolve` makes the record's fields when the records are read
     (out of the model's hot loop), as :func:`_plan` makes them at call time on the checked path."""
 
-    __slots__ = ("original", "module", "args", "kwargs", "gqa")
+    __slots__ = ("original", "module", "args", "kwargs", "gqa", "sums")
 
     def __init__(self, original: Callable, module: nn.Module, args: tuple, kwargs: dict, gqa: dict) -> None:
         self.original, self.module, self.args, self.kwargs, self.gqa = original, module, args, kwargs, gqa
+        key = args[1]
+        # an inference tensor keeps no count of its writes: its per-key sums now tell, when the record is made,
+        # whether a later call wrote into it (a static cache under torch.inference_mode)
+        self.sums = key.detach().float().sum(-1) if key.is_inference() else None
 
     def resolve(self) -> dict[str, Any]:
         """The record's fields; they are what the capture's mode records for a call of a kind checked equal.
@@ -201,6 +205,8 @@ class _Pending:
                 the module's first call of the same shape took): its record cannot be trusted.
         """
         plan = _plan(self.original, self.module, self.args, self.kwargs, self.gqa)
+        if plan is not None and self.sums is not None:
+            plan = (plan[0], _written_since(plan[1], self.args[1], self.sums))
         if plan is None or _CHECKED.get(plan[0]) is not True:
             raise CaptureError(
                 f"an attention call of {type(self.module).__name__} took another path through transformers' "
@@ -208,6 +214,18 @@ class _Pending:
                 "record cannot be trusted; please report this with your transformers version"
             )
         return plan[1]
+
+
+def _written_since(fields: dict[str, Any], key: Tensor, sums: Tensor) -> dict[str, Any]:
+    """``fields`` whose key witness (sums of the planned keys, taken now) marks the keys written since the call
+    (their sums then, ``sums``, (B, H_kv, N_k)) as changed: NaN, which equals nothing, where a sum differs."""
+    changed = key.detach().float().sum(-1) != sums
+    witness = fields.get("_k_sums")
+    if witness is None or not bool(changed.any()):
+        return fields
+    if witness.shape[1] != changed.shape[1]:  # keys repeated for the query heads (repeat_kv)
+        changed = changed.repeat_interleave(witness.shape[1] // changed.shape[1], dim=1)
+    return dict(fields, _k_sums=witness.masked_fill(changed[..., : witness.shape[-1]], float("nan")))
 
 
 class DirectSDPA:

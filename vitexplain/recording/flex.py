@@ -38,9 +38,10 @@ import torch
 from torch import Tensor
 
 from ..errors import CaptureError
-from .records import AttentionRecord
+from .records import AttentionRecord, key_witness
 from .scores import QuerySelect, _rows
 from .sink import RecordSink, in_backward
+from .witness import captured_versions, changed_tensor
 
 __all__ = [
     "FlexAttentionRecord",
@@ -49,6 +50,7 @@ __all__ = [
     "flex_code",
     "flex_op",
     "flex_frame",
+    "flex_scores",
     "flex_probs",
     "flex_arguments",
     "traced_call",
@@ -208,7 +210,7 @@ def _dense_mask(block_mask: Any, b: int, h: int, rows: Tensor, n_k: int, device:
     return mod
 
 
-def flex_probs(
+def flex_scores(
     q: Tensor,
     k: Tensor,
     *,
@@ -217,7 +219,7 @@ def flex_probs(
     scale: Optional[float] = None,
     queries: QuerySelect = None,
 ) -> Tensor:
-    """``softmax(score_mod(q k^T * scale))`` over the entries ``block_mask`` keeps, in float32.
+    """``score_mod(q k^T * scale)``, ``-inf`` where ``block_mask`` drops the entry, in float32.
 
     Args:
         q: (B, H, N_q, E) queries.
@@ -228,7 +230,7 @@ def flex_probs(
         queries: which query rows (None = all; an int, a slice or an index tensor).
 
     Returns:
-        (B, H, n, N_k) float32; masked entries are exactly 0.
+        (B, H, n, N_k) float32 scores.
     """
     from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
     from torch.nn.attention.flex_attention import _vmap_for_bhqkv
@@ -247,6 +249,26 @@ def flex_probs(
             scores = _vmap_for_bhqkv(score_mod, prefix=(0,))(scores, *index).float()
     if block_mask is not None:
         scores = scores.masked_fill(~_dense_mask(block_mask, b, h, rows, n_k, q.device), float("-inf"))
+    return scores
+
+
+def flex_probs(
+    q: Tensor,
+    k: Tensor,
+    *,
+    score_mod: Optional[Callable] = None,
+    block_mask: Any = None,
+    scale: Optional[float] = None,
+    queries: QuerySelect = None,
+) -> Tensor:
+    """``softmax(score_mod(q k^T * scale))`` over the entries ``block_mask`` keeps, in float32.
+
+    Args: as :func:`flex_scores`.
+
+    Returns:
+        (B, H, n, N_k) float32; masked entries are exactly 0.
+    """
+    scores = flex_scores(q, k, score_mod=score_mod, block_mask=block_mask, scale=scale, queries=queries)
     return torch.nan_to_num_(torch.softmax(scores, dim=-1), nan=0.0)
 
 
@@ -261,6 +283,7 @@ class FlexAttentionRecord(AttentionRecord):
 
     score_mod: Optional[Callable] = field(default=None, repr=False)
     block_mask: Any = field(default=None, repr=False)
+    _mod_versions: tuple = field(default=(), repr=False)  # (tensor, _version) the mods read (witness.py)
 
     @property
     def rows_sum_to_one(self) -> bool:
@@ -274,9 +297,22 @@ class FlexAttentionRecord(AttentionRecord):
         """
         if self._q is None or self._k is None:
             raise CaptureError(f"record {self.name!r} holds no queries/keys (it was released)")
+        self._check_keys_kept()  # (keys of a static KV cache, written again after the call: refused)
+        changed = changed_tensor(self._mod_versions)
+        if changed is not None:
+            raise CaptureError(
+                f"a tensor of shape {tuple(changed.shape)} that the score_mod or mask_mod of the FlexAttention call "
+                f"{self.name!r} (step {self.step}) reads was written in place after the call (e.g. a decoding offset "
+                "updated at every step, or a bias an optimizer stepped), so its attention cannot be recomputed; read "
+                "the records before the model writes it again"
+            )
         return flex_probs(
             self._q, self._k, score_mod=self.score_mod, block_mask=self.block_mask, scale=self._scale, queries=queries
         )
+
+
+    def _scores(self) -> Tensor:
+        return flex_scores(self._q, self._k, score_mod=self.score_mod, block_mask=self.block_mask, scale=self._scale)
 
 
 class FlexWatcher:
@@ -377,9 +413,11 @@ class FlexWatcher:
             k_shape=k.shape,
             _q=q.detach(),
             _k=k.detach(),
+            **key_witness(k),
             _scale=bound["scale"],
             score_mod=bound["score_mod"],
             block_mask=bound["block_mask"],
+            _mod_versions=captured_versions(bound["score_mod"], getattr(bound["block_mask"], "mask_mod", None)),
         )
         if self.sink.grads:
             record._v = v.detach()

@@ -339,11 +339,14 @@ class GateHooks:
     Args:
         model: the model whose gate modules are hooked.
         records: the list records are appended to, in call order.
+        ours: whether a call in the calling thread is the capture's (the hooks fire in every thread that runs
+            the model; the default takes every call).
     """
 
-    def __init__(self, model: nn.Module, records: list[GateRecord]) -> None:
+    def __init__(self, model: nn.Module, records: list[GateRecord], ours: Callable[[], bool] = lambda: True) -> None:
         self.model = model
         self.records = records
+        self.ours = ours
         self.plans = find_gates(model)
         self._pending: dict[str, dict[str, Any]] = {}
         self._steps: dict[str, int] = {}
@@ -365,20 +368,23 @@ class GateHooks:
 
     def _pre(self, plan: GatePlan) -> Callable:
         def hook(module: nn.Module, args: tuple) -> None:
-            self._pending[plan.name] = {"input": _first_tensor(args), "raw": {}}
+            if self.ours():
+                self._pending[plan.name] = {"input": _first_tensor(args), "raw": {}}
 
         return hook
 
     def _tap(self, plan: GatePlan, kind: str) -> Callable:
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
             pending = self._pending.get(plan.name)  # None: the tap ran outside its gate module
-            if pending is not None and isinstance(output, Tensor):
+            if pending is not None and isinstance(output, Tensor) and self.ours():
                 pending["raw"][kind] = output
 
         return hook
 
     def _post(self, plan: GatePlan) -> Callable:
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            if not self.ours():
+                return
             pending = self._pending.pop(plan.name, None)
             if pending is None or pending["input"] is None or in_backward():  # (in_backward: recomputed)
                 return

@@ -1,6 +1,7 @@
-"""Gradients of a capture's records: :meth:`Recorder.backward`'s own autograd pass to every record, and the
-process-wide count of such passes, during which no record's gradient hook collects (a capture nested in another,
-e.g. an explainer's inside a user's, sees the same graph; each pass reaches the records it targets only)."""
+"""Gradients of a capture's records: :meth:`Recorder.backward`'s own autograd pass to every record, and the passes
+during which no record's gradient hook collects: those passes (known by their autograd graph task; a capture nested
+in another, e.g. an explainer's inside a user's, sees the same graph, and each pass reaches the records it targets
+only) and the passes a thread runs inside :func:`hooks_paused`. Other threads' passes are not affected."""
 
 from __future__ import annotations
 
@@ -15,29 +16,59 @@ from ..errors import CaptureError, InputError
 
 __all__ = ["hooks_paused", "backward_running", "backward_pass", "zero_grads"]
 
-#: how many :meth:`Recorder.backward` passes run now (any recorder): no record's hook collects meanwhile
+#: how many :func:`hooks_paused` blocks are open now, in any thread (what hooks on autograd's own threads see)
 _BACKWARDS = [0]
 _BACKWARDS_LOCK = threading.Lock()
+_local = threading.local()  # .paused: how many hooks_paused blocks are open in this thread
+#: the autograd graph tasks of the Recorder.backward passes running now (torch._C._current_graph_task_id)
+_PASSES: set[int] = set()
+_task = getattr(torch._C, "_current_graph_task_id", None)
+#: the thread class Python gives threads it did not start (autograd's device threads, where CUDA hooks run)
+_FOREIGN = getattr(threading, "_DummyThread", ())
 
 
 @contextlib.contextmanager
 def hooks_paused() -> Iterator[None]:
-    """Inside, no recorder's gradient hooks collect (as while a recorder's own :meth:`Recorder.backward`
-    runs): for a method's own autograd pass over a captured graph once its records hold their
-    gradients (LeGrad differentiates each layer's score; the capture's hooks on the attention
-    outputs added those gradients to the records, and a method run after it read them)."""
+    """Inside, no recorder's gradient hooks collect in the backward passes this thread runs (as in a
+    recorder's own :meth:`Recorder.backward`): for a method's own autograd pass over a captured graph once its
+    records hold their gradients (LeGrad differentiates each layer's score; the capture's hooks on the attention
+    outputs added those gradients to the records, and a method run after it read them). Hooks that run on
+    autograd's own threads (CUDA devices) cannot tell which thread's pass they serve: they pause while any
+    thread is inside such a block. Passes of other Python threads (a capture's backward on CPU) are not paused."""
     with _BACKWARDS_LOCK:
         _BACKWARDS[0] += 1
+    _local.paused = getattr(_local, "paused", 0) + 1
     try:
         yield
     finally:
+        _local.paused -= 1
         with _BACKWARDS_LOCK:
             _BACKWARDS[0] -= 1
 
 
 def backward_running() -> bool:
-    """Whether a :meth:`Recorder.backward` pass (of any recorder) or a :func:`hooks_paused` block runs now."""
-    return _BACKWARDS[0] != 0
+    """Whether the backward pass running now is a :meth:`Recorder.backward` pass (of any recorder) or one run
+    inside a :func:`hooks_paused` block: then no record's gradient hook collects."""
+    if _PASSES and _task is not None and _task() in _PASSES:
+        return True
+    if getattr(_local, "paused", 0):
+        return True
+    return _BACKWARDS[0] != 0 and isinstance(threading.current_thread(), _FOREIGN)
+
+
+
+def _own_pass(root: Tensor, passes: list[int]) -> None:
+    """Mark the backward pass from ``root`` as a Recorder.backward pass as it starts: a hook on ``root`` runs
+    first in it and notes its graph task (``passes`` keeps it to forget afterwards)."""
+
+    def mark(grad: Tensor) -> None:
+        if _task is not None:
+            task = _task()
+            with _BACKWARDS_LOCK:
+                _PASSES.add(task)
+            passes.append(task)
+
+    root.register_hook(mark)
 
 
 def backward_pass(recorder: Any, score: Tensor, retain_graph: bool) -> None:
@@ -60,11 +91,15 @@ def backward_pass(recorder: Any, score: Tensor, retain_graph: bool) -> None:
             "the score given to rec.backward is not part of an autograd graph: compute it from the outputs "
             "of the captured forward, run with gradients enabled (not under torch.no_grad())"
         )
+    root = score.sum()
+    passes: list[int] = []
+    if _task is not None:
+        _own_pass(root, passes)
     try:
-        with hooks_paused():
-            grads = torch.autograd.grad(
-                score.sum(), [t for _, t in targets], retain_graph=retain_graph, allow_unused=True
-            )
+        with contextlib.ExitStack() as stack:
+            if _task is None:  # (no graph task ids in this torch: every pass pauses, as hooks_paused does)
+                stack.enter_context(hooks_paused())
+            grads = torch.autograd.grad(root, [t for _, t in targets], retain_graph=retain_graph, allow_unused=True)
     except RuntimeError as error:
         if "second time" not in str(error):
             raise
@@ -72,6 +107,9 @@ def backward_pass(recorder: Any, score: Tensor, retain_graph: bool) -> None:
             "the autograd graph of this forward was freed by an earlier backward: pass retain_graph=True to "
             "every rec.backward(...) on it but the last, or run the forward again"
         ) from error
+    finally:
+        with _BACKWARDS_LOCK:
+            _PASSES.difference_update(passes)
     for (obj, tensor), grad in zip(targets, grads):
         obj._add_grad(grad if grad is not None else torch.zeros_like(tensor))
 

@@ -16,9 +16,11 @@ captures dO (``dy/dA = dO @ V^T``); on the probabilities for eager and materiali
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import threading
 from types import CodeType, FrameType
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -178,10 +180,18 @@ class AttentionMode(TorchFunctionMode):
         mask = bound.get("attn_mask")
         mask = mask if isinstance(mask, Tensor) else None
         q = query
+        out_rows = query.shape[:-1]  # (the output's shape but its last dim)
         gqa = bool(bound.get("enable_gqa", False))
         groups = packed_groups(caller, issuer.frame, q)
         if groups > 1:  # transformers packed the query heads into rows: record them as heads
             q, mask, gqa = unpack_query(q, groups), unpack_mask(mask, groups), True
+        if q.dim() >= 4:  # leading dims SDPA broadcasts: queries shared by the images, keys shared by the windows
+            lead = torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
+            if q.shape[:-3] != lead:  # (a view: the record's batch is the output's)
+                q = q.expand(*lead, *q.shape[-3:])
+                out_rows = q.shape[:-1]
+            if q.dim() > 4 and (k.shape[:-3] != lead or v.shape[:-3] != lead):  # (folded below: one batch)
+                k, v = k.expand(*lead, *k.shape[-3:]), v.expand(*lead, *v.shape[-3:])
         if q.dim() > 4:  # windows or groups as extra leading dims: fold them into the batch
             if mask is not None:
                 mask = mask.reshape((1,) * (q.dim() - mask.dim()) + tuple(mask.shape))
@@ -198,14 +208,13 @@ class AttentionMode(TorchFunctionMode):
             mask4 = mask.unsqueeze(-3) if mask is not None and mask.dim() == 3 else mask
         else:
             q4, k4, v4, mask4 = q, k, v, mask
-        if self._materialize(q4, k4, v4, mask4, dropout_p, gqa):
+        if not _seen_after(func) and self._materialize(q4, k4, v4, mask4, dropout_p, gqa):
             one_head = q4 is not q
             out, probs = attention_with_probs(
                 q4, k4, v4, attn_mask=mask4, scale=fields["_scale"], is_causal=fields["_causal"],
                 heads="all" if one_head else self.heads,
             )
-            # kept as a recomputed record of a call without heads would give them: (B, N_q, N_k)
-            kept = probs.detach().squeeze(1) if one_head else probs.detach()
+            kept = probs.detach()  # (a call without heads: (B, 1, N_q, N_k), as its recomputed record gives them)
             heads = self.heads if probs.dim() == 3 and not one_head else "all"
             # the probabilities are kept, so the mask (SAM's relative-position bias: as large as
             # the attention itself) is not: the record only notes that the call had one
@@ -215,7 +224,7 @@ class AttentionMode(TorchFunctionMode):
                 record._attach_grad_hook(probs, self.sink.hooks_enabled)
             elif not again:  # nothing to hook: the record is made when the records are read
                 self.sink.add_draft(issuer, fields)
-            return out.reshape(*query.shape[:-1], out.shape[-1])
+            return out.reshape(*out_rows, out.shape[-1])
         out = func(*args, **kwargs)
         if self.sink.grads:
             record = self.sink.add_record(issuer, _q=q.detach(), _k=k.detach(), **key_witness(k), **fields)
@@ -229,6 +238,8 @@ class AttentionMode(TorchFunctionMode):
         """Whether this SDPA call is computed by the capture (see ``attention_mode``)."""
         if self.attention_mode == "fused" or not can_materialize(q, k, v, mask, dropout_p, gqa):
             return False
+        if self.sink.grads and torch.is_grad_enabled() and v.requires_grad and not (q.requires_grad or k.requires_grad):
+            return False  # (only v in the graph: P would not be, no dy/dP to hook on it; a fused record takes dO V^T)
         if self.attention_mode == "materialize":
             return True
         if self.sink.grads:  # auto: with a backward pass the fused kernels are faster (materialize.py)
@@ -277,17 +288,82 @@ class AttentionMode(TorchFunctionMode):
 
     # -- nn.MultiheadAttention ----------------------------------------------------------
     def _on_mha(self, func: Callable, args: tuple, kwargs: dict) -> Any:
-        """Run MHA's functional forward with its inner SDPA/softmax calls visible."""
-        original_sdpa, original_softmax = F.scaled_dot_product_attention, F.softmax
-
-        def sdpa(*a: Any, **kw: Any) -> Any:
-            return self._on_sdpa(original_sdpa, a, kw, sys._getframe(1))
-
-        def softmax(*a: Any, **kw: Any) -> Any:
-            return self._on_softmax(original_softmax, a, kw, sys._getframe(1))
-
-        F.scaled_dot_product_attention, F.softmax = sdpa, softmax
-        try:
+        """Run MHA's functional forward with its inner SDPA/softmax calls visible (see :func:`_mha_taps`)."""
+        with _mha_taps(self):
             return func(*args, **kwargs)
-        finally:
-            F.scaled_dot_product_attention, F.softmax = original_sdpa, original_softmax
+
+
+def _seen_after(func: Callable) -> bool:
+    """Whether another capture sees this SDPA call after this one (a capture nested in another): then the call
+    must run as it is, not be computed by this capture, whose own torch calls (the scores, a softmax per image
+    or chunk) the other capture would record in its place. ``func``: what this capture would call next (MHA's
+    taps hand an outer capture the next capture's handler, see :func:`_mha_chain`)."""
+    if func is not _SDPA:
+        return True
+    n = torch._C._len_torch_function_stack()  # (this capture's mode is off the stack while it handles the call)
+    return any(isinstance(torch._C._get_function_stack_at(i), AttentionMode) for i in range(n))
+
+
+# nn.MultiheadAttention's functional forward calls ``scaled_dot_product_attention`` / ``softmax`` by their names
+# in torch.nn.functional, from inside the mode's own handler (where the mode is off): while at least one capture
+# runs such a forward (in any thread), those two names are *taps* that hand the call to the modes running an MHA
+# forward in the calling thread and call the original at once for every other thread. Reference counted under a
+# lock, so that captures in several threads never save one another's taps as "the original" (which left
+# torch.nn.functional patched for good); on the last exit each name that still holds its tap gets its original.
+_MHA_NAMES = ("scaled_dot_product_attention", "softmax")
+_mha_lock = threading.Lock()
+_mha_open = [0]
+_mha_installed: dict[str, tuple[Callable, Callable]] = {}  # name -> (original, tap)
+_mha_local = threading.local()  # .modes: the AttentionModes running an MHA forward in this thread, innermost first
+
+
+def _mha_tap(name: str, original: Callable) -> Callable:
+    def tap(*args: Any, **kwargs: Any) -> Any:
+        modes = getattr(_mha_local, "modes", None)
+        if not modes:  # another thread's call, or one outside an MHA forward
+            return original(*args, **kwargs)
+        return _mha_chain(list(modes), name, original, sys._getframe(1), args, kwargs)
+
+    tap.__wrapped__ = original  # type: ignore[attr-defined]
+    return tap
+
+
+def _mha_chain(modes: list, name: str, original: Callable, caller: FrameType, args: tuple, kwargs: dict) -> Any:
+    """The call through every mode of ``modes`` (the outermost capture first, the original call innermost)."""
+    mode = modes[-1]
+    inner = original if len(modes) == 1 else (
+        lambda *a, **kw: _mha_chain(modes[:-1], name, original, caller, a, kw))
+    if name == "softmax":
+        return mode._on_softmax(inner, args, kwargs, caller)
+    return mode._on_sdpa(inner, args, kwargs, caller)
+
+
+@contextlib.contextmanager
+def _mha_taps(mode: "AttentionMode") -> Iterator[None]:
+    """Inside, this thread's calls of ``F.scaled_dot_product_attention`` / ``F.softmax`` reach ``mode``."""
+    with _mha_lock:
+        if _mha_open[0] == 0:
+            for name in _MHA_NAMES:
+                original = getattr(F, name)
+                tap = _mha_tap(name, original)
+                setattr(F, name, tap)
+                _mha_installed[name] = (original, tap)
+        _mha_open[0] += 1
+    modes = getattr(_mha_local, "modes", None)
+    if modes is None:
+        modes = _mha_local.modes = []
+    modes.append(mode)
+    try:
+        yield
+    finally:
+        for i in range(len(modes) - 1, -1, -1):
+            if modes[i] is mode:
+                del modes[i]
+                break
+        with _mha_lock:
+            _mha_open[0] -= 1
+            if _mha_open[0] == 0:
+                for name, (original, tap) in _mha_installed.items():
+                    if getattr(F, name) is tap:
+                        setattr(F, name, original)
+                _mha_installed.clear()

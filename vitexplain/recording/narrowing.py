@@ -35,7 +35,8 @@ called through ``module.forward(...)`` instead of ``module(...)``, which skips i
 attention is seen at the interface either way).
 
 Narrowing does not happen, and the mode stays on, when: the model itself issued attention (a bare
-attention module, which could be called through ``.forward`` and skip the hooks); no forward of the
+attention module, which could be called through ``.forward`` and skip the hooks), or its forward names an
+attention function (it may issue attention on a branch its first forward did not take); no forward of the
 model returned without raising; another torch function mode is above the capture's (e.g. LRP's
 rules: the capture's mode must see calls after them, as at the bottom of the stack); or the model
 is never called through ``__call__`` (``generate`` of BLIP-2 or Kosmos-2, which call their towers
@@ -66,6 +67,7 @@ from .direct import DirectSDPA
 from .attribution import never_issues
 from .forwards import ATTENTION_NAMES, blocks, forward_code, inert
 from .modestack import ModeStack
+from .shared import HOOKS
 
 __all__ = ["Narrowing"]
 
@@ -292,6 +294,9 @@ class Narrowing:
         """At the second forward: the mode only where attention is issued (or stays on, see the module docstring)."""
         if not self.stack.top_is_mode() or type(self.model) in self._issuer_types:
             return
+        code = forward_code(self.model)  # the model is never gated: one whose forward names attention stays full
+        if code is not None and not ATTENTION_NAMES.isdisjoint(code.co_names):
+            return
         self._prepare(self._modules.values(), whole=True)
         for handle in self._block_handles:  # (as the model's forward starts: no layer runs now)
             handle.remove()
@@ -388,7 +393,9 @@ class Narrowing:
                 if code is not None:
                     self._learned[id(code)] = code
 
-        return [module.register_forward_pre_hook(pre, prepend=True), module.register_forward_hook(post, always_call=True)]
+        with HOOKS:  # (see shared.py)
+            return [module.register_forward_pre_hook(pre, prepend=True),
+                    module.register_forward_hook(post, always_call=True)]
 
 
 class _Closer:

@@ -40,6 +40,7 @@ from ..layout import TokenLayout
 from .attribution import Attribution, frame_kind
 from .compiled import eager_stance, unwrap_compiled
 from .custom import Extractor, declared_modules, module_hook
+from .shared import HOOKS, hold_fastpath_off, release_fastpath
 from . import discovery
 from .direct import DirectSDPA
 from .flex import FlexWatcher
@@ -128,7 +129,7 @@ class Recorder:
         self._narrowing = Narrowing(self._mode, self.model, DirectSDPA(self, not self.grads and self.attention_mode == "fused"))
         self._mode_entered = False
         self._handles: list[RemovableHandle] = []
-        self._fastpath: Optional[bool] = None
+        self._fastpath = False  # whether this capture holds MHA's fast path off (shared.py)
         self._stance: Any = None
         self._active = False
         self._thread = 0  # the thread the scope was entered in
@@ -146,39 +147,39 @@ class Recorder:
                 f"no module named {missing} in {type(self.model).__name__}; module names "
                 f"look like {list(modules)[1:6]} (see model.named_modules())"
             )
-        try:
-            self._stance = eager_stance(self._compiled or surveyed.compiled)
-            self._thread = threading.get_ident()
-            self._handles.append(
-                self.model.register_forward_pre_hook(self._on_model_input, with_kwargs=True)
-            )
-            self._handles.append(self.model.register_forward_pre_hook(self._on_root_start, prepend=True))
-            self._handles.append(self.model.register_forward_hook(self._on_root_end, always_call=True))
-            for name in self.activation_names:
+        with HOOKS:  # every hook of the scope is registered with it held (see shared.py)
+            try:
+                self._stance = eager_stance(self._compiled or surveyed.compiled)
+                self._thread = threading.get_ident()
                 self._handles.append(
-                    modules[name].register_forward_hook(activation_hook(self, name), with_kwargs=True)
+                    self.model.register_forward_pre_hook(self._on_model_input, with_kwargs=True)
                 )
-            if self.capture_gates:
-                self._gate_hooks = GateHooks(self.model, self._gates)
-                self._handles.extend(self._gate_hooks.register())
-            declared = declared_modules(self.model, self._extractors, modules, surveyed.by_type) if self.attention else {}
-            self._narrowing.share_lanes = not declared  # (a lane's issuer name holds when no module is declared)
-            self._attribution.start(surveyed.names, declared)
-            if self.attention:
-                for name, (module, extractor) in declared.items():
+                self._handles.append(self.model.register_forward_pre_hook(self._on_root_start, prepend=True))
+                self._handles.append(self.model.register_forward_hook(self._on_root_end, always_call=True))
+                for name in self.activation_names:
                     self._handles.append(
-                        module.register_forward_hook(module_hook(self, name, extractor), with_kwargs=True)
+                        modules[name].register_forward_hook(activation_hook(self, name), with_kwargs=True)
                     )
-                if hasattr(torch.backends, "mha") and hasattr(torch.backends.mha, "get_fastpath_enabled"):
-                    self._fastpath = torch.backends.mha.get_fastpath_enabled()
-                    torch.backends.mha.set_fastpath_enabled(False)
-                self._flex.start()
-                self._mode_entered = True
-                self._narrowing.enabled = not self._full_interception
-                self._narrowing.start(surveyed)
-        except BaseException:
-            self._restore()
-            raise
+                if self.capture_gates:
+                    self._gate_hooks = GateHooks(self.model, self._gates, self.in_scope_thread)
+                    self._handles.extend(self._gate_hooks.register())
+                declared = (declared_modules(self.model, self._extractors, modules, surveyed.by_type)
+                            if self.attention else {})
+                self._narrowing.share_lanes = not declared  # (a lane's issuer name holds when no module is declared)
+                self._attribution.start(surveyed.names, declared)
+                if self.attention:
+                    for name, (module, extractor) in declared.items():
+                        self._handles.append(
+                            module.register_forward_hook(module_hook(self, name, extractor), with_kwargs=True)
+                        )
+                    self._fastpath = hold_fastpath_off()
+                    self._flex.start()
+                    self._mode_entered = True
+                    self._narrowing.enabled = not self._full_interception
+                    self._narrowing.start(surveyed)
+            except BaseException:
+                self._restore()
+                raise
         self._active = True
         return self
 
@@ -200,12 +201,12 @@ class Recorder:
             for handle in self._handles:
                 handle.remove()
             self._handles.clear()
-            if self._fastpath is not None:
-                torch.backends.mha.set_fastpath_enabled(self._fastpath)
-                self._fastpath = None
+            if self._fastpath:
+                self._fastpath = False
+                release_fastpath()
             if self._stance is not None:
-                self._stance.__exit__(None, None, None)
-                self._stance = None
+                release, self._stance = self._stance, None
+                release()
             self._active = False
 
     # -- the record sink (what the interceptors use, see recording/sink.py) ----------------
@@ -271,6 +272,10 @@ class Recorder:
     def last_record(self) -> Optional[AttentionRecord]:
         """The latest record, or None."""
         return self._records[-1] if self._records else None
+
+    def in_scope_thread(self) -> bool:
+        """Whether the calling thread is the one that entered the scope (see :class:`RecordSink`)."""
+        return threading.get_ident() == self._thread
 
     def hooks_enabled(self) -> bool:
         """Whether gradient hooks collect: not while :meth:`backward` of this or of any other recorder runs

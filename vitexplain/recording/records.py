@@ -45,13 +45,14 @@ def key_witness(k: Optional[Tensor]) -> dict:
     Records keep the keys themselves (no copy). Keys that had been written in place before the call
     (``_version`` not 0: a static or sliding-window KV cache buffer, updated by ``index_copy_``) may be
     written again by later calls; for those, the per-key sums (B, H_kv, N_k) are kept as a witness
-    (E times smaller than the keys). Freshly computed keys (version 0) cost nothing.
+    (E times smaller than the keys). Freshly computed keys (version 0) cost nothing. Inference tensors
+    (made under ``torch.inference_mode``) keep no count, so their sums are always kept.
 
     Returns:
         the record fields ``_k_version`` and ``_k_sums``.
     """
     version = _version(k)
-    if version <= 0:
+    if version == 0 or k is None:
         return {"_k_version": version, "_k_sums": None}
     return {"_k_version": version, "_k_sums": k.detach().float().sum(-1)}  # type: ignore[union-attr]
 
@@ -184,9 +185,8 @@ class AttentionRecord:
             return self._probs[..., rows, :].float()
         if self._q is None or self._k is None:
             raise CaptureError(f"record {self.name!r} holds no queries/keys (it was released)")
-        if self._k_version >= 0 and _version(self._k) != self._k_version:
-            self._check_keys_kept()
-        return attention_probs(
+        self._check_keys_kept()
+        probs = attention_probs(
             self._q,
             self._k,
             attn_mask=self._mask,
@@ -194,17 +194,22 @@ class AttentionRecord:
             is_causal=self._causal,
             queries=queries,
         )
+        # an SDPA call on (B, N, E) has one head: (B, 1, n, N_k), as every record's probabilities (and gradients)
+        return probs.unsqueeze(1) if probs.dim() == 3 else probs
 
     def _check_keys_kept(self) -> None:
         """Raise when the model wrote, after this call, into keys this call attended to (written in place
         before the call too, see :func:`key_witness`). Writes to keys the call masked out change nothing
         (a static cache filled at later positions); a sliding-window cache overwrites attended ones."""
+        if self._k_version >= 0 and _version(self._k) == self._k_version:
+            return  # not written since (an inference tensor keeps no count: its sums tell)
+        if self._k_sums is None and self._k_version < 0:
+            return  # (no witness kept)
         if self._k_sums is not None:
             changed = self._k.detach().float().sum(-1) != self._k_sums  # (B, H_kv, N_k) keys written since
             if not bool(changed.any()):
                 return
-            scores = attention_scores(self._q, self._k, attn_mask=self._mask, scale=self._scale, is_causal=self._causal)
-            attended = (scores > torch.finfo(torch.float32).min / 2).any(-2)  # (B, H, N_k): some query attends
+            attended = (self._scores() > torch.finfo(torch.float32).min / 2).any(-2)  # (B, H, N_k): some query attends
             if changed.shape != attended.shape:  # grouped-query keys
                 changed = _repeat_heads(changed[..., None], attended.shape[-2])[..., 0]
             if not bool((attended & changed).any()):
@@ -215,6 +220,10 @@ class AttentionRecord:
             "before the next call overwrites them, or generate with a dynamic cache "
             "(e.g. generate(..., cache_implementation='dynamic'))"
         )
+
+    def _scores(self) -> Tensor:
+        """(B, H, N_q, N_k) float32 masked scores from the keys held now (``-inf`` where masked)."""
+        return attention_scores(self._q, self._k, attn_mask=self._mask, scale=self._scale, is_causal=self._causal)
 
     def fused_probs(self, fusion: Fusion = "mean", queries: QuerySelect = None) -> Tensor:
         """Head-fused probabilities.

@@ -88,3 +88,7 @@ class RecordSink(Protocol):
 
     def hooks_enabled(self) -> bool:
         """Whether gradient hooks collect now (False while :meth:`Recorder.backward` runs its own pass)."""
+
+    def in_scope_thread(self) -> bool:
+        """Whether the calling thread is the one that entered the capture (module hooks fire for the model's
+        calls in every thread; only this thread's are the capture's)."""
