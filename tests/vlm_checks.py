@@ -230,7 +230,7 @@ def check_footprints(built, size):
     # around it extends at least 2 px, or a quarter of a cell for pieces of large cells (a thumbnail downscaled a few
     # times: its resampling filter reaches 2 resized pixels, several original ones, into the next cell)
     margins = [max(2, int(min((p.box[2] - p.box[0]) / p.grid[0], (p.box[3] - p.box[1]) / p.grid[1]) / 4))
-               for p in view.pieces]
+               if p.num_tokens else 2 for p in view.pieces]  # (a grid unpadded to nothing has no cells)
     checked = 0
     for y, x in zip(ys, xs):
         regions = [layer[0, max(y - m, 0) : y + m + 1, max(x - m, 0) : x + m + 1] for layer, m in zip(layers, margins)]

@@ -41,7 +41,8 @@ class LlavaAdapter(VLMAdapter):
         patch = config.vision_config.patch_size
         if getattr(config.vision_config, "model_type", None) == "pixtral":  # Pixtral-12B: native resolution, no merge
             return native_views(images, inputs, int(patch))
-        pixels = next(inputs[key] for key in self.pixel_keys if key in inputs)
+        found = [key for key in self.pixel_keys if key in inputs]
+        pixels = inputs[found[0] if found else self.pixel_keys[0]]  # (none: the KeyError of another family's processor)
         gh, gw = pixels.shape[-2] // patch, pixels.shape[-1] // patch
         # "full" keeps the tower's class token (no pixels); a tower without one (SigLIP) keeps none
         strategy = getattr(config, "vision_feature_select_strategy", "default")  # (VipLlava: the class token dropped)
