@@ -185,7 +185,9 @@ class AttentionMode(TorchFunctionMode):
         groups = packed_groups(caller, issuer.frame, q)
         if groups > 1:  # transformers packed the query heads into rows: record them as heads
             q, mask, gqa = unpack_query(q, groups), unpack_mask(mask, groups), True
-        if q.dim() >= 4:  # leading dims SDPA broadcasts: queries shared by the images, keys shared by the windows
+        if q.dim() >= 4 and not q.shape[:-3] == k.shape[:-3] == v.shape[:-3]:
+            # leading dims SDPA broadcasts: queries shared by the images, keys shared by the windows (torch's
+            # broadcast_shapes costs tens of microseconds a call: only where the dims differ)
             lead = torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
             if q.shape[:-3] != lead:  # (a view: the record's batch is the output's)
                 q = q.expand(*lead, *q.shape[-3:])
