@@ -381,3 +381,18 @@ def test_empty_query_or_key_set(mode, n_q, n_k):
     assert torch.equal(got, want)
     (record,) = rec.records
     assert record.probs().shape == (2, 3, n_q, n_k)
+
+
+def test_a_one_head_record_kept_fused_gives_every_fusion():
+    # a materialised one-head call kept fused (heads="mean") refused fused_probs("max") as having no heads kept;
+    # the max, min and mean of one head are that head: each equals the softmax written out
+    class Attend(torch.nn.Module):
+        def forward(self, q, k, v):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    q, k, v = torch.randn(3, 2, 1, 5, 8, generator=torch.Generator().manual_seed(3)).unbind(0)
+    with torch.no_grad(), vx.capture(Attend(), attention_mode="materialize", heads="mean") as rec:
+        rec.model(q, k, v)
+    expected = torch.softmax(q @ k.transpose(-1, -2) / 8 ** 0.5, dim=-1)[:, 0]
+    for fusion in ("mean", "max", "min"):
+        torch.testing.assert_close(rec.records[0].fused_probs(fusion), expected, rtol=1e-5, atol=1e-6)

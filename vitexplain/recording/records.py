@@ -235,7 +235,8 @@ class AttentionRecord:
         Returns:
             (B, n, N_k) float32.
         """
-        if self.heads == fusion and self._probs is not None:  # kept fused by the capture
+        kept_fused = self._probs is not None and self.heads != "all"
+        if kept_fused and (self.heads == fusion or self.num_heads == 1):  # kept fused (one head: every fusion is it)
             return self._probs[..., _rows(queries, self.num_queries), :].float()
         return fuse_heads(self.probs(queries), fusion)
 
