@@ -90,10 +90,7 @@ class Explanation:
         Raises:
             UsageError: a size that is not positive integers, or an unknown mode.
         """
-        size = _output_size(size, self.input_size)
-        if mode not in _MODES:
-            raise UsageError(f"upsample mode must be one of {list(_MODES)}, got {mode!r}")
-        return upsampled(self.maps, self.layout, self.input_size, size, mode)
+        return _upsample(self.maps, self.layout, self.input_size, size, mode)
 
     def target_names(self) -> list[str]:
         """Per image, the target's label name (or its index as text; a callable target's name, as
@@ -235,10 +232,7 @@ class CaptionExplanation:
         Raises:
             UsageError: a size that is not positive integers, or an unknown mode.
         """
-        size = _output_size(size, self.input_size)
-        if mode not in _MODES:
-            raise UsageError(f"upsample mode must be one of {list(_MODES)}, got {mode!r}")
-        return upsampled(self.maps, self.layout, self.input_size, size, mode)
+        return _upsample(self.maps, self.layout, self.input_size, size, mode)
 
     def save(self, directory: Union[str, Path]) -> Path:
         """Write ``maps.npy`` ((B, T, h, w) float32) and ``manifest.json`` (method, options, captions, words,
@@ -381,6 +375,18 @@ def _few(items: list[Any], most: int = 4) -> str:
     """The first ``most`` items of a list, and how many more."""
     shown = ", ".join(repr(i) for i in items[:most])
     return f"[{shown}{f', ... {len(items) - most} more' if len(items) > most else ''}]"
+
+
+def _upsample(maps: Tensor, layout: Optional[TokenLayout], input_size: tuple[int, int], size: Any, mode: str) -> Tensor:
+    """:func:`~vitexplain.placement.upsampled` of a result's maps after checking ``size`` and ``mode``.
+
+    Raises:
+        UsageError: a size that is not positive integers, or an unknown mode.
+    """
+    size = _output_size(size, input_size)
+    if mode not in _MODES:
+        raise UsageError(f"upsample mode must be one of {list(_MODES)}, got {mode!r}")
+    return upsampled(maps, layout, input_size, size, mode)
 
 
 def _output_size(size: Any, default: tuple[int, int]) -> tuple[int, int]:
