@@ -116,12 +116,71 @@ class HierAdapter(Adapter):
         self.has_head = int(getattr(model, "num_classes", 1) or 0) > 0
         self.notes["family"] = (
             "a hierarchical model: attention is carried through its token resampling (raw, rollout, grad_rollout, "
-            "generic on any stage's grid; cdam and gradcam at any stage). LeGrad and attention Grad-CAM read the "
-            "head or one readout row on every block's tokens, and smooth/integrated CDAM re-run the last block; "
-            "none of these is defined across the stages' resampling, so they are not offered: use 'generic' or "
+            "generic on any stage's grid; cdam and gradcam at any stage; legrad on the last stage's blocks where "
+            "the adapter knows the head). Attention Grad-CAM reads one readout row on every block's tokens, and "
+            "smooth/integrated CDAM re-run the last block; these are not offered: use 'generic' or "
             "'grad_rollout' (stage=...), or 'cdam' with stage=..."
         )
+        self.notes["head"] = (
+            f"vitexplain does not know how {type(model).__name__}'s head reads a block's tokens (LeGrad applies it "
+            "to every last-stage block's output); use 'generic' or 'grad_rollout', or 'cdam'")
         readout_pool_check(self)
+
+    # -- the head on a block's tokens (LeGrad) ------------------------------------------------
+    def legrad_calls(self) -> list[str]:
+        """Names of the attention calls whose block output the model's head reads as its last tokens (the last
+        stage's calls on its own grid), input side first; none: LeGrad is refused."""
+        return []
+
+    def legrad_site(self, call: str) -> tuple[str, str]:
+        """(module, part) where the output tokens of ``call``'s block are recorded: ``"output"`` (the module's
+        output, or the first tensor of a tuple), ``"input"`` (its first input) or ``"arg1"`` (its second
+        positional argument)."""
+        return call.rsplit(".", 1)[0], "output"
+
+    def legrad_modules(self) -> list[str]:
+        """The modules LeGrad records (activations)."""
+        return sorted({self.legrad_site(c)[0] for c in self.legrad_calls()})
+
+    def legrad_tokens(self, recorder: Any, call: str) -> Tensor:
+        """The output tokens of ``call``'s block, in the explained forward's graph (the layout :meth:`head_on` reads)."""
+        module, part = self.legrad_site(call)
+        act = recorder.activation(module)
+        return act.output if part == "output" else act.input if part == "input" else act.args[1]
+
+    def head_on(self, tokens: Tensor) -> Tensor:
+        """The model's head (final norm, pooling, classifier) on a last-stage block's output tokens."""
+        raise self.not_implemented("head_on()")
+
+    def legrad_head(self, recorder: Any, call: str) -> Any:
+        """``fn(tokens) -> outputs``: the head LeGrad applies to ``call``'s block tokens."""
+        return self.head_on
+
+    def legrad_final(self, recorder: Any, call: str) -> Tensor:
+        """The tokens the model's head read in the explained forward (the last block's output), on which
+        :meth:`legrad_head` must give the model's outputs (checked)."""
+        return self.legrad_tokens(recorder, self.legrad_calls()[-1])
+
+    def legrad_branches(self) -> dict[str, int]:
+        """Per call name its branch (CrossViT); empty: one branch."""
+        return {}
+
+    def legrad_parts(self, input_size: Sequence[int]) -> list[slice]:
+        """The slices of the last token set normalised separately: its grid tokens (CrossViT: each branch's)."""
+        last = self.stage_sets(input_size)[-1]
+        return [slice(last.prefix, last.n)]
+
+    def offer_legrad(self) -> None:
+        """Declare the ``"head"`` capability when :meth:`head_on` is known and the last stage has calls on its
+        own grid; otherwise say why not (called at the end of a subclass's ``__init__``)."""
+        if not self.legrad_calls():
+            self.notes["head"] = (
+                f"the last stage of {type(self.model).__name__} has no attention call on its own grid (its only block "
+                "pools the grid before), so no block outputs tokens the head reads with an attention over them "
+                "(LeGrad); use 'generic' or 'grad_rollout', or 'cdam'")
+            return
+        self.capabilities = self.capabilities | {"head"}
+        self.notes.pop("head", None)
 
     def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
         """(chain, first token set of every stage) for an input of ``input_size`` pixels."""
@@ -204,6 +263,16 @@ class PVTv2Adapter(HierAdapter):
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
         self.token_sites = [f"stages.{s}.blocks.{len(st.blocks) - 1}.norm1" for s, st in enumerate(model.stages)]
+        self.offer_legrad()
+
+    def legrad_calls(self) -> list[str]:
+        last = len(self.model.stages) - 1
+        return [f"stages.{last}.blocks.{b}.attn" for b in range(len(self.model.stages[last].blocks))]
+
+    def head_on(self, tokens: Tensor) -> Tensor:
+        """The last stage's norm, then the model's head: (B, N, C) tokens as (B, C, N, 1) (its mean over the grid is
+        the mean over the tokens)."""
+        return self.model.forward_head(self.model.stages[-1].norm(tokens).transpose(1, 2)[..., None])
 
     def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
         conv = self.model.patch_embed.proj
@@ -232,6 +301,15 @@ class TwinsAdapter(HierAdapter):
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
         self.token_sites = [f"blocks.{s}.{len(st) - 1}.norm1" for s, st in enumerate(model.blocks)]
+        self.offer_legrad()
+
+    def legrad_calls(self) -> list[str]:
+        last = len(self.model.blocks) - 1
+        return [f"blocks.{last}.{b}.attn" for b in range(len(self.model.blocks[last]))]
+
+    def head_on(self, tokens: Tensor) -> Tensor:
+        """The final norm, then the model's head, on (B, N, C) tokens."""
+        return self.model.forward_head(self.model.norm(tokens))
 
     def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
         chain: Chain = []
@@ -269,6 +347,14 @@ class SamViTAdapter(HierAdapter):
         super().__init__(model)
         self.token_sites = [f"blocks.{len(model.blocks) - 1}.norm1"]
         self.fixed_size = tuple(pair(model.patch_embed.img_size))
+        self.offer_legrad()
+
+    def legrad_calls(self) -> list[str]:
+        return [f"blocks.{b}.attn" for b in range(len(self.model.blocks))]  # one grid: every block's
+
+    def head_on(self, tokens: Tensor) -> Tensor:
+        """The conv neck, then the model's head, on (B, H, W, C) tokens."""
+        return self.model.forward_head(self.model.neck(tokens.permute(0, 3, 1, 2)))
 
     def site_grid(self, stage: int, output: Tensor, input_size: Sequence[int]) -> Tensor:
         return output  # SAM's blocks keep tokens as (B, H, W, C)
