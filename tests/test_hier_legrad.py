@@ -48,16 +48,24 @@ def _maxvit(depths=(1, 1, 1, 2)) -> nn.Module:
     return MaxxVit(cfg, img_size=(128, 128), num_classes=CLASSES)
 
 
+def _coatnet() -> nn.Module:
+    from timm.models.maxxvit import MaxxVit, model_cfgs
+    base = model_cfgs["coatnet_nano_rw"]
+    cfg = dataclasses.replace(base, embed_dim=(16, 16, 32, 32), depths=(1, 1, 1, 2), stem_width=(16, 16),
+                              transformer_cfg=dataclasses.replace(base.transformer_cfg, dim_head=8))
+    return MaxxVit(cfg, img_size=128, num_classes=CLASSES)
+
+
 def _mvit(depths=(1, 1, 1, 2)) -> nn.Module:
     from timm.models.mvitv2 import MultiScaleVit, MultiScaleVitCfg
     return MultiScaleVit(MultiScaleVitCfg(depths=depths, embed_dim=16, num_heads=1), img_size=(128, 128),
                          num_classes=CLASSES)
 
 
-def _hiera(stages=(1, 1, 1, 2), **kwargs) -> nn.Module:
+def _hiera(stages=(1, 1, 1, 2), q_pool=3, **kwargs) -> nn.Module:
     from timm.models.hiera import Hiera
     return Hiera(img_size=64, embed_dim=16, num_heads=1, num_classes=CLASSES, stages=stages, mask_unit_size=(4, 4),
-                 q_pool=3, mask_unit_attn=(True, True, False, False), **kwargs)
+                 q_pool=q_pool, mask_unit_attn=(True, True, False, False), **kwargs)
 
 
 def _crossvit() -> nn.Module:
@@ -83,8 +91,17 @@ KINDS = {
     "maxvit": (_maxvit, 128),
     "levit": (lambda: timm.create_model("levit_128s", num_classes=CLASSES, img_size=224, embed_dim=(32, 48, 64),
                                         depth=(1, 1, 2), num_heads=(2, 2, 2), key_dim=8), 224),
+    "levit_conv": (lambda: timm.create_model("levit_conv_128s", num_classes=CLASSES, img_size=224,
+                                             embed_dim=(32, 48, 64), depth=(1, 1, 2), num_heads=(2, 2, 2), key_dim=8), 224),
+    # timm's SAM classifier config: no conv neck (a LayerNorm2d)
+    "sam_noneck": (lambda: timm.create_model("samvit_base_patch16_224", num_classes=CLASSES, img_size=64, depth=2,
+                                             embed_dim=32, num_heads=2, global_attn_indexes=(1,), window_size=3), 64),
+    # conv stages, then global attention (its first block pools the grid 2 x 2 for attention and shortcut)
+    "coatnet": (_coatnet, 128),
     "mvit": (_mvit, 128),
     "hiera": (_hiera, 64),
+    # two poolings for four stages: the last stage's grid is stage 2's, and its first block (5) widens the tokens
+    "hiera_qpool2": (lambda: _hiera(stages=(1, 2, 2, 1), q_pool=2), 64),
     "tnt": (lambda: timm.create_model("tnt_s_patch16_224", num_classes=CLASSES, img_size=64, depth=2), 64),
     "crossvit": (_crossvit, 48),
 }
@@ -93,7 +110,7 @@ KINDS = {
 def build(kind: str) -> nn.Module:
     torch.manual_seed(0)
     model = _reinit(KINDS[kind][0]())
-    if kind == "levit":  # zero-initialised position biases: a subsampling attention (no residual) then gives
+    if kind.startswith("levit"):  # zero-initialised position biases: a subsampling attention (no residual) then gives
         with torch.no_grad():  # every token of the next stage the same value, and every map is flat
             for name, p in model.named_parameters():
                 if name.endswith("attention_biases"):
@@ -212,7 +229,7 @@ def _plan(kind: str, m: nn.Module):
                 place = _global(pool_matrix(grid, sr.kernel_size, sr.stride, sr.padding))
             layers.append(Layer(first + i, f"blocks.3.{i}", place))
         return {0: layers}, lambda e, t, s, br: e.head(e.norm(t).mean(1)), {0: (None, grid, 0)}
-    if kind == "sam":
+    if kind.startswith("sam"):
         grid, n = (4, 4), 16
         layers = []
         for i, block in enumerate(m.blocks):
@@ -247,11 +264,20 @@ def _plan(kind: str, m: nn.Module):
                                     _windowed(index, n, part.attn.num_heads),
                                     read=lambda out: out.permute(0, 3, 1, 2)))  # channels-last (the _rw blocks)
         return {0: layers}, lambda e, t, s, br: e.head(e.norm(t)), {0: (None, grid, 0)}
-    if kind == "levit":
+    if kind.startswith("levit"):
         grid = (4, 4)
         first = sum(len(s.blocks) for s in m.stages[:-1]) + 2  # two subsampling attentions before
         layers = [Layer(first + i, f"stages.2.blocks.{i}", _global(_eye(16))) for i in range(len(m.stages[-1].blocks))]
-        return {0: layers}, lambda e, t, s, br: (e.head(t.mean(1)) + e.head_dist(t.mean(1))) / 2, {0: (None, grid, 0)}
+
+        def head(e, t, s, br):
+            pooled = t.mean(dim=(2, 3)) if kind == "levit_conv" else t.mean(1)  # (B, C, H, W) maps in conv mode
+            return (e.head(pooled) + e.head_dist(pooled)) / 2
+        return {0: layers}, head, {0: (None, grid, 0)}
+    if kind == "coatnet":
+        grid = (4, 4)
+        first = len(m.stages[2].blocks)  # conv stages have no attention
+        layers = [Layer(first + i, f"stages.3.blocks.{i}", _global(_eye(16))) for i in range(len(m.stages[3].blocks))]
+        return {0: layers}, lambda e, t, s, br: e.head(e.norm(t)), {0: (None, grid, 0)}
     if kind == "mvit":
         grid = (4, 4)
         first = sum(len(s.blocks) for s in m.stages[:-1])
@@ -270,6 +296,12 @@ def _plan(kind: str, m: nn.Module):
         place_unrolled = _global(_eye(4))
         layers = [Layer(4, "blocks.4", lambda g, batch: place_unrolled(g, batch)[:, order])]
         return {0: layers}, lambda e, t, s, br: e.head(t), {0: (None, (2, 2), 0)}
+    if kind == "hiera_qpool2":
+        # blocks 3, 4 (width 32) and 5 (width 64, global) attend on the 4 x 4 grid; the head reads block 5's width
+        order = m.reroll(torch.arange(16, dtype=torch.float64).view(1, 16, 1), 5)[0, ..., 0].round().long().flatten()
+        place_unrolled = _global(_eye(16))
+        layers = [Layer(5, "blocks.5", lambda g, batch: place_unrolled(g, batch)[:, order])]
+        return {0: layers}, lambda e, t, s, br: e.head(t), {0: (None, (4, 4), 0)}
     if kind == "tnt":
         grid = (4, 4)
         layers = [Layer(2 * i + 1, f"blocks.{i}", _global(_eye(17)), read=lambda out: out[1]) for i in range(len(m.blocks))]
@@ -341,6 +373,15 @@ def test_layers_of_earlier_stages_and_other_stages_are_refused():
         ex.explain(x, method="legrad", stage=1)
     e = ex.explain(x, method="legrad", layers=[-1], target=TARGET)  # one block: its E alone, min-max
     assert e.maps.shape == (1, 4, 4) and float(e.maps.max()) == 1.0
+
+
+def test_blocks_narrower_than_the_head_reads_are_refused():
+    """Hiera with two poolings for four stages: blocks 3 and 4 attend on the last grid at half the width the
+    head reads (block 5 widens): by default left out (the oracle test), asked by index refused with the calls
+    that apply, not a shape error inside the head."""
+    ex = vx.Explainer(build("hiera_qpool2"))
+    with pytest.raises(vx.UnsupportedMethodError, match=r"calls \[5\] give in the head's width.*calls \[4\]"):
+        ex.explain(images("hiera_qpool2", n=1), method="legrad", layers=[4], target=TARGET)
 
 
 @pytest.mark.parametrize("build_last", [lambda: _hiera(stages=(1, 1, 1, 1)), lambda: _mvit(depths=(1, 2, 1, 1))])

@@ -138,8 +138,11 @@ class HieraAdapter(HierAdapter):
         if not module_family(self.model, "timm.models.hiera"):
             return []
         last = max(self.stage_of)
-        return [f"{self.block_names[i]}.attn" for i, s in enumerate(self.stage_of)
-                if s == last and not (i > 0 and self.q_strides[i] > 1)]
+        chosen = [i for i, s in enumerate(self.stage_of) if s == last and not (i > 0 and self.q_strides[i] > 1)]
+        # a stage without pooling (q_pool below the stage count) still widens its tokens at its first block: the
+        # head reads the width from the last widening block on
+        widen = [i for i in chosen if self.model.blocks[i].dim != self.model.blocks[i].dim_out]
+        return [f"{self.block_names[i]}.attn" for i in chosen if not widen or i >= widen[-1]]
 
     def head_on(self, tokens: Tensor) -> Tensor:
         """The model's head (pooling over the tokens, in any order; norm; classifier) on (B, N, C) tokens."""

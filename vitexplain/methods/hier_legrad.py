@@ -127,9 +127,15 @@ def legrad(ctx: Context, *, layers: Union[None, int, Sequence[int]] = None, stag
                     f"{call.spec.name!r} maps {call.spec.inp} onto {call.spec.out}: legrad reads calls on one grid")
             name = call.spec.name
             branch = branches.get(name, 0)
-            head = ctx.partial(f"head {branch}", adapter.legrad_head(recorder, name),
-                               adapter.legrad_final(recorder, name))
-            outputs = head(adapter.legrad_tokens(recorder, name))
+            final = adapter.legrad_final(recorder, name)
+            head = ctx.partial(f"head {branch}", adapter.legrad_head(recorder, name), final)
+            tokens = adapter.legrad_tokens(recorder, name)
+            if tokens.shape[1:] != final.shape[1:]:
+                raise UnsupportedMethodError(
+                    f"the block of {name!r} outputs tokens of shape {tuple(tokens.shape[1:])}, but the head reads "
+                    f"{tuple(final.shape[1:])}: legrad applies the head to blocks whose tokens it reads; use "
+                    "'generic' or 'grad_rollout'")
+            outputs = head(tokens)
             (d_out,) = torch.autograd.grad(ctx.score(outputs).sum(), call.record.output, retain_graph=True)
             total += key_relevance(call, d_out) * _weight(chosen, every, branches, i)
     return adapter.finish(_normalise(total, adapter.legrad_parts(size)), stage, size)
