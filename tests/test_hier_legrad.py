@@ -83,6 +83,10 @@ KINDS = {
     "twins": (lambda: timm.create_model("twins_svt_small", num_classes=CLASSES, depths=(1, 1, 1, 2),
                                         embed_dims=(16, 16, 32, 32), num_heads=(1, 1, 2, 2), wss=[3, 3, 3, 3],
                                         sr_ratios=(8, 4, 2, 2), img_size=128), 128),
+    # PCPVT whose last stage is one block: its positional conv (PEG) runs after it, before the head
+    "pcpvt": (lambda: timm.create_model("twins_pcpvt_small", num_classes=CLASSES, depths=(1, 1, 1, 1),
+                                        embed_dims=(16, 16, 32, 32), num_heads=(1, 1, 2, 2), sr_ratios=(8, 4, 2, 2),
+                                        img_size=128), 128),
     "sam": (lambda: timm.create_model("samvit_base_patch16", num_classes=CLASSES, img_size=64, depth=3, embed_dim=32,
                                       num_heads=2, global_attn_indexes=(1,), window_size=3, neck_chans=16), 64),
     "pit": (lambda: timm.create_model("pit_ti_224", num_classes=CLASSES, img_size=128, depth=(1, 1, 2)), 128),
@@ -217,7 +221,7 @@ def _plan(kind: str, m: nn.Module):
         first = sum(len(s.blocks) for s in m.stages[:-1])
         layers = [Layer(first + i, f"stages.3.blocks.{i}", _global(keys)) for i in range(len(st.blocks))]
         return {0: layers}, lambda e, t, s, br: e.head(e.stages[-1].norm(t).mean(1)), {0: (None, grid, 0)}
-    if kind == "twins":
+    if kind in ("twins", "pcpvt"):  # (LeGrad reads a block's own output: a PEG after it is a later layer)
         grid, n = (4, 4), 16
         first = sum(len(s) for s in m.blocks[:-1])
         layers = []

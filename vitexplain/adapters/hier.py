@@ -311,6 +311,13 @@ class TwinsAdapter(HierAdapter):
         """The final norm, then the model's head, on (B, N, C) tokens."""
         return self.model.forward_head(self.model.norm(tokens))
 
+    def legrad_modules(self) -> list[str]:
+        return super().legrad_modules() + ["norm"]
+
+    def legrad_final(self, recorder: Any, call: str) -> Tensor:
+        """The final norm's input: a stage of one block has its positional conv (PEG) after that block."""
+        return recorder.activation("norm").input
+
     def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
         chain: Chain = []
         sets: list[TokenSet] = []
