@@ -25,6 +25,7 @@ from ..layout import TokenLayout, pair
 from ..methods.families import HIER
 from ..methods.resample import CallSpec, Footprint, TokenSet, Transition, full_slots, readout, window_slots
 from .base import Adapter, register_adapter
+from .hier_head import HeadOnTokens
 
 __all__ = ["HierAdapter", "conv_grid", "global_call", "token_set", "sam_chain", "PVTv2Adapter", "TwinsAdapter",
            "SamViTAdapter", "module_family", "readout_pool_check"]
@@ -95,7 +96,7 @@ def global_call(name: str, tokens: TokenSet, stage: int, keys: Optional[Footprin
                     in_stage=stage, out_stage=stage)
 
 
-class HierAdapter(Adapter):
+class HierAdapter(HeadOnTokens, Adapter):
     """A hierarchical transformer, described as a chain of attention calls and transitions.
 
     Attributes:
@@ -125,62 +126,6 @@ class HierAdapter(Adapter):
             f"vitexplain does not know how {type(model).__name__}'s head reads a block's tokens (LeGrad applies it "
             "to every last-stage block's output); use 'generic' or 'grad_rollout', or 'cdam'")
         readout_pool_check(self)
-
-    # -- the head on a block's tokens (LeGrad) ------------------------------------------------
-    def legrad_calls(self) -> list[str]:
-        """Names of the attention calls whose block output the model's head reads as its last tokens (the last
-        stage's calls on its own grid), input side first; none: LeGrad is refused."""
-        return []
-
-    def legrad_site(self, call: str) -> tuple[str, str]:
-        """(module, part) where the output tokens of ``call``'s block are recorded: ``"output"`` (the module's
-        output, or the first tensor of a tuple), ``"input"`` (its first input) or ``"arg1"`` (its second
-        positional argument)."""
-        return call.rsplit(".", 1)[0], "output"
-
-    def legrad_modules(self) -> list[str]:
-        """The modules LeGrad records (activations)."""
-        return sorted({self.legrad_site(c)[0] for c in self.legrad_calls()})
-
-    def legrad_tokens(self, recorder: Any, call: str) -> Tensor:
-        """The output tokens of ``call``'s block, in the explained forward's graph (the layout :meth:`head_on` reads)."""
-        module, part = self.legrad_site(call)
-        act = recorder.activation(module)
-        return act.output if part == "output" else act.input if part == "input" else act.args[1]
-
-    def head_on(self, tokens: Tensor) -> Tensor:
-        """The model's head (final norm, pooling, classifier) on a last-stage block's output tokens."""
-        raise self.not_implemented("head_on()")
-
-    def legrad_head(self, recorder: Any, call: str) -> Any:
-        """``fn(tokens) -> outputs``: the head LeGrad applies to ``call``'s block tokens."""
-        return self.head_on
-
-    def legrad_final(self, recorder: Any, call: str) -> Tensor:
-        """The tokens the model's head read in the explained forward (the last block's output), on which
-        :meth:`legrad_head` must give the model's outputs (checked)."""
-        return self.legrad_tokens(recorder, self.legrad_calls()[-1])
-
-    def legrad_branches(self) -> dict[str, int]:
-        """Per call name its branch (CrossViT); empty: one branch."""
-        return {}
-
-    def legrad_parts(self, input_size: Sequence[int]) -> list[slice]:
-        """The slices of the last token set normalised separately: its grid tokens (CrossViT: each branch's)."""
-        last = self.stage_sets(input_size)[-1]
-        return [slice(last.prefix, last.n)]
-
-    def offer_legrad(self) -> None:
-        """Declare the ``"head"`` capability when :meth:`head_on` is known and the last stage has calls on its
-        own grid; otherwise say why not (called at the end of a subclass's ``__init__``)."""
-        if not self.legrad_calls():
-            self.notes["head"] = (
-                f"the last stage of {type(self.model).__name__} has no attention call on its own grid (its only block "
-                "pools the grid before), so no block outputs tokens the head reads with an attention over them "
-                "(LeGrad); use 'generic' or 'grad_rollout', or 'cdam'")
-            return
-        self.capabilities = self.capabilities | {"head"}
-        self.notes.pop("head", None)
 
     def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
         """(chain, first token set of every stage) for an input of ``input_size`` pixels."""

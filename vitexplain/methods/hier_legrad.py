@@ -43,10 +43,9 @@ def key_relevance(call: Call, d_out: Tensor) -> Tensor:
         (B, n_I) float32 over the call's input set.
     """
     grad = torch.relu(call.grad_probs(d_out))  # (B, G, H, n_q, n_k); padding pairs are 0
-    per_key = grad.sum(dim=(2, 3))  # (B, G, n_k)
-    on_keys = call._scatter(per_key, call.k_slots, call.spec.keys.coarse.n, call.k_whole)
+    every_query = grad.new_ones(grad.shape[0], call.spec.out.n)  # r @ M with r = 1: the sum over the queries
     queries = int((call.q_slots >= 0).sum())
-    return call.spec.keys.pull(on_keys) / (grad.shape[2] * queries)
+    return call.vec_mat(every_query, grad.sum(dim=2)) / (grad.shape[2] * queries)
 
 
 def _normalise(r: Tensor, parts: Sequence[slice]) -> Tensor:
