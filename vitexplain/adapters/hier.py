@@ -263,6 +263,10 @@ class TwinsAdapter(HierAdapter):
         """The final norm's input: a stage of one block has its positional conv (PEG) after that block."""
         return recorder.activation("norm").input
 
+    def tail_block(self) -> Any:
+        """None when the last stage is one block: its PEG runs between that block and the head."""
+        return super().tail_block() if len(self.model.blocks[-1]) > 1 else None
+
     def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
         chain: Chain = []
         sets: list[TokenSet] = []

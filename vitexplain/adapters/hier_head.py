@@ -43,7 +43,21 @@ class HeadOnTokens:
         """The output tokens of ``call``'s block, in the explained forward's graph (the layout :meth:`head_on` reads)."""
         module, part = self.legrad_site(call)
         act = recorder.activation(module)
-        return act.output if part == "output" else act.input if part == "input" else act.args[1]
+        return self.head_layout(module, act.output if part == "output" else act.input if part == "input" else act.args[1])
+
+    def head_layout(self, module: str, tokens: Tensor) -> Tensor:
+        """A block module's output tokens in the layout :meth:`head_on` reads (as they are, by default)."""
+        return tokens
+
+    def tail_block(self) -> Any:
+        """The module re-run by the re-running CDAM variants: the block of the last LeGrad call when its output is
+        what the head reads and it holds the last stage's token site (T); else None (those methods are refused)."""
+        calls = self.legrad_calls()
+        sites = getattr(self, "token_sites", None) or [None]
+        if not calls or sites[-1] is None or self.legrad_branches():
+            return None
+        module, part = self.legrad_site(calls[-1])
+        return module if part == "output" and sites[-1].startswith(module + ".") else None
 
     def head_on(self, tokens: Tensor) -> Tensor:
         """The model's head (final norm, pooling, classifier) on a last-stage block's output tokens."""
@@ -78,3 +92,10 @@ class HeadOnTokens:
             return
         self.capabilities = self.capabilities | {"head"}
         self.notes.pop("head", None)
+        if self.tail_block() is not None:
+            self.capabilities = self.capabilities | {"tail"}
+        else:
+            self.notes["tail"] = (
+                f"{type(self.model).__name__}'s tokens entering the last attention (T) are not inside the block whose "
+                "output the head reads, so vitexplain cannot re-run that block with T as a leaf (smooth and integrated "
+                "CDAM); use 'cdam'")

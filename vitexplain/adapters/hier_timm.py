@@ -131,10 +131,8 @@ class MaxViTAdapter(HierAdapter):
         return [f"stages.{last}.blocks.{b}." + (f"{part}.attn" if part else "attn")
                 for b, block in enumerate(self.model.stages[last].blocks) for part, _ in _calls(block)]
 
-    def legrad_tokens(self, recorder: object, call: str) -> Tensor:
+    def head_layout(self, module: str, tokens: Tensor) -> Tensor:
         """A block's (or its window / grid attention's) output as (B, C, H, W) (channels-last ones permuted)."""
-        tokens = super().legrad_tokens(recorder, call)
-        module = self.legrad_site(call)[0]
         return tokens.permute(0, 3, 1, 2) if type(self.model.get_submodule(module)).__name__.endswith("Cl") else tokens
 
     def head_on(self, tokens: Tensor) -> Tensor:
