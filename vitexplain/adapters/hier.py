@@ -117,10 +117,9 @@ class HierAdapter(HeadOnTokens, Adapter):
         self.has_head = int(getattr(model, "num_classes", 1) or 0) > 0
         self.notes["family"] = (
             "a hierarchical model: attention is carried through its token resampling (raw, rollout, grad_rollout, "
-            "generic on any stage's grid; cdam and gradcam at any stage; legrad on the last stage's blocks where "
-            "the adapter knows the head). Attention Grad-CAM reads one readout row on every block's tokens, and "
-            "smooth/integrated CDAM re-run the last block; these are not offered: use 'generic' or "
-            "'grad_rollout' (stage=...), or 'cdam' with stage=..."
+            "generic on any stage's grid; cdam and gradcam at any stage; legrad, smooth and integrated CDAM on the "
+            "last stage where the adapter knows the head). Attention Grad-CAM reads one readout row on every "
+            "block's tokens; it is not offered: use 'generic' or 'grad_rollout' (stage=...), or 'cdam' with stage=..."
         )
         self.notes["head"] = (
             f"vitexplain does not know how {type(model).__name__}'s head reads a block's tokens (LeGrad applies it "

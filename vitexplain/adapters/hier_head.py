@@ -96,6 +96,6 @@ class HeadOnTokens:
             self.capabilities = self.capabilities | {"tail"}
         else:
             self.notes["tail"] = (
-                f"{type(self.model).__name__}'s tokens entering the last attention (T) are not inside the block whose "
-                "output the head reads, so vitexplain cannot re-run that block with T as a leaf (smooth and integrated "
-                "CDAM); use 'cdam'")
+                f"in {type(self.model).__name__} the tokens entering the last attention (T) are not inside the block "
+                "whose output the head reads (or a layer runs between that block and the head), so vitexplain cannot "
+                "re-run the model from T to its outputs (smooth and integrated CDAM); use 'cdam'")
