@@ -403,6 +403,7 @@ _HIER_TEST = "tests/test_hier.py"
 _POOL_TEST = "tests/test_hier_pooling.py"
 _HF_MORE_TEST = "tests/test_hier_hf_more.py"
 _LEGRAD_TEST = "tests/test_hier_legrad.py"  # legrad on the last stage (dense float64 oracle)
+_RERUN_TEST = "tests/test_hier_cdam_rerun.py"  # smooth / integrated CDAM against their definitions
 _TIMM_TEST = "tests/test_families_timm.py"
 
 
@@ -459,27 +460,27 @@ def rows() -> list[Row]:
         Row("timm SwiftFormer (additive attention)", "hybrid", lambda: _timm("swiftformer_xs", num_classes=5), s64, "tests/test_hybrids.py"),
         Row("timm DaViT (window + channel attention)", "hybrid", lambda: _timm("davit_tiny", embed_dims=(16, 32, 32, 64), depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4), window_size=2, num_classes=5), s64, "tests/test_hybrids.py"),
         Row("timm CSATv2 (DCT stem, attention in its last stages)", "hybrid", _timm_class("csatv2", "CSATv2", dims=(32, 32, 48, 64), depths=(1, 1, 1, 1), transformer_depths=(0, 0, 1, 1), num_classes=5), (128, 128), "tests/test_hybrids.py"),
-        Row("timm PVTv2", "hierarchical", lambda: _timm("pvt_v2_b0", embed_dims=(16, 32, 48, 64), depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4), num_classes=5), s64, f"{_HIER_TEST}, {_LEGRAD_TEST}"),
+        Row("timm PVTv2", "hierarchical", lambda: _timm("pvt_v2_b0", embed_dims=(16, 32, 48, 64), depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4), num_classes=5), s64, f"{_HIER_TEST}, {_LEGRAD_TEST}, {_RERUN_TEST}"),
         Row("timm Twins (PCPVT)", "hierarchical", lambda: _timm("twins_pcpvt_small", img_size=64, embed_dims=(16, 32, 48, 64), depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4), num_classes=5), s64, f"{_HIER_TEST}, {_LEGRAD_TEST}"),
         Row("timm Twins (SVT)", "hierarchical", lambda: _timm("twins_svt_small", img_size=64, embed_dims=(16, 32, 48, 64), depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4), wss=(4, 4, 4, 4), num_classes=5), s64, f"{_HIER_TEST}, {_LEGRAD_TEST}"),
-        Row("timm SAM ViT (samvit: windowed + global, conv neck)", "hierarchical", lambda: _timm("samvit_base_patch16", img_size=64, depth=3, embed_dim=32, num_heads=2, global_attn_indexes=(1,), window_size=3, neck_chans=16, num_classes=5), s64, f"{_HIER_TEST}, {_LEGRAD_TEST}"),
-        Row("timm SAM ViT classifier (samvit_base_patch16_224: no conv neck)", "hierarchical", lambda: _timm("samvit_base_patch16_224", img_size=64, depth=2, embed_dim=32, num_heads=2, global_attn_indexes=(1,), window_size=3, num_classes=5), s64, f"tests/test_hier_fuzz.py, {_LEGRAD_TEST}"),
-        Row("timm MaxViT", "hierarchical", _maxvit, s64, f"{_POOL_TEST}, {_LEGRAD_TEST}"),
+        Row("timm SAM ViT (samvit: windowed + global, conv neck)", "hierarchical", lambda: _timm("samvit_base_patch16", img_size=64, depth=3, embed_dim=32, num_heads=2, global_attn_indexes=(1,), window_size=3, neck_chans=16, num_classes=5), s64, f"{_HIER_TEST}, {_LEGRAD_TEST}, {_RERUN_TEST}"),
+        Row("timm SAM ViT classifier (samvit_base_patch16_224: no conv neck)", "hierarchical", lambda: _timm("samvit_base_patch16_224", img_size=64, depth=2, embed_dim=32, num_heads=2, global_attn_indexes=(1,), window_size=3, num_classes=5), s64, f"tests/test_hier_fuzz.py, {_LEGRAD_TEST}, {_RERUN_TEST}"),
+        Row("timm MaxViT", "hierarchical", _maxvit, s64, f"{_POOL_TEST}, {_LEGRAD_TEST}, {_RERUN_TEST}"),
         Row("timm CoAtNet (conv stages, then global attention)", "hierarchical", _coatnet("coatnet_nano_rw"), s64,
-            "tests/test_hier_coatnet.py"),
+            f"tests/test_hier_coatnet.py, {_LEGRAD_TEST}, {_RERUN_TEST}"),
         Row("timm CoAtNeXt (ConvNeXt stages, then global attention)", "hierarchical", _coatnet("coatnext_nano_rw"), s64,
             "tests/test_hier_coatnet.py"),
         Row("timm CAFormer (separable-conv stages, then attention)", "hierarchical", _caformer, s64,
             "tests/test_hier_caformer.py"),
         Row("timm TinyViT (MBConv stage, then padded window attention)", "hierarchical", lambda: _timm("tiny_vit_5m_224", embed_dims=(16, 32, 48, 64), depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4), window_sizes=(3, 3, 3, 3), num_classes=5), s64, "tests/test_hier_tinyvit.py"),
-        Row("timm MViTv2", "hierarchical", _mvitv2, s64, f"{_POOL_TEST}, {_LEGRAD_TEST}"),
-        Row("timm PiT", "hierarchical", _timm_class("pit", "PoolingVisionTransformer", img_size=64, patch_size=8, stride=4, base_dims=(8, 8, 8), depth=(1, 1, 1), heads=(2, 2, 2), mlp_ratio=2, num_classes=5), s64, f"{_POOL_TEST}, {_LEGRAD_TEST}"),
+        Row("timm MViTv2", "hierarchical", _mvitv2, s64, f"{_POOL_TEST}, {_LEGRAD_TEST}, {_RERUN_TEST}"),
+        Row("timm PiT", "hierarchical", _timm_class("pit", "PoolingVisionTransformer", img_size=64, patch_size=8, stride=4, base_dims=(8, 8, 8), depth=(1, 1, 1), heads=(2, 2, 2), mlp_ratio=2, num_classes=5), s64, f"{_POOL_TEST}, {_LEGRAD_TEST}, {_RERUN_TEST}"),
         # raw reads the first call: the random model's last-stage tokens are identical, its attention uniform
         Row("timm LeViT", "hierarchical", _levit, (128, 128), f"{_POOL_TEST}, {_LEGRAD_TEST}", options={"raw": {"layer": 0}}),
         Row("timm LeViT, conv mode (levit_conv_*)", "hierarchical", _levit_conv, (128, 128),
             f"{_POOL_TEST}, tests/test_hier_levit_conv.py, tests/test_hier_legrad.py", options={"raw": {"layer": 0}}),
         Row("torchvision MaxViT", "hierarchical", _torchvision_maxvit, s64, "tests/test_hier_more.py"),
-        Row("timm Hiera (SAM 2's encoder family)", "hierarchical", _timm_class("hiera", "Hiera", img_size=64, embed_dim=16, num_heads=1, stages=(1, 2, 2, 1), mask_unit_size=(4, 4), q_pool=2, num_classes=5), s64, f"tests/test_hier_more.py, {_LEGRAD_TEST}"),
+        Row("timm Hiera (SAM 2's encoder family)", "hierarchical", _timm_class("hiera", "Hiera", img_size=64, embed_dim=16, num_heads=1, stages=(1, 2, 2, 1), mask_unit_size=(4, 4), q_pool=2, num_classes=5), s64, f"tests/test_hier_more.py, {_LEGRAD_TEST}, {_RERUN_TEST}"),
         Row("timm HieraDet (sam2_hiera: SAM 2's image encoder, windows on the grid)", "hierarchical", _timm_class("hieradet_sam2", "HieraDet", embed_dim=16, num_heads=1, stages=(1, 2, 3), q_pool=2, window_spec=(4, 2, 3), global_att_blocks=(5,), global_pos_size=(4, 4), num_classes=5), s64, "tests/test_hier_sam2_timm.py"),
         Row("timm CrossViT (two branches)", "hierarchical", _timm_class("crossvit", "CrossVit", img_size=48, img_scale=(1.0, 32 / 48), patch_size=(8, 16), embed_dim=(16, 32), depth=((1, 2, 0), (1, 1, 0)), num_heads=(2, 2), mlp_ratio=(2, 2, 1), num_classes=5), (48, 48), f"tests/test_hier_more.py, {_LEGRAD_TEST}"),
         Row("HF PVT v1 classifier (class token on the last stage)", "hierarchical", _hf_cnn("PvtConfig", "PvtForImageClassification", image_size=64, hidden_sizes=[16, 32, 48, 64], depths=[1, 1, 1, 1], num_attention_heads=[1, 2, 2, 4], num_labels=5), s64, "tests/test_hier_pvt.py"),
