@@ -109,6 +109,7 @@ def cdam_smooth(ctx: Context, *, samples: int = 50, noise: float = 0.05, batch_s
     Returns:
         (B, H_L, W_L) float32, signed.
     """
+    x = _block_input(ctx)  # read from the explained forward before any re-run
     _check(ctx)
 
     def score_rows(rows: Tensor, target: Target, part: slice) -> Tensor:
@@ -116,7 +117,7 @@ def cdam_smooth(ctx: Context, *, samples: int = 50, noise: float = 0.05, batch_s
         (grad,) = torch.autograd.grad(_slice_score(target, logits, part).sum(), leaf)
         return cdam_scores(_grid(ctx, leaf.detach()), _grid(ctx, grad))
 
-    return smooth_mean(_block_input(ctx), ctx.target, samples=samples, noise=noise, batch_size=batch_size, seed=seed,
+    return smooth_mean(x, ctx.target, samples=samples, noise=noise, batch_size=batch_size, seed=seed,
                        score_rows=score_rows)
 
 
@@ -136,9 +137,9 @@ def cdam_integrated(ctx: Context, *, steps: int = 32, batch_size: int = 64) -> T
     Returns:
         (B, H_L, W_L) float32, signed.
     """
-    _check(ctx)
-    x = _block_input(ctx)
+    x = _block_input(ctx)  # read from the explained forward before any re-run
     tokens = ctx.recorder.activation(ctx.adapter.token_sites[-1]).output.detach()
+    _check(ctx)
 
     def grad_rows(residual: Tensor, point: Tensor, target: Target, part: slice) -> Tensor:
         logits, leaf = tail(ctx, residual, replace=point.to(tokens.dtype))
