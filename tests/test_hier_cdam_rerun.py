@@ -71,7 +71,7 @@ def _eager(model):
 def integrated_oracle(kind, model, x, steps):
     eager = _eager(model)
     x = x.double()
-    _, t0 = _site_run(eager, kind, x)
+    t0 = _site_run(eager, kind, x)[1].detach()
     total = torch.zeros_like(t0)
     for k in range(steps):
         logits, leaf = _site_run(eager, kind, x, replace_site=(k + 0.5) / steps * t0)
