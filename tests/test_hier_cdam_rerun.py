@@ -28,6 +28,10 @@ CASES = {
     "coatnet": ("stages.3.blocks.1", "stages.3.blocks.1.norm1", lambda v, m: v),  # (B, C, H, W): summed over dim 1
     "mvit": ("stages.3.blocks.1", "stages.3.blocks.1.norm1", lambda v, m: v.view(-1, 4, 4)),
     # Hiera's unrolled order, put on the grid by its own reroll of token indices
+    "hf_pvt": ("pvt_v2.encoder.layers.3.blocks.1", "pvt_v2.encoder.layers.3.blocks.1.layer_norm_1",
+               lambda v, m: v.view(-1, 4, 4)),
+    "hf_segformer": ("segformer.stages.3.blocks.1", "segformer.stages.3.blocks.1.layernorm_before",
+                     lambda v, m: v.view(-1, 4, 4)),
     "hiera_qpool2": ("blocks.5", "blocks.5.norm1", lambda v, m: v[:, m.reroll(
         torch.arange(16, dtype=torch.float64).view(1, 16, 1), 5)[0, ..., 0].round().long()]),
 }
@@ -56,6 +60,7 @@ def _site_run(eager, kind, x, *, replace_site=None, block_input=None):
         handles.append(eager.get_submodule(block).register_forward_pre_hook(at_block))
     try:
         logits = eager(x)
+        logits = getattr(logits, "logits", logits)  # Hugging Face outputs
     finally:
         for h in handles:
             h.remove()
@@ -65,6 +70,8 @@ def _site_run(eager, kind, x, *, replace_site=None, block_input=None):
 def _eager(model):
     eager = copy.deepcopy(model).double().eval()
     unfuse_all(eager)
+    if hasattr(eager, "set_attn_implementation"):
+        eager.set_attn_implementation("eager")
     return eager
 
 

@@ -108,7 +108,17 @@ KINDS = {
     "hiera_qpool2": (lambda: _hiera(stages=(1, 2, 2, 1), q_pool=2), 64),
     "tnt": (lambda: timm.create_model("tnt_s_patch16_224", num_classes=CLASSES, img_size=64, depth=2), 64),
     "crossvit": (_crossvit, 48),
+    "hf_pvt": (lambda: _hf("PvtV2Config", "PvtV2ForImageClassification"), 128),
+    "hf_segformer": (lambda: _hf("SegformerConfig", "SegformerForImageClassification", decoder_hidden_size=32), 128),
 }
+
+
+def _hf(config: str, cls: str, **kwargs) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    cfg = getattr(transformers, config)(image_size=128, hidden_sizes=[16, 16, 32, 32], depths=[1, 1, 1, 2],
+                                        num_attention_heads=[1, 1, 2, 2], sr_ratios=[8, 4, 2, 2], num_labels=CLASSES,
+                                        **kwargs)
+    return getattr(transformers, cls)(cfg)
 
 
 def build(kind: str) -> nn.Module:
@@ -183,6 +193,8 @@ def oracle(kind: str, model: nn.Module, x: torch.Tensor) -> dict:
     min-max normalised over its grid tokens, and that grid."""
     eager = copy.deepcopy(model).double().eval()
     unfuse_all(eager)
+    if hasattr(eager, "set_attn_implementation"):  # Hugging Face: the eager softmax, taped
+        eager.set_attn_implementation("eager")
     b = x.shape[0]
     layers, head, branches = _plan(kind, eager)
     seen: dict[str, object] = {}
@@ -326,6 +338,22 @@ def _plan(kind: str, m: nn.Module):
             xs = [t, s["final1"].detach()] if br == 0 else [s["final0"].detach(), t]
             return torch.stack([h(norm(x)[:, 0]) for h, norm, x in zip(e.head, e.norm, xs)]).mean(0)
         return layers, head, {0: (None, grids[0], 1), 1: (None, grids[1], 1)}
+    if kind.startswith("hf_"):
+        body = getattr(m, "pvt_v2", None) or m.segformer
+        stages = body.encoder.layers if kind == "hf_pvt" else body.stages
+        grid = (4, 4)
+        sr = stages[-1].blocks[0].attention
+        conv = getattr(sr, "spatial_reduction", None) or sr.sequence_reduction.sequence_reduction
+        keys = pool_matrix(grid, conv.kernel_size, conv.stride, conv.padding)
+        first = sum(len(st.blocks) for st in stages[:-1])
+        prefix = "pvt_v2.encoder.layers" if kind == "hf_pvt" else "segformer.stages"
+        layers = [Layer(first + i, f"{prefix}.3.blocks.{i}", _global(keys)) for i in range(len(stages[-1].blocks))]
+
+        def head(e, t, s, br):  # the last stage's norm, the mean over the tokens, the classifier
+            st = getattr(e, "pvt_v2", None) or e.segformer
+            pooled = (st.encoder.layers if kind == "hf_pvt" else st.stages)[-1].layer_norm(t).mean(1)
+            return e.classifier(pooled)
+        return {0: layers}, head, {0: (None, grid, 0)}
     raise KeyError(kind)
 
 
