@@ -197,16 +197,20 @@ def test_a_stage_without_attention_on_its_own_grid_is_refused():
                           num_classes=CLASSES).eval()
     ex = vx.Explainer(model)
     x = torch.randn(1, 3, *SIZE)
-    assert ex.explain(x, method="generic", stage=2).maps.shape == (1, 4, 4)  # stage 3's call reads stage 2's grid
+    at_2 = ex.explain(x, method="generic", stage=2)
+    assert at_2.maps.shape == (1, 4, 4)  # stage 3's call reads stage 2's grid
     with pytest.raises(vx.UnsupportedMethodError, match=r"stage 3 .* no attention call on its own grid.*\[0, 1, 2\]"):
-        ex.explain(x, method="generic", stage=-1)
+        ex.explain(x, method="generic", stage=3)
+    # a negative stage counts from the last stage it can show: -1 is stage 2, on its grid
+    last = ex.explain(x, method="generic", stage=-1)
+    assert last.layout.grid == (4, 4) and torch.equal(last.maps, at_2.maps)
 
 
 def test_mvit_cdam_on_a_stage_of_one_pooling_block_is_on_that_stages_grid():
     """MViTv2 with depths (1, 2, 1, 1): stage 2 is a single block that pools stage 1's tokens, so the tokens on
     stage 2's 4 x 4 grid that enter an attention are those of stage 3's pooling block (stage 3 has none).
-    S_i = d/de y when that block's input token i is scaled by (1 + e); the last stage is refused, as rollout
-    refuses it, instead of returning a map on the grid before it."""
+    S_i = d/de y when that block's input token i is scaled by (1 + e); the last stage asked by number is refused,
+    as rollout refuses it, and the default stage (-1: the last stage where CDAM applies) is stage 2."""
     from hier_oracle import token_derivative
     from timm.models.mvitv2 import MultiScaleVit, MultiScaleVitCfg
 
@@ -223,7 +227,10 @@ def test_mvit_cdam_on_a_stage_of_one_pooling_block_is_on_that_stages_grid():
         assert abs(float(e.maps[0, t // 4, t % 4]) - numeric) <= 1e-6 + 1e-5 * abs(numeric), (t, numeric)
     for method in ("cdam", "gradcam"):
         with pytest.raises(vx.UnsupportedMethodError, match=r"stage 3 .*no attention call over a token grid.*\[0, 1, 2\]"):
-            ex.explain(x, method=method, target=0)
+            ex.explain(x, method=method, target=0, stage=3)
+        # the default (-1) is the last stage that has one: stage 2, and the layout says its grid
+        default, at_2 = ex.explain(x, method=method, target=0), ex.explain(x, method=method, target=0, stage=2)
+        assert default.layout.grid == (4, 4) and torch.equal(default.maps, at_2.maps)
 
 
 def test_levit_cdam_on_a_first_stage_of_one_block_matches_finite_differences():
@@ -322,3 +329,35 @@ def test_a_model_built_for_one_size_gets_its_images_at_that_size_and_other_sizes
     assert ex.explain(torch.rand(1, 3, *SIZE), method="rollout", target=1).maps.shape[1:] == e.maps.shape[1:]
     with pytest.raises(vx.InputError, match=rf"does not take a 64x96 input .* expects {SIZE[0]}x{SIZE[1]} images"):
         ex.explain(torch.rand(2, 3, 64, 96), method="rollout", target=1)
+
+
+def test_default_stage_is_the_last_one_a_token_method_can_show():
+    """Hiera with one block per stage and a max-pooling head: its last stage is one block pooling the grid
+    before, so no attention runs on its own grid, and with no mean readout the family's default method is
+    cdam. ``ex.explain(x)`` with default options gives cdam on stage 2 (the default -1 counts from the last
+    stage where CDAM applies), equal to asking stage=2 and equal to central differences of the model's own
+    forward with a token entering that attention scaled; stage 3 by number stays refused."""
+    from hier_oracle import token_derivative
+    from timm.models.hiera import Hiera
+
+    torch.manual_seed(0)
+    model = Hiera(img_size=64, embed_dim=16, num_heads=1, num_classes=CLASSES, stages=(1, 1, 1, 1),
+                  global_pool="max").eval().double()
+    ex = vx.Explainer(model)
+    x = torch.randn(1, 3, *SIZE, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    e = ex.explain(x, target=2)
+    assert e.method == "cdam" and e.maps.shape == (1, 4, 4) and e.layout.grid == (4, 4)
+    assert torch.equal(e.maps, ex.explain(x, method="cdam", target=2, stage=2).maps)
+    with pytest.raises(vx.UnsupportedMethodError, match=r"stage 3 .*no attention call over a token grid.*\[0, 1, 2\]"):
+        ex.explain(x, method="cdam", target=2, stage=3)
+    with pytest.raises(vx.OptionError, match="stage"):  # three stages where it applies: -4 is none of them
+        ex.explain(x, method="cdam", target=2, stage=-4)
+    # the tokens entering stage 3's pooling attention (blocks.3.norm1), in Hiera's unrolled order: put on the grid
+    # by the model's own unroll of token indices (16 tokens of the 4 x 4 grid of stage 2)
+    order = model.unroll(torch.arange(256, dtype=torch.float64).view(1, -1, 1))[0, :, 0].long()
+    module = model.get_submodule("blocks.3.norm1")
+    for t in range(16):
+        cell = int(order[t])  # stage 2 keeps the first 16 of the unrolled order: fine cell -> its 4 x 4 cell
+        row, col = (cell // 16) // 4, (cell % 16) // 4
+        numeric = token_derivative(module, (t,), lambda: model(x)[0, 2])
+        assert abs(float(e.maps[0, row, col]) - numeric) <= 1e-6 + 1e-5 * abs(numeric), (t, numeric)

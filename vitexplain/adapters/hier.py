@@ -25,6 +25,7 @@ from ..layout import TokenLayout, pair
 from ..methods.families import HIER
 from ..methods.resample import CallSpec, Footprint, TokenSet, Transition, full_slots, readout, window_slots
 from .base import Adapter, register_adapter
+from .hier_head import HeadOnTokens
 
 __all__ = ["HierAdapter", "conv_grid", "global_call", "token_set", "sam_chain", "PVTv2Adapter", "TwinsAdapter",
            "SamViTAdapter", "module_family", "readout_pool_check"]
@@ -95,7 +96,7 @@ def global_call(name: str, tokens: TokenSet, stage: int, keys: Optional[Footprin
                     in_stage=stage, out_stage=stage)
 
 
-class HierAdapter(Adapter):
+class HierAdapter(HeadOnTokens, Adapter):
     """A hierarchical transformer, described as a chain of attention calls and transitions.
 
     Attributes:
@@ -116,11 +117,13 @@ class HierAdapter(Adapter):
         self.has_head = int(getattr(model, "num_classes", 1) or 0) > 0
         self.notes["family"] = (
             "a hierarchical model: attention is carried through its token resampling (raw, rollout, grad_rollout, "
-            "generic on any stage's grid; cdam and gradcam at any stage). LeGrad and attention Grad-CAM read the "
-            "head or one readout row on every block's tokens, and smooth/integrated CDAM re-run the last block; "
-            "none of these is defined across the stages' resampling, so they are not offered: use 'generic' or "
-            "'grad_rollout' (stage=...), or 'cdam' with stage=..."
+            "generic on any stage's grid; cdam and gradcam at any stage; legrad, smooth and integrated CDAM on the "
+            "last stage where the adapter knows the head). Attention Grad-CAM reads one readout row on every "
+            "block's tokens; it is not offered: use 'generic' or 'grad_rollout' (stage=...), or 'cdam' with stage=..."
         )
+        self.notes["head"] = (
+            f"vitexplain does not know how {type(model).__name__}'s head reads a block's tokens (LeGrad applies it "
+            "to every last-stage block's output); use 'generic' or 'grad_rollout', or 'cdam'")
         readout_pool_check(self)
 
     def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
@@ -204,6 +207,16 @@ class PVTv2Adapter(HierAdapter):
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
         self.token_sites = [f"stages.{s}.blocks.{len(st.blocks) - 1}.norm1" for s, st in enumerate(model.stages)]
+        self.offer_legrad()
+
+    def legrad_calls(self) -> list[str]:
+        last = len(self.model.stages) - 1
+        return [f"stages.{last}.blocks.{b}.attn" for b in range(len(self.model.stages[last].blocks))]
+
+    def head_on(self, tokens: Tensor) -> Tensor:
+        """The last stage's norm, then the model's head: (B, N, C) tokens as (B, C, N, 1) (its mean over the grid is
+        the mean over the tokens)."""
+        return self.model.forward_head(self.model.stages[-1].norm(tokens).transpose(1, 2)[..., None])
 
     def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
         conv = self.model.patch_embed.proj
@@ -232,6 +245,26 @@ class TwinsAdapter(HierAdapter):
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
         self.token_sites = [f"blocks.{s}.{len(st) - 1}.norm1" for s, st in enumerate(model.blocks)]
+        self.offer_legrad()
+
+    def legrad_calls(self) -> list[str]:
+        last = len(self.model.blocks) - 1
+        return [f"blocks.{last}.{b}.attn" for b in range(len(self.model.blocks[last]))]
+
+    def head_on(self, tokens: Tensor) -> Tensor:
+        """The final norm, then the model's head, on (B, N, C) tokens."""
+        return self.model.forward_head(self.model.norm(tokens))
+
+    def legrad_modules(self) -> list[str]:
+        return super().legrad_modules() + ["norm"]
+
+    def legrad_final(self, recorder: Any, call: str) -> Tensor:
+        """The final norm's input: a stage of one block has its positional conv (PEG) after that block."""
+        return recorder.activation("norm").input
+
+    def tail_block(self) -> Any:
+        """None when the last stage is one block: its PEG runs between that block and the head."""
+        return super().tail_block() if len(self.model.blocks[-1]) > 1 else None
 
     def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
         chain: Chain = []
@@ -269,6 +302,14 @@ class SamViTAdapter(HierAdapter):
         super().__init__(model)
         self.token_sites = [f"blocks.{len(model.blocks) - 1}.norm1"]
         self.fixed_size = tuple(pair(model.patch_embed.img_size))
+        self.offer_legrad()
+
+    def legrad_calls(self) -> list[str]:
+        return [f"blocks.{b}.attn" for b in range(len(self.model.blocks))]  # one grid: every block's
+
+    def head_on(self, tokens: Tensor) -> Tensor:
+        """The conv neck, then the model's head, on (B, H, W, C) tokens."""
+        return self.model.forward_head(self.model.neck(tokens.permute(0, 3, 1, 2)))
 
     def site_grid(self, stage: int, output: Tensor, input_size: Sequence[int]) -> Tensor:
         return output  # SAM's blocks keep tokens as (B, H, W, C)

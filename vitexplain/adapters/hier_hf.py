@@ -68,6 +68,22 @@ class HFSpatialReductionAdapter(HFForward, HierAdapter):
         self.has_head = getattr(model, "classifier", None) is not None
         size = getattr(model.config, "image_size", None)
         self.fixed_size = None if size is None else pair(size)
+        self.offer_legrad()
+
+    def legrad_calls(self) -> list[str]:
+        last = len(self.stage_modules) - 1
+        return [f"{self.stages_name}.{last}.blocks.{b}.attention" for b in range(len(self.stage_modules[last].blocks))]
+
+    def head_on(self, tokens: Tensor) -> Tensor:
+        """The last stage's norm, the mean over the tokens, then the classifier (headless: that mean, as
+        :meth:`forward` reads it), on (B, N, C) tokens. The classifiers average rows of ``hidden_sizes[-1]``
+        values of the row-major (H, W, C) tokens, as their own code reshapes them (the tokens' mean when C is
+        that size)."""
+        normed = self.stage_modules[-1].layer_norm(tokens)
+        head = getattr(self.model, "classifier", None)
+        if head is None:
+            return normed.mean(dim=1)
+        return head(normed.reshape(normed.shape[0], -1, int(self.model.config.hidden_sizes[-1])).mean(dim=1))
 
     def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
         chain: Chain = []

@@ -10,7 +10,7 @@ and read the window slots from it.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -130,6 +130,23 @@ class HieraAdapter(HierAdapter):
             else:
                 self.token_sites.append(f"{self.block_names[i + 1]}.{self.norm_name}" if s < stage else None)
         self.fixed_size = self._fixed_size()
+        if module_family(model, "timm.models.hiera"):  # (Hugging Face's Hiera, a subclass, has another head)
+            self.offer_legrad()
+
+    def legrad_calls(self) -> list[str]:
+        """timm's Hiera: the last stage's blocks but its pooling block (whose keys are the grid before)."""
+        if not module_family(self.model, "timm.models.hiera"):
+            return []
+        last = max(self.stage_of)
+        chosen = [i for i, s in enumerate(self.stage_of) if s == last and not (i > 0 and self.q_strides[i] > 1)]
+        # a stage without pooling (q_pool below the stage count) still widens its tokens at its first block: the
+        # head reads the width from the last widening block on
+        widen = [i for i in chosen if self.model.blocks[i].dim != self.model.blocks[i].dim_out]
+        return [f"{self.block_names[i]}.attn" for i in chosen if not widen or i >= widen[-1]]
+
+    def head_on(self, tokens: Tensor) -> Tensor:
+        """The model's head (pooling over the tokens, in any order; norm; classifier) on (B, N, C) tokens."""
+        return self.model.forward_head(tokens)
 
     def _block_names(self) -> list[str]:
         return [f"blocks.{i}" for i in range(len(self.model.blocks))]
@@ -219,6 +236,37 @@ class CrossViTAdapter(HierAdapter):
         last = model.blocks[-1]
         self.token_sites = [f"blocks.{len(model.blocks) - 1}.blocks.{b}.{len(last.blocks[b]) - 1}.norm1" for b in range(2)]
         self.fixed_size = tuple(pair(model.img_size))
+        self.offer_legrad()
+
+    # -- LeGrad: per branch, the last multi-scale block's branch blocks ------------------------
+    def legrad_calls(self) -> list[str]:
+        last = len(self.model.blocks) - 1
+        return [f"blocks.{last}.blocks.{b}.{j}.attn" for b in range(2) for j in range(len(self.model.blocks[last].blocks[b]))]
+
+    def legrad_branches(self) -> dict[str, int]:
+        return {name: int(name.split(".")[3]) for name in self.legrad_calls()}
+
+    def legrad_modules(self) -> list[str]:
+        return super().legrad_modules() + ["norm.0", "norm.1"]
+
+    def legrad_head(self, recorder: Any, call: str) -> Any:
+        """The model's head on a branch block's tokens, the other branch's final tokens held (detached): the head
+        reads both branches (their norms, pooling, classifiers; logits averaged)."""
+        branch = self.legrad_branches()[call]
+        other = recorder.activation(f"norm.{1 - branch}").input.detach()
+
+        def head(tokens: Tensor) -> Tensor:
+            rest = other.repeat(tokens.shape[0] // other.shape[0], 1, 1)
+            xs = [tokens, rest] if branch == 0 else [rest, tokens]
+            return self.model.forward_head([norm(x) for norm, x in zip(self.model.norm, xs)])
+
+        return head
+
+    def legrad_final(self, recorder: Any, call: str) -> Tensor:
+        return recorder.activation(f"norm.{self.legrad_branches()[call]}").input
+
+    def legrad_parts(self, input_size: Sequence[int]) -> list[slice]:
+        return [slice(off + 1, off + 1 + g[0] * g[1]) for off, g in zip(self.offsets, self.grids)]
 
     def readout_row(self, tokens: TokenSet, batch: int, device: object) -> Tensor:
         row = torch.zeros(batch, tokens.n, device=device)

@@ -42,6 +42,15 @@ class PiTAdapter(HierAdapter):
         self.readout = "prefix" if self.prefix > 1 else "class"  # distilled: mean of the two heads
         self.token_sites = [f"transformers.{s}.blocks.{len(t.blocks) - 1}.norm1" for s, t in enumerate(model.transformers)]
         self.fixed_size = tuple(pair(model.patch_embed.img_size)) if hasattr(model.patch_embed, "img_size") else None
+        self.offer_legrad()
+
+    def legrad_calls(self) -> list[str]:
+        last = len(self.model.transformers) - 1
+        return [f"transformers.{last}.blocks.{b}.attn" for b in range(len(self.model.transformers[last].blocks))]
+
+    def head_on(self, tokens: Tensor) -> Tensor:
+        """The final norm on the prefix tokens of (B, prefix + N, C) tokens, then the model's head."""
+        return self.model.forward_head(self.model.norm(tokens[:, :self.prefix]))
 
     def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
         conv = self.model.patch_embed.conv
@@ -115,6 +124,20 @@ class MaxViTAdapter(HierAdapter):
         # stage grids they do not divide is refused with that size to use (it takes any other)
         size = getattr(model, "img_size", None)
         self.fixed_size = tuple(pair(size)) if size is not None else None
+        self.offer_legrad()
+
+    def legrad_calls(self) -> list[str]:
+        last = len(self.model.stages) - 1
+        return [f"stages.{last}.blocks.{b}." + (f"{part}.attn" if part else "attn")
+                for b, block in enumerate(self.model.stages[last].blocks) for part, _ in _calls(block)]
+
+    def head_layout(self, module: str, tokens: Tensor) -> Tensor:
+        """A block's (or its window / grid attention's) output as (B, C, H, W) (channels-last ones permuted)."""
+        return tokens.permute(0, 3, 1, 2) if type(self.model.get_submodule(module)).__name__.endswith("Cl") else tokens
+
+    def head_on(self, tokens: Tensor) -> Tensor:
+        """The final norm, then the model's head, on (B, C, H, W) maps."""
+        return self.model.forward_head(self.model.norm(tokens))
 
     def site_grid(self, stage: int, output: Tensor, input_size: Sequence[int]) -> Tensor:
         site = self.token_sites[stage] or ""
@@ -182,6 +205,16 @@ class LeViTAdapter(HierAdapter):
             else:
                 sites.append(None)
         self.token_sites = sites
+        self.offer_legrad()
+
+    def legrad_calls(self) -> list[str]:
+        last = len(self.model.stages) - 1
+        return [f"stages.{last}.blocks.{b}.attn" for b in range(len(self.model.stages[last].blocks))]
+
+    def head_on(self, tokens: Tensor) -> Tensor:
+        """The model's head (mean over the tokens, then its norm-linear classifiers) on (B, N, C) tokens or
+        (B, C, H, W) maps."""
+        return self.model.forward_head(tokens)
 
     def site_grid(self, stage: int, output: Tensor, input_size: Sequence[int]) -> Tensor:
         """A token site's output on the stage grid: (B, N, C) tokens (linear mode) or (B, C, H, W) maps
@@ -233,6 +266,17 @@ class MViTv2Adapter(HierAdapter):
             hasattr(m, "rel_pos_h") for m in model.stages.modules())
         feat, stride = getattr(model.stages[0], "feat_size", None), pair(model.patch_embed.proj.stride)
         self.fixed_size = (feat[0] * stride[0], feat[1] * stride[1]) if fixed and feat is not None else None
+        self.offer_legrad()
+
+    def legrad_calls(self) -> list[str]:
+        last = len(self.model.stages) - 1
+        blocks = self.model.stages[last].blocks
+        return [f"stages.{last}.blocks.{b}.attn" for b in range(len(blocks))
+                if not (last > 0 and _pools_queries(blocks[b]))]  # a pooling block's keys are the grid before
+
+    def head_on(self, tokens: Tensor) -> Tensor:
+        """The final norm, then the model's head, on (B, prefix + N, C) tokens."""
+        return self.model.forward_head(self.model.norm(tokens))
 
     def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
         conv = self.model.patch_embed.proj
@@ -269,6 +313,20 @@ class TNTAdapter(HierAdapter):
         super().__init__(model)
         self.readout = "class" if model.global_pool == "token" else "mean"
         self.token_sites = [f"blocks.{len(model.blocks) - 1}.norm_out"]
+        self.offer_legrad()
+
+    def legrad_calls(self) -> list[str]:
+        return [f"blocks.{b}.attn_out" for b in range(len(self.model.blocks))]  # one grid: every block's
+
+    def legrad_site(self, call: str) -> tuple[str, str]:
+        """A block returns (inner, outer) tokens: its outer tokens are the next block's second argument, or the
+        final norm's input."""
+        b = int(call.split(".")[1])
+        return ("norm", "input") if b == len(self.model.blocks) - 1 else (f"blocks.{b + 1}", "arg1")
+
+    def head_on(self, tokens: Tensor) -> Tensor:
+        """The final norm, then the model's head, on the (B, 1 + N, C) outer tokens."""
+        return self.model.forward_head(self.model.norm(tokens))
         self.fixed_size = tuple(pair(model.pixel_embed.img_size))
 
     def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:

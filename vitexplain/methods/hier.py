@@ -26,7 +26,7 @@ from .registry import get, register
 from .resample import Call, Item, bind, calls, propagate
 from .tokens import cdam_scores
 
-__all__ = ["raw", "rollout", "grad_rollout", "generic", "cdam", "gradcam", "chain_of", "stage_tokens"]
+__all__ = ["raw", "rollout", "grad_rollout", "generic", "cdam", "gradcam", "chain_of", "stage_tokens", "pick_stage"]
 
 
 def chain_of(ctx: Context) -> list[Item]:
@@ -39,19 +39,36 @@ def _stages(ctx: Context) -> list:
     return ctx.adapter.stage_sets(tuple(ctx.x.shape[-2:]))
 
 
+def pick_stage(ctx: Context, stage: int, count: int, usable: list[int], lacks: str) -> int:
+    """``stage`` checked against the stages a method can show (``usable``, of ``count``).
+
+    A non-negative ``stage`` is that stage, refused when the method cannot show it; a negative one
+    counts from the last stage the method *can* show (so the default -1 is the deepest map there
+    is: a model whose last stage is one block that pools its queries, as Hiera with one block per
+    stage, gets the stage before, on that stage's grid, which ``e.layout`` states).
+
+    Raises:
+        OptionError: ``stage`` is outside ``[-len(usable), count)``.
+        UnsupportedMethodError: a non-negative ``stage`` the method cannot show (``lacks`` says why).
+    """
+    if stage < 0 and usable:
+        return usable[check_index(ctx.method, "stage", stage, len(usable), "stages where it applies")]
+    stage = check_index(ctx.method, "stage", stage, count, "stages")
+    if stage not in usable:
+        raise UnsupportedMethodError(
+            f"stage {stage} of {type(ctx.adapter.model).__name__} has {lacks}, so {ctx.method!r} has nothing to "
+            f"show there; choose a stage in {usable} (a negative stage counts from the last of them)")
+    return stage
+
+
 def _attention_stage(ctx: Context, items: list[Item], stage: int) -> int:
     """``stage`` checked against the stages an attention row can be carried back to: those
     with an attention call on their own grid (a stage whose only block pools its queries
-    has none; its map would be the readout alone)."""
+    has none; its map would be the readout alone). Negative: from the last such stage."""
     sets = _stages(ctx)
-    stage = check_index(ctx.method, "stage", stage, len(sets), "stages")
     chain_stage = ctx.adapter.chain_stage
-    if not any(c.in_stage >= chain_stage(stage) for c in calls(items)):
-        usable = sorted({s for s in range(len(sets)) if any(c.in_stage >= chain_stage(s) for c in calls(items))})
-        raise UnsupportedMethodError(
-            f"stage {stage} of {type(ctx.adapter.model).__name__} has no attention call on its own grid, so "
-            f"{ctx.method!r} has nothing to carry there; choose a stage in {usable}")
-    return stage
+    usable = sorted({s for s in range(len(sets)) if any(c.in_stage >= chain_stage(s) for c in calls(items))})
+    return pick_stage(ctx, stage, len(sets), usable, "no attention call on its own grid")
 
 
 def _start(ctx: Context, items: list[Item]) -> Tensor:
@@ -70,7 +87,8 @@ def _carry(ctx: Context, matrix, *, mode: str, stage: int, discard_ratio: float 
 
 
 _FUSION = Option(str, choices=("mean", "max", "min"), help="how heads are fused")
-_STAGE = Option(int, help="stage whose grid the map is on (0 = the patch grid; negative counts from the last)")
+_STAGE = Option(int, help="stage whose grid the map is on (0 = the patch grid; negative counts from the last "
+                           "stage with an attention call on its own grid)")
 _DISCARD = Option(float, low=0, high=1, high_open=True, help="fraction of smallest entries zeroed per call")
 
 
@@ -189,12 +207,8 @@ def stage_tokens(ctx: Context, stage: int) -> tuple[Tensor, Tensor]:
         UnsupportedMethodError: the stage has no attention call with a spatial grid.
     """
     sites = ctx.adapter.token_sites
-    stage = check_index(ctx.method, "stage", stage, len(sites), "stages")
-    if sites[stage] is None:
-        usable = [i for i, s in enumerate(sites) if s]
-        raise UnsupportedMethodError(
-            f"stage {stage} of {type(ctx.adapter.model).__name__} has no attention call over a token grid; "
-            f"{ctx.method!r} applies at stages {usable}")
+    stage = pick_stage(ctx, stage, len(sites), [i for i, s in enumerate(sites) if s],
+                       "no attention call over a token grid")
     act = ctx.recorder.activation(sites[stage])
     if act.grad is None:
         raise CaptureError(f"no gradient reached {sites[stage]!r}; the target score does not depend on it")
@@ -204,7 +218,8 @@ def stage_tokens(ctx: Context, stage: int) -> tuple[Tensor, Tensor]:
     return tokens.float(), grad.float()
 
 
-_TOKEN_STAGE = Option(int, help="stage whose grid the map is on (0 = the patch grid; negative counts from the last)")
+_TOKEN_STAGE = Option(int, help="stage whose grid the map is on (0 = the patch grid; negative counts from the last "
+                                 "stage with an attention call on its own grid)")
 
 
 @register(

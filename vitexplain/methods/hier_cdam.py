@@ -1,0 +1,151 @@
+"""Smooth and integrated CDAM for hierarchical and pooling transformers (family ``"hier"``), on the last stage.
+
+Both re-run the block that holds the last stage's token site (T, the tokens entering its last attention:
+``adapter.token_sites[-1]``) and the model's head (``adapter.head_on``), from the block's recorded input,
+with T as a leaf (a scoped forward hook on the site module); each call first checks that this re-run
+gives the model's outputs (``Context.partial``, 1e-4 relative). Definitions: docs/methods.md,
+"Hierarchical transformers".
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import UnsupportedModelError
+from ..targets import Target
+from .context import Context
+from .families import HIER
+from .options import MAX_SAMPLES, SEED_RANGE, Option
+from .registry import register
+from .tokens import _slice_score, cdam_scores, integrated_mean_grad, smooth_mean
+
+__all__ = ["cdam_smooth", "cdam_integrated", "tail"]
+
+
+def _modules(adapter) -> list[str]:
+    block = adapter.tail_block()
+    return [block, adapter.token_sites[-1]] if block else []
+
+
+def tail(ctx: Context, x: Tensor, replace: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """The last block (from input ``x``, its other arguments as recorded) and the head, T held as a leaf.
+
+    Args:
+        ctx: the captured forward.
+        x: (b, ...) block input rows (the recorded input's layout).
+        replace: T itself (the site's layout), or None: the site's own output, detached.
+
+    Returns:
+        (outputs (b, K), the leaf T in the site's layout).
+
+    Raises:
+        UnsupportedModelError: the site did not run once, or ``replace`` has another shape than its output.
+    """
+    adapter = ctx.adapter
+    name = adapter.tail_block()
+    block, site = ctx.model_module(name), ctx.model_module(adapter.token_sites[-1])
+    recorded = ctx.recorder.activation(name)
+    seen: list[Tensor] = []
+
+    def hook(module: nn.Module, inputs: tuple, output: Tensor) -> Tensor:
+        source = output if replace is None else replace
+        if source.shape != output.shape:
+            raise UnsupportedModelError(f"{adapter.token_sites[-1]!r} gave {tuple(output.shape)}, not the expected "
+                                        f"{tuple(source.shape)}")
+        leaf = source.detach().requires_grad_(True)
+        seen.append(leaf)
+        return leaf
+
+    handle = site.register_forward_hook(hook)
+    try:
+        with torch.enable_grad():
+            out = block(x, *recorded.args[1:], **recorded.kwargs)
+            tokens = out[0] if isinstance(out, (tuple, list)) else out
+            logits = adapter.head_on(adapter.head_layout(name, tokens))
+    finally:
+        handle.remove()
+    if len(seen) != 1:
+        raise UnsupportedModelError(f"{adapter.token_sites[-1]!r} ran {len(seen)} times in its block, expected once")
+    return logits, seen[0]
+
+
+def _block_input(ctx: Context) -> Tensor:
+    return ctx.recorder.activation(ctx.adapter.tail_block()).input.detach()
+
+
+def _check(ctx: Context) -> None:
+    ctx.partial("tail", lambda x: tail(ctx, x)[0].detach(), _block_input(ctx))
+
+
+def _grid(ctx: Context, site_tokens: Tensor) -> Tensor:
+    """Site-layout tokens (b, ...) -> (b, H_L, W_L, C) on the last stage's grid."""
+    sites = ctx.adapter.token_sites
+    return ctx.adapter.site_grid(len(sites) - 1, site_tokens, tuple(ctx.x.shape[-2:]))
+
+
+_REQUIRES = ("grid", "tokens", "head", "tail")
+
+
+@register(
+    "cdam_smooth", HIER, activations=_modules, signed=True, requires=_REQUIRES,
+    options={
+        "samples": Option(int, low=1, high=MAX_SAMPLES, help="noisy samples"),
+        "noise": Option(float, low=0, help="noise std as a fraction of the block input's range"),
+        "batch_size": Option(int, low=1, help="samples per forward"),
+        "seed": Option(int, low=SEED_RANGE[0], high=SEED_RANGE[1], optional=True, help="noise seed (None = random)"),
+    },
+    summary="smooth CDAM: mean CDAM over noisy copies of the last stage's last block input (last stage grid)",
+    reference="Brocki, Binda & Chung 2023 (Smooth CDAM); docs/methods.md, Hierarchical transformers",
+)
+def cdam_smooth(ctx: Context, *, samples: int = 50, noise: float = 0.05, batch_size: int = 64,
+                seed: Optional[int] = 0) -> Tensor:
+    """Mean over ``samples`` copies of the last block's input with Gaussian noise of standard deviation
+    ``noise * (max - min)`` per image of ``S_i = sum_d T_id dy/dT_id``, T the tokens entering that block's
+    attention.
+
+    Returns:
+        (B, H_L, W_L) float32, signed.
+    """
+    x = _block_input(ctx)  # read from the explained forward before any re-run
+    _check(ctx)
+
+    def score_rows(rows: Tensor, target: Target, part: slice) -> Tensor:
+        logits, leaf = tail(ctx, rows)
+        (grad,) = torch.autograd.grad(_slice_score(target, logits, part).sum(), leaf)
+        return cdam_scores(_grid(ctx, leaf.detach()), _grid(ctx, grad))
+
+    return smooth_mean(x, ctx.target, samples=samples, noise=noise, batch_size=batch_size, seed=seed,
+                       score_rows=score_rows)
+
+
+@register(
+    "cdam_integrated", HIER, activations=_modules, signed=True, requires=_REQUIRES,
+    options={
+        "steps": Option(int, low=1, high=MAX_SAMPLES, help="integration steps"),
+        "batch_size": Option(int, low=1, help="steps per forward"),
+    },
+    summary="integrated CDAM on the tokens entering the last stage's last attention (completeness)",
+    reference="Brocki, Binda & Chung 2023 (Integrated CDAM); docs/methods.md, Hierarchical transformers",
+)
+def cdam_integrated(ctx: Context, *, steps: int = 32, batch_size: int = 64) -> Tensor:
+    """``S_i = sum_d T_id mean_k dy/dT_id(alpha_k T)``, straight path from T' = 0, the block input held (the
+    residual), midpoint rule; ``sum_i S_i ~ y(T) - y(0)``.
+
+    Returns:
+        (B, H_L, W_L) float32, signed.
+    """
+    x = _block_input(ctx)  # read from the explained forward before any re-run
+    tokens = ctx.recorder.activation(ctx.adapter.token_sites[-1]).output.detach()
+    _check(ctx)
+
+    def grad_rows(residual: Tensor, point: Tensor, target: Target, part: slice) -> Tensor:
+        logits, leaf = tail(ctx, residual, replace=point.to(tokens.dtype))
+        (grad,) = torch.autograd.grad(_slice_score(target, logits, part).sum(), leaf)
+        return grad.float()
+
+    mean_grad = integrated_mean_grad(tokens.float(), x, ctx.target, steps=steps, batch_size=batch_size,
+                                     grad_rows=grad_rows)
+    return cdam_scores(_grid(ctx, tokens), _grid(ctx, mean_grad))
