@@ -41,3 +41,34 @@ def test_instructblip_qformer_text_padded_on_the_left_still_equals_each_image_al
             n = len(answers[b])
             torch.testing.assert_close(e_all.token_scores[b][:n], e_one.token_scores[0][:n], atol=1e-6, rtol=1e-4)
             torch.testing.assert_close(e_all.image_maps[b][:n], e_one.image_maps[0][:n], atol=1e-6, rtol=1e-4)
+
+
+def test_idefics2_a_quadrant_padded_past_its_edge_keeps_its_scores_inside_the_quadrant():
+    """Idefics2 pads each quadrant to the batch's largest piece; a 36 x 20 image's 18-row quadrants resize to 18 rows,
+    so the third patch row holds 2 real rows and 6 of padding, and the vision tower keeps it. Its score must stay on the
+    quadrant's own pixels: the original pixels under its padding belong to the lower quadrants, and perturbing them does
+    not change it (footprint probe, vision attention off). Was: rendered over 6 rows of the lower quadrants (silent)."""
+    torch.manual_seed(0)
+    model, proc = helpers.BUILDERS["idefics2"]()
+    image = helpers.images(6, ((36, 20),))[0]
+    adapter = vx.Explainer(model, processor=proc).adapter
+    view = adapter.views([image], adapter.prepare([image], [""]))[0]
+    n = view.num_tokens
+    _, layers = vx.adapters.vlm.render(torch.arange(1, n + 1, dtype=torch.float64)[None], view)
+    probe, features = helpers.isolated_tokens(model), helpers.ORACLE["idefics2"]["features"]
+    base = features(probe, proc, image)
+    first = view.pieces[0]  # tile 0,0: rows 0..18, columns 0..10 of the original
+    assert first.name == "tile 0,0"
+    for (y, x), inside in (((17, 4), True), ((21, 4), False)):
+        bumped = image.copy()
+        bumped[y, x] = 255 - bumped[y, x]
+        change = (features(probe, proc, bumped) - base).abs().sum(-1)[first.start : first.start + first.num_tokens]
+        token = int(layers[0][0, y, x])  # the tile 0,0 token the geometry puts at (y, x), 1-based; 0: none
+        if inside:  # the partly padded row's token holds this pixel
+            assert token - 1 - first.start == int(change.argmax()) and float(change.max()) > 1e-3
+        else:  # no tile 0,0 token reads this pixel, and the geometry puts none there
+            assert float(change.max()) < 1e-6
+            assert token == 0, f"tile 0,0's token {token - 1} rendered over pixel {(y, x)} of the lower quadrant"
+    explained = vx.Explainer(model, processor=proc).explain_caption([image], method="cross", prompt="what is",
+                                                                    caption=[checks._answer_ids(proc, checks.ANSWERS)[0]])
+    assert explained.image_maps[0].shape == (4, 36, 20)
