@@ -72,3 +72,18 @@ def test_idefics2_a_quadrant_padded_past_its_edge_keeps_its_scores_inside_the_qu
     explained = vx.Explainer(model, processor=proc).explain_caption([image], method="cross", prompt="what is",
                                                                     caption=[checks._answer_ids(proc, checks.ANSWERS)[0]])
     assert explained.image_maps[0].shape == (4, 36, 20)
+
+
+def test_idefics2_explorer_page_clips_a_quadrant_to_its_part_of_the_image():
+    """The explorer draws each piece's grid over its box; a padded quadrant's box reaches into the next quadrant, so
+    the page carries the quadrant's own part (as fractions of the image) and the viewer clips the grid to it."""
+    from vitexplain.explorer.vlm import vlm_data
+
+    torch.manual_seed(0)
+    model, proc = helpers.BUILDERS["idefics2"]()
+    image = helpers.images(6, ((36, 20),))[0]
+    ex = vx.Explainer(model, processor=proc)
+    data = vlm_data(ex, ex.plan(), image, prompt="what is", max_len=2, attention_budget=1 << 20, notes=[])
+    first = data["vlm"]["pieces"][0]
+    assert first["name"] == "tile 0,0" and first["box"][2] > 18 / 36  # the grid's box: past the quadrant
+    assert first["extent"] == [0.0, 0.0, 18 / 36, 10 / 20]  # rows 0..18, columns 0..10 of 36 x 20
