@@ -57,6 +57,10 @@ def _oracle_inputs(name, model, proc, images, prompts, answers):
         batch = proc(images=given, text=texts, padding=True, padding_side="left", return_tensors="pt")
     finally:
         proc.tokenizer.padding_side = side
+    if "qformer_input_ids" in batch:  # InstructBLIP's Q-Former text: positions 0, 1, ... from its first column, so a
+        # shorter prompt is padded on the right (as it is alone); left padding would shift its positions
+        qformer = proc.qformer_tokenizer(texts, padding=True, padding_side="right", return_tensors="pt")
+        batch["qformer_input_ids"], batch["qformer_attention_mask"] = qformer["input_ids"], qformer["attention_mask"]
     pad = proc.tokenizer.pad_token_id
     t = max(len(a) for a in answers)
     ids = torch.tensor([a + [pad] * (t - len(a)) for a in answers])

@@ -152,6 +152,9 @@ def vlm_data(explainer: Any, plan: Plan, image: np.ndarray, *, prompt: Optional[
     h, w = view.size
     pieces = [{"name": p.name, "grid": list(p.grid), "start": p.start, "clamp": p.clamp,
                "box": [p.box[0] / h, p.box[1] / w, p.box[2] / h, p.box[3] / w]} for p in view.pieces]
+    for piece, p in zip(pieces, view.pieces):
+        if p.extent is not None:  # the piece's own part of the image (its grid's box reaches into padding past it)
+            piece["extent"] = [p.extent[0] / h, p.extent[1] / w, p.extent[2] / h, p.extent[3] / w]
     methods = []
     ids = first.ids[:, :t]
     scores = pixel_token_scores(adapter, inputs, ids, view, [e.token_scores[0][:t].float() for e in got.values()])

@@ -70,7 +70,7 @@ class ResamplerAdapter(VLMAdapter):
                 box = (float(y0), float(x0), y0 + grid[0] * patch * sy, x0 + grid[1] * patch * sx)
                 whole = (y0, x0, y1, x1) == (0, 0, h, w)
                 name = ("image" if k == 0 else "thumbnail") if whole else f"tile {k // 2},{k % 2}"
-                pieces.append(Piece(name, grid, box, k * grid[0] * grid[1]))
+                pieces.append(Piece(name, grid, box, k * grid[0] * grid[1], extent=(float(y0), float(x0), float(y1), float(x1))))
             held = int((inputs["input_ids"][b] == self.image_token_id).sum())
             if held != len(pieces) * latents:
                 raise UnsupportedModelError(

@@ -64,8 +64,19 @@ class QFormerAdapter(VLMAdapter):
         """The processor's batch, with each prompt's padding moved in front of its query tokens: BLIP-2's and
         InstructBLIP's processors put the query tokens in front of the left-padded prompt, so in a batch an
         empty prompt (no BOS token) would end in padding. Padding is masked and positions count the unmasked
-        tokens, so where it sits changes nothing else."""
-        batch = super().prepare(images, prompts)
+        tokens, so where it sits changes nothing else. InstructBLIP's Q-Former text is padded on the right
+        whatever side its tokenizer says: the Q-Former gives it learned positions 0, 1, ... from the first
+        column, padding included, so left padding would shift a shorter prompt's positions (its map would
+        differ from the image alone)."""
+        second = getattr(self.processor, "qformer_tokenizer", None)
+        side = getattr(second, "padding_side", None)
+        if side is not None:
+            second.padding_side = "right"
+        try:
+            batch = super().prepare(images, prompts)
+        finally:
+            if side is not None:
+                second.padding_side = side
         self._check_qformer_prompt(batch)
         if not self.kosmos:
             order = torch.argsort(batch["attention_mask"], dim=1, stable=True)  # padding (0) first, tokens in order

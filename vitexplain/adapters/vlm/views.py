@@ -31,6 +31,9 @@ class Piece:
         start: index of the grid's first token among the image's pixel-bearing tokens.
         clamp: pixels outside the box take the nearest edge cell instead of nothing (the edge tokens'
             receptive fields reach past the box: Florence-2's overlapping convolutions).
+        extent: (y0, x0, y1, x1) the part of the original image the piece holds, where the grid's box reaches
+            past it into padding that overlaps other pieces (Idefics2 pads each quadrant to the batch's largest
+            piece: an edge cell partly over padding holds only the pixels inside the quadrant); None: the box.
     """
 
     name: str
@@ -38,6 +41,7 @@ class Piece:
     box: tuple[float, float, float, float]
     start: int
     clamp: bool = False
+    extent: Optional[tuple[float, float, float, float]] = None
 
     @property
     def num_tokens(self) -> int:
@@ -125,6 +129,12 @@ def render(scores: Tensor, view: ImageView) -> tuple[Tensor, list[Tensor]]:
         layer = grid[:, rows][:, :, cols]
         if not piece.clamp:
             layer = layer * (row_in[:, None] & col_in[None, :]).to(scores.dtype)
+        if piece.extent is not None:  # pixels past the piece's own part of the image: padding there, not these pixels
+            centres_y = torch.arange(height, device=scores.device, dtype=torch.float64) + 0.5
+            centres_x = torch.arange(width, device=scores.device, dtype=torch.float64) + 0.5
+            ey0, ex0, ey1, ex1 = piece.extent
+            keep = ((centres_y >= ey0) & (centres_y < ey1))[:, None] & ((centres_x >= ex0) & (centres_x < ex1))[None, :]
+            layer = layer * keep.to(scores.dtype)
         layers.append(layer)
     return torch.stack(layers).sum(dim=0), layers
 

@@ -74,6 +74,16 @@
     return [p.box[0] - ch, p.box[1] - cw, p.box[2] + ch, p.box[3] + cw];
   }
 
+  /* A grid whose box reaches past the piece's own part of the image (Idefics2's padded quadrants) is clipped to
+   * that part: the pixels under its padding belong to the next piece. */
+  function extentClip(p, b) {
+    if (!p.extent) return "";
+    var hh = b[2] - b[0], ww = b[3] - b[1];
+    function pct(v, size) { return Math.max(0, 100 * v / size) + "%"; }
+    return ";clip-path:inset(" + pct(p.extent[0] - b[0], hh) + " " + pct(b[3] - p.extent[3], ww) + " " +
+      pct(b[2] - p.extent[2], hh) + " " + pct(p.extent[1] - b[1], ww) + ")";
+  }
+
   function replicateEdges(rows) {
     var out = rows.map(function (r) {
       var x = new Float32Array(r.length + 2);
@@ -98,7 +108,7 @@
       var b = drawnBox(p);
       return el("canvas", { class: "vx-heat vx-piece", "data-vx": "piece-map", "data-piece": String(i),
         style: "left:" + (100 * b[1]) + "%;top:" + (100 * b[0]) + "%;width:" + (100 * (b[3] - b[1])) +
-          "%;height:" + (100 * (b[2] - b[0])) + "%" });
+          "%;height:" + (100 * (b[2] - b[0])) + "%" + extentClip(p, b) });
     });
     var view = el("div", { class: "vx-view vx-vlm-view", style: "aspect-ratio:" + w + "/" + h },
       [el("img", { src: data.image, alt: data.name, draggable: "false" })].concat(layers));
