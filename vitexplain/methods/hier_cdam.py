@@ -18,7 +18,7 @@ from ..errors import UnsupportedModelError
 from ..targets import Target
 from .context import Context
 from .families import HIER
-from .options import MAX_SAMPLES, SEED_RANGE, Option
+from .options import integrated_cdam_options, smooth_cdam_options
 from .registry import register
 from .tokens import _slice_score, cdam_scores, integrated_mean_grad, smooth_mean
 
@@ -91,12 +91,7 @@ _REQUIRES = ("grid", "tokens", "head", "tail")
 
 @register(
     "cdam_smooth", HIER, activations=_modules, signed=True, requires=_REQUIRES,
-    options={
-        "samples": Option(int, low=1, high=MAX_SAMPLES, help="noisy samples"),
-        "noise": Option(float, low=0, help="noise std as a fraction of the block input's range"),
-        "batch_size": Option(int, low=1, help="samples per forward"),
-        "seed": Option(int, low=SEED_RANGE[0], high=SEED_RANGE[1], optional=True, help="noise seed (None = random)"),
-    },
+    options=smooth_cdam_options("the last block input"),
     summary="smooth CDAM: mean CDAM over noisy copies of the last stage's last block input (last stage grid)",
     reference="Brocki, Binda & Chung 2023 (Smooth CDAM); docs/methods.md, Hierarchical transformers",
 )
@@ -123,10 +118,7 @@ def cdam_smooth(ctx: Context, *, samples: int = 50, noise: float = 0.05, batch_s
 
 @register(
     "cdam_integrated", HIER, activations=_modules, signed=True, requires=_REQUIRES,
-    options={
-        "steps": Option(int, low=1, high=MAX_SAMPLES, help="integration steps"),
-        "batch_size": Option(int, low=1, help="steps per forward"),
-    },
+    options=integrated_cdam_options(),
     summary="integrated CDAM on the tokens entering the last stage's last attention (completeness)",
     reference="Brocki, Binda & Chung 2023 (Integrated CDAM); docs/methods.md, Hierarchical transformers",
 )

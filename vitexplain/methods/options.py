@@ -16,8 +16,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from ..errors import OptionError
 
-__all__ = ["MAX_SAMPLES", "SEED_RANGE", "Option", "check_options", "check_index",
-           "check_indices", "check_head_or_fusion", "describe_options", "option_defaults"]
+__all__ = ["MAX_SAMPLES", "SEED_RANGE", "Option", "smooth_cdam_options", "integrated_cdam_options", "check_options",
+           "check_index", "check_indices", "check_head_or_fusion", "describe_options", "option_defaults"]
 
 #: The seeds torch takes (``torch.manual_seed``, ``Generator.manual_seed``: 64 bits, negatives wrapped).
 SEED_RANGE = (-(2**63), 2**64 - 1)
@@ -94,6 +94,24 @@ class Option:
         if self.high is not None and (value > self.high or (self.high_open and value == self.high)):
             return False
         return True
+
+
+def smooth_cdam_options(what: str) -> dict[str, Option]:
+    """The options of smooth CDAM (every family's): noisy copies of ``what`` (the tokens a family's CDAM reads)."""
+    return {
+        "samples": Option(int, low=1, high=MAX_SAMPLES, help="noisy samples"),
+        "noise": Option(float, low=0, help=f"noise std as a fraction of {what}'s range"),
+        "batch_size": Option(int, low=1, help="samples per forward"),
+        "seed": Option(int, low=SEED_RANGE[0], high=SEED_RANGE[1], optional=True, help="noise seed (None = random)"),
+    }
+
+
+def integrated_cdam_options() -> dict[str, Option]:
+    """The options of integrated CDAM (every family's)."""
+    return {
+        "steps": Option(int, low=1, high=MAX_SAMPLES, help="integration steps"),
+        "batch_size": Option(int, low=1, help="steps per forward"),
+    }
 
 
 def check_index(method: str, option: str, index: int, count: int, what: str) -> int:

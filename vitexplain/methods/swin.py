@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from ..errors import UnsupportedMethodError, UnsupportedModelError
 from . import captum_methods
 from .context import Context
-from .options import MAX_SAMPLES, SEED_RANGE, Option, check_index, check_head_or_fusion, check_indices
+from .options import Option, check_index, check_head_or_fusion, check_indices, integrated_cdam_options, smooth_cdam_options
 from .families import SWIN, VIT
 from .registry import get, register
 from ..targets import Target
@@ -323,12 +323,7 @@ def gradcam(ctx: Context) -> Tensor:
 
 @register(
     "cdam_smooth", SWIN, activations=_last_block, signed=True, requires=("grid", "tokens", "tail"),
-    options={
-        "samples": Option(int, low=1, high=MAX_SAMPLES, help="noisy samples"),
-        "noise": Option(float, low=0, help="noise std as a fraction of the block input's range"),
-        "batch_size": Option(int, low=1, help="samples per forward"),
-        "seed": Option(int, low=SEED_RANGE[0], high=SEED_RANGE[1], optional=True, help="noise seed (None = random)"),
-    },
+    options=smooth_cdam_options("the last block input"),
     summary="smooth CDAM: mean CDAM over noisy copies of the last Swin block's input",
     reference="Brocki, Binda & Chung 2023 (Smooth CDAM); docs/methods.md, Swin",
 )
@@ -353,10 +348,7 @@ def cdam_smooth(ctx: Context, *, samples: int = 50, noise: float = 0.05, batch_s
 
 @register(
     "cdam_integrated", SWIN, activations=_last_block, signed=True, requires=("grid", "tokens", "tail"),
-    options={
-        "steps": Option(int, low=1, high=MAX_SAMPLES, help="integration steps"),
-        "batch_size": Option(int, low=1, help="steps per forward"),
-    },
+    options=integrated_cdam_options(),
     summary="integrated CDAM on the tokens entering the last block's attention (completeness)",
     reference="Brocki, Binda & Chung 2023 (Integrated CDAM); docs/methods.md, Swin",
 )

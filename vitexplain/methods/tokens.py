@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from .context import Context
-from .options import MAX_SAMPLES, SEED_RANGE, Option
+from .options import integrated_cdam_options, smooth_cdam_options
 from .families import VIT
 from .registry import register
 from ..checks import differentiable
@@ -191,12 +191,7 @@ def integrated_mean_grad(tokens: Tensor, residual: Tensor, target: Target, *, st
 
 @register(
     "cdam_smooth", VIT,
-    options={
-        "samples": Option(int, low=1, high=MAX_SAMPLES, help="noisy samples"),
-        "noise": Option(float, low=0, help="noise std as a fraction of the token range"),
-        "batch_size": Option(int, low=1, help="samples per forward"),
-        "seed": Option(int, low=SEED_RANGE[0], high=SEED_RANGE[1], optional=True, help="noise seed (None = random)"),
-    },
+    options=smooth_cdam_options("the last block input"),
     grads=True,
     requires=("grid", "tokens", "tail"),
     activations=_last_tokens,
@@ -250,10 +245,7 @@ def _slice_score(target, logits: Tensor, part: slice) -> Tensor:
 
 @register(
     "cdam_integrated", VIT,
-    options={
-        "steps": Option(int, low=1, high=MAX_SAMPLES, help="integration steps"),
-        "batch_size": Option(int, low=1, help="steps per forward"),
-    },
+    options=integrated_cdam_options(),
     grads=True,
     requires=("grid", "tokens", "tail"),
     activations=_last_tokens,
