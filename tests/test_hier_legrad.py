@@ -357,10 +357,16 @@ def _plan(kind: str, m: nn.Module):
     raise KeyError(kind)
 
 
+#: float32 against the float64 oracle, relative to the map's largest value: 1e-5, and 3e-5 for CoAtNet, whose conv
+#: stages with batch norm round more (measured up to 9.3e-6 with two torch threads, 6.7e-6 with one; a batch against
+#: its images one by one up to 1.1e-5): about three times the largest measured
+TOLERANCE = {"coatnet": 3e-5}
+
+
 def _close(got: torch.Tensor, want: torch.Tensor, label: object) -> float:
     scale = float(want.abs().max())
     error = float((got.double() - want).abs().max())
-    assert scale > 0 and error <= 1e-5 * scale, (label, error, scale)
+    assert scale > 0 and error <= TOLERANCE.get(label, 1e-5) * scale, (label, error, scale)
     return error / scale
 
 
@@ -377,7 +383,7 @@ def test_legrad_matches_the_dense_float64_oracle(kind):
     # a batch equals its images one by one
     for i in range(x.shape[0]):
         one = ex.explain(x[i:i + 1], method="legrad", target=TARGET).maps
-        assert float((one[0] - e.maps[i]).abs().max()) <= 1e-5, (kind, i)
+        assert float((one[0] - e.maps[i]).abs().max()) <= TOLERANCE.get(kind, 1e-5), (kind, i)
 
 
 def test_crossvit_legrad_per_branch_and_combined():
