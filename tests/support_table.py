@@ -479,7 +479,7 @@ def rows() -> list[Row]:
         Row("timm LeViT", "hierarchical", _levit, (128, 128), f"{_POOL_TEST}, {_LEGRAD_TEST}", options={"raw": {"layer": 0}}),
         Row("timm LeViT, conv mode (levit_conv_*)", "hierarchical", _levit_conv, (128, 128),
             f"{_POOL_TEST}, tests/test_hier_levit_conv.py, tests/test_hier_legrad.py", options={"raw": {"layer": 0}}),
-        Row("torchvision MaxViT", "hierarchical", _torchvision_maxvit, s64, "tests/test_hier_more.py"),
+        Row("torchvision MaxViT", "hierarchical", _torchvision_maxvit, s64, f"tests/test_hier_more.py, {_LEGRAD_TEST}"),
         Row("timm Hiera (SAM 2's encoder family)", "hierarchical", _timm_class("hiera", "Hiera", img_size=64, embed_dim=16, num_heads=1, stages=(1, 2, 2, 1), mask_unit_size=(4, 4), q_pool=2, num_classes=5), s64, f"tests/test_hier_more.py, {_LEGRAD_TEST}, {_RERUN_TEST}"),
         Row("timm HieraDet (sam2_hiera: SAM 2's image encoder, windows on the grid)", "hierarchical", _timm_class("hieradet_sam2", "HieraDet", embed_dim=16, num_heads=1, stages=(1, 2, 3), q_pool=2, window_spec=(4, 2, 3), global_att_blocks=(5,), global_pos_size=(4, 4), num_classes=5), s64, "tests/test_hier_sam2_timm.py"),
         Row("timm CrossViT (two branches)", "hierarchical", _timm_class("crossvit", "CrossVit", img_size=48, img_scale=(1.0, 32 / 48), patch_size=(8, 16), embed_dim=(16, 32), depth=((1, 2, 0), (1, 1, 0)), num_heads=(2, 2), mlp_ratio=(2, 2, 1), num_classes=5), (48, 48), f"tests/test_hier_more.py, {_LEGRAD_TEST}"),

@@ -26,6 +26,9 @@ CASES = {
     "pit_distilled": ("transformers.2.blocks.1", "transformers.2.blocks.1.norm1", lambda v, m: v[:, 2:].reshape(-1, 4, 4)),
     "maxvit": ("stages.3.blocks.1.attn_grid", "stages.3.blocks.1.attn_grid.norm1", lambda v, m: v),  # channels-last
     "coatnet": ("stages.3.blocks.1", "stages.3.blocks.1.norm1", lambda v, m: v),  # (B, C, H, W): summed over dim 1
+    # torchvision: T is (B, windows, slots, C) after its partition and axis swap, put back by its own departition
+    "tv_maxvit": ("blocks.1.layers.1.layers.grid_attention", "blocks.1.layers.1.layers.grid_attention.attn_layer.0",
+                  lambda v, m: _tv_grid(m.blocks[1].layers[1].layers.grid_attention, v)),
     "mvit": ("stages.3.blocks.1", "stages.3.blocks.1.norm1", lambda v, m: v.view(-1, 4, 4)),
     # Hiera's unrolled order, put on the grid by its own reroll of token indices
     "hf_pvt": ("pvt_v2.encoder.layers.3.blocks.1", "pvt_v2.encoder.layers.3.blocks.1.layer_norm_1",
@@ -35,6 +38,12 @@ CASES = {
     "hiera_qpool2": ("blocks.5", "blocks.5.norm1", lambda v, m: v[:, m.reroll(
         torch.arange(16, dtype=torch.float64).view(1, 16, 1), 5)[0, ..., 0].round().long()]),
 }
+
+
+def _tv_grid(layer: nn.Module, v: torch.Tensor) -> torch.Tensor:
+    """(B, windows, slots) per-token values of a torchvision grid attention layer -> (B, H, W), by its departition."""
+    gh, gw = layer.grid_size[0] // layer.p, layer.grid_size[1] // layer.p
+    return layer.departition_op(layer.departition_swap(v[..., None]), layer.p, gh, gw)[:, 0]
 
 
 def _per_token(t: torch.Tensor, g: torch.Tensor, kind: str) -> torch.Tensor:

@@ -108,6 +108,10 @@ KINDS = {
     "hiera_qpool2": (lambda: _hiera(stages=(1, 2, 2, 1), q_pool=2), 64),
     "tnt": (lambda: timm.create_model("tnt_s_patch16_224", num_classes=CLASSES, img_size=64, depth=2), 64),
     "crossvit": (_crossvit, 48),
+    # window then grid attention per layer (torchvision's own partitions and axis swap); a tanh MLP classifier
+    "tv_maxvit": (lambda: __import__("torchvision").models.MaxVit(
+        input_size=(32, 32), stem_channels=16, partition_size=2, block_channels=[16, 32], block_layers=[1, 2],
+        head_dim=8, stochastic_depth_prob=0.0, num_classes=CLASSES), 32),
     "hf_pvt": (lambda: _hf("PvtV2Config", "PvtV2ForImageClassification"), 128),
     "hf_segformer": (lambda: _hf("SegformerConfig", "SegformerForImageClassification", decoder_hidden_size=32), 128),
 }
@@ -280,6 +284,25 @@ def _plan(kind: str, m: nn.Module):
                                     _windowed(index, n, part.attn.num_heads),
                                     read=lambda out: out.permute(0, 3, 1, 2)))  # channels-last (the _rw blocks)
         return {0: layers}, lambda e, t, s, br: e.head(e.norm(t)), {0: (None, grid, 0)}
+    if kind == "tv_maxvit":
+        grid, n = (4, 4), 16
+        first = 2 * sum(len(b.layers) for b in m.blocks[:-1])
+        s = len(m.blocks) - 1
+        layers = []
+        for i, layer in enumerate(m.blocks[-1].layers):
+            for j, part in enumerate(("window_attention", "grid_attention")):
+                pal = layer.layers.get_submodule(part)
+
+                def part_fn(x, size, pal=pal):  # (1, H, W, 1) indices -> (G, slots): partition, then axis swap
+                    return pal.partition_swap(pal.partition_op(x.permute(0, 3, 1, 2), size[0]))[0]
+                index = _window_index(part_fn, grid, (pal.p, pal.p))
+                layers.append(Layer(first + 2 * i + j, f"blocks.{s}.layers.{i}.layers.{part}",
+                                    _windowed(index, n, pal.attn_layer[1].n_heads)))
+
+        def head(e, t, s, br):  # average pooling, LayerNorm, linear, tanh, linear
+            c = e.classifier
+            return c[5](torch.tanh(c[3](c[2](t.mean(dim=(2, 3))))))
+        return {0: layers}, head, {0: (None, grid, 0)}
     if kind.startswith("levit"):
         grid = (4, 4)
         first = sum(len(s.blocks) for s in m.stages[:-1]) + 2  # two subsampling attentions before

@@ -51,6 +51,23 @@ class TorchvisionMaxViTAdapter(HierAdapter):
             stride = [a * b for a, b in zip(stride, pair(conv.stride))]
         grid = pair(model.blocks[0].grid_size)
         self.fixed_size = (grid[0] * stride[0], grid[1] * stride[1])
+        self.offer_legrad()
+
+    def legrad_calls(self) -> list[str]:
+        """The window and grid attention of every layer of the last block (all on its grid: the stride-2 MBConv
+        of its first layer runs before them)."""
+        s = len(self.model.blocks) - 1
+        return [f"blocks.{s}.layers.{i}.layers.{part}.attn_layer.1" for i in range(len(self.model.blocks[s].layers))
+                for part in ("window_attention", "grid_attention")]
+
+    def legrad_site(self, call: str) -> tuple[str, str]:
+        """A call's block is its ``PartitionAttentionLayer`` (attention and MLP with their residuals, departitioned):
+        its output is (B, C, H, W)."""
+        return call.rsplit(".attn_layer", 1)[0], "output"
+
+    def head_on(self, tokens: Tensor) -> Tensor:
+        """The model's classifier (average pooling, flatten, LayerNorm, linear, tanh, linear) on (B, C, H, W) maps."""
+        return self.model.classifier(tokens)
 
     def _attention(self, name: str) -> nn.Module:
         return self.model.get_submodule(name)
