@@ -112,6 +112,11 @@ KINDS = {
     "tv_maxvit": (lambda: __import__("torchvision").models.MaxVit(
         input_size=(32, 32), stem_channels=16, partition_size=2, block_channels=[16, 32], block_layers=[1, 2],
         head_dim=8, stochastic_depth_prob=0.0, num_classes=CLASSES), 32),
+    # Hugging Face Hiera: the last stage (4 x 4, global) has its pooling block, then two blocks on its grid
+    "hf_hiera": (lambda: __import__("transformers").HieraForImageClassification(__import__("transformers").HieraConfig(
+        image_size=[64, 64], embed_dim=16, num_heads=[1, 2, 2], depths=[1, 1, 3], num_query_pool=2,
+        masked_unit_size=[4, 4], masked_unit_attention=[True, True, False], patch_size=[7, 7], mlp_ratio=2.0,
+        num_labels=CLASSES)), 64),
     "hf_pvt": (lambda: _hf("PvtV2Config", "PvtV2ForImageClassification"), 128),
     "hf_segformer": (lambda: _hf("SegformerConfig", "SegformerForImageClassification", decoder_hidden_size=32), 128),
 }
@@ -341,6 +346,18 @@ def _plan(kind: str, m: nn.Module):
         place_unrolled = _global(_eye(16))
         layers = [Layer(5, "blocks.5", lambda g, batch: place_unrolled(g, batch)[:, order])]
         return {0: layers}, lambda e, t, s, br: e.head(t), {0: (None, (4, 4), 0)}
+    if kind == "hf_hiera":
+        # softmaxes 3 and 4 (after one block per earlier stage and the pooling block); tokens in the unrolled order,
+        # put on the grid by the model's own reroll of token indices
+        order = m.hiera.encoder.reroll(torch.arange(16, dtype=torch.float64).view(1, 16, 1), 2)[0, ..., 0]
+        order = order.round().long().flatten()
+        place_unrolled = _global(_eye(16))
+        layers = [Layer(3 + i, f"hiera.encoder.stages.2.layers.{1 + i}",
+                        lambda g, batch: place_unrolled(g, batch)[:, order]) for i in range(2)]
+
+        def head(e, t, s, br):  # the pooler: mean over the tokens, its LayerNorm; the linear classifier
+            return e.classifier(e.hiera.pooler.layernorm(t.mean(dim=1)))
+        return {0: layers}, head, {0: (None, (4, 4), 0)}
     if kind == "tnt":
         grid = (4, 4)
         layers = [Layer(2 * i + 1, f"blocks.{i}", _global(_eye(17)), read=lambda out: out[1]) for i in range(len(m.blocks))]

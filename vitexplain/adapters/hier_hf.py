@@ -182,6 +182,17 @@ class HFHieraAdapter(HFForward, HieraAdapter):
     def _q_stride(self, attn: nn.Module) -> int:
         return int(attn.query_stride)
 
+    def _widens(self, block: nn.Module) -> bool:
+        return block.hidden_size != block.hidden_size_output
+
+    def head_on(self, tokens: Tensor) -> Tensor:
+        """On (B, N, C) last-stage tokens (any order): the classifier's pooler (the mean over the tokens, then its
+        LayerNorm) and linear classifier; headless: the tokens' mean, as :meth:`forward` reads it."""
+        classifier = getattr(self.model, "classifier", None)
+        if classifier is None:
+            return tokens.mean(dim=1)
+        return classifier(self.model.hiera.pooler(tokens))
+
     def _pool_stride(self) -> tuple[int, int]:
         return pair(self.model.config.query_stride)
 

@@ -147,19 +147,20 @@ class HieraAdapter(HierAdapter):
             else:
                 self.token_sites.append(f"{self.block_names[i + 1]}.{self.norm_name}" if s < stage else None)
         self.fixed_size = self._fixed_size()
-        if module_family(model, "timm.models.hiera"):  # (Hugging Face's Hiera, a subclass, has another head)
-            self.offer_legrad()
+        self.offer_legrad()
 
     def legrad_calls(self) -> list[str]:
-        """timm's Hiera: the last stage's blocks but its pooling block (whose keys are the grid before)."""
-        if not module_family(self.model, "timm.models.hiera"):
-            return []
+        """The last stage's blocks but its pooling block (whose keys are the grid before)."""
         last = max(self.stage_of)
         chosen = [i for i, s in enumerate(self.stage_of) if s == last and not (i > 0 and self.q_strides[i] > 1)]
         # a stage without pooling (q_pool below the stage count) still widens its tokens at its first block: the
         # head reads the width from the last widening block on
-        widen = [i for i in chosen if self.model.blocks[i].dim != self.model.blocks[i].dim_out]
+        widen = [i for i in chosen if self._widens(self.model.get_submodule(self.block_names[i]))]
         return [f"{self.block_names[i]}.attn" for i in chosen if not widen or i >= widen[-1]]
+
+    def _widens(self, block: nn.Module) -> bool:
+        """Whether ``block`` outputs tokens of another width than it reads."""
+        return block.dim != block.dim_out
 
     def head_on(self, tokens: Tensor) -> Tensor:
         """The model's head (pooling over the tokens, in any order; norm; classifier) on (B, N, C) tokens."""
