@@ -490,7 +490,7 @@ def rows() -> list[Row]:
         Row("HF HieraModel (headless)", "hierarchical", _hf("HieraConfig", "HieraModel", image_size=[64, 64], embed_dim=16, num_heads=[1, 2, 4], depths=[1, 2, 2], num_query_pool=2, masked_unit_size=[4, 4], masked_unit_attention=[True, True, False], patch_size=[7, 7], mlp_ratio=2.0), s64, "tests/test_hier_hiera.py", "norm"),
         Row("HF SamVisionModel (headless)", "hierarchical", _hf("SamVisionConfig", "SamVisionModel", image_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, global_attn_indexes=[1], window_size=3, output_channels=16, mlp_dim=64), s64, "tests/test_hier_hf.py", "norm"),
         Row("HF LeViT classifier", "hierarchical", _hf_levit("LevitForImageClassification"), (128, 128), _HF_MORE_TEST),
-        Row("HF LeViT with teacher", "hierarchical", _hf_levit("LevitForImageClassificationWithTeacher"), (128, 128), _HF_MORE_TEST),
+        Row("HF LeViT with teacher", "hierarchical", _hf_levit("LevitForImageClassificationWithTeacher"), (128, 128), f"{_HF_MORE_TEST}, {_LEGRAD_TEST}"),
         Row("HF LevitModel (headless)", "hierarchical", _hf_levit("LevitModel"), (128, 128), _HF_MORE_TEST, "norm"),
         Row("HF Sam3ViTModel (SAM 3's image encoder backbone, headless)", "hierarchical", _hf_cnn("Sam3ViTConfig", "Sam3ViTModel", hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2, image_size=112, patch_size=14, window_size=3, global_attn_indexes=[1, 3], pretrain_image_size=56), (112, 112), "tests/test_hier_sam3.py", "norm"),
         Row("HF Sam2HieraDetModel (SAM 2's image encoder backbone, headless)", "hierarchical", _hf_sam2_hiera, s64, _HF_MORE_TEST, "norm"),
