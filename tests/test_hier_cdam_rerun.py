@@ -38,6 +38,7 @@ CASES = {
     "hf_hiera": ("hiera.encoder.stages.2.layers.2", "hiera.encoder.stages.2.layers.2.layernorm_before",
                  lambda v, m: v[:, m.hiera.encoder.reroll(torch.arange(16, dtype=torch.float64).view(1, 16, 1), 2)
                                 [0, ..., 0].round().long().flatten()].view(-1, 4, 4)),
+    "hf_pvt1": ("pvt.encoder.block.3.1", "pvt.encoder.block.3.1.layer_norm_1", lambda v, m: v[:, 1:].reshape(-1, 4, 4)),
     "hiera_qpool2": ("blocks.5", "blocks.5.norm1", lambda v, m: v[:, m.reroll(
         torch.arange(16, dtype=torch.float64).view(1, 16, 1), 5)[0, ..., 0].round().long()]),
 }

@@ -122,6 +122,11 @@ KINDS = {
     "hf_levit": (lambda: support._levit_gains(__import__("transformers").LevitForImageClassificationWithTeacher(
         __import__("transformers").LevitConfig(image_size=224, hidden_sizes=[32, 48, 64], num_attention_heads=[2, 2, 2],
                                                depths=[1, 1, 2], key_dim=[8, 8, 8], num_labels=CLASSES))), 224),
+    # Hugging Face PVT v1: a class token joins at the last stage (no spatial reduction there), read after the
+    # encoder's final LayerNorm
+    "hf_pvt1": (lambda: __import__("transformers").PvtForImageClassification(__import__("transformers").PvtConfig(
+        image_size=128, hidden_sizes=[16, 16, 32, 32], depths=[1, 1, 1, 2], num_attention_heads=[1, 1, 2, 2],
+        num_labels=CLASSES)), 128),
     "hf_pvt": (lambda: _hf("PvtV2Config", "PvtV2ForImageClassification"), 128),
     "hf_segformer": (lambda: _hf("SegformerConfig", "SegformerForImageClassification", decoder_hidden_size=32), 128),
 }
@@ -333,6 +338,13 @@ def _plan(kind: str, m: nn.Module):
             pooled = t.mean(1)
             return sum(c.linear(c.batch_norm(pooled)) for c in (e.classifier, e.classifier_distill)) / 2
         return {0: layers}, head, {0: (None, (4, 4), 0)}
+    if kind == "hf_pvt1":
+        first = sum(len(st) for st in m.pvt.encoder.block[:-1])
+        layers = [Layer(first + i, f"pvt.encoder.block.3.{i}", _global(_eye(17))) for i in range(2)]
+
+        def head(e, t, s, br):  # the encoder's final LayerNorm, the classifier on the class token
+            return e.classifier(e.pvt.encoder.layer_norm(t)[:, 0])
+        return {0: layers}, head, {0: (None, (4, 4), 1)}
     if kind == "coatnet":
         grid = (4, 4)
         first = len(m.stages[2].blocks)  # conv stages have no attention
