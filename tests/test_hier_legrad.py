@@ -127,6 +127,11 @@ KINDS = {
     "hf_pvt1": (lambda: __import__("transformers").PvtForImageClassification(__import__("transformers").PvtConfig(
         image_size=128, hidden_sizes=[16, 16, 32, 32], depths=[1, 1, 1, 2], num_attention_heads=[1, 1, 2, 2],
         num_labels=CLASSES)), 128),
+    # Hugging Face SAM's vision encoder (headless: the mean of its neck's output is what the adapter scores):
+    # windows of 3 on the 4 x 4 grid (zero-padded), then global attention, then windows again
+    "hf_sam": (lambda: __import__("transformers").SamVisionModel(__import__("transformers").SamVisionConfig(
+        image_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, global_attn_indexes=[1],
+        window_size=3, output_channels=16, mlp_dim=64)), 64),
     "hf_pvt": (lambda: _hf("PvtV2Config", "PvtV2ForImageClassification"), 128),
     "hf_segformer": (lambda: _hf("SegformerConfig", "SegformerForImageClassification", decoder_hidden_size=32), 128),
 }
@@ -148,7 +153,17 @@ def build(kind: str) -> nn.Module:
             for name, p in model.named_parameters():
                 if name.endswith("attention_biases"):
                     p.normal_(0, 1)
+    if kind == "hf_sam":  # random-init SAM's weights give relevance far below float32's resolution: unit-ish gains
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() >= 2:
+                    p.normal_(0, 1.0 / p[0].numel() ** 0.5)
     return model
+
+
+def _target(kind: str):
+    """Class TARGET; a headless model (its pooled embedding): a callable scoring its entry TARGET (the oracle's)."""
+    return (lambda pooled: pooled[:, TARGET]) if kind == "hf_sam" else TARGET
 
 
 def images(kind: str, n: int = 2, seed: int = 1) -> torch.Tensor:
@@ -211,6 +226,11 @@ def oracle(kind: str, model: nn.Module, x: torch.Tensor) -> dict:
     """Per branch (one for all but CrossViT): (B, n) LeGrad map over the last stage's set (prefix included),
     min-max normalised over its grid tokens, and that grid."""
     eager = copy.deepcopy(model).double().eval()
+    if kind == "hf_sam":  # SAM picks its attention class when built: an eager build with the same weights
+        config = copy.deepcopy(model.config)
+        config._attn_implementation = "eager"
+        eager = type(model)(config).double().eval()
+        eager.load_state_dict(model.state_dict())
     unfuse_all(eager)
     if hasattr(eager, "set_attn_implementation"):  # Hugging Face: the eager softmax, taped
         eager.set_attn_implementation("eager")
@@ -338,6 +358,22 @@ def _plan(kind: str, m: nn.Module):
             pooled = t.mean(1)
             return sum(c.linear(c.batch_norm(pooled)) for c in (e.classifier, e.classifier_distill)) / 2
         return {0: layers}, head, {0: (None, (4, 4), 0)}
+    if kind == "hf_sam":
+        grid, n = (4, 4), 16
+        layers = []
+        for i, layer in enumerate(m.vision_encoder.layers):
+            heads = layer.attn.num_attention_heads
+            if layer.window_size > 0:
+                place = _windowed(_window_index(layer.window_partition, grid, layer.window_size), n, heads)
+            else:
+                place = _global(_eye(n))
+            layers.append(Layer(i, f"vision_encoder.layers.{i}", place))
+
+        def head(e, t, s, br):  # the neck (conv, channel norm, conv, channel norm) on (B, C, H, W); the mean
+            nk = e.vision_encoder.neck
+            h = nk.layer_norm2(nk.conv2(nk.layer_norm1(nk.conv1(t.permute(0, 3, 1, 2)))))
+            return h.mean(dim=(2, 3))
+        return {0: layers}, head, {0: (None, grid, 0)}
     if kind == "hf_pvt1":
         first = sum(len(st) for st in m.pvt.encoder.block[:-1])
         layers = [Layer(first + i, f"pvt.encoder.block.3.{i}", _global(_eye(17))) for i in range(2)]
@@ -447,12 +483,13 @@ def test_legrad_matches_the_dense_float64_oracle(kind):
     want = oracle(kind, model, x)[0]  # first: LeViT caches its attention biases in the graph of a forward
     ex = vx.Explainer(model)
     assert ex.family == "hier" and "legrad" in ex.methods()
-    e = ex.explain(x, method="legrad", target=TARGET)
+    target = _target(kind)
+    e = ex.explain(x, method="legrad", target=target)
     _close(e.maps, want, kind)
     assert e.maps.shape[0] == x.shape[0] and tuple(e.maps.shape[1:]) == e.layout.grid
     # a batch equals its images one by one
     for i in range(x.shape[0]):
-        one = ex.explain(x[i:i + 1], method="legrad", target=TARGET).maps
+        one = ex.explain(x[i:i + 1], method="legrad", target=target).maps
         assert float((one[0] - e.maps[i]).abs().max()) <= TOLERANCE.get(kind, 1e-5), (kind, i)
 
 

@@ -119,6 +119,16 @@ class HFSamVisionAdapter(HFForward, HierAdapter):
         self.token_sites = [f"{prefix}layers.{len(enc.layers) - 1}.layer_norm1"]
         self.has_head = False
         self.fixed_size = pair(model.config.image_size)
+        self.offer_legrad()
+
+    def legrad_calls(self) -> list[str]:
+        """Every layer's attention (windowed or global: all on the one grid)."""
+        return [f"{self.prefix}layers.{i}.attn" for i in range(len(self.enc.layers))]
+
+    def head_on(self, tokens: Tensor) -> Tensor:
+        """On a layer's (B, H, W, C) output: the neck (convs and channel norms), then the mean over the feature map,
+        as :meth:`forward` reads it."""
+        return self.enc.neck(tokens).mean(dim=(2, 3))
 
     def site_grid(self, stage: int, output: Tensor, input_size: Sequence[int]) -> Tensor:
         return output  # (B, H, W, C)
