@@ -222,16 +222,23 @@ def _windowed(index: torch.Tensor, n: int, heads: int):
     return place
 
 
-def oracle(kind: str, model: nn.Module, x: torch.Tensor) -> dict:
-    """Per branch (one for all but CrossViT): (B, n) LeGrad map over the last stage's set (prefix included),
-    min-max normalised over its grid tokens, and that grid."""
+def eager_copy(kind: str, model: nn.Module) -> nn.Module:
+    """A float64 copy with eager attention (fused off); SAM picks its attention class when built: an eager build
+    with the same weights."""
     eager = copy.deepcopy(model).double().eval()
-    if kind == "hf_sam":  # SAM picks its attention class when built: an eager build with the same weights
+    if kind == "hf_sam":
         config = copy.deepcopy(model.config)
         config._attn_implementation = "eager"
         eager = type(model)(config).double().eval()
         eager.load_state_dict(model.state_dict())
     unfuse_all(eager)
+    return eager
+
+
+def oracle(kind: str, model: nn.Module, x: torch.Tensor) -> dict:
+    """Per branch (one for all but CrossViT): (B, n) LeGrad map over the last stage's set (prefix included),
+    min-max normalised over its grid tokens, and that grid."""
+    eager = eager_copy(kind, model)
     if hasattr(eager, "set_attn_implementation"):  # Hugging Face: the eager softmax, taped
         eager.set_attn_implementation("eager")
     b = x.shape[0]
