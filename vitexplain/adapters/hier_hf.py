@@ -119,6 +119,16 @@ class HFSamVisionAdapter(HFForward, HierAdapter):
         self.token_sites = [f"{prefix}layers.{len(enc.layers) - 1}.layer_norm1"]
         self.has_head = False
         self.fixed_size = pair(model.config.image_size)
+        self.offer_legrad()
+
+    def legrad_calls(self) -> list[str]:
+        """Every layer's attention (windowed or global: all on the one grid)."""
+        return [f"{self.prefix}layers.{i}.attn" for i in range(len(self.enc.layers))]
+
+    def head_on(self, tokens: Tensor) -> Tensor:
+        """On a layer's (B, H, W, C) output: the neck (convs and channel norms), then the mean over the feature map,
+        as :meth:`forward` reads it."""
+        return self.enc.neck(tokens).mean(dim=(2, 3))
 
     def site_grid(self, stage: int, output: Tensor, input_size: Sequence[int]) -> Tensor:
         return output  # (B, H, W, C)
@@ -181,6 +191,17 @@ class HFHieraAdapter(HFForward, HieraAdapter):
 
     def _q_stride(self, attn: nn.Module) -> int:
         return int(attn.query_stride)
+
+    def _widens(self, block: nn.Module) -> bool:
+        return block.hidden_size != block.hidden_size_output
+
+    def head_on(self, tokens: Tensor) -> Tensor:
+        """On (B, N, C) last-stage tokens (any order): the classifier's pooler (the mean over the tokens, then its
+        LayerNorm) and linear classifier; headless: the tokens' mean, as :meth:`forward` reads it."""
+        classifier = getattr(self.model, "classifier", None)
+        if classifier is None:
+            return tokens.mean(dim=1)
+        return classifier(self.model.hiera.pooler(tokens))
 
     def _pool_stride(self) -> tuple[int, int]:
         return pair(self.model.config.query_stride)

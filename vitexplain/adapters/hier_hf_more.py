@@ -57,6 +57,36 @@ class HFLeViTAdapter(HFForward, HierAdapter):
             else:
                 sites.append(f"{self.base}encoder.stages.{s - 1}" if s > 0 else f"{self.base}patch_embeddings")
         self.token_sites = sites
+        self.offer_legrad()
+
+    def _last_layers(self) -> list[tuple[int, bool]]:
+        """(index, is attention) of the last stage's layers."""
+        stage = self.stage_modules[-1]
+        return [(j, _is(getattr(layer, "module", None), "LevitAttention")) for j, layer in enumerate(stage.layers)]
+
+    def legrad_calls(self) -> list[str]:
+        """The attention layers of the last stage (no subsampling attention there: it ends the stages before)."""
+        s = len(self.stage_modules) - 1
+        return [f"{self.base}encoder.stages.{s}.layers.{j}.module" for j, attn in self._last_layers() if attn]
+
+    def legrad_site(self, call: str) -> tuple[str, str]:
+        """A call's block is its attention residual layer and the layers after it up to the next attention (its MLP
+        residual layer): the output of the last of them."""
+        s = len(self.stage_modules) - 1
+        j = int(call.rsplit(".", 2)[-2])
+        layers = self._last_layers()
+        end = next((k - 1 for k, attn in layers if k > j and attn), layers[-1][0])
+        return f"{self.base}encoder.stages.{s}.layers.{end}", "output"
+
+    def head_on(self, tokens: Tensor) -> Tensor:
+        """The mean over the (B, N, C) tokens, then the classifier (BatchNorm1d, linear; with teacher: the mean of
+        the classifier and the distillation classifier); headless: that mean, as :meth:`forward` reads it."""
+        pooled = tokens.mean(dim=1)
+        classifier = getattr(self.model, "classifier", None)
+        if classifier is None:
+            return pooled
+        distill = getattr(self.model, "classifier_distill", None)
+        return classifier(pooled) if distill is None else (classifier(pooled) + distill(pooled)) / 2
 
     def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
         grid = pair(input_size)

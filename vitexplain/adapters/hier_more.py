@@ -51,6 +51,23 @@ class TorchvisionMaxViTAdapter(HierAdapter):
             stride = [a * b for a, b in zip(stride, pair(conv.stride))]
         grid = pair(model.blocks[0].grid_size)
         self.fixed_size = (grid[0] * stride[0], grid[1] * stride[1])
+        self.offer_legrad()
+
+    def legrad_calls(self) -> list[str]:
+        """The window and grid attention of every layer of the last block (all on its grid: the stride-2 MBConv
+        of its first layer runs before them)."""
+        s = len(self.model.blocks) - 1
+        return [f"blocks.{s}.layers.{i}.layers.{part}.attn_layer.1" for i in range(len(self.model.blocks[s].layers))
+                for part in ("window_attention", "grid_attention")]
+
+    def legrad_site(self, call: str) -> tuple[str, str]:
+        """A call's block is its ``PartitionAttentionLayer`` (attention and MLP with their residuals, departitioned):
+        its output is (B, C, H, W)."""
+        return call.rsplit(".attn_layer", 1)[0], "output"
+
+    def head_on(self, tokens: Tensor) -> Tensor:
+        """The model's classifier (average pooling, flatten, LayerNorm, linear, tanh, linear) on (B, C, H, W) maps."""
+        return self.model.classifier(tokens)
 
     def _attention(self, name: str) -> nn.Module:
         return self.model.get_submodule(name)
@@ -130,19 +147,20 @@ class HieraAdapter(HierAdapter):
             else:
                 self.token_sites.append(f"{self.block_names[i + 1]}.{self.norm_name}" if s < stage else None)
         self.fixed_size = self._fixed_size()
-        if module_family(model, "timm.models.hiera"):  # (Hugging Face's Hiera, a subclass, has another head)
-            self.offer_legrad()
+        self.offer_legrad()
 
     def legrad_calls(self) -> list[str]:
-        """timm's Hiera: the last stage's blocks but its pooling block (whose keys are the grid before)."""
-        if not module_family(self.model, "timm.models.hiera"):
-            return []
+        """The last stage's blocks but its pooling block (whose keys are the grid before)."""
         last = max(self.stage_of)
         chosen = [i for i, s in enumerate(self.stage_of) if s == last and not (i > 0 and self.q_strides[i] > 1)]
         # a stage without pooling (q_pool below the stage count) still widens its tokens at its first block: the
         # head reads the width from the last widening block on
-        widen = [i for i in chosen if self.model.blocks[i].dim != self.model.blocks[i].dim_out]
+        widen = [i for i in chosen if self._widens(self.model.get_submodule(self.block_names[i]))]
         return [f"{self.block_names[i]}.attn" for i in chosen if not widen or i >= widen[-1]]
+
+    def _widens(self, block: nn.Module) -> bool:
+        """Whether ``block`` outputs tokens of another width than it reads."""
+        return block.dim != block.dim_out
 
     def head_on(self, tokens: Tensor) -> Tensor:
         """The model's head (pooling over the tokens, in any order; norm; classifier) on (B, N, C) tokens."""

@@ -36,6 +36,23 @@ class HFPvtAdapter(HierAdapter):
         self.readout = "class" if self.has_head and self.prefixes[-1] else "mean"
         self.token_sites = [f"{self.base}encoder.block.{s}.{len(stage) - 1}.layer_norm_1" for s, stage in enumerate(self.blocks)]
         self.fixed_size = pair(model.config.image_size)
+        self.offer_legrad()
+
+    def legrad_calls(self) -> list[str]:
+        s = len(self.blocks) - 1
+        return [f"{self.base}encoder.block.{s}.{b}.attention.self" for b in range(len(self.blocks[s]))]
+
+    def legrad_site(self, call: str) -> tuple[str, str]:
+        """A call's block is its ``PvtLayer`` (its output: the first item of a tuple)."""
+        return call.rsplit(".attention.self", 1)[0], "output"
+
+    def head_on(self, tokens: Tensor) -> Tensor:
+        """On (B, N, C) last-stage tokens: the encoder's final LayerNorm, then the classifier on the class token
+        (headless, or no class token: the mean of the grid tokens, as :meth:`forward` reads it)."""
+        normed = self.model.get_submodule(f"{self.base}encoder").layer_norm(tokens)
+        if self.has_head:
+            return self.model.classifier(normed[:, 0])
+        return normed[:, self.prefixes[-1]:].mean(dim=1)
 
     def forward(self, x: Tensor) -> Any:
         out = self.model(pixel_values=x, return_dict=True)
