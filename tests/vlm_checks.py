@@ -246,8 +246,9 @@ def check_footprints(built, size):
         bumped = image.copy()
         bumped[y, x] = 255 - bumped[y, x]
         change = (spec["features"](probe, proc, bumped) - base).abs().sum(-1)
-        if float(change.max()) == 0.0:  # the flip was rounded away (a large image resized to a few pixels): no token
-            continue  # changed, so the pixel tells nothing about where it lies
+        if float(change.max()) == 0.0 and any(int(layer[0, y, x]) for layer in layers):
+            continue  # a covered pixel whose flip was rounded away (a large image resized to a few pixels): it tells
+            # nothing about where it lies (a pixel no grid covers must change nothing: that is checked below)
         parts = [(piece, change[piece.start : piece.start + piece.num_tokens], int(layer[0, y, x]))
                  for piece, layer in zip(view.pieces, layers) if piece.num_tokens]  # (a grid unpadded to nothing)
         covering = [float(part.max()) for _, part, expected in parts if expected]
