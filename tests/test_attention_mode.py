@@ -59,6 +59,18 @@ def _mask_with_dead_row(shape, dtype):
     return torch.zeros(shape).masked_fill(~mask, float("-inf"))
 
 
+def _biased_mask(shape, fill, dead_row=False):
+    """A random bias with about a third of the keys of each row set to ``fill`` (key 0 never); with
+    ``dead_row`` row 2 wholly ``fill`` (with -inf every key masked: the fused kernel gives zeros, a plain
+    softmax NaN)."""
+    bias = torch.randn(shape)
+    drop = torch.rand(shape) < 0.3
+    drop[..., 0] = False
+    if dead_row:
+        drop[..., 2, :] = True
+    return bias.masked_fill(drop, fill)
+
+
 def sdpa_cases():
     b, h, n, e = 2, 3, 7, 8
     qkv = torch.randn(b, n, 3, h, e).permute(2, 0, 3, 1, 4)  # timm's strided q, k, v
@@ -78,6 +90,12 @@ def sdpa_cases():
         "no_heads": ((torch.randn(b * h, n, e), torch.randn(b * h, n, e), torch.randn(b * h, n, e)), {}),
         "no_heads_bias": ((torch.randn(b * h, n, e), torch.randn(b * h, n, e), torch.randn(b * h, n, e)),
                           {"attn_mask": torch.randn(b * h, n, n)}),
+        # a bias that also masks keys: with -inf (the masked softmax), and with finfo.min, whose sum
+        # overflows to -inf although every entry is finite (the one-pass finiteness check falls back)
+        "no_heads_bias_inf": ((torch.randn(b * h, n, e), torch.randn(b * h, n, e), torch.randn(b * h, n, e)),
+                              {"attn_mask": _biased_mask((b * h, n, n), float("-inf"), dead_row=True)}),
+        "no_heads_bias_min": ((torch.randn(b * h, n, e), torch.randn(b * h, n, e), torch.randn(b * h, n, e)),
+                              {"attn_mask": _biased_mask((b * h, n, n), torch.finfo(torch.float32).min)}),
     }
     return cases
 
