@@ -91,13 +91,21 @@ def check_answer(adapter: Any, caption: str) -> None:
 
 
 def _answer_ids(adapter: VLMAdapter, caption: Any, count: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """(B, T) given answer ids (padded) and (B,) lengths."""
+    """(B, T) given answer ids (padded) and (B,) lengths; each answer ends at its first end token (``e.ids`` of a
+    generated explanation, or ``generate``'s output, pad after it: those are not words)."""
 
     def encode(text: str) -> list[int]:
         check_answer(adapter, text)
         return adapter.encode_answer(text)
 
     seqs = given_token_ids(caption, count, encode, vocab=adapter.vocab_size, forbidden=adapter.placeholder_ids)
+    ends = set(adapter.end_ids)
+    for i, seq in enumerate(seqs):  # an answer ends at its first end token (after it: generate's padding), as a caption
+        cut = next((k for k, t in enumerate(seq) if t in ends), len(seq))
+        if cut == 0:
+            raise UsageError(f"answer {i} starts with the end token ({seq[0]}): it has no word to explain; give its "
+                             "words, or caption=None to generate")
+        seqs[i] = seq[:cut]
     length = max(len(s) for s in seqs)
     ids = torch.tensor([s + [adapter.pad_id] * (length - len(s)) for s in seqs], dtype=torch.long, device=device)
     return ids, torch.tensor([len(s) for s in seqs], device=device)
