@@ -48,6 +48,15 @@ class GridHieraAdapter(HierAdapter):
         self.token_sites = [next((f"blocks.{i}.{self.norm_name}" for i in reversed(range(len(reads))) if reads[i] == s),
                                  None) for s in range(self.stage_of[-1] + 1)]
 
+    def legrad_calls(self) -> list[str]:
+        """The last stage's blocks but its pooling block (whose keys are the grid before), from the last block that
+        widens the tokens on (a stage without pooling, ``q_pool`` below the stage count, widens at its first block:
+        the blocks before it output tokens narrower than the head reads)."""
+        last = self.stage_of[-1]
+        chosen = [i for i, b in enumerate(self.blocks) if self.stage_of[i] == last and self.stride(b) is None]
+        widen = [i for i in chosen if self.blocks[i].dim != self.blocks[i].dim_out]
+        return [f"blocks.{i}.attn" for i in chosen if not widen or i >= widen[-1]]
+
     def window(self, block: nn.Module) -> tuple[int, int]:
         """The block's attention window on the grid it reads ((0, 0): global attention)."""
         raise self.not_implemented("window()")
@@ -106,6 +115,12 @@ class TimmHieraDetAdapter(GridHieraAdapter):
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
         self.fixed_size = tuple(pair(Adapter.preprocess_kwargs(self)["input_size"]))
+        self.offer_legrad()
+
+    def head_on(self, tokens: Tensor) -> Tensor:
+        """The model's head (pooling of the (B, H, W, C) grid, its norm, the classifier; headless: the normed pooled
+        features, as the model returns them) on a block's (B, H, W, C) output."""
+        return self.model.forward_head(tokens)
 
     def window(self, block: nn.Module) -> tuple[int, int]:
         return pair(block.window_size)

@@ -35,6 +35,26 @@ class TinyViTAdapter(HierAdapter):
         super().__init__(model)
         self.token_sites = [f"stages.{s}.blocks.{len(stage.blocks) - 1}.attn.norm" if _windowed(stage) else None
                             for s, stage in enumerate(model.stages)]
+        if _windowed(model.stages[-1]):
+            self.offer_legrad()
+        else:
+            self.notes["head"] = (
+                f"the last stage of {type(model).__name__} has MBConv blocks, no attention, so no block outputs tokens "
+                "the head reads with an attention over them (LeGrad); use 'generic' or 'grad_rollout', or 'cdam'")
+
+    def legrad_calls(self) -> list[str]:
+        """Every block of the last stage (window attention on its grid), when that stage has attention."""
+        last = len(self.model.stages) - 1
+        stage = self.model.stages[last]
+        return [f"stages.{last}.blocks.{b}.attn" for b in range(len(stage.blocks))] if _windowed(stage) else []
+
+    def head_layout(self, module: str, tokens: Tensor) -> Tensor:
+        """A block's (B, H, W, C) output as the (B, C, H, W) map the stage hands the head."""
+        return tokens.permute(0, 3, 1, 2)
+
+    def head_on(self, tokens: Tensor) -> Tensor:
+        """The model's head (average pooling, channel norm, classifier) on (B, C, H, W) maps."""
+        return self.model.forward_head(tokens)
 
     def _window(self, stage: int) -> int:
         return int(self.model.stages[stage].blocks[-1].window_size)
