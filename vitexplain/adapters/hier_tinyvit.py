@@ -35,18 +35,12 @@ class TinyViTAdapter(HierAdapter):
         super().__init__(model)
         self.token_sites = [f"stages.{s}.blocks.{len(stage.blocks) - 1}.attn.norm" if _windowed(stage) else None
                             for s, stage in enumerate(model.stages)]
-        if _windowed(model.stages[-1]):
-            self.offer_legrad()
-        else:
-            self.notes["head"] = (
-                f"the last stage of {type(model).__name__} has MBConv blocks, no attention, so no block outputs tokens "
-                "the head reads with an attention over them (LeGrad); use 'generic' or 'grad_rollout', or 'cdam'")
+        self.offer_legrad()
 
     def legrad_calls(self) -> list[str]:
-        """Every block of the last stage (window attention on its grid), when that stage has attention."""
+        """Every block of the last stage (window attention on its grid; only stage 0 is MBConv)."""
         last = len(self.model.stages) - 1
-        stage = self.model.stages[last]
-        return [f"stages.{last}.blocks.{b}.attn" for b in range(len(stage.blocks))] if _windowed(stage) else []
+        return [f"stages.{last}.blocks.{b}.attn" for b in range(len(self.model.stages[last].blocks))]
 
     def head_layout(self, module: str, tokens: Tensor) -> Tensor:
         """A block's (B, H, W, C) output as the (B, C, H, W) map the stage hands the head."""
