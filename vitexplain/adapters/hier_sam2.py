@@ -9,6 +9,9 @@ block of each pooling stage reads grid s - 1 in windows of the previous stage's 
 its queries 2 x 2 inside each window, so its output lies on grid s in windows half that size (the
 same number of windows); its residual is the block's input, projected and max-pooled 2 x 2 (read
 evenly, as every max pooling the footprint rule crosses).
+
+LeGrad (and the re-run CDAM variants) read the blocks on the last grid after its pooling block, their
+(B, H, W, C) outputs given to the model's head (timm) or the grid mean the adapter scores (Hugging Face).
 """
 
 from __future__ import annotations
