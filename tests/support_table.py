@@ -403,6 +403,7 @@ _HIER_TEST = "tests/test_hier.py"
 _POOL_TEST = "tests/test_hier_pooling.py"
 _HF_MORE_TEST = "tests/test_hier_hf_more.py"
 _LEGRAD_TEST = "tests/test_hier_legrad.py"  # legrad on the last stage (dense float64 oracle)
+_LEGRAD_MORE_TEST = "tests/test_hier_legrad_more.py"  # legrad, smooth and integrated CDAM: SAM 2 / 3, CAFormer, TinyViT
 _RERUN_TEST = "tests/test_hier_cdam_rerun.py"  # smooth / integrated CDAM against their definitions
 _TIMM_TEST = "tests/test_families_timm.py"
 
@@ -471,8 +472,8 @@ def rows() -> list[Row]:
         Row("timm CoAtNeXt (ConvNeXt stages, then global attention)", "hierarchical", _coatnet("coatnext_nano_rw"), s64,
             "tests/test_hier_coatnet.py"),
         Row("timm CAFormer (separable-conv stages, then attention)", "hierarchical", _caformer, s64,
-            "tests/test_hier_caformer.py"),
-        Row("timm TinyViT (MBConv stage, then padded window attention)", "hierarchical", lambda: _timm("tiny_vit_5m_224", embed_dims=(16, 32, 48, 64), depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4), window_sizes=(3, 3, 3, 3), num_classes=5), s64, "tests/test_hier_tinyvit.py"),
+            f"tests/test_hier_caformer.py, {_LEGRAD_MORE_TEST}"),
+        Row("timm TinyViT (MBConv stage, then padded window attention)", "hierarchical", lambda: _timm("tiny_vit_5m_224", embed_dims=(16, 32, 48, 64), depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4), window_sizes=(3, 3, 3, 3), num_classes=5), s64, f"tests/test_hier_tinyvit.py, {_LEGRAD_MORE_TEST}"),
         Row("timm MViTv2", "hierarchical", _mvitv2, s64, f"{_POOL_TEST}, {_LEGRAD_TEST}, {_RERUN_TEST}"),
         Row("timm PiT", "hierarchical", _timm_class("pit", "PoolingVisionTransformer", img_size=64, patch_size=8, stride=4, base_dims=(8, 8, 8), depth=(1, 1, 1), heads=(2, 2, 2), mlp_ratio=2, num_classes=5), s64, f"{_POOL_TEST}, {_LEGRAD_TEST}, {_RERUN_TEST}"),
         # raw reads the first call: the random model's last-stage tokens are identical, its attention uniform
@@ -481,7 +482,7 @@ def rows() -> list[Row]:
             f"{_POOL_TEST}, tests/test_hier_levit_conv.py, tests/test_hier_legrad.py", options={"raw": {"layer": 0}}),
         Row("torchvision MaxViT", "hierarchical", _torchvision_maxvit, s64, f"tests/test_hier_more.py, {_LEGRAD_TEST}"),
         Row("timm Hiera (SAM 2's encoder family)", "hierarchical", _timm_class("hiera", "Hiera", img_size=64, embed_dim=16, num_heads=1, stages=(1, 2, 2, 1), mask_unit_size=(4, 4), q_pool=2, num_classes=5), s64, f"tests/test_hier_more.py, {_LEGRAD_TEST}, {_RERUN_TEST}"),
-        Row("timm HieraDet (sam2_hiera: SAM 2's image encoder, windows on the grid)", "hierarchical", _timm_class("hieradet_sam2", "HieraDet", embed_dim=16, num_heads=1, stages=(1, 2, 3), q_pool=2, window_spec=(4, 2, 3), global_att_blocks=(5,), global_pos_size=(4, 4), num_classes=5), s64, "tests/test_hier_sam2_timm.py"),
+        Row("timm HieraDet (sam2_hiera: SAM 2's image encoder, windows on the grid)", "hierarchical", _timm_class("hieradet_sam2", "HieraDet", embed_dim=16, num_heads=1, stages=(1, 2, 3), q_pool=2, window_spec=(4, 2, 3), global_att_blocks=(5,), global_pos_size=(4, 4), num_classes=5), s64, f"tests/test_hier_sam2_timm.py, {_LEGRAD_MORE_TEST}"),
         Row("timm CrossViT (two branches)", "hierarchical", _timm_class("crossvit", "CrossVit", img_size=48, img_scale=(1.0, 32 / 48), patch_size=(8, 16), embed_dim=(16, 32), depth=((1, 2, 0), (1, 1, 0)), num_heads=(2, 2), mlp_ratio=(2, 2, 1), num_classes=5), (48, 48), f"tests/test_hier_more.py, {_LEGRAD_TEST}"),
         Row("HF PVT v1 classifier (class token on the last stage)", "hierarchical", _hf_cnn("PvtConfig", "PvtForImageClassification", image_size=64, hidden_sizes=[16, 32, 48, 64], depths=[1, 1, 1, 1], num_attention_heads=[1, 2, 2, 4], num_labels=5), s64, f"tests/test_hier_pvt.py, {_LEGRAD_TEST}, {_RERUN_TEST}"),
         Row("HF PvtV2 classifier", "hierarchical", _hf("PvtV2Config", "PvtV2ForImageClassification", image_size=64, hidden_sizes=[16, 32, 48, 64], depths=[1, 1, 1, 1], num_attention_heads=[1, 2, 2, 4], num_labels=5), s64, f"tests/test_hier_hf.py, {_LEGRAD_TEST}, {_RERUN_TEST}"),
@@ -492,8 +493,8 @@ def rows() -> list[Row]:
         Row("HF LeViT classifier", "hierarchical", _hf_levit("LevitForImageClassification"), (128, 128), _HF_MORE_TEST),
         Row("HF LeViT with teacher", "hierarchical", _hf_levit("LevitForImageClassificationWithTeacher"), (128, 128), f"{_HF_MORE_TEST}, {_LEGRAD_TEST}"),
         Row("HF LevitModel (headless)", "hierarchical", _hf_levit("LevitModel"), (128, 128), _HF_MORE_TEST, "norm"),
-        Row("HF Sam3ViTModel (SAM 3's image encoder backbone, headless)", "hierarchical", _hf_cnn("Sam3ViTConfig", "Sam3ViTModel", hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2, image_size=112, patch_size=14, window_size=3, global_attn_indexes=[1, 3], pretrain_image_size=56), (112, 112), "tests/test_hier_sam3.py", "norm"),
-        Row("HF Sam2HieraDetModel (SAM 2's image encoder backbone, headless)", "hierarchical", _hf_sam2_hiera, s64, _HF_MORE_TEST, "norm"),
+        Row("HF Sam3ViTModel (SAM 3's image encoder backbone, headless)", "hierarchical", _hf_cnn("Sam3ViTConfig", "Sam3ViTModel", hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2, image_size=112, patch_size=14, window_size=3, global_attn_indexes=[1, 3], pretrain_image_size=56), (112, 112), f"tests/test_hier_sam3.py, {_LEGRAD_MORE_TEST}", "norm"),
+        Row("HF Sam2HieraDetModel (SAM 2's image encoder backbone, headless)", "hierarchical", _hf_sam2_hiera, s64, f"{_HF_MORE_TEST}, {_LEGRAD_MORE_TEST}", "norm"),
         Row("timm TNT (outer tokens)", "hierarchical", lambda: _timm("tnt_s_patch16_224", img_size=64, depth=2, num_classes=5), s64, f"{_POOL_TEST}, {_LEGRAD_TEST}"),
         Row("timm Swin", "Swin", _timm_class("swin_transformer", "SwinTransformer", **_SWIN), s32, _SWIN_TEST),
         Row("timm SwinV2", "Swin", _timm_class("swin_transformer_v2", "SwinTransformerV2", **_SWIN), s32, _SWIN_TEST),

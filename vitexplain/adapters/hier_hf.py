@@ -152,6 +152,16 @@ class HFSam3ViTAdapter(HFForward, HierAdapter):
         self.token_sites = [f"layers.{len(model.layers) - 1}.layer_norm1"]
         self.has_head = False
         self.fixed_size = pair(model.config.image_size)  # its rotary positions are built for that grid
+        self.offer_legrad()
+
+    def legrad_calls(self) -> list[str]:
+        """Every layer's attention (windowed or global: all on the one grid)."""
+        return [f"layers.{i}.attention" for i in range(len(self.model.layers))]
+
+    def head_on(self, tokens: Tensor) -> Tensor:
+        """On a layer's (B, H, W, C) output: the mean over the grid, the embedding :meth:`forward` scores (the model
+        has no norm after its last layer)."""
+        return tokens.mean(dim=(1, 2))
 
     def site_grid(self, stage: int, output: Tensor, input_size: Sequence[int]) -> Tensor:
         return output  # (B, H, W, C)

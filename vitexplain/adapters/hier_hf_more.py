@@ -123,6 +123,12 @@ class HFSam2HieraAdapter(GridHieraAdapter):
         super().__init__(model)
         self.has_head = False
         self.fixed_size = pair(model.config.image_size)
+        self.offer_legrad()
+
+    def head_on(self, tokens: Tensor) -> Tensor:
+        """On a block's (B, H, W, C) output: the mean over the grid, the embedding :meth:`forward` scores (the model
+        has no norm after its last block)."""
+        return tokens.mean(dim=(1, 2))
 
     def window(self, block: nn.Module) -> tuple[int, int]:
         return pair(block.window_size)

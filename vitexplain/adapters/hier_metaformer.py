@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from torch import nn
+from torch import Tensor, nn
 
 from ..layout import pair
 from ..methods.families import HIER
@@ -49,6 +49,28 @@ class CAFormerAdapter(HierAdapter):
             last = next((b for b in reversed(range(len(stage.blocks))) if _is_attention(stage.blocks[b])), None)
             sites.append(None if last is None else f"stages.{s}.blocks.{last}.norm1")  # (B, N, C) tokens
         self.token_sites = sites
+        if self.legrad_calls():
+            self.offer_legrad()
+        else:
+            self.notes["head"] = (
+                f"the last stage of {type(model).__name__} mixes its tokens with separable convs, no attention, so no "
+                "block outputs tokens the head reads with an attention over them (LeGrad); use 'generic' or "
+                "'grad_rollout', or 'cdam' (stage=...)")
+
+    def legrad_calls(self) -> list[str]:
+        """The last stage's attention blocks (a stage's blocks share one token mixer)."""
+        last = len(self.model.stages) - 1
+        return [f"stages.{last}.blocks.{b}.token_mixer" for b, block in enumerate(self.model.stages[last].blocks)
+                if _is_attention(block)]
+
+    def head_layout(self, module: str, tokens: Tensor) -> Tensor:
+        """A block's (B, N, C) tokens as a (B, C, N, 1) map: the head's pooling over it (mean, max or both) is the
+        pooling over the tokens, whatever the grid's shape."""
+        return tokens.transpose(1, 2)[..., None]
+
+    def head_on(self, tokens: Tensor) -> Tensor:
+        """The model's head (global pooling, norm, classifier) on (B, C, H, W) maps."""
+        return self.model.forward_head(tokens)
 
     def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
         conv = self.model.stem.conv

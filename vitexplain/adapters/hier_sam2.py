@@ -9,6 +9,9 @@ block of each pooling stage reads grid s - 1 in windows of the previous stage's 
 its queries 2 x 2 inside each window, so its output lies on grid s in windows half that size (the
 same number of windows); its residual is the block's input, projected and max-pooled 2 x 2 (read
 evenly, as every max pooling the footprint rule crosses).
+
+LeGrad (and the re-run CDAM variants) read the blocks on the last grid after its pooling block, their
+(B, H, W, C) outputs given to the model's head (timm) or the grid mean the adapter scores (Hugging Face).
 """
 
 from __future__ import annotations
@@ -47,6 +50,15 @@ class GridHieraAdapter(HierAdapter):
         reads = [s - int(self.stride(b) is not None) for s, b in zip(self.stage_of, self.blocks)]
         self.token_sites = [next((f"blocks.{i}.{self.norm_name}" for i in reversed(range(len(reads))) if reads[i] == s),
                                  None) for s in range(self.stage_of[-1] + 1)]
+
+    def legrad_calls(self) -> list[str]:
+        """The last stage's blocks but its pooling block (whose keys are the grid before), from the last block that
+        widens the tokens on (a stage without pooling, ``q_pool`` below the stage count, widens at its first block:
+        the blocks before it output tokens narrower than the head reads)."""
+        last = self.stage_of[-1]
+        chosen = [i for i, b in enumerate(self.blocks) if self.stage_of[i] == last and self.stride(b) is None]
+        widen = [i for i in chosen if self.blocks[i].dim != self.blocks[i].dim_out]
+        return [f"blocks.{i}.attn" for i in chosen if not widen or i >= widen[-1]]
 
     def window(self, block: nn.Module) -> tuple[int, int]:
         """The block's attention window on the grid it reads ((0, 0): global attention)."""
@@ -106,6 +118,12 @@ class TimmHieraDetAdapter(GridHieraAdapter):
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
         self.fixed_size = tuple(pair(Adapter.preprocess_kwargs(self)["input_size"]))
+        self.offer_legrad()
+
+    def head_on(self, tokens: Tensor) -> Tensor:
+        """The model's head (pooling of the (B, H, W, C) grid, its norm, the classifier; headless: the normed pooled
+        features, as the model returns them) on a block's (B, H, W, C) output."""
+        return self.model.forward_head(tokens)
 
     def window(self, block: nn.Module) -> tuple[int, int]:
         return pair(block.window_size)

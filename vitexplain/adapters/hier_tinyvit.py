@@ -35,6 +35,20 @@ class TinyViTAdapter(HierAdapter):
         super().__init__(model)
         self.token_sites = [f"stages.{s}.blocks.{len(stage.blocks) - 1}.attn.norm" if _windowed(stage) else None
                             for s, stage in enumerate(model.stages)]
+        self.offer_legrad()
+
+    def legrad_calls(self) -> list[str]:
+        """Every block of the last stage (window attention on its grid; only stage 0 is MBConv)."""
+        last = len(self.model.stages) - 1
+        return [f"stages.{last}.blocks.{b}.attn" for b in range(len(self.model.stages[last].blocks))]
+
+    def head_layout(self, module: str, tokens: Tensor) -> Tensor:
+        """A block's (B, H, W, C) output as the (B, C, H, W) map the stage hands the head."""
+        return tokens.permute(0, 3, 1, 2)
+
+    def head_on(self, tokens: Tensor) -> Tensor:
+        """The model's head (average pooling, channel norm, classifier) on (B, C, H, W) maps."""
+        return self.model.forward_head(tokens)
 
     def _window(self, stage: int) -> int:
         return int(self.model.stages[stage].blocks[-1].window_size)

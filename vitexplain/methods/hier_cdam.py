@@ -132,12 +132,28 @@ def cdam_integrated(ctx: Context, *, steps: int = 32, batch_size: int = 64) -> T
     x = _block_input(ctx)  # read from the explained forward before any re-run
     tokens = ctx.recorder.activation(ctx.adapter.token_sites[-1]).output.detach()
     _check(ctx)
+    per_image = _per_image(ctx, tokens)  # (B, k, ...): a site that lays out k windows per image (TinyViT)
 
     def grad_rows(residual: Tensor, point: Tensor, target: Target, part: slice) -> Tensor:
-        logits, leaf = tail(ctx, residual, replace=point.to(tokens.dtype))
+        logits, leaf = tail(ctx, residual, replace=point.flatten(0, 1).to(tokens.dtype))
         (grad,) = torch.autograd.grad(_slice_score(target, logits, part).sum(), leaf)
-        return grad.float()
+        return grad.float().view(point.shape)
 
-    mean_grad = integrated_mean_grad(tokens.float(), x, ctx.target, steps=steps, batch_size=batch_size,
+    mean_grad = integrated_mean_grad(per_image.float(), x, ctx.target, steps=steps, batch_size=batch_size,
                                      grad_rows=grad_rows)
-    return cdam_scores(_grid(ctx, tokens), _grid(ctx, mean_grad))
+    return cdam_scores(_grid(ctx, tokens), _grid(ctx, mean_grad.flatten(0, 1)))
+
+
+def _per_image(ctx: Context, tokens: Tensor) -> Tensor:
+    """The site's output (B * k, ...) in its own layout, image-major (k windows per image; k = 1: (B, ...)), as
+    (B, k, ...) rows per image.
+
+    Raises:
+        UnsupportedModelError: its first dimension is not a multiple of the batch.
+    """
+    b = ctx.batch_size
+    if tokens.shape[0] % b:
+        raise UnsupportedModelError(
+            f"{ctx.adapter.token_sites[-1]!r} output {tuple(tokens.shape)} for {b} images: its first dimension is not "
+            "the images times a number of windows, so its tokens cannot be scaled per image; use 'cdam'")
+    return tokens.reshape(b, tokens.shape[0] // b, *tokens.shape[1:])
