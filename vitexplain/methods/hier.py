@@ -78,11 +78,11 @@ def _start(ctx: Context, items: list[Item]) -> Tensor:
 
 
 def _carry(ctx: Context, matrix, *, mode: str, stage: int, discard_ratio: float = 0.0, deviation: bool = False,
-           stochastic: bool = False):
+           stochastic: bool = False, head_mean: bool = False):
     items = chain_of(ctx)
     stage = _attention_stage(ctx, items, stage)
     r = propagate(items, _start(ctx, items), matrix, mode=mode, to_stage=ctx.adapter.chain_stage(stage),
-                  discard_ratio=discard_ratio, deviation=deviation, stochastic=stochastic)
+                  discard_ratio=discard_ratio, deviation=deviation, stochastic=stochastic, head_mean=head_mean)
     return ctx.adapter.finish(r, stage, tuple(ctx.x.shape[-2:]))
 
 
@@ -145,7 +145,7 @@ def rollout(ctx: Context, *, head_fusion: str = "mean", discard_ratio: float = 0
         (B, H_s, W_s) float32; sums to (at most) 1 per image.
     """
     return _carry(ctx, lambda c: c.fused(head_fusion), mode="rollout", stage=stage, discard_ratio=discard_ratio,
-                  stochastic=head_fusion == "mean")  # a head mean of softmax rows: rows of 1
+                  stochastic=head_fusion == "mean", head_mean=head_fusion == "mean")  # a head mean of softmax rows: rows of 1
 
 
 def _head_mean(x: Tensor) -> Tensor:

@@ -205,6 +205,33 @@ class Call:
         """``r @ M`` with M = S_q^T m S_k D_k: (B, n_Q) -> (B, n_I) for blocks m (B, G, n_q, n_k)."""
         return self.spec.keys.pull(self.on_keys(r, m))
 
+    def vec_mat_head_mean(self, r: Tensor) -> Tensor:
+        """``r @ M`` for M the head mean of this call's probabilities (:meth:`fused` ``"mean"``), without forming
+        the mean: each head's product with its block, averaged over the heads. One pass over every head's A,
+        where forming the mean reads them, writes the fused blocks, and the product reads those again (the
+        zoo's shapes-hier at batch 32: the rollout method's 1.4 ms were mostly that mean). In the record's own
+        layout (Hiera keeps windows where heads are): no copy of A. Padded calls take :meth:`vec_mat` of the
+        fused blocks (their padding is zeroed there)."""
+        if self.padded:
+            return self.vec_mat(r, self.fused("mean"))
+        p = self.record.probs()
+        heads = self.spec.folded_heads
+        if heads > 1 or p.dim() == 3:  # (B * G * heads, [1,] n_q, n_k) -> (B * G, heads, n_q, n_k)
+            p = p.reshape(-1, heads, *p.shape[-2:])
+        batch = r.shape[0]
+        rows = r.reshape(batch, 1, -1) if self.q_whole else self._gather(r, self.q_slots)  # (B, G, n_q)
+        if self.spec.window_dim_inside:  # (B * heads, G, n_q, n_k) -> (B, heads, G, n_q, n_k)
+            p = p.reshape(batch, -1, *p.shape[1:])
+            per_key = torch.matmul(rows[:, None, :, None, :], p).mean(dim=1)  # (B, G, 1, n_k)
+        else:  # (B * G, heads, n_q, n_k) -> (B, G, heads, n_q, n_k)
+            p = p.reshape(batch, self.spec.windows, *p.shape[1:])
+            per_key = torch.matmul(rows[:, :, None, None, :], p).mean(dim=2)  # (B, G, 1, n_k)
+        if self.k_whole:
+            keys = per_key.reshape(batch, -1)
+        else:
+            keys = self._scatter(per_key.squeeze(-2), self.k_slots, self.spec.keys.coarse.n)
+        return self.spec.keys.pull(keys)
+
     def row_sums(self, m: Tensor) -> Tensor:
         """Row sums of M over the output set: (B, G, n_q, n_k) -> (B, n_Q)."""
         return self._scatter(m.sum(dim=-1), self.q_slots, self.spec.out.n, self.q_whole)
@@ -318,7 +345,8 @@ def readout(tokens: TokenSet, batch: int, device: torch.device, kind: str = "mea
 
 
 def propagate(items: Sequence[Item], start: Tensor, matrix: Matrix, *, mode: str, to_stage: int,
-              discard_ratio: float = 0.0, deviation: bool = False, stochastic: bool = False) -> Tensor:
+              discard_ratio: float = 0.0, deviation: bool = False, stochastic: bool = False,
+              head_mean: bool = False) -> Tensor:
     """Carry a readout row from the last token set back to the set of ``to_stage``.
 
     Walking the chain last item first, an item is applied when its input stage is at least
@@ -340,6 +368,9 @@ def propagate(items: Sequence[Item], start: Tensor, matrix: Matrix, *, mode: str
         stochastic: ``matrix`` keeps row sums (one head, or the head mean): a call whose
             probability rows sum to 1 (:attr:`Call.rows_sum_to_one`) gives M rows summing to 1,
             so rollout does not compute them (as the ViT rollout, to float rounding).
+        head_mean: ``matrix`` is the head mean of each call's probabilities: rollout (without
+            discard) multiplies the row with every head's block and averages
+            (:meth:`Call.vec_mat_head_mean`) instead of forming the mean.
 
     Returns:
         (B, n) over the token set of ``to_stage``.
@@ -347,7 +378,7 @@ def propagate(items: Sequence[Item], start: Tensor, matrix: Matrix, *, mode: str
     if mode not in ("rollout", "generic"):
         raise UsageError(f"unknown propagation mode {mode!r}; choose 'rollout' or 'generic'")
     if mode == "rollout" and not deviation:
-        return _rollout_row(items, start, matrix, to_stage, discard_ratio, stochastic)
+        return _rollout_row(items, start, matrix, to_stage, discard_ratio, stochastic, head_mean)
     r0, d = start, torch.zeros_like(start)
     for item in reversed(items):
         if item.in_stage < to_stage:
@@ -374,7 +405,7 @@ def propagate(items: Sequence[Item], start: Tensor, matrix: Matrix, *, mode: str
 
 
 def _rollout_row(items: Sequence[Item], start: Tensor, matrix: Matrix, to_stage: int, discard_ratio: float,
-                 stochastic: bool) -> Tensor:
+                 stochastic: bool, head_mean: bool = False) -> Tensor:
     """``u R`` of :func:`propagate`'s rollout carried as one row (when the deviation is not
     read, nothing is lost: every term is non-negative). The split form's update sums to
     ``r0 + d = 0.5 (w @ M + w @ D_q)`` with ``w = r / (0.5 s + 0.5)`` (``r0 + d - 0.5 w s =
@@ -386,6 +417,10 @@ def _rollout_row(items: Sequence[Item], start: Tensor, matrix: Matrix, to_stage:
             break
         if isinstance(item, Transition):
             r = item.footprint.pull(r)
+            continue
+        if head_mean and not discard_ratio > 0 and item.rows_sum_to_one:  # the mean's rows sum to 1: w = r / 2
+            w = r if item.spec.skip is None else 0.5 * r
+            r = item.vec_mat_head_mean(w) if item.spec.skip is None else item.vec_mat_head_mean(w) + item.skip(w)
             continue
         m = matrix(item)
         if discard_ratio > 0:
