@@ -81,6 +81,10 @@ class VLMAdapter(Adapter):
         self.processor_kwargs: dict[str, Any] = {}
         # "rollout": every language-model layer mixes tokens by attention (Chefer's rules carry relevance through it)
         self.capabilities = frozenset({"image_attention", "rollout"})
+        # AttnLRP / CP-LRP per word: offered where an adapter's pixels-to-tokens pooling is checked (LLaVA adds "lrp")
+        self.notes["lrp"] = (f"AttnLRP and CP-LRP per word are checked against a hand-written oracle on LLaVA (CLIP or "
+                             f"SigLIP tower) only; {type(model).__name__} is not, so they are not offered: use "
+                             "cross_generic or cross_grad")
         self.lm_prefix = submodule_named(model, "language_model", "text_model")
 
     def without_attention_flow(self, layers: Sequence[str], mixing: str) -> None:
@@ -333,6 +337,16 @@ class VLMAdapter(Adapter):
         """Per image, (T, n_b) scores of its image tokens in the sequence as scores of its pixel-bearing
         tokens (the identity, except where a Q-Former or resampler sits between the two)."""
         return scores
+
+    def lrp_pixels(self, kwargs: Mapping[str, Any]) -> str:
+        """The keyword of the teacher-forced forward whose pixels AttnLRP's relevance is read at (adapters with the
+        ``"lrp"`` capability)."""
+        raise self.not_implemented("lrp_pixels()")
+
+    def lrp_tokens(self, relevance: Tensor, counts: Sequence[int]) -> list[Tensor]:
+        """Per image, (T, n_b) relevance of its image tokens from (B, T, ...) relevance at the pixels of
+        :meth:`lrp_pixels` (channels summed): each token's pixels summed (adapters with the ``"lrp"`` capability)."""
+        raise self.not_implemented("lrp_tokens()")
 
     def word(self, token_id: int) -> str:
         return self.tokenizer.decode([int(token_id)]).strip()
