@@ -514,7 +514,7 @@ def rows() -> list[Row]:
             "tests/test_caption_fuzz.py"),
         Row("HF BLIP", "captioner", _blip, s32, "tests/test_captioning.py"),
         Row("HF GIT", "captioner", _git, s32, "tests/test_git.py"),
-        Row("HF LLaVA", "VLM", _vlm("llava"), s32, _VLM_TEST),
+        Row("HF LLaVA", "VLM", _vlm("llava"), s32, _VLM_TEST + ", tests/test_vlm_lrp.py (attnlrp, cp_lrp)"),
         Row("HF Mistral 3 (Pixtral tower, 2 x 2 merger, row breaks)", "VLM", _vlm("mistral3"), s32, "tests/test_vlm_mistral3.py"),
         Row("HF LightOnOCR (Mistral 3's tower and merger, no row breaks)", "VLM", _vlm("lighton_ocr"), s32,
             "tests/test_vlm_mistral3.py"),
