@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from ...errors import UnsupportedModelError
 from ...methods.families import VLM
 from ..base import Adapter, register_adapter
-from .base import VLMAdapter
+from .base import VLMAdapter, sum_cells
 from .views import ImageView, Piece, processed_box
 from .mistral3 import native_views
 
@@ -88,10 +88,9 @@ class LlavaAdapter(VLMAdapter):
             UnsupportedModelError: an image holds another number of image tokens than the patch grid gives.
         """
         patch = int(self.model.config.vision_config.patch_size)
-        b, t, h, w = relevance.shape
+        t, h, w = relevance.shape[1:]
         gh, gw = h // patch, w // patch
-        cells = relevance[..., : gh * patch, : gw * patch].reshape(b, t, gh, patch, gw, patch).sum(dim=(3, 5))
-        cells = cells.reshape(b, t, gh * gw)
+        cells = sum_cells(relevance, (gh, gw), type(self.model).__name__)  # (B, T, gh * gw)
         out = []
         for image, n in enumerate(counts):
             if n == gh * gw:
@@ -126,12 +125,10 @@ class VideoLlavaAdapter(LlavaAdapter):
 @register_adapter(priority=20, family=VLM)
 def _detect_llava(model: nn.Module) -> Optional[Adapter]:
     name = type(model).__name__
-    if name in ("LlavaForConditionalGeneration", "VipLlavaForConditionalGeneration"):
-        adapter = LlavaAdapter(model)
-        if name == "LlavaForConditionalGeneration" and getattr(model.config.vision_config, "model_type", None) != "pixtral":
+    if name in ("LlavaForConditionalGeneration", "VipLlavaForConditionalGeneration", "VideoLlavaForConditionalGeneration"):
+        adapter = VideoLlavaAdapter(model) if name.startswith("Video") else LlavaAdapter(model)
+        if getattr(model.config.vision_config, "model_type", None) != "pixtral":  # (Pixtral's native grid: not checked)
             adapter.capabilities = adapter.capabilities | {"lrp"}  # (checked against a hand-written oracle)
             adapter.notes.pop("lrp", None)
         return adapter
-    if name == "VideoLlavaForConditionalGeneration":
-        return VideoLlavaAdapter(model)
     return None
