@@ -1,11 +1,13 @@
-"""AttnLRP and CP-LRP per answer word of a vision-language model (LLaVA): a hand-written oracle, the model left as
+"""AttnLRP and CP-LRP per answer word of vision-language models (LLaVA, ViP-LLaVA, Video-LLaVA, PaliGemma, Gemma 3,
+Qwen2-VL, Qwen2.5-VL, Qwen3-VL): a hand-written oracle, the model left as
 found, padded batches, and the refusal of families not checked.
 
 The oracle applies the rules by hand on an eager float64 copy (forward hooks on that copy only, nothing of
 vitexplain's): q / k / v projections' gradients x 1/4, 1/4, 1/2 by ``y * s + (y * (1 - s)).detach()`` (CP-LRP: q
 and k detached), LayerNorm / RMSNorm with the standard deviation detached, activations ``x * (f(x) / x).detach()``
 (the identity rule), and the gated MLP's ``act(gate) * up`` with each factor's gradient halved (the uniform rule);
-then ``x * dlogit/dx`` at the pixels, summed over channels and per 8 x 8 patch (the tower's grid).
+then ``x * dlogit/dx`` at the pixels, summed over channels and per 8 x 8 cell of the 32 x 32 processed image (Qwen:
+per 4 consecutive patch rows, a 2 x 2 merge block, the order test_qwen2_vl_patch_rows_are_merge_blocks checks).
 """
 
 from __future__ import annotations
@@ -55,9 +57,18 @@ def _hand_rules(model: nn.Module, variant: str) -> list:
 
     qk = 0.0 if variant == "cp" else 0.25
     v = 1.0 if variant == "cp" else 0.5
+
+    def fused_qkv(module, inputs, output):  # Qwen2-VL's tower: one linear gives q, k, v (thirds of the last dim)
+        d = output.shape[-1] // 3
+        share = torch.tensor([qk] * (2 * d) + [v] * d, dtype=output.dtype)
+        return output * share + (output * (1 - share)).detach()
+
+    gated = {name.rsplit(".", 1)[0] for name, _ in model.named_modules() if name.endswith(".up_proj")}  # gated MLPs
     for name, module in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
-        if leaf in ("q_proj", "k_proj"):
+        if leaf == "qkv":
+            handles.append(module.register_forward_hook(fused_qkv))
+        elif leaf in ("q_proj", "k_proj"):
             handles.append(module.register_forward_hook(scale(qk)))
         elif leaf == "v_proj" and v != 1.0:
             handles.append(module.register_forward_hook(scale(v)))
@@ -67,8 +78,8 @@ def _hand_rules(model: nn.Module, variant: str) -> list:
             handles.append(module.register_forward_hook(layer_norm))
         elif type(module).__name__.endswith("RMSNorm"):
             handles.append(module.register_forward_hook(rms_norm))
-        elif leaf in ("activation_fn", "act_fn", "act"):
-            handles.append(module.register_forward_hook(identity(gated=leaf == "act_fn")))
+        elif leaf in ("activation_fn", "act_fn", "act") or isinstance(module, nn.GELU):
+            handles.append(module.register_forward_hook(identity(gated=name.rsplit(".", 1)[0] in gated)))
     return handles
 
 
@@ -91,6 +102,9 @@ def hand_lrp(model: nn.Module, proc, image, prompt: str, caption: str, variant: 
         out = []
         for t in range(answer.shape[1]):
             (grad,) = torch.autograd.grad(logits[0, start - 1 + t, answer[0, t]], x, retain_graph=True)
+            if x.dim() == 2:  # Qwen2-VL: (patches, channels x frames x pixels), 2 x 2 merge blocks of 4 rows each
+                out.append((x * grad).sum(dim=1).reshape(-1, 4).sum(dim=1))
+                continue
             pixels = (x * grad).sum(dim=1)[0]  # (32, 32)
             out.append(pixels.reshape(4, 8, 4, 8).sum(dim=(1, 3)).flatten())
         return torch.stack(out).detach()
@@ -99,14 +113,14 @@ def hand_lrp(model: nn.Module, proc, image, prompt: str, caption: str, variant: 
             handle.remove()
 
 
-FAMILIES = ["llava", "vipllava", "video_llava", "paligemma", "gemma3"]
+FAMILIES = ["llava", "vipllava", "video_llava", "paligemma", "gemma3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 
 
 @pytest.mark.parametrize("name", FAMILIES)
 @pytest.mark.parametrize("method, variant", [("attnlrp", "attnlrp"), ("cp_lrp", "cp")])
 def test_per_word_token_relevance_equals_the_hand_written_rules(method, variant, name):
     """vitexplain's per-word token relevance on the fused float32 model equals the hand rules on an eager float64
-    copy, for every family offered. Measured worst error 1.5e-6 of the map's largest value (float32 rounding; 5
+    copy, for every family offered. Measured worst error 1.5e-6 of the map's largest value (float32 rounding; 8
     families x 6 images x 2 variants); bound 3e-5, a 20x margin, while leaving out the halves (the gate product's and
     v's) changes a map by 2.3x its scale, and an epsilon of 1e-10 in the RMSNorm rule's ratio (fixed) by 1.3e-4."""
     model, proc = helpers.BUILDERS[name]()
@@ -132,10 +146,11 @@ def test_eager_attention_gives_the_same_relevance():
         assert float((got - want).abs().max() / want.abs().max()) < 1e-4
 
 
-@pytest.mark.parametrize("name", ["llava", "paligemma", "gemma3"])
+@pytest.mark.parametrize("name", ["llava", "paligemma", "gemma3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_a_padded_batch_equals_each_image_alone(name):
     """Two images of different sizes, prompts and answers of different lengths (left padding, answer padding) give
-    each image's maps and token relevance as alone (measured up to 5.6e-7 of the scale, 3 pairs x 3 families; bound 1e-4); words past an answer's
+    each image's maps and token relevance as alone (measured up to 5.7e-7 of the scale, 3 pairs x 6 families; bound
+    1e-4); words past an answer's
     end score 0."""
     model, proc = helpers.BUILDERS[name]()
     ex = vx.Explainer(model, processor=proc)
@@ -200,6 +215,25 @@ def test_a_non_linearity_the_rules_do_not_cover_is_refused():
                                                             caption=CAPTION)
 
 
+def test_qwen2_vl_patch_rows_are_merge_blocks():
+    """The patch order Qwen2-VL's pooling (and the oracle above) reads: changing the 8 x 8 pixel block of token (r, c)
+    of a 32 x 32 image (4 px patches, 2 x 2 merge: 4 x 4 tokens) changes exactly the processor's patch rows
+    4 (4 r + c) .. 4 (4 r + c) + 3."""
+    import numpy as np
+
+    _, proc = helpers.BUILDERS["qwen2_vl"]()
+    image = helpers.images(9, ((32, 32),))[0]
+    base = proc.image_processor(images=[image], return_tensors="pt")["pixel_values"]
+    assert base.shape[0] == 64
+    for r, c in ((0, 1), (2, 3), (3, 0)):
+        other = image.copy()
+        other[8 * r: 8 * r + 8, 8 * c: 8 * c + 8] = 255 - other[8 * r: 8 * r + 8, 8 * c: 8 * c + 8]
+        rows = (proc.image_processor(images=[other], return_tensors="pt")["pixel_values"] != base).any(dim=1)
+        token = 4 * r + c
+        assert rows.nonzero()[:, 0].tolist() == list(range(4 * token, 4 * token + 4))
+    assert np.array_equal(image, helpers.images(9, ((32, 32),))[0])
+
+
 def test_gemma3_pan_and_scan_crops_are_refused():
     """Gemma 3 with pan-and-scan crops (pixels of several pieces per image, no oracle case) is refused at run time."""
     model, proc = helpers.BUILDERS["gemma3_pan_and_scan"]()
@@ -208,7 +242,7 @@ def test_gemma3_pan_and_scan_crops_are_refused():
                                                             prompt="what is", caption="red")
 
 
-@pytest.mark.parametrize("name", ["qwen2_vl", "llava_next", "paligemma2"])
+@pytest.mark.parametrize("name", ["qwen3_5", "llava_next", "paligemma2"])
 def test_families_not_checked_are_refused(name):
     """VLM families whose pixel-to-token pooling has no oracle case are refused with the reason, not given maps."""
     model, proc = helpers.BUILDERS[name]()

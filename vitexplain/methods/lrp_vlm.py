@@ -57,7 +57,7 @@ def vlm_lrp(ctx: VLMContext, variant: str, linear_gamma: float = DEFAULT_GAMMA,
     name = type(adapter.model).__name__
     kwargs = dict(ctx.inputs)
     key = adapter.lrp_pixels(kwargs)
-    x = kwargs[key].detach().clone().requires_grad_(True)  # (B, C, H, W) the processor's pixels
+    x = kwargs[key].detach().clone().requires_grad_(True)  # (B, C, H, W) the processor's pixels (Qwen: (P, C*t*p*p))
     kwargs[key] = x
     rules = LRPRules(variant, linear_gamma=linear_gamma, conv_gamma=conv_gamma, model=adapter.model)
     words = ctx.num_words
@@ -73,8 +73,8 @@ def vlm_lrp(ctx: VLMContext, variant: str, linear_gamma: float = DEFAULT_GAMMA,
         for t in range(words):
             with checkpointing_refused(ctx.method, name):
                 (grad,) = torch.autograd.grad(scores[:, t].sum(), x, retain_graph=t < words - 1)
-            maps.append((x.detach() * grad).float().sum(dim=1))  # (B, H, W)
-    relevance = torch.stack(maps, dim=1)  # (B, T, H, W)
+            maps.append((x.detach() * grad).float().sum(dim=1))  # (B, H, W): channels summed
+    relevance = torch.stack(maps, dim=1)  # (B, T, H, W) (Qwen's flattened patches: (P, T))
     return adapter.lrp_tokens(relevance, [len(c) for c in ctx.columns])
 
 

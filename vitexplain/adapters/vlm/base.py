@@ -98,9 +98,9 @@ class VLMAdapter(Adapter):
         # "rollout": every language-model layer mixes tokens by attention (Chefer's rules carry relevance through it)
         self.capabilities = frozenset({"image_attention", "rollout"})
         # AttnLRP / CP-LRP per word: offered where an adapter's pixels-to-tokens pooling is checked (LLaVA adds "lrp")
-        self.notes["lrp"] = (f"AttnLRP and CP-LRP per word are checked against a hand-written oracle on LLaVA, "
-                             f"ViP-LLaVA, Video-LLaVA, PaliGemma and Gemma 3 only; {type(model).__name__} is not, so "
-                             "they are not offered: use cross_generic or cross_grad")
+        self.notes["lrp"] = ("AttnLRP and CP-LRP per word are checked against a hand-written oracle on LLaVA, ViP-LLaVA, "
+                             "Video-LLaVA, PaliGemma, Gemma 3 and Qwen2/2.5/3-VL only; "
+                             f"{type(model).__name__} is not, so they are not offered: use cross_generic or cross_grad")
         self.lm_prefix = submodule_named(model, "language_model", "text_model")
 
     def without_attention_flow(self, layers: Sequence[str], mixing: str) -> None:
