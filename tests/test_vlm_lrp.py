@@ -134,6 +134,27 @@ def test_per_word_token_relevance_equals_the_hand_written_rules(method, variant,
         assert err < 3e-5, err
 
 
+@pytest.mark.parametrize("tower, strategy", [("clip", "full"), ("siglip", "default"), ("siglip", "full")])
+def test_llava_towers_and_feature_strategies(tower, strategy):
+    """LLaVA's other towers and strategies against the same oracle: "full" with CLIP keeps the class token (no pixels:
+    it scores 0, the 16 patches follow); "default" with SigLIP drops patch (0, 0) (its pixels are left out: the 15
+    tokens are patches 1..15). Bound as above (measured up to 5.6e-7 over 3 images each)."""
+    from test_vlm_llava_towers import _llava
+
+    model, proc, _ = _llava(tower, strategy)
+    image = helpers.images(12, ((40, 52),))[0]
+    got = vx.Explainer(model, processor=proc).explain_caption([image], method="attnlrp", prompt=PROMPT,
+                                                              caption=CAPTION).token_scores[0].double()
+    want = hand_lrp(model, proc, image, PROMPT, CAPTION, "attnlrp")
+    if tower == "clip":  # the class token first, without pixels
+        assert got.shape[1] == 17 and got[:, 0].abs().max() == 0
+        got = got[:, 1:]
+    elif strategy == "default":  # patch (0, 0) dropped
+        assert got.shape[1] == 15
+        want = want[:, 1:]
+    assert float((got - want).abs().max() / want.abs().max()) < 3e-5
+
+
 def test_eager_attention_gives_the_same_relevance():
     """The same model with eager attention (softmax and two matmuls in Python: the rules' uniform rule on both
     products) gives the fused model's relevance. Measured up to 5.9e-7 of the scale (3 image pairs); bound 1e-4."""
