@@ -20,7 +20,7 @@ import torch
 import vitexplain as vx
 from _common import report, table
 
-METHODS = ("cross", "cross_generic", "cross_grad")
+METHODS = ("cross", "cross_generic", "cross_grad", "attnlrp", "cp_lrp")
 
 
 def pointing(n: int, seed: int, methods=METHODS, chunk: int = 25) -> dict[str, list[bool]]:

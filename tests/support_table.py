@@ -397,6 +397,7 @@ def _encdec(name: str) -> Callable[[], Any]:
 
 
 _VLM_TEST = "tests/test_vlm.py"
+_LRP_TEST = ", tests/test_vlm_lrp.py (attnlrp, cp_lrp)"
 _ENCDEC_TEST = "tests/test_vlm_encdec.py"
 _HF_TEST = "tests/test_families_hf.py::test_hf_family_matches_eager_oracle"
 _HIER_TEST = "tests/test_hier.py"
@@ -515,7 +516,7 @@ def rows() -> list[Row]:
             "tests/test_caption_fuzz.py"),
         Row("HF BLIP", "captioner", _blip, s32, "tests/test_captioning.py"),
         Row("HF GIT", "captioner", _git, s32, "tests/test_git.py"),
-        Row("HF LLaVA", "VLM", _vlm("llava"), s32, _VLM_TEST),
+        Row("HF LLaVA", "VLM", _vlm("llava"), s32, _VLM_TEST + _LRP_TEST),
         Row("HF Mistral 3 (Pixtral tower, 2 x 2 merger, row breaks)", "VLM", _vlm("mistral3"), s32, "tests/test_vlm_mistral3.py"),
         Row("HF LightOnOCR (Mistral 3's tower and merger, no row breaks)", "VLM", _vlm("lighton_ocr"), s32,
             "tests/test_vlm_mistral3.py"),
@@ -532,17 +533,17 @@ def rows() -> list[Row]:
         Row("HF Pixtral-12B layout (LLaVA with a Pixtral tower)", "VLM", _vlm("pixtral"), s32, "tests/test_vlm_mistral3.py"),
         Row("HF Command A Vision (Cohere2Vision: tiles + global image)", "VLM", _vlm("cohere2_vision"), s32, "tests/test_vlm_internvl.py"),
         Row("HF Qianfan-OCR (InternVL's tiles, an <image> placeholder)", "VLM", _vlm("qianfan_ocr"), s32, "tests/test_vlm_internvl.py"),
-        Row("HF ViP-LLaVA (projector over several tower layers)", "VLM", _vlm("vipllava"), s32, "tests/test_vlm_llava.py"),
-        Row("HF PaliGemma", "VLM", _vlm("paligemma"), s32, _VLM_TEST),
+        Row("HF ViP-LLaVA (projector over several tower layers)", "VLM", _vlm("vipllava"), s32, "tests/test_vlm_llava.py" + _LRP_TEST),
+        Row("HF PaliGemma", "VLM", _vlm("paligemma"), s32, _VLM_TEST + _LRP_TEST),
         Row("HF PaliGemma 2 (Gemma 2 LM: eager attention, its only one)", "VLM", _vlm("paligemma2"), s32, _VLM_TEST),
-        Row("HF Gemma 3", "VLM", _vlm("gemma3"), s32, _VLM_TEST),
+        Row("HF Gemma 3", "VLM", _vlm("gemma3"), s32, _VLM_TEST + _LRP_TEST),
         Row("HF Gemma 4 (native aspect ratio, pooled patches)", "VLM", _vlm("gemma4"), s32, "tests/test_vlm_gemma4.py"),
         Row("HF Gemma 4 with experts and shared KV layers", "VLM", _vlm("gemma4_moe"), s32, "tests/test_vlm_gemma4.py"),
         Row("HF Gemma 3 with pan-and-scan crops (processor_kwargs)", "VLM", _vlm("gemma3_pan_and_scan"), s32,
             "tests/test_vlm_gemma.py"),
-        Row("HF Qwen2-VL", "VLM", _vlm("qwen2_vl"), s32, _VLM_TEST),
-        Row("HF Qwen2.5-VL", "VLM", _vlm("qwen2_5_vl"), s32, _VLM_TEST),
-        Row("HF Qwen3-VL", "VLM", _vlm("qwen3_vl"), s32, _VLM_TEST),
+        Row("HF Qwen2-VL", "VLM", _vlm("qwen2_vl"), s32, _VLM_TEST + _LRP_TEST),
+        Row("HF Qwen2.5-VL", "VLM", _vlm("qwen2_5_vl"), s32, _VLM_TEST + _LRP_TEST),
+        Row("HF Qwen3-VL", "VLM", _vlm("qwen3_vl"), s32, _VLM_TEST + _LRP_TEST),
         Row("HF EXAONE 4.5 (Qwen2.5-VL's tower, 1-D positions)", "VLM", _vlm("exaone4_5"), s32, "tests/test_vlm_qwen.py"),
         Row("HF Idefics3", "VLM", _vlm("idefics3"), s32, _VLM_TEST),
         Row("HF LFM2-VL (tiles + thumbnail, pixel unshuffle; LM with convolution layers)", "VLM", _vlm("lfm2_vl"), s32,
@@ -563,7 +564,7 @@ def rows() -> list[Row]:
         Row("HF LLaVA-NeXT-Video (images: LLaVA-NeXT's tiles)", "VLM", _vlm("llava_next_video"), s32,
             "tests/test_vlm_llava.py"),
         Row("HF Video-LLaVA (images: LLaVA-1.5's patches, its image tower)", "VLM", _vlm("video_llava"), s32,
-            "tests/test_vlm_llava.py"),
+            "tests/test_vlm_llava.py" + _LRP_TEST),
         Row("HF LLaVA-OneVision", "VLM", _vlm("onevision"), s32, _VLM_TEST),
         Row("HF mllama (Llama 3.2 Vision: cross-attention layers)", "VLM", _vlm("mllama"), s32, "tests/test_vlm_mllama.py"),
         Row("HF BLIP-2", "VLM", _vlm("blip2"), s32, _VLM_TEST),

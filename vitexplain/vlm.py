@@ -190,7 +190,7 @@ def explain_vlm(adapter: VLMAdapter, plan: Plan, images: Any, caption: Any, prom
     width = max(v.size[1] for v in views)
     results = []
     for step in plan.steps:
-        ctx = VLMContext(adapter, rec, ids, lengths, start, columns, logits if grads else None, step.name)
+        ctx = VLMContext(adapter, rec, ids, lengths, start, columns, logits if grads else None, step.name, inputs=kwargs)
         with torch.set_grad_enabled(grads):
             scores = step.spec.fn(ctx, **step.options)
         scores = [check_finite_maps(score.detach().float(), step.name).clone() for score in scores]

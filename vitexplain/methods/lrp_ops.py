@@ -62,18 +62,27 @@ class IdentityRule(Function):
 
 class ActivationModuleRule(Function):
     """An activation module's output ``out`` forward; the gradient ``out / (x + eps)`` to its input ``x`` and
-    none through the arithmetic inside it (the identity rule on the module as one element-wise function)."""
+    none through the arithmetic inside it (the identity rule on the module as one element-wise function).
+
+    ``exact=True`` (an RMSNorm module: ``out = x * c`` with ``c`` the weight over the held root mean square): the
+    gradient ``out / x`` without the epsilon, which would bend ``c`` where ``|x|`` is within a few orders of 1e-10
+    (measured: a Gemma 3 residual unit of 1.1e-8 moved a token's relevance by 1e-4 of the map), and 0 where x = 0."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, out: Tensor) -> Tensor:
+    def forward(ctx: Any, x: Tensor, out: Tensor, exact: bool = False) -> Tensor:
         wide = torch.promote_types(x.dtype, torch.float32)
-        ctx.save_for_backward((out.to(wide) / (x.to(wide) + IDENTITY_EPSILON)).to(out.dtype))
+        xw, ow = x.to(wide), out.to(wide)
+        if exact:
+            ratio = torch.where(xw != 0, ow / torch.where(xw != 0, xw, torch.ones_like(xw)), torch.zeros_like(ow))
+        else:
+            ratio = ow / (xw + IDENTITY_EPSILON)
+        ctx.save_for_backward(ratio.to(out.dtype))
         return out.detach()  # an alias, not a view: the caller may modify it in place
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
         (ratio,) = ctx.saved_tensors
-        return ratio * grad, None
+        return ratio * grad, None, None
 
 
 def activation_module(module: nn.Module) -> Optional[str]:

@@ -191,7 +191,7 @@ class LRPRules(TorchFunctionMode):
             self.seen["uncovered"].append(f"{type(module).__name__} (its output is not element-wise in its input)")
             return None
         self.seen[kind] += 1
-        return ActivationModuleRule.apply(x, output)
+        return ActivationModuleRule.apply(x, output, kind == "norm")
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}

@@ -39,6 +39,8 @@ class VLMContext:
         logits: (B, N, V) logits of the teacher-forced forward, in the autograd graph for
             gradient methods (None otherwise).
         method: the method name (for messages).
+        inputs: the teacher-forced forward's keyword arguments (prompt + answer ids, pixels, masks), for a
+            method that runs the forward again under rules of its own (AttnLRP); None where not given.
     """
 
     adapter: Any
@@ -49,6 +51,7 @@ class VLMContext:
     columns: list[Tensor]
     logits: Optional[Tensor] = None
     method: str = ""
+    inputs: Optional[dict[str, Any]] = None
 
     @property
     def batch_size(self) -> int:

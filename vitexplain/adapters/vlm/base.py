@@ -22,7 +22,7 @@ from ...methods.families import VLM
 from ..base import Adapter
 from .views import ImageView
 
-__all__ = ["VLMAdapter", "submodule_named", "processor_images"]
+__all__ = ["VLMAdapter", "submodule_named", "processor_images", "sum_cells"]
 
 
 def processor_images(images: Sequence[Any]) -> list[Any]:
@@ -33,6 +33,22 @@ def processor_images(images: Sequence[Any]) -> list[Any]:
     from PIL import Image
 
     return [Image.fromarray(np.ascontiguousarray(image), "RGB") for image in images]
+
+
+def sum_cells(relevance: Tensor, grid: tuple[int, int], what: str) -> Tensor:
+    """(N, T, H, W) pixel relevance summed over each cell of a (gh, gw) token grid that tiles the pixels evenly:
+    (N, T, gh * gw), row-major (the pixels past the last whole cell, which no token reads, are left out).
+
+    Raises:
+        UnsupportedModelError: the grid has more cells than pixels (``what`` names the model).
+    """
+    n, t, h, w = relevance.shape
+    gh, gw = grid
+    if gh < 1 or gw < 1 or h < gh or w < gw:
+        raise UnsupportedModelError(f"{what}: a {gh} x {gw} token grid does not fit its {h} x {w} pixels")
+    ch, cw = h // gh, w // gw
+    cells = relevance[..., : gh * ch, : gw * cw].reshape(n, t, gh, ch, gw, cw).sum(dim=(3, 5))
+    return cells.reshape(n, t, gh * gw)
 
 
 def submodule_named(model: nn.Module, *suffixes: str) -> str:
@@ -81,6 +97,10 @@ class VLMAdapter(Adapter):
         self.processor_kwargs: dict[str, Any] = {}
         # "rollout": every language-model layer mixes tokens by attention (Chefer's rules carry relevance through it)
         self.capabilities = frozenset({"image_attention", "rollout"})
+        # AttnLRP / CP-LRP per word: offered where an adapter's pixels-to-tokens pooling is checked (LLaVA adds "lrp")
+        self.notes["lrp"] = ("AttnLRP and CP-LRP per word are checked against a hand-written oracle on LLaVA, ViP-LLaVA, "
+                             "Video-LLaVA, PaliGemma, Gemma 3 and Qwen2/2.5/3-VL only; "
+                             f"{type(model).__name__} is not, so they are not offered: use cross_generic or cross_grad")
         self.lm_prefix = submodule_named(model, "language_model", "text_model")
 
     def without_attention_flow(self, layers: Sequence[str], mixing: str) -> None:
@@ -333,6 +353,16 @@ class VLMAdapter(Adapter):
         """Per image, (T, n_b) scores of its image tokens in the sequence as scores of its pixel-bearing
         tokens (the identity, except where a Q-Former or resampler sits between the two)."""
         return scores
+
+    def lrp_pixels(self, kwargs: Mapping[str, Any]) -> str:
+        """The keyword of the teacher-forced forward whose pixels AttnLRP's relevance is read at (adapters with the
+        ``"lrp"`` capability)."""
+        raise self.not_implemented("lrp_pixels()")
+
+    def lrp_tokens(self, relevance: Tensor, counts: Sequence[int]) -> list[Tensor]:
+        """Per image, (T, n_b) relevance of its image tokens from (B, T, ...) relevance at the pixels of
+        :meth:`lrp_pixels` (channels summed): each token's pixels summed (adapters with the ``"lrp"`` capability)."""
+        raise self.not_implemented("lrp_tokens()")
 
     def word(self, token_id: int) -> str:
         return self.tokenizer.decode([int(token_id)]).strip()

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from ...errors import UnsupportedModelError
 from ...methods.families import VLM
 from ..base import Adapter, register_adapter
-from .base import VLMAdapter
+from .base import VLMAdapter, sum_cells
 from .views import ImageView, Piece, processed_box
 from .mistral3 import native_views
 
@@ -71,6 +71,39 @@ class LlavaAdapter(VLMAdapter):
             return scores
         return [torch.cat([s.new_zeros(s.shape[0], 1), s], dim=-1) for s in scores]
 
+    def lrp_pixels(self, kwargs: Any) -> str:
+        """The processor's pixel key the tower reads (``pixel_values``)."""
+        found = [key for key in self.pixel_keys if key in kwargs]
+        if not found:
+            raise UnsupportedModelError(f"the teacher-forced forward of {type(self.model).__name__} holds none of "
+                                        f"{self.pixel_keys}; use the model's own processor")
+        return found[0]
+
+    def lrp_tokens(self, relevance: Tensor, counts: Sequence[int]) -> list[Tensor]:
+        """Per image, (T, n_b) relevance of its image tokens: (B, T, H, W) pixel relevance of the processed crop summed
+        over each patch of the tower's grid (row-major, the sequence's order); the class token ("full") has no pixels
+        and scores 0; where "default" drops patch (0, 0) (SigLIP) its pixels are left out (no token carries them).
+
+        Raises:
+            UnsupportedModelError: an image holds another number of image tokens than the patch grid gives.
+        """
+        patch = int(self.model.config.vision_config.patch_size)
+        t, h, w = relevance.shape[1:]
+        gh, gw = h // patch, w // patch
+        cells = sum_cells(relevance, (gh, gw), type(self.model).__name__)  # (B, T, gh * gw)
+        out = []
+        for image, n in enumerate(counts):
+            if n == gh * gw:
+                out.append(cells[image])
+            elif n == gh * gw + 1 and self._tower_has_class_token():  # "full": the class token first, no pixels
+                out.append(torch.cat([cells.new_zeros(t, 1), cells[image]], dim=-1))
+            elif n == gh * gw - 1 and self._drops_first_patch():
+                out.append(cells[image, :, 1:])
+            else:
+                raise UnsupportedModelError(f"image {image} has {n} image tokens, but the {gh} x {gw} patch grid of "
+                                            f"{type(self.model).__name__}'s tower gives {gh * gw}")
+        return out
+
     def _tower_has_class_token(self) -> bool:
         """Whether the vision tower prepends a class token (CLIP does, SigLIP does not)."""
         tower = getattr(getattr(self.model, "model", self.model), self.tower_name, None)
@@ -92,8 +125,10 @@ class VideoLlavaAdapter(LlavaAdapter):
 @register_adapter(priority=20, family=VLM)
 def _detect_llava(model: nn.Module) -> Optional[Adapter]:
     name = type(model).__name__
-    if name in ("LlavaForConditionalGeneration", "VipLlavaForConditionalGeneration"):
-        return LlavaAdapter(model)
-    if name == "VideoLlavaForConditionalGeneration":
-        return VideoLlavaAdapter(model)
+    if name in ("LlavaForConditionalGeneration", "VipLlavaForConditionalGeneration", "VideoLlavaForConditionalGeneration"):
+        adapter = VideoLlavaAdapter(model) if name.startswith("Video") else LlavaAdapter(model)
+        if getattr(model.config.vision_config, "model_type", None) != "pixtral":  # (Pixtral's native grid: not checked)
+            adapter.capabilities = adapter.capabilities | {"lrp"}  # (checked against a hand-written oracle)
+            adapter.notes.pop("lrp", None)
+        return adapter
     return None

@@ -15,11 +15,12 @@ from __future__ import annotations
 import math
 from typing import Any, Optional, Sequence
 
-from torch import nn
+from torch import Tensor, nn
 
+from ...errors import UnsupportedModelError
 from ...methods.families import VLM
 from ..base import Adapter, register_adapter
-from .base import VLMAdapter
+from .base import VLMAdapter, sum_cells
 from .views import ImageView, Piece, processed_box
 
 __all__ = ["PrefixLMAdapter", "pan_and_scan_boxes"]
@@ -53,6 +54,23 @@ class PrefixLMAdapter(VLMAdapter):
         vision = config.vision_config
         size = vision.image_size
         return size // vision.patch_size, size // vision.patch_size
+
+    def lrp_pixels(self, kwargs: Any) -> str:
+        return "pixel_values"
+
+    def lrp_tokens(self, relevance: Tensor, counts: Sequence[int]) -> list[Tensor]:
+        """Per image, (T, n_b) relevance of its tokens: (B, T, H, W) pixel relevance of the resized image summed over
+        each cell of the token grid (a SigLIP patch; Gemma 3: an average-pooled block of patches).
+
+        Raises:
+            UnsupportedModelError: pan-and-scan crops (pixels of several pieces per image: not checked).
+        """
+        grid = self.grid()
+        if relevance.shape[0] != len(counts) or any(n != grid[0] * grid[1] for n in counts):
+            raise UnsupportedModelError(
+                f"AttnLRP / CP-LRP of {type(self.model).__name__} are checked on one {grid[0]} x {grid[1]} grid per image; "
+                "this batch holds pan-and-scan crops (processor_kwargs do_pan_and_scan): explain without them")
+        return list(sum_cells(relevance, grid, type(self.model).__name__))
 
     def views(self, images: Sequence[Any], inputs: Any) -> list[ImageView]:
         grid = self.grid()
@@ -89,8 +107,16 @@ def pan_and_scan_boxes(height: int, width: int, crops: int) -> list[tuple[float,
 @register_adapter(priority=20, family=VLM)
 def _detect_prefix_lm(model: nn.Module) -> Optional[Adapter]:
     name = type(model).__name__
-    if name == "PaliGemmaForConditionalGeneration":
-        return PrefixLMAdapter(model, "paligemma")
-    if name == "Gemma3ForConditionalGeneration":
-        return PrefixLMAdapter(model, "gemma3")
-    return None
+    kinds = {"PaliGemmaForConditionalGeneration": "paligemma", "Gemma3ForConditionalGeneration": "gemma3"}
+    if name not in kinds:
+        return None
+    adapter = PrefixLMAdapter(model, kinds[name])
+    text = model.config.get_text_config()
+    softcaps = [getattr(text, key, None) for key in ("attn_logit_softcapping", "final_logit_softcapping")]
+    if all(cap is None for cap in softcaps):  # (PaliGemma 2's Gemma 2 caps scores with a tanh: no rule checked for it)
+        adapter.capabilities = adapter.capabilities | {"lrp"}  # (checked against a hand-written oracle)
+        adapter.notes.pop("lrp", None)
+    else:
+        adapter.notes["lrp"] = (f"{name}'s language model soft-caps its attention scores or logits with a tanh (Gemma 2), for "
+                                "which no AttnLRP rule is checked; use cross_generic or cross_grad")
+    return adapter

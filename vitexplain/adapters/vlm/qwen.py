@@ -71,6 +71,28 @@ class QwenVLAdapter(VLMAdapter):
         with self._rope_state():
             return super().forward_logits(kwargs)
 
+    def lrp_pixels(self, kwargs: Any) -> str:
+        return "pixel_values"
+
+    def lrp_tokens(self, relevance: Tensor, counts: Sequence[int]) -> list[Tensor]:
+        """Per image, (T, n_b) relevance of its tokens from (P, T) relevance per flattened patch (the processor's
+        ``pixel_values`` rows, channels, frames and pixels summed): the processor lays each image's patches out merge
+        block by merge block (``merge**2`` consecutive rows per token, blocks row-major), images one after another.
+
+        Raises:
+            UnsupportedModelError: the patches do not add up to the images' tokens.
+        """
+        block = int(self.model.config.vision_config.spatial_merge_size) ** 2
+        if relevance.dim() != 2 or relevance.shape[0] != block * sum(counts):
+            raise UnsupportedModelError(f"{type(self.model).__name__}: {tuple(relevance.shape)} patch relevance for "
+                                        f"{sum(counts)} image tokens of {block} patches each")
+        out, start = [], 0
+        for n in counts:
+            part = relevance[start: start + n * block]  # (n * block, T)
+            out.append(part.reshape(n, block, -1).sum(dim=1).t())
+            start += n * block
+        return out
+
     def views(self, images: Sequence[Any], inputs: Any) -> list[ImageView]:
         merge = int(self.model.config.vision_config.spatial_merge_size)
         grids = inputs["image_grid_thw"].tolist()
@@ -129,4 +151,11 @@ def _detect_qwen(model: nn.Module) -> Optional[Adapter]:
         return Glm4vAdapter(model)
     if type(model).__name__ in ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"):
         return Qwen35Adapter(model)
-    return QwenVLAdapter(model) if type(model).__name__ in _NAMES else None
+    if type(model).__name__ not in _NAMES:
+        return None
+    adapter = QwenVLAdapter(model)
+    if type(model).__name__ in ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
+                                "Qwen3VLForConditionalGeneration"):
+        adapter.capabilities = adapter.capabilities | {"lrp"}  # (checked against a hand-written oracle)
+        adapter.notes.pop("lrp", None)
+    return adapter
