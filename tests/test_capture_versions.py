@@ -1,0 +1,293 @@
+"""Records keep the tensors of an attention call by reference: a write into one of them after the call must not
+change what the record gives back, silently.
+
+A record recomputes its probabilities (and, with gradients, ``dO V^T``) from the call's q, k, v and mask, or holds
+the weights a model (eager softmax, ``nn.MultiheadAttention``) or an extractor returned. Each case here writes one
+of those tensors in place after the call and checks that the record either gives the attention of the call, as
+computed here from clones taken at call time (float64 oracle, no vitexplain code), or raises a CaptureError that
+names the tensor. Writes that change nothing a record reads (no write, a write into an unrelated tensor or into
+the attention output, a write before the call) keep every record readable and right.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import vitexplain as vx
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def oracle(q, k, mask=None, scale=None):
+    """softmax(q k^T * scale + mask) in float64 from the given (cloned) tensors; fully masked rows give zeros."""
+    q, k = q.detach().double(), k.detach().double()
+    s = (q @ k.transpose(-2, -1)) * (1 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.double()
+    return torch.nan_to_num(torch.softmax(s, -1), nan=0.0)
+
+
+def right_or_refused(read, expected, what: str) -> str:
+    """``read()`` equals ``expected`` (float64, 1e-6), or raises a CaptureError naming ``what``; which one."""
+    try:
+        got = read()
+    except vx.CaptureError as error:
+        assert what in str(error), str(error)
+        assert "in place" in str(error), str(error)
+        return "refused"
+    torch.testing.assert_close(got.double(), expected, atol=1e-6, rtol=0)
+    return "right"
+
+
+class QKVAttention(nn.Module):
+    """A timm-style attention: q, k, v are views of one projection; SDPA with an optional mask; after the call,
+    ``after(q, k, v, mask, out)`` runs (the write under test, or none). Keeps clones of the call's tensors."""
+
+    def __init__(self, dim: int = 8, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.after = None
+        self.before = None
+        self.seen: list[tuple] = []
+
+    def forward(self, x, mask=None):
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        if self.before is not None:
+            self.before(q, k, v, mask)
+        self.seen.append(tuple(None if t is None else t.detach().clone() for t in (q, k, v, mask)))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        if self.after is not None:
+            self.after(q, k, v, mask, out)
+        self.last = (q, k, v, out)
+        return out.transpose(1, 2).reshape(b, n, d)
+
+
+def _mask(n: int, bool_mask: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    if bool_mask:
+        m = torch.rand(1, 1, n, n, generator=g) > 0.4
+        m[..., 0] = True  # (every row attends somewhere)
+        return m
+    return torch.randn(1, 1, n, n, generator=g)
+
+
+WRITES = {
+    "q": ("queries", lambda q, k, v, m, o: q.mul_(3.0)),
+    "q_view_of_projection": ("queries", lambda q, k, v, m, o: q[:, :, 1:3].add_(1.0)),
+    "bool_mask": ("mask", lambda q, k, v, m, o: m.logical_not_()),
+    "float_mask": ("mask", lambda q, k, v, m, o: m.mul_(-2.0)),
+}
+
+
+@pytest.mark.parametrize("grad_mode", ["no_grad", "inference_mode"])
+@pytest.mark.parametrize("case", list(WRITES))
+def test_a_query_or_mask_written_after_the_call_is_not_read_silently(case, grad_mode):
+    """q (or a view of the projection it lives in) or the mask written in place after the SDPA call: the record
+    gave the probabilities of the written tensors, silently. Now it gives the call's, or raises saying which
+    tensor was written. Under inference_mode (no version counters) as under no_grad."""
+    torch.manual_seed(0)
+    what, write = WRITES[case]
+    model = QKVAttention().eval()
+    model.after = lambda q, k, v, m, o: write(q, k, v, m, o)
+    x = torch.randn(2, 5, 8)
+    context = torch.inference_mode() if grad_mode == "inference_mode" else torch.no_grad()
+    with context:
+        mask = None if what != "mask" else _mask(5, case == "bool_mask")
+        with vx.capture(model) as rec:
+            model(x, mask)
+    q, k, _, m = model.seen[-1]
+    expected = oracle(q, k, m)
+    record = rec.records[0]
+    right_or_refused(record.probs, expected, what)
+    right_or_refused(lambda: record.fused_probs("mean"), expected.mean(1), what)
+
+
+@pytest.mark.parametrize("grad_mode", ["no_grad", "inference_mode"])
+def test_a_mask_buffer_updated_between_decoding_steps_is_not_read_silently(grad_mode):
+    """A preallocated mask written in place before each decoding step (position ``pos`` opened): every earlier
+    step's record used to recompute with the latest mask (attending to keys its call never saw)."""
+    torch.manual_seed(0)
+
+    class Decoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mask = torch.zeros(1, 1, 1, 4, dtype=torch.bool)
+            self.seen = []
+
+        def forward(self, q, keys, values, pos):
+            self.mask[..., pos] = True
+            self.seen.append(self.mask.clone())
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask)
+
+    context = torch.inference_mode() if grad_mode == "inference_mode" else torch.no_grad()
+    calls = []
+    with context:
+        model = Decoder().eval()
+        with vx.capture(model) as rec:
+            for pos in range(3):
+                q, k, v = torch.randn(1, 2, 1, 4), torch.randn(1, 2, 4, 4), torch.randn(1, 2, 4, 4)
+                model(q, k, v, pos)
+                calls.append((q, k))
+    outcomes = [right_or_refused(r.probs, oracle(q, k, m), "mask")
+                for r, (q, k), m in zip(rec.records, calls, model.seen)]
+    assert outcomes[-1] == "right"  # (the last step's mask was not written since)
+
+
+def _harmless_after(kind: str):
+    if kind == "none":
+        return None
+    if kind == "output":
+        return lambda q, k, v, m, o: o.mul_(2.0)
+    if kind == "unrelated":
+        other = torch.zeros(3)
+        return lambda q, k, v, m, o: other.add_(1.0)
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("grad_mode", ["no_grad", "inference_mode"])
+@pytest.mark.parametrize("after", ["none", "output", "unrelated"])
+@pytest.mark.parametrize("before", [False, True], ids=["fresh", "written_before"])
+def test_writes_that_change_nothing_a_record_reads_keep_it_readable(after, before, grad_mode):
+    """No write, a write into the attention output or into a tensor unrelated to the call, and in-place writes
+    made before the call (q scaled in place, a mask built with masked_fill_): records read right, no error."""
+    torch.manual_seed(1)
+    model = QKVAttention().eval()
+    model.after = _harmless_after(after)
+    if before:
+        model.before = lambda q, k, v, m: (q.mul_(0.5), m.masked_fill_(m < -1.0, float("-inf")))
+    x = torch.randn(2, 5, 8)
+    context = torch.inference_mode() if grad_mode == "inference_mode" else torch.no_grad()
+    with context:
+        mask = _mask(5, False, seed=3)
+        with vx.capture(model) as rec:
+            model(x, mask)
+    q, k, _, m = model.seen[-1]
+    torch.testing.assert_close(rec.records[0].probs().double(), oracle(q, k, m), atol=1e-6, rtol=0)
+
+
+def test_a_write_into_another_view_of_the_projection_after_a_write_before_keeps_q_readable():
+    """q written in place before the call (so its version counter is no longer 0) and v, another view of the same
+    projection output (one counter for all views), written after: q's values did not change, its record reads."""
+    torch.manual_seed(2)
+    model = QKVAttention().eval()
+    model.before = lambda q, k, v, m: q.mul_(0.5)
+    model.after = lambda q, k, v, m, o: v.add_(1.0)
+    x = torch.randn(2, 5, 8)
+    with torch.no_grad(), vx.capture(model) as rec:
+        model(x)
+    q, k, _, _ = model.seen[-1]
+    torch.testing.assert_close(rec.records[0].probs().double(), oracle(q, k), atol=1e-6, rtol=0)
+
+
+def test_values_written_after_the_call_do_not_change_grad_probs_silently():
+    """grad_probs of an SDPA record is dO V^T from the values it holds: v written in place after the call (once
+    the backward ran) gave dO V'^T. Oracle: the given dO times the values cloned at the call."""
+    torch.manual_seed(3)
+    model = QKVAttention()
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    with vx.capture(model, grads=True) as rec:
+        model(x).square().sum().backward()
+    record = rec.records[0]
+    _, _, v_then, _ = model.seen[-1]
+    d_out = torch.randn(2, 2, 5, 4)
+    expected = d_out.double() @ v_then.double().transpose(-2, -1)
+    assert right_or_refused(lambda: record.grad_probs(d_out=d_out), expected, "values") == "right"
+    with torch.no_grad():
+        model.last[2].mul_(-3.0)  # v, a view of the projection output
+    assert right_or_refused(lambda: record.grad_probs(d_out=d_out), expected, "values") == "refused"
+
+
+def test_weights_nn_multihead_attention_returned_and_the_user_wrote_are_not_read_silently():
+    """nn.MultiheadAttention (need_weights=True, per-head weights) returns a view of the probabilities its record
+    holds: writing into the returned weights changed the record's probabilities."""
+    torch.manual_seed(4)
+    mha = nn.MultiheadAttention(8, 2, batch_first=True).eval()
+    x = torch.randn(2, 5, 8)
+    with torch.no_grad(), vx.capture(mha) as rec:
+        _, weights = mha(x, x, x, need_weights=True, average_attn_weights=False)
+    expected = weights.double().clone()
+    record = rec.records[0]
+    assert right_or_refused(record.probs, expected, "weights") == "right"
+    weights.mul_(0.0)
+    assert right_or_refused(record.probs, expected, "weights") == "refused"
+
+
+def test_an_mha_call_without_weights_stays_readable():
+    """nn.MultiheadAttention with need_weights=False (SDPA inside, on q, k, v the user never sees): its records
+    read right (oracle: MHA's weights from a second call that returns them)."""
+    torch.manual_seed(5)
+    mha = nn.MultiheadAttention(8, 2, batch_first=True).eval()
+    x = torch.randn(2, 5, 8)
+    with torch.no_grad(), vx.capture(mha) as rec:
+        mha(x, x, x, need_weights=False)
+    with torch.no_grad():
+        _, weights = mha(x, x, x, need_weights=True, average_attn_weights=False)
+    torch.testing.assert_close(rec.records[0].probs().double(), weights.double(), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("grad_mode", ["no_grad", "inference_mode"])
+def test_an_extractor_returning_a_buffer_written_at_every_call_is_not_read_silently(grad_mode):
+    """A module that keeps its weights in a preallocated buffer, written in place at every call, read by
+    ``from_attribute``: every record held the same buffer, so every step gave the last step's weights."""
+    from vitexplain.recording import from_attribute
+
+    class Additive(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.alpha = torch.zeros(2, 6)
+            self.w = nn.Linear(4, 1)
+
+        def forward(self, query, keys):  # (B, 4), (B, 6, 4)
+            self.alpha.copy_(torch.softmax(self.w(torch.tanh(keys + query[:, None])).squeeze(-1), -1))
+            return (self.alpha[..., None] * keys).sum(1)
+
+    torch.manual_seed(6)
+    context = torch.inference_mode() if grad_mode == "inference_mode" else torch.no_grad()
+    with context:
+        module = Additive().eval()
+        seen = []
+        with vx.capture(module, attention={"": from_attribute("alpha")}) as rec:
+            for _ in range(3):
+                module(torch.randn(2, 4), torch.randn(2, 6, 4))
+                seen.append(module.alpha.clone())
+    outcomes = [right_or_refused(r.probs, w.double()[:, None, None], "weights") for r, w in zip(rec.records, seen)]
+    assert outcomes == ["refused", "refused", "right"]
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("what", ["queries", "block_mask"])
+def test_flex_queries_or_block_mask_written_after_the_call_are_not_read_silently(what):
+    """A FlexAttention record recomputes from q, k and the BlockMask's tensors: q written after the call, or the
+    block mask's block counts rewritten in place (a mask reused across decoding steps), changed its probabilities
+    or was blamed on how the mask was built."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    torch.manual_seed(7)
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    block_mask = flex.create_block_mask(causal, None, None, 8, 8, device="cpu", BLOCK_SIZE=4)
+
+    class Flex(nn.Module):
+        def forward(self, q, k, v):
+            return flex.flex_attention(q, k, v, block_mask=block_mask)
+
+    q, k, v = torch.randn(1, 2, 8, 4), torch.randn(1, 2, 8, 4), torch.randn(1, 2, 8, 4)
+    expected = oracle(q.clone(), k.clone(), torch.ones(8, 8, dtype=torch.bool).tril())
+    model = Flex().eval()
+    with torch.no_grad(), vx.capture(model) as rec:
+        model(q, k, v)
+    record = rec.records[0]
+    assert right_or_refused(record.probs, expected, "") == "right"
+    if what == "queries":
+        q.mul_(2.0)
+    else:  # (blocks that no longer agree with the mask_mod: the record used to blame the mask as built)
+        block_mask.full_kv_num_blocks.zero_()
+    assert right_or_refused(record.probs, expected, {"queries": "queries", "block_mask": "BlockMask"}[what]) == "refused"
