@@ -291,3 +291,37 @@ def test_flex_queries_or_block_mask_written_after_the_call_are_not_read_silently
     else:  # (blocks that no longer agree with the mask_mod: the record used to blame the mask as built)
         block_mask.full_kv_num_blocks.zero_()
     assert right_or_refused(record.probs, expected, {"queries": "queries", "block_mask": "BlockMask"}[what]) == "refused"
+
+
+def test_a_hugging_face_mask_written_between_forwards_is_not_read_silently_on_any_path():
+    """A 4-D mask given to a Hugging Face model reaches every layer's SDPA call as is. Written in place between
+    two forwards (a preallocated mask updated as a decoding loop does), the first forward's records used to be
+    recomputed with the new mask, on every path: the mode's, the checked path of recording/direct.py and, from
+    the third capture of a model on, its lanes (whose records are made from the call's arguments when read).
+    Oracle: the same forward captured alone, its records read at once."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(8)
+    config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    config._attn_implementation = "sdpa"
+    model = transformers.LlamaModel(config).eval()
+    ids = torch.randint(0, 32, (1, 6))
+    causal = torch.zeros(1, 1, 6, 6).masked_fill_(~torch.ones(6, 6, dtype=torch.bool).tril(), float("-inf"))
+    opened = causal.clone()
+    opened[..., 1, 2:4] = 0.0  # (row 1 now also attends to keys 2 and 3)
+    lanes = []
+    for _ in range(4):  # (captures 0-1: the mode and the checked path; from 2 on: lanes)
+        with torch.no_grad(), vx.capture(model) as alone:
+            model(input_ids=ids, attention_mask=causal.clone(), use_cache=False)
+        expected = [r.probs().double() for r in alone.records]
+        mask = causal.clone()
+        with torch.no_grad(), vx.capture(model) as rec:
+            model(input_ids=ids, attention_mask=mask, use_cache=False)
+            lanes.append(sum(not isinstance(draft[-1], dict) for draft in rec._drafts))
+            mask.copy_(opened)
+            model(input_ids=ids, attention_mask=mask, use_cache=False)
+        first = [r for r in rec.records if r.forward_index == 0]
+        assert len(first) == len(expected) == 2
+        outcomes = [right_or_refused(r.probs, want, "mask") for r, want in zip(first, expected)]
+        assert outcomes == ["refused"] * 2  # (the records keep the mask by reference: the write is seen)
+    assert lanes[0] == 0 and lanes[-1] == 2  # (the last captures took the lanes)
