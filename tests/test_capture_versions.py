@@ -204,19 +204,70 @@ def test_values_written_after_the_call_do_not_change_grad_probs_silently():
     assert right_or_refused(lambda: record.grad_probs(d_out=d_out), expected, "values") == "refused"
 
 
-def test_weights_nn_multihead_attention_returned_and_the_user_wrote_are_not_read_silently():
+@pytest.mark.parametrize("grad_mode", ["no_grad", "inference_mode"])
+def test_weights_nn_multihead_attention_returned_and_the_user_wrote_are_not_read_silently(grad_mode):
     """nn.MultiheadAttention (need_weights=True, per-head weights) returns a view of the probabilities its record
     holds: writing into the returned weights changed the record's probabilities."""
     torch.manual_seed(4)
     mha = nn.MultiheadAttention(8, 2, batch_first=True).eval()
     x = torch.randn(2, 5, 8)
-    with torch.no_grad(), vx.capture(mha) as rec:
-        _, weights = mha(x, x, x, need_weights=True, average_attn_weights=False)
-    expected = weights.double().clone()
+    context = torch.inference_mode() if grad_mode == "inference_mode" else torch.no_grad()
+    with context:
+        with vx.capture(mha) as rec:
+            _, weights = mha(x, x, x, need_weights=True, average_attn_weights=False)
+        expected = weights.double().clone()
+        record = rec.records[0]
+        assert right_or_refused(record.probs, expected, "weights") == "right"
+        weights[:, :, 1:3].mul_(0.5)
+        assert right_or_refused(record.probs, expected, "weights") == "refused"
+
+
+@pytest.mark.parametrize("case", ["q", "bool_mask"])
+def test_the_remedy_the_error_names_keeps_the_calls_attention(case):
+    """The error for SDPA records says to capture with attention_mode='materialize': its records keep each call's
+    probabilities, so the same writes after the call leave them right."""
+    torch.manual_seed(9)
+    what, write = WRITES[case]
+    model = QKVAttention().eval()
+    model.after = write
+    x = torch.randn(2, 5, 8)
+    mask = _mask(5, True) if what == "mask" else None
+    with torch.no_grad(), vx.capture(model, attention_mode="materialize") as rec:
+        model(x, mask)
+    q, k, _, m = model.seen[-1]
+    assert rec.records[0].materialized
+    assert right_or_refused(rec.records[0].probs, oracle(q, k, m), what) == "right"
+
+
+def test_values_of_a_cache_written_before_the_call_are_told_by_their_sums():
+    """Values already written in place before the call (a KV cache buffer) keep their sums as a witness: writing the
+    same values again leaves grad_probs readable; writing another value (a later position) refuses it, since dO V^T
+    at that position would come from values the call never saw."""
+    torch.manual_seed(10)
+
+    class Cached(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.values = torch.zeros(1, 2, 4, 4)
+
+        def forward(self, q, k, v_new):
+            self.values[:, :, :2] = v_new  # (the cache's version is no longer 0 at the call)
+            mask = torch.tensor([True, True, False, False])[None, None, None]
+            return F.scaled_dot_product_attention(q, k, self.values, attn_mask=mask)
+
+    model = Cached()
+    q = torch.randn(1, 2, 3, 4, requires_grad=True)
+    k, v_new = torch.randn(1, 2, 4, 4), torch.randn(1, 2, 2, 4)
+    with vx.capture(model, grads=True) as rec:
+        model(q, k, v_new).sum().backward()
     record = rec.records[0]
-    assert right_or_refused(record.probs, expected, "weights") == "right"
-    weights.mul_(0.0)
-    assert right_or_refused(record.probs, expected, "weights") == "refused"
+    then = model.values.clone()
+    d_out = torch.randn(1, 2, 3, 4)
+    expected = d_out.double() @ then.double().transpose(-2, -1)
+    model.values[:, :, :2] = v_new  # the same values written again: the version moves, the sums do not
+    assert right_or_refused(lambda: record.grad_probs(d_out=d_out), expected, "values") == "right"
+    model.values[:, :, 2] = 1.0  # a position the call masked out, written by a later step
+    assert right_or_refused(lambda: record.grad_probs(d_out=d_out), expected, "values") == "refused"
 
 
 def test_an_mha_call_without_weights_stays_readable():
