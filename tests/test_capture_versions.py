@@ -344,20 +344,26 @@ def test_flex_queries_or_block_mask_written_after_the_call_are_not_read_silently
     assert right_or_refused(record.probs, expected, {"queries": "queries", "block_mask": "BlockMask"}[what]) == "refused"
 
 
-def test_a_hugging_face_mask_written_between_forwards_is_not_read_silently_on_any_path():
-    """A 4-D mask given to a Hugging Face model reaches every layer's SDPA call as is. Written in place between
-    two forwards (a preallocated mask updated as a decoding loop does), the first forward's records used to be
-    recomputed with the new mask, on every path: the mode's, the checked path of recording/direct.py and, from
-    the third capture of a model on, its lanes (whose records are made from the call's arguments when read).
-    Oracle: the same forward captured alone, its records read at once."""
+def _tiny_llama(seed: int):
+    """A random-init two-layer Llama (SDPA, grouped-query heads), token ids (1, 6) and a causal 4-D float mask."""
     transformers = pytest.importorskip("transformers")
-    torch.manual_seed(8)
+    torch.manual_seed(seed)
     config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
     config._attn_implementation = "sdpa"
     model = transformers.LlamaModel(config).eval()
     ids = torch.randint(0, 32, (1, 6))
     causal = torch.zeros(1, 1, 6, 6).masked_fill_(~torch.ones(6, 6, dtype=torch.bool).tril(), float("-inf"))
+    return model, ids, causal
+
+
+def test_a_hugging_face_mask_written_between_forwards_is_not_read_silently_on_any_path():
+    """A 4-D mask given to a Hugging Face model reaches every layer's SDPA call as is. Written in place between
+    two forwards (a preallocated mask updated as a decoding loop does), the first forward's records used to be
+    recomputed with the new mask, on every path: the mode's, the checked path of recording/direct.py and, from
+    the third capture of a model on, its lanes (whose records are made from the call's arguments when read).
+    Oracle: the same forward captured alone, its records read at once."""
+    model, ids, causal = _tiny_llama(8)
     opened = causal.clone()
     opened[..., 1, 2:4] = 0.0  # (row 1 now also attends to keys 2 and 3)
     lanes = []
@@ -376,3 +382,21 @@ def test_a_hugging_face_mask_written_between_forwards_is_not_read_silently_on_an
         outcomes = [right_or_refused(r.probs, want, "mask") for r, want in zip(first, expected)]
         assert outcomes == ["refused"] * 2  # (the records keep the mask by reference: the write is seen)
     assert lanes[0] == 0 and lanes[-1] == 2  # (the last captures took the lanes)
+
+
+def test_keys_a_lane_kept_written_before_its_record_is_made_are_refused():
+    """A lane keeps a call's arguments and makes its record when the records are read (recording/direct.py): keys
+    fresh at the call (version 0) but written in place before that were planned from as they were then (repeated
+    for the query heads into a new tensor, version 0 again), silently. Oracle: the forward captured alone."""
+    model, ids, causal = _tiny_llama(11)
+    for _ in range(3):  # (from the third capture of the model on, its calls take their lanes)
+        with torch.no_grad(), vx.capture(model) as alone:
+            model(input_ids=ids, attention_mask=causal, use_cache=False)
+        expected = [r.probs().double() for r in alone.records]
+    with torch.no_grad(), vx.capture(model) as rec:
+        model(input_ids=ids, attention_mask=causal, use_cache=False)
+        pending = [draft[-1] for draft in rec._drafts if not isinstance(draft[-1], dict)]
+        assert len(pending) == 2
+        pending[0].args[1].mul_(-1.0)  # the first layer's keys, written before the records are read
+    outcomes = [right_or_refused(r.probs, want, "keys") for r, want in zip(rec.records, expected)]
+    assert outcomes == ["refused", "right"]

@@ -17,18 +17,11 @@ from ..errors import CaptureError, InputError
 
 __all__ = ["hooks_paused", "backward_running", "backward_pass", "zero_grads"]
 
-#: how many :func:`hooks_paused` blocks are open now, in any thread (what hooks on autograd's own threads see
-#: where a pass cannot be kept on its calling thread, a torch without ``set_multithreading_enabled``)
-_BACKWARDS = [0]
 _BACKWARDS_LOCK = threading.Lock()
 _local = threading.local()  # .paused: how many hooks_paused blocks are open in this thread
 #: the autograd graph tasks of the Recorder.backward passes running now (torch._C._current_graph_task_id)
 _PASSES: set[int] = set()
 _task = getattr(torch._C, "_current_graph_task_id", None)
-#: the thread class Python gives threads it did not start (autograd's device threads, where CUDA hooks run)
-_FOREIGN = getattr(threading, "_DummyThread", ())
-#: torch's thread-local switch that runs a thread's backward passes on that thread, CUDA ones included (torch 2.0)
-_ON_CALLING_THREAD = getattr(torch.autograd, "set_multithreading_enabled", None)
 
 
 @contextlib.contextmanager
@@ -43,13 +36,7 @@ def hooks_paused() -> Iterator[None]:
     the hooks tell them by a count kept for this thread. Passes of other threads are never paused, also those whose
     hooks run on autograd's device threads (a capture's backward on CUDA in another thread): they used to pause
     while any thread was inside such a block, and lost their gradients."""
-    with contextlib.ExitStack() as stack:
-        if _ON_CALLING_THREAD is not None:
-            stack.enter_context(_ON_CALLING_THREAD(False))
-        else:  # (an older torch: hooks on autograd's own threads pause while any thread is inside such a block)
-            with _BACKWARDS_LOCK:
-                _BACKWARDS[0] += 1
-            stack.callback(_reopen)
+    with torch.autograd.set_multithreading_enabled(False):
         _local.paused = getattr(_local, "paused", 0) + 1
         try:
             yield
@@ -57,20 +44,12 @@ def hooks_paused() -> Iterator[None]:
             _local.paused -= 1
 
 
-def _reopen() -> None:
-    with _BACKWARDS_LOCK:
-        _BACKWARDS[0] -= 1
-
-
 def backward_running() -> bool:
     """Whether the backward pass running now is a :meth:`Recorder.backward` pass (of any recorder) or one run
-    inside a :func:`hooks_paused` block: then no record's gradient hook collects."""
+    inside a :func:`hooks_paused` block (on its own thread, see there): then no record's gradient hook collects."""
     if _PASSES and _task is not None and _task() in _PASSES:
         return True
-    if getattr(_local, "paused", 0):
-        return True
-    return _BACKWARDS[0] != 0 and isinstance(threading.current_thread(), _FOREIGN)
-
+    return bool(getattr(_local, "paused", 0))
 
 
 def _own_pass(root: Tensor, passes: list[int]) -> None:

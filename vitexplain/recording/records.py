@@ -15,6 +15,13 @@ recomputes attention probabilities from them on demand, in float32:
 
 Probabilities and their gradients can be requested for a subset of query rows
 (``queries=``), which is how methods stay in O(block x N) memory per layer.
+
+Kept by reference, those tensors can be written in place after the call (a static KV cache, a mask
+buffer updated between decoding steps, an in-place op on another view of the same storage, weights a
+module keeps in a buffer). A record notes at the call what tells such a write (version counters; sums
+where they cannot tell; an inference-mode mask is copied, see :mod:`vitexplain.recording.witness`)
+and, read after one, raises a :class:`~vitexplain.errors.CaptureError` naming the tensor instead of
+recomputing from what it holds now.
 """
 
 from __future__ import annotations
@@ -176,6 +183,10 @@ class AttentionRecord:
 
         Returns:
             (B, H, n, N_k) float32 probabilities, n the number of selected rows.
+
+        Raises:
+            CaptureError: a tensor the record keeps (queries, keys, mask, weights) was written in place after
+                the call, so the call's attention cannot be given (see :meth:`_check_kept`).
         """
         if self.heads != "all":
             raise CaptureError(
@@ -350,7 +361,8 @@ class AttentionRecord:
 
         Raises:
             CaptureError: gradients were not captured, the forward had no autograd graph,
-                or no backward has reached this call yet.
+                no backward has reached this call yet, or the values it keeps (dO V^T) were
+                written in place after the call.
         """
         self._check_grads(need_backward=d_out is None)
         rows = _rows(queries, self.num_queries)
