@@ -172,6 +172,26 @@ def test_writes_that_change_nothing_a_record_reads_keep_it_readable(after, befor
     torch.testing.assert_close(rec.records[0].probs().double(), oracle(q, k, m), atol=1e-6, rtol=0)
 
 
+def test_an_eager_softmax_with_a_nan_row_under_inference_mode_stays_readable():
+    """An eager softmax over a row with every key masked by -inf gives NaN there; under inference_mode its record
+    is told by its sums, NaN where the row is: NaN then and NaN now is no write (NaN != NaN would refuse it)."""
+
+    class Eager(nn.Module):
+        def forward(self, q, k, mask):
+            return torch.softmax((q @ k.transpose(-2, -1)).masked_fill(~mask, float("-inf")), -1)
+
+    torch.manual_seed(12)
+    mask = torch.ones(1, 1, 3, 4, dtype=torch.bool)
+    mask[..., 1, :] = False
+    with torch.inference_mode():
+        model = Eager().eval()
+        q, k = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 4, 4)
+        with vx.capture(model) as rec:
+            out = model(q, k, mask)
+    assert rec.records[0].source == "eager" and bool(out.isnan().any())
+    torch.testing.assert_close(rec.records[0].probs(), out.float(), equal_nan=True)
+
+
 def test_a_write_into_another_view_of_the_projection_after_a_write_before_keeps_q_readable():
     """q written in place before the call (so its version counter is no longer 0) and v, another view of the same
     projection output (one counter for all views), written after: q's values did not change, its record reads."""

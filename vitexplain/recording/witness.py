@@ -65,7 +65,8 @@ def written_since(t: Optional[Tensor], version: int, sums: Optional[Tensor], dim
         return None
     if sums is None:
         return None if version < 0 else _EVERYWHERE
-    changed = t.detach().float().sum(dim) != sums
+    now = t.detach().float().sum(dim)
+    changed = (now != sums) & ~(now.isnan() & sums.isnan())  # (NaN as at the call: an eager softmax's masked row)
     return changed if bool(changed.any()) else None
 
 
