@@ -333,8 +333,9 @@ def test_an_extractor_returning_a_buffer_written_at_every_call_is_not_read_silen
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("grad_mode", ["no_grad", "inference_mode"])
 @pytest.mark.parametrize("what", ["queries", "block_mask"])
-def test_flex_queries_or_block_mask_written_after_the_call_are_not_read_silently(what):
+def test_flex_queries_or_block_mask_written_after_the_call_are_not_read_silently(what, grad_mode):
     """A FlexAttention record recomputes from q, k and the BlockMask's tensors: q written after the call, or the
     block mask's block counts rewritten in place (a mask reused across decoding steps), changed its probabilities
     or was blamed on how the mask was built."""
@@ -344,24 +345,26 @@ def test_flex_queries_or_block_mask_written_after_the_call_are_not_read_silently
     def causal(b, h, q_idx, kv_idx):
         return q_idx >= kv_idx
 
-    block_mask = flex.create_block_mask(causal, None, None, 8, 8, device="cpu", BLOCK_SIZE=4)
+    context = torch.inference_mode() if grad_mode == "inference_mode" else torch.no_grad()
+    with context:
+        block_mask = flex.create_block_mask(causal, None, None, 8, 8, device="cpu", BLOCK_SIZE=4)
 
-    class Flex(nn.Module):
-        def forward(self, q, k, v):
-            return flex.flex_attention(q, k, v, block_mask=block_mask)
+        class Flex(nn.Module):
+            def forward(self, q, k, v):
+                return flex.flex_attention(q, k, v, block_mask=block_mask)
 
-    q, k, v = torch.randn(1, 2, 8, 4), torch.randn(1, 2, 8, 4), torch.randn(1, 2, 8, 4)
-    expected = oracle(q.clone(), k.clone(), torch.ones(8, 8, dtype=torch.bool).tril())
-    model = Flex().eval()
-    with torch.no_grad(), vx.capture(model) as rec:
-        model(q, k, v)
-    record = rec.records[0]
-    assert right_or_refused(record.probs, expected, "") == "right"
-    if what == "queries":
-        q.mul_(2.0)
-    else:  # (blocks that no longer agree with the mask_mod: the record used to blame the mask as built)
-        block_mask.full_kv_num_blocks.zero_()
-    assert right_or_refused(record.probs, expected, {"queries": "queries", "block_mask": "BlockMask"}[what]) == "refused"
+        q, k, v = torch.randn(1, 2, 8, 4), torch.randn(1, 2, 8, 4), torch.randn(1, 2, 8, 4)
+        expected = oracle(q.clone(), k.clone(), torch.ones(8, 8, dtype=torch.bool).tril())
+        model = Flex().eval()
+        with vx.capture(model) as rec:
+            model(q, k, v)
+        record = rec.records[0]
+        assert right_or_refused(record.probs, expected, "") == "right"
+        if what == "queries":
+            q.mul_(2.0)
+        else:  # (blocks that no longer agree with the mask_mod: the record used to blame the mask as built)
+            block_mask.full_kv_num_blocks.zero_()
+        assert right_or_refused(record.probs, expected, {"queries": "queries", "block_mask": "BlockMask"}[what]) == "refused"
 
 
 def _tiny_llama(seed: int):
