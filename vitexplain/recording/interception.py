@@ -32,8 +32,8 @@ from .flex import FlexWatcher
 from .materialize import attention_with_probs, can_materialize
 from .packed import packed_groups, unpack_mask, unpack_query
 from .records import held, key_witness
-from .witness import kept_mask, query_witness, value_witness, weights_witness
 from .sink import RecordSink, in_backward
+from .witness import kept_mask, query_witness, value_witness, weights_witness
 
 __all__ = ["AttentionMode"]
 

@@ -212,15 +212,16 @@ class AttentionRecord:
         # an SDPA call on (B, N, E) has one head: (B, 1, n, N_k), as every record's probabilities (and gradients)
         return probs.unsqueeze(1) if probs.dim() == 3 else probs
 
-    def _check_kept(self, values: bool = False) -> None:
-        """Raise when a tensor this record reads (other than the keys, :meth:`_check_keys_kept`) was written in
-        place after the call: its queries, its mask, the weights it holds, or with ``values`` its values.
+    def _check_kept(self) -> None:
+        """Raise when a tensor :meth:`probs` reads (other than the keys, :meth:`_check_keys_kept`) was written in
+        place after the call: its queries, its mask or the weights it holds (``grad_probs`` checks the values).
 
         Why refuse rather than copy: records keep the call's tensors without copying them (a copy of q, v and the
         mask at every call would cost the capture memory and time on every model), a write after the call is rare
         (a buffer the model reuses, an in-place op on another view of the same storage), and the version counters
         that tell it cost nothing. A record that cannot give the call's attention raises a CaptureError naming the
-        tensor and how to keep it; it never recomputes from what the tensor holds now.
+        tensor and how to keep it; it never recomputes from what the tensor holds now. The one copy: a mask made
+        under ``torch.inference_mode``, which keeps no version and has no cheap witness (``witness.kept_mask``).
         """
         if self._probs is not None:
             if written_since(self._probs, self._probs_version, self._probs_sums, -2) is not None:
@@ -230,8 +231,6 @@ class AttentionRecord:
             raise self._written("queries")
         if written_since(self._mask, self._mask_version, None) is not None:
             raise self._written("attention mask")
-        if values and written_since(self._v, self._v_version, self._v_sums) is not None:
-            raise self._written("values")
 
     def _written(self, what: str) -> CaptureError:
         """The error of :meth:`_check_kept`: ``what`` was written in place after the call, and what to do."""
