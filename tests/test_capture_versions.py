@@ -206,6 +206,30 @@ def test_a_write_into_another_view_of_the_projection_after_a_write_before_keeps_
     torch.testing.assert_close(rec.records[0].probs().double(), oracle(q, k), atol=1e-6, rtol=0)
 
 
+def test_fresh_keys_written_after_the_call_are_refused_without_blaming_a_kv_cache():
+    """Keys computed at the call by their own projection (no cache) and written in place after it: refused, and the
+    error does not send the user to a KV cache setting that has nothing to do with it."""
+
+    class Separate(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.k, self.v = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):  # (B, H, N, 4)
+            k = self.k(x)
+            out = F.scaled_dot_product_attention(self.q(x), k, self.v(x))
+            k.mul_(2.0)  # (after the call)
+            return out
+
+    torch.manual_seed(13)
+    model = Separate().eval()
+    with torch.no_grad(), vx.capture(model) as rec:
+        model(torch.randn(1, 2, 5, 4))
+    with pytest.raises(vx.CaptureError, match="overwritten in place") as error:
+        rec.records[0].probs()
+    assert "cache" not in str(error.value) and "materialize" in str(error.value)
+
+
 def test_values_written_after_the_call_do_not_change_grad_probs_silently():
     """grad_probs of an SDPA record is dO V^T from the values it holds: v written in place after the call (once
     the backward ran) gave dO V'^T. Oracle: the given dO times the values cloned at the call."""

@@ -266,6 +266,13 @@ class AttentionRecord:
                 changed = _repeat_heads(changed[..., None], attended.shape[-2])[..., 0]
             if not bool((attended & changed).any()):
                 return
+        if self._k_version == 0:  # fresh keys (no cache wrote them before the call): a later write, or one of a view
+            raise CaptureError(
+                f"the keys of {self.name!r} (step {self.step}) were overwritten in place after the call (or another "
+                "view of the same storage was: the record keeps them by reference), so its attention cannot be "
+                "recomputed; read the records before the model writes them again"
+                + (", or capture with vx.capture(model, attention_mode='materialize')" if self.source == "sdpa" else "")
+            )
         raise CaptureError(
             f"the keys of {self.name!r} (step {self.step}) were overwritten in place after the call, as a "
             "static or sliding-window KV cache does, so its attention cannot be recomputed; read the records "
