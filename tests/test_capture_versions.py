@@ -388,7 +388,8 @@ def test_flex_queries_or_block_mask_written_after_the_call_are_not_read_silently
             q.mul_(2.0)
         else:  # (blocks that no longer agree with the mask_mod: the record used to blame the mask as built)
             block_mask.full_kv_num_blocks.zero_()
-        assert right_or_refused(record.probs, expected, {"queries": "queries", "block_mask": "BlockMask"}[what]) == "refused"
+        named = {"queries": "queries", "block_mask": "BlockMask"}[what]
+        assert right_or_refused(record.probs, expected, named) == "refused"
 
 
 def _tiny_llama(seed: int):
