@@ -44,6 +44,7 @@ from torch import Tensor, nn
 from ..errors import CaptureError, InputError
 from .attribution import call_kind
 from .sink import Issuer, RecordSink, in_backward
+from .witness import weights_witness
 
 __all__ = [
     "AttentionWeights",
@@ -257,6 +258,7 @@ def module_hook(sink: RecordSink, name: str, extractor: Extractor) -> Callable:
             q_shape=torch.Size((b, h, n_q, 0)),
             k_shape=torch.Size((b, h, n_k, 0)),
             _probs=view.detach(),
+            **weights_witness(view),  # (a module may write its weights buffer again at its next call)
         )
         if sink.grads:
             if weights.requires_grad and not in_graph(weights, output, inputs):

@@ -44,6 +44,7 @@ from ..errors import CaptureError
 from .attribution import frame_kind, never_issues, stable_kind
 from .records import _version, held, key_witness
 from .sink import Issuer, RecordSink
+from .witness import kept_mask, query_witness
 
 __all__ = ["DirectSDPA"]
 
@@ -136,8 +137,9 @@ def _plan(original: Callable, module: nn.Module, args: tuple, kwargs: dict,
     given = tuple([name for name, v in kwargs.items() if v is not None])  # (defaults: the function's own)
     kind = (original, type(module), handling, None if mask is None else mask.dim(), q_length == 1, causal, sliced,
             dropout != 0.0, scaling is None, tuple([a is None for a in args[4:]]), given)
-    fields = dict(source="sdpa", q_shape=query.shape, k_shape=key.shape, dropout_p=dropout, _mask=held(mask),
-                  _scale=scaling, _causal=causal, _q=held(query), _k=held(key), **key_witness(key))
+    fields = dict(source="sdpa", q_shape=query.shape, k_shape=key.shape, dropout_p=dropout, _scale=scaling,
+                  _causal=causal, _q=held(query), _k=held(key), **kept_mask(mask), **query_witness(query),
+                  **key_witness(key))
     return kind, fields
 
 
@@ -188,7 +190,7 @@ class _Pending:
     """A lane's call, kept as its arguments: :meth:`resolve` makes the record's fields when the records are read
     (out of the model's hot loop), as :func:`_plan` makes them at call time on the checked path."""
 
-    __slots__ = ("original", "module", "args", "kwargs", "gqa", "sums")
+    __slots__ = ("original", "module", "args", "kwargs", "gqa", "sums", "noted")
 
     def __init__(self, original: Callable, module: nn.Module, args: tuple, kwargs: dict, gqa: dict) -> None:
         self.original, self.module, self.args, self.kwargs, self.gqa = original, module, args, kwargs, gqa
@@ -196,6 +198,11 @@ class _Pending:
         # an inference tensor keeps no count of its writes: its per-key sums now tell, when the record is made,
         # whether a later call wrote into it (a static cache under torch.inference_mode)
         self.sums = key.detach().float().sum(-1) if key.is_inference() else None
+        # the queries and the mask as the call saw them (versions, or an inference mask's copy), the keys' version:
+        # the record is made later, from these tensors, which the model may write in place meanwhile
+        mask = args[3]
+        kept = kept_mask(mask) if mask is not None and mask.is_inference() else {"_mask_version": _version(mask)}
+        self.noted = (query_witness(args[0]), kept, _version(key))
 
     def resolve(self) -> dict[str, Any]:
         """The record's fields; they are what the capture's mode records for a call of a kind checked equal.
@@ -205,8 +212,14 @@ class _Pending:
                 the module's first call of the same shape took): its record cannot be trusted.
         """
         plan = _plan(self.original, self.module, self.args, self.kwargs, self.gqa)
-        if plan is not None and self.sums is not None:
-            plan = (plan[0], _written_since(plan[1], self.args[1], self.sums))
+        if plan is not None:
+            queries, mask, key_version = self.noted
+            fields = dict(plan[1], **queries, **mask)
+            if self.sums is not None:
+                fields = _written_since(fields, self.args[1], self.sums)
+            elif _version(self.args[1]) != key_version:  # fresh keys written since the call (the record's keys
+                fields = _rewritten_keys(fields)  # may be a copy made now, repeat_kv: it cannot tell)
+            plan = (plan[0], fields)
         if plan is None or _CHECKED.get(plan[0]) is not True:
             raise CaptureError(
                 f"an attention call of {type(self.module).__name__} took another path through transformers' "
@@ -226,6 +239,12 @@ def _written_since(fields: dict[str, Any], key: Tensor, sums: Tensor) -> dict[st
     if witness.shape[1] != changed.shape[1]:  # keys repeated for the query heads (repeat_kv)
         changed = changed.repeat_interleave(witness.shape[1] // changed.shape[1], dim=1)
     return dict(fields, _k_sums=witness.masked_fill(changed[..., : witness.shape[-1]], float("nan")))
+
+
+def _rewritten_keys(fields: dict[str, Any]) -> dict[str, Any]:
+    """``fields`` whose key witness marks every key as written since the call (NaN sums, which equal nothing)."""
+    k = fields["_k"]
+    return dict(fields, _k_version=-1, _k_sums=torch.full(k.shape[:-1], float("nan"), device=k.device))
 
 
 class DirectSDPA:

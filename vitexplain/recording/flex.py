@@ -41,7 +41,7 @@ from ..errors import CaptureError
 from .records import AttentionRecord, key_witness
 from .scores import QuerySelect, _rows
 from .sink import RecordSink, in_backward
-from .witness import captured_versions, changed_tensor
+from .witness import block_tensors, captured_versions, changed_tensor, query_witness, tensor_versions, value_witness
 
 __all__ = [
     "FlexAttentionRecord",
@@ -284,6 +284,7 @@ class FlexAttentionRecord(AttentionRecord):
     score_mod: Optional[Callable] = field(default=None, repr=False)
     block_mask: Any = field(default=None, repr=False)
     _mod_versions: tuple = field(default=(), repr=False)  # (tensor, _version) the mods read (witness.py)
+    _block_versions: tuple = field(default=(), repr=False)  # (tensor, _version) of the block mask's blocks
 
     @property
     def rows_sum_to_one(self) -> bool:
@@ -297,6 +298,13 @@ class FlexAttentionRecord(AttentionRecord):
         """
         if self._q is None or self._k is None:
             raise CaptureError(f"record {self.name!r} holds no queries/keys (it was released)")
+        self._check_kept()  # (the queries, written in place after the call: refused)
+        if changed_tensor(self._block_versions) is not None:  # (before the keys: their check reads the blocks)
+            raise CaptureError(
+                f"the BlockMask of the FlexAttention call {self.name!r} (step {self.step}) was written in place after "
+                "the call (its block counts or indices: a mask reused across calls), so its attention cannot be "
+                "recomputed; read the records before the model writes it again, or give each call its own BlockMask"
+            )
         self._check_keys_kept()  # (keys of a static KV cache, written again after the call: refused)
         changed = changed_tensor(self._mod_versions)
         if changed is not None:
@@ -413,14 +421,18 @@ class FlexWatcher:
             k_shape=k.shape,
             _q=q.detach(),
             _k=k.detach(),
+            **query_witness(q),
             **key_witness(k),
             _scale=bound["scale"],
             score_mod=bound["score_mod"],
             block_mask=bound["block_mask"],
             _mod_versions=captured_versions(bound["score_mod"], getattr(bound["block_mask"], "mask_mod", None)),
+            _block_versions=tensor_versions(block_tensors(bound["block_mask"])),
         )
         if self.sink.grads:
             record._v = v.detach()
+            witness = value_witness(v)
+            record._v_version, record._v_sums = witness["_v_version"], witness["_v_sums"]
             if any(t.requires_grad for t in (q, k, v)) and torch.is_grad_enabled():
                 record._grad_state = "no_output"  # until the output is seen (:meth:`watch`)
                 self._pending = (record, (q, k, v))

@@ -1,7 +1,8 @@
 """Gradients of a capture's records: :meth:`Recorder.backward`'s own autograd pass to every record, and the passes
 during which no record's gradient hook collects: those passes (known by their autograd graph task; a capture nested
 in another, e.g. an explainer's inside a user's, sees the same graph, and each pass reaches the records it targets
-only) and the passes a thread runs inside :func:`hooks_paused`. Other threads' passes are not affected."""
+only) and the passes a thread runs inside :func:`hooks_paused` (run on that thread, so that a thread-local count
+tells them). Other threads' passes are not affected."""
 
 from __future__ import annotations
 
@@ -16,15 +17,11 @@ from ..errors import CaptureError, InputError
 
 __all__ = ["hooks_paused", "backward_running", "backward_pass", "zero_grads"]
 
-#: how many :func:`hooks_paused` blocks are open now, in any thread (what hooks on autograd's own threads see)
-_BACKWARDS = [0]
 _BACKWARDS_LOCK = threading.Lock()
 _local = threading.local()  # .paused: how many hooks_paused blocks are open in this thread
 #: the autograd graph tasks of the Recorder.backward passes running now (torch._C._current_graph_task_id)
 _PASSES: set[int] = set()
 _task = getattr(torch._C, "_current_graph_task_id", None)
-#: the thread class Python gives threads it did not start (autograd's device threads, where CUDA hooks run)
-_FOREIGN = getattr(threading, "_DummyThread", ())
 
 
 @contextlib.contextmanager
@@ -32,29 +29,27 @@ def hooks_paused() -> Iterator[None]:
     """Inside, no recorder's gradient hooks collect in the backward passes this thread runs (as in a
     recorder's own :meth:`Recorder.backward`): for a method's own autograd pass over a captured graph once its
     records hold their gradients (LeGrad differentiates each layer's score; the capture's hooks on the attention
-    outputs added those gradients to the records, and a method run after it read them). Hooks that run on
-    autograd's own threads (CUDA devices) cannot tell which thread's pass they serve: they pause while any
-    thread is inside such a block. Passes of other Python threads (a capture's backward on CPU) are not paused."""
-    with _BACKWARDS_LOCK:
-        _BACKWARDS[0] += 1
-    _local.paused = getattr(_local, "paused", 0) + 1
-    try:
-        yield
-    finally:
-        _local.paused -= 1
-        with _BACKWARDS_LOCK:
-            _BACKWARDS[0] -= 1
+    outputs added those gradients to the records, and a method run after it read them).
+
+    Those passes run on this thread (``torch.autograd.set_multithreading_enabled(False)``, thread-local: CUDA
+    passes otherwise run on autograd's device threads, where a hook cannot tell which thread's pass it serves), so
+    the hooks tell them by a count kept for this thread. Passes of other threads are never paused, also those whose
+    hooks run on autograd's device threads (a capture's backward on CUDA in another thread): they used to pause
+    while any thread was inside such a block, and lost their gradients."""
+    with torch.autograd.set_multithreading_enabled(False):
+        _local.paused = getattr(_local, "paused", 0) + 1
+        try:
+            yield
+        finally:
+            _local.paused -= 1
 
 
 def backward_running() -> bool:
     """Whether the backward pass running now is a :meth:`Recorder.backward` pass (of any recorder) or one run
-    inside a :func:`hooks_paused` block: then no record's gradient hook collects."""
+    inside a :func:`hooks_paused` block (on its own thread, see there): then no record's gradient hook collects."""
     if _PASSES and _task is not None and _task() in _PASSES:
         return True
-    if getattr(_local, "paused", 0):
-        return True
-    return _BACKWARDS[0] != 0 and isinstance(threading.current_thread(), _FOREIGN)
-
+    return bool(getattr(_local, "paused", 0))
 
 
 def _own_pass(root: Tensor, passes: list[int]) -> None:

@@ -33,6 +33,7 @@ from .materialize import attention_with_probs, can_materialize
 from .packed import packed_groups, unpack_mask, unpack_query
 from .records import held, key_witness
 from .sink import RecordSink, in_backward
+from .witness import kept_mask, query_witness, value_witness, weights_witness
 
 __all__ = ["AttentionMode"]
 
@@ -201,8 +202,7 @@ class AttentionMode(TorchFunctionMode):
             q, k, v = _fold(q), _fold(k), _fold(v)
         dropout_p = float(bound.get("dropout_p", 0.0) or 0.0)
         fields = dict(
-            source="sdpa", q_shape=q.shape, k_shape=k.shape, dropout_p=dropout_p,
-            _mask=mask.detach() if mask is not None else None, _scale=bound.get("scale"),
+            source="sdpa", q_shape=q.shape, k_shape=k.shape, dropout_p=dropout_p, _scale=bound.get("scale"),
             _causal=bool(bound.get("is_causal", False)),
         )
         if q.dim() == 3 and k.dim() == 3 and v.dim() == 3:  # (B, N, E) without heads (SAM folds them into B)
@@ -227,13 +227,15 @@ class AttentionMode(TorchFunctionMode):
             elif not again:  # nothing to hook: the record is made when the records are read
                 self.sink.add_draft(issuer, fields)
             return out.reshape(*out_rows, out.shape[-1])
+        # the record keeps q, k, v and the mask by reference, with what tells a later in-place write (witness.py)
+        fields.update(kept_mask(mask), **query_witness(q), **key_witness(k))
         out = func(*args, **kwargs)
         if self.sink.grads:
-            record = self.sink.add_record(issuer, _q=q.detach(), _k=k.detach(), **key_witness(k), **fields)
-            record._v = v.detach()
+            record = self.sink.add_record(issuer, _q=q.detach(), _k=k.detach(), _v=v.detach(), **value_witness(v),
+                                          **fields)
             record._attach_grad_hook(out, self.sink.hooks_enabled)
         else:
-            self.sink.add_draft(issuer, dict(fields, _q=held(q), _k=held(k), **key_witness(k)))
+            self.sink.add_draft(issuer, dict(fields, _q=held(q), _k=held(k)))
         return out
 
     def _materialize(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], dropout_p: float, gqa: bool) -> bool:
@@ -283,6 +285,7 @@ class AttentionMode(TorchFunctionMode):
             q_shape=torch.Size((b, h, n_q, 0)),
             k_shape=torch.Size((b, h, n_k, 0)),
             _probs=probs.detach(),
+            **weights_witness(probs),
         )
         if self.sink.grads:
             record._attach_grad_hook(out, self.sink.hooks_enabled)

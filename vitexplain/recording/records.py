@@ -15,6 +15,13 @@ recomputes attention probabilities from them on demand, in float32:
 
 Probabilities and their gradients can be requested for a subset of query rows
 (``queries=``), which is how methods stay in O(block x N) memory per layer.
+
+Kept by reference, those tensors can be written in place after the call (a static KV cache, a mask
+buffer updated between decoding steps, an in-place op on another view of the same storage, weights a
+module keeps in a buffer). A record notes at the call what tells such a write (version counters; sums
+where they cannot tell; an inference-mode mask is copied, see :mod:`vitexplain.recording.witness`)
+and, read after one, raises a :class:`~vitexplain.errors.CaptureError` naming the tensor instead of
+recomputing from what it holds now.
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ from torch import Tensor
 
 from ..errors import CaptureError, UsageError
 from .scores import Fusion, QuerySelect, _described, _repeat_heads, _rows, attention_probs, attention_scores, fuse_heads
+from .witness import tensor_version as _version
+from .witness import written_since
 
 __all__ = ["AttentionRecord", "ActivationRecord", "held", "key_witness"]
 
@@ -55,14 +64,6 @@ def key_witness(k: Optional[Tensor]) -> dict:
     if version == 0 or k is None:
         return {"_k_version": version, "_k_sums": None}
     return {"_k_version": version, "_k_sums": k.detach().float().sum(-1)}  # type: ignore[union-attr]
-
-
-def _version(t: Optional[Tensor]) -> int:
-    """``t._version``: how many times it was written in place; 0 for None, -1 for an inference tensor
-    (written only inside ``torch.inference_mode``, which keeps no count)."""
-    if t is None:
-        return 0
-    return -1 if t.is_inference() else t._version
 
 
 @dataclass(eq=False)
@@ -120,6 +121,14 @@ class AttentionRecord:
     _grad_state: str = field(default="off", repr=False)
     _k_version: int = field(default=0, repr=False)
     _k_sums: Optional[Tensor] = field(default=None, repr=False)
+    # what the record noted of the other tensors it keeps by reference (witness.py; -1 and no sums: nothing noted)
+    _q_version: int = field(default=-1, repr=False)
+    _q_sums: Optional[Tensor] = field(default=None, repr=False)
+    _v_version: int = field(default=-1, repr=False)
+    _v_sums: Optional[Tensor] = field(default=None, repr=False)
+    _mask_version: int = field(default=-1, repr=False)
+    _probs_version: int = field(default=-1, repr=False)
+    _probs_sums: Optional[Tensor] = field(default=None, repr=False)
 
     @property
     def batch_size(self) -> int:
@@ -174,6 +183,10 @@ class AttentionRecord:
 
         Returns:
             (B, H, n, N_k) float32 probabilities, n the number of selected rows.
+
+        Raises:
+            CaptureError: a tensor the record keeps (queries, keys, mask, weights) was written in place after
+                the call, so the call's attention cannot be given (see :meth:`_check_kept`).
         """
         if self.heads != "all":
             raise CaptureError(
@@ -182,9 +195,11 @@ class AttentionRecord:
             )
         if self._probs is not None:
             rows = _rows(queries, self.num_queries)
+            self._check_kept()
             return self._probs[..., rows, :].float()
         if self._q is None or self._k is None:
             raise CaptureError(f"record {self.name!r} holds no queries/keys (it was released)")
+        self._check_kept()
         self._check_keys_kept()
         probs = attention_probs(
             self._q,
@@ -196,6 +211,43 @@ class AttentionRecord:
         )
         # an SDPA call on (B, N, E) has one head: (B, 1, n, N_k), as every record's probabilities (and gradients)
         return probs.unsqueeze(1) if probs.dim() == 3 else probs
+
+    def _check_kept(self) -> None:
+        """Raise when a tensor :meth:`probs` reads (other than the keys, :meth:`_check_keys_kept`) was written in
+        place after the call: its queries, its mask or the weights it holds (``grad_probs`` checks the values).
+
+        Why refuse rather than copy: records keep the call's tensors without copying them (a copy of q, v and the
+        mask at every call would cost the capture memory and time on every model), a write after the call is rare
+        (a buffer the model reuses, an in-place op on another view of the same storage), and the version counters
+        that tell it cost nothing. A record that cannot give the call's attention raises a CaptureError naming the
+        tensor and how to keep it; it never recomputes from what the tensor holds now. The one copy: a mask made
+        under ``torch.inference_mode``, which keeps no version and has no cheap witness (``witness.kept_mask``).
+        """
+        if self._probs is not None:
+            if written_since(self._probs, self._probs_version, self._probs_sums, -2) is not None:
+                raise self._written("attention weights")
+            return
+        if written_since(self._q, self._q_version, self._q_sums) is not None:
+            raise self._written("queries")
+        if written_since(self._mask, self._mask_version, None) is not None:
+            raise self._written("attention mask")
+
+    def _written(self, what: str) -> CaptureError:
+        """The error of :meth:`_check_kept`: ``what`` was written in place after the call, and what to do."""
+        if self.source == "sdpa":
+            remedy = ("read the records before the model writes them again, or capture with vx.capture(model, "
+                      "attention_mode='materialize'), whose records keep each call's probabilities (and the gradient "
+                      "reaching them) instead of its tensors")
+        elif self.source == "module":
+            remedy = ("have the extractor return a copy of the weights (e.g. weights.clone()), or read the records "
+                      "before the module writes them again")
+        else:
+            remedy = "read the records before the model (or your code) writes them again"
+        return CaptureError(
+            f"the {what} of {self.name!r} (step {self.step}) were written in place after the call (the record keeps "
+            f"them by reference: a buffer the model reuses, or an in-place op on another view of the same storage), "
+            f"so this record cannot give the call's attention; {remedy}"
+        )
 
     def _check_keys_kept(self) -> None:
         """Raise when the model wrote, after this call, into keys this call attended to (written in place
@@ -214,6 +266,13 @@ class AttentionRecord:
                 changed = _repeat_heads(changed[..., None], attended.shape[-2])[..., 0]
             if not bool((attended & changed).any()):
                 return
+        if self._k_version == 0:  # fresh keys (no cache wrote them before the call): a later write, or one of a view
+            raise CaptureError(
+                f"the keys of {self.name!r} (step {self.step}) were overwritten in place after the call (or another "
+                "view of the same storage was: the record keeps them by reference), so its attention cannot be "
+                "recomputed; read the records before the model writes them again"
+                + (", or capture with vx.capture(model, attention_mode='materialize')" if self.source == "sdpa" else "")
+            )
         raise CaptureError(
             f"the keys of {self.name!r} (step {self.step}) were overwritten in place after the call, as a "
             "static or sliding-window KV cache does, so its attention cannot be recomputed; read the records "
@@ -308,7 +367,8 @@ class AttentionRecord:
 
         Raises:
             CaptureError: gradients were not captured, the forward had no autograd graph,
-                or no backward has reached this call yet.
+                no backward has reached this call yet, or the values it keeps (dO V^T) were
+                written in place after the call.
         """
         self._check_grads(need_backward=d_out is None)
         rows = _rows(queries, self.num_queries)
@@ -322,6 +382,8 @@ class AttentionRecord:
         d_out = d_out if d_out is not None else self._grad_out
         if d_out is None or self._v is None:
             raise CaptureError(f"record {self.name!r} holds no gradient or values (released, or no backward yet)")
+        if written_since(self._v, self._v_version, self._v_sums) is not None:
+            raise self._written("values")
         d_out = d_out[..., rows, :].float()
         v = self._v.float()
         if v.dim() == 3:  # SDPA on (B, N, E) without a head dimension (e.g. SAM folds heads into B)
@@ -334,6 +396,7 @@ class AttentionRecord:
         """Drop every tensor this record holds (frees memory; the record becomes empty)."""
         self._q = self._k = self._v = self._mask = self._out = None
         self._probs = self._grad_out = self._grad_probs = self._k_sums = None
+        self._q_sums = self._v_sums = self._probs_sums = None
 
     # -- called by the recorder -------------------------------------------------------
     def _as_4d(self, grad: Tensor) -> Tensor:
