@@ -211,13 +211,20 @@ class _Spy:
         def spy(*args, **kwargs):
             rec = original(*args, **kwargs)
             self.recorders.append(rec)
+            clear = rec.clear
+
+            def noted_then_cleared():  # (the Explainer clears its records when its maps are made)
+                self.noted.append([(r.materialized, r.heads) for r in rec.records])
+                clear()
+
+            rec.clear = noted_then_cleared
             return rec
 
+        self.noted = []
         monkeypatch.setattr(explainer_module, "capture", spy)
 
     def last(self):
-        rec = self.recorders[-1]
-        return [(r.materialized, r.heads) for r in rec.records]
+        return self.noted[-1]
 
 
 @pytest.mark.parametrize(

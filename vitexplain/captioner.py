@@ -75,6 +75,8 @@ def explain_captioner(adapter: Any, plan: Plan, x: Tensor, regions: Any, sources
             ctx = context(adapter, x, ids, rec, layout, True, None, step.name)
         with torch.set_grad_enabled(step.spec.grads or torch.is_grad_enabled()):  # (also under the caller's no_grad)
             maps = step.spec.fn(ctx, **step.options)
+        if ctx.recorder is not generated:  # this step's own capture: its attention goes now (the generated one is shared)
+            ctx.recorder.clear()
         maps = check_finite_maps(maps.detach().float(), step.name)
         maps = check_not_underflowed(maps, lengths, step.name, model_dtype(model))
         for i, n in enumerate(lengths):

@@ -271,6 +271,7 @@ class Explainer:
                     score_name=resolved.description if resolved.custom else None,
                 )
             )
+        rec.clear()  # (the attention it holds goes now: the next batch's capture reuses its buffers, workspace.py)
         return results[0] if plan.single else results
 
     @overload

@@ -33,6 +33,7 @@ from .materialize import attention_with_probs, can_materialize
 from .packed import packed_groups, unpack_mask, unpack_query
 from .records import held, key_witness
 from .sink import RecordSink, in_backward
+from .workspace import workspace_for
 from .witness import kept_mask, query_witness, value_witness, weights_witness
 
 __all__ = ["AttentionMode"]
@@ -214,7 +215,7 @@ class AttentionMode(TorchFunctionMode):
             one_head = q4 is not q
             out, probs = attention_with_probs(
                 q4, k4, v4, attn_mask=mask4, scale=fields["_scale"], is_causal=fields["_causal"],
-                heads="all" if one_head else self.heads,
+                heads="all" if one_head else self.heads, workspace=workspace_for(getattr(self.sink, "model", None)),
             )
             kept = probs.detach()  # (a call without heads: (B, 1, N_q, N_k), as its recomputed record gives them)
             heads = self.heads if probs.dim() == 3 and not one_head else "all"

@@ -45,13 +45,14 @@ still forces it with gradients (then dy/dP comes from the backward pass itself).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
 
 from ..errors import UsageError
 from .scores import _repeat_heads, attention_scores, fuse_heads, masked_softmax, score_scale
+from .workspace import Workspace
 
 __all__ = [
     "MODES", "HEADS", "AUTO_CALL_BYTES", "AUTO_TOTAL_BYTES", "PER_IMAGE_MIN", "CHUNK_BYTES", "SOFTMAX_COPY_BYTES", "check_mode",
@@ -137,6 +138,7 @@ def attention_with_probs(
     scale: Optional[float] = None,
     is_causal: bool = False,
     heads: str = "all",
+    workspace: Optional[Workspace] = None,
 ) -> tuple[Tensor, Tensor]:
     """SDPA computed eagerly, keeping the probabilities.
 
@@ -162,6 +164,8 @@ def attention_with_probs(
         heads: ``"all"`` or ``"mean"``/``"max"``/``"min"``: keep the probabilities of every
             head, or only their fusion (ignored when a gradient is taken: then P is part of
             the autograd graph and every head is kept).
+        workspace: where the chunked path takes its probabilities and scratch from (buffers the
+            model's earlier captures left free, :mod:`vitexplain.recording.workspace`); None: new ones.
 
     Returns:
         (O (B, H, N_q, E_v), P), both float32: P is (B, H, N_q, N_k), in the autograd graph
@@ -169,12 +173,13 @@ def attention_with_probs(
     """
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if heads != "all" and q.shape[1] == 1 and not grad:  # the fusion of one head is that head: no pass over it
-        out, probs = attention_with_probs(q, k, v, attn_mask=attn_mask, scale=scale, is_causal=is_causal)
+        out, probs = attention_with_probs(q, k, v, attn_mask=attn_mask, scale=scale, is_causal=is_causal,
+                                          workspace=workspace)
         return out, probs.squeeze(1)
     masked = is_causal or attn_mask is not None
     one = q.shape[1] * q.shape[2] * k.shape[2]  # scores of one image
     if not grad and not masked and (one >= PER_IMAGE_MIN or q.shape[0] * one * 4 > CHUNK_BYTES):
-        return _per_image(q, k, v, score_scale(q, scale), heads)
+        return _per_image(q, k, v, score_scale(q, scale), heads, workspace)
     biased = (not grad and not is_causal and attn_mask is not None and attn_mask.dtype == torch.float32
               and k.shape[1] == q.shape[1])
     if biased:  # an additive bias (SAM's relative positions): added by the GEMM itself
@@ -262,7 +267,8 @@ PER_IMAGE_MIN = 2**16
 CHUNK_BYTES = 512 * 2**10
 
 
-def _per_image(q: Tensor, k: Tensor, v: Tensor, scale: float, heads: str) -> tuple[Tensor, Tensor]:
+def _per_image(q: Tensor, k: Tensor, v: Tensor, scale: float, heads: str, workspace: Optional[Workspace] = None
+               ) -> tuple[Tensor, Tensor]:
     """Unmasked attention without gradients, by chunks of images (see :func:`attention_with_probs`): one image
     at a time straight from the model's strided q, k, v when one image's scores fill a chunk, else
     ``CHUNK_BYTES // (one image's score bytes)`` images per GEMM."""
@@ -274,13 +280,17 @@ def _per_image(q: Tensor, k: Tensor, v: Tensor, scale: float, heads: str) -> tup
     else:
         out = q.new_empty(b, h, n_q, v.shape[-1])
     keep_all = heads == "all"
-    probs = q.new_empty(b, h, n_q, n_k) if keep_all else q.new_empty(b, n_q, n_k)
+
+    def empty(*shape: int) -> Tensor:
+        return q.new_empty(shape) if workspace is None else workspace.empty(shape, q)
+
+    probs = empty(b, h, n_q, n_k) if keep_all else empty(b, n_q, n_k)
     one = h * n_q * n_k * q.element_size()  # bytes of one image's scores
     c = max(1, min(b, CHUNK_BYTES // one))  # images per chunk
     if c > 1:
-        return _chunks(q, k, v, scale, heads, c, out, probs)
-    scratch = None if keep_all else q.new_empty(h, n_q, n_k)
-    scores = q.new_empty(h, n_q, n_k) if one <= SOFTMAX_COPY_BYTES else None  # (else: softmax in place)
+        return _chunks(q, k, v, scale, heads, c, out, probs, empty)
+    scratch = None if keep_all else empty(h, n_q, n_k)
+    scores = empty(h, n_q, n_k) if one <= SOFTMAX_COPY_BYTES else None  # (else: softmax in place)
     mean_weights = q.new_full((1, h), 1.0 / h)  # the head mean as one GEMV pass over the scratch
     zero = q.new_zeros(())
     for i in range(b):
@@ -296,15 +306,15 @@ def _per_image(q: Tensor, k: Tensor, v: Tensor, scale: float, heads: str) -> tup
     return out, probs
 
 
-def _chunks(q: Tensor, k: Tensor, v: Tensor, scale: float, heads: str, c: int, out: Tensor, probs: Tensor
-            ) -> tuple[Tensor, Tensor]:
+def _chunks(q: Tensor, k: Tensor, v: Tensor, scale: float, heads: str, c: int, out: Tensor, probs: Tensor,
+            empty: Callable[..., Tensor]) -> tuple[Tensor, Tensor]:
     """:func:`_per_image` for ``c`` > 1 images per chunk: each chunk's q, k, v as (c H, N, E) (a copy when the
     model's layout does not merge images and heads), one GEMM for its scores, one softmax, one ``P V``."""
     b, h, n_q, _ = q.shape
     n_k, e_v = k.shape[2], v.shape[-1]
-    scores = q.new_empty(c * h, n_q, n_k)
-    scratch = None if heads == "all" else q.new_empty(c * h, n_q, n_k)
-    values = q.new_empty(c * h, n_q, e_v)
+    scores = empty(c * h, n_q, n_k)
+    scratch = None if heads == "all" else empty(c * h, n_q, n_k)
+    values = empty(c * h, n_q, e_v)
     zero = q.new_zeros(())
     for start in range(0, b, c):
         n = min(c, b - start)

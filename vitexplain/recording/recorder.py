@@ -407,8 +407,11 @@ class Recorder:
         zero_grads(self)
 
     def clear(self) -> None:
-        """Forget all records (e.g. between two forwards in one scope)."""
-        self._records.clear()
+        """Forget all records (e.g. between two forwards in one scope; an explanation done with its capture lets go
+        of the attention its records hold now, not when the garbage collector finds the recorder's cycle with its
+        interceptors)."""
+        self._made.clear()
+        self._drafts.clear()
         self._steps.clear()
         self._attribution.reset()
         for calls in self.activations.values():
