@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import weakref
 from types import FrameType
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
@@ -124,9 +125,12 @@ class Recorder:
         self._gates: list[GateRecord] = []
         self._gate_hooks: Optional[GateHooks] = None
         self._attribution = Attribution()
-        self._flex = FlexWatcher(self)
-        self._mode = AttentionMode(self, self._flex, self.attention_mode, self.heads)
-        self._narrowing = Narrowing(self._mode, self.model, DirectSDPA(self, not self.grads and self.attention_mode == "fused"))
+        # the interceptors reach the recorder weakly: a recorder the caller drops goes (with the attention its records
+        # hold) at once, not when the garbage collector finds a cycle through them (they run inside its scope only)
+        sink = weakref.proxy(self)
+        self._flex = FlexWatcher(sink)
+        self._mode = AttentionMode(sink, self._flex, self.attention_mode, self.heads)
+        self._narrowing = Narrowing(self._mode, self.model, DirectSDPA(sink, not self.grads and self.attention_mode == "fused"))
         self._mode_entered = False
         self._handles: list[RemovableHandle] = []
         self._fastpath = False  # whether this capture holds MHA's fast path off (shared.py)
