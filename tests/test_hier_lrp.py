@@ -275,3 +275,14 @@ def test_attnlrp_points_at_the_targeted_object_on_shapes_hier():
         hits.append(vx.metrics.pointing_game(maps, masks))
     accuracy = torch.cat(hits).float().mean().item()
     assert accuracy >= POINTING_FLOOR, accuracy
+
+
+def test_batch_statistics_are_refused_and_the_mode_is_restored():
+    """A model in training mode normalises by its batch (its BatchNorms): not the affine map LRP's rule for
+    BatchNorm assumes; refused, naming the call. (LeViT: BatchNorm after every linear.)"""
+    name = "timm LeViT"
+    model = _model(name).train()
+    with pytest.warns(UserWarning, match="training mode"), \
+            pytest.raises(UnsupportedModelError, match="batch_norm with batch statistics"):
+        vx.Explainer(model).explain(torch.randn(2, 3, *ROWS[name].size), method="attnlrp", target=0)
+    assert model.training
