@@ -248,7 +248,8 @@ class LRPRules(TorchFunctionMode):
         elif func in _RECURRENT:
             self.seen["uncovered"].append("a recurrent cell (LSTM/GRU)")
         elif func is F.batch_norm and self._batch_statistics(args, kwargs):
-            self.seen["uncovered"].append("batch_norm with batch statistics (a model in training mode: call model.eval())")
+            self.seen["uncovered"].append(
+                "batch_norm with batch statistics (a model in training mode: call model.eval())")
         elif getattr(func, "__name__", "") in ("flex_attention", "flex_attention_hop"):
             self.seen["uncovered"].append("FlexAttention")
         return func(*args, **kwargs)
