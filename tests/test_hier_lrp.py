@@ -199,6 +199,21 @@ def test_pixel_relevance_equals_the_hand_written_rules(family, method, variant, 
     assert error < TOLERANCE[family], f"{family} {method}: relative error {error:.2e}"
 
 
+
+@pytest.mark.parametrize("family, cell", [("pvt", 4), ("sam", 16)])
+def test_patch_resolution_sums_the_pixels_of_each_finest_token(family, cell):
+    """``resolution="patches"``: the pixel relevance summed over each cell of the finest token grid (PVTv2's 4 px
+    patches, SAM's 16 px), summed here by reshaping."""
+    model = _model(ORACLE_ROWS[family])
+    x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(11))
+    ex = vx.Explainer(model)
+    pixels = ex.explain(x, method="attnlrp", target=[0, 1]).maps
+    grid = ex.explain(x, method="attnlrp", target=[0, 1], resolution="patches").maps
+    side = 64 // cell
+    expected = pixels.reshape(2, side, cell, side, cell).sum(dim=(2, 4))
+    assert grid.shape == (2, side, side)
+    assert torch.allclose(grid, expected, rtol=1e-5, atol=1e-6 * float(expected.abs().max()))
+
 # -- batches, the model left as found, other models ---------------------------------------------------------------
 @pytest.mark.parametrize("family", ["pvt", "hiera"])
 @pytest.mark.parametrize("method", ["attnlrp", "cp_lrp"])
