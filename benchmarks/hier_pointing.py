@@ -34,7 +34,8 @@ Images: ``vx.data.shapes(n, seed, num_objects=2, distinct_classes=True)``; each 
 classes are targeted in turn and the map's peak must fall on that object (class-discriminative
 pointing, n = 2 x images); rollout is class-agnostic and scored against both objects. When
 vitexplain supports the model, its ``gradcam`` (last stage), ``generic`` and ``rollout`` are
-scored on the same images.
+scored on the same images, and its ``attnlrp`` and ``cp_lrp`` (pixel maps: the peak pixel must lie on the
+object's mask).
 Prints one line per method: pointing accuracy and its binomial standard error
 ``sqrt(p (1 - p) / n)`` over the n (image, target) pairs. Run on the bundled ``shapes-hier``, it
 also rewrites its section of docs/benchmarks.md ("Hierarchical pointing (shapes-hier)").
@@ -252,7 +253,7 @@ def main() -> int:
 
     results = {f"oracle {k}": v for k, v in pointing(dense, batch).items()}
     ex = vx.Explainer(model)
-    for methods in (["gradcam"], ["generic", "rollout"]):
+    for methods in (["gradcam"], ["generic", "rollout"], ["attnlrp"], ["cp_lrp"]):  # LRP alone: one forward under its rules
         try:
             def ours(t: Tensor, methods: list[str] = methods) -> dict[str, Tensor]:
                 return {e.method: e.maps for e in ex.explain(x, method=methods, target=t)}

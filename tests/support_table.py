@@ -17,7 +17,7 @@ sweep re-initialises them (:func:`reinit_heads`) so that a constant map means a 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -409,10 +409,27 @@ _RERUN_TEST = "tests/test_hier_cdam_rerun.py"  # smooth / integrated CDAM agains
 _TIMM_TEST = "tests/test_families_timm.py"
 
 
+#: Hierarchical rows whose LRP maps tests/test_hier_lrp.py checks against its float64 hand-rule oracle; the other
+#: covered hierarchical rows are checked there by CP-LRP's conservation without biases; CAFormer is refused.
+_HIER_LRP_ORACLE = ("timm PVTv2", "timm Hiera (SAM 2's encoder family)", "timm SAM ViT (samvit: windowed + global, conv neck)",
+                    "timm MaxViT")
+_HIER_LRP_REFUSED = ("timm CAFormer (separable-conv stages, then attention)",)
+
+
+def _with_hier_lrp(table: list[Row]) -> list[Row]:
+    """The hierarchical rows' oracle field with the LRP test that checks them (attnlrp, cp_lrp)."""
+    def one(row: Row) -> Row:
+        if row.group != "hierarchical" or row.name in _HIER_LRP_REFUSED:
+            return row
+        how = "float64 oracle" if row.name in _HIER_LRP_ORACLE else "cp_lrp conservation"
+        return replace(row, oracle=f"{row.oracle}, tests/test_hier_lrp.py (attnlrp, cp_lrp: {how})")
+    return [one(row) for row in table]
+
+
 def rows() -> list[Row]:
     """Every family of the support matrix, in the matrix's order."""
     s32, s64 = (32, 32), (64, 64)
-    return [
+    return _with_hier_lrp([
         Row("timm ViT (class token)", "ViT", _timm_vit(), s32, "tests/test_methods.py"),
         Row("timm ViT + register tokens", "ViT", _timm_vit(reg_tokens=4), s32, "tests/test_methods.py"),
         Row("timm ViT, average pooling", "ViT", _timm_vit(class_token=False, global_pool="avg"), s32, "tests/test_readout.py, tests/test_methods.py"),
@@ -574,7 +591,7 @@ def rows() -> list[Row]:
             "tests/test_vlm_idefics2.py"),
         Row("HF Florence-2", "VLM", _encdec("florence2"), s32, _ENCDEC_TEST),
         Row("HF Pix2Struct", "VLM", _encdec("pix2struct"), s32, _ENCDEC_TEST),
-    ]
+    ])
 
 
 # -- running -----------------------------------------------------------------------------------

@@ -107,7 +107,7 @@ class HierAdapter(HeadOnTokens, Adapter):
     """
 
     family = HIER
-    capabilities = frozenset({"grid", "tokens", "attention", "rollout", "readout", "pixels"})
+    capabilities = frozenset({"grid", "tokens", "attention", "rollout", "readout", "pixels", "lrp"})
     readout = "mean"
     token_sites: list[Optional[str]]
 

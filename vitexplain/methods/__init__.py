@@ -12,7 +12,7 @@ from .options import Option
 from .registry import CAPABILITIES, MethodSpec, check_options, get, names, register, specs
 
 # built-in methods, registered on import, in listing order
-from . import attention, gradients, tokens, legrad, captum_methods, swin, hier, hier_legrad, hier_cdam, lrp, cnn, caption, lrp_caption, vlm, lrp_vlm  # noqa: E402,F401
+from . import attention, gradients, tokens, legrad, captum_methods, swin, hier, hier_legrad, hier_cdam, lrp, lrp_hier, cnn, caption, lrp_caption, vlm, lrp_vlm  # noqa: E402,F401
 
 __all__ = [
     "MethodSpec", "Option", "Family", "names", "get", "register", "specs", "check_options", "families", "family",

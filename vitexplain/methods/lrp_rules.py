@@ -37,6 +37,8 @@ Rules (docs/methods.md, "AttnLRP and CP-LRP"):
 - ``F.cosine_similarity`` (``vx.targets.similarity``): the norms are detached, so the relevance
   of a headless backbone sums to the cosine (plain gradients would sum to 0); ``F.normalize``
   (Swin V2's cosine attention on q and k) likewise: the norm is detached (RMSNorm / sqrt(d));
+- ``F.batch_norm`` with running statistics (a model in eval mode: hierarchical models' convolution stages) is
+  an affine map and keeps its gradient, as linears do; with batch statistics it is not covered;
 - ``F.linear`` (and linears written ``torch.addmm(b, x, W)``, GPT-2's ``Conv1D``, or ``x @ W``) and
   convolutions: as they are (the epsilon rule, with epsilon -> 0), or with
   ``linear_gamma`` / ``conv_gamma`` > 0 zennit's generalised Gamma rule (``zennit.rules.Gamma``:
@@ -45,7 +47,7 @@ Rules (docs/methods.md, "AttnLRP and CP-LRP"):
 A softmax that is not attention's (not over the last dim of a >= 3-D tensor), a log-softmax or
 logsumexp (a log-probability target: LRP explains the logit), an element-wise exponential, logarithm,
 power, root or division by an activation (a norm written out in Python), a product of two activations
-fused with an addition (``baddbmm``) or FlexAttention is not
+fused with an addition (``baddbmm``), a BatchNorm with batch statistics or FlexAttention is not
 covered: :class:`LRPRules` counts what it saw and :func:`check_coverage` raises instead of
 returning maps that are not LRP.
 """
@@ -245,6 +247,9 @@ class LRPRules(TorchFunctionMode):
             self.seen["uncovered"].append(f"{name} (a log-probability: explain the logit)")
         elif func in _RECURRENT:
             self.seen["uncovered"].append("a recurrent cell (LSTM/GRU)")
+        elif func is F.batch_norm and self._batch_statistics(args, kwargs):
+            self.seen["uncovered"].append(
+                "batch_norm with batch statistics (a model in training mode: call model.eval())")
         elif getattr(func, "__name__", "") in ("flex_attention", "flex_attention_hop"):
             self.seen["uncovered"].append("FlexAttention")
         return func(*args, **kwargs)
@@ -281,6 +286,13 @@ class LRPRules(TorchFunctionMode):
             stack.append((node, True))
             stack.extend((child, False) for child, _ in node.next_functions if child is not None and child not in memo)
         return memo[t.grad_fn]
+
+    def _batch_statistics(self, args: tuple, kwargs: dict) -> bool:
+        """Whether an ``F.batch_norm`` call of an activation normalises by its batch's statistics (``training=True``:
+        a model in training mode, or no running statistics): the images' relevance would mix, and the norm is not
+        the affine map it is with running statistics (which keeps its gradient: a linear map)."""
+        training = kwargs.get("training", args[5] if len(args) > 5 else False)
+        return bool(training) and bool(args) and self._live(args[0])
 
     def _nonlinear_on_activation(self, func: Callable, args: tuple) -> bool:
         """Whether an element-wise non-linear call (:data:`_NONLINEAR`) reaches an activation: its input, a power's
