@@ -79,7 +79,7 @@ class LlavaAdapter(VLMAdapter):
                                         f"{self.pixel_keys}; use the model's own processor")
         return found[0]
 
-    def lrp_tokens(self, relevance: Tensor, counts: Sequence[int]) -> list[Tensor]:
+    def lrp_tokens(self, relevance: Tensor, counts: Sequence[int], inputs: Any = None) -> list[Tensor]:
         """Per image, (T, n_b) relevance of its image tokens: (B, T, H, W) pixel relevance of the processed crop summed
         over each patch of the tower's grid (row-major, the sequence's order); the class token ("full") has no pixels
         and scores 0; where "default" drops patch (0, 0) (SigLIP) its pixels are left out (no token carries them).

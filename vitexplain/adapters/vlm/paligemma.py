@@ -58,7 +58,7 @@ class PrefixLMAdapter(VLMAdapter):
     def lrp_pixels(self, kwargs: Any) -> str:
         return "pixel_values"
 
-    def lrp_tokens(self, relevance: Tensor, counts: Sequence[int]) -> list[Tensor]:
+    def lrp_tokens(self, relevance: Tensor, counts: Sequence[int], inputs: Any = None) -> list[Tensor]:
         """Per image, (T, n_b) relevance of its tokens: (B, T, H, W) pixel relevance of the resized image summed over
         each cell of the token grid (a SigLIP patch; Gemma 3: an average-pooled block of patches).
 
