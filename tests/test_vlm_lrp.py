@@ -1,5 +1,5 @@
 """AttnLRP and CP-LRP per answer word of vision-language models (LLaVA, ViP-LLaVA, Video-LLaVA, PaliGemma, Gemma 3,
-Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA-NeXT, LLaVA-NeXT-Video, LLaVA-OneVision): a hand-written oracle, the model left as
+Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA-NeXT, LLaVA-NeXT-Video, LLaVA-OneVision, Idefics3, SmolVLM): a hand-written oracle, the model left as
 found, padded batches, and the refusal of families not checked.
 
 The oracle applies the rules by hand on an eager float64 copy (forward hooks on that copy only, nothing of
@@ -9,7 +9,8 @@ and k detached), LayerNorm / RMSNorm with the standard deviation detached, activ
 then ``x * dlogit/dx`` at the pixels, summed over channels and per 8 x 8 cell of the 32 x 32 processed image (Qwen:
 per 4 consecutive patch rows, a 2 x 2 merge block, the order test_qwen2_vl_patch_rows_are_merge_blocks checks;
 LLaVA-NeXT / OneVision: per 4 x 4 px patch of each 16 px piece, then which patches each token sums read from the
-model's own ``pack_image_features`` on patch codes, see :func:`_anyres_sums`).
+model's own ``pack_image_features`` on patch codes, see :func:`_anyres_sums`; Idefics3 / SmolVLM: the same patches,
+each token's read from the model's own ``pixel_shuffle`` of patch codes, :func:`_shuffle_sums`).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def _hand_rules(model: nn.Module, variant: str) -> list:
         x = inputs[0]
         mean = x.mean(-1, keepdim=True)
         std = (x.var(-1, unbiased=False, keepdim=True) + module.eps).sqrt()
-        return (x - mean) / std.detach() * module.weight + module.bias
+        return ((x - mean) / std.detach() * module.weight + module.bias).contiguous()  # (the layout F.layer_norm gives)
 
     def rms_norm(module, inputs, output):
         x = inputs[0]
@@ -121,6 +122,21 @@ def _anyres_sums(model: nn.Module, sizes: torch.Tensor) -> torch.Tensor:
     return sums
 
 
+def _shuffle_sums(model: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+    """(n, P * g * g) 0 / 1: which patches (of the P pieces of (1, P, C, H, W) ``pixels``, g x g patches each, row-major)
+    each token of an Idefics3 / SmolVLM image sums, read from the model's own ``connector.pixel_shuffle`` of patch codes
+    (each patch's index + 1), over the pieces the model keeps (not all zero), in their order."""
+    config = model.config
+    g = config.vision_config.image_size // config.vision_config.patch_size
+    real = int((pixels[0] != 0).flatten(1).any(dim=1).sum())
+    codes = torch.arange(1, real * g * g + 1, dtype=torch.float64).reshape(real, g * g, 1)
+    shuffled = model.model.connector.pixel_shuffle(codes, config.scale_factor).reshape(-1, config.scale_factor ** 2)
+    sums = torch.zeros(shuffled.shape[0], pixels.shape[1] * g * g, dtype=torch.float64)
+    for token, held in enumerate(shuffled.long()):
+        sums[token, held - 1] = 1
+    return sums
+
+
 def hand_lrp(model: nn.Module, proc, image, prompt: str, caption: str, variant: str) -> torch.Tensor:
     """(T, 16) relevance of the 4 x 4 image tokens (8 x 8 pixel cells of the 32 x 32 processed image) for each caption
     word, by the hand rules in float64. The teacher-forced inputs are the adapter's (checked on their own by the
@@ -140,8 +156,11 @@ def hand_lrp(model: nn.Module, proc, image, prompt: str, caption: str, variant: 
         out = []
         for t in range(answer.shape[1]):
             (grad,) = torch.autograd.grad(logits[0, start - 1 + t, answer[0, t]], x, retain_graph=True)
-            if x.dim() == 5:  # LLaVA-NeXT / OneVision: (1, P, C, 16, 16) pieces of 4 x 4 patches of 4 px
-                sums = _anyres_sums(copy, kwargs["image_sizes"])
+            if x.dim() == 5:  # LLaVA-NeXT / OneVision / Idefics3: (1, P, C, 16, 16) pieces of 4 x 4 patches of 4 px
+                if "image_sizes" in kwargs:
+                    sums = _anyres_sums(copy, kwargs["image_sizes"])
+                else:
+                    sums = _shuffle_sums(copy, x.detach())
                 pieces = (x * grad).sum(dim=2)[0]  # (P, 16, 16)
                 patches = pieces.reshape(-1, 4, 4, 4, 4).sum(dim=(2, 4)).flatten()[: sums.shape[1]]
                 out.append(sums @ patches)
@@ -158,7 +177,7 @@ def hand_lrp(model: nn.Module, proc, image, prompt: str, caption: str, variant: 
 
 
 FAMILIES = ["llava", "vipllava", "video_llava", "paligemma", "gemma3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava_next",
-            "llava_next_video", "onevision"]
+            "llava_next_video", "onevision", "idefics3", "smolvlm"]
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -167,9 +186,10 @@ def test_per_word_token_relevance_equals_the_hand_written_rules(method, variant,
     """vitexplain's per-word token relevance on the fused float32 model equals the hand rules on an eager float64
     copy, for every family offered. Measured worst error 1.5e-6 of the map's largest value (float32 rounding; 8
     families x 6 images x 2 variants); the tiled families (LLaVA-NeXT, -Video, OneVision: 16 images of 4 sizes x 2
-    variants each, this oracle) up to 5.0e-6; bound 3e-5, a 6x margin over the worst, while
-    leaving out the halves (the gate product's and v's) changes a map by 2.3x its scale, an epsilon of 1e-10 in the
-    RMSNorm rule's ratio (fixed) by 1.3e-4, and stitching the tiles column-major or skipping the unpad by >= 0.6."""
+    variants each, this oracle) up to 5.0e-6, Idefics3 / SmolVLM up to 5.3e-7; bound 3e-5, a 6x margin over the worst,
+    while leaving out the halves (the gate product's and v's) changes a map by 2.3x its scale, an epsilon of 1e-10 in
+    the RMSNorm rule's ratio (fixed) by 1.3e-4, stitching the tiles column-major or skipping the unpad by >= 0.6, and
+    Idefics3's global image put first or its shuffle blocks transposed by >= 0.57."""
     model, proc = helpers.BUILDERS[name]()
     for image in helpers.images(11):
         e = vx.Explainer(model, processor=proc).explain_caption([image], method=method, prompt=PROMPT, caption=CAPTION)
@@ -215,10 +235,10 @@ def test_eager_attention_gives_the_same_relevance():
 
 
 @pytest.mark.parametrize("name", ["llava", "paligemma", "gemma3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava_next",
-                                  "onevision"])
+                                  "onevision", "idefics3", "smolvlm"])
 def test_a_padded_batch_equals_each_image_alone(name):
     """Two images of different sizes, prompts and answers of different lengths (left padding, answer padding) give
-    each image's maps and token relevance as alone (measured up to 8.2e-7 of the scale, 3 pairs x 8 families; bound
+    each image's maps and token relevance as alone (measured up to 8.2e-7 of the scale, 3 pairs x 10 families; bound
     1e-4); words past an answer's
     end score 0."""
     model, proc = helpers.BUILDERS[name]()
