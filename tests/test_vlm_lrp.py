@@ -1,5 +1,5 @@
 """AttnLRP and CP-LRP per answer word of vision-language models (LLaVA, ViP-LLaVA, Video-LLaVA, PaliGemma, Gemma 3,
-Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA-NeXT, LLaVA-NeXT-Video, LLaVA-OneVision, Idefics3, SmolVLM): a hand-written oracle, the model left as
+Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA-NeXT, LLaVA-NeXT-Video, LLaVA-OneVision, Idefics3, SmolVLM, InternVL, Qianfan-OCR): a hand-written oracle, the model left as
 found, padded batches, and the refusal of families not checked.
 
 The oracle applies the rules by hand on an eager float64 copy (forward hooks on that copy only, nothing of
@@ -10,7 +10,8 @@ then ``x * dlogit/dx`` at the pixels, summed over channels and per 8 x 8 cell of
 per 4 consecutive patch rows, a 2 x 2 merge block, the order test_qwen2_vl_patch_rows_are_merge_blocks checks;
 LLaVA-NeXT / OneVision: per 4 x 4 px patch of each 16 px piece, then which patches each token sums read from the
 model's own ``pack_image_features`` on patch codes, see :func:`_anyres_sums`; Idefics3 / SmolVLM: the same patches,
-each token's read from the model's own ``pixel_shuffle`` of patch codes, :func:`_shuffle_sums`).
+each token's read from the model's own ``pixel_shuffle`` of patch codes, :func:`_shuffle_sums`; InternVL, Qianfan-OCR:
+the same on their (P, C, H, W) pieces).
 """
 
 from __future__ import annotations
@@ -124,13 +125,18 @@ def _anyres_sums(model: nn.Module, sizes: torch.Tensor) -> torch.Tensor:
 
 def _shuffle_sums(model: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
     """(n, P * g * g) 0 / 1: which patches (of the P pieces of (1, P, C, H, W) ``pixels``, g x g patches each, row-major)
-    each token of an Idefics3 / SmolVLM image sums, read from the model's own ``connector.pixel_shuffle`` of patch codes
+    each token of an Idefics3 / SmolVLM / InternVL image sums, read from the model's own ``pixel_shuffle`` of patch codes
     (each patch's index + 1), over the pieces the model keeps (not all zero), in their order."""
     config = model.config
-    g = config.vision_config.image_size // config.vision_config.patch_size
+    size, patch = config.vision_config.image_size, config.vision_config.patch_size  # (InternVL: [h, w] lists)
+    g = (size[0] if isinstance(size, list) else size) // (patch[0] if isinstance(patch, list) else patch)
     real = int((pixels[0] != 0).flatten(1).any(dim=1).sum())
     codes = torch.arange(1, real * g * g + 1, dtype=torch.float64).reshape(real, g * g, 1)
-    shuffled = model.model.connector.pixel_shuffle(codes, config.scale_factor).reshape(-1, config.scale_factor ** 2)
+    if hasattr(config, "downsample_ratio"):  # InternVL's shuffle of (P, g, g, D) features
+        shuffled = model.model.pixel_shuffle(codes.reshape(real, g, g, 1), config.downsample_ratio)
+        shuffled = shuffled.reshape(-1, round(1 / config.downsample_ratio ** 2))
+    else:
+        shuffled = model.model.connector.pixel_shuffle(codes, config.scale_factor).reshape(-1, config.scale_factor ** 2)
     sums = torch.zeros(shuffled.shape[0], pixels.shape[1] * g * g, dtype=torch.float64)
     for token, held in enumerate(shuffled.long()):
         sums[token, held - 1] = 1
@@ -156,12 +162,13 @@ def hand_lrp(model: nn.Module, proc, image, prompt: str, caption: str, variant: 
         out = []
         for t in range(answer.shape[1]):
             (grad,) = torch.autograd.grad(logits[0, start - 1 + t, answer[0, t]], x, retain_graph=True)
-            if x.dim() == 5:  # LLaVA-NeXT / OneVision / Idefics3: (1, P, C, 16, 16) pieces of 4 x 4 patches of 4 px
+            if x.dim() == 5 or hasattr(copy.config, "downsample_ratio"):
+                # LLaVA-NeXT / OneVision / Idefics3: (1, P, C, 16, 16), InternVL: (P, C, 16, 16): pieces of 4 x 4 patches
                 if "image_sizes" in kwargs:
                     sums = _anyres_sums(copy, kwargs["image_sizes"])
                 else:
-                    sums = _shuffle_sums(copy, x.detach())
-                pieces = (x * grad).sum(dim=2)[0]  # (P, 16, 16)
+                    sums = _shuffle_sums(copy, x.detach().reshape(1, -1, *x.shape[-3:]))
+                pieces = (x * grad).sum(dim=-3).reshape(-1, 16, 16)  # (P, 16, 16) channels summed
                 patches = pieces.reshape(-1, 4, 4, 4, 4).sum(dim=(2, 4)).flatten()[: sums.shape[1]]
                 out.append(sums @ patches)
                 continue
@@ -177,7 +184,7 @@ def hand_lrp(model: nn.Module, proc, image, prompt: str, caption: str, variant: 
 
 
 FAMILIES = ["llava", "vipllava", "video_llava", "paligemma", "gemma3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava_next",
-            "llava_next_video", "onevision", "idefics3", "smolvlm"]
+            "llava_next_video", "onevision", "idefics3", "smolvlm", "internvl", "qianfan_ocr"]
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -186,10 +193,10 @@ def test_per_word_token_relevance_equals_the_hand_written_rules(method, variant,
     """vitexplain's per-word token relevance on the fused float32 model equals the hand rules on an eager float64
     copy, for every family offered. Measured worst error 1.5e-6 of the map's largest value (float32 rounding; 8
     families x 6 images x 2 variants); the tiled families (LLaVA-NeXT, -Video, OneVision: 16 images of 4 sizes x 2
-    variants each, this oracle) up to 5.0e-6, Idefics3 / SmolVLM up to 5.3e-7; bound 3e-5, a 6x margin over the worst,
+    variants each, this oracle) up to 5.0e-6, Idefics3 / SmolVLM / InternVL / Qianfan-OCR up to 5.6e-7; bound 3e-5, a 6x margin over the worst,
     while leaving out the halves (the gate product's and v's) changes a map by 2.3x its scale, an epsilon of 1e-10 in
     the RMSNorm rule's ratio (fixed) by 1.3e-4, stitching the tiles column-major or skipping the unpad by >= 0.6, and
-    Idefics3's global image put first or its shuffle blocks transposed by >= 0.57."""
+    Idefics3's or InternVL's global image put first or their shuffle blocks transposed by >= 0.57."""
     model, proc = helpers.BUILDERS[name]()
     for image in helpers.images(11):
         e = vx.Explainer(model, processor=proc).explain_caption([image], method=method, prompt=PROMPT, caption=CAPTION)
@@ -235,10 +242,10 @@ def test_eager_attention_gives_the_same_relevance():
 
 
 @pytest.mark.parametrize("name", ["llava", "paligemma", "gemma3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava_next",
-                                  "onevision", "idefics3", "smolvlm"])
+                                  "onevision", "idefics3", "smolvlm", "internvl"])
 def test_a_padded_batch_equals_each_image_alone(name):
     """Two images of different sizes, prompts and answers of different lengths (left padding, answer padding) give
-    each image's maps and token relevance as alone (measured up to 8.2e-7 of the scale, 3 pairs x 10 families; bound
+    each image's maps and token relevance as alone (measured up to 8.2e-7 of the scale, 3 pairs x 11 families; bound
     1e-4); words past an answer's
     end score 0."""
     model, proc = helpers.BUILDERS[name]()
@@ -331,13 +338,13 @@ def test_gemma3_pan_and_scan_crops_are_refused():
                                                             prompt="what is", caption="red")
 
 
-@pytest.mark.parametrize("name", ["qwen3_5", "mistral3", "paligemma2"])
+@pytest.mark.parametrize("name", ["qwen3_5", "mistral3", "paligemma2", "aya_vision", "cohere2_vision"])
 def test_families_not_checked_are_refused(name):
     """VLM families whose pixel-to-token pooling has no oracle case are refused with the reason, not given maps."""
     model, proc = helpers.BUILDERS[name]()
     ex = vx.Explainer(model, processor=proc)
     assert "attnlrp" not in ex.methods() and "cp_lrp" not in ex.methods()
-    with pytest.raises(vx.VitexplainError, match="(checked against a hand-written oracle on LLaVA|soft-caps its attention)"):
+    with pytest.raises(vx.VitexplainError, match="(checked against a hand-written oracle on LLaVA|soft-caps its attention|LayerNorm written out)"):
         ex.explain_caption(helpers.images(8)[:1], method="attnlrp", prompt="what is", caption="red")
 
 
