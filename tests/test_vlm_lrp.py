@@ -1,5 +1,5 @@
 """AttnLRP and CP-LRP per answer word of vision-language models (LLaVA, ViP-LLaVA, Video-LLaVA, PaliGemma, Gemma 3,
-Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA-NeXT, LLaVA-NeXT-Video, LLaVA-OneVision, Idefics3, SmolVLM, InternVL, Qianfan-OCR, Mistral 3, LightOnOCR, Pixtral-12B's layout): a hand-written oracle, the model left as
+Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA-NeXT, LLaVA-NeXT-Video, LLaVA-OneVision, Idefics3, SmolVLM, InternVL, Qianfan-OCR, Mistral 3, LightOnOCR, Pixtral-12B's layout, mllama): a hand-written oracle, the model left as
 found, padded batches, and the refusal of families not checked.
 
 The oracle applies the rules by hand on an eager float64 copy (forward hooks on that copy only, nothing of
@@ -12,7 +12,8 @@ LLaVA-NeXT / OneVision: per 4 x 4 px patch of each 16 px piece, then which patch
 model's own ``pack_image_features`` on patch codes, see :func:`_anyres_sums`; Idefics3 / SmolVLM: the same patches,
 each token's read from the model's own ``pixel_shuffle`` of patch codes, :func:`_shuffle_sums`; InternVL, Qianfan-OCR:
 the same on their (P, C, H, W) pieces; Mistral 3, LightOnOCR, Pixtral: per patch of the resized image, each token's
-patches read from the model's own ``patch_merger``, :func:`_merged_tokens`).
+patches read from the model's own ``patch_merger``, :func:`_merged_tokens`; mllama: per 4 x 4 px patch of each real
+tile, tile after tile).
 """
 
 from __future__ import annotations
@@ -182,6 +183,11 @@ def hand_lrp(model: nn.Module, proc, image, prompt: str, caption: str, variant: 
         out = []
         for t in range(answer.shape[1]):
             (grad,) = torch.autograd.grad(logits[0, start - 1 + t, answer[0, t]], x, retain_graph=True)
+            if x.dim() == 6:  # mllama: (1, 1, max tiles, C, 16, 16), the image's real tiles first; 4 x 4 patches of 4 px each
+                tiles = int(kwargs["aspect_ratio_mask"].sum())
+                pixels = (x * grad).sum(dim=3)[0, 0, :tiles]  # (tiles, 16, 16)
+                out.append(pixels.reshape(tiles, 4, 4, 4, 4).sum(dim=(2, 4)).flatten())  # tile-major, row-major patches
+                continue
             if x.dim() == 5 or hasattr(copy.config, "downsample_ratio"):
                 # LLaVA-NeXT / OneVision / Idefics3: (1, P, C, 16, 16), InternVL: (P, C, 16, 16): pieces of 4 x 4 patches
                 if "image_sizes" in kwargs:
@@ -207,7 +213,7 @@ def hand_lrp(model: nn.Module, proc, image, prompt: str, caption: str, variant: 
 
 
 FAMILIES = ["llava", "vipllava", "video_llava", "paligemma", "gemma3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava_next",
-            "llava_next_video", "onevision", "idefics3", "smolvlm", "internvl", "qianfan_ocr", "mistral3", "lighton_ocr", "pixtral"]
+            "llava_next_video", "onevision", "idefics3", "smolvlm", "internvl", "qianfan_ocr", "mistral3", "lighton_ocr", "pixtral", "mllama"]
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -216,11 +222,11 @@ def test_per_word_token_relevance_equals_the_hand_written_rules(method, variant,
     """vitexplain's per-word token relevance on the fused float32 model equals the hand rules on an eager float64
     copy, for every family offered. Measured worst error 1.5e-6 of the map's largest value (float32 rounding; 8
     families x 6 images x 2 variants); the tiled families (LLaVA-NeXT, -Video, OneVision: 16 images of 4 sizes x 2
-    variants each, this oracle) up to 5.0e-6, Idefics3 / SmolVLM / InternVL / Qianfan-OCR up to 5.6e-7, Mistral 3 / LightOnOCR / Pixtral up to 2.0e-6; bound 3e-5, a 6x margin over the worst,
+    variants each, this oracle) up to 5.0e-6, Idefics3 / SmolVLM / InternVL / Qianfan-OCR up to 5.6e-7, Mistral 3 / LightOnOCR / Pixtral up to 2.0e-6, mllama 8.3e-7; bound 3e-5, a 6x margin over the worst,
     while leaving out the halves (the gate product's and v's) changes a map by 2.3x its scale, an epsilon of 1e-10 in
     the RMSNorm rule's ratio (fixed) by 1.3e-4, stitching the tiles column-major or skipping the unpad by >= 0.6, and
     Idefics3's or InternVL's global image put first or their shuffle blocks transposed by >= 0.57, Mistral 3's merged
-    grid transposed by >= 0.92."""
+    grid transposed by >= 0.92, mllama's tiles reversed or patches transposed by >= 0.84."""
     model, proc = helpers.BUILDERS[name]()
     for image in helpers.images(11):
         e = vx.Explainer(model, processor=proc).explain_caption([image], method=method, prompt=PROMPT, caption=CAPTION)
@@ -266,10 +272,10 @@ def test_eager_attention_gives_the_same_relevance():
 
 
 @pytest.mark.parametrize("name", ["llava", "paligemma", "gemma3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava_next",
-                                  "onevision", "idefics3", "smolvlm", "internvl", "mistral3", "pixtral"])
+                                  "onevision", "idefics3", "smolvlm", "internvl", "mistral3", "pixtral", "mllama"])
 def test_a_padded_batch_equals_each_image_alone(name):
     """Two images of different sizes, prompts and answers of different lengths (left padding, answer padding) give
-    each image's maps and token relevance as alone (measured up to 9.3e-7 of the scale, 3 pairs x 14 families; bound
+    each image's maps and token relevance as alone (measured up to 9.3e-7 of the scale, 3 pairs x 15 families; bound
     1e-4); words past an answer's
     end score 0."""
     model, proc = helpers.BUILDERS[name]()
