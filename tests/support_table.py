@@ -544,7 +544,7 @@ def rows() -> list[Row]:
         Row("HF Gemma 4 (native aspect ratio, pooled patches)", "VLM", _vlm("gemma4"), s32, "tests/test_vlm_gemma4.py"),
         Row("HF Gemma 4 with experts and shared KV layers", "VLM", _vlm("gemma4_moe"), s32, "tests/test_vlm_gemma4.py"),
         Row("HF Gemma 3 with pan-and-scan crops (processor_kwargs)", "VLM", _vlm("gemma3_pan_and_scan"), s32,
-            "tests/test_vlm_gemma.py"),
+            "tests/test_vlm_gemma.py" + _LRP_TEST),
         Row("HF Qwen2-VL", "VLM", _vlm("qwen2_vl"), s32, _VLM_TEST + _LRP_TEST),
         Row("HF Qwen2.5-VL", "VLM", _vlm("qwen2_5_vl"), s32, _VLM_TEST + _LRP_TEST),
         Row("HF Qwen3-VL", "VLM", _vlm("qwen3_vl"), s32, _VLM_TEST + _LRP_TEST),
