@@ -1,6 +1,7 @@
 """AttnLRP and CP-LRP per answer word of vision-language models (LLaVA, ViP-LLaVA, Video-LLaVA, PaliGemma, Gemma 3,
-Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA-NeXT, LLaVA-NeXT-Video, LLaVA-OneVision, Idefics3, SmolVLM, InternVL, Qianfan-OCR, Mistral 3, LightOnOCR, Pixtral-12B's layout, mllama): a hand-written oracle, the model left as
-found, padded batches, and the refusal of families not checked.
+Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA-NeXT, LLaVA-NeXT-Video, LLaVA-OneVision, Idefics3, SmolVLM, InternVL,
+Qianfan-OCR, Mistral 3, LightOnOCR, Pixtral-12B's layout, mllama): a hand-written oracle, the model left as found,
+padded batches, and the refusal of families not checked.
 
 The oracle applies the rules by hand on an eager float64 copy (forward hooks on that copy only, nothing of
 vitexplain's): q / k / v projections' gradients x 1/4, 1/4, 1/2 by ``y * s + (y * (1 - s)).detach()`` (CP-LRP: q
@@ -92,8 +93,8 @@ def _hand_rules(model: nn.Module, variant: str) -> list:
 
 
 def _anyres_sums(model: nn.Module, sizes: torch.Tensor) -> torch.Tensor:
-    """(n, P * g * g) 0 / 1: which patches (of the P pieces: the thumbnail, then the tiles; g x g patches each, row-major)
-    each pixel-bearing token of a LLaVA-NeXT / OneVision image sums, read from the model's own packing of patch codes
+    """(n, P * g * g) 0 / 1: which patches (of the P pieces: the thumbnail, then the tiles; g x g patches each,
+    row-major) each pixel-bearing token of a LLaVA-NeXT / OneVision image sums, read from the model's own packing of patch codes
     (``pack_image_features`` on features that are each patch's index + 1, the newline a 0). OneVision's interpolated
     grid: each patch of the grid packed without interpolation goes to the coarse cell that holds its centre."""
     from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
@@ -128,9 +129,9 @@ def _anyres_sums(model: nn.Module, sizes: torch.Tensor) -> torch.Tensor:
 
 
 def _shuffle_sums(model: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
-    """(n, P * g * g) 0 / 1: which patches (of the P pieces of (1, P, C, H, W) ``pixels``, g x g patches each, row-major)
-    each token of an Idefics3 / SmolVLM / InternVL image sums, read from the model's own ``pixel_shuffle`` of patch codes
-    (each patch's index + 1), over the pieces the model keeps (not all zero), in their order."""
+    """(n, P * g * g) 0 / 1: which patches (of the P pieces of (1, P, C, H, W) ``pixels``, g x g patches each,
+    row-major) each token of an Idefics3 / SmolVLM / InternVL image sums, read from the model's own ``pixel_shuffle``
+    of patch codes (each patch's index + 1), over the pieces the model keeps (not all zero), in their order."""
     config = model.config
     size, patch = config.vision_config.image_size, config.vision_config.patch_size  # (InternVL: [h, w] lists)
     g = (size[0] if isinstance(size, list) else size) // (patch[0] if isinstance(patch, list) else patch)
@@ -148,8 +149,8 @@ def _shuffle_sums(model: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
 
 
 def _merged_tokens(model: nn.Module, pixels: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
-    """(n,) relevance of the tokens of a Pixtral-tower image from (H, W) pixel relevance of the padded batch: the resized
-    ``sizes[0]`` pixels summed per patch, each token's patches read from the model's own ``patch_merger`` of patch codes
+    """(n,) relevance of the tokens of a Pixtral-tower image from (H, W) pixel relevance of the padded batch: the
+    resized ``sizes[0]`` pixels summed per patch, each token's patches read from the model's own ``patch_merger`` of patch codes
     (each patch's index + 1; Pixtral-12B's layout has no merger: a token per patch, row-major)."""
     p = model.config.vision_config.patch_size
     rh, rw = (int(v) for v in sizes[0])
@@ -183,13 +184,13 @@ def hand_lrp(model: nn.Module, proc, image, prompt: str, caption: str, variant: 
         out = []
         for t in range(answer.shape[1]):
             (grad,) = torch.autograd.grad(logits[0, start - 1 + t, answer[0, t]], x, retain_graph=True)
-            if x.dim() == 6:  # mllama: (1, 1, max tiles, C, 16, 16), the image's real tiles first; 4 x 4 patches of 4 px each
+            if x.dim() == 6:  # mllama: (1, 1, max tiles, C, 16, 16), the real tiles first; 4 x 4 patches of 4 px each
                 tiles = int(kwargs["aspect_ratio_mask"].sum())
                 pixels = (x * grad).sum(dim=3)[0, 0, :tiles]  # (tiles, 16, 16)
                 out.append(pixels.reshape(tiles, 4, 4, 4, 4).sum(dim=(2, 4)).flatten())  # tile-major, row-major patches
                 continue
             if x.dim() == 5 or hasattr(copy.config, "downsample_ratio"):
-                # LLaVA-NeXT / OneVision / Idefics3: (1, P, C, 16, 16), InternVL: (P, C, 16, 16): pieces of 4 x 4 patches
+                # LLaVA-NeXT / OneVision / Idefics3: (1, P, C, 16, 16), InternVL: (P, C, 16, 16): 4 x 4 patches each
                 if "image_sizes" in kwargs:
                     sums = _anyres_sums(copy, kwargs["image_sizes"])
                 else:
@@ -213,7 +214,8 @@ def hand_lrp(model: nn.Module, proc, image, prompt: str, caption: str, variant: 
 
 
 FAMILIES = ["llava", "vipllava", "video_llava", "paligemma", "gemma3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava_next",
-            "llava_next_video", "onevision", "idefics3", "smolvlm", "internvl", "qianfan_ocr", "mistral3", "lighton_ocr", "pixtral", "mllama"]
+            "llava_next_video", "onevision", "idefics3", "smolvlm", "internvl", "qianfan_ocr", "mistral3", "lighton_ocr",
+            "pixtral", "mllama"]
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -222,7 +224,8 @@ def test_per_word_token_relevance_equals_the_hand_written_rules(method, variant,
     """vitexplain's per-word token relevance on the fused float32 model equals the hand rules on an eager float64
     copy, for every family offered. Measured worst error 1.5e-6 of the map's largest value (float32 rounding; 8
     families x 6 images x 2 variants); the tiled families (LLaVA-NeXT, -Video, OneVision: 16 images of 4 sizes x 2
-    variants each, this oracle) up to 5.0e-6, Idefics3 / SmolVLM / InternVL / Qianfan-OCR up to 5.6e-7, Mistral 3 / LightOnOCR / Pixtral up to 2.0e-6, mllama 8.3e-7; bound 3e-5, a 6x margin over the worst,
+    variants each, this oracle) up to 5.0e-6, Idefics3 / SmolVLM / InternVL / Qianfan-OCR up to 5.6e-7, Mistral 3 /
+    LightOnOCR / Pixtral up to 2.0e-6, mllama 8.3e-7; bound 3e-5, a 6x margin over the worst,
     while leaving out the halves (the gate product's and v's) changes a map by 2.3x its scale, an epsilon of 1e-10 in
     the RMSNorm rule's ratio (fixed) by 1.3e-4, stitching the tiles column-major or skipping the unpad by >= 0.6, and
     Idefics3's or InternVL's global image put first or their shuffle blocks transposed by >= 0.57, Mistral 3's merged
