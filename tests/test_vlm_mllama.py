@@ -103,7 +103,7 @@ def test_methods_equal_the_eager_oracle(built, prompts):
     answers = _answer_ids(proc, ANSWERS)
     heads = [(1, 0), (0, 3), (1, 2)]
     ex = vx.Explainer(model, processor=proc)
-    assert list(ex.methods()) == ["cross", "cross_grad", "cross_generic"]
+    assert list(ex.methods()) == ["cross", "cross_grad", "cross_generic", "attnlrp", "cp_lrp"]  # (LRP: test_vlm_lrp.py)
     explained = ex.explain_caption(images, method=["cross", "cross_grad", "cross_generic"], caption=answers, prompt=prompts)
     explained.append(ex.explain_caption(images, method="cross", caption=answers, prompt=prompts, head_fusion="max"))
     explained.append(ex.explain_caption(images, method="cross", caption=answers, prompt=prompts, heads=heads))

@@ -57,8 +57,9 @@ def vlm_lrp(ctx: VLMContext, variant: str, linear_gamma: float = DEFAULT_GAMMA,
     name = type(adapter.model).__name__
     kwargs = dict(ctx.inputs)
     key = adapter.lrp_pixels(kwargs)
-    x = kwargs[key].detach().clone().requires_grad_(True)  # (B, C, H, W) the processor's pixels (Qwen: (P, C*t*p*p))
-    kwargs[key] = x
+    x = kwargs[key].detach().clone().requires_grad_(True)  # (B, C, H, W) the processor's pixels (Qwen: (P, C*t*p*p);
+    kwargs[key] = x                                        # tiles: (B, P, C, H, W))
+    channels = x.dim() - 3 if x.dim() >= 4 else 1  # the colour axis (Qwen's rows: all of a patch's values)
     rules = LRPRules(variant, linear_gamma=linear_gamma, conv_gamma=conv_gamma, model=adapter.model)
     words = ctx.num_words
     with torch.enable_grad():
@@ -73,9 +74,9 @@ def vlm_lrp(ctx: VLMContext, variant: str, linear_gamma: float = DEFAULT_GAMMA,
         for t in range(words):
             with checkpointing_refused(ctx.method, name):
                 (grad,) = torch.autograd.grad(scores[:, t].sum(), x, retain_graph=t < words - 1)
-            maps.append((x.detach() * grad).float().sum(dim=1))  # (B, H, W): channels summed
-    relevance = torch.stack(maps, dim=1)  # (B, T, H, W) (Qwen's flattened patches: (P, T))
-    return adapter.lrp_tokens(relevance, [len(c) for c in ctx.columns])
+            maps.append((x.detach() * grad).float().sum(dim=channels))  # (B, H, W): channels summed
+    relevance = torch.stack(maps, dim=1)  # (B, T, H, W) (Qwen's flattened patches: (P, T); tiles: (B, T, P, H, W))
+    return adapter.lrp_tokens(relevance, [len(c) for c in ctx.columns], kwargs)
 
 
 _COMMON = dict(options=_OPTIONS, attention=False, signed=True, requires=("image_attention", "lrp"))

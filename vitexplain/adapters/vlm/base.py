@@ -99,7 +99,8 @@ class VLMAdapter(Adapter):
         self.capabilities = frozenset({"image_attention", "rollout"})
         # AttnLRP / CP-LRP per word: offered where an adapter's pixels-to-tokens pooling is checked (LLaVA adds "lrp")
         self.notes["lrp"] = ("AttnLRP and CP-LRP per word are checked against a hand-written oracle on LLaVA, ViP-LLaVA, "
-                             "Video-LLaVA, PaliGemma, Gemma 3 and Qwen2/2.5/3-VL only; "
+                             "Video-LLaVA, PaliGemma, Gemma 3, Qwen2/2.5/3-VL, LLaVA-NeXT(-Video), LLaVA-OneVision, "
+                             "Idefics3, SmolVLM, InternVL, Qianfan-OCR, Mistral 3, LightOnOCR, Pixtral-12B and mllama only; "
                              f"{type(model).__name__} is not, so they are not offered: use cross_generic or cross_grad")
         self.lm_prefix = submodule_named(model, "language_model", "text_model")
 
@@ -359,9 +360,10 @@ class VLMAdapter(Adapter):
         ``"lrp"`` capability)."""
         raise self.not_implemented("lrp_pixels()")
 
-    def lrp_tokens(self, relevance: Tensor, counts: Sequence[int]) -> list[Tensor]:
+    def lrp_tokens(self, relevance: Tensor, counts: Sequence[int], inputs: Mapping[str, Any]) -> list[Tensor]:
         """Per image, (T, n_b) relevance of its image tokens from (B, T, ...) relevance at the pixels of
-        :meth:`lrp_pixels` (channels summed): each token's pixels summed (adapters with the ``"lrp"`` capability)."""
+        :meth:`lrp_pixels` (channels summed): each token's pixels summed (adapters with the ``"lrp"`` capability);
+        ``inputs``: the teacher-forced forward's keyword arguments (tiled models read ``image_sizes`` there)."""
         raise self.not_implemented("lrp_tokens()")
 
     def word(self, token_id: int) -> str:

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from torch import nn
+from torch import Tensor, nn
 
 from ...errors import UnsupportedModelError
 from ...methods.families import VLM
 from ..base import Adapter, register_adapter
-from .base import VLMAdapter, processor_images
+from .base import VLMAdapter, processor_images, sum_cells
 from .views import ImageView, Piece
 
 __all__ = ["TiledAdapter"]
@@ -36,13 +36,50 @@ class TiledAdapter(VLMAdapter):
         info = self.image_processor(images=[processor_images([image])], return_row_col_info=True)
         return int(info["rows"][0][0]), int(info["cols"][0][0])
 
-    def views(self, images: Sequence[Any], inputs: Any) -> list[ImageView]:
+    def _grid(self) -> tuple[int, int]:
+        """(gh, gw) tokens of one piece: its patch grid pixel-shuffled by ``scale_factor``.
+
+        Raises:
+            UnsupportedModelError: the patch grid is not a whole number of shuffle blocks.
+        """
         config = self.model.config
         vision = config.vision_config
         side = vision.image_size // vision.patch_size
         if side % config.scale_factor:
             raise UnsupportedModelError(f"a {side}x{side} patch grid cannot be pixel-shuffled by {config.scale_factor}")
-        grid = (side // config.scale_factor, side // config.scale_factor)
+        return side // config.scale_factor, side // config.scale_factor
+
+    def lrp_pixels(self, kwargs: Any) -> str:
+        """The processor's pieces (``pixel_values``, (B, P, C, H, W): the tiles row by row, then the global image;
+        all-zero padding pieces, which the model drops)."""
+        if "pixel_values" not in kwargs or kwargs["pixel_values"].dim() != 5:
+            raise UnsupportedModelError(f"the teacher-forced forward of {type(self.model).__name__} holds no (B, P, C, H, W) "
+                                        "pixel_values of tiles; use the model's own processor")
+        return "pixel_values"
+
+    def lrp_tokens(self, relevance: Tensor, counts: Sequence[int], inputs: Any = None) -> list[Tensor]:
+        """Per image, (T, n_b) relevance of its tokens from (B, T, P, H, W) relevance at its pieces' pixels: each token
+        sums the pixels of its s x s block of patches (the pixel shuffle), pieces in the sequence's order (the
+        processor's); the batch's padding pieces, which the model drops, are left out (their pixels are 0).
+
+        Raises:
+            UnsupportedModelError: an image's tokens are not a whole number of pieces held in its pixels.
+        """
+        grid = self._grid()
+        per_piece = grid[0] * grid[1]
+        t = relevance.shape[1]
+        out = []
+        for b, n in enumerate(counts):
+            pieces = n // per_piece
+            if n % per_piece or pieces > relevance.shape[2]:
+                raise UnsupportedModelError(f"image {b} has {n} image tokens, not a whole number of the {per_piece}-token "
+                                            f"pieces held in its {relevance.shape[2]} pixel pieces; use the model's own processor")
+            cells = sum_cells(relevance[b, :, :pieces].transpose(0, 1), grid, type(self.model).__name__)  # (P, T, per_piece)
+            out.append(cells.transpose(0, 1).reshape(t, n))
+        return out
+
+    def views(self, images: Sequence[Any], inputs: Any) -> list[ImageView]:
+        grid = self._grid()
         per_piece = grid[0] * grid[1]
         views = []
         for image in images:
@@ -59,5 +96,8 @@ class TiledAdapter(VLMAdapter):
 @register_adapter(priority=20, family=VLM)
 def _detect_tiled(model: nn.Module) -> Optional[Adapter]:
     if type(model).__name__ in ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration"):
-        return TiledAdapter(model)
+        adapter = TiledAdapter(model)
+        adapter.capabilities = adapter.capabilities | {"lrp"}  # (checked against a hand-written oracle)
+        adapter.notes.pop("lrp", None)
+        return adapter
     return None

@@ -16,13 +16,13 @@ from __future__ import annotations
 import sys
 from typing import Any, Optional, Sequence
 
-from torch import nn
+from torch import Tensor, nn
 
 from ...errors import UnsupportedModelError
 from ...layout import pair
 from ...methods.families import VLM
 from ..base import Adapter, register_adapter
-from .base import VLMAdapter
+from .base import VLMAdapter, sum_cells
 from .views import ImageView, Piece
 
 __all__ = ["InternVLAdapter", "AyaVisionAdapter", "Cohere2VisionAdapter", "QianfanOCRAdapter"]
@@ -58,6 +58,31 @@ class InternVLAdapter(VLMAdapter):
                 f"InternVL with vision_feature_select_strategy={config.vision_feature_select_strategy!r} and a "
                 f"{side[0]}x{side[1]} patch grid shuffled by {ratio}: its image tokens' geometry is not followed")
         return grid
+
+    def lrp_pixels(self, kwargs: Any) -> str:
+        """The processor's pieces (``pixel_values``, (P, C, H, W): each image's tiles row by row, then its thumbnail,
+        images one after another)."""
+        if "pixel_values" not in kwargs or kwargs["pixel_values"].dim() != 4:
+            raise UnsupportedModelError(f"the teacher-forced forward of {type(self.model).__name__} holds no (P, C, H, W) "
+                                        "pixel_values of tiles; use the model's own processor")
+        return "pixel_values"
+
+    def lrp_tokens(self, relevance: Tensor, counts: Sequence[int], inputs: Any = None) -> list[Tensor]:
+        """Per image, (T, n_b) relevance of its tokens from (P, T, H, W) relevance at the batch's pieces' pixels: each
+        token sums the pixels of its block of patches (the pixel shuffle, row-major blocks), the pieces taken in order,
+        ``n_b / tokens per piece`` for image b.
+
+        Raises:
+            UnsupportedModelError: the tokens are not whole pieces, or not as many pieces as the pixels hold.
+        """
+        grid = self._grid()
+        per_piece = grid[0] * grid[1]
+        pieces = [n // per_piece for n in counts]
+        if any(n % per_piece for n in counts) or sum(pieces) != relevance.shape[0]:
+            raise UnsupportedModelError(f"{type(self.model).__name__}: {list(counts)} image tokens are not the "
+                                        f"{relevance.shape[0]} pixel pieces of {per_piece} tokens each; use the model's own processor")
+        cells = sum_cells(relevance, grid, type(self.model).__name__)  # (P, T, per_piece)
+        return [part.transpose(0, 1).reshape(part.shape[1], -1) for part in cells.split(pieces)]
 
     def views(self, images: Sequence[Any], inputs: Any) -> list[ImageView]:
         grid = self._grid()
@@ -116,5 +141,15 @@ _ADAPTERS = {"InternVLForConditionalGeneration": InternVLAdapter, "AyaVisionForC
 
 @register_adapter(priority=20, family=VLM)
 def _detect_internvl(model: nn.Module) -> Optional[Adapter]:
-    adapter = _ADAPTERS.get(type(model).__name__)
-    return adapter(model) if adapter is not None else None
+    found = _ADAPTERS.get(type(model).__name__)
+    if found is None:
+        return None
+    adapter = found(model)
+    if found in (InternVLAdapter, QianfanOCRAdapter):
+        adapter.capabilities = adapter.capabilities | {"lrp"}  # (checked against a hand-written oracle)
+        adapter.notes.pop("lrp", None)
+    else:
+        adapter.notes["lrp"] = (f"{type(model).__name__}'s Cohere language model normalises with a LayerNorm written out in "
+                                "Python (pow and rsqrt of an activation), which the AttnLRP rules do not cover; use "
+                                "cross_generic or cross_grad")
+    return adapter

@@ -22,7 +22,7 @@ from ...methods.families import VLM
 from ..base import Adapter, register_adapter
 from .base import VLMAdapter, sum_cells
 from .views import ImageView, Piece, processed_box
-from .mistral3 import native_views
+from .mistral3 import native_tokens, native_views
 
 __all__ = ["LlavaAdapter", "VideoLlavaAdapter"]
 
@@ -79,15 +79,18 @@ class LlavaAdapter(VLMAdapter):
                                         f"{self.pixel_keys}; use the model's own processor")
         return found[0]
 
-    def lrp_tokens(self, relevance: Tensor, counts: Sequence[int]) -> list[Tensor]:
+    def lrp_tokens(self, relevance: Tensor, counts: Sequence[int], inputs: Any = None) -> list[Tensor]:
         """Per image, (T, n_b) relevance of its image tokens: (B, T, H, W) pixel relevance of the processed crop summed
-        over each patch of the tower's grid (row-major, the sequence's order); the class token ("full") has no pixels
+        over each patch of the tower's grid (row-major, the sequence's order; a Pixtral tower: each image's resized
+        pixels, :func:`~vitexplain.adapters.vlm.mistral3.native_tokens`); the class token ("full") has no pixels
         and scores 0; where "default" drops patch (0, 0) (SigLIP) its pixels are left out (no token carries them).
 
         Raises:
             UnsupportedModelError: an image holds another number of image tokens than the patch grid gives.
         """
         patch = int(self.model.config.vision_config.patch_size)
+        if getattr(self.model.config.vision_config, "model_type", None) == "pixtral":  # native resolution, rows of patches
+            return native_tokens(relevance, counts, inputs["image_sizes"], patch, type(self.model).__name__)
         t, h, w = relevance.shape[1:]
         gh, gw = h // patch, w // patch
         cells = sum_cells(relevance, (gh, gw), type(self.model).__name__)  # (B, T, gh * gw)
@@ -127,8 +130,7 @@ def _detect_llava(model: nn.Module) -> Optional[Adapter]:
     name = type(model).__name__
     if name in ("LlavaForConditionalGeneration", "VipLlavaForConditionalGeneration", "VideoLlavaForConditionalGeneration"):
         adapter = VideoLlavaAdapter(model) if name.startswith("Video") else LlavaAdapter(model)
-        if getattr(model.config.vision_config, "model_type", None) != "pixtral":  # (Pixtral's native grid: not checked)
-            adapter.capabilities = adapter.capabilities | {"lrp"}  # (checked against a hand-written oracle)
-            adapter.notes.pop("lrp", None)
+        adapter.capabilities = adapter.capabilities | {"lrp"}  # (checked against a hand-written oracle)
+        adapter.notes.pop("lrp", None)
         return adapter
     return None

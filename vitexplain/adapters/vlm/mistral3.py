@@ -15,15 +15,15 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from torch import nn
+from torch import Tensor, nn
 
 from ...errors import UnsupportedModelError
 from ...methods.families import VLM
 from ..base import Adapter, register_adapter
-from .base import VLMAdapter
+from .base import VLMAdapter, sum_cells
 from .views import ImageView, Piece
 
-__all__ = ["Mistral3Adapter", "LightOnOcrAdapter", "native_views"]
+__all__ = ["Mistral3Adapter", "LightOnOcrAdapter", "native_views", "native_tokens"]
 
 
 class Mistral3Adapter(VLMAdapter):
@@ -31,9 +31,24 @@ class Mistral3Adapter(VLMAdapter):
 
     image_token = "[IMG]"
 
-    def views(self, images: Sequence[Any], inputs: Any) -> list[ImageView]:
+    def _block(self) -> int:
+        """Pixels per side of one token's cell: a patch merged ``spatial_merge_size`` x ``spatial_merge_size``."""
         config = self.model.config
-        return native_views(images, inputs, int(config.vision_config.patch_size) * int(config.spatial_merge_size))
+        return int(config.vision_config.patch_size) * int(config.spatial_merge_size)
+
+    def views(self, images: Sequence[Any], inputs: Any) -> list[ImageView]:
+        return native_views(images, inputs, self._block())
+
+    def lrp_pixels(self, kwargs: Any) -> str:
+        """The processor's resized images (``pixel_values``, (B, C, H, W), padded to the batch's largest)."""
+        if "pixel_values" not in kwargs or kwargs["pixel_values"].dim() != 4 or "image_sizes" not in kwargs:
+            raise UnsupportedModelError(f"the teacher-forced forward of {type(self.model).__name__} holds no (B, C, H, W) "
+                                        "pixel_values with image_sizes; use the model's own processor")
+        return "pixel_values"
+
+    def lrp_tokens(self, relevance: Tensor, counts: Sequence[int], inputs: Any = None) -> list[Tensor]:
+        """Per image, (T, n_b) relevance of its tokens: :func:`native_tokens` with a merged block per token."""
+        return native_tokens(relevance, counts, inputs["image_sizes"], self._block(), type(self.model).__name__)
 
 
 def native_views(images: Sequence[Any], inputs: Any, block: int) -> list[ImageView]:
@@ -53,6 +68,24 @@ def native_views(images: Sequence[Any], inputs: Any, block: int) -> list[ImageVi
     return views
 
 
+def native_tokens(relevance: Tensor, counts: Sequence[int], sizes: Tensor, block: int, what: str) -> list[Tensor]:
+    """Per image, (T, n_b) relevance of its tokens from (B, T, H, W) relevance at the batch's padded pixels: image b's
+    resized ``sizes[b]`` pixels (the padding, which the tower does not read, left out) summed over each ``block`` x
+    ``block`` cell, row-major (Pixtral's patches, merged by Mistral 3's patch merger; the row breaks have no pixels).
+
+    Raises:
+        UnsupportedModelError: an image holds another number of tokens than its cells.
+    """
+    out = []
+    for b, ((rh, rw), n) in enumerate(zip(sizes.tolist(), counts)):
+        grid = (int(rh) // block, int(rw) // block)
+        if grid[0] * grid[1] != n:
+            raise UnsupportedModelError(f"image {b} has {n} image tokens, but its {rh}x{rw} resized pixels in {block} px "
+                                        f"cells give {grid[0] * grid[1]}; use the model's own processor")
+        out.append(sum_cells(relevance[b: b + 1, :, : int(rh), : int(rw)], grid, what)[0])
+    return out
+
+
 class LightOnOcrAdapter(Mistral3Adapter):
     """``LightOnOcrForConditionalGeneration``: Mistral 3's tower and merger (its geometry), no row-break tokens, the image
     token ``<|image_pad|>``."""
@@ -63,5 +96,11 @@ class LightOnOcrAdapter(Mistral3Adapter):
 @register_adapter(priority=20, family=VLM)
 def _detect_mistral3(model: nn.Module) -> Optional[Adapter]:
     if type(model).__name__ == "LightOnOcrForConditionalGeneration":
-        return LightOnOcrAdapter(model)
-    return Mistral3Adapter(model) if type(model).__name__ == "Mistral3ForConditionalGeneration" else None
+        adapter: Mistral3Adapter = LightOnOcrAdapter(model)
+    elif type(model).__name__ == "Mistral3ForConditionalGeneration":
+        adapter = Mistral3Adapter(model)
+    else:
+        return None
+    adapter.capabilities = adapter.capabilities | {"lrp"}  # (checked against a hand-written oracle)
+    adapter.notes.pop("lrp", None)
+    return adapter

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from ...errors import UnsupportedModelError
 from ...methods.families import VLM
 from ..base import Adapter, register_adapter
-from .base import VLMAdapter
+from .base import VLMAdapter, sum_cells
 from .views import ImageView, Piece
 
 __all__ = ["MllamaAdapter", "tiled_view"]
@@ -120,6 +120,35 @@ class MllamaAdapter(VLMAdapter):
         return [tiled_view(int(image.shape[0]), int(image.shape[1]), vision.image_size, vision.patch_size, max_tiles)
                 for image in images]
 
+    def lrp_pixels(self, kwargs: Any) -> str:
+        """The processor's tiles (``pixel_values``, (B, 1, max_tiles, C, H, W); the tiles past an image's own are
+        padding)."""
+        if "pixel_values" not in kwargs or kwargs["pixel_values"].dim() != 6:
+            raise UnsupportedModelError(f"the teacher-forced forward of {type(self.model).__name__} holds no (B, 1, tiles, "
+                                        "C, H, W) pixel_values; use the model's own processor")
+        return "pixel_values"
+
+    def lrp_tokens(self, relevance: Tensor, counts: Sequence[int], inputs: Any = None) -> list[Tensor]:
+        """Per image, (T, n_b) relevance of its patch tokens from (B, T, 1, max_tiles, H, W) relevance at its tiles'
+        pixels: each patch of its real tiles summed, tiles in order, row-major patches (the class tokens have no pixels
+        and are not among them).
+
+        Raises:
+            UnsupportedModelError: an image's tokens are not whole tiles of the pixels.
+        """
+        vision = self.model.config.vision_config
+        side = vision.image_size // vision.patch_size
+        per_tile = side * side
+        out = []
+        for b, n in enumerate(counts):
+            tiles = n // per_tile
+            if n % per_tile or tiles > relevance.shape[3]:
+                raise UnsupportedModelError(f"image {b} has {n} patch tokens, not whole tiles of {per_tile} among its "
+                                            f"{relevance.shape[3]}; use the model's own processor")
+            cells = sum_cells(relevance[b, :, 0, :tiles].transpose(0, 1), (side, side), type(self.model).__name__)
+            out.append(cells.transpose(0, 1).reshape(cells.shape[1], n))  # (tiles, T, g * g) -> (T, n)
+        return out
+
     def teacher_inputs(self, inputs: Any, ids: Tensor) -> dict[str, Any]:
         """The base teacher-forced inputs, the cross-attention mask extended as ``generate`` extends
         it (each answer position reads what the last prompt position reads)."""
@@ -141,4 +170,9 @@ class MllamaAdapter(VLMAdapter):
 
 @register_adapter(priority=20, family=VLM)
 def _detect_mllama(model: nn.Module) -> Optional[Adapter]:
-    return MllamaAdapter(model) if type(model).__name__ == "MllamaForConditionalGeneration" else None
+    if type(model).__name__ != "MllamaForConditionalGeneration":
+        return None
+    adapter = MllamaAdapter(model)
+    adapter.capabilities = adapter.capabilities | {"lrp"}  # (checked against a hand-written oracle)
+    adapter.notes.pop("lrp", None)
+    return adapter

@@ -58,19 +58,23 @@ class PrefixLMAdapter(VLMAdapter):
     def lrp_pixels(self, kwargs: Any) -> str:
         return "pixel_values"
 
-    def lrp_tokens(self, relevance: Tensor, counts: Sequence[int]) -> list[Tensor]:
-        """Per image, (T, n_b) relevance of its tokens: (B, T, H, W) pixel relevance of the resized image summed over
-        each cell of the token grid (a SigLIP patch; Gemma 3: an average-pooled block of patches).
+    def lrp_tokens(self, relevance: Tensor, counts: Sequence[int], inputs: Any = None) -> list[Tensor]:
+        """Per image, (T, n_b) relevance of its tokens: (P, T, H, W) pixel relevance of the resized pieces summed over each
+        cell of the token grid (a SigLIP patch; Gemma 3: an average-pooled block of patches); an image's pieces are the
+        whole image, then its pan-and-scan crops (Gemma 3), one grid each, in the sequence's order.
 
         Raises:
-            UnsupportedModelError: pan-and-scan crops (pixels of several pieces per image: not checked).
+            UnsupportedModelError: the tokens are not whole grids of the pieces' pixels.
         """
         grid = self.grid()
-        if relevance.shape[0] != len(counts) or any(n != grid[0] * grid[1] for n in counts):
-            raise UnsupportedModelError(
-                f"AttnLRP / CP-LRP of {type(self.model).__name__} are checked on one {grid[0]} x {grid[1]} grid per image; "
-                "this batch holds pan-and-scan crops (processor_kwargs do_pan_and_scan): explain without them")
-        return list(sum_cells(relevance, grid, type(self.model).__name__))
+        per_piece = grid[0] * grid[1]
+        pieces = [n // per_piece for n in counts]
+        if any(n % per_piece for n in counts) or sum(pieces) != relevance.shape[0]:
+            raise UnsupportedModelError(f"{type(self.model).__name__}: {list(counts)} image tokens are not the "
+                                        f"{relevance.shape[0]} pixel pieces of a {grid[0]} x {grid[1]} grid each; "
+                                        "use the model's own processor")
+        cells = sum_cells(relevance, grid, type(self.model).__name__)  # (P, T, per_piece)
+        return [part.transpose(0, 1).reshape(part.shape[1], -1) for part in cells.split(pieces)]
 
     def views(self, images: Sequence[Any], inputs: Any) -> list[ImageView]:
         grid = self.grid()

@@ -74,7 +74,7 @@ class QwenVLAdapter(VLMAdapter):
     def lrp_pixels(self, kwargs: Any) -> str:
         return "pixel_values"
 
-    def lrp_tokens(self, relevance: Tensor, counts: Sequence[int]) -> list[Tensor]:
+    def lrp_tokens(self, relevance: Tensor, counts: Sequence[int], inputs: Any = None) -> list[Tensor]:
         """Per image, (T, n_b) relevance of its tokens from (P, T) relevance per flattened patch (the processor's
         ``pixel_values`` rows, channels, frames and pixels summed): the processor lays each image's patches out merge
         block by merge block (``merge**2`` consecutive rows per token, blocks row-major), images one after another.
