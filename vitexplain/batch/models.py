@@ -106,6 +106,9 @@ def load_model(
     from .. import zoo
     from ..zoo.hub import build_loaded
 
+    for flag, value in (("--checkpoint", checkpoint), ("--labels", labels)):
+        if value is not None and not str(value).strip():  # `--checkpoint "$UNSET"`: not the same as leaving it out
+            raise UsageError(f"{flag} is empty; name the file, or leave {flag} out")
     info: dict[str, Any] = {"name": spec, "checkpoint": checkpoint, "random_weights": False}
     model_args = dict(model_args or {})
     if os.path.isdir(spec):

@@ -1,0 +1,30 @@
+"""The batch commands fuzzed as a careless and a hostile user would run them (fourth round of
+hostile runs): empty file arguments from unset shell variables, devices torch was not built
+for, a distributed environment without its rendezvous, ...
+
+Offline and small: a 1-block ViT of the zoo architecture (random weights), 64 px images.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from batch_helpers import export, images, manifest, run, save_tiny
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return save_tiny(tmp_path_factory.mktemp("ckpt"))
+
+
+@pytest.mark.parametrize("flag", ["--checkpoint", "--labels"])
+def test_an_empty_file_argument_is_a_usage_error(flag, ckpt, tmp_path, capsys) -> None:
+    # `--checkpoint "$CKPT"` with CKPT unset: the flag was read as not given, so the run went on
+    # silently (a timm model with random weights, a model without its label names), exit 0.
+    src = images(tmp_path / "in", ["a.png"])
+    assert export(src, tmp_path / "out", ckpt, flag, "") == 2
+    err = capsys.readouterr().err
+    assert f"{flag} is empty" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
