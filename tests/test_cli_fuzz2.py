@@ -28,3 +28,13 @@ def test_an_empty_file_argument_is_a_usage_error(flag, ckpt, tmp_path, capsys) -
     err = capsys.readouterr().err
     assert f"{flag} is empty" in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("flag", ["--model", "--family"])
+def test_methods_with_an_empty_model_or_family_is_a_usage_error(flag, capsys) -> None:
+    # `vitexplain methods --model "$MODEL"` with MODEL unset listed every family's methods, exit 0,
+    # as if the methods of the model had been asked for.
+    assert run("methods", flag, "") == 2
+    captured = capsys.readouterr()
+    assert f"{flag} is empty" in captured.err and "Traceback" not in captured.err
+    assert captured.out == ""

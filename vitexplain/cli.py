@@ -222,9 +222,13 @@ def _cmd_explore(args: argparse.Namespace) -> int:
 def _cmd_methods(args: argparse.Namespace) -> int:
     """``vitexplain methods``: every family's methods; ``--family`` one family's; ``--model`` what the
     model's plan says applies to it (and why the others do not)."""
+    from .errors import UsageError
     from .methods import families, family
     from .plan import applicable, describe_family, describe_model
 
+    for flag, value in (("--model", args.model), ("--family", args.family)):
+        if value is not None and not value.strip():  # `--model "$UNSET"` is not `methods` alone
+            raise UsageError(f"{flag} is empty; name a {flag[2:]}, or leave {flag} out to list every method")
     if args.model:
         from .batch.models import load_model
         from .explainer import Explainer
