@@ -38,3 +38,26 @@ def test_methods_with_an_empty_model_or_family_is_a_usage_error(flag, capsys) ->
     captured = capsys.readouterr()
     assert f"{flag} is empty" in captured.err and "Traceback" not in captured.err
     assert captured.out == ""
+
+
+def test_a_device_this_torch_cannot_use_is_a_usage_error(ckpt, tmp_path, capsys) -> None:
+    # --device mps on Linux (or xla, ipu, ... without their backends): a traceback from moving the
+    # model ("PyTorch is not linked with support for mps devices"), exit 1.
+    import torch
+
+    device = next((d for d in ("mps", "ipu", "xla") if not _usable(torch, d)), None)
+    if device is None:  # pragma: no cover - every candidate backend is present
+        pytest.skip("mps, ipu and xla are all usable here")
+    src = images(tmp_path / "in", ["a.png"])
+    assert export(src, tmp_path / "out", ckpt, "--device", device) == 2
+    err = capsys.readouterr().err
+    assert f"--device {device}" in err and "--device cpu" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def _usable(torch, device: str) -> bool:
+    try:
+        torch.empty(0, device=device)
+        return True
+    except (RuntimeError, AssertionError):
+        return False

@@ -102,9 +102,15 @@ def resolve_device(spec: str, dist: Dist) -> "torch.device":
         torch.cuda.set_device(device)
         return device
     try:
-        return torch.device(spec)
+        device = torch.device(spec)
     except RuntimeError:
         raise UsageError(f"--device {spec!r}: not a device; use cpu, cuda or cuda:N") from None
+    try:  # a device type this torch was not built for (mps on Linux, xla without torch_xla, ...)
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as e:
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsageError(f"--device {spec}: not usable here ({detail}); use --device cpu") from None
+    return device
 
 
 def device_and_amp(spec: str, amp: Optional[str], dist: Dist) -> tuple["torch.device", Any]:
