@@ -61,3 +61,21 @@ def _usable(torch, device: str) -> bool:
         return True
     except (RuntimeError, AssertionError):
         return False
+
+
+def test_a_distributed_environment_without_its_rendezvous_is_a_usage_error(ckpt, tmp_path, monkeypatch,
+                                                                           capsys) -> None:
+    # WORLD_SIZE=2 left in the environment (or set by hand) without torchrun's MASTER_ADDR: a
+    # ValueError traceback from torch.distributed, exit 1.
+    for name, value in (("WORLD_SIZE", "2"), ("RANK", "0"), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(name, value)
+    for name in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    src = images(tmp_path / "in", ["a.png"])
+    assert export(src, tmp_path / "out", ckpt) == 2
+    err = capsys.readouterr().err
+    assert "WORLD_SIZE=2" in err and "MASTER_ADDR" in err and "torchrun" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
