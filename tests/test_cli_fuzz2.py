@@ -79,3 +79,21 @@ def test_a_distributed_environment_without_its_rendezvous_is_a_usage_error(ckpt,
     import torch.distributed as dist
 
     assert not dist.is_initialized()
+
+
+def test_a_later_run_does_not_explain_an_earlier_run_s_outputs(ckpt, tmp_path, capsys) -> None:
+    # `export photos --out photos/maps` (allowed: the walk skips --out), then `export photos --out
+    # photos/maps2`: the second run walked into photos/maps and explained the first run's overlays
+    # as inputs (a.png.rollout.png -> maps2/maps/a.png.rollout.png.rollout.png), silently, exit 0.
+    photos = images(tmp_path / "photos", ["a.png", "sub/b.png"])
+    assert export(photos, photos / "maps", ckpt) == 0
+    capsys.readouterr()
+    for i, arg in enumerate([photos, str(photos / "**" / "*.png")]):  # a folder, a recursive glob
+        out = tmp_path / f"maps{i}"
+        assert export(arg, out, ckpt) == 0
+        assert sorted(manifest(out)) == ["a.png", "sub/b.png"]
+        err = capsys.readouterr().err
+        assert f"skipping {photos / 'maps'}" in err and "earlier run" in err
+    # named itself, the folder is an input like any other
+    assert export(photos / "maps", tmp_path / "again", ckpt) == 0
+    assert sorted(manifest(tmp_path / "again")) == ["a.png.rollout.png", "sub/b.png.rollout.png"]

@@ -164,6 +164,9 @@ def explore_inputs(opts: ExploreOptions) -> int:
     pre_kwargs = preprocessing(explainer.adapter)
     for u in scan.unreadable:
         say(f"vitexplain explore: cannot read folder {u.path} ({u.error}); its images are not on the page")
+    for folder in scan.earlier_outputs:
+        say(f"vitexplain explore: skipping {folder}: the output folder of an earlier run (it holds that run's "
+            "summary.json); name it as an input to explore its files")
     images, names, failed = [], [], len(scan.unreadable)
     for item in items:
         try:

@@ -25,13 +25,18 @@ An input lying inside ``--out`` is a usage error when the argument points there 
 folder or a glob whose fixed prefix is inside ``--out``): each rerun would explain its own
 overlays. While walking a folder or expanding a glob that contains ``--out``, ``--out`` is
 skipped. Folders that cannot be read are collected (:class:`Unreadable`), not skipped
-silently.
+silently. A folder met while walking that holds the ``summary.json`` of an earlier run (the
+``--out`` of another command, e.g. ``photos/maps`` after ``export photos --out photos/maps``)
+is skipped too and listed in :attr:`InputScan.earlier_outputs`: a later run into another
+``--out`` would otherwise explain those overlays as inputs. Named as an argument itself, such a
+folder is walked.
 """
 
 from __future__ import annotations
 
 import glob
 import hashlib
+import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -88,10 +93,12 @@ class Unreadable:
 
 @dataclass
 class InputScan:
-    """What :func:`scan_inputs` found: the images (sorted by key) and the unreadable folders."""
+    """What :func:`scan_inputs` found: the images (sorted by key), the unreadable folders and the
+    folders skipped as earlier runs' outputs."""
 
     items: list[InputItem]
     unreadable: list[Unreadable] = field(default_factory=list)
+    earlier_outputs: list[str] = field(default_factory=list)
 
 
 def inside(path: str, folder: str) -> bool:
@@ -155,8 +162,38 @@ def _key_parts(rel: str) -> list[str]:
     return [_short_part(_text_part(p), p) for p in parts if p not in ("", ".", "..")]
 
 
-def _walk(folder: str, out_real: str, unreadable: list[Unreadable]) -> Iterable[str]:
-    """Image files below ``folder``, sorted, skipping hidden entries and the output folder.
+def _is_earlier_output(folder: str) -> bool:
+    """Whether ``folder`` holds the ``summary.json`` a batch run writes at the top of its ``--out``."""
+    path = os.path.join(folder, "summary.json")
+    try:
+        if not os.path.isfile(path) or os.path.getsize(path) > (16 << 20):
+            return False
+        with open(path, "rb") as f:
+            summary = json.loads(f.read().decode("utf-8"))
+    except (OSError, ValueError):
+        return False
+    return (isinstance(summary, dict) and "config_hash" in summary
+            and isinstance(summary.get("versions"), dict) and "vitexplain" in summary["versions"])
+
+
+def _below_earlier_output(path: str, base: str, earlier: list[str], checked: dict[str, bool]) -> bool:
+    """Whether a folder between ``base`` (excluded) and the file ``path`` is an earlier run's output
+    (added to ``earlier``); ``checked`` caches the answer per folder."""
+    folder, below = os.path.dirname(path), False
+    base_abs = os.path.abspath(base)
+    while folder and os.path.abspath(folder) != base_abs and inside(os.path.abspath(folder), base_abs):
+        if folder not in checked:
+            checked[folder] = _is_earlier_output(folder)
+            if checked[folder]:
+                earlier.append(folder)
+        below = below or checked[folder]
+        folder = os.path.dirname(folder)
+    return below
+
+
+def _walk(folder: str, out_real: str, unreadable: list[Unreadable], earlier: list[str]) -> Iterable[str]:
+    """Image files below ``folder``, sorted, skipping hidden entries, the output folder and the
+    output folders of earlier runs (added to ``earlier``).
 
     Symlinked folders are followed once (loops are cut by device/inode); a folder that
     cannot be listed is added to ``unreadable``.
@@ -185,8 +222,12 @@ def _walk(folder: str, out_real: str, unreadable: list[Unreadable]) -> Iterable[
             except OSError:
                 is_dir = False
             if is_dir:
-                if not inside(os.path.realpath(entry.path), out_real):  # never read our own outputs back
-                    subdirs.append(entry.path)
+                if inside(os.path.realpath(entry.path), out_real):  # never read our own outputs back
+                    continue
+                if _is_earlier_output(entry.path):  # nor another run's
+                    earlier.append(entry.path)
+                    continue
+                subdirs.append(entry.path)
             elif _is_image_name(entry.name):
                 if not (entry.is_symlink() and inside(os.path.realpath(entry.path), out_real)):
                     yield entry.path
@@ -220,6 +261,8 @@ def scan_inputs(inputs: Sequence[str], out: str | os.PathLike[str]) -> InputScan
     out_real = os.path.realpath(out_s)
     found: list[tuple[str, str]] = []  # (root, path)
     unreadable: list[Unreadable] = []
+    earlier: list[str] = []
+    checked: dict[str, bool] = {}
     for arg in inputs:
         if os.path.lexists(arg) and not os.path.isdir(arg):
             if inside(os.path.realpath(arg), out_real):
@@ -233,7 +276,7 @@ def scan_inputs(inputs: Sequence[str], out: str | os.PathLike[str]) -> InputScan
                 )
             if inside(os.path.realpath(arg), out_real):
                 raise _refuse_inside_out(arg, "this folder", out_s)
-            found.extend((arg, p) for p in _walk(arg, out_real, unreadable))
+            found.extend((arg, p) for p in _walk(arg, out_real, unreadable, earlier))
         elif glob.has_magic(arg):
             base = _glob_base(arg)
             if inside(os.path.realpath(base), out_real):
@@ -245,8 +288,8 @@ def scan_inputs(inputs: Sequence[str], out: str | os.PathLike[str]) -> InputScan
                 if inside(os.path.realpath(m), out_real):
                     continue
                 if os.path.isdir(m):
-                    found.extend((base, p) for p in _walk(m, out_real, unreadable))
-                elif _is_image_name(m):
+                    found.extend((base, p) for p in _walk(m, out_real, unreadable, earlier))
+                elif _is_image_name(m) and not _below_earlier_output(m, base, earlier, checked):
                     found.append((base, m))
         else:
             raise UsageError(f"input {arg!r}: no such file or directory")
@@ -255,10 +298,13 @@ def scan_inputs(inputs: Sequence[str], out: str | os.PathLike[str]) -> InputScan
         detail = ""
         if unreadable:
             detail = "; these folders could not be read: " + ", ".join(f"{u.path} ({u.error})" for u in unreadable[:5])
+        if earlier:
+            detail += ("; skipped the output folders of earlier runs (name one as an input to explain its files): "
+                       + ", ".join(sorted(set(earlier))[:5]))
         raise UsageError(
             "no images found in the inputs (looked for " + ", ".join(sorted(IMAGE_EXTENSIONS)) + ")" + detail
         )
-    return InputScan(items=items, unreadable=unreadable)
+    return InputScan(items=items, unreadable=unreadable, earlier_outputs=sorted(set(earlier)))
 
 
 def discover_inputs(inputs: Sequence[str], out: str | os.PathLike[str]) -> list[InputItem]:

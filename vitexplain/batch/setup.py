@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from ..errors import UsageError
 from .distributed import Dist, device_and_amp
-from .run import Run
+from .run import Run, say
 from .inputs import InputScan, scan_inputs
 from .options import output_settings, validate
 from .lock import LOCK_NAME
@@ -81,8 +81,12 @@ def prepare(opts: Any) -> Setup:
     device, autocast_dtype = device_and_amp(opts.device, opts.amp, dist)
     check_writable(opts.out)
     check_own_names(opts.out, [MANIFEST, SUMMARY, LOCK_NAME] + ([GALLERY] if opts.html else []))
-    return Setup(dist=dist, device=device, autocast_dtype=autocast_dtype, out=Path(opts.out),
-                 scan=scan_inputs(opts.inputs, opts.out))
+    scan = scan_inputs(opts.inputs, opts.out)
+    if dist.rank == 0:
+        for folder in scan.earlier_outputs:
+            say(f"vitexplain: skipping {folder}: the output folder of an earlier run (it holds that run's "
+                "summary.json); name it as an input to explain its files")
+    return Setup(dist=dist, device=device, autocast_dtype=autocast_dtype, out=Path(opts.out), scan=scan)
 
 
 def max_workers() -> int:
