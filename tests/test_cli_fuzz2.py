@@ -97,3 +97,35 @@ def test_a_later_run_does_not_explain_an_earlier_run_s_outputs(ckpt, tmp_path, c
     # named itself, the folder is an input like any other
     assert export(photos / "maps", tmp_path / "again", ckpt) == 0
     assert sorted(manifest(tmp_path / "again")) == ["a.png.rollout.png", "sub/b.png.rollout.png"]
+
+
+class _GoneReader:
+    """A stderr whose reader went away: every write fails as a pipe's does (EPIPE)."""
+
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self) -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def isatty(self) -> bool:
+        return False
+
+
+def test_a_closed_stderr_does_not_stop_the_run(ckpt, tmp_path, monkeypatch) -> None:
+    # `vitexplain export ... 2>&1 | head` (or a log reader that went away): the progress bar's first
+    # write raised BrokenPipeError, which ended the run with a traceback before any image, without
+    # a summary (its manifest part left unmerged). Measured with a real closed pipe too (a
+    # subprocess whose stderr was closed: exit 1, one file in --out).
+    import sys
+
+    from batch_helpers import summary
+
+    src = images(tmp_path / "in", ["a.png", "b.png", "c.png"])
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "stderr", _GoneReader())
+    assert run("export", src, "--out", out, "--model", ckpt, "--method", "rollout", "-b", "1", "-j", "0") == 0
+    assert summary(out)["status"] == "ok" and summary(out)["counts"]["ok"] == 3
+    assert sorted(manifest(out)) == ["a.png", "b.png", "c.png"]
+    # a usage error is still an exit status 2, its message lost with the reader
+    assert run("export", src, "--out", tmp_path / "o2", "--model", ckpt, "--method", "bogus") == 2

@@ -116,6 +116,34 @@ examples:
 """
 
 
+class _StderrOrNothing:
+    """``sys.stderr`` while a command runs: what cannot be written is dropped. A reader that went
+    away (``vitexplain export ... 2>&1 | head``: EPIPE) or a terminal that closed (EIO) must not stop
+    a run whose results go to files; the progress bar and messages are lost, the run goes on."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self.broken = False
+
+    def write(self, text: str) -> int:
+        if not self.broken:
+            try:
+                return self._stream.write(text)
+            except (OSError, ValueError):  # (ValueError: the stream was closed)
+                self.broken = True
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.broken:
+            try:
+                self._stream.flush()
+            except (OSError, ValueError):
+                self.broken = True
+
+    def __getattr__(self, name: str) -> Any:  # isatty, encoding, fileno, ... of the real stream
+        return getattr(self._stream, name)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with errors that say where to look for help."""
 
@@ -278,6 +306,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    stderr = sys.stderr
+    sys.stderr = _StderrOrNothing(stderr)
+    try:
+        return _dispatch(parser, args, argv)
+    finally:
+        sys.stderr = stderr
+
+
+def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """Run the parsed command; returns the exit status (usage errors and interrupts included)."""
     from .batch.driver import EXIT_INTERRUPTED, EXIT_TERMINATED, EXIT_USAGE, Interrupted, signals_as_interrupts
     from .errors import UsageError
 
