@@ -129,3 +129,16 @@ def test_a_closed_stderr_does_not_stop_the_run(ckpt, tmp_path, monkeypatch) -> N
     assert sorted(manifest(out)) == ["a.png", "b.png", "c.png"]
     # a usage error is still an exit status 2, its message lost with the reader
     assert run("export", src, "--out", tmp_path / "o2", "--model", ckpt, "--method", "bogus") == 2
+
+
+def test_a_warning_is_shown_once_per_run_without_the_package_s_source(ckpt, tmp_path, capsys) -> None:
+    # --target with rollout (which does not depend on the class): the UnusedTargetWarning was
+    # printed once per batch (4 images in batches of 1: 6 times), each with the package's file,
+    # line number and source line ("return process(x, good)").
+    src = images(tmp_path / "in", [f"{i}.png" for i in range(4)])
+    assert export(src, tmp_path / "out", ckpt, "-b", "1", "--target", "1") == 0
+    err = capsys.readouterr().err
+    assert err.count("does not depend on the target class") == 1, err
+    assert "vitexplain: warning: UnusedTargetWarning: rollout does not depend" in err
+    assert "setup.py" not in err and "return " not in err
+    assert len(manifest(tmp_path / "out")) == 4

@@ -144,6 +144,27 @@ class _StderrOrNothing:
         return getattr(self._stream, name)
 
 
+def _warn_once(seen: set[tuple[str, str]]) -> Any:
+    """A ``warnings.showwarning`` printing each distinct warning once, as ``vitexplain: warning: ...``.
+
+    Python's own shows a warning once per code line only until a ``warnings.catch_warnings`` block
+    resets its registry, which the library's calls do: a run printed the same warning, with the
+    package's file, line and source, once per batch.
+    """
+
+    def show(message: Any, category: type, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+        key = (category.__name__, str(message))
+        if key in seen:
+            return
+        seen.add(key)
+        try:
+            print(f"{_PROG}: warning: {category.__name__}: {message}", file=file or sys.stderr)
+        except (OSError, ValueError):
+            pass
+
+    return show
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with errors that say where to look for help."""
 
@@ -306,10 +327,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    import warnings
+
     stderr = sys.stderr
     sys.stderr = _StderrOrNothing(stderr)
     try:
-        return _dispatch(parser, args, argv)
+        with warnings.catch_warnings():
+            warnings.showwarning = _warn_once(set())
+            return _dispatch(parser, args, argv)
     finally:
         sys.stderr = stderr
 
