@@ -142,3 +142,37 @@ def test_a_warning_is_shown_once_per_run_without_the_package_s_source(ckpt, tmp_
     assert "vitexplain: warning: UnusedTargetWarning: rollout does not depend" in err
     assert "setup.py" not in err and "return " not in err
     assert len(manifest(tmp_path / "out")) == 4
+
+
+def _nan_captioner(folder: Path) -> str:
+    """A tiny random captioner whose output layer holds NaN: every next-word logit is NaN."""
+    import copy
+
+    import torch
+
+    import vitexplain as vx
+    from vitexplain.zoo.models import DEFAULT_CONFIGS, build
+
+    cfg = copy.deepcopy(DEFAULT_CONFIGS["shapes-captioner"])
+    cfg["name"] = "nan"
+    cfg["model_args"].update(enc_dim=32, enc_depth=1, enc_heads=2, dec_dim=32, dec_depth=1, dec_heads=2)
+    torch.manual_seed(0)
+    model = build(cfg)
+    with torch.no_grad():
+        model.head.weight.fill_(float("nan"))
+    return str(vx.zoo.save_checkpoint(model, cfg, folder))
+
+
+@pytest.mark.parametrize("given", [None, "red circle"])
+def test_a_captioner_whose_outputs_are_nan_is_a_usage_error(given, tmp_path, capsys) -> None:
+    # With an attention-only method (cross) nothing looked at the decoder's outputs: greedy decoding
+    # of NaN logits generated "<pad> <pad> ... <pad>" for every image, written with its maps, exit 0
+    # (with --caption, the given words were "explained" by a model that computes nothing).
+    ckpt = _nan_captioner(tmp_path / "ckpt")
+    src = images(tmp_path / "in", ["a.png"])
+    extra = ["--caption", given] if given else []
+    assert run("caption", src, "--out", tmp_path / "out", "--model", ckpt, "--method", "cross", "-q", "-j", "0",
+               *extra) == 2
+    err = capsys.readouterr().err
+    assert "not finite" in err and "--model" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
