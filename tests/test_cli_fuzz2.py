@@ -176,3 +176,24 @@ def test_a_captioner_whose_outputs_are_nan_is_a_usage_error(given, tmp_path, cap
     err = capsys.readouterr().err
     assert "not finite" in err and "--model" in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_vision_language_model_whose_outputs_are_nan_is_a_usage_error(tmp_path, capsys) -> None:
+    # shapes-vlm saved with a NaN output layer: greedy decoding picked token 0 at every step, so each
+    # image's answer was 16 '<pad>' tokens (an empty caption string), written with its maps, exit 0.
+    import torch
+
+    import vitexplain as vx
+
+    model = vx.zoo.load("shapes-vlm")
+    with torch.no_grad():
+        model.lm_head.weight.fill_(float("nan"))
+    folder = tmp_path / "nan-vlm"
+    model.save_pretrained(folder)
+    model.vx_processor.save_pretrained(folder)
+    src = images(tmp_path / "in", ["a.png"])
+    assert run("caption", src, "--out", tmp_path / "out", "--model", folder, "--method", "cross", "-q", "-j",
+               "0") == 2
+    err = capsys.readouterr().err
+    assert "not finite" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
