@@ -178,6 +178,16 @@ def test_a_captioner_whose_outputs_are_nan_is_a_usage_error(given, tmp_path, cap
     assert not (tmp_path / "out").exists()
 
 
+def test_explore_refuses_a_captioner_whose_outputs_are_nan(tmp_path, capsys) -> None:
+    # The explorer page of the same model showed '<pad> <pad> ...' captions with their maps, exit 0.
+    ckpt = _nan_captioner(tmp_path / "ckpt")
+    src = images(tmp_path / "in", ["a.png"])
+    assert run("explore", src, "--out", tmp_path / "page.html", "--model", ckpt, "-q") == 2
+    err = capsys.readouterr().err
+    assert "not finite" in err and "Traceback" not in err
+    assert not (tmp_path / "page.html").exists()
+
+
 def test_a_vision_language_model_whose_outputs_are_nan_is_a_usage_error(tmp_path, capsys) -> None:
     # shapes-vlm saved with a NaN output layer: greedy decoding picked token 0 at every step, so each
     # image's answer was 16 '<pad>' tokens (an empty caption string), written with its maps, exit 0.

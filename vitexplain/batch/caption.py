@@ -34,7 +34,7 @@ from ..errors import UsageError
 from .caption_vlm import check_prompt, probe_vlm, vlm_process
 from .driver import drive
 from .run import Command, ExportResult
-from .checks import empty_caption_error, finite_rows, not_finite_error
+from .checks import check_captioner_outputs, empty_caption_error, finite_rows, not_finite_error
 from .manifest import GALLERY
 from .models import load_model, model_id, zoo_weights_id
 from .options import POSITIVE, Number, BatchOptions, SharedOptions, collect_methods, option, parse_methods, same
@@ -225,10 +225,9 @@ def export_captions(opts: CaptionOptions, *, argv: Optional[Sequence[str]] = Non
                                                     **prompt_kw, **per_method),
                   f"{what} of this model with {', '.join(methods)}", pre_kwargs["input_size"])
     else:
-        probed = probe(lambda x: ex.explain_caption(x, method=methods, caption=opts.caption, max_len=opts.max_len,
-                                                    **per_method),
-                       f"{what} of this model with {', '.join(methods)}", setup, pre_kwargs)
-        _check_outputs_finite(ex.adapter, probed[0].ids, setup, pre_kwargs)
+        probe(lambda x: ex.explain_caption(x, method=methods, caption=opts.caption, max_len=opts.max_len, **per_method),
+              f"{what} of this model with {', '.join(methods)}", setup, pre_kwargs)
+        check_captioner_outputs(ex.adapter, setup.device, setup.autocast_dtype, pre_kwargs["input_size"])
 
     config, digest_ = config_hash(opts, {
         "command": "caption", "model": model_id(opts.model), "weights": zoo_weights_id(opts.model, model_info),
@@ -278,32 +277,6 @@ def export_captions(opts: CaptionOptions, *, argv: Optional[Sequence[str]] = Non
                             model={**model_info, "family": plan.family.name, "input_size": list(pre_kwargs["input_size"])},
                             caption=opts.caption, prompt=opts.prompt, max_len=opts.max_len)
     return drive(run, Command(process=process, fields=fields, gallery=gallery if opts.html else None), t_start)
-
-
-def _check_outputs_finite(adapter: Any, ids: "torch.Tensor", setup: Any, pre_kwargs: dict[str, Any]) -> None:
-    """A captioner whose next-word logits on the blank probe image are NaN/inf is a usage error (exit 2).
-
-    Attention-only methods never read the decoder's outputs, and greedy decoding of NaN logits picks
-    the first token id at every step: without this check such a model's "captions" (``<pad> <pad>
-    ...``) and maps were written as results.
-
-    Args:
-        adapter: the captioner's adapter; ``ids``: (1, T) the probe's caption ids.
-        setup: the run's device and autocast; ``pre_kwargs``: the model's preprocessing (``input_size``).
-    """
-    import torch
-
-    from .distributed import autocast
-
-    h, w = pre_kwargs["input_size"]
-    x = torch.zeros(1, 3, int(h), int(w), device=setup.device)
-    with torch.no_grad(), autocast(setup.autocast_dtype):
-        logits = adapter.teacher_forced(x, ids.to(setup.device))
-    if isinstance(logits, torch.Tensor) and not bool(torch.isfinite(logits).all()):
-        raise UsageError(
-            f"the model's outputs (next-word scores) on a blank {h}x{w} image are not finite (NaN or inf), so its "
-            "captions and maps would mean nothing: check its weights (--model)"
-        )
 
 
 def _write_caption_gallery(writer: Writer, records: list[dict[str, Any]], methods: list[str], *, title: str) -> None:
