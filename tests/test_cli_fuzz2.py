@@ -7,6 +7,7 @@ Offline and small: a 1-block ViT of the zoo architecture (random weights), 64 px
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -207,3 +208,30 @@ def test_a_vision_language_model_whose_outputs_are_nan_is_a_usage_error(tmp_path
     err = capsys.readouterr().err
     assert "not finite" in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()
+
+
+_FOREIGN = {
+    "manifest.jsonl": b'{"audio_filepath": "a.wav", "duration": 1.5, "text": "hello"}\n',  # a dataset's manifest
+    "summary.json": b'{"experiment": "baseline", "accuracy": 0.93}\n',
+    "index.html": b"<!DOCTYPE html><html><head><title>My photos</title></head><body></body></html>\n",
+}
+
+
+@pytest.mark.parametrize("name", sorted(_FOREIGN))
+def test_a_file_of_another_program_where_the_run_writes_its_own_is_a_usage_error(name, ckpt, tmp_path,
+                                                                                 capsys) -> None:
+    # --out pointed at a folder already holding a dataset manifest.jsonl (or a summary.json, an
+    # index.html of another program): the run replaced it with its own, silently, exit 0.
+    src = images(tmp_path / "in", ["a.png"])
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / name).write_bytes(_FOREIGN[name])
+    assert export(src, out, ckpt, "--html") == 2
+    err = capsys.readouterr().err
+    assert name in err and "not written by vitexplain" in err and "Traceback" not in err
+    assert (out / name).read_bytes() == _FOREIGN[name]
+    assert sorted(os.listdir(out)) == [name]
+    # the run's own files are replaced as before: a rerun of a finished run into the same folder
+    out2 = tmp_path / "out2"
+    assert export(src, out2, ckpt, "--html") == 0
+    assert export(src, out2, ckpt, "--html", "--overwrite") == 0

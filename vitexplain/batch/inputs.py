@@ -36,13 +36,13 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import json
 import os
 import re
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 from ..errors import UsageError
+from .outfolder import is_run_summary
 
 __all__ = ["IMAGE_EXTENSIONS", "MAX_PART_BYTES", "InputItem", "Unreadable", "InputScan", "scan_inputs",
            "discover_inputs", "inside"]
@@ -164,16 +164,7 @@ def _key_parts(rel: str) -> list[str]:
 
 def _is_earlier_output(folder: str) -> bool:
     """Whether ``folder`` holds the ``summary.json`` a batch run writes at the top of its ``--out``."""
-    path = os.path.join(folder, "summary.json")
-    try:
-        if not os.path.isfile(path) or os.path.getsize(path) > (16 << 20):
-            return False
-        with open(path, "rb") as f:
-            summary = json.loads(f.read().decode("utf-8"))
-    except (OSError, ValueError):
-        return False
-    return (isinstance(summary, dict) and "config_hash" in summary
-            and isinstance(summary.get("versions"), dict) and "vitexplain" in summary["versions"])
+    return is_run_summary(os.path.join(folder, "summary.json"))
 
 
 def _below_earlier_output(path: str, base: str, earlier: list[str], checked: dict[str, bool]) -> bool:
