@@ -235,3 +235,18 @@ def test_a_file_of_another_program_where_the_run_writes_its_own_is_a_usage_error
     out2 = tmp_path / "out2"
     assert export(src, out2, ckpt, "--html") == 0
     assert export(src, out2, ckpt, "--html", "--overwrite") == 0
+
+
+@pytest.mark.parametrize("flag", ["--threads", "--write-threads"])
+def test_a_thread_count_far_past_the_machine_is_a_usage_error(flag, ckpt, tmp_path, capsys) -> None:
+    # --threads 100000: torch's OpenMP pool of 100000 threads exhausted the memory, and the run
+    # ended with "--model 'shapes-vit': cannot load it (ImportError: liblzma...: failed to map
+    # segment from shared object)", exit 2, naming the model instead of the flag.
+    from vitexplain.batch.setup import max_workers
+
+    limit = max_workers()
+    src = images(tmp_path / "in", ["a.png"])
+    assert export(src, tmp_path / "out", ckpt, flag, str(limit + 1)) == 2
+    err = capsys.readouterr().err
+    assert f"{flag} {limit + 1}" in err and f"at most {limit}" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()

@@ -59,6 +59,8 @@ def with_threads(command: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(command)
     def run(opts: Any, *args: Any, **kwargs: Any) -> Any:
         validate(opts)
+        _check_threads(getattr(opts, "threads", None), "--threads", "torch threads")
+        _check_threads(getattr(opts, "write_threads", None), "--write-threads", "writer threads")
         with using(getattr(opts, "threads", None)):
             return command(opts, *args, **kwargs)
 
@@ -101,6 +103,15 @@ def _check_workers(workers: int) -> None:
         raise UsageError(f"--workers {workers}: more decoding processes than this machine ({os.cpu_count()} CPUs) "
                          f"can use; each is a copy of the process. Use at most {limit} (about the number of CPUs "
                          "is usually best)")
+
+
+def _check_threads(count: Optional[int], flag: str, what: str) -> None:
+    """A thread count far past the machine is a usage error (``--threads 100000``: OpenMP's pool
+    exhausted the memory, and the next library to load failed with a misleading message)."""
+    limit = max_workers()
+    if count is not None and count > limit:
+        raise UsageError(f"{flag} {count}: more {what} than this machine ({os.cpu_count()} CPUs) can use. "
+                         f"Use at most {limit} (about the number of CPUs is usually best)")
 
 
 def _check_colormaps(*colormaps: str) -> None:
