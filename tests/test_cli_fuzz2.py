@@ -250,3 +250,14 @@ def test_a_thread_count_far_past_the_machine_is_a_usage_error(flag, ckpt, tmp_pa
     err = capsys.readouterr().err
     assert f"{flag} {limit + 1}" in err and f"at most {limit}" in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_batch_size_past_the_machine_word_takes_every_image_in_one_batch(ckpt, tmp_path, capsys) -> None:
+    # --batch-size 10**23 (a typo'd number of zeros): "ValueError: Stop argument for islice() must be
+    # None or an integer: 0 <= x <= sys.maxsize." from the DataLoader's sampler, a traceback, exit 1.
+    src = images(tmp_path / "in", ["a.png", "b.png", "c.png"])
+    out = tmp_path / "out"
+    assert export(src, out, ckpt, "-b", str(10**23)) == 0
+    assert "Traceback" not in capsys.readouterr().err
+    assert sorted(manifest(out)) == ["a.png", "b.png", "c.png"]
+    assert all(r["status"] == "ok" for r in manifest(out).values())
