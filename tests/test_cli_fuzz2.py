@@ -261,3 +261,13 @@ def test_a_batch_size_past_the_machine_word_takes_every_image_in_one_batch(ckpt,
     assert "Traceback" not in capsys.readouterr().err
     assert sorted(manifest(out)) == ["a.png", "b.png", "c.png"]
     assert all(r["status"] == "ok" for r in manifest(out).values())
+
+
+def test_a_timm_model_that_cannot_be_built_is_one_line_of_error(tmp_path, capsys) -> None:
+    # --num-classes 10**23: torch's overflow error, with its 50-frame C++ backtrace, was the message.
+    src = images(tmp_path / "in", ["a.png"])
+    assert run("export", src, "--out", tmp_path / "out", "--model", "vit_tiny_patch16_224", "--model-arg",
+               "img_size=32", "--num-classes", str(10**23), "-q", "-j", "0") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vitexplain export: error: cannot create timm model 'vit_tiny_patch16_224'")
+    assert len(err.strip().splitlines()) == 1 and "frame #" not in err, err

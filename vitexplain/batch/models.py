@@ -157,8 +157,9 @@ def load_model(
             loaded = model is not None
             if model is None:
                 model = timm.create_model(spec, pretrained=False, **model_args)
-        except Exception as e:
-            raise UsageError(f"cannot create timm model {spec!r} with {model_args}: {e}") from None
+        except Exception as e:  # (torch's errors carry a C++ backtrace after their first line)
+            detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UsageError(f"cannot create timm model {spec!r} with {model_args}: {detail}") from None
         info["source"] = "timm"
         _fix_input_size(model)
         if state is not None and not loaded:
