@@ -271,3 +271,48 @@ def test_a_timm_model_that_cannot_be_built_is_one_line_of_error(tmp_path, capsys
     err = capsys.readouterr().err
     assert err.startswith("vitexplain export: error: cannot create timm model 'vit_tiny_patch16_224'")
     assert len(err.strip().splitlines()) == 1 and "frame #" not in err, err
+
+
+def _looped_tree(root: Path, loops: int) -> Path:
+    """``root`` with a.png, sub/b.png, ``loops`` links sub/upN -> .. and a linked folder ext -> ../outside."""
+    images(root, ["a.png", "sub/b.png"])
+    images(root.parent / "outside", ["c.png"])
+    for i in range(loops):
+        (root / "sub" / f"up{i}").symlink_to("..")
+    (root / "ext").symlink_to(root.parent / "outside")
+    return root
+
+
+def test_a_recursive_glob_through_a_symlink_loop_lists_each_image_once(ckpt, tmp_path) -> None:
+    # 'photos/**/*.png' with photos/sub/up -> ..: Python's glob followed the loop until the path
+    # was too long, so a.png was explained dozens of times (sub/up/a.png, sub/up/sub/up/a.png, ...),
+    # written under ever deeper folders, while the folder itself (`export photos`) listed it once.
+    root = _looped_tree(tmp_path / "photos", loops=1)
+    out = tmp_path / "out"
+    assert export(str(root / "**" / "*.png"), out, ckpt) == 0
+    assert sorted(manifest(out)) == ["a.png", "ext/c.png", "sub/b.png"]
+    assert export(root, tmp_path / "walked", ckpt) == 0  # the same images as the folder walk
+    assert sorted(manifest(tmp_path / "walked")) == sorted(manifest(out))
+    # the other glob forms keep their meaning: a folder pattern is walked, a one-level * stays one level
+    from vitexplain.batch.inputs import discover_inputs
+
+    assert sorted(i.key for i in discover_inputs([str(root / "**")], out)) == ["a.png", "ext/c.png", "sub/b.png"]
+    assert sorted(i.key for i in discover_inputs([str(root / "*.png")], out)) == ["a.png"]
+    assert sorted(i.key for i in discover_inputs([str(root / "**" / "b.png")], out)) == ["sub/b.png"]
+
+
+def test_a_recursive_glob_through_two_symlink_loops_ends(tmp_path) -> None:
+    # Two links back up: Python's glob explored 2**40 paths (it never ended); run in a subprocess
+    # so that a regression fails on its timeout instead of hanging the test session.
+    import subprocess
+    import sys
+
+    from batch_helpers import env
+
+    root = _looped_tree(tmp_path / "photos", loops=2)
+    code = ("import sys; from vitexplain.batch.inputs import discover_inputs; "
+            "print(sorted(i.key for i in discover_inputs([sys.argv[1]], sys.argv[2])))")
+    done = subprocess.run([sys.executable, "-c", code, str(root / "**" / "*.png"), str(tmp_path / "out")],
+                          capture_output=True, text=True, env=env(), timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "['a.png', 'ext/c.png', 'sub/b.png']"

@@ -34,6 +34,7 @@ folder is walked.
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import hashlib
 import os
@@ -182,6 +183,49 @@ def _below_earlier_output(path: str, base: str, earlier: list[str], checked: dic
     return below
 
 
+def _pattern_parts(pattern: str) -> list[str]:
+    """The components of a path pattern, without empty and ``.`` ones."""
+    rest = os.path.splitdrive(pattern)[1]
+    parts = re.split(r"[\\/]", rest) if os.altsep else rest.split(os.sep)
+    return [p for p in parts if p not in ("", ".")]
+
+
+def _parts_match(patterns: list[str], names: list[str]) -> bool:
+    """Whether path components ``names`` match pattern components (``**``: any number of them)."""
+    if not patterns:
+        return not names
+    if patterns[0] == "**":
+        return any(_parts_match(patterns[1:], names[i:]) for i in range(len(names) + 1))
+    return bool(names) and fnmatch.fnmatch(names[0], patterns[0]) and _parts_match(patterns[1:], names[1:])
+
+
+def _recursive_glob(pattern: str, out_real: str, unreadable: list[Unreadable], earlier: list[str]) -> list[str]:
+    """The images a pattern with a ``**`` component matches, found without ``glob``'s recursion
+    (which follows a link loop until the path is too long, listing a file dozens of times, and with
+    two such links never ends).
+
+    The part before the first ``**`` is expanded by ``glob`` (one level per component); each folder
+    it gives is walked as a folder argument is (a symbolic link to a folder followed once), and an
+    image is taken when the rest of the pattern matches its path below that folder, or the path of
+    one of its folders there (a matched folder gives all its images, as ``glob`` then walking it did).
+    """
+    drive, rest = os.path.splitdrive(pattern)
+    raw = re.split(r"[\\/]", rest) if os.altsep else rest.split(os.sep)
+    i = raw.index("**")
+    head = drive + (os.sep.join(raw[:i]) or (os.sep if i else ""))
+    tail = [p for p in raw[i:] if p not in ("", ".")]
+    folders = sorted(glob.glob(head)) if glob.has_magic(head) else [head or "."]
+    found = []
+    for folder in folders:
+        if not os.path.isdir(folder):
+            continue
+        for path in _walk(folder, out_real, unreadable, earlier):
+            names = _pattern_parts(os.path.relpath(path, folder))
+            if any(_parts_match(tail, names[:k]) for k in range(len(names) + 1)):
+                found.append(path if head else os.path.relpath(path, folder))  # ('**/*.png': a.png, as glob)
+    return found
+
+
 def _walk(folder: str, out_real: str, unreadable: list[Unreadable], earlier: list[str]) -> Iterable[str]:
     """Image files below ``folder``, sorted, skipping hidden entries, the output folder and the
     output folders of earlier runs (added to ``earlier``).
@@ -272,6 +316,12 @@ def scan_inputs(inputs: Sequence[str], out: str | os.PathLike[str]) -> InputScan
             base = _glob_base(arg)
             if inside(os.path.realpath(base), out_real):
                 raise _refuse_inside_out(arg, "this pattern", out_s)
+            if "**" in _pattern_parts(arg):  # walked, not glob.glob: a link loop made that list a file ~40 times
+                recursive = _recursive_glob(arg, out_real, unreadable, earlier)
+                if not recursive:
+                    raise UsageError(f"input {arg!r}: no file matches this pattern")
+                found.extend((base, p) for p in recursive)
+                continue
             matches = sorted(glob.glob(arg, recursive=True))
             if not matches:
                 raise UsageError(f"input {arg!r}: no file matches this pattern")
