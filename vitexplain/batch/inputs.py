@@ -34,26 +34,19 @@ folder is walked.
 
 from __future__ import annotations
 
-import fnmatch
 import glob
 import hashlib
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Sequence
 
 from ..errors import UsageError
-from .outfolder import is_run_summary
+from .walk import (IMAGE_EXTENSIONS, Unreadable, below_earlier_output, glob_base, inside, is_image_name, pattern_parts,
+                   recursive_glob, walk)
 
 __all__ = ["IMAGE_EXTENSIONS", "MAX_PART_BYTES", "InputItem", "Unreadable", "InputScan", "scan_inputs",
            "discover_inputs", "inside"]
-
-#: File extensions (lower case) picked up when walking folders or expanding globs. A file
-#: named explicitly on the command line is tried whatever its extension.
-IMAGE_EXTENSIONS: frozenset[str] = frozenset(
-    {".png", ".jpg", ".jpeg", ".jpe", ".jfif", ".bmp", ".gif", ".tif", ".tiff", ".webp",
-     ".ppm", ".pgm", ".pbm", ".pnm", ".tga", ".ico"}
-)
 
 #: Longest key component (bytes, UTF-8): 255 (the usual file-name limit) minus 64 bytes for
 #: the longest output suffix (``.<method>.<ext>``).
@@ -79,19 +72,6 @@ class InputItem:
     key: str
 
 
-@dataclass(frozen=True)
-class Unreadable:
-    """A folder that could not be listed (its images, if any, are missing from the run).
-
-    Attributes:
-        path: the folder.
-        error: the reason (e.g. ``"Permission denied"``).
-    """
-
-    path: str
-    error: str
-
-
 @dataclass
 class InputScan:
     """What :func:`scan_inputs` found: the images (sorted by key), the unreadable folders and the
@@ -100,29 +80,6 @@ class InputScan:
     items: list[InputItem]
     unreadable: list[Unreadable] = field(default_factory=list)
     earlier_outputs: list[str] = field(default_factory=list)
-
-
-def inside(path: str, folder: str) -> bool:
-    """Whether real path ``path`` is ``folder`` or below it (both already realpath'd)."""
-    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
-
-
-def _is_image_name(name: str) -> bool:
-    return os.path.splitext(name)[1].lower() in IMAGE_EXTENSIONS
-
-
-def _glob_base(pattern: str) -> str:
-    """The fixed folder prefix of a glob pattern (``a/b/*/c*.png`` -> ``a/b``)."""
-    drive, rest = os.path.splitdrive(pattern)
-    parts = re.split(r"[\\/]", rest) if os.altsep else rest.split(os.sep)
-    fixed: list[str] = []
-    for part in parts[:-1]:
-        if glob.has_magic(part):
-            break
-        fixed.append(part)
-    if not fixed:
-        return drive or "."
-    return drive + (os.sep.join(fixed) or os.sep)
 
 
 def _hash(text: str, n: int = 8) -> str:
@@ -161,112 +118,6 @@ def _short_part(part: str, original: str) -> str:
 def _key_parts(rel: str) -> list[str]:
     parts = re.split(r"[\\/]", rel) if os.altsep else rel.split(os.sep)
     return [_short_part(_text_part(p), p) for p in parts if p not in ("", ".", "..")]
-
-
-def _is_earlier_output(folder: str) -> bool:
-    """Whether ``folder`` holds the ``summary.json`` a batch run writes at the top of its ``--out``."""
-    return is_run_summary(os.path.join(folder, "summary.json"))
-
-
-def _below_earlier_output(path: str, base: str, earlier: list[str], checked: dict[str, bool]) -> bool:
-    """Whether a folder between ``base`` (excluded) and the file ``path`` is an earlier run's output
-    (added to ``earlier``); ``checked`` caches the answer per folder."""
-    folder, below = os.path.dirname(path), False
-    base_abs = os.path.abspath(base)
-    while folder and os.path.abspath(folder) != base_abs and inside(os.path.abspath(folder), base_abs):
-        if folder not in checked:
-            checked[folder] = _is_earlier_output(folder)
-            if checked[folder]:
-                earlier.append(folder)
-        below = below or checked[folder]
-        folder = os.path.dirname(folder)
-    return below
-
-
-def _pattern_parts(pattern: str) -> list[str]:
-    """The components of a path pattern, without empty and ``.`` ones."""
-    rest = os.path.splitdrive(pattern)[1]
-    parts = re.split(r"[\\/]", rest) if os.altsep else rest.split(os.sep)
-    return [p for p in parts if p not in ("", ".")]
-
-
-def _parts_match(patterns: list[str], names: list[str]) -> bool:
-    """Whether path components ``names`` match pattern components (``**``: any number of them)."""
-    if not patterns:
-        return not names
-    if patterns[0] == "**":
-        return any(_parts_match(patterns[1:], names[i:]) for i in range(len(names) + 1))
-    return bool(names) and fnmatch.fnmatch(names[0], patterns[0]) and _parts_match(patterns[1:], names[1:])
-
-
-def _recursive_glob(pattern: str, out_real: str, unreadable: list[Unreadable], earlier: list[str]) -> list[str]:
-    """The images a pattern with a ``**`` component matches, found without ``glob``'s recursion
-    (which follows a link loop until the path is too long, listing a file dozens of times, and with
-    two such links never ends).
-
-    The part before the first ``**`` is expanded by ``glob`` (one level per component); each folder
-    it gives is walked as a folder argument is (a symbolic link to a folder followed once), and an
-    image is taken when the rest of the pattern matches its path below that folder, or the path of
-    one of its folders there (a matched folder gives all its images, as ``glob`` then walking it did).
-    """
-    drive, rest = os.path.splitdrive(pattern)
-    raw = re.split(r"[\\/]", rest) if os.altsep else rest.split(os.sep)
-    i = raw.index("**")
-    head = drive + (os.sep.join(raw[:i]) or (os.sep if i else ""))
-    tail = [p for p in raw[i:] if p not in ("", ".")]
-    folders = sorted(glob.glob(head)) if glob.has_magic(head) else [head or "."]
-    found = []
-    for folder in folders:
-        if not os.path.isdir(folder):
-            continue
-        for path in _walk(folder, out_real, unreadable, earlier):
-            names = _pattern_parts(os.path.relpath(path, folder))
-            if any(_parts_match(tail, names[:k]) for k in range(len(names) + 1)):
-                found.append(path if head else os.path.relpath(path, folder))  # ('**/*.png': a.png, as glob)
-    return found
-
-
-def _walk(folder: str, out_real: str, unreadable: list[Unreadable], earlier: list[str]) -> Iterable[str]:
-    """Image files below ``folder``, sorted, skipping hidden entries, the output folder and the
-    output folders of earlier runs (added to ``earlier``).
-
-    Symlinked folders are followed once (loops are cut by device/inode); a folder that
-    cannot be listed is added to ``unreadable``.
-    """
-    seen: set[tuple[int, int]] = set()
-    stack = [folder]
-    while stack:
-        top = stack.pop()
-        try:
-            st = os.stat(top)
-            ident = (st.st_dev, st.st_ino)
-            if ident in seen:
-                continue
-            seen.add(ident)
-            with os.scandir(top) as it:
-                entries = sorted(it, key=lambda e: e.name)
-        except OSError as e:
-            unreadable.append(Unreadable(path=top, error=e.strerror or str(e)))
-            continue
-        subdirs = []
-        for entry in entries:
-            if entry.name.startswith("."):
-                continue
-            try:
-                is_dir = entry.is_dir()
-            except OSError:
-                is_dir = False
-            if is_dir:
-                if inside(os.path.realpath(entry.path), out_real):  # never read our own outputs back
-                    continue
-                if _is_earlier_output(entry.path):  # nor another run's
-                    earlier.append(entry.path)
-                    continue
-                subdirs.append(entry.path)
-            elif _is_image_name(entry.name):
-                if not (entry.is_symlink() and inside(os.path.realpath(entry.path), out_real)):
-                    yield entry.path
-        stack.extend(reversed(subdirs))
 
 
 def _refuse_inside_out(arg: str, where: str, out: str) -> UsageError:
@@ -311,13 +162,13 @@ def scan_inputs(inputs: Sequence[str], out: str | os.PathLike[str]) -> InputScan
                 )
             if inside(os.path.realpath(arg), out_real):
                 raise _refuse_inside_out(arg, "this folder", out_s)
-            found.extend((arg, p) for p in _walk(arg, out_real, unreadable, earlier))
+            found.extend((arg, p) for p in walk(arg, out_real, unreadable, earlier))
         elif glob.has_magic(arg):
-            base = _glob_base(arg)
+            base = glob_base(arg)
             if inside(os.path.realpath(base), out_real):
                 raise _refuse_inside_out(arg, "this pattern", out_s)
-            if "**" in _pattern_parts(arg):  # walked, not glob.glob: a link loop made that list a file ~40 times
-                recursive = _recursive_glob(arg, out_real, unreadable, earlier)
+            if "**" in pattern_parts(arg):  # walked, not glob.glob: a link loop made that list a file ~40 times
+                recursive = recursive_glob(arg, out_real, unreadable, earlier)
                 if not recursive:
                     raise UsageError(f"input {arg!r}: no file matches this pattern")
                 found.extend((base, p) for p in recursive)
@@ -329,8 +180,8 @@ def scan_inputs(inputs: Sequence[str], out: str | os.PathLike[str]) -> InputScan
                 if inside(os.path.realpath(m), out_real):
                     continue
                 if os.path.isdir(m):
-                    found.extend((base, p) for p in _walk(m, out_real, unreadable, earlier))
-                elif _is_image_name(m) and not _below_earlier_output(m, base, earlier, checked):
+                    found.extend((base, p) for p in walk(m, out_real, unreadable, earlier))
+                elif is_image_name(m) and not below_earlier_output(m, base, earlier, checked):
                     found.append((base, m))
         else:
             raise UsageError(f"input {arg!r}: no such file or directory")
