@@ -86,7 +86,7 @@ def _written_by_us(path: str, name: str) -> bool:
         with open(path, "rb") as f:
             if name == "manifest.jsonl":
                 head = f.read(1 << 16).lstrip()
-                return not head or head.startswith(b'{"key": ')
+                return not head or head.startswith(b'{"key":')
             if name == "summary.json":
                 return not f.read(1 << 10).strip() or is_run_summary(path)
             if name == "index.html":
