@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 from batch_helpers import export, images, manifest, run, save_tiny
 
@@ -316,3 +317,20 @@ def test_a_recursive_glob_through_two_symlink_loops_ends(tmp_path) -> None:
                           capture_output=True, text=True, env=env(), timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "['a.png', 'ext/c.png', 'sub/b.png']"
+
+
+def test_min_side_with_overlays_at_original_size_is_bounded(ckpt, tmp_path, capsys) -> None:
+    # --max-side 0 (original size) lifted the only bound on --min-side: --min-side 100000 enlarged
+    # each 64 px region to 100000 px a side, and every image failed with OpenCV's "Failed to
+    # allocate 30000000000 bytes" (where memory is overcommitted, the machine swaps instead).
+    # As with --max-side N (tests/test_cli_fuzz.py), the enlargement stops at the bound: 4096 px.
+    from vitexplain.batch.export import MAX_MIN_SIDE
+
+    src = images(tmp_path / "in", ["a.png"], size=32)
+    out = tmp_path / "out"
+    assert export(src, out, ckpt, "--max-side", "0", "--min-side", "100000") == 0
+    rec = manifest(out)["a.png"]
+    assert rec["status"] == "ok", rec["error"]
+    with Image.open(out / rec["files"]["rollout"]["overlay"]) as im:
+        assert MAX_MIN_SIDE <= min(im.size) and max(im.size) <= MAX_MIN_SIDE + 64  # (+ the colour bar's room)
+    assert "Traceback" not in capsys.readouterr().err
