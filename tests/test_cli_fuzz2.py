@@ -1,8 +1,13 @@
 """The batch commands fuzzed as a careless and a hostile user would run them (fourth round of
 hostile runs): empty file arguments from unset shell variables, devices torch was not built
-for, a distributed environment without its rendezvous, ...
+for, a distributed environment without its rendezvous, an earlier run's output folder among
+the inputs, a closed stderr, repeated warnings, captioners and VLMs whose outputs are NaN, files
+of other programs in --out, thread and batch counts past the machine, ** patterns through
+symbolic link loops, --min-side with overlays at their original size.
 
-Offline and small: a 1-block ViT of the zoo architecture (random weights), 64 px images.
+Offline and small: a 1-block ViT of the zoo architecture (random weights), 32-64 px images;
+the NaN captioner is a 1-block random one, the NaN VLM the bundled shapes-vlm with its output
+layer filled with NaN.
 """
 
 from __future__ import annotations
