@@ -342,3 +342,22 @@ def test_min_side_with_overlays_at_original_size_is_bounded(ckpt, tmp_path, caps
     with Image.open(out / rec["files"]["rollout"]["overlay"]) as im:
         assert im.size == (512, 512)  # the 32 px region, enlarged 16 times
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_ctrl_c_while_the_command_line_is_built_is_an_interrupt_not_a_traceback(monkeypatch, capsys) -> None:
+    # Ctrl-C within the first ~0.3 s of `vitexplain export ...` (while building the parser imports the
+    # batch options): a KeyboardInterrupt traceback ending in an import line. Measured with a real
+    # SIGINT 0.3 s after start.
+    from vitexplain import cli
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    try:
+        code = cli.main(["export", "in", "--out", "out"])
+    except KeyboardInterrupt:  # (caught here: escaping, it would end the whole test session)
+        pytest.fail("the KeyboardInterrupt left cli.main (a traceback for the user)")
+    assert code == 130
+    err = capsys.readouterr().err
+    assert err == "vitexplain: interrupted\n"

@@ -319,11 +319,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         argv: arguments without the program name (default: ``sys.argv[1:]``).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
     try:
+        parser = build_parser()  # (imports the batch options: Ctrl-C may come while it does)
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help, --version, argparse errors (status 2)
         return int(e.code or 0) if not isinstance(e.code, str) else 2
+    except KeyboardInterrupt:
+        print(f"{_PROG}: interrupted", file=sys.stderr)
+        return 130  # (batch.run.EXIT_INTERRUPTED, not imported yet)
     if args.command is None:
         parser.print_help()
         return 2
