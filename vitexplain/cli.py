@@ -116,6 +116,55 @@ examples:
 """
 
 
+class _StderrOrNothing:
+    """``sys.stderr`` while a command runs: what cannot be written is dropped. A reader that went
+    away (``vitexplain export ... 2>&1 | head``: EPIPE) or a terminal that closed (EIO) must not stop
+    a run whose results go to files; the progress bar and messages are lost, the run goes on."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self.broken = False
+
+    def write(self, text: str) -> int:
+        if not self.broken:
+            try:
+                return self._stream.write(text)
+            except (OSError, ValueError):  # (ValueError: the stream was closed)
+                self.broken = True
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.broken:
+            try:
+                self._stream.flush()
+            except (OSError, ValueError):
+                self.broken = True
+
+    def __getattr__(self, name: str) -> Any:  # isatty, encoding, fileno, ... of the real stream
+        return getattr(self._stream, name)
+
+
+def _warn_once(seen: set[tuple[str, str]]) -> Any:
+    """A ``warnings.showwarning`` printing each distinct warning once, as ``vitexplain: warning: ...``.
+
+    Python's own shows a warning once per code line only until a ``warnings.catch_warnings`` block
+    resets its registry, which the library's calls do: a run printed the same warning, with the
+    package's file, line and source, once per batch.
+    """
+
+    def show(message: Any, category: type, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+        key = (category.__name__, str(message))
+        if key in seen:
+            return
+        seen.add(key)
+        try:
+            print(f"{_PROG}: warning: {category.__name__}: {message}", file=file or sys.stderr)
+        except (OSError, ValueError):
+            pass
+
+    return show
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with errors that say where to look for help."""
 
@@ -222,9 +271,13 @@ def _cmd_explore(args: argparse.Namespace) -> int:
 def _cmd_methods(args: argparse.Namespace) -> int:
     """``vitexplain methods``: every family's methods; ``--family`` one family's; ``--model`` what the
     model's plan says applies to it (and why the others do not)."""
+    from .errors import UsageError
     from .methods import families, family
     from .plan import applicable, describe_family, describe_model
 
+    for flag, value in (("--model", args.model), ("--family", args.family)):
+        if value is not None and not value.strip():  # `--model "$UNSET"` is not `methods` alone
+            raise UsageError(f"{flag} is empty; name a {flag[2:]}, or leave {flag} out to list every method")
     if args.model:
         from .batch.models import load_model
         from .explainer import Explainer
@@ -266,14 +319,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         argv: arguments without the program name (default: ``sys.argv[1:]``).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
     try:
+        parser = build_parser()  # (imports the batch options: Ctrl-C may come while it does)
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help, --version, argparse errors (status 2)
         return int(e.code or 0) if not isinstance(e.code, str) else 2
+    except KeyboardInterrupt:
+        print(f"{_PROG}: interrupted", file=sys.stderr)
+        return 130  # (batch.run.EXIT_INTERRUPTED, not imported yet)
     if args.command is None:
         parser.print_help()
         return 2
+    import warnings
+
+    stderr = sys.stderr
+    sys.stderr = _StderrOrNothing(stderr)
+    try:
+        with warnings.catch_warnings():
+            warnings.showwarning = _warn_once(set())
+            return _dispatch(parser, args, argv)
+    finally:
+        sys.stderr = stderr
+
+
+def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """Run the parsed command; returns the exit status (usage errors and interrupts included)."""
     from .batch.driver import EXIT_INTERRUPTED, EXIT_TERMINATED, EXIT_USAGE, Interrupted, signals_as_interrupts
     from .errors import UsageError
 

@@ -24,7 +24,7 @@ from torch import Tensor
 from .adapters.vlm.base import VLMAdapter
 from .adapters.vlm.views import render
 from .checks import check_finite_maps, check_gradients_allowed, warn_training
-from .errors import InputError, UsageError
+from .errors import InputError, NumericalError, UsageError
 from .methods.vlm_context import VLMContext
 from .plan import Plan
 from .recording import capture
@@ -140,6 +140,25 @@ def _answer_room(adapter: VLMAdapter, inputs: Any, start: int) -> Optional[int]:
     return limit - start
 
 
+def _check_finite_answer_rows(logits: Tensor, start: int, lengths: Tensor) -> None:
+    """Raise when the rows of ``logits`` (B, N, V) that predict the answer words (``start - 1 + t``, at least the
+    first word's) hold NaN or inf: greedy decoding of NaN scores picks token 0 at every step, and attention-only
+    methods never read the scores, so such a model's "answer" and maps would pass as results.
+
+    Raises:
+        NumericalError: naming the images and what to check.
+    """
+    if not isinstance(logits, Tensor):
+        return
+    lo = max(start - 1, 0)
+    bad = [b for b, n in enumerate(lengths.tolist())
+           if not bool(torch.isfinite(logits[b, lo : lo + max(int(n), 1)].detach()).all())]
+    if bad:
+        raise NumericalError(
+            f"the model's outputs (next-word scores) are not finite (NaN or inf) for images {bad}, so its answers and "
+            "maps would mean nothing: check the model's weights and the input's scale")
+
+
 def explain_vlm(adapter: VLMAdapter, plan: Plan, images: Any, caption: Any, prompt: Any,
                 max_len: int) -> list[VLMCaptionExplanation]:
     """Per-word maps of a VLM, one explanation per method of ``plan`` (see ``Explainer.explain_caption``).
@@ -184,6 +203,7 @@ def explain_vlm(adapter: VLMAdapter, plan: Plan, images: Any, caption: Any, prom
     with torch.set_grad_enabled(grads), embeddings_in_graph(model) if grads else nullcontext(), \
             capture(model, **plan.capture.capture_kwargs()) as rec, adapter.model_reads_batch():
         logits = adapter.forward_logits(kwargs)
+    _check_finite_answer_rows(logits, start, lengths)
     words = [[adapter.word(i) for i in row[: int(n)].tolist()] for row, n in zip(ids, lengths)]
     captions = [adapter.tokenizer.decode(row[: int(n)].tolist(), skip_special_tokens=True).strip() for row, n in zip(ids, lengths)]
     height = max(v.size[0] for v in views)

@@ -34,7 +34,7 @@ from ..errors import UsageError
 from .caption_vlm import check_prompt, probe_vlm, vlm_process
 from .driver import drive
 from .run import Command, ExportResult
-from .checks import empty_caption_error, finite_rows, not_finite_error
+from .checks import check_captioner_outputs, empty_caption_error, finite_rows, not_finite_error
 from .manifest import GALLERY
 from .models import load_model, model_id, zoo_weights_id
 from .options import POSITIVE, Number, BatchOptions, SharedOptions, collect_methods, option, parse_methods, same
@@ -227,6 +227,7 @@ def export_captions(opts: CaptionOptions, *, argv: Optional[Sequence[str]] = Non
     else:
         probe(lambda x: ex.explain_caption(x, method=methods, caption=opts.caption, max_len=opts.max_len, **per_method),
               f"{what} of this model with {', '.join(methods)}", setup, pre_kwargs)
+        check_captioner_outputs(ex.adapter, setup.device, setup.autocast_dtype, pre_kwargs["input_size"])
 
     config, digest_ = config_hash(opts, {
         "command": "caption", "model": model_id(opts.model), "weights": zoo_weights_id(opts.model, model_info),

@@ -52,13 +52,20 @@ class Dist:
 
         if not dist.is_initialized():
             backend = "nccl" if device.type == "cuda" else "gloo"
-            if device.type == "cuda":
-                try:  # binds NCCL to this rank's GPU (torch >= 2.3)
-                    dist.init_process_group(backend, device_id=device)
-                except TypeError:
+            try:
+                if device.type == "cuda":
+                    try:  # binds NCCL to this rank's GPU (torch >= 2.3)
+                        dist.init_process_group(backend, device_id=device)
+                    except TypeError:
+                        dist.init_process_group(backend)
+                else:
                     dist.init_process_group(backend)
-            else:
-                dist.init_process_group(backend)
+            except (ValueError, RuntimeError) as e:  # no MASTER_ADDR / MASTER_PORT, the rendezvous unreachable
+                detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise UsageError(
+                    f"cannot join the distributed run (RANK={self.rank}, WORLD_SIZE={self.world} in the environment): "
+                    f"{detail}. Launch it with torchrun (which sets MASTER_ADDR and MASTER_PORT), or unset "
+                    "WORLD_SIZE to run as one process") from None
             self.initialized_here = True
 
     def gather(self, obj: Any) -> list[Any]:
@@ -102,9 +109,15 @@ def resolve_device(spec: str, dist: Dist) -> "torch.device":
         torch.cuda.set_device(device)
         return device
     try:
-        return torch.device(spec)
+        device = torch.device(spec)
     except RuntimeError:
         raise UsageError(f"--device {spec!r}: not a device; use cpu, cuda or cuda:N") from None
+    try:  # a device type this torch was not built for (mps on Linux, xla without torch_xla, ...)
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as e:
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsageError(f"--device {spec}: not usable here ({detail}); use --device cpu") from None
+    return device
 
 
 def device_and_amp(spec: str, amp: Optional[str], dist: Dist) -> tuple["torch.device", Any]:

@@ -26,6 +26,7 @@ from typing import Any, Optional
 
 from ..errors import ImageLoadError, InputError, UsageError, VitexplainError
 from .caption_vlm import check_prompt
+from .checks import check_captioner_outputs
 from .inputs import scan_inputs
 from .models import load_model
 from .options import (POSITIVE, BatchOptions, Number, SharedOptions, collect_methods, option, parse_methods, same,
@@ -162,8 +163,13 @@ def explore_inputs(opts: ExploreOptions) -> int:
     from ..adapters import preprocessing
 
     pre_kwargs = preprocessing(explainer.adapter)
+    if explainer.family.name == "caption":
+        check_captioner_outputs(explainer.adapter, next(model.parameters()).device, None, pre_kwargs["input_size"])
     for u in scan.unreadable:
         say(f"vitexplain explore: cannot read folder {u.path} ({u.error}); its images are not on the page")
+    for folder in scan.earlier_outputs:
+        say(f"vitexplain explore: skipping {folder}: the output folder of an earlier run (it holds that run's "
+            "summary.json); name it as an input to explore its files")
     images, names, failed = [], [], len(scan.unreadable)
     for item in items:
         try:

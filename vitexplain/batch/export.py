@@ -42,6 +42,11 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["ExportOptions", "export"]
 
+#: The most --min-side enlarges to when --max-side is 0 (original size), which leaves it no other bound
+#: (--min-side 100000 allocated 30 GB per overlay).
+MAX_MIN_SIDE = 4096
+
+
 @dataclass
 class ExportOptions(BatchOptions):
     """Everything ``vitexplain export`` can be asked to do (the CLI flags, one to one).
@@ -84,7 +89,8 @@ class ExportOptions(BatchOptions):
     min_side: int = option(256, flags="--min-side", metavar="PX", parse=NON_NEGATIVE, group="overlays",
                            outputs=True, help="draw overlays of smaller images enlarged (tiny ones by a whole factor, crisp "
                                               "pixels) to at least this many pixels on the shorter side, "
-                                              "within --max-side (default {default}; 0: never)")
+                                              "within --max-side (default {default}; 0: never; with --max-side 0 at "
+                                              f"most {MAX_MIN_SIDE})")
     top_k: int = option(5, flags="--top-k", metavar="K", parse=NON_NEGATIVE, group="overlays", outputs=True,
                        help="predictions recorded per image (default {default})")
 
@@ -156,7 +162,7 @@ def _write_overlays(
     from .decoding import cap_size
 
     # enlarged within --max-side: never past it first (--min-side 100000 drew a 30 GB array, then shrank it)
-    min_side = min(opts.min_side, opts.max_side) if opts.max_side > 0 else opts.min_side
+    min_side = min(opts.min_side, opts.max_side if opts.max_side > 0 else MAX_MIN_SIDE)
     base = readable(region, min_side) if min_side > 0 else region
     if base is not region:  # enlarged: --max-side still bounds the longer side (--max-side 128 or a thin strip)
         base = cap_size(base, opts.max_side)

@@ -25,7 +25,11 @@ An input lying inside ``--out`` is a usage error when the argument points there 
 folder or a glob whose fixed prefix is inside ``--out``): each rerun would explain its own
 overlays. While walking a folder or expanding a glob that contains ``--out``, ``--out`` is
 skipped. Folders that cannot be read are collected (:class:`Unreadable`), not skipped
-silently.
+silently. A folder met while walking that holds the ``summary.json`` of an earlier run (the
+``--out`` of another command, e.g. ``photos/maps`` after ``export photos --out photos/maps``)
+is skipped too and listed in :attr:`InputScan.earlier_outputs`: a later run into another
+``--out`` would otherwise explain those overlays as inputs. Named as an argument itself, such a
+folder is walked.
 """
 
 from __future__ import annotations
@@ -35,19 +39,14 @@ import hashlib
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Sequence
 
 from ..errors import UsageError
+from .walk import (IMAGE_EXTENSIONS, Unreadable, below_earlier_output, glob_base, inside, is_image_name, pattern_parts,
+                   recursive_glob, walk)
 
 __all__ = ["IMAGE_EXTENSIONS", "MAX_PART_BYTES", "InputItem", "Unreadable", "InputScan", "scan_inputs",
            "discover_inputs", "inside"]
-
-#: File extensions (lower case) picked up when walking folders or expanding globs. A file
-#: named explicitly on the command line is tried whatever its extension.
-IMAGE_EXTENSIONS: frozenset[str] = frozenset(
-    {".png", ".jpg", ".jpeg", ".jpe", ".jfif", ".bmp", ".gif", ".tif", ".tiff", ".webp",
-     ".ppm", ".pgm", ".pbm", ".pnm", ".tga", ".ico"}
-)
 
 #: Longest key component (bytes, UTF-8): 255 (the usual file-name limit) minus 64 bytes for
 #: the longest output suffix (``.<method>.<ext>``).
@@ -73,48 +72,14 @@ class InputItem:
     key: str
 
 
-@dataclass(frozen=True)
-class Unreadable:
-    """A folder that could not be listed (its images, if any, are missing from the run).
-
-    Attributes:
-        path: the folder.
-        error: the reason (e.g. ``"Permission denied"``).
-    """
-
-    path: str
-    error: str
-
-
 @dataclass
 class InputScan:
-    """What :func:`scan_inputs` found: the images (sorted by key) and the unreadable folders."""
+    """What :func:`scan_inputs` found: the images (sorted by key), the unreadable folders and the
+    folders skipped as earlier runs' outputs."""
 
     items: list[InputItem]
     unreadable: list[Unreadable] = field(default_factory=list)
-
-
-def inside(path: str, folder: str) -> bool:
-    """Whether real path ``path`` is ``folder`` or below it (both already realpath'd)."""
-    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
-
-
-def _is_image_name(name: str) -> bool:
-    return os.path.splitext(name)[1].lower() in IMAGE_EXTENSIONS
-
-
-def _glob_base(pattern: str) -> str:
-    """The fixed folder prefix of a glob pattern (``a/b/*/c*.png`` -> ``a/b``)."""
-    drive, rest = os.path.splitdrive(pattern)
-    parts = re.split(r"[\\/]", rest) if os.altsep else rest.split(os.sep)
-    fixed: list[str] = []
-    for part in parts[:-1]:
-        if glob.has_magic(part):
-            break
-        fixed.append(part)
-    if not fixed:
-        return drive or "."
-    return drive + (os.sep.join(fixed) or os.sep)
+    earlier_outputs: list[str] = field(default_factory=list)
 
 
 def _hash(text: str, n: int = 8) -> str:
@@ -155,44 +120,6 @@ def _key_parts(rel: str) -> list[str]:
     return [_short_part(_text_part(p), p) for p in parts if p not in ("", ".", "..")]
 
 
-def _walk(folder: str, out_real: str, unreadable: list[Unreadable]) -> Iterable[str]:
-    """Image files below ``folder``, sorted, skipping hidden entries and the output folder.
-
-    Symlinked folders are followed once (loops are cut by device/inode); a folder that
-    cannot be listed is added to ``unreadable``.
-    """
-    seen: set[tuple[int, int]] = set()
-    stack = [folder]
-    while stack:
-        top = stack.pop()
-        try:
-            st = os.stat(top)
-            ident = (st.st_dev, st.st_ino)
-            if ident in seen:
-                continue
-            seen.add(ident)
-            with os.scandir(top) as it:
-                entries = sorted(it, key=lambda e: e.name)
-        except OSError as e:
-            unreadable.append(Unreadable(path=top, error=e.strerror or str(e)))
-            continue
-        subdirs = []
-        for entry in entries:
-            if entry.name.startswith("."):
-                continue
-            try:
-                is_dir = entry.is_dir()
-            except OSError:
-                is_dir = False
-            if is_dir:
-                if not inside(os.path.realpath(entry.path), out_real):  # never read our own outputs back
-                    subdirs.append(entry.path)
-            elif _is_image_name(entry.name):
-                if not (entry.is_symlink() and inside(os.path.realpath(entry.path), out_real)):
-                    yield entry.path
-        stack.extend(reversed(subdirs))
-
-
 def _refuse_inside_out(arg: str, where: str, out: str) -> UsageError:
     return UsageError(
         f"input {arg!r} is inside --out {out!r}: each run would explain its own outputs (and rerun "
@@ -220,6 +147,8 @@ def scan_inputs(inputs: Sequence[str], out: str | os.PathLike[str]) -> InputScan
     out_real = os.path.realpath(out_s)
     found: list[tuple[str, str]] = []  # (root, path)
     unreadable: list[Unreadable] = []
+    earlier: list[str] = []
+    checked: dict[str, bool] = {}
     for arg in inputs:
         if os.path.lexists(arg) and not os.path.isdir(arg):
             if inside(os.path.realpath(arg), out_real):
@@ -233,11 +162,17 @@ def scan_inputs(inputs: Sequence[str], out: str | os.PathLike[str]) -> InputScan
                 )
             if inside(os.path.realpath(arg), out_real):
                 raise _refuse_inside_out(arg, "this folder", out_s)
-            found.extend((arg, p) for p in _walk(arg, out_real, unreadable))
+            found.extend((arg, p) for p in walk(arg, out_real, unreadable, earlier))
         elif glob.has_magic(arg):
-            base = _glob_base(arg)
+            base = glob_base(arg)
             if inside(os.path.realpath(base), out_real):
                 raise _refuse_inside_out(arg, "this pattern", out_s)
+            if "**" in pattern_parts(arg):  # walked, not glob.glob: a link loop made that list a file ~40 times
+                recursive = recursive_glob(arg, out_real, unreadable, earlier)
+                if not recursive:
+                    raise UsageError(f"input {arg!r}: no file matches this pattern")
+                found.extend((base, p) for p in recursive)
+                continue
             matches = sorted(glob.glob(arg, recursive=True))
             if not matches:
                 raise UsageError(f"input {arg!r}: no file matches this pattern")
@@ -245,8 +180,8 @@ def scan_inputs(inputs: Sequence[str], out: str | os.PathLike[str]) -> InputScan
                 if inside(os.path.realpath(m), out_real):
                     continue
                 if os.path.isdir(m):
-                    found.extend((base, p) for p in _walk(m, out_real, unreadable))
-                elif _is_image_name(m):
+                    found.extend((base, p) for p in walk(m, out_real, unreadable, earlier))
+                elif is_image_name(m) and not below_earlier_output(m, base, earlier, checked):
                     found.append((base, m))
         else:
             raise UsageError(f"input {arg!r}: no such file or directory")
@@ -255,10 +190,13 @@ def scan_inputs(inputs: Sequence[str], out: str | os.PathLike[str]) -> InputScan
         detail = ""
         if unreadable:
             detail = "; these folders could not be read: " + ", ".join(f"{u.path} ({u.error})" for u in unreadable[:5])
+        if earlier:
+            detail += ("; skipped the output folders of earlier runs (name one as an input to explain its files): "
+                       + ", ".join(sorted(set(earlier))[:5]))
         raise UsageError(
             "no images found in the inputs (looked for " + ", ".join(sorted(IMAGE_EXTENSIONS)) + ")" + detail
         )
-    return InputScan(items=items, unreadable=unreadable)
+    return InputScan(items=items, unreadable=unreadable, earlier_outputs=sorted(set(earlier)))
 
 
 def discover_inputs(inputs: Sequence[str], out: str | os.PathLike[str]) -> list[InputItem]:

@@ -106,6 +106,9 @@ def load_model(
     from .. import zoo
     from ..zoo.hub import build_loaded
 
+    for flag, value in (("--checkpoint", checkpoint), ("--labels", labels)):
+        if value is not None and not str(value).strip():  # `--checkpoint "$UNSET"`: not the same as leaving it out
+            raise UsageError(f"{flag} is empty; name the file, or leave {flag} out")
     info: dict[str, Any] = {"name": spec, "checkpoint": checkpoint, "random_weights": False}
     model_args = dict(model_args or {})
     if os.path.isdir(spec):
@@ -154,8 +157,9 @@ def load_model(
             loaded = model is not None
             if model is None:
                 model = timm.create_model(spec, pretrained=False, **model_args)
-        except Exception as e:
-            raise UsageError(f"cannot create timm model {spec!r} with {model_args}: {e}") from None
+        except Exception as e:  # (torch's errors carry a C++ backtrace after their first line)
+            detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UsageError(f"cannot create timm model {spec!r} with {model_args}: {detail}") from None
         info["source"] = "timm"
         _fix_input_size(model)
         if state is not None and not loaded:

@@ -4,6 +4,7 @@ left behind removed (:func:`clean_stale_temps`)."""
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import uuid
@@ -12,7 +13,7 @@ from pathlib import Path
 from ..errors import UsageError
 from ..files import TEMP_RE
 
-__all__ = ["check_writable", "check_own_names", "clean_stale_temps"]
+__all__ = ["check_writable", "check_own_names", "clean_stale_temps", "is_run_summary"]
 
 
 def check_writable(out: str | os.PathLike[str], what: str = "") -> None:
@@ -60,9 +61,47 @@ def check_writable(out: str | os.PathLike[str], what: str = "") -> None:
         pass
 
 
+def is_run_summary(path: str) -> bool:
+    """Whether ``path`` is a regular file holding a batch run's ``summary.json`` (a JSON object
+    naming vitexplain's version)."""
+    try:
+        if not os.path.isfile(path) or os.path.getsize(path) > (256 << 20):  # (no summary of ours is that large)
+            return False
+        with open(path, "rb") as f:
+            summary = json.loads(f.read().decode("utf-8"))
+    except (OSError, ValueError):
+        return False
+    versions = summary.get("versions") if isinstance(summary, dict) else None
+    return isinstance(versions, dict) and "vitexplain" in versions
+
+
+def _written_by_us(path: str, name: str) -> bool:
+    """Whether the regular file ``path`` (the run's ``name``: ``manifest.jsonl``, ``summary.json``,
+    ``index.html``) looks like a batch run's own (any other name: True).
+
+    A manifest's lines start with its ``"key"``; a summary is a JSON object naming vitexplain's
+    version; a gallery's title starts with ``vitexplain``. An empty file holds nothing to lose.
+    """
+    try:
+        with open(path, "rb") as f:
+            if name == "manifest.jsonl":
+                head = f.read(1 << 16).lstrip()
+                return not head or head.startswith(b'{"key":')
+            if name == "summary.json":
+                return not f.read(1 << 10).strip() or is_run_summary(path)
+            if name == "index.html":
+                head = f.read(4096)
+                return not head.strip() or b"<title>vitexplain" in head
+    except (OSError, ValueError):  # unreadable: the run's own write will say what is wrong
+        return name != "summary.json"
+    return True
+
+
 def check_own_names(out: str | os.PathLike[str], names: list[str]) -> None:
     """Refuse an output folder where one of the run's own files (``names``, at its top) is
-    taken by something other than a file (a folder, a socket...), before any model is loaded.
+    taken by something other than a file (a folder, a socket...), or by a file another program
+    wrote (a dataset's ``manifest.jsonl``, a web page's ``index.html``: the run would replace it),
+    before any model is loaded. A symbolic link there is replaced, its target untouched.
 
     Raises:
         UsageError: names the entry and what to do.
@@ -77,6 +116,9 @@ def check_own_names(out: str | os.PathLike[str], names: list[str]) -> None:
             kind = "a folder" if stat.S_ISDIR(mode) else "not a regular file"
             raise UsageError(f"--out {os.fspath(out)!r} holds {kind} named {name!r}, where the run writes its own "
                              f"{name}; rename or remove it, or choose another --out")
+        if stat.S_ISREG(mode) and not _written_by_us(path, name):
+            raise UsageError(f"--out {os.fspath(out)!r} holds a {name} not written by vitexplain, which the run would "
+                             "replace with its own; move it, or choose another --out (e.g. a new folder)")
 
 
 def clean_stale_temps(out: Path, *, everywhere: bool) -> int:

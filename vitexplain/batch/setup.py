@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from ..errors import UsageError
 from .distributed import Dist, device_and_amp
-from .run import Run
+from .run import Run, say
 from .inputs import InputScan, scan_inputs
 from .options import output_settings, validate
 from .lock import LOCK_NAME
@@ -59,6 +59,8 @@ def with_threads(command: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(command)
     def run(opts: Any, *args: Any, **kwargs: Any) -> Any:
         validate(opts)
+        _check_threads(getattr(opts, "threads", None), "--threads", "torch threads")
+        _check_threads(getattr(opts, "write_threads", None), "--write-threads", "writer threads")
         with using(getattr(opts, "threads", None)):
             return command(opts, *args, **kwargs)
 
@@ -81,8 +83,12 @@ def prepare(opts: Any) -> Setup:
     device, autocast_dtype = device_and_amp(opts.device, opts.amp, dist)
     check_writable(opts.out)
     check_own_names(opts.out, [MANIFEST, SUMMARY, LOCK_NAME] + ([GALLERY] if opts.html else []))
-    return Setup(dist=dist, device=device, autocast_dtype=autocast_dtype, out=Path(opts.out),
-                 scan=scan_inputs(opts.inputs, opts.out))
+    scan = scan_inputs(opts.inputs, opts.out)
+    if dist.rank == 0:
+        for folder in scan.earlier_outputs:
+            say(f"vitexplain: skipping {folder}: the output folder of an earlier run (it holds that run's "
+                "summary.json); name it as an input to explain its files")
+    return Setup(dist=dist, device=device, autocast_dtype=autocast_dtype, out=Path(opts.out), scan=scan)
 
 
 def max_workers() -> int:
@@ -97,6 +103,15 @@ def _check_workers(workers: int) -> None:
         raise UsageError(f"--workers {workers}: more decoding processes than this machine ({os.cpu_count()} CPUs) "
                          f"can use; each is a copy of the process. Use at most {limit} (about the number of CPUs "
                          "is usually best)")
+
+
+def _check_threads(count: Optional[int], flag: str, what: str) -> None:
+    """A thread count far past the machine is a usage error (``--threads 100000``: OpenMP's pool
+    exhausted the memory, and the next library to load failed with a misleading message)."""
+    limit = max_workers()
+    if count is not None and count > limit:
+        raise UsageError(f"{flag} {count}: more {what} than this machine ({os.cpu_count()} CPUs) can use. "
+                         f"Use at most {limit} (about the number of CPUs is usually best)")
 
 
 def _check_colormaps(*colormaps: str) -> None:

@@ -184,13 +184,14 @@ def run_shard(
         return stats
     loop = _Loop(todo, run, part, stats)
     dataset = ImageDataset([it.path for it, _ in todo], run.pre_kwargs, run.crop, run.max_side)
-    batches_to_decode = -(-len(todo) // max(1, run.batch_size))  # a worker more than that only forks and waits
-    loader = make_loader(dataset, batch_size=run.batch_size, workers=min(run.workers, batches_to_decode),
+    batch_size = max(1, min(run.batch_size, len(todo)))  # (--batch-size past sys.maxsize: DataLoader's islice failed)
+    batches_to_decode = -(-len(todo) // batch_size)  # a worker more than that only forks and waits
+    loader = make_loader(dataset, batch_size=batch_size, workers=min(run.workers, batches_to_decode),
                          pin_memory=run.device.type == "cuda")
     writer = Writer(run.out)
     pool = ThreadPoolExecutor(max_workers=max(1, run.write_threads), thread_name_prefix="vitexplain-write",
                               initializer=_writer_priority)
-    max_pending = max(64, 4 * run.batch_size)
+    max_pending = max(64, 4 * batch_size)
     t0 = time.perf_counter()
     batches: Optional[Any] = None
     try:
