@@ -35,7 +35,9 @@ per-layer ``N_q x N_k`` attention of every layer of the batch, ``4 B sum_l heads
 computes each call's attention once and keeps its probabilities (``attention_mode="auto"``, within
 the budget of ``vitexplain.recording.materialize``), so its extra peak is about the attention of
 all layers as computed (windows, pooled keys), not a recomputation; SAM's relative-position bias is
-then not kept. This stays far below the dense ``N_0 x N_0`` of all layers.
+then not kept. This stays far below the dense ``N_0 x N_0`` of all layers. The buffers the model's
+workspace (vitexplain/recording/workspace.py) keeps between captures are forgotten before the rollout
+peak is taken, so the peak counts them.
 
 Usage::
 
@@ -61,7 +63,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import vitexplain as vx
 from vitexplain.batch.options import BatchOptions
-from vitexplain.recording import discovery
+from vitexplain.recording import discovery, workspace
 from _common import interleaved_times, median_times, report, table
 
 #: ``vitexplain export``'s default batch (its ``--batch-size``)
@@ -164,6 +166,7 @@ def measure(label: str, build: Callable[[], nn.Module], size: tuple[int, int], b
     times = {k: statistics.median(v) for k, v in runs.items()}
     best = {k: min(v) for k, v in runs.items()}  # the fastest run: what a quiet machine gives
     peak_forward = peak_bytes(forward)
+    workspace.forget(model)  # (the buffers a capture reuses are allocated again inside the measured call)
     peak_rollout = peak_bytes(lambda: ex.explain(x, method="rollout"))
     own, fine, layers = attention_sizes(model, x)
     ms = {k: 1000 * v for k, v in times.items()}

@@ -25,7 +25,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Workspace", "workspace_for", "LIMIT_BYTES"]
+__all__ = ["Workspace", "workspace_for", "forget", "LIMIT_BYTES"]
 
 #: Bytes a model's workspace keeps allocated between captures (more is allocated per call, as without one).
 LIMIT_BYTES = 64 * 2**20
@@ -101,3 +101,9 @@ def workspace_for(model: Optional[nn.Module]) -> Optional[Workspace]:
         if found is None:
             found = _WORKSPACES[model] = Workspace()
         return found
+
+
+def forget(model: nn.Module) -> None:
+    """Drop ``model``'s workspace: its free buffers are released (those still held stay with their holders)."""
+    with _lock:
+        _WORKSPACES.pop(model, None)
