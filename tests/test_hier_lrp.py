@@ -29,6 +29,7 @@ from timm.models.vision_transformer_sam import get_decomposed_rel_pos_bias
 from torch import nn
 
 import support_table as support
+from pointing import pixel_pointing
 import vitexplain as vx
 from vitexplain.errors import UnsupportedModelError
 
@@ -309,17 +310,7 @@ POINTING_FLOOR = 0.934
 
 
 def test_attnlrp_points_at_the_targeted_object_on_shapes_hier():
-    model = vx.zoo.load("shapes-hier")
-    batch = vx.data.shapes(100, seed=71_000, num_objects=2, distinct_classes=True)
-    ex = vx.Explainer(model)
-    hits = []
-    for k in (0, 1):
-        target = torch.stack([c[k] for c in batch.classes])
-        masks = torch.stack([m[k] for m in batch.masks])
-        maps = ex.explain(batch.tensor, method="attnlrp", target=target).maps
-        assert maps.shape[-2:] == masks.shape[-2:]  # pixel resolution
-        hits.append(vx.metrics.pointing_game(maps, masks))
-    accuracy = torch.cat(hits).float().mean().item()
+    accuracy = pixel_pointing(vx.zoo.load("shapes-hier"), 100, 71_000, "attnlrp")
     assert accuracy >= POINTING_FLOOR, accuracy
 
 

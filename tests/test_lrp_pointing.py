@@ -11,23 +11,12 @@ attnlrp 0.994 (SE 0.0017), cp_lrp 0.986 (SE 0.0027). This test draws 200 other i
 
 from __future__ import annotations
 
-import torch
-
 import vitexplain as vx
+from pointing import pixel_pointing
 
 FLOOR = 0.982
 
 
 def test_attnlrp_points_inside_the_object_at_zero_tolerance():
-    model = vx.zoo.load("shapes-vit")
-    batch = vx.data.shapes(200, seed=70_000, num_objects=2, distinct_classes=True)
-    ex = vx.Explainer(model)
-    hits = []
-    for k in (0, 1):
-        target = torch.stack([c[k] for c in batch.classes])
-        masks = torch.stack([m[k] for m in batch.masks])
-        maps = ex.explain(batch.tensor, method="attnlrp", target=target).maps
-        assert maps.shape[-2:] == masks.shape[-2:]  # pixel resolution: nothing is upsampled
-        hits.append(vx.metrics.pointing_game(maps, masks, tolerance=0))
-    accuracy = torch.cat(hits).float().mean().item()
+    accuracy = pixel_pointing(vx.zoo.load("shapes-vit"), 200, 70_000, "attnlrp", tolerance=0)
     assert accuracy >= FLOOR, accuracy
