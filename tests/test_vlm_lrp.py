@@ -339,9 +339,11 @@ def test_a_non_linearity_the_rules_do_not_cover_is_refused():
 
     for layer in model.model.language_model.layers:
         layer.mlp.act_fn = Wavelet()
-    with pytest.raises(vx.UnsupportedModelError, match=r"exp of an activation.*not cover"):
+    with pytest.raises(vx.UnsupportedModelError, match=r"exp of an activation.*not cover") as refused:
         vx.Explainer(model, processor=proc).explain_caption(helpers.images(7)[:1], method="attnlrp", prompt=PROMPT,
                                                             caption=CAPTION)
+    # what it suggests instead is a method of vision-language models (it named the image classifiers' 'generic')
+    assert "'cross_generic'" in str(refused.value) and "'generic'" not in str(refused.value)
 
 
 def test_qwen2_vl_patch_rows_are_merge_blocks():

@@ -45,7 +45,7 @@ def caption_lrp(ctx: CaptionContext, variant: str, resolution: str, linear_gamma
     with torch.enable_grad():
         with rules:
             logits = adapter.teacher_forced(x, ids)
-        check_coverage(rules, ctx.method, type(adapter.model).__name__)
+        check_coverage(rules, ctx.method, type(adapter.model).__name__, instead="'cross_generic'")
         scores = logits.gather(2, ids[..., None].to(logits.device))[..., 0]  # (B, T)
         words = scores.shape[1]
         maps = []

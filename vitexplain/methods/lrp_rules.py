@@ -470,8 +470,13 @@ def checkpointing_refused(method: str, model: str) -> Iterator[None]:
         ) from err
 
 
-def check_coverage(rules: LRPRules, method: str, model: str, *, attention: bool = True) -> None:
+def check_coverage(rules: LRPRules, method: str, model: str, *, attention: bool = True,
+                   instead: Optional[str] = None) -> None:
     """Raise when the forward held a non-linearity no rule covers, or (``attention``) no attention at all.
+
+    Args:
+        instead: the methods of the model's family the message suggests (a captioner's or a vision-language
+            model's are not the image classifiers'; None: theirs).
 
     Raises:
         UnsupportedModelError: the relevance would not be LRP's (the message says what to do).
@@ -480,10 +485,11 @@ def check_coverage(rules: LRPRules, method: str, model: str, *, attention: bool 
     if uncovered:
         raise UnsupportedModelError(
             f"method {method!r}: {model}'s forward calls {', '.join(uncovered)}, which the LRP rules do not cover, "
-            "so its maps would not be LRP relevance; use 'generic' or 'integrated_gradients'"
+            f"so its maps would not be LRP relevance; use {instead or repr('generic') + ' or ' + repr('integrated_gradients')}"
         )
     if attention and rules.seen["attention"] == 0:
         raise UnsupportedModelError(
             f"method {method!r}: {model} made no attention call (scaled_dot_product_attention, nn.MultiheadAttention "
-            "or a softmax over attention scores) during its forward, so the attention rules could not be applied; use 'integrated_gradients' or 'smoothgrad'"
+            f"or a softmax over attention scores) during its forward, so the attention rules could not be applied; use "
+            f"{instead or repr('integrated_gradients') + ' or ' + repr('smoothgrad')}"
         )

@@ -65,7 +65,7 @@ def vlm_lrp(ctx: VLMContext, variant: str, linear_gamma: float = DEFAULT_GAMMA,
     with torch.enable_grad():
         with rules, adapter.model_reads_batch():
             logits = adapter.forward_logits(kwargs)  # (B, N, V)
-        check_coverage(rules, ctx.method, name)
+        check_coverage(rules, ctx.method, name, instead="'cross_generic' or 'cross_grad'")
         rows = logits[:, ctx.start - 1: ctx.start - 1 + words]  # (B, T, V): row start-1+t predicts word t
         scores = rows.gather(2, ctx.ids[..., None].to(rows.device))[..., 0]  # (B, T) the words' logits
         present = ctx.lengths.to(scores.device)[:, None] > torch.arange(words, device=scores.device)
