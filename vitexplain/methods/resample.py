@@ -195,11 +195,12 @@ class Call:
 
     def on_keys(self, r: Tensor, m: Tensor) -> Tensor:
         """``r @ S_q^T m S_k`` on the key set (before the keys' footprint): (B, n_K)."""
-        rows = r.reshape(r.shape[0], 1, 1, -1) if self.q_whole else self._gather(r, self.q_slots).unsqueeze(-2)
-        per_key = torch.matmul(rows, m)  # (B, G, 1, n_k)
-        if self.k_whole:
-            return per_key.reshape(r.shape[0], -1)
-        return self._scatter(per_key.squeeze(-2), self.k_slots, self.spec.keys.coarse.n)
+        rows = self._gather(r, self.q_slots, self.q_whole).unsqueeze(-2)  # (B, G, 1, n_q)
+        return self._on_key_set(torch.matmul(rows, m))
+
+    def _on_key_set(self, per_key: Tensor) -> Tensor:
+        """(B, G, 1, n_k) per key slot -> (B, n_K) on the key set."""
+        return self._scatter(per_key.squeeze(-2), self.k_slots, self.spec.keys.coarse.n, self.k_whole)
 
     def vec_mat(self, r: Tensor, m: Tensor) -> Tensor:
         """``r @ M`` with M = S_q^T m S_k D_k: (B, n_Q) -> (B, n_I) for blocks m (B, G, n_q, n_k)."""
@@ -219,18 +220,14 @@ class Call:
         if heads > 1 or p.dim() == 3:  # (B * G * heads, [1,] n_q, n_k) -> (B * G, heads, n_q, n_k)
             p = p.reshape(-1, heads, *p.shape[-2:])
         batch = r.shape[0]
-        rows = r.reshape(batch, 1, -1) if self.q_whole else self._gather(r, self.q_slots)  # (B, G, n_q)
+        rows = self._gather(r, self.q_slots, self.q_whole)  # (B, G, n_q)
         if self.spec.window_dim_inside:  # (B * heads, G, n_q, n_k) -> (B, heads, G, n_q, n_k)
             p = p.reshape(batch, -1, *p.shape[1:])
             per_key = torch.matmul(rows[:, None, :, None, :], p).mean(dim=1)  # (B, G, 1, n_k)
         else:  # (B * G, heads, n_q, n_k) -> (B, G, heads, n_q, n_k)
             p = p.reshape(batch, self.spec.windows, *p.shape[1:])
             per_key = torch.matmul(rows[:, :, None, None, :], p).mean(dim=2)  # (B, G, 1, n_k)
-        if self.k_whole:
-            keys = per_key.reshape(batch, -1)
-        else:
-            keys = self._scatter(per_key.squeeze(-2), self.k_slots, self.spec.keys.coarse.n)
-        return self.spec.keys.pull(keys)
+        return self.spec.keys.pull(self._on_key_set(per_key))
 
     def row_sums(self, m: Tensor) -> Tensor:
         """Row sums of M over the output set: (B, G, n_q, n_k) -> (B, n_Q)."""
@@ -368,8 +365,8 @@ def propagate(items: Sequence[Item], start: Tensor, matrix: Matrix, *, mode: str
         stochastic: ``matrix`` keeps row sums (one head, or the head mean): a call whose
             probability rows sum to 1 (:attr:`Call.rows_sum_to_one`) gives M rows summing to 1,
             so rollout does not compute them (as the ViT rollout, to float rounding).
-        head_mean: ``matrix`` is the head mean of each call's probabilities: rollout (without
-            discard) multiplies the row with every head's block and averages
+        head_mean: with ``stochastic``, ``matrix`` is the head mean of each call's probabilities:
+            rollout (without discard) multiplies the row with every head's block and averages
             (:meth:`Call.vec_mat_head_mean`) instead of forming the mean.
 
     Returns:
@@ -418,20 +415,21 @@ def _rollout_row(items: Sequence[Item], start: Tensor, matrix: Matrix, to_stage:
         if isinstance(item, Transition):
             r = item.footprint.pull(r)
             continue
-        if head_mean and not discard_ratio > 0 and item.rows_sum_to_one:  # the mean's rows sum to 1: w = r / 2
-            w = r if item.spec.skip is None else 0.5 * r
-            r = item.vec_mat_head_mean(w) if item.spec.skip is None else item.vec_mat_head_mean(w) + item.skip(w)
+        if stochastic and not discard_ratio > 0 and item.rows_sum_to_one:  # row sums 1: w = r / 2 (no pass over m)
+            if head_mean:  # every head's product, averaged (no mean formed)
+                times = item.vec_mat_head_mean
+            else:
+                m = matrix(item)
+                times = lambda w: item.vec_mat(w, m)  # noqa: E731 (bound to this item's m)
+            if item.spec.skip is None:
+                r = times(r)
+            else:
+                w = 0.5 * r
+                r = times(w) + item.skip(w)
             continue
         m = matrix(item)
         if discard_ratio > 0:
             m = discard(m, item.pairs, discard_ratio)
-        elif stochastic and item.rows_sum_to_one:  # row sums 1: w = r / 2 (no pass over m)
-            if item.spec.skip is None:
-                r = item.vec_mat(r, m)
-            else:
-                w = 0.5 * r
-                r = item.vec_mat(w, m) + item.skip(w)
-            continue
         sums = item.row_sums(m)
         if item.spec.skip is None:
             r = item.vec_mat(r / sums.clamp(min=1e-30), m)

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from ...errors import UnsupportedModelError
 from ...methods.families import VLM
 from ..base import Adapter, register_adapter
-from .base import VLMAdapter, processor_images, sum_cells
+from .base import VLMAdapter, piece_tokens, processor_images
 from .views import ImageView, Piece
 
 __all__ = ["TiledAdapter"]
@@ -65,18 +65,8 @@ class TiledAdapter(VLMAdapter):
         Raises:
             UnsupportedModelError: an image's tokens are not a whole number of pieces held in its pixels.
         """
-        grid = self._grid()
-        per_piece = grid[0] * grid[1]
-        t = relevance.shape[1]
-        out = []
-        for b, n in enumerate(counts):
-            pieces = n // per_piece
-            if n % per_piece or pieces > relevance.shape[2]:
-                raise UnsupportedModelError(f"image {b} has {n} image tokens, not a whole number of the {per_piece}-token "
-                                            f"pieces held in its {relevance.shape[2]} pixel pieces; use the model's own processor")
-            cells = sum_cells(relevance[b, :, :pieces].transpose(0, 1), grid, type(self.model).__name__)  # (P, T, per_piece)
-            out.append(cells.transpose(0, 1).reshape(t, n))
-        return out
+        grid, what = self._grid(), type(self.model).__name__
+        return [piece_tokens(relevance[b], n, grid, what, b) for b, n in enumerate(counts)]
 
     def views(self, images: Sequence[Any], inputs: Any) -> list[ImageView]:
         grid = self._grid()

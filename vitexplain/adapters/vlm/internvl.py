@@ -22,7 +22,7 @@ from ...errors import UnsupportedModelError
 from ...layout import pair
 from ...methods.families import VLM
 from ..base import Adapter, register_adapter
-from .base import VLMAdapter, sum_cells
+from .base import VLMAdapter, batch_piece_tokens
 from .views import ImageView, Piece
 
 __all__ = ["InternVLAdapter", "AyaVisionAdapter", "Cohere2VisionAdapter", "QianfanOCRAdapter"]
@@ -75,14 +75,7 @@ class InternVLAdapter(VLMAdapter):
         Raises:
             UnsupportedModelError: the tokens are not whole pieces, or not as many pieces as the pixels hold.
         """
-        grid = self._grid()
-        per_piece = grid[0] * grid[1]
-        pieces = [n // per_piece for n in counts]
-        if any(n % per_piece for n in counts) or sum(pieces) != relevance.shape[0]:
-            raise UnsupportedModelError(f"{type(self.model).__name__}: {list(counts)} image tokens are not the "
-                                        f"{relevance.shape[0]} pixel pieces of {per_piece} tokens each; use the model's own processor")
-        cells = sum_cells(relevance, grid, type(self.model).__name__)  # (P, T, per_piece)
-        return [part.transpose(0, 1).reshape(part.shape[1], -1) for part in cells.split(pieces)]
+        return batch_piece_tokens(relevance, counts, self._grid(), type(self.model).__name__)
 
     def views(self, images: Sequence[Any], inputs: Any) -> list[ImageView]:
         grid = self._grid()

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from ...errors import UnsupportedModelError
 from ...methods.families import VLM
 from ..base import Adapter, register_adapter
-from .base import VLMAdapter, sum_cells
+from .base import VLMAdapter, piece_tokens
 from .views import ImageView, Piece
 
 __all__ = ["MllamaAdapter", "tiled_view"]
@@ -138,16 +138,8 @@ class MllamaAdapter(VLMAdapter):
         """
         vision = self.model.config.vision_config
         side = vision.image_size // vision.patch_size
-        per_tile = side * side
-        out = []
-        for b, n in enumerate(counts):
-            tiles = n // per_tile
-            if n % per_tile or tiles > relevance.shape[3]:
-                raise UnsupportedModelError(f"image {b} has {n} patch tokens, not whole tiles of {per_tile} among its "
-                                            f"{relevance.shape[3]}; use the model's own processor")
-            cells = sum_cells(relevance[b, :, 0, :tiles].transpose(0, 1), (side, side), type(self.model).__name__)
-            out.append(cells.transpose(0, 1).reshape(cells.shape[1], n))  # (tiles, T, g * g) -> (T, n)
-        return out
+        what = type(self.model).__name__
+        return [piece_tokens(relevance[b, :, 0], n, (side, side), what, b, "tile") for b, n in enumerate(counts)]
 
     def teacher_inputs(self, inputs: Any, ids: Tensor) -> dict[str, Any]:
         """The base teacher-forced inputs, the cross-attention mask extended as ``generate`` extends

@@ -17,10 +17,9 @@ from typing import Any, Optional, Sequence
 
 from torch import Tensor, nn
 
-from ...errors import UnsupportedModelError
 from ...methods.families import VLM
 from ..base import Adapter, register_adapter
-from .base import VLMAdapter, sum_cells
+from .base import VLMAdapter, batch_piece_tokens
 from .views import ImageView, Piece, processed_box
 
 __all__ = ["PrefixLMAdapter", "pan_and_scan_boxes"]
@@ -66,15 +65,7 @@ class PrefixLMAdapter(VLMAdapter):
         Raises:
             UnsupportedModelError: the tokens are not whole grids of the pieces' pixels.
         """
-        grid = self.grid()
-        per_piece = grid[0] * grid[1]
-        pieces = [n // per_piece for n in counts]
-        if any(n % per_piece for n in counts) or sum(pieces) != relevance.shape[0]:
-            raise UnsupportedModelError(f"{type(self.model).__name__}: {list(counts)} image tokens are not the "
-                                        f"{relevance.shape[0]} pixel pieces of a {grid[0]} x {grid[1]} grid each; "
-                                        "use the model's own processor")
-        cells = sum_cells(relevance, grid, type(self.model).__name__)  # (P, T, per_piece)
-        return [part.transpose(0, 1).reshape(part.shape[1], -1) for part in cells.split(pieces)]
+        return batch_piece_tokens(relevance, counts, self.grid(), type(self.model).__name__)
 
     def views(self, images: Sequence[Any], inputs: Any) -> list[ImageView]:
         grid = self.grid()
