@@ -234,17 +234,74 @@ def test_lanes_under_inference_mode_record_as_under_no_grad():
             torch.testing.assert_close(r.probs(), s.probs(), atol=1e-6, rtol=0)
 
 
-def test_the_survey_walks_the_modules_as_named_modules_does():
-    """discovery's own walk (a stack, no generator per level) gives named_modules' modules, names and order,
-    with a module shared by two parents once (at its first place) and None children skipped."""
-    from torch import nn
+def _as_named_modules(model) -> tuple:
+    """What discovery's survey must read of ``model``, from ``named_modules()`` itself (the oracle)."""
+    named = list(model.named_modules())
+    by_type: dict = {}
+    for _, m in named:
+        by_type.setdefault(type(m), []).append(id(m))
+    return [(n, id(m)) for n, m in named], {id(m): n for n, m in named}, {k: v for k, v in by_type.items()}
 
-    from vitexplain.recording.discovery import _named_modules
+
+def _surveyed(model) -> tuple:
+    from vitexplain.recording.discovery import survey
+
+    s = survey(model)
+    return ([(n, id(m)) for n, m in s.modules.items()], s.names,
+            {k: [id(m) for m in v] for k, v in s.by_type.items()})
+
+
+def test_the_survey_walks_the_modules_as_named_modules_does():
+    """discovery's own walk (a stack, no generator per level) gives named_modules' modules, names, order and
+    classes, with a module shared by two parents once (at its first place) and None children skipped; and so
+    does every later survey, which reuses the names of the last one only while the walk is the same: after a
+    module inserted into a ModuleList (which writes its _modules directly), one deleted, one replaced, one moved."""
+    from torch import nn
 
     shared = nn.Linear(2, 2)
     model = nn.Sequential(nn.Sequential(shared, nn.ReLU()), nn.ModuleDict({"b": shared, "c": nn.Sequential(nn.Tanh())}))
     model.add_module("gone", None)
     model[1]["c"].add_module("inner", nn.Sequential(shared, nn.GELU()))
-    expected = [(name, id(m)) for name, m in model.named_modules()]
-    assert [(name, id(m)) for name, m in _named_modules(model)] == expected
-    assert len(expected) == 9 and expected[2][0] == "0.0"  # (the shared Linear once, where it is met first)
+    model.add_module("blocks", nn.ModuleList([nn.Identity(), nn.Tanh()]))
+    expected = _as_named_modules(model)
+    assert len(expected[0]) == 12 and expected[0][2][0] == "0.0"  # (the shared Linear once, where it is met first)
+    assert _surveyed(model) == expected
+    assert _surveyed(model) == expected  # (the second reuses the first's names)
+    changes = [
+        lambda: model.blocks.insert(0, nn.GELU()),  # (ModuleList.insert renumbers its _modules in place)
+        lambda: delattr(model[1]["c"], "inner"),
+        lambda: setattr(model[0], "1", nn.SiLU()),
+        lambda: model.blocks.append(model[1]["c"]),  # (met first under 1.c: not again under blocks)
+        lambda: model._modules.move_to_end("0") if hasattr(model._modules, "move_to_end") else
+        model._modules.update({"0": model._modules.pop("0")}),
+        lambda: model.blocks.pop(0),
+    ]
+    for change in changes:
+        change()
+        expected = _as_named_modules(model)
+        assert _surveyed(model) == expected
+        assert _surveyed(model) == expected
+
+def test_calls_outside_the_models_forward_take_lanes_too():
+    """shapes-vlm's ``generate`` encodes its images before its first forward (the vision tower called outside the
+    model's own forward, whose top-level call is found by walking the frames): once a capture has checked them,
+    those calls take their module's lane as the language model's do, and every record still equals full
+    interception."""
+    model = vx.zoo.load("shapes-vlm")
+    proc = model.vx_processor
+    size = proc.image_processor.crop_size["height"]
+    images = list(vx.data.shapes(2, seed=5, size=size).images)
+    prompt = "<image> " + " ".join(proc.tokenizer.convert_ids_to_tokens([5, 6, 7]))
+    inputs = dict(proc(images=images, text=[prompt, prompt], return_tensors="pt", padding=True))
+    run = _generate(model, inputs, pad_token_id=0)
+    check(model, run)
+    for _ in range(2):  # (the first of these checks the tower's calls, as the capture that discovered it did not)
+        with torch.no_grad(), vx.capture(model) as rec:
+            run()
+    tower = [d for d in rec._drafts if ".vision_tower." in f".{d[0]}."]
+    assert tower and all(not isinstance(d[-1], dict) for d in tower)  # (each a lane's pending call)
+    full, _ = _capture(model, run, full=True)
+    assert [_key(r) for r in rec.records] == [_key(r) for r in full.records]
+    for r, s in zip(rec.records, full.records):
+        torch.testing.assert_close(r.probs(), s.probs(), atol=1e-6, rtol=0)
+    assert len({r.forward_index for r in rec.records if ".vision_tower." in f".{r.name}."}) == 1

@@ -22,8 +22,10 @@ compiling) always go through the mode.
 
 Lanes: once a module's call was recorded from its arguments, its later calls of the same shape
 (:func:`_shape_key`: which arguments are given, the mask's rank, one query row or more, keys longer
-than the queries, the causal flag, dropout; fresh keys only) take its *lane* while the model's own
-forward runs without gradients: the call runs, and its arguments are kept as the draft
+than the queries, the causal flag, dropout; fresh keys only) take its *lane* without gradients, inside the
+model's own forward or outside it (a VLM's ``generate`` encodes its images before its first forward: the
+record's top-level call is then found by the frame walk the checked path makes): the call runs, and its
+arguments are kept as the draft
 (:class:`_Pending`); the plan is made when the records are read, out of the model's hot loop, and a
 plan that is not a checked kind is refused then (:class:`~vitexplain.errors.CaptureError`), never
 recorded unchecked. Lanes are kept with what the captures learned about the model
@@ -186,6 +188,10 @@ class _Lane(NamedTuple):
     plan: tuple  # the kind :func:`_plan` gave the checked call (still checked equal when a call takes the lane)
 
 
+_NO_MASK = {"_mask_version": 0}  # (read only: what a lane's call without a mask notes of it)
+_FRESH_QUERY = {"_q_version": 0, "_q_sums": None}  # (read only: query_witness of a query never written in place)
+
+
 class _Pending:
     """A lane's call, kept as its arguments: :meth:`resolve` makes the record's fields when the records are read
     (out of the model's hot loop), as :func:`_plan` makes them at call time on the checked path."""
@@ -196,13 +202,19 @@ class _Pending:
         self.original, self.module, self.args, self.kwargs, self.gqa = original, module, args, kwargs, gqa
         key = args[1]
         # an inference tensor keeps no count of its writes: its per-key sums now tell, when the record is made,
-        # whether a later call wrote into it (a static cache under torch.inference_mode)
-        self.sums = key.detach().float().sum(-1) if key.is_inference() else None
+        # whether a later call wrote into it (a static cache under torch.inference_mode); a lane's keys are
+        # otherwise fresh (version 0, _shape_key)
+        inference = key.is_inference()
+        self.sums = key.detach().float().sum(-1) if inference else None
         # the queries and the mask as the call saw them (versions, or an inference mask's copy), the keys' version:
         # the record is made later, from these tensors, which the model may write in place meanwhile
-        mask = args[3]
-        kept = kept_mask(mask) if mask is not None and mask.is_inference() else {"_mask_version": _version(mask)}
-        self.noted = (query_witness(args[0]), kept, _version(key))
+        query, mask = args[0], args[3]
+        if mask is None:
+            kept = _NO_MASK
+        else:
+            kept = kept_mask(mask) if mask.is_inference() else {"_mask_version": mask._version}
+        fresh = not query.is_inference() and query._version == 0  # (query_witness's answer for a fresh query)
+        self.noted = (_FRESH_QUERY if fresh else query_witness(query), kept, -1 if inference else 0)
 
     def resolve(self) -> dict[str, Any]:
         """The record's fields; they are what the capture's mode records for a call of a kind checked equal.
@@ -267,7 +279,7 @@ class DirectSDPA:
         self._lanes = lanes
 
     def call(self, original: Callable, module: nn.Module, args: tuple, kwargs: dict, frame: Optional[FrameType],
-             through_mode: Callable[[], Any]) -> Any:
+             through_mode: Callable[[Callable, nn.Module, tuple, dict], Any]) -> Any:
         """Run ``original(module, *args, **kwargs)`` and record its SDPA call.
 
         Args:
@@ -275,31 +287,34 @@ class DirectSDPA:
             module: the issuing module (one of the captured model's).
             args, kwargs: the call's other arguments.
             frame: the frame that called the interface (the module's forward).
-            through_mode: runs the call with the capture's mode on (the record is then the mode's).
+            through_mode: runs ``original(module, *args, **kwargs)`` (given those four) with the capture's mode on
+                (the record is then the mode's).
         """
         shape = _shape_key(module, args, kwargs) if self.enabled and frame is not None else None
         lane = self._lanes.get(shape) if shape is not None else None  # type: ignore[arg-type]
         if (lane is not None and lane.original is original and lane.code is frame.f_code  # type: ignore[union-attr]
-                and not torch.is_grad_enabled() and _CHECKED.get(lane.plan) is True and self.sink.lane_ready()
+                and not torch.is_grad_enabled() and _CHECKED.get(lane.plan) is True
                 and not torch._C._is_tracing() and not torch.compiler.is_compiling()):  # (as _plan refuses those)
             # a module's later call of a shape whose first call was checked: its arguments are kept and the
             # record's fields made when the records are read (_Pending), the plan's cost out of the hot loop
-            out = original(module, *args, **kwargs)
-            self.sink.add_lane_draft(lane.name, lane.kind, _Pending(original, module, args, kwargs, self._gqa))
-            return out
+            index = self.sink.lane_index(Issuer(lane.name, module, frame))  # type: ignore[arg-type]
+            if index is not None:
+                out = original(module, *args, **kwargs)
+                self.sink.add_lane_draft(lane.name, lane.kind, index, _Pending(original, module, args, kwargs, self._gqa))
+                return out
         plan = _plan(original, module, args, kwargs, self._gqa) if self.enabled else None
         if plan is None or frame is None:
-            return through_mode()
+            return through_mode(original, module, args, kwargs)
         kind, fields = plan
         checked = _CHECKED.get(kind)
         if checked is False:
-            return through_mode()
+            return through_mode(original, module, args, kwargs)
         issuer = self.sink.issuer_of(module, frame)
         if issuer is None:
-            return through_mode()
+            return through_mode(original, module, args, kwargs)
         if checked is None:
             before = self.sink.last_record()
-            out = through_mode()
+            out = through_mode(original, module, args, kwargs)
             record = self.sink.last_record()
             with _lock:
                 _CHECKED[kind] = record is not before and record is not None and _same(record, issuer, fields)

@@ -85,53 +85,79 @@ class Survey(NamedTuple):
 
 
 def survey(model: nn.Module) -> Survey:
-    """Read :class:`Survey` of ``model``: one pass over ``named_modules()`` (a capture opens once per
-    batch, right after the model's work has left the modules out of the CPU's caches, so each pass
-    over them costs; this is the only one)."""
-    modules: dict[str, nn.Module] = {}
-    names: dict[int, str] = {}
+    """Read :class:`Survey` of ``model``: one pass over its modules, as ``named_modules()`` yields them (a capture
+    opens once per batch, right after the model's work has left the modules out of the CPU's caches, so each pass
+    over them costs; this is the only one).
+
+    The walk notes each module's key under its parent and its depth (which give its name) rather than its name:
+    the names are built only when those differ from the model's last survey (``_NAMES``), so a survey of an
+    unchanged model makes no string and no name dict.
+    """
+    walked: list[nn.Module] = []
+    entries: list[tuple] = []
     by_type: dict[type, list[nn.Module]] = {}
-    entries = []
     configs: dict[int, Any] = {}
+    seen: set[int] = set()
     compiled = False
-    for name, module in _named_modules(model):
-        modules[name] = module
-        names[id(module)] = name
+    # pre-order, children in their order, each module once (at its first place), None children skipped: as
+    # named_modules, without its generator per level (which it resumes for each module it yields below it)
+    stack: list[tuple[nn.Module, str, int]] = [(model, "", 0)]
+    pop, push = stack.pop, stack.append
+    while stack:
+        module, key, depth = pop()
+        ident = id(module)
+        if ident in seen:
+            continue
+        seen.add(ident)
+        walked.append(module)
         kind = type(module)
+        own = module.__dict__
+        entries.append((key, depth, ident, kind, kind.forward, own.get("forward")))
         found = by_type.get(kind)
         if found is None:
             by_type[kind] = [module]
         else:
             found.append(module)
-        own = module.__dict__
-        entries.append((name, id(module), kind, kind.forward, own.get("forward")))
+        children = module._modules
         # an OptimizedModule keeps its original in its __dict__ and its _modules (no nn.Module.__getattr__ miss)
-        compiled = compiled or "_orig_mod" in own or "_orig_mod" in module._modules
+        compiled = compiled or "_orig_mod" in own or "_orig_mod" in children
         config = own.get("config")
         if config is not None and id(config) not in configs:
             configs[id(config)] = _implementation(config)
-    key = (tuple(entries), tuple(configs.items()), _registries(by_type, configs.values()), model.training)
-    return Survey(modules, names, by_type, key, compiled)
-
-
-def _named_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``list(model.named_modules())``, walked with a stack: the same modules, names and order (pre-order, each
-    module once), without a generator per level (``named_modules`` resumes every ancestor's generator for each
-    module it yields, which costs on deeply nested models such as Hugging Face VLMs)."""
-    found: list[tuple[str, nn.Module]] = []
-    seen: set[int] = set()
-    stack: list[tuple[str, nn.Module]] = [("", model)]
-    while stack:
-        name, module = stack.pop()
-        if id(module) in seen:
-            continue
-        seen.add(id(module))
-        found.append((name, module))
-        children = module._modules
         if children:
-            prefix = name + "." if name else ""
-            stack.extend([(prefix + key, child) for key, child in reversed(children.items()) if child is not None])
-    return found
+            below = depth + 1
+            for child_key, child in reversed(children.items()):
+                if child is not None:
+                    push((child, child_key, below))
+    names_known = _NAMES.get(model)
+    if names_known is not None and names_known[0] == entries:
+        ordered, names = names_known[1], names_known[2]
+    else:
+        ordered, names = _names(entries)
+        _NAMES[model] = (entries, ordered, names)
+    key = (tuple(entries), tuple(configs.items()), _registries(by_type, configs.values()), model.training)
+    return Survey(dict(zip(ordered, walked)), names, by_type, key, compiled)
+
+
+#: per model, its last survey's walk (keys, depths, identities, classes, forwards), the module names in walk order
+#: and by module id: what a survey of the model unchanged since reuses (no module is held, only ids)
+_NAMES: "weakref.WeakKeyDictionary[nn.Module, tuple[list[tuple], list[str], dict[int, str]]]" = \
+    weakref.WeakKeyDictionary()
+
+
+def _names(entries: list[tuple]) -> tuple[list[str], dict[int, str]]:
+    """The module names of a walk (its entries' keys and depths, pre-order), in order and by module id."""
+    path: list[str] = []
+    ordered: list[str] = []
+    names: dict[int, str] = {}
+    for key, depth, ident, *_ in entries:
+        if depth:
+            del path[depth - 1:]
+            path.append(key)
+        name = ".".join(path)
+        ordered.append(name)
+        names[ident] = name
+    return ordered, names
 
 
 def _untapped(function: Any) -> Any:

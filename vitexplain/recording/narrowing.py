@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import sys
 import threading
-from functools import partial
 from types import CodeType
 from typing import Any, Callable, Iterable, Mapping, Optional
 
@@ -223,11 +222,10 @@ class Narrowing:
         try:
             if self.full or self._depth > 0:
                 return original(module, *args, **kwargs)
-            through_mode = partial(self._through_mode, original, module, args, kwargs)
             tap = sys._getframe(1)
             if self.direct is not None and tap.f_code is interface.TAP_CODE:  # (not several captures' taps in a chain)
-                return self.direct.call(original, module, args, kwargs, tap.f_back, through_mode)
-            return through_mode()
+                return self.direct.call(original, module, args, kwargs, tap.f_back, self._through_mode)
+            return self._through_mode(original, module, args, kwargs)
         finally:
             self._interface -= 1
 

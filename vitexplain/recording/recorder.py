@@ -241,16 +241,16 @@ class Recorder:
         self._narrowing.issued(issuer.module)
         self._drafts.append((*self._numbered(issuer), fields))
 
-    def lane_ready(self) -> bool:
-        """Whether :meth:`add_lane_draft` can number a record now (see :class:`RecordSink`)."""
-        return self._attribution.root_index() is not None and not in_backward()
+    def lane_index(self, issuer: Issuer) -> Optional[int]:
+        """The top-level call a lane's record of ``issuer`` belongs to, or None (see :class:`RecordSink`)."""
+        return None if in_backward() else self._attribution.forward_index(issuer)
 
-    def add_lane_draft(self, name: str, kind: str, pending: Any) -> None:
+    def add_lane_draft(self, name: str, kind: str, forward_index: int, pending: Any) -> None:
         """Keep a record of module ``name`` whose fields ``pending.resolve()`` makes when the records are read
-        (see :class:`RecordSink`); only when :meth:`lane_ready`."""
+        (see :class:`RecordSink`)."""
         step = self._steps.get(name, 0)
         self._steps[name] = step + 1
-        self._drafts.append((name, kind, step, self._attribution.root_index(), pending))
+        self._drafts.append((name, kind, step, forward_index, pending))
 
     def _numbered(self, issuer: Issuer, kind: Optional[str] = None) -> tuple[str, str, int, int]:
         """(name, kind, step, top-level call) of a new record of ``issuer``, counted now (kind: from the

@@ -75,13 +75,13 @@ class RecordSink(Protocol):
         itself is made when the records are next read (out of the model's hot loop; records keep call order).
         Nothing is held but ``fields`` (never the issuer's frame, which would keep its locals alive)."""
 
-    def lane_ready(self) -> bool:
-        """Whether a record can be numbered without its issuer's frame: the model's own forward is in progress
-        (its top-level call known without a walk) and no backward pass runs."""
+    def lane_index(self, issuer: Issuer) -> Optional[int]:
+        """The number of the top-level call a record of ``issuer`` belongs to (as :meth:`add_draft` numbers it),
+        or None when a lane cannot take the call (a backward pass runs: it is not recorded again)."""
 
-    def add_lane_draft(self, name: str, kind: str, pending: Any) -> None:
-        """Keep a record of module ``name`` (kind ``kind``) whose fields ``pending.resolve()`` makes when the
-        records are next read; numbered now. Only when :meth:`lane_ready`."""
+    def add_lane_draft(self, name: str, kind: str, forward_index: int, pending: Any) -> None:
+        """Keep a record of module ``name`` (kind ``kind``, top-level call ``forward_index`` from
+        :meth:`lane_index`) whose fields ``pending.resolve()`` makes when the records are next read."""
 
     def last_record(self) -> Optional[AttentionRecord]:
         """The latest record, or None."""
