@@ -20,8 +20,14 @@ __all__ = ["unwrap_compiled", "eager_stance"]
 
 def unwrap_compiled(model: nn.Module) -> nn.Module:
     """The original module of a ``torch.compile``-d model (itself otherwise)."""
-    while hasattr(model, "_orig_mod") and isinstance(getattr(model, "_orig_mod"), nn.Module):
-        model = model._orig_mod  # type: ignore[assignment]
+    while isinstance(model, nn.Module):
+        # an OptimizedModule holds its original as a submodule (read without nn.Module.__getattr__'s miss, an
+        # exception per capture for every other model)
+        inner = model._modules.get("_orig_mod")
+        inner = model.__dict__.get("_orig_mod") if inner is None else inner
+        if not isinstance(inner, nn.Module):
+            break
+        model = inner
     return model
 
 

@@ -156,10 +156,11 @@ def _shape_key(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple]:
     query, key, mask = args[0], args[1], args[3]
     if not isinstance(query, Tensor) or not isinstance(key, Tensor) or query.dim() != 4 or _version(key) > 0:
         return None  # (an inference tensor keeps no count, -1: the lane notes its key sums at call time, _Pending)
-    q_length = query.shape[2]
+    q_length = query.size(2)
     return (id(module), len(args), tuple([k for k, v in kwargs.items() if v is not None]), mask is None,
-            None if mask is None else mask.dim(), q_length == 1, q_length > 1 and key.shape[2] > q_length,
-            kwargs.get("is_causal"), bool(kwargs.get("dropout")), tuple([a is None for a in args[4:]]))
+            None if mask is None else mask.dim(), q_length == 1, q_length > 1 and key.size(2) > q_length,
+            kwargs.get("is_causal"), bool(kwargs.get("dropout")),
+            tuple([a is None for a in args[4:]]) if len(args) > 4 else ())
 
 
 def _same(record: Any, issuer: Issuer, fields: dict[str, Any]) -> bool:

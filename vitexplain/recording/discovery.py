@@ -165,6 +165,9 @@ def _untapped(function: Any) -> Any:
     return getattr(function, "__wrapped__", function) if getattr(function, "__code__", None) is TAP_CODE else function
 
 
+_EMPTY: Mapping[str, Any] = {}
+
+
 def _registries(by_type: Mapping[type, Any], implementations: Iterable[Any]) -> tuple:
     """What the Hugging Face attention implementations in use resolve to, in every attention registry the
     model's classes read (their module's ``ALL_ATTENTION_FUNCTIONS``): the function, and whether it comes
@@ -173,8 +176,10 @@ def _registries(by_type: Mapping[type, Any], implementations: Iterable[Any]) -> 
     if not wanted:
         return ()
     found: dict[int, tuple] = {}
-    for kind in by_type:
-        registry = getattr(sys.modules.get(kind.__module__), "ALL_ATTENTION_FUNCTIONS", None)
+    for name in dict.fromkeys([kind.__module__ for kind in by_type]):  # (each module once, in order)
+        # the name as the classes' code reads it: a global of their module (its __dict__; a module __getattr__
+        # is never asked for a global)
+        registry = getattr(sys.modules.get(name), "__dict__", _EMPTY).get("ALL_ATTENTION_FUNCTIONS")
         if registry is None or id(registry) in found:
             continue
         own, shared = getattr(registry, "_local_mapping", None), getattr(registry, "_global_mapping", None)
