@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import io
 import json
 import os
 import re
@@ -181,6 +182,46 @@ def test_resume_redoes_changed_inputs(ckpt: str, tmp_path: Path) -> None:
     (out / f"{GOOD[1]}.{DEFAULTS[-1]}.png").unlink()
     assert _run(*args) == 0
     assert _summary(out)["counts"] == {"images": 3, "ok": 2, "failed": 0, "skipped": 1}
+
+
+@pytest.mark.parametrize("damage", ["truncated overlay", "same-size map", "emptied overlay"])
+def test_resume_redoes_damaged_outputs_and_says_so(damage: str, ckpt: str, tmp_path: Path, capsys) -> None:
+    """An output damaged after the run (a PNG cut short, bytes of a map overwritten in place, a file
+    emptied) made its image count as current on resume: it was skipped and the damage stayed. Now it is
+    redone (as first written, up to float rounding), the other images' files are left as they are, and the run
+    says so."""
+    src = _make_tree(tmp_path / "in", good=GOOD[:3], bad=())
+    out = tmp_path / "out"
+    args = ("export", src, "--out", out, "--model", ckpt, "--method", "rollout", "--save-maps", "-q", "-j", "0")
+    assert _run(*args) == 0
+    victim_key = GOOD[1]
+    victim = out / f"{victim_key}.rollout.{'npy' if damage == 'same-size map' else 'png'}"
+    original = victim.read_bytes()
+    others = {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.rglob("*.rollout.*")
+              if not p.name.startswith(f"{Path(victim_key).name}.")}  # the other images' files
+    assert len(others) == 4
+    if damage == "truncated overlay":
+        victim.write_bytes(original[: len(original) // 2])
+    elif damage == "same-size map":
+        victim.write_bytes(original[:-4] + bytes(b ^ 0xFF for b in original[-4:]))  # the last float flipped
+    else:
+        victim.write_bytes(b"")
+    capsys.readouterr()
+    assert _run(*args) == 0
+    assert _summary(out)["counts"] == {"images": 3, "ok": 1, "failed": 0, "skipped": 2}
+    if victim.suffix == ".npy":  # redone alone, not in a batch of 3: equal up to float rounding
+        np.testing.assert_allclose(np.load(victim), np.load(io.BytesIO(original)), rtol=1e-4, atol=1e-6)
+    else:
+        redone = vx.load_image(victim).astype(int) - vx.load_image(io.BytesIO(original)).astype(int)
+        assert np.abs(redone).max() <= 2
+    assert {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in others} == others
+    (entry,) = _summary(out)["damaged_outputs"]
+    assert entry["input"] == str(src / victim_key) and entry["file"] == victim.relative_to(out).as_posix()
+    err = capsys.readouterr().err
+    assert victim.relative_to(out).as_posix() in err and "redo" in err
+    # the redone image is trusted again: a third run skips everything
+    assert _run(*args) == 0
+    assert _summary(out)["counts"]["skipped"] == 3 and _summary(out)["damaged_outputs"] == []
 
 
 def test_save_maps_equal_explainer(tree: Path, ckpt: str, tmp_path: Path) -> None:

@@ -137,6 +137,27 @@ def _check_outputs(out: Path, tree: Path, ckpt: str, keys: tuple[str, ...], capt
 # ---------------------------------------------------------------------------------------------
 # end to end
 # ---------------------------------------------------------------------------------------------
+def test_caption_resume_redoes_a_half_written_caption_json(ckpt: str, tmp_path: Path) -> None:
+    """A caption JSON cut short after the run (a half-written copy) was trusted on resume; now that image
+    is redone, its JSON whole again, and the summary names the file."""
+    from batch_helpers import images
+
+    src = images(tmp_path / "in", ["a.png", "b.png"])
+    out = tmp_path / "out"
+    common = ("caption", src, "--out", out, "--model", ckpt, *MAX_LEN, "-q", "-j", "0", "--method", "cross")
+    assert _run(*common) == 0
+    doc = out / "b.png.caption.json"
+    whole = json.loads(doc.read_text(encoding="utf-8"))
+    keep = (out / "a.png.caption.json").stat().st_ino
+    doc.write_bytes(doc.read_bytes()[: len(doc.read_bytes()) // 2])
+    assert _run(*common) == 0
+    assert _counts(out) == {"images": 2, "ok": 1, "failed": 0, "skipped": 1}
+    assert json.loads(doc.read_text(encoding="utf-8"))["caption"] == whole["caption"]
+    assert (out / "a.png.caption.json").stat().st_ino == keep
+    summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
+    assert [d["file"] for d in summary["damaged_outputs"]] == ["b.png.caption.json"]
+
+
 def test_caption_end_to_end_resume_overwrite(tree: Path, ckpt: str, tmp_path: Path) -> None:
     out = tmp_path / "out"
     before = _snapshot(tree)

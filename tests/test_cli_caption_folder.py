@@ -91,3 +91,18 @@ def test_a_captioner_folder_without_its_tokenizer_says_to_save_it(tmp_path: Path
     assert cli.main(["caption", str(images), "--out", str(tmp_path / "out"), "--model", str(folder), "-q"]) == 2
     err = capsys.readouterr().err
     assert "saved without its tokenizer" in err and "tokenizer.save_pretrained" in err
+
+
+def test_a_vision_encoder_decoder_folder_without_its_image_processor_says_to_save_it(tmp_path: Path, capsys) -> None:
+    """A VisionEncoderDecoder's pixel statistics belong to how it was trained (ViT-GPT2 and TrOCR use 0.5, a Swin or
+    DeiT encoder fine-tuned with its own processor ImageNet's), not to its model type: without the image processor
+    saved beside it, the run preprocessed every image with mean = std = 0.5 and bicubic resizing, silently."""
+    folder, images = tmp_path / "model", tmp_path / "images"
+    _vision_encoder_decoder().save_pretrained(folder)
+    tokenizer().save_pretrained(folder)  # the tokenizer, but no preprocessor_config.json
+    images.mkdir()
+    Image.fromarray(np.zeros((32, 32, 3), np.uint8)).save(images / "a.png")
+    assert cli.main(["caption", str(images), "--out", str(tmp_path / "out"), "--model", str(folder), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "without its image processor" in err and "save_pretrained" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()

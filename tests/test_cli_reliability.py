@@ -455,21 +455,102 @@ def test_f12_api_options_are_checked_like_the_cli(tmp_path) -> None:
 # ---------------------------------------------------------------------------------------------
 # signals and temporary files
 # ---------------------------------------------------------------------------------------------
-def test_stale_temp_files_of_killed_runs_are_cleaned(ckpt, tmp_path) -> None:
+def _killed_write(out: Path, rel: str, monkeypatch) -> Path:
+    """The temporary file a run writing ``rel`` into ``out`` leaves when it is killed mid-write (its
+    ``Writer`` fails at the write and does not get to remove it); returns its path."""
+    from vitexplain import files
+
+    folder = (out / rel).parent
+    folder.mkdir(parents=True, exist_ok=True)
+    before = set(folder.iterdir())
+
+    def killed(fd, data):
+        raise OSError(errno.EIO, "killed")
+
+    with monkeypatch.context() as m:
+        m.setattr(files.os, "write", killed)
+        m.setattr(files, "_unlink_quietly", lambda *a, **k: None)  # kill -9: no cleanup
+        with pytest.raises(OSError):
+            files.Writer(out).write(rel, b"half a png")
+    (left,) = set(folder.iterdir()) - before
+    return left
+
+
+def test_stale_temp_files_of_killed_runs_are_cleaned(ckpt, tmp_path, monkeypatch) -> None:
     src = _images(tmp_path / "in", ["sub/a.png"])
     out = tmp_path / "out"
     (out / "sub").mkdir(parents=True)
     # what kill -9 leaves mid-write: a temporary file, and the run's unmerged manifest part
-    stale = out / "sub" / ".0123456789ab.4242.tmp"
-    stale.write_bytes(b"half a png")
+    stale = _killed_write(out, "sub/a.rollout.png", monkeypatch)
     (out / "manifest.part-0123456789ab-rank0.jsonl").write_text(json.dumps({"key": "x.png", "status": "ok"}) + "\n")
-    top = out / ".fedcba987654.4242.tmp"  # a summary being replaced when the run was killed
-    top.write_bytes(b"{")
+    top = _killed_write(out, "summary.json", monkeypatch)  # a summary being replaced when the run was killed
     mine = out / "sub" / ".notes.tmp"  # not our pattern: kept
     mine.write_text("user file")
     assert _export(src, out, ckpt) == 0
     assert not stale.exists() and not top.exists() and mine.exists()
     assert _summary(out)["cleaned_temp_files"] == 2
+
+
+class _LiveWrite:
+    """Another run's write in progress: ``Writer(out).write(rel, data)`` in a thread, held inside its
+    ``os.write`` (its temporary file exists) until :meth:`finish`."""
+
+    def __init__(self, out: Path, rel: str, monkeypatch) -> None:
+        import threading
+
+        from vitexplain import files
+
+        self.go, self.inside, self.error = threading.Event(), threading.Event(), None
+        real = os.write
+
+        def write(fd, data):
+            if threading.current_thread().name == "other-run":
+                self.inside.set()
+                self.go.wait(60)
+            return real(fd, data)
+
+        monkeypatch.setattr(files.os, "write", write)
+
+        def job():
+            try:
+                files.Writer(out).write(rel, b"the other run's file")
+            except BaseException as e:  # noqa: BLE001 - reported by finish()
+                self.error = e
+
+        self.thread = threading.Thread(target=job, name="other-run")
+        self.thread.start()
+        assert self.inside.wait(60)
+        self.temps = [p for p in (out / rel).parent.iterdir() if p.name.endswith(".tmp")]
+        assert len(self.temps) == 1
+
+    def finish(self) -> None:
+        self.go.set()
+        self.thread.join(60)
+        assert self.error is None, self.error
+
+
+@pytest.mark.parametrize("nesting", ["inner", "outer"])
+def test_a_run_never_removes_the_temporary_files_of_a_live_run_in_a_nested_out(nesting, ckpt, tmp_path,
+                                                                                  monkeypatch) -> None:
+    """Two live runs, one's --out inside the other's: neither's start-up cleanup removes the other's
+    temporary files. 'inner': the new run's --out is a folder the other run writes into; 'outer': the new
+    run's --out holds the other's (and a killed run's manifest part, so it cleans every folder below)."""
+    src = _images(tmp_path / "in", ["a.png"])
+    outer = tmp_path / "out"
+    inner = outer / "sub"
+    inner.mkdir(parents=True)
+    if nesting == "inner":  # the live run writes out/sub/b.png; the new run has --out out/sub
+        live, new_out, rel = _LiveWrite(outer, "sub/b.png", monkeypatch), inner, inner / "b.png"
+    else:  # the live run has --out out/sub; the new run has --out out
+        (outer / "manifest.part-0123456789ab-rank0.jsonl").write_text(json.dumps({"key": "x", "status": "ok"}) + "\n")
+        live, new_out, rel = _LiveWrite(inner, "deep/b.png", monkeypatch), outer, inner / "deep" / "b.png"
+    try:
+        assert _export(src, new_out, ckpt) == 0
+        assert all(t.exists() for t in live.temps), "the other run's temporary file was removed"
+        assert _summary(new_out)["cleaned_temp_files"] == 0
+    finally:
+        live.finish()
+    assert rel.read_bytes() == b"the other run's file"
 
 
 # Images from the ninth on wait for a release file before they decode (in the main process

@@ -402,3 +402,32 @@ def test_as_rgb_converts_an_opened_image_as_its_file(tmp_path):
         np.testing.assert_array_equal(arr, load_image(path))
         np.testing.assert_array_equal(arr[0, 0], first)
     np.testing.assert_array_equal(arr[..., 1], [[0, 1, 3], [128, 255, 77]])  # the high byte, not 255 everywhere
+
+
+@pytest.mark.parametrize("name, array", [
+    ("i32.tiff", np.array([[0, 100, 7], [200, 255, 1]], np.int32)),  # Pillow mode 'I' (32-bit signed)
+    ("i16.tiff", np.array([[0, 100, 7], [200, 255, 1]], np.uint16)),  # mode 'I;16'
+    ("i16.png", np.array([[0, 100, 7], [200, 255, 1]], np.uint16)),
+])
+def test_integer_gray_holding_8bit_values_is_read_as_8bit(tmp_path, name, array):
+    """A 16- or 32-bit gray file whose values all lie in 0..255 holds 8-bit data (what Pillow's own
+    ``convert("I")`` / ``convert("I;16")`` of an 8-bit image gives): its pixels are those values, not the
+    high byte, which made every such image load black."""
+    arr = load_image(_save(tmp_path / name, Image.fromarray(array)))
+    _check_rgb(arr, (2, 3))
+    for c in range(3):
+        np.testing.assert_array_equal(arr[..., c], [[0, 100, 7], [200, 255, 1]])
+
+
+def test_integer_gray_rule_at_the_8bit_boundary(tmp_path):
+    """One value past 255 makes the file 16-bit data (high byte); past 65535 (32-bit 'I') min-max stretched;
+    an 8-bit image converted by Pillow to 'I' / 'I;16' gives its own gray levels."""
+    arr = load_image(_save(tmp_path / "b.tiff", Image.fromarray(np.array([[0, 255, 256, 65535]], np.uint16))))
+    np.testing.assert_array_equal(arr[0, :, 0], [0, 0, 1, 255])
+    arr = load_image(_save(tmp_path / "s.tiff", Image.fromarray(np.array([[0, 100, 70000]], np.int32))))
+    np.testing.assert_array_equal(arr[0, :, 0], [0, round(100 * 255 / 70000), 255])
+    from vitexplain.data.arrays import as_rgb
+
+    gray = np.array([[3, 50], [128, 255]], np.uint8)
+    for mode in ("I", "I;16"):
+        np.testing.assert_array_equal(as_rgb(Image.fromarray(gray).convert(mode))[..., 1], gray)

@@ -4,10 +4,13 @@ Used by everything that writes files (the batch commands, the gallery, the explo
 ``vx.viz.save_png``), so it sits low in the package and knows no command.
 
 Every file is written to a hidden temporary name in its destination folder
-(``.<12 hex>.<pid>.tmp``, :data:`TEMP_RE`, created with ``O_EXCL``) and moved into place with
-:func:`os.replace`, so an interrupted run leaves no half-written file; a run killed outright
-(``kill -9``) can leave a temporary file, which the next run removes under the output lock
-(:func:`~vitexplain.batch.outfolder.clean_stale_temps`).
+(``.vx-<folder tag>-<12 hex>.<pid>.tmp``, :data:`TEMP_RE`, created with ``O_EXCL``) and moved
+into place with :func:`os.replace`, so an interrupted run leaves no half-written file; a run
+killed outright (``kill -9``) can leave a temporary file, which the next run into the same
+output folder removes under the output lock (:func:`~vitexplain.batch.outfolder.clean_stale_temps`).
+The folder tag (:func:`folder_tag`) names the output folder the writer writes below, so that
+clean-up removes only the temporaries of runs into *its* folder: another run whose ``--out`` is
+nested inside it (or holds it) is live under its own lock, and its temporaries are left alone.
 
 Links planted in the output folder never redirect a write: the folders below ``--out`` are
 opened one by one relative to their parent with ``O_NOFOLLOW`` (``openat``), so a subfolder that
@@ -55,6 +58,7 @@ __all__ = [
     "is_output_file",
     "WriteFn",
     "TEMP_RE",
+    "folder_tag",
     "encode_png",
     "encode_npy",
     "encode_npz",
@@ -63,8 +67,20 @@ __all__ = [
     "is_per_file",
 ]
 
-#: Temporary file names written by :class:`Writer` (``.<12 hex>.<pid>.tmp``).
-TEMP_RE = re.compile(r"^\.[0-9a-f]{12}\.\d+\.tmp$")
+#: Temporary file names written by :class:`Writer` (``.vx-<8 hex folder tag>-<12 hex>.<pid>.tmp``);
+#: group 1 is the tag of the output folder they were written below (:func:`folder_tag`).
+TEMP_RE = re.compile(r"^\.vx-([0-9a-f]{8})-[0-9a-f]{12}\.\d+\.tmp$")
+
+
+def folder_tag(folder: Path | str) -> str:
+    """8 hex digits naming the folder ``folder`` (from its inode number: the same on every host that
+    mounts it and under every path that reaches it), which :class:`Writer` puts in its temporary file
+    names so that clean-up can tell the temporaries of runs into one output folder from another's.
+
+    Raises:
+        OSError: ``folder`` cannot be stat'ed.
+    """
+    return f"{os.stat(folder).st_ino & 0xFFFFFFFF:08x}"
 
 NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
@@ -112,6 +128,7 @@ class Writer:
         self.out = Path(out)
         self._prefix = os.urandom(3).hex()
         self._count = itertools.count()
+        self._tag: Optional[str] = None  # folder_tag(out), once out exists
 
     def write(self, rel: str, data: bytes) -> None:
         """Write ``data`` to ``out/rel`` (``rel``: posix path) via a temporary file; the folders
@@ -128,13 +145,16 @@ class Writer:
         dir_fd = None
         try:
             dir_fd = open_folder(self.out, folders, create=True)
+            if self._tag is None:
+                self._tag = folder_tag(self.out)
             where = (lambda n: n) if _AT else (lambda n: os.path.join(self.out, *folders, n))
             at = {"dir_fd": dir_fd} if _AT else {}
-            candidate = f".{self._prefix}{next(self._count) % 0x1000000:06x}.{os.getpid()}.tmp"
+            head = f".vx-{self._tag}-"
+            candidate = f"{head}{self._prefix}{next(self._count) % 0x1000000:06x}.{os.getpid()}.tmp"
             try:
                 fd = os.open(where(candidate), _CREATE, 0o666, **at)
             except FileExistsError:  # a leftover of a killed run with the same pid: another name
-                candidate = f".{uuid.uuid4().hex[:12]}.{os.getpid()}.tmp"
+                candidate = f"{head}{uuid.uuid4().hex[:12]}.{os.getpid()}.tmp"
                 fd = os.open(where(candidate), _CREATE, 0o666, **at)
             tmp = candidate
             try:

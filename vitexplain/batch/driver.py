@@ -7,7 +7,9 @@ its entries of ``summary.json`` and its gallery. The driver does the rest:
 1. rank 0 creates ``--out``, takes its lock (:mod:`~vitexplain.batch.lock`; a folder in use
    by another live run is a usage error) and removes temporary files left by killed runs;
 2. each rank takes its shard, skips images whose outputs are current (the resume rule,
-   :func:`is_current`), decodes the rest in a DataLoader and explains them batch by batch
+   :func:`is_current`: same input and settings, every output file as written, checked by its
+   recorded size and digest; damaged ones are redone and named on stderr and in the summary),
+   decodes the rest in a DataLoader and explains them batch by batch
    while a thread pool draws and writes the files of the previous batches;
 3. every finished image's record is appended to this run's manifest part, whole;
 4. when every rank is done, rank 0 merges the manifest, writes ``summary.json`` (and a
@@ -29,6 +31,7 @@ from typing import Any, Optional
 
 from ..errors import UsageError
 from .inputs import InputItem, Unreadable
+from .integrity import damage
 from .lock import OutputLock
 from .manifest import PART_RE, SUMMARY, ManifestPart, merge_manifest, new_run_id, read_manifest
 from .run import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_OUTPUT, EXIT_TERMINATED, EXIT_USAGE,  # noqa: F401
@@ -37,7 +40,7 @@ from .shard import new_stats, run_shard
 from .signals import Interrupted, StopSignals, interrupt_for, signals_as_interrupts  # noqa: F401 - re-exported
 from .summary import build_summary, run_counts
 from .outfolder import clean_stale_temps
-from ..files import OutputError, Writer, is_output_file, json_bytes, json_safe
+from ..files import OutputError, Writer, json_bytes, json_safe
 
 # the run's types and the signal helpers are re-exported for code that imported them from here
 __all__ = ["EXIT_OK", "EXIT_FAILED", "EXIT_USAGE", "EXIT_OUTPUT", "EXIT_INTERRUPTED", "EXIT_TERMINATED",
@@ -63,17 +66,32 @@ def source_of(path: str) -> dict[str, Any]:
     return source
 
 
-def is_current(rec: Optional[dict[str, Any]], source: dict[str, Any], config_hash: str, out: Path) -> bool:
-    """The resume rule: an ok record for the same file (path, size, mtime) and the same
-    settings, whose listed output files all exist."""
+def _same_work(rec: Optional[dict[str, Any]], source: dict[str, Any], config_hash: str) -> bool:
+    """An ok record with output files, for the same file (path, size, mtime) and the same settings."""
     if not rec or rec.get("status") != "ok" or rec.get("config_hash") != config_hash:
         return False
     if rec.get("source") != (source if source["path"].isascii() else json_safe(source)):
         return False
-    files = rec.get("files") or {}
-    if not files:
-        return False
-    return all(is_output_file(out, str(rel)) for entry in files.values() for rel in entry.values())
+    return bool(rec.get("files"))
+
+
+def is_current(rec: Optional[dict[str, Any]], source: dict[str, Any], config_hash: str, out: Path) -> bool:
+    """The resume rule: an ok record for the same file (path, size, mtime) and the same
+    settings, whose listed output files all exist, reached without links, with the size and
+    content the run recorded (:func:`~vitexplain.batch.integrity.damage`)."""
+    return _same_work(rec, source, config_hash) and damage(rec or {}, out) is None
+
+
+#: Damaged outputs named one by one on stderr per rank; the rest are counted (all are in the summary).
+_DAMAGE_LINES = 20
+
+
+def _warn_damaged(damaged: list[dict[str, str]]) -> None:
+    for d in damaged[:_DAMAGE_LINES]:
+        say(f"vitexplain: warning: {d['file']} of {d['input']}: {d['reason']}; redoing this image")
+    if len(damaged) > _DAMAGE_LINES:
+        say(f"vitexplain: warning: and {len(damaged) - _DAMAGE_LINES} more images whose outputs cannot be "
+            "trusted are redone (summary.json lists them under damaged_outputs)")
 
 
 def _start(run: Run, lock: OutputLock) -> str:
@@ -123,16 +141,23 @@ def drive(run: Run, command: Command, t_start: float) -> ExportResult:
             previous = {} if run.overwrite else read_manifest(out)
             todo: list[tuple[InputItem, dict[str, Any]]] = []
             skipped = 0
+            damaged: list[dict[str, str]] = []  # current records whose files are not as written: redone
             for item in shard:
                 source = source_of(item.path)
-                if not run.overwrite and is_current(previous.get(item.key), source, run.config_hash, out):
-                    skipped += 1
-                else:
-                    todo.append((item, source))
+                rec = previous.get(item.key)
+                if not run.overwrite and _same_work(rec, source, run.config_hash):
+                    why = damage(rec or {}, out)
+                    if why is None:
+                        skipped += 1
+                        continue
+                    damaged.append({"input": item.path, "file": why[0], "reason": why[1]})
+                todo.append((item, source))
+            _warn_damaged(damaged)
             setup_s = time.perf_counter() - t_start
             crash: Optional[BaseException] = None
             part: Optional[ManifestPart] = None
             stats = new_stats(skipped)
+            stats["damaged"] = damaged[:1000]
             try:
                 part = ManifestPart(out, run_id, dist.rank)
                 if dist.rank == 0:

@@ -121,7 +121,8 @@ def _with_caption_tokenizer(transformers: Any, model: "nn.Module", folder: Path,
     Explainer reads it by default), and its image processor's settings as ``model.vx_preprocess``.
 
     Raises:
-        UsageError: the folder holds no tokenizer (the caption's words could not be named or encoded).
+        UsageError: the folder holds no tokenizer (the caption's words could not be named or encoded), or it holds a
+            VisionEncoderDecoder without its image processor (its pixel statistics would be guessed).
     """
     tokenizer = None
     for loader in (transformers.AutoProcessor, transformers.AutoTokenizer):
@@ -139,6 +140,16 @@ def _with_caption_tokenizer(transformers: Any, model: "nn.Module", folder: Path,
     settings = _image_processor_settings(transformers, folder, path)
     if settings:
         model.vx_preprocess = settings  # read by vitexplain.adapters.preprocessing
+    elif type(model).__name__ == "VisionEncoderDecoderModel":
+        # BLIP's and GIT's pixels are fixed by their model type (their processors' CLIP statistics); a
+        # VisionEncoderDecoder's are whatever it was trained with (0.5 for ViT-GPT2 and TrOCR, ImageNet's for an
+        # encoder fine-tuned with its own processor): the adapter's 0.5 would be a guess, used on every image
+        raise UsageError(
+            f"--model {path!r} is a VisionEncoderDecoder captioner saved without its image processor "
+            "(preprocessor_config.json), and its pixel statistics (mean, std, resizing) depend on how it was trained, "
+            "not on its model type; save the processor it was trained with next to it "
+            "(processor.save_pretrained(DIR)), or write one with the right statistics, e.g. "
+            "transformers.ViTImageProcessor(image_mean=[0.5] * 3, image_std=[0.5] * 3).save_pretrained(DIR)")
     return model
 
 

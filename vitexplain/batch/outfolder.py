@@ -11,7 +11,7 @@ import uuid
 from pathlib import Path
 
 from ..errors import UsageError
-from ..files import TEMP_RE
+from ..files import TEMP_RE, folder_tag
 
 __all__ = ["check_writable", "check_own_names", "clean_stale_temps", "is_run_summary"]
 
@@ -122,9 +122,13 @@ def check_own_names(out: str | os.PathLike[str], names: list[str]) -> None:
 
 
 def clean_stale_temps(out: Path, *, everywhere: bool) -> int:
-    """Remove temporary files (:data:`TEMP_RE`) left in ``out`` by killed runs.
+    """Remove temporary files (:data:`TEMP_RE`) left in ``out`` by killed runs into ``out``.
 
-    Call it only while holding the output lock (no other run writes there then).
+    Call it only while holding the output lock (no other run writes into ``out`` then). Only
+    temporaries tagged with ``out``'s own :func:`~vitexplain.files.folder_tag` are removed: a live
+    run whose ``--out`` is a folder below ``out``, or holds ``out``, writes temporaries tagged with
+    its own folder, under its own lock, and they are left alone (removing one made that run's
+    write fail). Temporaries of another folder's killed run are that folder's next run's to remove.
 
     Args:
         out: the output folder.
@@ -136,10 +140,12 @@ def clean_stale_temps(out: Path, *, everywhere: bool) -> int:
         How many files were removed.
     """
     removed = 0
+    tag = folder_tag(out)
     walk = os.walk(out) if everywhere else [(str(out), [], os.listdir(out))]
     for dirpath, _, files in walk:
         for name in files:
-            if TEMP_RE.match(name):
+            m = TEMP_RE.match(name)
+            if m and m.group(1) == tag:
                 try:
                     os.unlink(os.path.join(dirpath, name))
                     removed += 1

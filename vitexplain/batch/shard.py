@@ -29,6 +29,7 @@ from .decoding import ImageDataset, make_loader
 from .distributed import autocast
 from .run import ProcessFn, Run, say
 from .inputs import InputItem
+from .integrity import RecordingWriter
 from .manifest import ManifestPart
 from .signals import StopSignals
 from ..files import OutputError, WriteFn, Writer
@@ -56,16 +57,17 @@ def _writer_priority() -> None:
 def _write_job(rec: dict[str, Any], write: WriteFn, writer: Writer) -> tuple[dict[str, Any], float]:
     """Run one image's write job (in a writer thread); returns (record, seconds).
 
-    The record becomes ``ok`` with its ``files``, or ``failed`` with an error and the files
-    finished before it.
+    The record becomes ``ok`` with its ``files`` (and their ``checksums``, which resume verifies), or
+    ``failed`` with an error and the files finished before it.
 
     Raises:
         OutputError: the output folder cannot be written (the run stops).
     """
     t = time.perf_counter()
     files: dict[str, dict[str, str]] = {}
+    sums: dict[str, dict[str, Any]] = {}  # each finished file's size and digest: what resume verifies
     try:
-        write(writer, files)
+        write(RecordingWriter(writer, sums), files)  # type: ignore[arg-type]  # a Writer's write, recorded
         rec["status"] = "ok"
     except OutputError:
         raise
@@ -73,6 +75,7 @@ def _write_job(rec: dict[str, Any], write: WriteFn, writer: Writer) -> tuple[dic
         rec["status"] = "failed"
         rec["error"] = f"writing the outputs of {rec['input']} failed: {type(e).__name__}: {e}"
     rec["files"] = files
+    rec["checksums"] = {rel: sums[rel] for entry in files.values() for rel in entry.values() if rel in sums}
     rec["time"] = time.time()
     return rec, time.perf_counter() - t
 

@@ -68,6 +68,7 @@ def build_summary(
             "images_per_s": round(processed / process_s, 3) if process_s > 0 else None,
         },
         "failures": failures,
+        "damaged_outputs": [d for s in all_stats for d in s.get("damaged", [])],
         **fields,
         "device": str(run.device) if run.dist.world == 1 else f"{run.device.type} x {run.dist.world}",
         "world_size": run.dist.world,

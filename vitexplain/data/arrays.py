@@ -60,8 +60,9 @@ def as_rgb(image: Any, what: str = "image") -> np.ndarray:
     :func:`~vitexplain.data.decoding.load_image`, an array checked by :func:`check_rgb`).
 
     A PIL image is converted as :func:`~vitexplain.data.decoding.load_image` converts a file (alpha
-    composited on white, 16-bit gray keeping its high byte, ...): an opened image and its path give
-    the same pixels (Pillow's own ``convert("RGB")`` drops alpha and saturates 16-bit images to white).
+    composited on white, 16-bit gray keeping its high byte, 8-bit values in a 16-bit image as they are,
+    ...): an opened image and its path give the same pixels (Pillow's own ``convert("RGB")`` drops alpha and
+    saturates 16-bit images to white).
     """
     if isinstance(image, (str, os.PathLike)):  # a file, read as explain() reads it
         from .decoding import load_image

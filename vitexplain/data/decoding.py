@@ -6,12 +6,21 @@ array, with the same result for every input kind:
 - EXIF orientation is applied (``ImageOps.exif_transpose``), so the array is what a
   photo viewer shows.
 - Grayscale ``L`` / ``1`` are replicated to three channels.
-- 16-bit data (``I;16*`` PNG/TIFF, and Pillow's ``I`` mode when its values lie in
-  ``[0, 65535]``) is reduced to 8 bit with ``v >> 8`` (the high byte). This is the exact
-  inverse of both common 8 -> 16 bit expansions (``v * 257`` and ``v << 8``) and matches
-  what Pillow itself does for 16-bit *colour* PNGs (RGB48 keeps the high byte), so gray
-  and colour 16-bit files are scaled alike. ``I`` values outside ``[0, 65535]`` are
-  min-max stretched to ``[0, 255]``.
+- Integer gray data (Pillow's ``I;16*`` modes of 16-bit PNG/TIFF/PGM, and its 32-bit ``I``
+  mode) is read by the range its values actually take, the same way for every mode (so a
+  file gives the same pixels whichever mode a Pillow version opens it in):
+
+  * all values in ``[0, 255]``: **8-bit data** in a wider container, taken as they are.
+    This is what Pillow's own ``convert("I")`` / ``convert("I;16")`` of an 8-bit image and
+    ``Image.fromarray`` of an 8-bit array cast to ``uint16`` / ``int32`` give; read as
+    16-bit, every such image would be black (its high byte is 0).
+  * all values in ``[0, 65535]``, some above 255: **16-bit data**, reduced with ``v >> 8``
+    (the high byte), i.e. mapped from the full 16-bit range. This is the exact inverse of
+    both common 8 -> 16 bit expansions (``v * 257`` and ``v << 8``) and matches what Pillow
+    itself does for 16-bit *colour* PNGs (RGB48 keeps the high byte), so gray and colour
+    16-bit files are scaled alike. 10- or 12-bit sensor data stored in 16 bits therefore
+    looks dark, as in an image viewer.
+  * any value below 0 or above 65535 (only in ``I``): min-max stretched to ``[0, 255]``.
 - 32-bit float ``F`` images: values in ``[0, 1]`` are multiplied by 255, values in
   ``[0, 255]`` are taken as they are, anything else is min-max stretched. NaN/inf
   pixels are an error.
@@ -100,9 +109,10 @@ def _check_path(source: Any, name: str) -> Path:
 def load_image(source: ImageSource, *, max_pixels: int | None = DEFAULT_MAX_PIXELS) -> np.ndarray:
     """Decode an image file into an ``(H, W, 3)`` uint8 RGB array.
 
-    See the module docstring for how each image mode is converted (16-bit data keeps
-    the high byte, ``v >> 8``; transparency is composited on white; EXIF orientation
-    is applied). The input file is only ever opened for reading.
+    See the module docstring for how each image mode is converted (integer gray data is
+    read by the range of its values: all in 0..255 as 8-bit, up to 65535 as 16-bit keeping
+    the high byte ``v >> 8``, anything wider min-max stretched; transparency is composited
+    on white; EXIF orientation is applied). The input file is only ever opened for reading.
 
     Args:
         source: Path (``str`` or ``os.PathLike``), encoded bytes, or a binary file object
@@ -263,12 +273,13 @@ def _converter(im: Image.Image, name: str) -> Any:
     mode = im.mode
     trns = im.info.get("transparency")
     if mode.startswith("I;16") or mode == "I":
-        lo, hi = _value_range(im, name) if mode == "I" else (0.0, 65535.0)
+        lo, hi = _value_range(im, name)
         stretch = lo < 0 or hi > 65535
+        shift = 0 if hi <= 255 else 8  # 8-bit values in a wider container: as they are; 16-bit: the high byte
 
         def integer(part: Image.Image) -> np.ndarray:
             raw = np.asarray(part)  # uint16 or int32: no wider copy than the strip
-            out = _gray3(_stretch(raw, lo, hi) if stretch else (raw >> 8).astype(np.uint8))
+            out = _gray3(_stretch(raw, lo, hi) if stretch else (raw >> shift).astype(np.uint8))
             if isinstance(trns, int):
                 out[raw == trns] = 255
             return out
