@@ -7,6 +7,7 @@ test_capture_narrowing.py (names, kinds, steps, top-level calls, shapes, probabi
 
 from __future__ import annotations
 
+import functools
 import gc
 import types
 import weakref
@@ -103,6 +104,28 @@ def test_what_a_capture_learned_does_not_keep_the_model_alive_nor_survives_a_for
     assert discovery.recall(model, key) is not None
     alive = weakref.ref(model)
     del model, run
+    gc.collect()
+    assert alive() is None
+
+
+def test_a_model_whose_forward_is_its_own_bound_method_is_not_kept_alive_and_a_new_forward_is_seen():
+    """An instance forward bound to the module (``model.forward = types.MethodType(...)``, a hook library's
+    partial holding it): what captures keep of the model's walk holds it weakly, so a model dropped by its user
+    goes; and replacing the partial by an equal-looking new one (the old one freed) is a change, discovered again."""
+    model, run = _llava()
+    model.forward = types.MethodType(type(model).forward, model)
+    layer = model.model.language_model.layers[0]
+    layer.forward = functools.partial(type(layer).forward, layer)
+    for _ in range(2):
+        with torch.no_grad(), vx.capture(model):
+            run()
+    assert discovery.recall(model, discovery.fingerprint(model)) is not None
+    layer.forward = functools.partial(type(layer).forward, layer)
+    assert discovery.recall(model, discovery.fingerprint(model)) is None
+    with torch.no_grad(), vx.capture(model):
+        run()
+    alive = weakref.ref(model)
+    del model, run, layer
     gc.collect()
     assert alive() is None
 

@@ -112,7 +112,8 @@ def survey(model: nn.Module) -> Survey:
         walked.append(module)
         kind = type(module)
         own = module.__dict__
-        entries.append((key, depth, ident, kind, kind.forward, own.get("forward")))
+        forward = own.get("forward")  # (an instance's own: held weakly, _weakly)
+        entries.append((key, depth, ident, kind, kind.forward, forward if forward is None else _weakly(forward)))
         found = by_type.get(kind)
         if found is None:
             by_type[kind] = [module]
@@ -137,6 +138,19 @@ def survey(model: nn.Module) -> Survey:
         _NAMES[model] = (entries, ordered, names)
     key = (tuple(entries), tuple(configs.items()), _registries(by_type, configs.values()), model.training)
     return Survey(dict(zip(ordered, walked)), names, by_type, key, compiled)
+
+
+def _weakly(forward: Any) -> Any:
+    """A weak reference to a module's own ``forward`` (equal to another exactly when their forwards are the same
+    while both live; a dead one equals no live one), or the forward itself when it takes no weak reference.
+
+    The walk's entries are kept (a learned entry's key, ``_NAMES``) for as long as the model lives; an instance's
+    forward is often a method bound to the module or a partial holding it (``model.forward = ...``, hook libraries),
+    and kept strongly it would keep the model alive for ever from the entries the model is the weak key of."""
+    try:
+        return weakref.ref(forward)
+    except TypeError:
+        return forward
 
 
 #: per model, its last survey's walk (keys, depths, identities, classes, forwards), the module names in walk order
