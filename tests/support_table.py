@@ -516,7 +516,7 @@ def rows() -> list[Row]:
         Row("HF LevitModel (headless)", "hierarchical", _hf_levit("LevitModel"), (128, 128), _HF_MORE_TEST, "norm"),
         Row("HF Sam3ViTModel (SAM 3's image encoder backbone, headless)", "hierarchical", _hf_cnn("Sam3ViTConfig", "Sam3ViTModel", hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2, image_size=112, patch_size=14, window_size=3, global_attn_indexes=[1, 3], pretrain_image_size=56), (112, 112), f"tests/test_hier_sam3.py, {_LEGRAD_MORE_TEST}", "norm"),
         Row("HF Sam2HieraDetModel (SAM 2's image encoder backbone, headless)", "hierarchical", _hf_sam2_hiera, s64, f"{_HF_MORE_TEST}, {_LEGRAD_MORE_TEST}", "norm"),
-        Row("timm TNT (outer tokens)", "hierarchical", lambda: _timm("tnt_s_patch16_224", img_size=64, depth=2, num_classes=5), s64, f"{_POOL_TEST}, {_LEGRAD_TEST}"),
+        Row("timm TNT (outer tokens)", "hierarchical", lambda: _timm("tnt_s_patch16_224", img_size=64, depth=2, num_classes=5), s64, f"{_POOL_TEST}, {_LEGRAD_TEST}, tests/test_hier_cdam_rerun.py"),
         Row("timm Swin", "Swin", _timm_class("swin_transformer", "SwinTransformer", **_SWIN), s32, _SWIN_TEST),
         Row("timm SwinV2", "Swin", _timm_class("swin_transformer_v2", "SwinTransformerV2", **_SWIN), s32, _SWIN_TEST),
         Row("timm SwinV2-CR", "Swin", _timm_class("swin_transformer_v2_cr", "SwinTransformerV2Cr", **_SWIN), s32, _SWIN_TEST),

@@ -266,6 +266,12 @@ class TwinsAdapter(HierAdapter):
         """None when the last stage is one block: its PEG runs between that block and the head."""
         return super().tail_block() if len(self.model.blocks[-1]) > 1 else None
 
+    def tail_refusal(self) -> str:
+        return ("the last stage of this Twins has one block, and its positional conv (PEG, after a stage's first "
+                "block) runs between that block and the head, so re-running the block that holds the tokens entering "
+                "the last attention (T) does not give the outputs (smooth and integrated CDAM; a last stage of two or "
+                "more blocks has them); use 'cdam'")
+
     def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
         chain: Chain = []
         sets: list[TokenSet] = []

@@ -78,6 +78,11 @@ class HFLeViTAdapter(HFForward, HierAdapter):
         end = next((k - 1 for k, attn in layers if k > j and attn), layers[-1][0])
         return f"{self.base}encoder.stages.{s}.layers.{end}", "output"
 
+    def tail_refusal(self) -> str:
+        from .hier_timm import _LEVIT_TAIL
+
+        return _LEVIT_TAIL.format(type(self.model).__name__)
+
     def head_on(self, tokens: Tensor) -> Tensor:
         """The mean over the (B, N, C) tokens, then the classifier (BatchNorm1d, linear; with teacher: the mean of
         the classifier and the distillation classifier); headless: that mean, as :meth:`forward` reads it."""

@@ -19,7 +19,7 @@ model's own modules:
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from torch import Tensor, nn
 
@@ -30,6 +30,13 @@ from .base import Adapter, register_adapter
 from .hier import Chain, HierAdapter, conv_footprint, conv_grid, global_call, module_family, token_set
 
 __all__ = ["PiTAdapter", "MaxViTAdapter", "LeViTAdapter", "MViTv2Adapter", "TNTAdapter"]
+
+
+#: Why LeViT (timm's and Hugging Face's) has no smooth or integrated CDAM.
+_LEVIT_TAIL = (
+    "in {} the tokens entering the last attention (T) are the last block's input itself (LeViT's attention has no "
+    "norm before it), which is also that block's residual: smooth and integrated CDAM re-run the block that holds T "
+    "from its input, with T inside it, and LeViT has no such block; use 'cdam'")
 
 
 # -- PiT ---------------------------------------------------------------------------------------
@@ -216,6 +223,9 @@ class LeViTAdapter(HierAdapter):
         (B, C, H, W) maps."""
         return self.model.forward_head(tokens)
 
+    def tail_refusal(self) -> str:
+        return _LEVIT_TAIL.format(type(self.model).__name__)
+
     def site_grid(self, stage: int, output: Tensor, input_size: Sequence[int]) -> Tensor:
         """A token site's output on the stage grid: (B, N, C) tokens (linear mode) or (B, C, H, W) maps
         (``levit_conv_*``, ``use_conv=True``) as (B, H_s, W_s, C)."""
@@ -327,6 +337,19 @@ class TNTAdapter(HierAdapter):
     def head_on(self, tokens: Tensor) -> Tensor:
         """The final norm, then the model's head, on the (B, 1 + N, C) outer tokens."""
         return self.model.forward_head(self.model.norm(tokens))
+
+    def tail_block(self) -> Any:
+        """The last block's ``norm_out`` (whose output is T): its input, the (B, 1 + N, C) outer tokens with the
+        inner tokens' projection added, is where the outer half of the block re-runs from (:meth:`tail_run`)."""
+        return self.token_sites[-1]
+
+    def tail_run(self, block: Any, x: Tensor, recorded: Any) -> Tensor:
+        """The last block's outer half from its (b, 1 + N, C) outer tokens ``x`` (the inner tokens' projection
+        already added; the inner tokens reach the outputs only that way): ``u = x + attn_out(norm_out(x))``,
+        ``u + mlp(norm_mlp(u))``, as timm's ``Block.forward`` (checked against the model's outputs)."""
+        blk = self.model.blocks[-1]
+        u = x + blk.drop_path(blk.attn_out(block(x)))
+        return u + blk.drop_path(blk.mlp(blk.norm_mlp(u)))
         self.fixed_size = tuple(pair(model.pixel_embed.img_size))
 
     def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
