@@ -217,6 +217,20 @@ def _levit_conv() -> nn.Module:
     return _levit_gains(model)
 
 
+def _halonet() -> nn.Module:
+    """A tiny timm HaloNet (``ByobNet`` with ``self_attn_layer="halo"``, as ``halonet26t`` but 2 halo stages of 4 x 4
+    blocks with a halo of 1) at 64 px: feature maps 8 x 8 and 4 x 4."""
+    from timm.models.byobnet import ByobNet, ByoBlockCfg, ByoModelCfg
+
+    cfg = ByoModelCfg(
+        blocks=(ByoBlockCfg(type="bottle", d=1, c=32, s=1, gs=0, br=0.25),
+                ByoBlockCfg(type="self_attn", d=1, c=64, s=2, gs=0, br=0.25),
+                ByoBlockCfg(type="self_attn", d=1, c=64, s=2, gs=0, br=0.25)),
+        stem_chs=16, stem_type="tiered", stem_pool="maxpool", self_attn_layer="halo",
+        self_attn_kwargs=dict(block_size=4, halo_size=1, num_heads=2))
+    return ByobNet(cfg, num_classes=5)
+
+
 def _levit() -> nn.Module:
     """A tiny LeViT whose linear and conv layers get N(0, 1 / fan_in) and attention biases N(0, 1):
     with timm's init (zero biases) each subsampling attention is near uniform, its outputs near
@@ -475,6 +489,7 @@ def rows() -> list[Row]:
         Row("torchvision ResNet-18 behind a normalisation layer (Sequential)", "CNN", _torchvision_resnet(wrapped=True), s32, "tests/test_cnn_fuzz.py"),
         Row("torchvision ResNet-18, fc = Identity (headless)", "CNN", _torchvision_resnet(headless=True), s32, "tests/test_cnn_fuzz.py", "norm"),
         Row("timm BotNet (self-attention blocks, one input size)", "hybrid", lambda: _timm("botnet26t_256", img_size=64, num_classes=5), s64, "tests/test_cnn_fuzz.py"),
+        Row("timm HaloNet (halo attention in blocks: not recorded)", "hybrid", _halonet, s64, "tests/test_cnn_fuzz.py"),
         Row("timm ResNeSt (split attention)", "hybrid", lambda: _timm("resnest14d", num_classes=5), s64, "tests/test_cnn_fuzz.py"),
         Row("timm EfficientFormerV2", "hybrid", _timm_class("efficientformer_v2", "EfficientFormerV2", depths=(1, 1, 2, 2), embed_dims=(16, 24, 32, 48), img_size=64, num_vit=2, num_classes=5), s64, "tests/test_hybrids.py"),
         Row("timm EfficientViT (MIT: ReLU linear attention)", "hybrid", lambda: _timm("efficientvit_b0", num_classes=5), s64, "tests/test_hybrids.py"),
