@@ -46,10 +46,18 @@ CASES = {
     # (the block's second argument: the inner tokens' projection is added to them as they are), its standard
     # deviation from the range of norm_out's input
     "tnt": ("blocks.1.norm_out", "blocks.1.norm_out", lambda v, m: v[:, 1:].reshape(-1, 4, 4)),
+    # LeViT (timm, linear and conv mode): T is the last block's input itself (the previous block's output), so the
+    # integrated path scales the block input, its residual with it, and the smooth noise goes on T
+    "levit": ("stages.2.blocks.1", "stages.2.blocks.0", lambda v, m: v.view(-1, 4, 4)),
+    "levit_conv": ("stages.2.blocks.1", "stages.2.blocks.0", lambda v, m: v),  # (B, C, H, W): summed over dim 1
+    # Hugging Face LeViT: the last attention residual layer and its MLP residual layer are re-run from T, its input
+    "hf_levit": ("levit.encoder.stages.2.layers.2", "levit.encoder.stages.2.layers.1", lambda v, m: v.view(-1, 4, 4)),
 }
 
 #: kinds whose smooth variant perturbs a block's second argument (TNT's outer tokens) by the noise, not the input
 OUTER_NOISE = {"tnt": "blocks.1"}
+#: kinds whose T is the re-run block's input: the smooth oracle puts the noise on T (the site's output) itself
+INPUT_IS_T = {"levit", "levit_conv", "hf_levit"}
 
 
 def _tv_grid(layer: nn.Module, v: torch.Tensor) -> torch.Tensor:
@@ -59,7 +67,7 @@ def _tv_grid(layer: nn.Module, v: torch.Tensor) -> torch.Tensor:
 
 
 def _per_token(t: torch.Tensor, g: torch.Tensor, kind: str) -> torch.Tensor:
-    return (t * g).sum(dim=1 if kind == "coatnet" else -1)
+    return (t * g).sum(dim=1 if kind in ("coatnet", "levit_conv") else -1)
 
 
 def _site_run(eager, kind, x, *, replace_site=None, block_input=None):
@@ -128,8 +136,11 @@ def smooth_oracle(kind, model, x, samples, noise, seed):
     eps = torch.randn(samples, *inp.shape[1:], generator=torch.Generator().manual_seed(seed)).double()  # float32 draws
     total = 0.0
     for s in range(samples):
-        noisy = sigma * eps[s] if kind in OUTER_NOISE else inp + sigma * eps[s]
-        logits, leaf = _site_run(eager, kind, x.double(), block_input=noisy)
+        if kind in INPUT_IS_T:
+            logits, leaf = _site_run(eager, kind, x.double(), replace_site=inp + sigma * eps[s])
+        else:
+            noisy = sigma * eps[s] if kind in OUTER_NOISE else inp + sigma * eps[s]
+            logits, leaf = _site_run(eager, kind, x.double(), block_input=noisy)
         (g,) = torch.autograd.grad(logits[:, TARGET].sum(), leaf)
         total = total + _per_token(leaf.detach(), g, kind)
     return CASES[kind][2](total / samples, eager)
@@ -165,8 +176,6 @@ def test_smooth_cdam_matches_its_definition_on_the_whole_model(kind):
 
 #: kind -> what its refusal must say (each family's own reason)
 REFUSED = {
-    "levit": "are the last block's input itself",
-    "hf_levit": "are the last block's input itself",
     "crossvit": "reads both branches",
     "pcpvt": "positional conv",
 }

@@ -67,6 +67,11 @@ class HeadOnTokens:
         out = block(x, *recorded.args[1:], **recorded.kwargs)
         return out[0] if isinstance(out, (tuple, list)) else out
 
+    def tail_input_is_t(self) -> bool:
+        """Whether T is :meth:`tail_block`'s input itself (LeViT: no norm before its attention), so the re-run
+        varies that input as T (the residual with it); else T is the output of a site inside the block."""
+        return False
+
     def tail_refusal(self) -> str:
         """Why the re-running CDAM variants are refused for this model (when :meth:`tail_block` is None)."""
         return (f"in {type(self.model).__name__} the tokens entering the last attention (T) are not inside the block "

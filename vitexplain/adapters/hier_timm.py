@@ -32,11 +32,10 @@ from .hier import Chain, HierAdapter, conv_footprint, conv_grid, global_call, mo
 __all__ = ["PiTAdapter", "MaxViTAdapter", "LeViTAdapter", "MViTv2Adapter", "TNTAdapter"]
 
 
-#: Why LeViT (timm's and Hugging Face's) has no smooth or integrated CDAM.
+#: Why a LeViT (timm's or Hugging Face's) without such a last block has no smooth or integrated CDAM.
 _LEVIT_TAIL = (
-    "in {} the tokens entering the last attention (T) are the last block's input itself (LeViT's attention has no "
-    "norm before it), which is also that block's residual: smooth and integrated CDAM re-run the block that holds T "
-    "from its input, with T inside it, and LeViT has no such block; use 'cdam'")
+    "in {} the last stage has no attention block whose input is the tokens entering the last attention (T) and whose "
+    "output the head reads, so smooth and integrated CDAM have no block to re-run from T; use 'cdam'")
 
 
 # -- PiT ---------------------------------------------------------------------------------------
@@ -222,6 +221,17 @@ class LeViTAdapter(HierAdapter):
         """The model's head (mean over the tokens, then its norm-linear classifiers) on (B, N, C) tokens or
         (B, C, H, W) maps."""
         return self.model.forward_head(tokens)
+
+    def tail_block(self) -> Any:
+        """The last stage's last block: its input is T (``token_sites[-1]``'s output: the block before it, or the
+        stage's downsampling), and the head reads its output."""
+        stage = len(self.model.stages) - 1
+        if self.token_sites[-1] is None or not len(self.model.stages[stage].blocks):
+            return None
+        return f"stages.{stage}.blocks.{len(self.model.stages[stage].blocks) - 1}"
+
+    def tail_input_is_t(self) -> bool:
+        return True
 
     def tail_refusal(self) -> str:
         return _LEVIT_TAIL.format(type(self.model).__name__)

@@ -49,6 +49,13 @@ def tail(ctx: Context, x: Tensor, replace: Optional[Tensor] = None) -> tuple[Ten
     name = adapter.tail_block()
     block, site = ctx.model_module(name), ctx.model_module(adapter.token_sites[-1])
     recorded = ctx.recorder.activation(name)
+    if adapter.tail_input_is_t():  # LeViT: T is the block's input itself (and its residual): the leaf is x
+        source = x if replace is None else replace
+        if source.shape != x.shape:
+            raise UnsupportedModelError(f"T of shape {tuple(source.shape)} for block inputs {tuple(x.shape)}")
+        leaf = source.detach().requires_grad_(True)
+        with torch.enable_grad():
+            return adapter.head_on(adapter.head_layout(name, adapter.tail_run(block, leaf, recorded))), leaf
     seen: list[Tensor] = []
 
     def hook(module: nn.Module, inputs: tuple, output: Tensor) -> Tensor:
