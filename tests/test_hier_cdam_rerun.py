@@ -52,6 +52,8 @@ CASES = {
     "levit_conv": ("stages.2.blocks.1", "stages.2.blocks.0", lambda v, m: v),  # (B, C, H, W): summed over dim 1
     # Hugging Face LeViT: the last attention residual layer and its MLP residual layer are re-run from T, its input
     "hf_levit": ("levit.encoder.stages.2.layers.2", "levit.encoder.stages.2.layers.1", lambda v, m: v.view(-1, 4, 4)),
+    # Twins whose last stage is one block: its positional conv (PEG) runs after it, before the head
+    "pcpvt": ("blocks.3.0", "blocks.3.0.norm1", lambda v, m: v.view(-1, 4, 4)),
 }
 
 #: kinds whose smooth variant perturbs a block's second argument (TNT's outer tokens) by the noise, not the input
@@ -177,7 +179,6 @@ def test_smooth_cdam_matches_its_definition_on_the_whole_model(kind):
 #: kind -> what its refusal must say (each family's own reason)
 REFUSED = {
     "crossvit": "reads both branches",
-    "pcpvt": "positional conv",
 }
 
 
