@@ -36,8 +36,9 @@ def tail(ctx: Context, x: Tensor, replace: Optional[Tensor] = None) -> tuple[Ten
 
     Args:
         ctx: the captured forward.
-        x: (b, ...) block input rows (the recorded input's layout).
-        replace: T itself (the site's layout), or None: the site's own output, detached.
+        x: (b, ...) block input rows (the recorded input's layout); where T is the block's input itself
+            (``adapter.tail_input_is_t()``: LeViT) the leaf is ``x``.
+        replace: T itself (the site's layout), or None: the site's own output (LeViT: ``x``), detached.
 
     Returns:
         (outputs (b, K), the leaf T in the site's layout).
