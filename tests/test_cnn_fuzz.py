@@ -152,6 +152,39 @@ def test_halonet_is_not_recorded_as_attention_of_the_wrong_layout():
         rec.records
 
 
+def test_halonet_grad_cam_family_is_its_formula_on_the_last_stage_and_a_batch_equals_its_images():
+    """What HaloNet is offered (the support matrix's tiny build, halo attention in two stages): the Grad-CAM family
+    on its last feature stage (``final_conv``), each map its formula on the model's own forward and gradient
+    (hand-written here), a batch of 3 equal to its images one by one; the attention methods refused (HaloAttn)."""
+    from support_table import _halonet
+
+    torch.manual_seed(0)
+    model = _halonet().eval()
+    reinit_heads(model)
+    ex = vx.Explainer(model)
+    assert ex.methods() == ["gradcam", "gradcam++", "layercam"]
+    x = torch.randn(3, 3, 64, 64, generator=torch.Generator().manual_seed(2))
+    kept = []
+    handle = model.final_conv.register_forward_hook(lambda m, i, o: kept.append(o))
+    logits = model(x)
+    handle.remove()
+    act = kept[0]
+    (grad,) = torch.autograd.grad(logits[:, 1].sum(), act)
+    act = act.detach()
+    want = {
+        "gradcam": torch.relu((grad.mean(dim=(2, 3), keepdim=True) * act).sum(1)),
+        "layercam": torch.relu((torch.relu(grad) * act).sum(1)),
+    }
+    for method, expected in want.items():
+        assert bool((expected.flatten(1).amax(1) > 0).all())  # a map with something on it, per image
+        e = ex.explain(x, method=method, target=1)
+        torch.testing.assert_close(e.maps, expected, atol=1e-5 * float(expected.abs().max()), rtol=1e-4)
+        alone = torch.cat([ex.explain(x[i : i + 1], method=method, target=1).maps for i in range(3)])
+        torch.testing.assert_close(alone, e.maps, atol=1e-5 * float(expected.abs().max()), rtol=1e-4)
+    with pytest.raises(vx.UnsupportedMethodError, match="HaloAttn"):
+        ex.explain(x, method="cdam", target=1)
+
+
 @pytest.mark.parametrize("name", list(HYBRID_BLOCKS))
 def test_a_cnn_whose_blocks_call_a_softmax_is_refused_attention_methods_with_what_its_blocks_do(name):
     build, side, kind = HYBRID_BLOCKS[name]

@@ -42,7 +42,24 @@ CASES = {
     "hf_sam": ("vision_encoder.layers.2", "vision_encoder.layers.2.layer_norm1", lambda v, m: v),  # (B, H, W)
     "hiera_qpool2": ("blocks.5", "blocks.5.norm1", lambda v, m: v[:, m.reroll(
         torch.arange(16, dtype=torch.float64).view(1, 16, 1), 5)[0, ..., 0].round().long()]),
+    # TNT: T is the last block's norm_out output; the smooth variant's noise goes on the outer tokens that enter it
+    # (the block's second argument: the inner tokens' projection is added to them as they are), its standard
+    # deviation from the range of norm_out's input
+    "tnt": ("blocks.1.norm_out", "blocks.1.norm_out", lambda v, m: v[:, 1:].reshape(-1, 4, 4)),
+    # LeViT (timm, linear and conv mode): T is the last block's input itself (the previous block's output), so the
+    # integrated path scales the block input, its residual with it, and the smooth noise goes on T
+    "levit": ("stages.2.blocks.1", "stages.2.blocks.0", lambda v, m: v.view(-1, 4, 4)),
+    "levit_conv": ("stages.2.blocks.1", "stages.2.blocks.0", lambda v, m: v),  # (B, C, H, W): summed over dim 1
+    # Hugging Face LeViT: the last attention residual layer and its MLP residual layer are re-run from T, its input
+    "hf_levit": ("levit.encoder.stages.2.layers.2", "levit.encoder.stages.2.layers.1", lambda v, m: v.view(-1, 4, 4)),
+    # Twins whose last stage is one block: its positional conv (PEG) runs after it, before the head
+    "pcpvt": ("blocks.3.0", "blocks.3.0.norm1", lambda v, m: v.view(-1, 4, 4)),
 }
+
+#: kinds whose smooth variant perturbs a block's second argument (TNT's outer tokens) by the noise, not the input
+OUTER_NOISE = {"tnt": "blocks.1"}
+#: kinds whose T is the re-run block's input: the smooth oracle puts the noise on T (the site's output) itself
+INPUT_IS_T = {"levit", "levit_conv", "hf_levit"}
 
 
 def _tv_grid(layer: nn.Module, v: torch.Tensor) -> torch.Tensor:
@@ -52,7 +69,7 @@ def _tv_grid(layer: nn.Module, v: torch.Tensor) -> torch.Tensor:
 
 
 def _per_token(t: torch.Tensor, g: torch.Tensor, kind: str) -> torch.Tensor:
-    return (t * g).sum(dim=1 if kind == "coatnet" else -1)
+    return (t * g).sum(dim=1 if kind in ("coatnet", "levit_conv") else -1)
 
 
 def _site_run(eager, kind, x, *, replace_site=None, block_input=None):
@@ -69,8 +86,13 @@ def _site_run(eager, kind, x, *, replace_site=None, block_input=None):
     def at_block(mod, args):
         return (block_input, *args[1:])
 
+    def add_outer_noise(mod, args):  # block_input is then the noise itself
+        return (args[0], args[1] + block_input, *args[2:])
+
     handles = [eager.get_submodule(site).register_forward_hook(at_site)]
-    if block_input is not None:
+    if block_input is not None and kind in OUTER_NOISE:
+        handles.append(eager.get_submodule(OUTER_NOISE[kind]).register_forward_pre_hook(add_outer_noise))
+    elif block_input is not None:
         handles.append(eager.get_submodule(block).register_forward_pre_hook(at_block))
     try:
         logits = eager(x)
@@ -116,7 +138,11 @@ def smooth_oracle(kind, model, x, samples, noise, seed):
     eps = torch.randn(samples, *inp.shape[1:], generator=torch.Generator().manual_seed(seed)).double()  # float32 draws
     total = 0.0
     for s in range(samples):
-        logits, leaf = _site_run(eager, kind, x.double(), block_input=inp + sigma * eps[s])
+        if kind in INPUT_IS_T:
+            logits, leaf = _site_run(eager, kind, x.double(), replace_site=inp + sigma * eps[s])
+        else:
+            noisy = sigma * eps[s] if kind in OUTER_NOISE else inp + sigma * eps[s]
+            logits, leaf = _site_run(eager, kind, x.double(), block_input=noisy)
         (g,) = torch.autograd.grad(logits[:, TARGET].sum(), leaf)
         total = total + _per_token(leaf.detach(), g, kind)
     return CASES[kind][2](total / samples, eager)
@@ -150,9 +176,16 @@ def test_smooth_cdam_matches_its_definition_on_the_whole_model(kind):
     _close(e.maps, want, kind)
 
 
-def test_models_whose_tokens_cannot_be_re_run_to_the_head_are_refused():
-    for kind in ("levit", "tnt", "crossvit", "pcpvt"):
-        ex = vx.Explainer(build(kind))
-        assert "cdam_integrated" not in ex.methods()
-        with pytest.raises(vx.UnsupportedMethodError, match="cannot re-run the model from T"):
-            ex.explain(images(kind, n=1), method="cdam_smooth")
+#: kind -> what its refusal must say (each family's own reason)
+REFUSED = {
+    "crossvit": "reads both branches",
+}
+
+
+@pytest.mark.parametrize("kind", list(REFUSED))
+def test_models_whose_tokens_cannot_be_re_run_to_the_head_are_refused_with_their_own_reason(kind):
+    ex = vx.Explainer(build(kind))
+    assert "cdam_integrated" not in ex.methods() and "cdam_smooth" not in ex.methods()
+    for method in ("cdam_smooth", "cdam_integrated"):
+        with pytest.raises(vx.UnsupportedMethodError, match=REFUSED[kind]):
+            ex.explain(images(kind, n=1), method=method)

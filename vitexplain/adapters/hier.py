@@ -262,9 +262,14 @@ class TwinsAdapter(HierAdapter):
         """The final norm's input: a stage of one block has its positional conv (PEG) after that block."""
         return recorder.activation("norm").input
 
-    def tail_block(self) -> Any:
-        """None when the last stage is one block: its PEG runs between that block and the head."""
-        return super().tail_block() if len(self.model.blocks[-1]) > 1 else None
+    def tail_run(self, block: Any, x: Tensor, recorded: Any) -> Tensor:
+        """The last block from (b, N, C) tokens ``x`` (its feature size as recorded), then, when it is its stage's
+        first block (a one-block last stage), the stage's positional conv (PEG), which runs after a stage's first
+        block and before the final norm."""
+        out = block(x, *recorded.args[1:], **recorded.kwargs)
+        if len(self.model.blocks[-1]) == 1:
+            out = self.model.pos_block[-1](out, recorded.args[1])
+        return out
 
     def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
         chain: Chain = []

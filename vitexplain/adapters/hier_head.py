@@ -51,13 +51,32 @@ class HeadOnTokens:
 
     def tail_block(self) -> Any:
         """The module re-run by the re-running CDAM variants: the block of the last LeGrad call when its output is
-        what the head reads and it holds the last stage's token site (T); else None (those methods are refused)."""
+        what the head reads and it holds the last stage's token site (T); else None (those methods are refused, with
+        :meth:`tail_refusal`'s reason). An adapter may name another module whose recorded input the re-run starts
+        from, with :meth:`tail_run` saying how (TNT)."""
         calls = self.legrad_calls()
         sites = getattr(self, "token_sites", None) or [None]
         if not calls or sites[-1] is None or self.legrad_branches():
             return None
         module, part = self.legrad_site(calls[-1])
         return module if part == "output" and sites[-1].startswith(module + ".") else None
+
+    def tail_run(self, block: Any, x: Tensor, recorded: Any) -> Tensor:
+        """Re-run :meth:`tail_block` from (b, ...) input rows ``x`` (its other arguments as ``recorded``, the
+        block's recorded activation): the output tokens the head reads (a tuple's first item)."""
+        out = block(x, *recorded.args[1:], **recorded.kwargs)
+        return out[0] if isinstance(out, (tuple, list)) else out
+
+    def tail_input_is_t(self) -> bool:
+        """Whether T is :meth:`tail_block`'s input itself (LeViT: no norm before its attention), so the re-run
+        varies that input as T (the residual with it); else T is the output of a site inside the block."""
+        return False
+
+    def tail_refusal(self) -> str:
+        """Why the re-running CDAM variants are refused for this model (when :meth:`tail_block` is None)."""
+        return (f"in {type(self.model).__name__} the tokens entering the last attention (T) are not inside the block "
+                "whose output the head reads (or a layer runs between that block and the head), so vitexplain cannot "
+                "re-run the model from T to its outputs (smooth and integrated CDAM); use 'cdam'")
 
     def head_on(self, tokens: Tensor) -> Tensor:
         """The model's head (final norm, pooling, classifier) on a last-stage block's output tokens."""
@@ -95,7 +114,4 @@ class HeadOnTokens:
         if self.tail_block() is not None:
             self.capabilities = self.capabilities | {"tail"}
         else:
-            self.notes["tail"] = (
-                f"in {type(self.model).__name__} the tokens entering the last attention (T) are not inside the block "
-                "whose output the head reads (or a layer runs between that block and the head), so vitexplain cannot "
-                "re-run the model from T to its outputs (smooth and integrated CDAM); use 'cdam'")
+            self.notes["tail"] = self.tail_refusal()

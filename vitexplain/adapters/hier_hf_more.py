@@ -78,6 +78,35 @@ class HFLeViTAdapter(HFForward, HierAdapter):
         end = next((k - 1 for k, attn in layers if k > j and attn), layers[-1][0])
         return f"{self.base}encoder.stages.{s}.layers.{end}", "output"
 
+    def _last_call_span(self) -> Optional[tuple[int, int]]:
+        """(first, last) layer of the last stage's last attention and the layers after it, or None."""
+        calls = self.legrad_calls()
+        if not calls or self.token_sites[-1] is None:
+            return None
+        first = int(calls[-1].rsplit(".", 2)[-2])
+        return first, int(self.legrad_site(calls[-1])[0].rsplit(".", 1)[-1])
+
+    def tail_block(self) -> Any:
+        """The last stage's last attention layer: its input is T (``token_sites[-1]``'s output), and it and the layers
+        after it (its MLP) give the tokens the head reads (:meth:`tail_run`)."""
+        span = self._last_call_span()
+        return None if span is None else f"{self.base}encoder.stages.{len(self.stage_modules) - 1}.layers.{span[0]}"
+
+    def tail_input_is_t(self) -> bool:
+        return True
+
+    def tail_run(self, block: Any, x: Tensor, recorded: Any) -> Tensor:
+        """The last attention layer (``block``) and the layers after it, in order, from (b, N, C) tokens ``x``."""
+        first, last = self._last_call_span()
+        for layer in self.stage_modules[-1].layers[first : last + 1]:
+            x = layer(x)
+        return x
+
+    def tail_refusal(self) -> str:
+        from .hier_timm import _LEVIT_TAIL
+
+        return _LEVIT_TAIL.format(type(self.model).__name__)
+
     def head_on(self, tokens: Tensor) -> Tensor:
         """The mean over the (B, N, C) tokens, then the classifier (BatchNorm1d, linear; with teacher: the mean of
         the classifier and the distillation classifier); headless: that mean, as :meth:`forward` reads it."""

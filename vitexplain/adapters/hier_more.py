@@ -264,6 +264,12 @@ class CrossViTAdapter(HierAdapter):
     def legrad_branches(self) -> dict[str, int]:
         return {name: int(name.split(".")[3]) for name in self.legrad_calls()}
 
+    def tail_refusal(self) -> str:
+        return ("CrossViT's head reads both branches, and after the branches' last blocks each class token is fused "
+                "by cross-attention over the other branch's patch tokens: the tokens entering a branch's last attention "
+                "(T) reach the outputs through both branches, not through one block and the head, so smooth and "
+                "integrated CDAM (which re-run one block from T) are not offered; use 'cdam'")
+
     def legrad_modules(self) -> list[str]:
         return super().legrad_modules() + ["norm.0", "norm.1"]
 

@@ -19,7 +19,7 @@ model's own modules:
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from torch import Tensor, nn
 
@@ -30,6 +30,12 @@ from .base import Adapter, register_adapter
 from .hier import Chain, HierAdapter, conv_footprint, conv_grid, global_call, module_family, token_set
 
 __all__ = ["PiTAdapter", "MaxViTAdapter", "LeViTAdapter", "MViTv2Adapter", "TNTAdapter"]
+
+
+#: Why a LeViT (timm's or Hugging Face's) without such a last block has no smooth or integrated CDAM.
+_LEVIT_TAIL = (
+    "in {} the last stage has no attention block whose input is the tokens entering the last attention (T) and whose "
+    "output the head reads, so smooth and integrated CDAM have no block to re-run from T; use 'cdam'")
 
 
 # -- PiT ---------------------------------------------------------------------------------------
@@ -216,6 +222,20 @@ class LeViTAdapter(HierAdapter):
         (B, C, H, W) maps."""
         return self.model.forward_head(tokens)
 
+    def tail_block(self) -> Any:
+        """The last stage's last block: its input is T (``token_sites[-1]``'s output: the block before it, or the
+        stage's downsampling), and the head reads its output."""
+        stage = len(self.model.stages) - 1
+        if self.token_sites[-1] is None or not len(self.model.stages[stage].blocks):
+            return None
+        return f"stages.{stage}.blocks.{len(self.model.stages[stage].blocks) - 1}"
+
+    def tail_input_is_t(self) -> bool:
+        return True
+
+    def tail_refusal(self) -> str:
+        return _LEVIT_TAIL.format(type(self.model).__name__)
+
     def site_grid(self, stage: int, output: Tensor, input_size: Sequence[int]) -> Tensor:
         """A token site's output on the stage grid: (B, N, C) tokens (linear mode) or (B, C, H, W) maps
         (``levit_conv_*``, ``use_conv=True``) as (B, H_s, W_s, C)."""
@@ -327,6 +347,19 @@ class TNTAdapter(HierAdapter):
     def head_on(self, tokens: Tensor) -> Tensor:
         """The final norm, then the model's head, on the (B, 1 + N, C) outer tokens."""
         return self.model.forward_head(self.model.norm(tokens))
+
+    def tail_block(self) -> Any:
+        """The last block's ``norm_out`` (whose output is T): its input, the (B, 1 + N, C) outer tokens with the
+        inner tokens' projection added, is where the outer half of the block re-runs from (:meth:`tail_run`)."""
+        return self.token_sites[-1]
+
+    def tail_run(self, block: Any, x: Tensor, recorded: Any) -> Tensor:
+        """The last block's outer half from its (b, 1 + N, C) outer tokens ``x`` (the inner tokens' projection
+        already added; the inner tokens reach the outputs only that way): ``u = x + attn_out(norm_out(x))``,
+        ``u + mlp(norm_mlp(u))``, as timm's ``Block.forward`` (checked against the model's outputs)."""
+        blk = self.model.blocks[-1]
+        u = x + blk.drop_path(blk.attn_out(block(x)))
+        return u + blk.drop_path(blk.mlp(blk.norm_mlp(u)))
         self.fixed_size = tuple(pair(model.pixel_embed.img_size))
 
     def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:

@@ -85,14 +85,67 @@ def integrated_gradients(ctx: Context, *, steps: int = 32, batch_size: int = 64,
 
     Returns:
         (B, gh, gw) float32, signed; sums to about y(x) - y(baseline).
+
+    Raises:
+        UnsupportedMethodError: the score changes only before the first integration point (see
+            :func:`_refuse_a_jump_before_the_first_point`).
     """
     from captum.attr import IntegratedGradients
 
     forward, target = _forward_and_target(ctx)
+    _refuse_a_jump_before_the_first_point(ctx, forward, target, baseline, steps)
     attr = IntegratedGradients(forward).attribute(
         ctx.x.detach(), baselines=baseline, target=target, n_steps=steps, internal_batch_size=batch_size
     )
     return _to_grid(ctx, attr)
+
+
+#: How close to the image's score (relative to the whole change y(x) - y(baseline)) the score at IG's first
+#: integration point may be before the change counts as lying before that point (refused).
+FLAT_RTOL = 1e-2
+
+
+def _refuse_a_jump_before_the_first_point(ctx: Context, forward: Callable[[Tensor], Tensor],
+                                          target: Optional[list[int]], baseline: float, steps: int) -> None:
+    """Refuse IG when the target score changes only between the baseline and the first integration point.
+
+    captum integrates with Gauss-Legendre points alpha_1 < ... < alpha_m in (0, 1). When the score at
+    ``baseline + alpha_1 (x - baseline)`` is already the image's (within :data:`FLAT_RTOL` of the change
+    y(x) - y(baseline)), no point sees the change: the attributions sum to ~0 instead of y(x) - y(baseline)
+    and the map is rounding noise. A model that normalises each patch's token right after a bias-free
+    patch embedding (AIMv2: a convolution, then RMSNorm) does this from the zero baseline: scaling a patch's
+    pixels leaves its token unchanged, so its score moves only within about sqrt(eps) of the baseline.
+    Costs three forwards of the batch without gradients.
+
+    Raises:
+        UnsupportedMethodError: for some image the change lies before the first point.
+    """
+    import numpy as np
+
+    first = float((np.polynomial.legendre.leggauss(steps)[0].min() + 1) / 2)  # captum's default rule
+    x = ctx.x.detach()
+    start = torch.full_like(x, baseline)
+
+    def scores(inp: Tensor) -> Tensor:
+        out = forward(inp).float()
+        return out if target is None else out[torch.arange(out.shape[0], device=out.device), target]
+
+    with torch.no_grad():
+        end = scores(x)
+        change = (end - scores(start)).abs()
+        gap = (scores(start + first * (x - start)) - end).abs()
+    flat = (change > 0) & (gap <= FLAT_RTOL * change)
+    if bool(flat.any()):
+        images = flat.nonzero().flatten().tolist()
+        raise UnsupportedMethodError(
+            f"integrated_gradients with steps={steps} from baseline={baseline:g}: for image(s) {images} the target score "
+            f"at the first integration point ({first:.3g} of the way from the baseline) is already the image's (within "
+            f"{FLAT_RTOL:g} of y(x) - y(baseline)), so the whole change happens before it, no point sees it, and every "
+            "patch would get ~0 (rounding noise). A model whose patch embedding has no bias and is normalised per token "
+            "(e.g. AIMv2: scaling a patch's pixels leaves its token unchanged) does this from the zero baseline. Pass "
+            "another baseline (for such a model a non-zero one, e.g. baseline=0.5) or more steps, or use 'occlusion' or "
+            "'smoothgrad'"
+        )
 
 
 @register(

@@ -1,7 +1,8 @@
 """Smooth and integrated CDAM for hierarchical and pooling transformers (family ``"hier"``), on the last stage.
 
 Both re-run the block that holds the last stage's token site (T, the tokens entering its last attention:
-``adapter.token_sites[-1]``) and the model's head (``adapter.head_on``), from the block's recorded input,
+``adapter.token_sites[-1]``) and the model's head (``adapter.head_on``), from the block's recorded input
+(``adapter.tail_block`` and ``adapter.tail_run``: TNT re-runs its last block's outer half from ``norm_out``'s input),
 with T as a leaf (a scoped forward hook on the site module); each call first checks that this re-run
 gives the model's outputs (``Context.partial``, 1e-4 relative). Definitions: docs/methods.md,
 "Hierarchical transformers".
@@ -27,7 +28,7 @@ __all__ = ["cdam_smooth", "cdam_integrated", "tail"]
 
 def _modules(adapter) -> list[str]:
     block = adapter.tail_block()
-    return [block, adapter.token_sites[-1]] if block else []
+    return list(dict.fromkeys([block, adapter.token_sites[-1]])) if block else []  # TNT: the block is the site
 
 
 def tail(ctx: Context, x: Tensor, replace: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
@@ -35,8 +36,9 @@ def tail(ctx: Context, x: Tensor, replace: Optional[Tensor] = None) -> tuple[Ten
 
     Args:
         ctx: the captured forward.
-        x: (b, ...) block input rows (the recorded input's layout).
-        replace: T itself (the site's layout), or None: the site's own output, detached.
+        x: (b, ...) block input rows (the recorded input's layout); where T is the block's input itself
+            (``adapter.tail_input_is_t()``: LeViT) the leaf is ``x``.
+        replace: T itself (the site's layout), or None: the site's own output (LeViT: ``x``), detached.
 
     Returns:
         (outputs (b, K), the leaf T in the site's layout).
@@ -48,6 +50,13 @@ def tail(ctx: Context, x: Tensor, replace: Optional[Tensor] = None) -> tuple[Ten
     name = adapter.tail_block()
     block, site = ctx.model_module(name), ctx.model_module(adapter.token_sites[-1])
     recorded = ctx.recorder.activation(name)
+    if adapter.tail_input_is_t():  # LeViT: T is the block's input itself (and its residual): the leaf is x
+        source = x if replace is None else replace
+        if source.shape != x.shape:
+            raise UnsupportedModelError(f"T of shape {tuple(source.shape)} for block inputs {tuple(x.shape)}")
+        leaf = source.detach().requires_grad_(True)
+        with torch.enable_grad():
+            return adapter.head_on(adapter.head_layout(name, adapter.tail_run(block, leaf, recorded))), leaf
     seen: list[Tensor] = []
 
     def hook(module: nn.Module, inputs: tuple, output: Tensor) -> Tensor:
@@ -62,8 +71,7 @@ def tail(ctx: Context, x: Tensor, replace: Optional[Tensor] = None) -> tuple[Ten
     handle = site.register_forward_hook(hook)
     try:
         with torch.enable_grad():
-            out = block(x, *recorded.args[1:], **recorded.kwargs)
-            tokens = out[0] if isinstance(out, (tuple, list)) else out
+            tokens = adapter.tail_run(block, x, recorded)
             logits = adapter.head_on(adapter.head_layout(name, tokens))
     finally:
         handle.remove()
