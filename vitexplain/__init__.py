@@ -30,6 +30,7 @@ from .errors import (
     UnsupportedMethodError,
     UsageError,
     UnsupportedModelError,
+    UnrecordedAttentionWarning,
     VitexplainError,
 )
 
@@ -73,6 +74,7 @@ __all__ = sorted(
         "InputError",
         "NotFoundError",
         "NumericalError",
+        "UnrecordedAttentionWarning",
         "__version__",
     ]
 )

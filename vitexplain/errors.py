@@ -20,6 +20,9 @@ Hierarchy::
       CaptureError (RuntimeError)        a captured quantity cannot be provided
       ImageLoadError (OSError)           an image file cannot be read
       NumericalError (FloatingPointError) the model's outputs or a method's maps are not finite
+
+    UnrecordedAttentionWarning (UserWarning)  attention a capture saw but could not record (its records are
+                                              then not all of the model's attention)
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ __all__ = [
     "NotFoundError",
     "NumericalError",
     "OutOfRangeError",
+    "UnrecordedAttentionWarning",
 ]
 
 
@@ -98,3 +102,8 @@ class NumericalError(VitexplainError, FloatingPointError):
 class OutOfRangeError(UsageError, IndexError):
     """An index past the end of a sequence (e.g. ``ShapesBatch[i]``); an IndexError, so
     iterating by index stops at it."""
+
+
+class UnrecordedAttentionWarning(UserWarning):
+    """A capture saw attention it cannot record (a layout no record can hold, e.g. timm's HaloAttn): the records
+    read are not all of the model's attention."""

@@ -269,6 +269,9 @@ class AttentionMode(TorchFunctionMode):
         if issuer is None or in_backward():  # (in_backward: a checkpointed forward recomputed, recorded before)
             return out
         if _heads_first(issuer.module):  # its 4-D softmax is not (B, heads, N_q, N_k): not recorded as if it were
+            self.sink.not_recorded(issuer, f"{type(issuer.module).__name__}'s softmax is laid out (B * heads, blocks, "
+                                           "block pixels, halo window pixels) over overlapping key windows, which no "
+                                           "record holds")
             return out
         probs = out
         if out.dim() == 3:

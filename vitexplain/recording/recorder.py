@@ -29,6 +29,7 @@ from __future__ import annotations
 import sys
 import threading
 import weakref
+import warnings
 from types import FrameType
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
@@ -36,7 +37,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from ..errors import CaptureError, InputError, NoAttentionError
+from ..errors import CaptureError, InputError, NoAttentionError, UnrecordedAttentionWarning
 from ..layout import TokenLayout
 from .attribution import Attribution, frame_kind
 from .compiled import eager_stance, unwrap_compiled
@@ -118,6 +119,8 @@ class Recorder:
         self.input_size: Optional[tuple[int, int]] = None
         self.forward_count = 0
         self._other_thread_forwards = 0  # forwards of the model in other threads while the scope was active
+        self._unrecorded: dict[str, str] = {}  # attention seen and not recorded: module name -> why (not_recorded)
+        self._unrecorded_told = False  # whether reading the records warned of them
         self._made: list[AttentionRecord] = []
         self._drafts: list[tuple] = []  # records to make (add_draft), in call order after _made
         self._steps: dict[str, int] = {}
@@ -298,8 +301,12 @@ class Recorder:
             CaptureError: a compiled FlexAttention call could not be attributed to a module.
         """
         self._flex.check()
+        unrecorded = self._unrecorded_note()
         if not self._records:
             cls = type(self.model).__name__
+            if unrecorded:
+                raise NoAttentionError(f"no attention of {cls} could be recorded: {unrecorded}. Use the CNN methods "
+                                       "('gradcam', 'spatial', 'channel') for it")
             if self.forward_count == 0 and self._other_thread_forwards:
                 raise NoAttentionError(
                     f"{cls} ran inside vx.capture(...) only in another thread than the one that entered it; "
@@ -317,7 +324,23 @@ class Recorder:
                 "('gradcam', 'spatial', 'channel'); if it is TorchScript, capture the original "
                 "nn.Module (torch.compile-d models are handled)."
             )
+        if unrecorded and not self._unrecorded_told:
+            self._unrecorded_told = True
+            warnings.warn(f"these records are not all of {type(self.model).__name__}'s attention: {unrecorded}",
+                          UnrecordedAttentionWarning, stacklevel=2)
         return list(self._records)
+
+    def not_recorded(self, issuer: Issuer, reason: str) -> None:
+        """Note an attention call seen and not recorded (see :class:`RecordSink`)."""
+        self._unrecorded.setdefault(issuer.name, reason)
+
+    def _unrecorded_note(self) -> str:
+        """What was seen and not recorded, per reason with the modules' names ('' when nothing)."""
+        by_reason: dict[str, list[str]] = {}
+        for name, reason in self._unrecorded.items():
+            by_reason.setdefault(reason, []).append(name or "(the model itself)")
+        return "; ".join(f"the attention of {', '.join(names[:4])}{' and %d more' % (len(names) - 4) if len(names) > 4 else ''}"
+                         f" was seen and not recorded ({reason})" for reason, names in by_reason.items())
 
     def select(
         self,
@@ -414,6 +437,8 @@ class Recorder:
         """Forget all records (e.g. between two forwards in one scope; an explanation done with its capture lets go
         of the attention its records hold now, not when the garbage collector finds the recorder's cycle with its
         interceptors)."""
+        self._unrecorded.clear()
+        self._unrecorded_told = False
         self._made.clear()
         self._drafts.clear()
         self._steps.clear()

@@ -86,6 +86,11 @@ class RecordSink(Protocol):
     def last_record(self) -> Optional[AttentionRecord]:
         """The latest record, or None."""
 
+    def not_recorded(self, issuer: Issuer, reason: str) -> None:
+        """An attention call of ``issuer`` was seen and not recorded, for ``reason`` (what its layout is and why no
+        record can hold it): reading the records says so (:class:`~vitexplain.errors.UnrecordedAttentionWarning`,
+        or the :class:`~vitexplain.errors.NoAttentionError` when nothing was recorded)."""
+
     def hooks_enabled(self) -> bool:
         """Whether gradient hooks collect now (False while :meth:`Recorder.backward` runs its own pass)."""
 
