@@ -437,6 +437,39 @@ def test_f12_nan_model_is_a_usage_error_and_a_nan_map_fails_its_image(ckpt, tmp_
     assert records["a.png"]["status"] == records["c.png"]["status"] == "ok"
 
 
+@pytest.mark.parametrize("error", [
+    vx.NumericalError("test: this image's scores are not finite"),
+    vx.UnsupportedMethodError("test: integrated_gradients' path is flat for this image"),  # (failed the batch before)
+    MemoryError("test: out of memory"),  # (one image at a time may fit: failed the batch before)
+], ids=lambda e: type(e).__name__)
+def test_one_image_that_fails_its_batch_fails_alone(ckpt, tmp_path, monkeypatch, error) -> None:
+    """A method that fails on one image (a score not finite, a refusal for that image, memory) raised for the whole
+    batch, and every image of it was recorded failed (a resume failed them all again): the batch's images are then
+    explained one by one, so only that image fails, with its own error, and its neighbours' outputs are written."""
+    src = _images(tmp_path / "in", ["a.png", "b.png", "c.png", "d.png"])
+    Image.fromarray(np.full((64, 64, 3), 255, np.uint8)).save(src / "b.png")  # the one white image
+    original = vx.Explainer.explain
+    seen: list[int] = []
+
+    def explain(self, x, *args, **kwargs):  # fails whenever the white image is in the batch
+        white = (x.flatten(1).amin(1) > 1.0).any()  # (normalised: white is above 1 in every channel)
+        if x.shape[0] > 1 or white:
+            seen.append(int(x.shape[0]))
+        if bool(white):
+            raise error
+        return original(self, x, *args, **kwargs)
+
+    monkeypatch.setattr(vx.Explainer, "explain", explain)
+    out = tmp_path / "out"
+    assert _export(src, out, ckpt, "--batch-size", "4") == 1
+    records = _manifest(out)
+    assert records["b.png"]["status"] == "failed" and str(error) in records["b.png"]["error"]
+    assert "b.png" in records["b.png"]["error"]
+    for key in ("a.png", "c.png", "d.png"):
+        assert records[key]["status"] == "ok" and records[key]["files"], records[key]
+    assert seen == [4, 1]  # (the batch, then the white image alone; the others alone succeed)
+
+
 def test_f12_api_options_are_checked_like_the_cli(tmp_path) -> None:
     from vitexplain.batch.caption import CaptionOptions, export_captions
     from vitexplain.batch.export import ExportOptions, export

@@ -38,7 +38,7 @@ from .checks import check_captioner_outputs, empty_caption_error, finite_rows, n
 from .manifest import GALLERY
 from .models import load_model, model_id, zoo_weights_id
 from .options import POSITIVE, Number, BatchOptions, SharedOptions, collect_methods, option, parse_methods, same
-from .setup import (config_hash, new_run, one_by_one_on_numerical_errors, plan_run, prepare, probe, summary_fields,
+from .setup import (config_hash, new_run, one_by_one_on_image_errors, plan_run, prepare, probe, summary_fields,
                     with_threads)
 from ..files import Writer, encode_npz, encode_png, json_bytes
 
@@ -239,7 +239,7 @@ def export_captions(opts: CaptionOptions, *, argv: Optional[Sequence[str]] = Non
     generated = opts.caption is None
     paths = {it.key: it.path for it in run.items}
 
-    @one_by_one_on_numerical_errors
+    @one_by_one_on_image_errors
     def process(x: "torch.Tensor", good: list[dict[str, Any]]) -> list[tuple[dict[str, Any], Any]]:
         results = ex.explain_caption(x, method=methods, caption=opts.caption, max_len=opts.max_len, **per_method)
         first = results[0]

@@ -32,7 +32,7 @@ from .run import Command, ExportResult
 from .manifest import GALLERY
 from .models import checkpoint_id, digest, load_model, model_id, zoo_weights_id
 from .options import NON_NEGATIVE, BatchOptions, SharedOptions, collect_methods, option, parse_methods, same
-from .setup import (config_hash, new_run, one_by_one_on_numerical_errors, plan_run, prepare, probe, summary_fields,
+from .setup import (config_hash, new_run, one_by_one_on_image_errors, plan_run, prepare, probe, summary_fields,
                     with_threads)
 from ..files import Writer, encode_npy, encode_png
 
@@ -268,7 +268,7 @@ def export(opts: ExportOptions, *, argv: Optional[Sequence[str]] = None) -> Expo
     def label(i: int) -> Optional[str]:
         return names[i] if 0 <= i < len(names) else None
 
-    @one_by_one_on_numerical_errors
+    @one_by_one_on_image_errors
     def process(x: "torch.Tensor", good: list[dict[str, Any]]) -> list[tuple[dict[str, Any], Any]]:
         explanations = ex.explain(x, method=methods, target=target, **method_options)
         maps = {e.method: e.maps.float().cpu().numpy() for e in explanations}

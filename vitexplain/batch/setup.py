@@ -27,7 +27,7 @@ from .outfolder import check_own_names, check_writable
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["Setup", "with_threads", "prepare", "plan_run", "one_by_one_on_numerical_errors", "probe", "config_hash", "new_run",
+__all__ = ["Setup", "with_threads", "prepare", "plan_run", "one_by_one_on_image_errors", "probe", "config_hash", "new_run",
            "summary_fields"]
 
 
@@ -159,23 +159,31 @@ def plan_run(explainer: Any, requested: Optional[Sequence[str]], options: dict[s
         raise UsageError(str(e)) from None
 
 
-def one_by_one_on_numerical_errors(process: Callable[..., Any]) -> Callable[..., Any]:
-    """``process(x, good)`` that, when a batch fails numerically (an image whose outputs or maps
-    are not finite), explains its images one by one, so only the images that fail are failed."""
-    from ..errors import NumericalError
+def one_by_one_on_image_errors(process: Callable[..., Any]) -> Callable[..., Any]:
+    """``process(x, good)`` that, when a batch fails for what may be one image's doing, explains its images one by
+    one, so only the images that fail are failed (each with its own error): outputs or maps not finite
+    (:class:`~vitexplain.errors.NumericalError`), a method that refuses an image
+    (:class:`~vitexplain.errors.UnsupportedMethodError` at explain time, e.g. integrated gradients whose path is
+    flat for that image; the run's probe has refused methods that fail on every image), or memory (one image at a
+    time may fit where the batch did not)."""
+    import torch
+
+    from ..errors import NumericalError, UnsupportedMethodError
+
+    alone = (NumericalError, UnsupportedMethodError, torch.OutOfMemoryError, MemoryError)
 
     def run(x: "torch.Tensor", good: list[dict[str, Any]]) -> list[tuple[dict[str, Any], Any]]:
         try:
             return process(x, good)
-        except NumericalError:
+        except alone:
             if len(good) == 1:
                 raise
         jobs: list[tuple[dict[str, Any], Any]] = []
         for i, sample in enumerate(good):
             try:
                 jobs.extend(process(x[i : i + 1], [sample]))
-            except NumericalError as e:
-                jobs.append(({}, f"{sample['key']}: {e}"))
+            except alone as e:
+                jobs.append(({}, f"{sample['key']}: {type(e).__name__}: {e}"))
         return jobs
 
     return run
