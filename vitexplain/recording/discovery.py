@@ -140,15 +140,34 @@ def survey(model: nn.Module) -> Survey:
     return Survey(dict(zip(ordered, walked)), names, by_type, key, compiled)
 
 
-def _weakly(forward: Any) -> Any:
-    """A weak reference to a module's own ``forward`` (equal to another exactly when their forwards are the same
-    while both live; a dead one equals no live one), or the forward itself when it takes no weak reference.
+class _Weak:
+    """A module's own ``forward`` held weakly: equal to another exactly when both refer to the same live object (by
+    identity, whatever the object's own ``==``); a dead one equals no other.
 
     The walk's entries are kept (a learned entry's key, ``_NAMES``) for as long as the model lives; an instance's
     forward is often a method bound to the module or a partial holding it (``model.forward = ...``, hook libraries),
     and kept strongly it would keep the model alive for ever from the entries the model is the weak key of."""
+
+    __slots__ = ("ref", "_hash")
+
+    def __init__(self, forward: Any) -> None:
+        self.ref = weakref.ref(forward)  # (TypeError: an object without weak references)
+        self._hash = id(forward)  # (equal ones refer to one object: the same id)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _Weak):
+            return NotImplemented
+        mine = self.ref()
+        return mine is not None and mine is other.ref()
+
+    def __hash__(self) -> int:
+        return self._hash
+
+
+def _weakly(forward: Any) -> Any:
+    """``forward`` as the walk's entries keep it: :class:`_Weak`, or itself when it takes no weak reference."""
     try:
-        return weakref.ref(forward)
+        return _Weak(forward)
     except TypeError:
         return forward
 
