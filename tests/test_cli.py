@@ -224,6 +224,50 @@ def test_resume_redoes_damaged_outputs_and_says_so(damage: str, ckpt: str, tmp_p
     assert _summary(out)["counts"]["skipped"] == 3 and _summary(out)["damaged_outputs"] == []
 
 
+def _age_manifest(out: Path) -> None:
+    """Date ``manifest.jsonl`` a second after the newest output, as a run that wrote its outputs before
+    merging its manifest leaves it (a tiny test run can do both within one tick of a coarse file clock)."""
+    newest = max(p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file())
+    os.utime(out / "manifest.jsonl", ns=(newest + 10**9, newest + 10**9))
+
+
+def test_resume_of_an_untouched_run_reads_no_output(ckpt: str, tmp_path: Path, monkeypatch) -> None:
+    """Resuming re-read every output file it skipped to hash it (GBs for a 100k-image run). Now a file
+    whose size and modification time are as recorded is trusted without being opened; one rewritten
+    to the same size (a new mtime) is still hashed, found and redone."""
+    import builtins
+
+    src = _make_tree(tmp_path / "in", good=GOOD[:3], bad=())
+    out = tmp_path / "out"
+    args = ("export", src, "--out", out, "--model", ckpt, "--method", "rollout", "--save-maps", "-q", "-j", "0")
+    assert _run(*args) == 0
+    outputs = {str(p) for p in out.rglob("*.rollout.*")}
+    assert len(outputs) == 6
+    _age_manifest(out)
+    opened: list[str] = []
+    real_open = builtins.open
+
+    def spy(file, *a, **k):
+        if isinstance(file, (str, os.PathLike)) and os.fspath(file) in outputs:
+            opened.append(os.fspath(file))
+        return real_open(file, *a, **k)
+
+    monkeypatch.setattr(builtins, "open", spy)
+    assert _run(*args) == 0
+    assert _summary(out)["counts"]["skipped"] == 3 and opened == []
+    # a same-size rewrite gets a new mtime: that file (only) is read, found changed and redone
+    victim = out / f"{GOOD[2]}.rollout.npy"
+    data = victim.read_bytes()
+    opened.clear()
+    _age_manifest(out)
+    victim.write_bytes(data[:-4] + bytes(b ^ 0xFF for b in data[-4:]))
+    os.utime(victim, ns=(1, 1))  # unmistakably another mtime, even on a coarse file clock
+    assert _run(*args) == 0
+    assert _summary(out)["counts"] == {"images": 3, "ok": 1, "failed": 0, "skipped": 2}
+    assert opened == [str(victim)]
+    assert [d["file"] for d in _summary(out)["damaged_outputs"]] == [victim.relative_to(out).as_posix()]
+
+
 def test_save_maps_equal_explainer(tree: Path, ckpt: str, tmp_path: Path) -> None:
     out = tmp_path / "out"
     assert _run("export", tree / "nested", "--out", out, "--model", ckpt, "--save-maps", "-q", "-j", "0") == 1

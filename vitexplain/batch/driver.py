@@ -8,7 +8,8 @@ its entries of ``summary.json`` and its gallery. The driver does the rest:
    by another live run is a usage error) and removes temporary files left by killed runs;
 2. each rank takes its shard, skips images whose outputs are current (the resume rule,
    :func:`is_current`: same input and settings, every output file as written, checked by its
-   recorded size and digest; damaged ones are redone and named on stderr and in the summary),
+   recorded size and mtime, or digest when the mtime differs (:mod:`~vitexplain.batch.integrity`);
+   damaged ones are redone and named on stderr and in the summary),
    decodes the rest in a DataLoader and explains them batch by batch
    while a thread pool draws and writes the files of the previous batches;
 3. every finished image's record is appended to this run's manifest part, whole;
@@ -31,7 +32,7 @@ from typing import Any, Optional
 
 from ..errors import UsageError
 from .inputs import InputItem, Unreadable
-from .integrity import damage
+from .integrity import damage, stat_horizon
 from .lock import OutputLock
 from .manifest import PART_RE, SUMMARY, ManifestPart, merge_manifest, new_run_id, read_manifest
 from .run import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_OUTPUT, EXIT_TERMINATED, EXIT_USAGE,  # noqa: F401
@@ -79,7 +80,7 @@ def is_current(rec: Optional[dict[str, Any]], source: dict[str, Any], config_has
     """The resume rule: an ok record for the same file (path, size, mtime) and the same
     settings, whose listed output files all exist, reached without links, with the size and
     content the run recorded (:func:`~vitexplain.batch.integrity.damage`)."""
-    return _same_work(rec, source, config_hash) and damage(rec or {}, out) is None
+    return _same_work(rec, source, config_hash) and damage(rec or {}, out, stat_horizon(out)) is None
 
 
 #: Damaged outputs named one by one on stderr per rank; the rest are counted (all are in the summary).
@@ -142,11 +143,12 @@ def drive(run: Run, command: Command, t_start: float) -> ExportResult:
             todo: list[tuple[InputItem, dict[str, Any]]] = []
             skipped = 0
             damaged: list[dict[str, str]] = []  # current records whose files are not as written: redone
+            horizon = stat_horizon(out)
             for item in shard:
                 source = source_of(item.path)
                 rec = previous.get(item.key)
                 if not run.overwrite and _same_work(rec, source, run.config_hash):
-                    why = damage(rec or {}, out)
+                    why = damage(rec or {}, out, horizon)
                     if why is None:
                         skipped += 1
                         continue
