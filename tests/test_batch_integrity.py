@@ -1,6 +1,7 @@
 """What resume trusts (vitexplain.batch.integrity): a file with its recorded size and mtime, older than
 the manifest, is trusted unread; one of the right size but another mtime, or of the manifest's own
-clock tick, is hashed; a wrong size, a missing file or a link is damage."""
+clock tick, is hashed; a wrong size, a missing file or a link is damage; an older version's record
+(no checksums) is only checked for its files' presence."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from vitexplain.batch import integrity
-from vitexplain.batch.integrity import RecordingWriter, damage, stat_horizon
+from vitexplain.batch.integrity import RecordingWriter, damage, has_checksums, stat_horizon
 from vitexplain.files import Writer
 
 FILES = {"rollout": {"figure": "a.png.rollout.png", "maps": "sub/a.png.rollout.npy"}}
@@ -108,3 +109,12 @@ def test_size_missing_and_link_found_unread(run, hashed) -> None:
     assert damage(rec, out, horizon) == (FILES["rollout"]["figure"], "missing (or not a regular file)")
     assert hashed == []
 
+
+def test_an_older_versions_record_is_only_checked_for_presence(run, hashed) -> None:
+    out, rec = run
+    old = {"files": rec["files"]}
+    assert not has_checksums(old) and has_checksums(rec)
+    (out / FILES["rollout"]["maps"]).write_bytes(b"anything")
+    assert damage(old, out, None) is None and hashed == []
+    (out / FILES["rollout"]["maps"]).unlink()
+    assert damage(old, out, None) == (FILES["rollout"]["maps"], "missing (or not a regular file)")

@@ -268,6 +268,35 @@ def test_resume_of_an_untouched_run_reads_no_output(ckpt: str, tmp_path: Path, m
     assert [d["file"] for d in _summary(out)["damaged_outputs"]] == [victim.relative_to(out).as_posix()]
 
 
+def test_resume_trusts_records_of_an_older_version_and_says_so(ckpt: str, tmp_path: Path, capsys) -> None:
+    """Records written before the checksums (no ``"checksums"``) were all redone and reported as damaged.
+    Now they are trusted as that version did (each file there, a regular file), counted under
+    ``unverified_outputs`` and named once on stderr with the way to redo them; a missing file is still redone."""
+    src = _make_tree(tmp_path / "in", good=GOOD[:3], bad=())
+    out = tmp_path / "out"
+    args = ("export", src, "--out", out, "--model", ckpt, "--method", "rollout", "-q", "-j", "0")
+    assert _run(*args) == 0
+    records = [json.loads(line) for line in (out / "manifest.jsonl").read_text(encoding="utf-8").splitlines()]
+    for r in records:
+        del r["checksums"]
+    (out / "manifest.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    (out / f"{GOOD[0]}.rollout.png").unlink()
+    capsys.readouterr()
+    assert _run(*args) == 0
+    summary = _summary(out)
+    assert summary["counts"] == {"images": 3, "ok": 1, "failed": 0, "skipped": 2}
+    assert summary["unverified_outputs"] == 2
+    assert [d["file"] for d in summary["damaged_outputs"]] == [f"{GOOD[0]}.rollout.png"]
+    err = capsys.readouterr().err
+    assert err.count("without checksums") == 1 and "2 images" in err and "--overwrite" in err
+    # the redone image has checksums now; the others stay unverified until redone
+    assert _run(*args) == 0
+    assert _summary(out)["unverified_outputs"] == 2 and _summary(out)["damaged_outputs"] == []
+    assert _run(*args, "--overwrite") == 0
+    assert _run(*args) == 0
+    assert _summary(out)["unverified_outputs"] == 0 and _summary(out)["counts"]["skipped"] == 3
+
+
 def test_save_maps_equal_explainer(tree: Path, ckpt: str, tmp_path: Path) -> None:
     out = tmp_path / "out"
     assert _run("export", tree / "nested", "--out", out, "--model", ckpt, "--save-maps", "-q", "-j", "0") == 1

@@ -26,7 +26,9 @@ Blind spot: a same-size rewrite that also restores the recorded mtime (``touch -
 ``rsync -t`` of another file of the same size and time, ``os.utime``) is trusted; ``--overwrite``
 redoes everything.
 
-A record without checksums (written by an older version) cannot be verified and is redone.
+Records written by an older version carry no checksums: they are trusted as that version did
+(every listed file present as a regular file reached without links); the run counts them
+(``unverified_outputs``) and says once how to redo them (``--overwrite``).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from typing import Any, Optional
 from ..files import Writer, is_output_file
 from .manifest import MANIFEST
 
-__all__ = ["RecordingWriter", "checksum", "damage", "stat_horizon"]
+__all__ = ["RecordingWriter", "checksum", "damage", "has_checksums", "stat_horizon"]
 
 _CHUNK = 1 << 20
 
@@ -86,6 +88,11 @@ def _file_sum(path: str) -> dict[str, Any]:
     return {"bytes": n, "blake2b": h.hexdigest()}
 
 
+def has_checksums(rec: dict[str, Any]) -> bool:
+    """Whether a record carries checksums (records of versions before them do not)."""
+    return isinstance(rec.get("checksums"), dict)
+
+
 def stat_horizon(out: Path | str) -> Optional[int]:
     """The ``mtime_ns`` of ``OUT/manifest.jsonl`` (None without one): a file whose recorded mtime is older
     is trusted by its size and mtime (see the module docstring)."""
@@ -100,7 +107,7 @@ def damage(rec: dict[str, Any], out: Path, horizon: Optional[int] = None) -> Opt
 
     A file is read (and hashed) only when its size is as recorded but its mtime is not, or is not
     older than ``horizon`` (the rule is in the module docstring). A record without checksums (an older
-    version's) cannot be verified.
+    version's) is only checked for its files' presence, as that version did.
 
     Args:
         rec: the image's manifest record (``files`` and ``checksums``).
@@ -109,7 +116,8 @@ def damage(rec: dict[str, Any], out: Path, horizon: Optional[int] = None) -> Opt
 
     Returns:
         ``(file, reason)``: the first file (relative to ``out``) that is missing, reached through a link,
-        of another size or content than recorded, or unreadable, or that has no recorded checksum.
+        of another size or content than recorded, or unreadable, or that has no recorded checksum
+        (in a record with checksums).
     """
     sums = rec.get("checksums")
     files = [str(rel) for entry in (rec.get("files") or {}).values() if isinstance(entry, dict)
@@ -117,9 +125,11 @@ def damage(rec: dict[str, Any], out: Path, horizon: Optional[int] = None) -> Opt
     for rel in files:
         if not is_output_file(out, rel):
             return rel, "missing (or not a regular file)"
-        want = sums.get(rel) if isinstance(sums, dict) else None
+        if not isinstance(sums, dict):
+            continue  # an older version's record: present is all it can tell
+        want = sums.get(rel)
         if not isinstance(want, dict):
-            return rel, "no checksum recorded (written by an older version): cannot be verified"
+            return rel, "no checksum recorded for this file: cannot be verified"
         path = os.path.join(out, *rel.split("/"))
         try:
             st = os.stat(path)
