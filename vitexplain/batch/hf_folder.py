@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..adapters.hf_processor import image_processor_settings
 from ..errors import UsageError
 
 if TYPE_CHECKING:
@@ -171,4 +170,6 @@ def _image_processor_settings(transformers: Any, folder: Path, path: str) -> dic
     except Exception as e:
         raise UsageError(f"--model {path!r}: cannot load its preprocessor_config.json ({type(e).__name__}: {e}); fix "
                          "or remove it (the model type's default preprocessing is used without it)") from None
+    from ..adapters.hf_processor import image_processor_settings  # (here: the adapters import torch)
+
     return image_processor_settings(proc)
