@@ -14,13 +14,14 @@ resume, an image counts as current only when each of its files is still as writt
   manifest's own clock tick): read and hashed, and its digest decides.
 
 Damaged images are redone, and the run says so (in its log and in ``summary.json``'s
-``damaged_outputs``). So resuming an untouched run reads no output file, only ``stat`` s them.
+``damaged_outputs``). So resuming an untouched run reads no output file: it only stats them.
 
 Why the manifest's tick: a file clock is coarse (a few ms on Linux, 1-2 s on FAT or some network
 file systems), so a same-size rewrite in the tick of the original write keeps its mtime. Every
 later change happens after the manifest was written, hence in a tick not earlier than the manifest's;
 a file whose recorded mtime is older than the manifest's cannot be rewritten with that mtime (as
-git treats "racily clean" index entries). Files of the manifest's own tick are hashed.
+git treats "racily clean" index entries). Files of the manifest's own tick are hashed. (A change made by
+another program while the run was still writing, in the very tick of the file's write, is not seen.)
 
 Blind spot: a same-size rewrite that also restores the recorded mtime (``touch -d``, ``cp -p`` or
 ``rsync -t`` of another file of the same size and time, ``os.utime``) is trusted; ``--overwrite``
@@ -28,7 +29,8 @@ redoes everything.
 
 Records written by an older version carry no checksums: they are trusted as that version did
 (every listed file present as a regular file reached without links); the run counts them
-(``unverified_outputs``) and says once how to redo them (``--overwrite``).
+(``unverified_outputs``) and says once how to redo them (``--overwrite``). Records with checksums but
+without ``mtime_ns`` (the version just before) have each of their files hashed.
 """
 
 from __future__ import annotations
