@@ -32,11 +32,13 @@ def run(tmp_path: Path) -> tuple[Path, dict]:
 
 
 def _settle(out: Path, delta_ns: int = 10**9) -> int:
-    """Date the manifest ``delta_ns`` after the newest file (0: in its tick); returns the horizon."""
-    newest = max(os.stat(out / rel).st_mtime_ns for rel in FILES["rollout"].values())
-    os.utime(out / "manifest.jsonl", ns=(newest + delta_ns, newest + delta_ns))
+    """Date the manifest ``delta_ns`` after the newest file, or with 0 in the oldest file's tick (the files
+    may have been written in two ticks: both are then of the manifest's tick or later); returns the horizon."""
+    times = [os.stat(out / rel).st_mtime_ns for rel in FILES["rollout"].values()]
+    when = max(times) + delta_ns if delta_ns else min(times)
+    os.utime(out / "manifest.jsonl", ns=(when, when))
     horizon = stat_horizon(out)
-    assert horizon == newest + delta_ns
+    assert horizon == when
     return horizon
 
 
