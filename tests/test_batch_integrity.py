@@ -91,9 +91,14 @@ def test_same_size_rewrite_with_a_new_mtime_is_hashed_and_found(run, hashed) -> 
     os.utime(maps, ns=(5, 5))
     assert damage(rec, out, horizon) == CHANGED
     assert hashed == ["a.png.rollout.npy"]
-    # the same content back (a new mtime still): hashed and trusted
+    # the same content back (a new mtime still): hashed and trusted, its new mtime handed back to be recorded
     maps.write_bytes(bytes(range(256)) * 4)
-    assert damage(rec, out, horizon) is None
+    os.utime(maps, ns=(7, 7))
+    fresh: dict = {}
+    assert damage(rec, out, horizon, fresh) is None
+    assert fresh == {FILES["rollout"]["maps"]: {**rec["checksums"][FILES["rollout"]["maps"]], "mtime_ns": 7}}
+    hashed.clear()
+    assert damage({**rec, "checksums": {**rec["checksums"], **fresh}}, out, horizon) is None and hashed == []
 
 
 def test_size_missing_and_link_found_unread(run, hashed) -> None:

@@ -268,6 +268,40 @@ def test_resume_of_an_untouched_run_reads_no_output(ckpt: str, tmp_path: Path, m
     assert [d["file"] for d in _summary(out)["damaged_outputs"]] == [victim.relative_to(out).as_posix()]
 
 
+def test_resume_rereads_outputs_with_new_mtimes_once(ckpt: str, tmp_path: Path, monkeypatch) -> None:
+    """Outputs copied without their times (``cp -r``: every mtime new, the content the same) are read and hashed
+    once; their records then note the new mtimes, so the next resume reads none again (it re-read them all on
+    every resume)."""
+    import builtins
+
+    src = _make_tree(tmp_path / "in", good=GOOD[:3], bad=())
+    out = tmp_path / "out"
+    args = ("export", src, "--out", out, "--model", ckpt, "--method", "rollout", "--save-maps", "-q", "-j", "0")
+    assert _run(*args) == 0
+    outputs = {str(p) for p in out.rglob("*.rollout.*")}
+    for i, path in enumerate(sorted(outputs)):
+        os.utime(path, ns=(10**9 * (i + 1), 10**9 * (i + 1)))  # as a copy leaves them: other times, same bytes
+    _age_manifest(out)
+    opened: list[str] = []
+    real_open = builtins.open
+
+    def spy(file, *a, **k):
+        if isinstance(file, (str, os.PathLike)) and os.fspath(file) in outputs:
+            opened.append(os.fspath(file))
+        return real_open(file, *a, **k)
+
+    monkeypatch.setattr(builtins, "open", spy)
+    assert _run(*args) == 0
+    assert _summary(out)["counts"]["skipped"] == 3 and sorted(opened) == sorted(outputs)
+    assert _summary(out)["damaged_outputs"] == []
+    opened.clear()
+    _age_manifest(out)
+    assert _run(*args) == 0
+    assert _summary(out)["counts"]["skipped"] == 3 and opened == []
+    for rec in _manifest(out).values():  # the records, refreshed, still list every file's digest
+        assert sorted(rec["checksums"]) == sorted(rec["files"]["rollout"].values())
+
+
 def test_resume_trusts_records_of_an_older_version_and_says_so(ckpt: str, tmp_path: Path, capsys) -> None:
     """Records written before the checksums (no ``"checksums"``) were all redone and reported as damaged.
     Now they are trusted as that version did (each file there, a regular file), counted under

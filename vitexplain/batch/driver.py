@@ -145,15 +145,19 @@ def drive(run: Run, command: Command, t_start: float) -> ExportResult:
             skipped = 0
             damaged: list[dict[str, str]] = []  # current records whose files are not as written: redone
             unverified = 0  # skipped images of an older version's records (no checksums): only present
+            refreshed: list[dict[str, Any]] = []  # current records whose files' mtimes changed, content not
             horizon = stat_horizon(out)
             for item in shard:
                 source = source_of(item.path)
                 rec = previous.get(item.key)
                 if not run.overwrite and _same_work(rec, source, run.config_hash):
-                    why = damage(rec or {}, out, horizon)
+                    fresh: dict[str, dict[str, Any]] = {}
+                    why = damage(rec or {}, out, horizon, fresh)
                     if why is None:
                         skipped += 1
                         unverified += not has_checksums(rec or {})
+                        if fresh and rec is not None:  # read once: the next resume trusts them by stat
+                            refreshed.append({**rec, "checksums": {**rec["checksums"], **fresh}})
                         continue
                     damaged.append({"input": item.path, "file": why[0], "reason": why[1]})
                 todo.append((item, source))
@@ -166,6 +170,8 @@ def drive(run: Run, command: Command, t_start: float) -> ExportResult:
             stats["unverified"] = unverified
             try:
                 part = ManifestPart(out, run_id, dist.rank)
+                for fixed in refreshed:  # (same time as before: read after manifest.jsonl, the part's copy wins)
+                    part.append(fixed)
                 if dist.rank == 0:
                     _record_unreadable(run, part)
                 run_shard(todo, run=run, process=command.process, stats=stats, part=part, signals=signals)

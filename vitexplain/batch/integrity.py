@@ -31,6 +31,10 @@ Records written by an older version carry no checksums: they are trusted as that
 (every listed file present as a regular file reached without links); the run counts them
 (``unverified_outputs``) and says once how to redo them (``--overwrite``). Records with checksums but
 without ``mtime_ns`` (the version just before) have each of their files hashed.
+
+A file read and found as written under another mtime (an output folder copied without its times) has its
+new mtime recorded (the image's record is appended again, its checksums refreshed): it is read once, not on
+every resume.
 """
 
 from __future__ import annotations
@@ -104,7 +108,8 @@ def stat_horizon(out: Path | str) -> Optional[int]:
         return None
 
 
-def damage(rec: dict[str, Any], out: Path, horizon: Optional[int] = None) -> Optional[tuple[str, str]]:
+def damage(rec: dict[str, Any], out: Path, horizon: Optional[int] = None,
+           fresh: Optional[dict[str, dict[str, Any]]] = None) -> Optional[tuple[str, str]]:
     """Why the output files of an ok record cannot be trusted, or None when each is as written.
 
     A file is read (and hashed) only when its size is as recorded but its mtime is not, or is not
@@ -115,6 +120,8 @@ def damage(rec: dict[str, Any], out: Path, horizon: Optional[int] = None) -> Opt
         rec: the image's manifest record (``files`` and ``checksums``).
         out: the output folder.
         horizon: :func:`stat_horizon` of ``out``; None hashes every file of the right size.
+        fresh: filled with ``{file: checksum with its mtime now}`` for the files read and found as written
+            under another mtime (a copy's): the driver records them, so the next resume trusts them by stat.
 
     Returns:
         ``(file, reason)``: the first file (relative to ``out``) that is missing, reached through a link,
@@ -142,6 +149,8 @@ def damage(rec: dict[str, Any], out: Path, horizon: Optional[int] = None) -> Opt
                 continue  # as written, and the manifest is younger than any same-tick rewrite
             if _file_sum(path)["blake2b"] != want.get("blake2b"):
                 return rel, "damaged: its content differs from what the run wrote"
+            if fresh is not None and st.st_mtime_ns != mtime:
+                fresh[rel] = {**want, "mtime_ns": int(st.st_mtime_ns)}
         except OSError as e:
             return rel, f"unreadable ({e.strerror or e})"
     return None
