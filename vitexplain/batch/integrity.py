@@ -30,7 +30,8 @@ redoes everything.
 Records written by an older version carry no checksums: they are trusted as that version did
 (every listed file present as a regular file reached without links); the run counts them
 (``unverified_outputs``) and says once how to redo them (``--overwrite``). Records with checksums but
-without ``mtime_ns`` (the version just before) have each of their files hashed.
+without ``mtime_ns`` (the version just before) have their files hashed once (then their mtimes are recorded,
+below).
 
 A file read and found as written under another mtime (an output folder copied without its times) has its
 new mtime recorded (the image's record is appended again, its checksums refreshed): it is read once, not on
