@@ -224,6 +224,113 @@ def test_resume_redoes_damaged_outputs_and_says_so(damage: str, ckpt: str, tmp_p
     assert _summary(out)["counts"]["skipped"] == 3 and _summary(out)["damaged_outputs"] == []
 
 
+def _age_manifest(out: Path) -> None:
+    """Date ``manifest.jsonl`` a second after the newest output, as a run that wrote its outputs before
+    merging its manifest leaves it (a tiny test run can do both within one tick of a coarse file clock)."""
+    newest = max(p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file())
+    os.utime(out / "manifest.jsonl", ns=(newest + 10**9, newest + 10**9))
+
+
+def test_resume_of_an_untouched_run_reads_no_output(ckpt: str, tmp_path: Path, monkeypatch) -> None:
+    """Resuming re-read every output file it skipped to hash it (GBs for a 100k-image run). Now a file
+    whose size and modification time are as recorded is trusted without being opened; one rewritten
+    to the same size (a new mtime) is still hashed, found and redone."""
+    import builtins
+
+    src = _make_tree(tmp_path / "in", good=GOOD[:3], bad=())
+    out = tmp_path / "out"
+    args = ("export", src, "--out", out, "--model", ckpt, "--method", "rollout", "--save-maps", "-q", "-j", "0")
+    assert _run(*args) == 0
+    outputs = {str(p) for p in out.rglob("*.rollout.*")}
+    assert len(outputs) == 6
+    _age_manifest(out)
+    opened: list[str] = []
+    real_open = builtins.open
+
+    def spy(file, *a, **k):
+        if isinstance(file, (str, os.PathLike)) and os.fspath(file) in outputs:
+            opened.append(os.fspath(file))
+        return real_open(file, *a, **k)
+
+    monkeypatch.setattr(builtins, "open", spy)
+    assert _run(*args) == 0
+    assert _summary(out)["counts"]["skipped"] == 3 and opened == []
+    # a same-size rewrite gets a new mtime: that file (only) is read, found changed and redone
+    victim = out / f"{GOOD[2]}.rollout.npy"
+    data = victim.read_bytes()
+    opened.clear()
+    _age_manifest(out)
+    victim.write_bytes(data[:-4] + bytes(b ^ 0xFF for b in data[-4:]))
+    os.utime(victim, ns=(1, 1))  # unmistakably another mtime, even on a coarse file clock
+    assert _run(*args) == 0
+    assert _summary(out)["counts"] == {"images": 3, "ok": 1, "failed": 0, "skipped": 2}
+    assert opened == [str(victim)]
+    assert [d["file"] for d in _summary(out)["damaged_outputs"]] == [victim.relative_to(out).as_posix()]
+
+
+def test_resume_rereads_outputs_with_new_mtimes_once(ckpt: str, tmp_path: Path, monkeypatch) -> None:
+    """Outputs copied without their times (``cp -r``: every mtime new, the content the same) are read and hashed
+    once; their records then note the new mtimes, so the next resume reads none again (it re-read them all on
+    every resume)."""
+    import builtins
+
+    src = _make_tree(tmp_path / "in", good=GOOD[:3], bad=())
+    out = tmp_path / "out"
+    args = ("export", src, "--out", out, "--model", ckpt, "--method", "rollout", "--save-maps", "-q", "-j", "0")
+    assert _run(*args) == 0
+    outputs = {str(p) for p in out.rglob("*.rollout.*")}
+    for i, path in enumerate(sorted(outputs)):
+        os.utime(path, ns=(10**9 * (i + 1), 10**9 * (i + 1)))  # as a copy leaves them: other times, same bytes
+    _age_manifest(out)
+    opened: list[str] = []
+    real_open = builtins.open
+
+    def spy(file, *a, **k):
+        if isinstance(file, (str, os.PathLike)) and os.fspath(file) in outputs:
+            opened.append(os.fspath(file))
+        return real_open(file, *a, **k)
+
+    monkeypatch.setattr(builtins, "open", spy)
+    assert _run(*args) == 0
+    assert _summary(out)["counts"]["skipped"] == 3 and sorted(opened) == sorted(outputs)
+    assert _summary(out)["damaged_outputs"] == []
+    opened.clear()
+    _age_manifest(out)
+    assert _run(*args) == 0
+    assert _summary(out)["counts"]["skipped"] == 3 and opened == []
+    for rec in _manifest(out).values():  # the records, refreshed, still list every file's digest
+        assert sorted(rec["checksums"]) == sorted(rec["files"]["rollout"].values())
+
+
+def test_resume_trusts_records_of_an_older_version_and_says_so(ckpt: str, tmp_path: Path, capsys) -> None:
+    """Records written before the checksums (no ``"checksums"``) were all redone and reported as damaged.
+    Now they are trusted as that version did (each file there, a regular file), counted under
+    ``unverified_outputs`` and named once on stderr with the way to redo them; a missing file is still redone."""
+    src = _make_tree(tmp_path / "in", good=GOOD[:3], bad=())
+    out = tmp_path / "out"
+    args = ("export", src, "--out", out, "--model", ckpt, "--method", "rollout", "-q", "-j", "0")
+    assert _run(*args) == 0
+    records = [json.loads(line) for line in (out / "manifest.jsonl").read_text(encoding="utf-8").splitlines()]
+    for r in records:
+        del r["checksums"]
+    (out / "manifest.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    (out / f"{GOOD[0]}.rollout.png").unlink()
+    capsys.readouterr()
+    assert _run(*args) == 0
+    summary = _summary(out)
+    assert summary["counts"] == {"images": 3, "ok": 1, "failed": 0, "skipped": 2}
+    assert summary["unverified_outputs"] == 2
+    assert [d["file"] for d in summary["damaged_outputs"]] == [f"{GOOD[0]}.rollout.png"]
+    err = capsys.readouterr().err
+    assert err.count("without checksums") == 1 and "2 images" in err and "--overwrite" in err
+    # the redone image has checksums now; the others stay unverified until redone
+    assert _run(*args) == 0
+    assert _summary(out)["unverified_outputs"] == 2 and _summary(out)["damaged_outputs"] == []
+    assert _run(*args, "--overwrite") == 0
+    assert _run(*args) == 0
+    assert _summary(out)["unverified_outputs"] == 0 and _summary(out)["counts"]["skipped"] == 3
+
+
 def test_save_maps_equal_explainer(tree: Path, ckpt: str, tmp_path: Path) -> None:
     out = tmp_path / "out"
     assert _run("export", tree / "nested", "--out", out, "--model", ckpt, "--save-maps", "-q", "-j", "0") == 1

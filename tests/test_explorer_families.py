@@ -43,7 +43,13 @@ def test_explore_family(name, tmp_path) -> None:
         model.pretrained_cfg = dict(cfg or {}, input_size=(3, *family.size))
     image = (np.random.default_rng(1).random((*family.size, 3)) * 255).astype(np.uint8)
     method = METHOD[family.group]
-    page = vx.explore(model, image, tmp_path / "p.html", method=[method], top_k=1, max_len=4).read_text()
+    given = {}
+    if type(model).__name__ == "VisionEncoderDecoderModel":  # its pixel statistics come from its image processor
+        import transformers
+
+        given["processor"] = transformers.ViTImageProcessor(image_mean=[0.5] * 3, image_std=[0.5] * 3,
+                                                            size=dict(height=family.size[0], width=family.size[1]))
+    page = vx.explore(model, image, tmp_path / "p.html", method=[method], top_k=1, max_len=4, **given).read_text()
     data = json.loads(re.search(r'id="vx-data">(.*?)</script>', page, re.S).group(1))["images"][0]
     entries = data["caption"]["methods"] if data["family"] == "caption" else data["methods"]
     assert [m["name"] for m in entries] == [method]

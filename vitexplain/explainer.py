@@ -51,7 +51,9 @@ class Explainer:
             vision-language model (LLaVA, ...; give its ``processor``).
         adapter: override the automatically chosen adapter.
         processor: a vision-language model's processor (tokenizer + image processor); default: the
-            model's ``vx_processor`` where it carries one (the zoo's ``shapes-vlm``), as ``explore`` does.
+            model's ``vx_processor`` where it carries one (the zoo's ``shapes-vlm``), as ``explore`` does. For a
+            Hugging Face captioner, its image processor (or a processor holding one): images are preprocessed as
+            it does (a VisionEncoderDecoder's images need it: its statistics depend on how it was trained).
         processor_kwargs: extra keyword arguments for every call of ``processor`` (e.g. Gemma 3's
             ``{"do_pan_and_scan": True}``); the maps follow the geometry they give.
         tokenizer: an encoder-decoder captioner's tokenizer (or a processor holding one, such as
@@ -78,10 +80,15 @@ class Explainer:
         self.attention_mode = check_mode(attention_mode)
         if processor is None and hasattr(self.adapter, "with_processor"):
             processor = getattr(model, "vx_processor", None)  # (a zoo VLM carries its processor)
-        if processor is not None:
+        if processor is not None and hasattr(self.adapter, "with_image_processor"):  # a Hugging Face captioner's
+            if processor_kwargs:
+                raise UsageError("processor_kwargs= is for a vision-language model's processor; a captioner's image "
+                                 "processor is read as it is configured")
+            self.adapter = self.adapter.with_image_processor(processor)
+        elif processor is not None:
             if not hasattr(self.adapter, "with_processor"):
-                raise UsageError(f"processor= is for vision-language models; {type(model).__name__} is a "
-                                 f"{self.family.name} model and takes preprocessed images")
+                raise UsageError(f"processor= is for vision-language models and Hugging Face captioners; "
+                                 f"{type(model).__name__} is a {self.family.name} model and takes preprocessed images")
             self.adapter = self.adapter.with_processor(processor, processor_kwargs)
         elif processor_kwargs:
             raise UsageError("processor_kwargs= needs processor= (the vision-language model's processor)")
@@ -146,6 +153,10 @@ class Explainer:
 
         if not isinstance(crop, bool):  # ("no" was truthy: the images were cropped)
             raise UsageError(f"crop must be True or False, got {type(crop).__name__} {crop!r}")
+        unknown = getattr(self.adapter, "unknown_pixels", None)  # (statistics that would be a guess: refused)
+        why = unknown() if unknown is not None else None
+        if why:
+            raise UsageError(why)
         if getattr(images, "ndim", None) == 4 and not isinstance(images, Tensor):  # (N, H, W, 3) uint8 array
             images = list(images)
         items = list(images) if isinstance(images, (list, tuple, Iterator)) else [images]  # a generator: its images

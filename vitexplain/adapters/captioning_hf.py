@@ -12,13 +12,14 @@ decoder's; ``cross_generic`` applies Chefer's self-attention rule to the joint s
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from ..layout import pair
-from ..errors import UnsupportedModelError
+from ..errors import UnsupportedModelError, UsageError
 from .base import Adapter, find_layout_module, register_adapter
 from .captioning import CaptionAdapter
 
@@ -46,6 +47,24 @@ def _token_id(value: Any, model: nn.Module, setting: str, role: str) -> int:
             f"{type(model).__name__} sets no token that {role}; set {setting} to your tokenizer's token id "
             "before explaining")
     return int(value)
+
+
+def _with_image_processor(adapter: CaptionAdapter, processor: Any) -> Any:
+    """A copy of ``adapter`` whose images are preprocessed as ``processor`` (or the image processor it holds) does.
+
+    Raises:
+        UsageError: ``processor`` is not an image processor.
+    """
+    from .hf_processor import image_processor_settings, is_image_processor
+
+    image = getattr(processor, "image_processor", processor)
+    if not is_image_processor(image):
+        raise UsageError(f"processor= for {type(adapter.model).__name__} must be its Hugging Face image processor "
+                         f"(e.g. ViTImageProcessor.from_pretrained(NAME)) or a processor holding one; got "
+                         f"{type(processor).__name__}")
+    adapter = copy.copy(adapter)
+    adapter.saved_preprocess = image_processor_settings(image)
+    return adapter
 
 
 class HFCaptionAdapter(CaptionAdapter):
@@ -115,6 +134,9 @@ class HFCaptionAdapter(CaptionAdapter):
         return self.model(pixel_values=x, input_ids=inputs).logits
 
     def preprocess_kwargs(self) -> dict[str, Any]:
+        """The model type's preprocessing: BLIP's processor's (CLIP statistics). A VisionEncoderDecoder's pixel
+        statistics depend on how it was trained, not on its type: its 0.5 here only sizes inputs, and images are
+        preprocessed only with an image processor's settings (:meth:`unknown_pixels`, :meth:`with_image_processor`)."""
         vision = self.model.config.encoder if self.kind == "vision-encoder-decoder" else self.model.config.vision_config
         size = vision.image_size
         size = (size, size) if isinstance(size, int) else tuple(size)
@@ -123,6 +145,30 @@ class HFCaptionAdapter(CaptionAdapter):
         else:
             mean, std = (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)
         return dict(input_size=size, mean=mean, std=std, crop_pct=1.0, interpolation="bicubic")
+
+    def with_image_processor(self, processor: Any) -> "HFCaptionAdapter":
+        """A copy that preprocesses images as ``processor`` does (a Hugging Face image processor, or a processor
+        holding one: ``TrOCRProcessor``, ``BlipProcessor``, ...), overriding the model type's statistics.
+
+        Raises:
+            UsageError: ``processor`` is not an image processor.
+        """
+        return _with_image_processor(self, processor)
+
+    def unknown_pixels(self) -> Optional[str]:
+        """Why images cannot be preprocessed for this model (None when they can): a VisionEncoderDecoder given
+        no image processor (``processor=``, or the one saved with its folder, ``model.vx_preprocess``)."""
+        if self.kind != "vision-encoder-decoder":
+            return None  # BLIP's statistics are its model type's
+        saved = self.saved_preprocess or getattr(self.model, "vx_preprocess", None)
+        if isinstance(saved, dict) and "mean" in saved and "std" in saved:
+            return None
+        return (f"{type(self.model).__name__}'s images cannot be preprocessed for you: its pixel statistics (mean, "
+                "std, resizing) depend on how it was trained (0.5 for ViT-GPT2 and TrOCR, ImageNet's for some "
+                "encoders), not on its model type, and no image processor was given. Give the image processor it was "
+                "trained with: vx.Explainer(model, processor=ViTImageProcessor.from_pretrained(NAME)) (or its "
+                "TrOCRProcessor, ...), or pass the pixels it makes: explain_caption(processor(images, "
+                "return_tensors='pt').pixel_values)")
 
 
 class TextToImage:
@@ -175,6 +221,11 @@ class GitCaptionAdapter(CaptionAdapter):
 
     encoder_prefix = "git.image_encoder"
     joint = True
+
+    def with_image_processor(self, processor: Any) -> "GitCaptionAdapter":
+        """A copy that preprocesses images as ``processor`` (a Hugging Face image processor, or a processor holding
+        one) does, overriding the model type's (CLIP) statistics."""
+        return _with_image_processor(self, processor)
 
     @property
     def end_id(self) -> int:

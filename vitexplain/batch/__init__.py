@@ -17,7 +17,7 @@ checks         checks the commands share (finite maps and outputs)
 distributed    devices, torchrun shards and collectives
 setup          what every command checks before its model runs
 driver         the run: lock, shard, resume, summary
-integrity      what resume trusts: each output file's recorded size and digest
+integrity      what resume trusts: each output file's recorded size, mtime and digest
 shard          one rank's decode -> explain -> write loop
 summary        ``summary.json``
 export         ``vitexplain export`` (classifiers: overlays and maps)

@@ -8,7 +8,9 @@ its entries of ``summary.json`` and its gallery. The driver does the rest:
    by another live run is a usage error) and removes temporary files left by killed runs;
 2. each rank takes its shard, skips images whose outputs are current (the resume rule,
    :func:`is_current`: same input and settings, every output file as written, checked by its
-   recorded size and digest; damaged ones are redone and named on stderr and in the summary),
+   recorded size and mtime, or digest when the mtime differs (:mod:`~vitexplain.batch.integrity`);
+   damaged ones are redone and named on stderr and in the summary; those of an older version's
+   records, without checksums, only checked to exist and counted as ``unverified_outputs``),
    decodes the rest in a DataLoader and explains them batch by batch
    while a thread pool draws and writes the files of the previous batches;
 3. every finished image's record is appended to this run's manifest part, whole;
@@ -31,7 +33,7 @@ from typing import Any, Optional
 
 from ..errors import UsageError
 from .inputs import InputItem, Unreadable
-from .integrity import damage
+from .integrity import damage, has_checksums, stat_horizon
 from .lock import OutputLock
 from .manifest import PART_RE, SUMMARY, ManifestPart, merge_manifest, new_run_id, read_manifest
 from .run import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_OUTPUT, EXIT_TERMINATED, EXIT_USAGE,  # noqa: F401
@@ -79,7 +81,7 @@ def is_current(rec: Optional[dict[str, Any]], source: dict[str, Any], config_has
     """The resume rule: an ok record for the same file (path, size, mtime) and the same
     settings, whose listed output files all exist, reached without links, with the size and
     content the run recorded (:func:`~vitexplain.batch.integrity.damage`)."""
-    return _same_work(rec, source, config_hash) and damage(rec or {}, out) is None
+    return _same_work(rec, source, config_hash) and damage(rec or {}, out, stat_horizon(out)) is None
 
 
 #: Damaged outputs named one by one on stderr per rank; the rest are counted (all are in the summary).
@@ -142,13 +144,20 @@ def drive(run: Run, command: Command, t_start: float) -> ExportResult:
             todo: list[tuple[InputItem, dict[str, Any]]] = []
             skipped = 0
             damaged: list[dict[str, str]] = []  # current records whose files are not as written: redone
+            unverified = 0  # skipped images of an older version's records (no checksums): only present
+            refreshed: list[dict[str, Any]] = []  # current records whose files' mtimes changed, content not
+            horizon = stat_horizon(out)
             for item in shard:
                 source = source_of(item.path)
                 rec = previous.get(item.key)
                 if not run.overwrite and _same_work(rec, source, run.config_hash):
-                    why = damage(rec or {}, out)
+                    fresh: dict[str, dict[str, Any]] = {}
+                    why = damage(rec or {}, out, horizon, fresh)
                     if why is None:
                         skipped += 1
+                        unverified += not has_checksums(rec or {})
+                        if fresh and rec is not None:  # read once: the next resume trusts them by stat
+                            refreshed.append({**rec, "checksums": {**rec["checksums"], **fresh}})
                         continue
                     damaged.append({"input": item.path, "file": why[0], "reason": why[1]})
                 todo.append((item, source))
@@ -158,8 +167,11 @@ def drive(run: Run, command: Command, t_start: float) -> ExportResult:
             part: Optional[ManifestPart] = None
             stats = new_stats(skipped)
             stats["damaged"] = damaged[:1000]
+            stats["unverified"] = unverified
             try:
                 part = ManifestPart(out, run_id, dist.rank)
+                for fixed in refreshed:  # (same time as before: read after manifest.jsonl, the part's copy wins)
+                    part.append(fixed)
                 if dist.rank == 0:
                     _record_unreadable(run, part)
                 run_shard(todo, run=run, process=command.process, stats=stats, part=part, signals=signals)
@@ -237,6 +249,11 @@ def _finish(run: Run, command: Command, all_stats: list[dict[str, Any]], t_start
     except OSError as e:  # OutputError, or a name taken meanwhile (a folder named manifest.jsonl)
         error = error or str(e)
     counts = run_counts(run, all_stats)
+    unverified = sum(s.get("unverified", 0) for s in all_stats)
+    if unverified:
+        say(f"vitexplain: note: the outputs of {unverified} images were written by an older vitexplain without "
+            "checksums: they were only checked to exist, not verified (summary.json: unverified_outputs); "
+            "rerun with --overwrite to redo them")
     if any(s.get("interrupted") for s in all_stats):
         status = "interrupted"
     elif error:

@@ -69,6 +69,7 @@ def build_summary(
         },
         "failures": failures,
         "damaged_outputs": [d for s in all_stats for d in s.get("damaged", [])],
+        "unverified_outputs": sum(s.get("unverified", 0) for s in all_stats),
         **fields,
         "device": str(run.device) if run.dist.world == 1 else f"{run.device.type} x {run.dist.world}",
         "world_size": run.dist.world,

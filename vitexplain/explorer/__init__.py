@@ -101,7 +101,8 @@ def explore(
             models give whole images to their processor.
         prompt: vision-language models: the prompt (None: the model's default).
         processor: vision-language models: the processor (default: ``model.vx_processor`` when the
-            model carries one, as zoo VLMs do).
+            model carries one, as zoo VLMs do); a Hugging Face captioner: its image processor (a
+            VisionEncoderDecoder's images need it, see ``vx.Explainer``).
         **options: options of a single named method, or per method as ``name={...}`` (e.g.
             ``rollout={"head_fusion": "max"}``), as for ``Explainer.explain``.
 
