@@ -137,8 +137,9 @@ def _completeness(attr: Tensor, change: Tensor, steps: int) -> dict[str, Any]:
         worst = ", ".join(f"{i}: {float(error[i]):.3g}" for i in bad[:8]) + (", ..." if len(bad) > 8 else "")
         warnings.warn(
             f"integrated_gradients with steps={steps}: for image(s) {bad} the attributions' sum misses "
-            f"y(x) - y(baseline) by more than {COMPLETENESS_RTOL:g} of it (relative completeness error {worst}), so "
-            "the integral has not converged and the map may mean little; pass more steps (e.g. "
+            f"y(x) - y(baseline) by more than {COMPLETENESS_RTOL:g} of it (relative completeness error {worst}): the "
+            "integral has not converged as far as Sundararajan et al. check for, and where the error is near or over 1 "
+            "the map may mean little; pass more steps (e.g. "
             f"steps={min(4 * steps, MAX_SAMPLES)}) and check e.extras['completeness_error']",
             ConvergenceWarning, stacklevel=2,
         )
