@@ -290,3 +290,12 @@ def test_patch_dropout_in_training_mode_is_refused_with_what_to_do(library):
             ex.explain(x, method=method, target=target)
     model.eval()
     assert ex.explain(x, method="cdam", target=target).maps.shape == (2, 4, 4)
+
+
+def test_a_timm_vit_without_blocks_gets_a_clear_error():
+    """depth=0: nothing to explain by attention or tokens (the adapter read the last block's norm: an IndexError)."""
+    from timm.models.vision_transformer import VisionTransformer
+
+    model = VisionTransformer(img_size=32, patch_size=8, embed_dim=16, depth=0, num_heads=2, num_classes=3).eval()
+    with pytest.raises(vx.UnsupportedModelError, match="no transformer blocks"):
+        vx.Explainer(model)

@@ -14,7 +14,9 @@ over the colour channels. Families: PVTv2 (spatial-reduction attention over a st
 (mask units, max-pooled queries), SAM's ViT (windows, padding, decomposed relative-position bias from q,
 conv neck with LayerNorm2d), MaxViT (MBConv stages: BatchNorm, average-pooled shortcut, squeeze-excitation gates
 ``x * sigmoid(...)`` with the product's gradient halved at each factor; window and grid attention with a
-relative-position table).
+relative-position table), CAFormer (separable-conv stages, then attention; MetaFormer's StarReLU ``s relu(x)^2 + b``
+written ``s * (x * (relu(x)^2 / x).detach()) + b``: the identity rule on the element-wise ``relu(x)^2``, then an affine
+map whose constant ``b`` takes its share like any bias; the head's SquaredReLU ``relu(x)^2`` by the identity rule).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ ORACLE_ROWS = {
     "hiera": "timm Hiera (SAM 2's encoder family)",
     "sam": "timm SAM ViT (samvit: windowed + global, conv neck)",
     "maxvit": "timm MaxViT",
+    "caformer": "timm CAFormer (separable-conv stages, then attention)",
 }
 
 
@@ -113,6 +116,14 @@ def _maxvit_forward(m: nn.Module, variant: str):
     return types.MethodType(forward, m)
 
 
+def _caformer_forward(m: nn.Module, variant: str):
+    def forward(self, x):  # timm.models.metaformer.Attention, no bias
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        return self.proj(_attend(q, k, v, self.scale, None, variant).transpose(1, 2).reshape(b, n, c))
+    return types.MethodType(forward, m)
+
+
 def _se_forward(m: nn.Module):
     def forward(self, x):  # timm's SEModule; its gate times x: a product of two activations, halves to each
         gate = self.gate(self.fc2(self.act(self.bn(self.fc1(x.mean((2, 3), keepdim=True))))))
@@ -121,7 +132,8 @@ def _se_forward(m: nn.Module):
 
 
 _ATTENTION = {"pvt": ("Attention", _pvt_forward), "hiera": ("MaskUnitAttention", _hiera_forward),
-              "sam": ("Attention", _sam_forward), "maxvit": ("AttentionCl", _maxvit_forward)}
+              "sam": ("Attention", _sam_forward), "maxvit": ("AttentionCl", _maxvit_forward),
+              "caformer": ("Attention", _caformer_forward)}
 
 
 def _layer_norm(module, inputs, output):
@@ -130,13 +142,21 @@ def _layer_norm(module, inputs, output):
         x = x.permute(0, 2, 3, 1)
     mean = x.mean(-1, keepdim=True)
     std = (x.var(-1, unbiased=False, keepdim=True) + module.eps).sqrt()
-    out = (x - mean) / std.detach() * module.weight + module.bias
+    out = (x - mean) / std.detach() * module.weight
+    if module.bias is not None:  # (MetaFormer's LayerNormNoBias, LayerNorm2dNoBias: none)
+        out = out + module.bias
     return out.permute(0, 3, 1, 2) if isinstance(module, LayerNorm2d) else out
 
 
 def _identity(module, inputs, output):
     x = inputs[0]
     return x * (output / x).detach()
+
+
+def _star_relu(module, inputs, output):
+    """MetaFormer's StarReLU ``s relu(x)^2 + b``: the identity rule on ``relu(x)^2``, then the affine map."""
+    x = inputs[0]
+    return module.scale * (x * (torch.relu(x) ** 2 / x).detach()) + module.bias
 
 
 def hand_lrp(model: nn.Module, family: str, x: torch.Tensor, targets: list[int], variant: str) -> torch.Tensor:
@@ -153,7 +173,10 @@ def hand_lrp(model: nn.Module, family: str, x: torch.Tensor, targets: list[int],
             module.forward = _se_forward(module)
         elif isinstance(module, nn.LayerNorm):
             module.register_forward_hook(_layer_norm)
-        elif type(module).__name__ in ("GELU", "SiLU", "Sigmoid"):  # torch's or timm's (timm.layers.activations)
+        elif type(module).__name__ == "StarReLU":
+            assert not module.inplace
+            module.register_forward_hook(_star_relu)
+        elif type(module).__name__ in ("GELU", "SiLU", "Sigmoid", "SquaredReLU"):  # torch's or timm's
             if hasattr(module, "inplace"):  # the copy's: the hook reads the input after the call
                 module.inplace = False
             module.register_forward_hook(_identity)
@@ -173,6 +196,10 @@ def _model(row_name: str, seed: int = 0) -> nn.Module:
         for name, p in model.named_parameters():
             if "rel_pos" in name:
                 p.normal_(0.0, 0.5)
+        for m in model.modules():  # MetaFormer's StarReLU starts at s = 1, b = 0: b's share would test nothing
+            if type(m).__name__ == "StarReLU":
+                m.scale.uniform_(0.5, 1.5)
+                m.bias.normal_(0.0, 0.5)
     return model
 
 
@@ -182,8 +209,10 @@ def _model(row_name: str, seed: int = 0) -> nn.Module:
 #: pre-activations; 6e-8 with the model in float64 and lxt's epsilon set to 0): tolerance 1e-3, a 17x margin.
 #: Mutants are far above both: the other variant's oracle differs by >= 1.4e-2 (pvt), 0.58 (maxvit); SAM's score
 #: bias at a 1/4 share instead of 1/2 by 1.2e-1; MaxViT's oracle with timm's GELU and Sigmoid modules left
-#: plain by 0.59.
-TOLERANCE = {"pvt": 1e-5, "hiera": 1e-5, "sam": 1e-5, "maxvit": 1e-3}
+#: plain by 0.59. CAFormer (StarReLU's s and b drawn at random in _model): <= 6.7e-7, tolerance 1e-5; its oracle with
+#: StarReLU left plain differs by >= 2.5e-2, with the identity rule on the whole StarReLU (b's share passed on as
+#: relevance, ratio (s relu(x)^2 + b) / x) by 1.0.
+TOLERANCE = {"pvt": 1e-5, "hiera": 1e-5, "sam": 1e-5, "maxvit": 1e-3, "caformer": 1e-5}
 
 
 @pytest.mark.parametrize("family", sorted(ORACLE_ROWS))
@@ -266,8 +295,9 @@ def _without_biases(model: nn.Module) -> nn.Module:
     return model
 
 
-#: Refused at run time by check_coverage (the call it names), not by the plan.
-REFUSED = {"timm CAFormer (separable-conv stages, then attention)": "pow of an activation"}  # StarReLU: s relu(x)^2 + b
+#: Refused at run time by check_coverage (the call it names), not by the plan: none of the rows now (CAFormer's
+#: StarReLU and SquaredReLU get the identity rule; a square written out elsewhere is refused, below).
+REFUSED: dict[str, str] = {}
 COVERED = [name for name in ROWS if name not in REFUSED]
 
 
@@ -293,12 +323,23 @@ def test_cp_lrp_conserves_the_score_without_biases_and_attnlrp_reports_its_ratio
     assert torch.isfinite(lrp.maps).all() and lrp.maps.shape == (2, *ROWS[name].size)
 
 
-@pytest.mark.parametrize("name", sorted(REFUSED))
+class _Square(nn.Module):
+    """relu(x)^2 written as a torch call in a module the rules do not know (not MetaFormer's SquaredReLU)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.square(torch.relu(x))
+
+
 @pytest.mark.parametrize("method", ["attnlrp", "cp_lrp"])
-def test_a_family_with_a_call_the_rules_do_not_cover_is_refused_with_the_call(name, method):
+def test_a_call_the_rules_do_not_cover_is_refused_with_the_call(method):
+    """CAFormer with its head's SquaredReLU replaced by the same function in a module of unknown origin: the
+    square's plain gradient (2 relu(x)) is not the identity rule's (relu(x)), so the forward is refused, naming
+    the call."""
+    name = "timm CAFormer (separable-conv stages, then attention)"
     model = _model(name)
+    model.head.fc.act = _Square()
     assert method in vx.Explainer(model).methods()  # the plan lists it: the forward decides
-    with pytest.raises(UnsupportedModelError, match=REFUSED[name]):
+    with pytest.raises(UnsupportedModelError, match="square of an activation"):
         vx.Explainer(model).explain(torch.randn(1, 3, *ROWS[name].size), method=method, target=0)
 
 

@@ -30,7 +30,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
-from ..errors import UnsupportedMethodError
+from ..errors import UnsupportedMethodError, UnsupportedModelError
 from ..layout import TokenLayout, pair
 from ..recording.records import ActivationRecord
 from ..methods.families import VIT
@@ -152,6 +152,11 @@ class TimmViTAdapter(ViTAdapter):
     def __init__(self, model: nn.Module, blocks: Optional[list[str]] = None) -> None:
         super().__init__(model)
         self.blocks = blocks or [f"blocks.{i}" for i in range(len(model.blocks))]
+        if not self.blocks:
+            raise UnsupportedModelError(
+                f"this {type(model).__name__} has no transformer blocks (depth=0): there is no attention and no "
+                "block tokens to explain; build it with at least one block"
+            )
         self.norm1 = f"{self.blocks[-1]}.norm1"
         self.has_head = int(getattr(model, "num_classes", 1) or 0) > 0
         pool = getattr(model, "global_pool", "token")

@@ -6,7 +6,8 @@ so their maps share the (B, gh, gw) grid of the attention methods.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+import warnings
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
@@ -18,7 +19,18 @@ from .options import MAX_SAMPLES, SEED_RANGE, Option
 from .families import VIT
 from .registry import register
 
-__all__ = ["integrated_gradients", "occlusion", "smoothgrad"]
+__all__ = ["integrated_gradients", "occlusion", "smoothgrad", "ConvergenceWarning", "COMPLETENESS_RTOL"]
+
+
+class ConvergenceWarning(UserWarning):
+    """Integrated Gradients' attributions of some image miss y(x) - y(baseline) by more than
+    :data:`COMPLETENESS_RTOL` of it: the integral did not converge with the steps given."""
+
+
+#: Largest completeness error |sum of attributions - (y(x) - y(baseline))| / |y(x) - y(baseline)| that passes
+#: without a :class:`ConvergenceWarning`: Sundararajan et al. 2017 (Sec. 5) find 20-300 steps bring the sum
+#: "within 5%" of the score difference and advise checking exactly this and adding steps when it fails.
+COMPLETENESS_RTOL = 0.05
 
 
 def _forward_and_target(ctx: Context) -> tuple[Callable[[Tensor], Tensor], Optional[list[int]]]:
@@ -73,8 +85,14 @@ def _patch_mask(ctx: Context) -> Tensor:
     summary="captum IntegratedGradients from a zero (mean-colour) baseline, summed per patch",
     reference="Sundararajan et al. 2017 (captum.attr.IntegratedGradients)",
 )
-def integrated_gradients(ctx: Context, *, steps: int = 32, batch_size: int = 64, baseline: float = 0.0) -> Tensor:
+def integrated_gradients(ctx: Context, *, steps: int = 32, batch_size: int = 64, baseline: float = 0.0
+                         ) -> tuple[Tensor, dict[str, Any]]:
     """Integrated Gradients (captum) on the input pixels, summed over channels and patches.
+
+    Says how well the integral converged: by completeness (Sundararajan et al. 2017, Prop. 1) an image's
+    attributions sum to y(x) - y(baseline); ``extras["completeness_error"]`` is how far the quadrature's sum
+    is from it, relative to it, and a :class:`ConvergenceWarning` (one per call) names the images over
+    :data:`COMPLETENESS_RTOL`.
 
     Args:
         ctx: the explained batch.
@@ -84,20 +102,48 @@ def integrated_gradients(ctx: Context, *, steps: int = 32, batch_size: int = 64,
             normalised inputs).
 
     Returns:
-        (B, gh, gw) float32, signed; sums to about y(x) - y(baseline).
+        (maps, extras): maps (B, gh, gw) float32, signed, summing to about y(x) - y(baseline); extras, each (B,)
+        float64: ``score_change`` y(x) - y(baseline) of the explained score, ``delta`` the sum of the pixel
+        attributions minus ``score_change`` (captum's ``return_convergence_delta``), ``completeness_error``
+        |delta| / |score_change| (0 when both are 0, inf when only the change is).
 
     Raises:
         UnsupportedMethodError: the score changes only before the first integration point (see
             :func:`_refuse_a_jump_before_the_first_point`).
+
+    Warns:
+        ConvergenceWarning: some image's completeness error is over :data:`COMPLETENESS_RTOL`.
     """
     from captum.attr import IntegratedGradients
 
     forward, target = _forward_and_target(ctx)
-    _refuse_a_jump_before_the_first_point(ctx, forward, target, baseline, steps)
+    change = _refuse_a_jump_before_the_first_point(ctx, forward, target, baseline, steps)
     attr = IntegratedGradients(forward).attribute(
         ctx.x.detach(), baselines=baseline, target=target, n_steps=steps, internal_batch_size=batch_size
     )
-    return _to_grid(ctx, attr)
+    return _to_grid(ctx, attr), _completeness(attr, change, steps)
+
+
+def _completeness(attr: Tensor, change: Tensor, steps: int) -> dict[str, Any]:
+    """IG's extras from its (B, 3, H, W) pixel attributions and the (B,) float64 change y(x) - y(baseline); warns
+    (:class:`ConvergenceWarning`, once) naming the images whose completeness error is over
+    :data:`COMPLETENESS_RTOL`. The delta is captum's convergence delta, from the scores already taken (captum's
+    own would cost two more forwards)."""
+    delta = attr.detach().double().flatten(1).sum(1).to(change.device) - change
+    error = delta.abs() / change.abs()
+    error = torch.where(change == 0, torch.where(delta == 0, 0.0, float("inf")).to(error), error)
+    bad = (error > COMPLETENESS_RTOL).nonzero().flatten().tolist()
+    if bad:
+        worst = ", ".join(f"{i}: {float(error[i]):.3g}" for i in bad[:8]) + (", ..." if len(bad) > 8 else "")
+        warnings.warn(
+            f"integrated_gradients with steps={steps}: for image(s) {bad} the attributions' sum misses "
+            f"y(x) - y(baseline) by more than {COMPLETENESS_RTOL:g} of it (relative completeness error {worst}): the "
+            "integral has not converged as far as Sundararajan et al. check for, and where the error is near or over 1 "
+            "the map may mean little; pass more steps (e.g. "
+            f"steps={min(4 * steps, MAX_SAMPLES)}) and check e.extras['completeness_error']",
+            ConvergenceWarning, stacklevel=2,
+        )
+    return {"score_change": change, "delta": delta, "completeness_error": error}
 
 
 #: How close to the image's score (relative to the whole change y(x) - y(baseline)) the score at IG's first
@@ -106,7 +152,7 @@ FLAT_RTOL = 1e-2
 
 
 def _refuse_a_jump_before_the_first_point(ctx: Context, forward: Callable[[Tensor], Tensor],
-                                          target: Optional[list[int]], baseline: float, steps: int) -> None:
+                                          target: Optional[list[int]], baseline: float, steps: int) -> Tensor:
     """Refuse IG when the target score changes only between the baseline and the first integration point.
 
     captum integrates with Gauss-Legendre points alpha_1 < ... < alpha_m in (0, 1). When the score at
@@ -116,6 +162,9 @@ def _refuse_a_jump_before_the_first_point(ctx: Context, forward: Callable[[Tenso
     patch embedding (AIMv2: a convolution, then RMSNorm) does this from the zero baseline: scaling a patch's
     pixels leaves its token unchanged, so its score moves only within about sqrt(eps) of the baseline.
     Costs three forwards of the batch without gradients.
+
+    Returns:
+        (B,) float64: y(x) - y(baseline) of the explained score.
 
     Raises:
         UnsupportedMethodError: for some image the change lies before the first point.
@@ -127,12 +176,13 @@ def _refuse_a_jump_before_the_first_point(ctx: Context, forward: Callable[[Tenso
     start = torch.full_like(x, baseline)
 
     def scores(inp: Tensor) -> Tensor:
-        out = forward(inp).float()
+        out = forward(inp).double()
         return out if target is None else out[torch.arange(out.shape[0], device=out.device), target]
 
     with torch.no_grad():
         end = scores(x)
-        change = (end - scores(start)).abs()
+        signed = end - scores(start)
+        change = signed.abs()
         gap = (scores(start + first * (x - start)) - end).abs()
     flat = (change > 0) & (gap <= FLAT_RTOL * change)
     if bool(flat.any()):
@@ -146,6 +196,7 @@ def _refuse_a_jump_before_the_first_point(ctx: Context, forward: Callable[[Tenso
             "another baseline (for such a model a non-zero one, e.g. baseline=0.5) or more steps, or use 'occlusion' or "
             "'smoothgrad'"
         )
+    return signed
 
 
 @register(

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from torch.autograd import Function
 
 __all__ = ["IDENTITY_EPSILON", "GAMMA_STABILIZER", "ScaleGrad", "IdentityRule", "ActivationModuleRule", "LayerNormRule",
-           "activation_module", "gamma_rule"]
+           "activation_module", "star_relu_rule", "gamma_rule"]
 
 #: lxt's ``identity_rule_implicit`` epsilon: the gradient is ``f(x) / (x + 1e-10)``.
 IDENTITY_EPSILON = 1e-10
@@ -26,6 +26,10 @@ GAMMA_STABILIZER = 1e-6
 #: Modules of element-wise activations (some written out in Python arithmetic, which the rules on single
 #: torch calls would split into products, sums and powers): the identity rule applies to the module.
 _ACTIVATION_MODULES = ("transformers.activations", "timm.layers.activations", "timm.layers.activations_me")
+
+#: Where timm defines MetaFormer's (PoolFormer, ConvFormer, CAFormer) own activations: ``SquaredReLU`` ``relu(x)^2``
+#: and ``StarReLU`` ``s relu(x)^2 + b`` (Yu et al., "MetaFormer baselines for vision", 2022), each with a ReLU child.
+_METAFORMER = "timm.models.metaformer"
 
 
 class ScaleGrad(Function):
@@ -93,9 +97,14 @@ def activation_module(module: nn.Module) -> Optional[str]:
     ``"norm"``: an RMSNorm written out in Python (a class named ``...RMSNorm`` outside torch: Hugging Face's
     ``x * rsqrt(mean(x^2) + eps) * w``): with the root mean square held constant (the norms' identity rule)
     the output is ``x`` times a per-element constant, so the gradient is ``out / x``, the same ratio.
+    ``"star_relu"``: MetaFormer's ``StarReLU`` ``s relu(x)^2 + b`` (scale s and bias b learned scalars): the identity
+    rule on the element-wise ``relu(x)^2``, then the affine map (:func:`star_relu_rule`). MetaFormer's
+    ``SquaredReLU`` ``relu(x)^2`` is an ``"activation"`` (both hold a ReLU child, hence checked first).
     None: neither (torch's own modules call functions the rules see).
     """
     cls = type(module)
+    if cls.__module__ == _METAFORMER and cls.__name__ in ("SquaredReLU", "StarReLU"):
+        return "activation" if cls.__name__ == "SquaredReLU" else "star_relu"
     if list(module.children()) or cls.__module__.startswith("torch."):
         return None
     if cls.__module__ in _ACTIVATION_MODULES and next(module.parameters(recurse=False), None) is None:
@@ -103,6 +112,27 @@ def activation_module(module: nn.Module) -> Optional[str]:
     if cls.__name__.endswith("RMSNorm"):
         return "norm"
     return None
+
+
+def star_relu_rule(module: nn.Module, x: Tensor) -> Tensor:
+    """MetaFormer's StarReLU ``s relu(x)^2 + b`` of ``x`` (any shape), with the LRP rules of its two parts.
+
+    ``relu(x)^2`` is an element-wise non-linearity of one input: the identity rule (AttnLRP eq. 9), gradient
+    ``relu(x)^2 / (x + eps)``, passes its relevance whole. ``s u + b`` is an affine map with constants s and b
+    (learned parameters, like a linear layer's): it keeps its gradient s (the epsilon rule, epsilon -> 0), so b
+    takes the share ``b / (s u + b)`` of the output's relevance, as every bias does under these rules (with b = 0
+    the relevance passes whole: conservative). Same forward values as the module's (the same operations in the
+    same order).
+
+    Args:
+        module: a ``timm.models.metaformer.StarReLU`` (its ``scale`` and ``bias``, shape (1,)).
+        x: its input; not modified.
+
+    Returns:
+        the module's output, shape of ``x``.
+    """
+    squared = torch.relu(x.detach()) ** 2  # (computed from a detached input: no rule sees this power)
+    return module.scale * ActivationModuleRule.apply(x, squared) + module.bias
 
 
 class LayerNormRule(Function):

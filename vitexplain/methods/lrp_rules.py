@@ -26,7 +26,9 @@ Rules (docs/methods.md, "AttnLRP and CP-LRP"):
 - element-wise activations (GELU, SiLU, sigmoid, tanh, ...): the gradient becomes ``f(x) / x``
   (the identity rule, AttnLRP eq. 9; lxt's ``identity_rule_implicit``, same epsilon); an activation
   module of transformers or timm (GPT-2's ``NewGELUActivation`` writes the tanh GELU out in Python:
-  its products, sum and power would get other rules) gets it as a whole when the model is given;
+  its products, sum and power would get other rules) gets it as a whole when the model is given, as do
+  MetaFormer's ``SquaredReLU`` ``relu(x)^2`` and ``StarReLU`` ``s relu(x)^2 + b`` (the identity rule on
+  ``relu(x)^2``, then the affine map: b takes its share like a bias; ``lrp_ops.star_relu_rule``);
 - attention computed in Python (timm's default Swin, ``fused_attn=False``, Hugging Face "eager"):
   the two matmuls get the uniform rule below (equal to 1/4, 1/4, 1/2 at q, k, v); AttnLRP keeps
   the softmax's gradient, CP-LRP detaches the attention weights;
@@ -46,7 +48,7 @@ Rules (docs/methods.md, "AttnLRP and CP-LRP"):
 
 A softmax that is not attention's (not over the last dim of a >= 3-D tensor), a log-softmax or
 logsumexp (a log-probability target: LRP explains the logit), an element-wise exponential, logarithm,
-power, root or division by an activation (a norm written out in Python), a product of two activations
+power, square, root or division by an activation (a norm written out in Python), a product of two activations
 fused with an addition (``baddbmm``), a BatchNorm with batch statistics or FlexAttention is not
 covered: :class:`LRPRules` counts what it saw and :func:`check_coverage` raises instead of
 returning maps that are not LRP.
@@ -66,7 +68,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..errors import UnsupportedModelError, UsageError
 from .lrp_ops import (GAMMA_STABILIZER, IDENTITY_EPSILON, ActivationModuleRule, IdentityRule, LayerNormRule, ScaleGrad,
-                      activation_module, gamma_rule)
+                      activation_module, gamma_rule, star_relu_rule)
 
 __all__ = ["LRPRules", "VARIANTS", "IDENTITY_EPSILON", "GAMMA_STABILIZER", "check_coverage", "checkpointing_refused"]
 
@@ -92,7 +94,7 @@ _MATMUL = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__}
 #: Element-wise non-linear calls no rule covers (written-out norms, exponentials): refused on an activation.
 _NONLINEAR = {getattr(o, n) for o in (torch, torch.Tensor) for n in
               ("exp", "log", "sqrt", "rsqrt", "erf", "reciprocal", "log1p", "expm1", "log2", "log10", "pow", "div",
-               "true_divide") if hasattr(o, n)}
+               "true_divide", "square") if hasattr(o, n)}
 _NONLINEAR |= {torch.Tensor.__pow__, torch.Tensor.__rpow__, torch.Tensor.__truediv__, torch.Tensor.__rtruediv__}
 _LOG_SOFTMAX = {torch.log_softmax, torch.Tensor.log_softmax, F.log_softmax, torch.special.log_softmax,
                 torch.logsumexp, torch.Tensor.logsumexp, torch.special.logsumexp}
@@ -192,6 +194,9 @@ class LRPRules(TorchFunctionMode):
         if not (isinstance(output, Tensor) and output.shape == x.shape):
             self.seen["uncovered"].append(f"{type(module).__name__} (its output is not element-wise in its input)")
             return None
+        if kind == "star_relu":
+            self.seen["activation"] += 1
+            return star_relu_rule(module, x)
         self.seen[kind] += 1
         return ActivationModuleRule.apply(x, output, kind == "norm")
 
