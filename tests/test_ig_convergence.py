@@ -20,7 +20,8 @@ from torch import nn
 from timm.models.vision_transformer import VisionTransformer
 
 import vitexplain as vx
-from vitexplain.methods.captum_methods import COMPLETENESS_RTOL, ConvergenceWarning
+from vitexplain.errors import ConvergenceWarning
+from vitexplain.methods.captum_methods import COMPLETENESS_RTOL
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -104,3 +105,27 @@ def test_two_points_on_a_sharp_model_report_the_gap_and_warn():
         warnings.simplefilter("error")
         fine = vx.Explainer(model).explain(x, method="integrated_gradients", steps=64)
     assert float(fine.extras["completeness_error"].max()) < COMPLETENESS_RTOL
+
+
+def test_the_cli_writes_each_images_completeness_error_and_warns_once_per_run(tmp_path, capsys):
+    """``vitexplain export --method integrated_gradients``: every image's record carries its completeness error
+    (the API's, for that image alone), and the warning, whose text names positions in a batch, is said once per
+    run (it was once per batch: the CLI says each distinct warning once)."""
+    import json
+
+    from batch_helpers import images, run, save_tiny
+
+    ckpt = save_tiny(tmp_path / "ckpt")
+    src = images(tmp_path / "in", [f"{i}.png" for i in range(6)])
+    out = tmp_path / "out"
+    assert run("export", src, "--out", out, "--model", ckpt, "--method", "integrated_gradients", "-j", "0",
+               "--batch-size", "2", "--option", "integrated_gradients.steps=2") == 0
+    err = capsys.readouterr().err
+    records = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
+    errors = {r["key"]: r["completeness_error"]["integrated_gradients"] for r in records}
+    assert len(errors) == 6 and sum(e > COMPLETENESS_RTOL for e in errors.values()) >= 2  # (several batches warn)
+    assert err.count("ConvergenceWarning") == 1 and "manifest.jsonl" in err
+    explainer = vx.Explainer(vx.zoo.load_checkpoint(ckpt))
+    for key, value in errors.items():
+        e = explainer.explain([str(src / key)], method="integrated_gradients", steps=2)
+        assert value == pytest.approx(float(e.extras["completeness_error"][0]), rel=1e-4, abs=1e-6)

@@ -20,6 +20,7 @@ from __future__ import annotations
 from ._lazy import lazy_attributes
 from .errors import (
     CaptureError,
+    ConvergenceWarning,
     ImageLoadError,
     InputError,
     NoAttentionError,
@@ -75,6 +76,7 @@ __all__ = sorted(
         "NotFoundError",
         "NumericalError",
         "UnrecordedAttentionWarning",
+        "ConvergenceWarning",
         "__version__",
     ]
 )

@@ -144,6 +144,14 @@ class _StderrOrNothing:
         return getattr(self._stream, name)
 
 
+#: Warnings whose text differs batch by batch (it names positions in the batch) said once per run, with where a run
+#: keeps each image's figure instead
+_ONCE_PER_RUN = {
+    "ConvergenceWarning": "said once per run, for its first batch; each image's completeness_error is in "
+                          "manifest.jsonl; with the CLI, more steps are --option integrated_gradients.steps=N",
+}
+
+
 def _warn_once(seen: set[tuple[str, str]]) -> Any:
     """A ``warnings.showwarning`` printing each distinct warning once, as ``vitexplain: warning: ...``.
 
@@ -153,12 +161,14 @@ def _warn_once(seen: set[tuple[str, str]]) -> Any:
     """
 
     def show(message: Any, category: type, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
-        key = (category.__name__, str(message))
+        once = category.__name__ in _ONCE_PER_RUN
+        key = (category.__name__, "" if once else str(message))
         if key in seen:
             return
         seen.add(key)
+        text = f"{message} ({_ONCE_PER_RUN[category.__name__]})" if once else str(message)
         try:
-            print(f"{_PROG}: warning: {category.__name__}: {message}", file=file or sys.stderr)
+            print(f"{_PROG}: warning: {category.__name__}: {text}", file=file or sys.stderr)
         except (OSError, ValueError):
             pass
 

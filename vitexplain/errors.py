@@ -23,6 +23,8 @@ Hierarchy::
 
     UnrecordedAttentionWarning (UserWarning)  attention a capture saw but could not record (its records are
                                               then not all of the model's attention)
+    ConvergenceWarning (UserWarning)          a method's numerical integral missed what it must sum to
+                                              (Integrated Gradients' completeness)
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ __all__ = [
     "NumericalError",
     "OutOfRangeError",
     "UnrecordedAttentionWarning",
+    "ConvergenceWarning",
 ]
 
 
@@ -107,3 +110,9 @@ class OutOfRangeError(UsageError, IndexError):
 class UnrecordedAttentionWarning(UserWarning):
     """A capture saw attention it cannot record (a layout no record can hold, e.g. timm's HaloAttn): the records
     read are not all of the model's attention."""
+
+
+class ConvergenceWarning(UserWarning):
+    """Integrated Gradients' attributions of some image miss y(x) - y(baseline) by more than
+    ``vitexplain.methods.captum_methods.COMPLETENESS_RTOL`` of it: the integral did not converge with the steps
+    given (each image's ``completeness_error`` is in the explanation's extras)."""

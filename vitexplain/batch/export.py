@@ -19,6 +19,7 @@ Output layout (``OUT`` = ``--out``, ``KEY`` = the input's output key, see
 from __future__ import annotations
 
 import functools
+import math
 import re
 import sys
 import time
@@ -272,6 +273,9 @@ def export(opts: ExportOptions, *, argv: Optional[Sequence[str]] = None) -> Expo
     def process(x: "torch.Tensor", good: list[dict[str, Any]]) -> list[tuple[dict[str, Any], Any]]:
         explanations = ex.explain(x, method=methods, target=target, **method_options)
         maps = {e.method: e.maps.float().cpu().numpy() for e in explanations}
+        # integrated_gradients' completeness error per image (its ConvergenceWarning names batch positions)
+        completeness = {e.method: e.extras["completeness_error"].tolist() for e in explanations
+                        if "completeness_error" in e.extras}
         logits = explanations[0].logits
         targets = explanations[0].targets.cpu().tolist()
         top = _scores(logits, multi_label, opts.top_k)
@@ -285,6 +289,9 @@ def export(opts: ExportOptions, *, argv: Optional[Sequence[str]] = None) -> Expo
                                          for v, i in zip(top[0][b], top[1][b])]
                 fields["score_kind"] = "sigmoid" if multi_label else "softmax"
             fields["target"] = {"index": int(targets[b]), "label": label(int(targets[b]))}
+            if completeness:  # (null: attributions that sum to non-zero where the score did not change)
+                fields["completeness_error"] = {m: round(v[b], 6) if math.isfinite(v[b]) else None
+                                                for m, v in completeness.items()}
             write = error or functools.partial(_write_overlays, key=s["key"], region=s["region"],
                                                maps={m: maps[m][b] for m in methods}, opts=opts, signed=signed)
             jobs.append((fields, write))

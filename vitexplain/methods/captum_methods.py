@@ -12,23 +12,18 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from ..errors import UnsupportedMethodError
+from ..errors import ConvergenceWarning, UnsupportedMethodError
 from ..targets import logits_of
 from .context import Context
 from .options import MAX_SAMPLES, SEED_RANGE, Option
 from .families import VIT
 from .registry import register
 
-__all__ = ["integrated_gradients", "occlusion", "smoothgrad", "ConvergenceWarning", "COMPLETENESS_RTOL"]
-
-
-class ConvergenceWarning(UserWarning):
-    """Integrated Gradients' attributions of some image miss y(x) - y(baseline) by more than
-    :data:`COMPLETENESS_RTOL` of it: the integral did not converge with the steps given."""
+__all__ = ["integrated_gradients", "occlusion", "smoothgrad", "COMPLETENESS_RTOL"]
 
 
 #: Largest completeness error |sum of attributions - (y(x) - y(baseline))| / |y(x) - y(baseline)| that passes
-#: without a :class:`ConvergenceWarning`: Sundararajan et al. 2017 (Sec. 5) find 20-300 steps bring the sum
+#: without a :class:`~vitexplain.errors.ConvergenceWarning`: Sundararajan et al. 2017 (Sec. 5) find 20-300 steps bring the sum
 #: "within 5%" of the score difference and advise checking exactly this and adding steps when it fails.
 COMPLETENESS_RTOL = 0.05
 
@@ -91,7 +86,7 @@ def integrated_gradients(ctx: Context, *, steps: int = 32, batch_size: int = 64,
 
     Says how well the integral converged: by completeness (Sundararajan et al. 2017, Prop. 1) an image's
     attributions sum to y(x) - y(baseline); ``extras["completeness_error"]`` is how far the quadrature's sum
-    is from it, relative to it, and a :class:`ConvergenceWarning` (one per call) names the images over
+    is from it, relative to it, and a :class:`~vitexplain.errors.ConvergenceWarning` (one per call) names the images over
     :data:`COMPLETENESS_RTOL`.
 
     Args:
@@ -126,7 +121,7 @@ def integrated_gradients(ctx: Context, *, steps: int = 32, batch_size: int = 64,
 
 def _completeness(attr: Tensor, change: Tensor, steps: int) -> dict[str, Any]:
     """IG's extras from its (B, 3, H, W) pixel attributions and the (B,) float64 change y(x) - y(baseline); warns
-    (:class:`ConvergenceWarning`, once) naming the images whose completeness error is over
+    (:class:`~vitexplain.errors.ConvergenceWarning`, once) naming the images whose completeness error is over
     :data:`COMPLETENESS_RTOL`. The delta is captum's convergence delta, from the scores already taken (captum's
     own would cost two more forwards)."""
     delta = attr.detach().double().flatten(1).sum(1).to(change.device) - change
