@@ -231,19 +231,10 @@ def _age_manifest(out: Path) -> None:
     os.utime(out / "manifest.jsonl", ns=(newest + 10**9, newest + 10**9))
 
 
-def test_resume_of_an_untouched_run_reads_no_output(ckpt: str, tmp_path: Path, monkeypatch) -> None:
-    """Resuming re-read every output file it skipped to hash it (GBs for a 100k-image run). Now a file
-    whose size and modification time are as recorded is trusted without being opened; one rewritten
-    to the same size (a new mtime) is still hashed, found and redone."""
+def _opened_outputs(monkeypatch, outputs: set[str]) -> list[str]:
+    """The paths among ``outputs`` that ``open`` is called with from now on (in call order)."""
     import builtins
 
-    src = _make_tree(tmp_path / "in", good=GOOD[:3], bad=())
-    out = tmp_path / "out"
-    args = ("export", src, "--out", out, "--model", ckpt, "--method", "rollout", "--save-maps", "-q", "-j", "0")
-    assert _run(*args) == 0
-    outputs = {str(p) for p in out.rglob("*.rollout.*")}
-    assert len(outputs) == 6
-    _age_manifest(out)
     opened: list[str] = []
     real_open = builtins.open
 
@@ -253,6 +244,21 @@ def test_resume_of_an_untouched_run_reads_no_output(ckpt: str, tmp_path: Path, m
         return real_open(file, *a, **k)
 
     monkeypatch.setattr(builtins, "open", spy)
+    return opened
+
+
+def test_resume_of_an_untouched_run_reads_no_output(ckpt: str, tmp_path: Path, monkeypatch) -> None:
+    """Resuming re-read every output file it skipped to hash it (GBs for a 100k-image run). Now a file
+    whose size and modification time are as recorded is trusted without being opened; one rewritten
+    to the same size (a new mtime) is still hashed, found and redone."""
+    src = _make_tree(tmp_path / "in", good=GOOD[:3], bad=())
+    out = tmp_path / "out"
+    args = ("export", src, "--out", out, "--model", ckpt, "--method", "rollout", "--save-maps", "-q", "-j", "0")
+    assert _run(*args) == 0
+    outputs = {str(p) for p in out.rglob("*.rollout.*")}
+    assert len(outputs) == 6
+    _age_manifest(out)
+    opened = _opened_outputs(monkeypatch, outputs)
     assert _run(*args) == 0
     assert _summary(out)["counts"]["skipped"] == 3 and opened == []
     # a same-size rewrite gets a new mtime: that file (only) is read, found changed and redone
@@ -272,8 +278,6 @@ def test_resume_rereads_outputs_with_new_mtimes_once(ckpt: str, tmp_path: Path, 
     """Outputs copied without their times (``cp -r``: every mtime new, the content the same) are read and hashed
     once; their records then note the new mtimes, so the next resume reads none again (it re-read them all on
     every resume)."""
-    import builtins
-
     src = _make_tree(tmp_path / "in", good=GOOD[:3], bad=())
     out = tmp_path / "out"
     args = ("export", src, "--out", out, "--model", ckpt, "--method", "rollout", "--save-maps", "-q", "-j", "0")
@@ -282,15 +286,7 @@ def test_resume_rereads_outputs_with_new_mtimes_once(ckpt: str, tmp_path: Path, 
     for i, path in enumerate(sorted(outputs)):
         os.utime(path, ns=(10**9 * (i + 1), 10**9 * (i + 1)))  # as a copy leaves them: other times, same bytes
     _age_manifest(out)
-    opened: list[str] = []
-    real_open = builtins.open
-
-    def spy(file, *a, **k):
-        if isinstance(file, (str, os.PathLike)) and os.fspath(file) in outputs:
-            opened.append(os.fspath(file))
-        return real_open(file, *a, **k)
-
-    monkeypatch.setattr(builtins, "open", spy)
+    opened = _opened_outputs(monkeypatch, outputs)
     assert _run(*args) == 0
     assert _summary(out)["counts"]["skipped"] == 3 and sorted(opened) == sorted(outputs)
     assert _summary(out)["damaged_outputs"] == []
