@@ -37,7 +37,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from ..errors import CaptureError, InputError, NoAttentionError, UnrecordedAttentionWarning
+from ..errors import CaptureError, InputError, UnrecordedAttentionWarning
 from ..layout import TokenLayout
 from .attribution import Attribution, frame_kind
 from .compiled import eager_stance, unwrap_compiled
@@ -53,21 +53,13 @@ from .materialize import check_heads, check_mode
 from .narrowing import Narrowing
 from .activations import activation_hook
 from .records import ActivationRecord, AttentionRecord
+from .missing import SUPPORTED, no_attention, unrecorded_note
 from .sink import Issuer, in_backward
 
 __all__ = ["capture", "Recorder", "LayoutFn", "SUPPORTED", "hooks_paused"]
 
 LayoutFn = Callable[[nn.Module, tuple[int, int]], TokenLayout]
 """``layout_fn(model, (H, W)) -> TokenLayout``: the token layout of a model for an input size."""
-
-SUPPORTED = (
-    "torch.nn.functional.scaled_dot_product_attention (timm ViT/DeiT/EVA/BEiT/Swin, "
-    "torchvision, Hugging Face attn_implementation='sdpa'), FlexAttention, attention modules "
-    "that compute softmax(q k^T) in Python (timm fused_attn=False, Hugging Face 'eager'), "
-    "nn.MultiheadAttention / nn.Transformer* layers, and modules declared with "
-    "vx.capture(model, attention={name: extractor}) or vx.recording.register_attention"
-)
-
 
 class Recorder:
     """Records the attention calls (and optionally activations) of one model.
@@ -301,29 +293,9 @@ class Recorder:
             CaptureError: a compiled FlexAttention call could not be attributed to a module.
         """
         self._flex.check()
-        unrecorded = self._unrecorded_note()
+        unrecorded = unrecorded_note(self._unrecorded)
         if not self._records:
-            cls = type(self.model).__name__
-            if unrecorded:
-                raise NoAttentionError(f"no attention of {cls} could be recorded: {unrecorded}. Use the CNN methods "
-                                       "('gradcam', 'spatial', 'channel') for it")
-            if self.forward_count == 0 and self._other_thread_forwards:
-                raise NoAttentionError(
-                    f"{cls} ran inside vx.capture(...) only in another thread than the one that entered it; "
-                    "a capture sees the attention of its own thread only: enter vx.capture in the thread "
-                    "that calls the model"
-                )
-            if self.forward_count == 0:
-                raise NoAttentionError(
-                    f"no forward of {cls} ran inside vx.capture(...): call the model inside "
-                    "the `with` block, e.g. `with vx.capture(model) as rec: model(x)`"
-                )
-            raise NoAttentionError(
-                f"no attention call was seen during the forward of {cls}. vitexplain "
-                f"captures {SUPPORTED}. If {cls} is a CNN, use the CNN methods "
-                "('gradcam', 'spatial', 'channel'); if it is TorchScript, capture the original "
-                "nn.Module (torch.compile-d models are handled)."
-            )
+            raise no_attention(type(self.model).__name__, self.forward_count, self._other_thread_forwards, unrecorded)
         if unrecorded and not self._unrecorded_told:
             self._unrecorded_told = True
             warnings.warn(f"these records are not all of {type(self.model).__name__}'s attention: {unrecorded}",
@@ -333,14 +305,6 @@ class Recorder:
     def not_recorded(self, issuer: Issuer, reason: str) -> None:
         """Note an attention call seen and not recorded (see :class:`RecordSink`)."""
         self._unrecorded.setdefault(issuer.name, reason)
-
-    def _unrecorded_note(self) -> str:
-        """What was seen and not recorded, per reason with the modules' names ('' when nothing)."""
-        by_reason: dict[str, list[str]] = {}
-        for name, reason in self._unrecorded.items():
-            by_reason.setdefault(reason, []).append(name or "(the model itself)")
-        return "; ".join(f"the attention of {', '.join(names[:4])}{' and %d more' % (len(names) - 4) if len(names) > 4 else ''}"
-                         f" was seen and not recorded ({reason})" for reason, names in by_reason.items())
 
     def select(
         self,
