@@ -314,7 +314,8 @@ def _chunks(q: Tensor, k: Tensor, v: Tensor, scale: float, heads: str, c: int, o
     n_k, e_v = k.shape[2], v.shape[-1]
     scores = empty(c * h, n_q, n_k)
     scratch = None if heads == "all" else empty(c * h, n_q, n_k)
-    values = empty(c * h, n_q, e_v)
+    direct = out.is_contiguous()  # (B, H, N_q, E_v): P V goes straight into it, a chunk at a time
+    values = None if direct else empty(c * h, n_q, e_v)
     zero = q.new_zeros(())
     for start in range(0, b, c):
         n = min(c, b - start)
@@ -325,8 +326,11 @@ def _chunks(q: Tensor, k: Tensor, v: Tensor, scale: float, heads: str, c: int, o
                       beta=0.0, alpha=scale, out=s)
         p = probs[part].view(rows, n_q, n_k) if scratch is None else scratch[:rows]
         torch.softmax(s, dim=-1, out=p)
-        torch.bmm(p, v[part].reshape(rows, n_k, e_v), out=values[:rows])
-        out[part] = values[:rows].view(n, h, n_q, e_v)
+        if values is None:
+            torch.bmm(p, v[part].reshape(rows, n_k, e_v), out=out[part].view(rows, n_q, e_v))
+        else:  # (the model's layout keeps heads inside tokens: a copy into it)
+            torch.bmm(p, v[part].reshape(rows, n_k, e_v), out=values[:rows])
+            out[part] = values[:rows].view(n, h, n_q, e_v)
         if heads == "mean":
             torch.mean(p.view(n, h, -1), dim=1, out=probs[part].view(n, -1))
         elif heads != "all":
