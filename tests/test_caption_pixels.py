@@ -111,3 +111,21 @@ def test_blip_and_git_take_an_image_processor_too(name) -> None:
     want = proc(images, return_tensors="pt").pixel_values
     torch.testing.assert_close(x, want, rtol=0, atol=1e-5)
     assert (default - want).abs().max() > 0.1
+
+
+def test_a_processor_holding_a_tokenizer_gives_it_too() -> None:
+    """``processor=TrOCRProcessor(...)`` set only the pixels: a caption given as text then had no tokenizer. Its
+    tokenizer is now taken as ``tokenizer=`` would be (and an explicit ``tokenizer=`` still wins)."""
+    model = _model()
+    proc = transformers.ViTImageProcessor(image_mean=[0.5] * 3, image_std=[0.5] * 3, size={"height": 32, "width": 32})
+    tok = _gpt2_tokenizer()
+    images = _images()
+    got = vx.Explainer(model, processor=transformers.TrOCRProcessor(image_processor=proc, tokenizer=tok)
+                       ).explain_caption(images, method="cross", caption="abc")
+    want = vx.Explainer(model, processor=proc, tokenizer=tok).explain_caption(images, method="cross", caption="abc")
+    assert got.tokens == want.tokens and len(got.tokens[0]) > 0 and torch.equal(got.ids, want.ids)
+    torch.testing.assert_close(got.maps, want.maps)
+    other = _gpt2_tokenizer()
+    ex = vx.Explainer(model, processor=transformers.TrOCRProcessor(image_processor=proc, tokenizer=tok), tokenizer=other)
+    assert ex.adapter.tokenizer is other
+

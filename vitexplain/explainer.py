@@ -53,7 +53,8 @@ class Explainer:
         processor: a vision-language model's processor (tokenizer + image processor); default: the
             model's ``vx_processor`` where it carries one (the zoo's ``shapes-vlm``), as ``explore`` does. For a
             Hugging Face captioner, its image processor (or a processor holding one): images are preprocessed as
-            it does (a VisionEncoderDecoder's images need it: its statistics depend on how it was trained).
+            it does (a VisionEncoderDecoder's images need it: its statistics depend on how it was trained); a
+            processor that also holds a tokenizer (``TrOCRProcessor``) gives it too, unless ``tokenizer=`` is given.
         processor_kwargs: extra keyword arguments for every call of ``processor`` (e.g. Gemma 3's
             ``{"do_pan_and_scan": True}``); the maps follow the geometry they give.
         tokenizer: an encoder-decoder captioner's tokenizer (or a processor holding one, such as
@@ -85,6 +86,8 @@ class Explainer:
                 raise UsageError("processor_kwargs= is for a vision-language model's processor; a captioner's image "
                                  "processor is read as it is configured")
             self.adapter = self.adapter.with_image_processor(processor)
+            if tokenizer is None and getattr(processor, "tokenizer", None) is not None:
+                tokenizer = processor.tokenizer  # (a TrOCRProcessor / BlipProcessor: its own tokenizer, unless given)
         elif processor is not None:
             if not hasattr(self.adapter, "with_processor"):
                 raise UsageError(f"processor= is for vision-language models and Hugging Face captioners; "
