@@ -20,15 +20,25 @@ import vitexplain as vx
 from vitexplain import cli
 
 
-def save_tiny(folder: Path, zoo_name: str = "shapes-vit", **model_args) -> str:
-    """A 1-block random-init zoo model of ``zoo_name``'s architecture; returns its ``.json``."""
+def save_tiny(folder: Path, zoo_name: str = "shapes-vit", edit: Optional[Callable[[torch.nn.Module], object]] = None,
+              **model_args) -> str:
+    """A 1-block random-init zoo model of ``zoo_name``'s architecture, changed by ``edit(model)`` (under no_grad)
+    when given; returns its ``.json``."""
     from vitexplain.zoo.models import DEFAULT_CONFIGS, build
 
     cfg = copy.deepcopy(DEFAULT_CONFIGS[zoo_name])
     cfg["name"] = "tiny"
     cfg["model_args"].update(model_args or dict(depth=1, embed_dim=32, num_heads=2))
     torch.manual_seed(0)
-    return str(vx.zoo.save_checkpoint(build(cfg), cfg, folder))
+    model = build(cfg)
+    if edit is not None:
+        with torch.no_grad():
+            edit(model)
+    return str(vx.zoo.save_checkpoint(model, cfg, folder))
+
+
+#: a 1-layer shapes-captioner's size (``save_tiny(folder, "shapes-captioner", **TINY_CAPTIONER)``)
+TINY_CAPTIONER = dict(enc_dim=32, enc_depth=1, enc_heads=2, dec_dim=32, dec_depth=1, dec_heads=2)
 
 
 def images(root: Path, names, size: int = 64, seed: int = 3) -> Path:

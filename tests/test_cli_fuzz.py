@@ -79,21 +79,10 @@ def test_an_empty_out_is_named_as_the_problem(ckpt, tmp_path, capsys, monkeypatc
 
 def _mute_captioner(folder: Path) -> str:
     """A tiny random captioner whose first word is always ``<eos>``: every caption it generates is empty."""
-    import copy
+    from batch_helpers import TINY_CAPTIONER, save_tiny
 
-    import torch
-
-    import vitexplain as vx
-    from vitexplain.zoo.models import DEFAULT_CONFIGS, build
-
-    cfg = copy.deepcopy(DEFAULT_CONFIGS["shapes-captioner"])
-    cfg["name"] = "mute"
-    cfg["model_args"].update(enc_dim=32, enc_depth=1, enc_heads=2, dec_dim=32, dec_depth=1, dec_heads=2)
-    torch.manual_seed(0)
-    model = build(cfg)
-    with torch.no_grad():
-        model.head.bias[model.vocab.eos_id] = 1e4
-    return str(vx.zoo.save_checkpoint(model, cfg, folder))
+    return save_tiny(folder, "shapes-captioner", edit=lambda m: m.head.bias.__setitem__(m.vocab.eos_id, 1e4),
+                     **TINY_CAPTIONER)
 
 
 def test_an_empty_generated_caption_fails_its_image_saying_so(tmp_path, capsys) -> None:

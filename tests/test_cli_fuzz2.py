@@ -153,21 +153,9 @@ def test_a_warning_is_shown_once_per_run_without_the_package_s_source(ckpt, tmp_
 
 def _nan_captioner(folder: Path) -> str:
     """A tiny random captioner whose output layer holds NaN: every next-word logit is NaN."""
-    import copy
+    from batch_helpers import TINY_CAPTIONER, save_tiny
 
-    import torch
-
-    import vitexplain as vx
-    from vitexplain.zoo.models import DEFAULT_CONFIGS, build
-
-    cfg = copy.deepcopy(DEFAULT_CONFIGS["shapes-captioner"])
-    cfg["name"] = "nan"
-    cfg["model_args"].update(enc_dim=32, enc_depth=1, enc_heads=2, dec_dim=32, dec_depth=1, dec_heads=2)
-    torch.manual_seed(0)
-    model = build(cfg)
-    with torch.no_grad():
-        model.head.weight.fill_(float("nan"))
-    return str(vx.zoo.save_checkpoint(model, cfg, folder))
+    return save_tiny(folder, "shapes-captioner", edit=lambda m: m.head.weight.fill_(float("nan")), **TINY_CAPTIONER)
 
 
 @pytest.mark.parametrize("given", [None, "red circle"])

@@ -30,6 +30,7 @@ from batch_helpers import manifest as _manifest
 from batch_helpers import run as _run
 from batch_helpers import env, read_only_below, unreadable_folder, wait_for
 from batch_helpers import save_tiny as _save_tiny
+from batch_helpers import TINY_CAPTIONER
 from batch_helpers import summary as _summary
 from vitexplain.batch import manifest as manifest_mod
 
@@ -290,8 +291,7 @@ def test_f6_non_utf8_names_give_valid_utf8_json(ckpt, tmp_path) -> None:
 
 
 def test_f6_caption_json_is_valid_utf8(tmp_path) -> None:
-    cap = _save_tiny(tmp_path / "cap", "shapes-captioner", enc_dim=32, enc_depth=1, enc_heads=2, dec_dim=32,
-                     dec_depth=1, dec_heads=2)
+    cap = _save_tiny(tmp_path / "cap", "shapes-captioner", **TINY_CAPTIONER)
     src = _images(tmp_path / "in", [b"caf\xe9.png"])
     out = tmp_path / "out"
     assert _run("caption", src, "--out", out, "--model", cap, "--max-len", "2", "-q", "-j", "0") == 0
