@@ -46,13 +46,13 @@ def _settle(out: Path, delta_ns: int = 10**9) -> int:
 def hashed(monkeypatch) -> list[str]:
     """The files damage() reads."""
     seen: list[str] = []
-    real = integrity._file_sum
+    real = integrity._file_digest
 
     def spy(path: str):
         seen.append(Path(path).name)
         return real(path)
 
-    monkeypatch.setattr(integrity, "_file_sum", spy)
+    monkeypatch.setattr(integrity, "_file_digest", spy)
     return seen
 
 

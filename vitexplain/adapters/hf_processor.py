@@ -49,7 +49,6 @@ def image_processor_settings(proc: Any) -> dict[str, Any]:
     return settings
 
 
-
 def _pixel_map(proc: Any) -> dict[str, tuple[float, ...]]:
     """``mean`` and ``std`` (per RGB channel, pixels in [0, 1]) of the affine map an image processor applies to the
     pixels: rescaling (``rescale_factor``; EfficientNet's ``rescale_offset`` subtracts 1 after it), normalising

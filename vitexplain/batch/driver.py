@@ -6,9 +6,10 @@ its entries of ``summary.json`` and its gallery. The driver does the rest:
 
 1. rank 0 creates ``--out``, takes its lock (:mod:`~vitexplain.batch.lock`; a folder in use
    by another live run is a usage error) and removes temporary files left by killed runs;
-2. each rank takes its shard, skips images whose outputs are current (the resume rule,
-   :func:`is_current`: same input and settings, every output file as written, checked by its
-   recorded size and mtime, or digest when the mtime differs (:mod:`~vitexplain.batch.integrity`);
+2. each rank takes its shard, skips images whose outputs are current (the resume rule: the same
+   input and settings, :func:`_same_work`, and every output file as written,
+   :func:`~vitexplain.batch.integrity.damage`: checked by its recorded size and mtime, or its digest
+   when the mtime differs);
    damaged ones are redone and named on stderr and in the summary; those of an older version's
    records, without checksums, only checked to exist and counted as ``unverified_outputs``),
    decodes the rest in a DataLoader and explains them batch by batch
@@ -28,7 +29,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from pathlib import Path
 from typing import Any, Optional
 
 from ..errors import UsageError
@@ -47,7 +47,7 @@ from ..files import OutputError, Writer, json_bytes, json_safe
 # the run's types and the signal helpers are re-exported for code that imported them from here
 __all__ = ["EXIT_OK", "EXIT_FAILED", "EXIT_USAGE", "EXIT_OUTPUT", "EXIT_INTERRUPTED", "EXIT_TERMINATED",
            "ExportResult", "Interrupted", "Run", "Command", "ProcessFn", "drive", "signals_as_interrupts",
-           "is_current", "source_of", "say"]
+           "source_of", "say"]
 
 
 def source_of(path: str) -> dict[str, Any]:
@@ -75,13 +75,6 @@ def _same_work(rec: Optional[dict[str, Any]], source: dict[str, Any], config_has
     if rec.get("source") != (source if source["path"].isascii() else json_safe(source)):
         return False
     return bool(rec.get("files"))
-
-
-def is_current(rec: Optional[dict[str, Any]], source: dict[str, Any], config_hash: str, out: Path) -> bool:
-    """The resume rule: an ok record for the same file (path, size, mtime) and the same
-    settings, whose listed output files all exist, reached without links, with the size and
-    content the run recorded (:func:`~vitexplain.batch.integrity.damage`)."""
-    return _same_work(rec, source, config_hash) and damage(rec or {}, out, stat_horizon(out)) is None
 
 
 #: Damaged outputs named one by one on stderr per rank; the rest are counted (all are in the summary).

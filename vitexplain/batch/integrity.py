@@ -85,14 +85,13 @@ class RecordingWriter:
             self.sums[rel] = sums
 
 
-def _file_sum(path: str) -> dict[str, Any]:
+def _file_digest(path: str) -> str:
+    """The file's BLAKE2b digest as :func:`checksum` gives it (32 hex digits), read in chunks."""
     h = hashlib.blake2b(digest_size=16)
-    n = 0
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
-            n += len(chunk)
-    return {"bytes": n, "blake2b": h.hexdigest()}
+    return h.hexdigest()
 
 
 def has_checksums(rec: dict[str, Any]) -> bool:
@@ -148,7 +147,7 @@ def damage(rec: dict[str, Any], out: Path, horizon: Optional[int] = None,
             mtime = want.get("mtime_ns")
             if isinstance(mtime, int) and st.st_mtime_ns == mtime and horizon is not None and mtime < horizon:
                 continue  # as written, and the manifest is younger than any same-tick rewrite
-            if _file_sum(path)["blake2b"] != want.get("blake2b"):
+            if _file_digest(path) != want.get("blake2b"):
                 return rel, "damaged: its content differs from what the run wrote"
             if fresh is not None and st.st_mtime_ns != mtime:
                 fresh[rel] = {**want, "mtime_ns": int(st.st_mtime_ns)}
