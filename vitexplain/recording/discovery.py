@@ -24,7 +24,7 @@ import threading
 import weakref
 from dataclasses import dataclass, field
 from types import CodeType
-from typing import Any, Iterable, Mapping, NamedTuple, Optional
+from typing import Any, Iterable, Mapping, NamedTuple, Optional, Sequence
 
 from torch import nn
 
@@ -130,13 +130,15 @@ def survey(model: nn.Module) -> Survey:
             for child_key, child in reversed(children.items()):
                 if child is not None:
                     push((child, child_key, below))
-    names_known = _NAMES.get(model)
-    if names_known is not None and names_known[0] == entries:
-        ordered, names = names_known[1], names_known[2]
+    walk = tuple(entries)
+    known = _NAMES.get(model)
+    if known is not None and known[0] == walk:
+        # the last survey's own tuple: a learned key made from it then compares with this one by identity
+        walk, ordered, names = known
     else:
-        ordered, names = _names(entries)
-        _NAMES[model] = (entries, ordered, names)
-    key = (tuple(entries), tuple(configs.items()), _registries(by_type, configs.values()), model.training)
+        ordered, names = _names(walk)
+        _NAMES[model] = (walk, ordered, names)
+    key = (walk, tuple(configs.items()), _registries(by_type, configs.values()), model.training)
     return Survey(dict(zip(ordered, walked)), names, by_type, key, compiled)
 
 
@@ -174,11 +176,11 @@ def _weakly(forward: Any) -> Any:
 
 #: per model, its last survey's walk (keys, depths, identities, classes, forwards), the module names in walk order
 #: and by module id: what a survey of the model unchanged since reuses (no module is held, only ids)
-_NAMES: "weakref.WeakKeyDictionary[nn.Module, tuple[list[tuple], list[str], dict[int, str]]]" = \
+_NAMES: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple, list[str], dict[int, str]]]" = \
     weakref.WeakKeyDictionary()
 
 
-def _names(entries: list[tuple]) -> tuple[list[str], dict[int, str]]:
+def _names(entries: Sequence[tuple]) -> tuple[list[str], dict[int, str]]:
     """The module names of a walk (its entries' keys and depths, pre-order), in order and by module id."""
     path: list[str] = []
     ordered: list[str] = []
