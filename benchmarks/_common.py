@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import datetime
 import platform
+import random
 import re
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -22,17 +23,26 @@ def sync(device: str | torch.device = "cpu") -> None:
 
 
 def interleaved_times(fns: dict[str, Callable[[], object]], *, reps: int = 10, warmup: int = 2,
-                      device="cpu", clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
+                      device="cpu", clock: Callable[[], float] = time.perf_counter,
+                      shuffle_seed: Optional[int] = None) -> dict[str, list[float]]:
     """Times (s) of ``reps`` runs of each function, interleaved so drift hits all alike.
 
     ``clock``: wall time by default; ``time.process_time`` gives this process's CPU time (with one
-    thread, the work done, which other processes on a shared machine do not inflate)."""
+    thread, the work done, which other processes on a shared machine do not inflate).
+    ``shuffle_seed``: run the functions of each round in a new random order (seeded), so that no
+    function always runs after the same other one (what one leaves behind, freed memory the C
+    allocator keeps or gives back, changes what the next one pays); None keeps the given order."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
+    order = list(fns)
+    rng = random.Random(shuffle_seed)
     for _ in range(reps):
-        for name, fn in fns.items():
+        if shuffle_seed is not None:
+            rng.shuffle(order)
+        for name in order:
+            fn = fns[name]
             sync(device)
             start = clock()
             fn()

@@ -6,12 +6,17 @@ Rows: the bundled ``shapes-hier``, timm ``pvt_v2_b0``, ``swin_tiny_patch4_window
 its pooled neck so that ``generic`` has a class to explain), each where vitexplain supports it.
 ``shapes-hier`` (a 2 ms forward at batch 2, where an explanation's fixed Python costs, about 1 ms for
 the scope, the plan and the Explanation, weigh most) also runs at ``vitexplain export``'s default
-batch (32). Per model (median wall time over ``--reps`` interleaved runs, one torch thread unless
+batch (32). Per model (median CPU time of the process over interleaved rounds, one torch thread unless
 ``--threads``):
 
 * ``forward``: the plain model, fused attention, no grad;
 * ``capture``: the same forward inside ``vx.capture(model)`` recording attention and nothing
   else (fused kernel, no method): what the capture alone costs;
+* ``capture keeping attention``: the same with ``attention_mode="auto"``, as rollout's capture runs:
+  each call's attention computed once by the capture and its probabilities kept (the records are
+  cleared after each run, as an explanation does): rollout's cost beyond it is the method's
+  (propagation through the footprints, reading the kept probabilities) and the explanation's
+  fixed work (plan, checks, the Explanation);
 * ``rollout``: ``vx.Explainer(model).explain(x, method="rollout")`` (plan, capture with
   attention computed once, propagation through the footprints, the Explanation), and its
   ratio to the forward (target: at most 1.15x);
@@ -23,9 +28,12 @@ batch (32). Per model (median wall time over ``--reps`` interleaved runs, one to
   compares ViT methods with; an explanation's backward takes no parameter gradients either);
 * ``generic``: ``explain(x, method="generic")`` and its ratio to forward+backward.
 
-Models whose forward takes under 10 ms run ten times ``--reps`` (a median of a few runs of a
-2 ms forward on a shared machine says little). Beside the medians, the ratios of the fastest
-run of each (what a quiet machine gives; other processes only ever slow a run down).
+Timing: each round runs every function once, in a new (seeded) random order, so that none always
+follows the same other one (what a run frees, the C allocator keeps or gives back to the system, and
+the next run pays for the fresh pages it touches). Rounds repeat while they fit in
+``--seconds`` of CPU time per model, at least ``--reps`` of them. Times are the process's CPU time
+(``time.process_time``: with one torch thread, the work done, which other processes and a virtual
+machine's stolen time do not inflate). Beside the medians, the ratios of the fastest run of each.
 
 Memory (CPU allocator events of ``torch.profiler``, ``profile_memory=True``): the peak bytes
 allocated during the plain forward and during rollout, and next to them the bytes of the dense
@@ -52,8 +60,10 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import math
 import os
 import statistics
+import time
 from typing import Callable, Optional
 
 import timm
@@ -119,7 +129,7 @@ def models(sam_size: int, batch: int) -> list[tuple[str, Callable[[], nn.Module]
 
 
 def measure(label: str, build: Callable[[], nn.Module], size: tuple[int, int], batch: int,
-            reps: int) -> Optional[list[object]]:
+            reps: int, seconds: float) -> Optional[list[object]]:
     """One table row, or None (printed why) when vitexplain does not support the model."""
     torch.manual_seed(0)
     model = build().eval()
@@ -141,6 +151,11 @@ def measure(label: str, build: Callable[[], nn.Module], size: tuple[int, int], b
         with torch.no_grad(), vx.capture(model):
             model(x)
 
+    def kept() -> None:  # what rollout's capture does: each call's attention computed once and kept
+        with torch.no_grad(), vx.capture(model, attention_mode="auto") as rec:
+            model(x)
+        rec.clear()  # (as an explanation does once its maps are made: the workspace lends the buffers again)
+
     def forward_backward() -> None:
         xg = x.clone().requires_grad_()
         torch.autograd.grad(model(xg).gather(1, target[:, None]).sum(), xg)
@@ -155,14 +170,18 @@ def measure(label: str, build: Callable[[], nn.Module], size: tuple[int, int], b
     fns: dict[str, Callable[[], object]] = {
         "forward": forward,
         "capture": captured,
+        "kept": kept,
         "rollout": lambda: ex.explain(x, method="rollout"),
         "first rollout": first_rollout,
     }
     if "generic" not in missing:
         fns["forward+backward"] = forward_backward
         fns["generic"] = lambda: ex.explain(x, method="generic", target=target)
-    first = median_times({"forward": forward}, reps=3, warmup=1)["forward"]
-    runs = interleaved_times(fns, reps=reps * 10 if first < 0.010 else reps, warmup=1)
+    # a round runs every function once: as many rounds as fit in ``seconds`` (at least ``reps``), since a
+    # median of a few runs of a short forward says little on a shared machine
+    one_round = sum(median_times(fns, reps=1, warmup=1, clock=time.process_time).values())
+    rounds = max(reps, math.ceil(seconds / max(one_round, 1e-9)))
+    runs = interleaved_times(fns, reps=rounds, warmup=1, clock=time.process_time, shuffle_seed=0)
     times = {k: statistics.median(v) for k, v in runs.items()}
     best = {k: min(v) for k, v in runs.items()}  # the fastest run: what a quiet machine gives
     peak_forward = peak_bytes(forward)
@@ -176,6 +195,7 @@ def measure(label: str, build: Callable[[], nn.Module], size: tuple[int, int], b
     digits = 2 if ms["forward"] < 10 else 1
     return [label, f"{batch} x {size[0]} px", layers, f"{ms['forward']:.{digits}f}",
             f"{ms['capture']:.{digits}f} ({ms['capture'] / ms['forward']:.2f}x)",
+            f"{ms['kept']:.{digits}f} ({ms['kept'] / ms['forward']:.2f}x)",
             f"{ms['rollout']:.{digits}f}", f"{ms['rollout'] / ms['forward']:.2f}x", f"{ms['first rollout'] / ms['forward']:.2f}x",
             f"{best['capture'] / best['forward']:.2f}x / {best['rollout'] / best['forward']:.2f}x", generic,
             f"{peak_forward / mb:.1f}", f"{peak_rollout / mb:.1f}", f"{(peak_rollout - peak_forward) / mb:.1f}",
@@ -185,7 +205,9 @@ def measure(label: str, build: Callable[[], nn.Module], size: tuple[int, int], b
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--reps", type=int, default=7, help="at least this many rounds per model")
+    p.add_argument("--seconds", type=float, default=20.0,
+                   help="more rounds while they fit in this many seconds of CPU time per model")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--sam-size", type=int, default=256)
     p.add_argument("--only", default=None, help="run only the models whose label contains this text")
@@ -198,19 +220,21 @@ def main() -> int:
         if a.only and a.only not in label:
             continue
         try:
-            row = measure(label, build, size, batch, a.reps)
+            row = measure(label, build, size, batch, a.reps, a.seconds)
         except vx.VitexplainError as err:  # say why the row is missing, keep the others
             print(f"{label}: left out: {type(err).__name__}: {str(err).splitlines()[0]}")
             continue
         if row is not None:
             rows.append(row)
             print(" | ".join(str(v) for v in row), flush=True)
-    header = ["model", "input", "attention calls", "forward ms", "capture ms (/ forward)", "rollout ms",
+    header = ["model", "input", "attention calls", "forward ms", "capture ms (/ forward)",
+              "capture keeping attention ms (/ forward)", "rollout ms",
               "rollout / forward", "first rollout / forward", "fastest runs: capture / forward, rollout / forward",
               "generic ms (/ forward+backward to the input)", "forward peak MB", "rollout peak MB", "rollout extra MB",
               "dense attention of all layers MB", "dense N0 x N0 of all layers MB"]
     body = table(header, rows) + (
-        "\n\nMedian of interleaved runs. 'capture' is the forward inside vx.capture(model) recording "
+        "\n\nMedian CPU time of the process over interleaved rounds (each in a new random order). 'capture' is "
+        "the forward inside vx.capture(model) recording "
         "attention and nothing else: the capture's own cost, paid by every attention method; rollout's "
         "cost beyond it is the method's (plan, attention computed once, propagation, the Explanation). "
         "Both are as every capture after the first of a model runs (narrowed from its first call by what "
@@ -226,7 +250,8 @@ def main() -> int:
         "so rollout's extra peak is about the attention of all layers on their own grids (SAM's "
         "relative-position bias is not kept); it stays far below the dense N0 x N0 of all layers. "
         "Machine load (1-minute load average) at the start of the run: see the line below the table.")
-    body += f"\n\nLoad average at the start: {load}; {a.reps} reps, {a.threads} thread(s)."
+    body += (f"\n\nLoad average at the start: {load}; at least {a.reps} rounds and {a.seconds:g} s of CPU time per "
+             f"model, {a.threads} thread(s).")
     if a.no_report:
         print(body)
     else:
