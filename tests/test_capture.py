@@ -703,23 +703,36 @@ class _CachedAttention(nn.Module):
 
 
 @pytest.mark.parametrize("window", [None, 3], ids=["static", "sliding"])
-def test_keys_overwritten_in_place_after_the_call_are_refused_not_misread(window):
+def test_keys_overwritten_in_place_after_the_call_are_read_as_the_call_saw_them_or_refused(window):
     """Records keep the keys without copying them. A sliding-window KV cache overwrites, in place, keys
     that earlier calls attended to: their records then recomputed other probabilities, silently (HF's
-    Gemma-3 / Mistral with cache_implementation='static' during generate). Now such a record raises; a
-    static cache that only fills masked slots later stays readable. Oracle: the probabilities computed
-    by hand at each call."""
-    torch.manual_seed(0)
-    module = _CachedAttention(slots=3 if window else 6, window=window)
-    with torch.no_grad(), vx.capture(module) as rec:
-        for _ in range(6):
-            module(*(torch.randn(1, 2, 1, 4) for _ in range(3)))
-    records = rec.records
+    Gemma-3 / Mistral with cache_implementation='static' during generate). Without gradients a call whose keys
+    had been written in place keeps its probabilities, computed at the call (recording/early.py): every record
+    reads as the call saw it (it refused before). A capture taking gradients keeps q and k (the gradient is
+    hooked on them): there a record whose attended keys a later call overwrote raises, and a static cache that
+    only fills masked slots later stays readable. Oracle: the probabilities computed by hand at each call."""
+
+    def run(grads: bool) -> tuple[list, list]:
+        torch.manual_seed(0)
+        module = _CachedAttention(slots=3 if window else 6, window=window)
+        calls = [tuple(torch.randn(1, 2, 1, 4, requires_grad=grads) for _ in range(3)) for _ in range(6)]
+        with torch.set_grad_enabled(grads), vx.capture(module, grads=grads) as rec:
+            for q, k, v in calls:
+                module(q, k, v)
+        return rec.records, module.seen
+
+    records, seen = run(grads=False)
+    assert len(records) == 6
+    for record, expected in zip(records, seen):
+        assert record._k is None  # (the keys are not kept)
+        torch.testing.assert_close(record.probs(), expected, atol=1e-6, rtol=0)
+
+    records, seen = run(grads=True)
     # static: later calls fill slots every earlier call masked out; ring: each later call overwrites a slot
     # that every earlier call attended to (calls 0-2 attend slots 0-2 as they fill, call 3 rewrites slot 0)
     readable = range(6) if window is None else [5]
     assert len(records) == 6
-    for i, (record, expected) in enumerate(zip(records, module.seen)):
+    for i, (record, expected) in enumerate(zip(records, seen)):
         if i in readable:
             torch.testing.assert_close(record.probs(), expected, atol=1e-6, rtol=0)
         else:

@@ -220,3 +220,41 @@ def test_forward_index_counts_calls_of_the_model_and_restarts_after_clear():
         rec.clear()
         model(**inputs)
     assert [r.forward_index for r in rec.records] == [0, 0]
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("capture", ["first", "lanes"])
+def test_decoding_steps_over_large_keys_keep_their_probabilities_not_the_keys(capture, kv_heads, packing):
+    """A dynamic KV cache grows by concatenation: each decoding step's keys are a new tensor that only the step's
+    record kept alive, so a generate of T steps held about T caches' worth of keys (quadratic in the length).
+    A decoding step whose keys are large (recording/early.py, KEYS_BYTES) keeps its probabilities instead, computed
+    at the call: E H_kv / H times fewer bytes. The prompt's call, whose probabilities are larger than its keys,
+    keeps q and k. A left-padded batch, so that the grouped-query steps are packed (as transformers does with a
+    mask). Oracle: the eager copy's attentions, on the checked path and on the lanes of a later capture."""
+    from vitexplain.recording import early
+
+    config = transformers.LlamaConfig(**{**TEXT, "hidden_size": 256, "num_attention_heads": 4,
+                                         "num_key_value_heads": kv_heads, "max_position_embeddings": 2048})
+    torch.manual_seed(0)
+    model = _sharpen(transformers.LlamaForCausalLM(config))
+    per_token = 2 * kv_heads * (config.hidden_size // config.num_attention_heads) * 4  # key bytes, both images
+    inputs = _left_padded(2, early.KEYS_BYTES // per_token + 1, pad=3)  # the prompt's keys reach the threshold
+    options = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+    with torch.no_grad():
+        expected = eager_copy(model).generate(**inputs, **options, output_attentions=True, return_dict_in_generate=True)
+        if capture == "lanes":
+            with vx.capture(model):
+                model.generate(**inputs, **options)
+        with vx.capture(model) as rec:
+            tokens = model.generate(**inputs, **options)
+    assert torch.equal(tokens, expected.sequences)
+    assert bool(packing) == (kv_heads < 4)
+    want = [layer for step in expected.attentions for layer in step]
+    assert len(rec.records) == len(want) == config.num_hidden_layers * NEW_TOKENS
+    padded = inputs["attention_mask"] == 0
+    for record, attention in zip(rec.records, want):
+        decoding = record.num_queries == 1
+        assert (record._k is None and record._q is None) == decoding, record
+        if decoding:  # what it holds is its probabilities, (2, H, 1, N_k) float32
+            assert record._probs.shape == attention.shape and record._probs.dtype == torch.float32
+        _assert_close_on_tokens(record.probs(), attention, None if decoding else padded)

@@ -495,10 +495,12 @@ class _SDPACache(nn.Module):
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-def test_keys_and_mod_tensors_written_in_place_under_inference_mode_are_refused():
+def test_keys_and_mod_tensors_written_in_place_under_inference_mode_are_read_as_the_call_saw_them_or_refused():
     """Under torch.inference_mode tensors keep no count of their in-place writes, so the witness of a cache's keys
     (and of a FlexAttention offset) was skipped: earlier steps' records recomputed from the keys of later steps,
-    silently. Records whose keys were not written since still read right."""
+    silently. A decoding SDPA call over such keys keeps its probabilities, computed at the call (early.py): every
+    step reads as the call saw them (they were refused before that); a FlexAttention record whose offset was
+    written since is refused. Records whose keys were not written since still read right."""
     model = _SDPACache().eval()
     expected = []
     with torch.inference_mode(), vx.capture(model) as rec:
@@ -510,10 +512,9 @@ def test_keys_and_mod_tensors_written_in_place_under_inference_mode_are_refused(
         x = torch.randn(2, 5, 8)
         with vx.capture(fresh) as fresh_rec:
             fresh(x)
-    for record in rec.records[:2]:
-        with pytest.raises(vx.CaptureError, match="overwritten in place"):
-            record.probs()
-    torch.testing.assert_close(rec.records[2].probs().double(), expected[2], atol=1e-6, rtol=0)
+    assert len(rec.records) == 3
+    for record, want in zip(rec.records, expected):
+        torch.testing.assert_close(record.probs().double(), want, atol=1e-6, rtol=0)
     with torch.inference_mode():
         torch.testing.assert_close(fresh_rec.records[0].probs().double(), fresh.oracle(x), atol=1e-6, rtol=0)
     pytest.importorskip("torch.nn.attention.flex_attention")
@@ -690,34 +691,34 @@ def test_another_threads_calls_of_the_model_are_not_recorded_by_module_hooks():
 
 
 @pytest.mark.parametrize("capture", ["first", "lanes"])
-def test_a_sliding_window_cache_under_inference_mode_reads_as_under_no_grad(capture):
-    """Hugging Face's static sliding-window cache overwrites keys that earlier steps attended. Under no_grad
-    their records refuse probs(); under torch.inference_mode the keys keep no write count and the records
-    recomputed from the overwritten keys, silently (on the checked path and on the lanes a later capture takes)."""
+def test_a_sliding_window_cache_reads_as_each_step_saw_it(capture):
+    """Hugging Face's static sliding-window cache overwrites keys that earlier steps attended. Records kept the
+    keys by reference: under no_grad they refused probs(), and under torch.inference_mode (keys keep no write
+    count) they recomputed from the overwritten keys, silently. A decoding step over keys written in place now
+    keeps its probabilities, computed at the call (recording/early.py): every step reads as it saw the cache,
+    on the checked path and on the lanes a later capture takes. Oracle: the same weights with eager attention,
+    generate(output_attentions=True)."""
     transformers = pytest.importorskip("transformers")
     config = transformers.MistralConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=60, sliding_window=4, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
     model = transformers.MistralForCausalLM(config).eval()
+    eager = transformers.MistralForCausalLM._from_config(config, attn_implementation="eager").eval()
+    eager.load_state_dict(model.state_dict())
     ids = torch.randint(3, 60, (1, 5))
+    kw = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, cache_implementation="static")
+    with torch.no_grad():
+        oracle = eager.generate(ids, output_attentions=True, return_dict_in_generate=True, **kw)
+    want = [layer for step in oracle.attentions for layer in step]  # prompt, then each step; layers in order
 
-    def generate(mode) -> list:
+    for mode in (torch.no_grad, torch.inference_mode):
+        if capture == "lanes":
+            with mode(), vx.capture(model):  # (the first capture checks the calls; the next one takes the lanes)
+                model.generate(ids, **kw)
         with mode(), vx.capture(model) as rec:
-            model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False, cache_implementation="static")
-        read = []
-        for record in rec.records:
-            try:
-                read.append(record.probs())
-            except vx.CaptureError:
-                read.append(None)
-        return read
-
-    want = generate(torch.no_grad)
-    assert any(p is None for p in want) and any(p is not None for p in want)
-    if capture == "lanes":
-        generate(torch.inference_mode)  # (the first capture checks the calls; this one takes the lanes)
-    got = generate(torch.inference_mode)
-    assert [p is None for p in got] == [p is None for p in want]
-    for g, w in zip(got, want):
-        if w is not None:
-            torch.testing.assert_close(g, w, atol=1e-6, rtol=0)
+            out = model.generate(ids, **kw)
+        assert torch.equal(out, oracle.sequences)
+        assert len(rec.records) == len(want) == 8
+        for record, expected in zip(rec.records, want):
+            torch.testing.assert_close(record.probs(), expected, atol=1e-6, rtol=0)

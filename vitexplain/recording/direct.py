@@ -44,6 +44,7 @@ from torch import Tensor, nn
 
 from ..errors import CaptureError
 from .attribution import frame_kind, never_issues, stable_kind
+from .early import keeps_probs, with_probs
 from .records import _version, held, key_witness
 from .sink import Issuer, RecordSink
 from .witness import kept_mask, query_witness
@@ -171,6 +172,10 @@ def _same(record: Any, issuer: Issuer, fields: dict[str, Any]) -> bool:
         return False
     if record.dropout_p != fields["dropout_p"] or record._scale != fields["_scale"] or record._causal != fields["_causal"]:
         return False
+    if record._q is None and record._probs is not None:  # the mode's record kept the call's probabilities (early.py)
+        early = with_probs(fields)
+        return (early is not None and record._masked == early["_masked"]
+                and torch.equal(record._probs, early["_probs"]))
     mask, expected = record._mask, fields["_mask"]
     if (mask is None) != (expected is None):
         return False
@@ -242,6 +247,19 @@ class _Pending:
         return plan[1]
 
 
+class _Made:
+    """A lane's call whose record's fields were made at the call (a decoding step that keeps its probabilities,
+    :mod:`.early`): :meth:`resolve` gives them."""
+
+    __slots__ = ("fields",)
+
+    def __init__(self, fields: dict[str, Any]) -> None:
+        self.fields = fields
+
+    def resolve(self) -> dict[str, Any]:
+        return self.fields
+
+
 def _written_since(fields: dict[str, Any], key: Tensor, sums: Tensor) -> dict[str, Any]:
     """``fields`` whose key witness (sums of the planned keys, taken now) marks the keys written since the call
     (their sums then, ``sums``, (B, H_kv, N_k)) as changed: NaN, which equals nothing, where a sum differs."""
@@ -301,7 +319,11 @@ class DirectSDPA:
             index = self.sink.lane_index(Issuer(lane.name, module, frame))  # type: ignore[arg-type]
             if index is not None:
                 out = original(module, *args, **kwargs)
-                self.sink.add_lane_draft(lane.name, lane.kind, index, _Pending(original, module, args, kwargs, self._gqa))
+                pending: Any = _Pending(original, module, args, kwargs, self._gqa)
+                if keeps_probs(args[0], args[1], args[1].is_inference()):  # its record keeps the probabilities,
+                    fields = pending.resolve()                             # computed now (early.py)
+                    pending = _Made(with_probs(fields) or fields)
+                self.sink.add_lane_draft(lane.name, lane.kind, index, pending)
                 return out
         plan = _plan(original, module, args, kwargs, self._gqa) if self.enabled else None
         if plan is None or frame is None:

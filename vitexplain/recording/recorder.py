@@ -45,6 +45,7 @@ from .custom import Extractor, declared_modules, module_hook
 from .shared import HOOKS, hold_fastpath_off, release_fastpath
 from . import discovery
 from .direct import DirectSDPA
+from .early import with_probs
 from .flex import FlexWatcher
 from .gates import GateHooks, GateRecord, checked_gates
 from .gradients import backward_pass, backward_running, hooks_paused, zero_grads
@@ -232,8 +233,11 @@ class Recorder:
         return record
 
     def add_draft(self, issuer: Issuer, fields: dict[str, Any]) -> None:
-        """Keep a record of ``issuer`` to be made when the records are next read (see :class:`RecordSink`)."""
+        """Keep a record of ``issuer`` to be made when the records are next read (see :class:`RecordSink`); a
+        decoding step's record keeps its probabilities, computed now, instead of q and k (:mod:`.early`)."""
         self._narrowing.issued(issuer.module)
+        if not self.grads:
+            fields = with_probs(fields) or fields
         self._drafts.append((*self._numbered(issuer), fields))
 
     def lane_index(self, issuer: Issuer) -> Optional[int]:
