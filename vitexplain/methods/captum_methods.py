@@ -127,8 +127,8 @@ def integrated_gradients(ctx: Context, *, steps: Optional[int] = None, batch_siz
 
     forward, target = _forward_and_target(ctx)
     x = ctx.x.detach()
+    scores = _score_fn(forward, target)
     with torch.no_grad():
-        scores = _score_fn(forward, target)
         end = scores(x)
         change = end - scores(torch.full_like(x, baseline))
     attr = torch.zeros_like(x)
@@ -139,15 +139,16 @@ def integrated_gradients(ctx: Context, *, steps: Optional[int] = None, batch_siz
         rows = torch.tensor(todo, device=x.device)
         some = x if len(todo) == x.shape[0] else x[rows]  # (the whole batch: as it was explained)
         some_target = None if target is None else [target[i] for i in todo]
-        _refuse_a_jump_before_the_first_point(_score_fn(forward, some_target), some, end[rows], change[rows],
-                                              baseline, n, todo)
+        at = rows.to(change.device)
+        _refuse_a_jump_before_the_first_point(_score_fn(forward, some_target), some, end[at], change[at], baseline, n,
+                                              todo)
         got = IntegratedGradients(forward).attribute(
             some, baselines=baseline, target=some_target, n_steps=n, internal_batch_size=batch_size
         )
         attr[rows] = got
-        delta[rows] = got.detach().double().flatten(1).sum(1).to(change.device) - change[rows]
+        delta[at] = got.detach().double().flatten(1).sum(1).to(change.device) - change[at]
         used[rows.cpu()] = n
-        over = (_errors(delta[rows], change[rows]) > COMPLETENESS_RTOL).tolist()
+        over = (_errors(delta[at], change[at]) > COMPLETENESS_RTOL).tolist()
         todo = [i for i, again in zip(todo, over) if again]  # (each image by its own error only)
         if not todo:
             break
