@@ -124,8 +124,34 @@ def test_the_cli_writes_each_images_completeness_error_and_warns_once_per_run(tm
     records = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
     errors = {r["key"]: r["completeness_error"]["integrated_gradients"] for r in records}
     assert len(errors) == 6 and sum(e > COMPLETENESS_RTOL for e in errors.values()) >= 2  # (several batches warn)
+    assert all(r["steps"] == {"integrated_gradients": 2} for r in records)  # (the steps asked for, each image)
     assert err.count("ConvergenceWarning") == 1 and "manifest.jsonl" in err
     explainer = vx.Explainer(vx.zoo.load_checkpoint(ckpt))
     for key, value in errors.items():
         e = explainer.explain([str(src / key)], method="integrated_gradients", steps=2)
         assert value == pytest.approx(float(e.extras["completeness_error"][0]), rel=1e-4, abs=1e-6)
+
+
+def test_the_cli_default_writes_the_steps_each_image_got(tmp_path, capsys):
+    """``vitexplain export`` without ``steps`` on the bundled shapes-vit: each record carries the steps the automatic
+    default gave that image (the API's, for that image alone) and a completeness error within 5%. The images are
+    those of tests/test_ig_auto_steps.py (shapes seed 4; written as PNG they measure the same): images 0 and 3 need
+    64 steps (10.3% and 8.5% at 32), the others 32, so each batch of 2 mixes counts; nothing is left to warn about."""
+    import json
+
+    from batch_helpers import images, run
+    from vitexplain.methods.captum_methods import AUTO_STEPS
+
+    src = images(tmp_path / "in", [f"{i}.png" for i in range(4)], seed=4)
+    out = tmp_path / "out"
+    assert run("export", src, "--out", out, "--model", "shapes-vit", "--method", "integrated_gradients", "-j", "0",
+               "--batch-size", "2") == 0
+    assert "ConvergenceWarning" not in capsys.readouterr().err
+    records = {r["key"]: r for r in map(json.loads, (out / "manifest.jsonl").read_text().splitlines())}
+    explainer = vx.Explainer(vx.zoo.load("shapes-vit"))
+    for key, r in records.items():
+        e = explainer.explain([str(src / key)], method="integrated_gradients")
+        assert r["steps"] == {"integrated_gradients": int(e.extras["steps"][0])}
+        assert r["completeness_error"]["integrated_gradients"] <= COMPLETENESS_RTOL
+    assert records["0.png"]["steps"]["integrated_gradients"] > AUTO_STEPS[0]
+    assert records["3.png"]["steps"]["integrated_gradients"] > AUTO_STEPS[0]

@@ -147,7 +147,7 @@ class _StderrOrNothing:
 #: Warnings whose text differs batch by batch (it names positions in the batch) said once per run, with where a run
 #: keeps each image's figure instead
 _ONCE_PER_RUN = {
-    "ConvergenceWarning": "said once per run, for its first batch; each image's completeness_error is in "
+    "ConvergenceWarning": "said once per run, for its first batch; each image's completeness_error and steps are in "
                           "manifest.jsonl; with the CLI, more steps are --option integrated_gradients.steps=N",
 }
 

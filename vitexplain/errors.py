@@ -115,4 +115,5 @@ class UnrecordedAttentionWarning(UserWarning):
 class ConvergenceWarning(UserWarning):
     """Integrated Gradients' attributions of some image miss y(x) - y(baseline) by more than
     ``vitexplain.methods.captum_methods.COMPLETENESS_RTOL`` of it: the integral did not converge with the steps
-    given (each image's ``completeness_error`` is in the explanation's extras)."""
+    given or, by default (``steps=None``), with the most the method chooses (``captum_methods.AUTO_STEPS``' last);
+    each image's ``completeness_error`` and ``steps`` are in the explanation's extras."""

@@ -276,6 +276,9 @@ def export(opts: ExportOptions, *, argv: Optional[Sequence[str]] = None) -> Expo
         # integrated_gradients' completeness error per image (its ConvergenceWarning names batch positions)
         completeness = {e.method: e.extras["completeness_error"].tolist() for e in explanations
                         if "completeness_error" in e.extras}
+        # and the integration steps each image got (steps=None, the default, chooses them per image)
+        steps = {e.method: e.extras["steps"].tolist() for e in explanations if "completeness_error" in e.extras
+                 and "steps" in e.extras}
         logits = explanations[0].logits
         targets = explanations[0].targets.cpu().tolist()
         top = _scores(logits, multi_label, opts.top_k)
@@ -292,6 +295,8 @@ def export(opts: ExportOptions, *, argv: Optional[Sequence[str]] = None) -> Expo
             if completeness:  # (null: attributions that sum to non-zero where the score did not change)
                 fields["completeness_error"] = {m: round(v[b], 6) if math.isfinite(v[b]) else None
                                                 for m, v in completeness.items()}
+            if steps:
+                fields["steps"] = {m: int(v[b]) for m, v in steps.items()}
             write = error or functools.partial(_write_overlays, key=s["key"], region=s["region"],
                                                maps={m: maps[m][b] for m in methods}, opts=opts, signed=signed)
             jobs.append((fields, write))

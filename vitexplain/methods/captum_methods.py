@@ -19,7 +19,7 @@ from .options import MAX_SAMPLES, SEED_RANGE, Option
 from .families import VIT
 from .registry import register
 
-__all__ = ["integrated_gradients", "occlusion", "smoothgrad", "COMPLETENESS_RTOL"]
+__all__ = ["integrated_gradients", "occlusion", "smoothgrad", "COMPLETENESS_RTOL", "AUTO_STEPS"]
 
 
 #: Largest completeness error |sum of attributions - (y(x) - y(baseline))| / |y(x) - y(baseline)| that passes
@@ -67,10 +67,19 @@ def _patch_mask(ctx: Context) -> Tensor:
     return ctx.require_grid().pixel_cells((h, w), ctx.x.device).view(1, 1, h, w)
 
 
+#: The automatic step counts (``steps=None``, the default): every image is integrated with the first; an image whose
+#: completeness error is still over :data:`COMPLETENESS_RTOL` is integrated again, alone or with the other images
+#: still over, with the next (twice as many points), up to the last, the cap. Sundararajan et al. 2017 (Sec. 5) find
+#: 20-300 steps enough; an image still over at the cap gets the :class:`~vitexplain.errors.ConvergenceWarning`.
+AUTO_STEPS = (32, 64, 128, 256)
+
+
 @register(
     "integrated_gradients", VIT,
     options={
-        "steps": Option(int, low=1, high=MAX_SAMPLES, help="integration steps"),
+        "steps": Option(int, low=1, high=MAX_SAMPLES, optional=True,
+                        help=f"integration steps (None = per image, {AUTO_STEPS[0]} doubled while the completeness "
+                             f"error is over {COMPLETENESS_RTOL:g}, at most {AUTO_STEPS[-1]})"),
         "batch_size": Option(int, low=1, help="inputs per forward"),
         "baseline": Option(float, help="baseline input value"),
     },
@@ -80,65 +89,112 @@ def _patch_mask(ctx: Context) -> Tensor:
     summary="captum IntegratedGradients from a zero (mean-colour) baseline, summed per patch",
     reference="Sundararajan et al. 2017 (captum.attr.IntegratedGradients)",
 )
-def integrated_gradients(ctx: Context, *, steps: int = 32, batch_size: int = 64, baseline: float = 0.0
+def integrated_gradients(ctx: Context, *, steps: Optional[int] = None, batch_size: int = 64, baseline: float = 0.0
                          ) -> tuple[Tensor, dict[str, Any]]:
     """Integrated Gradients (captum) on the input pixels, summed over channels and patches.
 
-    Says how well the integral converged: by completeness (Sundararajan et al. 2017, Prop. 1) an image's
-    attributions sum to y(x) - y(baseline); ``extras["completeness_error"]`` is how far the quadrature's sum
-    is from it, relative to it, and a :class:`~vitexplain.errors.ConvergenceWarning` (one per call) names the images over
-    :data:`COMPLETENESS_RTOL`.
+    Checks how well the integral converged: by completeness (Sundararajan et al. 2017, Prop. 1) an image's
+    attributions sum to y(x) - y(baseline); ``extras["completeness_error"]`` is how far the quadrature's sum is
+    from it, relative to it. With ``steps=None`` (the default) each image gets the fewest of :data:`AUTO_STEPS`
+    that bring it within :data:`COMPLETENESS_RTOL` (the paper's check and remedy: add steps): all start at 32,
+    and only the images still over are integrated again with twice the steps, by themselves, so an image's map
+    and step count never depend on the other images of its batch. A given ``steps`` integrates every image once
+    with that many. A :class:`~vitexplain.errors.ConvergenceWarning` (one per call) names the images still over
+    :data:`COMPLETENESS_RTOL` at the steps they got (with ``steps=None``: at the cap).
 
     Args:
         ctx: the explained batch.
-        steps: integration steps.
+        steps: integration steps (Gauss-Legendre points), or None to choose them per image as above.
         batch_size: captum's ``internal_batch_size``.
         baseline: constant baseline in the model's input space (0 = the mean colour for
             normalised inputs).
 
     Returns:
-        (maps, extras): maps (B, gh, gw) float32, signed, summing to about y(x) - y(baseline); extras, each (B,)
-        float64: ``score_change`` y(x) - y(baseline) of the explained score, ``delta`` the sum of the pixel
-        attributions minus ``score_change`` (captum's ``return_convergence_delta``), ``completeness_error``
-        |delta| / |score_change| (0 when both are 0, inf when only the change is).
+        (maps, extras): maps (B, gh, gw) float32, signed, summing to about y(x) - y(baseline); extras, each (B,):
+        ``score_change`` y(x) - y(baseline) of the explained score, ``delta`` the sum of the pixel attributions
+        minus ``score_change`` (captum's ``return_convergence_delta``), ``completeness_error`` |delta| /
+        |score_change| (0 when both are 0, inf when only the change is), all float64, and ``steps`` (int64) the
+        steps each image's map was integrated with.
 
     Raises:
-        UnsupportedMethodError: the score changes only before the first integration point (see
-            :func:`_refuse_a_jump_before_the_first_point`).
+        UnsupportedMethodError: the score changes only before the first integration point of the steps an image
+            is integrated with (see :func:`_refuse_a_jump_before_the_first_point`).
 
     Warns:
-        ConvergenceWarning: some image's completeness error is over :data:`COMPLETENESS_RTOL`.
+        ConvergenceWarning: some image's completeness error is over :data:`COMPLETENESS_RTOL` at its last steps.
     """
     from captum.attr import IntegratedGradients
 
     forward, target = _forward_and_target(ctx)
-    change = _refuse_a_jump_before_the_first_point(ctx, forward, target, baseline, steps)
-    attr = IntegratedGradients(forward).attribute(
-        ctx.x.detach(), baselines=baseline, target=target, n_steps=steps, internal_batch_size=batch_size
-    )
-    return _to_grid(ctx, attr), _completeness(attr, change, steps)
-
-
-def _completeness(attr: Tensor, change: Tensor, steps: int) -> dict[str, Any]:
-    """IG's extras from its (B, 3, H, W) pixel attributions and the (B,) float64 change y(x) - y(baseline); warns
-    (:class:`~vitexplain.errors.ConvergenceWarning`, once) naming the images whose completeness error is over
-    :data:`COMPLETENESS_RTOL`. The delta is captum's convergence delta, from the scores already taken (captum's
-    own would cost two more forwards)."""
-    delta = attr.detach().double().flatten(1).sum(1).to(change.device) - change
-    error = delta.abs() / change.abs()
-    error = torch.where(change == 0, torch.where(delta == 0, 0.0, float("inf")).to(error), error)
-    bad = (error > COMPLETENESS_RTOL).nonzero().flatten().tolist()
-    if bad:
-        worst = ", ".join(f"{i}: {float(error[i]):.3g}" for i in bad[:8]) + (", ..." if len(bad) > 8 else "")
-        warnings.warn(
-            f"integrated_gradients with steps={steps}: for image(s) {bad} the attributions' sum misses "
-            f"y(x) - y(baseline) by more than {COMPLETENESS_RTOL:g} of it (relative completeness error {worst}): the "
-            "integral has not converged as far as Sundararajan et al. check for, and where the error is near or over 1 "
-            "the map may mean little; pass more steps (e.g. "
-            f"steps={min(4 * steps, MAX_SAMPLES)}) and check e.extras['completeness_error']",
-            ConvergenceWarning, stacklevel=2,
+    x = ctx.x.detach()
+    scores = _score_fn(forward, target)
+    with torch.no_grad():
+        end = scores(x)
+        change = end - scores(torch.full_like(x, baseline))
+    attr = torch.zeros_like(x)
+    delta = torch.zeros_like(change)
+    used = torch.zeros(x.shape[0], dtype=torch.long)
+    todo = list(range(x.shape[0]))  # the images integrated with the next step count
+    for n in AUTO_STEPS if steps is None else (steps,):
+        rows = torch.tensor(todo, device=x.device)
+        some = x if len(todo) == x.shape[0] else x[rows]  # (the whole batch: as it was explained)
+        some_target = None if target is None else [target[i] for i in todo]
+        at = rows.to(change.device)
+        _refuse_a_jump_before_the_first_point(_score_fn(forward, some_target), some, end[at], change[at], baseline, n,
+                                              todo)
+        got = IntegratedGradients(forward).attribute(
+            some, baselines=baseline, target=some_target, n_steps=n, internal_batch_size=batch_size
         )
-    return {"score_change": change, "delta": delta, "completeness_error": error}
+        attr[rows] = got
+        delta[at] = got.detach().double().flatten(1).sum(1).to(change.device) - change[at]
+        used[rows.cpu()] = n
+        over = (_errors(delta[at], change[at]) > COMPLETENESS_RTOL).tolist()
+        todo = [i for i, again in zip(todo, over) if again]  # (each image by its own error only)
+        if not todo:
+            break
+    error = _errors(delta, change)
+    _warn_unconverged(error, used, auto=steps is None)
+    return _to_grid(ctx, attr), {"score_change": change, "delta": delta, "completeness_error": error, "steps": used}
+
+
+def _score_fn(forward: Callable[[Tensor], Tensor], target: Optional[list[int]]) -> Callable[[Tensor], Tensor]:
+    """(k,) float64 explained scores of k inputs: ``forward``'s, or its logits at ``target`` (one class per input)."""
+
+    def scores(inp: Tensor) -> Tensor:
+        out = forward(inp).double()
+        return out if target is None else out[torch.arange(out.shape[0], device=out.device), target]
+
+    return scores
+
+
+def _errors(delta: Tensor, change: Tensor) -> Tensor:
+    """(B,) float64 completeness errors |delta| / |change|: 0 where both are 0, inf where only the change is."""
+    error = delta.abs() / change.abs()
+    return torch.where(change == 0, torch.where(delta == 0, 0.0, float("inf")).to(error), error)
+
+
+def _warn_unconverged(error: Tensor, steps: Tensor, *, auto: bool) -> None:
+    """One :class:`~vitexplain.errors.ConvergenceWarning` naming the images whose (B,) completeness ``error`` is over
+    :data:`COMPLETENESS_RTOL` at the (B,) ``steps`` they were integrated with (``auto``: chosen by ``steps=None``,
+    so those images reached the cap, :data:`AUTO_STEPS`' last)."""
+    bad = (error > COMPLETENESS_RTOL).nonzero().flatten().tolist()
+    if not bad:
+        return
+    worst = ", ".join(f"{i}: {float(error[i]):.3g}" for i in bad[:8]) + (", ..." if len(bad) > 8 else "")
+    most = int(steps[bad].max())
+    if auto:
+        how = (f"with steps=None (automatic: {AUTO_STEPS[0]} steps, doubled per image while over "
+               f"{COMPLETENESS_RTOL:g}) reached its cap of {AUTO_STEPS[-1]} steps")
+    else:
+        how = f"with steps={most}"
+    warnings.warn(
+        f"integrated_gradients {how}: for image(s) {bad} the attributions' sum misses "
+        f"y(x) - y(baseline) by more than {COMPLETENESS_RTOL:g} of it (relative completeness error {worst}): the "
+        "integral has not converged as far as Sundararajan et al. check for, and where the error is near or over 1 "
+        "the map may mean little; pass more steps (e.g. "
+        f"steps={min(4 * most, MAX_SAMPLES)}) and check e.extras['completeness_error']",
+        ConvergenceWarning, stacklevel=3,
+    )
 
 
 #: How close to the image's score (relative to the whole change y(x) - y(baseline)) the score at IG's first
@@ -146,8 +202,8 @@ def _completeness(attr: Tensor, change: Tensor, steps: int) -> dict[str, Any]:
 FLAT_RTOL = 1e-2
 
 
-def _refuse_a_jump_before_the_first_point(ctx: Context, forward: Callable[[Tensor], Tensor],
-                                          target: Optional[list[int]], baseline: float, steps: int) -> Tensor:
+def _refuse_a_jump_before_the_first_point(scores: Callable[[Tensor], Tensor], x: Tensor, end: Tensor, change: Tensor,
+                                          baseline: float, steps: int, images: list[int]) -> None:
     """Refuse IG when the target score changes only between the baseline and the first integration point.
 
     captum integrates with Gauss-Legendre points alpha_1 < ... < alpha_m in (0, 1). When the score at
@@ -156,10 +212,17 @@ def _refuse_a_jump_before_the_first_point(ctx: Context, forward: Callable[[Tenso
     and the map is rounding noise. A model that normalises each patch's token right after a bias-free
     patch embedding (AIMv2: a convolution, then RMSNorm) does this from the zero baseline: scaling a patch's
     pixels leaves its token unchanged, so its score moves only within about sqrt(eps) of the baseline.
-    Costs three forwards of the batch without gradients.
+    Checked for the ``steps`` the images are about to be integrated with; costs one forward of them without
+    gradients.
 
-    Returns:
-        (B,) float64: y(x) - y(baseline) of the explained score.
+    Args:
+        scores: (k,) float64 explained scores of k inputs (:func:`_score_fn`).
+        x: (k, 3, H, W) the images.
+        end: (k,) float64 their scores y(x).
+        change: (k,) float64 y(x) - y(baseline).
+        baseline: the baseline value.
+        steps: the integration steps.
+        images: the k images' positions in the explained batch (for the message).
 
     Raises:
         UnsupportedMethodError: for some image the change lies before the first point.
@@ -167,23 +230,15 @@ def _refuse_a_jump_before_the_first_point(ctx: Context, forward: Callable[[Tenso
     import numpy as np
 
     first = float((np.polynomial.legendre.leggauss(steps)[0].min() + 1) / 2)  # captum's default rule
-    x = ctx.x.detach()
     start = torch.full_like(x, baseline)
-
-    def scores(inp: Tensor) -> Tensor:
-        out = forward(inp).double()
-        return out if target is None else out[torch.arange(out.shape[0], device=out.device), target]
-
     with torch.no_grad():
-        end = scores(x)
-        signed = end - scores(start)
-        change = signed.abs()
         gap = (scores(start + first * (x - start)) - end).abs()
-    flat = (change > 0) & (gap <= FLAT_RTOL * change)
+    size = change.abs()
+    flat = (size > 0) & (gap <= FLAT_RTOL * size)
     if bool(flat.any()):
-        images = flat.nonzero().flatten().tolist()
+        named = [images[i] for i in flat.nonzero().flatten().tolist()]
         raise UnsupportedMethodError(
-            f"integrated_gradients with steps={steps} from baseline={baseline:g}: for image(s) {images} the target score "
+            f"integrated_gradients with steps={steps} from baseline={baseline:g}: for image(s) {named} the target score "
             f"at the first integration point ({first:.3g} of the way from the baseline) is already the image's (within "
             f"{FLAT_RTOL:g} of y(x) - y(baseline)), so the whole change happens before it, no point sees it, and every "
             "patch would get ~0 (rounding noise). A model whose patch embedding has no bias and is normalised per token "
@@ -191,7 +246,6 @@ def _refuse_a_jump_before_the_first_point(ctx: Context, forward: Callable[[Tenso
             "another baseline (for such a model a non-zero one, e.g. baseline=0.5) or more steps, or use 'occlusion' or "
             "'smoothgrad'"
         )
-    return signed
 
 
 @register(
