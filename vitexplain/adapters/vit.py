@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from ..errors import UnsupportedMethodError, UnsupportedModelError
 from ..layout import TokenLayout, pair
-from ..recording.records import ActivationRecord
+from ..recording.activations import ActivationRecord
 from ..methods.families import VIT
 from .base import Adapter, register_adapter
 

@@ -17,7 +17,8 @@ from .custom import (
     unregister_attention,
 )
 from .gates import GateRecord, GateSpec, register_gate, supported_gates
-from .records import ActivationRecord, AttentionRecord
+from .activations import ActivationRecord
+from .records import AttentionRecord
 from .scores import attention_probs
 from .recorder import Recorder, capture, hooks_paused
 

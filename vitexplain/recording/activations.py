@@ -1,19 +1,52 @@
 """What a capture records of the modules it is asked for (``vx.capture(model, activations=[...])``):
-each call's input and output (:class:`~vitexplain.recording.records.ActivationRecord`), and the
+each call's input and output (:class:`ActivationRecord`), and the
 gradient that reaches the output: the layers the Grad-CAM family and the token methods read.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
 
 from torch import Tensor, nn
 
-from .records import ActivationRecord, weak_grad_hook
+from .records import weak_grad_hook
 from .sink import Issuer, in_backward
 
-__all__ = ["activation_hook"]
+__all__ = ["ActivationRecord", "activation_hook"]
+
+
+@dataclass(eq=False)
+class ActivationRecord:
+    """Input and output of one module call, with the output's gradient when captured.
+
+    Attributes:
+        name: module path.
+        step: call count of this module within the capture (0 first).
+        forward_index: the top-level call it belongs to, as ``AttentionRecord.forward_index``.
+        input: the first tensor argument the module received (a reference).
+        output: the module's output tensor (a reference, still in the autograd graph).
+        grad: gradient of the backpropagated score w.r.t. ``output``, once a backward ran.
+        args: all positional arguments of the call (references), so that a method can
+            call the module again the way the model did (e.g. a block's position bias).
+        kwargs: its keyword arguments (references).
+        tuple_output: the module returned a tuple or list, whose first tensor is ``output``.
+    """
+
+    name: str
+    step: int
+    input: Optional[Tensor]
+    output: Tensor
+    grad: Optional[Tensor] = None
+    args: tuple = field(default=(), repr=False)
+    kwargs: dict = field(default_factory=dict, repr=False)
+    tuple_output: bool = False
+    forward_index: int = 0
+
+    def _add_grad(self, grad: Tensor) -> None:
+        grad = grad.detach()
+        self.grad = grad if self.grad is None else self.grad + grad
 
 
 def activation_hook(rec: Any, name: str) -> Callable:

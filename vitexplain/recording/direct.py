@@ -45,9 +45,8 @@ from torch import Tensor, nn
 from ..errors import CaptureError
 from .attribution import frame_kind, never_issues, stable_kind
 from .early import keeps_probs, with_probs
-from .records import _version, held, key_witness
 from .sink import Issuer, RecordSink
-from .witness import kept_mask, query_witness
+from .witness import held, key_witness, kept_mask, query_witness, tensor_version as _version
 
 __all__ = ["DirectSDPA"]
 

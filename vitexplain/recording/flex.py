@@ -38,10 +38,11 @@ import torch
 from torch import Tensor
 
 from ..errors import CaptureError
-from .records import AttentionRecord, key_witness
+from .records import AttentionRecord
 from .scores import QuerySelect, _rows
 from .sink import RecordSink, in_backward
-from .witness import block_tensors, captured_versions, changed_tensor, query_witness, tensor_versions, value_witness
+from .witness import (block_tensors, captured_versions, changed_tensor, key_witness, query_witness, tensor_versions,
+                      value_witness)
 
 __all__ = [
     "FlexAttentionRecord",

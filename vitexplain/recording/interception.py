@@ -31,10 +31,9 @@ from . import materialize
 from .flex import FlexWatcher
 from .materialize import attention_with_probs, can_materialize
 from .packed import packed_groups, unpack_mask, unpack_query
-from .records import held, key_witness
 from .sink import RecordSink, in_backward
 from .workspace import workspace_for
-from .witness import kept_mask, query_witness, value_witness, weights_witness
+from .witness import held, key_witness, kept_mask, query_witness, value_witness, weights_witness
 
 __all__ = ["AttentionMode"]
 

@@ -53,7 +53,8 @@ from .interception import AttentionMode
 from .materialize import check_heads, check_mode
 from .narrowing import Narrowing
 from .activations import activation_hook
-from .records import ActivationRecord, AttentionRecord
+from .activations import ActivationRecord
+from .records import AttentionRecord
 from .missing import SUPPORTED, no_attention, unrecorded_note
 from .sink import Issuer, in_backward
 

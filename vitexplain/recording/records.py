@@ -5,6 +5,8 @@ recomputes attention probabilities from them on demand, in float32:
 
 - an SDPA record keeps ``q``, ``k`` (and ``v`` and the output gradient when gradients are
   captured), the mask, scale and causal flag, never the N x N probabilities;
+- a decoding step's SDPA record over large keys, or keys a cache wrote in place, keeps the
+  probabilities it computed at the call instead of q and k (:mod:`vitexplain.recording.early`);
 - a *materialized* SDPA record (``vx.capture(..., attention_mode="materialize")``, see
   :mod:`vitexplain.recording.materialize`) keeps the probabilities the capture computed in
   place of the fused kernel, and the gradient that reaches them, like an eager record;
@@ -29,7 +31,7 @@ from __future__ import annotations
 import inspect
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Optional, Union
+from typing import Any, Callable, Literal, Optional
 
 import torch
 from torch import Tensor
@@ -39,31 +41,7 @@ from .scores import Fusion, QuerySelect, _described, _repeat_heads, _rows, atten
 from .witness import tensor_version as _version
 from .witness import written_since
 
-__all__ = ["AttentionRecord", "ActivationRecord", "held", "key_witness"]
-
-
-def held(t: Optional[Tensor]) -> Optional[Tensor]:
-    """What a record keeps of a tensor: the tensor itself unless it is part of an autograd graph
-    (then detached; a detach costs a new tensor object, so it is not made otherwise)."""
-    return t.detach() if t is not None and t.requires_grad else t
-
-
-def key_witness(k: Optional[Tensor]) -> dict:
-    """What a record notes of its keys to tell, when it is read, whether the model wrote into them since.
-
-    Records keep the keys themselves (no copy). Keys that had been written in place before the call
-    (``_version`` not 0: a static or sliding-window KV cache buffer, updated by ``index_copy_``) may be
-    written again by later calls; for those, the per-key sums (B, H_kv, N_k) are kept as a witness
-    (E times smaller than the keys). Freshly computed keys (version 0) cost nothing. Inference tensors
-    (made under ``torch.inference_mode``) keep no count, so their sums are always kept.
-
-    Returns:
-        the record fields ``_k_version`` and ``_k_sums``.
-    """
-    version = _version(k)
-    if version == 0 or k is None:
-        return {"_k_version": version, "_k_sums": None}
-    return {"_k_version": version, "_k_sums": k.detach().float().sum(-1)}  # type: ignore[union-attr]
+__all__ = ["AttentionRecord", "weak_grad_hook"]
 
 
 @dataclass(eq=False)
@@ -432,8 +410,9 @@ class AttentionRecord:
         output.register_hook(weak_grad_hook(self, enabled))
 
 
-def weak_grad_hook(record: Union["AttentionRecord", "ActivationRecord"], enabled: Callable[[], bool]) -> Callable[[Tensor], None]:
-    """A tensor hook that passes the gradient to ``record._add_grad`` while ``enabled()``.
+def weak_grad_hook(record: Any, enabled: Callable[[], bool]) -> Callable[[Tensor], None]:
+    """A tensor hook that passes the gradient to ``record._add_grad`` while ``enabled()`` (an attention record's,
+    or an :class:`~vitexplain.recording.activations.ActivationRecord`'s).
 
     The hook lives in autograd's C++ graph, which Python's garbage collector cannot see
     through; the record holds the hooked tensor, so a strong reference from the hook back to
@@ -450,35 +429,3 @@ def weak_grad_hook(record: Union["AttentionRecord", "ActivationRecord"], enabled
             target._add_grad(grad)
 
     return hook
-
-
-@dataclass(eq=False)
-class ActivationRecord:
-    """Input and output of one module call, with the output's gradient when captured.
-
-    Attributes:
-        name: module path.
-        step: call count of this module within the capture (0 first).
-        forward_index: the top-level call it belongs to, as ``AttentionRecord.forward_index``.
-        input: the first tensor argument the module received (a reference).
-        output: the module's output tensor (a reference, still in the autograd graph).
-        grad: gradient of the backpropagated score w.r.t. ``output``, once a backward ran.
-        args: all positional arguments of the call (references), so that a method can
-            call the module again the way the model did (e.g. a block's position bias).
-        kwargs: its keyword arguments (references).
-        tuple_output: the module returned a tuple or list, whose first tensor is ``output``.
-    """
-
-    name: str
-    step: int
-    input: Optional[Tensor]
-    output: Tensor
-    grad: Optional[Tensor] = None
-    args: tuple = field(default=(), repr=False)
-    kwargs: dict = field(default_factory=dict, repr=False)
-    tuple_output: bool = False
-    forward_index: int = 0
-
-    def _add_grad(self, grad: Tensor) -> None:
-        grad = grad.detach()
-        self.grad = grad if self.grad is None else self.grad + grad

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["captured_versions", "changed_tensor", "noted", "written_since", "tensor_version", "block_tensors",
-           "tensor_versions", "query_witness", "value_witness", "weights_witness", "kept_mask"]
+           "tensor_versions", "query_witness", "value_witness", "weights_witness", "kept_mask", "held", "key_witness"]
 
 def tensor_version(t: Optional[Tensor]) -> int:
     """``t._version``: how many times it was written in place; 0 for None, -1 for an inference tensor
@@ -68,6 +68,30 @@ def written_since(t: Optional[Tensor], version: int, sums: Optional[Tensor], dim
     now = t.detach().float().sum(dim)
     changed = (now != sums) & ~(now.isnan() & sums.isnan())  # (NaN as at the call: an eager softmax's masked row)
     return changed if bool(changed.any()) else None
+
+
+def held(t: Optional[Tensor]) -> Optional[Tensor]:
+    """What a record keeps of a tensor: the tensor itself unless it is part of an autograd graph
+    (then detached; a detach costs a new tensor object, so it is not made otherwise)."""
+    return t.detach() if t is not None and t.requires_grad else t
+
+
+def key_witness(k: Optional[Tensor]) -> dict:
+    """What a record notes of its keys to tell, when it is read, whether the model wrote into them since.
+
+    Records keep the keys themselves (no copy). Keys that had been written in place before the call
+    (``_version`` not 0: a static or sliding-window KV cache buffer, updated by ``index_copy_``) may be
+    written again by later calls; for those, the per-key sums (B, H_kv, N_k) are kept as a witness
+    (E times smaller than the keys). Freshly computed keys (version 0) cost nothing. Inference tensors
+    (made under ``torch.inference_mode``) keep no count, so their sums are always kept.
+
+    Returns:
+        the record fields ``_k_version`` and ``_k_sums``.
+    """
+    version = tensor_version(k)
+    if version == 0 or k is None:
+        return {"_k_version": version, "_k_sums": None}
+    return {"_k_version": version, "_k_sums": k.detach().float().sum(-1)}  # type: ignore[union-attr]
 
 
 def query_witness(q: Optional[Tensor]) -> dict:
