@@ -222,6 +222,20 @@ def test_forward_index_counts_calls_of_the_model_and_restarts_after_clear():
     assert [r.forward_index for r in rec.records] == [0, 0]
 
 
+def _large_keys_llama(kv_heads: int) -> tuple[nn.Module, dict, dict]:
+    """A Llama whose prompt's keys (a left-padded batch of 2) reach ``early.KEYS_BYTES``, its inputs and generate
+    options."""
+    from vitexplain.recording import early
+
+    config = transformers.LlamaConfig(**{**TEXT, "hidden_size": 256, "num_attention_heads": 4,
+                                         "num_key_value_heads": kv_heads, "max_position_embeddings": 2048})
+    torch.manual_seed(0)
+    model = _sharpen(transformers.LlamaForCausalLM(config))
+    per_token = 2 * kv_heads * (config.hidden_size // config.num_attention_heads) * 4  # key bytes, both images
+    inputs = _left_padded(2, early.KEYS_BYTES // per_token + 1, pad=3)
+    return model, inputs, dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+
+
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
 @pytest.mark.parametrize("capture", ["first", "lanes"])
 def test_decoding_steps_over_large_keys_keep_their_probabilities_not_the_keys(capture, kv_heads, packing):
@@ -231,15 +245,7 @@ def test_decoding_steps_over_large_keys_keep_their_probabilities_not_the_keys(ca
     at the call: E H_kv / H times fewer bytes. The prompt's call, whose probabilities are larger than its keys,
     keeps q and k. A left-padded batch, so that the grouped-query steps are packed (as transformers does with a
     mask). Oracle: the eager copy's attentions, on the checked path and on the lanes of a later capture."""
-    from vitexplain.recording import early
-
-    config = transformers.LlamaConfig(**{**TEXT, "hidden_size": 256, "num_attention_heads": 4,
-                                         "num_key_value_heads": kv_heads, "max_position_embeddings": 2048})
-    torch.manual_seed(0)
-    model = _sharpen(transformers.LlamaForCausalLM(config))
-    per_token = 2 * kv_heads * (config.hidden_size // config.num_attention_heads) * 4  # key bytes, both images
-    inputs = _left_padded(2, early.KEYS_BYTES // per_token + 1, pad=3)  # the prompt's keys reach the threshold
-    options = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+    model, inputs, options = _large_keys_llama(kv_heads)
     with torch.no_grad():
         expected = eager_copy(model).generate(**inputs, **options, output_attentions=True, return_dict_in_generate=True)
         if capture == "lanes":
@@ -250,7 +256,7 @@ def test_decoding_steps_over_large_keys_keep_their_probabilities_not_the_keys(ca
     assert torch.equal(tokens, expected.sequences)
     assert bool(packing) == (kv_heads < 4)
     want = [layer for step in expected.attentions for layer in step]
-    assert len(rec.records) == len(want) == config.num_hidden_layers * NEW_TOKENS
+    assert len(rec.records) == len(want) == model.config.num_hidden_layers * NEW_TOKENS
     padded = inputs["attention_mask"] == 0
     for record, attention in zip(rec.records, want):
         decoding = record.num_queries == 1
@@ -258,3 +264,26 @@ def test_decoding_steps_over_large_keys_keep_their_probabilities_not_the_keys(ca
         if decoding:  # what it holds is its probabilities, (2, H, 1, N_k) float32
             assert record._probs.shape == attention.shape and record._probs.dtype == torch.float32
         _assert_close_on_tokens(record.probs(), attention, None if decoding else padded)
+
+
+@pytest.mark.parametrize("capture", ["first", "lanes"])
+def test_decoding_steps_over_large_keys_keep_only_the_head_fusion_asked_for(capture):
+    """vx.capture(..., heads="mean") keeps only the head mean of the probabilities the capture computes: so do the
+    decoding steps that keep theirs (early.py), H times fewer bytes; probs() says to ask for the fusion. Oracle:
+    the head mean of the eager copy's attentions."""
+    model, inputs, options = _large_keys_llama(4)
+    with torch.no_grad():
+        expected = eager_copy(model).generate(**inputs, **options, output_attentions=True, return_dict_in_generate=True)
+        if capture == "lanes":
+            with vx.capture(model, heads="mean"):
+                model.generate(**inputs, **options)
+        with vx.capture(model, heads="mean") as rec:
+            model.generate(**inputs, **options)
+    want = [layer for step in expected.attentions for layer in step]
+    decoding = [(r, a) for r, a in zip(rec.records, want) if r.num_queries == 1]
+    assert len(decoding) == 4
+    for record, attention in decoding:
+        assert record._probs.shape == (2, 1, attention.shape[-1])  # (B, N_q, N_k): the mean alone
+        torch.testing.assert_close(record.fused_probs("mean"), attention.mean(dim=1), atol=1e-5, rtol=0)
+        with pytest.raises(vx.CaptureError, match="kept only the mean"):
+            record.probs()

@@ -172,7 +172,7 @@ def _same(record: Any, issuer: Issuer, fields: dict[str, Any]) -> bool:
     if record.dropout_p != fields["dropout_p"] or record._scale != fields["_scale"] or record._causal != fields["_causal"]:
         return False
     if record._q is None and record._probs is not None:  # the mode's record kept the call's probabilities (early.py)
-        early = with_probs(fields)
+        early = with_probs(fields, record.heads)
         return (early is not None and record._masked == early["_masked"]
                 and torch.equal(record._probs, early["_probs"]))
     mask, expected = record._mask, fields["_mask"]
@@ -321,7 +321,7 @@ class DirectSDPA:
                 pending: Any = _Pending(original, module, args, kwargs, self._gqa)
                 if keeps_probs(args[0], args[1], args[1].is_inference()):  # its record keeps the probabilities,
                     fields = pending.resolve()                             # computed now (early.py)
-                    pending = _Made(with_probs(fields) or fields)
+                    pending = _Made(with_probs(fields, self.sink.heads) or fields)
                 self.sink.add_lane_draft(lane.name, lane.kind, index, pending)
                 return out
         plan = _plan(original, module, args, kwargs, self._gqa) if self.enabled else None

@@ -26,7 +26,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from .scores import attention_probs
+from .scores import attention_probs, fuse_heads
 
 __all__ = ["KEYS_BYTES", "keeps_probs", "with_probs"]
 
@@ -53,7 +53,7 @@ def keeps_probs(q: Tensor, k: Tensor, written: bool) -> bool:
     return probs < keys and (written or keys >= KEYS_BYTES)
 
 
-def with_probs(fields: dict[str, Any]) -> Optional[dict[str, Any]]:
+def with_probs(fields: dict[str, Any], heads: str = "all") -> Optional[dict[str, Any]]:
     """The fields of a record that keeps the call's probabilities instead of its tensors, or None when
     :func:`keeps_probs` says the record keeps q and k.
 
@@ -61,10 +61,12 @@ def with_probs(fields: dict[str, Any]) -> Optional[dict[str, Any]]:
         fields: a no-gradient SDPA record's fields as the capture makes them (``_q``, ``_k``, ``_mask``,
             ``_scale``, ``_causal`` and what it noted of them: ``_k_version`` not 0 when the keys had been
             written in place before the call).
+        heads: the capture's ``heads``: ``"all"``, or the head fusion that is all such a record keeps (as a
+            materialized record does, ``vx.capture(..., heads=...)``).
 
     Returns:
-        the same fields without q, k, the mask and their witnesses, with ``_probs`` (B, H, N_q, N_k) float32
-        and ``_masked`` (whether the call had a mask), or None.
+        the same fields without q, k, the mask and their witnesses, with ``_probs`` (B, H, N_q, N_k) float32, or
+        (B, N_q, N_k) fused over heads, ``heads`` and ``_masked`` (whether the call had a mask); or None.
     """
     q, k = fields.get("_q"), fields.get("_k")
     if not isinstance(q, Tensor) or not isinstance(k, Tensor) or not keeps_probs(q, k, fields.get("_k_version", 0) != 0):
@@ -74,6 +76,10 @@ def with_probs(fields: dict[str, Any]) -> Optional[dict[str, Any]]:
         probs = attention_probs(q, k, attn_mask=mask, scale=fields.get("_scale"), is_causal=fields.get("_causal", False))
     if probs.dim() == 3:  # an SDPA call on (B, N, E) has one head: (B, 1, N_q, N_k), as records give them
         probs = probs.unsqueeze(1)
+    elif heads != "all" and probs.shape[1] > 1:  # (one head: every fusion is that head, kept as "all")
+        probs = fuse_heads(probs, heads)  # type: ignore[arg-type]
+    else:
+        heads = "all"
     kept = {name: value for name, value in fields.items() if name not in _DROPPED}
-    kept.update(_probs=probs, _masked=mask is not None or bool(fields.get("_masked", False)))
+    kept.update(_probs=probs, heads=heads, _masked=mask is not None or bool(fields.get("_masked", False)))
     return kept

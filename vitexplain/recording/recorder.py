@@ -238,7 +238,7 @@ class Recorder:
         decoding step's record keeps its probabilities, computed now, instead of q and k (:mod:`.early`)."""
         self._narrowing.issued(issuer.module)
         if not self.grads:
-            fields = with_probs(fields) or fields
+            fields = with_probs(fields, self.heads) or fields
         self._drafts.append((*self._numbered(issuer), fields))
 
     def lane_index(self, issuer: Issuer) -> Optional[int]:

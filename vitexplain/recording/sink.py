@@ -51,9 +51,11 @@ class RecordSink(Protocol):
 
     Attributes:
         grads: whether gradients are captured (records then hook their output).
+        heads: what records holding probabilities the capture computed keep: ``"all"`` or a head fusion.
     """
 
     grads: bool
+    heads: str
 
     def issuer(self, start: FrameType) -> Optional[Issuer]:
         """The module that issued a call made from frame ``start``, or None when the call is not
