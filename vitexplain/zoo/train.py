@@ -27,7 +27,7 @@ is nothing to overfit to. Seeds (see also :mod:`vitexplain.zoo.evaluate`):
   seeds ``>= 10_000`` (``EVAL_SEED``), never used for training.
 
 What each model is trained with, stage by stage, and why (what was tried and how it pointed):
-:mod:`vitexplain.zoo.recipes` (:data:`~vitexplain.zoo.recipes.RECIPES`). The training-only heads live in
+:mod:`vitexplain.zoo.recipes` (:data:`~vitexplain.zoo.recipes.RECIPES`). The training-only heads are built by
 :mod:`vitexplain.zoo.signals`; the hooks they put on the model are removed in a ``finally`` block, also when
 training fails.
 
@@ -61,7 +61,8 @@ from .hub import names, save_checkpoint
 from .models import DEFAULT_CONFIGS, HIER_VARIANTS, build
 from .recipes import (HIER_RECIPES, HIERA_RECIPE, MAX_TRAIN_SEED, PVT_RECIPE, RECIPES, Recipe, RunOptions, Stage, lr_at,
                       param_groups)
-from .signals import TrainingSignals, mimetic_init, sincos_init
+from .initialise import mimetic_init, sincos_init
+from .signals import TrainingSignals
 
 __all__ = ["Stage", "Recipe", "RunOptions", "RECIPES", "HIERA_RECIPE", "PVT_RECIPE", "HIER_RECIPES", "model_config",
            "train", "train_schedule", "main"]
