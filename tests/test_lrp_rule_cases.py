@@ -438,7 +438,8 @@ def test_a_fused_multiply_add_of_two_activations_is_refused():
     """``torch.baddbmm(bias, q, k^T)`` (attention scores in some Hugging Face models) is a product of two
     activations inside one call, where the uniform rule cannot reach the product alone: refused, not ignored."""
     from vitexplain.errors import UnsupportedModelError
-    from vitexplain.methods.lrp_rules import LRPRules, check_coverage
+    from vitexplain.methods.lrp_coverage import check_coverage
+    from vitexplain.methods.lrp_rules import LRPRules
 
     torch.manual_seed(14)
     x = torch.randn(2, 4, 8, requires_grad=True)

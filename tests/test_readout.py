@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from timm.models.vision_transformer import VisionTransformer
 
 import vitexplain as vx
-from vitexplain.zoo.signals import mimetic_init, sincos_init
+from vitexplain.zoo.initialise import mimetic_init, sincos_init
 
 SIZE, PATCH, N_TEST = 32, 4, 200
 GRID = SIZE // PATCH

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import vitexplain as vx
 from vitexplain.zoo.models import PVT_CONFIG, build
 from vitexplain.zoo.pvt_signals import PvtValueLabels, last_stage_blocks, pvt_blocks
-from vitexplain.zoo.signals import patch_targets
+from vitexplain.zoo.token_labels import patch_targets
 
 
 def _pvt() -> torch.nn.Module:

@@ -37,7 +37,8 @@ from .run import Command, ExportResult
 from .checks import check_captioner_outputs, empty_caption_error, finite_rows, not_finite_error
 from .manifest import GALLERY
 from .models import load_model, model_id, zoo_weights_id
-from .options import POSITIVE, Number, BatchOptions, SharedOptions, collect_methods, option, parse_methods, same
+from .option_values import POSITIVE, Number, collect_methods, parse_methods
+from .options import BatchOptions, SharedOptions, option, same
 from .setup import (config_hash, new_run, one_by_one_on_image_errors, plan_run, prepare, probe, summary_fields,
                     with_threads)
 from ..files import Writer, encode_npz, encode_png, json_bytes

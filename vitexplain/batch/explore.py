@@ -29,8 +29,8 @@ from .caption_vlm import check_prompt
 from .checks import check_captioner_outputs
 from .inputs import scan_inputs
 from .models import load_model
-from .options import (POSITIVE, BatchOptions, Number, SharedOptions, collect_methods, option, parse_methods, same,
-                      validate)
+from .option_values import POSITIVE, Number, collect_methods, parse_methods
+from .options import BatchOptions, SharedOptions, option, same, validate
 from .run import EXIT_FAILED, EXIT_OK, EXIT_OUTPUT, say
 from .outfolder import check_writable
 from .setup import with_threads

@@ -32,7 +32,8 @@ from .driver import drive
 from .run import Command, ExportResult
 from .manifest import GALLERY
 from .models import checkpoint_id, digest, load_model, model_id, zoo_weights_id
-from .options import NON_NEGATIVE, BatchOptions, SharedOptions, collect_methods, option, parse_methods, same
+from .option_values import NON_NEGATIVE, collect_methods, parse_methods
+from .options import BatchOptions, SharedOptions, option, same
 from .setup import (config_hash, new_run, one_by_one_on_image_errors, plan_run, prepare, probe, summary_fields,
                     with_threads)
 from ..files import Writer, encode_npy, encode_png

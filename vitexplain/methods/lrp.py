@@ -22,7 +22,8 @@ from ..checks import checked_score
 from ..errors import UnsupportedMethodError
 from .context import Context
 from .families import SWIN, VIT
-from .lrp_rules import LRPRules, check_coverage, checkpointing_refused
+from .lrp_coverage import check_coverage, checkpointing_refused
+from .lrp_rules import LRPRules
 from .options import Option
 from .registry import register
 

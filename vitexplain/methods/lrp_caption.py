@@ -17,7 +17,8 @@ from torch import Tensor
 from .context import CaptionContext
 from .families import CAPTION
 from .lrp import DEFAULT_GAMMA, _OPTIONS
-from .lrp_rules import LRPRules, check_coverage, checkpointing_refused
+from .lrp_coverage import check_coverage, checkpointing_refused
+from .lrp_rules import LRPRules
 from .registry import register
 
 __all__ = ["caption_lrp"]

@@ -14,7 +14,7 @@ is LRP's epsilon rule (epsilon -> 0) for them, and max pooling keeps its gradien
 all relevance to the winner of each window (the winner-take-all rule for max pooling; Montavon et al.,
 "Layer-wise relevance propagation: an overview", 2019, section 10.2.3 and Bach et al. 2015, PLoS ONE,
 section 3.3). Whether a model's forward holds only calls the rules cover is decided at run time by
-:func:`~vitexplain.methods.lrp_rules.check_coverage`, which refuses the model with the call it
+:func:`~vitexplain.methods.lrp_coverage.check_coverage`, which refuses the model with the call it
 could not cover.
 """
 

@@ -1,6 +1,6 @@
 """The autograd pieces of the LRP rules (:mod:`vitexplain.methods.lrp_rules`): identity forwards with changed
-gradients, the identity rule (on a call or on an activation module), LayerNorm with its standard deviation held
-constant, zennit's Gamma rule.
+gradients, the identity rule (on a call or on an activation module), LayerNorm, RMSNorm, GroupNorm and the cosine
+with their standard deviation or norm held constant, zennit's Gamma rule.
 
 Each is a pure function of its tensors; which torch call gets which is decided by
 :class:`~vitexplain.methods.lrp_rules.LRPRules`. Sources: docs/methods.md ("AttnLRP and CP-LRP").
@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from torch.autograd import Function
 
 __all__ = ["IDENTITY_EPSILON", "GAMMA_STABILIZER", "ScaleGrad", "IdentityRule", "ActivationModuleRule", "LayerNormRule",
-           "activation_module", "star_relu_rule", "gamma_rule"]
+           "rms_norm_rule", "group_norm_rule", "cosine_rule", "activation_module", "star_relu_rule", "gamma_rule"]
 
 #: lxt's ``identity_rule_implicit`` epsilon: the gradient is ``f(x) / (x + 1e-10)``.
 IDENTITY_EPSILON = 1e-10
@@ -152,6 +152,40 @@ class LayerNormRule(Function):
         rstd, weight = ctx.saved_tensors
         g = grad if weight is None else grad * weight
         return (g - g.mean(dim=ctx.dims, keepdim=True)) * rstd, None, None, None, None
+
+
+def rms_norm_rule(x: Tensor, normalized_shape: Any, weight: Optional[Tensor], eps: Optional[float]) -> Tensor:
+    """``F.rms_norm`` recomputed with its root mean square held constant (the norms' identity rule).
+
+    Args:
+        x: (..., *normalized_shape).
+        eps: None: the machine epsilon of ``x``'s dtype (torch's default).
+    """
+    dims = tuple(range(-len(tuple(normalized_shape)), 0))
+    eps = torch.finfo(x.dtype).eps if eps is None else eps
+    y = x * torch.rsqrt(x.pow(2).mean(dim=dims, keepdim=True) + eps).detach()
+    return y if weight is None else y * weight
+
+
+def group_norm_rule(input: Tensor, num_groups: int, weight: Optional[Tensor], bias: Optional[Tensor],
+                    eps: float) -> Tensor:
+    """``F.group_norm`` of (N, C, ...): LayerNorm over each group of channels, its standard deviation held
+    constant (the norms' identity rule); the forward recomputed in Python."""
+    n, c = input.shape[:2]
+    groups = input.reshape(n, num_groups, -1)
+    var = groups.var(dim=-1, unbiased=False, keepdim=True)
+    out = ((groups - groups.mean(dim=-1, keepdim=True)) * torch.rsqrt(var + eps).detach()).view_as(input)
+    shape = (1, c) + (1,) * (input.dim() - 2)
+    if weight is not None:
+        out = out * weight.view(shape)
+    return out if bias is None else out + bias.view(shape)
+
+
+def cosine_rule(x1: Tensor, x2: Tensor, dim: int, eps: float) -> Tensor:
+    """``F.cosine_similarity`` with both norms held constant: the relevance sums to the cosine."""
+    n1 = x1.norm(dim=dim).clamp(min=eps).detach()
+    n2 = x2.norm(dim=dim).clamp(min=eps).detach()
+    return (x1 * x2).sum(dim=dim) / (n1 * n2)
 
 
 def _stabilize(z: Tensor) -> Tensor:

@@ -46,31 +46,30 @@ Rules (docs/methods.md, "AttnLRP and CP-LRP"):
   ``linear_gamma`` / ``conv_gamma`` > 0 zennit's generalised Gamma rule (``zennit.rules.Gamma``:
   positive and negative contributions separated, weights ``w + gamma * w+`` / ``w + gamma * w-``).
 
-A softmax that is not attention's (not over the last dim of a >= 3-D tensor), a log-softmax or
-logsumexp (a log-probability target: LRP explains the logit), an element-wise exponential, logarithm,
-power, square, root or division by an activation (a norm written out in Python), a product of two activations
-fused with an addition (``baddbmm``), a BatchNorm with batch statistics or FlexAttention is not
-covered: :class:`LRPRules` counts what it saw and :func:`check_coverage` raises instead of
+A softmax that is not attention's (not over the last dim of a >= 3-D tensor) and the calls
+:mod:`vitexplain.methods.lrp_coverage` lists (log-softmax, element-wise non-linearities of an activation, fused
+products of two activations, BatchNorm with batch statistics, FlexAttention, ...) are not covered:
+:class:`LRPRules` counts what it saw and :func:`~vitexplain.methods.lrp_coverage.check_coverage` raises instead of
 returning maps that are not LRP.
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import threading
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from ..errors import UnsupportedModelError, UsageError
+from ..errors import UsageError
+from .lrp_coverage import uncovered_call
 from .lrp_ops import (GAMMA_STABILIZER, IDENTITY_EPSILON, ActivationModuleRule, IdentityRule, LayerNormRule, ScaleGrad,
-                      activation_module, gamma_rule, star_relu_rule)
+                      activation_module, cosine_rule, gamma_rule, group_norm_rule, rms_norm_rule, star_relu_rule)
 
-__all__ = ["LRPRules", "VARIANTS", "IDENTITY_EPSILON", "GAMMA_STABILIZER", "check_coverage", "checkpointing_refused"]
+__all__ = ["LRPRules", "VARIANTS", "IDENTITY_EPSILON", "GAMMA_STABILIZER"]
 
 #: The attention variants: ``"attnlrp"`` (AttnLRP) and ``"cp"`` (CP-LRP).
 VARIANTS = ("attnlrp", "cp")
@@ -87,22 +86,9 @@ _ACTIVATIONS = {
 _PRODUCTS = {torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__,
              torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm}
 _ADDMM = {torch.addmm, torch.Tensor.addmm}
-#: Products fused with an addition in one call (``beta * input + alpha * (a @ b)``).
-_FUSED_PRODUCTS = {getattr(o, n) for o in (torch, torch.Tensor) for n in ("addmm", "baddbmm", "addbmm", "addmv", "addr")
-                   if hasattr(o, n)}
 _MATMUL = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__}
-#: Element-wise non-linear calls no rule covers (written-out norms, exponentials): refused on an activation.
-_NONLINEAR = {getattr(o, n) for o in (torch, torch.Tensor) for n in
-              ("exp", "log", "sqrt", "rsqrt", "erf", "reciprocal", "log1p", "expm1", "log2", "log10", "pow", "div",
-               "true_divide", "square") if hasattr(o, n)}
-_NONLINEAR |= {torch.Tensor.__pow__, torch.Tensor.__rpow__, torch.Tensor.__truediv__, torch.Tensor.__rtruediv__}
-_LOG_SOFTMAX = {torch.log_softmax, torch.Tensor.log_softmax, F.log_softmax, torch.special.log_softmax,
-                torch.logsumexp, torch.Tensor.logsumexp, torch.special.logsumexp}
 _SOFTMAX = {torch.softmax, torch.Tensor.softmax, F.softmax, torch.special.softmax}
 _CONVS = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}
-#: Recurrent cells: their gates multiply activations inside one fused call no rule can reach.
-_RECURRENT = {getattr(torch, n) for n in ("lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell", "lstm", "gru",
-                                          "rnn_tanh", "rnn_relu") if hasattr(torch, n)}
 
 
 class LRPRules(TorchFunctionMode):
@@ -121,7 +107,8 @@ class LRPRules(TorchFunctionMode):
     Attributes:
         seen: how many calls of each kind the rules were applied to (``"attention"``,
             ``"norm"``, ``"activation"``, ``"product"``, ``"gamma"``), and ``"uncovered"``:
-            descriptions of non-linear calls no rule covers (see :func:`check_coverage`).
+            descriptions of non-linear calls no rule covers (see
+            :func:`~vitexplain.methods.lrp_coverage.check_coverage`).
     """
 
     def __init__(self, variant: str = "attnlrp", *, linear_gamma: float = 0.0, conv_gamma: float = 0.0,
@@ -242,21 +229,9 @@ class LRPRules(TorchFunctionMode):
                 return written
         if func in _CONVS and self.conv_gamma > 0:
             return self._conv(func, args, kwargs)
-        if func in _FUSED_PRODUCTS and len(args) >= 3 and self._live(args[1]) and self._live(args[2]):
-            fused = getattr(func, "__name__", func)
-            self.seen["uncovered"].append(f"{fused} (a fused multiply-add of two activations)")
-        elif func in _NONLINEAR and self._nonlinear_on_activation(func, args):
-            self.seen["uncovered"].append(f"{getattr(func, '__name__', func)} of an activation")
-        elif func in _LOG_SOFTMAX and args and self._live(args[0]):
-            name = getattr(func, "__name__", "log_softmax")
-            self.seen["uncovered"].append(f"{name} (a log-probability: explain the logit)")
-        elif func in _RECURRENT:
-            self.seen["uncovered"].append("a recurrent cell (LSTM/GRU)")
-        elif func is F.batch_norm and self._batch_statistics(args, kwargs):
-            self.seen["uncovered"].append(
-                "batch_norm with batch statistics (a model in training mode: call model.eval())")
-        elif getattr(func, "__name__", "") in ("flex_attention", "flex_attention_hop"):
-            self.seen["uncovered"].append("FlexAttention")
+        why = uncovered_call(func, args, kwargs, self._live)
+        if why:
+            self.seen["uncovered"].append(why)
         return func(*args, **kwargs)
 
     # -- activations and constants ------------------------------------------------------
@@ -291,31 +266,6 @@ class LRPRules(TorchFunctionMode):
             stack.append((node, True))
             stack.extend((child, False) for child, _ in node.next_functions if child is not None and child not in memo)
         return memo[t.grad_fn]
-
-    def _batch_statistics(self, args: tuple, kwargs: dict) -> bool:
-        """Whether an ``F.batch_norm`` call of an activation normalises by its batch's statistics (``training=True``:
-        a model in training mode, or no running statistics): the images' relevance would mix, and the norm is not
-        the affine map it is with running statistics (which keeps its gradient: a linear map)."""
-        training = kwargs.get("training", args[5] if len(args) > 5 else False)
-        return bool(training) and bool(args) and self._live(args[0])
-
-    def _nonlinear_on_activation(self, func: Callable, args: tuple) -> bool:
-        """Whether an element-wise non-linear call (:data:`_NONLINEAR`) reaches an activation: its input, a power's
-        base (exponent not 1) or exponent, or a division's divisor is live (a division by a constant is linear)."""
-        if not args:
-            return False
-        name = getattr(func, "__name__", "")
-        if name in ("div", "true_divide", "__truediv__"):
-            return len(args) > 1 and self._live(args[1])
-        if name == "__rtruediv__":  # number / tensor: the tensor is the divisor
-            return self._live(args[0])
-        if name in ("pow", "__pow__", "__rpow__"):
-            base, exponent = args[0], args[1] if len(args) > 1 else None
-            if name == "__rpow__":
-                return self._live(base)
-            linear = isinstance(exponent, (int, float)) and exponent == 1
-            return self._live(exponent) or (self._live(base) and not linear)
-        return self._live(args[0])
 
     def _einsum(self, args: tuple, kwargs: dict) -> Tensor:
         """``torch.einsum`` of n >= 2 activations: a multilinear product, the uniform rule gives each 1/n."""
@@ -408,24 +358,13 @@ class LRPRules(TorchFunctionMode):
     def _rms_norm(self, x: Tensor, normalized_shape: Any, weight: Optional[Tensor] = None,
                   eps: Optional[float] = None) -> Tensor:
         self.seen["norm"] += 1
-        dims = tuple(range(-len(tuple(normalized_shape)), 0))
-        eps = torch.finfo(x.dtype).eps if eps is None else eps
-        y = x * torch.rsqrt(x.pow(2).mean(dim=dims, keepdim=True) + eps).detach()
-        return y if weight is None else y * weight
+        return rms_norm_rule(x, normalized_shape, weight, eps)
 
     def _group_norm(self, input: Tensor, num_groups: int, weight: Optional[Tensor] = None,
                     bias: Optional[Tensor] = None, eps: float = 1e-5) -> Tensor:
-        """``F.group_norm`` (hybrid ViTs' ResNet stems): LayerNorm over each group of channels, its standard
-        deviation held constant (the norms' identity rule); the forward recomputed in Python."""
+        """``F.group_norm`` (hybrid ViTs' ResNet stems): :func:`~vitexplain.methods.lrp_ops.group_norm_rule`."""
         self.seen["norm"] += 1
-        n, c = input.shape[:2]
-        groups = input.reshape(n, num_groups, -1)
-        var = groups.var(dim=-1, unbiased=False, keepdim=True)
-        out = ((groups - groups.mean(dim=-1, keepdim=True)) * torch.rsqrt(var + eps).detach()).view_as(input)
-        shape = (1, c) + (1,) * (input.dim() - 2)
-        if weight is not None:
-            out = out * weight.view(shape)
-        return out if bias is None else out + bias.view(shape)
+        return group_norm_rule(input, num_groups, weight, bias, eps)
 
     def _normalize(self, input: Tensor, p: float = 2.0, dim: int = 1, eps: float = 1e-12,
                    out: Optional[Tensor] = None) -> Tensor:
@@ -437,9 +376,7 @@ class LRPRules(TorchFunctionMode):
         return input / input.norm(p, dim, keepdim=True).clamp_min(eps).expand_as(input).detach()
 
     def _cosine(self, x1: Tensor, x2: Tensor, dim: int = 1, eps: float = 1e-8) -> Tensor:
-        n1 = x1.norm(dim=dim).clamp(min=eps).detach()
-        n2 = x2.norm(dim=dim).clamp(min=eps).detach()
-        return (x1 * x2).sum(dim=dim) / (n1 * n2)
+        return cosine_rule(x1, x2, dim, eps)
 
     # -- convolutions -----------------------------------------------------------------------
     def _conv(self, func: Callable, args: tuple, kwargs: dict) -> Tensor:
@@ -453,48 +390,3 @@ class LRPRules(TorchFunctionMode):
             return func(inp, w, b, **bound)
 
         return gamma_rule(layer, x, weight, bias, self.conv_gamma, channel_dim=1)
-
-
-@contextlib.contextmanager
-def checkpointing_refused(method: str, model: str) -> Iterator[None]:
-    """Around the relevance's backward: gradient checkpointing recomputes blocks there, outside the rules (a torch
-    function mode does not reach the recompute), and torch raises its own error; raise one that says what to do.
-
-    Raises:
-        UnsupportedModelError: the backward hit a checkpointed block.
-    """
-    try:
-        yield
-    except RuntimeError as err:
-        if "checkpoint" not in str(err):
-            raise
-        raise UnsupportedModelError(
-            f"method {method!r}: {model} recomputes its blocks in the backward (gradient checkpointing), where the LRP "
-            "rules do not reach; turn it off while explaining (timm: model.set_grad_checkpointing(False); "
-            "transformers: model.gradient_checkpointing_disable())"
-        ) from err
-
-
-def check_coverage(rules: LRPRules, method: str, model: str, *, attention: bool = True,
-                   instead: Optional[str] = None) -> None:
-    """Raise when the forward held a non-linearity no rule covers, or (``attention``) no attention at all.
-
-    Args:
-        instead: the methods of the model's family the message suggests (a captioner's or a vision-language
-            model's are not the image classifiers'; None: theirs).
-
-    Raises:
-        UnsupportedModelError: the relevance would not be LRP's (the message says what to do).
-    """
-    uncovered = sorted(set(rules.seen["uncovered"]))
-    if uncovered:
-        raise UnsupportedModelError(
-            f"method {method!r}: {model}'s forward calls {', '.join(uncovered)}, which the LRP rules do not cover, "
-            f"so its maps would not be LRP relevance; use {instead or repr('generic') + ' or ' + repr('integrated_gradients')}"
-        )
-    if attention and rules.seen["attention"] == 0:
-        raise UnsupportedModelError(
-            f"method {method!r}: {model} made no attention call (scaled_dot_product_attention, nn.MultiheadAttention "
-            f"or a softmax over attention scores) during its forward, so the attention rules could not be applied; use "
-            f"{instead or repr('integrated_gradients') + ' or ' + repr('smoothgrad')}"
-        )

@@ -20,7 +20,8 @@ from torch import Tensor
 from ..errors import UnsupportedMethodError
 from .families import VLM
 from .lrp import DEFAULT_GAMMA
-from .lrp_rules import LRPRules, check_coverage, checkpointing_refused
+from .lrp_coverage import check_coverage, checkpointing_refused
+from .lrp_rules import LRPRules
 from .options import Option
 from .registry import register
 from .vlm_context import VLMContext

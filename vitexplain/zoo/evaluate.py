@@ -1,4 +1,4 @@
-"""Accuracy of zoo models on fresh synthetic shapes images.
+"""Accuracy of zoo models on fresh synthetic shapes images, and the metrics a trained checkpoint records.
 
 Seed convention: training uses seeds ``< 9_000``, validation during training seed ``9_000``,
 evaluation (tests, benchmarks, the numbers in the configs) seeds ``>= 10_000``.
@@ -12,8 +12,9 @@ import torch
 import torch.nn as nn
 
 from ..data.synthetic import shapes
+from .recipes import RunOptions
 
-__all__ = ["EVAL_SEED", "VAL_SEED", "evaluate", "is_captioner"]
+__all__ = ["EVAL_SEED", "VAL_SEED", "evaluate", "is_captioner", "final_metrics", "format_metrics"]
 
 #: First seed reserved for evaluation; training never uses seeds >= 9_000.
 EVAL_SEED = 10_000
@@ -78,3 +79,30 @@ def evaluate(
         return {"n": n, "label_acc": correct_labels / (n * num_labels), "exact_acc": correct_sets / n}
     finally:
         model.train(was_training)
+
+
+def format_metrics(metrics: dict[str, Any]) -> str:
+    """A metrics dict on one line for the training log: ``k=v`` pairs, floats to four decimals."""
+    return " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
+
+
+def final_metrics(name: str, model: nn.Module, run: RunOptions) -> dict[str, Any]:
+    """The metrics a trained checkpoint records (``config["metrics"]``), each logged as it is computed.
+
+    Args:
+        name: the zoo model's name (for the log).
+        model: the trained model.
+        run: ``val_images`` (seed :data:`VAL_SEED`) and ``final_eval_images`` (seed :data:`EVAL_SEED`): how many
+            images each evaluation scores (0: skipped); ``log``.
+
+    Returns:
+        ``{"val": {"seed", ...}, "eval": {"seed", ...}}`` (:func:`evaluate`'s scores), without those skipped.
+    """
+    metrics: dict[str, Any] = {}
+    if run.val_images:
+        metrics["val"] = {"seed": VAL_SEED, **evaluate(model, run.val_images, VAL_SEED)}
+        run.log(f"[{name}] val (seed {VAL_SEED}): {format_metrics(metrics['val'])}")
+    if run.final_eval_images:
+        metrics["eval"] = {"seed": EVAL_SEED, **evaluate(model, run.final_eval_images, EVAL_SEED)}
+        run.log(f"[{name}] held-out (seed {EVAL_SEED}): {format_metrics(metrics['eval'])}")
+    return metrics

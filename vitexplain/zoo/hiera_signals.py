@@ -52,7 +52,7 @@ def _to_head_width(model: nn.Module, b: int, o: torch.Tensor) -> torch.Tensor:
 
 class HieraValueLabels(nn.Module):
     """*Value-path token labels* for a timm Hiera classifier: the hierarchical analogue of
-    :class:`~vitexplain.zoo.signals.ValueLabels`.
+    :class:`~vitexplain.zoo.vit_signals.ValueLabels`.
 
     In each listed block (default :func:`head_width_blocks`: the blocks whose attention writes at
     the head's width; in the mask-unit Hiera tried as ``shapes-hier`` (``--arch hiera``) the block

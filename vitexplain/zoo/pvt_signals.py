@@ -35,7 +35,7 @@ def last_stage_blocks(model: nn.Module) -> list[int]:
 
 class PvtValueLabels(nn.Module):
     """*Value-path token labels* for a timm PVTv2 classifier: the PVTv2 analogue of
-    :class:`~vitexplain.zoo.signals.ValueLabels` and :class:`~vitexplain.zoo.hiera_signals.HieraValueLabels`.
+    :class:`~vitexplain.zoo.vit_signals.ValueLabels` and :class:`~vitexplain.zoo.hiera_signals.HieraValueLabels`.
 
     In each listed block of the last stage (default :func:`last_stage_blocks`; there the attention
     is global, without spatial reduction, when ``sr_ratio`` is 1) what key token j adds to the

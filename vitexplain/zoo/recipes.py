@@ -5,7 +5,9 @@ The training loop that runs a recipe is :mod:`vitexplain.zoo.train`; ``shapes-vl
 
 Recipes (:data:`RECIPES`: one :class:`Recipe` per model, a sequence of :class:`Stage` objects):
 AdamW with warmup and cosine decay (:func:`lr_at`, :func:`param_groups`), gradient clipping at 1.0. The
-training-only heads named below live in :mod:`vitexplain.zoo.signals`.
+training-only heads named below are built by :mod:`vitexplain.zoo.signals` (token labeling:
+:mod:`vitexplain.zoo.token_labels`; value-path token labels and feature mimicking: :mod:`vitexplain.zoo.vit_signals`,
+:mod:`vitexplain.zoo.pvt_signals`, :mod:`vitexplain.zoo.hiera_signals`).
 
 * ``shapes-vit``: binary cross-entropy on the class token's logits, plus two training-only
   signals that make a small ViT learn from ~10^5 images instead of millions (the saved model is

@@ -27,7 +27,7 @@ is nothing to overfit to. Seeds (see also :mod:`vitexplain.zoo.evaluate`):
   seeds ``>= 10_000`` (``EVAL_SEED``), never used for training.
 
 What each model is trained with, stage by stage, and why (what was tried and how it pointed):
-:mod:`vitexplain.zoo.recipes` (:data:`~vitexplain.zoo.recipes.RECIPES`). The training-only heads live in
+:mod:`vitexplain.zoo.recipes` (:data:`~vitexplain.zoo.recipes.RECIPES`). The training-only heads are built by
 :mod:`vitexplain.zoo.signals`; the hooks they put on the model are removed in a ``finally`` block, also when
 training fails.
 
@@ -49,19 +49,20 @@ import platform
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn as nn
 
 from ..data.synthetic import shapes
 from ..errors import NotFoundError, UsageError
-from .evaluate import EVAL_SEED, VAL_SEED, evaluate, is_captioner
+from .evaluate import VAL_SEED, evaluate, final_metrics, format_metrics, is_captioner
 from .hub import names, save_checkpoint
+from .initialise import initialise
 from .models import DEFAULT_CONFIGS, HIER_VARIANTS, build
 from .recipes import (HIER_RECIPES, HIERA_RECIPE, MAX_TRAIN_SEED, PVT_RECIPE, RECIPES, Recipe, RunOptions, Stage, lr_at,
                       param_groups)
-from .signals import TrainingSignals, mimetic_init, sincos_init
+from .signals import TrainingSignals
 
 __all__ = ["Stage", "Recipe", "RunOptions", "RECIPES", "HIERA_RECIPE", "PVT_RECIPE", "HIER_RECIPES", "model_config",
            "train", "train_schedule", "main"]
@@ -77,48 +78,6 @@ def model_config(name: str, arch: Optional[str] = None) -> dict[str, Any]:
         return {"name": name, **DEFAULT_CONFIGS[name]}
     raise UsageError(f"{name} is a {DEFAULT_CONFIGS[name]['arch']!r} model; only shapes-hier can be trained as "
                      f"arch={' or '.join(repr(v) for v in HIER_VARIANTS)}, got arch={arch!r}")
-
-
-def _resume(model: nn.Module, path: str, config: dict[str, Any], log: Callable[[str], Any]) -> dict[str, Any]:
-    """Start from the weights of an earlier checkpoint of the same model (a further training stage).
-
-    Returns:
-        The earlier checkpoint's ``training`` record (kept in the new config under ``previous``).
-    """
-    from safetensors.torch import load_file
-
-    p = Path(path)
-    with open(p.with_suffix(".json"), encoding="utf-8") as f:
-        cfg = json.load(f)
-    name = config["name"]
-    if cfg.get("name") != name or cfg.get("model_args") != config["model_args"]:
-        raise UsageError(f"{p} is not a {name} checkpoint with the architecture being trained")
-    model.load_state_dict(load_file(str(p.with_suffix(".safetensors"))), strict=True)
-    log(f"[{name}] resumed weights from {p} ({cfg['training'].get('images_seen')} images seen)")
-    return cfg["training"]
-
-
-def _init_encoder(model: nn.Module, source: str, log: Callable[[str], Any]) -> None:
-    """Copy a trained zoo ViT's trunk (all but its head) into the captioner's encoder.
-
-    Args:
-        model: the captioner.
-        source: a zoo name (bundled weights) or the path of a checkpoint ``.json``.
-        log: print function.
-    """
-    from .hub import load, load_checkpoint
-
-    vit = load(source) if source in names() else load_checkpoint(source)
-    state = {k: v for k, v in vit.state_dict().items() if not k.startswith("head.")}
-    missing, unexpected = model.encoder.load_state_dict(state, strict=False)
-    if unexpected or any(not k.startswith("head") for k in missing):
-        raise UsageError(f"{source} does not match the captioner encoder: missing {missing}, "
-                         f"unexpected {unexpected}")
-    log(f"[{getattr(vit, 'zoo_name', source)}] trunk copied into the captioner encoder")
-
-
-def _fmt(metrics: dict[str, Any]) -> str:
-    return " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
 
 
 def _recipe(name: str) -> Recipe:
@@ -153,21 +112,6 @@ def _command(name: str, stage: Stage, seed: int, resume: Optional[str], recipe: 
     if resume:
         parts.append(f"--resume {Path(resume).name}")
     return " ".join(parts)
-
-
-def _initialise(model: nn.Module, config: dict[str, Any], recipe: Recipe, seed: int, resume: Optional[str],
-                init_from: Optional[str], log: Callable[[str], Any]) -> Optional[dict[str, Any]]:
-    """Fresh initialisation, a previous stage's weights, or a trained encoder; returns the resumed record."""
-    if resume:
-        return _resume(model, resume, config, log)
-    if is_captioner(model) and init_from:
-        _init_encoder(model, init_from, log)
-    elif config["arch"] in ("vit", "captioner"):
-        vit = model.encoder if is_captioner(model) else model
-        sincos_init(vit)
-        if recipe.attn_init == "mimetic":
-            mimetic_init(vit, torch.Generator().manual_seed(seed))
-    return None
 
 
 def train(
@@ -214,7 +158,7 @@ def train(
     model = build(config)
     init_from = recipe.init_encoder if init_encoder == "default" else init_encoder
     init_from = None if init_from in (None, "none") else init_from
-    previous = _initialise(model, config, recipe, seed, resume, init_from, log)
+    previous = initialise(model, config, recipe, seed, resume, init_from, log)
     model.train()
     groups = param_groups(model, recipe.weight_decay)
     signals = TrainingSignals(
@@ -276,7 +220,7 @@ def train(
             previous.get("images_seen_total", previous.get("images_seen", 0)))
         config["training"]["cpu_time_s_total"] = round(cpu_s + float(
             previous.get("cpu_time_s_total", previous.get("cpu_time_s", 0.0))), 1)
-    config["metrics"] = _final_metrics(name, model, run)
+    config["metrics"] = final_metrics(name, model, run)
     path = save_checkpoint(model, config, out)
     log(f"[{name}] done: CPU time {cpu_s:.0f}s ({cpu_s / 60:.1f} min, {torch.get_num_threads()} threads), "
         f"wall {wall_s:.0f}s; wrote {path} and {path.with_suffix('.safetensors')}")
@@ -305,19 +249,8 @@ def _optimise(name: str, model: nn.Module, signals: TrainingSignals, opt: torch.
             run.log(f"[{name}] step {step + 1}/{stage.steps} loss {running:.4f} lr {opt.param_groups[0]['lr']:.2e} "
                     f"{(step + 1) * stage.batch_size / wall:.0f} img/s wall {wall:.0f}s")
         if run.eval_every and (step + 1) % run.eval_every == 0 and step + 1 < stage.steps:
-            run.log(f"[{name}] val@{step + 1} (seed {VAL_SEED}): {_fmt(evaluate(model, run.val_images, VAL_SEED))}")
+            run.log(f"[{name}] val@{step + 1} (seed {VAL_SEED}): {format_metrics(evaluate(model, run.val_images, VAL_SEED))}")
     return data_time
-
-
-def _final_metrics(name: str, model: nn.Module, run: RunOptions) -> dict[str, Any]:
-    metrics: dict[str, Any] = {}
-    if run.val_images:
-        metrics["val"] = {"seed": VAL_SEED, **evaluate(model, run.val_images, VAL_SEED)}
-        run.log(f"[{name}] val (seed {VAL_SEED}): {_fmt(metrics['val'])}")
-    if run.final_eval_images:
-        metrics["eval"] = {"seed": EVAL_SEED, **evaluate(model, run.final_eval_images, EVAL_SEED)}
-        run.log(f"[{name}] held-out (seed {EVAL_SEED}): {_fmt(metrics['eval'])}")
-    return metrics
 
 
 def train_schedule(

@@ -21,7 +21,7 @@ Recipe (the seeds follow :mod:`vitexplain.zoo.train`: training streams ``< 9_000
 * the objective is the answer's next-token cross-entropy: input ``<s> <image>x64 PROMPT CAPTION
   </s>``, loss on ``CAPTION </s>`` only; each batch uses one of the training prompts
   (:data:`vitexplain.zoo.vlm.PROMPTS`) in turn;
-* plus token labeling (Jiang et al. 2021, :class:`vitexplain.zoo.signals.AuxHeads`) on the vision
+* plus token labeling (Jiang et al. 2021, :class:`vitexplain.zoo.token_labels.AuxHeads`) on the vision
   tower's last-layer patch tokens (the tokens LLaVA projects into the language model): a
   training-only head predicts the shape and colour coverage of each patch. It makes the tiny CLIP
   tower learn from ~10^5 images and keeps its tokens local. The language model's attention is never
@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from ..data.synthetic import COLORS, SHAPES, shapes
 from ..errors import UsageError
 from .evaluate import EVAL_SEED
-from .signals import AuxHeads, patch_targets
+from .token_labels import AuxHeads, patch_targets
 from .recipes import MAX_TRAIN_SEED, lr_at, param_groups
 from .vlm import IMAGE_TOKEN, PROMPT, PROMPTS, VLM_ARGS, build_llava, build_processor, caption_accuracy
 
