@@ -26,7 +26,7 @@ Recipe (the seeds follow :mod:`vitexplain.zoo.train`: training streams ``< 9_000
   training-only head predicts the shape and colour coverage of each patch. It makes the tiny CLIP
   tower learn from ~10^5 images and keeps its tokens local. The language model's attention is never
   supervised;
-* AdamW, linear warmup then cosine decay, gradient clipping at 1.0 (``train._lr_at``).
+* AdamW, linear warmup then cosine decay, gradient clipping at 1.0 (``recipes.lr_at``).
 
 At the end the script measures, on held-out two-object images (seed ``POINTING_SEED``), per-word
 pointing of the raw attention of the row that predicts each colour / shape word over the 64 image
