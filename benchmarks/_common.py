@@ -74,10 +74,11 @@ def table(header: list[str], rows: list[list[object]]) -> str:
     return "\n".join(lines)
 
 
-def report(section: str, body: str) -> None:
+def report(section: str, body: str, *, print_only: bool = False) -> None:
     """Print ``body`` and store it in docs/benchmarks.md under ``## section``.
 
-    The section records the command and date; rerunning a script replaces its section.
+    The section records the command and date; rerunning a script replaces its section. ``print_only`` (a
+    script's ``--no-report``): print it, store nothing.
     """
     script = Path(sys.argv[0]).resolve()
     root = Path(__file__).resolve().parent.parent
@@ -86,6 +87,8 @@ def report(section: str, body: str) -> None:
     stamp = datetime.date.today().isoformat()
     text = f"## {section}\n\n`{command}` — {stamp}, {machine()}\n\n{body}\n"
     print(text)
+    if print_only:
+        return
     REPORT.parent.mkdir(parents=True, exist_ok=True)
     old = REPORT.read_text() if REPORT.exists() else "# Benchmarks\n\nEvery table here is written by a script in `benchmarks/`; rerun it to refresh.\n\n"
     pattern = re.compile(rf"^## {re.escape(section)}\n.*?(?=^## |\Z)", re.S | re.M)

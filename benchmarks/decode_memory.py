@@ -107,10 +107,7 @@ def main() -> int:
         f"once its keys take {early.KEYS_BYTES // 2**20} MiB or more. Records MB: the distinct tensors the records "
         "reference after the generate (the prompt's call keeps its q and k: its probabilities would be larger). "
         "captured / plain: median CPU time over interleaved rounds.")
-    if a.no_report:
-        print(body)
-    else:
-        report(SECTION, body)
+    report(SECTION, body, print_only=a.no_report)
     return 0
 
 

@@ -252,10 +252,7 @@ def main() -> int:
         "Machine load (1-minute load average) at the start of the run: see the line below the table.")
     body += (f"\n\nLoad average at the start: {load}; at least {a.reps} rounds and {a.seconds:g} s of CPU time per "
              f"model, {a.threads} thread(s).")
-    if a.no_report:
-        print(body)
-    else:
-        report(SECTION, body)
+    report(SECTION, body, print_only=a.no_report)
     return 0
 
 

@@ -181,10 +181,7 @@ def main() -> None:
             "'ratio of the fastest runs': the fastest captured run over the fastest plain one (other processes only "
             "ever slow a run down). "
             "Target: ratio <= 1.10.\n\n" + table(header, rows))
-    if a.no_report:
-        print(body)
-    else:
-        report("VLM capture during generate", body)
+    report("VLM capture during generate", body, print_only=a.no_report)
 
 
 if __name__ == "__main__":

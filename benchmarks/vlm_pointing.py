@@ -68,10 +68,7 @@ def main() -> None:
             f"seed {a.seed}, prompt 'describe the image', reference captions teacher-forced; a word's map hits when "
             "vx.metrics.pointing_game puts its peak on the named object.\n\n"
             + table(["method", "per-word pointing", "SE", "words"], rows))
-    if a.no_report:
-        print(body)
-    else:
-        report("VLM per-word pointing (shapes-vlm)", body)
+    report("VLM per-word pointing (shapes-vlm)", body, print_only=a.no_report)
 
 
 if __name__ == "__main__":
