@@ -43,6 +43,13 @@ def _rows(mask: Tensor) -> str:
     return f"{bad[:10]}{'...' if len(bad) > 10 else ''}"
 
 
+def _all_finite(x: Tensor) -> bool:
+    """True when the sum of ``x`` is finite, which proves every value finite (a NaN or inf makes the sum NaN or
+    inf) in one cheap pass and one read-back; False says nothing (finite values can overflow the sum): the
+    caller then checks each value."""
+    return math.isfinite(x.detach().sum().item())
+
+
 def check_batch(x: Tensor) -> None:
     """Reject an empty batch or non-finite pixels: both would give maps that mean nothing.
 
@@ -51,6 +58,8 @@ def check_batch(x: Tensor) -> None:
     """
     if x.shape[0] == 0:
         raise InputError("the batch is empty (0 images); pass at least one image")
+    if _all_finite(x):
+        return
     low, high = torch.aminmax(x.detach())  # one pass; NaN and inf show in the extremes
     if not (math.isfinite(float(low)) and math.isfinite(float(high))):
         bad = (~torch.isfinite(x.detach())).flatten(1).any(dim=1)
@@ -131,6 +140,8 @@ def check_finite_scores(score: Tensor, outputs: Any = None) -> None:
     Raises:
         NumericalError: the images whose score is not finite, and what to check.
     """
+    if _all_finite(score):  # (the common case: one reduction, one read-back)
+        return
     bad = ~torch.isfinite(score.detach())
     if not bool(bad.any()):
         return
@@ -152,6 +163,8 @@ def check_finite_maps(maps: Tensor, method: str) -> Tensor:
     Raises:
         NumericalError: the images whose map holds NaN or inf.
     """
+    if _all_finite(maps):  # (the common case: one reduction, one read-back)
+        return maps
     bad = ~torch.isfinite(maps.detach()).flatten(1).all(dim=1) if maps.dim() > 1 else ~torch.isfinite(maps)
     if bool(bad.any()):
         raise NumericalError(
