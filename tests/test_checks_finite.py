@@ -42,3 +42,21 @@ def test_inf_and_minus_inf_in_two_images_are_both_named():
         check_finite_maps(maps, "m")
     with pytest.raises(NumericalError, match=r"images \[0, 3\]"):
         check_finite_scores(maps[:, :, :].flatten(1).sum(dim=1))
+
+
+def test_input_channels_reads_the_preprocessing_settings_only_when_the_model_does_not_say():
+    from torch import nn
+
+    from vitexplain.checks import input_channels
+
+    def never():
+        raise AssertionError("the settings were read although the model says its channels")
+
+    declared = nn.Linear(2, 2)
+    declared.in_chans = 4
+    assert input_channels(declared, never) == 4
+    assert input_channels(nn.Sequential(nn.Conv2d(5, 2, 1)), never) == 5
+    calls = []
+    assert input_channels(nn.Linear(2, 2), lambda: calls.append(1) or {"mean": (0.5,)}) == 1
+    assert calls == [1]
+    assert input_channels(nn.Linear(2, 2), {"mean": (0.5, 0.5)}) == 2

@@ -12,7 +12,7 @@ import contextlib
 import itertools
 import math
 import warnings
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -203,17 +203,20 @@ def channels_of(preprocess_kwargs: dict[str, Any]) -> int:
     return len(mean) if isinstance(mean, (tuple, list)) and mean else 3
 
 
-def input_channels(model: nn.Module, preprocess_kwargs: dict[str, Any]) -> int:
+def input_channels(model: nn.Module, preprocess_kwargs: Union[dict[str, Any], Callable[[], dict[str, Any]]]) -> int:
     """The number of channels the model takes: timm's ``in_chans`` where the model keeps it (a model whose
     first registered convolution does not read the image, as CSATv2's 1 x 1 convs over its 64 DCT
     coefficients, says so there), else the input channels of its first 2-D convolution (the patch embedding
     or stem; timm's ``in_chans`` and Hugging Face's ``num_channels`` set it, while their normalisation
-    settings keep three values), else :func:`channels_of`."""
+    settings keep three values), else :func:`channels_of` of ``preprocess_kwargs`` (the settings, or a function
+    giving them: called only then)."""
     declared = getattr(model, "in_chans", None)
     if isinstance(declared, int) and not isinstance(declared, bool) and declared > 0:
         return declared
     first = next((m for m in model.modules() if isinstance(m, nn.Conv2d)), None)
-    return int(first.in_channels) if first is not None else channels_of(preprocess_kwargs)
+    if first is not None:
+        return int(first.in_channels)
+    return channels_of(preprocess_kwargs() if callable(preprocess_kwargs) else preprocess_kwargs)
 
 
 def check_gradients_allowed(methods: Any, entry: str) -> None:
