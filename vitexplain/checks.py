@@ -12,7 +12,7 @@ import contextlib
 import itertools
 import math
 import warnings
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -43,6 +43,13 @@ def _rows(mask: Tensor) -> str:
     return f"{bad[:10]}{'...' if len(bad) > 10 else ''}"
 
 
+def _all_finite(x: Tensor) -> bool:
+    """True when the sum of ``x`` is finite, which proves every value finite (a NaN or inf makes the sum NaN or
+    inf) in one cheap pass and one read-back; False says nothing (finite values can overflow the sum): the
+    caller then checks each value."""
+    return math.isfinite(x.detach().sum().item())
+
+
 def check_batch(x: Tensor) -> None:
     """Reject an empty batch or non-finite pixels: both would give maps that mean nothing.
 
@@ -51,6 +58,8 @@ def check_batch(x: Tensor) -> None:
     """
     if x.shape[0] == 0:
         raise InputError("the batch is empty (0 images); pass at least one image")
+    if _all_finite(x):
+        return
     low, high = torch.aminmax(x.detach())  # one pass; NaN and inf show in the extremes
     if not (math.isfinite(float(low)) and math.isfinite(float(high))):
         bad = (~torch.isfinite(x.detach())).flatten(1).any(dim=1)
@@ -131,6 +140,8 @@ def check_finite_scores(score: Tensor, outputs: Any = None) -> None:
     Raises:
         NumericalError: the images whose score is not finite, and what to check.
     """
+    if _all_finite(score):  # (the common case: one reduction, one read-back)
+        return
     bad = ~torch.isfinite(score.detach())
     if not bool(bad.any()):
         return
@@ -152,6 +163,8 @@ def check_finite_maps(maps: Tensor, method: str) -> Tensor:
     Raises:
         NumericalError: the images whose map holds NaN or inf.
     """
+    if _all_finite(maps):  # (the common case: one reduction, one read-back)
+        return maps
     bad = ~torch.isfinite(maps.detach()).flatten(1).all(dim=1) if maps.dim() > 1 else ~torch.isfinite(maps)
     if bool(bad.any()):
         raise NumericalError(
@@ -190,17 +203,20 @@ def channels_of(preprocess_kwargs: dict[str, Any]) -> int:
     return len(mean) if isinstance(mean, (tuple, list)) and mean else 3
 
 
-def input_channels(model: nn.Module, preprocess_kwargs: dict[str, Any]) -> int:
+def input_channels(model: nn.Module, preprocess_kwargs: Union[dict[str, Any], Callable[[], dict[str, Any]]]) -> int:
     """The number of channels the model takes: timm's ``in_chans`` where the model keeps it (a model whose
     first registered convolution does not read the image, as CSATv2's 1 x 1 convs over its 64 DCT
     coefficients, says so there), else the input channels of its first 2-D convolution (the patch embedding
     or stem; timm's ``in_chans`` and Hugging Face's ``num_channels`` set it, while their normalisation
-    settings keep three values), else :func:`channels_of`."""
+    settings keep three values), else :func:`channels_of` of ``preprocess_kwargs`` (the settings, or a function
+    giving them: called only then)."""
     declared = getattr(model, "in_chans", None)
     if isinstance(declared, int) and not isinstance(declared, bool) and declared > 0:
         return declared
     first = next((m for m in model.modules() if isinstance(m, nn.Conv2d)), None)
-    return int(first.in_channels) if first is not None else channels_of(preprocess_kwargs)
+    if first is not None:
+        return int(first.in_channels)
+    return channels_of(preprocess_kwargs() if callable(preprocess_kwargs) else preprocess_kwargs)
 
 
 def check_gradients_allowed(methods: Any, entry: str) -> None:

@@ -367,15 +367,17 @@ class Explainer:
         Raises:
             UnsupportedModelError: the model's weights are on the meta device (no values).
         """
-        if model_device(self.model).type == "meta":
+        device = model_device(self.model)
+        if device.type == "meta":
             raise UnsupportedModelError(
                 f"{type(self.model).__name__}'s weights are on the meta device: they have shapes but no values, so "
                 "nothing can be computed or explained; load real weights first (e.g. model.to_empty(device='cpu') then "
                 "model.load_state_dict(...), or build the model outside torch.device('meta'))"
             )
-        channels = input_channels(self.adapter.model, preprocessing(self.adapter))
+        # (the preprocessing settings are read only when the model itself does not say its channels)
+        channels = input_channels(self.adapter.model, lambda: preprocessing(self.adapter))
         if isinstance(images, Tensor):
-            x = check_tensor_input(images, channels, model_dtype(self.model), model_device(self.model))
+            x = check_tensor_input(images, channels, model_dtype(self.model), device)
             return x, None, None, None
         x, regions, boxes, sources = self.preprocess(images)
         check_batch(x)

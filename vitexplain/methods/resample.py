@@ -109,7 +109,7 @@ class Call:
     def __init__(self, spec: CallSpec, record: AttentionRecord, batch: int, index: int) -> None:
         self.spec, self.record, self.batch, self.index = spec, record, batch, index
         (self.q_slots, self.k_slots, self.pairs, self.padded, self.q_whole, self.k_whole,
-         self.q_once) = _geometry(spec, record.device)
+         self.q_once, self.q_inverse, self.k_inverse) = _geometry(spec, record.device)
 
     @property
     def num_heads(self) -> int:
@@ -177,16 +177,20 @@ class Call:
         is ``whole`` (one window holding every token in order)."""
         if whole:
             return r.unsqueeze(1)
-        if not self.padded:
-            return r[:, slots]
+        if not self.padded:  # (index_select: a fraction of advanced indexing's time at batch 32)
+            return r.index_select(1, slots.flatten()).view(r.shape[0], *slots.shape)
         padded = torch.cat([r, r.new_zeros(r.shape[0], 1)], dim=1)
         return padded[:, torch.where(slots < 0, r.shape[1], slots)]
 
-    def _scatter(self, v: Tensor, slots: Tensor, n: int, whole: bool = False) -> Tensor:
+    def _scatter(self, v: Tensor, slots: Tensor, n: int, whole: bool = False,
+                 inverse: Optional[Tensor] = None) -> Tensor:
         """(B, G, n_slots) per slot -> (B, n) per token, summed over the slots of a token
-        (a view of v when the call is ``whole``)."""
+        (a view of v when the call is ``whole``; one gather through ``inverse`` when the slots
+        hold each token exactly once: a sum of one value is that value)."""
         if whole:
             return v.reshape(v.shape[0], n)
+        if inverse is not None:
+            return v.reshape(v.shape[0], -1).index_select(1, inverse)
         out = v.new_zeros(v.shape[0], n)
         if not self.padded:
             return out.index_add_(1, slots.flatten(), v.flatten(1))
@@ -200,7 +204,7 @@ class Call:
 
     def _on_key_set(self, per_key: Tensor) -> Tensor:
         """(B, G, 1, n_k) per key slot -> (B, n_K) on the key set."""
-        return self._scatter(per_key.squeeze(-2), self.k_slots, self.spec.keys.coarse.n, self.k_whole)
+        return self._scatter(per_key.squeeze(-2), self.k_slots, self.spec.keys.coarse.n, self.k_whole, self.k_inverse)
 
     def vec_mat(self, r: Tensor, m: Tensor) -> Tensor:
         """``r @ M`` with M = S_q^T m S_k D_k: (B, n_Q) -> (B, n_I) for blocks m (B, G, n_q, n_k)."""
@@ -223,15 +227,15 @@ class Call:
         rows = self._gather(r, self.q_slots, self.q_whole)  # (B, G, n_q)
         if self.spec.window_dim_inside:  # (B * heads, G, n_q, n_k) -> (B, heads, G, n_q, n_k)
             p = p.reshape(batch, -1, *p.shape[1:])
-            per_key = torch.matmul(rows[:, None, :, None, :], p).mean(dim=1)  # (B, G, 1, n_k)
+            per_key = _mean_over(torch.matmul(rows[:, None, :, None, :], p), 1)  # (B, G, 1, n_k)
         else:  # (B * G, heads, n_q, n_k) -> (B, G, heads, n_q, n_k)
             p = p.reshape(batch, self.spec.windows, *p.shape[1:])
-            per_key = torch.matmul(rows[:, :, None, None, :], p).mean(dim=2)  # (B, G, 1, n_k)
+            per_key = _mean_over(torch.matmul(rows[:, :, None, None, :], p), 2)  # (B, G, 1, n_k)
         return self.spec.keys.pull(self._on_key_set(per_key))
 
     def row_sums(self, m: Tensor) -> Tensor:
         """Row sums of M over the output set: (B, G, n_q, n_k) -> (B, n_Q)."""
-        return self._scatter(m.sum(dim=-1), self.q_slots, self.spec.out.n, self.q_whole)
+        return self._scatter(m.sum(dim=-1), self.q_slots, self.spec.out.n, self.q_whole, self.q_inverse)
 
     def skip(self, r: Tensor) -> Tensor:
         """``r @ D_q`` (the residual path), or zeros on I without a residual."""
@@ -241,6 +245,20 @@ class Call:
 
 
 Item = Union[Call, Transition]
+
+
+def _mean_over(x: Tensor, dim: int) -> Tensor:
+    """The mean over the heads at ``dim``; one head: a view of it (its mean is itself, bit for bit)."""
+    return x.squeeze(dim) if x.shape[dim] == 1 else x.mean(dim=dim)
+
+
+def _inverse(slots: Tensor, n: int) -> Optional[Tensor]:
+    """When ``slots`` (no padding) hold each of the set's n tokens exactly once: per token, the flat index of its
+    slot (scattering per slot values is then one gather); else None."""
+    flat = slots.flatten()
+    if flat.numel() != n or not _once(slots, n):
+        return None
+    return torch.argsort(flat)
 
 
 def _whole(slots: Tensor, n: int) -> bool:
@@ -254,18 +272,24 @@ def _once(slots: Tensor, n: int) -> bool:
     return counts.numel() == n and bool((counts == 1).all())
 
 
-def _geometry(spec: CallSpec, device: torch.device) -> tuple[Tensor, Tensor, Tensor, bool, bool, bool, bool]:
+def _geometry(spec: CallSpec, device: torch.device
+              ) -> tuple[Tensor, Tensor, Tensor, bool, bool, bool, bool, Optional[Tensor], Optional[Tensor]]:
     """A call's slots on ``device``, its real (query, key) pairs (G, n_q, n_k), whether any
     slot is padding, whether its queries / keys are whole sets in order (global attention:
-    gathering and scattering are then views), and whether every output token is a query
-    exactly once; built once per spec and device (the adapter caches its chain per input size)."""
+    gathering and scattering are then views), whether every output token is a query
+    exactly once, and the inverse of the query / key slots where they are a permutation of
+    their set (:func:`_inverse`, on ``device``); built once per spec and device (the adapter
+    caches its chain per input size)."""
     cache = spec.__dict__.setdefault("_on_device", {})
     if device not in cache:
         q_slots, k_slots = spec.q_slots.to(device), spec.k_slots.to(device)
         pairs = (q_slots >= 0)[:, :, None] & (k_slots >= 0)[:, None, :]
+        q_inverse, k_inverse = _inverse(spec.q_slots, spec.out.n), _inverse(spec.k_slots, spec.keys.coarse.n)
         cache[device] = (q_slots, k_slots, pairs, bool((q_slots < 0).any() or (k_slots < 0).any()),
                          _whole(spec.q_slots, spec.out.n), _whole(spec.k_slots, spec.keys.coarse.n),
-                         _once(spec.q_slots, spec.out.n))
+                         _once(spec.q_slots, spec.out.n),
+                         None if q_inverse is None else q_inverse.to(device),
+                         None if k_inverse is None else k_inverse.to(device))
     return cache[device]
 
 
