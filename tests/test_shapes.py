@@ -68,7 +68,7 @@ def test_masks_disjoint_nonempty_and_match_labels(batch: ShapesBatch) -> None:
 
 def test_object_pixels_have_their_color(batch: ShapesBatch) -> None:
     # the nominal color is the closest of the palette to the mean pixel of each object
-    from vitexplain.data.synthetic import COLOR_RGB
+    from vitexplain.data.drawing import COLOR_RGB
 
     palette = torch.tensor(COLOR_RGB, dtype=torch.float32)
     img = torch.from_numpy(batch.images).float()

@@ -3,15 +3,7 @@
 
 A CNN adapter names the model's feature stages (input side first); the last one is the
 default target layer of Grad-CAM, Grad-CAM++ and LayerCAM. How the stages are found:
-
-- timm: ``model.feature_info`` (the modules ``features_only`` would return), e.g.
-  ``layer1..layer4`` for ResNets, ``blocks.N`` for EfficientNet/MobileNet, ``s1..s4`` for RegNet.
-- torchvision: ``layer1..layer4`` (ResNet/ResNeXt/Wide-ResNet), ``trunk_output.block1..4``
-  (RegNet), and for models with a ``features`` Sequential (MobileNet, EfficientNet, VGG,
-  ConvNeXt, ...) the last child of ``features`` before each downsampling child, and the last.
-  torchvision MaxViT: its ``blocks``.
-- anything else: the last top-level child holding a ``Conv2d`` before global pooling (the stages of that
-  child when it is a whole classifier inside a wrapper: ``Sequential(normalize, resnet)``, ``DataParallel``).
+:mod:`vitexplain.adapters.cnn_stages`.
 
 Conv/attention hybrids that no attention family describes (EfficientFormerV2, DaViT,
 ...) get the same adapter: the Grad-CAM family reads the last stage. Hierarchical
@@ -42,12 +34,12 @@ from ..errors import UnsupportedMethodError
 from ..methods.families import CNN
 from .base import Adapter, register_adapter
 from .cnn_sizes import one_size_reason
+from .cnn_stages import cnn_stages, has_module, timm_stage_info, timm_stages, torchvision_stages
 from .hybrid_notes import hybrid_note, mixer_reason
 from ..errors import UsageError
 
-__all__ = ["CNNAdapter", "cnn_stages", "stage_ends", "calls_attention"]
+__all__ = ["CNNAdapter", "calls_attention"]
 
-_POOLS = (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)
 #: Modules that output (B, C, h, w) inside a model whose blocks are channels-last (timm output_fmt "NHWC").
 _CHANNELS_FIRST = (nn.Conv2d, nn.ConvTranspose2d, nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.MaxPool2d,
                    nn.AvgPool2d)
@@ -83,7 +75,7 @@ class CNNAdapter(Adapter):
         self.notes.update(_gate_notes(model, self._capabilities))
         self.hybrid = calls_attention(model) or mixer_reason(model) is not None
         self.one_size = one_size_reason(model) if self.hybrid else None
-        self._info = _timm_stage_info(model)
+        self._info = timm_stage_info(model)
         if self.hybrid:
             self.notes["family"] = hybrid_note(model)
 
@@ -263,109 +255,6 @@ def _reads_class_token(model: nn.Module) -> bool:
     return getattr(model, "global_pool", None) == "token" and getattr(model, "cls_token", None) is not None
 
 
-def _has(module: nn.Module, kind: type) -> bool:
-    return any(isinstance(m, kind) for m in module.modules())
-
-
-def _is_pool(name: str, module: nn.Module) -> bool:
-    return isinstance(module, _POOLS) or type(module).__name__ == "SelectAdaptivePool2d" or name in ("global_pool", "avgpool")
-
-
-def _max_stride(module: nn.Module) -> int:
-    strides = [max(m.stride) if isinstance(m.stride, tuple) else int(m.stride) for m in module.modules() if isinstance(m, (nn.Conv2d, nn.MaxPool2d, nn.AvgPool2d))]
-    return max(strides, default=1)
-
-
-def _resolve(model: nn.Module, name: str) -> Optional[str]:
-    """A feature_info module name as a module that runs: Twins lists ``block.k`` for its
-    ``blocks.k`` ModuleList (whose last block outputs the stage's tokens), MViTv2 for its
-    ``stages.k``."""
-    for candidate in (name, name.replace("block.", "blocks.", 1), name.replace("block.", "stages.", 1)):
-        try:
-            module = model.get_submodule(candidate)
-        except AttributeError:
-            continue
-        if isinstance(module, nn.ModuleList):  # not called itself: its last child is
-            return f"{candidate}.{len(module) - 1}" if len(module) else None
-        return candidate
-    return None
-
-
-def _timm_stages(model: nn.Module) -> list[str]:
-    info = getattr(model, "feature_info", None)
-    if not info:
-        return []
-    names = []
-    for item in info:
-        name = item.get("module") if isinstance(item, dict) else None
-        resolved = _resolve(model, name) if name else None
-        if resolved is None:
-            return []
-        names.append(resolved)
-    return names
-
-
-def _timm_stage_info(model: nn.Module) -> dict[str, tuple[Optional[int], Optional[int]]]:
-    """Stage name -> (reduction, channels) from timm's feature_info."""
-    out = {}
-    for item in getattr(model, "feature_info", None) or []:
-        if isinstance(item, dict) and item.get("module"):
-            resolved = _resolve(model, item["module"])
-            if resolved:
-                out[resolved] = (item.get("reduction"), item.get("num_chs"))
-    return out
-
-
-def stage_ends(prefix: str, seq: nn.Module) -> list[str]:
-    """Names of the last child of ``seq`` (a Sequential or ModuleList called child by child) before each
-    downsampling child, and of the last child."""
-    children = list(seq.named_children())
-    ends = [f"{prefix}.{name}" for (name, _), (_, nxt) in zip(children, children[1:]) if _max_stride(nxt) > 1]
-    if children:
-        ends.append(f"{prefix}.{children[-1][0]}")
-    return list(dict.fromkeys(ends))
-
-
-def _torchvision_stages(model: nn.Module) -> list[str]:
-    if all(hasattr(model, f"layer{i}") for i in range(1, 5)):
-        return [f"layer{i}" for i in range(1, 5)]
-    trunk = getattr(model, "trunk_output", None)
-    if isinstance(trunk, nn.Sequential):
-        return [f"trunk_output.{name}" for name, _ in trunk.named_children()]
-    features = getattr(model, "features", None)
-    if isinstance(features, nn.Sequential):
-        return stage_ends("features", features)
-    blocks = getattr(model, "blocks", None)
-    if isinstance(blocks, nn.ModuleList) and type(model).__name__ == "MaxVit":
-        return [f"blocks.{i}" for i in range(len(blocks))]
-    return []
-
-
-def _fallback_stages(model: nn.Module) -> list[str]:
-    """The last top-level child holding a Conv2d before the global pooling; when that child is a whole
-    classifier (it pools inside: a wrapper such as ``Sequential(normalize, resnet)`` or ``DataParallel``),
-    the stages of that classifier, under its name."""
-    last = None
-    for name, child in model.named_children():
-        if _is_pool(name, child):
-            break
-        if _has(child, nn.Conv2d):
-            last = name
-    if last is None:
-        return []
-    child = model.get_submodule(last)
-    if any(_is_pool(n.rpartition(".")[2], m) for n, m in child.named_modules() if n):
-        inner = cnn_stages(child)
-        if inner:
-            return [f"{last}.{stage}" for stage in inner]
-    return [last]
-
-
-def cnn_stages(model: nn.Module) -> list[str]:
-    """Feature stage module names of a CNN, input side first (see the module docstring)."""
-    return _timm_stages(model) or _torchvision_stages(model) or _fallback_stages(model)
-
-
 #: What attention code calls (in a module class's source).
 _ATTENTION_CALLS = ("scaled_dot_product_attention", "softmax(", "multi_head_attention_forward", "flex_attention(")
 
@@ -396,9 +285,9 @@ def calls_attention(model: nn.Module) -> bool:
 
 
 def _is_classifier_cnn(model: nn.Module, hybrids: bool) -> bool:
-    if not _has(model, nn.Conv2d) or (not hybrids and calls_attention(model)):
+    if not has_module(model, nn.Conv2d) or (not hybrids and calls_attention(model)):
         return False
-    return callable(getattr(model, "get_classifier", None)) or hasattr(model, "num_classes") or _has(model, nn.Linear)
+    return callable(getattr(model, "get_classifier", None)) or hasattr(model, "num_classes") or has_module(model, nn.Linear)
 
 
 def _is_swin(model: nn.Module) -> bool:
@@ -412,7 +301,7 @@ def _detect_timm(model: nn.Module) -> Optional[Adapter]:
         return None
     if getattr(model, "feature_info", None) and callable(getattr(model, "get_classifier", None)):
         if _is_classifier_cnn(model, hybrids=True):
-            stages = _timm_stages(model)
+            stages = timm_stages(model)
             return CNNAdapter(model, stages) if stages else None
     return None
 
@@ -423,9 +312,9 @@ def _detect_torchvision(model: nn.Module) -> Optional[Adapter]:
         return None
     module = type(model).__module__
     # a classification model (torchvision.models.<name>, not .detection or .segmentation) whose head was removed
-    headless = module.count(".") == 2 and _has(model, nn.Conv2d) and not _has_head(model)
+    headless = module.count(".") == 2 and has_module(model, nn.Conv2d) and not _has_head(model)
     if module.startswith("torchvision.models") and (_is_classifier_cnn(model, hybrids=True) or headless):
-        stages = _torchvision_stages(model)
+        stages = torchvision_stages(model)
         return CNNAdapter(model, stages) if stages else None
     return None
 

@@ -16,7 +16,8 @@ from torch import Tensor, nn
 
 from ..methods.families import CNN
 from .base import Adapter, register_adapter
-from .cnn import CNNAdapter, calls_attention, stage_ends
+from .cnn import CNNAdapter, calls_attention
+from .cnn_stages import stage_ends
 
 __all__ = ["HFCNNAdapter", "HF_CNN_STAGES", "HF_HYBRIDS"]
 

@@ -12,9 +12,9 @@ from .._lazy import lazy_attributes
 _LAZY: dict[str, tuple[str, str]] = {
     "shapes": (".synthetic", "shapes"),
     "ShapesBatch": (".synthetic", "ShapesBatch"),
-    "SHAPES": (".synthetic", "SHAPES"),
-    "COLORS": (".synthetic", "COLORS"),
-    "COLOR_RGB": (".synthetic", "COLOR_RGB"),
+    "SHAPES": (".drawing", "SHAPES"),
+    "COLORS": (".drawing", "COLORS"),
+    "COLOR_RGB": (".drawing", "COLOR_RGB"),
     "MEAN": (".synthetic", "MEAN"),
     "STD": (".synthetic", "STD"),
     "normalize": (".synthetic", "normalize"),

@@ -20,7 +20,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .synthetic import COLORS, SHAPES, shapes
+from .drawing import COLORS, SHAPES
+from .synthetic import shapes
 
 __all__ = ["SAMPLE_SEED", "write_samples", "main"]
 

@@ -11,7 +11,8 @@ How a capture works (see docs/methods.md, "How attention is captured"), one modu
 - :mod:`~vitexplain.recording.attribution`: the module, the kind and the top-level call of each
   call, from the Python stack (no hook on the model for this);
 - :mod:`~vitexplain.recording.records`: what is kept, and the probabilities and gradients
-  recomputed from it; :mod:`~vitexplain.recording.gates`: CNN attention gates;
+  recomputed from it; :mod:`~vitexplain.recording.book`: records numbered and kept in call order;
+  :mod:`~vitexplain.recording.gates`: CNN attention gates;
 - :mod:`~vitexplain.recording.compiled`: ``torch.compile``-d models run eagerly in the scope;
   :mod:`~vitexplain.recording.gradients`: ``rec.backward``'s own pass to every record.
 
@@ -39,7 +40,8 @@ from torch.utils.hooks import RemovableHandle
 
 from ..errors import CaptureError, InputError, UnrecordedAttentionWarning
 from ..layout import TokenLayout
-from .attribution import Attribution, frame_kind
+from .attribution import Attribution
+from .book import RecordBook
 from .compiled import eager_stance, unwrap_compiled
 from .custom import Extractor, declared_modules, module_hook
 from .shared import HOOKS, hold_fastpath_off, release_fastpath
@@ -113,15 +115,11 @@ class Recorder:
         self.input_size: Optional[tuple[int, int]] = None
         self.forward_count = 0
         self._other_thread_forwards = 0  # forwards of the model in other threads while the scope was active
-        self._unrecorded: dict[str, str] = {}  # attention seen and not recorded: module name -> why (not_recorded)
-        self._unrecorded_told = False  # whether reading the records warned of them
-        self._made: list[AttentionRecord] = []
-        self._drafts: list[tuple] = []  # records to make (add_draft), in call order after _made
-        self._steps: dict[str, int] = {}
         self.activations: dict[str, list[ActivationRecord]] = {n: [] for n in self.activation_names}
         self._gates: list[GateRecord] = []
         self._gate_hooks: Optional[GateHooks] = None
         self._attribution = Attribution()
+        self._book = RecordBook(self._attribution.forward_index)  # the records, numbered and in call order
         # the interceptors reach the recorder weakly: a recorder the caller drops goes (with the attention its records
         # hold) at once, not when the garbage collector finds a cycle through them (they run inside its scope only)
         sink = weakref.proxy(self)
@@ -227,11 +225,7 @@ class Recorder:
         """Create, number and keep a record of ``issuer`` (kind: from the issuer unless given)."""
         if fields.get("source") != "module":  # attention seen by the mode: it stays on inside this class
             self._narrowing.issued(issuer.module)
-        name, kind, step, forward_index = self._numbered(issuer, kind)
-        record = record_type(name=name, kind=kind, index=len(self._records), step=step, forward_index=forward_index,
-                             **fields)
-        self._records.append(record)
-        return record
+        return self._book.add(issuer, record_type, kind, fields)
 
     def add_draft(self, issuer: Issuer, fields: dict[str, Any]) -> None:
         """Keep a record of ``issuer`` to be made when the records are next read (see :class:`RecordSink`); a
@@ -239,7 +233,7 @@ class Recorder:
         self._narrowing.issued(issuer.module)
         if not self.grads:
             fields = with_probs(fields, self.heads) or fields
-        self._drafts.append((*self._numbered(issuer), fields))
+        self._book.add_draft(issuer, fields)
 
     def lane_index(self, issuer: Issuer) -> Optional[int]:
         """The top-level call a lane's record of ``issuer`` belongs to, or None (see :class:`RecordSink`)."""
@@ -248,30 +242,17 @@ class Recorder:
     def add_lane_draft(self, name: str, kind: str, forward_index: int, pending: Any) -> None:
         """Keep a record of module ``name`` whose fields ``pending.resolve()`` makes when the records are read
         (see :class:`RecordSink`)."""
-        step = self._steps.get(name, 0)
-        self._steps[name] = step + 1
-        self._drafts.append((name, kind, step, forward_index, pending))
-
-    def _numbered(self, issuer: Issuer, kind: Optional[str] = None) -> tuple[str, str, int, int]:
-        """(name, kind, step, top-level call) of a new record of ``issuer``, counted now (kind: from the
-        issuer's frame unless given)."""
-        name = issuer.name
-        step = self._steps.get(name, 0)
-        self._steps[name] = step + 1
-        return name, kind or frame_kind(issuer.module, issuer.frame), step, self._attribution.forward_index(issuer)
+        self._book.add_lane_draft(name, kind, forward_index, pending)
 
     @property
     def _records(self) -> list[AttentionRecord]:
         """Every record so far, in call order (drafts made into records first)."""
-        if self._drafts:
-            drafts, self._drafts = self._drafts, []
-            made = self._made
-            for name, kind, step, forward_index, fields in drafts:
-                if not isinstance(fields, dict):  # a lane's pending call (direct.py): its fields made now
-                    fields = fields.resolve()
-                made.append(AttentionRecord(name=name, kind=kind, index=len(made), step=step,
-                                            forward_index=forward_index, **fields))
-        return self._made
+        return self._book.records()
+
+    @property
+    def _drafts(self) -> list[tuple]:
+        """The records still to make, in call order after :attr:`_records` (see :class:`RecordBook`)."""
+        return self._book.drafts
 
     def last_record(self) -> Optional[AttentionRecord]:
         """The latest record, or None."""
@@ -298,18 +279,18 @@ class Recorder:
             CaptureError: a compiled FlexAttention call could not be attributed to a module.
         """
         self._flex.check()
-        unrecorded = unrecorded_note(self._unrecorded)
+        unrecorded = unrecorded_note(self._book.unrecorded)
         if not self._records:
             raise no_attention(type(self.model).__name__, self.forward_count, self._other_thread_forwards, unrecorded)
-        if unrecorded and not self._unrecorded_told:
-            self._unrecorded_told = True
+        if unrecorded and not self._book.unrecorded_told:
+            self._book.unrecorded_told = True
             warnings.warn(f"these records are not all of {type(self.model).__name__}'s attention: {unrecorded}",
                           UnrecordedAttentionWarning, stacklevel=2)
         return list(self._records)
 
     def not_recorded(self, issuer: Issuer, reason: str) -> None:
         """Note an attention call seen and not recorded (see :class:`RecordSink`)."""
-        self._unrecorded.setdefault(issuer.name, reason)
+        self._book.not_recorded(issuer.name, reason)
 
     def select(
         self,
@@ -406,11 +387,7 @@ class Recorder:
         """Forget all records (e.g. between two forwards in one scope; an explanation done with its capture lets go
         of the attention its records hold now, not when the garbage collector finds the recorder's cycle with its
         interceptors)."""
-        self._unrecorded.clear()
-        self._unrecorded_told = False
-        self._made.clear()
-        self._drafts.clear()
-        self._steps.clear()
+        self._book.clear()
         self._attribution.reset()
         for calls in self.activations.values():
             calls.clear()

@@ -40,7 +40,8 @@ from typing import Any
 
 import torch.nn as nn
 
-from ..data.synthetic import COLORS, MEAN, SHAPES, STD
+from ..data.drawing import COLORS, SHAPES
+from ..data.synthetic import MEAN, STD
 from ..errors import UsageError
 
 __all__ = ["DEFAULT_CONFIGS", "PVT_CONFIG", "HIERA_CONFIG", "HIERA_GLOBAL_CONFIG", "HIER_VARIANTS", "ARCHS",

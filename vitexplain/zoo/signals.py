@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..data.synthetic import COLORS, SHAPES
+from ..data.drawing import COLORS, SHAPES
 from .evaluate import is_captioner
 from .hiera_signals import HieraValueLabels
 from .pvt_signals import PvtValueLabels

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..data.synthetic import COLORS
+from ..data.drawing import COLORS
 from .outputs import Outputs
 
 __all__ = ["patch_targets", "AuxHeads", "DeepTokenLabels", "StageTokenLabels"]

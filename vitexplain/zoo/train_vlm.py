@@ -51,7 +51,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..data.synthetic import COLORS, SHAPES, shapes
+from ..data.drawing import COLORS, SHAPES
+from ..data.synthetic import shapes
 from ..errors import UsageError
 from .evaluate import EVAL_SEED
 from .token_labels import AuxHeads, patch_targets

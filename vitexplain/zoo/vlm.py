@@ -37,7 +37,8 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from ..data.synthetic import COLORS, MEAN, SHAPES, STD, shapes
+from ..data.drawing import COLORS, SHAPES
+from ..data.synthetic import MEAN, STD, shapes
 from ..errors import UsageError
 
 __all__ = [

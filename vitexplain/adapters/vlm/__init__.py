@@ -1,5 +1,6 @@
 """Adapters of vision-language models (VLMs), one module per model family; the
-shared geometry and interface are in :mod:`~vitexplain.adapters.vlm.base`."""
+shared interface is in :mod:`~vitexplain.adapters.vlm.base`, the geometry of image tokens in
+:mod:`~vitexplain.adapters.vlm.views` and their pixel-relevance sums in :mod:`~vitexplain.adapters.vlm.pixel_tokens`."""
 
 from __future__ import annotations
 

@@ -20,7 +20,8 @@ from torch import Tensor, nn
 from ...errors import UnsupportedModelError
 from ...methods.families import VLM
 from ..base import Adapter, register_adapter
-from .base import VLMAdapter, piece_tokens, processor_images
+from .base import VLMAdapter, processor_images
+from .pixel_tokens import piece_tokens
 from .views import ImageView, Piece
 
 __all__ = ["TiledAdapter"]

@@ -22,7 +22,8 @@ from ...errors import UnsupportedModelError
 from ...layout import pair
 from ...methods.families import VLM
 from ..base import Adapter, register_adapter
-from .base import VLMAdapter, batch_piece_tokens
+from .base import VLMAdapter
+from .pixel_tokens import batch_piece_tokens
 from .views import ImageView, Piece
 
 __all__ = ["InternVLAdapter", "AyaVisionAdapter", "Cohere2VisionAdapter", "QianfanOCRAdapter"]

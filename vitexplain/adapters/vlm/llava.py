@@ -20,7 +20,8 @@ from torch import Tensor, nn
 from ...errors import UnsupportedModelError
 from ...methods.families import VLM
 from ..base import Adapter, register_adapter
-from .base import VLMAdapter, sum_cells
+from .base import VLMAdapter
+from .pixel_tokens import sum_cells
 from .views import ImageView, Piece, processed_box
 from .mistral3 import native_tokens, native_views
 

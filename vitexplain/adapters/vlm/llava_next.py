@@ -23,7 +23,8 @@ from torch import Tensor, nn
 from ...errors import UnsupportedModelError
 from ...methods.families import VLM
 from ..base import Adapter, register_adapter
-from .base import VLMAdapter, sum_cells
+from .base import VLMAdapter
+from .pixel_tokens import sum_cells
 from .views import ImageView, Piece
 
 __all__ = ["LlavaNextAdapter", "AnyresLayout", "anyres_layout", "anyres_view", "anyres_tokens"]

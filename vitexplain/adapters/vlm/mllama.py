@@ -30,7 +30,8 @@ from torch import Tensor, nn
 from ...errors import UnsupportedModelError
 from ...methods.families import VLM
 from ..base import Adapter, register_adapter
-from .base import VLMAdapter, piece_tokens
+from .base import VLMAdapter
+from .pixel_tokens import piece_tokens
 from .views import ImageView, Piece
 
 __all__ = ["MllamaAdapter", "tiled_view"]

@@ -19,7 +19,8 @@ from torch import Tensor, nn
 
 from ...methods.families import VLM
 from ..base import Adapter, register_adapter
-from .base import VLMAdapter, batch_piece_tokens
+from .base import VLMAdapter
+from .pixel_tokens import batch_piece_tokens
 from .views import ImageView, Piece, processed_box
 
 __all__ = ["PrefixLMAdapter", "pan_and_scan_boxes"]
