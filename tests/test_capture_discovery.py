@@ -200,7 +200,7 @@ def test_records_read_between_calls_keep_call_order():
 
 def _pending(rec) -> int:
     """How many of a capture's unread records are a lane's pending calls (direct.py), before they are read."""
-    return sum(not isinstance(draft[-1], dict) for draft in rec._drafts)
+    return sum(not isinstance(draft[-1], dict) for draft in rec._book.drafts)
 
 
 def test_later_captures_record_through_lanes_and_equal_full_interception():
@@ -321,7 +321,7 @@ def test_calls_outside_the_models_forward_take_lanes_too():
     for _ in range(2):  # (the first of these checks the tower's calls, as the capture that discovered it did not)
         with torch.no_grad(), vx.capture(model) as rec:
             run()
-    tower = [d for d in rec._drafts if ".vision_tower." in f".{d[0]}."]
+    tower = [d for d in rec._book.drafts if ".vision_tower." in f".{d[0]}."]
     assert tower and all(not isinstance(d[-1], dict) for d in tower)  # (each a lane's pending call)
     full, _ = _capture(model, run, full=True)
     assert [_key(r) for r in rec.records] == [_key(r) for r in full.records]

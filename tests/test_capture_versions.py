@@ -422,7 +422,7 @@ def test_a_hugging_face_mask_written_between_forwards_is_not_read_silently_on_an
         mask = causal.clone()
         with torch.no_grad(), vx.capture(model) as rec:
             model(input_ids=ids, attention_mask=mask, use_cache=False)
-            lanes.append(sum(not isinstance(draft[-1], dict) for draft in rec._drafts))
+            lanes.append(sum(not isinstance(draft[-1], dict) for draft in rec._book.drafts))
             mask.copy_(opened)
             model(input_ids=ids, attention_mask=mask, use_cache=False)
         first = [r for r in rec.records if r.forward_index == 0]
@@ -443,7 +443,7 @@ def test_keys_a_lane_kept_written_before_its_record_is_made_are_refused():
         expected = [r.probs().double() for r in alone.records]
     with torch.no_grad(), vx.capture(model) as rec:
         model(input_ids=ids, attention_mask=causal, use_cache=False)
-        pending = [draft[-1] for draft in rec._drafts if not isinstance(draft[-1], dict)]
+        pending = [draft[-1] for draft in rec._book.drafts if not isinstance(draft[-1], dict)]
         assert len(pending) == 2
         pending[0].args[1].mul_(-1.0)  # the first layer's keys, written before the records are read
     outcomes = [right_or_refused(r.probs, want, "keys") for r, want in zip(rec.records, expected)]

@@ -159,7 +159,7 @@ def test_import_is_light() -> None:
 
 def test_shapes_callable_whatever_was_imported_first() -> None:
     code = (
-        "from vitexplain.data.synthetic import SHAPES; import vitexplain as vx; "
+        "from vitexplain.data.drawing import SHAPES; import vitexplain as vx; "
         "b = vx.data.shapes(2, seed=1); assert len(b) == 2; "
         "from vitexplain.data import shapes; assert len(shapes(1, seed=0)) == 1"
     )

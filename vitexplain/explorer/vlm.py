@@ -1,6 +1,6 @@
 """The page data of a vision-language model: its answer word by word, over its image-token grids.
 
-A VLM's image becomes one or more token grids (:class:`vitexplain.adapters.vlm.base.Piece`: the
+A VLM's image becomes one or more token grids (:class:`vitexplain.adapters.vlm.views.Piece`: the
 whole image, or a thumbnail plus tiles), each over a box of the original image. The page gets:
 
 * ``pieces``: per grid its name, (gh, gw), its first token, its box as fractions of the image and

@@ -249,11 +249,6 @@ class Recorder:
         """Every record so far, in call order (drafts made into records first)."""
         return self._book.records()
 
-    @property
-    def _drafts(self) -> list[tuple]:
-        """The records still to make, in call order after :attr:`_records` (see :class:`RecordBook`)."""
-        return self._book.drafts
-
     def last_record(self) -> Optional[AttentionRecord]:
         """The latest record, or None."""
         return self._records[-1] if self._records else None
