@@ -30,8 +30,10 @@ batch (32). Per model (median CPU time of the process over interleaved rounds, o
 
 Timing: each round runs every function once, in a new (seeded) random order, so that none always
 follows the same other one (what a run frees, the C allocator keeps or gives back to the system, and
-the next run pays for the fresh pages it touches). Rounds repeat while they fit in
-``--seconds`` of CPU time per model, at least ``--reps`` of them. Times are the process's CPU time
+the next run pays for the fresh pages it touches); the two runs with a backward pass
+(forward+backward, generic) have rounds of their own, whose freed graphs would otherwise be paid for
+by the no-gradient runs after them. Rounds repeat while they fit in ``--seconds`` of CPU time per
+model and group, at least ``--reps`` of them. Times are the process's CPU time
 (``time.process_time``: with one torch thread, the work done, which other processes and a virtual
 machine's stolen time do not inflate). Beside the medians, the ratios of the fastest run of each.
 
@@ -167,21 +169,26 @@ def measure(label: str, build: Callable[[], nn.Module], size: tuple[int, int], b
         discovery.forget(fresh)
         ex_fresh.explain(x, method="rollout")
 
-    fns: dict[str, Callable[[], object]] = {
+    no_grad: dict[str, Callable[[], object]] = {
         "forward": forward,
         "capture": captured,
         "kept": kept,
         "rollout": lambda: ex.explain(x, method="rollout"),
         "first rollout": first_rollout,
     }
+    # the runs with a backward pass are timed in their own rounds: the memory their graphs free (and the C
+    # allocator gives back) would otherwise be paid for by whichever no-gradient run came next
+    groups = [no_grad]
     if "generic" not in missing:
-        fns["forward+backward"] = forward_backward
-        fns["generic"] = lambda: ex.explain(x, method="generic", target=target)
-    # a round runs every function once: as many rounds as fit in ``seconds`` (at least ``reps``), since a
-    # median of a few runs of a short forward says little on a shared machine
-    one_round = sum(median_times(fns, reps=1, warmup=1, clock=time.process_time).values())
-    rounds = max(reps, math.ceil(seconds / max(one_round, 1e-9)))
-    runs = interleaved_times(fns, reps=rounds, warmup=1, clock=time.process_time, shuffle_seed=0)
+        groups.append({"forward+backward": forward_backward,
+                       "generic": lambda: ex.explain(x, method="generic", target=target)})
+    runs: dict[str, list[float]] = {}
+    for fns in groups:
+        # a round runs every function once: as many rounds as fit in ``seconds`` (at least ``reps``), since a
+        # median of a few runs of a short forward says little on a shared machine
+        one_round = sum(median_times(fns, reps=1, warmup=1, clock=time.process_time).values())
+        rounds = max(reps, math.ceil(seconds / max(one_round, 1e-9)))
+        runs.update(interleaved_times(fns, reps=rounds, warmup=1, clock=time.process_time, shuffle_seed=0))
     times = {k: statistics.median(v) for k, v in runs.items()}
     best = {k: min(v) for k, v in runs.items()}  # the fastest run: what a quiet machine gives
     peak_forward = peak_bytes(forward)
@@ -233,7 +240,8 @@ def main() -> int:
               "generic ms (/ forward+backward to the input)", "forward peak MB", "rollout peak MB", "rollout extra MB",
               "dense attention of all layers MB", "dense N0 x N0 of all layers MB"]
     body = table(header, rows) + (
-        "\n\nMedian CPU time of the process over interleaved rounds (each in a new random order). 'capture' is "
+        "\n\nMedian CPU time of the process over interleaved rounds (each in a new random order; the runs with a "
+        "backward pass in rounds of their own). 'capture' is "
         "the forward inside vx.capture(model) recording "
         "attention and nothing else: the capture's own cost, paid by every attention method; rollout's "
         "cost beyond it is the method's (plan, attention computed once, propagation, the Explanation). "
