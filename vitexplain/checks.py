@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from .errors import InputError, NumericalError, TargetError, UnsupportedModelError, UsageError
 
-__all__ = ["channels_of", "input_channels", "check_batch", "check_tensor_input", "check_finite_scores", "check_finite_maps",
+__all__ = ["all_finite", "channels_of", "input_channels", "check_batch", "check_tensor_input", "check_finite_scores", "check_finite_maps",
            "check_not_underflowed", "checked_score", "differentiable",
            "model_dtype", "model_device", "warn_training", "buffers_kept"]
 
@@ -43,11 +43,15 @@ def _rows(mask: Tensor) -> str:
     return f"{bad[:10]}{'...' if len(bad) > 10 else ''}"
 
 
-def _all_finite(x: Tensor) -> bool:
-    """True when the sum of ``x`` is finite, which proves every value finite (a NaN or inf makes the sum NaN or
-    inf) in one cheap pass and one read-back; False says nothing (finite values can overflow the sum): the
-    caller then checks each value."""
-    return math.isfinite(x.detach().sum().item())
+def all_finite(x: Tensor) -> bool:
+    """Whether every value of ``x`` is finite, by one sum and one read-back: a sum is finite only when every value
+    is (a NaN or inf makes it NaN or inf); only a sum that overflowed (large finite values, e.g. a mask of
+    ``finfo.min``) takes the elementwise check. ``torch.isfinite(x).all()`` makes four passes over ``x``
+    (measured on SAM ViT-B's relative-position bias at 256 px: about 100 ms of an 1.8 s rollout)."""
+    x = x.detach()
+    if math.isfinite(x.sum().item()):
+        return True
+    return bool(torch.isfinite(x).all())
 
 
 def check_batch(x: Tensor) -> None:
@@ -58,15 +62,13 @@ def check_batch(x: Tensor) -> None:
     """
     if x.shape[0] == 0:
         raise InputError("the batch is empty (0 images); pass at least one image")
-    if _all_finite(x):
+    if all_finite(x):
         return
-    low, high = torch.aminmax(x.detach())  # one pass; NaN and inf show in the extremes
-    if not (math.isfinite(float(low)) and math.isfinite(float(high))):
-        bad = (~torch.isfinite(x.detach())).flatten(1).any(dim=1)
-        raise InputError(
-            f"the input holds NaN or infinite values (images {_rows(bad)}); "
-            "explanations of such inputs mean nothing: check the preprocessing or the images"
-        )
+    bad = (~torch.isfinite(x.detach())).flatten(1).any(dim=1)
+    raise InputError(
+        f"the input holds NaN or infinite values (images {_rows(bad)}); "
+        "explanations of such inputs mean nothing: check the preprocessing or the images"
+    )
 
 
 def check_tensor_input(x: Tensor, channels: int, dtype: Optional[torch.dtype], device: torch.device) -> Tensor:
@@ -140,12 +142,10 @@ def check_finite_scores(score: Tensor, outputs: Any = None) -> None:
     Raises:
         NumericalError: the images whose score is not finite, and what to check.
     """
-    if _all_finite(score):  # (the common case: one reduction, one read-back)
+    if all_finite(score):
         return
     bad = ~torch.isfinite(score.detach())
-    if not bool(bad.any()):
-        return
-    if isinstance(outputs, Tensor) and bool(torch.isfinite(outputs.detach()).all()):
+    if isinstance(outputs, Tensor) and all_finite(outputs):
         raise NumericalError(
             f"the target score is NaN or inf for images {_rows(bad)} although the model's outputs are finite: "
             "check the target function's arithmetic (a division by zero, log of 0, ...)"
@@ -163,15 +163,13 @@ def check_finite_maps(maps: Tensor, method: str) -> Tensor:
     Raises:
         NumericalError: the images whose map holds NaN or inf.
     """
-    if _all_finite(maps):  # (the common case: one reduction, one read-back)
+    if all_finite(maps):
         return maps
     bad = ~torch.isfinite(maps.detach()).flatten(1).all(dim=1) if maps.dim() > 1 else ~torch.isfinite(maps)
-    if bool(bad.any()):
-        raise NumericalError(
-            f"method {method!r} broke down numerically: its maps hold NaN or inf for images {_rows(bad)} (e.g. "
-            "gradients that overflowed); no such map is returned. Check the input's scale, or try another method"
-        )
-    return maps
+    raise NumericalError(
+        f"method {method!r} broke down numerically: its maps hold NaN or inf for images {_rows(bad)} (e.g. "
+        "gradients that overflowed); no such map is returned. Check the input's scale, or try another method"
+    )
 
 
 def check_not_underflowed(maps: Tensor, lengths: list[int], method: str, dtype: Optional[torch.dtype]) -> Tensor:

@@ -50,6 +50,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
+from ..checks import all_finite
 from ..errors import UsageError
 from .scores import _repeat_heads, attention_scores, fuse_heads, masked_softmax, score_scale
 from .workspace import Workspace
@@ -184,7 +185,7 @@ def attention_with_probs(
               and k.shape[1] == q.shape[1])
     if biased:  # an additive bias (SAM's relative positions): added by the GEMM itself
         scores = _biased_scores(q, k, attn_mask, score_scale(q, scale))  # type: ignore[arg-type]
-        if _all_finite(attn_mask):  # no key masked out: a plain softmax
+        if all_finite(attn_mask):  # no key masked out: a plain softmax
             probs = _softmax(scores)
         else:
             probs = masked_softmax(scores, True)
@@ -203,16 +204,6 @@ def attention_with_probs(
     if _heads_inside_tokens(q):  # the fused kernel's layout, so the model's .view()s work alike
         out = out.transpose(1, 2).contiguous().transpose(1, 2)
     return out, probs
-
-
-def _all_finite(t: Tensor) -> bool:
-    """Whether every entry of ``t`` is finite, in one summing pass: a sum is finite only when every entry is
-    (an infinity or a NaN makes it infinite or NaN); only a sum that overflowed (large finite entries, e.g. a
-    mask of ``finfo.min``) takes the full elementwise check. ``torch.isfinite(t).all()`` makes four passes
-    over ``t`` (measured on SAM ViT-B's relative-position bias at 256 px: about 100 ms of an 1.8 s rollout)."""
-    if bool(torch.isfinite(t.sum())):
-        return True
-    return bool(torch.isfinite(t).all())
 
 
 def _biased_scores(q: Tensor, k: Tensor, bias: Tensor, scale: float) -> Tensor:
