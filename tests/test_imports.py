@@ -129,7 +129,7 @@ def test_lower_layers_raise_only_vitexplain_errors(layer):
 RANK = {
     "errors": 0, "_lazy": 0,
     "vitexplain": 0.5,  # the package itself: lazy names over errors and _lazy only
-    "layout": 1, "files": 1, "threads": 1,
+    "layout": 1, "files": 1, "threads": 1, "finite": 1,
     "recording": 2, "data": 2, "targets": 2, "checks": 2,
     "viz": 3,
     "placement": 3.5,  # where maps lie on images' pixels (the results draw with it)

@@ -50,7 +50,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from ..checks import all_finite
+from ..finite import all_finite
 from ..errors import UsageError
 from .scores import _repeat_heads, attention_scores, fuse_heads, masked_softmax, score_scale
 from .workspace import Workspace
