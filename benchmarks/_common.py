@@ -58,6 +58,16 @@ def median_times(fns: dict[str, Callable[[], object]], *, reps: int = 10, warmup
                                                                           device=device, clock=clock).items()}
 
 
+def held_bytes(records) -> int:
+    """Bytes of the distinct tensor storages a capture's records reference (q, k, v, mask, probabilities)."""
+    seen: dict[int, int] = {}
+    for r in records:
+        for t in (r._q, r._k, r._v, r._mask, r._probs):
+            if isinstance(t, torch.Tensor):
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
 def machine() -> str:
     threads = torch.get_num_threads()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"

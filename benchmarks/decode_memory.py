@@ -32,19 +32,9 @@ import transformers
 
 import vitexplain as vx
 from vitexplain.recording import early
-from _common import interleaved_times, report, table
+from _common import held_bytes, interleaved_times, report, table
 
 SECTION = "Decoding: what the records hold"
-
-
-def held_bytes(records) -> int:
-    """Bytes of the distinct tensor storages the records reference."""
-    seen: dict[int, int] = {}
-    for r in records:
-        for t in (r._q, r._k, r._v, r._mask, r._probs):
-            if isinstance(t, torch.Tensor):
-                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    return sum(seen.values())
 
 
 def row(model: torch.nn.Module, prompt: int, new: int, reps: int) -> list[object]:

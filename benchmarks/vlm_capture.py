@@ -48,7 +48,7 @@ from torch.overrides import TorchFunctionMode
 
 import vitexplain as vx
 from vitexplain.recording import discovery
-from _common import interleaved_times, report, table
+from _common import held_bytes, interleaved_times, report, table
 
 
 def tiny_llava() -> tuple[torch.nn.Module, object]:
@@ -83,16 +83,12 @@ class _PassThrough(TorchFunctionMode):
 
 def _held_bytes(records) -> tuple[int, int, int]:
     """(bytes of distinct tensors the records reference, bytes of their N_q x N_k probabilities, records with probs)."""
-    seen: dict[int, int] = {}
     dense = with_probs = 0
     for r in records:
-        for t in (r._q, r._k, r._v, r._mask, r._probs):
-            if isinstance(t, torch.Tensor):
-                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         with_probs += r._probs is not None
         b, h, nq, _ = r.q_shape
         dense += b * h * nq * r.k_shape[2] * 4
-    return sum(seen.values()), dense, with_probs
+    return held_bytes(records), dense, with_probs
 
 
 def bench(name: str, model: torch.nn.Module, processor, *, batch: int, new: int, reps: int, cpu: bool) -> list[object]:
