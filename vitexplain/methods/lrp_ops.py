@@ -45,24 +45,6 @@ class ScaleGrad(Function):
         return grad * ctx.factor, None
 
 
-class ContiguousGrad(Function):
-    """Identity forward; the incoming gradient made contiguous.
-
-    Put after an eval-mode ``F.batch_norm``: PyTorch's CPU backward of it (torch 2.14) returns wrong input
-    gradients when its input is contiguous (N, C, H, W) and the gradient arrives with channels-last strides, which
-    is what a (1, C, H, W) map gets back from ``x.flatten(2).transpose(1, 2)`` (LeViT's stem, whose last
-    BatchNorm2d feeds its tokens): at batch 1 the relevance was off by more than the map itself, a batch of 2
-    (other strides) was right. A contiguous gradient takes the correct path in every layout."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor) -> Tensor:
-        return x.detach()  # an alias, not a view: the caller may modify it in place
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tensor:
-        return grad.contiguous()
-
-
 class IdentityRule(Function):
     """``fn(x)`` forward; the gradient ``fn(x) / (x + eps)`` times the incoming one (identity rule).
 

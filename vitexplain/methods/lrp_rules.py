@@ -65,9 +65,10 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from ..errors import UsageError
+from .grad_layout import ContiguousGrad
 from .lrp_coverage import uncovered_call
-from .lrp_ops import (GAMMA_STABILIZER, IDENTITY_EPSILON, ActivationModuleRule, ContiguousGrad, IdentityRule, LayerNormRule,
-                      ScaleGrad, activation_module, cosine_rule, gamma_rule, group_norm_rule, rms_norm_rule, star_relu_rule)
+from .lrp_ops import (GAMMA_STABILIZER, IDENTITY_EPSILON, ActivationModuleRule, IdentityRule, LayerNormRule, ScaleGrad,
+                      activation_module, cosine_rule, gamma_rule, group_norm_rule, rms_norm_rule, star_relu_rule)
 
 __all__ = ["LRPRules", "VARIANTS", "IDENTITY_EPSILON", "GAMMA_STABILIZER"]
 
@@ -383,7 +384,7 @@ class LRPRules(TorchFunctionMode):
     # -- convolutions -----------------------------------------------------------------------
     def _batch_norm(self, args: tuple, kwargs: dict) -> Tensor:
         """``F.batch_norm`` as it is (with running statistics an affine map: it keeps its gradient), its incoming
-        gradient made contiguous first (:class:`~vitexplain.methods.lrp_ops.ContiguousGrad`: PyTorch's backward
+        gradient made contiguous first (:class:`~vitexplain.methods.grad_layout.ContiguousGrad`: PyTorch's backward
         of it is wrong for a channels-last gradient of a contiguous input, a batch of one image's usual case)."""
         why = uncovered_call(F.batch_norm, args, kwargs, self._live)
         if why:
