@@ -32,6 +32,7 @@ COMPLETENESS_RTOL = 0.05
 def _forward_and_target(ctx: Context) -> tuple[Callable[[Tensor], Tensor], Optional[list[int]]]:
     """captum's forward function and target: logits + class indices, or a custom score."""
     adapter = ctx.adapter
+
     def forward(inp: Tensor) -> Tensor:
         with contiguous_norm_grads(adapter.model):  # (BatchNorm's backward at batch 1: grad_layout.py)
             return adapter.forward(inp)
