@@ -17,6 +17,7 @@ from ..targets import logits_of
 from .context import Context
 from .options import MAX_SAMPLES, SEED_RANGE, Option
 from .families import VIT
+from .grad_layout import contiguous_norm_grads
 from .registry import register
 
 __all__ = ["integrated_gradients", "occlusion", "smoothgrad", "COMPLETENESS_RTOL", "AUTO_STEPS"]
@@ -31,9 +32,14 @@ COMPLETENESS_RTOL = 0.05
 def _forward_and_target(ctx: Context) -> tuple[Callable[[Tensor], Tensor], Optional[list[int]]]:
     """captum's forward function and target: logits + class indices, or a custom score."""
     adapter = ctx.adapter
+
+    def forward(inp: Tensor) -> Tensor:
+        with contiguous_norm_grads(adapter.model):  # (BatchNorm's backward at batch 1: grad_layout.py)
+            return adapter.forward(inp)
+
     if ctx.target.custom:
-        return (lambda inp: ctx.score(adapter.forward(inp))), None
-    return (lambda inp: logits_of(adapter.forward(inp))), ctx.target.classes.tolist()
+        return (lambda inp: ctx.score(forward(inp))), None
+    return (lambda inp: logits_of(forward(inp))), ctx.target.classes.tolist()
 
 
 def _as_image(ctx: Context, index: int) -> Callable[[Tensor], Tensor]:
@@ -48,7 +54,8 @@ def _as_image(ctx: Context, index: int) -> Callable[[Tensor], Tensor]:
         )
 
     def forward(inp: Tensor) -> Tensor:
-        out = ctx.adapter.forward(inp)
+        with contiguous_norm_grads(ctx.adapter.model):
+            out = ctx.adapter.forward(inp)
         rows = [torch.cat([clean[:index], out[s : s + 1], clean[index + 1 :]]) for s in range(out.shape[0])]
         return torch.stack([ctx.score(r)[index] for r in rows])
 

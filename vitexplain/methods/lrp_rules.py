@@ -65,6 +65,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from ..errors import UsageError
+from .grad_layout import ContiguousGrad
 from .lrp_coverage import uncovered_call
 from .lrp_ops import (GAMMA_STABILIZER, IDENTITY_EPSILON, ActivationModuleRule, IdentityRule, LayerNormRule, ScaleGrad,
                       activation_module, cosine_rule, gamma_rule, group_norm_rule, rms_norm_rule, star_relu_rule)
@@ -203,6 +204,8 @@ class LRPRules(TorchFunctionMode):
             return self._normalize(*args, **kwargs)
         if func is F.group_norm:
             return self._group_norm(*args, **kwargs)
+        if func is F.batch_norm:
+            return self._batch_norm(args, kwargs)
         if func in _ACTIVATIONS and args and isinstance(args[0], Tensor) and args[0].requires_grad:
             self.seen["activation"] += 1
             # out of place (the identity rule reads the input after the call): a positional bool is `inplace`
@@ -379,6 +382,16 @@ class LRPRules(TorchFunctionMode):
         return cosine_rule(x1, x2, dim, eps)
 
     # -- convolutions -----------------------------------------------------------------------
+    def _batch_norm(self, args: tuple, kwargs: dict) -> Tensor:
+        """``F.batch_norm`` as it is (with running statistics an affine map: it keeps its gradient), its incoming
+        gradient made contiguous first (:class:`~vitexplain.methods.grad_layout.ContiguousGrad`: PyTorch's backward
+        of it is wrong for a channels-last gradient of a contiguous input, a batch of one image's usual case)."""
+        why = uncovered_call(F.batch_norm, args, kwargs, self._live)
+        if why:
+            self.seen["uncovered"].append(why)
+        out = F.batch_norm(*args, **kwargs)
+        return ContiguousGrad.apply(out) if out.requires_grad and out.dim() > 2 else out
+
     def _conv(self, func: Callable, args: tuple, kwargs: dict) -> Tensor:
         names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
         bound = dict(zip(names, args))
