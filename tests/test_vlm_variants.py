@@ -1,0 +1,96 @@
+"""Vision-language models and captioners in settings the family checks do not use: a checkpoint's own generation
+config, a tokenizer without a pad token, ... (tiny random-init builds of tests/vlm_helpers.py; each case runs in
+about a second on one core).
+
+Each test compares the explanation in the variant with the same model's explanation in the plain setting, or with
+the model's own ``generate``: an independent expectation, not a property of the code under test.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import vitexplain as vx
+
+transformers = pytest.importorskip("transformers")
+import vlm_helpers as helpers  # noqa: E402
+
+PROMPTS = ["what is", "what color is the shape on the left"]
+FAMILIES = ["llava", "qwen2_vl", "paligemma", "smolvlm", "gemma3"]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def built(request):
+    torch.manual_seed(0)
+    model, proc = helpers.BUILDERS[request.param]()
+    return request.param, model, proc
+
+
+def _plain(model, proc, images, **kwargs):
+    return vx.Explainer(model, processor=proc).explain_caption(images, method="cross", prompt=PROMPTS, max_len=3, **kwargs)
+
+
+def _same(got, want):
+    assert got.tokens == want.tokens
+    assert torch.equal(got.ids, want.ids)
+    for a, b in zip(got.token_scores, want.token_scores):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("setting", [dict(return_dict_in_generate=True, output_scores=True),
+                                     dict(return_dict_in_generate=True, output_attentions=True, output_hidden_states=True),
+                                     dict(return_dict_in_generate=True, output_logits=True)])
+def test_a_generation_config_that_returns_a_dict_still_gives_the_answer(built, setting):
+    """A checkpoint's generation_config may ask ``generate`` for a ``GenerateOutput`` (scores, attentions): the answer
+    was sliced as if it were the ids tensor, a TypeError ("tuple indices must be integers") out of explain_caption.
+    Now the answer and the maps are those of the plain config, and the user's config is left as set."""
+    name, model, proc = built
+    images = helpers.images(0)
+    want = _plain(model, proc, images)
+    saved = model.generation_config
+    model.generation_config = copy.deepcopy(saved)
+    try:
+        for key, value in setting.items():
+            setattr(model.generation_config, key, value)
+        before = model.generation_config.to_json_string()
+        got = _plain(model, proc, images)
+        assert model.generation_config.to_json_string() == before
+    finally:
+        model.generation_config = saved
+    _same(got, want)
+
+
+def _vit_gpt2():
+    enc = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                 image_size=32, patch_size=8)
+    dec = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=40, n_positions=32, add_cross_attention=True,
+                                  is_decoder=True, bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    cfg = transformers.VisionEncoderDecoderConfig.from_encoder_decoder_configs(enc, dec)
+    cfg.decoder_start_token_id, cfg.pad_token_id, cfg.eos_token_id = 0, 1, 1
+    torch.manual_seed(0)
+    return transformers.VisionEncoderDecoderModel(config=cfg).eval()
+
+
+def _git():
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=8)
+    cfg = transformers.GitConfig(vision_config=vision, vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                 intermediate_size=64, max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    return transformers.GitForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("build", [_vit_gpt2, _git], ids=["vit-gpt2", "git"])
+def test_a_captioner_whose_generation_config_returns_a_dict_still_captions(build):
+    """The same for Hugging Face captioners (VisionEncoderDecoder, GIT): their ``generate`` output was sliced as ids."""
+    model = build()
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    want = vx.Explainer(model).explain_caption(x, method="cross", max_len=3)
+    model.generation_config.return_dict_in_generate = True
+    model.generation_config.output_scores = True
+    got = vx.Explainer(model).explain_caption(x, method="cross", max_len=3)
+    assert model.generation_config.return_dict_in_generate and model.generation_config.output_scores
+    assert got.tokens == want.tokens
+    torch.testing.assert_close(got.maps, want.maps, atol=1e-6, rtol=1e-5)
