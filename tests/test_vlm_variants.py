@@ -63,6 +63,26 @@ def test_a_generation_config_that_returns_a_dict_still_gives_the_answer(built, s
     _same(got, want)
 
 
+def test_a_tokenizer_without_a_pad_token_is_padded_with_another_token(built):
+    """Llama-style tokenizers have no pad token: the processor's ``padding=True`` refused even one prompt ("Asking to
+    pad but the tokenizer does not have a padding token") and explain_caption raised an InputError about the image and
+    the prompt. The padding is masked out, so any token serves: the explanation equals the one with a pad token (a
+    batch of prompts of different lengths, and one prompt), and the tokenizer is left without one."""
+    name, model, proc = built
+    images = helpers.images(1)
+    want = _plain(model, proc, images)
+    want_one = vx.Explainer(model, processor=proc).explain_caption(images[:1], method="cross", prompt=PROMPTS[0], max_len=3)
+    tok = copy.deepcopy(proc.tokenizer)
+    tok.pad_token = None
+    no_pad = copy.copy(proc)
+    no_pad.tokenizer = tok
+    got = _plain(model, no_pad, images)
+    got_one = vx.Explainer(model, processor=no_pad).explain_caption(images[:1], method="cross", prompt=PROMPTS[0], max_len=3)
+    assert tok.pad_token is None and tok.pad_token_id is None
+    _same(got, want)
+    _same(got_one, want_one)
+
+
 def _vit_gpt2():
     enc = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
                                  image_size=32, patch_size=8)

@@ -238,8 +238,10 @@ class VLMAdapter(Adapter):
         processor = self.require_processor()
         texts = [self.format_prompt(p) for p in prompts]
         tokenizer = self.tokenizer
-        side = tokenizer.padding_side
+        side, pad = tokenizer.padding_side, tokenizer.pad_token
         tokenizer.padding_side = self.padding_side
+        if pad is None:  # (Llama-style tokenizers have none: pad with the end token, say, masked out as generate's padding)
+            tokenizer.pad_token = tokenizer.convert_ids_to_tokens(self.pad_id) or tokenizer.eos_token or tokenizer.unk_token
         try:
             pils = processor_images(images)
             given = [[image] for image in pils] if self.nested_images else pils
@@ -254,6 +256,8 @@ class VLMAdapter(Adapter):
             ) from err
         finally:
             tokenizer.padding_side = side
+            if pad is None:
+                tokenizer.pad_token = None
         for key in list(batch.keys()):
             # an empty prompt gives a second tokenizer (InstructBLIP's Q-Former) no token at all,
             # and the processor builds that empty batch as float: ids and masks are integers
