@@ -114,3 +114,43 @@ def test_a_captioner_whose_generation_config_returns_a_dict_still_captions(build
     assert model.generation_config.return_dict_in_generate and model.generation_config.output_scores
     assert got.tokens == want.tokens
     torch.testing.assert_close(got.maps, want.maps, atol=1e-6, rtol=1e-5)
+
+
+def _llava_next(tower: str, strategy: str):
+    """:func:`vlm_helpers.llava_next` with a CLIP or a SigLIP tower and either feature strategy."""
+    tok = helpers.tokenizer(("<image>",))
+    pinpoints = [[16, 32], [32, 16], [32, 32]]
+    image = transformers.LlavaNextImageProcessor(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16},
+                                                 image_grid_pinpoints=pinpoints)
+    proc = transformers.LlavaNextProcessor(image_processor=image, tokenizer=tok, patch_size=4,
+                                           vision_feature_select_strategy=strategy,
+                                           num_additional_image_tokens=1 if tower == "clip" else 0)
+    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=16, patch_size=4)
+    vision = transformers.CLIPVisionConfig(**small) if tower == "clip" else transformers.SiglipVisionConfig(**small)
+    cfg = transformers.LlavaNextConfig(vision_config=vision, text_config=dict(model_type="llama", vocab_size=len(tok), **helpers._text()),
+                                       image_token_id=tok.convert_tokens_to_ids("<image>"), image_grid_pinpoints=pinpoints,
+                                       vision_feature_select_strategy=strategy, vision_feature_layer=-1)
+    return helpers._sdpa_built(transformers.LlavaNextForConditionalGeneration, cfg, proc)
+
+
+def test_llava_next_with_a_siglip_tower_and_the_full_strategy_is_explained():
+    """LLaVA-NeXT with a SigLIP tower (no class token) and the "full" strategy keeps each tile's 4 x 4 patches, as CLIP
+    with "default" does (and LLaVA-OneVision, SigLIP with "full"): the adapter refused every "full" model as "a class
+    token per tile". Now the maps equal the eager oracle of tests/vlm_checks.py, and each token covers the pixels that
+    change it (footprint probe); CLIP with "full" (a class token per tile, which the model cannot stitch) is still refused."""
+    import vlm_checks
+
+    model, proc = _llava_next("siglip", "full")
+    images = helpers.images(2)
+    answers = [[proc.tokenizer.convert_tokens_to_ids(w) for w in words] for words in vlm_checks.ANSWERS]
+    got = vx.Explainer(model, processor=proc).explain_caption(images, method=["cross", "cross_generic"], caption=answers,
+                                                              prompt=vlm_checks.PROMPTS)
+    want = vlm_checks.oracle("llava_next", model, proc, images, vlm_checks.PROMPTS, answers)
+    for e in got:
+        for a, b in zip(e.token_scores, want[e.method]):
+            assert float(b.abs().max()) > 0
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    vlm_checks.check_footprints(("llava_next", model, proc), (20, 90))
+    model, proc = _llava_next("clip", "full")
+    with pytest.raises(vx.UnsupportedModelError, match="'full' feature strategy on a vision tower with a class token"):
+        vx.Explainer(model, processor=proc).explain_caption(images, method="cross", prompt="what is", max_len=2)
