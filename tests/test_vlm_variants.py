@@ -9,6 +9,7 @@ the model's own ``generate``: an independent expectation, not a property of the 
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -154,3 +155,28 @@ def test_llava_next_with_a_siglip_tower_and_the_full_strategy_is_explained():
     model, proc = _llava_next("clip", "full")
     with pytest.raises(vx.UnsupportedModelError, match="'full' feature strategy on a vision tower with a class token"):
         vx.Explainer(model, processor=proc).explain_caption(images, method="cross", prompt="what is", max_len=2)
+
+
+def test_layers_whose_sliding_window_has_passed_the_image_are_refused():
+    """Gemma 3's sliding-window layers (window 8 here) give an answer row no attention to image tokens more than 8
+    positions back: ``cross`` / ``cross_grad`` over such a layer alone returned maps of 0 everywhere, silently. Now they
+    raise an OptionError that names the layers and what to choose; the full-attention layer, and all layers (the
+    default), still give maps that are not constant."""
+    model, proc = helpers.gemma3()
+    text = model.config.text_config
+    sliding = text.layer_types.index("sliding_attention")
+    full = text.layer_types.index("full_attention")
+    images = helpers.images(3, ((40, 52),))
+    prompt = "what color is the shape on the left of the square"
+    ex = vx.Explainer(model, processor=proc)
+    inputs = ex.adapter.prepare(images, [prompt])
+    last_image = int((inputs["input_ids"][0] == model.config.image_token_id).nonzero().max())
+    assert inputs["input_ids"].shape[1] - 1 - last_image >= text.sliding_window  # the window has passed the image
+    for method, layers in [("cross", sliding), ("cross", [sliding]), ("cross_grad", sliding)]:
+        with pytest.raises(vx.OptionError, match=re.escape(f"layers={layers!r} gives answer word(s) [0, 1] of image 0 no weight")):
+            ex.explain_caption(images, method=method, prompt=prompt, caption="red circle", layers=layers)
+    for layers in (full, None):
+        for e in ex.explain_caption(images, method=["cross", "cross_grad"], prompt=prompt, caption="red circle",
+                                    cross={"layers": layers}, cross_grad={"layers": layers}):
+            for word in e.image_maps[0]:
+                assert torch.isfinite(word).all() and float(word.max() - word.min()) > 0
