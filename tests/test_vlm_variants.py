@@ -180,3 +180,23 @@ def test_layers_whose_sliding_window_has_passed_the_image_are_refused():
                                     cross={"layers": layers}, cross_grad={"layers": layers}):
             for word in e.image_maps[0]:
                 assert torch.isfinite(word).all() and float(word.max() - word.min()) > 0
+
+
+def test_several_images_for_one_prompt_are_refused_clearly():
+    """explain_caption explains one image per prompt. A list of images for one prompt ([[a, b]], as processors take
+    them) of different sizes was a bare NumPy ValueError ("inhomogeneous shape"); it is an InputError that says so.
+    A decoder-only VLM's ``generate`` output holds the prompt (image tokens) before the answer: passed as ``caption=``,
+    the refusal now says to pass only the answer."""
+    model, proc = helpers.llava()
+    a, b = helpers.images(4)
+    ex = vx.Explainer(model, processor=proc)
+    for images in ([[a, b]], [(a, b)], [a, [b, a]]):
+        with pytest.raises(vx.InputError, match="one image per prompt"):
+            ex.explain_caption(images, method="cross", prompt="<image> <image> what", max_len=2)
+    batch = ex.adapter.prepare([a], ["what is"])
+    with torch.no_grad():
+        out = model.generate(**batch, max_new_tokens=2, do_sample=False)
+    with pytest.raises(vx.UsageError, match=re.escape("pass only the answer, out[:, prompt_length:]")):
+        ex.explain_caption([a], method="cross", prompt="what is", caption=out)
+    e = ex.explain_caption([a], method="cross", prompt="what is", caption=out[:, batch["input_ids"].shape[1]:])
+    assert e.ids[0].tolist() == out[0, batch["input_ids"].shape[1]:].tolist()
