@@ -200,3 +200,21 @@ def test_several_images_for_one_prompt_are_refused_clearly():
         ex.explain_caption([a], method="cross", prompt="what is", caption=out)
     e = ex.explain_caption([a], method="cross", prompt="what is", caption=out[:, batch["input_ids"].shape[1]:])
     assert e.ids[0].tolist() == out[0, batch["input_ids"].shape[1]:].tolist()
+
+
+def test_a_prompt_holding_the_models_own_image_token_is_refused_as_such():
+    """Gemma 3's processor writes the image as ``<start_of_image>`` and expands it into ``<image_soft_token>``s. A
+    prompt that holds ``<image_soft_token>`` itself gives the sequence one image token more than the image has
+    features (17 for 16, counted here from the processor's own batch): the refusal blamed the processor ("the
+    processor and the model disagree (pass the model's own processor)"); it now names the prompt and the placeholder.
+    Families whose placeholder is the image token itself (LLaVA's ``<image>``) keep the processor's own check."""
+    model, proc = helpers.gemma3()
+    images = helpers.images(5, ((40, 52),))
+    soft = proc.tokenizer.convert_ids_to_tokens(model.config.image_token_id)
+    batch = proc(images=images, text=[f"<start_of_image>{soft} what"], return_tensors="pt")
+    assert int((batch["input_ids"] == model.config.image_token_id).sum()) == model.config.mm_tokens_per_image + 1
+    ex = vx.Explainer(model, processor=proc)
+    with pytest.raises(vx.InputError, match=re.escape(f"holds '{soft}'") + ".*write the image as '<start_of_image>'"):
+        ex.explain_caption(images, method="cross", prompt=f"{soft} what", max_len=2)
+    e = ex.explain_caption(images, method="cross", prompt="<start_of_image> what", max_len=2)
+    assert e.token_scores[0].shape[-1] == model.config.mm_tokens_per_image

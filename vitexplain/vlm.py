@@ -181,6 +181,7 @@ def explain_vlm(adapter: VLMAdapter, plan: Plan, images: Any, caption: Any, prom
     if any(not isinstance(p, str) for p in prompts):
         raise UsageError("prompt must be a string or one string per image")
     with adapter.own_processor():  # (another family's processor fails here, before any generation)
+        adapter.check_prompts(prompts)
         inputs = adapter.prepare(arrays, prompts)
         views = adapter.views(arrays, inputs)
         start = adapter.answer_start(inputs)

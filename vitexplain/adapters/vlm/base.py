@@ -217,6 +217,28 @@ class VLMAdapter(Adapter):
         token = str(getattr(self.processor, "image_token", None) or self.image_token)  # (may be an AddedToken)
         return prompt if token in prompt else f"{token}{prompt}"
 
+    def check_prompts(self, prompts: Sequence[str]) -> None:
+        """Refuse a prompt that holds the model's image token itself where the processor writes the image with another
+        placeholder (Gemma 3: ``<image_soft_token>``, written by the processor for ``<start_of_image>``): each such
+        token would stand for one more image feature than the image has.
+
+        Raises:
+            InputError: naming the prompt, the token and the placeholder to write instead.
+        """
+        try:
+            raw = self.tokenizer.convert_ids_to_tokens(self.image_token_id)
+        except (VitexplainError, TypeError, ValueError, IndexError, OverflowError):  # (a family with no such token)
+            return
+        placeholder = self.format_prompt("")  # ("": the processor puts the image in front itself, bare_prompt checks)
+        if not isinstance(raw, str) or not raw or not placeholder or raw in placeholder:
+            return
+        for i, prompt in enumerate(prompts):
+            if raw in prompt:
+                raise InputError(
+                    f"prompt {i} ({prompt!r}) holds {raw!r}, the token {type(self.processor).__name__} writes for each "
+                    f"feature of the image, so the model would find more image tokens than image features; write the "
+                    f"image as {placeholder!r} or leave it out (vitexplain puts it in front)")
+
     def bare_prompt(self, prompt: str) -> str:
         """The prompt for a processor that puts the image tokens in front of it itself (BLIP-2,
         InstructBLIP, Florence-2): unchanged, once checked to hold no image token of its own.
