@@ -218,3 +218,24 @@ def test_a_prompt_holding_the_models_own_image_token_is_refused_as_such():
         ex.explain_caption(images, method="cross", prompt=f"{soft} what", max_len=2)
     e = ex.explain_caption(images, method="cross", prompt="<start_of_image> what", max_len=2)
     assert e.token_scores[0].shape[-1] == model.config.mm_tokens_per_image
+
+
+@pytest.mark.parametrize("size, box", [((20, 90), (-35.0, 0.0, 55.0, 90.0)), ((90, 21), (0.0, -34.0, 90.0, 56.0))])
+def test_llava_whose_processor_pads_to_a_square_maps_the_whole_image(size, box):
+    """LLaVA's own image processor (``LlavaImageProcessor``, ``do_pad=True``: the original LLaVA-1.5 "pad to square")
+    pads the image, centred, to a square before resizing and cropping it, so the whole image is seen. The geometry
+    followed the resize and crop alone, as if the long sides were cropped away: each token's pixels were misplaced, the
+    borders got no token. By hand: a 20 x 90 image is padded to 90 x 90 (35 rows above, 35 below), which the 32 px
+    resize and crop keep whole; so the 4 x 4 grid spans rows -35..55 and columns 0..90 (21 x 90: 34 columns on the
+    left, 35 on the right). The footprint probe of tests/vlm_checks.py agrees (pixels change the tokens drawn there)."""
+    import vlm_checks
+
+    model, proc = helpers.llava()
+    proc.image_processor = transformers.LlavaImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32},
+                                                            do_pad=True)
+    image = helpers.images(6, (size,))[0]
+    adapter = vx.Explainer(model, processor=proc).adapter
+    (piece,) = adapter.views([image], adapter.prepare([image], [""]))[0].pieces
+    assert piece.grid == (4, 4)
+    assert piece.box == pytest.approx(box)
+    vlm_checks.check_footprints(("llava", model, proc), size)
