@@ -43,11 +43,13 @@ def _same(got, want):
 
 @pytest.mark.parametrize("setting", [dict(return_dict_in_generate=True, output_scores=True),
                                      dict(return_dict_in_generate=True, output_attentions=True, output_hidden_states=True),
-                                     dict(return_dict_in_generate=True, output_logits=True)])
+                                     dict(return_dict_in_generate=True, output_logits=True),
+                                     dict(num_return_sequences=2, num_beams=2)])
 def test_a_generation_config_that_returns_a_dict_still_gives_the_answer(built, setting):
     """A checkpoint's generation_config may ask ``generate`` for a ``GenerateOutput`` (scores, attentions): the answer
     was sliced as if it were the ids tensor, a TypeError ("tuple indices must be integers") out of explain_caption.
-    Now the answer and the maps are those of the plain config, and the user's config is left as set."""
+    One asking for several sequences per input was refused as a model that "cannot read an image size" (greedy search
+    takes one). Now the answer and the maps are those of the plain config, and the user's config is left as set."""
     name, model, proc = built
     images = helpers.images(0)
     want = _plain(model, proc, images)
