@@ -332,6 +332,8 @@ def given_token_ids(caption: Any, batch: int, encode: Callable[[str], list[int]]
             raise UsageError(
                 f"caption {i} holds token ids {bad[:5]} outside the vocabulary (0..{vocab - 1 if vocab else '?'})"
                 f"{' or standing for the image' if forbidden else ''}; pass text, or ids the model's tokenizer produced"
+                + (" (a vision-language model's generate() returns the prompt, image tokens included, before the answer: "
+                   "pass only the answer, out[:, prompt_length:])" if any(t in forbidden for t in bad) else "")
             )
     return seqs
 

@@ -51,7 +51,12 @@ def _images(images: Any) -> tuple[list[Any], list[Any]]:
     if not items:
         raise InputError("no images given")
     arrays, sources = [], []
-    for item in items:
+    for i, item in enumerate(items):
+        if isinstance(item, (list, tuple)) and item and not isinstance(item[0], (list, tuple, int, float)):
+            # several images (not an image's rows of pixels as lists): of different sizes, a bare ValueError of NumPy's
+            raise InputError(
+                f"image {i} is a {type(item).__name__} of {len(item)} item(s): explain_caption explains one image per "
+                "prompt (the image token is put in each prompt once); pass a flat list of images, with one prompt each")
         is_path = isinstance(item, (str, Path))
         sources.append(item if is_path else None)
         arrays.append(load_image(item) if is_path else as_rgb(item, "each image"))
@@ -176,6 +181,7 @@ def explain_vlm(adapter: VLMAdapter, plan: Plan, images: Any, caption: Any, prom
     if any(not isinstance(p, str) for p in prompts):
         raise UsageError("prompt must be a string or one string per image")
     with adapter.own_processor():  # (another family's processor fails here, before any generation)
+        adapter.check_prompts(prompts)
         inputs = adapter.prepare(arrays, prompts)
         views = adapter.views(arrays, inputs)
         start = adapter.answer_start(inputs)

@@ -23,7 +23,14 @@ from ..methods.families import CAPTION
 from .base import Adapter, find_layout_module, register_adapter
 from ..errors import UsageError
 
-__all__ = ["CaptionAdapter", "ZooCaptionAdapter", "TransformerDecoderCaptioner", "TorchDecoderCaptionAdapter"]
+__all__ = ["CaptionAdapter", "ZooCaptionAdapter", "TransformerDecoderCaptioner", "TorchDecoderCaptionAdapter", "IDS_ONLY"]
+
+#: Hugging Face ``model.generate`` keyword arguments that make it return the (B, T) ids tensor, one answer per input,
+#: whatever the model's ``generation_config`` says (a checkpoint's ``return_dict_in_generate``, ``output_scores``,
+#: ``output_attentions``, ... would make it a ``GenerateOutput``, which cannot be sliced as ids; SDPA has no attention
+#: weights to output; ``num_return_sequences`` > 1 would give several rows per input, which greedy search refuses)
+IDS_ONLY: dict[str, Any] = dict(return_dict_in_generate=False, output_scores=False, output_logits=False,
+                                output_attentions=False, output_hidden_states=False, num_return_sequences=1)
 
 
 class CaptionAdapter(Adapter):

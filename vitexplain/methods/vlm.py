@@ -27,7 +27,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from ..errors import OptionError
+from ..errors import OptionError, UnsupportedMethodError
 from ..recording import AttentionRecord
 from ..recording.scores import fuse_heads
 from .families import VLM
@@ -37,7 +37,7 @@ from .vlm_context import VLMContext
 from .vlm_cross import cross_layer_relevance
 from .vlm_encdec import encoder_decoder_generic
 
-__all__ = ["cross", "cross_grad", "cross_generic", "pick_layers"]
+__all__ = ["cross", "cross_grad", "cross_generic", "pick_layers", "check_reach"]
 
 _LAYERS = Option(int, optional=True, sequence=True, help="language-model layers (None = all)")
 _REFERENCE = "docs/methods.md 'Vision-language models'"
@@ -48,6 +48,35 @@ def pick_layers(method: str, records: Sequence[AttentionRecord], layers: Union[N
     if layers is None:
         return list(records)
     return [records[i] for i in check_indices(method, "layers", layers, len(records), "language-model layers")]
+
+
+def check_reach(ctx: VLMContext, attention: Tensor, method: str, chosen: str) -> None:
+    """Refuse maps that would be 0 everywhere because the chosen attention never reaches an image's tokens.
+
+    Softmax weights are exactly 0 only where the mask hides a key: a sliding-window layer whose window ends after
+    the image (Gemma 3, Mistral) gives the answer rows no weight on it, so a word's map over those layers alone says
+    nothing about the image.
+
+    Args:
+        ctx: the teacher-forced forward.
+        attention: (B, T, N) non-negative attention of the rows predicting the words (heads and layers summed or fused).
+        method: the method name (for the message).
+        chosen: which layers or heads were read, as the user gave them (for the message).
+
+    Raises:
+        OptionError: ``layers=`` / ``heads=`` chose only such layers.
+        UnsupportedMethodError: no layer of the language model reaches the image tokens from the answer.
+    """
+    for b, scores in enumerate(ctx.gather(attention)):
+        dead = (scores[: int(ctx.lengths[b])].sum(dim=-1) == 0).nonzero()[:, 0].tolist()
+        if not dead or scores.shape[-1] == 0:
+            continue
+        what = (f"{method}: the attention of {chosen} gives answer word(s) {dead} of image {b} no weight at all on its "
+                f"{scores.shape[-1]} image tokens (the mask hides them, as a sliding-window layer's does once the window has "
+                "passed the image; or every weight underflowed to 0), so their maps would be 0 everywhere")
+        if chosen == "every language-model layer":
+            raise UnsupportedMethodError(f"{what}; give a shorter prompt, so that the image lies within the window")
+        raise OptionError(f"{what}; choose layers whose attention reaches the image (layers=None: all of them)")
 
 
 def _head_pairs(records: Sequence[AttentionRecord], heads: Sequence[tuple]) -> dict[int, list[int]]:
@@ -104,9 +133,11 @@ def cross(ctx: VLMContext, *, layers: Union[None, int, Sequence[int]] = None,
             part = probs.sum(dim=1)
             total = part if total is None else total + part
             count += len(chosen)
+        check_reach(ctx, total, "cross", f"heads={list(heads)!r}")
         return ctx.gather(total / count)
     chosen_records = pick_layers("cross", records, layers)
     fused = sum(fuse_heads(r.probs(queries=ctx.rows), head_fusion) for r in chosen_records)
+    check_reach(ctx, fused, "cross", "every language-model layer" if layers is None else f"layers={layers!r}")
     return ctx.gather(fused / len(chosen_records))
 
 
@@ -132,6 +163,8 @@ def cross_grad(ctx: VLMContext, *, layers: Union[None, int, Sequence[int]] = Non
     chosen = pick_layers("cross_grad", ctx.layers(), layers)
     rows = ctx.rows
     probs = [r.probs(queries=rows) for r in chosen]  # (B, H, T, N) each
+    check_reach(ctx, sum(a.sum(dim=1) for a in probs), "cross_grad",
+                "every language-model layer" if layers is None else f"layers={layers!r}")
     out = torch.zeros(ctx.batch_size, ctx.num_words, probs[0].shape[-1], device=probs[0].device)
     recorder = ctx.recorder
     for word in range(ctx.num_words):

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from ...errors import InputError, UnsupportedModelError, UsageError, VitexplainError
 from ...methods.families import VLM
 from ..base import Adapter
+from ..captioning import IDS_ONLY
 from .views import ImageView
 
 __all__ = ["VLMAdapter", "submodule_named", "processor_images"]
@@ -216,6 +217,28 @@ class VLMAdapter(Adapter):
         token = str(getattr(self.processor, "image_token", None) or self.image_token)  # (may be an AddedToken)
         return prompt if token in prompt else f"{token}{prompt}"
 
+    def check_prompts(self, prompts: Sequence[str]) -> None:
+        """Refuse a prompt that holds the model's image token itself where the processor writes the image with another
+        placeholder (Gemma 3: ``<image_soft_token>``, written by the processor for ``<start_of_image>``): each such
+        token would stand for one more image feature than the image has.
+
+        Raises:
+            InputError: naming the prompt, the token and the placeholder to write instead.
+        """
+        try:
+            raw = self.tokenizer.convert_ids_to_tokens(self.image_token_id)
+        except (VitexplainError, TypeError, ValueError, IndexError, OverflowError):  # (a family with no such token)
+            return
+        placeholder = self.format_prompt("")  # ("": the processor puts the image in front itself, bare_prompt checks)
+        if not isinstance(raw, str) or not raw or not placeholder or raw in placeholder:
+            return
+        for i, prompt in enumerate(prompts):
+            if raw in prompt:
+                raise InputError(
+                    f"prompt {i} ({prompt!r}) holds {raw!r}, the token {type(self.processor).__name__} writes for each "
+                    f"feature of the image, so the model would find more image tokens than image features; write the "
+                    f"image as {placeholder!r} or leave it out (vitexplain puts it in front)")
+
     def bare_prompt(self, prompt: str) -> str:
         """The prompt for a processor that puts the image tokens in front of it itself (BLIP-2,
         InstructBLIP, Florence-2): unchanged, once checked to hold no image token of its own.
@@ -237,8 +260,10 @@ class VLMAdapter(Adapter):
         processor = self.require_processor()
         texts = [self.format_prompt(p) for p in prompts]
         tokenizer = self.tokenizer
-        side = tokenizer.padding_side
+        side, pad = tokenizer.padding_side, tokenizer.pad_token
         tokenizer.padding_side = self.padding_side
+        if pad is None:  # (Llama-style tokenizers have none: pad with the end token, say, masked out as generate's padding)
+            tokenizer.pad_token = tokenizer.convert_ids_to_tokens(self.pad_id) or tokenizer.eos_token or tokenizer.unk_token
         try:
             pils = processor_images(images)
             given = [[image] for image in pils] if self.nested_images else pils
@@ -253,6 +278,8 @@ class VLMAdapter(Adapter):
             ) from err
         finally:
             tokenizer.padding_side = side
+            if pad is None:
+                tokenizer.pad_token = None
         for key in list(batch.keys()):
             # an empty prompt gives a second tokenizer (InstructBLIP's Q-Former) no token at all,
             # and the processor builds that empty batch as float: ids and masks are integers
@@ -277,7 +304,7 @@ class VLMAdapter(Adapter):
         ends = self.end_ids
         out = self.model.generate(**inputs, max_new_tokens=max_len, do_sample=False, num_beams=1,
                                   pad_token_id=self.pad_id, suppress_tokens=self.placeholder_ids or None,
-                                  **({"eos_token_id": ends} if ends else {}))
+                                  **IDS_ONLY, **({"eos_token_id": ends} if ends else {}))
         return out[:, inputs["input_ids"].shape[1]:]
 
     def answer_start(self, inputs: Any) -> int:

@@ -25,7 +25,7 @@ from .pixel_tokens import sum_cells
 from .views import ImageView, Piece, processed_box
 from .mistral3 import native_tokens, native_views
 
-__all__ = ["LlavaAdapter", "VideoLlavaAdapter"]
+__all__ = ["LlavaAdapter", "VideoLlavaAdapter", "tower_has_class_token"]
 
 
 class LlavaAdapter(VLMAdapter):
@@ -109,12 +109,20 @@ class LlavaAdapter(VLMAdapter):
         return out
 
     def _tower_has_class_token(self) -> bool:
-        """Whether the vision tower prepends a class token (CLIP does, SigLIP does not)."""
-        tower = getattr(getattr(self.model, "model", self.model), self.tower_name, None)
-        tower = tower if tower is not None else getattr(self.model, self.tower_name, None)
-        if tower is None:
-            raise UnsupportedModelError(f"{type(self.model).__name__} has no {self.tower_name} to read the image tokens from")
-        return any(hasattr(module, "class_embedding") for module in tower.modules())
+        return tower_has_class_token(self.model, self.tower_name)
+
+
+def tower_has_class_token(model: nn.Module, tower_name: str = "vision_tower") -> bool:
+    """Whether the model's vision tower (its attribute ``tower_name``) prepends a class token (CLIP does, SigLIP does not).
+
+    Raises:
+        UnsupportedModelError: the model has no such tower.
+    """
+    tower = getattr(getattr(model, "model", model), tower_name, None)
+    tower = tower if tower is not None else getattr(model, tower_name, None)
+    if tower is None:
+        raise UnsupportedModelError(f"{type(model).__name__} has no {tower_name} to read the image tokens from")
+    return any(hasattr(module, "class_embedding") for module in tower.modules())
 
 
 class VideoLlavaAdapter(LlavaAdapter):

@@ -24,6 +24,7 @@ from ...errors import UnsupportedModelError
 from ...methods.families import VLM
 from ..base import Adapter, register_adapter
 from .base import VLMAdapter
+from .llava import tower_has_class_token
 from .pixel_tokens import sum_cells
 from .views import ImageView, Piece
 
@@ -139,8 +140,10 @@ class LlavaNextAdapter(VLMAdapter):
             if not aspect.startswith("anyres_max_"):
                 raise UnsupportedModelError(f"LLaVA-OneVision with vision_aspect_ratio={aspect!r} is not supported")
             max_tiles = int(aspect[len("anyres_max_"):])
-        elif config.vision_feature_select_strategy != "default":
-            raise UnsupportedModelError("LLaVA-NeXT with the 'full' feature strategy (a class token per tile) is not supported")
+        elif config.vision_feature_select_strategy != "default" and tower_has_class_token(self.model):
+            # ("full" on a tower without a class token, SigLIP, keeps each tile's g x g patches, as "default" on CLIP)
+            raise UnsupportedModelError("LLaVA-NeXT with the 'full' feature strategy on a vision tower with a class token "
+                                        "(a class token per tile) is not supported")
         processor = self.image_processor
         crop = dict(getattr(processor, "crop_size", None) or {})
         if crop and crop.get("height") != tile:

@@ -145,7 +145,19 @@ def processed_box(image_processor: Any, height: int, width: int) -> tuple[float,
     Follows transformers' processors: ``size={"shortest_edge": S}`` scales the short side to S and
     the long side to ``int(S * long / short)``; ``size={"height", "width"}`` resizes to that size;
     then ``crop_size`` (when ``do_center_crop``) cuts the centre, padding first where the crop is larger.
+    An image processor that pads the image to a square first (LLaVA's ``LlavaImageProcessor`` with ``do_pad``:
+    centred, ``pad_to_square``) resizes and crops that square: the box reaches into the padding.
     """
+    if getattr(image_processor, "do_pad", False) and callable(getattr(image_processor, "pad_to_square", None)):
+        side = max(height, width)
+        top, left = (side - height) // 2, (side - width) // 2  # (transformers' pad_to_square offsets)
+        y0, x0, y1, x1 = _resized_box(image_processor, side, side)
+        return (y0 - top, x0 - left, y1 - top, x1 - left)
+    return _resized_box(image_processor, height, width)
+
+
+def _resized_box(image_processor: Any, height: int, width: int) -> tuple[float, float, float, float]:
+    """:func:`processed_box` of a resize (+ centre crop), without padding to a square."""
     size = dict(getattr(image_processor, "size", None) or {})
     if not getattr(image_processor, "do_resize", True) or not size:
         rh, rw = height, width
