@@ -369,6 +369,17 @@ def test_what_is_not_an_image_is_named(ex, bad, message):
         ex.explain(bad, method="rollout")
 
 
+def test_an_image_of_rows_of_different_lengths_is_named():
+    """A nested list whose rows differ in length (an image built row by row, one row short) raised NumPy's bare
+    ValueError ('inhomogeneous shape') out of explain() and overlay()."""
+    ragged = [[[0, 0, 0]] * 4] * 3 + [[[0, 0, 0]] * 5]
+    ex = vx.Explainer(vx.zoo.load("shapes-vit"))
+    with pytest.raises(vx.UsageError, match=r"rows of different lengths"):
+        ex.explain([ragged], method="rollout")
+    with pytest.raises(vx.UsageError, match=r"rows of different lengths"):
+        vx.overlay(ragged, torch.zeros(2, 2))
+
+
 def test_a_list_of_preprocessed_tensors_is_told_to_stack_them(ex):
     """A list of (3, H, W) float tensors was told to convert them to uint8 ('float image? convert with
     np.clip(x * 255, ...)'), which would explain garbage: they are a batch to stack."""

@@ -78,7 +78,12 @@ def as_rgb(image: Any, what: str = "image") -> np.ndarray:
 def check_rgb(image: Any, what: str = "image") -> np.ndarray:
     """Return ``image`` as an ``(H, W, 3)`` uint8 array or raise a helpful error."""
     is_tensor = hasattr(image, "detach") and hasattr(image, "cpu")  # torch, without importing it
-    arr = np.asarray(image.detach().cpu()) if is_tensor else np.asarray(image)
+    try:
+        arr = np.asarray(image.detach().cpu()) if is_tensor else np.asarray(image)
+    except ValueError as err:  # a nested list whose rows differ in length (NumPy: 'inhomogeneous shape')
+        raise UsageError(f"{what} must be an (H, W, 3) uint8 RGB array, got a {type(image).__name__} of rows of "
+                         "different lengths (images of different sizes in one list? pass each image as its own "
+                         "array)") from err
     if arr.dtype == object or arr.ndim == 0:  # None, a number, a dict, a generator: not an image at all
         raise UsageError(f"{what} must be an (H, W, 3) uint8 RGB array (or a path or PIL image where images are "
                          f"read), got {type(image).__name__}")
