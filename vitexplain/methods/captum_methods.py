@@ -14,6 +14,7 @@ from torch import Tensor
 
 from ..errors import ConvergenceWarning, UnsupportedMethodError
 from ..targets import logits_of
+from .batchnorm_grad import ContiguousBatchNormGrads
 from .context import Context
 from .options import MAX_SAMPLES, SEED_RANGE, Option
 from .families import VIT
@@ -28,12 +29,30 @@ __all__ = ["integrated_gradients", "occlusion", "smoothgrad", "COMPLETENESS_RTOL
 COMPLETENESS_RTOL = 0.05
 
 
+def _model(ctx: Context, inp: Tensor) -> Any:
+    """The adapter's forward of ``inp``, BatchNorm's gradients made contiguous (:mod:`~vitexplain.methods.batchnorm_grad`).
+
+    Raises:
+        UnsupportedMethodError: the model calls FlexAttention on the CPU, where it has no backward (torch raised
+            a bare NotImplementedError).
+    """
+    try:
+        with ContiguousBatchNormGrads():  # (torch's CPU backward of a one-image BatchNorm: batchnorm_grad.py)
+            return ctx.adapter.forward(inp)
+    except NotImplementedError as err:
+        if "FlexAttention does not support backward on CPU" not in str(err):
+            raise
+        raise UnsupportedMethodError(
+            f"method {ctx.method!r} takes gradients of the model, which calls FlexAttention, and FlexAttention has "
+            "no backward pass on CPU (torch: 'FlexAttention does not support backward on CPU'): run it on a CUDA "
+            "device, or use a method without gradients (raw, rollout, occlusion)") from err
+
+
 def _forward_and_target(ctx: Context) -> tuple[Callable[[Tensor], Tensor], Optional[list[int]]]:
     """captum's forward function and target: logits + class indices, or a custom score."""
-    adapter = ctx.adapter
     if ctx.target.custom:
-        return (lambda inp: ctx.score(adapter.forward(inp))), None
-    return (lambda inp: logits_of(adapter.forward(inp))), ctx.target.classes.tolist()
+        return (lambda inp: ctx.score(_model(ctx, inp))), None
+    return (lambda inp: logits_of(_model(ctx, inp))), ctx.target.classes.tolist()
 
 
 def _as_image(ctx: Context, index: int) -> Callable[[Tensor], Tensor]:
@@ -48,7 +67,7 @@ def _as_image(ctx: Context, index: int) -> Callable[[Tensor], Tensor]:
         )
 
     def forward(inp: Tensor) -> Tensor:
-        out = ctx.adapter.forward(inp)
+        out = _model(ctx, inp)
         rows = [torch.cat([clean[:index], out[s : s + 1], clean[index + 1 :]]) for s in range(out.shape[0])]
         return torch.stack([ctx.score(r)[index] for r in rows])
 

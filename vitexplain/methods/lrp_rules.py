@@ -65,6 +65,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from ..errors import UsageError
+from .batchnorm_grad import ContiguousGrad
 from .lrp_coverage import uncovered_call
 from .lrp_ops import (GAMMA_STABILIZER, IDENTITY_EPSILON, ActivationModuleRule, IdentityRule, LayerNormRule, ScaleGrad,
                       activation_module, cosine_rule, gamma_rule, group_norm_rule, rms_norm_rule, star_relu_rule)
@@ -221,6 +222,8 @@ class LRPRules(TorchFunctionMode):
             return self._softmax(func, args, kwargs)
         if func is F.cosine_similarity:
             return self._cosine(*args, **kwargs)
+        if func is F.batch_norm:
+            return self._batch_norm(args, kwargs)
         if func is F.linear and self.linear_gamma > 0:
             return self.linear(*args, **kwargs)
         if self.linear_gamma > 0 and (func in _ADDMM or func in _MATMUL):
@@ -365,6 +368,16 @@ class LRPRules(TorchFunctionMode):
         """``F.group_norm`` (hybrid ViTs' ResNet stems): :func:`~vitexplain.methods.lrp_ops.group_norm_rule`."""
         self.seen["norm"] += 1
         return group_norm_rule(input, num_groups, weight, bias, eps)
+
+    def _batch_norm(self, args: tuple, kwargs: dict) -> Tensor:
+        """``F.batch_norm`` as it is (with running statistics an affine map: it keeps its gradient), the gradient
+        into it made contiguous (:class:`~vitexplain.methods.batchnorm_grad.ContiguousGrad`: torch's CPU backward of a
+        one-image batch is wrong otherwise); with batch statistics it is not covered."""
+        why = uncovered_call(F.batch_norm, args, kwargs, self._live)
+        if why:
+            self.seen["uncovered"].append(why)
+        out = F.batch_norm(*args, **kwargs)
+        return ContiguousGrad.apply(out) if out.requires_grad else out
 
     def _normalize(self, input: Tensor, p: float = 2.0, dim: int = 1, eps: float = 1e-12,
                    out: Optional[Tensor] = None) -> Tensor:
