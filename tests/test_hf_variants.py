@@ -5,10 +5,15 @@
   backward of an eval-mode BatchNorm on one image is wrong when its gradient arrives through LeViT's
   ``flatten(2).transpose(1, 2)``; the expectation is the invariant (a batch equals its images one by one) and the
   gradient by central finite differences.
+- ViT with ``attn_implementation="flex_attention"``: raw equals an eager twin's (same weights); on the
+  CPU, where FlexAttention has no backward, every gradient method raises a VitexplainError that says so (was:
+  an AttributeError on FlexAttention's BlockMask, and torch's NotImplementedError), the LRP methods are not listed
+  (the rules do not cover FlexAttention), and the model is left as found.
 """
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -83,3 +88,52 @@ def test_levit_input_gradient_of_one_image_matches_finite_differences():
         with torch.no_grad():
             fd = (model(pixel_values=x + step).logits[0, 1] - model(pixel_values=x - step).logits[0, 1]) / 2e-5
         assert abs(float(grad[pixel]) - float(fd)) <= 1e-6 * max(1.0, abs(float(fd))) + 1e-9, pixel
+
+
+# -- FlexAttention ---------------------------------------------------------------------------------
+_HF = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=32, patch_size=8)
+
+
+def _vit(implementation: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.ViTConfig(**_HF, num_labels=5)
+    config._attn_implementation = implementation
+    return transformers.ViTForImageClassification(config).eval()
+
+
+def _state(model: torch.nn.Module) -> tuple:
+    hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) for m in model.modules())
+    return (model.config._attn_implementation, hooks, [m.training for m in model.modules()],
+            [p.grad is None for p in model.parameters()], {k: v.clone() for k, v in model.state_dict().items()})
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    return a[:4] == b[:4] and all(torch.equal(a[4][k], b[4][k]) for k in a[4])
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_flex_attention_vit_raw_equals_the_eager_twin():
+    """(was: AttributeError, 'BlockMask' object has no attribute 'dim', from the capture's SDPA lanes)"""
+    flex, eager = _vit("flex_attention"), _vit("eager")
+    eager.load_state_dict(flex.state_dict())
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    got, want = vx.Explainer(flex).explain(x, method="raw"), vx.Explainer(eager).explain(x, method="raw")
+    assert got.maps.shape == (2, *got.layout.grid) == (2, 4, 4)
+    torch.testing.assert_close(got.maps, want.maps, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_flex_attention_vit_gradient_methods_refuse_on_cpu_and_leave_the_model_as_found():
+    """(was: torch's NotImplementedError from inside the compiled FlexAttention, and attnlrp / cp_lrp listed)"""
+    flex = _vit("flex_attention")
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    ex = vx.Explainer(flex)
+    listed = ex.methods()
+    assert "attnlrp" not in listed and "cp_lrp" not in listed  # the LRP rules do not cover FlexAttention
+    with pytest.raises(VitexplainError, match="FlexAttention"):
+        ex.explain(x, method="attnlrp")
+    before = _state(flex)
+    for method in ("grad_rollout", "cdam", "smoothgrad"):  # a capture's gradients, captum's (no capture)
+        with pytest.raises(VitexplainError, match="no backward pass on CPU"):
+            ex.explain(x, method=method, **support.CHEAP.get(method, {}))
+        assert _same(before, _state(flex)), method

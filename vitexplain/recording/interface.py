@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional, Protocol
 
 from torch import nn
 
-__all__ = ["TapOwner", "open_taps", "close_taps", "KEYS", "TAP_CODE"]
+__all__ = ["TapOwner", "open_taps", "close_taps", "flex_function", "KEYS", "TAP_CODE"]
 
 #: The registry entries tapped, with the module and name of transformers' own function for each.
 KEYS = {
@@ -93,6 +93,13 @@ def _through(owners: list, original: Callable, module: Any, args: tuple, kwargs:
         return _through(owners[1:], original, m, a, kw)
 
     return owners[0].through_interface(inner, module, args, kwargs)
+
+
+def flex_function() -> Optional[Callable]:
+    """transformers' own ``flex_attention_forward`` (the ``"flex_attention"`` entry's original), or None when it
+    was never imported."""
+    module_name, name = KEYS["flex_attention"]
+    return getattr(sys.modules.get(module_name), name, None)
 
 
 def _registry() -> Optional[dict]:
