@@ -137,3 +137,24 @@ def test_flex_attention_vit_gradient_methods_refuse_on_cpu_and_leave_the_model_a
         with pytest.raises(VitexplainError, match="no backward pass on CPU"):
             ex.explain(x, method=method, **support.CHEAP.get(method, {}))
         assert _same(before, _state(flex)), method
+
+
+# -- Swin with absolute position embeddings ----------------------------------------------------------
+# (transformers' Swinv2 and DonutSwin fail with them at their own size too: 64 tokens, 65 embeddings)
+@pytest.mark.parametrize("config, kind", [("SwinConfig", "SwinForImageClassification"), ("SwinConfig", "SwinModel")])
+def test_swin_with_absolute_embeddings_refuses_another_input_size_clearly(config, kind):
+    """``use_absolute_embeddings=True`` adds position embeddings for the configured grid only, so the model fails
+    on another input size (was: its bare RuntimeError); the same size without them is explained. The refusal names
+    the size the model takes, and the model is left as found (it explains its own size afterwards)."""
+    torch.manual_seed(0)
+    sizes = dict(image_size=32, patch_size=4, window_size=4, embed_dim=16, depths=[2, 2], num_heads=[2, 4])
+    model = getattr(transformers, kind)(getattr(transformers, config)(**sizes, use_absolute_embeddings=True)).eval()
+    target = vx.targets.norm() if kind.endswith("Model") else None
+    ex = vx.Explainer(model)
+    before = _state(model)
+    x = torch.randn(2, 3, 48, 40, generator=torch.Generator().manual_seed(1))
+    for method in ("rollout", "cdam"):
+        with pytest.raises(vx.InputError, match="does not take a 48x40 input.*expects 32x32 images"):
+            ex.explain(x, method=method, target=target)
+        assert _same(before, _state(model)), method
+    assert ex.explain(x[..., :32, :32], method="rollout", target=target).maps.shape == (2, 8, 8)
