@@ -137,7 +137,7 @@ def refuse_cpu_backward(q: Any, k: Any, v: Any) -> None:
     """Refuse a FlexAttention call whose q, k or v require grad on the CPU, where FlexAttention has no backward.
 
     Called where a capture first sees the call: at ``flex_attention``'s frame (:func:`flex_arguments`), and at
-    transformers' ``flex_attention_forward`` (the interface's tap), whose ``torch.compile``-d ``flex_attention``
+    transformers' ``flex_attention_forward`` (its tap, :mod:`~vitexplain.recording.interface`), whose ``torch.compile``-d ``flex_attention``
     runs as dynamo-transformed frames the watcher does not recognise (torch raised a bare NotImplementedError).
 
     Raises:

@@ -63,7 +63,6 @@ from torch.utils.hooks import RemovableHandle
 
 from . import discovery, interface
 from .direct import DirectSDPA
-from .flex import refuse_cpu_backward
 from .attribution import never_issues
 from .forwards import ATTENTION_NAMES, blocks, forward_code, inert
 from .modestack import ModeStack
@@ -219,8 +218,6 @@ class Narrowing:
     def through_interface(self, original: Callable, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         """A Hugging Face attention function called for one of the model's modules, in this thread: with the
         mode on for its duration, or recorded from its arguments (:mod:`~vitexplain.recording.direct`)."""
-        if original is interface.flex_function() and len(args) >= 3:  # (its compiled flex_attention: flex.py)
-            refuse_cpu_backward(*args[:3])
         self._interface += 1
         try:
             if self.full or self._depth > 0:
