@@ -112,20 +112,13 @@ def _same(a: tuple, b: tuple) -> bool:
 
 
 @pytest.mark.filterwarnings("ignore")
-def test_flex_attention_vit_raw_equals_the_eager_twin():
-    """(was: AttributeError, 'BlockMask' object has no attribute 'dim', from the capture's SDPA lanes)"""
+def test_flex_attention_vit_gradients_refuse_on_cpu_then_raw_equals_the_eager_twin():
+    """Gradient methods raised torch's NotImplementedError from inside the compiled FlexAttention, after which
+    raw / rollout in the same process failed ('bool' object has no attribute 'type'); raw also failed on its own
+    ('BlockMask' object has no attribute 'dim', the capture's SDPA lanes). Now: a VitexplainError that says why
+    (the model left as found), then raw equal to an eager twin's (same weights)."""
     flex, eager = _vit("flex_attention"), _vit("eager")
     eager.load_state_dict(flex.state_dict())
-    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
-    got, want = vx.Explainer(flex).explain(x, method="raw"), vx.Explainer(eager).explain(x, method="raw")
-    assert got.maps.shape == (2, *got.layout.grid) == (2, 4, 4)
-    torch.testing.assert_close(got.maps, want.maps, atol=1e-5, rtol=1e-4)
-
-
-@pytest.mark.filterwarnings("ignore")
-def test_flex_attention_vit_gradient_methods_refuse_on_cpu_and_leave_the_model_as_found():
-    """(was: torch's NotImplementedError from inside the compiled FlexAttention, and attnlrp / cp_lrp listed)"""
-    flex = _vit("flex_attention")
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
     ex = vx.Explainer(flex)
     listed = ex.methods()
@@ -133,10 +126,28 @@ def test_flex_attention_vit_gradient_methods_refuse_on_cpu_and_leave_the_model_a
     with pytest.raises(VitexplainError, match="FlexAttention"):
         ex.explain(x, method="attnlrp")
     before = _state(flex)
-    for method in ("grad_rollout", "cdam", "smoothgrad"):  # a capture's gradients, captum's (no capture)
+    for method in ("smoothgrad", "grad_rollout", "cdam"):  # captum's gradients (no capture), a capture's
         with pytest.raises(VitexplainError, match="no backward pass on CPU"):
             ex.explain(x, method=method, **support.CHEAP.get(method, {}))
         assert _same(before, _state(flex)), method
+    got, want = ex.explain(x, method="raw"), vx.Explainer(eager).explain(x, method="raw")
+    assert got.maps.shape == (2, *got.layout.grid) == (2, 4, 4)
+    torch.testing.assert_close(got.maps, want.maps, atol=1e-5, rtol=1e-4)
+
+
+def test_flex_attention_hierarchical_model_does_not_list_lrp():
+    """SAM 3's ViT backbone (the hierarchical adapters) built with FlexAttention listed attnlrp / cp_lrp, whose
+    forward under the rules then raised torch's NotImplementedError on the CPU."""
+    config = transformers.Sam3ViTConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                        image_size=56, patch_size=14, window_size=2, global_attn_indexes=[1],
+                                        pretrain_image_size=56)
+    config._attn_implementation = "flex_attention"
+    ex = vx.Explainer(transformers.Sam3ViTModel(config).eval())
+    assert ex.family == "hier" and "rollout" in ex.methods()
+    for method in ("attnlrp", "cp_lrp"):
+        assert method not in ex.methods()
+        with pytest.raises(VitexplainError, match="FlexAttention"):
+            ex.explain(torch.randn(1, 3, 56, 56), method=method, target=vx.targets.norm())
 
 
 # -- Swin with absolute position embeddings ----------------------------------------------------------

@@ -194,10 +194,6 @@ class HFViTAdapter(ViTAdapter):
         if not self.has_head and getattr(tower_module, "use_head", False) and isinstance(
                 getattr(tower_module, "head", None), nn.Module):  # SigLIP's / AIMv2's attention-pooling head
             self.pool_attention = f"{tower}.head" if tower else "head"
-        if getattr(_vision_config(model), "_attn_implementation", None) == "flex_attention":
-            # (on the CPU FlexAttention has no backward at all: the capture refuses the other gradient methods)
-            self._drop("lrp", "the model runs FlexAttention (config._attn_implementation='flex_attention'), which "
-                              "the LRP rules do not cover; build it with attn_implementation='sdpa' or 'eager'")
         pooler = getattr(tower_module, "pooler", None)
         if not self.has_head and kind.prefix == 0 and pooler is not None:  # a headless IJepaModel with its pooler
             why = (f"its pooler ({type(pooler).__name__}) reads the first token, which is a patch (the model has no "

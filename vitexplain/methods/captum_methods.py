@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from ..errors import ConvergenceWarning, UnsupportedMethodError
+from ..recording.flex import flex_configured
 from ..targets import logits_of
 from .batchnorm_grad import ContiguousBatchNormGrads
 from .context import Context
@@ -34,18 +35,24 @@ def _model(ctx: Context, inp: Tensor) -> Any:
 
     Raises:
         UnsupportedMethodError: the model calls FlexAttention on the CPU, where it has no backward (torch raised
-            a bare NotImplementedError).
+            a bare NotImplementedError), and ``inp`` requires grad.
     """
-    try:
+    if inp.requires_grad and inp.device.type == "cpu" and flex_configured(ctx.adapter.model):
+        _refuse_flex(ctx)  # (before the forward: torch's failure inside the compiled FlexAttention left dynamo's cache
+    try:                   # so that a later capture of a flex model failed, 'bool' object has no attribute 'type')
         with ContiguousBatchNormGrads():  # (torch's CPU backward of a one-image BatchNorm: batchnorm_grad.py)
             return ctx.adapter.forward(inp)
     except NotImplementedError as err:
         if "FlexAttention does not support backward on CPU" not in str(err):
             raise
-        raise UnsupportedMethodError(
-            f"method {ctx.method!r} takes gradients of the model, which calls FlexAttention, and FlexAttention has "
-            "no backward pass on CPU (torch: 'FlexAttention does not support backward on CPU'): run it on a CUDA "
-            "device, or use a method without gradients (raw, rollout, occlusion)") from err
+        _refuse_flex(ctx, err)
+
+
+def _refuse_flex(ctx: Context, err: Optional[BaseException] = None) -> None:
+    raise UnsupportedMethodError(
+        f"method {ctx.method!r} takes gradients of the model, which calls FlexAttention, and FlexAttention has "
+        "no backward pass on CPU (torch: 'FlexAttention does not support backward on CPU'): run it on a CUDA "
+        "device, or use a method without gradients (raw, rollout, occlusion)") from err
 
 
 def _forward_and_target(ctx: Context) -> tuple[Callable[[Tensor], Tensor], Optional[list[int]]]:

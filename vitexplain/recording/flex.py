@@ -43,6 +43,7 @@ __all__ = [
     "flex_frame",
     "flex_arguments",
     "refuse_cpu_backward",
+    "flex_configured",
     "traced_call",
     "traced_arguments",
     "find_output",
@@ -150,6 +151,13 @@ def refuse_cpu_backward(q: Any, k: Any, v: Any) -> None:
             "does not support backward on CPU'), so gradient methods cannot run on it here: run them on "
             "a CUDA device, or use a method without gradients (raw, rollout; captioners: cross)"
         )
+
+
+def flex_configured(model: Any) -> bool:
+    """Whether a Hugging Face model was built with ``attn_implementation="flex_attention"`` (any of its modules'
+    configs): its attention calls FlexAttention through transformers' ``torch.compile``-d ``flex_attention``."""
+    return any(getattr(getattr(m, "config", None), "_attn_implementation", None) == "flex_attention"
+               for m in model.modules())
 
 
 def find_output(args: tuple, kwargs: dict, q: Tensor, k: Tensor, v: Tensor) -> Optional[Tensor]:
