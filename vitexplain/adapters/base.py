@@ -89,6 +89,7 @@ from ..layout import TokenLayout, pair
 from ..methods.families import Family, family as _family
 from ..methods.registry import CAPABILITIES
 from ..recording.compiled import unwrap_compiled
+from ..recording.flex import flex_configured
 
 __all__ = ["Adapter", "register_adapter", "register_refusal", "adapter_for", "find_adapter", "find_layout_module",
            "token_layout", "preprocessing", "CAPABILITIES", "unwrap_compiled"]
@@ -292,6 +293,18 @@ def _unwrapped(model: nn.Module) -> nn.Module:
     return model
 
 
+def _without_lrp_on_flex(model: nn.Module, adapter: Adapter) -> None:
+    """Drop ``"lrp"`` from a Hugging Face model built with ``attn_implementation="flex_attention"`` (any of its
+    configs): the LRP rules do not cover FlexAttention (``lrp_coverage``), and on the CPU, where FlexAttention has no
+    backward, its forward under the rules raised torch's NotImplementedError rather than that refusal."""
+    if "lrp" not in adapter.capabilities:
+        return
+    if flex_configured(model):
+        adapter.capabilities = adapter.capabilities - {"lrp"}
+        adapter.notes["lrp"] = ("the model runs FlexAttention (config._attn_implementation='flex_attention'), which the "
+                                "LRP rules do not cover; build it with attn_implementation='sdpa' or 'eager'")
+
+
 def adapter_for(model: nn.Module) -> Adapter:
     """The adapter for ``model`` (a ``torch.compile``-d model, or a Hugging Face wrapper of a timm model, is
     unwrapped first: the adapter's ``model`` is then the module that computes the output).
@@ -311,6 +324,7 @@ def adapter_for(model: nn.Module) -> Adapter:
             adapter.label_names = names
         if inner is not model:
             adapter.saved_preprocess = _wrapper_preprocess(model)
+        _without_lrp_on_flex(inner, adapter)
         return adapter
     if isinstance(inner, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
         raise UnsupportedModelError(

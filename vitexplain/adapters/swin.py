@@ -267,6 +267,8 @@ class HFSwinAdapter(SwinAdapter):
         self.base = model.get_submodule(base) if base else model
         self._stages = encoder.layers
         self.has_head = getattr(model, "classifier", None) is not None
+        if getattr(model.config, "use_absolute_embeddings", False):  # position embeddings for the configured grid only
+            self.fixed_size = _pair(model.config.image_size)  # (the model's failure at another size: an InputError)
 
     def forward(self, x: Tensor) -> Any:
         if not self.post_norm:

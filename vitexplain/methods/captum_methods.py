@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from ..errors import ConvergenceWarning, UnsupportedMethodError
+from ..recording.flex import flex_configured
 from ..targets import logits_of
 from .context import Context
 from .options import MAX_SAMPLES, SEED_RANGE, Option
@@ -29,17 +30,36 @@ __all__ = ["integrated_gradients", "occlusion", "smoothgrad", "COMPLETENESS_RTOL
 COMPLETENESS_RTOL = 0.05
 
 
+def _model(ctx: Context, inp: Tensor) -> Any:
+    """The adapter's forward of ``inp``, BatchNorm's gradients made contiguous (:mod:`~vitexplain.methods.grad_layout`).
+
+    Raises:
+        UnsupportedMethodError: the model calls FlexAttention on the CPU, where it has no backward (torch raised
+            a bare NotImplementedError), and ``inp`` requires grad.
+    """
+    if inp.requires_grad and inp.device.type == "cpu" and flex_configured(ctx.adapter.model):
+        _refuse_flex(ctx)  # (before the forward: torch's failure inside the compiled FlexAttention left dynamo's cache
+    try:                   # so that a later capture of a flex model failed, 'bool' object has no attribute 'type')
+        with contiguous_norm_grads(ctx.adapter.model):  # (one-image BatchNorm backward: grad_layout.py)
+            return ctx.adapter.forward(inp)
+    except NotImplementedError as err:
+        if "FlexAttention does not support backward on CPU" not in str(err):
+            raise
+        _refuse_flex(ctx, err)
+
+
+def _refuse_flex(ctx: Context, err: Optional[BaseException] = None) -> None:
+    raise UnsupportedMethodError(
+        f"method {ctx.method!r} takes gradients of the model, which calls FlexAttention, and FlexAttention has "
+        "no backward pass on CPU (torch: 'FlexAttention does not support backward on CPU'): run it on a CUDA "
+        "device, or use a method without gradients (raw, rollout, occlusion)") from err
+
+
 def _forward_and_target(ctx: Context) -> tuple[Callable[[Tensor], Tensor], Optional[list[int]]]:
     """captum's forward function and target: logits + class indices, or a custom score."""
-    adapter = ctx.adapter
-
-    def forward(inp: Tensor) -> Tensor:
-        with contiguous_norm_grads(adapter.model):  # (BatchNorm's backward at batch 1: grad_layout.py)
-            return adapter.forward(inp)
-
     if ctx.target.custom:
-        return (lambda inp: ctx.score(forward(inp))), None
-    return (lambda inp: logits_of(forward(inp))), ctx.target.classes.tolist()
+        return (lambda inp: ctx.score(_model(ctx, inp))), None
+    return (lambda inp: logits_of(_model(ctx, inp))), ctx.target.classes.tolist()
 
 
 def _as_image(ctx: Context, index: int) -> Callable[[Tensor], Tensor]:
@@ -54,8 +74,7 @@ def _as_image(ctx: Context, index: int) -> Callable[[Tensor], Tensor]:
         )
 
     def forward(inp: Tensor) -> Tensor:
-        with contiguous_norm_grads(ctx.adapter.model):
-            out = ctx.adapter.forward(inp)
+        out = _model(ctx, inp)
         rows = [torch.cat([clean[:index], out[s : s + 1], clean[index + 1 :]]) for s in range(out.shape[0])]
         return torch.stack([ctx.score(r)[index] for r in rows])
 

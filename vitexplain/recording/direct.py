@@ -154,6 +154,8 @@ def _shape_key(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple]:
     if len(args) < 4:
         return None
     query, key, mask = args[0], args[1], args[3]
+    if mask is not None and not isinstance(mask, Tensor):
+        return None  # (FlexAttention's BlockMask: _plan takes no such call either)
     if not isinstance(query, Tensor) or not isinstance(key, Tensor) or query.dim() != 4 or _version(key) > 0:
         return None  # (an inference tensor keeps no count, -1: the lane notes its key sums at call time, _Pending)
     q_length = query.size(2)

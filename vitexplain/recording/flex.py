@@ -42,6 +42,8 @@ __all__ = [
     "flex_op",
     "flex_frame",
     "flex_arguments",
+    "refuse_cpu_backward",
+    "flex_configured",
     "traced_call",
     "traced_arguments",
     "find_output",
@@ -128,14 +130,34 @@ def flex_arguments(frame: FrameType) -> dict[str, Any]:
     """
     local = frame.f_locals
     args = {name: local.get(name) for name in ("query", "key", "value", "score_mod", "block_mask", "scale", "enable_gqa")}
-    q, k, v = args["query"], args["key"], args["value"]
-    if q.device.type == "cpu" and any(t.requires_grad for t in (q, k, v)):
+    refuse_cpu_backward(args["query"], args["key"], args["value"])
+    return args
+
+
+def refuse_cpu_backward(q: Any, k: Any, v: Any) -> None:
+    """Refuse a FlexAttention call whose q, k or v require grad on the CPU, where FlexAttention has no backward.
+
+    Called where a capture first sees the call: at ``flex_attention``'s frame (:func:`flex_arguments`), and at
+    transformers' ``flex_attention_forward`` (its tap, :mod:`~vitexplain.recording.interface`), whose ``torch.compile``-d ``flex_attention``
+    runs as dynamo-transformed frames the watcher does not recognise (torch raised a bare NotImplementedError).
+
+    Raises:
+        CaptureError: they do.
+    """
+    tensors = [t for t in (q, k, v) if isinstance(t, Tensor)]
+    if tensors and tensors[0].device.type == "cpu" and any(t.requires_grad for t in tensors):
         raise CaptureError(
             "this model calls FlexAttention, which has no backward pass on CPU (torch: 'FlexAttention "
             "does not support backward on CPU'), so gradient methods cannot run on it here: run them on "
             "a CUDA device, or use a method without gradients (raw, rollout; captioners: cross)"
         )
-    return args
+
+
+def flex_configured(model: Any) -> bool:
+    """Whether a Hugging Face model was built with ``attn_implementation="flex_attention"`` (any of its modules'
+    configs): its attention calls FlexAttention through transformers' ``torch.compile``-d ``flex_attention``."""
+    return any(getattr(getattr(m, "config", None), "_attn_implementation", None) == "flex_attention"
+               for m in model.modules())
 
 
 def find_output(args: tuple, kwargs: dict, q: Tensor, k: Tensor, v: Tensor) -> Optional[Tensor]:

@@ -275,8 +275,11 @@ class AttentionMode(TorchFunctionMode):
         probs = out
         if out.dim() == 3:
             # heads folded into the batch, (B * H, N_q, N_k): nn.MultiheadAttention with need_weights=True, and
-            # attention modules written the same way (TrOCR's decoder): an integer num_heads that divides B * H
+            # attention modules written the same way (TrOCR's decoder; SAM's eager vision attention, whose count is
+            # num_attention_heads): an integer num_heads that divides B * H
             heads = getattr(issuer.module, "num_heads", None)
+            if heads is None:
+                heads = getattr(issuer.module, "num_attention_heads", None)
             if not isinstance(heads, int) or isinstance(heads, bool) or heads < 1 or out.shape[0] % heads:
                 return out
             probs = out.view(out.shape[0] // heads, heads, *out.shape[1:])

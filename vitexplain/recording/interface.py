@@ -27,6 +27,8 @@ from typing import Any, Callable, Optional, Protocol
 
 from torch import nn
 
+from .flex import refuse_cpu_backward
+
 __all__ = ["TapOwner", "open_taps", "close_taps", "KEYS", "TAP_CODE"]
 
 #: The registry entries tapped, with the module and name of transformers' own function for each.
@@ -61,16 +63,28 @@ def _owners() -> list:
     return owners
 
 
-def _make_tap(original: Callable) -> Callable:
+def _flex_check(args: tuple) -> None:
+    """transformers' ``flex_attention_forward(module, query, key, value, ...)`` in a capture: the watcher's CPU-backward
+    refusal (:func:`~vitexplain.recording.flex.refuse_cpu_backward`), which the watcher itself cannot apply there
+    (the function calls a ``torch.compile``-d ``flex_attention``, whose dynamo-transformed frames it does not know)."""
+    if len(args) >= 3:
+        refuse_cpu_backward(*args[:3])
+
+
+def _make_tap(original: Callable, check: Optional[Callable[[tuple], None]] = None) -> Callable:
     def tap(module: Any, *args: Any, **kwargs: Any) -> Any:
         owners = getattr(_local, "owners", None)
         if owners:
             if len(owners) == 1:  # the usual case: one capture open in this thread
                 if owners[0].owns(module):
+                    if check is not None:
+                        check(args)
                     return owners[0].through_interface(original, module, args, kwargs)
             else:
                 mine = [o for o in owners if o.owns(module)]
                 if mine:
+                    if check is not None:
+                        check(args)
                     return _through(mine, original, module, args, kwargs)
         return original(module, *args, **kwargs)
 
@@ -113,7 +127,7 @@ def open_taps(owner: TapOwner) -> None:
                 for key, (module_name, name) in KEYS.items():
                     original = getattr(sys.modules.get(module_name), name, None)
                     if original is not None and mapping.get(key) is original:
-                        tap = _make_tap(original)
+                        tap = _make_tap(original, _flex_check if key == "flex_attention" else None)
                         mapping[key] = tap
                         _installed[key] = (original, tap)
         _open += 1
