@@ -9,7 +9,9 @@ How the stages are found (the last one is the default Grad-CAM layer, see :mod:`
   ConvNeXt, ...) the last child of ``features`` before each downsampling child, and the last.
   torchvision MaxViT: its ``blocks``.
 - anything else: the last top-level child holding a ``Conv2d`` before global pooling (the stages of that
-  child when it is a whole classifier inside a wrapper: ``Sequential(normalize, resnet)``, ``DataParallel``).
+  child when it is a whole classifier inside a wrapper: ``Sequential(normalize, resnet)``, ``DataParallel``),
+  auxiliary classifiers left out (torchvision GoogLeNet's ``aux1``/``aux2``, Inception v3's ``AuxLogits``: they
+  run only in training, so in eval they have no output to read).
 """
 
 from __future__ import annotations
@@ -104,15 +106,21 @@ def torchvision_stages(model: nn.Module) -> list[str]:
     return []
 
 
+def _is_auxiliary(name: str, module: nn.Module) -> bool:
+    """An auxiliary classifier (GoogLeNet's ``aux1``, Inception v3's ``AuxLogits``: ``InceptionAux``), which a
+    model calls in training only."""
+    return name.lower().startswith("aux") or "aux" in type(module).__name__.lower()
+
+
 def _fallback_stages(model: nn.Module) -> list[str]:
-    """The last top-level child holding a Conv2d before the global pooling; when that child is a whole
-    classifier (it pools inside: a wrapper such as ``Sequential(normalize, resnet)`` or ``DataParallel``),
-    the stages of that classifier, under its name."""
+    """The last top-level child holding a Conv2d before the global pooling, auxiliary classifiers left out;
+    when that child is a whole classifier (it pools inside: a wrapper such as ``Sequential(normalize, resnet)``
+    or ``DataParallel``), the stages of that classifier, under its name."""
     last = None
     for name, child in model.named_children():
         if _is_pool(name, child):
             break
-        if has_module(child, nn.Conv2d):
+        if has_module(child, nn.Conv2d) and not _is_auxiliary(name, child):
             last = name
     if last is None:
         return []
