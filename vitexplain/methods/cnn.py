@@ -27,6 +27,7 @@ from ..errors import CaptureError, OptionError, UnsupportedMethodError, UsageErr
 from .context import Context
 from .options import Option
 from .families import CNN
+from .grad_layout import contiguous_norm_grads
 from .registry import register
 
 __all__ = ["spatial", "channel", "gradcam", "gradcam_plus_plus", "layercam", "cam", "gradcam_weights",
@@ -196,7 +197,8 @@ def _activation_and_grad(ctx: Context, name: str) -> tuple[Tensor, Tensor]:
         record = calls[-1]
         act, grad = record.output, record.grad
     else:
-        with torch.enable_grad(), capture(ctx.adapter.model, activations=[name], attention=False) as rec:
+        with torch.enable_grad(), capture(ctx.adapter.model, activations=[name], attention=False) as rec, \
+                contiguous_norm_grads(ctx.adapter.model):  # (BatchNorm's backward at batch 1: grad_layout.py)
             outputs = ctx.adapter.forward(ctx.x.detach())
         _check_called_once(ctx, name, len(rec.activations[name]))
         act = rec.activation(name).output
