@@ -112,3 +112,30 @@ def test_one_image_through_a_tokenising_batch_norm_equals_its_map_in_a_batch(mod
     assert scale > 0
     torch.testing.assert_close(both.double(), expected, rtol=0, atol=1e-4 * scale)
     torch.testing.assert_close(ones.double(), expected, rtol=0, atol=1e-4 * scale)
+
+
+class _Wrapped(nn.Module):
+    """A ResNet-18 whose forward returns a dict {"logits", "features"} or a tuple (logits, features)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.net, self.kind = torchvision.models.resnet18(num_classes=5), kind
+
+    def forward(self, x: torch.Tensor):
+        logits = self.net(x)
+        return {"logits": logits, "features": x.mean((2, 3))} if self.kind == "dict" else (logits, x.mean((2, 3)))
+
+
+@pytest.mark.parametrize("kind", ["dict", "tuple"])
+def test_a_forward_that_returns_a_dict_or_tuple_explains_its_logits(kind):
+    """The logits under a plain dict's "logits" key (a dict was refused: "cannot find logits") or a tuple's first
+    item: maps, predicted classes and logits equal the bare network's."""
+    model = _Wrapped(kind).eval()
+    x = torch.randn(2, 3, 48, 64, generator=torch.Generator().manual_seed(6))
+    got = vx.Explainer(model).explain(x, method=METHODS)
+    bare = vx.Explainer(model.net).explain(x, method=METHODS)
+    for g, b in zip(got, bare):
+        assert torch.equal(g.targets, b.targets) and float(b.maps.max()) > 0
+        torch.testing.assert_close(g.maps, b.maps, rtol=0, atol=1e-6 * float(b.maps.max()))
+        torch.testing.assert_close(g.logits, b.logits)
