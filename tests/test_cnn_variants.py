@@ -139,3 +139,25 @@ def test_a_forward_that_returns_a_dict_or_tuple_explains_its_logits(kind):
         assert torch.equal(g.targets, b.targets) and float(b.maps.max()) > 0
         torch.testing.assert_close(g.maps, b.maps, rtol=0, atol=1e-6 * float(b.maps.max()))
         torch.testing.assert_close(g.logits, b.logits)
+
+
+def _hf_resnet():
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    torch.manual_seed(7)
+    config = ResNetConfig(num_labels=5, depths=[1, 1, 1, 1], hidden_sizes=[8, 16, 24, 32], embedding_size=8)
+    return ResNetForImageClassification(config).eval()
+
+
+@pytest.mark.parametrize("build, module", [
+    (_hf_resnet, "resnet.encoder.stages"),     # a ModuleList: never called itself
+    (_hf_resnet, "resnet.encoder"),            # runs, but returns a ModelOutput
+    (lambda: torchvision.models.googlenet(num_classes=5, aux_logits=True, init_weights=False).eval(), "aux1"),  # eval
+])
+def test_a_module_that_gives_no_tensor_is_refused_with_what_to_pass(build, module):
+    """module= a module that gives no tensor in the eval forward is refused by the method with the stages to pass
+    (it was a CaptureError that said an encoder that ran 'did not run')."""
+    model = build()
+    ex = vx.Explainer(model)
+    with pytest.raises(vx.UnsupportedMethodError, match=rf"'{module}' gave no tensor.*{ex.adapter.stages[-1]}"):
+        ex.explain(torch.randn(1, 3, 32, 48), method="gradcam", module=module, target=1)
