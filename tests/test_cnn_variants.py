@@ -89,7 +89,8 @@ def test_one_image_through_a_tokenising_batch_norm_equals_its_map_in_a_batch(mod
     classes = torch.tensor([2, 4])
     ex = vx.Explainer(model, adapter=CNNAdapter(model, stages=["stem", "body"]))
     both = ex.explain(x, method=method, target=classes, module=module).maps
-    ones = torch.cat([ex.explain(x[i:i + 1], method=method, target=classes[i:i + 1], module=module).maps for i in range(2)])
+    ones = torch.cat([ex.explain(x[i:i + 1], method=method, target=classes[i:i + 1], module=module).maps
+                      for i in range(2)])
 
     oracle = _norm_then_tokens().double()
     seen = {}
