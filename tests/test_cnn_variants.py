@@ -162,3 +162,24 @@ def test_a_module_that_gives_no_tensor_is_refused_with_what_to_pass(build, modul
     ex = vx.Explainer(model)
     with pytest.raises(vx.UnsupportedMethodError, match=rf"'{module}' gave no tensor.*{ex.adapter.stages[-1]}"):
         ex.explain(torch.randn(1, 3, 32, 48), method="gradcam", module=module, target=1)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_fused_graph_module_reads_the_last_leaf_that_runs_once(method):
+    """torch.fx's ``fuse`` (Conv+BN folded) returns a GraphModule that calls its leaf modules directly: its
+    container ``features`` never runs, and every Grad-CAM call failed with "nothing captured is part of an
+    autograd graph". Its stage is now the last leaf before the pooling (``features.18.2``, the ReLU6 whose output
+    is the unfused ``features``' output), and the map equals the unfused model's (BN folding moves it by
+    float32 rounding)."""
+    from torch.fx.experimental.optimization import fuse
+
+    torch.manual_seed(8)
+    model = torchvision.models.mobilenet_v2(num_classes=5).eval()
+    fused = fuse(model)
+    x = torch.randn(2, 3, 48, 64, generator=torch.Generator().manual_seed(9))
+    ex = vx.Explainer(fused)
+    assert ex.adapter.target_layer == "features.18.2"
+    got = ex.explain(x, method=method, target=torch.tensor([0, 3])).maps
+    expected = vx.Explainer(model).explain(x, method=method, target=torch.tensor([0, 3])).maps
+    assert float(expected.max()) > 0
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-4 * float(expected.max()))
