@@ -29,6 +29,7 @@ from .checks import (buffers_kept, check_batch, check_finite_maps, check_finite_
                      warn_training)
 from .errors import InputError, UnsupportedMethodError, UnsupportedModelError, UsageError
 from .methods.families import Family
+from .methods.grad_layout import contiguous_norm_grads
 from .plan import MethodArg, Plan, UnusedTargetWarning, applicable, make_plan, split_options
 from .recording import capture, hooks_paused
 from .recording.materialize import check_mode
@@ -239,8 +240,11 @@ class Explainer:
         x_in = x.detach()
         if grads:
             x_in.requires_grad_(True)
+        # BatchNorm hands its backward a contiguous gradient (PyTorch's eval batch_norm backward is wrong for a
+        # channels-last gradient of a contiguous input, e.g. one image's tokens: methods/grad_layout.py)
+        norms = contiguous_norm_grads(model) if settings.grads else contextlib.nullcontext()
         with torch.set_grad_enabled(grads), capture(model, **settings.capture_kwargs()) as rec:
-            with rules:
+            with rules, norms:
                 outputs = self._forward(x_in)
         resolved = resolve(target, outputs, self.adapter.label_names, has_head=self.adapter.has_head)
         with torch.set_grad_enabled(grads), rules:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import difflib
 import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -32,10 +33,11 @@ TargetSpec = Union[None, int, str, Sequence[Union[int, str]], Tensor, Callable[[
 
 
 def logits_of(outputs: Any) -> Tensor:
-    """The (B, C) logits inside a model's outputs (a tensor, ``.logits``, or a tuple's first item)."""
+    """The (B, C) logits inside a model's outputs (a tensor, ``.logits``, a dict's ``"logits"``, or a tuple's
+    first item)."""
     if isinstance(outputs, Tensor):
         return outputs
-    logits = getattr(outputs, "logits", None)
+    logits = outputs.get("logits") if isinstance(outputs, Mapping) else getattr(outputs, "logits", None)
     if isinstance(logits, Tensor):
         return logits
     if isinstance(outputs, (tuple, list)) and outputs and isinstance(outputs[0], Tensor):

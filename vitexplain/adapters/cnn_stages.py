@@ -9,7 +9,11 @@ How the stages are found (the last one is the default Grad-CAM layer, see :mod:`
   ConvNeXt, ...) the last child of ``features`` before each downsampling child, and the last.
   torchvision MaxViT: its ``blocks``.
 - anything else: the last top-level child holding a ``Conv2d`` before global pooling (the stages of that
-  child when it is a whole classifier inside a wrapper: ``Sequential(normalize, resnet)``, ``DataParallel``).
+  child when it is a whole classifier inside a wrapper: ``Sequential(normalize, resnet)``, ``DataParallel``),
+  auxiliary classifiers left out (torchvision GoogLeNet's ``aux1``/``aux2``, Inception v3's ``AuxLogits``: they
+  run only in training, so in eval they have no output to read).
+- a ``torch.fx.GraphModule`` (a fused or traced model, which calls its leaf modules directly): the last leaf
+  module that runs once before the global pooling.
 """
 
 from __future__ import annotations
@@ -104,15 +108,21 @@ def torchvision_stages(model: nn.Module) -> list[str]:
     return []
 
 
+def _is_auxiliary(name: str, module: nn.Module) -> bool:
+    """An auxiliary classifier (GoogLeNet's ``aux1``, Inception v3's ``AuxLogits``: ``InceptionAux``), which a
+    model calls in training only."""
+    return name.lower().startswith("aux") or "aux" in type(module).__name__.lower()
+
+
 def _fallback_stages(model: nn.Module) -> list[str]:
-    """The last top-level child holding a Conv2d before the global pooling; when that child is a whole
-    classifier (it pools inside: a wrapper such as ``Sequential(normalize, resnet)`` or ``DataParallel``),
-    the stages of that classifier, under its name."""
+    """The last top-level child holding a Conv2d before the global pooling, auxiliary classifiers left out;
+    when that child is a whole classifier (it pools inside: a wrapper such as ``Sequential(normalize, resnet)``
+    or ``DataParallel``), the stages of that classifier, under its name."""
     last = None
     for name, child in model.named_children():
         if _is_pool(name, child):
             break
-        if has_module(child, nn.Conv2d):
+        if has_module(child, nn.Conv2d) and not _is_auxiliary(name, child):
             last = name
     if last is None:
         return []
@@ -124,6 +134,30 @@ def _fallback_stages(model: nn.Module) -> list[str]:
     return [last]
 
 
+def _graph_stages(model: nn.Module) -> Optional[list[str]]:
+    """A ``torch.fx.GraphModule`` (``torch.fx.experimental.optimization.fuse``, a symbolic trace) calls its leaf
+    modules directly, so its containers (``layer4``) never run: its one stage is the last leaf module that runs
+    once before the global pooling (the graph's order). None for a module that is not a GraphModule."""
+    from torch.fx import GraphModule
+
+    if not isinstance(model, GraphModule):
+        return None
+    calls: list[str] = []
+    for node in model.graph.nodes:
+        target = node.target if node.op == "call_module" else None
+        name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+        if (target is not None and _is_pool(name.rpartition(".")[2], model.get_submodule(name))) or \
+                (node.op in ("call_function", "call_method") and ("pool" in name or name == "flatten")):
+            break
+        if target is not None:
+            calls.append(target)
+    once = [name for name in calls if calls.count(name) == 1]
+    return once[-1:]
+
+
 def cnn_stages(model: nn.Module) -> list[str]:
     """Feature stage module names of a CNN, input side first (see the module docstring)."""
+    graph = _graph_stages(model)
+    if graph is not None:
+        return graph
     return timm_stages(model) or torchvision_stages(model) or _fallback_stages(model)

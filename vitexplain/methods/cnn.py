@@ -27,6 +27,7 @@ from ..errors import CaptureError, OptionError, UnsupportedMethodError, UsageErr
 from .context import Context
 from .options import Option
 from .families import CNN
+from .grad_layout import contiguous_norm_grads
 from .registry import register
 
 __all__ = ["spatial", "channel", "gradcam", "gradcam_plus_plus", "layercam", "cam", "gradcam_weights",
@@ -196,8 +197,16 @@ def _activation_and_grad(ctx: Context, name: str) -> tuple[Tensor, Tensor]:
         record = calls[-1]
         act, grad = record.output, record.grad
     else:
-        with torch.enable_grad(), capture(ctx.adapter.model, activations=[name], attention=False) as rec:
+        with torch.enable_grad(), capture(ctx.adapter.model, activations=[name], attention=False) as rec, \
+                contiguous_norm_grads(ctx.adapter.model):  # (BatchNorm's backward at batch 1: grad_layout.py)
             outputs = ctx.adapter.forward(ctx.x.detach())
+        if not rec.activations.get(name):
+            raise UnsupportedMethodError(
+                f"method {ctx.method!r}: module {name!r} gave no tensor in the forward: it does not run (a ModuleList, "
+                "a Sequential its parent iterates, an auxiliary classifier in eval) or it returns no tensor or tuple "
+                f"(e.g. a Hugging Face ModelOutput); pass module= a module inside it, e.g. a feature stage: "
+                f"{_stage_activations(ctx.adapter)}"
+            )
         _check_called_once(ctx, name, len(rec.activations[name]))
         act = rec.activation(name).output
         if not act.requires_grad:

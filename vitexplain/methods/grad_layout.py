@@ -4,7 +4,12 @@ PyTorch's CPU backward of an eval ``batch_norm`` (torch 2.14) returns wrong inpu
 contiguous (N, C, H, W) and the gradient arrives with channels-last strides, which is what a (1, C, H, W) map gets
 back from ``x.flatten(2).transpose(1, 2)``: LeViT's stem, whose last BatchNorm2d feeds its tokens, gave one image's
 Integrated Gradients, SmoothGrad and AttnLRP maps off by more than the map itself at batch 1, while a batch of 2
-(other strides) was right. A contiguous gradient takes the correct path in every layout.
+(other strides) was right. A contiguous gradient takes the correct path in every layout. The gradient that goes
+wrong has strides (C, 1, W * C, C) at batch 1: what a LayerNorm, einsum or attention over those tokens hands back.
+
+Used by the explained forward with gradients (``Explainer.explain``: the Grad-CAM family of a hybrid whose stage
+feeds such a norm, EfficientFormer's ``stages.2``, got one image's map off by its own size), Grad-CAM's own pass
+for a module that is not a stage, the captum forwards and the LRP rules.
 """
 
 from __future__ import annotations
