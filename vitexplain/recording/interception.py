@@ -186,6 +186,12 @@ class AttentionMode(TorchFunctionMode):
         groups = packed_groups(caller, issuer.frame, q)
         if groups > 1:  # transformers packed the query heads into rows: record them as heads
             q, mask, gqa = unpack_query(q, groups), unpack_mask(mask, groups), True
+        if q.dim() < 4 and (q.dim() < 3 or not q.shape[:-2] == k.shape[:-2] == v.shape[:-2]):
+            # (N, E) without a batch, or a batch SDPA broadcasts (one query sequence against a batch of keys):
+            # q, k and v expanded to one batch (views), so that no record reads a batch dim as heads
+            lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+            out_rows = (*lead, q.shape[-2])
+            q, k, v = (t.expand(*(lead or (1,)), *t.shape[-2:]) for t in (q, k, v))
         if q.dim() >= 4 and not q.shape[:-3] == k.shape[:-3] == v.shape[:-3]:
             # leading dims SDPA broadcasts: queries shared by the images, keys shared by the windows (torch's
             # broadcast_shapes costs tens of microseconds a call: only where the dims differ)

@@ -1,0 +1,102 @@
+"""Attention written the many ways people write it, captured while it runs: each record's probabilities against
+softmax(q k^T * scale + mask) written out by hand in float64 (SDPA's conventions: a boolean mask marks what takes
+part, ``is_causal`` is top-left aligned, ``enable_gqa`` repeats each key head, rows with every key masked are zeros).
+
+Covers the shapes SDPA accepts besides (B, H, N, E): an unbatched (N, E) sequence, (B, N, E) without heads, extra
+leading dims, broadcast and expanded q/k; masks of each broadcast shape; and nn.MultiheadAttention's options.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import vitexplain as vx
+
+B, H, N, E = 2, 4, 6, 8
+
+
+def _oracle(q: Tensor, k: Tensor, mask: Optional[Tensor] = None, scale: Optional[float] = None,
+            causal: bool = False, gqa: bool = False) -> Tensor:
+    """softmax(q k^T * scale + mask) in float64, fully masked rows as zeros; leading dims as SDPA broadcasts them."""
+    q, k = q.double(), k.double()
+    if gqa:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+    scores = q @ k.transpose(-2, -1) * (1 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    if causal:
+        scores = scores.masked_fill(~torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril(), float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.double()
+    return torch.nan_to_num(torch.softmax(scores, -1), nan=0.0)
+
+
+class _Attend(nn.Module):
+    def __init__(self, **options) -> None:
+        super().__init__()
+        self.options = options
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return F.scaled_dot_product_attention(q, k, v, **self.options)
+
+
+class _Net(nn.Module):
+    def __init__(self, **options) -> None:
+        super().__init__()
+        self.attn = _Attend(**options)
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return self.attn(q, k, v)
+
+
+def _r(*shape: int) -> Tensor:
+    return torch.randn(*shape)
+
+
+# (id, q, k, v, SDPA options, how the oracle's (..., H, N_q, N_k) is laid out as the record's (B', H, N_q, N_k))
+_CASES = {
+    "unbatched (N, E)": lambda: ((_r(N, E), _r(N, E), _r(N, E)), {}),
+    "unbatched (N, E), bool mask": lambda: ((_r(N, E), _r(N, E), _r(N, E)), {"attn_mask": torch.rand(N, N) > 0.3}),
+    "unbatched (N_q, E), causal, N_q < N_k": lambda: ((_r(3, E), _r(N, E), _r(N, E)), {"is_causal": True}),
+    "unbatched q against batched keys": lambda: ((_r(N, E), _r(B, N, E), _r(B, N, E)), {}),
+    "(1, N, E) queries against (B, N, E) keys": lambda: ((_r(1, N, E), _r(B, N, E), _r(B, N, E)), {}),
+    "(B, N, E), float mask (B, N, N)": lambda: ((_r(B, N, E), _r(B, N, E), _r(B, N, E)), {"attn_mask": _r(B, N, N)}),
+    "causal N_q > N_k": lambda: ((_r(B, H, 7, E), _r(B, H, 3, E), _r(B, H, 3, E)), {"is_causal": True}),
+    "gqa 4x, causal N_q < N_k": lambda: ((_r(B, 8, 3, E), _r(B, 2, 7, E), _r(B, 2, 7, E)),
+                                        {"enable_gqa": True, "is_causal": True}),
+    "5-D windows, mask broadcast over images": lambda: ((_r(B, 3, H, N, E), _r(B, 3, H, N, E), _r(B, 3, H, N, E)),
+                                                        {"attn_mask": _r(3, 1, N, N)}),
+    "5-D keys shared by the images": lambda: ((_r(B, 3, H, N, E), _r(1, 3, H, N, E), _r(1, 3, H, N, E)), {}),
+    "q expanded over the batch, scale given": lambda: ((_r(1, H, N, E).expand(B, H, N, E), _r(B, H, N, E),
+                                                        _r(B, H, N, E)), {"scale": 0.37}),
+    "float mask with a fully masked row": lambda: ((_r(B, H, N, E), _r(B, H, N, E), _r(B, H, N, E)),
+                                                   {"attn_mask": torch.zeros(N, N).index_fill(0, torch.tensor([2]),
+                                                                                              float("-inf"))}),
+}
+
+
+@pytest.mark.parametrize("mode", ["fused", "materialize"])
+@pytest.mark.parametrize("case", list(_CASES))
+def test_sdpa_records_equal_the_hand_written_softmax(case: str, mode: str) -> None:
+    """Unbatched (N, E) calls made a record whose probs() raised an IndexError (no head dim to read), and a
+    (B, N, E) call whose batch SDPA broadcast (1 query sequence, B key sequences) one that read the batch as heads."""
+    torch.manual_seed(0)
+    (q, k, v), options = _CASES[case]()
+    model = _Net(**options)
+    expected_out = F.scaled_dot_product_attention(q, k, v, **options)
+    with torch.no_grad(), vx.capture(model, attention_mode=mode) as rec:
+        out = model(q, k, v)
+    torch.testing.assert_close(out, expected_out, atol=1e-5, rtol=1e-5)  # the model's output is its own
+    assert [r.name for r in rec.records] == ["attn"]
+    probs = rec.records[0].probs()
+    expected = _oracle(q, k, options.get("attn_mask"), options.get("scale"), options.get("is_causal", False),
+                       options.get("enable_gqa", False))
+    if expected.dim() < 4:  # no head dim: one head
+        expected = expected.unsqueeze(-3)
+    expected = expected.reshape(-1, *expected.shape[-3:])  # leading dims folded into the batch
+    assert probs.shape == expected.shape
+    assert (probs.double() - expected).abs().max().item() < 1e-6  # measured <= 3e-7
