@@ -100,3 +100,81 @@ def test_sdpa_records_equal_the_hand_written_softmax(case: str, mode: str) -> No
     expected = expected.reshape(-1, *expected.shape[-3:])  # leading dims folded into the batch
     assert probs.shape == expected.shape
     assert (probs.double() - expected).abs().max().item() < 1e-6  # measured <= 3e-7
+
+
+def _mha_oracle(mha: nn.MultiheadAttention, query: Tensor, key: Tensor, attn_mask: Optional[Tensor],
+                padding: Optional[Tensor]) -> Tensor:
+    """(B, H, L, S) softmax of nn.MultiheadAttention from its weights in float64 (batch-first inputs, a bool attn_mask
+    (L, S) and key_padding_mask (B, S) where True masks out), fully masked rows as NaN (a plain softmax)."""
+    e, h = mha.embed_dim, mha.num_heads
+    if mha._qkv_same_embed_dim:
+        w_q, w_k = mha.in_proj_weight[:e], mha.in_proj_weight[e:2 * e]
+    else:
+        w_q, w_k = mha.q_proj_weight, mha.k_proj_weight
+    b_q, b_k = mha.in_proj_bias[:e], mha.in_proj_bias[e:2 * e]
+    qp = (query.double() @ w_q.double().T + b_q.double()).unflatten(-1, (h, e // h)).transpose(1, 2)
+    kp = (key.double() @ w_k.double().T + b_k.double()).unflatten(-1, (h, e // h)).transpose(1, 2)
+    scores = qp @ kp.transpose(-1, -2) / math.sqrt(e // h)
+    if attn_mask is not None:
+        scores = scores.masked_fill(attn_mask, float("-inf"))
+    if padding is not None:
+        scores = scores.masked_fill(padding[:, None, None, :], float("-inf"))
+    return torch.softmax(scores, -1)
+
+
+class _MHANet(nn.Module):
+    def __init__(self, mha: nn.MultiheadAttention) -> None:
+        super().__init__()
+        self.mha = mha
+
+    def forward(self, query: Tensor, key: Tensor, **options) -> Tensor:
+        return self.mha(query, key, key, **options)
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("need_weights", [False, True])
+@pytest.mark.parametrize("cross", [False, True])
+def test_multihead_attention_records_equal_the_hand_written_softmax(batch_first: bool, need_weights: bool,
+                                                                     cross: bool) -> None:
+    """nn.MultiheadAttention with an attn_mask and a key_padding_mask that masks every key of one query row: the
+    record is the call's softmax; that row is zeros where MHA runs SDPA (need_weights=False) and NaN, as the weights
+    MHA returns, where it runs its own softmax (need_weights=True)."""
+    torch.manual_seed(0)
+    e, heads, n_q = 16, 4, 5
+    n_k = 7 if cross else n_q
+    mha = nn.MultiheadAttention(e, heads, batch_first=batch_first, kdim=12 if cross else None,
+                                vdim=12 if cross else None).eval()
+    query = torch.randn(2, n_q, e)
+    key = torch.randn(2, n_k, 12) if cross else query
+    attn_mask = torch.zeros(n_q, n_k, dtype=torch.bool)
+    attn_mask[1, 2:] = True  # query 1 sees keys 0, 1 only
+    padding = torch.zeros(2, n_k, dtype=torch.bool)
+    padding[0, :2] = True  # image 0: keys 0, 1 padded, so its query 1 sees no key
+    model = _MHANet(mha)
+    q_in, k_in = (query, key) if batch_first else (query.transpose(0, 1), key.transpose(0, 1))
+    if not cross:
+        k_in = q_in
+    options = dict(attn_mask=attn_mask, key_padding_mask=padding, need_weights=need_weights,
+                   average_attn_weights=False)
+    fastpath = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)  # (MHA's C++ fast path gives a fully masked row NaN, docs/guide.md)
+    try:
+        with torch.no_grad():
+            expected_out, weights = model(q_in, k_in, **options)
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fastpath)
+    with torch.no_grad():
+        with vx.capture(model) as rec:
+            out, _ = model(q_in, k_in, **options)
+    torch.testing.assert_close(out, expected_out, equal_nan=True)
+    assert [(r.name, r.kind) for r in rec.records] == [("mha", "cross" if cross else "self")]
+    probs = rec.records[0].probs()
+    expected = _mha_oracle(mha, query, key, attn_mask, padding)
+    assert bool(expected[0, :, 1].isnan().all())  # (the case covers a fully masked row)
+    if need_weights:
+        torch.testing.assert_close(probs, weights, equal_nan=True)  # what MHA returned, NaN row included
+    else:
+        expected = torch.nan_to_num(expected, nan=0.0)
+    assert probs.shape == expected.shape
+    assert torch.equal(probs.isnan(), expected.isnan())
+    assert (probs.double() - expected).nan_to_num(0.0).abs().max().item() < 1e-6  # measured <= 2e-7
