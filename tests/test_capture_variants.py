@@ -178,3 +178,35 @@ def test_multihead_attention_records_equal_the_hand_written_softmax(batch_first:
     assert probs.shape == expected.shape
     assert torch.equal(probs.isnan(), expected.isnan())
     assert (probs.double() - expected).nan_to_num(0.0).abs().max().item() < 1e-6  # measured <= 2e-7
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_attention_rows_with_every_key_masked_are_zeros() -> None:
+    """A document mask whose padding queries see no key (and an ALiBi score_mod reading a captured tensor): the
+    record is the hand-written masked softmax, fully masked rows zeros as FlexAttention's own output there."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    torch.manual_seed(0)
+    n, heads = 16, 2
+    doc = torch.tensor([0] * 6 + [1] * 6 + [-1] * 4)  # -1: padding, in no document
+    slopes = torch.tensor([0.5, 0.25])
+    block_mask = flex.create_block_mask(lambda b, h, qi, ki: (doc[qi] == doc[ki]) & (doc[qi] >= 0), None, None, n, n,
+                                        device="cpu")
+
+    class Flex(nn.Module):
+        def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            out = flex.flex_attention(q, k, v, block_mask=block_mask,
+                                      score_mod=lambda s, b, h, qi, ki: s + slopes[h] * (ki - qi))
+            return out.transpose(1, 2).flatten(2)
+
+    q, k, v = (torch.randn(2, heads, n, E) for _ in range(3))
+    model = Flex()
+    with torch.no_grad(), vx.capture(model) as rec:
+        out = model(q, k, v)
+    i = torch.arange(n)
+    allowed = (doc[:, None] == doc[None]) & (doc[:, None] >= 0)
+    scores = q.double() @ k.double().transpose(-1, -2) / math.sqrt(E) + slopes.double()[:, None, None] * (i[None] - i[:, None])
+    expected = torch.nan_to_num(scores.masked_fill(~allowed, float("-inf")).softmax(-1), nan=0.0)
+    probs = rec.records[0].probs()
+    assert bool((out.unflatten(-1, (heads, E))[:, 12:] == 0).all())  # (FlexAttention's own output there)
+    assert bool((probs[..., 12:, :] == 0).all())
+    assert (probs.double() - expected).abs().max().item() < 1e-6  # measured 1e-7
