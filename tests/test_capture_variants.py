@@ -210,3 +210,42 @@ def test_flex_attention_rows_with_every_key_masked_are_zeros() -> None:
     assert bool((out.unflatten(-1, (heads, E))[:, 12:] == 0).all())  # (FlexAttention's own output there)
     assert bool((probs[..., 12:, :] == 0).all())
     assert (probs.double() - expected).abs().max().item() < 1e-6  # measured 1e-7
+
+
+class _AttentionPool(nn.Module):
+    """OpenAI CLIP's attention pooling: ``F.multi_head_attention_forward`` called directly, the mean token as the one
+    query; the head count kept as ``n_head`` (no ``num_heads`` attribute)."""
+
+    def __init__(self, dim: int = 16, n_head: int = 4) -> None:
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj, self.c_proj = (nn.Linear(dim, dim) for _ in range(4))
+        self.n_head = n_head
+
+    def forward(self, x: Tensor, need_weights: bool) -> Tensor:  # x: (N, B, C)
+        x = torch.cat([x.mean(0, keepdim=True), x])
+        out, _ = F.multi_head_attention_forward(
+            x[:1], x, x, x.shape[-1], self.n_head, None, torch.cat([self.q_proj.bias, self.k_proj.bias,
+                                                                    self.v_proj.bias]),
+            None, None, False, 0.0, self.c_proj.weight, self.c_proj.bias, training=False, need_weights=need_weights,
+            use_separate_proj_weight=True, q_proj_weight=self.q_proj.weight, k_proj_weight=self.k_proj.weight,
+            v_proj_weight=self.v_proj.weight, average_attn_weights=False)
+        return out[0]
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_functional_multi_head_attention_forward_is_recorded_with_its_own_head_count(need_weights: bool) -> None:
+    """With need_weights=True MHA's softmax is (B * heads, N_q, N_k): the heads were read from the module's
+    ``num_heads`` only, so a module naming it otherwise left no record (NoAttentionError, or a layer missing)."""
+    torch.manual_seed(0)
+    model = _AttentionPool().eval()
+    x = torch.randn(9, 2, 16)
+    with torch.no_grad(), vx.capture(model) as rec:
+        model(x, need_weights)
+    tokens = torch.cat([x.mean(0, keepdim=True), x]).double()  # (10, B, C)
+    q = (tokens[:1] @ model.q_proj.weight.double().T + model.q_proj.bias.double()).view(1, 2, 4, 4).permute(1, 2, 0, 3)
+    k = (tokens @ model.k_proj.weight.double().T + model.k_proj.bias.double()).view(10, 2, 4, 4).permute(1, 2, 0, 3)
+    expected = torch.softmax(q @ k.transpose(-1, -2) / 2.0, -1)  # (B, H, 1, 10)
+    assert [r.name for r in rec.records] == [""]
+    probs = rec.records[0].probs()
+    assert probs.shape == expected.shape
+    assert (probs.double() - expected).abs().max().item() < 1e-6  # measured 2e-8

@@ -263,7 +263,11 @@ class AttentionMode(TorchFunctionMode):
         return True
 
     # -- softmax ------------------------------------------------------------------------
-    def _on_softmax(self, func: Callable, args: tuple, kwargs: dict, caller: Optional[FrameType]) -> Any:
+    def _on_softmax(self, func: Callable, args: tuple, kwargs: dict, caller: Optional[FrameType],
+                    heads: Optional[int] = None) -> Any:
+        """Record a softmax over the last dim of a (B, H, N_q, N_k) (or more leading dims) tensor, or of a
+        (B * H, N_q, N_k) one: ``heads`` H (the call's own ``num_heads`` inside MHA's functional forward), else the
+        issuing module's ``num_heads``."""
         out = func(*args, **kwargs)
         if not isinstance(out, Tensor) or out.dim() < 3 or caller is None:
             return out
@@ -282,7 +286,8 @@ class AttentionMode(TorchFunctionMode):
         if out.dim() == 3:
             # heads folded into the batch, (B * H, N_q, N_k): nn.MultiheadAttention with need_weights=True, and
             # attention modules written the same way (TrOCR's decoder): an integer num_heads that divides B * H
-            heads = getattr(issuer.module, "num_heads", None)
+            if heads is None:
+                heads = getattr(issuer.module, "num_heads", None)
             if not isinstance(heads, int) or isinstance(heads, bool) or heads < 1 or out.shape[0] % heads:
                 return out
             probs = out.view(out.shape[0] // heads, heads, *out.shape[1:])
@@ -303,7 +308,8 @@ class AttentionMode(TorchFunctionMode):
     # -- nn.MultiheadAttention ----------------------------------------------------------
     def _on_mha(self, func: Callable, args: tuple, kwargs: dict) -> Any:
         """Run MHA's functional forward with its inner SDPA/softmax calls visible (see :func:`_mha_taps`)."""
-        with _mha_taps(self):
+        heads = kwargs.get("num_heads", args[4] if len(args) > 4 else None)
+        with _mha_taps(self, heads if isinstance(heads, int) else None):
             return func(*args, **kwargs)
 
 
@@ -328,7 +334,8 @@ _MHA_NAMES = ("scaled_dot_product_attention", "softmax")
 _mha_lock = threading.Lock()
 _mha_open = [0]
 _mha_installed: dict[str, tuple[Callable, Callable]] = {}  # name -> (original, tap)
-_mha_local = threading.local()  # .modes: the AttentionModes running an MHA forward in this thread, innermost first
+_mha_local = threading.local()  # .modes: the AttentionModes running an MHA forward in this thread, innermost first;
+#                                 .heads: the num_heads of each one's MHA call (None where not an int)
 
 
 def _mha_tap(name: str, original: Callable) -> Callable:
@@ -336,25 +343,28 @@ def _mha_tap(name: str, original: Callable) -> Callable:
         modes = getattr(_mha_local, "modes", None)
         if not modes:  # another thread's call, or one outside an MHA forward
             return original(*args, **kwargs)
-        return _mha_chain(list(modes), name, original, sys._getframe(1), args, kwargs)
+        return _mha_chain(list(modes), name, original, sys._getframe(1), args, kwargs, _mha_local.heads[-1])
 
     tap.__wrapped__ = original  # type: ignore[attr-defined]
     return tap
 
 
-def _mha_chain(modes: list, name: str, original: Callable, caller: FrameType, args: tuple, kwargs: dict) -> Any:
-    """The call through every mode of ``modes`` (the outermost capture first, the original call innermost)."""
+def _mha_chain(modes: list, name: str, original: Callable, caller: FrameType, args: tuple, kwargs: dict,
+               heads: Optional[int] = None) -> Any:
+    """The call through every mode of ``modes`` (the outermost capture first, the original call innermost);
+    ``heads``: the ``num_heads`` of the MHA forward that makes the call (its softmax is (B * heads, N_q, N_k))."""
     mode = modes[-1]
     inner = original if len(modes) == 1 else (
-        lambda *a, **kw: _mha_chain(modes[:-1], name, original, caller, a, kw))
+        lambda *a, **kw: _mha_chain(modes[:-1], name, original, caller, a, kw, heads))
     if name == "softmax":
-        return mode._on_softmax(inner, args, kwargs, caller)
+        return mode._on_softmax(inner, args, kwargs, caller, heads)
     return mode._on_sdpa(inner, args, kwargs, caller)
 
 
 @contextlib.contextmanager
-def _mha_taps(mode: "AttentionMode") -> Iterator[None]:
-    """Inside, this thread's calls of ``F.scaled_dot_product_attention`` / ``F.softmax`` reach ``mode``."""
+def _mha_taps(mode: "AttentionMode", heads: Optional[int] = None) -> Iterator[None]:
+    """Inside, this thread's calls of ``F.scaled_dot_product_attention`` / ``F.softmax`` reach ``mode``, the
+    softmax as one of ``heads`` heads (the MHA call's ``num_heads``; the module that made it may not name it so)."""
     with _mha_lock:
         if _mha_open[0] == 0:
             for name in _MHA_NAMES:
@@ -366,13 +376,18 @@ def _mha_taps(mode: "AttentionMode") -> Iterator[None]:
     modes = getattr(_mha_local, "modes", None)
     if modes is None:
         modes = _mha_local.modes = []
+    stack = getattr(_mha_local, "heads", None)
+    if stack is None:
+        stack = _mha_local.heads = []
     modes.append(mode)
+    stack.append(heads)
     try:
         yield
     finally:
         for i in range(len(modes) - 1, -1, -1):
             if modes[i] is mode:
                 del modes[i]
+                del stack[i]
                 break
         with _mha_lock:
             _mha_open[0] -= 1
