@@ -249,3 +249,49 @@ def test_functional_multi_head_attention_forward_is_recorded_with_its_own_head_c
     probs = rec.records[0].probs()
     assert probs.shape == expected.shape
     assert (probs.double() - expected).abs().max().item() < 1e-6  # measured 2e-8
+
+
+class _Checkpointed(nn.Module):
+    """Two attention blocks (SDPA, then nn.MultiheadAttention) run under non-reentrant torch.utils.checkpoint."""
+
+    def __init__(self, checkpointing: bool) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+        self.mha = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.checkpointing = checkpointing
+
+    def block(self, x: Tensor) -> Tensor:
+        q, k, v = self.qkv(x).view(2, 5, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(2, 5, 8)
+        return self.mha(y, y, y, need_weights=False)[0]
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.checkpointing:
+            from torch.utils.checkpoint import checkpoint
+
+            return checkpoint(self.block, x, use_reentrant=False)
+        return self.block(x)
+
+
+@pytest.mark.parametrize("mode,grads", [("materialize", True), ("materialize", False), ("auto", False)])
+def test_materializing_capture_of_a_non_reentrant_checkpoint_keeps_the_backward_working(mode: str, grads: bool) -> None:
+    """torch.utils.checkpoint(use_reentrant=False) recomputes the block in the backward pass, outside the capture's
+    view, as SDPA itself; a call the capture had computed eagerly saved other tensors, and the user's own
+    loss.backward() raised torch's CheckpointError. Oracle: the same model without checkpointing."""
+    torch.manual_seed(0)
+    model = _Checkpointed(checkpointing=True)
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    runs = []
+    for checkpointing in (False, True):
+        model.checkpointing = checkpointing
+        x.grad = None
+        with vx.capture(model, grads=grads, attention_mode=mode) as rec:
+            model(x).square().sum().backward()
+        runs.append((rec, x.grad.clone()))
+    (plain, plain_grad), (checkpointed, checkpointed_grad) = runs
+    torch.testing.assert_close(checkpointed_grad, plain_grad)
+    assert [r.name for r in checkpointed.records] == [r.name for r in plain.records] == ["", "mha"]
+    for got, want in zip(checkpointed.records, plain.records):
+        torch.testing.assert_close(got.probs(), want.probs(), atol=1e-6, rtol=0)
+        if grads:
+            torch.testing.assert_close(got.grad_probs(), want.grad_probs(), atol=1e-5, rtol=1e-5)

@@ -40,6 +40,7 @@ __all__ = ["AttentionMode"]
 _SDPA = F.scaled_dot_product_attention
 _MHA_FORWARD = F.multi_head_attention_forward
 _compiling = torch.compiler.is_dynamo_compiling
+_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 
 
 def _wrapper_codes() -> frozenset[int]:
@@ -233,6 +234,8 @@ class AttentionMode(TorchFunctionMode):
             elif not again:  # nothing to hook: the record is made when the records are read
                 self.sink.add_draft(issuer, fields)
             return out.reshape(*out_rows, out.shape[-1])
+        if again:  # (recomputed by SDPA itself, as the forward was: its record stands)
+            return func(*args, **kwargs)
         # the record keeps q, k, v and the mask by reference, with what tells a later in-place write (witness.py)
         fields.update(kept_mask(mask), **query_witness(q), **key_witness(k))
         out = func(*args, **kwargs)
@@ -247,6 +250,10 @@ class AttentionMode(TorchFunctionMode):
     def _materialize(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], dropout_p: float, gqa: bool) -> bool:
         """Whether this SDPA call is computed by the capture (see ``attention_mode``)."""
         if self.attention_mode == "fused" or not can_materialize(q, k, v, mask, dropout_p, gqa):
+            return False
+        if torch.is_grad_enabled() and _saved_tensors_hooks(False) is not None:
+            # a non-reentrant torch.utils.checkpoint (saved-tensor hooks): the backward pass recomputes this call
+            # outside the capture, as SDPA itself, and torch requires the recomputation to save what the forward did
             return False
         if self.sink.grads and torch.is_grad_enabled() and v.requires_grad and not (q.requires_grad or k.requires_grad):
             return False  # (only v in the graph: P would not be, no dy/dP to hook on it; a fused record takes dO V^T)
