@@ -40,6 +40,7 @@ __all__ = ["AttentionMode"]
 _SDPA = F.scaled_dot_product_attention
 _MHA_FORWARD = F.multi_head_attention_forward
 _compiling = torch.compiler.is_dynamo_compiling
+_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 
 
 def _wrapper_codes() -> frozenset[int]:
@@ -186,6 +187,12 @@ class AttentionMode(TorchFunctionMode):
         groups = packed_groups(caller, issuer.frame, q)
         if groups > 1:  # transformers packed the query heads into rows: record them as heads
             q, mask, gqa = unpack_query(q, groups), unpack_mask(mask, groups), True
+        if q.dim() < 4 and (q.dim() < 3 or not q.shape[:-2] == k.shape[:-2] == v.shape[:-2]):
+            # (N, E) without a batch, or a batch SDPA broadcasts (one query sequence against a batch of keys):
+            # q, k and v expanded to one batch (views), so that no record reads a batch dim as heads
+            lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+            out_rows = (*lead, q.shape[-2])
+            q, k, v = (t.expand(*(lead or (1,)), *t.shape[-2:]) for t in (q, k, v))
         if q.dim() >= 4 and not q.shape[:-3] == k.shape[:-3] == v.shape[:-3]:
             # leading dims SDPA broadcasts: queries shared by the images, keys shared by the windows (torch's
             # broadcast_shapes costs tens of microseconds a call: only where the dims differ)
@@ -227,6 +234,8 @@ class AttentionMode(TorchFunctionMode):
             elif not again:  # nothing to hook: the record is made when the records are read
                 self.sink.add_draft(issuer, fields)
             return out.reshape(*out_rows, out.shape[-1])
+        if again:  # (recomputed by SDPA itself, as the forward was: its record stands)
+            return func(*args, **kwargs)
         # the record keeps q, k, v and the mask by reference, with what tells a later in-place write (witness.py)
         fields.update(kept_mask(mask), **query_witness(q), **key_witness(k))
         out = func(*args, **kwargs)
@@ -241,6 +250,10 @@ class AttentionMode(TorchFunctionMode):
     def _materialize(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], dropout_p: float, gqa: bool) -> bool:
         """Whether this SDPA call is computed by the capture (see ``attention_mode``)."""
         if self.attention_mode == "fused" or not can_materialize(q, k, v, mask, dropout_p, gqa):
+            return False
+        if torch.is_grad_enabled() and _saved_tensors_hooks(False) is not None:
+            # a non-reentrant torch.utils.checkpoint (saved-tensor hooks): the backward pass recomputes this call
+            # outside the capture, as SDPA itself, and torch requires the recomputation to save what the forward did
             return False
         if self.sink.grads and torch.is_grad_enabled() and v.requires_grad and not (q.requires_grad or k.requires_grad):
             return False  # (only v in the graph: P would not be, no dy/dP to hook on it; a fused record takes dO V^T)
@@ -257,7 +270,11 @@ class AttentionMode(TorchFunctionMode):
         return True
 
     # -- softmax ------------------------------------------------------------------------
-    def _on_softmax(self, func: Callable, args: tuple, kwargs: dict, caller: Optional[FrameType]) -> Any:
+    def _on_softmax(self, func: Callable, args: tuple, kwargs: dict, caller: Optional[FrameType],
+                    heads: Optional[int] = None) -> Any:
+        """Record a softmax over the last dim of a (B, H, N_q, N_k) (or more leading dims) tensor, or of a
+        (B * H, N_q, N_k) one: ``heads`` H (the call's own ``num_heads`` inside MHA's functional forward), else the
+        issuing module's ``num_heads``."""
         out = func(*args, **kwargs)
         if not isinstance(out, Tensor) or out.dim() < 3 or caller is None:
             return out
@@ -276,8 +293,9 @@ class AttentionMode(TorchFunctionMode):
         if out.dim() == 3:
             # heads folded into the batch, (B * H, N_q, N_k): nn.MultiheadAttention with need_weights=True, and
             # attention modules written the same way (TrOCR's decoder; SAM's eager vision attention, whose count is
-            # num_attention_heads): an integer num_heads that divides B * H
-            heads = getattr(issuer.module, "num_heads", None)
+            # num_attention_heads): the MHA call's own num_heads, else an integer num_heads that divides B * H
+            if heads is None:
+                heads = getattr(issuer.module, "num_heads", None)
             if heads is None:
                 heads = getattr(issuer.module, "num_attention_heads", None)
             if not isinstance(heads, int) or isinstance(heads, bool) or heads < 1 or out.shape[0] % heads:
@@ -300,7 +318,8 @@ class AttentionMode(TorchFunctionMode):
     # -- nn.MultiheadAttention ----------------------------------------------------------
     def _on_mha(self, func: Callable, args: tuple, kwargs: dict) -> Any:
         """Run MHA's functional forward with its inner SDPA/softmax calls visible (see :func:`_mha_taps`)."""
-        with _mha_taps(self):
+        heads = kwargs.get("num_heads", args[4] if len(args) > 4 else None)
+        with _mha_taps(self, heads if isinstance(heads, int) else None):
             return func(*args, **kwargs)
 
 
@@ -325,7 +344,8 @@ _MHA_NAMES = ("scaled_dot_product_attention", "softmax")
 _mha_lock = threading.Lock()
 _mha_open = [0]
 _mha_installed: dict[str, tuple[Callable, Callable]] = {}  # name -> (original, tap)
-_mha_local = threading.local()  # .modes: the AttentionModes running an MHA forward in this thread, innermost first
+_mha_local = threading.local()  # .modes: the AttentionModes running an MHA forward in this thread, innermost first;
+#                                 .heads: the num_heads of each one's MHA call (None where not an int)
 
 
 def _mha_tap(name: str, original: Callable) -> Callable:
@@ -333,25 +353,28 @@ def _mha_tap(name: str, original: Callable) -> Callable:
         modes = getattr(_mha_local, "modes", None)
         if not modes:  # another thread's call, or one outside an MHA forward
             return original(*args, **kwargs)
-        return _mha_chain(list(modes), name, original, sys._getframe(1), args, kwargs)
+        return _mha_chain(list(modes), name, original, sys._getframe(1), args, kwargs, _mha_local.heads[-1])
 
     tap.__wrapped__ = original  # type: ignore[attr-defined]
     return tap
 
 
-def _mha_chain(modes: list, name: str, original: Callable, caller: FrameType, args: tuple, kwargs: dict) -> Any:
-    """The call through every mode of ``modes`` (the outermost capture first, the original call innermost)."""
+def _mha_chain(modes: list, name: str, original: Callable, caller: FrameType, args: tuple, kwargs: dict,
+               heads: Optional[int] = None) -> Any:
+    """The call through every mode of ``modes`` (the outermost capture first, the original call innermost);
+    ``heads``: the ``num_heads`` of the MHA forward that makes the call (its softmax is (B * heads, N_q, N_k))."""
     mode = modes[-1]
     inner = original if len(modes) == 1 else (
-        lambda *a, **kw: _mha_chain(modes[:-1], name, original, caller, a, kw))
+        lambda *a, **kw: _mha_chain(modes[:-1], name, original, caller, a, kw, heads))
     if name == "softmax":
-        return mode._on_softmax(inner, args, kwargs, caller)
+        return mode._on_softmax(inner, args, kwargs, caller, heads)
     return mode._on_sdpa(inner, args, kwargs, caller)
 
 
 @contextlib.contextmanager
-def _mha_taps(mode: "AttentionMode") -> Iterator[None]:
-    """Inside, this thread's calls of ``F.scaled_dot_product_attention`` / ``F.softmax`` reach ``mode``."""
+def _mha_taps(mode: "AttentionMode", heads: Optional[int] = None) -> Iterator[None]:
+    """Inside, this thread's calls of ``F.scaled_dot_product_attention`` / ``F.softmax`` reach ``mode``, the
+    softmax as one of ``heads`` heads (the MHA call's ``num_heads``; the module that made it may not name it so)."""
     with _mha_lock:
         if _mha_open[0] == 0:
             for name in _MHA_NAMES:
@@ -363,13 +386,18 @@ def _mha_taps(mode: "AttentionMode") -> Iterator[None]:
     modes = getattr(_mha_local, "modes", None)
     if modes is None:
         modes = _mha_local.modes = []
+    stack = getattr(_mha_local, "heads", None)
+    if stack is None:
+        stack = _mha_local.heads = []
     modes.append(mode)
+    stack.append(heads)
     try:
         yield
     finally:
         for i in range(len(modes) - 1, -1, -1):
             if modes[i] is mode:
                 del modes[i]
+                del stack[i]
                 break
         with _mha_lock:
             _mha_open[0] -= 1

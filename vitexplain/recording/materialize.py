@@ -24,7 +24,8 @@ The modes (``vx.capture(model, attention_mode=...)``, ``vx.Explainer(model, atte
 
 - ``"fused"``: never materialise (GPU memory, or only a few rows of one layer are read).
 - ``"materialize"``: materialise every call that can be (float32 q, k, v, no dropout, no
-  autocast; others run the fused kernel and are recorded as usual). A capture nested in another
+  autocast, not inside a non-reentrant ``torch.utils.checkpoint`` with gradients on, whose backward
+  recomputes the call as SDPA itself; others run the fused kernel and are recorded as usual). A capture nested in another
   one never materialises: the outer capture must see the call itself, not the inner capture's
   own scores and softmax (per image or per chunk).
 - ``"auto"``: materialise on a CPU only, when no gradient is captured, while one call's

@@ -156,6 +156,12 @@ class AttentionRecord:
         """Attention probabilities of this call in float32: recomputed from q and k, or
         the stored ones (eager and materialized records).
 
+        A query row in which every key is masked: zeros in an SDPA or FlexAttention record (what the
+        fused kernels compute, and SDPA's math path too); an eager or declared record holds the weights
+        the model's own softmax gave, so NaN for a plain softmax over ``-inf`` scores (e.g.
+        ``nn.MultiheadAttention`` with ``need_weights=True``) and uniform weights for a ``finfo.min``
+        mask (Hugging Face's eager attention). Each record equals what its call computed.
+
         Args:
             queries: which query rows (None = all; an int, a slice or an index tensor).
 
