@@ -295,3 +295,17 @@ def test_materializing_capture_of_a_non_reentrant_checkpoint_keeps_the_backward_
         torch.testing.assert_close(got.probs(), want.probs(), atol=1e-6, rtol=0)
         if grads:
             torch.testing.assert_close(got.grad_probs(), want.grad_probs(), atol=1e-5, rtol=1e-5)
+
+
+def test_a_reentrant_checkpoint_with_grads_is_refused_naming_checkpointing() -> None:
+    """torch.utils.checkpoint(use_reentrant=True) runs the block's forward without a graph, so dy/dA of its attention
+    cannot be had; the refusal said only 'no_grad, or nothing requires grad', which was not the user's case."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    model = _Checkpointed(checkpointing=False)
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    with vx.capture(model, grads=True) as rec:
+        checkpoint(model.block, x, use_reentrant=True).square().sum().backward()
+    with pytest.raises(vx.CaptureError, match=r"use_reentrant=True.*use_reentrant=False"):
+        rec.records[0].grad_probs()

@@ -304,9 +304,11 @@ class AttentionRecord:
         if self._grad_state == "no_graph":
             raise CaptureError(
                 f"the attention output of {self.name!r} was not part of an autograd graph "
-                "(the forward ran under torch.no_grad(), or neither the input nor any "
-                "parameter requires grad), so dy/dA cannot be computed; run the forward "
-                "with gradients enabled, e.g. x.requires_grad_(True)"
+                "(the forward ran under torch.no_grad(), neither the input nor any parameter "
+                "requires grad, or the block ran under torch.utils.checkpoint(use_reentrant=True), "
+                "whose forward builds no graph), so dy/dA cannot be computed; run the forward "
+                "with gradients enabled, e.g. x.requires_grad_(True), and checkpointing off or "
+                "with use_reentrant=False"
             )
         if need_backward and self._grad_out is None and self._grad_probs is None:
             raise CaptureError(
