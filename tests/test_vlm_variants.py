@@ -105,6 +105,28 @@ def _git():
     return transformers.GitForCausalLM(cfg).eval()
 
 
+def test_a_generation_config_with_stop_strings_is_refused_saying_what_to_do(built):
+    """A checkpoint's ``stop_strings`` end an answer on a string, which ``generate`` applies only with a tokenizer:
+    it raised a ValueError that came out as "cannot read an image size". Now a refusal naming the setting; a given
+    answer is explained, and with the setting cleared the explanation is the plain config's."""
+    name, model, proc = built
+    images = helpers.images(0)
+    want = _plain(model, proc, images)
+    saved = model.generation_config
+    model.generation_config = copy.deepcopy(saved)
+    try:
+        model.generation_config.stop_strings = ["shape"]
+        with pytest.raises(vx.UnsupportedModelError, match=r"stop_strings=\['shape'\].*stop_strings = None"):
+            _plain(model, proc, images)
+        given = vx.Explainer(model, processor=proc).explain_caption(images, method="cross", prompt=PROMPTS,
+                                                                     caption="red circle")
+        assert len(given.token_scores) == len(images) and all(len(t) > 0 for t in given.tokens)
+        model.generation_config.stop_strings = None
+        _same(_plain(model, proc, images), want)
+    finally:
+        model.generation_config = saved
+
+
 @pytest.mark.parametrize("build", [_vit_gpt2, _git], ids=["vit-gpt2", "git"])
 def test_a_captioner_whose_generation_config_returns_a_dict_still_captions(build):
     """The same for Hugging Face captioners (VisionEncoderDecoder, GIT): their ``generate`` output was sliced as ids."""
@@ -241,3 +263,13 @@ def test_llava_whose_processor_pads_to_a_square_maps_the_whole_image(size, box):
     assert piece.grid == (4, 4)
     assert piece.box == pytest.approx(box)
     vlm_checks.check_footprints(("llava", model, proc), size)
+
+
+@pytest.mark.parametrize("build", [_vit_gpt2, _git], ids=["vit-gpt2", "git"])
+def test_a_captioner_whose_generation_config_has_stop_strings_is_refused(build):
+    """The same refusal for Hugging Face captioners (their generate raised the tokenizer ValueError bare)."""
+    model = build()
+    model.generation_config.stop_strings = ["."]
+    x = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(vx.UnsupportedModelError, match=r"stop_strings=\['\.'\]"):
+        vx.Explainer(model).explain_caption(x, method="cross", max_len=3)

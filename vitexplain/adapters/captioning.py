@@ -21,9 +21,10 @@ from torch import Tensor, nn
 from ..layout import TokenLayout, pair
 from ..methods.families import CAPTION
 from .base import Adapter, find_layout_module, register_adapter
-from ..errors import UsageError
+from ..errors import UnsupportedModelError, UsageError
 
-__all__ = ["CaptionAdapter", "ZooCaptionAdapter", "TransformerDecoderCaptioner", "TorchDecoderCaptionAdapter", "IDS_ONLY"]
+__all__ = ["CaptionAdapter", "ZooCaptionAdapter", "TransformerDecoderCaptioner", "TorchDecoderCaptionAdapter", "IDS_ONLY",
+           "ids_only"]
 
 #: Hugging Face ``model.generate`` keyword arguments that make it return the (B, T) ids tensor, one answer per input,
 #: whatever the model's ``generation_config`` says (a checkpoint's ``return_dict_in_generate``, ``output_scores``,
@@ -31,6 +32,25 @@ __all__ = ["CaptionAdapter", "ZooCaptionAdapter", "TransformerDecoderCaptioner",
 #: weights to output; ``num_return_sequences`` > 1 would give several rows per input, which greedy search refuses)
 IDS_ONLY: dict[str, Any] = dict(return_dict_in_generate=False, output_scores=False, output_logits=False,
                                 output_attentions=False, output_hidden_states=False, num_return_sequences=1)
+
+
+def ids_only(model: nn.Module) -> dict[str, Any]:
+    """:data:`IDS_ONLY` for ``model.generate``, once the model's ``generation_config`` is known to stop where greedy
+    generation with end tokens stops.
+
+    Raises:
+        UnsupportedModelError: the config sets ``stop_strings``, which ``generate`` applies only with a tokenizer
+            (without one it raised a ValueError read as an image the model cannot read) and which end an answer on
+            a string rather than an end token, so the words after it would be read as answer words.
+    """
+    stops = getattr(getattr(model, "generation_config", None), "stop_strings", None)
+    if stops:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}.generation_config sets stop_strings={stops!r}, which vitexplain's greedy "
+            "generation does not apply (it ends an answer at the model's end tokens): set "
+            "model.generation_config.stop_strings = None to explain the answer up to the end token, or pass the "
+            "answer to explain as caption=...")
+    return IDS_ONLY
 
 
 class CaptionAdapter(Adapter):

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from ...errors import InputError, UnsupportedModelError, UsageError, VitexplainError
 from ...methods.families import VLM
 from ..base import Adapter
-from ..captioning import IDS_ONLY
+from ..captioning import ids_only
 from .views import ImageView
 
 __all__ = ["VLMAdapter", "submodule_named", "processor_images"]
@@ -304,7 +304,7 @@ class VLMAdapter(Adapter):
         ends = self.end_ids
         out = self.model.generate(**inputs, max_new_tokens=max_len, do_sample=False, num_beams=1,
                                   pad_token_id=self.pad_id, suppress_tokens=self.placeholder_ids or None,
-                                  **IDS_ONLY, **({"eos_token_id": ends} if ends else {}))
+                                  **ids_only(self.model), **({"eos_token_id": ends} if ends else {}))
         return out[:, inputs["input_ids"].shape[1]:]
 
     def answer_start(self, inputs: Any) -> int:

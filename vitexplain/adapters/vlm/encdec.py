@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from ..captioning import IDS_ONLY
+from ..captioning import ids_only
 from .base import VLMAdapter
 
 __all__ = ["EncoderDecoderVLMAdapter"]
@@ -73,7 +73,7 @@ class EncoderDecoderVLMAdapter(VLMAdapter):
         ends = self.end_ids
         out = self.model.generate(**self.generate_kwargs(inputs), max_new_tokens=max_len, do_sample=False, num_beams=1,
                                   pad_token_id=self.pad_id, suppress_tokens=self.placeholder_ids or None,
-                                  **IDS_ONLY, **({"eos_token_id": ends} if ends else {}))
+                                  **ids_only(self.model), **({"eos_token_id": ends} if ends else {}))
         return out[:, self.answer_start(inputs):]
 
     def teacher_inputs(self, inputs: Any, ids: Tensor) -> dict[str, Any]:
