@@ -111,7 +111,10 @@ def test_grad_cam_family_equals_the_formulas_on_the_models_own_forward(name):
         assert maps.shape == expected.shape and float(np.abs(expected).max()) > 0
         np.testing.assert_allclose(maps.double().numpy(), expected, rtol=1e-4, atol=1e-5 * np.abs(expected).max())
     one = ex.explain(x[1:2], method="gradcam", target=classes[1:2]).maps
-    torch.testing.assert_close(one[0], results["gradcam"].maps[1], rtol=1e-4, atol=1e-6)
+    # a batch's convolutions sum in another order than one image's: measured up to 2.3e-6 of the map's max with two
+    # torch threads (0 to 6.6e-7 with one); tolerance 1e-5 of the max, ~4x that
+    scale = float(results["gradcam"].maps[1].abs().max())
+    torch.testing.assert_close(one[0], results["gradcam"].maps[1], rtol=0, atol=1e-5 * scale)
 
 
 def test_images_are_preprocessed_to_the_configured_size_and_labels_come_from_id2label():
