@@ -20,6 +20,11 @@ batch (32). Per model (median CPU time of the process over interleaved rounds, o
 * ``rollout``: ``vx.Explainer(model).explain(x, method="rollout")`` (plan, capture with
   attention computed once, propagation through the footprints, the Explanation), and its
   ratio to the forward (target: at most 1.15x);
+* ``exact probabilities alone``: the forward plus, summed over its SDPA calls, what computing each call's
+  probabilities exactly (vitexplain.recording.materialize, as rollout's capture does) costs beyond the fused
+  kernel, each call timed alone on the model's own q, k, v: the least an exact rollout that keeps the
+  probabilities adds to the forward before any capture machinery, reading or propagation (the fused kernel's
+  softmax uses a faster approximate exp on CPU and never writes the probabilities);
 * ``first rollout``: the same on a copy of the model whose learned entry
   (vitexplain/recording/discovery.py) is forgotten before each run, so that its capture discovers
   the model as the first explanation of a model does (``rollout`` is every later one);
@@ -70,12 +75,15 @@ from typing import Callable, Optional
 
 import timm
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.profiler import ProfilerActivity, profile
 
 import vitexplain as vx
 from vitexplain.batch.options import BatchOptions
 from vitexplain.recording import discovery, workspace
+from vitexplain.recording.materialize import attention_with_probs, can_materialize
 from _common import interleaved_times, median_times, report, table
 
 #: ``vitexplain export``'s default batch (its ``--batch-size``)
@@ -109,6 +117,59 @@ def attention_sizes(model: nn.Module, x: torch.Tensor) -> tuple[int, int, int]:
                  layout.grid[0] * layout.grid[1] + layout.num_prefix_tokens)
     fine = 4 * x.shape[0] * len(records) * finest * finest
     return own, fine, len(records)
+
+
+class _SdpaCalls(TorchFunctionMode):
+    """Notes the arguments of every ``F.scaled_dot_product_attention`` call made under it (this script's own
+    spy: no vitexplain machinery)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[tuple, dict]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            self.calls.append((args, kwargs))
+        return func(*args, **kwargs)
+
+
+def exact_probabilities_cost(model: nn.Module, x: torch.Tensor, rounds: int = 7) -> float:
+    """Seconds (CPU time) that computing each SDPA call's probabilities exactly costs beyond the fused kernel, on
+    the model's own q, k, v, each call timed alone (the fastest of ``rounds`` interleaved rounds of each), summed
+    over the calls: scores, softmax (torch's exp, to float32 rounding) and ``P V`` by
+    vitexplain.recording.materialize, which rollout's capture runs, against the fused kernel (whose softmax
+    uses a faster, approximate exp on CPU and never writes P). Nothing of the capture (mode, records, plan,
+    propagation) is in it: it is the least an exact rollout that keeps the probabilities adds to a forward.
+    Calls it cannot compute eagerly (e.g. with dropout) count 0; models with eager attention (Swin) have none."""
+    spy = _SdpaCalls()
+    with torch.no_grad(), spy:
+        model(x)
+    extra = 0.0
+    for args, kwargs in spy.calls:
+        q, k, v = args[:3]
+        mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+        scale, causal = kwargs.get("scale"), bool(kwargs.get("is_causal", False))
+        if not can_materialize(q, k, v, mask, float(kwargs.get("dropout_p", 0.0)), bool(kwargs.get("enable_gqa"))):
+            continue
+        runs = {
+            "fused": lambda: F.scaled_dot_product_attention(*args, **kwargs),
+            "exact": lambda: attention_with_probs(q, k, v, attn_mask=mask, scale=scale, is_causal=causal),
+        }
+        with torch.no_grad():
+            # enough repetitions per timing that one lasts ~5 ms (a single short call is below the clock's grain)
+            start = time.process_time()
+            runs["fused"]()
+            reps = max(1, math.ceil(5e-3 / max(time.process_time() - start, 1e-6)))
+            best = {name: math.inf for name in runs}
+            for _ in range(rounds):
+                for name, fn in runs.items():
+                    start = time.process_time()
+                    for _ in range(reps):
+                        fn()
+                    best[name] = min(best[name], (time.process_time() - start) / reps)
+        extra += best["exact"] - best["fused"]
+    return extra
 
 
 def models(sam_size: int, batch: int) -> list[tuple[str, Callable[[], nn.Module], tuple[int, int], int]]:
@@ -195,6 +256,7 @@ def measure(label: str, build: Callable[[], nn.Module], size: tuple[int, int], b
     workspace.forget(model)  # (the buffers a capture reuses are allocated again inside the measured call)
     peak_rollout = peak_bytes(lambda: ex.explain(x, method="rollout"))
     own, fine, layers = attention_sizes(model, x)
+    exact = exact_probabilities_cost(model, x)
     ms = {k: 1000 * v for k, v in times.items()}
     generic = (f"{ms['generic']:.1f} ms ({ms['generic'] / ms['forward+backward']:.2f}x of {ms['forward+backward']:.1f})"
                if "generic" in ms else "not supported")
@@ -203,7 +265,8 @@ def measure(label: str, build: Callable[[], nn.Module], size: tuple[int, int], b
     return [label, f"{batch} x {size[0]} px", layers, f"{ms['forward']:.{digits}f}",
             f"{ms['capture']:.{digits}f} ({ms['capture'] / ms['forward']:.2f}x)",
             f"{ms['kept']:.{digits}f} ({ms['kept'] / ms['forward']:.2f}x)",
-            f"{ms['rollout']:.{digits}f}", f"{ms['rollout'] / ms['forward']:.2f}x", f"{ms['first rollout'] / ms['forward']:.2f}x",
+            f"{ms['rollout']:.{digits}f}", f"{ms['rollout'] / ms['forward']:.2f}x",
+            f"{(times['forward'] + exact) / times['forward']:.2f}x", f"{ms['first rollout'] / ms['forward']:.2f}x",
             f"{best['capture'] / best['forward']:.2f}x / {best['rollout'] / best['forward']:.2f}x", generic,
             f"{peak_forward / mb:.1f}", f"{peak_rollout / mb:.1f}", f"{(peak_rollout - peak_forward) / mb:.1f}",
             f"{own / mb:.1f}", f"{fine / mb:.1f}"]
@@ -236,7 +299,7 @@ def main() -> int:
             print(" | ".join(str(v) for v in row), flush=True)
     header = ["model", "input", "attention calls", "forward ms", "capture ms (/ forward)",
               "capture keeping attention ms (/ forward)", "rollout ms",
-              "rollout / forward", "first rollout / forward", "fastest runs: capture / forward, rollout / forward",
+              "rollout / forward", "exact probabilities alone / forward", "first rollout / forward", "fastest runs: capture / forward, rollout / forward",
               "generic ms (/ forward+backward to the input)", "forward peak MB", "rollout peak MB", "rollout extra MB",
               "dense attention of all layers MB", "dense N0 x N0 of all layers MB"]
     body = table(header, rows) + (
@@ -248,6 +311,10 @@ def main() -> int:
         "Both are as every capture after the first of a model runs (narrowed from its first call by what "
         "an earlier capture learned, vitexplain/recording/discovery.py); 'first rollout' is rollout on a copy "
         "of the model whose learned entry is forgotten before each run: an explanation that discovers the model. "
+        "'exact probabilities alone' is the forward plus what computing each attention call's probabilities exactly "
+        "costs beyond its fused kernel, each call timed alone on the model's own q, k, v (exact_probabilities_cost): "
+        "the least an exact rollout that keeps the probabilities adds, before any capture machinery, reading or "
+        "propagation. "
         "forward+backward takes the gradient of the target logits to the input (no parameter gradients). "
         "'fastest runs' divides the fastest run of each (other processes on a shared machine only ever "
         "slow a run down). Peaks: bytes of CPU tensors alive at once (torch.profiler memory "
