@@ -1,0 +1,60 @@
+"""explain_caption over Hugging Face captioner variants a new user would build: VisionEncoderDecoder with other
+decoders (RoBERTa, XLM-RoBERTa, ...) and encoders, BLIP, GIT. Tiny random-init models (plumbing); each case names the
+bug it pins."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import vitexplain as vx
+
+transformers = pytest.importorskip("transformers")
+
+_SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+
+
+def _vit_roberta(config: str = "RobertaConfig", pad: int = 1, positions: int = 20):
+    """ViT encoder + a RoBERTa-style decoder: its positions are numbered from ``pad_token_id + 1`` (RoBERTa's 514-row
+    table holds 512 positions)."""
+    enc = transformers.ViTConfig(**_SMALL, image_size=32, patch_size=8)
+    dec = getattr(transformers, config)(**_SMALL, vocab_size=40, max_position_embeddings=positions, is_decoder=True,
+                                        add_cross_attention=True, bos_token_id=0, eos_token_id=2, pad_token_id=pad)
+    cfg = transformers.VisionEncoderDecoderConfig.from_encoder_decoder_configs(enc, dec)
+    cfg.decoder_start_token_id, cfg.pad_token_id, cfg.eos_token_id = 0, pad, 2
+    torch.manual_seed(0)
+    model = transformers.VisionEncoderDecoderModel(cfg).eval()
+    with torch.no_grad():  # a random head may say its end token first: its logit row is zeroed, captions run long
+        model.decoder.lm_head.decoder.weight[2] = 0.0
+        model.decoder.lm_head.bias[2] = -100.0
+    return model
+
+
+def _fits(model, length: int) -> bool:
+    """Whether the model's own teacher-forced forward takes ``length`` decoder inputs (the oracle of its positions)."""
+    try:
+        with torch.no_grad():
+            model(pixel_values=torch.zeros(1, 3, 32, 32), decoder_input_ids=torch.full((1, length), 5))
+        return True
+    except (IndexError, RuntimeError):
+        return False
+
+
+@pytest.mark.parametrize("config, pad", [("RobertaConfig", 1), ("XLMRobertaConfig", 1), ("RobertaConfig", 0)])
+def test_a_roberta_decoder_explains_as_many_words_as_its_positions_hold(config, pad):
+    """Bug: a RoBERTa-style decoder's positions start at ``pad_token_id + 1``, but the caption limit was its
+    ``max_position_embeddings``: generating up to max_len past the table, or a caption that long, crashed inside the
+    model (RuntimeError: index out of bounds in its position ids) instead of stopping at what fits / a UsageError.
+    Oracle: the model's own forward, which takes ``n`` decoder inputs and not ``n + 1``."""
+    model = _vit_roberta(config, pad)
+    n = next(k for k in range(1, 40) if not _fits(model, k + 1))
+    assert n == 20 - pad - 1  # the table's rows after the padding position
+    ex = vx.Explainer(model)
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    generated = ex.explain_caption(x, method="cross", max_len=1000)
+    assert generated.maps.shape == (2, n, 4, 4) and all(len(t) == n for t in generated.tokens)
+    assert torch.isfinite(generated.maps).all()
+    given = ex.explain_caption(x, method="cross_generic", caption=[5] * n)
+    assert given.maps.shape == (2, n, 4, 4) and torch.isfinite(given.maps).all()
+    with pytest.raises(vx.UsageError, match=f"explain at most {n} tokens"):
+        ex.explain_caption(x, method="cross", caption=[5] * (n + 1))
