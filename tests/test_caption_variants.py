@@ -94,3 +94,20 @@ def test_a_decoder_with_several_query_streams_is_refused_not_read_at_another_str
         for method in ("cross", "cross_generic"):
             with pytest.raises(vx.UnsupportedMethodError, match=r"query"):
                 ex.explain_caption(x, method=method, caption=caption, max_len=3)
+
+
+@pytest.mark.parametrize("caption, shown", [
+    (torch.tensor([[5.0, 6.0], [7.0, 8.0]]), r"\[5\.0, 6\.0\] \(float\)"),  # ids in range, as floats
+    (torch.ones(2, 2, 3, dtype=torch.long), r"\[\[1, 1, 1\], \[1, 1, 1\]\] \(list\)"),  # one dimension too many
+])
+def test_caption_values_that_are_not_integer_ids_are_called_so(caption, shown):
+    """Bug: a float tensor of ids (5.0 and 6.0, inside the 40-token vocabulary) or a 3-D tensor was refused as "token
+    ids [5.0, 6.0] outside the vocabulary (0..39)", which they are not. Now the message says they are not integer
+    token ids and how to give them; the same ids as integers explain."""
+    model = _vit_roberta()
+    ex = vx.Explainer(model)
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(5))
+    with pytest.raises(vx.UsageError, match=shown + r", which are not token ids.*ids\.long\(\)"):
+        ex.explain_caption(x, method="cross", caption=caption)
+    e = ex.explain_caption(x, method="cross", caption=torch.tensor([[5.0, 6.0], [7.0, 8.0]]).long())
+    assert e.ids[:, :2].tolist() == [[5, 6], [7, 8]]
