@@ -328,8 +328,13 @@ def given_token_ids(caption: Any, batch: int, encode: Callable[[str], list[int]]
                              "knows, or their token ids")
         if not seq:
             raise UsageError(f"caption {i} is empty; give the words to explain, or caption=None to generate")
-        bad = [t for t in seq if isinstance(t, bool) or not isinstance(t, int) or t < 0
-               or (vocab is not None and t >= vocab) or t in forbidden]
+        kinds = [t for t in seq if isinstance(t, bool) or not isinstance(t, int)]
+        if kinds:  # (floats, nested lists: were called ids "outside the vocabulary", 5.0 among them)
+            raise UsageError(
+                f"caption {i} holds {kinds[:3]} ({type(kinds[0]).__name__}), which are not token ids: give each "
+                "caption as text or as one flat list of integer ids (a float tensor of ids: ids.long(); one (B, T) "
+                "tensor or array for B images)")
+        bad = [t for t in seq if t < 0 or (vocab is not None and t >= vocab) or t in forbidden]
         if bad:
             raise UsageError(
                 f"caption {i} holds token ids {bad[:5]} outside the vocabulary (0..{vocab - 1 if vocab else '?'})"

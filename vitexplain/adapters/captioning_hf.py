@@ -49,6 +49,18 @@ def _token_id(value: Any, model: nn.Module, setting: str, role: str) -> int:
     return int(value)
 
 
+def _position_offset(decoder: nn.Module) -> int:
+    """How many rows of the decoder's position table come before its first position: ``padding_idx + 1`` for
+    RoBERTa-style embeddings (RoBERTa, XLM-RoBERTa, CamemBERT, Data2VecText, ...: positions are numbered from
+    ``pad_token_id + 1``, so ``max_position_embeddings - pad_token_id - 1`` tokens fit), 0 otherwise."""
+    for module in decoder.modules():
+        table = getattr(module, "position_embeddings", None)
+        pad = getattr(module, "padding_idx", None)
+        if isinstance(table, nn.Embedding) and isinstance(pad, int) and table.padding_idx == pad:
+            return pad + 1
+    return 0
+
+
 def _with_image_processor(adapter: CaptionAdapter, processor: Any) -> Any:
     """A copy of ``adapter`` whose images are preprocessed as ``processor`` (or the image processor it holds) does.
 
@@ -117,7 +129,8 @@ class HFCaptionAdapter(CaptionAdapter):
         for name in ("max_position_embeddings", "n_positions"):
             size = getattr(cfg, name, None)
             if isinstance(size, int) and size > 0:
-                return size
+                decoder = self.model.decoder if self.kind == "vision-encoder-decoder" else self.model.text_decoder
+                return size - _position_offset(decoder)
         return None
 
     def generate(self, x: Tensor, max_len: int) -> Tensor:

@@ -52,6 +52,7 @@ def stitch_cross(
     Returns:
         (B, T, N_image) float32.
     """
+    _check_query_rows(records, num_words, teacher_forced)
     if teacher_forced and len(records) == 1:
         stitched = fuse_heads(records[0].probs(), head_fusion)
     else:
@@ -62,6 +63,30 @@ def stitch_cross(
             "are explained; the decoder must issue one cross-attention call per step"
         )
     return stitched[:, :num_words]
+
+
+def _check_query_rows(records: Sequence[AttentionRecord], num_words: int, teacher_forced: bool) -> None:
+    """Refuse cross-attention calls whose query rows are not one per word (teacher-forced) or one per step (a KV
+    cache) / the growing prefix (none): a decoder that runs several query streams through its cross-attention
+    (ProphetNet's n-gram predicting streams, rows [main, stream 1, ...]) would have another stream's row read as the
+    word's.
+
+    Raises:
+        UnsupportedMethodError: the rows are not laid out so.
+    """
+    counts = [int(r.num_queries) for r in records]
+    if teacher_forced and len(records) == 1:
+        bad = counts[0] != num_words
+    else:
+        bad = any(n not in (1, before + 1) for before, n in zip(counts, counts[1:]))
+    if bad:
+        name = getattr(records[0], "name", "?")
+        raise UnsupportedMethodError(
+            f"the decoder cross-attention {name!r} issued {counts[:8]} query rows in its "
+            f"{'teacher-forced call' if teacher_forced and len(records) == 1 else 'decoding steps'} for {num_words} "
+            "words, not one row per word (or per step): the decoder runs its cross-attention over more than the "
+            "caption's tokens (several query streams, as ProphetNet's n-gram decoder does), so the row of each word "
+            "is not known; vitexplain explains decoders with one query stream (GPT-2, BERT, BART, TrOCR, ...)")
 
 
 def _check_cross(ctx: CaptionContext) -> list[AttentionRecord]:
@@ -141,13 +166,14 @@ def _abar_per_module(records: Sequence[AttentionRecord], num_words: int) -> list
         grouped.setdefault(record.name, []).append(record)
     out = []
     for name, calls in grouped.items():
-        abar = torch.cat([_abar(r) for r in calls], dim=1)
-        if abar.shape[1] < num_words or (len(calls) > 1 and any(r.num_queries != 1 for r in calls)):
+        if (len(calls) == 1 and calls[0].num_queries != num_words) or (len(calls) > 1 and (
+                len(calls) < num_words or any(r.num_queries != 1 for r in calls))):
             raise UnsupportedMethodError(
                 f"the decoder attention {name!r} was called {len(calls)} times with "
                 f"{[r.num_queries for r in calls]} queries for {num_words} words; cross_generic needs one "
                 "teacher-forced call with a query per word, or one call per word with one query"
             )
+        abar = torch.cat([_abar(r) for r in calls], dim=1)
         out.append((calls[0].kind, abar[:, :num_words]))
     return out
 

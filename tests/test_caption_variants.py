@@ -1,0 +1,113 @@
+"""explain_caption over Hugging Face captioner variants a new user would build: VisionEncoderDecoder with other
+decoders (RoBERTa, XLM-RoBERTa, ...) and encoders, BLIP, GIT. Tiny random-init models (plumbing); each case names the
+bug it pins."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import vitexplain as vx
+
+transformers = pytest.importorskip("transformers")
+
+_SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+
+
+def _vit_roberta(config: str = "RobertaConfig", pad: int = 1, positions: int = 20):
+    """ViT encoder + a RoBERTa-style decoder: its positions are numbered from ``pad_token_id + 1`` (RoBERTa's 514-row
+    table holds 512 positions)."""
+    enc = transformers.ViTConfig(**_SMALL, image_size=32, patch_size=8)
+    dec = getattr(transformers, config)(**_SMALL, vocab_size=40, max_position_embeddings=positions, is_decoder=True,
+                                        add_cross_attention=True, bos_token_id=0, eos_token_id=2, pad_token_id=pad)
+    cfg = transformers.VisionEncoderDecoderConfig.from_encoder_decoder_configs(enc, dec)
+    cfg.decoder_start_token_id, cfg.pad_token_id, cfg.eos_token_id = 0, pad, 2
+    torch.manual_seed(0)
+    model = transformers.VisionEncoderDecoderModel(cfg).eval()
+    with torch.no_grad():  # a random head may say its end token first: its logit row is zeroed, captions run long
+        model.decoder.lm_head.decoder.weight[2] = 0.0
+        model.decoder.lm_head.bias[2] = -100.0
+    return model
+
+
+def _fits(model, length: int) -> bool:
+    """Whether the model's own teacher-forced forward takes ``length`` decoder inputs (the oracle of its positions)."""
+    try:
+        with torch.no_grad():
+            model(pixel_values=torch.zeros(1, 3, 32, 32), decoder_input_ids=torch.full((1, length), 5))
+        return True
+    except (IndexError, RuntimeError):
+        return False
+
+
+@pytest.mark.parametrize("config, pad", [("RobertaConfig", 1), ("XLMRobertaConfig", 1), ("RobertaConfig", 0)])
+def test_a_roberta_decoder_explains_as_many_words_as_its_positions_hold(config, pad):
+    """Bug: a RoBERTa-style decoder's positions start at ``pad_token_id + 1``, but the caption limit was its
+    ``max_position_embeddings``: generating up to max_len past the table, or a caption that long, crashed inside the
+    model (RuntimeError: index out of bounds in its position ids) instead of stopping at what fits / a UsageError.
+    Oracle: the model's own forward, which takes ``n`` decoder inputs and not ``n + 1``."""
+    model = _vit_roberta(config, pad)
+    n = next(k for k in range(1, 40) if not _fits(model, k + 1))
+    assert n == 20 - pad - 1  # the table's rows after the padding position
+    ex = vx.Explainer(model)
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    generated = ex.explain_caption(x, method="cross", max_len=1000)
+    assert generated.maps.shape == (2, n, 4, 4) and all(len(t) == n for t in generated.tokens)
+    assert torch.isfinite(generated.maps).all()
+    given = ex.explain_caption(x, method="cross_generic", caption=[5] * n)
+    assert given.maps.shape == (2, n, 4, 4) and torch.isfinite(given.maps).all()
+    with pytest.raises(vx.UsageError, match=f"explain at most {n} tokens"):
+        ex.explain_caption(x, method="cross", caption=[5] * (n + 1))
+
+
+def _vit_prophetnet():
+    """ViT encoder + ProphetNet decoder (``ProphetNetForCausalLM``, n-gram 2): its cross-attention runs over the main
+    stream and the two predicting streams together."""
+    enc = transformers.ViTConfig(**_SMALL, image_size=32, patch_size=8)
+    dec = transformers.ProphetNetConfig(hidden_size=32, num_encoder_layers=2, num_decoder_layers=2,
+                                        num_encoder_attention_heads=2, num_decoder_attention_heads=2, encoder_ffn_dim=64,
+                                        decoder_ffn_dim=64, vocab_size=40, max_position_embeddings=32, bos_token_id=1,
+                                        eos_token_id=2, pad_token_id=0, is_decoder=True, add_cross_attention=True,
+                                        ngram=2)
+    cfg = transformers.VisionEncoderDecoderConfig.from_encoder_decoder_configs(enc, dec)
+    cfg.decoder_start_token_id, cfg.pad_token_id, cfg.eos_token_id = 1, 0, 2
+    torch.manual_seed(0)
+    model = transformers.VisionEncoderDecoderModel(cfg).eval()
+    with torch.no_grad():  # a random head may say its end token first
+        model.decoder.lm_head.weight[2] = 0.0
+    return model
+
+
+def test_a_decoder_with_several_query_streams_is_refused_not_read_at_another_streams_row():
+    """Bug: ProphetNet's decoder runs its cross-attention over [main stream, n-gram predicting streams] (3 query rows
+    per token with n-gram 2): 'cross' read the last row of each decoding step, a predicting stream's, as the word's
+    (generated maps differed from the teacher-forced ones of the same words by 1e-3), and cross_generic crashed with a
+    raw RuntimeError (torch.cat of the two streams' self-attention). Now both are refused saying why.
+    Oracle of the premise: the model's own ``cross_attentions`` have 3 rows per decoder input."""
+    model = _vit_prophetnet()
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        out = model(pixel_values=x, decoder_input_ids=torch.tensor([[1, 5, 6]] * 2), output_attentions=True)
+    assert out.cross_attentions[0].shape[-2] == 3 * 3
+    ex = vx.Explainer(model)
+    for caption in (None, [[5, 6, 7], [8]]):
+        for method in ("cross", "cross_generic"):
+            with pytest.raises(vx.UnsupportedMethodError, match=r"query"):
+                ex.explain_caption(x, method=method, caption=caption, max_len=3)
+
+
+@pytest.mark.parametrize("caption, shown", [
+    (torch.tensor([[5.0, 6.0], [7.0, 8.0]]), r"\[5\.0, 6\.0\] \(float\)"),  # ids in range, as floats
+    (torch.ones(2, 2, 3, dtype=torch.long), r"\[\[1, 1, 1\], \[1, 1, 1\]\] \(list\)"),  # one dimension too many
+])
+def test_caption_values_that_are_not_integer_ids_are_called_so(caption, shown):
+    """Bug: a float tensor of ids (5.0 and 6.0, inside the 40-token vocabulary) or a 3-D tensor was refused as "token
+    ids [5.0, 6.0] outside the vocabulary (0..39)", which they are not. Now the message says they are not integer
+    token ids and how to give them; the same ids as integers explain."""
+    model = _vit_roberta()
+    ex = vx.Explainer(model)
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(5))
+    with pytest.raises(vx.UsageError, match=shown + r", which are not token ids.*ids\.long\(\)"):
+        ex.explain_caption(x, method="cross", caption=caption)
+    e = ex.explain_caption(x, method="cross", caption=torch.tensor([[5.0, 6.0], [7.0, 8.0]]).long())
+    assert e.ids[:, :2].tolist() == [[5, 6], [7, 8]]
