@@ -34,22 +34,38 @@ IDS_ONLY: dict[str, Any] = dict(return_dict_in_generate=False, output_scores=Fal
                                 output_attentions=False, output_hidden_states=False, num_return_sequences=1)
 
 
+#: ``generation_config.cache_implementation`` values with which ``generate`` builds its default cache: None and
+#: "dynamic" (a dynamic cache, with sliding-window layers where the model has them), "hybrid" (transformers 4's Gemma 2
+#: default, which transformers 5 unsets itself)
+DEFAULT_CACHES = (None, "dynamic", "hybrid")
+
+
 def ids_only(model: nn.Module) -> dict[str, Any]:
     """:data:`IDS_ONLY` for ``model.generate``, once the model's ``generation_config`` is known to stop where greedy
-    generation with end tokens stops.
+    generation with end tokens stops; with ``cache_implementation=None`` (the default dynamic cache) where the config
+    asks for another cache.
+
+    Greedy generation only finds the answer's ids (the maps come from one teacher-forced forward without a cache),
+    and its answer does not depend on the cache. The other caches do not all run on every model: a static or
+    sliding-window cache on PaliGemma 2 (Gemma 2's sliding-window layers: ``generate`` hands the model one mask per
+    layer type, which its forward reads as a tensor) raised a raw AttributeError, a quantized cache needs
+    optimum-quanto (an ImportError) and full-attention layers, an offloaded one a GPU.
 
     Raises:
         UnsupportedModelError: the config sets ``stop_strings``, which ``generate`` applies only with a tokenizer
             (without one it raised a ValueError read as an image the model cannot read) and which end an answer on
             a string rather than an end token, so the words after it would be read as answer words.
     """
-    stops = getattr(getattr(model, "generation_config", None), "stop_strings", None)
+    config = getattr(model, "generation_config", None)
+    stops = getattr(config, "stop_strings", None)
     if stops:
         raise UnsupportedModelError(
             f"{type(model).__name__}.generation_config sets stop_strings={stops!r}, which vitexplain's greedy "
             "generation does not apply (it ends an answer at the model's end tokens): set "
             "model.generation_config.stop_strings = None to explain the answer up to the end token, or pass the "
             "answer to explain as caption=...")
+    if getattr(config, "cache_implementation", None) not in DEFAULT_CACHES:
+        return {**IDS_ONLY, "cache_implementation": None}
     return IDS_ONLY
 
 
