@@ -9,6 +9,7 @@ eager copy) for the maps.
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -116,3 +117,48 @@ def test_a_captioner_whose_generation_config_asks_for_another_cache_still_captio
     assert model.generation_config.cache_implementation == cache
     assert got.tokens == want.tokens and all(got.tokens)
     torch.testing.assert_close(got.maps, want.maps, atol=1e-6, rtol=1e-5)
+
+
+def llava_mistral(window: int = 8):
+    """LLaVA (as :func:`vlm_helpers.llava`) with a Mistral LM whose every layer is a sliding window of ``window``."""
+    tok = helpers.tokenizer(("<image>",))
+    image = transformers.CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    proc = transformers.LlavaProcessor(image_processor=image, tokenizer=tok, patch_size=8,
+                                       vision_feature_select_strategy="default", num_additional_image_tokens=1)
+    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                           image_size=32, patch_size=8)
+    text = dict(model_type="mistral", vocab_size=len(tok), sliding_window=window, **helpers._text())
+    cfg = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_id=tok.convert_tokens_to_ids("<image>"),
+                                   vision_feature_select_strategy="default", vision_feature_layer=-1)
+    return helpers._sdpa_built(transformers.LlavaForConditionalGeneration, cfg, proc)
+
+
+def test_cross_generic_refuses_words_no_chain_of_sliding_windows_reaches_from_the_image():
+    """LLaVA with a Mistral LM whose layers are all sliding windows: ``cross`` and ``cross_grad`` refused an answer row
+    whose window had passed the image, but ``cross_generic``, which follows attention from layer to layer, gave the
+    words no chain of windows reaches from the image a map of 0 everywhere, silently. Which words those are is read
+    here from an eager copy's ``output_attentions`` (their support chained over the layers); now they are refused by
+    name, and the words before them get the eager oracle's maps (not 0)."""
+    model, proc = llava_mistral()
+    images = helpers.images(0)
+    prompts = ["what", "what color is the shape on the left of the square and the"]
+    words = ["red", "circle", "on", "the"]
+    answers = [[proc.tokenizer.convert_tokens_to_ids(w) for w in words]] * 2
+    kwargs, start, ids, columns = checks._oracle_inputs("llava", model, proc, images, prompts, answers)
+    with torch.no_grad():
+        atts = helpers.eager_copy(model)(**kwargs, output_attentions=True, use_cache=False).attentions
+    reach = torch.eye(atts[0].shape[-1]).expand(len(images), -1, -1)
+    for a in atts:  # R = (I + S_L) ... (I + S_1) on the supports S_l = [A_l > 0]
+        reach = ((reach + (a.sum(1) > 0).float() @ reach) > 0).float()
+    rows = reach[:, start - 1 : start - 1 + len(words)]
+    dead = [[t for t in range(len(words)) if not bool(rows[b, t, cols].any())] for b, cols in enumerate(columns)]
+    assert dead[0] == [] and 0 < len(dead[1]) < len(words)  # image 1: some words reach its tokens, later ones do not
+    ex = vx.Explainer(model, processor=proc)
+    with pytest.raises(vx.UnsupportedMethodError, match=re.escape(f"gives answer word(s) {dead[1]} of image 1 no weight")):
+        ex.explain_caption(images, prompt=prompts, method="cross_generic", caption=" ".join(words))
+    alive = [a[: dead[1][0]] for a in answers]
+    got = ex.explain_caption(images, prompt=prompts, method="cross_generic", caption=alive)
+    want = checks.oracle("llava", model, proc, images, prompts, alive)["cross_generic"]
+    for a, b in zip(got.token_scores, want):
+        assert bool((b.abs().amax(-1) > 0).all())
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
