@@ -101,6 +101,47 @@ def test_other_caches_in_the_generation_config_give_the_greedy_answer(cache):
     _check_against_oracle("llava", model, proc, images, got, answers)
 
 
+@pytest.mark.parametrize("setting", [dict(prompt_lookup_num_tokens=2), dict(penalty_alpha=0.6, top_k=4),
+                                     dict(dola_layers="low")], ids=["prompt-lookup", "contrastive", "dola"])
+def test_a_generation_config_that_asks_for_another_decoding_gives_the_greedy_answer(setting):
+    """Settings that turn greedy search into another algorithm: prompt-lookup (assisted) decoding refused a batch ("only
+    supported for batch_size = 1"), contrastive search and DoLa asked for ``trust_remote_code`` (their code is on the
+    Hub in transformers 5), each read as a model that "cannot read an image size". Now the answer is the greedy one
+    (as with num_beams or do_sample in the config), the maps equal the eager oracle's, and the config is left as set."""
+    model, proc = helpers.llava()
+    images = helpers.images(0)
+    want = _greedy("llava", model, proc, images, PROMPTS, 3)
+    saved = _with_config(model, **setting)
+    try:
+        before = model.generation_config.to_json_string()
+        got = vx.Explainer(model, processor=proc).explain_caption(images, prompt=PROMPTS, method=METHODS, max_len=3)
+        assert model.generation_config.to_json_string() == before
+    finally:
+        model.generation_config = saved
+    answers = [got[0].ids[b, : len(t)].tolist() for b, t in enumerate(got[0].tokens)]
+    assert answers == want and all(answers)
+    _check_against_oracle("llava", model, proc, images, got, answers)
+
+
+def test_a_generation_config_with_forced_words_is_refused_saying_what_to_do():
+    """``force_words_ids`` asks for constrained beam search (its code on the Hub in transformers 5): it was read as a
+    model that "cannot read an image size". Greedy search cannot apply it, so it is refused naming the setting; a
+    given answer is still explained."""
+    model, proc = helpers.llava()
+    images = helpers.images(0)
+    word = proc.tokenizer.convert_tokens_to_ids("red")
+    saved = _with_config(model, force_words_ids=[[word]])
+    try:
+        with pytest.raises(vx.UnsupportedModelError, match=re.escape(f"sets force_words_ids=[[{word}]], which only "
+                                                                      "constrained beam search applies")):
+            vx.Explainer(model, processor=proc).explain_caption(images, prompt=PROMPTS, method="cross", max_len=3)
+        given = vx.Explainer(model, processor=proc).explain_caption(images, prompt=PROMPTS, method="cross",
+                                                                     caption="red circle")
+        assert given.tokens == [["red", "circle"]] * 2
+    finally:
+        model.generation_config = saved
+
+
 @pytest.mark.parametrize("build, cache", [("git", "static"), ("git", "quantized"), ("vit-gpt2", "quantized"),
                                           ("vit-gpt2", "offloaded")])
 def test_a_captioner_whose_generation_config_asks_for_another_cache_still_captions(build, cache):
