@@ -102,11 +102,13 @@ def test_other_caches_in_the_generation_config_give_the_greedy_answer(cache):
 
 
 @pytest.mark.parametrize("setting", [dict(prompt_lookup_num_tokens=2), dict(penalty_alpha=0.6, top_k=4),
-                                     dict(dola_layers="low")], ids=["prompt-lookup", "contrastive", "dola"])
+                                     dict(dola_layers="low"), dict(token_healing=True)],
+                         ids=["prompt-lookup", "contrastive", "dola", "token-healing"])
 def test_a_generation_config_that_asks_for_another_decoding_gives_the_greedy_answer(setting):
     """Settings that turn greedy search into another algorithm: prompt-lookup (assisted) decoding refused a batch ("only
     supported for batch_size = 1"), contrastive search and DoLa asked for ``trust_remote_code`` (their code is on the
-    Hub in transformers 5), each read as a model that "cannot read an image size". Now the answer is the greedy one
+    Hub in transformers 5), token healing (which rewrites the prompt's end) asked for the tokenizer, each read as a
+    model that "cannot read an image size". Now the answer is the greedy one
     (as with num_beams or do_sample in the config), the maps equal the eager oracle's, and the config is left as set."""
     model, proc = helpers.llava()
     images = helpers.images(0)

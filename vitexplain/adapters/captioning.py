@@ -40,12 +40,14 @@ IDS_ONLY: dict[str, Any] = dict(return_dict_in_generate=False, output_scores=Fal
 DEFAULT_CACHES = (None, "dynamic", "hybrid")
 
 
-#: ``generation_config`` settings that turn greedy search into another decoding algorithm, which ``generate`` runs
-#: instead of the greedy search vitexplain asks for: contrastive search (``penalty_alpha``) and DoLa (``dola_layers``)
-#: give another answer and in transformers 5 load their code from the Hub (a ValueError asking for
-#: ``trust_remote_code``); assisted decoding (``prompt_lookup_num_tokens``, ``assistant_early_exit``, ``use_mtp``)
-#: gives the greedy answer, for one input at a time only (a ValueError for a batch)
-NOT_GREEDY = ("penalty_alpha", "dola_layers", "prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp")
+#: ``generation_config`` settings (and their unset values) that turn greedy search into another decoding algorithm,
+#: which ``generate`` runs instead of the greedy search vitexplain asks for: contrastive search (``penalty_alpha``) and
+#: DoLa (``dola_layers``) give another answer and in transformers 5 load their code from the Hub (a ValueError asking
+#: for ``trust_remote_code``); assisted decoding (``prompt_lookup_num_tokens``, ``assistant_early_exit``, ``use_mtp``)
+#: gives the greedy answer, for one input at a time only (a ValueError for a batch); token healing rewrites the
+#: prompt's last tokens (and needs the tokenizer), so the answer would follow another prompt than the one explained
+NOT_GREEDY: dict[str, Any] = dict(penalty_alpha=None, dola_layers=None, prompt_lookup_num_tokens=None,
+                                  assistant_early_exit=None, use_mtp=None, token_healing=False)
 
 
 def ids_only(model: nn.Module) -> dict[str, Any]:
@@ -80,7 +82,7 @@ def ids_only(model: nn.Module) -> dict[str, Any]:
                 f"{name}.generation_config sets {key}={getattr(config, key)!r}, which only constrained beam search "
                 f"applies, and vitexplain generates greedily (one beam): set model.generation_config.{key} = None to "
                 "explain the greedy answer, or pass the answer to explain as caption=...")
-    unset = {key: None for key in NOT_GREEDY if getattr(config, key, None) is not None}
+    unset = {key: value for key, value in NOT_GREEDY.items() if getattr(config, key, value) not in (None, value)}
     if getattr(config, "cache_implementation", None) not in DEFAULT_CACHES:
         unset["cache_implementation"] = None
     return {**IDS_ONLY, **unset} if unset else IDS_ONLY
