@@ -144,6 +144,27 @@ def test_a_generation_config_with_forced_words_is_refused_saying_what_to_do():
         model.generation_config = saved
 
 
+@pytest.mark.parametrize("setting, error", [(dict(begin_suppress_tokens=5), "TypeError"),
+                                            (dict(repetition_penalty=0.0), "ValueError")])
+def test_a_generation_config_setting_generate_cannot_take_is_refused_naming_the_config(setting, error):
+    """A setting ``generate`` cannot take: a TypeError from inside transformers (``begin_suppress_tokens`` an int, not a
+    list) came out raw, a ValueError (a repetition penalty of 0) as a model that "cannot read an image size", with
+    no word of the generation config. Now both are UnsupportedModelErrors that carry transformers' message and name the
+    generation config; a given answer needs no generation and is explained."""
+    model, proc = helpers.llava()
+    images = helpers.images(0)
+    saved = _with_config(model, **setting)
+    try:
+        ex = vx.Explainer(model, processor=proc)
+        with pytest.raises(vx.UnsupportedModelError, match=re.escape(f"could not generate an answer on the batch of "
+                                                                      f"LlavaProcessor ({error}: ")) as info:
+            ex.explain_caption(images, prompt=PROMPTS, method="cross", max_len=3)
+        assert "LlavaForConditionalGeneration.generation_config" in str(info.value)
+        assert ex.explain_caption(images, prompt=PROMPTS, method="cross", caption="red circle").tokens == [["red", "circle"]] * 2
+    finally:
+        model.generation_config = saved
+
+
 @pytest.mark.parametrize("build, cache", [("git", "static"), ("git", "quantized"), ("vit-gpt2", "quantized"),
                                           ("vit-gpt2", "offloaded")])
 def test_a_captioner_whose_generation_config_asks_for_another_cache_still_captions(build, cache):
