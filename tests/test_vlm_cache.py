@@ -1,5 +1,6 @@
 """Vision-language models whose generation config asks for another KV cache (static, sliding-window, quantized,
-offloaded), and the generation settings a checkpoint may carry (tiny random-init builds of tests/vlm_helpers.py).
+offloaded), the generation settings a checkpoint may carry, and a language model of sliding-window layers only
+(tiny random-init builds of tests/vlm_helpers.py).
 
 The expectation is independent of the code under test: the model's own greedy ``generate`` with its default cache
 (one image alone) for the answer, and the eager-attention oracle of tests/vlm_checks.py (``output_attentions`` of an
