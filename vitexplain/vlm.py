@@ -188,7 +188,7 @@ def explain_vlm(adapter: VLMAdapter, plan: Plan, images: Any, caption: Any, prom
         columns = [view.pixel_columns(cols) for view, cols in zip(views, adapter.image_columns(inputs))]
     room = _answer_room(adapter, inputs, start)
     if caption is None:
-        with adapter.model_reads_batch():
+        with adapter.model_reads_batch(generating=True):
             ids, lengths = _generated(adapter, inputs, max_len if room is None else min(max_len, room))
     else:
         ids, lengths = _answer_ids(adapter, caption, len(arrays), next(model.parameters()).device)

@@ -24,7 +24,7 @@ from .base import Adapter, find_layout_module, register_adapter
 from ..errors import UnsupportedModelError, UsageError
 
 __all__ = ["CaptionAdapter", "ZooCaptionAdapter", "TransformerDecoderCaptioner", "TorchDecoderCaptionAdapter", "IDS_ONLY",
-           "ids_only"]
+           "ids_only", "DEFAULT_CACHES", "NOT_GREEDY"]
 
 #: Hugging Face ``model.generate`` keyword arguments that make it return the (B, T) ids tensor, one answer per input,
 #: whatever the model's ``generation_config`` says (a checkpoint's ``return_dict_in_generate``, ``output_scores``,
@@ -34,23 +34,58 @@ IDS_ONLY: dict[str, Any] = dict(return_dict_in_generate=False, output_scores=Fal
                                 output_attentions=False, output_hidden_states=False, num_return_sequences=1)
 
 
+#: ``generation_config.cache_implementation`` values with which ``generate`` builds its default cache: None and
+#: "dynamic" (a dynamic cache, with sliding-window layers where the model has them), "hybrid" (transformers 4's Gemma 2
+#: default, which transformers 5 unsets itself)
+DEFAULT_CACHES = (None, "dynamic", "hybrid")
+
+
+#: ``generation_config`` settings (and their unset values) that turn greedy search into another decoding algorithm,
+#: which ``generate`` runs instead of the greedy search vitexplain asks for: contrastive search (``penalty_alpha``) and
+#: DoLa (``dola_layers``) give another answer and in transformers 5 load their code from the Hub (a ValueError asking
+#: for ``trust_remote_code``); assisted decoding (``prompt_lookup_num_tokens``, ``assistant_early_exit``, ``use_mtp``)
+#: gives the greedy answer, for one input at a time only (a ValueError for a batch); token healing rewrites the
+#: prompt's last tokens (and needs the tokenizer), so the answer would follow another prompt than the one explained
+NOT_GREEDY: dict[str, Any] = dict(penalty_alpha=None, dola_layers=None, prompt_lookup_num_tokens=None,
+                                  assistant_early_exit=None, use_mtp=None, token_healing=False)
+
+
 def ids_only(model: nn.Module) -> dict[str, Any]:
     """:data:`IDS_ONLY` for ``model.generate``, once the model's ``generation_config`` is known to stop where greedy
-    generation with end tokens stops.
+    generation with end tokens stops; with ``cache_implementation=None`` (the default dynamic cache) where the config
+    asks for another cache, and the settings of :data:`NOT_GREEDY` the config sets unset (greedy search).
+
+    Greedy generation only finds the answer's ids (the maps come from one teacher-forced forward without a cache),
+    and its answer does not depend on the cache. The other caches do not all run on every model: a static or
+    sliding-window cache on PaliGemma 2 (Gemma 2's sliding-window layers: ``generate`` hands the model one mask per
+    layer type, which its forward reads as a tensor) raised a raw AttributeError, a quantized cache needs
+    optimum-quanto (an ImportError) and full-attention layers, an offloaded one a GPU.
 
     Raises:
         UnsupportedModelError: the config sets ``stop_strings``, which ``generate`` applies only with a tokenizer
             (without one it raised a ValueError read as an image the model cannot read) and which end an answer on
-            a string rather than an end token, so the words after it would be read as answer words.
+            a string rather than an end token, so the words after it would be read as answer words; or
+            ``force_words_ids`` / ``constraints``, which only constrained beam search applies.
     """
-    stops = getattr(getattr(model, "generation_config", None), "stop_strings", None)
+    config = getattr(model, "generation_config", None)
+    name = type(model).__name__
+    stops = getattr(config, "stop_strings", None)
     if stops:
         raise UnsupportedModelError(
-            f"{type(model).__name__}.generation_config sets stop_strings={stops!r}, which vitexplain's greedy "
+            f"{name}.generation_config sets stop_strings={stops!r}, which vitexplain's greedy "
             "generation does not apply (it ends an answer at the model's end tokens): set "
             "model.generation_config.stop_strings = None to explain the answer up to the end token, or pass the "
             "answer to explain as caption=...")
-    return IDS_ONLY
+    for key in ("force_words_ids", "constraints"):
+        if getattr(config, key, None):
+            raise UnsupportedModelError(
+                f"{name}.generation_config sets {key}={getattr(config, key)!r}, which only constrained beam search "
+                f"applies, and vitexplain generates greedily (one beam): set model.generation_config.{key} = None to "
+                "explain the greedy answer, or pass the answer to explain as caption=...")
+    unset = {key: value for key, value in NOT_GREEDY.items() if getattr(config, key, value) not in (None, value)}
+    if getattr(config, "cache_implementation", None) not in DEFAULT_CACHES:
+        unset["cache_implementation"] = None
+    return {**IDS_ONLY, **unset} if unset else IDS_ONLY
 
 
 class CaptionAdapter(Adapter):

@@ -37,7 +37,7 @@ from .vlm_context import VLMContext
 from .vlm_cross import cross_layer_relevance
 from .vlm_encdec import encoder_decoder_generic
 
-__all__ = ["cross", "cross_grad", "cross_generic", "pick_layers", "check_reach"]
+__all__ = ["cross", "cross_grad", "cross_generic", "pick_layers", "check_reach", "rollout_reach"]
 
 _LAYERS = Option(int, optional=True, sequence=True, help="language-model layers (None = all)")
 _REFERENCE = "docs/methods.md 'Vision-language models'"
@@ -50,7 +50,7 @@ def pick_layers(method: str, records: Sequence[AttentionRecord], layers: Union[N
     return [records[i] for i in check_indices(method, "layers", layers, len(records), "language-model layers")]
 
 
-def check_reach(ctx: VLMContext, attention: Tensor, method: str, chosen: str) -> None:
+def check_reach(ctx: VLMContext, attention: Tensor, method: str, chosen: str, composed: bool = False) -> None:
     """Refuse maps that would be 0 everywhere because the chosen attention never reaches an image's tokens.
 
     Softmax weights are exactly 0 only where the mask hides a key: a sliding-window layer whose window ends after
@@ -62,6 +62,8 @@ def check_reach(ctx: VLMContext, attention: Tensor, method: str, chosen: str) ->
         attention: (B, T, N) non-negative attention of the rows predicting the words (heads and layers summed or fused).
         method: the method name (for the message).
         chosen: which layers or heads were read, as the user gave them (for the message).
+        composed: ``attention`` is where the layers' attention, followed from layer to layer, reaches
+            (:func:`rollout_reach`), not one layer's.
 
     Raises:
         OptionError: ``layers=`` / ``heads=`` chose only such layers.
@@ -71,12 +73,33 @@ def check_reach(ctx: VLMContext, attention: Tensor, method: str, chosen: str) ->
         dead = (scores[: int(ctx.lengths[b])].sum(dim=-1) == 0).nonzero()[:, 0].tolist()
         if not dead or scores.shape[-1] == 0:
             continue
-        what = (f"{method}: the attention of {chosen} gives answer word(s) {dead} of image {b} no weight at all on its "
+        what = (f"{method}: the attention of {chosen}{', followed from layer to layer,' if composed else ''} gives "
+                f"answer word(s) {dead} of image {b} no weight at all on its "
                 f"{scores.shape[-1]} image tokens (the mask hides them, as a sliding-window layer's does once the window has "
                 "passed the image; or every weight underflowed to 0), so their maps would be 0 everywhere")
         if chosen == "every language-model layer":
             raise UnsupportedMethodError(f"{what}; give a shorter prompt, so that the image lies within the window")
         raise OptionError(f"{what}; choose layers whose attention reaches the image (layers=None: all of them)")
+
+
+def rollout_reach(ctx: VLMContext, records: Sequence[AttentionRecord]) -> Tensor:
+    """Which tokens the rows predicting the words reach through the layers' attention, followed from the last layer
+    down as ``cross_generic`` follows its relevance (``v <- v + v A_l``, heads summed) but with A_l's support only
+    (weight > 0, so nothing underflows): (B, T, N) float32, 1 where reached, else 0.
+
+    ``cross_generic``'s relevance is 0 wherever this is 0 (its ``Abar_l`` is 0 where ``A_l`` is): sliding-window
+    layers only (LLaVA with a Mistral LM) whose windows, chained over the layers, end after the image give it no path
+    to the image at all.
+    """
+    rows = ctx.rows
+    reach = None
+    for record in reversed(records):
+        support = (record.probs().detach().sum(dim=1) > 0).float()  # (B, N, N)
+        if reach is None:  # the rows themselves, then what they attend to
+            reach = torch.zeros(support.shape[0], ctx.num_words, support.shape[-1], device=support.device)
+            reach[:, torch.arange(ctx.num_words), torch.arange(rows.start, rows.stop)] = 1.0
+        reach = ((reach + torch.bmm(reach, support)) > 0).float()
+    return reach
 
 
 def _head_pairs(records: Sequence[AttentionRecord], heads: Sequence[tuple]) -> dict[int, list[int]]:
@@ -204,6 +227,7 @@ def cross_generic(ctx: VLMContext) -> list[Tensor]:
     if ctx.cross_layers:  # mllama: the image only through cross-attention layers
         return cross_layer_relevance(ctx)
     records = ctx.layers()
+    check_reach(ctx, rollout_reach(ctx, records), "cross_generic", "every language-model layer", composed=True)
     recorder = ctx.recorder
     b, n = ctx.batch_size, records[0].num_keys
     out = torch.zeros(b, ctx.num_words, n, device=records[0].device)

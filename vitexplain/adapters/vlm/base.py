@@ -187,7 +187,7 @@ class VLMAdapter(Adapter):
                 "vx.Explainer(model, processor=AutoProcessor.from_pretrained(path))") from err
 
     @contextmanager
-    def model_reads_batch(self) -> Iterator[None]:
+    def model_reads_batch(self, generating: bool = False) -> Iterator[None]:
         """Where the model runs on the processor's batch (generation, the teacher-forced forward): a ValueError,
         RuntimeError or IndexError that transformers' or torch's code raises there (an image size, aspect ratio, tile
         count or number of image tokens the model cannot read, e.g. from ``processor_kwargs``, a processor of another
@@ -195,20 +195,38 @@ class VLMAdapter(Adapter):
         the model's message. Running out of memory, and an error raised by other code (the user's own modules or
         hooks), come out as they are.
 
+        Args:
+            generating: the block runs ``generate``, which also reads ``model.generation_config``: the message names it
+                too, and a TypeError, AttributeError, KeyError or ImportError of transformers' or torch's code there
+                (a setting of a type or a cache the model's code cannot take, e.g. ``begin_suppress_tokens=5``) is
+                raised as well.
+
         Raises:
             UnsupportedModelError: such an error in the block.
         """
+        caught: tuple[type[BaseException], ...] = (ValueError, RuntimeError, IndexError)
+        if generating:
+            caught += (TypeError, AttributeError, KeyError, ImportError)
         try:
             yield
         except (VitexplainError, torch.cuda.OutOfMemoryError):  # (torch.OutOfMemoryError in torch >= 2.5)
             raise
-        except (ValueError, RuntimeError, IndexError) as err:
+        except caught as err:
             if not _raised_by_library(err):
                 raise
             settings = f" with processor_kwargs={self.processor_kwargs!r}" if self.processor_kwargs else ""
+            model = type(self.model).__name__
+            what = (f"{model} could not {'generate an answer' if generating else 'run'} on the batch of "
+                    f"{type(self.processor).__name__}{settings} ({type(err).__name__}: {str(err).strip().rstrip('.')}). ")
+            if generating:
+                raise UnsupportedModelError(
+                    what + f"Either {model}.generation_config (the checkpoint's or yours) holds a setting its generate "
+                    "cannot take: check the one named here, or start from the defaults, model.generation_config = "
+                    "GenerationConfig(eos_token_id=..., pad_token_id=...); or the model cannot read an image size, aspect "
+                    "ratio, number of tiles or of image tokens outside what it was built for: use the model's own "
+                    "processor settings and check the image. An answer given as caption=... needs no generation") from err
             raise UnsupportedModelError(
-                f"{type(self.model).__name__} could not run on the batch of {type(self.processor).__name__}{settings} "
-                f"({type(err).__name__}: {str(err).strip().rstrip('.')}). It cannot read an image size, aspect ratio, "
+                what + "It cannot read an image size, aspect ratio, "
                 "number of tiles or of image tokens outside what it was built for: use the model's own processor "
                 "settings (processor_kwargs or another checkpoint's processor may change them) and check the image") from err
 
