@@ -1,0 +1,90 @@
+"""The Python API on the variants a user's own model comes in: layers left in training mode inside a model in eval
+mode, wrappers, saved explanations read back. Each call gives a correct result and leaves the model as it was found,
+or raises a vitexplain error that says what to do."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import vitexplain as vx
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def x():
+    return vx.data.shapes(n=2, seed=3).tensor
+
+
+def _cnn_with_one_training_norm():
+    model = vx.zoo.load("shapes-cnn").eval()
+    name, norm = next((n, m) for n, m in model.named_modules() if isinstance(m, nn.BatchNorm2d))
+    norm.train()  # e.g. left so after fine-tuning only the norms
+    return model, name, norm
+
+
+def test_a_batch_norm_left_in_training_mode_inside_an_eval_model_is_warned_about_and_its_statistics_kept(x):
+    """model.eval() then one BatchNorm switched back to training: the explained forward updated its running
+    statistics (the user's model was changed) and nothing was said, since only the model's own flag was read."""
+    model, name, norm = _cnn_with_one_training_norm()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.warns(UserWarning, match=rf"training mode \(1 layer\(s\): {name}\).*batch norm"):
+        vx.Explainer(model).explain(x, method="gradcam")
+    changed = [k for k, v in model.state_dict().items() if not torch.equal(before[k], v)]
+    assert not changed, changed
+    assert norm.training and not model.training  # the flags themselves as found
+
+
+def test_monte_carlo_dropout_in_an_eval_model_is_warned_about(x):
+    """Dropout layers switched to training in an eval model (Monte Carlo dropout) make maps random: said."""
+    from timm.models.vision_transformer import VisionTransformer
+
+    model = VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=3,
+                              proj_drop_rate=0.5).eval()
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.train()
+    with pytest.warns(UserWarning, match="training mode .*layer.*drop"):
+        vx.Explainer(model).explain(torch.rand(1, 3, 32, 32), method="generic")
+
+
+class Normalize(nn.Module):
+    """A user's normalisation in front of the model: fixed statistics as buffers, no parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(1, 3, 1, 1))
+        self.register_buffer("std", torch.ones(1, 3, 1, 1))
+
+    def forward(self, x):
+        return (x - self.mean) / self.std
+
+
+@pytest.mark.parametrize("wrap", [lambda m: nn.Sequential(Normalize(), m), nn.DataParallel])
+def test_a_wrapper_built_after_eval_is_not_a_model_in_training_mode(x, wrap):
+    """nn.Sequential(normalize, model) or nn.DataParallel(model) built after model.eval() is itself in training mode
+    (a new module) while every layer it runs is in eval mode: the maps are not random, so no warning (there was one,
+    telling the user to call eval() on a model in eval mode)."""
+    model = wrap(vx.zoo.load("shapes-cnn").eval())
+    assert model.training
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        e = vx.Explainer(model).explain(x, method="gradcam")
+    alone = vx.Explainer(vx.zoo.load("shapes-cnn").eval()).explain(x, method="gradcam")
+    torch.testing.assert_close(e.maps, alone.maps)
+
+
+def test_patch_dropout_left_in_training_mode_inside_an_eval_model_is_refused():
+    """A PatchDropout in training mode inside a model in eval mode drops patches at random just the same: refused
+    (the check read the model's own flag first and returned)."""
+    from timm.models.vision_transformer import VisionTransformer
+
+    model = VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=3,
+                              patch_drop_rate=0.5).eval()
+    model.patch_drop.train()
+    with pytest.raises(vx.UnsupportedModelError, match=r"patch_drop drops 50% of the patch tokens"):
+        vx.Explainer(model).explain(torch.rand(2, 3, 32, 32), method="rollout")
