@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
 import vitexplain as vx
+from vitexplain.results import CaptionExplanation
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -88,3 +90,63 @@ def test_patch_dropout_left_in_training_mode_inside_an_eval_model_is_refused():
     model.patch_drop.train()
     with pytest.raises(vx.UnsupportedModelError, match=r"patch_drop drops 50% of the patch tokens"):
         vx.Explainer(model).explain(torch.rand(2, 3, 32, 32), method="rollout")
+
+
+def _same_explanation(got, want):
+    torch.testing.assert_close(got.maps, want.maps.cpu(), rtol=0, atol=0)
+    assert torch.equal(got.targets, want.targets.cpu())
+    assert (got.method, got.options, got.signed, tuple(got.input_size)) == \
+        (want.method, want.options, want.signed, tuple(want.input_size))
+    assert got.layout == want.layout and got.boxes == want.boxes and got.target_names() == want.target_names()
+
+
+@pytest.mark.parametrize("name, method, options, target", [
+    ("shapes-vit", "rollout", {"discard_ratio": 0.5}, None),
+    ("shapes-hier", "generic", {}, [1, "star"]),
+    ("shapes-cnn", "gradcam", {}, [1, "star"]),
+])
+def test_a_saved_explanation_loads_back_and_draws_as_the_original(tmp_path, name, method, options, target):
+    """save() wrote maps and a manifest that nothing read back (no load), and left out the token layout, the crop
+    boxes and the label names that place and name the maps: a saved explanation could not be drawn again."""
+    wide = [np.pad(im, ((0, 0), (16, 16), (0, 0)), mode="edge") for im in vx.data.shapes(n=2, seed=4).images]  # cropped
+    e = vx.Explainer(vx.zoo.load(name)).explain(wide, method=method, target=target, **options)
+    back = vx.Explanation.load(e.save(tmp_path / "e"))
+    _same_explanation(back, e)
+    assert back.images is None and back.logits is None
+    torch.testing.assert_close(back.upsample((40, 56)), e.upsample((40, 56)).cpu())
+    for i in range(2):  # the map on the original image (its crop) and on the region the model saw
+        np.testing.assert_array_equal(back.overlay(i, image=wide[i]), e.overlay(i, image=wide[i]))
+        np.testing.assert_array_equal(back.overlay(i, image=e.images[i]), e.overlay(i))
+
+
+def test_a_callable_targets_score_name_survives_save_and_load(tmp_path):
+    ex = vx.Explainer(vx.zoo.load("shapes-vit"))
+    e = ex.explain(vx.data.shapes(n=2, seed=3).tensor, method="cdam", target=vx.targets.norm())
+    back = vx.Explanation.load(e.save(tmp_path / "e"))
+    _same_explanation(back, e)
+    assert back.target_names() == e.target_names() == ["score norm"] * 2
+
+
+def test_a_saved_caption_explanation_loads_back(tmp_path):
+    """Its manifest left out ``signed`` (an LRP caption map loaded as unsigned would be drawn min-max) and the
+    layout; read back it equals the original."""
+    ex = vx.Explainer(vx.zoo.load("shapes-captioner"))
+    e = ex.explain_caption(vx.data.shapes(n=2, seed=3).tensor, method="cross", max_len=4)
+    back = CaptionExplanation.load(e.save(tmp_path / "c"))
+    torch.testing.assert_close(back.maps, e.maps.cpu(), rtol=0, atol=0)
+    assert torch.equal(back.ids, e.ids.cpu()) and back.tokens == e.tokens and back.captions == e.captions
+    assert (back.method, back.signed, back.layout, tuple(back.input_size)) == \
+        (e.method, e.signed, e.layout, tuple(e.input_size))
+
+
+def test_loading_what_is_not_a_saved_explanation_says_what_to_pass(tmp_path):
+    with pytest.raises(vx.UsageError, match="no maps.npy or manifest.json there"):
+        vx.Explanation.load(tmp_path)
+    e = vx.Explainer(vx.zoo.load("shapes-vit")).explain(vx.data.shapes(n=1, seed=3).tensor, method="raw")
+    with pytest.raises(vx.UsageError, match="holds an image explanation: read it with Explanation.load"):
+        CaptionExplanation.load(e.save(tmp_path / "e"))
+    (tmp_path / "e" / "manifest.json").write_text("{not json")
+    with pytest.raises(vx.UsageError, match="cannot load an explanation"):
+        vx.Explanation.load(tmp_path / "e")
+    with pytest.raises(vx.UsageError, match="load needs a folder path"):
+        vx.Explanation.load(None)
