@@ -150,3 +150,26 @@ def test_loading_what_is_not_a_saved_explanation_says_what_to_pass(tmp_path):
         vx.Explanation.load(tmp_path / "e")
     with pytest.raises(vx.UsageError, match="load needs a folder path"):
         vx.Explanation.load(None)
+
+
+class Wrapper(nn.Module):
+    """A user's model around a known one: the normalisation, then the backbone."""
+
+    def __init__(self, backbone):
+        super().__init__()
+        self.normalize, self.backbone = Normalize(), backbone
+
+    def forward(self, x):
+        return self.backbone(self.normalize(x))
+
+
+@pytest.mark.parametrize("wrap, where", [(lambda m: nn.Sequential(Normalize(), m), r"model\[1\]"),
+                                         (Wrapper, r"model\.backbone")])
+def test_a_wrapped_vit_is_refused_naming_the_model_to_explain(x, wrap, where):
+    """nn.Sequential(normalize, vit) was refused with the list of every supported family, as if the ViT inside were
+    unknown: the refusal names the child to explain, and that explains."""
+    vit = vx.zoo.load("shapes-vit")
+    with pytest.raises(vx.UnsupportedModelError, match=rf"child .* is a vit model \(VisionTransformer\).*"
+                                                       rf"vx.Explainer\({where}\), on the input"):
+        vx.Explainer(wrap(vit))
+    assert vx.Explainer(vit).explain(x, method="generic").maps.shape == (2, 8, 8)
