@@ -173,3 +173,20 @@ def test_a_wrapped_vit_is_refused_naming_the_model_to_explain(x, wrap, where):
                                                        rf"vx.Explainer\({where}\), on the input"):
         vx.Explainer(wrap(vit))
     assert vx.Explainer(vit).explain(x, method="generic").maps.shape == (2, 8, 8)
+
+
+def test_an_rgba_or_one_channel_array_is_refused_saying_how_to_pass_it(tmp_path):
+    """(H, W, 4) and (H, W, 1) uint8 arrays were refused without a hint (a 2-D one got one); what the hint says to
+    pass is explained as the image file is."""
+    from PIL import Image
+
+    ex = vx.Explainer(vx.zoo.load("shapes-vit"))
+    rgb = vx.data.shapes(n=1, seed=3).images[0]
+    rgba = np.concatenate([rgb, np.full(rgb.shape[:2] + (1,), 128, np.uint8)], axis=2)
+    with pytest.raises(vx.UsageError, match=r"RGBA\? pass PIL.Image.fromarray\(x\).*or drop it: x\[..., :3\]"):
+        ex.explain(rgba, method="raw")
+    with pytest.raises(vx.UsageError, match=r"grayscale\? use np.repeat\(x, 3, axis=2\)"):
+        ex.explain(rgb[..., :1], method="raw")
+    Image.fromarray(rgba).save(tmp_path / "a.png")
+    from_file = ex.explain(str(tmp_path / "a.png"), method="raw").maps
+    torch.testing.assert_close(ex.explain(Image.fromarray(rgba), method="raw").maps, from_file, rtol=0, atol=0)
