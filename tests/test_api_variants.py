@@ -190,3 +190,17 @@ def test_an_rgba_or_one_channel_array_is_refused_saying_how_to_pass_it(tmp_path)
     Image.fromarray(rgba).save(tmp_path / "a.png")
     from_file = ex.explain(str(tmp_path / "a.png"), method="raw").maps
     torch.testing.assert_close(ex.explain(Image.fromarray(rgba), method="raw").maps, from_file, rtol=0, atol=0)
+
+
+def test_a_re_run_that_differs_in_training_mode_says_so():
+    """A Swin in training mode (drop path 0.1 by default) was refused for CDAM with 'the partial forward does not
+    reproduce the model's outputs' and a list of adapters to write; the cause is the training mode."""
+    from timm.models.swin_transformer import SwinTransformer
+
+    model = SwinTransformer(img_size=32, patch_size=4, window_size=4, embed_dim=16, depths=(1, 1), num_heads=(1, 2),
+                            num_classes=3, drop_path_rate=0.5).train()
+    with pytest.warns(UserWarning, match="training mode"), \
+            pytest.raises(vx.UnsupportedModelError, match=r"'cdam' re-runs part of SwinTransformer.*does not "
+                                                          r"reproduce.*in training mode.*drop_path.*model.eval\(\)"):
+        vx.Explainer(model).explain(torch.rand(2, 3, 32, 32), method="cdam")
+    assert vx.Explainer(model.eval()).explain(torch.rand(2, 3, 32, 32), method="cdam").maps.shape == (2, 4, 4)

@@ -238,15 +238,18 @@ def check_patch_dropout(model: nn.Module) -> None:
                 "so the attention covers patches no map can place; call model.eval() first")
 
 
-def training_layers(model: nn.Module) -> list[str]:
+def training_layers(model: nn.Module, *, random_only: bool = False) -> list[str]:
     """Names of the model's layers in training mode whose output depends on it: dropout, batch / instance norm,
-    drop path and other ``Drop*`` layers (listed first), any module holding parameters of its own, and the model
-    itself when it has no submodules (its forward may read its flag).
+    drop path and other ``Drop*`` layers (listed first; not those of rate 0), any module holding parameters of its
+    own, and the model itself when it has no submodules (its forward may read its flag).
 
     Not the model's own flag: a wrapper built after ``model.eval()`` (``nn.Sequential(normalize, model)``,
     ``nn.DataParallel(model)``) is in training mode itself while every layer it runs is not, and a model in eval
     mode may hold a layer switched back to training (a BatchNorm, Monte Carlo dropout). A container without
     parameters of its own in training mode (the wrapper) changes nothing.
+
+    Args:
+        random_only: only the dropout, norm and drop-path layers (those that make two forwards differ).
     """
     stochastic, others = [], []
     alone = next(model.children(), None) is None
@@ -255,10 +258,12 @@ def training_layers(model: nn.Module) -> list[str]:
         if not module.training:
             continue
         if isinstance(module, _TRAINING_KINDS) or "Drop" in kind or "StochasticDepth" in kind:
-            stochastic.append(name or kind)
+            rate = getattr(module, "p", getattr(module, "drop_prob", None))
+            if not (isinstance(rate, (int, float)) and rate == 0):  # (a dropout of rate 0 is the identity)
+                stochastic.append(name or kind)
         elif next(module.parameters(recurse=False), None) is not None or (module is model and alone):
             others.append(name or kind)
-    return stochastic + others
+    return stochastic if random_only else stochastic + others
 
 
 _TRAINING_KINDS = (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)

@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 import torch
 from torch import Tensor
 
-from ..checks import differentiable
+from ..checks import differentiable, training_layers
 from ..recording import AttentionRecord, Recorder
 from ..errors import OptionError, UnsupportedMethodError, UnsupportedModelError
 from ..layout import TokenLayout
@@ -126,6 +126,13 @@ class Context:
         reason = _mismatch(self.outputs, fn, tokens)
         if reason is not None:
             model = type(self.adapter.model).__name__
+            training = training_layers(self.adapter.model, random_only=True)
+            if training:  # (dropout / drop path draw again in the re-run: the cause, and what to do)
+                raise UnsupportedModelError(
+                    f"method {self.method!r} re-runs part of {model} ({what}), but that partial forward does not "
+                    f"reproduce the model's own outputs ({reason}): the model is in training mode, and its "
+                    f"{', '.join(training[:3])}{', ...' if len(training) > 3 else ''} draw again in each forward; "
+                    "call model.eval() first")
             raise UnsupportedModelError(
                 f"method {self.method!r} re-runs part of {model} ({what}: {self.adapter.describe()}), "
                 f"but that partial forward does not reproduce the model's own outputs: {reason}. "
