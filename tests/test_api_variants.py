@@ -204,3 +204,14 @@ def test_a_re_run_that_differs_in_training_mode_says_so():
                                                           r"reproduce.*in training mode.*drop_path.*model.eval\(\)"):
         vx.Explainer(model).explain(torch.rand(2, 3, 32, 32), method="cdam")
     assert vx.Explainer(model.eval()).explain(torch.rand(2, 3, 32, 32), method="cdam").maps.shape == (2, 4, 4)
+
+
+def test_an_explanation_given_to_a_metric_is_told_which_tensor_to_pass():
+    """vx.metrics took an Explanation and said only 'must be a torch.Tensor or a NumPy array'; the advice given
+    (e.upsample at the masks' size) scores as its maps do when the cells cover the image exactly."""
+    e = vx.Explainer(vx.zoo.load("shapes-vit")).explain(vx.data.shapes(n=2, seed=3).tensor, method="generic")
+    masks = torch.zeros(2, 64, 64, dtype=torch.bool)
+    masks[:, 8:40, 16:48] = True
+    with pytest.raises(vx.InputError, match=r"got an Explanation: pass e.upsample\(\(H, W\)\)"):
+        vx.metrics.pointing_game(e, masks)
+    assert torch.equal(vx.metrics.pointing_game(e.upsample((64, 64)), masks), vx.metrics.pointing_game(e.maps, masks))
