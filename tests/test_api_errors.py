@@ -60,6 +60,8 @@ def test_bad_targets(ex, x, target, message):
     (np.int64(2), 2),  # a NumPy integer is a class index; it was refused as "not a class index"
     (np.array(1), 1),
     (np.array([2, 0]), [2, 0]),
+    ([torch.tensor(2), torch.tensor(0)], [2, 0]),  # a list of 0-d tensors (logits[i].argmax()): "is a Tensor"
+    ([torch.tensor(2), "circle"], [2, 0]),
 ])
 def test_tensor_and_numpy_class_indices_are_the_python_ints_they_hold(ex, x, target, same):
     got = ex.explain(x, method="cdam", target=target)
@@ -73,6 +75,8 @@ def test_tensor_and_numpy_class_indices_are_the_python_ints_they_hold(ex, x, tar
     (torch.tensor(True), "got bool True"),
     (np.array([0.5, 1.0]), "target 0.5 is a float"),
     (np.float32(1.0), "got float 1.0"),
+    ([torch.tensor(1.0), torch.tensor(0.0)], r"target tensor\(1.\) is a Tensor.*a float is never rounded"),
+    ([torch.tensor(True), torch.tensor(False)], r"target tensor\(True\) is a Tensor"),
 ])
 def test_non_integer_tensor_and_numpy_targets_are_refused(ex, x, target, message):
     with pytest.raises(vx.TargetError, match=message):
