@@ -228,3 +228,15 @@ def test_one_method_takes_its_options_per_method_as_several_do(x):
     assert ex.plan("rollout", rollout={"discard_ratio": 0.9}).steps[0].options["discard_ratio"] == 0.9
     with pytest.raises(vx.OptionError, match="rollout has no option 'generic'"):
         ex.explain(x, method="rollout", generic={})
+
+
+def test_a_module_given_as_an_option_is_refused_in_a_line_naming_what_to_pass(x):
+    """module=model.layer4 (the module, not its name) was refused with the module's repr in the message: the whole
+    network printed, thousands of lines for a large model."""
+    model = vx.zoo.load("shapes-cnn")
+    ex = vx.Explainer(model)
+    with pytest.raises(vx.OptionError, match=r"got a Sequential module \(pass its name.*module='layer4'\)") as info:
+        ex.explain(x, method="gradcam", module=model.layer4)
+    assert len(str(info.value)) < 300 and "\n" not in str(info.value)
+    with pytest.raises(vx.OptionError, match=r"got a list \(\[0, 0, 0"):
+        vx.Explainer(vx.zoo.load("shapes-vit")).explain(x, method="raw", layer=[0] * 1000)
