@@ -240,3 +240,37 @@ def test_a_module_given_as_an_option_is_refused_in_a_line_naming_what_to_pass(x)
     assert len(str(info.value)) < 300 and "\n" not in str(info.value)
     with pytest.raises(vx.OptionError, match=r"got a list \(\[0, 0, 0"):
         vx.Explainer(vx.zoo.load("shapes-vit")).explain(x, method="raw", layer=[0] * 1000)
+
+
+def test_an_attention_pooling_head_over_the_patch_tokens_only_is_read_with_the_class_token_at_zero():
+    """timm's ViT with global_pool='map' and a class token drops the prefix tokens before its pooling head
+    (pool_include_prefix=False, the default): the head's attention row has the patch keys only, and raw, rollout,
+    grad_rollout and generic raised torch's 'size of tensor a (16) must match ... (17)'. Oracle: raw of the last
+    layer is the head's attention row (computed here from its weights, the class token given 0) times the last
+    block's attention, read at the patch keys."""
+    from timm.models.vision_transformer import VisionTransformer
+
+    torch.manual_seed(0)
+    model = VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=3,
+                              global_pool="map").eval()
+    x = torch.rand(2, 3, 32, 32)
+    seen = {}
+    handle = model.attn_pool.register_forward_pre_hook(lambda m, args: seen.update(tokens=args[0].detach()))
+    try:
+        with vx.capture(model) as rec:
+            model(x)
+    finally:
+        handle.remove()
+    pool = model.attn_pool
+    tokens = seen["tokens"]  # (B, 16, D): the patch tokens only
+    b, n, d = tokens.shape
+    q = pool.q(pool.latent.expand(b, -1, -1)).reshape(b, 1, pool.num_heads, -1).transpose(1, 2)
+    k = pool.kv(tokens).reshape(b, n, 2, pool.num_heads, -1).permute(2, 0, 3, 1, 4)[0]
+    row = torch.softmax(q @ k.transpose(-2, -1) * pool.scale, dim=-1).mean(dim=1)[:, 0]  # (B, 16)
+    row = torch.cat([torch.zeros(b, 1), row], dim=1)  # the class token: not read by the head
+    last = [r for r in rec.records if r.name == "blocks.1.attn"][0].probs().mean(dim=1)  # (B, 17, 17)
+    want = torch.bmm(row.unsqueeze(1), last).squeeze(1)[:, 1:].reshape(b, 4, 4)
+    ex = vx.Explainer(model)
+    torch.testing.assert_close(ex.explain(x, method="raw").maps, want, rtol=1e-5, atol=1e-6)
+    for e in ex.explain(x, method=["rollout", "grad_rollout", "generic"]):
+        assert e.maps.shape == (2, 4, 4) and torch.isfinite(e.maps).all() and float(e.maps.abs().max()) > 0

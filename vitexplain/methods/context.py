@@ -191,10 +191,29 @@ class Context:
             weighted = record.probs(rows) * record.grad_probs(rows)  # (B, H, Q, N)
             fused = weighted.clamp(min=0).mean(dim=1) if weighting == "generic" else weighted.mean(dim=1).clamp(min=0)
             row = fused.float().mean(dim=1)
+        row = self._pool_keys(row, layout, name)
         if weighting == "generic":
             return row
         total = row.sum(dim=-1, keepdim=True)
         return torch.where(total > 0, row / total.clamp(min=torch.finfo(row.dtype).tiny), torch.zeros_like(row))
+
+    def _pool_keys(self, row: Tensor, layout: TokenLayout, name: str) -> Tensor:
+        """The pooling head's (B, N_k) attention row over the sequence's (B, N) tokens: a head that attends over the
+        patch tokens only (timm's ``pool_include_prefix=False``, its default: the prefix tokens are dropped before
+        the head) gives the prefix tokens zero weight.
+
+        Raises:
+            UnsupportedMethodError: the head's keys are neither every token nor the patch tokens.
+        """
+        keys, tokens = int(row.shape[-1]), layout.num_tokens
+        if keys == tokens:
+            return row
+        if keys == layout.num_patches:
+            return torch.nn.functional.pad(row, (layout.num_prefix_tokens, 0))
+        raise UnsupportedMethodError(
+            f"method {self.method!r} reads the attention of the model's pooling head {name!r}, whose {keys} keys are "
+            f"neither the sequence's {tokens} tokens nor its {layout.num_patches} patch tokens; use a method that reads "
+            "no attention (e.g. 'cdam', 'gradcam', 'integrated_gradients')")
 
     def layers(self, start: int = 0) -> list[AttentionRecord]:
         """The self-attention records of the model's blocks, input side first, from block ``start``.
