@@ -274,3 +274,22 @@ def test_an_attention_pooling_head_over_the_patch_tokens_only_is_read_with_the_c
     torch.testing.assert_close(ex.explain(x, method="raw").maps, want, rtol=1e-5, atol=1e-6)
     for e in ex.explain(x, method=["rollout", "grad_rollout", "generic"]):
         assert e.maps.shape == (2, 4, 4) and torch.isfinite(e.maps).all() and float(e.maps.abs().max()) > 0
+
+
+def test_average_pooling_that_includes_the_prefix_tokens_reads_every_token():
+    """timm's ViT with global_pool='avg' and pool_include_prefix=True averages the class and register tokens with
+    the patches, but the maps read the mean over the patch queries only: silently another readout than the head's.
+    Oracle: raw of the last layer is the mean over every query row of its head-mean attention, at the patch keys."""
+    from timm.models.vision_transformer import VisionTransformer
+
+    torch.manual_seed(0)
+    model = VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=3,
+                              global_pool="avg", pool_include_prefix=True, reg_tokens=2).eval()
+    x = torch.rand(2, 3, 32, 32)
+    with vx.capture(model) as rec:
+        model(x)
+    last = [r for r in rec.records if r.name == "blocks.1.attn"][0].probs().mean(dim=1)  # (B, 19, 19)
+    want = last.mean(dim=1)[:, 3:].reshape(2, 4, 4)
+    e = vx.Explainer(model).explain(x, method="raw")
+    assert e.layout.readout == "all"
+    torch.testing.assert_close(e.maps, want, rtol=1e-5, atol=1e-6)

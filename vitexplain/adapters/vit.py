@@ -140,6 +140,9 @@ def _timm_layout(model: nn.Module, size: tuple[int, int]) -> TokenLayout:
         readout = "prefix"  # DeiT distilled: the output averages the class head's and the distillation head's
     else:
         readout = "class" if has_cls and pool in ("token", "") else "mean"
+        if readout == "mean" and pool == "avg" and getattr(model, "pool_include_prefix", False) \
+                and int(model.num_prefix_tokens):
+            readout = "all"  # (the average takes the prefix tokens too)
     layout = TokenLayout(int(model.num_prefix_tokens), (int(grid[0]), int(grid[1])), has_cls, readout, patch_size=patch)
     return layout.for_map(layout.grid, size)  # hybrid stems (vitamin): the patch embedding reads a feature map
 

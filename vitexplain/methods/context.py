@@ -303,13 +303,16 @@ def readout_vector(layout: TokenLayout, batch: int, device: torch.device) -> Ten
 
     ``"class"``: one-hot at the class token. ``"prefix"`` (a distilled DeiT, whose output is the mean of
     its class head's and distillation head's): ``1/P`` on each of the P prefix tokens. ``"mean"`` (average
-    pooling): uniform over the patch tokens, so a map is the mean over those queries of what they attend to.
+    pooling): uniform over the patch tokens, so a map is the mean over those queries of what they attend to;
+    ``"all"`` (average pooling that includes the prefix tokens): uniform over every token.
     """
     vector = torch.zeros(batch, layout.num_tokens, device=device)
     if layout.readout == "class" and layout.class_index is not None:
         vector[:, layout.class_index] = 1.0
     elif layout.readout == "prefix" and layout.num_prefix_tokens:
         vector[:, :layout.num_prefix_tokens] = 1.0 / layout.num_prefix_tokens
+    elif layout.readout == "all":
+        vector[:] = 1.0 / layout.num_tokens
     else:
         vector[:, layout.patch_slice] = 1.0 / layout.num_patches
     return vector
