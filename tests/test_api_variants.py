@@ -293,3 +293,38 @@ def test_average_pooling_that_includes_the_prefix_tokens_reads_every_token():
     e = vx.Explainer(model).explain(x, method="raw")
     assert e.layout.readout == "all"
     torch.testing.assert_close(e.maps, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("pool_type", ["token", "avg"])
+@pytest.mark.parametrize("prefix", [True, False])
+def test_a_prr_pooling_head_is_read_through_its_attention(pool_type, prefix):
+    """timm's ViT with global_pool='prr' (a parameter-free self-attention over the tokens, the class token with them
+    or not, then its first token or the mean) was read with the patch mean as readout, silently another row than the head's. Oracle: raw
+    of the last layer is the head's attention row (query 0, or the mean over its queries; computed here from its
+    input) times the last block's attention, read at the patch keys."""
+    from timm.models.vision_transformer import VisionTransformer
+
+    torch.manual_seed(0)
+    model = VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=3,
+                              global_pool="prr", pool_include_prefix=prefix).eval()
+    model.attn_pool.pool = pool_type
+    x = torch.rand(2, 3, 32, 32)
+    seen = {}
+    handle = model.attn_pool.register_forward_pre_hook(lambda m, args: seen.update(tokens=args[0].detach()))
+    try:
+        with vx.capture(model) as rec:
+            model(x)
+    finally:
+        handle.remove()
+    pool = model.attn_pool
+    b, n, _ = seen["tokens"].shape
+    qkv = pool.pre_norm(seen["tokens"]).reshape(b, n, pool.num_heads, pool.head_dim).transpose(1, 2)
+    attn = torch.softmax(qkv * pool.scale @ qkv.transpose(-2, -1), dim=-1).mean(dim=1)  # (B, 16, 16)
+    row = attn[:, 0] if pool_type == "token" else attn.mean(dim=1)
+    if n == 16:  # the class token dropped before the head (pool_include_prefix=False)
+        row = torch.cat([torch.zeros(b, 1), row], dim=1)
+    last = [r for r in rec.records if r.name == "blocks.1.attn"][0].probs().mean(dim=1)
+    want = torch.bmm(row.unsqueeze(1), last).squeeze(1)[:, 1:].reshape(b, 4, 4)
+    e = vx.Explainer(model).explain(x, method="raw")
+    assert e.layout.readout == "pool"
+    torch.testing.assert_close(e.maps, want, rtol=1e-5, atol=1e-6)
