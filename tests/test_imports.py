@@ -133,6 +133,7 @@ RANK = {
     "recording": 2, "data": 2, "targets": 2, "checks": 2,
     "viz": 3,
     "placement": 3.5,  # where maps lie on images' pixels (the results draw with it)
+    "saved": 3.6,  # an explanation's folder (maps.npy, manifest.json): what the results save and load
     "results": 4, "zoo": 4,
     "methods": 5, "metrics": 5,
     "adapters": 6,

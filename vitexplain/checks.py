@@ -21,7 +21,7 @@ from .finite import all_finite
 
 __all__ = ["channels_of", "input_channels", "check_batch", "check_tensor_input", "check_finite_scores", "check_finite_maps",
            "check_not_underflowed", "checked_score", "differentiable",
-           "model_dtype", "model_device", "warn_training", "buffers_kept"]
+           "model_dtype", "model_device", "training_layers", "warn_training", "buffers_kept"]
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -231,13 +231,42 @@ def check_patch_dropout(model: nn.Module) -> None:
     Raises:
         UnsupportedModelError: a ``PatchDropout`` module with ``prob > 0`` is in training mode.
     """
-    if not model.training:
-        return
-    for name, module in model.named_modules():
+    for name, module in model.named_modules():  # (also one in training mode inside a model in eval mode)
         if type(module).__name__ == "PatchDropout" and module.training and float(getattr(module, "prob", 0.0) or 0.0) > 0:
             raise UnsupportedModelError(
                 f"{name} drops {float(module.prob):.0%} of the patch tokens at random (patch dropout, training mode), "
                 "so the attention covers patches no map can place; call model.eval() first")
+
+
+def training_layers(model: nn.Module, *, random_only: bool = False) -> list[str]:
+    """Names of the model's layers in training mode whose output depends on it: dropout, batch / instance norm,
+    drop path and other ``Drop*`` layers (listed first; not those of rate 0), any module holding parameters of its
+    own, and the model itself when it has no submodules (its forward may read its flag).
+
+    Not the model's own flag: a wrapper built after ``model.eval()`` (``nn.Sequential(normalize, model)``,
+    ``nn.DataParallel(model)``) is in training mode itself while every layer it runs is not, and a model in eval
+    mode may hold a layer switched back to training (a BatchNorm, Monte Carlo dropout). A container without
+    parameters of its own in training mode (the wrapper) changes nothing.
+
+    Args:
+        random_only: only the dropout, norm and drop-path layers (those that make two forwards differ).
+    """
+    stochastic, others = [], []
+    alone = next(model.children(), None) is None
+    for name, module in model.named_modules():
+        kind = type(module).__name__
+        if not module.training:
+            continue
+        if isinstance(module, _TRAINING_KINDS) or "Drop" in kind or "StochasticDepth" in kind:
+            rate = getattr(module, "p", getattr(module, "drop_prob", None))
+            if not (isinstance(rate, (int, float)) and rate == 0):  # (a dropout of rate 0 is the identity)
+                stochastic.append(name or kind)
+        elif next(module.parameters(recurse=False), None) is not None or (module is model and alone):
+            others.append(name or kind)
+    return stochastic if random_only else stochastic + others
+
+
+_TRAINING_KINDS = (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
 
 
 def warn_training(model: nn.Module, stacklevel: int) -> None:
@@ -246,9 +275,12 @@ def warn_training(model: nn.Module, stacklevel: int) -> None:
     Args:
         stacklevel: as ``warnings.warn``'s, counted from this function (2: its caller).
     """
-    if model.training:
+    layers = training_layers(model)
+    if layers:
+        which = "" if model.training and len(layers) > 1 else f" ({len(layers)} layer(s): {', '.join(layers[:3])}" \
+            f"{', ...' if len(layers) > 3 else ''})"
         warnings.warn(
-            "the model is in training mode: dropout makes explanations random (and batch norm makes each "
+            f"the model is in training mode{which}: dropout makes explanations random (and batch norm makes each "
             "image's depend on the batch); call model.eval() first",
             stacklevel=stacklevel,
         )
@@ -256,9 +288,10 @@ def warn_training(model: nn.Module, stacklevel: int) -> None:
 
 @contextlib.contextmanager
 def buffers_kept(model: nn.Module) -> Iterator[None]:
-    """Restores the buffers of a model in training mode on exit (batch-norm running statistics and
-    counters, which its forwards update): the user's model is left as found."""
-    saved = [(b, b.detach().clone()) for b in model.buffers()] if model.training else []
+    """Restores the buffers of a model in training mode (or holding a module in training mode) on exit (batch-norm
+    running statistics and counters, which its forwards update): the user's model is left as found."""
+    training = any(m.training for m in model.modules())  # (a BatchNorm in training mode inside a model in eval mode)
+    saved = [(b, b.detach().clone()) for b in model.buffers()] if training else []
     try:
         yield
     finally:

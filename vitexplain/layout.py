@@ -34,7 +34,8 @@ class TokenLayout:
         grid: (gh, gw) patch grid for the input size, or None for windowed attention.
         has_class_token: whether token 0 is a class token.
         readout: which query row(s) the classifier reads: ``"class"`` (the class token),
-            ``"mean"`` (average pooling over the patch tokens), ``"prefix"`` (the mean of every prefix
+            ``"mean"`` (average pooling over the patch tokens), ``"all"`` (average pooling over every token,
+            prefix tokens included: timm's ``pool_include_prefix=True``), ``"prefix"`` (the mean of every prefix
             token's row: a distilled DeiT averages its class and distillation heads) or ``"pool"`` (an
             attention-pooling head: a learned query attends over the final tokens, as SigLIP's MAP head;
             its attention row, recorded in the forward, is the readout).
@@ -45,7 +46,7 @@ class TokenLayout:
     num_prefix_tokens: int
     grid: Optional[tuple[int, int]]
     has_class_token: bool
-    readout: Literal["class", "mean", "prefix", "pool"] = "class"
+    readout: Literal["class", "mean", "prefix", "pool", "all"] = "class"
     windowed: bool = False
     patch_size: Optional[tuple[int, int]] = None
 

@@ -216,13 +216,17 @@ def applicable(adapter: Any) -> tuple[tuple[str, ...], dict[str, str]]:
 def split_options(method: MethodArg, options: Mapping[str, Any]) -> tuple[MethodArg, dict[str, dict[str, Any]]]:
     """``**options`` of an API call as ``{method: {option: value}}``.
 
-    One method named as a string takes its options directly (``discard_ratio=0.9``); with
-    several (or none: the defaults), options are given per method (``rollout={...}``).
+    One method named as a string takes its options directly (``discard_ratio=0.9``), or per method as
+    several do (``rollout={...}``: no method has an option of its own name); with several (or none: the
+    defaults), options are given per method.
 
     Raises:
         OptionError: with several methods, an option that is not ``name={...}``.
     """
     if isinstance(method, str):
+        own = options.get(method)
+        if isinstance(own, Mapping) and len(options) == 1:  # (it read as an option called 'rollout')
+            return method, {method: dict(own)}
         return method, {method: dict(options)}
     bad = [k for k, v in options.items() if not isinstance(v, Mapping)]
     if bad:

@@ -7,19 +7,20 @@ B), so ``e.maps[i]`` is always image i's map.
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, field
 from numbers import Integral
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import numpy as np
+import torch
 from torch import Tensor
 
 from .errors import CaptureError, UsageError
 from .layout import TokenLayout
 from .placement import covered_pixels, crop_of, drawable, pasted, upsampled
+from .saved import (boxes_from_json, boxes_json, json_options, json_sources, layout_from_json, layout_json, read_saved,
+                    write_saved)
 from .viz._util import image_index as _image_index
 
 __all__ = ["Explanation", "CaptionExplanation", "VLMCaptionExplanation"]
@@ -153,22 +154,43 @@ class Explanation:
         return show_tiles([explanation_tiles(self, whole(max_images, "max_images"))])
 
     def save(self, directory: Union[str, Path]) -> Path:
-        """Write ``maps.npy`` and ``manifest.json`` (method, options, targets, sizes) to a folder.
+        """Write ``maps.npy`` and ``manifest.json`` (method, options, targets, sizes, token layout, crop boxes) to a
+        folder; :meth:`load` reads it back (all but the images and logits).
 
         Raises:
             UsageError: ``directory`` is not a path, is a file, or lies below a file.
         """
         manifest = {
             "method": self.method,
-            "options": _json_options(self.options),
+            "options": json_options(self.options),
             "signed": self.signed,
             "targets": self.targets.tolist(),
             "target_names": self.target_names(),
             "input_size": list(self.input_size),
             "grid": list(self.maps.shape[-2:]),
-            "sources": _json_sources(self.sources),
+            "sources": json_sources(self.sources),
+            "layout": layout_json(self.layout),
+            "label_names": self.label_names,
+            "score_name": self.score_name,
+            "boxes": boxes_json(self.boxes),
         }
-        return _save(directory, self.maps, manifest)
+        return write_saved(directory, self.maps, manifest)
+
+    @classmethod
+    def load(cls, directory: Union[str, Path]) -> "Explanation":
+        """The explanation :meth:`save` wrote to ``directory``: its maps ((B, h, w) float32, on the CPU), targets,
+        method, options, layout, sizes, crop boxes and label names; no images (``overlay(i, image=...)`` draws on
+        one given) and no logits (None).
+
+        Raises:
+            UsageError: ``directory`` is not a folder an explanation was saved to.
+        """
+        maps, m = read_saved(directory, 3)
+        return cls(maps=maps, targets=torch.tensor(m["targets"], dtype=torch.long), method=m["method"],
+                   options=dict(m.get("options") or {}), logits=None, signed=bool(m["signed"]),
+                   input_size=tuple(m["input_size"]), layout=layout_from_json(m.get("layout")), images=None,
+                   sources=m.get("sources"), label_names=m.get("label_names"), boxes=boxes_from_json(m.get("boxes")),
+                   score_name=m.get("score_name"))
 
 
 @dataclass(repr=False)
@@ -243,15 +265,34 @@ class CaptionExplanation:
         """
         manifest = {
             "method": self.method,
-            "options": _json_options(self.options),
+            "options": json_options(self.options),
+            "signed": self.signed,
             "captions": list(self.captions),
             "tokens": [list(t) for t in self.tokens],
             "ids": self.ids.tolist(),
             "input_size": list(self.input_size),
             "grid": list(self.maps.shape[-2:]),
-            "sources": _json_sources(self.sources),
+            "sources": json_sources(self.sources),
+            "layout": layout_json(self.layout),
+            "boxes": boxes_json(self.boxes),
         }
-        return _save(directory, self.maps, manifest)
+        return write_saved(directory, self.maps, manifest)
+
+    @classmethod
+    def load(cls, directory: Union[str, Path]) -> "CaptionExplanation":
+        """The caption explanation :meth:`save` wrote to ``directory`` (maps (B, T, h, w) float32 on the CPU,
+        words, ids, captions, layout, sizes; no images). A vision-language model's loads as a
+        :class:`CaptionExplanation`: its per-image maps at the original resolution are not saved.
+
+        Raises:
+            UsageError: ``directory`` is not a folder a caption explanation was saved to.
+        """
+        maps, m = read_saved(directory, 4)
+        return CaptionExplanation(
+            maps=maps, tokens=[list(t) for t in m["tokens"]], ids=torch.tensor(m["ids"], dtype=torch.long),
+            captions=list(m["captions"]), method=m["method"], options=dict(m.get("options") or {}),
+            input_size=tuple(m["input_size"]), layout=layout_from_json(m.get("layout")), images=None,
+            sources=m.get("sources"), signed=bool(m.get("signed", False)), boxes=boxes_from_json(m.get("boxes")))
 
     def _repr_html_(self) -> str:
         """Jupyter display: per image its caption, then each word under its overlay."""
@@ -335,34 +376,6 @@ class VLMCaptionExplanation(CaptionExplanation):
 
 
 _MODES = ("bilinear", "bicubic", "nearest", "nearest-exact", "area")
-
-
-def _json_options(options: dict[str, Any]) -> dict[str, Any]:
-    """Method options as JSON values (others as their repr)."""
-    return {k: v if isinstance(v, (int, float, str, bool, type(None))) else repr(v) for k, v in options.items()}
-
-
-def _json_sources(sources: Optional[list[Any]]) -> Optional[list[Optional[str]]]:
-    return [str(s) if s is not None else None for s in sources] if sources else None
-
-
-def _save(directory: Any, maps: Tensor, manifest: dict[str, Any]) -> Path:
-    """``maps.npy`` and ``manifest.json`` written (atomically) into the folder ``directory``, created if missing.
-
-    Raises:
-        UsageError: ``directory`` is not a path, is a file, or lies below a file (a bare ``OSError`` before).
-    """
-    from .files import check_file_path, encode_npy, write_user_file
-
-    if isinstance(directory, bytes) or not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
-        raise UsageError(f"save needs a folder path (str or pathlib.Path; created if missing), got {directory!r}")
-    out = Path(directory)
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"cannot save into {str(out)!r}: it is a file; pass a folder (it is created if missing)")
-    check_file_path(out / "maps.npy", "explanation")
-    write_user_file(out / "maps.npy", encode_npy(maps.detach().cpu().numpy()), "explanation")
-    write_user_file(out / "manifest.json", (json.dumps(manifest, indent=2) + "\n").encode("utf-8"), "explanation")
-    return out
 
 
 def _shape(maps: Tensor) -> str:

@@ -176,6 +176,15 @@ def _labels_hint(value: str, label_names: Sequence[str]) -> str:
     return f"this model has {len(names)} labels ({near}; adapter.label_names lists them)"
 
 
+def _held_integer(value: Any) -> Any:
+    """A 0-d integer tensor (``logits[i].argmax()``) as the Python int it holds, as a 0-d target tensor is read;
+    anything else as it is."""
+    if isinstance(value, Tensor) and value.dim() == 0 and not (value.is_floating_point() or value.is_complex()
+                                                               or value.dtype == torch.bool):
+        return int(value)
+    return value
+
+
 def _index(value: Union[int, str], num_classes: int, label_names: Optional[Sequence[str]]) -> int:
     if not isinstance(value, (str, numbers.Integral)) or isinstance(value, bool):
         raise TargetError(
@@ -268,7 +277,7 @@ def resolve(
                 f"target must be None, a class index, a label name, one of those per image, or a callable "
                 f"score(outputs) -> (B,); got {type(target).__name__} {target!r}"
             )
-        values = target.tolist() if isinstance(target, Tensor) else list(target)
+        values = target.tolist() if isinstance(target, Tensor) else [_held_integer(v) for v in target]
         if len(values) != batch:
             raise TargetError(f"got {len(values)} targets for a batch of {batch} images; pass one per image")
         classes = torch.tensor([_index(v, num_classes, label_names) for v in values], dtype=torch.long)

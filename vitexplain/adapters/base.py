@@ -335,6 +335,9 @@ def adapter_for(model: nn.Module) -> Adapter:
         reason = why(inner)
         if reason:
             raise UnsupportedModelError(reason)
+    wrapped = _wrapped_model(inner)
+    if wrapped:
+        raise UnsupportedModelError(wrapped)
     raise UnsupportedModelError(
         f"vitexplain does not know how to explain {type(model).__name__}. Supported: timm "
         "ViT/DeiT/EVA/BEiT/CaiT/XCiT/ConViT, torchvision VisionTransformer, Hugging Face "
@@ -349,6 +352,26 @@ def adapter_for(model: nn.Module) -> Adapter:
         "records the attention of any model using SDPA; vitexplain.adapters.register_adapter "
         "adds your own model (see docs/guide.md, 'Your own model')."
     )
+
+
+def _wrapped_model(model: nn.Module) -> Optional[str]:
+    """What to do with a wrapper whose child is a model vitexplain knows (``nn.Sequential(normalize, vit)``): the
+    methods name the known model's blocks, so it is explained by itself, given the wrapper's earlier steps' output.
+    Only a ``Sequential`` or a module of one or two children (the known model and a step before it) is read as a
+    wrapper: the child of a larger model is one part of what it computes."""
+    children = list(model.named_children())
+    if not isinstance(model, nn.Sequential) and len(children) > 2:
+        return None
+    for name, child in children:
+        adapter = find_adapter(child)
+        if adapter is None or adapter.family.name == "cnn":  # (a CNN inside a wrapper is recognised as a whole)
+            continue
+        where = f"model[{name}]" if isinstance(model, nn.Sequential) else f"model.{name}"
+        return (f"vitexplain does not know {type(model).__name__} itself, but its child {name!r} is a "
+                f"{adapter.family.name} model ({type(child).__name__}) it explains: explain that, "
+                f"vx.Explainer({where}), on the input the steps before it give (e.g. the normalised batch), or register "
+                "an adapter for the whole model (vitexplain.adapters.register_adapter, docs/guide.md, 'Your own model')")
+    return None
 
 
 def _own_layout(module: nn.Module, size: tuple[int, int], adapter: bool) -> Optional[TokenLayout]:

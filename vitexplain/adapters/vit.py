@@ -134,12 +134,15 @@ def _timm_layout(model: nn.Module, size: tuple[int, int]) -> TokenLayout:
         grid = (size[0] // patch[0], size[1] // patch[1])
     has_cls = getattr(model, "cls_token", None) is not None
     pool = getattr(model, "global_pool", "token")
-    if pool == "map" and getattr(model, "attn_pool", None) is not None:
-        readout = "pool"  # SigLIP's MAP head: its learned query's attention row is what the head reads
+    if pool in ("map", "prr") and getattr(model, "attn_pool", None) is not None:
+        readout = "pool"  # SigLIP's MAP head (PRR's self-attention): its query's attention row is what the head reads
     elif getattr(model, "dist_token", None) is not None:
         readout = "prefix"  # DeiT distilled: the output averages the class head's and the distillation head's
     else:
         readout = "class" if has_cls and pool in ("token", "") else "mean"
+        if readout == "mean" and pool == "avg" and getattr(model, "pool_include_prefix", False) \
+                and int(model.num_prefix_tokens):
+            readout = "all"  # (the average takes the prefix tokens too)
     layout = TokenLayout(int(model.num_prefix_tokens), (int(grid[0]), int(grid[1])), has_cls, readout, patch_size=patch)
     return layout.for_map(layout.grid, size)  # hybrid stems (vitamin): the patch embedding reads a feature map
 
@@ -161,8 +164,8 @@ class TimmViTAdapter(ViTAdapter):
         self.has_head = int(getattr(model, "num_classes", 1) or 0) > 0
         pool = getattr(model, "global_pool", "token")
         attn_pool = getattr(model, "attn_pool", None)
-        if pool == "map" and attn_pool is not None:
-            self.pool_attention = "attn_pool"
+        if pool in ("map", "prr") and attn_pool is not None:  # (PRR: a parameter-free self-attention, then row 0
+            self.pool_attention = "attn_pool"  # or the mean: its attention rows are what the output reads)
             self.pool_query = 0 if getattr(attn_pool, "pool", "token") == "token" else None
             if getattr(attn_pool, "pool", "token") not in ("token", "avg"):
                 self.drop_readout_row(

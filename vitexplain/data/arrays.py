@@ -99,6 +99,11 @@ def check_rgb(image: Any, what: str = "image") -> np.ndarray:
             hint = " (grayscale? use np.repeat(x[..., None], 3, axis=2))"
         elif arr.ndim == 3 and arr.shape[0] == 3:
             hint = " (channels first? use x.transpose(1, 2, 0))"
+        elif arr.ndim == 3 and arr.shape[2] == 4:
+            hint = (" (RGBA? pass PIL.Image.fromarray(x), whose alpha is composited on white as an image file's is, "
+                    "or drop it: x[..., :3])")
+        elif arr.ndim == 3 and arr.shape[2] == 1:
+            hint = " (grayscale? use np.repeat(x, 3, axis=2))"
         raise UsageError(
             f"{what} must be an (H, W, 3) uint8 RGB array, got shape {arr.shape} dtype {arr.dtype}{hint}"
         )

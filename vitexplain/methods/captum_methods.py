@@ -157,7 +157,8 @@ def integrated_gradients(ctx: Context, *, steps: Optional[int] = None, batch_siz
     with torch.no_grad():
         end = scores(x)
         change = end - scores(torch.full_like(x, baseline))
-    attr = torch.zeros_like(x)
+    # (captum's attributions of a half / bfloat16 input are float32; a float64 model's keep their precision)
+    attr = torch.zeros_like(x, dtype=torch.promote_types(x.dtype, torch.float32))
     delta = torch.zeros_like(change)
     used = torch.zeros(x.shape[0], dtype=torch.long)
     todo = list(range(x.shape[0]))  # the images integrated with the next step count

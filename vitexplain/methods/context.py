@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 import torch
 from torch import Tensor
 
-from ..checks import differentiable
+from ..checks import differentiable, training_layers
 from ..recording import AttentionRecord, Recorder
 from ..errors import OptionError, UnsupportedMethodError, UnsupportedModelError
 from ..layout import TokenLayout
@@ -126,6 +126,13 @@ class Context:
         reason = _mismatch(self.outputs, fn, tokens)
         if reason is not None:
             model = type(self.adapter.model).__name__
+            training = training_layers(self.adapter.model, random_only=True)
+            if training:  # (dropout / drop path draw again in the re-run: the cause, and what to do)
+                raise UnsupportedModelError(
+                    f"method {self.method!r} re-runs part of {model} ({what}), but that partial forward does not "
+                    f"reproduce the model's own outputs ({reason}): the model is in training mode, and its "
+                    f"{', '.join(training[:3])}{', ...' if len(training) > 3 else ''} draw again in each forward; "
+                    "call model.eval() first")
             raise UnsupportedModelError(
                 f"method {self.method!r} re-runs part of {model} ({what}: {self.adapter.describe()}), "
                 f"but that partial forward does not reproduce the model's own outputs: {reason}. "
@@ -184,10 +191,29 @@ class Context:
             weighted = record.probs(rows) * record.grad_probs(rows)  # (B, H, Q, N)
             fused = weighted.clamp(min=0).mean(dim=1) if weighting == "generic" else weighted.mean(dim=1).clamp(min=0)
             row = fused.float().mean(dim=1)
+        row = self._pool_keys(row, layout, name)
         if weighting == "generic":
             return row
         total = row.sum(dim=-1, keepdim=True)
         return torch.where(total > 0, row / total.clamp(min=torch.finfo(row.dtype).tiny), torch.zeros_like(row))
+
+    def _pool_keys(self, row: Tensor, layout: TokenLayout, name: str) -> Tensor:
+        """The pooling head's (B, N_k) attention row over the sequence's (B, N) tokens: a head that attends over the
+        patch tokens only (timm's ``pool_include_prefix=False``, its default: the prefix tokens are dropped before
+        the head) gives the prefix tokens zero weight.
+
+        Raises:
+            UnsupportedMethodError: the head's keys are neither every token nor the patch tokens.
+        """
+        keys, tokens = int(row.shape[-1]), layout.num_tokens
+        if keys == tokens:
+            return row
+        if keys == layout.num_patches:
+            return torch.nn.functional.pad(row, (layout.num_prefix_tokens, 0))
+        raise UnsupportedMethodError(
+            f"method {self.method!r} reads the attention of the model's pooling head {name!r}, whose {keys} keys are "
+            f"neither the sequence's {tokens} tokens nor its {layout.num_patches} patch tokens; use a method that reads "
+            "no attention (e.g. 'cdam', 'gradcam', 'integrated_gradients')")
 
     def layers(self, start: int = 0) -> list[AttentionRecord]:
         """The self-attention records of the model's blocks, input side first, from block ``start``.
@@ -277,13 +303,16 @@ def readout_vector(layout: TokenLayout, batch: int, device: torch.device) -> Ten
 
     ``"class"``: one-hot at the class token. ``"prefix"`` (a distilled DeiT, whose output is the mean of
     its class head's and distillation head's): ``1/P`` on each of the P prefix tokens. ``"mean"`` (average
-    pooling): uniform over the patch tokens, so a map is the mean over those queries of what they attend to.
+    pooling): uniform over the patch tokens, so a map is the mean over those queries of what they attend to;
+    ``"all"`` (average pooling that includes the prefix tokens): uniform over every token.
     """
     vector = torch.zeros(batch, layout.num_tokens, device=device)
     if layout.readout == "class" and layout.class_index is not None:
         vector[:, layout.class_index] = 1.0
     elif layout.readout == "prefix" and layout.num_prefix_tokens:
         vector[:, :layout.num_prefix_tokens] = 1.0 / layout.num_prefix_tokens
+    elif layout.readout == "all":
+        vector[:] = 1.0 / layout.num_tokens
     else:
         vector[:, layout.patch_slice] = 1.0 / layout.num_patches
     return vector

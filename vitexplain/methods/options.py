@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
+import torch
+
 from ..errors import OptionError
 
 __all__ = ["MAX_SAMPLES", "SEED_RANGE", "Option", "smooth_cdam_options", "integrated_cdam_options", "check_options",
@@ -222,7 +224,17 @@ def check_options(method: str, declared: Mapping[str, Option], defaults: Mapping
             raise OptionError(f"{method} has no option {name!r}; its options: {known}")
         if not option.check(value):
             raise OptionError(
-                f"{method} option {name!r} must be {option.allowed()}; got {value!r} "
+                f"{method} option {name!r} must be {option.allowed()}; got {_shown(value)} "
                 f"(default {defaults.get(name)!r})"
             )
     return dict(values)
+
+
+def _shown(value: Any) -> str:
+    """``value`` in an option's refusal: its repr, or its type for a long one (a module's repr is the whole model,
+    thousands of lines for a large one), with the module's-name advice where a module was given."""
+    if isinstance(value, torch.nn.Module):
+        return (f"a {type(value).__name__} module (pass its name, as model.named_modules() gives it, e.g. "
+                "module='layer4')")
+    text = repr(value)
+    return text if len(text) <= 200 else f"a {type(value).__name__} ({text[:120]}...)"

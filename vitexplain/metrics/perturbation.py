@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..checks import training_layers
 from ..errors import NumericalError, TargetError, UsageError
 from ..targets import logits_of, resolve
 from .localisation import upsample_maps
@@ -113,7 +114,7 @@ def _logits(out: Any) -> Tensor:
 def _scorer(model: Callable[[Tensor], Any], score: ScoreFn, caller: str) -> Callable[[Tensor], Tensor]:
     """``x (N, C, H, W) -> scores (N, classes)`` of the model; warns if the model is in training mode."""
     score_fn = _score_fn(score)
-    if isinstance(model, nn.Module) and model.training:
+    if isinstance(model, nn.Module) and training_layers(model):  # (not a wrapper's own flag: the layers it runs)
         warnings.warn(
             f"{caller}: the model is in training mode (dropout, batch-norm updates); "
             "call model.eval() first for meaningful curves",

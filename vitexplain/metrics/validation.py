@@ -28,6 +28,9 @@ def as_tensor(x: ArrayLike, name: str) -> Tensor:
     """``x`` as a tensor (tensors pass through unchanged); an InputError names ``name`` otherwise."""
     if isinstance(x, Tensor):
         return x
+    if hasattr(x, "maps") and hasattr(x, "upsample"):  # an Explanation: which of its tensors is the user's choice
+        raise InputError(f"{name} must be a tensor, got an {type(x).__name__}: pass e.upsample((H, W)), its maps on the "
+                         "pixels of an (H, W) image as its cells cover them, or e.maps")
     try:
         return torch.as_tensor(x)
     except Exception as exc:  # noqa: BLE001 - re-raised with a clear message
