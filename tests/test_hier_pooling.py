@@ -306,14 +306,15 @@ def test_tnt_gives_one_map_per_image():
         assert e.maps.shape == expected, method
 
 
-@pytest.mark.parametrize("kind", ["levit", "levit_conv", "mvit", "torchvision-maxvit", "maxvit"])
+@pytest.mark.parametrize("kind", ["levit", "levit_conv", "mvit", "torchvision-maxvit", "maxvit", "tnt"])
 def test_a_model_built_for_one_size_gets_its_images_at_that_size_and_other_sizes_are_refused(kind):
     """LeViT's attention biases, MViTv2's relative position tables and torchvision MaxViT's partitions are
     built for one image size (64 px here, not their registered 224): images are preprocessed to it, and a
     tensor of another size is refused with the size to use instead of the model's own shape error. timm
     MaxViT's window and grid partitions are sized from its ``img_size`` (2 x 2 at 64 px): its images are
     preprocessed to that size too (at 224 px its last 7 x 7 grid does not split into them), and a size
-    whose grids they do not divide (64 x 96: a 2 x 3 last grid) is refused, not met with timm's assertion."""
+    whose grids they do not divide (64 x 96: a 2 x 3 last grid) is refused, not met with timm's assertion. TNT's
+    pixel embedding asserts the size it was built for (its images were preprocessed to 224 px and refused)."""
     if kind == "torchvision-maxvit":
         import support_table
 

@@ -333,6 +333,7 @@ class TNTAdapter(HierAdapter):
         super().__init__(model)
         self.readout = "class" if model.global_pool == "token" else "mean"
         self.token_sites = [f"blocks.{len(model.blocks) - 1}.norm_out"]
+        self.fixed_size = tuple(pair(model.pixel_embed.img_size))  # (images are preprocessed to it)
         self.offer_legrad()
 
     def legrad_calls(self) -> list[str]:
@@ -360,7 +361,6 @@ class TNTAdapter(HierAdapter):
         blk = self.model.blocks[-1]
         u = x + blk.drop_path(blk.attn_out(block(x)))
         return u + blk.drop_path(blk.mlp(blk.norm_mlp(u)))
-        self.fixed_size = tuple(pair(model.pixel_embed.img_size))
 
     def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
         patch = pair(self.model.pixel_embed.patch_size)
