@@ -23,8 +23,6 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
-import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import InputError, UnsupportedModelError

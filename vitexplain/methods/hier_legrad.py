@@ -11,7 +11,7 @@ methods of the family do (:mod:`.resample`). Definition: docs/methods.md, "Hiera
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Sequence, Union
 
 import torch
 from torch import Tensor

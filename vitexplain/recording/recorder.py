@@ -34,7 +34,6 @@ import warnings
 from types import FrameType
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
-import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
