@@ -4,6 +4,8 @@ each case names the bug it pins."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -26,6 +28,30 @@ def _vit_bert(start=None, end=None):
     model = transformers.VisionEncoderDecoderModel(cfg).eval()
     model.generation_config.eos_token_id = end
     return model
+
+
+def test_generate_output_of_a_decoder_whose_start_token_is_not_its_end_token_is_warned_about():
+    """``model.generate`` returns the start token first; where it is not also the end token (BERT decoders, BLIP, GIT)
+    it stays a word (``e.ids`` of a caption whose first word it is read back the same), so a caption that begins with
+    it is warned about, saying to pass ``ids[:, 1:]``. Oracle: those ids explain as the Explainer's own generated
+    caption (words and maps); the ids as generate gives them do not."""
+    model = _vit_bert(start=1, end=2)
+    with torch.no_grad():  # a random head says its end token first: its logit row is zeroed
+        model.decoder.cls.predictions.decoder.weight[2] = 0.0
+        model.decoder.cls.predictions.bias[2] = -100.0
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(3))
+    ex = vx.Explainer(model)
+    generated = ex.explain_caption(x, method="cross", max_len=5)
+    out = model.generate(pixel_values=x, max_new_tokens=5, do_sample=False, num_beams=1)
+    assert out[:, 0].tolist() == [1, 1] and generated.ids[:, 0].ne(1).all()  # (the words themselves do not begin so)
+    with pytest.warns(UserWarning, match=r"begin with the decoder's start token \(id 1\).*ids\[:, 1:\]"):
+        as_generated = ex.explain_caption(x, method="cross", caption=out)
+    assert as_generated.tokens != generated.tokens  # the start token read as a word
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        given = ex.explain_caption(x, method="cross", caption=out[:, 1:])
+    assert given.tokens == generated.tokens
+    torch.testing.assert_close(given.maps, generated.maps, rtol=1e-4, atol=1e-6)
 
 
 def test_a_decoder_without_start_or_end_token_is_refused_with_what_to_set():

@@ -8,6 +8,7 @@ teacher-forced forward (with gradients when the method needs them) -> the method
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -112,6 +113,7 @@ def caption_ids(adapter: Any, caption: Any, batch: int, device: torch.device) ->
             vocabulary, or a caption longer than the decoder's positions.
     """
     seqs = given_token_ids(caption, batch, adapter.encode_caption, vocab=getattr(adapter, "vocab_size", None))
+    _warn_leading_start(seqs, adapter.start_id, adapter.end_id)
     seqs = [_words_of(seq, adapter.start_id, adapter.end_id) for seq in seqs]
     length = max(len(s) for s in seqs) + 1
     positions = getattr(adapter, "max_positions", None)
@@ -122,6 +124,20 @@ def caption_ids(adapter: Any, caption: Any, batch: int, device: torch.device) ->
         )
     end = adapter.end_id
     return torch.tensor([s + [end] * (length - len(s)) for s in seqs], dtype=torch.long, device=device)
+
+
+def _warn_leading_start(seqs: list[list[int]], start: int, end: int) -> None:
+    """Warn when a caption begins with the decoder's start token where it differs from the end token (BERT decoders,
+    BLIP, GIT): that token is explained as a first word, after the start token vitexplain puts first, which is right
+    for ``e.ids`` of a caption whose first word it is, and wrong for ``model.generate``'s output, which begins with
+    it (its first word's map would come from a forward that saw the start token twice): the two cannot be told
+    apart from the ids."""
+    first = [i for i, seq in enumerate(seqs) if start != end and len(seq) > 1 and seq[0] == start]
+    if first:
+        warnings.warn(
+            f"caption(s) {first[:5]} begin with the decoder's start token (id {start}), explained as a first word after "
+            "the start token vitexplain puts before every caption; if these ids come from model.generate (which "
+            "returns the start token first), pass ids[:, 1:]", stacklevel=4)
 
 
 def _words_of(seq: list[int], start: int, end: int) -> list[int]:

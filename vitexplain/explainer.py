@@ -321,7 +321,8 @@ class Explainer:
                 stitched into one map per word), or the caption(s) to explain teacher-forced:
                 one string for all images, one per image, or token-id lists (``e.ids``, or what
                 ``model.generate`` returns: a caption ends at its end token; a leading start token
-                is dropped where it is also the end token, GPT-2 and TrOCR).
+                is dropped where it is also the end token, GPT-2 and TrOCR; elsewhere it stays a word, with
+                a warning: pass ``generate(...)[:, 1:]``).
             prompt: vision-language models only: the prompt (one, or one per image; the image
                 token is put in front unless the prompt has it). A question plus
                 ``caption=`` answer words explains visual question answering.
