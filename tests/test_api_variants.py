@@ -242,6 +242,18 @@ def test_a_module_given_as_an_option_is_refused_in_a_line_naming_what_to_pass(x)
         vx.Explainer(vx.zoo.load("shapes-vit")).explain(x, method="raw", layer=[0] * 1000)
 
 
+def _captured_with_pool_input(model: nn.Module, x: torch.Tensor):
+    """(the capture's recorder, the (B, N, D) tokens the model's ``attn_pool`` head received) of one forward of x."""
+    seen = {}
+    handle = model.attn_pool.register_forward_pre_hook(lambda m, args: seen.update(tokens=args[0].detach()))
+    try:
+        with vx.capture(model) as rec:
+            model(x)
+    finally:
+        handle.remove()
+    return rec, seen["tokens"]
+
+
 def test_an_attention_pooling_head_over_the_patch_tokens_only_is_read_with_the_class_token_at_zero():
     """timm's ViT with global_pool='map' and a class token drops the prefix tokens before its pooling head
     (pool_include_prefix=False, the default): the head's attention row has the patch keys only, and raw, rollout,
@@ -254,15 +266,8 @@ def test_an_attention_pooling_head_over_the_patch_tokens_only_is_read_with_the_c
     model = VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=3,
                               global_pool="map").eval()
     x = torch.rand(2, 3, 32, 32)
-    seen = {}
-    handle = model.attn_pool.register_forward_pre_hook(lambda m, args: seen.update(tokens=args[0].detach()))
-    try:
-        with vx.capture(model) as rec:
-            model(x)
-    finally:
-        handle.remove()
+    rec, tokens = _captured_with_pool_input(model, x)  # tokens (B, 16, D): the patch tokens only
     pool = model.attn_pool
-    tokens = seen["tokens"]  # (B, 16, D): the patch tokens only
     b, n, d = tokens.shape
     q = pool.q(pool.latent.expand(b, -1, -1)).reshape(b, 1, pool.num_heads, -1).transpose(1, 2)
     k = pool.kv(tokens).reshape(b, n, 2, pool.num_heads, -1).permute(2, 0, 3, 1, 4)[0]
@@ -309,16 +314,10 @@ def test_a_prr_pooling_head_is_read_through_its_attention(pool_type, prefix):
                               global_pool="prr", pool_include_prefix=prefix).eval()
     model.attn_pool.pool = pool_type
     x = torch.rand(2, 3, 32, 32)
-    seen = {}
-    handle = model.attn_pool.register_forward_pre_hook(lambda m, args: seen.update(tokens=args[0].detach()))
-    try:
-        with vx.capture(model) as rec:
-            model(x)
-    finally:
-        handle.remove()
+    rec, tokens = _captured_with_pool_input(model, x)
     pool = model.attn_pool
-    b, n, _ = seen["tokens"].shape
-    qkv = pool.pre_norm(seen["tokens"]).reshape(b, n, pool.num_heads, pool.head_dim).transpose(1, 2)
+    b, n, _ = tokens.shape
+    qkv = pool.pre_norm(tokens).reshape(b, n, pool.num_heads, pool.head_dim).transpose(1, 2)
     attn = torch.softmax(qkv * pool.scale @ qkv.transpose(-2, -1), dim=-1).mean(dim=1)  # (B, 16, 16)
     row = attn[:, 0] if pool_type == "token" else attn.mean(dim=1)
     if n == 16:  # the class token dropped before the head (pool_include_prefix=False)
