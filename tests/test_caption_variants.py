@@ -111,3 +111,16 @@ def test_caption_values_that_are_not_integer_ids_are_called_so(caption, shown):
         ex.explain_caption(x, method="cross", caption=caption)
     e = ex.explain_caption(x, method="cross", caption=torch.tensor([[5.0, 6.0], [7.0, 8.0]]).long())
     assert e.ids[:, :2].tolist() == [[5, 6], [7, 8]]
+
+
+@pytest.mark.parametrize("caption, shown", [({"a": 1}, r"dict \{'a': 1\}"), ({5, 6}, r"set \{5, 6\}")])
+def test_a_caption_given_as_a_dict_or_set_is_called_so(caption, shown):
+    """Bug: ``caption={"a": 1}`` was read as its keys and refused as "got 1 captions for 2 images", which says nothing
+    of what is wrong (a set of ids would have been read in hash order). Now the message says what a caption must be
+    and what was given; the same words as a list explain."""
+    ex = vx.Explainer(_vit_roberta())
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(6))
+    with pytest.raises(vx.UsageError, match=r"caption must be text, a list of texts \(one per image\) or token ids; "
+                                            r"got " + shown):
+        ex.explain_caption(x, method="cross", caption=caption)
+    assert ex.explain_caption(x, method="cross", caption=[5, 6]).ids[:, :2].tolist() == [[5, 6], [5, 6]]
