@@ -124,3 +124,65 @@ def test_a_caption_given_as_a_dict_or_set_is_called_so(caption, shown):
                                             r"got " + shown):
         ex.explain_caption(x, method="cross", caption=caption)
     assert ex.explain_caption(x, method="cross", caption=[5, 6]).ids[:, :2].tolist() == [[5, 6], [5, 6]]
+
+
+def test_prophetnet_generates_as_many_words_as_its_positions_hold():
+    """Bug: ProphetNet's positions start at ``pad_token_id + 1`` and its n-gram predicting streams read the row after
+    each input's, but the caption limit was its ``max_position_embeddings``: generating up to max_len raised a raw
+    IndexError from inside ``generate`` (with its KV cache), and a caption that long was teacher-forced with positions
+    clamped to the table's last row, silently. Now generation stops where the positions run out and a longer caption
+    is refused. Oracle: the model's own ``generate``, which makes ``n`` new tokens and not ``n + 1``."""
+    model = _vit_prophetnet()
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(7))
+
+    def generates(k):
+        try:
+            with torch.no_grad():
+                model.generate(pixel_values=x, max_new_tokens=k, min_new_tokens=k, decoder_start_token_id=1,
+                               eos_token_id=2, pad_token_id=0)
+            return True
+        except IndexError:
+            return False
+
+    n = next(k for k in range(1, 40) if not generates(k + 1))
+    assert n == 32 - 0 - 2  # the table's rows after the padding position, less the predicting stream's one more
+    ex = vx.Explainer(model)
+    e = ex.explain_caption(x, method="cp_lrp", max_len=1000, resolution="patches")
+    assert e.maps.shape == (2, n, 4, 4) and all(len(t) == n for t in e.tokens) and torch.isfinite(e.maps).all()
+    with pytest.raises(vx.UsageError, match=f"explain at most {n} tokens"):
+        ex.explain_caption(x, method="cp_lrp", caption=[5] * (n + 1))
+
+
+def _vit_decoder(config: str, **settings):
+    enc = transformers.ViTConfig(**_SMALL, image_size=32, patch_size=8)
+    dec = getattr(transformers, config)(**_SMALL, vocab_size=40, max_position_embeddings=20, is_decoder=True,
+                                        add_cross_attention=True, bos_token_id=0, eos_token_id=2, pad_token_id=1,
+                                        **settings)
+    cfg = transformers.VisionEncoderDecoderConfig.from_encoder_decoder_configs(enc, dec)
+    cfg.decoder_start_token_id, cfg.pad_token_id, cfg.eos_token_id = 0, 1, 2
+    torch.manual_seed(0)
+    return transformers.VisionEncoderDecoderModel(cfg).eval()
+
+
+@pytest.mark.parametrize("config, error, runs", [("XmodConfig", "ValueError", False),
+                                                 ("MegatronBertConfig", "RuntimeError", False),
+                                                 ("BigBirdConfig", "AttributeError", True)])
+def test_a_decoder_generate_cannot_run_is_refused_saying_what_to_do(config, error, runs):
+    """Bug: decoders Hugging Face's ``generate`` cannot run in a VisionEncoderDecoder gave raw errors from inside
+    transformers: X-MOD (ValueError: no language set), Megatron-BERT (RuntimeError: a size mismatch in its own
+    cross-attention forward), BigBird (AttributeError from its KV cache). Now each is an UnsupportedModelError that
+    carries the model's message and says what to do; a given caption is explained where the model's own forward runs
+    (BigBird), and is refused the same way where it does not. Oracle of the premise: the model's own calls."""
+    model = _vit_decoder(config)
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(8))
+    with pytest.raises(Exception) as raw:
+        model.generate(pixel_values=x, max_new_tokens=3)
+    assert type(raw.value).__name__ == error
+    ex = vx.Explainer(model)
+    with pytest.raises(vx.UnsupportedModelError, match=rf"could not generate a caption \({error}: .*caption=\.\.\."):
+        ex.explain_caption(x, method="cross", max_len=3)
+    if runs:
+        assert ex.explain_caption(x, method="cross", caption=[5, 6]).maps.shape == (2, 2, 4, 4)
+    else:
+        with pytest.raises(vx.UnsupportedModelError, match=r"could not run on the caption \(" + error):
+            ex.explain_caption(x, method="cross", caption=[5, 6])

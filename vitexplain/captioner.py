@@ -46,7 +46,7 @@ def explain_captioner(adapter: Any, plan: Plan, x: Tensor, regions: Any, sources
     if caption is None:
         if positions is not None:  # the last word is never fed back: max_len words take max_len positions
             max_len = min(max_len, positions)
-        with torch.no_grad(), capture(model) as generated:
+        with torch.no_grad(), capture(model) as generated, adapter.model_runs(generating=True):
             ids = run_sized(adapter, x, lambda: adapter.generate(x, max_len))
     else:
         ids = caption_ids(adapter, caption, x.shape[0], x.device)
@@ -64,14 +64,15 @@ def explain_captioner(adapter: Any, plan: Plan, x: Tensor, regions: Any, sources
             settings = capture_settings([step.spec], adapter, {step.name: dict(step.options)}, attention_mode)
             x_in = x.detach().clone().requires_grad_(True)
             with torch.enable_grad(), embeddings_in_graph(model), \
-                    capture(model, grads=True, attention_mode=settings.attention_mode, heads=settings.heads) as rec:
+                    capture(model, grads=True, attention_mode=settings.attention_mode, heads=settings.heads) as rec, \
+                    adapter.model_runs():
                 # (the caption's embeddings in the graph: frozen weights)
                 logits = run_sized(adapter, x, lambda: adapter.teacher_forced(x_in, ids))
             ctx = context(adapter, x_in, ids, rec, layout, True, logits, step.name)
         elif generated is not None:
             ctx = context(adapter, x, ids, generated, layout, False, None, step.name)
         else:
-            with torch.no_grad(), capture(model) as rec:
+            with torch.no_grad(), capture(model) as rec, adapter.model_runs():
                 run_sized(adapter, x, lambda: adapter.teacher_forced(x, ids))
             ctx = context(adapter, x, ids, rec, layout, True, None, step.name)
         with torch.set_grad_enabled(step.spec.grads or torch.is_grad_enabled()):  # (also under the caller's no_grad)

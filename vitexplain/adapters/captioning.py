@@ -13,7 +13,8 @@ module with the same attributes); Hugging Face's captioners (``VisionEncoderDeco
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -21,6 +22,7 @@ from torch import Tensor, nn
 from ..layout import TokenLayout, pair
 from ..methods.families import CAPTION
 from .base import Adapter, find_layout_module, register_adapter
+from .library_errors import library_errors
 from ..errors import UnsupportedModelError, UsageError
 
 __all__ = ["CaptionAdapter", "ZooCaptionAdapter", "TransformerDecoderCaptioner", "TorchDecoderCaptionAdapter", "IDS_ONLY",
@@ -142,6 +144,42 @@ class CaptionAdapter(Adapter):
         """Longest decoder input (start token included) the model has position embeddings for,
         or None when unbounded or the model checks it itself."""
         return None
+
+    @contextmanager
+    def model_runs(self, generating: bool = False) -> Iterator[None]:
+        """Where the model runs (greedy generation, the teacher-forced forward): an error that transformers' or torch's
+        code raises there (a decoder that cannot run in this encoder-decoder, e.g. X-MOD asking for a language, a
+        setting of ``generation_config`` that ``generate`` cannot take, a cache the decoder cannot use) is raised as an
+        :class:`UnsupportedModelError` that carries the model's message and says what to do (the rule of
+        :func:`~vitexplain.adapters.library_errors.library_errors`).
+
+        Args:
+            generating: the block runs ``generate`` (its message names the generation config and a given caption).
+
+        Raises:
+            UnsupportedModelError: such an error in the block.
+        """
+        model = type(self.model).__name__
+        decoder = getattr(self.model, "decoder", None)
+        parts = f" (decoder {type(decoder).__name__})" if isinstance(decoder, nn.Module) else ""
+
+        def explain(err: BaseException) -> str:
+            what = (f"{model}{parts} could not {'generate a caption' if generating else 'run on the caption'} "
+                    f"({type(err).__name__}: {str(err).strip().rstrip('.')}). ")
+            if generating:
+                return (what + f"Either {model}.generation_config (the checkpoint's or yours) holds a setting its "
+                        "generate cannot take: check the one named here, or start from the defaults, "
+                        "model.generation_config = GenerationConfig(decoder_start_token_id=..., eos_token_id=..., "
+                        "pad_token_id=...), and where the error is in the decoder's KV cache set "
+                        "model.generation_config.use_cache = False; or the model itself does not run as built (see its "
+                        "message). A caption given as caption=... is explained without generating")
+            return (what + "The model does not run as built: its own forward refuses these inputs (see its message: "
+                    "a setting the decoder needs, e.g. X-MOD's model.decoder.set_default_language(...), or a decoder "
+                    "Hugging Face does not run in an encoder-decoder); check that model(pixel_values=..., "
+                    "decoder_input_ids=...) runs")
+
+        with library_errors(explain, generating):
+            yield
 
     def generate(self, x: Tensor, max_len: int) -> Tensor:
         """Greedy generation; returns (B, T) generated ids (no start token)."""

@@ -50,9 +50,16 @@ def _token_id(value: Any, model: nn.Module, setting: str, role: str) -> int:
 
 
 def _position_offset(decoder: nn.Module) -> int:
-    """How many rows of the decoder's position table come before its first position: ``padding_idx + 1`` for
+    """How many rows of the decoder's position table do not hold a position of its inputs: ``padding_idx + 1`` for
     RoBERTa-style embeddings (RoBERTa, XLM-RoBERTa, CamemBERT, Data2VecText, ...: positions are numbered from
-    ``pad_token_id + 1``, so ``max_position_embeddings - pad_token_id - 1`` tokens fit), 0 otherwise."""
+    ``pad_token_id + 1``, so ``max_position_embeddings - pad_token_id - 1`` tokens fit), ``padding_idx + 2`` for
+    ProphetNet's (numbered from ``pad_token_id + 1`` too, and its n-gram predicting streams read the row after each
+    input's: with a KV cache a position past the table was a raw IndexError; without one, ProphetNet clamps it to the
+    last row, silently), 0 otherwise."""
+    for module in decoder.modules():
+        if hasattr(module, "ngram") and isinstance(getattr(module, "position_embeddings", None), nn.Embedding):
+            pad = module.position_embeddings.padding_idx
+            return (pad if isinstance(pad, int) else 0) + 2
     for module in decoder.modules():
         table = getattr(module, "position_embeddings", None)
         pad = getattr(module, "padding_idx", None)

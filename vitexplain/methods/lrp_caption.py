@@ -44,7 +44,7 @@ def caption_lrp(ctx: CaptionContext, variant: str, resolution: str, linear_gamma
     rules = LRPRules(variant, linear_gamma=linear_gamma, conv_gamma=conv_gamma, model=adapter.model)
     ids = ctx.ids
     with torch.enable_grad():
-        with rules:
+        with rules, adapter.model_runs():
             logits = adapter.teacher_forced(x, ids)
         check_coverage(rules, ctx.method, type(adapter.model).__name__, instead="'cross_generic'")
         scores = logits.gather(2, ids[..., None].to(logits.device))[..., 0]  # (B, T)
