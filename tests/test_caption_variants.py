@@ -193,3 +193,35 @@ def test_a_decoder_generate_cannot_run_is_refused_saying_what_to_do(config, erro
         with torch.no_grad():
             want = model.generate(pixel_values=x, max_new_tokens=3, do_sample=False)[:, 1:]
         assert ex.explain_caption(x, method="cross", max_len=3).ids.tolist() == want.tolist()
+
+
+def _vit_mae_bert(mask_ratio: float = 0.75):
+    enc = transformers.ViTMAEConfig(**_SMALL, image_size=32, patch_size=8, mask_ratio=mask_ratio)
+    dec = transformers.BertConfig(**_SMALL, vocab_size=40, max_position_embeddings=20, is_decoder=True,
+                                  add_cross_attention=True, bos_token_id=0, eos_token_id=2, pad_token_id=1)
+    cfg = transformers.VisionEncoderDecoderConfig.from_encoder_decoder_configs(enc, dec)
+    cfg.decoder_start_token_id, cfg.pad_token_id, cfg.eos_token_id = 0, 1, 2
+    torch.manual_seed(0)
+    return transformers.VisionEncoderDecoderModel(cfg).eval()
+
+
+@pytest.mark.parametrize("mask_ratio", [0.75, 0.0])
+def test_a_vit_mae_encoder_is_listed_with_no_caption_method_and_says_why(mask_ratio):
+    """Bug: a VisionEncoderDecoder over a ViT-MAE encoder listed 'cross' (and cross_generic, attnlrp, cp_lrp) in
+    ``methods()``, then refused it saying no token layout was known. ViT-MAE masks and shuffles its patch tokens at
+    random on every forward, in eval mode and with mask_ratio=0 too, so no map can be right: the plan now lists none
+    and gives that reason, the same one the refusal gives. Oracle of the premise: two eval forwards of the encoder
+    on one image differ, and with mask_ratio 0.75 it returns 1 + 16 * 0.25 tokens, not 17."""
+    model = _vit_mae_bert(mask_ratio)
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        a, b = (model.encoder(pixel_values=x).last_hidden_state for _ in range(2))
+    assert a.shape[1] == 1 + int(16 * (1 - mask_ratio)) and not torch.allclose(a, b)
+    ex = vx.Explainer(model)
+    assert ex.methods() == []
+    why = rf"the image encoder \(ViTMAEModel\) drops a random {mask_ratio:g} of its patch tokens .* random order"
+    with pytest.raises(vx.UnsupportedModelError, match=r"cross, cross_generic, attnlrp, cp_lrp: " + why):
+        ex.plan()
+    for method in ("cross", "cross_generic"):
+        with pytest.raises(vx.UnsupportedMethodError, match=why):
+            ex.explain_caption(x, method=method, max_len=3)

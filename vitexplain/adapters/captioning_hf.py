@@ -26,13 +26,30 @@ from .captioning import ids_only, CaptionAdapter
 __all__ = ["HFCaptionAdapter", "GitCaptionAdapter", "TextToImage"]
 
 
-def _windowed_encoder(encoder: nn.Module, size: tuple[int, int]) -> bool:
-    """Whether the image encoder's known layout is windowed (Swin); False when no layout is known (the caption
-    methods then say so when they need it)."""
+def _encoder_layout(encoder: nn.Module, size: tuple[int, int]) -> tuple[Optional[str], bool]:
+    """Why no caption method can read the image encoder's tokens (None when one can), and whether its layout is
+    windowed (Swin).
+
+    Every caption method maps the decoder's image keys to patches through the encoder's token layout. ViT-MAE's
+    encoder has none: on every forward, in eval mode too, it keeps a random ``1 - mask_ratio`` of the patch tokens
+    in a random order (``ViTMAEEmbeddings.random_masking``), so which patch a key stands for differs from call to
+    call (and between the generation and the teacher-forced forward, whose captions may differ too)."""
+    config = getattr(encoder, "config", None)
+    name = type(encoder).__name__
+    if getattr(config, "model_type", None) == "vit_mae" or hasattr(getattr(encoder, "embeddings", None), "random_masking"):
+        ratio = getattr(config, "mask_ratio", None)
+        share = "mask_ratio" if ratio is None else f"{ratio:g}"
+        return (f"the image encoder ({name}) drops a random {share} of its patch tokens (mask_ratio) and shuffles the "
+                "others into a random order on every forward, in eval mode too (ViT-MAE's random masking; with "
+                "mask_ratio 0 it still shuffles), so no key of the decoder's cross-attention is known to stand for a "
+                "patch and the caption itself changes from run to run; give the decoder a ViT encoder over the same "
+                "weights, which runs every patch token in place (ViTModel.from_pretrained(path) reads a ViT-MAE "
+                "checkpoint's encoder weights)"), False
     try:
-        return bool(find_layout_module(encoder, size)[2].windowed)
-    except UnsupportedModelError:
-        return False
+        return None, bool(find_layout_module(encoder, size)[2].windowed)
+    except UnsupportedModelError as err:
+        return (f"no token layout of the image encoder ({name}) is known, so the decoder's image keys cannot be mapped "
+                f"to patches ({err})"), False
 
 
 def _token_id(value: Any, model: nn.Module, setting: str, role: str) -> int:
@@ -96,7 +113,11 @@ class HFCaptionAdapter(CaptionAdapter):
         vision = model.config.encoder if kind == "vision-encoder-decoder" else model.config.vision_config
         #: the one input size the vision encoder takes (its position embeddings are not interpolated)
         self.fixed_size = pair(vision.image_size)
-        if _windowed_encoder(model.get_submodule(self.encoder_prefix), self.fixed_size):
+        unknown, windowed = _encoder_layout(model.get_submodule(self.encoder_prefix), self.fixed_size)
+        if unknown is not None:  # (every caption method reads the layout: the plan lists none)
+            self.notes.update(dict.fromkeys(self.capabilities, unknown))
+            self.capabilities = frozenset()
+        if windowed:
             self.capabilities = self.capabilities - {"encoder_attention"}
             self.notes["encoder_attention"] = (
                 f"the image encoder ({type(model.get_submodule(self.encoder_prefix)).__name__}) is a windowed, "

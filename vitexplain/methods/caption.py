@@ -104,6 +104,7 @@ def _check_cross(ctx: CaptionContext) -> list[AttentionRecord]:
 
 @register(
     "cross", CAPTION,
+    requires=("cross",),
     options={
         "layers": Option(int, optional=True, sequence=True, help="decoder layers (None = mean over all)"),
         "head_fusion": Option(str, choices=("mean", "max", "min"), help="how heads are fused"),
