@@ -13,6 +13,7 @@ module with the same attributes); Hugging Face's captioners (``VisionEncoderDeco
 
 from __future__ import annotations
 
+import copy
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional, Sequence
 
@@ -26,7 +27,7 @@ from .library_errors import library_errors
 from ..errors import UnsupportedModelError, UsageError
 
 __all__ = ["CaptionAdapter", "ZooCaptionAdapter", "TransformerDecoderCaptioner", "TorchDecoderCaptionAdapter", "IDS_ONLY",
-           "ids_only", "DEFAULT_CACHES", "NOT_GREEDY"]
+           "ids_only", "greedy_kwargs", "DEFAULT_CACHES", "NOT_GREEDY"]
 
 #: Hugging Face ``model.generate`` keyword arguments that make it return the (B, T) ids tensor, one answer per input,
 #: whatever the model's ``generation_config`` says (a checkpoint's ``return_dict_in_generate``, ``output_scores``,
@@ -88,6 +89,35 @@ def ids_only(model: nn.Module) -> dict[str, Any]:
     if getattr(config, "cache_implementation", None) not in DEFAULT_CACHES:
         unset["cache_implementation"] = None
     return {**IDS_ONLY, **unset} if unset else IDS_ONLY
+
+
+def greedy_kwargs(model: nn.Module, **settings: Any) -> dict[str, Any]:
+    """Keyword arguments of ``model.generate`` for vitexplain's greedy search: ``settings`` (``max_new_tokens``,
+    ``do_sample=False``, ``num_beams=1``, the end and pad tokens, ...) and :func:`ids_only`, with
+    ``generation_config=`` a copy of the model's generation config that holds them all.
+
+    transformers 5 merges the model's generation config into the one ``generate`` builds and validates the result
+    before the keyword arguments apply: a setting of the model's config that only they undo was refused there
+    (``num_return_sequences=2`` without beams: "Greedy methods ... do not support num_return_sequences different than
+    1"). The copy holds the final settings from the start; the model's config is left as it is. A setting of None
+    that unsets one the model's config sets stays a keyword argument too (the merge refills a None of the copy from
+    the model's config; the keyword arguments apply last).
+
+    Raises:
+        UnsupportedModelError: see :func:`ids_only`.
+    """
+    settings = {**ids_only(model), **settings}
+    config = getattr(model, "generation_config", None)
+    if config is None or not callable(getattr(config, "to_dict", None)):
+        return settings
+    fixed = copy.deepcopy(config)
+    known = set(fixed.to_dict())
+    for key, value in settings.items():
+        if key in known:
+            setattr(fixed, key, value)
+    rest = {key: value for key, value in settings.items()
+            if key not in known or (value is None and getattr(config, key, None) is not None)}
+    return {"generation_config": fixed, **rest}
 
 
 class CaptionAdapter(Adapter):

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from ..layout import pair
 from ..errors import UnsupportedModelError, UsageError
 from .base import Adapter, find_layout_module, register_adapter
-from .captioning import ids_only, CaptionAdapter
+from .captioning import greedy_kwargs, CaptionAdapter
 
 __all__ = ["HFCaptionAdapter", "GitCaptionAdapter", "TextToImage"]
 
@@ -162,10 +162,10 @@ class HFCaptionAdapter(CaptionAdapter):
         return None
 
     def generate(self, x: Tensor, max_len: int) -> Tensor:
-        kwargs = dict(max_new_tokens=max_len, do_sample=False, num_beams=1, **ids_only(self.model))
+        kwargs: dict[str, Any] = dict(max_new_tokens=max_len, do_sample=False, num_beams=1)
         if self.kind == "vision-encoder-decoder":
             kwargs.update(decoder_start_token_id=self.start_id, eos_token_id=self.end_id, pad_token_id=self.end_id)
-        return self.model.generate(pixel_values=x, **kwargs)[:, 1:]
+        return self.model.generate(pixel_values=x, **greedy_kwargs(self.model, **kwargs))[:, 1:]
 
     def teacher_forced(self, x: Tensor, ids: Tensor) -> Tensor:
         start = torch.full_like(ids[:, :1], self.start_id)
@@ -287,8 +287,8 @@ class GitCaptionAdapter(CaptionAdapter):
     def generate(self, x: Tensor, max_len: int) -> Tensor:
         pad = self.model.config.pad_token_id
         ids = self.model.generate(
-            pixel_values=x, max_new_tokens=max_len, do_sample=False, num_beams=1,
-            eos_token_id=self.end_id, pad_token_id=pad if pad is not None else self.end_id, **ids_only(self.model),
+            pixel_values=x, **greedy_kwargs(self.model, max_new_tokens=max_len, do_sample=False, num_beams=1,
+                                            eos_token_id=self.end_id, pad_token_id=pad if pad is not None else self.end_id),
         )
         return ids[:, 1:]  # drop the start token GIT's generate begins with
 

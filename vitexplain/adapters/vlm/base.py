@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from ...errors import InputError, UnsupportedModelError, UsageError, VitexplainError
 from ...methods.families import VLM
 from ..base import Adapter
-from ..captioning import ids_only
+from ..captioning import greedy_kwargs
 from ..library_errors import library_errors
 from .views import ImageView
 
@@ -313,9 +313,9 @@ class VLMAdapter(Adapter):
         """Greedy answer ids (B, T) after the prompt (padded after each answer's end); image
         placeholder tokens are suppressed (fed back, they would ask for an image that is not there)."""
         ends = self.end_ids
-        out = self.model.generate(**inputs, max_new_tokens=max_len, do_sample=False, num_beams=1,
-                                  pad_token_id=self.pad_id, suppress_tokens=self.placeholder_ids or None,
-                                  **ids_only(self.model), **({"eos_token_id": ends} if ends else {}))
+        out = self.model.generate(**inputs, **greedy_kwargs(
+            self.model, max_new_tokens=max_len, do_sample=False, num_beams=1, pad_token_id=self.pad_id,
+            suppress_tokens=self.placeholder_ids or None, **({"eos_token_id": ends} if ends else {})))
         return out[:, inputs["input_ids"].shape[1]:]
 
     def answer_start(self, inputs: Any) -> int:
