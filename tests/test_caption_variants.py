@@ -82,7 +82,8 @@ def test_a_decoder_with_several_query_streams_is_refused_not_read_at_another_str
     """Bug: ProphetNet's decoder runs its cross-attention over [main stream, n-gram predicting streams] (3 query rows
     per token with n-gram 2): 'cross' read the last row of each decoding step, a predicting stream's, as the word's
     (generated maps differed from the teacher-forced ones of the same words by 1e-3), and cross_generic crashed with a
-    raw RuntimeError (torch.cat of the two streams' self-attention). Now both are refused saying why.
+    raw RuntimeError (torch.cat of the two streams' self-attention). Now both are refused saying why, and the plan
+    (``methods()``) does not list them (it did, then refused them).
     Oracle of the premise: the model's own ``cross_attentions`` have 3 rows per decoder input."""
     model = _vit_prophetnet()
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(3))
@@ -90,9 +91,10 @@ def test_a_decoder_with_several_query_streams_is_refused_not_read_at_another_str
         out = model(pixel_values=x, decoder_input_ids=torch.tensor([[1, 5, 6]] * 2), output_attentions=True)
     assert out.cross_attentions[0].shape[-2] == 3 * 3
     ex = vx.Explainer(model)
+    assert ex.methods() == ["attnlrp", "cp_lrp"]  # (the plan listed 'cross' and 'cross_generic', then refused them)
     for caption in (None, [[5, 6, 7], [8]]):
         for method in ("cross", "cross_generic"):
-            with pytest.raises(vx.UnsupportedMethodError, match=r"query"):
+            with pytest.raises(vx.UnsupportedMethodError, match=r"over 3 query streams per token"):
                 ex.explain_caption(x, method=method, caption=caption, max_len=3)
 
 

@@ -137,7 +137,7 @@ class CaptionAdapter(Adapter):
     def __init__(self, model: nn.Module, tokenizer: Any = None) -> None:
         super().__init__(model)
         self.tokenizer = tokenizer
-        self.capabilities = frozenset({"cross", "lrp", "encoder_attention"})
+        self.capabilities = frozenset({"cross", "lrp", "encoder_attention", "word_queries"})
 
     def layout(self, input_size: tuple[int, int]) -> TokenLayout:
         """Token layout of the image encoder for a (H, W) input."""

@@ -52,6 +52,16 @@ def _encoder_layout(encoder: nn.Module, size: tuple[int, int]) -> tuple[Optional
                 f"to patches ({err})"), False
 
 
+def _query_streams(decoder: nn.Module) -> int:
+    """How many query streams the decoder runs through its attention per token: ``1 + ngram`` for ProphetNet's
+    (the main stream and its n-gram predicting streams), 1 otherwise."""
+    for module in decoder.modules():
+        ngram = getattr(module, "ngram", None)
+        if isinstance(ngram, int) and ngram > 0 and isinstance(getattr(module, "position_embeddings", None), nn.Embedding):
+            return 1 + ngram
+    return 1
+
+
 def _token_id(value: Any, model: nn.Module, setting: str, role: str) -> int:
     """A special token id of the model's config as an int.
 
@@ -117,6 +127,14 @@ class HFCaptionAdapter(CaptionAdapter):
         if unknown is not None:  # (every caption method reads the layout: the plan lists none)
             self.notes.update(dict.fromkeys(self.capabilities, unknown))
             self.capabilities = frozenset()
+        streams = _query_streams(model.get_submodule("decoder" if kind == "vision-encoder-decoder" else "text_decoder"))
+        if streams > 1:
+            self.capabilities = self.capabilities - {"word_queries"}
+            self.notes["word_queries"] = (
+                f"the decoder runs its cross-attention over {streams} query streams per token (ProphetNet's main "
+                "stream and its n-gram predicting streams), so the row of each word is not known; vitexplain reads "
+                "decoders with one query stream (GPT-2, BERT, BART, TrOCR, ...); 'attnlrp' and 'cp_lrp' (relevance of "
+                "each word's logit) apply")
         if windowed:
             self.capabilities = self.capabilities - {"encoder_attention"}
             self.notes["encoder_attention"] = (
