@@ -103,13 +103,15 @@ def test_other_caches_in_the_generation_config_give_the_greedy_answer(cache):
 
 
 @pytest.mark.parametrize("setting", [dict(prompt_lookup_num_tokens=2), dict(penalty_alpha=0.6, top_k=4),
-                                     dict(dola_layers="low"), dict(token_healing=True)],
-                         ids=["prompt-lookup", "contrastive", "dola", "token-healing"])
+                                     dict(dola_layers="low"), dict(token_healing=True), dict(num_return_sequences=2)],
+                         ids=["prompt-lookup", "contrastive", "dola", "token-healing", "two-answers"])
 def test_a_generation_config_that_asks_for_another_decoding_gives_the_greedy_answer(setting):
     """Settings that turn greedy search into another algorithm: prompt-lookup (assisted) decoding refused a batch ("only
     supported for batch_size = 1"), contrastive search and DoLa asked for ``trust_remote_code`` (their code is on the
     Hub in transformers 5), token healing (which rewrites the prompt's end) asked for the tokenizer, each read as a
-    model that "cannot read an image size". Now the answer is the greedy one
+    model that "cannot read an image size"; ``num_return_sequences=2`` without beams was refused by transformers
+    (which validates the model's config, merged in, before vitexplain's ``num_return_sequences=1`` applies) as a
+    generation-config error. Now the answer is the greedy one
     (as with num_beams or do_sample in the config), the maps equal the eager oracle's, and the config is left as set."""
     model, proc = helpers.llava()
     images = helpers.images(0)
@@ -227,3 +229,20 @@ def test_cross_generic_refuses_words_no_chain_of_sliding_windows_reaches_from_th
     for a, b in zip(got.token_scores, want):
         assert bool((b.abs().amax(-1) > 0).all())
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("build", ["git", "vit-gpt2"])
+def test_a_captioner_whose_generation_config_asks_for_several_answers_gives_the_greedy_caption(build):
+    """A captioner whose generation config sets ``num_return_sequences=2`` without beams: transformers validated the
+    model's config, merged into the one ``generate`` builds, before vitexplain's ``num_return_sequences=1`` applied,
+    and refused it (a ValueError). Now the caption and maps are those of the plain config, which is left as set."""
+    from test_vlm_variants import _git, _vit_gpt2
+
+    model = {"git": _git, "vit-gpt2": _vit_gpt2}[build]()
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    want = vx.Explainer(model).explain_caption(x, method="cross", max_len=3)
+    model.generation_config.num_return_sequences = 2
+    got = vx.Explainer(model).explain_caption(x, method="cross", max_len=3)
+    assert model.generation_config.num_return_sequences == 2
+    assert got.tokens == want.tokens and all(got.tokens)
+    torch.testing.assert_close(got.maps, want.maps, atol=1e-6, rtol=1e-5)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import difflib
 import numbers
+import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
@@ -314,6 +315,10 @@ def given_token_ids(caption: Any, batch: int, encode: Callable[[str], list[int]]
         caption = [caption] if isinstance(caption, int) else caption
     if isinstance(caption, str):
         items: list[Any] = [caption] * batch
+    elif isinstance(caption, (Mapping, set, frozenset)):  # (a dict was read as its keys: "got 1 captions for 2 images")
+        raise UsageError(f"caption must be text, a list of texts (one per image) or token ids; got "
+                         f"{type(caption).__name__} {reprlib.repr(caption)}, which holds no caption in order: pass e.g. "
+                         "caption='a red circle', caption=['a red circle', 'a blue square'] or caption=[5, 6, 7]")
     else:
         try:
             items = list(caption)

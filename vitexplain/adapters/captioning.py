@@ -13,7 +13,9 @@ module with the same attributes); Hugging Face's captioners (``VisionEncoderDeco
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+import copy
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -21,10 +23,11 @@ from torch import Tensor, nn
 from ..layout import TokenLayout, pair
 from ..methods.families import CAPTION
 from .base import Adapter, find_layout_module, register_adapter
+from .library_errors import library_errors
 from ..errors import UnsupportedModelError, UsageError
 
 __all__ = ["CaptionAdapter", "ZooCaptionAdapter", "TransformerDecoderCaptioner", "TorchDecoderCaptionAdapter", "IDS_ONLY",
-           "ids_only", "DEFAULT_CACHES", "NOT_GREEDY"]
+           "ids_only", "greedy_kwargs", "DEFAULT_CACHES", "NOT_GREEDY"]
 
 #: Hugging Face ``model.generate`` keyword arguments that make it return the (B, T) ids tensor, one answer per input,
 #: whatever the model's ``generation_config`` says (a checkpoint's ``return_dict_in_generate``, ``output_scores``,
@@ -88,6 +91,35 @@ def ids_only(model: nn.Module) -> dict[str, Any]:
     return {**IDS_ONLY, **unset} if unset else IDS_ONLY
 
 
+def greedy_kwargs(model: nn.Module, **settings: Any) -> dict[str, Any]:
+    """Keyword arguments of ``model.generate`` for vitexplain's greedy search: ``settings`` (``max_new_tokens``,
+    ``do_sample=False``, ``num_beams=1``, the end and pad tokens, ...) and :func:`ids_only`, with
+    ``generation_config=`` a copy of the model's generation config that holds them all.
+
+    transformers 5 merges the model's generation config into the one ``generate`` builds and validates the result
+    before the keyword arguments apply: a setting of the model's config that only they undo was refused there
+    (``num_return_sequences=2`` without beams: "Greedy methods ... do not support num_return_sequences different than
+    1"). The copy holds the final settings from the start; the model's config is left as it is. A setting of None
+    that unsets one the model's config sets stays a keyword argument too (the merge refills a None of the copy from
+    the model's config; the keyword arguments apply last).
+
+    Raises:
+        UnsupportedModelError: see :func:`ids_only`.
+    """
+    settings = {**ids_only(model), **settings}
+    config = getattr(model, "generation_config", None)
+    if config is None or not callable(getattr(config, "to_dict", None)):
+        return settings
+    fixed = copy.deepcopy(config)
+    known = set(fixed.to_dict())
+    for key, value in settings.items():
+        if key in known:
+            setattr(fixed, key, value)
+    rest = {key: value for key, value in settings.items()
+            if key not in known or (value is None and getattr(config, key, None) is not None)}
+    return {"generation_config": fixed, **rest}
+
+
 class CaptionAdapter(Adapter):
     """An encoder-decoder image captioner.
 
@@ -105,7 +137,7 @@ class CaptionAdapter(Adapter):
     def __init__(self, model: nn.Module, tokenizer: Any = None) -> None:
         super().__init__(model)
         self.tokenizer = tokenizer
-        self.capabilities = frozenset({"cross", "lrp", "encoder_attention"})
+        self.capabilities = frozenset({"cross", "lrp", "encoder_attention", "word_queries"})
 
     def layout(self, input_size: tuple[int, int]) -> TokenLayout:
         """Token layout of the image encoder for a (H, W) input."""
@@ -142,6 +174,42 @@ class CaptionAdapter(Adapter):
         """Longest decoder input (start token included) the model has position embeddings for,
         or None when unbounded or the model checks it itself."""
         return None
+
+    @contextmanager
+    def model_runs(self, generating: bool = False) -> Iterator[None]:
+        """Where the model runs (greedy generation, the teacher-forced forward): an error that transformers' or torch's
+        code raises there (a decoder that cannot run in this encoder-decoder, e.g. X-MOD asking for a language, a
+        setting of ``generation_config`` that ``generate`` cannot take, a cache the decoder cannot use) is raised as an
+        :class:`UnsupportedModelError` that carries the model's message and says what to do (the rule of
+        :func:`~vitexplain.adapters.library_errors.library_errors`).
+
+        Args:
+            generating: the block runs ``generate`` (its message names the generation config and a given caption).
+
+        Raises:
+            UnsupportedModelError: such an error in the block.
+        """
+        model = type(self.model).__name__
+        decoder = getattr(self.model, "decoder", None)
+        parts = f" (decoder {type(decoder).__name__})" if isinstance(decoder, nn.Module) else ""
+
+        def explain(err: BaseException) -> str:
+            what = (f"{model}{parts} could not {'generate a caption' if generating else 'run on the caption'} "
+                    f"({type(err).__name__}: {str(err).strip().rstrip('.')}). ")
+            if generating:
+                return (what + f"Either {model}.generation_config (the checkpoint's or yours) holds a setting its "
+                        "generate cannot take: check the one named here, or start from the defaults, "
+                        "model.generation_config = GenerationConfig(decoder_start_token_id=..., eos_token_id=..., "
+                        "pad_token_id=...), and where the error is in the decoder's KV cache set "
+                        "model.generation_config.use_cache = False; or the model itself does not run as built (see its "
+                        "message). A caption given as caption=... is explained without generating")
+            return (what + "The model does not run as built: its own forward refuses these inputs (see its message: "
+                    "a setting the decoder needs, e.g. X-MOD's model.decoder.set_default_language(...), or a decoder "
+                    "Hugging Face does not run in an encoder-decoder); check that model(pixel_values=..., "
+                    "decoder_input_ids=...) runs")
+
+        with library_errors(explain, generating):
+            yield
 
     def generate(self, x: Tensor, max_len: int) -> Tensor:
         """Greedy generation; returns (B, T) generated ids (no start token)."""

@@ -21,18 +21,45 @@ from torch import Tensor, nn
 from ..layout import pair
 from ..errors import UnsupportedModelError, UsageError
 from .base import Adapter, find_layout_module, register_adapter
-from .captioning import ids_only, CaptionAdapter
+from .captioning import greedy_kwargs, CaptionAdapter
 
 __all__ = ["HFCaptionAdapter", "GitCaptionAdapter", "TextToImage"]
 
 
-def _windowed_encoder(encoder: nn.Module, size: tuple[int, int]) -> bool:
-    """Whether the image encoder's known layout is windowed (Swin); False when no layout is known (the caption
-    methods then say so when they need it)."""
+def _encoder_layout(encoder: nn.Module, size: tuple[int, int]) -> tuple[Optional[str], bool]:
+    """Why no caption method can read the image encoder's tokens (None when one can), and whether its layout is
+    windowed (Swin).
+
+    Every caption method maps the decoder's image keys to patches through the encoder's token layout. ViT-MAE's
+    encoder has none: on every forward, in eval mode too, it keeps a random ``1 - mask_ratio`` of the patch tokens
+    in a random order (``ViTMAEEmbeddings.random_masking``), so which patch a key stands for differs from call to
+    call (and between the generation and the teacher-forced forward, whose captions may differ too)."""
+    config = getattr(encoder, "config", None)
+    name = type(encoder).__name__
+    if getattr(config, "model_type", None) == "vit_mae" or hasattr(getattr(encoder, "embeddings", None), "random_masking"):
+        ratio = getattr(config, "mask_ratio", None)
+        share = "mask_ratio" if ratio is None else f"{ratio:g}"
+        return (f"the image encoder ({name}) drops a random {share} of its patch tokens (mask_ratio) and shuffles the "
+                "others into a random order on every forward, in eval mode too (ViT-MAE's random masking; with "
+                "mask_ratio 0 it still shuffles), so no key of the decoder's cross-attention is known to stand for a "
+                "patch and the caption itself changes from run to run; give the decoder a ViT encoder over the same "
+                "weights, which runs every patch token in place (ViTModel.from_pretrained(path) reads a ViT-MAE "
+                "checkpoint's encoder weights)"), False
     try:
-        return bool(find_layout_module(encoder, size)[2].windowed)
-    except UnsupportedModelError:
-        return False
+        return None, bool(find_layout_module(encoder, size)[2].windowed)
+    except UnsupportedModelError as err:
+        return (f"no token layout of the image encoder ({name}) is known, so the decoder's image keys cannot be mapped "
+                f"to patches ({err})"), False
+
+
+def _query_streams(decoder: nn.Module) -> int:
+    """How many query streams the decoder runs through its attention per token: ``1 + ngram`` for ProphetNet's
+    (the main stream and its n-gram predicting streams), 1 otherwise."""
+    for module in decoder.modules():
+        ngram = getattr(module, "ngram", None)
+        if isinstance(ngram, int) and ngram > 0 and isinstance(getattr(module, "position_embeddings", None), nn.Embedding):
+            return 1 + ngram
+    return 1
 
 
 def _token_id(value: Any, model: nn.Module, setting: str, role: str) -> int:
@@ -50,9 +77,16 @@ def _token_id(value: Any, model: nn.Module, setting: str, role: str) -> int:
 
 
 def _position_offset(decoder: nn.Module) -> int:
-    """How many rows of the decoder's position table come before its first position: ``padding_idx + 1`` for
+    """How many rows of the decoder's position table do not hold a position of its inputs: ``padding_idx + 1`` for
     RoBERTa-style embeddings (RoBERTa, XLM-RoBERTa, CamemBERT, Data2VecText, ...: positions are numbered from
-    ``pad_token_id + 1``, so ``max_position_embeddings - pad_token_id - 1`` tokens fit), 0 otherwise."""
+    ``pad_token_id + 1``, so ``max_position_embeddings - pad_token_id - 1`` tokens fit), ``padding_idx + 2`` for
+    ProphetNet's (numbered from ``pad_token_id + 1`` too, and its n-gram predicting streams read the row after each
+    input's: with a KV cache a position past the table was a raw IndexError; without one, ProphetNet clamps it to the
+    last row, silently), 0 otherwise."""
+    for module in decoder.modules():
+        if hasattr(module, "ngram") and isinstance(getattr(module, "position_embeddings", None), nn.Embedding):
+            pad = module.position_embeddings.padding_idx
+            return (pad if isinstance(pad, int) else 0) + 2
     for module in decoder.modules():
         table = getattr(module, "position_embeddings", None)
         pad = getattr(module, "padding_idx", None)
@@ -89,7 +123,19 @@ class HFCaptionAdapter(CaptionAdapter):
         vision = model.config.encoder if kind == "vision-encoder-decoder" else model.config.vision_config
         #: the one input size the vision encoder takes (its position embeddings are not interpolated)
         self.fixed_size = pair(vision.image_size)
-        if _windowed_encoder(model.get_submodule(self.encoder_prefix), self.fixed_size):
+        unknown, windowed = _encoder_layout(model.get_submodule(self.encoder_prefix), self.fixed_size)
+        if unknown is not None:  # (every caption method reads the layout: the plan lists none)
+            self.notes.update(dict.fromkeys(self.capabilities, unknown))
+            self.capabilities = frozenset()
+        streams = _query_streams(model.get_submodule("decoder" if kind == "vision-encoder-decoder" else "text_decoder"))
+        if streams > 1:
+            self.capabilities = self.capabilities - {"word_queries"}
+            self.notes["word_queries"] = (
+                f"the decoder runs its cross-attention over {streams} query streams per token (ProphetNet's main "
+                "stream and its n-gram predicting streams), so the row of each word is not known; vitexplain reads "
+                "decoders with one query stream (GPT-2, BERT, BART, TrOCR, ...); 'attnlrp' and 'cp_lrp' (relevance of "
+                "each word's logit) apply")
+        if windowed:
             self.capabilities = self.capabilities - {"encoder_attention"}
             self.notes["encoder_attention"] = (
                 f"the image encoder ({type(model.get_submodule(self.encoder_prefix)).__name__}) is a windowed, "
@@ -134,10 +180,10 @@ class HFCaptionAdapter(CaptionAdapter):
         return None
 
     def generate(self, x: Tensor, max_len: int) -> Tensor:
-        kwargs = dict(max_new_tokens=max_len, do_sample=False, num_beams=1, **ids_only(self.model))
+        kwargs: dict[str, Any] = dict(max_new_tokens=max_len, do_sample=False, num_beams=1)
         if self.kind == "vision-encoder-decoder":
             kwargs.update(decoder_start_token_id=self.start_id, eos_token_id=self.end_id, pad_token_id=self.end_id)
-        return self.model.generate(pixel_values=x, **kwargs)[:, 1:]
+        return self.model.generate(pixel_values=x, **greedy_kwargs(self.model, **kwargs))[:, 1:]
 
     def teacher_forced(self, x: Tensor, ids: Tensor) -> Tensor:
         start = torch.full_like(ids[:, :1], self.start_id)
@@ -259,8 +305,8 @@ class GitCaptionAdapter(CaptionAdapter):
     def generate(self, x: Tensor, max_len: int) -> Tensor:
         pad = self.model.config.pad_token_id
         ids = self.model.generate(
-            pixel_values=x, max_new_tokens=max_len, do_sample=False, num_beams=1,
-            eos_token_id=self.end_id, pad_token_id=pad if pad is not None else self.end_id, **ids_only(self.model),
+            pixel_values=x, **greedy_kwargs(self.model, max_new_tokens=max_len, do_sample=False, num_beams=1,
+                                            eos_token_id=self.end_id, pad_token_id=pad if pad is not None else self.end_id),
         )
         return ids[:, 1:]  # drop the start token GIT's generate begins with
 

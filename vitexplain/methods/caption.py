@@ -104,6 +104,7 @@ def _check_cross(ctx: CaptionContext) -> list[AttentionRecord]:
 
 @register(
     "cross", CAPTION,
+    requires=("cross", "word_queries"),
     options={
         "layers": Option(int, optional=True, sequence=True, help="decoder layers (None = mean over all)"),
         "head_fusion": Option(str, choices=("mean", "max", "min"), help="how heads are fused"),
@@ -196,7 +197,7 @@ def _joint_relevance(decoder: Sequence[AttentionRecord], r_ii: Tensor, t: int) -
 @register(
     "cross_generic", CAPTION,
     grads=True,
-    requires=("encoder_attention",),
+    requires=("encoder_attention", "word_queries"),
     summary="Chefer encoder-decoder relevance per word (gradient of each word's log-probability)",
     reference="Chefer, Gur & Wolf, ICCV 2021 (encoder-decoder rules); docs/methods.md",
     dense_attention=True,

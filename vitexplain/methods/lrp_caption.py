@@ -11,6 +11,8 @@ patch of the encoder's grid with ``resolution="patches"``. Rules and sources: do
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 from torch import Tensor
 
@@ -44,7 +46,8 @@ def caption_lrp(ctx: CaptionContext, variant: str, resolution: str, linear_gamma
     rules = LRPRules(variant, linear_gamma=linear_gamma, conv_gamma=conv_gamma, model=adapter.model)
     ids = ctx.ids
     with torch.enable_grad():
-        with rules:
+        runs = getattr(adapter, "model_runs", None)  # (errors inside transformers as UnsupportedModelErrors)
+        with rules, runs() if callable(runs) else nullcontext():
             logits = adapter.teacher_forced(x, ids)
         check_coverage(rules, ctx.method, type(adapter.model).__name__, instead="'cross_generic'")
         scores = logits.gather(2, ids[..., None].to(logits.device))[..., 0]  # (B, T)

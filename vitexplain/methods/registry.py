@@ -36,6 +36,8 @@ CAPABILITIES: Mapping[str, str] = {
     "channel_gates": "channel attention gates (SE, ECA, CBAM, ...)",
     "spatial_gates": "spatial attention gates (CBAM-style)",
     "cross": "cross-attention from the text to the image tokens",
+    "word_queries": ("a decoder cross-attention whose query rows are the caption's tokens, one per word (not several "
+                     "query streams per token)"),
     "encoder_attention": ("an image encoder whose self-attention mixes one token set that the decoder reads (a ViT's), "
                           "or none (a CNN's)"),
     "lrp": ("every non-linearity from the pixels to the score is one the LRP rules cover: attention by "

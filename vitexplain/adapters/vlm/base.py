@@ -20,7 +20,8 @@ from torch import Tensor, nn
 from ...errors import InputError, UnsupportedModelError, UsageError, VitexplainError
 from ...methods.families import VLM
 from ..base import Adapter
-from ..captioning import ids_only
+from ..captioning import greedy_kwargs
+from ..library_errors import library_errors
 from .views import ImageView
 
 __all__ = ["VLMAdapter", "submodule_named", "processor_images"]
@@ -204,31 +205,23 @@ class VLMAdapter(Adapter):
         Raises:
             UnsupportedModelError: such an error in the block.
         """
-        caught: tuple[type[BaseException], ...] = (ValueError, RuntimeError, IndexError)
-        if generating:
-            caught += (TypeError, AttributeError, KeyError, ImportError)
-        try:
-            yield
-        except (VitexplainError, torch.cuda.OutOfMemoryError):  # (torch.OutOfMemoryError in torch >= 2.5)
-            raise
-        except caught as err:
-            if not _raised_by_library(err):
-                raise
+        def explain(err: BaseException) -> str:
             settings = f" with processor_kwargs={self.processor_kwargs!r}" if self.processor_kwargs else ""
             model = type(self.model).__name__
             what = (f"{model} could not {'generate an answer' if generating else 'run'} on the batch of "
                     f"{type(self.processor).__name__}{settings} ({type(err).__name__}: {str(err).strip().rstrip('.')}). ")
             if generating:
-                raise UnsupportedModelError(
-                    what + f"Either {model}.generation_config (the checkpoint's or yours) holds a setting its generate "
-                    "cannot take: check the one named here, or start from the defaults, model.generation_config = "
-                    "GenerationConfig(eos_token_id=..., pad_token_id=...); or the model cannot read an image size, aspect "
-                    "ratio, number of tiles or of image tokens outside what it was built for: use the model's own "
-                    "processor settings and check the image. An answer given as caption=... needs no generation") from err
-            raise UnsupportedModelError(
-                what + "It cannot read an image size, aspect ratio, "
-                "number of tiles or of image tokens outside what it was built for: use the model's own processor "
-                "settings (processor_kwargs or another checkpoint's processor may change them) and check the image") from err
+                return (what + f"Either {model}.generation_config (the checkpoint's or yours) holds a setting its generate "
+                        "cannot take: check the one named here, or start from the defaults, model.generation_config = "
+                        "GenerationConfig(eos_token_id=..., pad_token_id=...); or the model cannot read an image size, aspect "
+                        "ratio, number of tiles or of image tokens outside what it was built for: use the model's own "
+                        "processor settings and check the image. An answer given as caption=... needs no generation")
+            return (what + "It cannot read an image size, aspect ratio, "
+                    "number of tiles or of image tokens outside what it was built for: use the model's own processor "
+                    "settings (processor_kwargs or another checkpoint's processor may change them) and check the image")
+
+        with library_errors(explain, generating):
+            yield
 
     def format_prompt(self, prompt: str) -> str:
         """The text given to the processor: the prompt with the image token in front unless it has one."""
@@ -320,9 +313,9 @@ class VLMAdapter(Adapter):
         """Greedy answer ids (B, T) after the prompt (padded after each answer's end); image
         placeholder tokens are suppressed (fed back, they would ask for an image that is not there)."""
         ends = self.end_ids
-        out = self.model.generate(**inputs, max_new_tokens=max_len, do_sample=False, num_beams=1,
-                                  pad_token_id=self.pad_id, suppress_tokens=self.placeholder_ids or None,
-                                  **ids_only(self.model), **({"eos_token_id": ends} if ends else {}))
+        out = self.model.generate(**inputs, **greedy_kwargs(
+            self.model, max_new_tokens=max_len, do_sample=False, num_beams=1, pad_token_id=self.pad_id,
+            suppress_tokens=self.placeholder_ids or None, **({"eos_token_id": ends} if ends else {})))
         return out[:, inputs["input_ids"].shape[1]:]
 
     def answer_start(self, inputs: Any) -> int:
@@ -408,32 +401,3 @@ class VLMAdapter(Adapter):
 
     def describe(self) -> str:
         return f"{type(self).__name__}({type(self.model).__name__})"
-
-
-def _raised_by_library(err: BaseException) -> bool:
-    """Whether the innermost Python frame of ``err``'s traceback is transformers' or torch's code, or the capture's
-    (which makes the model's attention calls on its behalf): an error about the batch the model was given, not the
-    user's (a module or hook of their own raising)."""
-    tb = err.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    if tb is None:
-        return False
-    filename = tb.tb_frame.f_code.co_filename
-    return any(filename.startswith(root) for root in _library_roots())
-
-
-def _library_roots() -> tuple[str, ...]:
-    """The folders of the installed transformers and torch packages (transformers is imported by then) and of
-    vitexplain's capture."""
-    import os
-    import sys
-
-    from ... import recording
-
-    roots = [os.path.dirname(torch.__file__), os.path.dirname(recording.__file__)]
-    transformers = sys.modules.get("transformers")
-    if transformers is not None and getattr(transformers, "__file__", None):
-        roots.append(os.path.dirname(transformers.__file__))
-    return tuple(root + os.sep for root in roots)
-

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from ..captioning import ids_only
+from ..captioning import greedy_kwargs
 from .base import VLMAdapter
 
 __all__ = ["EncoderDecoderVLMAdapter"]
@@ -71,9 +71,9 @@ class EncoderDecoderVLMAdapter(VLMAdapter):
 
     def generate(self, inputs: Any, max_len: int) -> Tensor:
         ends = self.end_ids
-        out = self.model.generate(**self.generate_kwargs(inputs), max_new_tokens=max_len, do_sample=False, num_beams=1,
-                                  pad_token_id=self.pad_id, suppress_tokens=self.placeholder_ids or None,
-                                  **ids_only(self.model), **({"eos_token_id": ends} if ends else {}))
+        out = self.model.generate(**self.generate_kwargs(inputs), **greedy_kwargs(
+            self.model, max_new_tokens=max_len, do_sample=False, num_beams=1, pad_token_id=self.pad_id,
+            suppress_tokens=self.placeholder_ids or None, **({"eos_token_id": ends} if ends else {})))
         return out[:, self.answer_start(inputs):]
 
     def teacher_inputs(self, inputs: Any, ids: Tensor) -> dict[str, Any]:
