@@ -178,6 +178,14 @@ class TimmViTAdapter(ViTAdapter):
                    "attention Grad-CAM carry such a row through the attention); cdam and the token Grad-CAM read "
                    "the gradient through the head itself")
             self.drop_readout_row(why)
+        post = type(model.get_submodule(self.blocks[-1]))
+        if any(_timm_class(post, module, name) for module, name in _POST_NORM_BLOCKS):
+            why = (f"its blocks ({post.__name__}) normalise the attention's output (x + norm1(attn(x))): no norm's "
+                   "output is the tokens entering the last attention, and norm1's input is not the residual stream, "
+                   "so CDAM and the token Grad-CAM have no tokens to read; use 'generic', 'rollout', 'legrad' or "
+                   "'integrated_gradients'")
+            self._drop("tokens", why)
+            self._drop("tail", why)
 
     def layout(self, input_size: tuple[int, int]) -> TokenLayout:
         return _timm_layout(self.model, pair(input_size))
@@ -285,8 +293,13 @@ class TorchvisionViTAdapter(ViTAdapter):
         return dict(input_size=(size, size), mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225), crop_pct=224 / 256, interpolation="bilinear")
 
 
-def _timm_class(model: nn.Module, module: str, name: str) -> bool:
-    cls = type(model)
+#: timm blocks that compute x + norm1(attn(x)) (res-post-norm): their norm1 does not feed the attention
+_POST_NORM_BLOCKS = (("vision_transformer", "ResPostBlock"), ("vision_transformer_relpos", "ResPostRelPosBlock"),
+                     ("eva", "EvaBlockPostNorm"))
+
+
+def _timm_class(model: Any, module: str, name: str) -> bool:
+    cls = model if isinstance(model, type) else type(model)
     return any(c.__module__ == f"timm.models.{module}" and c.__name__ == name for c in cls.__mro__)
 
 

@@ -1,0 +1,58 @@
+"""Plain ViT variants as users build them (random init, tiny): what the plan lists runs, what it refuses says why.
+
+Found by a sweep of timm / torchvision / Hugging Face / OpenCLIP ViT variants (random init) through every method
+the plan lists, against a hand-written rollout / raw-attention oracle from each model's eager probabilities.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import vitexplain as vx
+from vitexplain.errors import UnsupportedMethodError
+
+from support_table import CHEAP, reinit_heads
+
+TOKEN_METHODS = ("cdam", "gradcam", "cdam_smooth", "cdam_integrated")
+
+
+def _res_post_vit():
+    from timm.models.vision_transformer import ResPostBlock, VisionTransformer
+
+    return VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=5,
+                             block_fn=ResPostBlock)
+
+
+def _res_post_relpos():
+    from timm.models.vision_transformer_relpos import ResPostRelPosBlock, VisionTransformerRelPos
+
+    return VisionTransformerRelPos(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=5,
+                                   block_fn=ResPostRelPosBlock)
+
+
+def _eva_post_norm():
+    from timm.models.eva import Eva
+
+    return Eva(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=5, use_post_norm=True)
+
+
+@pytest.mark.parametrize("build", [_res_post_vit, _res_post_relpos, _eva_post_norm], ids=["vit", "relpos", "eva"])
+def test_res_post_norm_blocks_refuse_the_token_methods_and_run_the_rest(build):
+    # x + norm1(attn(x)): norm1's output is not the tokens entering the attention (CDAM's T) and its input is
+    # not the residual stream (the tail's input); the plan listed cdam and gradcam (maps of the wrong tensor,
+    # constant on the timm ViT) and cdam_smooth / cdam_integrated, which then refused
+    torch.manual_seed(0)
+    model = build()
+    reinit_heads(model)
+    model.eval()
+    ex = vx.Explainer(model)
+    listed = ex.methods()
+    assert not set(TOKEN_METHODS) & set(listed), listed
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(UnsupportedMethodError, match=r"norm1\(attn\(x\)\)"):
+        ex.explain(x, method="cdam")
+    for method in ("rollout", "generic", "legrad"):
+        assert method in listed
+        maps = ex.explain(x, method=method, **CHEAP.get(method, {})).maps
+        assert maps.shape == (2, 4, 4) and bool(torch.isfinite(maps).all())
