@@ -56,3 +56,24 @@ def test_res_post_norm_blocks_refuse_the_token_methods_and_run_the_rest(build):
         assert method in listed
         maps = ex.explain(x, method=method, **CHEAP.get(method, {})).maps
         assert maps.shape == (2, 4, 4) and bool(torch.isfinite(maps).all())
+
+
+def test_differential_attention_refuses_the_attention_methods_and_runs_the_gradient_ones():
+    # timm attn_layer='diff' applies softmax(q1 k1^T) - lambda softmax(q2 k2^T) through two SDPA calls per block;
+    # the plan listed raw / rollout / generic / LeGrad / LRP, and they read the block's last call (the subtracted
+    # softmax) as if it were the attention applied to the values
+    from timm.models.vision_transformer import VisionTransformer
+
+    torch.manual_seed(0)
+    model = VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=5,
+                              attn_layer="diff").eval()
+    ex = vx.Explainer(model)
+    listed = ex.methods()
+    assert not {"raw", "rollout", "grad_rollout", "generic", "attn_gradcam", "legrad", "attnlrp", "cp_lrp"} & set(listed)
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(UnsupportedMethodError, match="differential attention"):
+        ex.explain(x, method="rollout")
+    for method in ("cdam", "cdam_integrated"):
+        assert method in listed
+        maps = ex.explain(x, method=method, **CHEAP.get(method, {})).maps
+        assert maps.shape == (2, 4, 4) and bool(torch.isfinite(maps).all()) and float(maps.std()) > 0

@@ -178,6 +178,13 @@ class TimmViTAdapter(ViTAdapter):
                    "attention Grad-CAM carry such a row through the attention); cdam and the token Grad-CAM read "
                    "the gradient through the head itself")
             self.drop_readout_row(why)
+        diff = [b for b in self.blocks if _is_diff_attention(getattr(model.get_submodule(b), "attn", None))]
+        if diff:
+            self.drop_readout_row(
+                f"its blocks use differential attention (timm DiffAttention, in {diff[0]!r}): each layer applies "
+                "softmax(q1 k1^T) - lambda softmax(q2 k2^T), signed and not one softmax, through two attention calls "
+                "of which no one is the attention applied to the values; cdam, the token Grad-CAM and the pixel "
+                "methods read the gradient through the model itself")
         post = type(model.get_submodule(self.blocks[-1]))
         if any(_timm_class(post, module, name) for module, name in _POST_NORM_BLOCKS):
             why = (f"its blocks ({post.__name__}) normalise the attention's output (x + norm1(attn(x))): no norm's "
@@ -296,6 +303,12 @@ class TorchvisionViTAdapter(ViTAdapter):
 #: timm blocks that compute x + norm1(attn(x)) (res-post-norm): their norm1 does not feed the attention
 _POST_NORM_BLOCKS = (("vision_transformer", "ResPostBlock"), ("vision_transformer_relpos", "ResPostRelPosBlock"),
                      ("eva", "EvaBlockPostNorm"))
+
+
+def _is_diff_attention(module: Any) -> bool:
+    """Whether ``module`` is timm's differential attention (two softmaxes, their weighted difference applied)."""
+    return any(c.__module__ == "timm.layers.diff_attention" and c.__name__ == "DiffAttention"
+               for c in type(module).__mro__)
 
 
 def _timm_class(model: Any, module: str, name: str) -> bool:
