@@ -77,3 +77,27 @@ def test_differential_attention_refuses_the_attention_methods_and_runs_the_gradi
         assert method in listed
         maps = ex.explain(x, method=method, **CHEAP.get(method, {})).maps
         assert maps.shape == (2, 4, 4) and bool(torch.isfinite(maps).all()) and float(maps.std()) > 0
+
+
+@pytest.mark.parametrize("name", ["vit", "eva"])
+def test_an_unpooled_timm_vit_refuses_the_readout_row_methods(name):
+    # global_pool='' with num_classes=0 (timm's idiom for dense features) returns every token; the plan listed raw,
+    # rollout, generic, ... and they read the class-token row, explaining a score of all tokens as the class token's
+    import timm
+
+    torch.manual_seed(0)
+    size, kwargs = {"vit": (32, dict(patch_size=8)), "eva": (28, dict(patch_size=14))}[name]
+    model = timm.create_model({"vit": "vit_tiny_patch16_224", "eva": "eva02_tiny_patch14_224"}[name], pretrained=False,
+                              img_size=size, embed_dim=32, depth=2, num_heads=2, num_classes=0, global_pool="",
+                              **kwargs).eval()
+    x = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert model(x).dim() == 3  # every token comes out: nothing is pooled
+    ex = vx.Explainer(model)
+    listed = ex.methods()
+    assert not {"raw", "rollout", "grad_rollout", "generic", "attn_gradcam"} & set(listed), listed
+    with pytest.raises(UnsupportedMethodError, match="global_pool=''"):
+        ex.explain(x, method="rollout", target=vx.targets.norm())
+    maps = ex.explain(x, method="cdam", target=vx.targets.norm()).maps
+    grid = size // kwargs["patch_size"]
+    assert maps.shape == (2, grid, grid) and bool(torch.isfinite(maps).all()) and float(maps.std()) > 0

@@ -172,6 +172,13 @@ class TimmViTAdapter(ViTAdapter):
                     f"its attention-pooling head returns its {getattr(attn_pool, 'latent_len', '?')} latent queries "
                     f"unpooled (pool={getattr(attn_pool, 'pool', None)!r}): no one row of token weights is what the "
                     "output reads")
+        if pool == "" and isinstance(pool, str):
+            self.drop_readout_row(
+                "it is built with global_pool='' (no pooling): its output is every token (B, N, ...), so no one row "
+                "of token weights is what a score of it reads (raw, rollout, grad_rollout, generic and attention "
+                "Grad-CAM carry such a row through the attention; reading the class row would explain the class "
+                "token only); cdam and the token Grad-CAM read the gradient of your target through the model itself, "
+                "or build it with global_pool='token' or 'avg'")
         if pool in ("max", "avgmax"):
             why = (f"its head pools the tokens with global_pool={pool!r}: each channel reads its own token, so no "
                    "one row of token weights is what the head reads (raw, rollout, grad_rollout, generic and "
