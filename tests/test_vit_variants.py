@@ -101,3 +101,119 @@ def test_an_unpooled_timm_vit_refuses_the_readout_row_methods(name):
     maps = ex.explain(x, method="cdam", target=vx.targets.norm()).maps
     grid = size // kwargs["patch_size"]
     assert maps.shape == (2, grid, grid) and bool(torch.isfinite(maps).all()) and float(maps.std()) > 0
+
+
+# -- rollout and raw against the model's own eager attention -------------------------------------------------------
+_TINY = dict(embed_dim=32, depth=2, num_heads=2, num_classes=5)
+
+
+def _timm(name, **kwargs):
+    def build():
+        import timm
+
+        model = timm.create_model(name, pretrained=False, **{**_TINY, **kwargs})
+        with torch.no_grad():  # relative position bias tables start at zero: give them values that matter
+            for pname, p in model.named_parameters():
+                if "relative_position_bias_table" in pname:
+                    p.normal_(0, 1.0)
+        return model
+
+    return build
+
+
+def _hf_beit():
+    import transformers
+
+    config = transformers.BeitConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                     image_size=32, patch_size=8, num_labels=5, use_relative_position_bias=True,
+                                     use_mean_pooling=False)
+    model = transformers.BeitForImageClassification(config)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "relative_position_bias_table" in pname:
+                p.normal_(0, 1.0)
+    return model
+
+
+# name: build, input size, readout row ("class": the class token, "mean": the patches' mean)
+ORACLE_CASES = {
+    "vit no_embed_class + registers": (_timm("vit_tiny_patch16_224", img_size=32, patch_size=8, no_embed_class=True,
+                                              reg_tokens=2), (32, 32), "class"),
+    "vit dynamic size, registers, 40x56": (_timm("vit_tiny_patch16_224", img_size=32, patch_size=8,
+                                                 dynamic_img_size=True, reg_tokens=2), (40, 56), "class"),
+    "vit patch 14, pos_embed none": (_timm("vit_tiny_patch16_224", img_size=42, patch_size=14, pos_embed="none"),
+                                     (42, 42), "class"),
+    "deit3 (layer scale, no_embed_class)": (_timm("deit3_small_patch16_224", img_size=32, patch_size=8), (32, 32), "class"),
+    "eva02 rope, dynamic size, class token": (_timm("eva02_tiny_patch14_224", img_size=28, patch_size=14,
+                                                    dynamic_img_size=True, global_pool="token"), (42, 56), "class"),
+    "beit relative position bias": (_timm("beit_base_patch16_224", img_size=32, patch_size=8, global_pool="token"),
+                                    (32, 32), "class"),
+    "beit shared relative position bias, mean": (_timm("beit_base_patch16_224", img_size=32, patch_size=8,
+                                                       use_rel_pos_bias=False, use_shared_rel_pos_bias=True),
+                                                 (32, 32), "mean"),
+    "vit_srelpos": (_timm("vit_srelpos_small_patch16_224", img_size=32, patch_size=8), (32, 32), "mean"),
+    "vitamin (conv stem)": (lambda: __import__("timm").create_model("vitamin_small_224", pretrained=False, img_size=64,
+                                                                   num_classes=5), (64, 64), "mean"),
+    "HF BEiT relative position bias": (_hf_beit, (32, 32), "class"),
+}
+
+
+def _eager_attention(model, x):
+    """Every layer's (B, H, N, N) attention probabilities, from the model's own eager path."""
+    if hasattr(model, "config"):  # Hugging Face
+        old = model.config._attn_implementation
+        model.set_attn_implementation("eager")
+        try:
+            with torch.no_grad():
+                return list(model(x, output_attentions=True).attentions)
+        finally:
+            model.set_attn_implementation(old)
+    kept, hooks, flags = [], [], []
+    for module in model.modules():
+        if hasattr(module, "fused_attn") and hasattr(module, "attn_drop"):
+            flags.append((module, module.fused_attn))
+            module.fused_attn = False
+            hooks.append(module.attn_drop.register_forward_hook(lambda m, a, out: kept.append(out.detach())))
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        for hook in hooks:
+            hook.remove()
+        for module, flag in flags:
+            module.fused_attn = flag
+    return kept
+
+
+@pytest.mark.parametrize("name", list(ORACLE_CASES))
+def test_rollout_and_raw_equal_the_rollout_of_the_models_eager_attention(name):
+    build, size, readout = ORACLE_CASES[name]
+    torch.manual_seed(0)
+    model = build()
+    reinit_heads(model)
+    model.eval()
+    x = torch.randn(3, 3, *size, generator=torch.Generator().manual_seed(1))
+    ex = vx.Explainer(model)
+    rollout, raw = ex.explain(x, method=["rollout", "raw"])
+    layout = rollout.layout
+    attention = _eager_attention(model, x)
+    n = attention[0].shape[-1]
+    prefix = layout.num_prefix_tokens
+    grid = ((size[0] + layout.patch_size[0] - 1) // layout.patch_size[0], (size[1] + layout.patch_size[1] - 1) // layout.patch_size[1])
+    assert layout.grid == grid and n == prefix + grid[0] * grid[1] and layout.readout == readout
+    v = torch.zeros(3, n)
+    if readout == "class":
+        v[:, 0] = 1.0
+    else:
+        v[:, prefix:] = 1.0 / (n - prefix)
+    row = v
+    for a in reversed(attention):  # docs/methods.md: rownorm(0.5 mean_h A + 0.5 I), readout row pushed through
+        hat = 0.5 * a.mean(1) + 0.5 * torch.eye(n)
+        row = torch.bmm(row.unsqueeze(1), hat / hat.sum(-1, keepdim=True)).squeeze(1)
+    want_rollout = row[:, prefix:].reshape(3, *grid)
+    want_raw = torch.bmm(v.unsqueeze(1), attention[-1].mean(1)).squeeze(1)[:, prefix:].reshape(3, *grid)
+    # measured 1e-7 relative (float32 rounding); 1e-5 of the map's max
+    torch.testing.assert_close(rollout.maps, want_rollout, atol=1e-5 * float(want_rollout.abs().max()), rtol=0)
+    torch.testing.assert_close(raw.maps, want_raw, atol=1e-5 * float(want_raw.abs().max()), rtol=0)
+    one = ex.explain(x[1:2], method="rollout").maps
+    torch.testing.assert_close(one[0], rollout.maps[1], atol=1e-5 * float(rollout.maps[1].abs().max()), rtol=0)
