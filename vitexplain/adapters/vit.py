@@ -172,12 +172,34 @@ class TimmViTAdapter(ViTAdapter):
                     f"its attention-pooling head returns its {getattr(attn_pool, 'latent_len', '?')} latent queries "
                     f"unpooled (pool={getattr(attn_pool, 'pool', None)!r}): no one row of token weights is what the "
                     "output reads")
+        if pool == "" and isinstance(pool, str):
+            self.drop_readout_row(
+                "it is built with global_pool='' (no pooling): its output is every token (B, N, ...), so no one row "
+                "of token weights is what a score of it reads (raw, rollout, grad_rollout, generic and attention "
+                "Grad-CAM carry such a row through the attention; reading the class row would explain the class "
+                "token only); cdam and the token Grad-CAM read the gradient of your target through the model itself, "
+                "or build it with global_pool='token' or 'avg'")
         if pool in ("max", "avgmax"):
             why = (f"its head pools the tokens with global_pool={pool!r}: each channel reads its own token, so no "
                    "one row of token weights is what the head reads (raw, rollout, grad_rollout, generic and "
                    "attention Grad-CAM carry such a row through the attention); cdam and the token Grad-CAM read "
                    "the gradient through the head itself")
             self.drop_readout_row(why)
+        diff = [b for b in self.blocks if _is_diff_attention(getattr(model.get_submodule(b), "attn", None))]
+        if diff:
+            self.drop_readout_row(
+                f"its blocks use differential attention (timm DiffAttention, in {diff[0]!r}): each layer applies "
+                "softmax(q1 k1^T) - lambda softmax(q2 k2^T), signed and not one softmax, through two attention calls "
+                "of which no one is the attention applied to the values; cdam, the token Grad-CAM and the pixel "
+                "methods read the gradient through the model itself")
+        post = type(model.get_submodule(self.blocks[-1]))
+        if any(_timm_class(post, module, name) for module, name in _POST_NORM_BLOCKS):
+            why = (f"its blocks ({post.__name__}) normalise the attention's output (x + norm1(attn(x))): no norm's "
+                   "output is the tokens entering the last attention, and norm1's input is not the residual stream, "
+                   "so CDAM and the token Grad-CAM have no tokens to read; use 'generic', 'rollout', 'legrad' or "
+                   "'integrated_gradients'")
+            self._drop("tokens", why)
+            self._drop("tail", why)
 
     def layout(self, input_size: tuple[int, int]) -> TokenLayout:
         return _timm_layout(self.model, pair(input_size))
@@ -285,8 +307,19 @@ class TorchvisionViTAdapter(ViTAdapter):
         return dict(input_size=(size, size), mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225), crop_pct=224 / 256, interpolation="bilinear")
 
 
-def _timm_class(model: nn.Module, module: str, name: str) -> bool:
-    cls = type(model)
+#: timm blocks that compute x + norm1(attn(x)) (res-post-norm): their norm1 does not feed the attention
+_POST_NORM_BLOCKS = (("vision_transformer", "ResPostBlock"), ("vision_transformer_relpos", "ResPostRelPosBlock"),
+                     ("eva", "EvaBlockPostNorm"))
+
+
+def _is_diff_attention(module: Any) -> bool:
+    """Whether ``module`` is timm's differential attention (two softmaxes, their weighted difference applied)."""
+    return any(c.__module__ == "timm.layers.diff_attention" and c.__name__ == "DiffAttention"
+               for c in type(module).__mro__)
+
+
+def _timm_class(model: Any, module: str, name: str) -> bool:
+    cls = model if isinstance(model, type) else type(model)
     return any(c.__module__ == f"timm.models.{module}" and c.__name__ == name for c in cls.__mro__)
 
 
