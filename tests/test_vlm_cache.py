@@ -63,25 +63,32 @@ def _check_against_oracle(name, model, proc, images, explained, answers):
             torch.testing.assert_close(got[:n], want[:n], atol=1e-5, rtol=1e-4, msg=lambda m: f"{e.method}: {m}")
 
 
+def _greedy_under_config(name: str, max_len: int, **settings) -> None:
+    """explain_caption of the tiny ``name`` VLM whose generation config holds ``settings``: its answers are the model's
+    greedy ones (found without them), its maps equal the eager oracle's, and the config is left as set."""
+    model, proc = getattr(helpers, name)()
+    images = helpers.images(0)
+    want = _greedy(name, model, proc, images, PROMPTS, max_len)
+    saved = _with_config(model, **settings)
+    try:
+        before = model.generation_config.to_json_string()
+        got = vx.Explainer(model, processor=proc).explain_caption(images, prompt=PROMPTS, method=METHODS,
+                                                                  max_len=max_len)
+        assert model.generation_config.to_json_string() == before
+    finally:
+        model.generation_config = saved
+    answers = [got[0].ids[b, : len(t)].tolist() for b, t in enumerate(got[0].tokens)]
+    assert answers == want and all(answers)
+    _check_against_oracle(name, model, proc, images, got, answers)
+
+
 @pytest.mark.parametrize("cache", ["static", "sliding_window"])
 def test_paligemma2_with_a_static_cache_in_its_generation_config_is_explained(cache):
     """PaliGemma 2 (a Gemma 2 LM with sliding-window layers) whose generation config asks for a static cache: generate
     builds one mask per layer type, which PaliGemma's forward reads as a tensor, so explain_caption raised a raw
     AttributeError ("'dict' object has no attribute 'ndim'"). The answer is found with the default cache: it is the
     model's greedy answer, the maps equal the eager oracle's, and the user's config is left as set."""
-    model, proc = helpers.paligemma2()
-    images = helpers.images(0)
-    want = _greedy("paligemma2", model, proc, images, PROMPTS, 4)
-    saved = _with_config(model, cache_implementation=cache)
-    try:
-        before = model.generation_config.to_json_string()
-        got = vx.Explainer(model, processor=proc).explain_caption(images, prompt=PROMPTS, method=METHODS, max_len=4)
-        assert model.generation_config.to_json_string() == before
-    finally:
-        model.generation_config = saved
-    answers = [got[0].ids[b, : len(t)].tolist() for b, t in enumerate(got[0].tokens)]
-    assert answers == want and all(answers)
-    _check_against_oracle("paligemma2", model, proc, images, got, answers)
+    _greedy_under_config("paligemma2", 4, cache_implementation=cache)
 
 
 @pytest.mark.parametrize("cache", ["quantized", "offloaded", "offloaded_static"])
@@ -89,17 +96,7 @@ def test_other_caches_in_the_generation_config_give_the_greedy_answer(cache):
     """A quantized cache raised a raw ImportError (optimum-quanto), an offloaded one a CUDA error on a CPU machine read
     as "cannot read an image size": the answer is now the model's greedy answer with its default cache, and the maps
     equal the eager oracle's."""
-    model, proc = helpers.llava()
-    images = helpers.images(0)
-    want = _greedy("llava", model, proc, images, PROMPTS, 3)
-    saved = _with_config(model, cache_implementation=cache)
-    try:
-        got = vx.Explainer(model, processor=proc).explain_caption(images, prompt=PROMPTS, method=METHODS, max_len=3)
-    finally:
-        model.generation_config = saved
-    answers = [got[0].ids[b, : len(t)].tolist() for b, t in enumerate(got[0].tokens)]
-    assert answers == want and all(answers)
-    _check_against_oracle("llava", model, proc, images, got, answers)
+    _greedy_under_config("llava", 3, cache_implementation=cache)
 
 
 @pytest.mark.parametrize("setting", [dict(prompt_lookup_num_tokens=2), dict(penalty_alpha=0.6, top_k=4),
@@ -113,19 +110,7 @@ def test_a_generation_config_that_asks_for_another_decoding_gives_the_greedy_ans
     (which validates the model's config, merged in, before vitexplain's ``num_return_sequences=1`` applies) as a
     generation-config error. Now the answer is the greedy one
     (as with num_beams or do_sample in the config), the maps equal the eager oracle's, and the config is left as set."""
-    model, proc = helpers.llava()
-    images = helpers.images(0)
-    want = _greedy("llava", model, proc, images, PROMPTS, 3)
-    saved = _with_config(model, **setting)
-    try:
-        before = model.generation_config.to_json_string()
-        got = vx.Explainer(model, processor=proc).explain_caption(images, prompt=PROMPTS, method=METHODS, max_len=3)
-        assert model.generation_config.to_json_string() == before
-    finally:
-        model.generation_config = saved
-    answers = [got[0].ids[b, : len(t)].tolist() for b, t in enumerate(got[0].tokens)]
-    assert answers == want and all(answers)
-    _check_against_oracle("llava", model, proc, images, got, answers)
+    _greedy_under_config("llava", 3, **setting)
 
 
 def test_a_generation_config_with_forced_words_is_refused_saying_what_to_do():
