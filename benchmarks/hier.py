@@ -119,7 +119,7 @@ def attention_sizes(model: nn.Module, x: torch.Tensor) -> tuple[int, int, int]:
     return own, fine, len(records)
 
 
-class _SdpaCalls(TorchFunctionMode):
+class SdpaCalls(TorchFunctionMode):
     """Notes the arguments of every ``F.scaled_dot_product_attention`` call made under it (this script's own
     spy: no vitexplain machinery)."""
 
@@ -142,7 +142,7 @@ def exact_probabilities_cost(model: nn.Module, x: torch.Tensor, rounds: int = 7)
     uses a faster, approximate exp on CPU and never writes P). Nothing of the capture (mode, records, plan,
     propagation) is in it: it is the least an exact rollout that keeps the probabilities adds to a forward.
     Calls it cannot compute eagerly (e.g. with dropout) count 0; models with eager attention (Swin) have none."""
-    spy = _SdpaCalls()
+    spy = SdpaCalls()
     with torch.no_grad(), spy:
         model(x)
     extra = 0.0
@@ -156,20 +156,26 @@ def exact_probabilities_cost(model: nn.Module, x: torch.Tensor, rounds: int = 7)
             "fused": lambda: F.scaled_dot_product_attention(*args, **kwargs),
             "exact": lambda: attention_with_probs(q, k, v, attn_mask=mask, scale=scale, is_causal=causal),
         }
-        with torch.no_grad():
-            # enough repetitions per timing that one lasts ~5 ms (a single short call is below the clock's grain)
-            start = time.process_time()
-            runs["fused"]()
-            reps = max(1, math.ceil(5e-3 / max(time.process_time() - start, 1e-6)))
-            best = {name: math.inf for name in runs}
-            for _ in range(rounds):
-                for name, fn in runs.items():
-                    start = time.process_time()
-                    for _ in range(reps):
-                        fn()
-                    best[name] = min(best[name], (time.process_time() - start) / reps)
+        best = best_times(runs, rounds)
         extra += best["exact"] - best["fused"]
     return extra
+
+
+def best_times(runs: dict[str, Callable[[], object]], rounds: int = 7) -> dict[str, float]:
+    """The fastest CPU time (s) of each of ``runs`` (short calls: each timing repeats a call enough times to last
+    about 5 ms, a single one being below the clock's grain), over ``rounds`` interleaved rounds, without grad."""
+    with torch.no_grad():
+        start = time.process_time()
+        next(iter(runs.values()))()
+        reps = max(1, math.ceil(5e-3 / max(time.process_time() - start, 1e-6)))
+        best = {name: math.inf for name in runs}
+        for _ in range(rounds):
+            for name, fn in runs.items():
+                start = time.process_time()
+                for _ in range(reps):
+                    fn()
+                best[name] = min(best[name], (time.process_time() - start) / reps)
+    return best
 
 
 def models(sam_size: int, batch: int) -> list[tuple[str, Callable[[], nn.Module], tuple[int, int], int]]:
