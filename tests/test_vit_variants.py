@@ -79,6 +79,35 @@ def test_differential_attention_refuses_the_attention_methods_and_runs_the_gradi
         assert maps.shape == (2, 4, 4) and bool(torch.isfinite(maps).all()) and float(maps.std()) > 0
 
 
+class _TwoCalls(torch.nn.Module):
+    """A block attention run twice, on the tokens and on them reversed, averaged: two attention calls per block."""
+
+    def __init__(self, attn: torch.nn.Module) -> None:
+        super().__init__()
+        self.attn = attn
+
+    def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        return 0.5 * (self.attn(x, **kwargs) + self.attn(x.flip(1), **kwargs).flip(1))
+
+
+def test_a_block_with_two_attention_calls_refuses_the_per_block_attention_methods():
+    # no model-specific rule knows such a block: the per-block methods read the block's last call as "the"
+    # attention (the reversed pass here) and returned maps without a word
+    from timm.models.vision_transformer import VisionTransformer
+
+    torch.manual_seed(0)
+    model = VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=5).eval()
+    for block in model.blocks:
+        block.attn = _TwoCalls(block.attn)
+    ex = vx.Explainer(model)
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    for method in ("raw", "rollout", "generic", "legrad"):
+        with pytest.raises(UnsupportedMethodError, match="issued 2 self-attention calls in one forward"):
+            ex.explain(x, method=method, **CHEAP.get(method, {}))
+    maps = ex.explain(x, method="gradcam").maps
+    assert maps.shape == (2, 4, 4) and bool(torch.isfinite(maps).all())
+
+
 @pytest.mark.parametrize("name", ["vit", "eva"])
 def test_an_unpooled_timm_vit_refuses_the_readout_row_methods(name):
     # global_pool='' with num_classes=0 (timm's idiom for dense features) returns every token; the plan listed raw,

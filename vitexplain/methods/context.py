@@ -218,8 +218,8 @@ class Context:
     def layers(self, start: int = 0) -> list[AttentionRecord]:
         """The self-attention records of the model's blocks, input side first, from block ``start``.
 
-        One record per block from the last forward; a clear error when the blocks did not
-        issue exactly one self-attention each, the sequence does not fit the layout, or
+        One record per block from the last forward; a clear error when a block did not
+        issue exactly one self-attention call in it, the sequence does not fit the layout, or
         ``start`` (the ``start_layer`` option) is not a block of this model.
         """
         blocks = getattr(self.adapter, "blocks", None) or []
@@ -233,7 +233,17 @@ class Context:
                         f"block {block!r} issued no attention call during the forward; "
                         f"method {self.method!r} needs one per block"
                     )
-                by_block.append(inside[-1])
+                last = max(r.forward_index for r in inside)
+                inside = [r for r in inside if r.forward_index == last]
+                if len(inside) > 1:  # (a parallel-branch or differential block: which call is "the" layer?)
+                    raise UnsupportedMethodError(
+                        f"block {block!r} issued {len(inside)} self-attention calls in one forward "
+                        f"({', '.join(sorted({r.name for r in inside}))}); method {self.method!r} reads one "
+                        f"attention matrix per block and cannot tell how this block combines them. Use a "
+                        f"gradient method (e.g. 'gradcam'), or capture the calls with vx.capture(model) and "
+                        f"combine them yourself"
+                    )
+                by_block.append(inside[0])
             records = by_block
         layout = self.require_grid(rollout=True)
         for record in records:
