@@ -90,3 +90,21 @@ def test_git_cross_and_generic_match_eager_oracle(model):
         for i, n in enumerate(lengths):
             if word < n:
                 torch.testing.assert_close(forced["cross_generic"].maps[i, word], expected[i], atol=1e-6, rtol=1e-4)
+
+
+def test_a_generation_setting_git_cannot_take_is_refused_with_advice_that_works(model):
+    """Bug: the advice named ``GenerationConfig(decoder_start_token_id=...)``, which a decoder-only GIT does not read
+    (its generate starts from ``bos_token_id``; a config with only the former cannot generate). Oracle of the
+    advice: the model's own generate under the advised config, and the caption explained under it."""
+    broken = copy.deepcopy(model)
+    broken.generation_config.forced_eos_token_id = 10**6  # outside the vocabulary: generate raises IndexError
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(3))
+    ex = vx.Explainer(broken)
+    with pytest.raises(vx.UnsupportedModelError, match=r"could not generate a caption \(IndexError: .*"
+                                                      r"GenerationConfig\(bos_token_id=\.\.\., eos_token_id"):
+        ex.explain_caption(x, method="cross", max_len=3)
+    broken.generation_config = transformers.GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    with torch.no_grad():
+        want = broken.generate(pixel_values=x, max_new_tokens=3, do_sample=False)[:, 1:]
+    got = ex.explain_caption(x, method="cross", max_len=3)
+    assert got.ids.tolist() == want.tolist()

@@ -133,6 +133,8 @@ class CaptionAdapter(Adapter):
     encoder_prefix: str = "encoder"
     #: the decoder runs one self-attention over [image tokens, text tokens] (GIT)
     joint: bool = False
+    #: the generation setting that holds the token a caption starts from (named in the advice on errors)
+    start_setting: str = "decoder_start_token_id"
 
     def __init__(self, model: nn.Module, tokenizer: Any = None) -> None:
         super().__init__(model)
@@ -199,7 +201,7 @@ class CaptionAdapter(Adapter):
             if generating:
                 return (what + f"Either {model}.generation_config (the checkpoint's or yours) holds a setting its "
                         "generate cannot take: check the one named here, or start from the defaults, "
-                        "model.generation_config = GenerationConfig(decoder_start_token_id=..., eos_token_id=..., "
+                        f"model.generation_config = GenerationConfig({self.start_setting}=..., eos_token_id=..., "
                         "pad_token_id=...), and where the error is in the decoder's KV cache set "
                         "model.generation_config.use_cache = False; or the model itself does not run as built (see its "
                         "message). A caption given as caption=... is explained without generating")

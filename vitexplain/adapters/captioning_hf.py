@@ -280,6 +280,7 @@ class GitCaptionAdapter(CaptionAdapter):
 
     encoder_prefix = "git.image_encoder"
     joint = True
+    start_setting = "bos_token_id"  # (a decoder-only model: captions start from its bos token)
 
     def with_image_processor(self, processor: Any) -> "GitCaptionAdapter":
         """A copy that preprocesses images as ``processor`` (a Hugging Face image processor, or a processor holding
