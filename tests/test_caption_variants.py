@@ -227,3 +227,19 @@ def test_a_vit_mae_encoder_is_listed_with_no_caption_method_and_says_why(mask_ra
     for method in ("cross", "cross_generic"):
         with pytest.raises(vx.UnsupportedMethodError, match=why):
             ex.explain_caption(x, method=method, max_len=3)
+
+
+def test_the_batch_probe_of_a_decoder_that_cannot_run_says_what_to_do():
+    """Bug: ``vitexplain caption``'s probe of the next-word scores (before any file) ran the teacher-forced forward
+    outside the clear-error rule: X-MOD without a language raised transformers' raw ValueError there. Oracle of the
+    premise: the model's own forward raises it."""
+    from vitexplain.batch.checks import check_captioner_outputs
+
+    model = _vit_decoder("XmodConfig")
+    with pytest.raises(ValueError):
+        model(pixel_values=torch.zeros(1, 3, 32, 32), decoder_input_ids=torch.tensor([[0, 2]]))
+    adapter = vx.Explainer(model).adapter
+    with pytest.raises(vx.UnsupportedModelError, match=r"could not run on the caption \(ValueError: .*set_default_language"):
+        check_captioner_outputs(adapter, torch.device("cpu"), None, (32, 32))
+    model.decoder.set_default_language("en_XX")  # what the message advises: the probe then passes
+    check_captioner_outputs(adapter, torch.device("cpu"), None, (32, 32))

@@ -9,13 +9,13 @@ teacher-forced forward (with gradients when the method needs them) -> the method
 from __future__ import annotations
 
 import warnings
-from contextlib import nullcontext
-from typing import Any, ContextManager
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .adapters.captioning import model_runs_of
 from .checks import check_finite_maps, check_gradients_allowed, check_not_underflowed, model_dtype
 from .errors import UsageError
 from .plan import Plan, capture_settings
@@ -47,7 +47,7 @@ def explain_captioner(adapter: Any, plan: Plan, x: Tensor, regions: Any, sources
     if caption is None:
         if positions is not None:  # the last word is never fed back: max_len words take max_len positions
             max_len = min(max_len, positions)
-        with torch.no_grad(), capture(model) as generated, _model_runs(adapter, generating=True):
+        with torch.no_grad(), capture(model) as generated, model_runs_of(adapter, generating=True):
             ids = run_sized(adapter, x, lambda: adapter.generate(x, max_len))
     else:
         ids = caption_ids(adapter, caption, x.shape[0], x.device)
@@ -66,14 +66,14 @@ def explain_captioner(adapter: Any, plan: Plan, x: Tensor, regions: Any, sources
             x_in = x.detach().clone().requires_grad_(True)
             with torch.enable_grad(), embeddings_in_graph(model), \
                     capture(model, grads=True, attention_mode=settings.attention_mode, heads=settings.heads) as rec, \
-                    _model_runs(adapter):
+                    model_runs_of(adapter):
                 # (the caption's embeddings in the graph: frozen weights)
                 logits = run_sized(adapter, x, lambda: adapter.teacher_forced(x_in, ids))
             ctx = context(adapter, x_in, ids, rec, layout, True, logits, step.name)
         elif generated is not None:
             ctx = context(adapter, x, ids, generated, layout, False, None, step.name)
         else:
-            with torch.no_grad(), capture(model) as rec, _model_runs(adapter):
+            with torch.no_grad(), capture(model) as rec, model_runs_of(adapter):
                 run_sized(adapter, x, lambda: adapter.teacher_forced(x, ids))
             ctx = context(adapter, x, ids, rec, layout, True, None, step.name)
         with torch.set_grad_enabled(step.spec.grads or torch.is_grad_enabled()):  # (also under the caller's no_grad)
@@ -103,11 +103,6 @@ def explain_captioner(adapter: Any, plan: Plan, x: Tensor, regions: Any, sources
     return results
 
 
-def _model_runs(adapter: Any, generating: bool = False) -> ContextManager[None]:
-    """The adapter's :meth:`~vitexplain.adapters.captioning.CaptionAdapter.model_runs` (errors inside transformers as
-    UnsupportedModelErrors), or nothing for an adapter of the user's own that does not subclass CaptionAdapter."""
-    runs = getattr(adapter, "model_runs", None)
-    return runs(generating) if callable(runs) else nullcontext()
 
 
 def caption_ids(adapter: Any, caption: Any, batch: int, device: torch.device) -> Tensor:

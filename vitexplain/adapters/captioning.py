@@ -14,8 +14,8 @@ module with the same attributes); Hugging Face's captioners (``VisionEncoderDeco
 from __future__ import annotations
 
 import copy
-from contextlib import contextmanager
-from typing import Any, Iterator, Optional, Sequence
+from contextlib import contextmanager, nullcontext
+from typing import Any, ContextManager, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -26,7 +26,7 @@ from .base import Adapter, find_layout_module, register_adapter
 from .library_errors import library_errors
 from ..errors import UnsupportedModelError, UsageError
 
-__all__ = ["CaptionAdapter", "ZooCaptionAdapter", "TransformerDecoderCaptioner", "TorchDecoderCaptionAdapter", "IDS_ONLY",
+__all__ = ["model_runs_of", "CaptionAdapter", "ZooCaptionAdapter", "TransformerDecoderCaptioner", "TorchDecoderCaptionAdapter", "IDS_ONLY",
            "ids_only", "greedy_kwargs", "DEFAULT_CACHES", "NOT_GREEDY"]
 
 #: Hugging Face ``model.generate`` keyword arguments that make it return the (B, T) ids tensor, one answer per input,
@@ -418,3 +418,10 @@ def _detect_torch_decoder(model: nn.Module) -> Optional[Adapter]:
     if isinstance(getattr(model, "decoder", None), nn.TransformerDecoder) and hasattr(model, "encoder") and hasattr(model, "start_id"):
         return TorchDecoderCaptionAdapter(model)
     return None
+
+
+def model_runs_of(adapter: Any, generating: bool = False) -> ContextManager[None]:
+    """The adapter's :meth:`~vitexplain.adapters.captioning.CaptionAdapter.model_runs` (errors inside transformers as
+    UnsupportedModelErrors), or nothing for an adapter of the user's own that does not subclass CaptionAdapter."""
+    runs = getattr(adapter, "model_runs", None)
+    return runs(generating) if callable(runs) else nullcontext()

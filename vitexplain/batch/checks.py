@@ -73,13 +73,14 @@ def check_captioner_outputs(adapter: Any, device: Any, autocast_dtype: Any, inpu
     """
     import torch
 
+    from ..adapters.captioning import model_runs_of
     from ..errors import UsageError
     from .distributed import autocast
 
     h, w = (int(v) for v in input_size)
     x = torch.zeros(1, 3, h, w, device=device)
     ids = torch.full((1, 1), int(adapter.end_id), dtype=torch.long, device=device)  # the first word's scores
-    with torch.no_grad(), autocast(autocast_dtype):
+    with torch.no_grad(), autocast(autocast_dtype), model_runs_of(adapter):  # (errors inside transformers: clear)
         scores = adapter.teacher_forced(x, ids)
     if isinstance(scores, torch.Tensor) and not bool(torch.isfinite(scores).all()):
         raise UsageError(

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from ..errors import CaptureError
 from ..adapters import find_layout_module
+from ..adapters.captioning import model_runs_of
 from ..plan import Plan
 from ..recording import capture
 from .attention import attention_views, prefix_labels
@@ -48,7 +49,7 @@ def caption_data(explainer: Any, plan: Plan, x: Tensor, *, max_len: int, attenti
     if layout.windowed:
         notes.append("windowed attention (Swin-style) in the image encoder: no attention views")
         return out
-    with torch.no_grad(), capture(explainer.model) as rec:
+    with torch.no_grad(), capture(explainer.model) as rec, model_runs_of(adapter):
         adapter.teacher_forced(x, ids)
     layers = adapter.encoder_records(rec.records)
     if not layers:
