@@ -457,6 +457,7 @@ def rows() -> list[Row]:
         Row("timm EVA (rope)", "ViT", _timm_class("eva", "Eva", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=5, use_rot_pos_emb=True), s32, "tests/test_methods.py"),
         Row("timm BEiT", "ViT", _timm_class("beit", "Beit", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=5), s32, "tests/test_methods.py"),
         Row("timm ViT rel-pos (vit_relpos)", "ViT", _timm_class("vision_transformer_relpos", "VisionTransformerRelPos", **_VIT), s32, "tests/test_readout.py (avg-pool readout)"),
+        Row("timm NaFlexViT (SigLIP 2 NaFlex / RADIO backbone, on image tensors; registers)", "ViT", lambda: _timm("naflexvit_base_patch16_gap", patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=5), s32, "tests/test_vit_variants.py"),
         Row("timm CaiT", "ViT", _timm_class("cait", "Cait", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, depth_token_only=2, num_classes=5), s32, _TIMM_TEST),
         Row("timm XCiT", "ViT", _timm_class("xcit", "Xcit", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, cls_attn_layers=2, num_classes=5), s32, _TIMM_TEST),
         Row("timm ConViT", "ViT", _timm_class("convit", "ConVit", img_size=32, patch_size=8, embed_dim=16, depth=3, num_heads=2, local_up_to_layer=2, num_classes=5), s32, _TIMM_TEST),

@@ -184,6 +184,11 @@ ORACLE_CASES = {
     "vitamin (conv stem)": (lambda: __import__("timm").create_model("vitamin_small_224", pretrained=False, img_size=64,
                                                                    num_classes=5), (64, 64), "mean"),
     "HF BEiT relative position bias": (_hf_beit, (32, 32), "class"),
+    # NaFlexViT (SigLIP 2 NaFlex, RADIO) on image tensors: class and register tokens in its embedding, any size
+    "naflexvit registers, mean, 40x56": (_timm("naflexvit_base_patch16_gap", patch_size=8), (40, 56), "mean"),
+    "naflexvit class + registers (radio)": (_timm("naflexvit_base_patch16_radio_v3", patch_size=8), (48, 32), "class"),
+    "naflexvit factorized position embedding": (_timm("naflexvit_base_patch16_parfac_gap", patch_size=8), (32, 32),
+                                                "mean"),
 }
 
 
@@ -246,3 +251,15 @@ def test_rollout_and_raw_equal_the_rollout_of_the_models_eager_attention(name):
     torch.testing.assert_close(raw.maps, want_raw, atol=1e-5 * float(want_raw.abs().max()), rtol=0)
     one = ex.explain(x[1:2], method="rollout").maps
     torch.testing.assert_close(one[0], rollout.maps[1], atol=1e-5 * float(rollout.maps[1].abs().max()), rtol=0)
+
+
+def test_naflexvit_refuses_a_size_its_patch_does_not_divide_saying_which_sizes_it_takes():
+    # the model's own reshape fails inside its embedding (a RuntimeError about a shape); the API gave it raw
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model("naflexvit_base_patch16_gap", pretrained=False, patch_size=8, **_TINY).eval()
+    with pytest.raises(RuntimeError):
+        model(torch.zeros(1, 3, 30, 36))
+    with pytest.raises(vx.InputError, match="patch size 8x8 must divide the input: .* e.g. 24x32"):
+        vx.Explainer(model).explain(torch.randn(1, 3, 30, 36), method="rollout")

@@ -340,7 +340,7 @@ def adapter_for(model: nn.Module) -> Adapter:
         raise UnsupportedModelError(wrapped)
     raise UnsupportedModelError(
         f"vitexplain does not know how to explain {type(model).__name__}. Supported: timm "
-        "ViT/DeiT/EVA/BEiT/CaiT/XCiT/ConViT, torchvision VisionTransformer, Hugging Face "
+        "ViT/DeiT/EVA/BEiT/CaiT/XCiT/ConViT/NaFlexViT (image tensors), torchvision VisionTransformer, Hugging Face "
         "ViT/DeiT/DINOv2/DINOv3/BEiT/ViT-MSN/I-JEPA/CLIP/MetaCLIP 2/SigLIP/AIMv2 (classifiers and headless backbones), "
         "OpenCLIP image towers and CLIP models, windowed and hierarchical ViTs (Swin, SwinV2, PVTv2, Twins, SegFormer, "
         "SAM, Hiera, MViTv2, PiT, LeViT, MaxViT, CrossViT, TNT), CNNs and "

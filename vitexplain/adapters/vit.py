@@ -1,4 +1,4 @@
-"""Adapters for ViTs: timm (ViT, DeiT, EVA, BEiT, CaiT, XCiT, ConViT, ...) and torchvision.
+"""Adapters for ViTs: timm (ViT, DeiT, EVA, BEiT, CaiT, XCiT, ConViT, NaFlexViT on image tensors, ...) and torchvision.
 
 Each adapter owns its model's token layout, names the blocks whose token attention the
 attention methods read and the norm whose output T enters the last token attention (CDAM,
@@ -36,7 +36,7 @@ from ..recording.activations import ActivationRecord
 from ..methods.families import VIT
 from .base import Adapter, register_adapter
 
-__all__ = ["ViTAdapter", "TimmViTAdapter", "CaitAdapter", "XcitAdapter", "ConvitAdapter", "TorchvisionViTAdapter"]
+__all__ = ["ViTAdapter", "TimmViTAdapter", "NaFlexViTAdapter", "CaitAdapter", "XcitAdapter", "ConvitAdapter", "TorchvisionViTAdapter"]
 
 _FULL = frozenset({"grid", "tokens", "attention", "rollout", "tail", "head", "pixels", "lrp"})
 
@@ -125,14 +125,24 @@ class ViTAdapter(Adapter):
 
 
 # -- timm -------------------------------------------------------------------------------------
+def _patch_embed(model: nn.Module) -> nn.Module:
+    """The patch embedding of a timm ViT: ``patch_embed``, or NaFlexViT's ``embeds`` (which also holds the class
+    and register tokens and adds the position embedding)."""
+    embed = getattr(model, "patch_embed", None)
+    return embed if embed is not None else model.embeds
+
+
 def _timm_layout(model: nn.Module, size: tuple[int, int]) -> TokenLayout:
-    embed = model.patch_embed
+    embed = _patch_embed(model)
     patch = pair(embed.patch_size)
     if hasattr(embed, "dynamic_feat_size"):
         grid = tuple(embed.dynamic_feat_size(size))
+    elif getattr(embed, "dynamic_img_pad", False):  # (NaFlexViT pads the image up to whole patches)
+        grid = (-(-size[0] // patch[0]), -(-size[1] // patch[1]))
     else:
         grid = (size[0] // patch[0], size[1] // patch[1])
-    has_cls = getattr(model, "cls_token", None) is not None
+    owner = model if hasattr(model, "patch_embed") else embed  # (NaFlexViT's class token is its embedding's)
+    has_cls = getattr(owner, "cls_token", None) is not None
     pool = getattr(model, "global_pool", "token")
     if pool in ("map", "prr") and getattr(model, "attn_pool", None) is not None:
         readout = "pool"  # SigLIP's MAP head (PRR's self-attention): its query's attention row is what the head reads
@@ -209,12 +219,28 @@ class TimmViTAdapter(ViTAdapter):
 
     def preprocess_kwargs(self) -> dict[str, Any]:
         kwargs = super().preprocess_kwargs()
-        embed = self.model.patch_embed
+        embed = _patch_embed(self.model)
         fixed = getattr(embed, "img_size", None) and not getattr(self.model, "dynamic_img_size", False)
         if fixed and tuple(pair(embed.img_size)) != tuple(kwargs["input_size"]):
             # built without a config, or with another img_size than its config's
             kwargs["input_size"] = tuple(pair(embed.img_size))
         return kwargs
+
+
+class NaFlexViTAdapter(TimmViTAdapter):
+    """timm NaFlexVit on (B, C, H, W) images: the class and register tokens live in its ``embeds`` (before the
+    patches), the position embedding is resized to any grid; its dictionary input (patches and coordinates) is not
+    read."""
+
+    def size_refusal(self, x: Tensor) -> Optional[str]:
+        """Why the model does not take the size of ``x``: its patch must divide the image (unless it pads), else None."""
+        embed = self.model.embeds
+        patch = pair(embed.patch_size)
+        h, w = (int(v) for v in x.shape[-2:])
+        if getattr(embed, "dynamic_img_pad", False) or (h % patch[0] == 0 and w % patch[1] == 0):
+            return None
+        return (f"its patch size {patch[0]}x{patch[1]} must divide the input: resize or crop it to a multiple, e.g. "
+                f"{max(patch[0], h // patch[0] * patch[0])}x{max(patch[1], w // patch[1] * patch[1])}")
 
 
 class CaitAdapter(TimmViTAdapter):
@@ -329,7 +355,8 @@ def _detect_timm(model: nn.Module) -> Optional[Adapter]:
         isinstance(getattr(model, "blocks", None), (nn.Sequential, nn.ModuleList))
         and hasattr(model, "num_prefix_tokens")
         and hasattr(model, "forward_head")
-        and hasattr(getattr(model, "patch_embed", None), "patch_size")
+        and (hasattr(getattr(model, "patch_embed", None), "patch_size")
+             or (_timm_class(model, "naflexvit", "NaFlexVit") and hasattr(getattr(model, "embeds", None), "patch_size")))
     ):
         return None
     if _timm_class(model, "cait", "Cait"):
@@ -341,7 +368,7 @@ def _detect_timm(model: nn.Module) -> Optional[Adapter]:
     if "swin" in type(model).__name__.lower():
         return None  # windowed attention: adapters/swin.py
     if all(hasattr(b, "norm1") for b in model.blocks):
-        return TimmViTAdapter(model)
+        return NaFlexViTAdapter(model) if _timm_class(model, "naflexvit", "NaFlexVit") else TimmViTAdapter(model)
     return None
 
 
