@@ -276,8 +276,8 @@ def road(
     images = check_images(images)
     B, C, H, W = images.shape
     maps = check_maps(maps, batch=B).to(images.device)
-    check_positive_int(batch_size, "batch_size")
-    check_seed(seed)
+    batch_size = check_positive_int(batch_size, "batch_size")
+    seed = check_seed(seed)
     frac = _check_fractions(fractions)
     counts = torch.floor(frac * (H * W) + 1e-9).long()  # pixels removed at each fraction (the paper: int(p * N))
     run = _scorer(model, score, "road")

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..errors import UsageError
-from .validation import ArrayLike, Size2, check_maps, check_masks, exact_dtype, size2
+from .validation import ArrayLike, Size2, check_maps, check_masks, exact_dtype, real, size2, whole
 
 __all__ = [
     "TOLERANCE_AT_224",
@@ -78,9 +78,13 @@ def upsample_maps(maps: ArrayLike, size: Size2) -> Tensor:
 
 
 def _check_rtol(rtol: float) -> float:
-    if not (isinstance(rtol, (int, float)) and 0 <= rtol < 1):
+    try:
+        value = real(rtol, "rtol")
+    except UsageError:
+        value = math.nan
+    if not 0 <= value < 1:
         raise UsageError(f"rtol must be a number in [0, 1) (a fraction of the map's range), got {rtol!r}")
-    return float(rtol)
+    return value
 
 
 def peak_locations(maps: ArrayLike, size: Size2, *, rtol: float = PEAK_RTOL) -> Tensor:
@@ -301,6 +305,10 @@ def top_k_intersection(maps: ArrayLike, masks: ArrayLike, k: int) -> Tensor:
     maps = check_maps(maps)
     masks = check_masks(masks, batch=maps.shape[0]).to(maps.device)
     n = masks.shape[1] * masks.shape[2]
+    try:
+        k = whole(k, "k")
+    except UsageError:
+        pass  # (the message below says the range)
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n:
         raise UsageError(f"k must be an int in [1, {n}] (pixels at mask resolution), got {k!r}")
     counts = torch.full((maps.shape[0],), k, device=maps.device, dtype=torch.long)

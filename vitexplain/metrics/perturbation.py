@@ -21,7 +21,7 @@ from ..checks import training_layers
 from ..errors import NumericalError, TargetError, UsageError
 from ..targets import logits_of, resolve
 from .localisation import upsample_maps
-from .validation import ArrayLike, Size2, as_tensor, check_images, check_maps, check_positive_int, size2
+from .validation import ArrayLike, Size2, as_tensor, check_images, check_maps, check_positive_int, real, size2, whole
 
 __all__ = ["DeletionInsertionResult", "deletion_insertion", "deletion_auc", "insertion_auc"]
 
@@ -68,9 +68,12 @@ def _baseline_images(images: Tensor, baseline: Baseline, blur_sigma: Optional[fl
         elif baseline == "mean":
             out = images.mean(dim=(2, 3), keepdim=True).expand_as(images)
         elif baseline == "blur":
-            sigma = blur_sigma if blur_sigma is not None else max(images.shape[-2:]) / 16.0
+            try:  # (inf was an OverflowError: a kernel of infinite radius)
+                sigma = real(blur_sigma, "blur_sigma") if blur_sigma is not None else max(images.shape[-2:]) / 16.0
+            except UsageError:
+                sigma = math.nan
             if not sigma > 0:
-                raise UsageError(f"blur_sigma must be > 0, got {blur_sigma!r}")
+                raise UsageError(f"blur_sigma must be a finite number of pixels > 0, got {blur_sigma!r}")
             out = _gaussian_blur(images, float(sigma))
         else:
             raise UsageError(f"baseline must be 'blur', 'zero', 'mean', a tensor or a callable, got {baseline!r}")
@@ -83,6 +86,9 @@ def _baseline_images(images: Tensor, baseline: Baseline, blur_sigma: Optional[fl
         raise UsageError(
             f"baseline must broadcast to the images' shape {tuple(images.shape)}, got {tuple(out.shape)}"
         ) from None
+    if not bool(torch.isfinite(out).all()):  # (blamed on the model's logits before: "check the model's weights")
+        raise UsageError("the baseline images hold NaN or infinite values, so every perturbed input would too; pass a "
+                         "finite baseline ('blur', 'zero', 'mean', or a finite tensor / callable result)")
     return out
 
 
@@ -262,12 +268,16 @@ def deletion_insertion(
     images = check_images(images)
     B, _, H, W = images.shape
     maps = check_maps(maps, batch=B).to(images.device)
-    check_positive_int(batch_size, "batch_size")
+    batch_size = check_positive_int(batch_size, "batch_size")
     scores, labels = _patch_grid(maps, (H, W), patch)
     K = scores.shape[1]
     if steps is None:
         steps = K
-    if not (isinstance(steps, int) and 1 <= steps <= K):
+    try:
+        steps = whole(steps, "steps")
+    except UsageError:
+        pass  # (the message below says the range)
+    if not (isinstance(steps, int) and not isinstance(steps, bool) and 1 <= steps <= K):
         raise UsageError(f"steps must be an int in [1, {K}] (the number of patches), got {steps!r}")
     run = _scorer(model, score, "deletion_insertion")
 

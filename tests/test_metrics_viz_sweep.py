@@ -1,0 +1,102 @@
+"""A user's sweep of vx.metrics, vx.viz and saved explanations: arguments as users pass them (NumPy scalars,
+floats where whole pixels are meant, infinite or NaN settings), invariants on a model whose output is a known
+function of its pixels, the metrics on the zoo's plain and hierarchical models' maps, and comparisons with
+Quantus 0.6 where its definition is the paper's (references.md)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import vitexplain as vx
+from vitexplain import metrics as M
+from vitexplain.errors import UsageError
+
+
+class Linear(nn.Module):
+    """Logit 0 = sum of w * x over every pixel, logit 1 = 0: the score is a known function of the pixels."""
+
+    def __init__(self, w: torch.Tensor) -> None:
+        super().__init__()
+        self.w = nn.Parameter(w)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([(x * self.w).flatten(1).sum(1), torch.zeros(len(x), dtype=x.dtype)], 1)
+
+
+def _linear(h: int = 6, w: int = 10) -> tuple[Linear, torch.Tensor, torch.Tensor]:
+    weights = torch.rand(1, 1, h, w, generator=torch.Generator().manual_seed(0), dtype=torch.float64) + 0.01
+    return Linear(weights).eval(), torch.ones(2, 1, h, w, dtype=torch.float64), weights[0].expand(2, h, w)
+
+
+def _logit(z: torch.Tensor) -> torch.Tensor:
+    return z
+
+
+# --- arguments as users pass them ------------------------------------------------------------------------------
+
+
+def test_numpy_and_tensor_integers_are_whole_numbers_everywhere():
+    # np.int64 (from mask.sum(), np.arange, a config) was refused as "must be an int" by steps, k, bins,
+    # batch_size, samples and seed, while tolerance took NumPy numbers
+    model, x, maps = _linear()
+    want = M.deletion_auc(model, x, maps, 0, baseline="zero", score=_logit, steps=6, batch_size=5)
+    got = M.deletion_auc(model, x, maps, 0, baseline="zero", score=_logit, steps=np.int64(6), batch_size=np.int32(5))
+    assert torch.equal(got, want)
+    masks = torch.zeros(2, 6, 10, dtype=torch.bool)
+    masks[:, 1:4, 2:7] = True
+    assert torch.equal(M.top_k_intersection(maps, masks, np.int64(7)), M.top_k_intersection(maps, masks, 7))
+    assert torch.equal(M.top_k_intersection(maps, masks, masks[0].sum()), M.top_k_intersection(maps, masks, 15))
+    assert torch.equal(M.histogram_entropy(maps, bins=np.int64(10)), M.histogram_entropy(maps, bins=10))
+    assert torch.equal(M.pointing_game(maps, masks, rtol=np.float32(1e-5)), M.pointing_game(maps, masks))
+    fn = lambda images: images[:, 0] * 2  # noqa: E731 - a linear explanation
+    assert torch.equal(M.max_sensitivity(fn, x, samples=np.int64(3), seed=np.int64(1), radius=np.float32(0.5)),
+                       M.max_sensitivity(fn, x, samples=3, seed=1, radius=0.5))
+    # what is not a whole number stays refused, with the name in the message
+    for bad in (2.0, True, "6", None):
+        if bad is not None:  # (steps=None is every patch)
+            with pytest.raises(UsageError, match="steps"):
+                M.deletion_auc(model, x, maps, 0, steps=bad)
+        with pytest.raises(UsageError, match="k must"):
+            M.top_k_intersection(maps, masks, bad)
+
+
+def test_a_patch_or_size_that_is_not_whole_pixels_is_a_usage_error():
+    # patch=2.5 was a TypeError ("'float' object is not iterable"); size=(5.5, 6) was truncated to (5, 6)
+    model, x, maps = _linear()
+    with pytest.raises(UsageError, match="patch must be an int or a pair"):
+        M.deletion_auc(model, x, maps, 0, patch=2.5)
+    with pytest.raises(UsageError, match="size must be an int or a pair"):
+        M.upsample_maps(maps, (5.5, 6))
+    with pytest.raises(UsageError, match="size must be an int or a pair"):
+        M.default_tolerance("64")
+    assert M.upsample_maps(maps, (np.int64(12), 20)).shape == (2, 12, 20)
+    assert M.default_tolerance(np.int64(448)) == 30
+    assert torch.equal(M.deletion_auc(model, x, maps, 0, patch=(np.int64(2), 5), score=_logit),
+                       M.deletion_auc(model, x, maps, 0, patch=(2, 5), score=_logit))
+
+
+def test_an_infinite_blur_or_a_nan_baseline_is_named_as_such():
+    model, x, maps = _linear()
+    # blur_sigma=inf was an OverflowError (a kernel of infinite radius)
+    for sigma in (float("inf"), float("nan"), 0.0, -1.0):
+        with pytest.raises(UsageError, match="blur_sigma must be a finite number"):
+            M.deletion_auc(model, x, maps, 0, blur_sigma=sigma)
+    # a NaN baseline was reported as the model's NaN logits ("check the model's weights")
+    for baseline in (torch.full((1, 1, 1, 1), float("nan")), lambda images: images / 0.0):
+        with pytest.raises(UsageError, match="baseline images hold NaN or infinite"):
+            M.deletion_auc(model, x, maps, 0, baseline=baseline)
+
+
+def test_randomisation_seeds_and_init_std_are_checked():
+    # seed=0.5 was seeded as 0 (torch.manual_seed truncates), a negative init_std was torch's own error
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    with pytest.raises(UsageError, match="seed must be an int"):
+        M.randomized_copy(model, seed=0.5)
+    with pytest.raises(UsageError, match="init_std"):
+        M.randomization_check(model, lambda m: torch.rand(1, 2, 2), init_std=-1.0)
+    a = M.randomized_copy(model, seed=np.int64(3))
+    b = M.randomized_copy(model, seed=3)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
