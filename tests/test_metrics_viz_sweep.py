@@ -100,3 +100,63 @@ def test_randomisation_seeds_and_init_std_are_checked():
     a = M.randomized_copy(model, seed=np.int64(3))
     b = M.randomized_copy(model, seed=3)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+# --- saved explanations ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def zoo():
+    return {name: vx.Explainer(vx.zoo.load(name)) for name in ("shapes-vit", "shapes-hier")}
+
+
+@pytest.fixture(scope="module")
+def shapes():
+    return vx.data.shapes(n=3, seed=5)
+
+
+@pytest.mark.parametrize("name", ["shapes-vit", "shapes-hier"])
+def test_save_then_load_keeps_the_extras_and_options_that_rerun_the_method(zoo, shapes, name, tmp_path):
+    # extras were dropped (attnlrp's per-patch grid, score and conservation, although the docs promised all but
+    # the images and logits), and a list option was written as its text ("[1, 2]"), which legrad then refused
+    e = zoo[name].explain(shapes.images, method="attnlrp")
+    back = vx.Explanation.load(e.save(tmp_path / "ré sultat ü"))  # a folder name with a space and non-ASCII
+    assert set(back.extras) == set(e.extras) == {"pixels", "grid", "score", "conservation"}
+    for key, value in e.extras.items():
+        assert back.extras[key].dtype == value.dtype and torch.equal(back.extras[key], value.cpu())
+    assert back.layout == e.layout and back.boxes == e.boxes and back.sources == e.sources
+    layers = [0, 1] if name == "shapes-vit" else [3]  # (hier: its last stage has one call)
+    e = zoo[name].explain(shapes.tensor, method="legrad", layers=layers)
+    back = vx.Explanation.load(e.save(tmp_path / "legrad"))
+    assert back.options == {"layers": layers} and back.extras == {}
+    again = zoo[name].explain(shapes.tensor, method="legrad", **back.options)
+    torch.testing.assert_close(again.maps.cpu(), back.maps, rtol=0, atol=0)
+
+
+def test_nested_extras_survive_and_a_missing_extras_file_is_a_clear_error(zoo, shapes, tmp_path):
+    e = zoo["shapes-vit"].explain(shapes.tensor, method="raw")
+    e.extras = {"branches": {"fine (8x8)": torch.arange(6.0).view(2, 3)}, "combination": "branch 0 + branch 1",
+                "steps": [1, torch.tensor([2, 3])], "ratio": np.float32(0.5)}
+    back = vx.Explanation.load(e.save(tmp_path / "e"))
+    assert torch.equal(back.extras["branches"]["fine (8x8)"], torch.arange(6.0).view(2, 3))
+    assert back.extras["combination"] == "branch 0 + branch 1" and back.extras["ratio"] == 0.5
+    assert back.extras["steps"][0] == 1 and torch.equal(back.extras["steps"][1], torch.tensor([2, 3]))
+    (tmp_path / "e" / "extras.npz").unlink()
+    with pytest.raises(UsageError, match="cannot load the extras"):
+        vx.Explanation.load(tmp_path / "e")
+    # saving again without extras leaves no stale extras file; saving over an earlier save is fine
+    e.extras = {}
+    e.save(tmp_path / "e")
+    assert sorted(p.name for p in (tmp_path / "e").iterdir()) == ["manifest.json", "maps.npy"]
+
+
+def test_saving_refuses_to_replace_files_no_save_wrote(zoo, shapes, tmp_path):
+    # a data set's manifest.json (or the user's own maps.npy) in the folder was silently replaced
+    e = zoo["shapes-vit"].explain(shapes.tensor, method="raw")
+    for name, text in (("manifest.json", '{"images": ["a.png"]}'), ("maps.npy", "not ours")):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / name).write_text(text)
+        with pytest.raises(UsageError, match=f"holds {name} that no explanation's save wrote"):
+            e.save(folder)
+        assert (folder / name).read_text() == text
