@@ -160,3 +160,44 @@ def test_saving_refuses_to_replace_files_no_save_wrote(zoo, shapes, tmp_path):
         with pytest.raises(UsageError, match=f"holds {name} that no explanation's save wrote"):
             e.save(folder)
         assert (folder / name).read_text() == text
+
+
+# --- rankings of upsampled maps --------------------------------------------------------------------------------
+
+
+def _plateau_maps(n: int, seed: int) -> torch.Tensor:
+    """(n, 8, 8) float32 maps of 4 levels: plateaus of equal cells, as ReLU-clamped or quantised maps have."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.rand(n, 8, 8, generator=gen) * 4).floor() * torch.rand(n, 1, 1, generator=gen)
+
+
+def test_rank_accuracy_and_top_k_do_not_change_with_the_maps_scale():
+    # bilinear weights round differently at different pixels, so values equal in exact arithmetic (a plateau,
+    # the same level reached from two sides) were ranked by rounding that moves with the scale: 127 of 200
+    # maps scored differently at 0.1x or 3x; ties at the cut now count by expectation whatever the scale
+    maps = _plateau_maps(40, 0)
+    masks = (torch.rand(40, 8, 8, generator=torch.Generator().manual_seed(1)) < 0.3)
+    masks = masks.repeat_interleave(8, 1).repeat_interleave(8, 2)
+    masks[:, :, :3] = False
+    masks[:, 0, 0] = True  # no empty mask
+    want_rank, want_top = M.relevance_rank_accuracy(maps, masks), M.top_k_intersection(maps, masks, 300)
+    for scale, shift in ((0.7, 0.0), (0.1, 0.0), (1 / 3, 0.0), (3.0, -2.0), (1e-3, 0.0)):
+        torch.testing.assert_close(M.relevance_rank_accuracy(maps * scale + shift, masks), want_rank,
+                                   rtol=0, atol=1e-6)
+        torch.testing.assert_close(M.top_k_intersection(maps * scale + shift, masks, 300), want_top, rtol=0, atol=1e-6)
+
+
+def test_road_ranks_an_upsampled_plateau_as_a_tie_at_any_scale():
+    # a constant map upsampled (0.1 in float32: three values 1e-8 apart) was removed in the rounding's order, a
+    # regular pattern of pixels, not in the seeded random order of a tie; and 0.7x a map removed other pixels
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(32 * 32, 3)).eval()
+    x = torch.rand(4, 1, 32, 32, generator=torch.Generator().manual_seed(2))
+    maps = _plateau_maps(4, 3)
+    kwargs = dict(target=0, fractions=(0.1, 0.3, 0.6), noise=0.0)
+    want = M.road(model, x, maps, **kwargs).curves
+    for scale, shift in ((0.7, 0.0), (0.1, 0.3), (3.0, -1.0)):
+        torch.testing.assert_close(M.road(model, x, maps * scale + shift, **kwargs).curves, want, rtol=0, atol=1e-5)
+    constant = [M.road(model, x, torch.full((4, 8, 8), v), **kwargs).curves for v in (1.0, 0.1, 0.7)]
+    torch.testing.assert_close(constant[1], constant[0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(constant[2], constant[0], rtol=0, atol=1e-5)

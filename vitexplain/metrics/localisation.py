@@ -35,6 +35,8 @@ __all__ = [
     "pointing_accuracy",
     "relevance_mass",
     "top_k_inside",
+    "TIE_RTOL",
+    "normalised_upsample",
     "relevance_rank_accuracy",
     "top_k_intersection",
 ]
@@ -45,6 +47,34 @@ TOLERANCE_AT_224 = 15
 #: Pixels within this fraction of the map's value range below its maximum tie with the maximum
 #: (:func:`peak_locations`). Far above float rounding (~1e-7), far below any real difference.
 PEAK_RTOL = 1e-5
+
+
+#: Upsampled pixels within this fraction of the map's range of each other are ties in a ranking
+#: (:func:`top_k_inside`, ROAD's removal order), as :data:`PEAK_RTOL` for the peak: bilinear weights round
+#: differently at different pixels (a constant 0.1 upsampled in float64 gives three values ~1e-17 apart), and a
+#: float32 map's levels carry ~1e-7 of rounding, so values equal in exact arithmetic were ranked by that
+#: rounding, which changes with the map's scale, instead of as the ties they are.
+TIE_RTOL = PEAK_RTOL
+
+
+def normalised_upsample(maps: Tensor, size: tuple[int, int]) -> Tensor:
+    """Each map min-max normalised to [0, 1] in float64 (float32 on MPS), then upsampled bilinearly to ``size``.
+
+    Args:
+        maps: ``(B, h, w)`` checked maps.
+        size: ``(H, W)``.
+
+    Returns:
+        ``(B, H * W)`` values in [0, 1] (0 everywhere for a constant map): invariant, up to rounding, to a
+        positive affine rescaling of the map.
+    """
+    flat = maps.to(exact_dtype(maps.device)).flatten(1)
+    low, high = flat.amin(1, keepdim=True), flat.amax(1, keepdim=True)
+    span = high - low
+    unit = torch.where(span > 0, (flat - low) / torch.where(span > 0, span, torch.ones_like(span)), torch.zeros_like(flat))
+    if tuple(maps.shape[1:]) == tuple(size):
+        return unit
+    return F.interpolate(unit.view(-1, 1, *maps.shape[1:]), size=size, mode="bilinear", align_corners=False).flatten(1)
 
 
 def default_tolerance(size: Size2) -> int:
@@ -117,12 +147,7 @@ def peak_locations(maps: ArrayLike, size: Size2, *, rtol: float = PEAK_RTOL) -> 
     maps = check_maps(maps)
     h, w = size2(size, "size")
     rtol = _check_rtol(rtol)
-    flat = maps.to(exact_dtype(maps.device)).flatten(1)
-    low, high = flat.amin(1, keepdim=True), flat.amax(1, keepdim=True)
-    span = high - low
-    unit = torch.where(span > 0, (flat - low) / torch.where(span > 0, span, torch.ones_like(span)), torch.zeros_like(flat))
-    up = F.interpolate(unit.view(-1, 1, *maps.shape[1:]), size=(h, w), mode="bilinear", align_corners=False)
-    up = up.flatten(1)  # (B, H * W), values in [0, 1]
+    up = normalised_upsample(maps, (h, w))  # (B, H * W), values in [0, 1]
     tied = up >= up.amax(1, keepdim=True) - rtol
     rows = torch.arange(h, device=maps.device, dtype=up.dtype).repeat_interleave(w)
     cols = torch.arange(w, device=maps.device, dtype=up.dtype).repeat(h)
@@ -227,12 +252,15 @@ def relevance_mass(maps: ArrayLike, masks: ArrayLike) -> Tensor:
 def top_k_inside(maps: ArrayLike, masks: ArrayLike, k: Tensor) -> Tensor:
     """How many of each map's ``k`` most relevant pixels lie inside the mask, ties counted by expectation.
 
-    The map is upsampled bilinearly to the mask resolution and ranked by its signed value. Pixels
-    tied with the k-th value at the cut are a random draw in any ranking (``numpy.argsort`` and a
-    stable sort take the first in memory order, i.e. the top rows): the count is the expectation over
-    a uniformly random order of the tied pixels, ``g_in + (k - g) * e_in / e`` with ``g`` (``g_in``)
-    the pixels above the k-th value (inside the mask) and ``e`` (``e_in``) those equal to it. Without
-    ties at the cut this is the plain count; a constant map gets ``k * |mask| / (H * W)``, chance.
+    The map is min-max normalised and upsampled bilinearly to the mask resolution
+    (:func:`normalised_upsample`) and ranked by its signed value. Pixels tied with the k-th value at the
+    cut -- equal to it within :data:`TIE_RTOL` of the map's range, so that a plateau of equal cells stays
+    a tie after upsampling, whatever the map's scale -- are a random draw in any ranking
+    (``numpy.argsort`` and a stable sort take the first in memory order, i.e. the top rows): the count is
+    the expectation over a uniformly random order of the tied pixels, ``g_in + (k - g) * e_in / e`` with
+    ``g`` (``g_in``) the pixels above the k-th value (inside the mask) and ``e`` (``e_in``) those tied with
+    it. Without ties at the cut this is the plain count; a constant map gets ``k * |mask| / (H * W)``,
+    chance.
 
     Args:
         maps: ``(B, h, w)`` maps at any resolution.
@@ -245,11 +273,11 @@ def top_k_inside(maps: ArrayLike, masks: ArrayLike, k: Tensor) -> Tensor:
     maps = check_maps(maps)
     masks = check_masks(masks, batch=maps.shape[0]).to(maps.device)
     dtype = exact_dtype(maps.device)
-    a = upsample_maps(maps.to(dtype), masks.shape[1:]).flatten(1)
+    a = normalised_upsample(maps, tuple(masks.shape[1:]))
     inside = masks.flatten(1)
     k = k.to(device=maps.device, dtype=torch.long)
     cut = torch.sort(a, dim=1, descending=True).values.gather(1, (k - 1)[:, None])  # the k-th value, (B, 1)
-    above, tied = a > cut, a == cut
+    above, tied = a > cut + TIE_RTOL, (a - cut).abs() <= TIE_RTOL
     g, g_in = above.sum(1), (above & inside).sum(1)
     e, e_in = tied.sum(1), (tied & inside).sum(1)
     return g_in.to(dtype) + (k - g).to(dtype) * e_in.to(dtype) / e.to(dtype)
