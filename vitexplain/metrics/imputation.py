@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..errors import UsageError
-from .localisation import TIE_RTOL, normalised_upsample
+from .localisation import normalised_upsample, tie_groups
 from .perturbation import ScoreFn, _resolve_targets, _scorer, _target_scores
 from .seeding import image_seeds
 from .validation import (ArrayLike, as_tensor, check_images, check_maps, check_masks, check_positive_int, check_seed,
@@ -203,10 +203,7 @@ def _removal_order(values: Tensor, generator: torch.Generator) -> Tensor:
     Values in [0, 1] (:func:`~vitexplain.metrics.localisation.normalised_upsample`) tie when a chain of
     neighbours in sorted order each lie within :data:`~vitexplain.metrics.localisation.TIE_RTOL` of the next
     (the rounding of bilinear weights on a plateau of equal cells; exact ties before)."""
-    ordered = torch.sort(values, descending=True, stable=True)
-    group = torch.zeros_like(ordered.indices)
-    group[1:] = torch.cumsum((ordered.values[:-1] - ordered.values[1:] > TIE_RTOL).long(), 0)
-    rank = torch.empty_like(group).scatter_(0, ordered.indices, group)  # 0 for the highest tie group
+    rank = tie_groups(values[None])[0]  # 0 for the highest tie group
     shuffle = torch.randperm(values.numel(), generator=generator).to(values.device)
     by_group = torch.sort(rank[shuffle], stable=True).indices
     return shuffle[by_group]

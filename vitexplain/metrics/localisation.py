@@ -37,6 +37,7 @@ __all__ = [
     "top_k_inside",
     "TIE_RTOL",
     "normalised_upsample",
+    "tie_groups",
     "relevance_rank_accuracy",
     "top_k_intersection",
 ]
@@ -75,6 +76,22 @@ def normalised_upsample(maps: Tensor, size: tuple[int, int]) -> Tensor:
     if tuple(maps.shape[1:]) == tuple(size):
         return unit
     return F.interpolate(unit.view(-1, 1, *maps.shape[1:]), size=size, mode="bilinear", align_corners=False).flatten(1)
+
+
+def tie_groups(values: Tensor) -> Tensor:
+    """Rank of each value's tie group, 0 for the highest: values in [0, 1] (:func:`normalised_upsample`) tie when
+    a chain of neighbours in sorted order each lie within :data:`TIE_RTOL` of the next.
+
+    Args:
+        values: ``(B, n)``.
+
+    Returns:
+        ``(B, n)`` long; a stable ascending sort of it orders the values from the highest, ties in index order.
+    """
+    ordered = torch.sort(values, dim=1, descending=True, stable=True)
+    group = torch.zeros_like(ordered.indices)
+    group[:, 1:] = torch.cumsum((ordered.values[:, :-1] - ordered.values[:, 1:] > TIE_RTOL).long(), 1)
+    return torch.empty_like(group).scatter_(1, ordered.indices, group)
 
 
 def default_tolerance(size: Size2) -> int:

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from ..checks import training_layers
 from ..errors import NumericalError, TargetError, UsageError
 from ..targets import logits_of, resolve
-from .localisation import upsample_maps
+from .localisation import normalised_upsample, tie_groups
 from .validation import ArrayLike, Size2, as_tensor, check_images, check_maps, check_positive_int, real, size2, whole
 
 __all__ = ["DeletionInsertionResult", "deletion_insertion", "deletion_auc", "insertion_auc"]
@@ -168,7 +168,14 @@ def _resolve_targets(run: Callable[[Tensor], Tensor], images: Tensor, target: An
 
 
 def _patch_grid(maps: Tensor, size: Tuple[int, int], patch: Optional[Size2]) -> Tuple[Tensor, Tensor]:
-    """Return per-cell relevance (B, K) and the pixel -> cell label image (H, W) long."""
+    """Return per-cell relevance (B, K) and the pixel -> cell label image (H, W) long.
+
+    With ``patch`` the relevance of a patch is the mean of the map normalised to [0, 1] and upsampled in float64
+    (:func:`~vitexplain.metrics.localisation.normalised_upsample`), and patches within
+    :data:`~vitexplain.metrics.localisation.TIE_RTOL` of each other are set equal (their tie group's rank,
+    negated), so that patches equal in exact arithmetic tie at any scale of the map (bilinear rounding ordered
+    them, differently at 0.7x: curves moved by up to 0.04).
+    """
     H, W = size
     dev = maps.device
     ys = torch.arange(H, device=dev)
@@ -182,11 +189,11 @@ def _patch_grid(maps: Tensor, size: Tuple[int, int], patch: Optional[Size2]) -> 
     ph, pw = size2(patch, "patch")
     gh, gw = -(-H // ph), -(-W // pw)
     labels = (ys // ph)[:, None] * gw + (xs // pw)[None, :]
-    up = upsample_maps(maps, size).flatten(1)
+    up = normalised_upsample(maps, size)
     k = gh * gw
     sums = torch.zeros(maps.shape[0], k, device=dev, dtype=up.dtype).index_add_(1, labels.flatten(), up)
     counts = torch.bincount(labels.flatten(), minlength=k).to(up.dtype)
-    return sums / counts, labels
+    return -tie_groups(sums / counts).to(up.dtype), labels
 
 
 def _target_spec(target: Any, batch: int) -> Optional[Tensor]:
@@ -252,8 +259,9 @@ def deletion_insertion(
         steps: number of steps (curve has ``steps + 1`` points); default K (one patch per step).
             At most K.
         patch: instead of the map's grid, use patches of this size in pixels (int or ``(ph, pw)``); the
-            map is upsampled bilinearly to the image and averaged over each patch. Edge patches may be
-            smaller when the size does not divide the image.
+            map is min-max normalised, upsampled bilinearly to the image and averaged over each patch;
+            patch means within 1e-5 of the range of each other tie (row-major order), so the order does not
+            change with the map's scale. Edge patches may be smaller when the size does not divide the image.
         score: ``"softmax"`` (single-label probability), ``"sigmoid"`` (multi-label) or a callable
             ``logits (N, C) -> scores (N, C)`` (e.g. ``lambda z: z`` for raw logits).
         batch_size: images per forward pass (bounds memory).
