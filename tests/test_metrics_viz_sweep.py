@@ -215,3 +215,81 @@ def test_deletion_with_a_patch_size_orders_patches_the_same_at_any_scale():
         for scale in (0.7, 0.1, 3.0):
             got = M.deletion_insertion(model, x, maps * scale, 0, patch=patch, baseline="zero").curves
             torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+# --- invariants and oracles ------------------------------------------------------------------------------------
+
+
+def test_deletion_of_a_linear_model_follows_the_hand_written_curve_and_the_perfect_order_wins():
+    # zero baseline, raw logit: after deleting the n most relevant pixels the score is the sum of the other
+    # weights, so the curve is known; ordering by the weights themselves gives the lowest AUC of any order
+    model, x, maps = _linear(5, 7)
+    w = maps[0].flatten()
+    result = M.deletion_insertion(model, x, maps, 0, baseline="zero", score=_logit)
+    remaining = w.sum() - torch.cat([torch.zeros(1, dtype=w.dtype), torch.sort(w, descending=True).values.cumsum(0)])
+    torch.testing.assert_close(result.curves[0], remaining)
+    assert result.fractions.tolist() == [n / 35 for n in range(36)]
+    inserted = M.deletion_insertion(model, x, maps, 0, baseline="zero", score=_logit, mode="insertion")
+    torch.testing.assert_close(inserted.curves[0, -1], w.sum())  # all inserted: the model's score on the image
+    torch.testing.assert_close(inserted.curves[0, 0], torch.zeros((), dtype=w.dtype))
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(5):
+        shuffled = torch.rand(2, 5, 7, generator=gen, dtype=torch.float64)
+        assert (M.deletion_auc(model, x, shuffled, 0, baseline="zero", score=_logit) > result.auc).all()
+        assert (M.insertion_auc(model, x, shuffled, 0, baseline="zero", score=_logit) < inserted.auc).all()
+
+
+@pytest.mark.parametrize("name, method", [("shapes-vit", "rollout"), ("shapes-hier", "rollout"), ("shapes-hier", "cdam")])
+def test_curve_ends_are_the_models_scores_on_stage_grid_maps(zoo, shapes, name, method):
+    # shapes-hier's rollout is on its first stage's 16 x 16 grid, cdam on the last stage's 4 x 4
+    ex = zoo[name]
+    e = ex.explain(shapes.tensor, method=method)
+    with torch.no_grad():
+        probs = torch.softmax(ex.model(shapes.tensor), 1).gather(1, e.targets[:, None])[:, 0]
+    steps = 8
+    deletion = M.deletion_insertion(ex.model, shapes.tensor, e.maps, e.targets, steps=steps)
+    insertion = M.deletion_insertion(ex.model, shapes.tensor, e.maps, e.targets, steps=steps, mode="insertion")
+    torch.testing.assert_close(deletion.curves[:, 0], probs, rtol=0, atol=1e-6)
+    torch.testing.assert_close(insertion.curves[:, -1], probs, rtol=0, atol=1e-6)
+    # the map on its grid and the same cells as pixel blocks with patch = the cell size order the same patches
+    cell = 64 // e.maps.shape[-1]
+    blocks = e.maps.repeat_interleave(cell, 1).repeat_interleave(cell, 2)
+    on_pixels = M.deletion_insertion(ex.model, shapes.tensor, blocks, e.targets, steps=steps, patch=cell)
+    torch.testing.assert_close(on_pixels.curves, deletion.curves, rtol=0, atol=1e-6)
+
+
+def test_a_map_peaked_inside_the_box_points_at_it_on_any_grid_and_image_shape():
+    # a non-square image (50 x 70) and grids that do not divide it; the peak cell lies wholly inside the box
+    for grid, cell in (((5, 7), (2, 3)), ((4, 4), (1, 2)), ((16, 16), (7, 9))):
+        h, w = 50, 70
+        maps = torch.rand(2, *grid, generator=torch.Generator().manual_seed(0)) * 0.5
+        maps[:, cell[0], cell[1]] = 1.0
+        top, bottom = cell[0] * h // grid[0], -(-(cell[0] + 1) * h // grid[0])
+        left, right = cell[1] * w // grid[1], -(-(cell[1] + 1) * w // grid[1])
+        masks = torch.zeros(2, h, w, dtype=torch.bool)
+        masks[:, max(0, top - 1): bottom + 1, max(0, left - 1): right + 1] = True
+        assert M.pointing_game(maps, masks, tolerance=0).tolist() == [True, True]
+        assert M.pointing_game(maps * 3 - 7, masks, tolerance=0).tolist() == [True, True]
+        assert M.pointing_game(maps, ~masks, tolerance=0).tolist() == [False, False]
+
+
+def test_relevance_mass_and_pointing_agree_with_quantus_where_the_definitions_do():
+    # Quantus sums signed relevance and has no tolerance: non-negative maps at mask resolution with one maximum
+    from peers import require
+
+    quantus = require("quantus", "pip install --no-deps quantus==0.6.0 (see test_metrics_quantus.py)")
+    gen = torch.Generator().manual_seed(0)
+    b, h, w = 6, 20, 28
+    maps = torch.rand(b, h, w, generator=gen, dtype=torch.float64)
+    masks = torch.zeros(b, h, w, dtype=torch.bool)
+    for i in range(b):
+        masks[i, 2 + i: 10 + i, 3 + 2 * i: 15 + i] = True
+    model = nn.Sequential(nn.Flatten(), nn.Linear(h * w, 2)).eval()
+    args = dict(model=model, x_batch=np.random.default_rng(0).random((b, 1, h, w), dtype=np.float32),
+                y_batch=np.zeros(b, int), a_batch=maps.numpy()[:, None].astype(np.float32),
+                s_batch=masks.numpy()[:, None].astype(np.float32), device="cpu")
+    mass = quantus.RelevanceMassAccuracy(disable_warnings=True)(**args)
+    np.testing.assert_allclose(M.relevance_mass(maps, masks).numpy(), np.array(mass), rtol=0, atol=1e-6)
+    hits = quantus.PointingGame(disable_warnings=True)(**args)
+    assert M.pointing_game(maps, masks, tolerance=0).tolist() == [bool(v) for v in hits]
+    assert 0 < sum(hits) < b  # both outcomes compared
