@@ -293,3 +293,20 @@ def test_relevance_mass_and_pointing_agree_with_quantus_where_the_definitions_do
     hits = quantus.PointingGame(disable_warnings=True)(**args)
     assert M.pointing_game(maps, masks, tolerance=0).tolist() == [bool(v) for v in hits]
     assert 0 < sum(hits) < b  # both outcomes compared
+
+
+# --- overlays and views ----------------------------------------------------------------------------------------
+
+
+def test_a_float_image_is_told_the_conversion_that_fits_its_range():
+    # the hint said x * 255 for every float image: followed for one already in [0, 255], it drew on white
+    image = np.random.default_rng(0).integers(0, 256, (12, 20, 3)).astype(np.uint8)
+    heat = np.random.default_rng(1).random((3, 5))
+    want = vx.overlay(image, heat)
+    for given, conversion in ((image.astype(np.float32), "np.clip(x, 0, 255)"),
+                              (image / 255.0, "np.clip(x * 255, 0, 255)")):
+        with pytest.raises(UsageError, match="float image") as info:
+            vx.overlay(given, heat)
+        assert conversion in str(info.value)
+        converted = eval(conversion, {"np": np, "x": given}).round().astype(np.uint8)  # the advice, followed
+        np.testing.assert_array_equal(vx.overlay(converted, heat), want)
