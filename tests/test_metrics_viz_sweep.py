@@ -310,3 +310,28 @@ def test_a_float_image_is_told_the_conversion_that_fits_its_range():
         assert conversion in str(info.value)
         converted = eval(conversion, {"np": np, "x": given}).round().astype(np.uint8)  # the advice, followed
         np.testing.assert_array_equal(vx.overlay(converted, heat), want)
+
+
+def _runs(flags: np.ndarray) -> list[tuple[int, int]]:
+    """(start, length) of each run of True in a 1-D bool array."""
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], flags.astype(int), [0]])))
+    return [(int(a), int(b - a)) for a, b in zip(edges[::2], edges[1::2])]
+
+
+def test_head_grid_keeps_a_non_square_grids_aspect():
+    # a 48 x 80 input's 3 x 5 grid was stretched into square tiles (cells 20 x 12 px at tile=60)
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    vit = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=3, img_size=64, depth=2,
+                            dynamic_img_size=True).eval()
+    with vx.capture(vit) as rec, torch.no_grad():
+        vit(torch.rand(1, 3, 48, 80))
+    assert rec.layout.grid == (3, 5)
+    figure = vx.viz.head_grid(rec.records, rec.layout, tile=60)
+    coloured = figure.max(2).astype(int) - figure.min(2) > 30  # viridis tiles; labels and background are gray
+    (top, height), = _runs(coloured.any(1))[:1]
+    spans = _runs(coloured[top:top + height].any(0))
+    assert (height, spans[0][1]) == (36, 60) and len(spans) == 3  # 3 heads, each 3 x 5 cells of 12 px
+    tile = figure[top:top + height, spans[0][0]:spans[0][0] + 60].astype(int)
+    cells = tile.reshape(3, 12, 5, 12, 3)
+    assert (cells == cells[:, :1, :, :1]).all()  # every cell one colour
