@@ -335,3 +335,12 @@ def test_head_grid_keeps_a_non_square_grids_aspect():
     tile = figure[top:top + height, spans[0][0]:spans[0][0] + 60].astype(int)
     cells = tile.reshape(3, 12, 5, 12, 3)
     assert (cells == cells[:, :1, :, :1]).all()  # every cell one colour
+
+
+def test_efficient_mprt_with_one_bin_says_so():
+    # bins=1 puts every value in one bin: each map's entropy is 0, and the error said the explanations were constant
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    varied = lambda m: torch.rand(2, 4, 4, generator=torch.Generator().manual_seed(0))  # noqa: E731
+    with pytest.raises(UsageError, match="bins must be at least 2"):
+        M.efficient_mprt(model, varied, bins=1)
+    assert M.efficient_mprt(model, varied, bins=np.int64(2)).scores.shape == (2,)

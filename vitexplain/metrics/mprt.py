@@ -87,6 +87,8 @@ def efficient_mprt(
     """
     names = _layer_names(model, layers)
     bins = check_positive_int(bins, "bins")
+    if bins < 2:  # (one bin holds every value: each map's entropy is 0, reported as "constant explanations")
+        raise UsageError(f"bins must be at least 2 for a histogram entropy that can rise, got {bins}")
     seed = check_seed(seed)
     reference = check_maps(explain_fn(model), "explain_fn output (original model)")
     h = histogram_entropy(reference, bins=bins)
