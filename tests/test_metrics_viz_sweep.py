@@ -344,3 +344,15 @@ def test_efficient_mprt_with_one_bin_says_so():
     with pytest.raises(UsageError, match="bins must be at least 2"):
         M.efficient_mprt(model, varied, bins=1)
     assert M.efficient_mprt(model, varied, bins=np.int64(2)).scores.shape == (2,)
+
+
+def test_label_names_as_a_metric_target_are_told_to_be_indices():
+    # explain() takes label names, the metrics class indices: names were an InputError about tensors
+    from vitexplain.errors import TargetError
+
+    model, x, maps = _linear()
+    for names in ("star", ["star", "circle"]):
+        with pytest.raises(TargetError, match="got label names"):
+            M.deletion_auc(model, x, maps, names)
+        with pytest.raises(TargetError, match="got label names"):
+            M.road(model, x, maps, names, fractions=(0.5,))

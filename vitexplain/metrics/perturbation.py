@@ -208,6 +208,10 @@ def _target_spec(target: Any, batch: int) -> Optional[Tensor]:
         raise TargetError(f"target must be an int, a (B,) sequence of ints or None, got {target!r}")
     if isinstance(target, int):
         return torch.full((batch,), target, dtype=torch.long)
+    names = [target] if isinstance(target, str) else list(target) if isinstance(target, (list, tuple)) else []
+    if any(isinstance(n, str) for n in names):  # (an InputError said "must be a torch.Tensor or a NumPy array")
+        raise TargetError(f"target must be class indices (an int or a ({batch},) sequence of ints), got label names "
+                          f"{target!r}: pass the explanation's e.targets, or the names' indices in the model's labels")
     t = as_tensor(target, "target")
     if t.ndim == 0:
         t = t.expand(batch)
