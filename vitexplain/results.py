@@ -19,8 +19,8 @@ from torch import Tensor
 from .errors import CaptureError, UsageError
 from .layout import TokenLayout
 from .placement import covered_pixels, crop_of, drawable, pasted, upsampled
-from .saved import (boxes_from_json, boxes_json, json_options, json_sources, layout_from_json, layout_json, read_saved,
-                    write_saved)
+from .saved import (boxes_from_json, boxes_json, extras_json, json_options, json_sources, layout_from_json, layout_json,
+                    read_saved, write_saved)
 from .viz._util import image_index as _image_index
 
 __all__ = ["Explanation", "CaptionExplanation", "VLMCaptionExplanation"]
@@ -154,8 +154,9 @@ class Explanation:
         return show_tiles([explanation_tiles(self, whole(max_images, "max_images"))])
 
     def save(self, directory: Union[str, Path]) -> Path:
-        """Write ``maps.npy`` and ``manifest.json`` (method, options, targets, sizes, token layout, crop boxes) to a
-        folder; :meth:`load` reads it back (all but the images and logits).
+        """Write ``maps.npy`` and ``manifest.json`` (method, options, targets, sizes, token layout, crop boxes, the
+        extras' structure) to a folder, and ``extras.npz`` (the tensors of ``extras``) when there are any;
+        :meth:`load` reads it back (all but the images and logits).
 
         Raises:
             UsageError: ``directory`` is not a path, is a file, or lies below a file.
@@ -174,13 +175,14 @@ class Explanation:
             "score_name": self.score_name,
             "boxes": boxes_json(self.boxes),
         }
-        return write_saved(directory, self.maps, manifest)
+        manifest["extras"], arrays = extras_json(self.extras)  # (they were dropped: attnlrp's grid, IG's steps)
+        return write_saved(directory, self.maps, manifest, arrays)
 
     @classmethod
     def load(cls, directory: Union[str, Path]) -> "Explanation":
         """The explanation :meth:`save` wrote to ``directory``: its maps ((B, h, w) float32, on the CPU), targets,
-        method, options, layout, sizes, crop boxes and label names; no images (``overlay(i, image=...)`` draws on
-        one given) and no logits (None).
+        method, options, layout, sizes, crop boxes, label names and extras (their tensors on the CPU, with their
+        dtypes); no images (``overlay(i, image=...)`` draws on one given) and no logits (None).
 
         Raises:
             UsageError: ``directory`` is not a folder an explanation was saved to.
@@ -190,7 +192,7 @@ class Explanation:
                    options=dict(m.get("options") or {}), logits=None, signed=bool(m["signed"]),
                    input_size=tuple(m["input_size"]), layout=layout_from_json(m.get("layout")), images=None,
                    sources=m.get("sources"), label_names=m.get("label_names"), boxes=boxes_from_json(m.get("boxes")),
-                   score_name=m.get("score_name"))
+                   score_name=m.get("score_name"), extras=dict(m.get("extras") or {}))
 
 
 @dataclass(repr=False)

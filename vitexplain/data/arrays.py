@@ -93,8 +93,10 @@ def check_rgb(image: Any, what: str = "image") -> np.ndarray:
             hint = (" (a float tensor is not an image: images are uint8 (H, W, 3) arrays (vx.load_image, an "
                     "explanation's e.images), PIL images or paths; a preprocessed batch goes to explain() as one "
                     "(B, 3, H, W) tensor, e.g. torch.stack(tensors))")
-        elif arr.dtype.kind == "f":
-            hint = " (float image? convert with np.clip(x * 255, 0, 255).round().astype(np.uint8))"
+        elif arr.dtype.kind == "f":  # (x * 255 was advised for any float image: one in [0, 255] became all white)
+            finite = arr[np.isfinite(arr)] if arr.size else arr
+            scale = "" if finite.size and float(finite.max()) > 1.0 else " * 255"
+            hint = f" (float image? convert with np.clip(x{scale}, 0, 255).round().astype(np.uint8))"
         elif arr.ndim == 2:
             hint = " (grayscale? use np.repeat(x[..., None], 3, axis=2))"
         elif arr.ndim == 3 and arr.shape[0] == 3:

@@ -101,7 +101,7 @@ def histogram_entropy(maps: ArrayLike, *, bins: int = 100) -> Tensor:
         ``(B,)`` float32 tensor in ``[0, log min(bins, h * w)]``.
     """
     maps = check_maps(maps)
-    check_positive_int(bins, "bins")
+    bins = check_positive_int(bins, "bins")
     a = maps.to(exact_dtype(maps.device)).flatten(1)
     low, high = a.amin(1, keepdim=True), a.amax(1, keepdim=True)
     span = high - low

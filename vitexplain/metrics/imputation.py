@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..errors import UsageError
-from .localisation import upsample_maps
+from .localisation import normalised_upsample, tie_groups
 from .perturbation import ScoreFn, _resolve_targets, _scorer, _target_scores
 from .seeding import image_seeds
 from .validation import (ArrayLike, as_tensor, check_images, check_maps, check_masks, check_positive_int, check_seed,
@@ -198,10 +198,15 @@ def _generator(seed: int, *keys: int, device: Union[str, torch.device] = "cpu") 
 
 
 def _removal_order(values: Tensor, generator: torch.Generator) -> Tensor:
-    """Indices of ``values`` (n,) from the highest to the lowest; exact ties in random (seeded) order."""
+    """Indices of ``values`` (n,) from the highest to the lowest; ties in random (seeded) order.
+
+    Values in [0, 1] (:func:`~vitexplain.metrics.localisation.normalised_upsample`) tie when a chain of
+    neighbours in sorted order each lie within :data:`~vitexplain.metrics.localisation.TIE_RTOL` of the next
+    (the rounding of bilinear weights on a plateau of equal cells; exact ties before)."""
+    rank = tie_groups(values[None])[0]  # 0 for the highest tie group
     shuffle = torch.randperm(values.numel(), generator=generator).to(values.device)
-    by_value = torch.sort(values[shuffle], descending=True, stable=True).indices
-    return shuffle[by_value]
+    by_group = torch.sort(rank[shuffle], stable=True).indices
+    return shuffle[by_group]
 
 
 def _check_fractions(fractions: Sequence[float]) -> Tensor:
@@ -231,10 +236,11 @@ def road(
 ) -> RoadResult:
     """ROAD, RemOve And Debias (Rong et al., ICML 2022): the score as relevant pixels are imputed.
 
-    Each map is upsampled bilinearly to the image size (as :func:`relevance_mass`) and its pixels are
-    ranked by relevance (signed: the most positive first); exact ties are ranked in a random order
-    drawn from ``seed`` (the paper adds 1e-4 Gaussian noise to the min-max normalised map, which
-    also reorders values within 1e-4 of the range of each other). For each fraction ``p`` the first
+    Each map is min-max normalised and upsampled bilinearly to the image size and its pixels are
+    ranked by relevance (signed: the most positive first); ties (equal within
+    :data:`~vitexplain.metrics.localisation.TIE_RTOL` of the map's range: a plateau of equal cells stays a tie
+    after upsampling) are ranked in a random order drawn from ``seed`` (the paper adds 1e-4 Gaussian noise to
+    the min-max normalised map, which also reorders values within 1e-4 of the range of each other). For each fraction ``p`` the first
     ``floor(p * H * W)`` pixels of the ranking (``"morf"``, most relevant first) or of the reversed
     ranking (``"lerf"``, least relevant first) are removed and filled by
     :func:`noisy_linear_imputation`, and ``score(model(x))[:, target]`` is recorded. A faithful map
@@ -276,8 +282,8 @@ def road(
     images = check_images(images)
     B, C, H, W = images.shape
     maps = check_maps(maps, batch=B).to(images.device)
-    check_positive_int(batch_size, "batch_size")
-    check_seed(seed)
+    batch_size = check_positive_int(batch_size, "batch_size")
+    seed = check_seed(seed)
     frac = _check_fractions(fractions)
     counts = torch.floor(frac * (H * W) + 1e-9).long()  # pixels removed at each fraction (the paper: int(p * N))
     run = _scorer(model, score, "road")
@@ -285,7 +291,7 @@ def road(
     n_frac = frac.numel()
     dev = images.device
 
-    up = upsample_maps(maps, (H, W)).flatten(1)
+    up = normalised_upsample(maps, (H, W))  # (B, H * W) in [0, 1]: ties of a plateau kept at any scale
     tie_seeds, noise_seeds = image_seeds(images, seed, 0), image_seeds(images, seed, 1)  # per image, by content
     rank = torch.stack([_removal_order(up[b], _generator(tie_seeds[b])) for b in range(B)])  # most relevant first
     if order == "lerf":

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..errors import UsageError
-from .validation import ArrayLike, Size2, check_maps, check_masks, exact_dtype, size2
+from .validation import ArrayLike, Size2, check_maps, check_masks, exact_dtype, real, size2, whole
 
 __all__ = [
     "TOLERANCE_AT_224",
@@ -35,6 +35,9 @@ __all__ = [
     "pointing_accuracy",
     "relevance_mass",
     "top_k_inside",
+    "TIE_RTOL",
+    "normalised_upsample",
+    "tie_groups",
     "relevance_rank_accuracy",
     "top_k_intersection",
 ]
@@ -45,6 +48,50 @@ TOLERANCE_AT_224 = 15
 #: Pixels within this fraction of the map's value range below its maximum tie with the maximum
 #: (:func:`peak_locations`). Far above float rounding (~1e-7), far below any real difference.
 PEAK_RTOL = 1e-5
+
+
+#: Upsampled pixels within this fraction of the map's range of each other are ties in a ranking
+#: (:func:`top_k_inside`, ROAD's removal order), as :data:`PEAK_RTOL` for the peak: bilinear weights round
+#: differently at different pixels (a constant 0.1 upsampled in float64 gives three values ~1e-17 apart), and a
+#: float32 map's levels carry ~1e-7 of rounding, so values equal in exact arithmetic were ranked by that
+#: rounding, which changes with the map's scale, instead of as the ties they are.
+TIE_RTOL = PEAK_RTOL
+
+
+def normalised_upsample(maps: Tensor, size: tuple[int, int]) -> Tensor:
+    """Each map min-max normalised to [0, 1] in float64 (float32 on MPS), then upsampled bilinearly to ``size``.
+
+    Args:
+        maps: ``(B, h, w)`` checked maps.
+        size: ``(H, W)``.
+
+    Returns:
+        ``(B, H * W)`` values in [0, 1] (0 everywhere for a constant map): invariant, up to rounding, to a
+        positive affine rescaling of the map.
+    """
+    flat = maps.to(exact_dtype(maps.device)).flatten(1)
+    low, high = flat.amin(1, keepdim=True), flat.amax(1, keepdim=True)
+    span = high - low
+    unit = torch.where(span > 0, (flat - low) / torch.where(span > 0, span, torch.ones_like(span)), torch.zeros_like(flat))
+    if tuple(maps.shape[1:]) == tuple(size):
+        return unit
+    return F.interpolate(unit.view(-1, 1, *maps.shape[1:]), size=size, mode="bilinear", align_corners=False).flatten(1)
+
+
+def tie_groups(values: Tensor) -> Tensor:
+    """Rank of each value's tie group, 0 for the highest: values in [0, 1] (:func:`normalised_upsample`) tie when
+    a chain of neighbours in sorted order each lie within :data:`TIE_RTOL` of the next.
+
+    Args:
+        values: ``(B, n)``.
+
+    Returns:
+        ``(B, n)`` long; a stable ascending sort of it orders the values from the highest, ties in index order.
+    """
+    ordered = torch.sort(values, dim=1, descending=True, stable=True)
+    group = torch.zeros_like(ordered.indices)
+    group[:, 1:] = torch.cumsum((ordered.values[:, :-1] - ordered.values[:, 1:] > TIE_RTOL).long(), 1)
+    return torch.empty_like(group).scatter_(1, ordered.indices, group)
 
 
 def default_tolerance(size: Size2) -> int:
@@ -78,9 +125,13 @@ def upsample_maps(maps: ArrayLike, size: Size2) -> Tensor:
 
 
 def _check_rtol(rtol: float) -> float:
-    if not (isinstance(rtol, (int, float)) and 0 <= rtol < 1):
+    try:
+        value = real(rtol, "rtol")
+    except UsageError:
+        value = math.nan
+    if not 0 <= value < 1:
         raise UsageError(f"rtol must be a number in [0, 1) (a fraction of the map's range), got {rtol!r}")
-    return float(rtol)
+    return value
 
 
 def peak_locations(maps: ArrayLike, size: Size2, *, rtol: float = PEAK_RTOL) -> Tensor:
@@ -113,12 +164,7 @@ def peak_locations(maps: ArrayLike, size: Size2, *, rtol: float = PEAK_RTOL) -> 
     maps = check_maps(maps)
     h, w = size2(size, "size")
     rtol = _check_rtol(rtol)
-    flat = maps.to(exact_dtype(maps.device)).flatten(1)
-    low, high = flat.amin(1, keepdim=True), flat.amax(1, keepdim=True)
-    span = high - low
-    unit = torch.where(span > 0, (flat - low) / torch.where(span > 0, span, torch.ones_like(span)), torch.zeros_like(flat))
-    up = F.interpolate(unit.view(-1, 1, *maps.shape[1:]), size=(h, w), mode="bilinear", align_corners=False)
-    up = up.flatten(1)  # (B, H * W), values in [0, 1]
+    up = normalised_upsample(maps, (h, w))  # (B, H * W), values in [0, 1]
     tied = up >= up.amax(1, keepdim=True) - rtol
     rows = torch.arange(h, device=maps.device, dtype=up.dtype).repeat_interleave(w)
     cols = torch.arange(w, device=maps.device, dtype=up.dtype).repeat(h)
@@ -223,12 +269,15 @@ def relevance_mass(maps: ArrayLike, masks: ArrayLike) -> Tensor:
 def top_k_inside(maps: ArrayLike, masks: ArrayLike, k: Tensor) -> Tensor:
     """How many of each map's ``k`` most relevant pixels lie inside the mask, ties counted by expectation.
 
-    The map is upsampled bilinearly to the mask resolution and ranked by its signed value. Pixels
-    tied with the k-th value at the cut are a random draw in any ranking (``numpy.argsort`` and a
-    stable sort take the first in memory order, i.e. the top rows): the count is the expectation over
-    a uniformly random order of the tied pixels, ``g_in + (k - g) * e_in / e`` with ``g`` (``g_in``)
-    the pixels above the k-th value (inside the mask) and ``e`` (``e_in``) those equal to it. Without
-    ties at the cut this is the plain count; a constant map gets ``k * |mask| / (H * W)``, chance.
+    The map is min-max normalised and upsampled bilinearly to the mask resolution
+    (:func:`normalised_upsample`) and ranked by its signed value. Pixels tied with the k-th value at the
+    cut -- equal to it within :data:`TIE_RTOL` of the map's range, so that a plateau of equal cells stays
+    a tie after upsampling, whatever the map's scale -- are a random draw in any ranking
+    (``numpy.argsort`` and a stable sort take the first in memory order, i.e. the top rows): the count is
+    the expectation over a uniformly random order of the tied pixels, ``g_in + (k - g) * e_in / e`` with
+    ``g`` (``g_in``) the pixels above the k-th value (inside the mask) and ``e`` (``e_in``) those tied with
+    it. Without ties at the cut this is the plain count; a constant map gets ``k * |mask| / (H * W)``,
+    chance.
 
     Args:
         maps: ``(B, h, w)`` maps at any resolution.
@@ -241,11 +290,11 @@ def top_k_inside(maps: ArrayLike, masks: ArrayLike, k: Tensor) -> Tensor:
     maps = check_maps(maps)
     masks = check_masks(masks, batch=maps.shape[0]).to(maps.device)
     dtype = exact_dtype(maps.device)
-    a = upsample_maps(maps.to(dtype), masks.shape[1:]).flatten(1)
+    a = normalised_upsample(maps, tuple(masks.shape[1:]))
     inside = masks.flatten(1)
     k = k.to(device=maps.device, dtype=torch.long)
     cut = torch.sort(a, dim=1, descending=True).values.gather(1, (k - 1)[:, None])  # the k-th value, (B, 1)
-    above, tied = a > cut, a == cut
+    above, tied = a > cut + TIE_RTOL, (a - cut).abs() <= TIE_RTOL
     g, g_in = above.sum(1), (above & inside).sum(1)
     e, e_in = tied.sum(1), (tied & inside).sum(1)
     return g_in.to(dtype) + (k - g).to(dtype) * e_in.to(dtype) / e.to(dtype)
@@ -301,6 +350,10 @@ def top_k_intersection(maps: ArrayLike, masks: ArrayLike, k: int) -> Tensor:
     maps = check_maps(maps)
     masks = check_masks(masks, batch=maps.shape[0]).to(maps.device)
     n = masks.shape[1] * masks.shape[2]
+    try:
+        k = whole(k, "k")
+    except UsageError:
+        pass  # (the message below says the range)
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n:
         raise UsageError(f"k must be an int in [1, {n}] (pixels at mask resolution), got {k!r}")
     counts = torch.full((maps.shape[0],), k, device=maps.device, dtype=torch.long)

@@ -15,7 +15,6 @@ every layer alike, so its layers of the same shape get identical weights).
 
 from __future__ import annotations
 
-import math
 from typing import Callable, List, NamedTuple, Optional, Sequence
 
 from torch import Tensor, nn
@@ -24,7 +23,7 @@ from ..errors import UsageError
 from .concentration import histogram_entropy
 from .sanity import RandomizationResult, _layer_names, randomization_check, randomized_copy
 from .seeding import image_generators, per_image_draws
-from .validation import check_images, check_maps, check_positive_int, check_seed, exact_dtype
+from .validation import check_images, check_maps, check_positive_int, check_seed, exact_dtype, real
 
 __all__ = ["EfficientMPRTResult", "efficient_mprt", "smooth_mprt"]
 
@@ -87,7 +86,10 @@ def efficient_mprt(
             undefined; drop the item), or the maps of the two models differ in shape.
     """
     names = _layer_names(model, layers)
-    check_positive_int(bins, "bins")
+    bins = check_positive_int(bins, "bins")
+    if bins < 2:  # (one bin holds every value: each map's entropy is 0, reported as "constant explanations")
+        raise UsageError(f"bins must be at least 2 for a histogram entropy that can rise, got {bins}")
+    seed = check_seed(seed)
     reference = check_maps(explain_fn(model), "explain_fn output (original model)")
     h = histogram_entropy(reference, bins=bins)
     flat = (h == 0).nonzero().flatten().tolist()
@@ -160,9 +162,10 @@ def smooth_mprt(
         (len(layers), B)``, the denoised ``reference (B, h, w)`` and the ``maps`` of every step or None.
     """
     images = check_images(images)
-    check_positive_int(samples, "samples")
-    check_seed(seed)
-    if not (isinstance(noise, (int, float)) and not isinstance(noise, bool) and noise >= 0 and math.isfinite(noise)):
+    samples = check_positive_int(samples, "samples")
+    seed = check_seed(seed)
+    noise = real(noise, "noise (a fraction of each image's value range)")
+    if noise < 0:
         raise UsageError(f"noise must be a finite fraction >= 0 of each image's value range, got {noise!r}")
     if order not in ("bottom_up", "top_down"):
         raise UsageError(f"order must be 'bottom_up' (input side first) or 'top_down', got {order!r}")

@@ -20,8 +20,8 @@ from torch import Tensor, nn
 from ..checks import training_layers
 from ..errors import NumericalError, TargetError, UsageError
 from ..targets import logits_of, resolve
-from .localisation import upsample_maps
-from .validation import ArrayLike, Size2, as_tensor, check_images, check_maps, check_positive_int, size2
+from .localisation import normalised_upsample, tie_groups
+from .validation import ArrayLike, Size2, as_tensor, check_images, check_maps, check_positive_int, real, size2, whole
 
 __all__ = ["DeletionInsertionResult", "deletion_insertion", "deletion_auc", "insertion_auc"]
 
@@ -68,9 +68,12 @@ def _baseline_images(images: Tensor, baseline: Baseline, blur_sigma: Optional[fl
         elif baseline == "mean":
             out = images.mean(dim=(2, 3), keepdim=True).expand_as(images)
         elif baseline == "blur":
-            sigma = blur_sigma if blur_sigma is not None else max(images.shape[-2:]) / 16.0
+            try:  # (inf was an OverflowError: a kernel of infinite radius)
+                sigma = real(blur_sigma, "blur_sigma") if blur_sigma is not None else max(images.shape[-2:]) / 16.0
+            except UsageError:
+                sigma = math.nan
             if not sigma > 0:
-                raise UsageError(f"blur_sigma must be > 0, got {blur_sigma!r}")
+                raise UsageError(f"blur_sigma must be a finite number of pixels > 0, got {blur_sigma!r}")
             out = _gaussian_blur(images, float(sigma))
         else:
             raise UsageError(f"baseline must be 'blur', 'zero', 'mean', a tensor or a callable, got {baseline!r}")
@@ -83,6 +86,9 @@ def _baseline_images(images: Tensor, baseline: Baseline, blur_sigma: Optional[fl
         raise UsageError(
             f"baseline must broadcast to the images' shape {tuple(images.shape)}, got {tuple(out.shape)}"
         ) from None
+    if not bool(torch.isfinite(out).all()):  # (blamed on the model's logits before: "check the model's weights")
+        raise UsageError("the baseline images hold NaN or infinite values, so every perturbed input would too; pass a "
+                         "finite baseline ('blur', 'zero', 'mean', or a finite tensor / callable result)")
     return out
 
 
@@ -162,7 +168,14 @@ def _resolve_targets(run: Callable[[Tensor], Tensor], images: Tensor, target: An
 
 
 def _patch_grid(maps: Tensor, size: Tuple[int, int], patch: Optional[Size2]) -> Tuple[Tensor, Tensor]:
-    """Return per-cell relevance (B, K) and the pixel -> cell label image (H, W) long."""
+    """Return per-cell relevance (B, K) and the pixel -> cell label image (H, W) long.
+
+    With ``patch`` the relevance of a patch is the mean of the map normalised to [0, 1] and upsampled in float64
+    (:func:`~vitexplain.metrics.localisation.normalised_upsample`), and patches within
+    :data:`~vitexplain.metrics.localisation.TIE_RTOL` of each other are set equal (their tie group's rank,
+    negated), so that patches equal in exact arithmetic tie at any scale of the map (bilinear rounding ordered
+    them, differently at 0.7x: curves moved by up to 0.04).
+    """
     H, W = size
     dev = maps.device
     ys = torch.arange(H, device=dev)
@@ -176,11 +189,11 @@ def _patch_grid(maps: Tensor, size: Tuple[int, int], patch: Optional[Size2]) -> 
     ph, pw = size2(patch, "patch")
     gh, gw = -(-H // ph), -(-W // pw)
     labels = (ys // ph)[:, None] * gw + (xs // pw)[None, :]
-    up = upsample_maps(maps, size).flatten(1)
+    up = normalised_upsample(maps, size)
     k = gh * gw
     sums = torch.zeros(maps.shape[0], k, device=dev, dtype=up.dtype).index_add_(1, labels.flatten(), up)
     counts = torch.bincount(labels.flatten(), minlength=k).to(up.dtype)
-    return sums / counts, labels
+    return -tie_groups(sums / counts).to(up.dtype), labels
 
 
 def _target_spec(target: Any, batch: int) -> Optional[Tensor]:
@@ -195,6 +208,10 @@ def _target_spec(target: Any, batch: int) -> Optional[Tensor]:
         raise TargetError(f"target must be an int, a (B,) sequence of ints or None, got {target!r}")
     if isinstance(target, int):
         return torch.full((batch,), target, dtype=torch.long)
+    names = [target] if isinstance(target, str) else list(target) if isinstance(target, (list, tuple)) else []
+    if any(isinstance(n, str) for n in names):  # (an InputError said "must be a torch.Tensor or a NumPy array")
+        raise TargetError(f"target must be class indices (an int or a ({batch},) sequence of ints), got label names "
+                          f"{target!r}: pass the explanation's e.targets, or the names' indices in the model's labels")
     t = as_tensor(target, "target")
     if t.ndim == 0:
         t = t.expand(batch)
@@ -246,8 +263,9 @@ def deletion_insertion(
         steps: number of steps (curve has ``steps + 1`` points); default K (one patch per step).
             At most K.
         patch: instead of the map's grid, use patches of this size in pixels (int or ``(ph, pw)``); the
-            map is upsampled bilinearly to the image and averaged over each patch. Edge patches may be
-            smaller when the size does not divide the image.
+            map is min-max normalised, upsampled bilinearly to the image and averaged over each patch;
+            patch means within 1e-5 of the range of each other tie (row-major order), so the order does not
+            change with the map's scale. Edge patches may be smaller when the size does not divide the image.
         score: ``"softmax"`` (single-label probability), ``"sigmoid"`` (multi-label) or a callable
             ``logits (N, C) -> scores (N, C)`` (e.g. ``lambda z: z`` for raw logits).
         batch_size: images per forward pass (bounds memory).
@@ -262,12 +280,16 @@ def deletion_insertion(
     images = check_images(images)
     B, _, H, W = images.shape
     maps = check_maps(maps, batch=B).to(images.device)
-    check_positive_int(batch_size, "batch_size")
+    batch_size = check_positive_int(batch_size, "batch_size")
     scores, labels = _patch_grid(maps, (H, W), patch)
     K = scores.shape[1]
     if steps is None:
         steps = K
-    if not (isinstance(steps, int) and 1 <= steps <= K):
+    try:
+        steps = whole(steps, "steps")
+    except UsageError:
+        pass  # (the message below says the range)
+    if not (isinstance(steps, int) and not isinstance(steps, bool) and 1 <= steps <= K):
         raise UsageError(f"steps must be an int in [1, {K}] (the number of patches), got {steps!r}")
     run = _scorer(model, score, "deletion_insertion")
 

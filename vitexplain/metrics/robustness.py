@@ -8,7 +8,6 @@ explanation is perfectly stable (0), so sensitivity is read alongside a faithful
 
 from __future__ import annotations
 
-import math
 from typing import Callable, Optional
 
 import torch
@@ -16,7 +15,7 @@ from torch import Tensor
 
 from ..errors import UsageError
 from .seeding import image_generators, per_image_draws
-from .validation import ArrayLike, check_images, check_maps, check_positive_int, check_seed, exact_dtype
+from .validation import ArrayLike, check_images, check_maps, check_positive_int, check_seed, exact_dtype, real
 
 __all__ = ["sensitivities", "max_sensitivity", "avg_sensitivity"]
 
@@ -62,10 +61,11 @@ def sensitivities(
             whose relative change is undefined (drop the item or pass ``relative=False``).
     """
     images = check_images(images)
-    if not (isinstance(radius, (int, float)) and not isinstance(radius, bool) and radius > 0 and math.isfinite(radius)):
+    radius = real(radius, "radius (in the units of the images)")
+    if radius <= 0:
         raise UsageError(f"radius must be a finite number > 0 (in the units of the images), got {radius!r}")
-    check_positive_int(samples, "samples")
-    check_seed(seed)
+    samples = check_positive_int(samples, "samples")
+    seed = check_seed(seed)
     B = images.shape[0]
     reference = check_maps(explain_fn(images) if maps is None else maps, "explain_fn output", batch=B)
     dtype = exact_dtype(reference.device)

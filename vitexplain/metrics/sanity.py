@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from ..errors import InputError, UsageError
 from .correlation import rank_correlation
-from .validation import check_maps
+from .validation import check_maps, check_seed, real
 
 __all__ = ["RandomizationResult", "randomization_layers", "randomized_copy", "randomization_check"]
 
@@ -86,6 +86,14 @@ def _reinit_(module: nn.Module, std: float) -> None:
                 p.normal_(0.0, std)
 
 
+def _check_init(seed: object, init_std: object) -> tuple[int, float]:
+    """The seed (an int: ``torch.manual_seed(0.5)`` seeds 0) and ``init_std`` (a finite number >= 0), checked."""
+    std = real(init_std, "init_std")
+    if std < 0:
+        raise UsageError(f"init_std must be a standard deviation >= 0, got {init_std!r}")
+    return check_seed(seed), std
+
+
 def _layer_names(model: nn.Module, layers: Optional[Sequence[str]]) -> List[str]:
     """Check the model and the layer names (default :func:`randomization_layers`)."""
     if not isinstance(model, nn.Module):
@@ -129,6 +137,7 @@ def randomized_copy(
     Returns:
         The randomised copy (same device, dtype and training flag as ``model``).
     """
+    seed, init_std = _check_init(seed, init_std)
     names = _layer_names(model, layers)
     work = copy.deepcopy(model)
     for k, name in enumerate(names):
@@ -180,6 +189,7 @@ def randomization_check(
     """
     if mode not in ("cascading", "independent"):
         raise UsageError(f"mode must be 'cascading' or 'independent', got {mode!r}")
+    seed, init_std = _check_init(seed, init_std)
     names = _layer_names(model, layers)
 
     def explain(m: nn.Module, what: str) -> Tensor:

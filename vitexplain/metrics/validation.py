@@ -8,6 +8,8 @@ map is an error, never a silent NaN score.
 
 from __future__ import annotations
 
+import math
+from numbers import Integral, Real
 from typing import Any, Optional, Sequence, Tuple, Union
 
 import torch
@@ -17,7 +19,7 @@ from ..errors import InputError, UsageError
 
 __all__ = [
     "ArrayLike", "Size2", "as_tensor", "check_finite", "check_maps", "check_masks", "check_images",
-    "check_positive_int", "check_seed", "size2", "exact_dtype",
+    "check_positive_int", "check_seed", "size2", "exact_dtype", "whole", "real",
 ]
 
 ArrayLike = Any  # torch.Tensor, numpy.ndarray or a nested sequence of numbers
@@ -105,28 +107,70 @@ def check_images(images: ArrayLike, name: str = "images") -> Tensor:
     return images
 
 
-def check_seed(seed: Any) -> int:
-    """``seed`` as an int; a UsageError otherwise (None, floats and bools are not seeds)."""
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise UsageError(f"seed must be an int, got {seed!r}")
-    return seed
-
-
-def check_positive_int(value: Any, name: str) -> int:
-    """``value`` as an int >= 1; a UsageError names ``name`` otherwise (bools are not ints here)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise UsageError(f"{name} must be a positive int, got {value!r}")
+def _scalar(value: Any) -> Any:
+    """A NumPy scalar or a 0-d array / tensor as its Python number; anything else as it is."""
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
+        return value.item()
     return value
 
 
+def whole(value: Any, name: str) -> int:
+    """``value`` as an int: Python, NumPy and 0-d tensor integers (``mask.sum()``, ``np.int64(3)``) are
+    whole numbers; bools, floats (``2.0``) and anything else are a UsageError naming ``name``."""
+    value = _scalar(value)
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise UsageError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+def real(value: Any, name: str) -> float:
+    """``value`` as a finite float (Python, NumPy or 0-d tensor numbers); a UsageError naming ``name`` for
+    bools, strings, None, NaN and inf."""
+    value = _scalar(value)
+    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(float(value)):
+        raise UsageError(f"{name} must be a finite number, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
+def check_seed(seed: Any) -> int:
+    """``seed`` as an int (NumPy integers too); a UsageError otherwise (None, floats and bools are not seeds)."""
+    try:
+        return whole(seed, "seed")
+    except UsageError:
+        raise UsageError(f"seed must be an int, got {seed!r}") from None
+
+
+def check_positive_int(value: Any, name: str) -> int:
+    """``value`` as an int >= 1 (NumPy integers too); a UsageError names ``name`` otherwise (bools are not
+    ints here)."""
+    try:
+        number = whole(value, name)
+    except UsageError:
+        number = 0
+    if number < 1:
+        raise UsageError(f"{name} must be a positive int, got {value!r}")
+    return number
+
+
 def size2(size: Size2, name: str) -> Tuple[int, int]:
-    """An int or a pair as a positive ``(H, W)``."""
-    if isinstance(size, int):
-        out = (size, size)
+    """An int or a pair of ints (NumPy integers too) as a positive ``(H, W)``.
+
+    Raises:
+        UsageError: not one or two whole numbers (a float such as ``2.5`` was a TypeError, ``(5.5, 6)`` was
+            truncated to ``(5, 6)``), or not positive.
+    """
+    if getattr(size, "ndim", None) == 0 or isinstance(size, (Integral, Real)):
+        items = [size, size]
+    elif isinstance(size, (str, bytes)) or not hasattr(size, "__iter__"):
+        items = []
     else:
-        out = tuple(int(s) for s in size)
-        if len(out) != 2:
-            raise UsageError(f"{name} must be an int or a pair (H, W), got {size!r}")
+        items = list(size)
+    if len(items) != 2:
+        raise UsageError(f"{name} must be an int or a pair (H, W) of ints, got {size!r}")
+    try:
+        out = tuple(whole(s, name) for s in items)
+    except UsageError:
+        raise UsageError(f"{name} must be an int or a pair (H, W) of ints (whole pixels), got {size!r}") from None
     if out[0] <= 0 or out[1] <= 0:
         raise UsageError(f"{name} must be positive, got {size!r}")
     return out  # type: ignore[return-value]

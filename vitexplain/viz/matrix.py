@@ -325,7 +325,7 @@ def head_grid(
         layout: the token layout (``rec.layout``).
         query: the query token (0: the class token when there is one).
         index: which image of the batch.
-        tile: side of each map in pixels.
+        tile: the longer side of each map in pixels (the other follows the grid's aspect ratio).
         colormap: colormap name.
 
     Returns:
@@ -342,6 +342,8 @@ def head_grid(
     if hasattr(query, "item") and getattr(query, "ndim", None) == 0:  # a NumPy or 0-d torch integer
         query = query.item()
     query = whole(query, "query (a token index)", low=-layout.num_tokens, high=layout.num_tokens - 1)
+    gh, gw = layout.grid  # (a 3 x 5 grid was stretched into a square tile: cells 12 x 20 px at tile=60)
+    size = (max(1, round(tile * gh / max(gh, gw))), max(1, round(tile * gw / max(gh, gw))))
     rows, names = [], []
     for record in records:
         if record.num_keys != layout.num_tokens:
@@ -352,7 +354,7 @@ def head_grid(
         for m in maps:
             span = float(m.max() - m.min()) or 1.0
             img = apply_colormap((m - m.min()) / span, colormap)
-            tiles.append(cv2.resize(img, (tile, tile), interpolation=cv2.INTER_NEAREST))
+            tiles.append(cv2.resize(img, (size[1], size[0]), interpolation=cv2.INTER_NEAREST))
         rows.append(tiles)
         names.append(record.name)
     if not rows:
