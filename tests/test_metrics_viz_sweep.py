@@ -356,3 +356,24 @@ def test_label_names_as_a_metric_target_are_told_to_be_indices():
             M.deletion_auc(model, x, maps, names)
         with pytest.raises(TargetError, match="got label names"):
             M.road(model, x, maps, names, fractions=(0.5,))
+
+
+def test_grid_and_colormap_arguments_of_the_wrong_kind_are_usage_errors():
+    """Bug: ``grid(pad="x")`` and ``grid(text_color="red")`` raised bare ValueErrors from ``int()``, ``pad=None`` a
+    TypeError, and ``colormap=["jet"]`` an unhashable-type TypeError from the colormap cache."""
+    from vitexplain.viz import apply_colormap, colormap_lut, grid
+
+    tile = np.zeros((8, 8, 3), np.uint8)
+    for kwargs, what in [({"pad": "x"}, "pad"), ({"pad": None}, "pad"), ({"pad": -1}, "pad"),
+                         ({"text_color": "red"}, "text_color"), ({"text_color": (0, 0)}, "text_color"),
+                         ({"text_color": (0, 0, 300)}, "text_color")]:
+        with pytest.raises(vx.UsageError, match=what):
+            grid([tile], col_labels=["a"], **kwargs)
+    with pytest.raises(vx.UsageError, match="colormap must be a name"):
+        apply_colormap(np.zeros((4, 4)), colormap=["jet"])
+    with pytest.raises(vx.UsageError, match="unknown colormap 'Jett'"):
+        colormap_lut("Jett")
+    fig = grid([tile, tile], col_labels=["a", "b"], pad=3, text_color=(255, 0, 0))  # the valid forms still draw
+    red = (fig[..., 0].astype(int) - fig[..., 1]) > 100  # the label's (anti-aliased) red strokes
+    assert fig.shape[1] == 3 + 2 * (8 + 3) and bool(red.any())
+    assert (colormap_lut(" JET_r ") == colormap_lut("jet")[::-1]).all()

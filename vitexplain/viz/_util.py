@@ -11,7 +11,7 @@ from typing import Any, Optional
 from ..data.arrays import as_rgb, check_rgb, map_to_numpy
 from ..errors import UsageError
 
-__all__ = ["map_to_numpy", "check_rgb", "as_rgb", "real", "whole", "pixel_size", "image_index"]
+__all__ = ["map_to_numpy", "check_rgb", "as_rgb", "real", "whole", "pixel_size", "rgb_color", "image_index"]
 
 
 def real(value: Any, what: str, *, low: float = -math.inf, high: float = math.inf, low_open: bool = False) -> float:
@@ -59,6 +59,19 @@ def pixel_size(value: Any, what: str) -> tuple[int, int]:
         raise UsageError(f"{what} must be (H, W) or an int, in positive whole pixels; got {value!r}")
     h, w = (whole(v, what) for v in (values[0], values[-1]))
     return h, w
+
+
+def rgb_color(value: Any, what: str) -> tuple[int, int, int]:
+    """``value`` as an (R, G, B) colour of three whole numbers in [0, 255].
+
+    Raises:
+        UsageError: anything else (a colour name, two or four numbers, a float).
+    """
+    values = list(value) if isinstance(value, (tuple, list)) or getattr(value, "ndim", None) == 1 else None
+    if values is None or len(values) != 3:
+        raise UsageError(f"{what} must be an (R, G, B) triple of whole numbers in [0, 255], got {value!r}")
+    r, g, b = (whole(v, what, low=0, high=255) for v in values)
+    return r, g, b
 
 
 def image_index(index: Any, count: int, holder: str = "this explanation") -> int:

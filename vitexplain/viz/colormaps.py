@@ -30,7 +30,9 @@ __all__ = ["colormap_names", "colormap_lut", "apply_colormap", "DIVERGING"]
 DIVERGING: tuple[str, ...] = ("bwr", "coolwarm")
 
 
+@functools.lru_cache(maxsize=None)
 def _opencv_maps() -> dict[str, int]:
+    """OpenCV's colormaps by lower-case name (cached: read, never changed)."""
     return {
         n[len("COLORMAP_"):].lower(): int(getattr(cv2, n))
         for n in dir(cv2)
@@ -107,7 +109,6 @@ def _moreland(rgb1: tuple[float, float, float], rgb2: tuple[float, float, float]
     return out
 
 
-@functools.lru_cache(maxsize=None)
 def colormap_lut(name: str) -> np.ndarray:
     """The ``(256, 3)`` uint8 RGB lookup table of a colormap.
 
@@ -119,9 +120,23 @@ def colormap_lut(name: str) -> np.ndarray:
         Read-only ``(256, 3)`` uint8 array; row ``i`` is the colour of value ``i / 255``.
 
     Raises:
-        ValueError: Unknown name; the message lists the choices.
+        UsageError: not a name, or an unknown one; the message lists the choices.
     """
-    key = str(name).strip().lower()
+    if not isinstance(name, str):  # (a list is not hashable: the cache below raised a bare TypeError)
+        raise UsageError(f"colormap must be a name (a string), got {type(name).__name__} {name!r}; choose from "
+                         f"{', '.join(colormap_names())}")
+    key = name.strip().lower()
+    if (key[:-2] if key.endswith("_r") else key) not in _opencv_maps().keys() | {"bwr", "coolwarm", "gray", "grey"}:
+        raise UsageError(
+            f"unknown colormap {name!r}; choose from {', '.join(colormap_names())} "
+            "(case-insensitive; add '_r' to reverse)"
+        )
+    return _lut(key)
+
+
+@functools.lru_cache(maxsize=None)
+def _lut(key: str) -> np.ndarray:
+    """:func:`colormap_lut` of a lower-case, stripped name (cached: tables are read-only)."""
     reverse = key.endswith("_r")
     base = key[:-2] if reverse else key
     cv_maps = _opencv_maps()
@@ -132,13 +147,8 @@ def colormap_lut(name: str) -> np.ndarray:
         lut = np.rint(_bwr() * 255)
     elif base == "coolwarm":
         lut = np.rint(_moreland((0.230, 0.299, 0.754), (0.706, 0.016, 0.150)) * 255)
-    elif base in ("gray", "grey"):
+    else:  # gray / grey (colormap_lut checked the name)
         lut = np.repeat(np.arange(256).reshape(256, 1), 3, axis=1)
-    else:
-        raise UsageError(
-            f"unknown colormap {name!r}; choose from {', '.join(colormap_names())} "
-            "(case-insensitive; add '_r' to reverse)"
-        )
     lut = np.ascontiguousarray(np.asarray(lut, dtype=np.uint8)[::-1] if reverse else lut, dtype=np.uint8)
     lut.setflags(write=False)
     return lut

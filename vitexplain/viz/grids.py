@@ -9,7 +9,7 @@ from typing import Any, Optional, Sequence
 import cv2
 import numpy as np
 
-from ._util import as_rgb, check_rgb, pixel_size, real, whole
+from ._util import as_rgb, check_rgb, pixel_size, real, rgb_color, whole
 from ..errors import UsageError
 
 __all__ = ["grid", "save_png"]
@@ -116,7 +116,7 @@ def grid(
         raise UsageError(f"{len(col_labels)} column labels for {n_cols} columns")
     # (a 0 tile size gave an empty figure, a negative one a NumPy error, a negative font scale crashed OpenCV)
     th, tw = pixel_size(tile_size, "tile_size") if tile_size is not None else first.shape[:2]
-    pad = max(0, int(pad))
+    pad = whole(pad, "pad", low=0)
     background = whole(background, "background (a gray level)", low=0, high=255)
     scale = real(font_scale, "font_scale", low=0.0, high=20.0, low_open=True) if font_scale is not None else max(0.35, th / 448)
     thick = max(1, round(scale * 1.5))
@@ -131,7 +131,7 @@ def grid(
     H = pad + header + n_rows * (th + pad)
     W = pad + left + n_cols * (tw + pad)
     fig = np.full((H, W, 3), background, np.uint8)
-    color = tuple(int(v) for v in text_color)
+    color = rgb_color(text_color, "text_color")
 
     for c in range(n_cols):
         x = pad + left + c * (tw + pad)
