@@ -5,6 +5,10 @@ and channels-last inputs, training mode, the model left as found):
 - torchvision CNNs were given timm's default preprocessing (bicubic, 224 px, crop 0.875): torchvision's weights
   resize with bilinear interpolation, and Inception v3 was trained at 299 px (resize 342), so images passed as
   arrays or paths did not look like the ones the weights were trained on (adapters/tv_preprocess.py).
+- A CNN in training mode that fails on an input size (torchvision Inception v3 with its auxiliary classifier, which
+  runs in training only and needs a 17x17 map) got the model's bare "Output size is too small": the probe forwards
+  that find a size it takes ran one image, and a training batch norm refuses one value per channel (the auxiliary
+  classifier's 1x1 map), so no size was found to name.
 """
 
 from __future__ import annotations
@@ -35,3 +39,21 @@ def test_torchvision_cnn_images_are_preprocessed_as_its_weights_transform_does(n
     want = transform(Image.fromarray(image))[None]
     assert x.shape == want.shape, (x.shape, want.shape)
     torch.testing.assert_close(x, want, rtol=0, atol=1e-4)
+
+
+def _hooks(model: torch.nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) for m in model.modules())
+
+
+def test_a_cnn_in_training_mode_that_refuses_a_size_names_the_size_it_takes():
+    torch.manual_seed(0)
+    model = torchvision.models.inception_v3(num_classes=5, aux_logits=True, init_weights=False).train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.warns(UserWarning, match="training mode"):
+        with pytest.raises(vx.InputError, match=r"does not take a 96x160 input .*runs on 299x299 images") as info:
+            vx.Explainer(model).explain(torch.randn(2, 3, 96, 160), method="gradcam", target=[0, 1])
+    assert isinstance(info.value.__cause__, RuntimeError)  # the model's own message is kept
+    after = model.state_dict()  # the probes (training mode: batch-norm statistics) left the model as found
+    assert [k for k in before if not torch.equal(before[k], after[k])] == []
+    assert all(m.training for m in model.modules()) and _hooks(model) == 0
+    assert all(p.grad is None and p.requires_grad for p in model.parameters())
