@@ -139,11 +139,13 @@ class CNNAdapter(Adapter):
         return None
 
     def preprocess_kwargs(self) -> dict[str, Any]:
-        """timm's data config of the model; for a torchvision CNN, its weights' eval transform
-        (:mod:`vitexplain.adapters.tv_preprocess`: bilinear, Inception v3 at 299 px, ...)."""
+        """timm's data config of the model; for a torchvision CNN that carries no ``pretrained_cfg`` (one set by
+        the user wins), its weights' eval transform (:mod:`vitexplain.adapters.tv_preprocess`: bilinear, Inception
+        v3 at 299 px, ...)."""
         from .tv_preprocess import torchvision_preprocess
 
-        return torchvision_preprocess(self.model) or super().preprocess_kwargs()
+        tv = torchvision_preprocess(self.model) if getattr(self.model, "pretrained_cfg", None) is None else None
+        return tv or super().preprocess_kwargs()
 
     def feature_map(self, name: str, output: Tensor, input_size: tuple[int, int]) -> Tensor:
         """A stage's output as a (B, C, h, w) feature map.
