@@ -9,12 +9,18 @@ and channels-last inputs, training mode, the model left as found):
   runs in training only and needs a 17x17 map) got the model's bare "Output size is too small": the probe forwards
   that find a size it takes ran one image, and a training batch norm refuses one value per channel (the auxiliary
   classifier's 1x1 map), so no size was found to name.
+- timm models with gradient checkpointing on (``set_grad_checkpointing(True)``, left on after fine-tuning): ResNet
+  and EfficientNet run their stages through ``checkpoint_seq(..., flatten=True)``, which calls the blocks inside a
+  stage directly, so the stage modules the Grad-CAM family reads never ran: every method the plan listed was
+  refused ("module 'layer4' gave no tensor in the forward", "nothing captured is part of an autograd graph").
+  A capture of activations now holds checkpointing off and puts it back (recording/checkpointing.py).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import timm
 import torch
 import torchvision
 from PIL import Image
@@ -57,3 +63,41 @@ def test_a_cnn_in_training_mode_that_refuses_a_size_names_the_size_it_takes():
     assert [k for k in before if not torch.equal(before[k], after[k])] == []
     assert all(m.training for m in model.modules()) and _hooks(model) == 0
     assert all(p.grad is None and p.requires_grad for p in model.parameters())
+
+
+def _cams(model, layer, x, classes):
+    """Hand-written Grad-CAM and LayerCAM of ``layer`` (forward hook, autograd.grad), (B, h, w) each."""
+    store = {}
+    handle = model.get_submodule(layer).register_forward_hook(lambda m, i, o: store.__setitem__("a", o))
+    try:
+        logits = model(x)
+    finally:
+        handle.remove()
+    (g,) = torch.autograd.grad(logits[torch.arange(len(x)), classes].sum(), store["a"])
+    a = store["a"].detach()
+    return {"gradcam": (g.mean((2, 3), keepdim=True) * a).sum(1).clamp(min=0),
+            "layercam": (g.clamp(min=0) * a).sum(1).clamp(min=0)}
+
+
+@pytest.mark.parametrize("name", ["resnet18", "efficientnet_b0"])
+def test_a_timm_cnn_with_gradient_checkpointing_on_is_explained_and_left_with_it_on(name):
+    from support_table import reinit_heads
+
+    torch.manual_seed(0)
+    model = timm.create_model(name, num_classes=5).eval()
+    reinit_heads(model)  # (timm ResNets zero each block's last norm)
+    x = torch.randn(2, 3, 64, 96, generator=torch.Generator().manual_seed(1))
+    classes = torch.tensor([1, 3])
+    ex = vx.Explainer(model)
+    want = _cams(model, ex.adapter.target_layer, x, classes)  # checkpointing off
+    model.set_grad_checkpointing(True)
+    flags = {n: m.grad_checkpointing for n, m in model.named_modules() if hasattr(m, "grad_checkpointing")}
+    assert any(flags.values())
+    for method in ex.plan().available:  # every method the plan lists runs
+        e = ex.explain(x, method=method, target=None if method == "channel" else classes)  # (channel: any class)
+        assert e.maps.shape == (2, 2, 3) and bool(torch.isfinite(e.maps).all()), method
+        if method in want:
+            assert float(want[method].max()) > 0
+            torch.testing.assert_close(e.maps, want[method], rtol=0, atol=1e-5 * float(want[method].max()))
+    assert {n: m.grad_checkpointing for n, m in model.named_modules() if hasattr(m, "grad_checkpointing")} == flags
+    assert _hooks(model) == 0 and all(p.grad is None for p in model.parameters())
