@@ -65,7 +65,7 @@ SIZE_BOUND = {
     "timm resnetaa34d": (lambda: timm.create_model("resnetaa34d", num_classes=5), (33, 47), "32x32"),
     "timm tresnet_m": (lambda: timm.create_model("tresnet_m", num_classes=5), (67, 91), "64x96"),
     "torchvision inception_v3": (lambda: torchvision.models.inception_v3(
-        weights=None, num_classes=5, aux_logits=False, init_weights=False), (67, 91), "224x224"),  # its configured size
+        weights=None, num_classes=5, aux_logits=False, init_weights=False), (67, 91), "299x299"),  # its weights' size
     "torchvision squeezenet1_1": (lambda: torchvision.models.squeezenet1_1(num_classes=5), (16, 16), "32x32"),
 }
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from torch import Tensor, nn
 
@@ -137,6 +137,15 @@ class CNNAdapter(Adapter):
                     "(C, h, w) feature map per image (e.g. tokens of several branches or patches mixed with the "
                     "batch), so the Grad-CAM family cannot read it")
         return None
+
+    def preprocess_kwargs(self) -> dict[str, Any]:
+        """timm's data config of the model; for a torchvision CNN that carries no ``pretrained_cfg`` (one set by
+        the user wins), its weights' eval transform (:mod:`vitexplain.adapters.tv_preprocess`: bilinear, Inception
+        v3 at 299 px, ...)."""
+        from .tv_preprocess import torchvision_preprocess
+
+        tv = torchvision_preprocess(self.model) if getattr(self.model, "pretrained_cfg", None) is None else None
+        return tv or super().preprocess_kwargs()
 
     def feature_map(self, name: str, output: Tensor, input_size: tuple[int, int]) -> Tensor:
         """A stage's output as a (B, C, h, w) feature map.

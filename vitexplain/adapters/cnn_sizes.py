@@ -11,9 +11,10 @@ need sides that halve evenly; Inception-v3 a minimum size): when the model's own
 and runs on the nearest multiple of its stride, or on its configured size, that size is named.
 
 Each module's reduction (image side over its input map's side) comes from one probe forward without
-gradients (forward pre-hooks, removed in ``finally``; a model in training mode keeps its buffers): at the
-model's configured input size, or, when the model does not take that one (built for another size), at the
-refused size (the modules the forward reached before it failed).
+gradients (forward pre-hooks, removed in ``finally``; a model in training mode keeps its buffers, and its probes
+take two images: a training batch norm refuses one value per channel): at the model's configured input size, or,
+when the model does not take that one (built for another size), at the refused size (the modules the forward
+reached before it failed).
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ def _reductions(model: nn.Module, rules: list[_Rule], forward: Callable[[Tensor]
                 configured: Optional[tuple[int, int]]) -> dict[str, tuple[int, int]]:
     """rule name -> (rh, rw) image pixels per feature-map pixel at that module's input."""
     for size in ([configured] if configured else []) + [tuple(probe.shape[-2:])]:
-        x = torch.zeros(1, *probe.shape[1:-2], *size, dtype=probe.dtype, device=probe.device)
+        x = torch.zeros(_probe_batch(model), *probe.shape[1:-2], *size, dtype=probe.dtype, device=probe.device)
         maps = _input_maps(model, rules, forward, x)
         out = {}
         for name, (h, w) in maps.items():
@@ -130,9 +131,15 @@ def _reductions(model: nn.Module, rules: list[_Rule], forward: Callable[[Tensor]
     return {}
 
 
+def _probe_batch(model: nn.Module) -> int:
+    """How many images a probe forward takes: two when a batch norm is in training mode (it refuses one value per
+    channel, e.g. Inception v3's auxiliary classifier at 1x1), else one."""
+    return 2 if any(m.training for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)) else 1
+
+
 def _runs(model: nn.Module, forward: Callable[[Tensor], object], like: Tensor, size: tuple[int, int]) -> bool:
-    """Whether one image of ``size`` (dtype, device and channels of ``like``) runs through the model."""
-    x = torch.zeros(1, *like.shape[1:-2], *size, dtype=like.dtype, device=like.device)
+    """Whether images of ``size`` (dtype, device and channels of ``like``) run through the model."""
+    x = torch.zeros(_probe_batch(model), *like.shape[1:-2], *size, dtype=like.dtype, device=like.device)
     try:
         with torch.no_grad(), buffers_kept(model):
             forward(x)

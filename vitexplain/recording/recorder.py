@@ -54,6 +54,7 @@ from .interception import AttentionMode
 from .materialize import check_heads, check_mode
 from .narrowing import Narrowing
 from .activations import activation_hook
+from .checkpointing import checkpointing_off
 from .activations import ActivationRecord
 from .records import AttentionRecord
 from .missing import SUPPORTED, no_attention, unrecorded_note
@@ -132,6 +133,7 @@ class Recorder:
         self._active = False
         self._thread = 0  # the thread the scope was entered in
         self._root_depth = 0  # calls of the model itself in progress in that thread
+        self._checkpointing: Optional[Callable[[], None]] = None  # puts gradient checkpointing back on
 
     # -- context manager --------------------------------------------------------------
     def __enter__(self) -> "Recorder":
@@ -154,6 +156,8 @@ class Recorder:
                 )
                 self._handles.append(self.model.register_forward_pre_hook(self._on_root_start, prepend=True))
                 self._handles.append(self.model.register_forward_hook(self._on_root_end, always_call=True))
+                if self.activation_names and not self.attention:  # (checkpoint_seq bypasses stages: checkpointing.py)
+                    self._checkpointing = checkpointing_off(self.model)
                 for name in self.activation_names:
                     self._handles.append(
                         modules[name].register_forward_hook(activation_hook(self, name), with_kwargs=True)
@@ -205,6 +209,9 @@ class Recorder:
             if self._stance is not None:
                 release, self._stance = self._stance, None
                 release()
+            if self._checkpointing is not None:
+                restore, self._checkpointing = self._checkpointing, None
+                restore()
             self._active = False
 
     # -- the record sink (what the interceptors use, see recording/sink.py) ----------------
