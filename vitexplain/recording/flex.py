@@ -33,7 +33,8 @@ from ..errors import CaptureError
 from .flex_records import FlexAttentionRecord
 from .records import AttentionRecord
 from .sink import RecordSink, in_backward
-from .witness import block_tensors, captured_versions, key_witness, query_witness, tensor_versions, value_witness
+from .mod_witness import captured
+from .witness import block_tensors, key_witness, query_witness, tensor_versions, value_witness
 
 __all__ = [
     "FlexWatcher",
@@ -269,6 +270,7 @@ class FlexWatcher:
                 "flex_attention itself rather than the whole model"
             )
         q, k, v = bound["query"], bound["key"], bound["value"]
+        mod_versions, mod_reads = captured(bound["score_mod"], getattr(bound["block_mask"], "mask_mod", None))
         record = self.sink.add_record(
             issuer,
             FlexAttentionRecord,
@@ -282,7 +284,8 @@ class FlexWatcher:
             _scale=bound["scale"],
             score_mod=bound["score_mod"],
             block_mask=bound["block_mask"],
-            _mod_versions=captured_versions(bound["score_mod"], getattr(bound["block_mask"], "mask_mod", None)),
+            _mod_versions=mod_versions,
+            _mod_reads=mod_reads,
             _block_versions=tensor_versions(block_tensors(bound["block_mask"])),
         )
         if self.sink.grads:
