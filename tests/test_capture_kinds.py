@@ -107,3 +107,286 @@ def test_flex_records_whose_score_mod_reads_module_attributes_changed_since_are_
     model.bias = nn.Parameter(torch.randn(2, 15))  # a new tensor under the same name
     with pytest.raises(vx.CaptureError, match=r"_RelBias\.bias.*changed after the call"):
         rec.records[0].probs()
+
+
+# -- a small ViT whose attention is of each kind: records and rollout against the oracle ---------------------------
+
+N_TOK = 17  # class token + 4 x 4 patches of a 32 x 32 image
+
+
+class _Kind(nn.Module):
+    """timm's ``attn_layer`` interface; ``oracle(x)`` is the layer's (B, H, N, N) attention in float64, from its
+    parameters."""
+
+    def __init__(self, dim: int, num_heads: int = 2, **_: object) -> None:
+        super().__init__()
+        self.dim, self.heads = dim, num_heads
+
+    def project(self, x: Tensor, weight: Tensor, bias: Tensor | None, double: bool = False) -> Tensor:
+        """(B, N, D) -> (B, H, N, D / H)."""
+        if double:
+            x, weight, bias = x.double(), weight.double(), None if bias is None else bias.double()
+        y = x @ weight.T + (0 if bias is None else bias)
+        return y.unflatten(-1, (self.heads, -1)).transpose(1, 2)
+
+
+class _MHA(_Kind):
+    """nn.MultiheadAttention inside the block; sequence-first unless ``batch_first``, weights asked or not."""
+
+    batch_first, need_weights = True, False
+
+    def __init__(self, dim: int, num_heads: int = 2, **_: object) -> None:
+        super().__init__(dim, num_heads)
+        self.mha = nn.MultiheadAttention(dim, num_heads, batch_first=self.batch_first)
+
+    def forward(self, x: Tensor, attn_mask=None, is_causal: bool = False) -> Tensor:
+        y = x if self.batch_first else x.transpose(0, 1)
+        out = self.mha(y, y, y, need_weights=self.need_weights, average_attn_weights=False)[0]
+        return out if self.batch_first else out.transpose(0, 1)
+
+    def oracle(self, x: Tensor) -> Tensor:
+        w_q, w_k, _ = self.mha.in_proj_weight.detach().chunk(3)
+        b_q, b_k, _ = self.mha.in_proj_bias.detach().chunk(3)
+        q, k = self.project(x, w_q, b_q, True), self.project(x, w_k, b_k, True)
+        return softmax64(qk64(q, k))
+
+
+class _MHASeqFirstWeights(_MHA):
+    batch_first, need_weights = False, True
+
+
+class _QKV(_Kind):
+    def __init__(self, dim: int, num_heads: int = 2, **_: object) -> None:
+        super().__init__(dim, num_heads)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def qkv_heads(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v (B, H, N, D / H): strided views of one projection (not contiguous)."""
+        return self.qkv(x).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4).unbind(0)
+
+    def qk64(self, x: Tensor) -> Tensor:
+        w, b = self.qkv.weight.detach(), self.qkv.bias.detach()
+        d = self.dim
+        return qk64(self.project(x, w[:d], b[:d], True), self.project(x, w[d:2 * d], b[d:2 * d], True))
+
+    def out(self, o: Tensor) -> Tensor:
+        return self.proj(o.transpose(1, 2).flatten(2))
+
+
+class _SDPABias(_QKV):
+    """SDPA with a learned (H, N, N) float bias as its attn_mask, on non-contiguous q, k, v."""
+
+    def __init__(self, dim: int, num_heads: int = 2, **_: object) -> None:
+        super().__init__(dim, num_heads)
+        self.bias = nn.Parameter(torch.randn(num_heads, N_TOK, N_TOK))
+
+    def forward(self, x: Tensor, attn_mask=None, is_causal: bool = False) -> Tensor:
+        q, k, v = self.qkv_heads(x)
+        return self.out(torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=self.bias))
+
+    def oracle(self, x: Tensor) -> Tensor:
+        return softmax64(self.qk64(x) + self.bias.detach().double())
+
+
+SLOPES = (0.5, 0.25)  # ALiBi slopes of the two heads
+CAP, WINDOW = 5.0, 6
+
+
+def _alibi_capped(s: Tensor, b: Tensor, h: Tensor, qi: Tensor, ki: Tensor) -> Tensor:
+    """ALiBi (symmetric distance penalty) then tanh soft-capping."""
+    slopes = torch.tensor(SLOPES)
+    return CAP * torch.tanh((s - slopes[h] * (qi - ki).abs()) / CAP)
+
+
+class _Flex(_QKV):
+    """FlexAttention: ALiBi + soft-capping score_mod, sliding-window block mask (|i - j| <= WINDOW)."""
+
+    flex_fn = staticmethod(flex.flex_attention)
+
+    def forward(self, x: Tensor, attn_mask=None, is_causal: bool = False) -> Tensor:
+        q, k, v = self.qkv_heads(x)
+        n = x.shape[1]
+        mask = flex.create_block_mask(lambda b, h, qi, ki: (qi - ki).abs() <= WINDOW, None, None, n, n, device="cpu")
+        return self.out(self.flex_fn(q, k, v, score_mod=_alibi_capped, block_mask=mask))
+
+    def oracle(self, x: Tensor) -> Tensor:
+        i = torch.arange(x.shape[1])
+        distance = (i[:, None] - i[None]).abs()
+        scores = self.qk64(x) - torch.tensor(SLOPES, dtype=torch.float64)[:, None, None] * distance
+        return softmax64(CAP * torch.tanh(scores / CAP), distance <= WINDOW)
+
+
+class _Additive(_Kind):
+    """Multi-head additive (Bahdanau) self-attention ``e_ij = v_h . tanh(W q_i + U k_j)``; keeps ``self.alpha``."""
+
+    def __init__(self, dim: int, num_heads: int = 2, **_: object) -> None:
+        super().__init__(dim, num_heads)
+        self.w, self.u = nn.Linear(dim, 8 * num_heads), nn.Linear(dim, 8 * num_heads, bias=False)
+        self.v = nn.Parameter(torch.randn(num_heads, 8))
+        self.value = nn.Linear(dim, dim)
+
+    def forward(self, x: Tensor, attn_mask=None, is_causal: bool = False) -> Tensor:
+        wq, uk = self.project(x, self.w.weight, self.w.bias), self.project(x, self.u.weight, None)
+        e = (torch.tanh(wq[:, :, :, None] + uk[:, :, None]) * self.v[None, :, None, None]).sum(-1)
+        self.alpha = e.softmax(-1)
+        return (self.alpha @ self.project(x, self.value.weight, self.value.bias)).transpose(1, 2).flatten(2)
+
+    def oracle(self, x: Tensor) -> Tensor:
+        wq = self.project(x, self.w.weight.detach(), self.w.bias.detach(), True)
+        uk = self.project(x, self.u.weight.detach(), None, True)
+        return softmax64((torch.tanh(wq[:, :, :, None] + uk[:, :, None]) * self.v.detach().double()[None, :, None, None])
+                         .sum(-1))
+
+
+def _strided(n: int) -> Tensor:
+    """Sparse (strided) pattern: i attends to j with the same index mod 3, and to its neighbours."""
+    i = torch.arange(n)
+    return (i[:, None] % 3 == i[None] % 3) | ((i[:, None] - i[None]).abs() <= 1)
+
+
+class _Strided(_QKV):
+    """Strided sparse attention written as a dense masked softmax; returns nothing but keeps ``self.weights``."""
+
+    def forward(self, x: Tensor, attn_mask=None, is_causal: bool = False) -> Tensor:
+        q, k, v = self.qkv_heads(x)
+        scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+        self.weights = scores.masked_fill(~_strided(x.shape[1]), float("-inf")).softmax(-1)
+        return self.out(self.weights @ v)
+
+    def oracle(self, x: Tensor) -> Tensor:
+        return softmax64(self.qk64(x), _strided(x.shape[1]))
+
+
+class _Local(_QKV):
+    """Local windowed attention computed on the (2w + 1) neighbours only, (B, H, N, 2w + 1) weights."""
+
+    w = 2
+
+    def forward(self, x: Tensor, attn_mask=None, is_causal: bool = False) -> Tensor:
+        q, k, v = self.qkv_heads(x)
+        n, w = x.shape[1], self.w
+        keys = torch.nn.functional.pad(k, (0, 0, w, w)).unfold(2, 2 * w + 1, 1)  # (B, H, N, hd, 2w+1)
+        values = torch.nn.functional.pad(v, (0, 0, w, w)).unfold(2, 2 * w + 1, 1)
+        scores = torch.einsum("bhnd,bhndw->bhnw", q, keys) * q.shape[-1] ** -0.5
+        pos = torch.arange(n)[:, None] + torch.arange(-w, w + 1)[None]
+        self.local = scores.masked_fill((pos < 0) | (pos >= n), float("-inf")).softmax(-1)
+        return self.out(torch.einsum("bhnw,bhndw->bhnd", self.local, values))
+
+    def oracle(self, x: Tensor) -> Tensor:
+        i = torch.arange(x.shape[1])
+        return softmax64(self.qk64(x), (i[:, None] - i[None]).abs() <= self.w)
+
+
+def _local_dense(module: _Local, inputs, output) -> Tensor:
+    """Extractor: the local weights scattered into (B, H, N, N)."""
+    local, w = module.local, module.w
+    b, h, n, width = local.shape
+    index = (torch.arange(n)[:, None] + torch.arange(width)[None]).expand(b, h, n, width)
+    return local.new_zeros(b, h, n, n + 2 * w).scatter(-1, index, local)[..., w:w + n]
+
+
+KINDS = {
+    "mha batch_first": _MHA,
+    "mha sequence-first, need_weights": _MHASeqFirstWeights,
+    "sdpa learned bias, strided q/k/v": _SDPABias,
+    "flex alibi + softcap, sliding window": _Flex,
+    "additive (declared)": _Additive,
+    "strided sparse (declared)": _Strided,
+    "local window (declared)": _Local,
+}
+EXTRACTORS = {_Additive: lambda m, i, o: vx.recording.AttentionWeights(m.alpha, "self"),
+              _Strided: lambda m, i, o: m.weights, _Local: _local_dense}
+
+
+def _vit(layer: type) -> nn.Module:
+    from timm.models.vision_transformer import VisionTransformer
+
+    torch.manual_seed(0)
+    model = VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=5,
+                              attn_layer=layer).eval()
+    with torch.no_grad():
+        model.head.weight.normal_(0, 0.5)
+    return model
+
+
+def _rollout64(attention: list[Tensor]) -> Tensor:
+    """docs/methods.md: the class row of prod rownorm(0.5 mean_h A + 0.5 I), patches as the 4 x 4 grid."""
+    b = attention[0].shape[0]
+    row = torch.zeros(b, 1, N_TOK, dtype=torch.float64)
+    row[:, 0, 0] = 1.0
+    for a in reversed(attention):
+        hat = 0.5 * a.mean(1) + 0.5 * torch.eye(N_TOK, dtype=torch.float64)
+        row = row @ (hat / hat.sum(-1, keepdim=True))
+    return row[:, 0, 1:].reshape(b, 4, 4)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_vit_of_each_attention_kind_records_the_oracle_and_its_rollout(kind):
+    """Each kind in the blocks of a timm ViT: one record per block equal to the float64 oracle from the block's
+    inputs, the outputs those of the uncaptured model, rollout (the plan lists it) equal to the oracle's rollout, and
+    the model as found. (MHA's C++ fast path runs outside the capture, inside it MHA's Python path: float rounding.)"""
+    layer = KINDS[kind]
+    extractor = EXTRACTORS.get(layer)
+    if extractor is not None:
+        vx.recording.register_attention(layer, extractor)
+    try:
+        model = _vit(layer)
+        x = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+        inputs: list[Tensor] = []
+        handles = [b.attn.register_forward_pre_hook(lambda m, a: inputs.append(a[0].detach())) for b in model.blocks]
+        with torch.no_grad():
+            plain = model(x)
+        for handle in handles:
+            handle.remove()
+        oracle = [block.attn.oracle(t) for block, t in zip(model.blocks, inputs)]
+        fast = torch.backends.mha.get_fastpath_enabled()
+        with torch.no_grad(), vx.capture(model) as rec:
+            captured = model(x)
+        if layer is _MHA:  # (its fast path ran outside the capture: logits differ by 1.4e-6 measured)
+            torch.testing.assert_close(captured, plain, atol=1e-5, rtol=0)
+        else:
+            assert torch.equal(captured, plain)
+        assert len(rec.records) == 2 and all(r.kind == "self" for r in rec.records)
+        for record, want in zip(rec.records, oracle):
+            assert record.probs().shape == want.shape
+            assert (record.probs().double() - want).abs().max().item() < 1e-6  # measured <= 6e-8
+        ex = vx.Explainer(model)
+        assert "rollout" in ex.methods()
+        maps = ex.explain(x, method="rollout").maps
+        want = _rollout64(oracle)
+        assert (maps.double() - want).abs().max().item() < 1e-5 * want.abs().max().item()  # measured 2e-7 relative
+        assert torch.backends.mha.get_fastpath_enabled() is fast
+        assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+        assert all(p.grad is None for p in model.parameters()) and not model.training
+    finally:
+        if extractor is not None:
+            vx.recording.unregister_attention(layer)
+
+
+# -- gradient methods and LRP on FlexAttention models on the CPU -----------------------------------------------------
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager_flex", "compiled_flex"])
+def test_lrp_and_gradient_methods_on_a_flex_vit_on_cpu_are_refused_and_leave_it_working(compiled):
+    """attnlrp / cp_lrp on a model calling FlexAttention raised torch's bare NotImplementedError ('FlexAttention does
+    not support backward on CPU') instead of saying that LRP does not cover FlexAttention. With
+    ``torch.compile(flex_attention)`` in the module, a gradient method raised that error too, and afterwards every
+    capture of the model failed, rollout included ('bool' object has no attribute 'type': dynamo had compiled the
+    capture's torch function mode as a frame of its own when the compiled call fell back to eager)."""
+    if compiled:
+        class Layer(_Flex):
+            flex_fn = staticmethod(torch.compile(flex.flex_attention, backend="eager"))
+    else:
+        Layer = _Flex
+    model = _vit(Layer)
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    ex = vx.Explainer(model)
+    first = ex.explain(x, method="rollout").maps
+    for method in ("attnlrp", ["rollout", "cp_lrp"]):
+        with pytest.raises(vx.UnsupportedModelError, match="calls FlexAttention, which the LRP rules do not cover"):
+            ex.explain(x, method=method, target=1)
+    with pytest.raises(vx.CaptureError, match="no backward pass on CPU"):
+        ex.explain(x, method="grad_rollout", target=1)
+    torch.testing.assert_close(ex.explain(x, method="rollout").maps, first, atol=0, rtol=0)  # still works
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    assert all(p.grad is None for p in model.parameters())
