@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 import vitexplain as vx
+from vitexplain.recording import AttentionWeights, register_attention, unregister_attention
 
 flex = pytest.importorskip("torch.nn.attention.flex_attention")
 pytestmark = [pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile"),
@@ -294,7 +295,7 @@ KINDS = {
     "strided sparse (declared)": _Strided,
     "local window (declared)": _Local,
 }
-EXTRACTORS = {_Additive: lambda m, i, o: vx.recording.AttentionWeights(m.alpha, "self"),
+EXTRACTORS = {_Additive: lambda m, i, o: AttentionWeights(m.alpha, "self"),
               _Strided: lambda m, i, o: m.weights, _Local: _local_dense}
 
 
@@ -328,7 +329,7 @@ def test_a_vit_of_each_attention_kind_records_the_oracle_and_its_rollout(kind):
     layer = KINDS[kind]
     extractor = EXTRACTORS.get(layer)
     if extractor is not None:
-        vx.recording.register_attention(layer, extractor)
+        register_attention(layer, extractor)
     try:
         model = _vit(layer)
         x = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(1))
@@ -360,7 +361,7 @@ def test_a_vit_of_each_attention_kind_records_the_oracle_and_its_rollout(kind):
         assert all(p.grad is None for p in model.parameters()) and not model.training
     finally:
         if extractor is not None:
-            vx.recording.unregister_attention(layer)
+            unregister_attention(layer)
 
 
 # -- gradient methods and LRP on FlexAttention models on the CPU -----------------------------------------------------
@@ -390,3 +391,41 @@ def test_lrp_and_gradient_methods_on_a_flex_vit_on_cpu_are_refused_and_leave_it_
     torch.testing.assert_close(ex.explain(x, method="rollout").maps, first, atol=0, rtol=0)  # still works
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
     assert all(p.grad is None for p in model.parameters())
+
+
+# -- extractors whose weights the methods cannot use: clear errors ----------------------------------------------------
+
+
+@pytest.mark.parametrize("returned", ["detached", "recomputed", "view"])
+def test_gradient_methods_on_extractor_weights_outside_the_graph_say_so(returned):
+    """An extractor returning a detached copy, a recomputation or a view made in the extractor (``.view``,
+    ``.unsqueeze``): the Explainer's gradient methods said 'nothing captured is part of an autograd graph (the forward
+    ran under torch.no_grad(), or neither the input nor any parameter requires grad)', neither of which was the case.
+    The module's own weights tensor gives the map."""
+    extractors = {"detached": lambda m, i, o: m.weights.detach(), "recomputed": lambda m, i, o: m.weights * 1.0,
+                  "view": lambda m, i, o: m.weights.view(m.weights.shape)}
+    model = _vit(_Strided)
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(3))
+    register_attention(_Strided, extractors[returned])
+    try:
+        with pytest.raises(vx.CaptureError, match=r"not the tensor the module's output was computed from"):
+            vx.Explainer(model).explain(x, method="generic", target=1)
+        register_attention(_Strided, lambda m, i, o: m.weights)
+        maps = vx.Explainer(model).explain(x, method="generic", target=1).maps
+    finally:
+        unregister_attention(_Strided)
+    assert maps.shape == (2, 4, 4) and bool(torch.isfinite(maps).all()) and float(maps.abs().max()) > 0
+
+
+def test_extractor_weights_with_heads_folded_into_the_batch_are_refused_by_the_attention_methods():
+    """(B * heads, N, N) weights read as B * heads images of one head: rollout and raw raised torch's shape errors
+    ('The size of tensor a (2) must match the size of tensor b (4)'); they now say what the extractor must return."""
+    model = _vit(_Strided)
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(3))
+    register_attention(_Strided, lambda m, i, o: m.weights.flatten(0, 1))
+    try:
+        for method in ("rollout", "raw"):
+            with pytest.raises(vx.UnsupportedModelError, match=r"holds 4 sequences for 2 images.*\(B, H, N_q, N_k\)"):
+                vx.Explainer(model).explain(x, method=method)
+    finally:
+        unregister_attention(_Strided)

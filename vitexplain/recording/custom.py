@@ -261,10 +261,10 @@ def module_hook(sink: RecordSink, name: str, extractor: Extractor) -> Callable:
             **weights_witness(view),  # (a module may write its weights buffer again at its next call)
         )
         if sink.grads:
-            if weights.requires_grad and not in_graph(weights, output, inputs):
+            if in_graph(weights, output, inputs) or not any(t.requires_grad for t in _tensors(output)):
+                record._attach_grad_hook(weights, sink.hooks_enabled)  # (no graph at all: its state says so)
+            else:  # the output is in a graph the weights are not in: detached, recomputed, or a view made after
                 record._grad_state = "not_in_graph"
-            else:
-                record._attach_grad_hook(weights, sink.hooks_enabled)
 
     return hook
 
