@@ -25,6 +25,7 @@ import functools
 import types
 from typing import Any, Callable, NamedTuple, Optional
 
+import torch
 from torch import Tensor, nn
 
 from .witness import tensor_versions
@@ -184,11 +185,18 @@ def captured(*functions: Optional[Callable]) -> tuple[tuple[tuple[Tensor, Any], 
 
 
 def changed_read(reads: tuple[Read, ...]) -> Optional[Read]:
-    """The first of ``reads`` whose name holds another value now (another tensor, another number), or None."""
+    """The first of ``reads`` whose name holds another value now (another number; another tensor, unless one equal
+    to the noted one, e.g. a table the forward builds again at every call), or None."""
     for read in reads:
         now = _current(read)
         if now is read.value:
             continue
+        if isinstance(read.value, Tensor) and isinstance(now, Tensor):
+            same = (now.shape == read.value.shape and now.dtype == read.value.dtype
+                    and now.device == read.value.device and bool(torch.equal(now, read.value)))
+            if same:
+                continue
+            return read
         if isinstance(read.value, Tensor) or isinstance(now, Tensor) or type(now) is not type(read.value):
             return read
         if not now == read.value:
