@@ -431,3 +431,38 @@ def test_extractor_weights_with_heads_folded_into_the_batch_are_refused_by_the_a
                 vx.Explainer(model).explain(x, method=method)
     finally:
         unregister_attention(_Strided)
+
+
+def test_flex_calls_under_a_users_torch_function_mode_inside_the_capture_are_recorded_or_refused():
+    """A torch function mode the user enters inside the capture (a FLOP counter, a device context) passes each call
+    down to the capture's: FlexAttention's own frame was then hidden behind the user's ``__torch_function__``, and
+    with inputs requiring grad on the CPU torch's bare NotImplementedError came instead of the capture's refusal."""
+    from torch.overrides import TorchFunctionMode
+
+    class Counting(TorchFunctionMode):
+        calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            Counting.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = _RelBias()
+
+        def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            return self.attn(q, k, v)
+
+    torch.manual_seed(0)
+    model = Net()
+    q, k = torch.randn(1, 2, 8, 4), torch.randn(1, 2, 8, 4)
+    i = torch.arange(8)
+    want = softmax64(qk64(q, k) + model.attn.bias.detach().double()[:, i[:, None] - i[None] + 7])
+    with torch.no_grad(), vx.capture(model) as rec, Counting():
+        model(q, k, k)
+    assert Counting.calls > 0 and [(r.name, r.source) for r in rec.records] == [("attn", "flex")]
+    torch.testing.assert_close(rec.records[0].probs().double(), want, atol=1e-6, rtol=0)
+    with pytest.raises(vx.CaptureError, match="no backward pass on CPU"):
+        with vx.capture(model, grads=True), Counting():
+            model(q.requires_grad_(), k, k)
