@@ -248,6 +248,12 @@ class Context:
         layout = self.require_grid(rollout=True)
         for record in records:
             layout.check(record.num_keys)
+            if record.batch_size != self.x.shape[0]:
+                raise UnsupportedModelError(
+                    f"the attention recorded for {record.name!r} holds {record.batch_size} sequences for "
+                    f"{self.x.shape[0]} images (heads folded into the batch?); method {self.method!r} needs one per "
+                    "image: an attention extractor must return (B, N_q, N_k) or (B, H, N_q, N_k) weights"
+                )
         if start and not 0 <= start < len(records):  # (the option is declared non-negative: no index from the end)
             raise OptionError(
                 f"{self.method} option 'start_layer' must be in [0, {len(records) - 1}] for this model "

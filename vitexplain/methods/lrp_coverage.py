@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from ..errors import UnsupportedModelError
 
-__all__ = ["uncovered_call", "check_coverage", "checkpointing_refused"]
+__all__ = ["uncovered_call", "check_coverage", "checkpointing_refused", "flex_refused"]
 
 #: Products fused with an addition in one call (``beta * input + alpha * (a @ b)``).
 FUSED_PRODUCTS = {getattr(o, n) for o in (torch, torch.Tensor) for n in ("addmm", "baddbmm", "addbmm", "addmv", "addr")
@@ -60,6 +60,23 @@ def uncovered_call(func: Callable, args: tuple, kwargs: dict, live: Callable[[An
     if getattr(func, "__name__", "") in ("flex_attention", "flex_attention_hop"):
         return "FlexAttention"
     return None
+
+
+def flex_refused(variant: str) -> UnsupportedModelError:
+    """The error for a model that calls FlexAttention under the LRP rules (raised at the call, by
+    :class:`~vitexplain.methods.lrp_rules.LRPRules`, which sees the torch calls of ``flex_attention``'s own frame):
+    no rule covers its fused kernel, and on the CPU torch would fail first, with a bare ``NotImplementedError``
+    (FlexAttention has no backward there).
+
+    Args:
+        variant: the rules' variant, ``"attnlrp"`` or ``"cp"``.
+    """
+    method = "cp_lrp" if variant == "cp" else variant
+    return UnsupportedModelError(
+        f"method {method!r}: the model calls FlexAttention, which the LRP rules do not cover, so its maps would not be "
+        "LRP relevance; use 'generic' or 'integrated_gradients' (on a CUDA device: FlexAttention has no backward on "
+        "CPU), or 'rollout' or 'occlusion'"
+    )
 
 
 def _batch_statistics(args: tuple, kwargs: dict, live: Callable[[Any], bool]) -> bool:

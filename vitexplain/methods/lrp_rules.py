@@ -56,6 +56,7 @@ returning maps that are not LRP.
 from __future__ import annotations
 
 import inspect
+import sys
 import threading
 from typing import Any, Callable, Optional
 
@@ -65,8 +66,9 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from ..errors import UsageError
+from ..recording.flex import flex_code, flex_frame, keep_uncompiled
 from .grad_layout import ContiguousGrad
-from .lrp_coverage import uncovered_call
+from .lrp_coverage import flex_refused, uncovered_call
 from .lrp_ops import (GAMMA_STABILIZER, IDENTITY_EPSILON, ActivationModuleRule, IdentityRule, LayerNormRule, ScaleGrad,
                       activation_module, cosine_rule, gamma_rule, group_norm_rule, rms_norm_rule, star_relu_rule)
 
@@ -77,6 +79,7 @@ VARIANTS = ("attnlrp", "cp")
 
 
 _SDPA = F.scaled_dot_product_attention
+_compiling = torch.compiler.is_dynamo_compiling
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _MHA = F.multi_head_attention_forward
 _MHA_SIGNATURE = inspect.signature(_MHA)
@@ -128,10 +131,14 @@ class LRPRules(TorchFunctionMode):
         self.seen: dict[str, Any] = {"attention": 0, "norm": 0, "activation": 0, "product": 0, "gamma": 0,
                                      "uncovered": []}
         self._data: dict[Any, bool] = {}  # autograd node -> whether its graph reaches the data (memo of _live)
+        self._flex: Any = None  # flex_attention's code, while it is imported (its calls are refused)
 
     # -- scope: activation modules of ``model`` get the identity rule as a whole -----------------
     def __enter__(self) -> "LRPRules":
         self._thread = threading.get_ident()  # the mode is this thread's: hooks ignore other threads' forwards
+        self._flex = flex_code()
+        if self._flex is not None:  # (a compiled FlexAttention call that falls back to eager then reaches the refusal)
+            keep_uncompiled(LRPRules.__torch_function__.__code__)
         if self.model is not None:
             try:
                 for module in self.model.modules():
@@ -151,9 +158,14 @@ class LRPRules(TorchFunctionMode):
 
     def __exit__(self, *exc: Any) -> Any:
         try:
-            return super().__exit__(*exc)
+            result = super().__exit__(*exc)
         finally:
             self._remove_hooks()
+        error = exc[1] if len(exc) > 1 else None
+        if isinstance(error, NotImplementedError) and "FlexAttention does not support backward on CPU" in str(error):
+            # a torch.compile-d FlexAttention call: dynamo ran its checks, out of the rules' sight (torch's own error)
+            raise flex_refused(self.variant) from error
+        return result
 
     def _remove_hooks(self) -> None:
         for handle in self._handles:
@@ -190,6 +202,8 @@ class LRPRules(TorchFunctionMode):
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
+        if self._flex is not None and not _compiling() and flex_frame(sys._getframe(1), self._flex) is not None:
+            raise flex_refused(self.variant)  # (its validation's torch calls: before the kernel, before torch's error)
         if self._inside:  # inside an activation module: its output gets the identity rule as a whole
             return func(*args, **kwargs)
         if func is _SDPA:

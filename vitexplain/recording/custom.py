@@ -27,7 +27,8 @@ sees (``is_cross_attention``, a tensor argument named ``encoder_hidden_states``,
 see :func:`vitexplain.recording.attribution.kind_of`), ``"self"`` otherwise; return
 ``AttentionWeights(weights, "cross")`` to state it. When the weights are the tensor the module's
 output was computed from (not a recomputation, not detached) and gradients are captured,
-``grad_probs()`` is the gradient reaching that tensor; otherwise it raises a clear error. Calls
+``grad_probs()`` is the gradient reaching that tensor; otherwise (a view made in the extractor, such as
+``weights.unsqueeze(1)``, is another tensor) it raises a clear error. Calls
 of the same module count up ``step`` (a decoder attending once per generated word gives one
 record per word, stitched by the caption methods like KV-cache steps). SDPA and softmax calls
 issued inside a declared module are not recorded separately.
@@ -261,10 +262,10 @@ def module_hook(sink: RecordSink, name: str, extractor: Extractor) -> Callable:
             **weights_witness(view),  # (a module may write its weights buffer again at its next call)
         )
         if sink.grads:
-            if weights.requires_grad and not in_graph(weights, output, inputs):
+            if in_graph(weights, output, inputs) or not any(t.requires_grad for t in _tensors(output)):
+                record._attach_grad_hook(weights, sink.hooks_enabled)  # (no graph at all: its state says so)
+            else:  # the output is in a graph the weights are not in: detached, recomputed, or a view made after
                 record._grad_state = "not_in_graph"
-            else:
-                record._attach_grad_hook(weights, sink.hooks_enabled)
 
     return hook
 

@@ -33,7 +33,8 @@ from ..errors import CaptureError
 from .flex_records import FlexAttentionRecord
 from .records import AttentionRecord
 from .sink import RecordSink, in_backward
-from .witness import block_tensors, captured_versions, key_witness, query_witness, tensor_versions, value_witness
+from .mod_witness import captured
+from .witness import block_tensors, key_witness, query_witness, tensor_versions, value_witness
 
 __all__ = [
     "FlexWatcher",
@@ -47,6 +48,7 @@ __all__ = [
     "traced_call",
     "traced_arguments",
     "find_output",
+    "keep_uncompiled",
 ]
 
 _MODULE = "torch.nn.attention.flex_attention"
@@ -105,6 +107,29 @@ def traced_arguments(call: tuple) -> dict[str, Any]:
     kv_num, kv_idx, full_num, full_idx, q_block, kv_block, mask_mod = blocks
     view = BlockView((q.shape[-2], k.shape[-2]), kv_num, kv_idx, full_num, full_idx, (int(q_block), int(kv_block)), mask_mod)
     return {"query": q, "key": k, "value": v, "score_mod": score_mod, "block_mask": view, "scale": float(scale)}
+
+
+_UNCOMPILED: set[CodeType] = set()
+
+
+def keep_uncompiled(code: CodeType) -> None:
+    """Keep dynamo from compiling ``code`` (a torch function mode's ``__torch_function__``) as a frame of its own.
+
+    When a ``torch.compile``-d function falls back to running eagerly (a compiled FlexAttention call on the CPU whose
+    inputs require grad: torch's check raised while dynamo traced it), dynamo compiles every new frame that the
+    eager run enters, a mode's ``__torch_function__`` among them, guarded on the identity of short-lived
+    method-wrappers (``Tensor.device.__get__``) whose ids are reused: later calls then ran the code compiled for
+    another call (``query.device`` returned a bool), and every later capture of the model failed with
+    ``'bool' object has no attribute 'type'``. Skipped, the frame runs as written (and its own refusal is reached);
+    dynamo still inlines it while it traces a call (how compiled FlexAttention calls are recorded). A no-op until
+    dynamo is imported (nothing is compiled before).
+    """
+    if code in _UNCOMPILED:
+        return
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is not None and hasattr(eval_frame, "skip_code"):
+        eval_frame.skip_code(code)
+        _UNCOMPILED.add(code)
 
 
 def flex_frame(caller: FrameType, code: CodeType) -> Optional[FrameType]:
@@ -190,10 +215,13 @@ class FlexWatcher:
 
     Args:
         sink: where records go (the recorder).
+        mode_code: the ``__torch_function__`` code of the mode that feeds the watcher (kept from being compiled
+            alone: :func:`keep_uncompiled`).
     """
 
-    def __init__(self, sink: RecordSink) -> None:
+    def __init__(self, sink: RecordSink, mode_code: Optional[CodeType] = None) -> None:
         self.sink = sink
+        self.mode_code = mode_code
         self.code: Optional[CodeType] = None  # flex_attention's code, while it is imported
         self.op: Any = None  # its higher-order op
         self._traced: list[tuple] = []  # appended while dynamo traces FlexAttention's op
@@ -204,6 +232,8 @@ class FlexWatcher:
     def start(self) -> None:
         """At the start of a scope: look up FlexAttention (None unless a model imported it)."""
         self.code, self.op = flex_code(), flex_op()
+        if self.code is not None and self.mode_code is not None:
+            keep_uncompiled(self.mode_code)
 
     def stop(self) -> None:
         """At the end of a scope: count the compiled calls no later torch op could attribute."""
@@ -269,6 +299,7 @@ class FlexWatcher:
                 "flex_attention itself rather than the whole model"
             )
         q, k, v = bound["query"], bound["key"], bound["value"]
+        mod_versions, mod_reads = captured(bound["score_mod"], getattr(bound["block_mask"], "mask_mod", None))
         record = self.sink.add_record(
             issuer,
             FlexAttentionRecord,
@@ -282,7 +313,8 @@ class FlexWatcher:
             _scale=bound["scale"],
             score_mod=bound["score_mod"],
             block_mask=bound["block_mask"],
-            _mod_versions=captured_versions(bound["score_mod"], getattr(bound["block_mask"], "mask_mod", None)),
+            _mod_versions=mod_versions,
+            _mod_reads=mod_reads,
             _block_versions=tensor_versions(block_tensors(bound["block_mask"])),
         )
         if self.sink.grads:

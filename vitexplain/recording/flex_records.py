@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from ..errors import CaptureError
+from .mod_witness import changed_read
 from .records import AttentionRecord
 from .scores import QuerySelect, _rows
 from .witness import changed_tensor
@@ -145,7 +146,8 @@ class FlexAttentionRecord(AttentionRecord):
 
     score_mod: Optional[Callable] = field(default=None, repr=False)
     block_mask: Any = field(default=None, repr=False)
-    _mod_versions: tuple = field(default=(), repr=False)  # (tensor, _version) the mods read (witness.py)
+    _mod_versions: tuple = field(default=(), repr=False)  # (tensor, _version) the mods read (mod_witness.py)
+    _mod_reads: tuple = field(default=(), repr=False)  # the names the mods read, with their values (mod_witness.py)
     _block_versions: tuple = field(default=(), repr=False)  # (tensor, _version) of the block mask's blocks
 
     @property
@@ -168,6 +170,14 @@ class FlexAttentionRecord(AttentionRecord):
                 "recomputed; read the records before the model writes it again, or give each call its own BlockMask"
             )
         self._check_keys_kept()  # (keys of a static KV cache, written again after the call: refused)
+        read = changed_read(self._mod_reads)
+        if read is not None:
+            raise CaptureError(
+                f"the score_mod or mask_mod of the FlexAttention call {self.name!r} (step {self.step}) reads "
+                f"{read.describe()}, which changed after the call (e.g. a decoding position the module advances, or a "
+                "parameter replaced), so its attention cannot be recomputed; read the records before it changes, or copy "
+                "the value into a local variable at the call (pos = self.pos) and let the score_mod read that"
+            )
         changed = changed_tensor(self._mod_versions)
         if changed is not None:
             raise CaptureError(

@@ -77,6 +77,9 @@ def backward_pass(recorder: Any, score: Tensor, retain_graph: bool) -> None:
     targets: list[tuple[Any, Tensor]] = [(r, r._out) for r in recorder._records if r._out is not None]
     targets += [(a, a.output) for calls in recorder.activations.values() for a in calls if a.output.requires_grad]
     if not targets:
+        for record in recorder._records:  # a record that knows why (an extractor's weights outside the graph)
+            if record._grad_state in ("not_in_graph", "no_output"):
+                record._check_grads(need_backward=False)
         raise CaptureError(
             "nothing captured is part of an autograd graph (the forward ran under torch.no_grad(), or "
             "neither the input nor any parameter requires grad)"

@@ -160,6 +160,8 @@ class AttentionMode(TorchFunctionMode):
             return self._on_softmax(func, args, kwargs, caller)
         code = flex.code
         if code is not None and caller is not None:
+            while caller.f_code.co_name == "__torch_function__" and caller.f_back is not None:
+                caller = caller.f_back  # (a mode above this one passed the call down: the frame that made it)
             back = caller.f_back
             # only calls from a flex_attention frame, or while the watcher waits for one, concern it
             if caller.f_code is code or (back is not None and back.f_code is code) or flex._traced \

@@ -123,7 +123,7 @@ class Recorder:
         # the interceptors reach the recorder weakly: a recorder the caller drops goes (with the attention its records
         # hold) at once, not when the garbage collector finds a cycle through them (they run inside its scope only)
         sink = weakref.proxy(self)
-        self._flex = FlexWatcher(sink)
+        self._flex = FlexWatcher(sink, AttentionMode.__torch_function__.__code__)
         self._mode = AttentionMode(sink, self._flex, self.attention_mode, self.heads)
         self._narrowing = Narrowing(self._mode, self.model, DirectSDPA(sink, not self.grads and self.attention_mode == "fused"))
         self._mode_entered = False

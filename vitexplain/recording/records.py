@@ -298,8 +298,9 @@ class AttentionRecord:
         if self._grad_state == "not_in_graph":
             raise CaptureError(
                 f"the attention weights the extractor of {self.name!r} returned are not the tensor the "
-                "module's output was computed from (a recomputation, or a detached copy), so the "
-                "gradient reaching them is not dy/dA; return the module's own weights tensor"
+                "module's output was computed from (a recomputation, a detached copy, or a view made in the "
+                "extractor, e.g. .unsqueeze(1) or .view(B, H, N, N)), so the gradient reaching them is not "
+                "dy/dA; return the module's own weights tensor, shaped (B, N_k), (B, N_q, N_k) or (B, H, N_q, N_k)"
             )
         if self._grad_state == "no_graph":
             raise CaptureError(

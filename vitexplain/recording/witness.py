@@ -7,25 +7,18 @@ compared when the record is read, it costs nothing on the hot path. Where the ve
 already written before the call may be written again with the same values; an inference tensor keeps no count),
 sums along one dimension are noted as well (:func:`noted`, :func:`written_since`).
 
-A FlexAttention record recomputes its probabilities from the call's ``score_mod`` and ``mask_mod`` (see
-:mod:`vitexplain.recording.flex`). Those functions often read tensors they captured: a learned bias, a document-id
-table, or a decoding offset that the model writes in place at every step (the way FlexAttention's guides keep
-compiled code from recompiling). A record read after such a write would recompute the attention of another call.
-The tensors a function captures (its closure cells, the module globals it names, the arguments of a
-``functools.partial``, and the same for the functions among those, a few levels deep) are noted with their
-``_version`` (how many in-place writes torch counted; a small inference tensor, which keeps no count, is copied);
-reading the record checks them.
+A FlexAttention record also notes what its ``score_mod`` and ``mask_mod`` read (tensors with their versions, and
+the names they read: :mod:`vitexplain.recording.mod_witness`).
 """
 
 from __future__ import annotations
 
-import functools
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 from torch import Tensor
 
-__all__ = ["captured_versions", "changed_tensor", "noted", "written_since", "tensor_version", "block_tensors",
+__all__ = ["changed_tensor", "noted", "written_since", "tensor_version", "block_tensors",
            "tensor_versions", "query_witness", "value_witness", "weights_witness", "kept_mask", "held", "key_witness"]
 
 def tensor_version(t: Optional[Tensor]) -> int:
@@ -141,50 +134,9 @@ def block_tensors(block_mask: Any) -> tuple[Tensor, ...]:
     return tuple(t for t in found if isinstance(t, Tensor))
 
 
-_DEPTH = 3  # nested functions followed (a mask_mod wrapping a mask_mod wrapping one, as and_masks does)
-
-
-def _captured(fn: Any, depth: int, found: dict[int, Tensor]) -> None:
-    if depth > _DEPTH or fn is None:
-        return
-    values: list[Any] = []
-    if isinstance(fn, functools.partial):
-        values += [fn.func, *fn.args, *fn.keywords.values()]
-    else:
-        for cell in getattr(fn, "__closure__", None) or ():
-            try:
-                values.append(cell.cell_contents)
-            except ValueError:  # an empty cell
-                continue
-        code, scope = getattr(fn, "__code__", None), getattr(fn, "__globals__", None)
-        if code is not None and isinstance(scope, dict):
-            values += [scope[name] for name in code.co_names if name in scope]
-        values += list(getattr(fn, "__defaults__", None) or ())
-    for value in values:
-        if isinstance(value, Tensor):
-            found.setdefault(id(value), value)
-        elif isinstance(value, (list, tuple)):
-            for item in value:
-                if isinstance(item, Tensor):
-                    found.setdefault(id(item), item)
-                elif callable(item):
-                    _captured(item, depth + 1, found)
-        elif callable(value) and not isinstance(value, type):
-            _captured(value, depth + 1, found)
-
-
 #: An inference tensor (``torch.inference_mode``) keeps no count of its writes: one of at most this many elements
 #: is copied instead, and compared when the record is read (larger ones are not witnessed).
 COPY_ELEMENTS = 4096
-
-
-def captured_versions(*functions: Optional[Callable]) -> tuple[tuple[Tensor, Any], ...]:
-    """(tensor, its ``_version``, or a copy of it for a small inference tensor) for every tensor the functions
-    capture."""
-    found: dict[int, Tensor] = {}
-    for fn in functions:
-        _captured(fn, 0, found)
-    return tensor_versions(found.values())
 
 
 def tensor_versions(tensors: Iterable[Tensor]) -> tuple[tuple[Tensor, Any], ...]:
