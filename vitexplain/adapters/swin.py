@@ -272,9 +272,13 @@ class HFSwinAdapter(SwinAdapter):
         if not self.post_norm:
             self._check_windows((int(x.shape[-2]), int(x.shape[-1])))
         with self._windows_kept():
-            out = self.model(pixel_values=x)
+            out = self.model(pixel_values=x, return_dict=True)  # a config's return_dict=False gives tuples
         logits = getattr(out, "logits", None)
-        return logits if logits is not None else out.pooler_output
+        if logits is not None:
+            return logits
+        # a headless model built with add_pooling_layer=False has no pooler_output: the mean of its last tokens, as
+        # head() pools them without a pooler
+        return out.pooler_output if out.pooler_output is not None else out.last_hidden_state.mean(dim=1)
 
     @contextlib.contextmanager
     def _windows_kept(self) -> Iterator[None]:
