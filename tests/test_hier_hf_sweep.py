@@ -81,3 +81,151 @@ def test_a_swin_whose_config_says_return_dict_false_is_explained_like_the_defaul
                          vx.Explainer(default).explain(x, method=["generic", "cdam"], target=target)):
         assert float(want.maps.abs().max()) > 0
         torch.testing.assert_close(got.maps, want.maps)
+
+
+# -- non-square inputs and configs against the dense float64 oracles ------------------------------------------------
+@pytest.mark.parametrize("kind", ["pvt", "pvt_linear", "segformer"])
+def test_spatial_reduction_models_match_the_dense_oracle_on_a_non_square_input_whose_sides_no_stride_divides(
+        kind, monkeypatch):
+    """PVTv2 (conv and linear-mode keys) and SegFormer at 72 x 104: grids 18 x 26, 9 x 13, 5 x 7, 3 x 4 (odd sides,
+    padded strided convs), rollout, generic and grad_rollout equal the dense float64 chain of tests/test_hier_hf.py."""
+    import test_hier_hf as th
+
+    monkeypatch.setattr(th, "SIZE", (72, 104))
+    model = th.build(kind)
+    x = torch.randn(2, 3, 72, 104, generator=torch.Generator().manual_seed(1))
+    items, last = th.dense_chain(kind, model, x)
+    assert last == (3, 4)
+    u = torch.full((2, 12), 1.0 / 12, dtype=torch.float64)
+    methods = ["rollout", "generic", "grad_rollout"]
+    for method, e in zip(methods, vx.Explainer(model).explain(x, method=methods, target=1)):
+        assert e.maps.shape == (2, 18, 26) == (2, *e.layout.grid), method
+        assert_matches_oracle(e.maps, carry(items, u, method).view(e.maps.shape), (kind, method))
+
+
+def _swin_oracle_errors(kind: str, model: nn.Module, x: torch.Tensor, cls: int = 2) -> dict:
+    from test_swin import Oracle, fuse, rel_err
+
+    oracle = Oracle(kind, model, x, cls)
+    mean = lambda l: fuse(oracle.probs[l], "mean")  # noqa: E731
+    chefer = lambda l: (oracle.grads[l] * oracle.probs[l]).clamp(min=0).mean(1)  # noqa: E731
+    rollout, generic, raw = vx.Explainer(model).explain(x, method=["rollout", "generic", "raw"], target=cls)
+    last = oracle.grids[oracle.stages[-1]]
+    assert rollout.maps.shape == (x.shape[0], *oracle.grids[0]) == (x.shape[0], *rollout.layout.grid)
+    assert raw.maps.shape == (x.shape[0], *last) == (x.shape[0], *raw.layout.grid)
+    return {"rollout": rel_err(rollout.maps, oracle.chain(mean, "rollout")),
+            "generic": rel_err(generic.maps, oracle.chain(chefer, "generic", deviation=True)),
+            "raw": rel_err(raw.maps, mean(-1).mean(1).view(-1, *last))}
+
+
+@pytest.mark.parametrize("kind", ["hf", "hf2", "hfdonut"])
+def test_hugging_face_swins_match_the_dense_oracle_on_a_non_square_padded_input(kind):
+    """Hugging Face Swin, SwinV2 and Donut's Swin at 72 x 104 (grids 18 x 26 and 9 x 13, windows of 4 zero-padded
+    on both sides): rollout, generic and raw equal tests/test_swin.py's dense products of the eager windows."""
+    from test_swin import build
+
+    model = build(kind, (64, 64))
+    x = torch.randn(2, 3, 72, 104, generator=torch.Generator().manual_seed(3))
+    errors = _swin_oracle_errors(kind, model, x)
+    assert max(errors.values()) < 1e-5, errors
+
+
+def test_timm_swin_with_dynamic_img_size_matches_the_dense_oracle_on_a_non_square_input(monkeypatch):
+    """A timm Swin built at 64 px with dynamic_img_size=True, explained at 48 x 80 (grids 12 x 20 and 6 x 10):
+    the oracle's eager twin is the same dynamic build (fused attention off)."""
+    import test_swin as ts
+    from timm.models.swin_transformer import SwinTransformer
+
+    def dynamic(kind: str, size=(64, 64), attn: str = "sdpa") -> nn.Module:
+        torch.manual_seed(0)
+        model = SwinTransformer(img_size=64, patch_size=4, window_size=4, embed_dim=16, depths=(2, 2), num_heads=(2, 4),
+                                num_classes=ts.CLASSES, dynamic_img_size=True)
+        for module in model.modules():
+            if hasattr(module, "fused_attn"):
+                module.fused_attn = attn == "sdpa"
+        with torch.no_grad():
+            model.head.fc.weight.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(1))
+        return _gains(model)
+
+    monkeypatch.setattr(ts, "build", dynamic)
+    x = torch.randn(2, 3, 48, 80, generator=torch.Generator().manual_seed(3))
+    errors = _swin_oracle_errors("timm", dynamic("timm"), x)
+    assert max(errors.values()) < 1e-5, errors
+
+
+@pytest.mark.parametrize("head", [True, False], ids=["classifier", "headless"])
+def test_hugging_face_hiera_with_a_non_square_config_matches_the_dense_oracle(head, monkeypatch):
+    """HieraConfig(image_size=[64, 96]): a 16 x 24 grid of 4 x 6 mask units, unrolled by the model's own code."""
+    import test_hier_hiera as th
+    from test_hier_more import _reinit
+
+    monkeypatch.setattr(th, "SIZE", (64, 96))
+    torch.manual_seed(0)
+    config = transformers.HieraConfig(
+        image_size=[64, 96], embed_dim=16, num_heads=[1, 2, 4], depths=[1, 2, 2], num_query_pool=2,
+        masked_unit_size=[4, 4], masked_unit_attention=[True, True, False], mlp_ratio=2.0, num_labels=5)
+    model = _reinit(transformers.HieraForImageClassification(config) if head else transformers.HieraModel(config))
+    x = torch.randn(2, 3, 64, 96, generator=torch.Generator().manual_seed(1))
+    vector = th.VECTOR.float()
+    items, u, order, grid = th.dense_chain(model, x, th._logit if head else th._score)
+    assert grid == (16, 24)
+    methods = ["rollout", "generic", "grad_rollout"]
+    target = 1 if head else (lambda pooled: pooled @ vector)
+    for method, e in zip(methods, vx.Explainer(model).explain(x, method=methods, target=target)):
+        unrolled = carry(items, u, method)
+        want = torch.zeros_like(unrolled)
+        want[:, order] = unrolled
+        assert e.maps.shape == (2, 16, 24) == (2, *e.layout.grid)
+        assert_matches_oracle(e.maps, want.view(2, 16, 24), method)
+
+
+def test_timm_pvt_v2_at_160_by_96_matches_the_dense_oracle(monkeypatch):
+    """timm pvt_v2 (built for 224) at 160 x 96: grids 40 x 24 down to 5 x 3, spatial-reduction keys 5 x 3 at stage 0."""
+    import test_hier as th
+
+    monkeypatch.setattr(th, "SIZE", (160, 96))
+    model = th.build("pvt")
+    x = th.images()
+    items, _ = th.dense_chain("pvt", model, x, 1)
+    n = th._last_n(items)
+    assert n == 15
+    u = torch.full((2, n), 1.0 / n, dtype=torch.float64)
+    methods = ["rollout", "generic", "grad_rollout"]
+    for method, e in zip(methods, vx.Explainer(model).explain(x, method=methods, target=1)):
+        assert e.maps.shape == (2, 40, 24) == (2, *e.layout.grid)
+        assert_matches_oracle(e.maps, carry(items, u, method).view(e.maps.shape), method)
+
+
+@pytest.mark.parametrize("model_cls", ["Dinov2WithRegistersForImageClassification", "Dinov2WithRegistersModel"])
+def test_dinov2_with_registers_matches_its_eager_attention_on_a_non_square_input(model_cls):
+    """DINOv2 with 2 registers at 32 x 48 (its position embeddings interpolated to 4 x 6): rollout, generic (class
+    row of R - I, registers left out of the map) and CDAM equal the dense products of an eager copy's attention."""
+    from hf_helpers import eager_oracle
+    from test_families_hf import TINY, VECTOR, _build, _pooled
+
+    head = model_cls.endswith("Classification")
+    model = _build("Dinov2WithRegistersConfig", model_cls, num_register_tokens=2, **({"num_labels": 5} if head else {}))
+    ex = vx.Explainer(model)
+    x = torch.randn(2, 3, 32, 48, generator=torch.Generator().manual_seed(1))
+    target = 1 if head else vx.targets.similarity(VECTOR)
+    rollout, generic, cdam = ex.explain(x, method=["rollout", "generic", "cdam"], target=target)
+    assert rollout.layout.grid == (4, 6) and rollout.layout.num_prefix_tokens == 3 and TINY["patch_size"] == 8
+    score = (lambda out: out.logits[:, 1]) if head else (
+        lambda out: torch.cosine_similarity(_pooled(out), VECTOR[None], dim=-1))
+    for i in range(2):
+        attn, grads, (t, dt) = eager_oracle(model, x[i], score, ex.adapter.norm1)
+        n = attn[0].shape[-1]
+        eye, v = torch.eye(n), torch.zeros(n)
+        v[0] = 1.0
+        r = eye.clone()
+        for a in attn:
+            m = 0.5 * a.mean(0) + 0.5 * eye
+            r = (m / m.sum(-1, keepdim=True)) @ r
+        torch.testing.assert_close(rollout.maps[i], (v @ r)[3:].view(4, 6), atol=1e-6, rtol=1e-4)
+        r = eye.clone()
+        for a, g in zip(attn, grads):
+            r = r + (g * a).clamp(min=0).mean(0) @ r
+        want = (v @ (r - eye))[3:].view(4, 6)
+        assert float(want.abs().max()) > 0
+        torch.testing.assert_close(generic.maps[i], want, atol=1e-6 * float(want.abs().max()), rtol=1e-4)
+        torch.testing.assert_close(cdam.maps[i], (t * dt).sum(-1)[3:].view(4, 6), atol=1e-6, rtol=1e-4)
