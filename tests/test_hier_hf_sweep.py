@@ -229,3 +229,37 @@ def test_dinov2_with_registers_matches_its_eager_attention_on_a_non_square_input
         assert float(want.abs().max()) > 0
         torch.testing.assert_close(generic.maps[i], want, atol=1e-6 * float(want.abs().max()), rtol=1e-4)
         torch.testing.assert_close(cdam.maps[i], (t * dt).sum(-1)[3:].view(4, 6), atol=1e-6, rtol=1e-4)
+
+
+# -- classifiers built with num_labels=0 -----------------------------------------------------------------------------
+_SR = dict(image_size=64, hidden_sizes=[16, 32, 48, 64], depths=[1, 1, 1, 1], num_attention_heads=[1, 2, 2, 4])
+_VIT = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=32, patch_size=8)
+_NO_LABELS = {
+    "SwinForImageClassification": ("SwinConfig", _SWIN),
+    "Swinv2ForImageClassification": ("Swinv2Config", _SWIN),
+    "PvtV2ForImageClassification": ("PvtV2Config", _SR),
+    "PvtForImageClassification": ("PvtConfig", _SR),
+    "ViTForImageClassification": ("ViTConfig", _VIT),
+    "Dinov2WithRegistersForImageClassification": ("Dinov2WithRegistersConfig", {**_VIT, "num_register_tokens": 2}),
+    "DeiTForImageClassificationWithTeacher": ("DeiTConfig", _VIT),
+}
+
+
+@pytest.mark.parametrize("model_cls", list(_NO_LABELS))
+def test_a_classifier_built_with_num_labels_0_is_headless_and_refuses_a_class_target(model_cls):
+    """With num_labels=0 a Hugging Face classifier's head is nn.Identity and its "logits" are the pooled features:
+    Swin, SwinV2, PVT, PVTv2, ViT, DINOv2 and DeiT adapters said it had a head, so target=None explained the largest
+    feature channel as the "predicted class" (and target=3 channel 3). It is a headless model now (as Hiera's and
+    LeViT's adapters already said): a class target is refused, a score of the features is explained."""
+    config_cls, config = _NO_LABELS[model_cls]
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**config, num_labels=0)).eval()
+    size = config["image_size"]
+    x = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(1))
+    ex = vx.Explainer(model)
+    assert not ex.adapter.has_head and ex.adapter.label_names is None
+    for target in (None, 3):
+        with pytest.raises(vx.TargetError, match="no classifier head"):
+            ex.explain(x, method="generic", target=target)
+    e = ex.explain(x, method="generic", target=vx.targets.norm())
+    assert e.maps.shape == (2, *e.layout.grid) and float(e.maps.abs().max()) > 0
