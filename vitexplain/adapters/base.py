@@ -92,7 +92,14 @@ from ..recording.compiled import unwrap_compiled
 from ..recording.flex import flex_configured
 
 __all__ = ["Adapter", "register_adapter", "register_refusal", "adapter_for", "find_adapter", "find_layout_module",
-           "token_layout", "preprocessing", "CAPABILITIES", "unwrap_compiled"]
+           "token_layout", "preprocessing", "CAPABILITIES", "unwrap_compiled", "classifies"]
+
+
+def classifies(head: Optional[nn.Module]) -> bool:
+    """Whether a classifier head outputs class logits: False for no head and for one holding no linear or conv layer
+    (a Hugging Face ``*ForImageClassification`` built with ``num_labels=0`` has ``classifier = nn.Identity()``: its
+    ``logits`` are the pooled features, and no index of them is a class)."""
+    return head is not None and any(isinstance(m, (nn.Linear, nn.Conv2d, nn.Conv1d)) for m in head.modules())
 
 
 class Adapter:

@@ -32,7 +32,7 @@ from ..checks import buffers_kept
 from ..errors import UnsupportedMethodError
 
 from ..methods.families import CNN
-from .base import Adapter, register_adapter
+from .base import Adapter, classifies, register_adapter
 from .cnn_sizes import one_size_reason
 from .cnn_stages import cnn_stages, has_module, timm_stage_info, timm_stages, torchvision_stages
 from .hybrid_notes import hybrid_note, mixer_reason
@@ -255,9 +255,7 @@ def _has_head(model: nn.Module) -> bool:
         head = None
     if not isinstance(head, nn.Module):
         head = next((h for h in (getattr(model, n, None) for n in _HEADS) if isinstance(h, nn.Module)), None)
-    if head is None:
-        return True
-    return any(isinstance(m, (nn.Linear, nn.Conv2d, nn.Conv1d)) for m in head.modules())
+    return head is None or classifies(head)
 
 
 def _reads_class_token(model: nn.Module) -> bool:

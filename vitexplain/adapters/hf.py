@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from ..layout import TokenLayout, pair
 from ..methods.families import VIT
-from .base import Adapter, register_adapter
+from .base import Adapter, classifies, register_adapter
 from .vit import ViTAdapter
 
 __all__ = ["HFViTAdapter", "HFType", "HF_TYPES"]
@@ -186,16 +186,19 @@ class HFViTAdapter(ViTAdapter):
         self.blocks = blocks
         self.norm1 = f"{blocks[-1]}.{kind.norm1}"
         self.tower = tower
-        self.has_head = kind.logits is not None and (hasattr(model, "classifier") or hasattr(model, "cls_classifier"))
+        # the model's output is its classifier's (logits; built with num_labels=0 the classifier is nn.Identity and its
+        # "logits" are the pooled features: then it has no head, a class index of them is no class)
+        self.classifier_out = kind.logits is not None and (hasattr(model, "classifier") or hasattr(model, "cls_classifier"))
+        self.has_head = self.classifier_out and classifies(getattr(model, "classifier", None) or model.cls_classifier)
         self.dual = _dual(model)  # CLIPModel / SiglipModel: the image tower of an image-text model
         # called without interpolate_pos_encoding: position embeddings for the configured size only
         self.fixed_size = pair(_vision_config(model).image_size)
         tower_module = model.get_submodule(tower)
-        if not self.has_head and getattr(tower_module, "use_head", False) and isinstance(
+        if not self.classifier_out and getattr(tower_module, "use_head", False) and isinstance(
                 getattr(tower_module, "head", None), nn.Module):  # SigLIP's / AIMv2's attention-pooling head
             self.pool_attention = f"{tower}.head" if tower else "head"
         pooler = getattr(tower_module, "pooler", None)
-        if not self.has_head and kind.prefix == 0 and pooler is not None:  # a headless IJepaModel with its pooler
+        if not self.classifier_out and kind.prefix == 0 and pooler is not None:  # a headless IJepaModel with its pooler
             why = (f"its pooler ({type(pooler).__name__}) reads the first token, which is a patch (the model has no "
                    "class token), so no readout row of the attention is what it reads (raw, rollout, grad_rollout, "
                    "generic and attention Grad-CAM carry such a row); cdam and the token Grad-CAM read the "
@@ -218,7 +221,7 @@ class HFViTAdapter(ViTAdapter):
             features = self.model.get_image_features(pixel_values=x, return_dict=True)
             return features if isinstance(features, Tensor) else features.pooler_output
         out = self.model(pixel_values=x, return_dict=True)  # a config's return_dict=False gives tuples
-        if self.has_head:
+        if self.classifier_out:
             return out.logits
         embeds = getattr(out, "image_embeds", None)
         if embeds is not None:
@@ -231,7 +234,7 @@ class HFViTAdapter(ViTAdapter):
 
     def head(self, tokens: Tensor) -> Tensor:
         tower = self.model.get_submodule(self.tower)
-        if self.has_head:
+        if self.classifier_out:
             return self.kind.logits(self.model, tower, tokens)  # type: ignore[misc]
         return self.kind.pooled(self.model, tower, tokens)
 

@@ -23,7 +23,7 @@ from ..errors import UnsupportedModelError
 from ..layout import pair
 from ..methods.families import HIER
 from ..methods.resample import Footprint, TokenSet, Transition
-from .base import Adapter, register_adapter
+from .base import Adapter, classifies, register_adapter
 from .hier import Chain, HierAdapter, conv_footprint, conv_grid, global_call, sam_chain, token_set
 from .hier_more import HieraAdapter
 
@@ -65,7 +65,7 @@ class HFSpatialReductionAdapter(HFForward, HierAdapter):
         self.stages_name, self.embed, self.sr_name = stages, embed, sr_name
         self.stage_modules = model.get_submodule(stages)
         self.token_sites = [f"{stages}.{s}.blocks.{len(st.blocks) - 1}.{norm}" for s, st in enumerate(self.stage_modules)]
-        self.has_head = getattr(model, "classifier", None) is not None
+        self.has_head = classifies(getattr(model, "classifier", None))  # (num_labels=0: nn.Identity, features)
         size = getattr(model.config, "image_size", None)
         self.fixed_size = None if size is None else pair(size)
         self.offer_legrad()

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from ..layout import pair
 from ..methods.families import HIER
 from ..methods.resample import TokenSet, Transition
-from .base import Adapter, register_adapter
+from .base import Adapter, classifies, register_adapter
 from .hier import Chain, HierAdapter, conv_footprint, conv_grid, global_call, module_family, token_set
 
 __all__ = ["HFPvtAdapter"]
@@ -31,9 +31,10 @@ class HFPvtAdapter(HierAdapter):
         self.base = "pvt." if hasattr(model, "pvt") else ""
         encoder = model.get_submodule(f"{self.base}encoder")
         self.embeddings, self.blocks = encoder.patch_embeddings, encoder.block
-        self.has_head = getattr(model, "classifier", None) is not None
+        self.classifier = getattr(model, "classifier", None)  # (num_labels=0: nn.Identity, reading the class token)
+        self.has_head = classifies(self.classifier)
         self.prefixes = [int(getattr(e, "cls_token", None) is not None) for e in self.embeddings]
-        self.readout = "class" if self.has_head and self.prefixes[-1] else "mean"
+        self.readout = "class" if self.classifier is not None and self.prefixes[-1] else "mean"
         self.token_sites = [f"{self.base}encoder.block.{s}.{len(stage) - 1}.layer_norm_1" for s, stage in enumerate(self.blocks)]
         self.fixed_size = pair(model.config.image_size)
         self.offer_legrad()
@@ -50,8 +51,8 @@ class HFPvtAdapter(HierAdapter):
         """On (B, N, C) last-stage tokens: the encoder's final LayerNorm, then the classifier on the class token
         (headless, or no class token: the mean of the grid tokens, as :meth:`forward` reads it)."""
         normed = self.model.get_submodule(f"{self.base}encoder").layer_norm(tokens)
-        if self.has_head:
-            return self.model.classifier(normed[:, 0])
+        if self.classifier is not None:
+            return self.classifier(normed[:, 0])
         return normed[:, self.prefixes[-1]:].mean(dim=1)
 
     def forward(self, x: Tensor) -> Any:

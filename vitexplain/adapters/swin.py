@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from ..errors import InputError, UnsupportedModelError
 from ..layout import TokenLayout, WindowGeometry
 from ..methods.families import SWIN
-from .base import Adapter, register_adapter
+from .base import Adapter, classifies, register_adapter
 from .hier import readout_pool_check
 
 __all__ = ["SwinBlock", "SwinAdapter", "TimmSwinAdapter", "TorchvisionSwinAdapter", "HFSwinAdapter"]
@@ -264,7 +264,7 @@ class HFSwinAdapter(SwinAdapter):
         super().__init__(model, blocks, post_norm=model.config.model_type == "swinv2")
         self.base = model.get_submodule(base) if base else model
         self._stages = encoder.layers
-        self.has_head = getattr(model, "classifier", None) is not None
+        self.has_head = classifies(getattr(model, "classifier", None))  # (num_labels=0: nn.Identity, features)
         if getattr(model.config, "use_absolute_embeddings", False):  # position embeddings for the configured grid only
             self.fixed_size = _pair(model.config.image_size)  # (the model's failure at another size: an InputError)
 
@@ -272,9 +272,13 @@ class HFSwinAdapter(SwinAdapter):
         if not self.post_norm:
             self._check_windows((int(x.shape[-2]), int(x.shape[-1])))
         with self._windows_kept():
-            out = self.model(pixel_values=x)
+            out = self.model(pixel_values=x, return_dict=True)  # a config's return_dict=False gives tuples
         logits = getattr(out, "logits", None)
-        return logits if logits is not None else out.pooler_output
+        if logits is not None:
+            return logits
+        # a headless model built with add_pooling_layer=False has no pooler_output: the mean of its last tokens, as
+        # head() pools them without a pooler
+        return out.pooler_output if out.pooler_output is not None else out.last_hidden_state.mean(dim=1)
 
     @contextlib.contextmanager
     def _windows_kept(self) -> Iterator[None]:
