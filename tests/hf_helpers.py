@@ -11,6 +11,16 @@ from torch import Tensor, nn
 _QUERY_KEY = ("q_proj.weight", "k_proj.weight", "query.weight", "key.weight")
 
 
+def perturb_norms(model: nn.Module, generator: torch.Generator) -> None:
+    """LayerNorm gains and biases drawn away from the identity (random-init gradients through Swin's norms are
+    otherwise near zero), in place, from ``generator``."""
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.LayerNorm) and module.weight is not None:
+                module.weight.normal_(1.0, 0.2, generator=generator)
+                module.bias.normal_(0.0, 0.2, generator=generator)
+
+
 def sharpen_attention(model: nn.Module, factor: float = 3.0) -> None:
     """Scale every query and key projection in place: sharper attention than a random init gives."""
     with torch.no_grad():

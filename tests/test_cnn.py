@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import torchvision
 
 import vitexplain as vx
+from cam_oracle import act_grad
 from vitexplain.recording import GateSpec, register_gate, supported_gates
 from vitexplain.recording import gates as gates_module
 from vitexplain.errors import CaptureError, UnsupportedMethodError, UnsupportedModelError
@@ -337,16 +338,9 @@ def test_target_layers():
 
 # -- Grad-CAM family ---------------------------------------------------------------------------
 def _act_grad_oracle(model, layer, x, classes):
-    """A and dy/dA of layer ``layer`` by hand: a forward hook and torch.autograd.grad."""
-    store = {}
-    handle = model.get_submodule(layer).register_forward_hook(lambda m, i, o: store.__setitem__("a", o))
-    try:
-        logits = model(x)
-    finally:
-        handle.remove()
-    score = logits[torch.arange(len(x)), classes].sum()
-    (grad,) = torch.autograd.grad(score, store["a"])
-    return store["a"].detach().double().numpy(), grad.double().numpy()
+    """A and dy/dA of layer ``layer`` by hand (tests/cam_oracle.py), float64 NumPy."""
+    a, grad = act_grad(model, layer, x, classes)
+    return a.double().numpy(), grad.double().numpy()
 
 
 def _gradcam_oracle(a, g):

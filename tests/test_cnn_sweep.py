@@ -26,6 +26,7 @@ import torchvision
 from PIL import Image
 
 import vitexplain as vx
+from cam_oracle import act_grad
 
 # builder, keyword arguments (the 1000 ImageNet classes: the parameter count of torchvision's weights)
 TV_PREPROCESS = {
@@ -66,15 +67,8 @@ def test_a_cnn_in_training_mode_that_refuses_a_size_names_the_size_it_takes():
 
 
 def _cams(model, layer, x, classes):
-    """Hand-written Grad-CAM and LayerCAM of ``layer`` (forward hook, autograd.grad), (B, h, w) each."""
-    store = {}
-    handle = model.get_submodule(layer).register_forward_hook(lambda m, i, o: store.__setitem__("a", o))
-    try:
-        logits = model(x)
-    finally:
-        handle.remove()
-    (g,) = torch.autograd.grad(logits[torch.arange(len(x)), classes].sum(), store["a"])
-    a = store["a"].detach()
+    """Hand-written Grad-CAM and LayerCAM of ``layer`` (tests/cam_oracle.py), (B, h, w) each."""
+    a, g = act_grad(model, layer, x, classes)
     return {"gradcam": (g.mean((2, 3), keepdim=True) * a).sum(1).clamp(min=0),
             "layercam": (g.clamp(min=0) * a).sum(1).clamp(min=0)}
 

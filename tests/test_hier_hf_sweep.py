@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import vitexplain as vx
+from hf_helpers import perturb_norms
 from hier_oracle import assert_matches_oracle, carry
 
 transformers = pytest.importorskip("transformers")
@@ -22,13 +23,8 @@ DIRECTION = torch.randn(32, generator=torch.Generator().manual_seed(4))
 
 
 def _gains(model: nn.Module) -> nn.Module:
-    """Norms away from the identity (random-init gradients through Swin's norms are otherwise near zero)."""
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, nn.LayerNorm) and module.weight is not None:
-                module.weight.normal_(1.0, 0.2, generator=generator)
-                module.bias.normal_(0.0, 0.2, generator=generator)
+    """Norms away from the identity (tests/hf_helpers.py), in eval mode."""
+    perturb_norms(model, torch.Generator().manual_seed(1))
     return model.eval()
 
 

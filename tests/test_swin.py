@@ -30,6 +30,7 @@ from vitexplain.methods import swin
 from vitexplain.methods.context import Context
 from vitexplain.targets import resolve
 from vitexplain.adapters.swin import HFSwinAdapter, TimmSwinAdapter, TorchvisionSwinAdapter
+from hf_helpers import perturb_norms
 
 import timm  # noqa: E402,F401  (a dependency of the package: never skipped)
 import torchvision as tv  # noqa: E402  (a dependency of the package: never skipped)
@@ -74,11 +75,8 @@ def build(kind: str, size: tuple[int, int] = (64, 64), attn: str = "sdpa") -> nn
         config._attn_implementation = attn if kind == "hf" else "eager"
         model = cls(config)
     generator = torch.Generator().manual_seed(1)
+    perturb_norms(model, generator)
     with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, nn.LayerNorm) and module.weight is not None:
-                module.weight.normal_(1.0, 0.2, generator=generator)
-                module.bias.normal_(0.0, 0.2, generator=generator)
         head = [m for m in model.modules() if isinstance(m, nn.Linear) and m.out_features == CLASSES][-1]
         head.weight.normal_(0.0, 1.0, generator=generator)
     return model.eval()
