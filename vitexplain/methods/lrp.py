@@ -101,8 +101,9 @@ def _explain(ctx: Context, variant: str, resolution: str, linear_gamma: float, c
     pixels = relevance.sum(dim=1)
     grid = _grid(ctx, pixels)
     total = pixels.flatten(1).sum(1)
+    # a zero score has no ratio: NaN, not the relevance sum itself (what dividing by 1 there reported)
     extras = {"pixels": pixels, "grid": grid, "score": score,
-              "conservation": total / torch.where(score == 0, torch.ones_like(score), score)}
+              "conservation": torch.where(score == 0, torch.full_like(score, float("nan")), total / score)}
     return (pixels if resolution == "pixels" else grid), extras
 
 
@@ -131,7 +132,8 @@ def attnlrp(ctx: Context, *, resolution: str = "pixels", linear_gamma: float = D
 
     Returns:
         (maps, extras): maps signed, summing to about the target score (conservation);
-        extras ``pixels`` (B, H, W), ``grid`` (B, gh, gw), ``score`` (B,), ``conservation`` (B,).
+        extras ``pixels`` (B, H, W), ``grid`` (B, gh, gw), ``score`` (B,), ``conservation`` (B,) (relevance sum /
+        score; NaN where the score is 0).
     """
     return _explain(ctx, "attnlrp", resolution, linear_gamma, conv_gamma)
 

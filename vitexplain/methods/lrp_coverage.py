@@ -2,9 +2,10 @@
 uncovered while the forward runs, and the errors raised instead of maps that are not LRP relevance.
 
 A softmax that is not attention's (recognised by the rules themselves), a log-softmax or logsumexp (a
-log-probability target: LRP explains the logit), an element-wise exponential, logarithm, power, square, root or
-division by an activation (a norm written out in Python), a product of two activations fused with an addition
-(``baddbmm``), a recurrent cell, a BatchNorm with batch statistics or FlexAttention is not covered:
+log-probability target: LRP explains the logit), an element-wise exponential, logarithm, power, square, root,
+trigonometric function, variance or division by an activation (a norm written out in Python), in place or not
+(``x.exp_()``, ``x /= n``), a product of two activations fused with an addition (``baddbmm``, ``addcmul``) or of
+several in one call (``prod``, ``glu``), a recurrent cell, a BatchNorm with batch statistics or FlexAttention is not covered:
 :func:`uncovered_call` names such a call, :class:`~vitexplain.methods.lrp_rules.LRPRules` counts it and
 :func:`check_coverage` raises after the forward. :func:`checkpointing_refused` turns the error of a backward that
 recomputes checkpointed blocks (outside the rules' reach) into one that says what to do. Sources: docs/methods.md
@@ -24,13 +25,23 @@ from ..errors import UnsupportedModelError
 __all__ = ["uncovered_call", "check_coverage", "checkpointing_refused", "flex_refused"]
 
 #: Products fused with an addition in one call (``beta * input + alpha * (a @ b)``).
-FUSED_PRODUCTS = {getattr(o, n) for o in (torch, torch.Tensor) for n in ("addmm", "baddbmm", "addbmm", "addmv", "addr")
-                  if hasattr(o, n)}
+FUSED_PRODUCTS = {getattr(o, n) for o in (torch, torch.Tensor) for n in
+                  ("addmm", "baddbmm", "addbmm", "addmv", "addr", "addcmul", "addmm_", "baddbmm_", "addbmm_", "addmv_",
+                   "addr_", "addcmul_") if hasattr(o, n)}
+#: Products of several activations inside one call (the uniform rule needs each factor as an operand of its own).
+PRODUCTS_IN_ONE_CALL = {getattr(o, n) for o in (torch, torch.Tensor) for n in ("prod", "cumprod", "cumprod_")
+                        if hasattr(o, n)} | {F.glu}
 #: Element-wise non-linear calls no rule covers (written-out norms, exponentials): refused on an activation.
-NONLINEAR = {getattr(o, n) for o in (torch, torch.Tensor) for n in
-             ("exp", "log", "sqrt", "rsqrt", "erf", "reciprocal", "log1p", "expm1", "log2", "log10", "pow", "div",
-              "true_divide", "square") if hasattr(o, n)}
-NONLINEAR |= {torch.Tensor.__pow__, torch.Tensor.__rpow__, torch.Tensor.__truediv__, torch.Tensor.__rtruediv__}
+#: Their in-place spellings (``x.exp_()``, ``x /= n``, ``x **= 2``) and torch.special's aliases are the same calls.
+_NONLINEAR_NAMES = ("exp", "exp2", "log", "sqrt", "rsqrt", "erf", "erfc", "reciprocal", "log1p", "expm1", "log2", "log10",
+                    "pow", "float_power", "div", "divide", "true_divide", "square", "sin", "cos", "tan", "asin", "acos",
+                    "atan", "sinh", "cosh", "asinh", "acosh", "atanh", "var", "std", "var_mean", "std_mean", "addcdiv")
+NONLINEAR = {getattr(o, n + suffix) for o in (torch, torch.Tensor) for n in _NONLINEAR_NAMES for suffix in ("", "_")
+             if hasattr(o, n + suffix)}
+NONLINEAR |= {getattr(torch.special, n) for n in ("exp2", "expm1", "erf", "erfc", "log1p") if hasattr(torch.special, n)}
+NONLINEAR |= {torch.Tensor.__pow__, torch.Tensor.__rpow__, torch.Tensor.__ipow__, torch.Tensor.__truediv__,
+              torch.Tensor.__rtruediv__, torch.Tensor.__itruediv__, torch.Tensor.__div__, torch.Tensor.__rdiv__,
+              torch.Tensor.__idiv__}
 LOG_SOFTMAX = {torch.log_softmax, torch.Tensor.log_softmax, F.log_softmax, torch.special.log_softmax,
                torch.logsumexp, torch.Tensor.logsumexp, torch.special.logsumexp}
 #: Recurrent cells: their gates multiply activations inside one fused call no rule can reach.
@@ -48,6 +59,8 @@ def uncovered_call(func: Callable, args: tuple, kwargs: dict, live: Callable[[An
     if func in FUSED_PRODUCTS and len(args) >= 3 and live(args[1]) and live(args[2]):
         fused = getattr(func, "__name__", func)
         return f"{fused} (a fused multiply-add of two activations)"
+    if func in PRODUCTS_IN_ONE_CALL and args and live(args[0]):
+        return f"{getattr(func, '__name__', func)} of an activation (a product of several activations in one call)"
     if func in NONLINEAR and _nonlinear_on_activation(func, args, live):
         return f"{getattr(func, '__name__', func)} of an activation"
     if func in LOG_SOFTMAX and args and live(args[0]):
@@ -92,14 +105,18 @@ def _nonlinear_on_activation(func: Callable, args: tuple, live: Callable[[Any], 
     base (exponent not 1) or exponent, or a division's divisor is live (a division by a constant is linear)."""
     if not args:
         return False
-    name = getattr(func, "__name__", "")
-    if name in ("div", "true_divide", "__truediv__"):
+    # the spellings of one call: x.div_(y), x /= y (``__itruediv__``), y.__rtruediv__(2), torch.divide(x, y), ...
+    name = getattr(func, "__name__", "").strip("_").removeprefix("i")
+    name = {"truediv": "div", "divide": "div", "true_divide": "div", "rtruediv": "rdiv", "float_power": "pow"}.get(name, name)
+    if name == "div":  # (x / y, x.div_(y), x /= y)
         return len(args) > 1 and live(args[1])
-    if name == "__rtruediv__":  # number / tensor: the tensor is the divisor
+    if name == "addcdiv":  # input + value * t1 / t2: t2 is the divisor
+        return len(args) > 2 and live(args[2])
+    if name == "rdiv":  # number / tensor: the tensor is the divisor
         return live(args[0])
-    if name in ("pow", "__pow__", "__rpow__"):
+    if name in ("pow", "rpow"):
         base, exponent = args[0], args[1] if len(args) > 1 else None
-        if name == "__rpow__":
+        if name == "rpow":
             return live(base)
         linear = isinstance(exponent, (int, float)) and exponent == 1
         return live(exponent) or (live(base) and not linear)

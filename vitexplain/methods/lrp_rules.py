@@ -23,19 +23,20 @@ Rules (docs/methods.md, "AttnLRP and CP-LRP"):
 - ``F.layer_norm`` / ``F.rms_norm`` / ``F.group_norm`` (hybrid ViTs' ResNet stems): the standard
   deviation is detached (the identity rule on the normalisation, AttnLRP eq. 15; lxt's
   ``layer_norm_forward``);
-- element-wise activations (GELU, SiLU, sigmoid, tanh, ...): the gradient becomes ``f(x) / x``
+- element-wise activations (GELU, SiLU, sigmoid, tanh, ReLU6 / hardtanh / clamp, hardsigmoid, ...; in place,
+  ``x.sigmoid_()``, the same rule written into ``x``): the gradient becomes ``f(x) / x``
   (the identity rule, AttnLRP eq. 9; lxt's ``identity_rule_implicit``, same epsilon); an activation
   module of transformers or timm (GPT-2's ``NewGELUActivation`` writes the tanh GELU out in Python:
-  its products, sum and power would get other rules) gets it as a whole when the model is given, as do
+  its products, sum and power would get other rules) gets it as a whole when the model is given
+  (:mod:`~vitexplain.methods.lrp_modules`; one working in place runs on a copy of its input), as do
   MetaFormer's ``SquaredReLU`` ``relu(x)^2`` and ``StarReLU`` ``s relu(x)^2 + b`` (the identity rule on
   ``relu(x)^2``, then the affine map: b takes its share like a bias; ``lrp_ops.star_relu_rule``);
 - attention computed in Python (timm's default Swin, ``fused_attn=False``, Hugging Face "eager"):
   the two matmuls get the uniform rule below (equal to 1/4, 1/4, 1/2 at q, k, v); AttnLRP keeps
   the softmax's gradient, CP-LRP detaches the attention weights;
 - the product of two activations (gated MLPs, ``a * b``, ``a @ b`` or ``torch.einsum`` with both
-  computed from the input): the gradient is halved at each (the uniform rule, AttnLRP eq. 7; an
-  einsum of n activations gives each 1/n); a factor computed from
-  the weights alone (Swin V2's ``logit_scale.exp()``) is a constant, its product kept linear;
+  computed from the input; in place, ``a.mul_(b)``, ``a *= b``): the gradient is halved at each (the uniform rule,
+  AttnLRP eq. 7; an einsum of n activations gives each 1/n); a factor computed from the weights alone (Swin V2's ``logit_scale.exp()``) is a constant, its product kept linear;
 - ``F.cosine_similarity`` (``vx.targets.similarity``): the norms are detached, so the relevance
   of a headless backbone sums to the cosine (plain gradients would sum to 0); ``F.normalize``
   (Swin V2's cosine attention on q and k) likewise: the norm is detached (RMSNorm / sqrt(d));
@@ -69,8 +70,9 @@ from ..errors import UsageError
 from ..recording.flex import flex_code, flex_frame, keep_uncompiled
 from .grad_layout import ContiguousGrad
 from .lrp_coverage import flex_refused, uncovered_call
-from .lrp_ops import (GAMMA_STABILIZER, IDENTITY_EPSILON, ActivationModuleRule, IdentityRule, LayerNormRule, ScaleGrad,
-                      activation_module, cosine_rule, gamma_rule, group_norm_rule, rms_norm_rule, star_relu_rule)
+from .lrp_modules import ActivationModuleHooks
+from .lrp_ops import (GAMMA_STABILIZER, IDENTITY_EPSILON, IdentityRule, LayerNormRule, ScaleGrad, cosine_rule,
+                      gamma_rule, group_norm_rule, rms_norm_rule)
 
 __all__ = ["LRPRules", "VARIANTS", "IDENTITY_EPSILON", "GAMMA_STABILIZER"]
 
@@ -85,8 +87,17 @@ _MHA = F.multi_head_attention_forward
 _MHA_SIGNATURE = inspect.signature(_MHA)
 _ACTIVATIONS = {
     F.gelu, F.silu, F.mish, F.elu, F.celu, F.selu, F.leaky_relu, F.hardswish, F.softplus,
-    torch.sigmoid, torch.Tensor.sigmoid, F.sigmoid, torch.tanh, torch.Tensor.tanh, F.tanh,
+    torch.sigmoid, torch.Tensor.sigmoid, F.sigmoid, torch.tanh, torch.Tensor.tanh, F.tanh, torch.special.expit,
+    F.relu6, F.hardtanh, F.hardsigmoid, F.logsigmoid, F.softsign, torch.clamp, torch.Tensor.clamp, torch.clip,
+    torch.Tensor.clip,
 }
+_CLAMPS = {torch.clamp, torch.Tensor.clamp, torch.clip, torch.Tensor.clip}
+#: In-place spellings of activations and of the product: the rule on the out-of-place call, written into the input.
+_IN_PLACE = {torch.Tensor.sigmoid_: torch.sigmoid, torch.sigmoid_: torch.sigmoid, torch.Tensor.tanh_: torch.tanh,
+             torch.tanh_: torch.tanh, F.elu_: F.elu, F.leaky_relu_: F.leaky_relu, F.celu_: F.celu, F.selu_: F.selu,
+             F.hardtanh_: F.hardtanh, torch.Tensor.clamp_: torch.clamp, torch.clamp_: torch.clamp,
+             torch.Tensor.clip_: torch.clip, torch.clip_: torch.clip, torch.Tensor.mul_: torch.mul,
+             torch.Tensor.__imul__: torch.mul}
 _PRODUCTS = {torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__,
              torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm}
 _ADDMM = {torch.addmm, torch.Tensor.addmm}
@@ -95,7 +106,7 @@ _SOFTMAX = {torch.softmax, torch.Tensor.softmax, F.softmax, torch.special.softma
 _CONVS = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}
 
 
-class LRPRules(TorchFunctionMode):
+class LRPRules(ActivationModuleHooks, TorchFunctionMode):
     """Applies the LRP rules to the torch calls made while it is active (see the module docstring).
 
     Args:
@@ -122,7 +133,9 @@ class LRPRules(TorchFunctionMode):
             raise UsageError(f"unknown LRP variant {variant!r}; choose from {VARIANTS}")
         self.model = model
         self._inside = 0  # > 0 while an activation module runs (its inner calls get no rule)
-        self._calls: list[bool] = []  # per open hooked module call: whether it gets its rule as a whole
+        # per open hooked module call: None (its calls get the rules one by one), or (its input, the input's version,
+        # the clone the module ran on when it works in place; see _enter_activation)
+        self._calls: list[Optional[tuple[Tensor, int, Optional[Tensor]]]] = []
         self._handles: list[Any] = []
         self._thread = threading.get_ident()
         self.variant = variant
@@ -139,17 +152,7 @@ class LRPRules(TorchFunctionMode):
         self._flex = flex_code()
         if self._flex is not None:  # (a compiled FlexAttention call that falls back to eager then reaches the refusal)
             keep_uncompiled(LRPRules.__torch_function__.__code__)
-        if self.model is not None:
-            try:
-                for module in self.model.modules():
-                    kind = activation_module(module)
-                    if kind:
-                        self._handles.append(module.register_forward_pre_hook(self._enter_activation, with_kwargs=True))
-                        self._handles.append(module.register_forward_hook(
-                            lambda m, i, o, kind=kind: self._leave_activation(m, i, o, kind), always_call=True))
-            except BaseException:
-                self._remove_hooks()
-                raise
+        self._hook_modules()
         try:
             return super().__enter__()
         except BaseException:
@@ -166,39 +169,6 @@ class LRPRules(TorchFunctionMode):
             # a torch.compile-d FlexAttention call: dynamo ran its checks, out of the rules' sight (torch's own error)
             raise flex_refused(self.variant) from error
         return result
-
-    def _remove_hooks(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        self._inside = 0
-        self._calls: list[bool] = []
-
-    def _enter_activation(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        """A call of one tensor (an element-wise function of it) gets the module's rule: the calls inside run
-        without rules. Any other call (a gated norm's second input) runs under the rules, call by call."""
-        if threading.get_ident() != self._thread:
-            return
-        tensors_in_kwargs = any(isinstance(v, Tensor) for v in kwargs.values())
-        whole = len(args) == 1 and isinstance(args[0], Tensor) and not tensors_in_kwargs
-        self._calls.append(whole)
-        self._inside += whole
-
-    def _leave_activation(self, module: nn.Module, inputs: tuple, output: Any, kind: str = "activation") -> Any:
-        if threading.get_ident() != self._thread or not self._calls or not self._calls.pop():
-            return None
-        self._inside = max(0, self._inside - 1)
-        x = inputs[0]
-        if not (x.requires_grad and torch.is_grad_enabled()):
-            return None
-        if not (isinstance(output, Tensor) and output.shape == x.shape):
-            self.seen["uncovered"].append(f"{type(module).__name__} (its output is not element-wise in its input)")
-            return None
-        if kind == "star_relu":
-            self.seen["activation"] += 1
-            return star_relu_rule(module, x)
-        self.seen[kind] += 1
-        return ActivationModuleRule.apply(x, output, kind == "norm")
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
@@ -220,6 +190,10 @@ class LRPRules(TorchFunctionMode):
             return self._group_norm(*args, **kwargs)
         if func is F.batch_norm:
             return self._batch_norm(args, kwargs)
+        if func in _IN_PLACE and args and isinstance(args[0], Tensor) and args[0].requires_grad:
+            return self._in_place(_IN_PLACE[func], args, kwargs)
+        if func in _CLAMPS and any(isinstance(a, Tensor) for a in (*args[1:], *kwargs.values())):
+            return func(*args, **kwargs)  # bounds that are tensors: an element-wise max/min, which keeps its gradient
         if func in _ACTIVATIONS and args and isinstance(args[0], Tensor) and args[0].requires_grad:
             self.seen["activation"] += 1
             # out of place (the identity rule reads the input after the call): a positional bool is `inplace`
@@ -252,6 +226,14 @@ class LRPRules(TorchFunctionMode):
         return func(*args, **kwargs)
 
     # -- activations and constants ------------------------------------------------------
+    def _in_place(self, func: Callable, args: tuple, kwargs: dict) -> Tensor:
+        """``x.sigmoid_()``, ``F.elu_(x)``, ``a.mul_(b)``, ``a *= b``: the rules of ``func`` (the out-of-place call)
+        on a copy of ``x`` (its autograd node and values are what the rules read), written back into ``x``."""
+        x, rest = args[0], args[1:]
+        copy = x.clone()
+        rest = tuple(copy if r is x else r for r in rest)  # (a.mul_(a): both factors are the input)
+        return x.copy_(self.__torch_function__(func, (), (copy, *rest), kwargs))
+
     def _live(self, t: Any) -> bool:
         """Whether ``t`` is an activation: computed from the data (the input, or token embeddings looked up
         by the data's ids), not from the weights alone.
