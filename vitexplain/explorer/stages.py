@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..adapters.hier import PageView
 from ..recording import AttentionRecord
 from .attention import _split, _split_bytes
 
@@ -107,6 +108,16 @@ def stage_rollouts(items: Sequence[Any], attention: Sequence[Tensor]) -> list[Te
     return out
 
 
+def _view(adapter: Any, spec: Any, input_size: Sequence[int]) -> PageView:
+    """The call as the page draws it: the adapter's :meth:`~vitexplain.adapters.hier.HierAdapter.page_view`,
+    else on its own query and key sets."""
+    view = adapter.page_view(spec, input_size) if callable(getattr(adapter, "page_view", None)) else None
+    if view is not None:
+        return view
+    q, k = spec.out, spec.keys.coarse
+    return PageView(torch.arange(q.n), q, torch.arange(k.n), k, max(spec.in_stage, spec.out_stage))
+
+
 def _fit(sizes: list[int], budget: int) -> list[int]:
     """The layers to embed: all if they fit, else the last plus evenly spaced others that fit."""
     if sum(sizes) <= budget:
@@ -147,7 +158,10 @@ def stage_payload(adapter: Any, records: Sequence[AttentionRecord], input_size: 
     first = adapter.stage_sets(input_size)[0]
     n0, p0 = first.n, first.prefix
     heads = [c.num_heads for c in bound]  # (folded into the record's batch for SAM and Hiera: Call.num_heads)
-    geometry = [(c.spec.out, c.spec.keys.coarse, max(c.spec.in_stage, c.spec.out_stage)) for c in bound]
+    # each call on the sets the page draws it on (CrossViT's joint 1 x N set was drawn as a strip over the image)
+    views = [_view(adapter, c.spec, input_size) for c in bound]
+    columns = adapter.page_input(input_size) if callable(getattr(adapter, "page_input", None)) else None
+    geometry = [(v.q_set, v.k_set, v.stage) for v in views]
     rows = [_split_bytes(q.n, n0, p0) for q, _, _ in geometry]
     full = [h * _split_bytes(q.n, k.n, k.prefix) + r for h, (q, k, _), r in zip(heads, geometry, rows)]
     fused = [_split_bytes(q.n, k.n, k.prefix) + r for (q, k, _), r in zip(geometry, rows)]
@@ -178,8 +192,11 @@ def stage_payload(adapter: Any, records: Sequence[AttentionRecord], input_size: 
     probs, rollout = [], []
     for i in chosen:
         a = attention[i].mean(0, keepdim=True) if mean else attention[i]
+        v = views[i]
+        q, k = v.queries.to(a.device), v.keys.to(a.device)
+        a, r = a[:, q][..., k], rolled[i][q]
         probs.append(_split(a, geometry[i][1].prefix))
-        rollout.append(_split(rolled[i], p0))
+        rollout.append(_split(r if columns is None else r[:, columns.to(r.device)], p0))
     payload["probs"], payload["rollout"] = probs, rollout
     return payload
 
