@@ -93,3 +93,48 @@ def test_crossvit_page_draws_a_branch_patchs_attention_on_its_branch_grid(browse
     exact = records["blocks.0.blocks.1.0.attn"][0]  # head 0, (5, 5): [cls, (0,0), (0,1), (1,0), (1,1)]
     assert_overlay(page.pixels("attn"), exact[1 + 2, 1:].reshape(2, 2))
     assert page.close() == []
+
+
+# -- a prefix token that joins at a later stage (HF PVT v1: the class token, on the last stage) ---------------
+
+@pytest.fixture(scope="module")
+def pvt_v1_page(tmp_path_factory):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.PvtConfig(image_size=64, hidden_sizes=[16, 32, 48, 64], depths=[1, 1, 1, 1],
+                                    num_attention_heads=[1, 2, 2, 4], num_labels=5)
+    model = transformers.PvtForImageClassification(config).eval()
+    image = (np.random.default_rng(4).random((64, 64, 3)) * 255).astype(np.uint8)
+    path = vx.explore(model, image, tmp_path_factory.mktemp("pvt1") / "p.html", method=["rollout"], top_k=1)
+    data = json.loads(re.search(r'id="vx-data">(.*?)</script>', path.read_text(), re.S).group(1))["images"][0]
+    ex = vx.Explainer(model)
+    with torch.no_grad(), vx.capture(model) as rec:
+        ex.adapter.forward(ex.preprocess(image)[0])
+    att = data["attention"]
+    last = [r for r in rec.records if r.name == att["layers"][-1]][-1].probs()[0].numpy()
+    return path, att, last
+
+
+def test_pvt_v1_class_token_of_the_last_stage_is_labelled(pvt_v1_page) -> None:
+    _, att, last = pvt_v1_page
+    assert att["prefix"] == 0 and att["sets"][0]["q"][0] == 0  # the first stage has no class token
+    assert att["sets"][-1]["q"] == [1, 2, 2] and last.shape[-1] == 5
+    assert att["tokens"] == ["[CLS]"]  # was [] and the page wrote "query undefined"
+
+
+def test_pvt_v1_class_token_can_be_picked_on_the_last_stage_only(browser, pvt_v1_page) -> None:
+    path, att, last = pvt_v1_page
+    page = Page(browser, path)
+    cls = page.page.locator('button[data-vx="token"][data-index="0"]')
+    page.page.select_option('select[data-vx="layer"]', "0")
+    assert cls.is_disabled()  # stage 0's queries have no class token
+    page.page.select_option('select[data-vx="layer"]', str(len(att["layers"]) - 1))
+    cls.click()
+    assert_overlay(page.pixels("attn"), last[0, 0, 1:].reshape(2, 2))  # head 0, the class token's row
+    info = page.page.locator('[data-vx="query-info"]').text_content()
+    assert info.startswith("query [CLS] (pinned)"), info
+    box = page.page.locator('canvas[data-vx="matrix"]').bounding_box()
+    page.page.mouse.move(box["x"] + 1, box["y"] + 1)  # the matrix cell ([CLS], [CLS])
+    text = page.page.locator('figure:has(canvas[data-vx="matrix"]) p.vx-info').text_content()
+    assert text.startswith("query [CLS] \u2192 key [CLS]:"), text
+    assert page.close() == []

@@ -118,6 +118,15 @@ def _view(adapter: Any, spec: Any, input_size: Sequence[int]) -> PageView:
     return PageView(torch.arange(q.n), q, torch.arange(k.n), k, max(spec.in_stage, spec.out_stage))
 
 
+def _prefix_names(names: Sequence[str], first: int, views: Sequence[PageView]) -> list[str]:
+    """Labels of the prefix tokens of every set the page draws: the first set's ``names``, then, for prefix
+    tokens that only later sets have (PVT v1's class token joins at the last stage: the page labelled its
+    query and keys "undefined" and offered no button for it), ``[CLS]`` for the first and ``[PREFIXi]`` after."""
+    most = max([first] + [max(v.q_set.prefix, v.k_set.prefix) for v in views])
+    known = list(names[:first])
+    return known + ["[CLS]" if i == 0 else f"[PREFIX{i}]" for i in range(len(known), most)]
+
+
 def _fit(sizes: list[int], budget: int) -> list[int]:
     """The layers to embed: all if they fit, else the last plus evenly spaced others that fit."""
     if sum(sizes) <= budget:
@@ -149,7 +158,8 @@ def stage_payload(adapter: Any, records: Sequence[AttentionRecord], input_size: 
         ``{"layers", "layerIndex", "heads": [per layer labels], "prefix", "tokens", "grid", "note", "sets":
         [{"q": [P, H, W], "k": [P, H, W], "stage": s}], "probs": [per layer rows (H' n_Q, n_K)],
         "rollout": [per layer rows (n_Q, n_0)]}``; ``grid``/``prefix`` are the first set's (the
-        rollout rows' columns); ``probs``/``rollout`` are None when nothing fits.
+        rollout rows' columns); ``tokens`` label the prefix tokens of every set (a later stage may have more
+        than the first: PVT v1's class token); ``probs``/``rollout`` are None when nothing fits.
     """
     from ..methods.resample import bind, calls
 
@@ -177,7 +187,7 @@ def stage_payload(adapter: Any, records: Sequence[AttentionRecord], input_size: 
         "layerIndex": chosen,
         "heads": [["mean"] if mean else [str(h) for h in range(heads[i])] for i in chosen],
         "prefix": p0,
-        "tokens": prefix_names[:p0],
+        "tokens": _prefix_names(prefix_names, p0, [views[i] for i in chosen]),
         "grid": list(first.grid),
         "note": note,
         "sets": [{"q": _sizes(geometry[i][0]), "k": _sizes(geometry[i][1]), "stage": geometry[i][2]}
