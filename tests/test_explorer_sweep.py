@@ -138,3 +138,23 @@ def test_pvt_v1_class_token_can_be_picked_on_the_last_stage_only(browser, pvt_v1
     text = page.page.locator('figure:has(canvas[data-vx="matrix"]) p.vx-info').text_content()
     assert text.startswith("query [CLS] \u2192 key [CLS]:"), text
     assert page.close() == []
+
+
+# -- Hugging Face DeiT's distillation token (on its embeddings, not the model) -------------------------------
+
+@pytest.mark.parametrize("cls_name", ["DeiTForImageClassification", "DeiTForImageClassificationWithTeacher"])
+def test_hf_deit_distillation_token_is_labelled_dist(tmp_path, cls_name) -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.DeiTConfig(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2,
+                                     num_attention_heads=2, intermediate_size=64, num_labels=5)
+    model = getattr(transformers, cls_name)(config).eval()
+    image = (np.random.default_rng(5).random((32, 32, 3)) * 255).astype(np.uint8)
+    path = vx.explore(model, image, tmp_path / "p.html", method=["raw"], top_k=1)
+    att = json.loads(re.search(r'id="vx-data">(.*?)</script>', path.read_text(), re.S).group(1))["images"][0]["attention"]
+    assert att["tokens"] == ["[CLS]", "[DIST]"]  # the second was "[REG0]"
+    # the model's own order: token 1 of the embeddings is the distillation token (plus its position embedding)
+    emb = model.deit.embeddings
+    with torch.no_grad():
+        tokens = emb(torch.zeros(1, 3, 32, 32))
+    assert torch.allclose(tokens[0, 1], (emb.distillation_token + emb.position_embeddings[:, 1])[0], atol=1e-6)

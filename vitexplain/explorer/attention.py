@@ -63,11 +63,15 @@ def prefix_labels(model: nn.Module, layout: TokenLayout) -> list[str]:
     """Names of the prefix tokens: ``[CLS]``, ``[DIST]`` (DeiT distilled), ``[REG0]``...
 
     Args:
-        model: the module that owns the tokens (timm keeps ``dist_token`` on it).
+        model: the module that owns the tokens (timm keeps ``dist_token`` on it; Hugging Face DeiT a
+            ``distillation_token`` on a submodule).
         layout: its token layout.
     """
     labels = ["[CLS]"] if layout.has_class_token else []
-    if getattr(model, "dist_token", None) is not None:
+    # timm keeps dist_token on the model; Hugging Face DeiT its distillation_token on the embeddings (after the
+    # class token too), which was labelled "[REG0]"
+    if getattr(model, "dist_token", None) is not None or any(
+            getattr(m, "distillation_token", None) is not None for m in model.modules()):
         labels.append("[DIST]")
     registers = layout.num_prefix_tokens - len(labels)
     return labels + [f"[REG{i}]" for i in range(registers)]
