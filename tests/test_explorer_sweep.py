@@ -158,3 +158,14 @@ def test_hf_deit_distillation_token_is_labelled_dist(tmp_path, cls_name) -> None
     with torch.no_grad():
         tokens = emb(torch.zeros(1, 3, 32, 32))
     assert torch.allclose(tokens[0, 1], (emb.distillation_token + emb.position_embeddings[:, 1])[0], atol=1e-6)
+
+
+# -- a small attention budget is written as given -------------------------------------------------------------
+
+@pytest.mark.parametrize("model_name", ["shapes-vit", "shapes-hier"])
+def test_a_small_attention_budget_is_written_as_given_not_as_zero(tmp_path, model_name) -> None:
+    image = vx.data.shapes(1, seed=2).images[0]
+    path = vx.explore(vx.zoo.load(model_name), image, tmp_path / "p.html", method=["rollout"], top_k=1,
+                      attention_budget=0.002)
+    att = json.loads(re.search(r'id="vx-data">(.*?)</script>', path.read_text(), re.S).group(1))["images"][0]["attention"]
+    assert att["probs"] is None and "page budget (0.002 MB)" in att["note"], att["note"]  # was "(0.0 MB)"

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from ..adapters.hier import PageView
 from ..recording import AttentionRecord
-from .attention import _split, _split_bytes
+from .attention import _split, _split_bytes, budget_text
 
 __all__ = ["stage_payload", "dense_attention", "stage_rollouts"]
 
@@ -180,8 +180,8 @@ def stage_payload(adapter: Any, records: Sequence[AttentionRecord], input_size: 
         mean = True
         chosen = _fit(fused, budget)
         note = (f"heads fused (mean) and {len(chosen)} of {len(bound)} layers embedded (page budget "
-                f"{budget / 1e6:.1f} MB)" if chosen
-                else f"the attention of this model does not fit the page budget ({budget / 1e6:.1f} MB)")
+                f"{budget_text(budget)})" if chosen
+                else f"the attention of this model does not fit the page budget ({budget_text(budget)})")
     payload: dict[str, Any] = {
         "layers": [bound[i].record.name for i in chosen],
         "layerIndex": chosen,
