@@ -169,3 +169,18 @@ def test_a_small_attention_budget_is_written_as_given_not_as_zero(tmp_path, mode
                       attention_budget=0.002)
     att = json.loads(re.search(r'id="vx-data">(.*?)</script>', path.read_text(), re.S).group(1))["images"][0]["attention"]
     assert att["probs"] is None and "page budget (0.002 MB)" in att["note"], att["note"]  # was "(0.0 MB)"
+
+
+# -- a captioner that ends its caption at once ----------------------------------------------------------------
+
+def test_a_caption_with_no_word_says_so_instead_of_drawing_word_1_of_0(tmp_path) -> None:
+    model = vx.zoo.load("shapes-captioner")
+    with torch.no_grad():
+        model.head.bias[model.vocab.eos_id] += 1000.0  # the end token always wins: no word is generated
+    image = vx.data.shapes(1, seed=1).images[0]
+    assert vx.Explainer(model).explain_caption(vx.Explainer(model).preprocess(image)[0], method="cross").tokens == [[]]
+    path = vx.explore(model, image, tmp_path / "p.html", method=["cross"])
+    data = json.loads(re.search(r'id="vx-data">(.*?)</script>', path.read_text(), re.S).group(1))["images"][0]
+    assert data["caption"] == {"words": [], "methods": []}  # was one all-zero row shown as "word 1 of 0"
+    assert any("ended its caption at once" in note for note in data["notes"]), data["notes"]
+    assert data["attention"] is not None and data["attention"]["probs"] is not None  # the encoder's views stay
