@@ -17,7 +17,7 @@ taken as token-wise, and a conv or pooling distributes relevance evenly over its
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Optional, Sequence, Union
+from typing import Any, NamedTuple, Optional, Sequence, Union
 
 from torch import Tensor, nn
 
@@ -27,10 +27,22 @@ from ..methods.resample import CallSpec, Footprint, TokenSet, Transition, full_s
 from .base import Adapter, register_adapter
 from .hier_head import HeadOnTokens
 
-__all__ = ["HierAdapter", "conv_grid", "global_call", "token_set", "sam_chain", "PVTv2Adapter", "TwinsAdapter",
+__all__ = ["HierAdapter", "PageView", "conv_grid", "global_call", "token_set", "sam_chain", "PVTv2Adapter", "TwinsAdapter",
            "SamViTAdapter", "module_family", "readout_pool_check"]
 
 Chain = list[Union[CallSpec, Transition]]
+
+
+class PageView(NamedTuple):
+    """A call as the explorer page draws it (:meth:`HierAdapter.page_view`): the rows ``queries``
+    (indices into the call's query set) on the token set ``q_set``, the columns ``keys`` (indices
+    into its key set) on ``k_set``, labelled as stage ``stage``."""
+
+    queries: Tensor
+    q_set: TokenSet
+    keys: Tensor
+    k_set: TokenSet
+    stage: int
 
 
 def module_family(model: nn.Module, prefix: str) -> bool:
@@ -159,6 +171,17 @@ class HierAdapter(HeadOnTokens, Adapter):
     def finish_call(self, spec: CallSpec, r: Tensor, input_size: Sequence[int]) -> Any:
         """A row over a call's input set (``raw``) as maps on that set's grid."""
         return spec.inp.on_grid(r)
+
+    def page_view(self, spec: CallSpec, input_size: Sequence[int]) -> Optional[PageView]:
+        """How the explorer page draws a call whose token sets are not image grids (CrossViT's joint
+        set), or None: on the call's own query and key sets."""
+        return None
+
+    def page_input(self, input_size: Sequence[int]) -> Optional[Tensor]:
+        """Indices of the first stage set (``stage_sets()[0]``) in the chain's input set, where the two
+        differ (CrossViT: branch 0 of the joint set), or None: the same set. The page's rollout rows
+        are drawn on the first stage set."""
+        return None
 
     def site_grid(self, stage: int, output: Tensor, input_size: Sequence[int]) -> Tensor:
         """A token site's output as (B, H_s, W_s, C) on the stage grid (prefix tokens dropped)."""

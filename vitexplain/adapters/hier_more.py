@@ -20,7 +20,7 @@ from ..layout import TokenLayout, pair
 from ..methods.families import HIER
 from ..methods.resample import CallSpec, Footprint, TokenSet, Transition
 from .base import Adapter, register_adapter
-from .hier import Chain, HierAdapter, conv_footprint, conv_grid, module_family, token_set
+from .hier import Chain, HierAdapter, PageView, conv_footprint, conv_grid, module_family, token_set
 
 __all__ = ["TorchvisionMaxViTAdapter", "HieraAdapter", "CrossViTAdapter"]
 
@@ -355,6 +355,23 @@ class CrossViTAdapter(HierAdapter):
     def stage_sets(self, input_size: Sequence[int]) -> list[TokenSet]:
         return [TokenSet(1, self.grids[0]), TokenSet(1, self.grids[1])]
 
+    def _part(self, b: int) -> Tensor:
+        return torch.arange(self.offsets[b], self.offsets[1] if b == 0 else self.total)
+
+    def page_view(self, spec: CallSpec, input_size: Sequence[int]) -> PageView:
+        """A branch's call on its grid (its class token the prefix); a fusion call's class-token query on its
+        branch's grid (its patch rows empty), its keys (that class token, the other branch's patches) on the other
+        branch's grid: the joint set is no image grid."""
+        b = int(spec.q_slots[0, 0] >= self.offsets[1])
+        mine = TokenSet(1, self.grids[b])
+        if spec.q_slots.numel() > 1:  # a branch block: inside its part of the joint set
+            return PageView(self._part(b), mine, self._part(b), mine, b)
+        keys = torch.cat([torch.tensor([self.offsets[b]]), self._part(1 - b)[1:]])
+        return PageView(self._part(b), mine, keys, TokenSet(1, self.grids[1 - b]), b)
+
+    def page_input(self, input_size: Sequence[int]) -> Tensor:
+        return self._part(0)
+
     def site_grid(self, stage: int, output: Tensor, input_size: Sequence[int]) -> Tensor:
         self._check_branch(stage, input_size)
         return output[:, 1:].reshape(output.shape[0], *self.grids[stage], output.shape[-1])
@@ -367,7 +384,7 @@ class CrossViTAdapter(HierAdapter):
     def build(self, input_size: tuple[int, int]) -> tuple[Chain, list[TokenSet]]:
         joint = TokenSet(0, (1, self.total))
         identity = Footprint.identity(joint)
-        parts = [torch.arange(self.offsets[b], (self.offsets[1] if b == 0 else self.total)) for b in range(2)]
+        parts = [self._part(b) for b in range(2)]
         chain: Chain = []
         for i, block in enumerate(self.model.blocks):
             for b, branch in enumerate(block.blocks):

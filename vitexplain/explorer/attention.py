@@ -30,11 +30,18 @@ from ..layout import TokenLayout
 from ..recording import AttentionRecord
 from .quantize import payload_bytes, quantize_rows
 
-__all__ = ["rollout_matrices", "prefix_labels", "attention_payload", "attention_views", "layers_that_fit", "DEFAULT_ATTENTION_BUDGET_MB"]
+__all__ = ["rollout_matrices", "budget_text", "prefix_labels", "attention_payload", "attention_views", "layers_that_fit", "DEFAULT_ATTENTION_BUDGET_MB"]
 
 #: MB of base64 the attention views of one image may take by default (a 224 px ViT-S page's
 #: budget is 6 MB; the image, maps and script take the rest).
 DEFAULT_ATTENTION_BUDGET_MB = 5.0
+
+
+def budget_text(budget: int) -> str:
+    """A page budget of ``budget`` bytes in MB, as the page's notes write it: ``5.0 MB``, and below 0.1 MB two
+    significant digits (``0.002 MB``: a small budget was written ``0.0 MB``)."""
+    mb = budget / 1e6
+    return f"{mb:.1f} MB" if mb >= 0.1 else f"{mb:.2g} MB"
 
 
 def rollout_matrices(fused: Sequence[Tensor], start: Optional[Tensor] = None) -> list[Tensor]:
@@ -63,11 +70,15 @@ def prefix_labels(model: nn.Module, layout: TokenLayout) -> list[str]:
     """Names of the prefix tokens: ``[CLS]``, ``[DIST]`` (DeiT distilled), ``[REG0]``...
 
     Args:
-        model: the module that owns the tokens (timm keeps ``dist_token`` on it).
+        model: the module that owns the tokens (timm keeps ``dist_token`` on it; Hugging Face DeiT a
+            ``distillation_token`` on a submodule).
         layout: its token layout.
     """
     labels = ["[CLS]"] if layout.has_class_token else []
-    if getattr(model, "dist_token", None) is not None:
+    # timm keeps dist_token on the model; Hugging Face DeiT its distillation_token on the embeddings (after the
+    # class token too), which was labelled "[REG0]"
+    if getattr(model, "dist_token", None) is not None or any(
+            getattr(m, "distillation_token", None) is not None for m in model.modules()):
         labels.append("[DIST]")
     registers = layout.num_prefix_tokens - len(labels)
     return labels + [f"[REG{i}]" for i in range(registers)]
@@ -146,13 +157,13 @@ def attention_payload(
     head_labels = [str(h) for h in range(heads)]
     note = ""
     if len(chosen) < len(records):
-        note = f"{len(chosen)} of {len(records)} layers embedded (page budget {budget / 1e6:.1f} MB)"
+        note = f"{len(chosen)} of {len(records)} layers embedded (page budget {budget_text(budget)})"
     if not chosen:
         chosen = layers_that_fit(len(records), 2 * one_matrix, budget)
         head_labels = ["mean"]
         note = (
-            f"heads fused (mean) and {len(chosen)} of {len(records)} layers embedded (page budget {budget / 1e6:.1f} MB)"
-            if chosen else f"attention over {n} tokens does not fit the page budget ({budget / 1e6:.1f} MB)"
+            f"heads fused (mean) and {len(chosen)} of {len(records)} layers embedded (page budget {budget_text(budget)})"
+            if chosen else f"attention over {n} tokens does not fit the page budget ({budget_text(budget)})"
         )
     payload: dict[str, Any] = {
         "layers": [records[i].name for i in chosen],

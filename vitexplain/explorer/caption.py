@@ -40,6 +40,10 @@ def caption_data(explainer: Any, plan: Plan, x: Tensor, *, max_len: int, attenti
         entries.append(entry(name, plan, e.maps[0, : max(len(words), 1)], per_class=False))  # (T, gh, gw)
     if ids is None:
         raise CaptureError(f"no caption method could run on this model: {'; '.join(notes)}")
+    if not words:  # (its one all-zero row was drawn as "word 1 of 0", and a click on the alignment picked word -1)
+        notes.append("the model ended its caption at once (its first token is the end of the caption): there is no "
+                     "word to explain; the image encoder's attention is shown")
+        entries = []
     out: dict[str, Any] = {
         "predictions": [{"index": -1, "label": " ".join(words or []), "score": None}],
         "targets": [],

@@ -28,8 +28,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..adapters.hier import PageView
 from ..recording import AttentionRecord
-from .attention import _split, _split_bytes
+from .attention import _split, _split_bytes, budget_text
 
 __all__ = ["stage_payload", "dense_attention", "stage_rollouts"]
 
@@ -107,6 +108,25 @@ def stage_rollouts(items: Sequence[Any], attention: Sequence[Tensor]) -> list[Te
     return out
 
 
+def _view(adapter: Any, spec: Any, input_size: Sequence[int]) -> PageView:
+    """The call as the page draws it: the adapter's :meth:`~vitexplain.adapters.hier.HierAdapter.page_view`,
+    else on its own query and key sets."""
+    view = adapter.page_view(spec, input_size) if callable(getattr(adapter, "page_view", None)) else None
+    if view is not None:
+        return view
+    q, k = spec.out, spec.keys.coarse
+    return PageView(torch.arange(q.n), q, torch.arange(k.n), k, max(spec.in_stage, spec.out_stage))
+
+
+def _prefix_names(names: Sequence[str], first: int, views: Sequence[PageView]) -> list[str]:
+    """Labels of the prefix tokens of every set the page draws: the first set's ``names``, then, for prefix
+    tokens that only later sets have (PVT v1's class token joins at the last stage: the page labelled its
+    query and keys "undefined" and offered no button for it), ``[CLS]`` for the first and ``[PREFIXi]`` after."""
+    most = max([first] + [max(v.q_set.prefix, v.k_set.prefix) for v in views])
+    known = list(names[:first])
+    return known + ["[CLS]" if i == 0 else f"[PREFIX{i}]" for i in range(len(known), most)]
+
+
 def _fit(sizes: list[int], budget: int) -> list[int]:
     """The layers to embed: all if they fit, else the last plus evenly spaced others that fit."""
     if sum(sizes) <= budget:
@@ -138,7 +158,8 @@ def stage_payload(adapter: Any, records: Sequence[AttentionRecord], input_size: 
         ``{"layers", "layerIndex", "heads": [per layer labels], "prefix", "tokens", "grid", "note", "sets":
         [{"q": [P, H, W], "k": [P, H, W], "stage": s}], "probs": [per layer rows (H' n_Q, n_K)],
         "rollout": [per layer rows (n_Q, n_0)]}``; ``grid``/``prefix`` are the first set's (the
-        rollout rows' columns); ``probs``/``rollout`` are None when nothing fits.
+        rollout rows' columns); ``tokens`` label the prefix tokens of every set (a later stage may have more
+        than the first: PVT v1's class token); ``probs``/``rollout`` are None when nothing fits.
     """
     from ..methods.resample import bind, calls
 
@@ -147,7 +168,10 @@ def stage_payload(adapter: Any, records: Sequence[AttentionRecord], input_size: 
     first = adapter.stage_sets(input_size)[0]
     n0, p0 = first.n, first.prefix
     heads = [c.num_heads for c in bound]  # (folded into the record's batch for SAM and Hiera: Call.num_heads)
-    geometry = [(c.spec.out, c.spec.keys.coarse, max(c.spec.in_stage, c.spec.out_stage)) for c in bound]
+    # each call on the sets the page draws it on (CrossViT's joint 1 x N set was drawn as a strip over the image)
+    views = [_view(adapter, c.spec, input_size) for c in bound]
+    columns = adapter.page_input(input_size) if callable(getattr(adapter, "page_input", None)) else None
+    geometry = [(v.q_set, v.k_set, v.stage) for v in views]
     rows = [_split_bytes(q.n, n0, p0) for q, _, _ in geometry]
     full = [h * _split_bytes(q.n, k.n, k.prefix) + r for h, (q, k, _), r in zip(heads, geometry, rows)]
     fused = [_split_bytes(q.n, k.n, k.prefix) + r for (q, k, _), r in zip(geometry, rows)]
@@ -156,14 +180,14 @@ def stage_payload(adapter: Any, records: Sequence[AttentionRecord], input_size: 
         mean = True
         chosen = _fit(fused, budget)
         note = (f"heads fused (mean) and {len(chosen)} of {len(bound)} layers embedded (page budget "
-                f"{budget / 1e6:.1f} MB)" if chosen
-                else f"the attention of this model does not fit the page budget ({budget / 1e6:.1f} MB)")
+                f"{budget_text(budget)})" if chosen
+                else f"the attention of this model does not fit the page budget ({budget_text(budget)})")
     payload: dict[str, Any] = {
         "layers": [bound[i].record.name for i in chosen],
         "layerIndex": chosen,
         "heads": [["mean"] if mean else [str(h) for h in range(heads[i])] for i in chosen],
         "prefix": p0,
-        "tokens": prefix_names[:p0],
+        "tokens": _prefix_names(prefix_names, p0, [views[i] for i in chosen]),
         "grid": list(first.grid),
         "note": note,
         "sets": [{"q": _sizes(geometry[i][0]), "k": _sizes(geometry[i][1]), "stage": geometry[i][2]}
@@ -178,8 +202,11 @@ def stage_payload(adapter: Any, records: Sequence[AttentionRecord], input_size: 
     probs, rollout = [], []
     for i in chosen:
         a = attention[i].mean(0, keepdim=True) if mean else attention[i]
+        v = views[i]
+        q, k = v.queries.to(a.device), v.keys.to(a.device)
+        a, r = a[:, q][..., k], rolled[i][q]
         probs.append(_split(a, geometry[i][1].prefix))
-        rollout.append(_split(rolled[i], p0))
+        rollout.append(_split(r if columns is None else r[:, columns.to(r.device)], p0))
     payload["probs"], payload["rollout"] = probs, rollout
     return payload
 

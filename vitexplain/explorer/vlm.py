@@ -29,7 +29,7 @@ import torch
 from ..errors import CaptureError
 from ..plan import Plan
 from ..recording import capture
-from .attention import layers_that_fit
+from .attention import budget_text, layers_that_fit
 from .methods import explain_all
 from .quantize import payload_bytes, quantize_rows
 
@@ -103,11 +103,11 @@ def vlm_attention(adapter: Any, inputs: Any, ids: torch.Tensor, *, budget: int,
     chosen = layers_that_fit(len(layers), heads * payload_bytes(t, n), budget)
     labels, note = [str(h) for h in range(heads)], ""
     if len(chosen) < len(layers):
-        note = f"{len(chosen)} of {len(layers)} layers embedded (page budget {budget / 1e6:.1f} MB)"
+        note = f"{len(chosen)} of {len(layers)} layers embedded (page budget {budget_text(budget)})"
     if not chosen:
         chosen = layers_that_fit(len(layers), payload_bytes(t, n), budget)
         labels = ["mean"]
-        note = f"heads fused (mean) and {len(chosen)} of {len(layers)} layers embedded (page budget {budget / 1e6:.1f} MB)"
+        note = f"heads fused (mean) and {len(chosen)} of {len(layers)} layers embedded (page budget {budget_text(budget)})"
     out: dict[str, Any] = {"layers": [layers[i].name for i in chosen], "layerIndex": chosen, "heads": labels,
                            "words": t, "note": note, "probs": None}
     if chosen:

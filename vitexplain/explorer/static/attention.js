@@ -217,7 +217,11 @@
       });
       var patch = q - s.q[0], qgrid = [s.q[1], s.q[2]];
       mark(attView.marker, qgrid, patch); mark(rollView.marker, qgrid, patch);
-      prefixButtons.forEach(function (b, i) { b.classList.toggle("vx-on", i === q && q < s.q[0]); });
+      prefixButtons.forEach(function (b, i) {  /* a prefix token that this layer's queries lack (PVT v1's class token
+                                                 * joins at the last stage) cannot be picked here */
+        b.classList.toggle("vx-on", i === q && q < s.q[0]);
+        b.disabled = i >= s.q[0];
+      });
       var nq = setSize(s.q);
       rowMark.style.top = (100 * q / nq) + "%"; rowMark.style.height = Math.max(100 / nq, 0.4) + "%";
       var onPrefix = 0;
