@@ -34,16 +34,23 @@ def _crossvit() -> torch.nn.Module:
     return model
 
 
-@pytest.fixture(scope="module")
-def crossvit_page(tmp_path_factory):
-    model = _crossvit()
-    image = (np.random.default_rng(3).random((48, 48, 3)) * 255).astype(np.uint8)
-    path = vx.explore(model, image, tmp_path_factory.mktemp("crossvit") / "p.html", method=["rollout"], top_k=1)
+def _page_and_records(model, image, folder):
+    """The explorer page of ``image`` (rollout), its first image's embedded data, and the records of the same
+    forward captured by the API."""
+    path = vx.explore(model, image, folder / "p.html", method=["rollout"], top_k=1)
     data = json.loads(re.search(r'id="vx-data">(.*?)</script>', path.read_text(), re.S).group(1))["images"][0]
     ex = vx.Explainer(model)
     with torch.no_grad(), vx.capture(model) as rec:
         ex.adapter.forward(ex.preprocess(image)[0])
-    records = {r.name: r.probs()[0].numpy() for r in rec.records}  # the last call of each module
+    return path, data, rec.records
+
+
+@pytest.fixture(scope="module")
+def crossvit_page(tmp_path_factory):
+    model = _crossvit()
+    image = (np.random.default_rng(3).random((48, 48, 3)) * 255).astype(np.uint8)
+    path, data, recorded = _page_and_records(model, image, tmp_path_factory.mktemp("crossvit"))
+    records = {r.name: r.probs()[0].numpy() for r in recorded}  # the last call of each module
     return path, data["attention"], records
 
 
@@ -105,13 +112,9 @@ def pvt_v1_page(tmp_path_factory):
                                     num_attention_heads=[1, 2, 2, 4], num_labels=5)
     model = transformers.PvtForImageClassification(config).eval()
     image = (np.random.default_rng(4).random((64, 64, 3)) * 255).astype(np.uint8)
-    path = vx.explore(model, image, tmp_path_factory.mktemp("pvt1") / "p.html", method=["rollout"], top_k=1)
-    data = json.loads(re.search(r'id="vx-data">(.*?)</script>', path.read_text(), re.S).group(1))["images"][0]
-    ex = vx.Explainer(model)
-    with torch.no_grad(), vx.capture(model) as rec:
-        ex.adapter.forward(ex.preprocess(image)[0])
+    path, data, recorded = _page_and_records(model, image, tmp_path_factory.mktemp("pvt1"))
     att = data["attention"]
-    last = [r for r in rec.records if r.name == att["layers"][-1]][-1].probs()[0].numpy()
+    last = [r for r in recorded if r.name == att["layers"][-1]][-1].probs()[0].numpy()
     return path, att, last
 
 
