@@ -16,7 +16,8 @@ object's class targeted in turn:
 - concentration: sparseness (Gini) and complexity (entropy) of |map| (Chalasani et al. 2020, Bhatt et
   al. 2020);
 - class sens.: correlation of the maps for the two classes of an image (near 1 = ignores the class);
-- robustness (first ``--robust-images``): max- and avg-sensitivity (Yeh et al. 2019; relative change
+- robustness (first ``--robust-images``, here and below those whose map is not all zero: the relative change
+  and eMPRT's relative rise of a zero map are undefined): max- and avg-sensitivity (Yeh et al. 2019; relative change
   under ``--samples`` uniform perturbations of radius 0.05 in the normalised input);
 - randomisation (first ``--robust-images``): cascading randomisation (Adebayo et al. 2018, rank
   correlation after every block is randomised, near 0 = depends on the weights); efficient MPRT
@@ -35,6 +36,7 @@ Usage: python benchmarks/faithfulness.py [--images 500] [--robust-images 16] [--
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from typing import Any, Callable
 
@@ -99,17 +101,26 @@ def classifier_rows(name: str, methods: list[str], batch, robust: int, samples: 
                 for order in ("morf", "lerf")]
         sensitivity = vx.metrics.class_sensitivity(a, b).mean().item()
 
+        # relative sensitivity and eMPRT are undefined for an all-zero map (attn_gradcam's clamp leaves some): the
+        # robustness and randomisation columns are over the other robust images
+        kept = (a[:robust].flatten(1).abs().amax(1) > 0).nonzero().flatten()
+        xk, tk = xr[kept], tr[kept]
+
         def on_inputs(inp: torch.Tensor) -> torch.Tensor:
-            return ex.explain(inp, method=method, target=tr, **opts).maps
+            return ex.explain(inp, method=method, target=tk, **opts).maps
 
-        def on_model(m: torch.nn.Module, inp: torch.Tensor = xr) -> torch.Tensor:
-            return vx.Explainer(m).explain(inp, method=method, target=tr, **opts).maps
+        def on_model(m: torch.nn.Module, inp: torch.Tensor = xk) -> torch.Tensor:
+            return vx.Explainer(m).explain(inp, method=method, target=tk, **opts).maps
 
-        stable = [fn(on_inputs, xr, radius=RADIUS, samples=samples, maps=a[:robust]).mean().item()
-                  for fn in (vx.metrics.max_sensitivity, vx.metrics.avg_sensitivity)]
-        randomized = vx.metrics.randomization_check(model, on_model, layers=layers).correlations[-1].mean().item()
-        emprt = vx.metrics.efficient_mprt(model, on_model, layers=layers).scores.mean().item()
-        smprt = vx.metrics.smooth_mprt(model, on_model, xr, samples=samples, layers=layers).correlations[-1].mean().item()
+        if len(kept):
+            stable = [fn(on_inputs, xk, radius=RADIUS, samples=samples, maps=a[:robust][kept]).mean().item()
+                      for fn in (vx.metrics.max_sensitivity, vx.metrics.avg_sensitivity)]
+            randomized = vx.metrics.randomization_check(model, on_model, layers=layers).correlations[-1].mean().item()
+            emprt = vx.metrics.efficient_mprt(model, on_model, layers=layers).scores.mean().item()
+            smprt = vx.metrics.smooth_mprt(model, on_model, xk, samples=samples,
+                                           layers=layers).correlations[-1].mean().item()
+        else:
+            stable, randomized, emprt, smprt = [math.nan, math.nan], math.nan, math.nan, math.nan
         rows.append([name, method, *scores, deletion, insertion, *road, *concentration(a), sensitivity, *stable,
                      randomized, emprt, smprt, time.perf_counter() - start])
         print(rows[-1], flush=True)
