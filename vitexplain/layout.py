@@ -22,7 +22,7 @@ from torch import Tensor
 
 from .errors import UnsupportedModelError, UsageError
 
-__all__ = ["TokenLayout", "WindowGeometry", "pair"]
+__all__ = ["TokenLayout", "WindowGeometry", "pair", "patch_multiple_advice"]
 
 
 @dataclass(frozen=True)
@@ -227,3 +227,9 @@ class WindowGeometry:
         out = windows.new_zeros(flat.shape[0], self.num_tokens, c)
         out[:, idx[real]] = flat[:, real]
         return out.view(flat.shape[0], *self.grid, c)
+
+
+def patch_multiple_advice(patch: tuple[int, int], size: tuple[int, int]) -> str:
+    """What to do with an (H, W) input that the (ph, pw) patch size does not divide: the nearest smaller multiple."""
+    return (f"its patch size {patch[0]}x{patch[1]} must divide the input: resize or crop it to a multiple, e.g. "
+            f"{max(patch[0], size[0] // patch[0] * patch[0])}x{max(patch[1], size[1] // patch[1] * patch[1])}")

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from .adapters import Adapter, preprocessing
 from .errors import InputError, VitexplainError
+from .layout import patch_multiple_advice
 
 __all__ = ["run_sized", "SIZE_REFUSAL"]
 
@@ -68,9 +69,8 @@ def run_sized(adapter: Adapter, x: Tensor, run: Callable[[], Any]) -> Any:
         patch = _patch_multiple(err, adapter, size)
         if patch is not None:  # a model that takes any size the patch divides (timm dynamic_img_size)
             raise InputError(
-                f"the model does not take a {size[0]}x{size[1]} input ({type(err).__name__}: {err}); its patch "
-                f"size {patch[0]}x{patch[1]} must divide the input: resize or crop it to a multiple, e.g. "
-                f"{max(patch[0], size[0] // patch[0] * patch[0])}x{max(patch[1], size[1] // patch[1] * patch[1])}"
+                f"the model does not take a {size[0]}x{size[1]} input ({type(err).__name__}: {err}); "
+                f"{patch_multiple_advice(patch, size)}"
             ) from err
         expected = fixed or preprocessing(adapter).get("input_size")
         raise InputError(

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import UnsupportedMethodError, UnsupportedModelError
-from ..layout import TokenLayout, pair
+from ..layout import TokenLayout, pair, patch_multiple_advice
 from ..recording.activations import ActivationRecord
 from ..methods.families import VIT
 from .base import Adapter, register_adapter
@@ -239,8 +239,7 @@ class NaFlexViTAdapter(TimmViTAdapter):
         h, w = (int(v) for v in x.shape[-2:])
         if getattr(embed, "dynamic_img_pad", False) or (h % patch[0] == 0 and w % patch[1] == 0):
             return None
-        return (f"its patch size {patch[0]}x{patch[1]} must divide the input: resize or crop it to a multiple, e.g. "
-                f"{max(patch[0], h // patch[0] * patch[0])}x{max(patch[1], w // patch[1] * patch[1])}")
+        return patch_multiple_advice(patch, (h, w))
 
 
 class CaitAdapter(TimmViTAdapter):
