@@ -126,7 +126,7 @@ def colormap_lut(name: str) -> np.ndarray:
         raise UsageError(f"colormap must be a name (a string), got {type(name).__name__} {name!r}; choose from "
                          f"{', '.join(colormap_names())}")
     key = name.strip().lower()
-    if (key[:-2] if key.endswith("_r") else key) not in _opencv_maps().keys() | {"bwr", "coolwarm", "gray", "grey"}:
+    if (key[:-2] if key.endswith("_r") else key) not in {*colormap_names(), "grey"}:  # ("grey": gray's alias)
         raise UsageError(
             f"unknown colormap {name!r}; choose from {', '.join(colormap_names())} "
             "(case-insensitive; add '_r' to reverse)"
